@@ -1,0 +1,506 @@
+// The host-facing facade: owns the actor system, turns calls into messages to the
+// supervisor and replies into values, exceptions or futures.
+
+#include "troupe/executor.hpp"
+
+#include "actors/executor_actor.hpp"
+#include "actors/log.hpp"
+#include "actors/worker_actor.hpp"
+#include "messages/messages.hpp"
+
+#include <caf/all.hpp>
+#include <caf/io/all.hpp>
+
+#include <atomic>
+#include <mutex>
+
+namespace troupe {
+
+namespace {
+
+/// The facade waits a little longer than the supervisor, which enforces the real deadline
+/// and reports it with context.
+constexpr auto facade_grace = std::chrono::seconds(5);
+
+caf::duration facade_timeout(timeout_type t) {
+  if (t == wait_forever)
+    return caf::infinite;
+  return caf::duration{t + facade_grace};
+}
+
+int64_t to_us(timeout_type t) {
+  return t == wait_forever ? wait_forever.count() : t.count();
+}
+
+/// Handler type that receives a reply of type T (nothing for void).
+template <class T>
+struct reply {
+  template <class Out>
+  static auto handler(Out& out) {
+    return [&out](T& x) { out = std::move(x); };
+  }
+  template <class P>
+  static auto async_handler(P p) {
+    return [p](T& x) { p->set_value(std::move(x)); };
+  }
+};
+
+template <>
+struct reply<void> {
+  template <class Out>
+  static auto handler(Out& out) {
+    return [&out] { out = true; };
+  }
+  template <class P>
+  static auto async_handler(P p) {
+    return [p] { p->set_value(); };
+  }
+};
+
+} // namespace
+
+struct executor::impl {
+  executor_config cfg;
+  caf::actor_system_config sys_cfg;
+  std::unique_ptr<caf::actor_system> sys;
+  caf::actor supervisor;
+  std::vector<caf::actor> local_workers;
+  std::vector<worker_info> infos;
+  std::atomic<bool> shut{false};
+  std::mutex shutdown_mtx;
+  std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
+
+  error translate(const caf::error& err) const {
+    if (shut && err == caf::sec::request_receiver_down)
+      return error{errc::shut_down, "executor is shut down"};
+    return error::from(err);
+  }
+
+  void check_open() const {
+    if (shut)
+      throw error{errc::shut_down, "executor is shut down"};
+  }
+
+  /// Sends a request to the supervisor and blocks for the reply.
+  template <class T, class... Ts>
+  T ask(timeout_type t, Ts&&... xs) {
+    check_open();
+    caf::scoped_actor self{*sys};
+    using value_type = std::conditional_t<std::is_void<T>::value, bool, T>;
+    value_type out{};
+    caf::error err;
+    self->request(supervisor, facade_timeout(t), std::forward<Ts>(xs)...)
+      .receive(reply<T>::handler(out), [&](caf::error& e) { err = std::move(e); });
+    if (err)
+      throw translate(err);
+    if constexpr (!std::is_void<T>::value)
+      return out;
+  }
+
+  /// Sends a request to the supervisor from a short-lived actor; the future gets the reply.
+  template <class T, class... Ts>
+  std::future<T> ask_async(timeout_type t, Ts... xs) {
+    auto p = std::make_shared<std::promise<T>>();
+    auto fut = p->get_future();
+    if (shut) {
+      p->set_exception(std::make_exception_ptr(error{errc::shut_down, "executor is shut down"}));
+      return fut;
+    }
+    auto target = supervisor;
+    auto timeout = facade_timeout(t);
+    auto closed = &shut;
+    sys->spawn([=](caf::event_based_actor* self) {
+      self->request(target, timeout, xs...)
+        .then(reply<T>::async_handler(p), [p, closed](caf::error& e) {
+          auto ex = (*closed && e == caf::sec::request_receiver_down)
+                      ? error{errc::shut_down, "executor is shut down"}
+                      : error::from(e);
+          p->set_exception(std::make_exception_ptr(ex));
+        });
+    });
+    return fut;
+  }
+
+  rpc_options options(const rpc_call_options& opts) const {
+    rpc_options result;
+    result.timeout_us = to_us(opts.timeout.value_or(cfg.rpc_timeout));
+    result.max_concurrent_workers = opts.max_concurrent_workers.value_or(0);
+    return result;
+  }
+
+  timeout_type call_timeout(const rpc_call_options& opts) const {
+    return opts.timeout.value_or(cfg.rpc_timeout);
+  }
+
+  void stop() {
+    std::lock_guard<std::mutex> guard{shutdown_mtx};
+    if (shut.exchange(true) || !sys)
+      return;
+    size_t left = 0;
+    {
+      caf::scoped_actor self{*sys};
+      for (auto& w : local_workers) {
+        self->monitor(w);
+        ++left;
+      }
+      if (supervisor) {
+        self->request(supervisor, caf::duration{facade_grace}, shutdown_atom::value)
+          .receive([] {}, [](caf::error&) {});
+      }
+      // In case the supervisor was already gone, stop the workers directly.
+      for (auto& w : local_workers)
+        self->send_exit(w, caf::exit_reason::user_shutdown);
+      auto deadline = std::chrono::steady_clock::now() + shutdown_grace;
+      bool timed_out = false;
+      while (left > 0 && !timed_out) {
+        auto remaining = deadline - std::chrono::steady_clock::now();
+        if (remaining <= decltype(remaining)::zero())
+          break;
+        self->receive([&](caf::down_msg&) { --left; },
+                      caf::after(std::chrono::duration_cast<std::chrono::microseconds>(remaining))
+                        >> [&] { timed_out = true; });
+      }
+    }
+    supervisor = nullptr;
+    local_workers.clear();
+    if (left > 0) {
+      // Destroying the system would wait for the stuck workers forever; leave them to the
+      // end of the process instead of hanging the host.
+      log->error("shutdown: {} worker(s) still busy after {} s; abandoning them", left,
+                 shutdown_grace.count());
+      (void)sys.release();
+      return;
+    }
+    sys.reset();
+  }
+};
+
+executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl) {
+  auto& d = *impl_;
+  if (cfg.tensor_parallel_size < 1)
+    throw error{errc::invalid_argument, "tensor_parallel_size must be at least 1, got " +
+                                          std::to_string(cfg.tensor_parallel_size)};
+  auto remote_count = static_cast<int32_t>(cfg.remote_workers.size());
+  if (remote_count > cfg.tensor_parallel_size)
+    throw error{errc::invalid_argument,
+                std::to_string(remote_count) + " remote workers do not fit tensor_parallel_size " +
+                  std::to_string(cfg.tensor_parallel_size)};
+  auto local_count = cfg.tensor_parallel_size - remote_count;
+  if (local_count > 0 && !factory)
+    throw error{errc::invalid_argument, "local workers need a worker factory"};
+  if (cfg.rpc_timeout <= timeout_type::zero() || cfg.startup_timeout <= timeout_type::zero())
+    throw error{errc::invalid_argument, "rpc_timeout and startup_timeout must be positive"};
+  d.cfg = std::move(cfg);
+  register_messages(d.sys_cfg);
+  if (d.cfg.scheduler_threads > 0)
+    d.sys_cfg.set("scheduler.max-threads", d.cfg.scheduler_threads);
+  if (!d.cfg.remote_workers.empty())
+    d.sys_cfg.load<caf::io::middleman>();
+  if (d.cfg.configure_system)
+    d.cfg.configure_system(d.sys_cfg);
+  d.sys = std::make_unique<caf::actor_system>(d.sys_cfg);
+  std::vector<caf::actor> workers;
+  for (int32_t i = 0; i < local_count; ++i) {
+    workers.push_back(spawn_worker(*d.sys, factory));
+    d.local_workers.push_back(workers.back());
+  }
+  for (auto& rw : d.cfg.remote_workers) {
+    auto handle = d.sys->middleman().remote_actor(rw.host, rw.port);
+    if (!handle) {
+      auto what = "cannot reach remote worker " + rw.host + ":" + std::to_string(rw.port) + ": " +
+                  render(handle.error());
+      d.stop();
+      throw error{errc::worker_died, what};
+    }
+    workers.push_back(*handle);
+  }
+  d.supervisor = spawn_supervisor(*d.sys, d.cfg, std::move(workers));
+  try {
+    d.infos = d.ask<std::vector<worker_info>>(d.cfg.startup_timeout, init_atom::value);
+  } catch (...) {
+    d.stop();
+    throw;
+  }
+  d.log->info("executor ready: {} worker(s), driver on {}", d.infos.size(), d.infos[0].device);
+}
+
+executor::~executor() {
+  try {
+    shutdown();
+  } catch (...) {
+    // Destructors must not throw; shutdown already logged what went wrong.
+  }
+}
+
+void executor::shutdown() {
+  impl_->stop();
+}
+
+int32_t executor::world_size() const {
+  return impl_->cfg.tensor_parallel_size;
+}
+
+const std::vector<worker_info>& executor::workers() const {
+  return impl_->infos;
+}
+
+const executor_config& executor::config() const {
+  return impl_->cfg;
+}
+
+caf::actor_system& executor::system() {
+  impl_->check_open();
+  return *impl_->sys;
+}
+
+// -- collective calls -----------------------------------------------------------
+
+std::vector<caf::message> executor::collective_rpc(const std::string& method,
+                                                   const rpc_call_options& opts) {
+  auto& d = *impl_;
+  return d.ask<std::vector<caf::message>>(d.call_timeout(opts), rpc_atom::value, method,
+                                          opts.args, opts.kwargs, d.options(opts));
+}
+
+std::vector<caf::message> executor::collective_rpc(worker_method fn,
+                                                   const rpc_call_options& opts) {
+  auto& d = *impl_;
+  if (!fn)
+    throw error{errc::invalid_argument, "collective_rpc needs a callable"};
+  return d.ask<std::vector<caf::message>>(d.call_timeout(opts), rpc_atom::value,
+                                          local_call{"callable", std::move(fn), opts.args, opts.kwargs},
+                                          d.options(opts));
+}
+
+std::vector<caf::message> executor::apply_model(std::function<caf::message(troupe::model&)> fn) {
+  if (!fn)
+    throw error{errc::invalid_argument, "apply_model needs a function"};
+  auto& d = *impl_;
+  worker_method on_model = [fn](worker& w, const caf::message&, const caf::settings&) {
+    auto m = w.get_model();
+    if (m == nullptr)
+      throw error{errc::unsupported, "apply_model: no model is loaded"};
+    return fn(*m);
+  };
+  rpc_call_options opts;
+  return d.ask<std::vector<caf::message>>(d.cfg.rpc_timeout, rpc_atom::value,
+                                          local_call{"apply_model", on_model, {}, {}},
+                                          d.options(opts));
+}
+
+std::future<std::vector<caf::message>>
+executor::collective_rpc_async(const std::string& method, const rpc_call_options& opts) {
+  auto& d = *impl_;
+  return d.ask_async<std::vector<caf::message>>(d.call_timeout(opts), rpc_atom::value, method,
+                                                opts.args, opts.kwargs, d.options(opts));
+}
+
+std::future<std::vector<caf::message>>
+executor::collective_rpc_async(worker_method fn, const rpc_call_options& opts) {
+  auto& d = *impl_;
+  return d.ask_async<std::vector<caf::message>>(
+    d.call_timeout(opts), rpc_atom::value, local_call{"callable", std::move(fn), opts.args, opts.kwargs},
+    d.options(opts));
+}
+
+// -- KV cache and steps -----------------------------------------------------------
+
+cache_blocks executor::determine_num_available_blocks() {
+  return determine_num_available_blocks_async().get();
+}
+
+std::future<cache_blocks> executor::determine_num_available_blocks_async() {
+  return impl_->ask_async<cache_blocks>(impl_->cfg.rpc_timeout, blocks_atom::value);
+}
+
+void executor::initialize_cache(const cache_blocks& blocks) {
+  impl_->ask<void>(impl_->cfg.rpc_timeout, init_cache_atom::value, blocks);
+}
+
+std::future<void> executor::initialize_cache_async(const cache_blocks& blocks) {
+  return impl_->ask_async<void>(impl_->cfg.rpc_timeout, init_cache_atom::value, blocks);
+}
+
+std::vector<sampler_output> executor::execute_model(const execute_model_request& request) {
+  return impl_->ask<std::vector<sampler_output>>(impl_->cfg.rpc_timeout, execute_atom::value,
+                                                 request);
+}
+
+std::future<std::vector<sampler_output>>
+executor::execute_model_async(const execute_model_request& request) {
+  return impl_->ask_async<std::vector<sampler_output>>(impl_->cfg.rpc_timeout,
+                                                       execute_atom::value, request);
+}
+
+void executor::stop_remote_worker_execution_loop() {
+  impl_->ask<void>(impl_->cfg.rpc_timeout, stop_loop_atom::value);
+}
+
+std::future<void> executor::stop_remote_worker_execution_loop_async() {
+  return impl_->ask_async<void>(impl_->cfg.rpc_timeout, stop_loop_atom::value);
+}
+
+// -- adapters ---------------------------------------------------------------------
+
+namespace {
+
+// One name and argument shape per adapter method, shared by the blocking and async forms.
+caf::message id_args(int64_t id) {
+  return caf::make_message(id);
+}
+
+} // namespace
+
+#define TROUPE_ALL_TRUE(fn, method, type, to_args)                                        \
+  bool executor::fn(type x) {                                                              \
+    return impl_->ask<bool>(impl_->cfg.rpc_timeout, all_true_atom::value,                  \
+                            std::string{method}, to_args(x));                              \
+  }                                                                                        \
+  std::future<bool> executor::fn##_async(type x) {                                         \
+    return impl_->ask_async<bool>(impl_->cfg.rpc_timeout, all_true_atom::value,            \
+                                  std::string{method}, to_args(x));                        \
+  }
+
+namespace {
+
+template <class T>
+caf::message request_args(const T& x) {
+  return caf::make_message(x);
+}
+
+} // namespace
+
+TROUPE_ALL_TRUE(add_lora, "add_lora", const lora_request&, request_args)
+TROUPE_ALL_TRUE(remove_lora, "remove_lora", int64_t, id_args)
+TROUPE_ALL_TRUE(pin_lora, "pin_lora", int64_t, id_args)
+TROUPE_ALL_TRUE(add_prompt_adapter, "add_prompt_adapter", const prompt_adapter_request&,
+                request_args)
+TROUPE_ALL_TRUE(remove_prompt_adapter, "remove_prompt_adapter", int64_t, id_args)
+TROUPE_ALL_TRUE(pin_prompt_adapter, "pin_prompt_adapter", int64_t, id_args)
+
+#undef TROUPE_ALL_TRUE
+
+std::vector<int64_t> executor::list_loras() {
+  return impl_->ask<std::vector<int64_t>>(impl_->cfg.rpc_timeout, same_set_atom::value,
+                                          std::string{"list_loras"});
+}
+
+std::future<std::vector<int64_t>> executor::list_loras_async() {
+  return impl_->ask_async<std::vector<int64_t>>(impl_->cfg.rpc_timeout, same_set_atom::value,
+                                                std::string{"list_loras"});
+}
+
+std::vector<int64_t> executor::list_prompt_adapters() {
+  return impl_->ask<std::vector<int64_t>>(impl_->cfg.rpc_timeout, same_set_atom::value,
+                                          std::string{"list_prompt_adapters"});
+}
+
+std::future<std::vector<int64_t>> executor::list_prompt_adapters_async() {
+  return impl_->ask_async<std::vector<int64_t>>(impl_->cfg.rpc_timeout, same_set_atom::value,
+                                                std::string{"list_prompt_adapters"});
+}
+
+// -- profiling, sharded state, health -----------------------------------------------
+
+void executor::start_profile() {
+  collective_rpc("start_profile");
+}
+
+std::future<void> executor::start_profile_async() {
+  return std::async(std::launch::deferred,
+                    [f = collective_rpc_async("start_profile")]() mutable { f.get(); });
+}
+
+void executor::stop_profile() {
+  stop_profile_async().get();
+}
+
+std::future<void> executor::stop_profile_async() {
+  auto summaries = collective_rpc_async("stop_profile");
+  auto log = impl_->log;
+  return std::async(std::launch::deferred, [f = std::move(summaries), log]() mutable {
+    for (auto& msg : f.get())
+      if (msg.match_elements<std::string>())
+        log->info("profile: {}", msg.get_as<std::string>(0));
+  });
+}
+
+namespace {
+
+rpc_call_options sharded_state_call(const std::string& path, const std::string& pattern,
+                                    int64_t max_size) {
+  if (path.empty())
+    throw error{errc::invalid_argument, "save_sharded_state needs a path"};
+  if (max_size < 0)
+    throw error{errc::invalid_argument,
+                "save_sharded_state: max_size must be >= 0, got " + std::to_string(max_size)};
+  rpc_call_options opts;
+  opts.args = caf::make_message(sharded_state_request{path, pattern, max_size});
+  return opts;
+}
+
+} // namespace
+
+void executor::save_sharded_state(const std::string& path, const std::string& pattern,
+                                  int64_t max_size) {
+  collective_rpc("save_sharded_state", sharded_state_call(path, pattern, max_size));
+}
+
+std::future<void> executor::save_sharded_state_async(const std::string& path,
+                                                     const std::string& pattern,
+                                                     int64_t max_size) {
+  auto f = collective_rpc_async("save_sharded_state", sharded_state_call(path, pattern, max_size));
+  return std::async(std::launch::deferred, [f = std::move(f)]() mutable { f.get(); });
+}
+
+std::vector<worker_health> executor::worker_healths() {
+  return impl_->ask<std::vector<worker_health>>(impl_->cfg.rpc_timeout, health_atom::value);
+}
+
+void executor::check_health() {
+  worker_healths();
+}
+
+std::future<void> executor::check_health_async() {
+  auto f = impl_->ask_async<std::vector<worker_health>>(impl_->cfg.rpc_timeout,
+                                                        health_atom::value);
+  return std::async(std::launch::deferred, [f = std::move(f)]() mutable { f.get(); });
+}
+
+// -- sleep and wake -------------------------------------------------------------------
+
+void executor::sleep(int32_t level) {
+  impl_->ask<void>(impl_->cfg.rpc_timeout, sleep_atom::value, level);
+}
+
+std::future<void> executor::sleep_async(int32_t level) {
+  return impl_->ask_async<void>(impl_->cfg.rpc_timeout, sleep_atom::value, level);
+}
+
+void executor::wake_up(const std::vector<std::string>& tags) {
+  impl_->ask<void>(impl_->cfg.rpc_timeout, wake_atom::value, tags);
+}
+
+std::future<void> executor::wake_up_async(const std::vector<std::string>& tags) {
+  return impl_->ask_async<void>(impl_->cfg.rpc_timeout, wake_atom::value, tags);
+}
+
+sleep_status executor::sleep_state() {
+  auto& d = *impl_;
+  d.check_open();
+  caf::scoped_actor self{*d.sys};
+  sleep_status status;
+  caf::error err;
+  self->request(d.supervisor, facade_timeout(d.cfg.rpc_timeout), sleep_state_atom::value)
+    .receive(
+      [&](bool sleeping, std::vector<std::string>& tags) {
+        status.is_sleeping = sleeping;
+        status.sleeping_tags = std::move(tags);
+      },
+      [&](caf::error& e) { err = std::move(e); });
+  if (err)
+    throw d.translate(err);
+  return status;
+}
+
+} // namespace troupe

@@ -1,0 +1,599 @@
+// The supervisor actor of an executor: scatter-gather, supervision, the distributed
+// execution loop and the sleep state machine.
+
+#include "actors/executor_actor.hpp"
+
+#include "actors/log.hpp"
+#include "actors/sleep_state.hpp"
+#include "messages/messages.hpp"
+#include "troupe/errors.hpp"
+
+#include <caf/all.hpp>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <unordered_map>
+
+namespace troupe {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+using gather_result = caf::expected<std::vector<caf::message>>;
+
+/// One collective call in flight: the request, who still owes a reply, what came back.
+struct gather {
+  uint64_t id = 0;
+  std::string label;
+  std::vector<int32_t> ranks;
+  caf::message request;
+  bool forever = false;
+  clock_type::time_point deadline;
+  timeout_type timeout{0};
+  size_t max_concurrent = 0;
+  size_t next = 0;
+  size_t in_flight = 0;
+  size_t remaining = 0;
+  std::vector<caf::message> results;
+  std::function<void(gather_result)> done;
+  bool finished = false;
+};
+
+using gather_ptr = std::shared_ptr<gather>;
+
+struct supervisor_state {
+  executor_config cfg;
+  std::vector<caf::actor> workers;
+  /// Set when a worker went down or the executor shut down; every call fails with it.
+  caf::error failure;
+  uint64_t next_id = 1;
+  std::unordered_map<uint64_t, gather_ptr> pending;
+  troupe::sleep_state sleep;
+  /// The parallel worker tasks of the execution loop (vLLM's parallel_worker_tasks).
+  gather_ptr loop;
+  /// A loop task that failed; reported by the next execute_model or stop.
+  caf::error loop_error;
+  /// Callers of stop_remote_worker_execution_loop waiting for the tasks to end.
+  std::vector<caf::response_promise> stop_waiters;
+  std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
+
+  static inline const char* name = "troupe.executor";
+};
+
+using supervisor_self = caf::stateful_actor<supervisor_state>;
+
+std::string ms_text(timeout_type t) {
+  auto ms = std::chrono::duration<double, std::milli>(t).count();
+  return std::to_string(ms) + " ms";
+}
+
+timeout_type from_us(int64_t us) {
+  return us <= 0 || us == wait_forever.count() ? wait_forever : timeout_type{us};
+}
+
+void finish(supervisor_self* self, const gather_ptr& g, gather_result result) {
+  if (g->finished)
+    return;
+  g->finished = true;
+  self->state.pending.erase(g->id);
+  g->done(std::move(result));
+}
+
+/// Maps the error of one request to the error of the whole call, naming the rank.
+caf::error rank_error(const gather& g, int32_t rank, const caf::error& err) {
+  if (err == caf::sec::request_timeout)
+    return caf::make_error(errc::timeout, g.label + ": rank " + std::to_string(rank) +
+                                            " did not answer within " + ms_text(g.timeout));
+  if (err == caf::sec::request_receiver_down)
+    return caf::make_error(errc::worker_died, g.label + ": rank " + std::to_string(rank) +
+                                                " is down");
+  if (err.category() == caf::atom("troupe"))
+    return err; // The worker already named its rank.
+  return caf::make_error(errc::worker_error,
+                         g.label + ": rank " + std::to_string(rank) + ": " + render(err));
+}
+
+void send_next(supervisor_self* self, const gather_ptr& g) {
+  while (!g->finished && g->next < g->ranks.size()
+         && (g->max_concurrent == 0 || g->in_flight < g->max_concurrent)) {
+    auto index = g->next++;
+    auto rank = g->ranks[index];
+    caf::duration timeout = caf::infinite;
+    if (!g->forever) {
+      auto left = g->deadline - clock_type::now();
+      if (left <= clock_type::duration::zero()) {
+        finish(self, g, rank_error(*g, rank, caf::sec::request_timeout));
+        return;
+      }
+      timeout = caf::duration{std::chrono::duration_cast<std::chrono::microseconds>(left)};
+    }
+    ++g->in_flight;
+    self->request(self->state.workers[rank], timeout, g->request)
+      .then(
+        [=](caf::ok_atom, caf::message& result) {
+          if (g->finished)
+            return;
+          --g->in_flight;
+          g->results[index] = std::move(result);
+          if (--g->remaining == 0)
+            finish(self, g, std::move(g->results));
+          else
+            send_next(self, g);
+        },
+        [=](caf::error& err) { finish(self, g, rank_error(*g, rank, err)); });
+  }
+}
+
+/// Scatters `request` to `ranks` and calls `done` once with every reply (in the order of
+/// `ranks`) or with the first error.
+gather_ptr start_gather(supervisor_self* self, std::string label, std::vector<int32_t> ranks,
+                        caf::message request, timeout_type timeout, size_t max_concurrent,
+                        std::function<void(gather_result)> done) {
+  auto& st = self->state;
+  auto g = std::make_shared<gather>();
+  g->id = st.next_id++;
+  g->label = std::move(label);
+  g->ranks = std::move(ranks);
+  g->request = std::move(request);
+  g->timeout = timeout;
+  g->forever = timeout == wait_forever;
+  if (!g->forever)
+    g->deadline = clock_type::now() + timeout;
+  g->max_concurrent = max_concurrent;
+  g->remaining = g->ranks.size();
+  g->results.resize(g->ranks.size());
+  g->done = std::move(done);
+  if (st.failure) {
+    g->finished = true;
+    g->done(st.failure);
+    return g;
+  }
+  if (g->ranks.empty()) {
+    g->finished = true;
+    g->done(std::vector<caf::message>{});
+    return g;
+  }
+  st.pending.emplace(g->id, g);
+  send_next(self, g);
+  return g;
+}
+
+std::vector<int32_t> all_ranks(supervisor_self* self) {
+  std::vector<int32_t> ranks(self->state.workers.size());
+  for (size_t i = 0; i < ranks.size(); ++i)
+    ranks[i] = static_cast<int32_t>(i);
+  return ranks;
+}
+
+/// Calls `method` on every worker with the default deadline; `reduce` turns the replies into
+/// the answer delivered to `rp`.
+void call_all(supervisor_self* self, caf::response_promise rp, const std::string& method,
+              caf::message args, std::function<caf::message(std::vector<caf::message>&)> reduce,
+              caf::settings kwargs = {}) {
+  auto request = caf::make_message(call_atom::value, method, std::move(args), std::move(kwargs));
+  start_gather(self, method, all_ranks(self), std::move(request), self->state.cfg.rpc_timeout, 0,
+               [=](gather_result res) mutable {
+                 if (!res) {
+                   rp.deliver(res.error());
+                   return;
+                 }
+                 try {
+                   rp.deliver(reduce(*res));
+                 } catch (const error& e) {
+                   rp.deliver(caf::make_error(e.code(), std::string{e.what()}));
+                 }
+               });
+}
+
+/// The result of `rank` as a `T`, or a `bad_arguments` error naming the rank and method.
+template <class T>
+const T& result_as(const caf::message& msg, size_t rank, const std::string& method) {
+  if (msg.size() != 1 || !msg.match_element<T>(0))
+    throw error{errc::bad_arguments, method + ": rank " + std::to_string(rank) +
+                                       " returned (" + to_string(msg) +
+                                       "), not the expected type"};
+  return msg.get_as<T>(0);
+}
+
+caf::message no_result(std::vector<caf::message>&) {
+  return caf::message{};
+}
+
+caf::error invalid_id(const char* what, int64_t id) {
+  return caf::make_error(errc::invalid_argument, std::string{what} + " must be greater than 0, got " +
+                                                   std::to_string(id));
+}
+
+bool is_local(supervisor_self* self, const caf::actor& worker) {
+  return worker.node() == self->node();
+}
+
+/// The loop tasks ended (normally or not): wake the callers of stop.
+void loop_ended(supervisor_self* self, gather_result res) {
+  auto& st = self->state;
+  st.loop.reset();
+  caf::error err = res ? caf::error{} : res.error();
+  if (err && st.stop_waiters.empty())
+    st.loop_error = err;
+  for (auto& rp : st.stop_waiters) {
+    if (err)
+      rp.deliver(err);
+    else
+      rp.deliver(caf::unit);
+  }
+  st.stop_waiters.clear();
+}
+
+void start_loop(supervisor_self* self) {
+  auto& st = self->state;
+  if (st.loop || st.workers.size() < 2)
+    return;
+  std::vector<int32_t> peers;
+  for (size_t rank = 1; rank < st.workers.size(); ++rank)
+    peers.push_back(static_cast<int32_t>(rank));
+  auto request = caf::make_message(call_atom::value, std::string{"start_worker_execution_loop"},
+                                   caf::message{}, caf::settings{});
+  // The tasks end only when the loop is stopped; a dead worker still fails them at once.
+  st.loop = start_gather(self, "start_worker_execution_loop", std::move(peers),
+                         std::move(request), wait_forever, 0,
+                         [=](gather_result res) { loop_ended(self, std::move(res)); });
+  if (st.loop && st.loop->finished)
+    st.loop.reset();
+}
+
+void on_worker_down(supervisor_self* self, const caf::down_msg& msg) {
+  auto& st = self->state;
+  int32_t rank = -1;
+  for (size_t i = 0; i < st.workers.size(); ++i)
+    if (st.workers[i].address() == msg.source)
+      rank = static_cast<int32_t>(i);
+  if (rank < 0 || st.failure)
+    return;
+  st.failure = caf::make_error(errc::worker_died, "rank " + std::to_string(rank) +
+                                                    " went down: " + render(msg.reason));
+  st.log->error("{}", render(st.failure));
+  auto pending = std::move(st.pending);
+  st.pending.clear();
+  for (auto& [id, g] : pending) {
+    g->finished = true;
+    g->done(st.failure);
+  }
+}
+
+caf::behavior supervisor(supervisor_self* self, executor_config cfg,
+                         std::vector<caf::actor> workers) {
+  auto& st = self->state;
+  st.cfg = std::move(cfg);
+  st.workers = std::move(workers);
+  for (auto& w : st.workers)
+    self->monitor(w);
+  self->set_down_handler([=](caf::down_msg& msg) { on_worker_down(self, msg); });
+  self->set_exit_handler([=](caf::exit_msg& msg) {
+    for (auto& w : self->state.workers)
+      if (is_local(self, w))
+        self->send_exit(w, caf::exit_reason::user_shutdown);
+    self->quit(msg.reason);
+  });
+  return {
+    // Starts every worker: device, model, rank and peers. Replies std::vector<worker_info>.
+    [=](init_atom) {
+      auto rp = self->make_response_promise();
+      auto& st = self->state;
+      auto world = static_cast<int32_t>(st.workers.size());
+      auto pending = std::make_shared<size_t>(st.workers.size());
+      auto infos = std::make_shared<std::vector<worker_info>>(st.workers.size());
+      auto failed = std::make_shared<bool>(false);
+      int32_t local_index = 0;
+      for (int32_t rank = 0; rank < world; ++rank) {
+        worker_context ctx;
+        ctx.rank = rank;
+        ctx.world_size = world;
+        ctx.device_index = is_local(self, st.workers[rank]) ? local_index++ : 0;
+        ctx.block_size = st.cfg.block_size;
+        ctx.max_model_len = st.cfg.max_model_len;
+        ctx.profile_dir = st.cfg.profile_dir;
+        std::vector<caf::actor> peers;
+        if (rank == 0)
+          peers.assign(st.workers.begin() + 1, st.workers.end());
+        self
+          ->request(st.workers[rank], caf::duration{st.cfg.startup_timeout}, init_atom::value,
+                    ctx, peers)
+          .then(
+            [=](caf::ok_atom, caf::message& info) mutable {
+              (*infos)[rank] = info.get_as<worker_info>(0);
+              if (--*pending == 0 && !*failed)
+                rp.deliver(std::move(*infos));
+            },
+            [=](caf::error& err) mutable {
+              if (*failed)
+                return;
+              *failed = true;
+              if (err == caf::sec::request_timeout)
+                err = caf::make_error(errc::timeout, "rank " + std::to_string(rank) +
+                                                       " did not start within " +
+                                                       ms_text(self->state.cfg.startup_timeout));
+              rp.deliver(err);
+            });
+      }
+      return rp;
+    },
+    // collective_rpc with a method name: std::vector<caf::message> in rank order.
+    [=](rpc_atom, std::string method, caf::message args, caf::settings kwargs,
+        rpc_options opts) {
+      auto rp = self->make_response_promise();
+      auto label = "collective_rpc '" + method + "'";
+      auto request = caf::make_message(call_atom::value, std::move(method), std::move(args),
+                                       std::move(kwargs));
+      start_gather(self, std::move(label), all_ranks(self), std::move(request),
+                   from_us(opts.timeout_us),
+                   static_cast<size_t>(std::max(opts.max_concurrent_workers, 0)),
+                   [=](gather_result res) mutable {
+                     if (res)
+                       rp.deliver(std::move(*res));
+                     else
+                       rp.deliver(res.error());
+                   });
+      return rp;
+    },
+    // collective_rpc with a callable: refused when any worker lives in another process.
+    [=](rpc_atom, local_call call, rpc_options opts) {
+      auto rp = self->make_response_promise();
+      auto& st = self->state;
+      std::string remote;
+      for (size_t rank = 0; rank < st.workers.size(); ++rank)
+        if (!is_local(self, st.workers[rank]))
+          remote += (remote.empty() ? "" : ", ") + std::to_string(rank);
+      if (!remote.empty()) {
+        rp.deliver(caf::make_error(errc::remote_callable,
+                                   "callable '" + call.label + "' cannot run on rank(s) " + remote +
+                                     ": they live in another process and callables are never "
+                                     "serialised; register a named method instead"));
+        return rp;
+      }
+      auto label = "collective_rpc callable '" + call.label + "'";
+      start_gather(self, std::move(label), all_ranks(self),
+                   caf::make_message(call_atom::value, std::move(call)), from_us(opts.timeout_us),
+                   static_cast<size_t>(std::max(opts.max_concurrent_workers, 0)),
+                   [=](gather_result res) mutable {
+                     if (res)
+                       rp.deliver(std::move(*res));
+                     else
+                       rp.deliver(res.error());
+                   });
+      return rp;
+    },
+    // determine_num_available_blocks: the minimum over workers of both numbers.
+    [=](blocks_atom) {
+      auto rp = self->make_response_promise();
+      const std::string method = "determine_num_available_blocks";
+      call_all(self, rp, method, {}, [method](std::vector<caf::message>& results) {
+        cache_blocks least;
+        for (size_t rank = 0; rank < results.size(); ++rank) {
+          auto& b = result_as<cache_blocks>(results[rank], rank, method);
+          if (rank == 0 || b.num_device_blocks < least.num_device_blocks)
+            least.num_device_blocks = b.num_device_blocks;
+          if (rank == 0 || b.num_swap_blocks < least.num_swap_blocks)
+            least.num_swap_blocks = b.num_swap_blocks;
+        }
+        return caf::make_message(least);
+      });
+      return rp;
+    },
+    [=](init_cache_atom, cache_blocks blocks) {
+      auto rp = self->make_response_promise();
+      auto& st = self->state;
+      if (blocks.num_device_blocks <= 0 || blocks.num_swap_blocks < 0) {
+        rp.deliver(caf::make_error(
+          errc::invalid_argument,
+          "initialize_cache needs num_device_blocks > 0 and num_swap_blocks >= 0, got " +
+            std::to_string(blocks.num_device_blocks) + " and " +
+            std::to_string(blocks.num_swap_blocks)));
+        return rp;
+      }
+      st.log->info("# device blocks: {}, # CPU blocks: {}", blocks.num_device_blocks,
+                   blocks.num_swap_blocks);
+      auto concurrency = static_cast<double>(blocks.num_device_blocks) * st.cfg.block_size
+                         / st.cfg.max_model_len;
+      st.log->info("Maximum concurrency for {} tokens per request: {:.2f}x",
+                   st.cfg.max_model_len, concurrency);
+      call_all(self, rp, "initialize_cache", caf::make_message(blocks), no_result);
+      return rp;
+    },
+    // add/remove/pin of adapters: true when every worker said true. The id is checked
+    // first (vLLM asserts it; here it is an error).
+    [=](all_true_atom, std::string method, caf::message args) {
+      auto rp = self->make_response_promise();
+      int64_t id = 0;
+      if (args.match_elements<int64_t>())
+        id = args.get_as<int64_t>(0);
+      else if (args.match_elements<lora_request>())
+        id = args.get_as<lora_request>(0).lora_int_id;
+      else if (args.match_elements<prompt_adapter_request>())
+        id = args.get_as<prompt_adapter_request>(0).prompt_adapter_id;
+      if (id <= 0) {
+        auto what = method.find("prompt_adapter") != std::string::npos ? "prompt_adapter_id"
+                                                                        : "lora_id";
+        rp.deliver(invalid_id(what, id));
+        return rp;
+      }
+      call_all(self, rp, method, std::move(args), [method](std::vector<caf::message>& results) {
+        bool all = true;
+        for (size_t rank = 0; rank < results.size(); ++rank)
+          all = result_as<bool>(results[rank], rank, method) && all;
+        return caf::make_message(all);
+      });
+      return rp;
+    },
+    // list_loras / list_prompt_adapters: every worker must hold the same set.
+    [=](same_set_atom, std::string method) {
+      auto rp = self->make_response_promise();
+      call_all(self, rp, method, {}, [method](std::vector<caf::message>& results) {
+        auto first = result_as<std::vector<int64_t>>(results[0], 0, method);
+        std::sort(first.begin(), first.end());
+        std::string differing;
+        for (size_t rank = 1; rank < results.size(); ++rank) {
+          auto set = result_as<std::vector<int64_t>>(results[rank], rank, method);
+          std::sort(set.begin(), set.end());
+          if (set != first)
+            differing += (differing.empty() ? "" : ", ") + std::to_string(rank);
+        }
+        if (!differing.empty())
+          throw error{errc::inconsistent_workers,
+                      method + ": rank(s) " + differing + " disagree with rank 0 (" +
+                        to_string(caf::make_message(first)) + "); all workers should hold the same set"};
+        return caf::make_message(std::move(first));
+      });
+      return rp;
+    },
+    [=](execute_atom, execute_model_request req) {
+      auto rp = self->make_response_promise();
+      auto& st = self->state;
+      if (st.failure) {
+        rp.deliver(st.failure);
+        return rp;
+      }
+      if (st.sleep.is_sleeping()) {
+        rp.deliver(caf::make_error(errc::sleeping,
+                                   "execute_model while tags " + describe(st.sleep.sleeping_tags()) +
+                                     " sleep; call wake_up first"));
+        return rp;
+      }
+      if (st.loop_error) {
+        auto err = std::move(st.loop_error);
+        st.loop_error = caf::error{};
+        rp.deliver(err);
+        return rp;
+      }
+      start_loop(self);
+      start_gather(self, "execute_model", {0},
+                   caf::make_message(execute_atom::value, std::move(req)), st.cfg.rpc_timeout, 0,
+                   [=](gather_result res) mutable {
+                     if (res)
+                       rp.deliver(std::move((*res)[0]));
+                     else
+                       rp.deliver(res.error());
+                   });
+      return rp;
+    },
+    [=](stop_loop_atom) {
+      auto rp = self->make_response_promise();
+      auto& st = self->state;
+      if (!st.loop) {
+        auto err = std::move(st.loop_error);
+        st.loop_error = caf::error{};
+        if (err)
+          rp.deliver(err);
+        else
+          rp.deliver(caf::unit);
+        return rp;
+      }
+      st.stop_waiters.push_back(rp);
+      start_gather(self, "stop_remote_worker_execution_loop", {0},
+                   caf::make_message(execute_atom::value, stop_loop_atom::value),
+                   st.cfg.rpc_timeout, 0, [=](gather_result res) {
+                     if (!res)
+                       loop_ended(self, res.error());
+                   });
+      return rp;
+    },
+    [=](sleep_atom, int32_t level) {
+      auto rp = self->make_response_promise();
+      auto& st = self->state;
+      if (level != 1 && level != 2) {
+        rp.deliver(caf::make_error(errc::invalid_argument,
+                                   "sleep level must be 1 or 2, got " + std::to_string(level)));
+        return rp;
+      }
+      auto verdict = st.sleep.check_sleep(level);
+      if (!verdict.proceed) {
+        st.log->warn("{}", verdict.warning);
+        rp.deliver(caf::unit);
+        return rp;
+      }
+      auto start = clock_type::now();
+      call_all(self, rp, "sleep", caf::make_message(sleep_request{level}),
+               [=](std::vector<caf::message>&) {
+                 self->state.sleep.commit_sleep(level);
+                 std::chrono::duration<double> took = clock_type::now() - start;
+                 self->state.log->info("It took {:.6f} seconds to fall asleep.", took.count());
+                 return caf::message{};
+               });
+      return rp;
+    },
+    [=](wake_atom, std::vector<std::string> tags) {
+      auto rp = self->make_response_promise();
+      auto& st = self->state;
+      auto verdict = st.sleep.check_wake(tags);
+      if (!verdict.proceed) {
+        st.log->warn("{}", verdict.warning);
+        rp.deliver(caf::unit);
+        return rp;
+      }
+      auto start = clock_type::now();
+      auto woken = verdict.tags;
+      call_all(self, rp, "wake_up", caf::make_message(wake_request{woken}),
+               [=](std::vector<caf::message>&) {
+                 self->state.sleep.commit_wake(woken);
+                 std::chrono::duration<double> took = clock_type::now() - start;
+                 self->state.log->info("It took {:.6f} seconds to wake up tags {}.",
+                                       took.count(), describe(woken));
+                 return caf::message{};
+               });
+      return rp;
+    },
+    [=](sleep_state_atom) {
+      auto& sleep = self->state.sleep;
+      std::vector<std::string> names;
+      for (auto tag : sleep.sleeping_tags())
+        names.emplace_back(to_string(tag));
+      return caf::make_message(sleep.is_sleeping(), std::move(names));
+    },
+    // check_health: every report in rank order, or an error naming the unhealthy ranks.
+    [=](health_atom) {
+      auto rp = self->make_response_promise();
+      const std::string method = "check_health";
+      call_all(self, rp, method, {}, [method](std::vector<caf::message>& results) {
+        std::vector<worker_health> reports;
+        std::string unhealthy;
+        for (size_t rank = 0; rank < results.size(); ++rank) {
+          reports.push_back(result_as<worker_health>(results[rank], rank, method));
+          if (!reports.back().healthy)
+            unhealthy += (unhealthy.empty() ? "rank " : "; rank ") + std::to_string(rank) +
+                         ": " + reports.back().detail;
+        }
+        if (!unhealthy.empty())
+          throw error{errc::worker_error, "unhealthy workers: " + unhealthy};
+        return caf::make_message(std::move(reports));
+      });
+      return rp;
+    },
+    // Stops every local worker and then the supervisor; later calls find it gone.
+    [=](shutdown_atom) {
+      auto& st = self->state;
+      st.failure = caf::make_error(errc::shut_down, std::string{"executor is shut down"});
+      auto pending = std::move(st.pending);
+      st.pending.clear();
+      for (auto& [id, g] : pending) {
+        g->finished = true;
+        g->done(st.failure);
+      }
+      for (auto& w : st.workers) {
+        self->demonitor(w);
+        if (is_local(self, w))
+          self->send_exit(w, caf::exit_reason::user_shutdown);
+      }
+      self->quit(caf::exit_reason::user_shutdown);
+      return caf::unit;
+    },
+  };
+}
+
+} // namespace
+
+caf::actor spawn_supervisor(caf::actor_system& sys, const executor_config& cfg,
+                            std::vector<caf::actor> workers) {
+  return sys.spawn(supervisor, cfg, std::move(workers));
+}
+
+} // namespace troupe

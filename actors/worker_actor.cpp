@@ -1,0 +1,177 @@
+#include "actors/worker_actor.hpp"
+
+#include "actors/log.hpp"
+#include "messages/messages.hpp"
+#include "troupe/errors.hpp"
+
+#include <caf/all.hpp>
+
+namespace troupe {
+
+namespace {
+
+constexpr const char* loop_method = "start_worker_execution_loop";
+
+struct worker_actor_state {
+  worker_factory factory;
+  std::unique_ptr<worker> obj;
+  std::vector<caf::actor> peers;
+  int32_t rank = -1;
+  /// The parallel worker task of vLLM: answered when the execution loop stops.
+  caf::response_promise loop_task;
+  bool loop_running = false;
+  /// A stop step that arrived before the loop started (possible when the start request and
+  /// the driver's stop travel on different paths); the next start ends at once.
+  bool stop_pending = false;
+  int64_t loop_steps = 0;
+  std::shared_ptr<spdlog::logger> log = get_logger("troupe.worker");
+
+  static inline const char* name = "troupe.worker";
+};
+
+using worker_self = caf::stateful_actor<worker_actor_state>;
+
+caf::error not_initialised() {
+  return caf::make_error(errc::unsupported, std::string{"worker actor is not initialised"});
+}
+
+/// Runs `f` on the worker object and wraps its result or exception into the reply.
+template <class F>
+caf::result<caf::ok_atom, caf::message> guarded(worker_self* self, const std::string& method,
+                                                F&& f) {
+  auto& st = self->state;
+  if (!st.obj)
+    return not_initialised();
+  try {
+    return {caf::ok_atom::value, f(*st.obj)};
+  } catch (...) {
+    auto err = worker_failure(st.rank, method);
+    st.log->warn("{}", render(err));
+    return err;
+  }
+}
+
+void end_loop(worker_self* self, caf::error err) {
+  auto& st = self->state;
+  if (!st.loop_running)
+    return;
+  st.loop_running = false;
+  if (err)
+    st.loop_task.deliver(std::move(err));
+  else
+    st.loop_task.deliver(caf::ok_atom::value, caf::make_message(st.loop_steps));
+}
+
+caf::behavior worker_actor(worker_self* self, worker_factory factory) {
+  self->state.factory = std::move(factory);
+  return {
+    [=](init_atom, worker_context ctx,
+        std::vector<caf::actor> peers) -> caf::result<caf::ok_atom, caf::message> {
+      auto& st = self->state;
+      if (st.obj)
+        return caf::make_error(errc::invalid_argument,
+                               "rank " + std::to_string(st.rank) + ": worker already initialised");
+      st.rank = ctx.rank;
+      st.peers = std::move(peers);
+      try {
+        st.obj = st.factory(ctx.rank);
+        if (!st.obj)
+          throw error{errc::invalid_argument, "worker factory returned no worker"};
+        st.obj->init_device(ctx);
+        st.obj->load_model();
+      } catch (...) {
+        st.obj.reset();
+        return worker_failure(ctx.rank, "init");
+      }
+      auto info = st.obj->info();
+      st.log->debug("rank {} ready on {} (pid {})", info.rank, info.device, info.pid);
+      return {caf::ok_atom::value, caf::make_message(std::move(info))};
+    },
+    [=](call_atom, const std::string& method, const caf::message& args,
+        const caf::settings& kwargs) -> caf::result<caf::ok_atom, caf::message> {
+      auto& st = self->state;
+      if (method != loop_method)
+        return guarded(self, method,
+                       [&](worker& w) { return w.call(method, args, kwargs); });
+      if (!st.obj)
+        return not_initialised();
+      if (st.stop_pending) {
+        st.stop_pending = false;
+        return {caf::ok_atom::value, caf::make_message(int64_t{0})};
+      }
+      if (st.loop_running)
+        return caf::make_error(errc::invalid_argument,
+                               "rank " + std::to_string(st.rank) +
+                                 ": execution loop is already running");
+      st.loop_running = true;
+      st.loop_steps = 0;
+      st.loop_task = self->make_response_promise();
+      return st.loop_task;
+    },
+    [=](call_atom, const local_call& call) -> caf::result<caf::ok_atom, caf::message> {
+      return guarded(self, call.label, [&](worker& w) {
+        return w.call_local(call.label,
+                            [&](worker& self_ref) { return call.fn(self_ref, call.args, call.kwargs); });
+      });
+    },
+    [=](execute_atom,
+        const execute_model_request& req) -> caf::result<caf::ok_atom, caf::message> {
+      for (auto& peer : self->state.peers)
+        self->send(peer, step_atom::value, req);
+      return guarded(self, "execute_model", [&](worker& w) {
+        return w.call_local("execute_model",
+                            [&](worker& ref) { return caf::make_message(ref.execute_model(req)); });
+      });
+    },
+    [=](execute_atom, stop_loop_atom) -> caf::result<caf::ok_atom, caf::message> {
+      for (auto& peer : self->state.peers)
+        self->send(peer, step_atom::value, stop_loop_atom::value);
+      return {caf::ok_atom::value, caf::message{}};
+    },
+    [=](step_atom, const execute_model_request& req) {
+      auto& st = self->state;
+      if (!st.obj)
+        return;
+      try {
+        st.obj->call_local("execute_model", [&](worker& w) {
+          w.execute_model(req);
+          return caf::message{};
+        });
+        ++st.loop_steps;
+      } catch (...) {
+        auto err = worker_failure(st.rank, "execute_model (execution loop)");
+        st.log->warn("{}", render(err));
+        end_loop(self, std::move(err));
+      }
+    },
+    [=](step_atom, stop_loop_atom) {
+      auto& st = self->state;
+      if (st.loop_running)
+        end_loop(self, caf::none);
+      else
+        st.stop_pending = true;
+    },
+  };
+}
+
+} // namespace
+
+caf::actor spawn_worker(caf::actor_system& sys, worker_factory factory) {
+  return sys.spawn<caf::detached>(worker_actor, std::move(factory));
+}
+
+caf::error worker_failure(int32_t rank, const std::string& method) {
+  auto where = "rank " + std::to_string(rank) + ", " + method + ": ";
+  try {
+    throw;
+  } catch (const error& e) {
+    // Keep the worker's own code (unknown_method, invalid_argument, ...).
+    return caf::make_error(e.code(), where + e.what());
+  } catch (const std::exception& e) {
+    return caf::make_error(errc::worker_error, where + e.what());
+  } catch (...) {
+    return caf::make_error(errc::worker_error, where + "unknown exception");
+  }
+}
+
+} // namespace troupe

@@ -1,0 +1,192 @@
+// `troupe bench rpc`: latency of collective_rpc on a no-op method from the blocking facade,
+// with idle workers and with workers kept busy by a second caller; plus the floor set by a
+// bare thread-to-thread wake-up on this machine.
+
+#include "cli/commands.hpp"
+
+#include "troupe/executor.hpp"
+
+#include <caf/make_message.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <iostream>
+#include <mutex>
+#include <numeric>
+#include <sstream>
+#include <thread>
+
+namespace troupe::cli {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+/// The worker of the benchmark: a no-op and a busy loop, nothing else.
+class bench_worker : public worker {
+public:
+  bench_worker() {
+    register_method("noop", [](worker&, const caf::message&, const caf::settings&) {
+      return caf::message{};
+    });
+    register_method("spin", [](worker&, const caf::message& args, const caf::settings&) {
+      auto us = args.match_elements<int32_t>() ? args.get_as<int32_t>(0) : 50;
+      auto until = clock_type::now() + std::chrono::microseconds(us);
+      while (clock_type::now() < until) {
+        // Busy on purpose: the point is a worker thread that is running, not sleeping.
+      }
+      return caf::message{};
+    });
+  }
+};
+
+struct stats {
+  double p50_us = 0;
+  double p99_us = 0;
+  double mean_us = 0;
+  double calls_per_s = 0;
+};
+
+stats summarize(std::vector<double> us, double wall_s) {
+  stats s;
+  if (us.empty())
+    return s;
+  std::sort(us.begin(), us.end());
+  auto at = [&](double q) { return us[std::min(us.size() - 1, static_cast<size_t>(q * us.size()))]; };
+  s.p50_us = at(0.50);
+  s.p99_us = at(0.99);
+  s.mean_us = std::accumulate(us.begin(), us.end(), 0.0) / us.size();
+  s.calls_per_s = us.size() / wall_s;
+  return s;
+}
+
+stats measure(executor& exec, int iterations) {
+  std::vector<double> samples;
+  samples.reserve(iterations);
+  // Warm-up: first calls pay for thread start-up and allocation.
+  for (int i = 0; i < std::min(iterations, 100); ++i)
+    exec.collective_rpc("noop");
+  auto wall_start = clock_type::now();
+  for (int i = 0; i < iterations; ++i) {
+    auto start = clock_type::now();
+    exec.collective_rpc("noop");
+    samples.push_back(std::chrono::duration<double, std::micro>(clock_type::now() - start).count());
+  }
+  std::chrono::duration<double> wall = clock_type::now() - wall_start;
+  return summarize(std::move(samples), wall.count());
+}
+
+/// Round trip between two threads through a mutex and condition variable: the least a
+/// cross-thread request and reply can cost here.
+stats thread_wakeup_floor(int iterations) {
+  std::mutex mtx;
+  std::condition_variable cv;
+  int turn = 0; // 0: main's turn, 1: partner's turn, -1: stop
+  std::thread partner([&] {
+    std::unique_lock<std::mutex> lk{mtx};
+    for (;;) {
+      cv.wait(lk, [&] { return turn != 0; });
+      if (turn < 0)
+        return;
+      turn = 0;
+      cv.notify_all();
+    }
+  });
+  std::vector<double> samples;
+  auto wall_start = clock_type::now();
+  for (int i = 0; i < iterations; ++i) {
+    auto start = clock_type::now();
+    std::unique_lock<std::mutex> lk{mtx};
+    turn = 1;
+    cv.notify_all();
+    cv.wait(lk, [&] { return turn == 0; });
+    samples.push_back(std::chrono::duration<double, std::micro>(clock_type::now() - start).count());
+  }
+  {
+    std::lock_guard<std::mutex> lk{mtx};
+    turn = -1;
+  }
+  cv.notify_all();
+  partner.join();
+  std::chrono::duration<double> wall = clock_type::now() - wall_start;
+  return summarize(std::move(samples), wall.count());
+}
+
+std::string to_json(const stats& s, int workers, const std::string& mode) {
+  std::ostringstream out;
+  out.precision(1);
+  out << std::fixed << "{\"workers\":" << workers << ",\"mode\":\"" << mode
+      << "\",\"p50_us\":" << s.p50_us << ",\"p99_us\":" << s.p99_us
+      << ",\"mean_us\":" << s.mean_us << ",\"calls_per_s\":" << s.calls_per_s << "}";
+  return out.str();
+}
+
+} // namespace
+
+std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
+  struct options {
+    int workers = 4;
+    int iterations = 2000;
+    int busy_spin_us = 50;
+    size_t scheduler_threads = 0;
+    bool json = false;
+  };
+  auto opts = std::make_shared<options>();
+  auto cmd = std::make_shared<command>();
+  cmd->app = bench.add_subcommand("rpc", "collective_rpc latency of a no-op method");
+  cmd->app->add_option("--workers", opts->workers, "Worker actors (tensor parallel size)")
+    ->check(CLI::Range(1, 256))
+    ->capture_default_str();
+  cmd->app->add_option("--iterations", opts->iterations, "Measured calls per mode")
+    ->check(CLI::Range(1, 10000000))
+    ->capture_default_str();
+  cmd->app
+    ->add_option("--busy-spin-us", opts->busy_spin_us,
+                 "Length of each call of the second caller that keeps workers busy")
+    ->check(CLI::Range(1, 1000000))
+    ->capture_default_str();
+  cmd->app
+    ->add_option("--scheduler-threads", opts->scheduler_threads,
+                 "Threads of CAF's scheduler (0: one per core)")
+    ->capture_default_str();
+  cmd->app->add_flag("--json", opts->json, "Print only JSON (the last line is the result array)");
+  cmd->run = [opts] {
+    executor_config cfg;
+    cfg.tensor_parallel_size = opts->workers;
+    cfg.scheduler_threads = opts->scheduler_threads;
+    executor exec{cfg, [](int32_t) { return std::make_unique<bench_worker>(); }};
+
+    auto floor = thread_wakeup_floor(opts->iterations);
+    auto idle = measure(exec, opts->iterations);
+
+    // Busy: a second caller keeps every worker running short calls back to back.
+    std::atomic<bool> stop{false};
+    std::thread load([&] {
+      rpc_call_options spin;
+      spin.args = caf::make_message(static_cast<int32_t>(opts->busy_spin_us));
+      while (!stop)
+        exec.collective_rpc("spin", spin);
+    });
+    auto busy = measure(exec, opts->iterations);
+    stop = true;
+    load.join();
+    exec.shutdown();
+
+    if (!opts->json) {
+      std::cout << "collective_rpc(\"noop\") over " << opts->workers << " worker(s), "
+                << opts->iterations << " calls per mode\n"
+                << "  idle: p50 " << idle.p50_us << " us, p99 " << idle.p99_us << " us\n"
+                << "  busy: p50 " << busy.p50_us << " us, p99 " << busy.p99_us << " us\n"
+                << "  floor (thread wake-up round trip): p50 " << floor.p50_us << " us\n";
+    }
+    std::cout << "{\"floor\":" << to_json(floor, 0, "thread_wakeup_round_trip") << "}\n";
+    std::cout << "[" << to_json(idle, opts->workers, "idle") << ","
+              << to_json(busy, opts->workers, "busy") << "]" << std::endl;
+    return 0;
+  };
+  return cmd;
+}
+
+} // namespace troupe::cli

@@ -1,0 +1,22 @@
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <memory>
+
+namespace troupe::cli {
+
+/// A parsed subcommand: `*this` is true when it was given on the command line.
+struct command {
+  CLI::App* app = nullptr;
+  std::function<int()> run;
+  explicit operator bool() const {
+    return app != nullptr && app->parsed();
+  }
+};
+
+/// `troupe bench rpc`: collective_rpc latency of a no-op method.
+std::shared_ptr<command> add_bench_rpc(CLI::App& bench);
+
+} // namespace troupe::cli

@@ -1,0 +1,28 @@
+// The `troupe` command line.
+
+#include "cli/commands.hpp"
+
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+
+int main(int argc, char** argv) {
+  CLI::App app{"troupe: an actor-model executor for LLM inference"};
+  app.require_subcommand(1);
+  auto bench = app.add_subcommand("bench", "Measure troupe");
+  bench->require_subcommand(1);
+  auto run_rpc = troupe::cli::add_bench_rpc(*bench);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (run_rpc && *run_rpc)
+      return run_rpc->run();
+  } catch (const std::exception& e) {
+    std::cerr << "troupe: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,55 @@
+#pragma once
+
+/// @file
+/// Configuration of an executor: how many workers, where they live, default deadlines.
+
+#include <caf/actor_system_config.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace troupe {
+
+/// Deadline of a call. `wait_forever` must be asked for explicitly.
+using timeout_type = std::chrono::microseconds;
+
+/// Asks a call to wait without a deadline (it still fails at once when a worker dies).
+inline constexpr timeout_type wait_forever = timeout_type::max();
+
+/// A worker actor published by another actor system (`troupe::publish_worker`), reached
+/// through CAF's middleman.
+struct remote_worker {
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;
+};
+
+/// Everything an executor needs to start (the counterpart of the parts of vLLM's
+/// `VllmConfig` that the executor layer reads).
+struct executor_config {
+  /// Number of workers; rank 0 is the driver (vLLM's `tensor_parallel_size`).
+  int32_t tensor_parallel_size = 1;
+  /// Workers in other processes: they take the last ranks, local workers the first ones.
+  std::vector<remote_worker> remote_workers;
+  /// Deadline of calls that do not name one. Finite by default: no call waits forever
+  /// unless `wait_forever` is given.
+  timeout_type rpc_timeout = std::chrono::seconds(60);
+  /// Deadline for starting the workers (device init and model load).
+  timeout_type startup_timeout = std::chrono::seconds(300);
+  /// Tokens per KV-cache block (vLLM's `cache_config.block_size`).
+  int32_t block_size = 16;
+  /// Longest sequence the model serves (vLLM's `model_config.max_model_len`).
+  int32_t max_model_len = 2048;
+  /// Where `stop_profile` writes one trace per worker (Chrome trace format); empty keeps the
+  /// traces in memory only and `stop_profile` just logs a summary.
+  std::string profile_dir;
+  /// Threads of CAF's scheduler for the supervisor and other event-based actors; 0 keeps
+  /// CAF's default (one per core).
+  size_t scheduler_threads = 0;
+  /// Lets the host add settings or message types to the executor's actor system.
+  std::function<void(caf::actor_system_config&)> configure_system;
+};
+
+} // namespace troupe

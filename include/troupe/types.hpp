@@ -1,0 +1,334 @@
+#pragma once
+
+/// @file
+/// Request and reply value types of the executor, after vLLM's `ExecuteModelRequest`,
+/// `SamplerOutput`, `LoRARequest`, `PromptAdapterRequest` and friends. Each type is a plain
+/// value struct with a free `inspect()` (CAF 0.17 form) so that it can cross the network.
+/// The inspectors live beside the types so that every translation unit sees them.
+
+#include <caf/meta/type_name.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace troupe {
+
+// -- memory tags --------------------------------------------------------------
+
+/// A class of device memory that sleeps and wakes together (vLLM's CuMemAllocator tags).
+enum class memory_tag : uint8_t {
+  /// Model weights: backed up to host memory by a level-1 sleep.
+  weights = 0,
+  /// The paged KV cache: discarded by every sleep, zeroed on wake-up.
+  kv_cache = 1,
+};
+
+/// Every tag, in order.
+inline constexpr memory_tag all_memory_tags[] = {memory_tag::weights, memory_tag::kv_cache};
+
+/// `"weights"` or `"kv_cache"`.
+const char* to_string(memory_tag tag);
+
+/// Parses a tag name; `std::nullopt` for an unknown name.
+std::optional<memory_tag> parse_memory_tag(std::string_view name);
+
+// CAF 0.17 serialises enums by their underlying value; an inspect() overload for an enum
+// is ambiguous there, so memory_tag has none.
+
+// -- sampling -----------------------------------------------------------------
+
+/// How to pick the next token of a sequence (a subset of vLLM's `SamplingParams`).
+struct sampling_params {
+  /// 0 means greedy.
+  float temperature = 1.0f;
+  /// Nucleus sampling mass; 1 disables it.
+  float top_p = 1.0f;
+  /// Keep only the k most likely tokens; -1 disables it.
+  int32_t top_k = -1;
+  /// Per-request seed; -1 draws from the worker's generator.
+  int64_t seed = -1;
+  /// Upper bound of generated tokens.
+  int32_t max_tokens = 16;
+  /// Number of most likely tokens whose logprobs are returned besides the sampled one.
+  int32_t logprobs = 0;
+  /// Generation stops at any of these tokens.
+  std::vector<int32_t> stop_token_ids;
+  /// Keep generating past the end-of-sequence token.
+  bool ignore_eos = false;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, sampling_params& x) {
+  return f(caf::meta::type_name("sampling_params"), x.temperature, x.top_p, x.top_k, x.seed,
+           x.max_tokens, x.logprobs, x.stop_token_ids, x.ignore_eos);
+}
+
+// -- execute-model request ----------------------------------------------------
+
+/// One sequence of a group: its tokens so far and where its KV cache lives.
+/// The tokens computed in this step sit at positions
+/// `[num_computed_tokens, num_computed_tokens + token_chunk_size)` of `token_ids`.
+struct sequence_data {
+  /// vLLM's seq_id.
+  int64_t seq_id = 0;
+  /// Prompt tokens followed by the tokens generated so far.
+  std::vector<int32_t> token_ids;
+  /// How many of `token_ids` are the prompt.
+  int32_t num_prompt_tokens = 0;
+  /// Tokens whose keys and values are already in the cache (the first position of this step).
+  int32_t num_computed_tokens = 0;
+  /// Physical KV-cache block of each logical block of the sequence.
+  std::vector<int32_t> block_table;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, sequence_data& x) {
+  return f(caf::meta::type_name("sequence_data"), x.seq_id, x.token_ids, x.num_prompt_tokens,
+           x.num_computed_tokens, x.block_table);
+}
+
+/// The positions of the tokens a sequence computes in a step of `token_chunk_size` tokens.
+std::vector<int32_t> step_positions(const sequence_data& seq, int32_t token_chunk_size);
+
+/// A request's sequences for one step (vLLM's `SequenceGroupMetadata`).
+struct sequence_group_metadata {
+  std::string request_id;
+  /// True while the prompt is being prefilled.
+  bool is_prompt = false;
+  std::vector<sequence_data> seqs;
+  sampling_params sampling;
+  /// Tokens per sequence computed in this step (the whole prompt or a chunk of it; 1 in decode).
+  int32_t token_chunk_size = 0;
+  /// Whether this step samples a token (false for a non-final prefill chunk).
+  bool do_sample = true;
+  /// LoRA adapter of the request; 0 for none.
+  int64_t lora_int_id = 0;
+  /// Prompt adapter of the request; 0 for none.
+  int64_t prompt_adapter_id = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, sequence_group_metadata& x) {
+  return f(caf::meta::type_name("sequence_group_metadata"), x.request_id, x.is_prompt, x.seqs,
+           x.sampling, x.token_chunk_size, x.do_sample, x.lora_int_id, x.prompt_adapter_id);
+}
+
+/// A block move of the cache manager: `src` to `dst`.
+struct block_move {
+  int32_t src = 0;
+  int32_t dst = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, block_move& x) {
+  return f(caf::meta::type_name("block_move"), x.src, x.dst);
+}
+
+/// One step of the model for a batch of sequence groups (vLLM's `ExecuteModelRequest`).
+struct execute_model_request {
+  std::vector<sequence_group_metadata> seq_group_metadata_list;
+  /// Host (swap) blocks copied to device blocks before the step.
+  std::vector<block_move> blocks_to_swap_in;
+  /// Device blocks copied to host (swap) blocks before the step.
+  std::vector<block_move> blocks_to_swap_out;
+  /// Device blocks copied to other device blocks (copy-on-write) before the step.
+  std::vector<block_move> blocks_to_copy;
+  int32_t num_lookahead_slots = 0;
+  int32_t running_queue_size = 0;
+  int32_t virtual_engine = 0;
+  /// Requests that finished since the last step; workers drop their per-request state.
+  std::vector<std::string> finished_requests_ids;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, execute_model_request& x) {
+  return f(caf::meta::type_name("execute_model_request"), x.seq_group_metadata_list,
+           x.blocks_to_swap_in, x.blocks_to_swap_out, x.blocks_to_copy, x.num_lookahead_slots,
+           x.running_queue_size, x.virtual_engine, x.finished_requests_ids);
+}
+
+// -- sampler output -----------------------------------------------------------
+
+/// A token and its log-probability.
+struct token_logprob {
+  int32_t token = 0;
+  float logprob = 0.0f;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, token_logprob& x) {
+  return f(caf::meta::type_name("token_logprob"), x.token, x.logprob);
+}
+
+/// The token sampled for one sequence (vLLM's `SequenceOutput`).
+struct sequence_output {
+  int64_t parent_seq_id = 0;
+  int32_t output_token = 0;
+  /// Log-probability of `output_token`.
+  float logprob = 0.0f;
+  /// The `sampling_params::logprobs` most likely tokens, most likely first.
+  std::vector<token_logprob> top_logprobs;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, sequence_output& x) {
+  return f(caf::meta::type_name("sequence_output"), x.parent_seq_id, x.output_token, x.logprob,
+           x.top_logprobs);
+}
+
+/// The samples of one sequence group (vLLM's `CompletionSequenceGroupOutput`).
+struct sequence_group_output {
+  std::string request_id;
+  std::vector<sequence_output> samples;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, sequence_group_output& x) {
+  return f(caf::meta::type_name("sequence_group_output"), x.request_id, x.samples);
+}
+
+/// Output of one model step for the whole batch (vLLM's `SamplerOutput`).
+struct sampler_output {
+  std::vector<sequence_group_output> outputs;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, sampler_output& x) {
+  return f(caf::meta::type_name("sampler_output"), x.outputs);
+}
+
+// -- adapters -----------------------------------------------------------------
+
+/// A LoRA adapter to load (vLLM's `LoRARequest`). `lora_int_id` must be > 0.
+struct lora_request {
+  std::string lora_name;
+  int64_t lora_int_id = 0;
+  /// Directory with `adapter_config.json` and `adapter_model.safetensors`.
+  std::string lora_path;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, lora_request& x) {
+  return f(caf::meta::type_name("lora_request"), x.lora_name, x.lora_int_id, x.lora_path);
+}
+
+/// A prompt adapter to load (vLLM's `PromptAdapterRequest`). `prompt_adapter_id` must be > 0.
+struct prompt_adapter_request {
+  std::string prompt_adapter_name;
+  int64_t prompt_adapter_id = 0;
+  std::string prompt_adapter_local_path;
+  int32_t prompt_adapter_num_virtual_tokens = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, prompt_adapter_request& x) {
+  return f(caf::meta::type_name("prompt_adapter_request"), x.prompt_adapter_name,
+           x.prompt_adapter_id, x.prompt_adapter_local_path,
+           x.prompt_adapter_num_virtual_tokens);
+}
+
+// -- cache, memory, state -----------------------------------------------------
+
+/// KV-cache block counts: vLLM's `(num_gpu_blocks, num_cpu_blocks)`.
+struct cache_blocks {
+  /// Blocks on the worker's device, usable by running sequences (vLLM's num_gpu_blocks).
+  int64_t num_device_blocks = 0;
+  /// Blocks in host memory that swapped-out sequences occupy (vLLM's num_cpu_blocks).
+  int64_t num_swap_blocks = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, cache_blocks& x) {
+  return f(caf::meta::type_name("cache_blocks"), x.num_device_blocks, x.num_swap_blocks);
+}
+
+/// Arguments of `sleep`: level 1 backs weights up to host memory, level 2 discards them.
+struct sleep_request {
+  int32_t level = 1;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, sleep_request& x) {
+  return f(caf::meta::type_name("sleep_request"), x.level);
+}
+
+/// Arguments of `wake_up`: the tags to wake; empty wakes every sleeping tag.
+struct wake_request {
+  std::vector<memory_tag> tags;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, wake_request& x) {
+  return f(caf::meta::type_name("wake_request"), x.tags);
+}
+
+/// Arguments of `save_sharded_state` (vLLM's path, pattern, max_size).
+struct sharded_state_request {
+  /// Directory the shards go to.
+  std::string path;
+  /// File name pattern with `{rank}` and `{part}`; empty for
+  /// `model-rank-{rank}-part-{part}.safetensors`.
+  std::string pattern;
+  /// Bytes per file; 0 for the default (5 GiB).
+  int64_t max_size = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, sharded_state_request& x) {
+  return f(caf::meta::type_name("sharded_state_request"), x.path, x.pattern, x.max_size);
+}
+
+/// Bytes a worker holds per memory tag.
+struct memory_usage {
+  memory_tag tag = memory_tag::weights;
+  /// Bytes allocated under the tag (reserved address space).
+  int64_t allocated_bytes = 0;
+  /// Bytes of the tag currently backed by device memory (0 while it sleeps).
+  int64_t resident_bytes = 0;
+  /// Bytes of host backup held for the tag.
+  int64_t backup_bytes = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, memory_usage& x) {
+  return f(caf::meta::type_name("memory_usage"), x.tag, x.allocated_bytes, x.resident_bytes,
+           x.backup_bytes);
+}
+
+/// Who a worker is and where it runs.
+struct worker_info {
+  int32_t rank = 0;
+  int32_t world_size = 1;
+  /// Device the worker owns, e.g. `"cpu:0"` or `"cuda:1"`.
+  std::string device;
+  std::string hostname;
+  int64_t pid = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, worker_info& x) {
+  return f(caf::meta::type_name("worker_info"), x.rank, x.world_size, x.device, x.hostname,
+           x.pid);
+}
+
+/// Answer of a worker's health check.
+struct worker_health {
+  int32_t rank = 0;
+  bool healthy = true;
+  /// Why the worker is unhealthy; empty when healthy.
+  std::string detail;
+  std::vector<memory_usage> memory;
+  /// Tags that sleep on this worker.
+  std::vector<memory_tag> sleeping_tags;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, worker_health& x) {
+  return f(caf::meta::type_name("worker_health"), x.rank, x.healthy, x.detail, x.memory,
+           x.sleeping_tags);
+}
+
+} // namespace troupe

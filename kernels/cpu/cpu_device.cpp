@@ -1,0 +1,182 @@
+#include "kernels/cpu/cpu_device.hpp"
+
+#include "troupe/errors.hpp"
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+namespace troupe {
+
+namespace {
+
+std::size_t page_size() {
+  static const auto size = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+std::size_t round_to_pages(std::size_t bytes) {
+  auto page = page_size();
+  return ((bytes + page - 1) / page) * page;
+}
+
+[[noreturn]] void fail(const char* call, std::size_t bytes) {
+  throw error{errc::memory_error, std::string{"cpu device: "} + call + " of " +
+                                    std::to_string(bytes) + " bytes failed: " +
+                                    std::strerror(errno)};
+}
+
+void* reserve(std::size_t bytes) {
+  auto ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (ptr == MAP_FAILED)
+    fail("mmap", bytes);
+  return ptr;
+}
+
+// Returns the pages to the OS; the range stays reserved and reads back as zeros.
+void release_pages(void* ptr, std::size_t bytes) {
+  if (madvise(ptr, bytes, MADV_DONTNEED) != 0)
+    fail("madvise(MADV_DONTNEED)", bytes);
+}
+
+void protect(void* ptr, std::size_t bytes, int prot) {
+  if (mprotect(ptr, bytes, prot) != 0)
+    fail("mprotect", bytes);
+}
+
+} // namespace
+
+cpu_device::cpu_device(int32_t index) : index_(index) {
+  // nop
+}
+
+cpu_device::~cpu_device() {
+  for (auto& [ptr, alloc] : allocations_) {
+    munmap(ptr, alloc.mapped);
+    if (alloc.backup != nullptr)
+      munmap(alloc.backup, alloc.mapped);
+  }
+}
+
+std::string cpu_device::name() const {
+  return "cpu:" + std::to_string(index_);
+}
+
+void* cpu_device::allocate(std::size_t bytes, memory_tag tag) {
+  if (tags_[index_of(tag)].asleep)
+    throw error{errc::sleeping, std::string{"cpu device: cannot allocate under tag '"} +
+                                  to_string(tag) + "' while it sleeps"};
+  auto mapped = round_to_pages(bytes == 0 ? 1 : bytes);
+  auto ptr = reserve(mapped);
+  allocations_.emplace(ptr, allocation{bytes, mapped, tag, nullptr, false});
+  return ptr;
+}
+
+void cpu_device::deallocate(void* ptr) noexcept {
+  auto i = allocations_.find(ptr);
+  if (i == allocations_.end())
+    return;
+  munmap(ptr, i->second.mapped);
+  if (i->second.backup != nullptr)
+    munmap(i->second.backup, i->second.mapped);
+  allocations_.erase(i);
+}
+
+void cpu_device::sleep(int32_t level) {
+  if (level != 1 && level != 2)
+    throw error{errc::invalid_argument,
+                "sleep level must be 1 or 2, got " + std::to_string(level)};
+  for (auto& [ptr, alloc] : allocations_) {
+    if (tags_[index_of(alloc.tag)].asleep)
+      continue;
+    if (level == 1 && alloc.tag == memory_tag::weights) {
+      if (alloc.backup == nullptr)
+        alloc.backup = reserve(alloc.mapped);
+      std::memcpy(alloc.backup, ptr, alloc.requested);
+      alloc.backup_valid = true;
+    } else {
+      alloc.backup_valid = false;
+    }
+    release_pages(ptr, alloc.mapped);
+    protect(ptr, alloc.mapped, PROT_NONE);
+  }
+  for (auto& state : tags_) {
+    if (!state.asleep) {
+      state.asleep = true;
+      state.level = level;
+    }
+  }
+}
+
+void cpu_device::wake_up(const std::vector<memory_tag>& tags) {
+  auto wanted = tags.empty() ? sleeping_tags() : tags;
+  for (auto tag : wanted) {
+    auto& state = tags_[index_of(tag)];
+    if (!state.asleep)
+      continue;
+    for (auto& [ptr, alloc] : allocations_) {
+      if (alloc.tag != tag)
+        continue;
+      protect(ptr, alloc.mapped, PROT_READ | PROT_WRITE);
+      if (alloc.backup_valid) {
+        std::memcpy(ptr, alloc.backup, alloc.requested);
+        alloc.backup_valid = false;
+        release_pages(alloc.backup, alloc.mapped);
+      } else {
+        // Touching every page backs the range again and gives the promised zeros.
+        std::memset(ptr, 0, alloc.mapped);
+      }
+    }
+    state.asleep = false;
+    state.level = 0;
+  }
+}
+
+std::vector<memory_tag> cpu_device::sleeping_tags() const {
+  std::vector<memory_tag> result;
+  for (auto tag : all_memory_tags)
+    if (tags_[index_of(tag)].asleep)
+      result.push_back(tag);
+  return result;
+}
+
+std::vector<memory_usage> cpu_device::usage() const {
+  std::vector<memory_usage> result;
+  for (auto tag : all_memory_tags) {
+    memory_usage u;
+    u.tag = tag;
+    for (auto& [ptr, alloc] : allocations_) {
+      if (alloc.tag != tag)
+        continue;
+      u.allocated_bytes += static_cast<int64_t>(alloc.requested);
+      if (!tags_[index_of(tag)].asleep)
+        u.resident_bytes += static_cast<int64_t>(alloc.requested);
+      if (alloc.backup_valid)
+        u.backup_bytes += static_cast<int64_t>(alloc.requested);
+    }
+    result.push_back(u);
+  }
+  return result;
+}
+
+void cpu_device::copy(void* dst, const void* src, std::size_t bytes) {
+  std::memmove(dst, src, bytes);
+}
+
+std::size_t cpu_device::free_memory() const {
+  std::ifstream meminfo{"/proc/meminfo"};
+  std::string key;
+  std::size_t value = 0;
+  std::string unit;
+  while (meminfo >> key >> value >> unit)
+    if (key == "MemAvailable:")
+      return value * 1024;
+  return 0;
+}
+
+} // namespace troupe

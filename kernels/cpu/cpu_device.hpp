@@ -1,0 +1,61 @@
+#pragma once
+
+#include "troupe/device.hpp"
+
+#include <array>
+#include <cstddef>
+#include <unordered_map>
+
+namespace troupe {
+
+/// The CPU device: host memory in a tagged pool whose sleep really returns pages to the OS.
+///
+/// Each allocation reserves its own page-aligned address range with `mmap`. Sleeping
+/// releases the pages with `madvise(MADV_DONTNEED)` and makes the range inaccessible
+/// (`PROT_NONE`), so the addresses stay reserved and a stray access faults instead of
+/// silently allocating. A level-1 sleep first copies each `weights` allocation to a host
+/// backup range that is reserved once, on the first sleep, and reused by every later cycle;
+/// its pages are released again once the wake-up has restored them, so an awake device does
+/// not hold the weights twice.
+class cpu_device final : public device {
+public:
+  explicit cpu_device(int32_t index);
+  ~cpu_device() override;
+
+  std::string name() const override;
+  void* allocate(std::size_t bytes, memory_tag tag) override;
+  void deallocate(void* ptr) noexcept override;
+  void sleep(int32_t level) override;
+  void wake_up(const std::vector<memory_tag>& tags) override;
+  std::vector<memory_tag> sleeping_tags() const override;
+  std::vector<memory_usage> usage() const override;
+  void copy(void* dst, const void* src, std::size_t bytes) override;
+  std::size_t free_memory() const override;
+
+private:
+  struct allocation {
+    std::size_t requested = 0;
+    /// Length of the mapping (a multiple of the page size).
+    std::size_t mapped = 0;
+    memory_tag tag = memory_tag::weights;
+    /// Host backup range, reserved on the first level-1 sleep; nullptr before.
+    void* backup = nullptr;
+    /// Whether `backup` holds the data to restore on wake-up.
+    bool backup_valid = false;
+  };
+
+  struct tag_state {
+    bool asleep = false;
+    int32_t level = 0;
+  };
+
+  static std::size_t index_of(memory_tag tag) {
+    return static_cast<std::size_t>(tag);
+  }
+
+  int32_t index_;
+  std::unordered_map<void*, allocation> allocations_;
+  std::array<tag_state, 2> tags_{};
+};
+
+} // namespace troupe

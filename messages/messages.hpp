@@ -1,0 +1,100 @@
+#pragma once
+
+/// @file
+/// The wire vocabulary of troupe: atoms, the internal protocol structs and the one CAF
+/// type-id block that registers every type that crosses an actor-system boundary.
+/// The block is append-only: new entries go at its end.
+
+#include "troupe/types.hpp"
+#include "troupe/worker.hpp"
+
+#include <caf/allowed_unsafe_message_type.hpp>
+#include <caf/atom.hpp>
+#include <caf/type_id.hpp>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace troupe {
+
+/// A callable for `collective_rpc` that runs in the worker's process. Never serialised:
+/// the executor refuses to send it to a worker in another process.
+struct local_call {
+  /// Name shown in errors and profiles.
+  std::string label;
+  worker_method fn;
+  caf::message args;
+  caf::settings kwargs;
+};
+
+/// Deadline and fan-out of one collective call (executor-internal).
+struct rpc_options {
+  /// Microseconds; `wait_forever.count()` for no deadline.
+  int64_t timeout_us = 0;
+  /// Workers asked at once; 0 asks all.
+  int32_t max_concurrent_workers = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, rpc_options& x) {
+  return f(caf::meta::type_name("rpc_options"), x.timeout_us, x.max_concurrent_workers);
+}
+
+} // namespace troupe
+
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::local_call)
+
+CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
+
+  CAF_ADD_TYPE_ID(troupe, (troupe::memory_tag))
+  CAF_ADD_TYPE_ID(troupe, (troupe::sampling_params))
+  CAF_ADD_TYPE_ID(troupe, (troupe::sequence_data))
+  CAF_ADD_TYPE_ID(troupe, (troupe::sequence_group_metadata))
+  CAF_ADD_TYPE_ID(troupe, (troupe::block_move))
+  CAF_ADD_TYPE_ID(troupe, (troupe::execute_model_request))
+  CAF_ADD_TYPE_ID(troupe, (troupe::token_logprob))
+  CAF_ADD_TYPE_ID(troupe, (troupe::sequence_output))
+  CAF_ADD_TYPE_ID(troupe, (troupe::sequence_group_output))
+  CAF_ADD_TYPE_ID(troupe, (troupe::sampler_output))
+  CAF_ADD_TYPE_ID(troupe, (troupe::lora_request))
+  CAF_ADD_TYPE_ID(troupe, (troupe::prompt_adapter_request))
+  CAF_ADD_TYPE_ID(troupe, (troupe::cache_blocks))
+  CAF_ADD_TYPE_ID(troupe, (troupe::sleep_request))
+  CAF_ADD_TYPE_ID(troupe, (troupe::wake_request))
+  CAF_ADD_TYPE_ID(troupe, (troupe::sharded_state_request))
+  CAF_ADD_TYPE_ID(troupe, (troupe::memory_usage))
+  CAF_ADD_TYPE_ID(troupe, (troupe::worker_info))
+  CAF_ADD_TYPE_ID(troupe, (troupe::worker_health))
+  CAF_ADD_TYPE_ID(troupe, (troupe::worker_context))
+  CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::sampler_output>))
+  CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::memory_tag>))
+  CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::worker_health>))
+  CAF_ADD_TYPE_ID(troupe, (std::vector<int64_t>))
+  CAF_ADD_TYPE_ID(troupe, (std::vector<int32_t>))
+
+  CAF_ADD_ATOM(troupe, troupe, init_atom, "t_init")
+  CAF_ADD_ATOM(troupe, troupe, call_atom, "t_call")
+  CAF_ADD_ATOM(troupe, troupe, execute_atom, "t_execute")
+  CAF_ADD_ATOM(troupe, troupe, step_atom, "t_step")
+  CAF_ADD_ATOM(troupe, troupe, stop_loop_atom, "t_stoploop")
+  CAF_ADD_ATOM(troupe, troupe, rpc_atom, "t_rpc")
+  CAF_ADD_ATOM(troupe, troupe, blocks_atom, "t_blocks")
+  CAF_ADD_ATOM(troupe, troupe, init_cache_atom, "t_initcach")
+  CAF_ADD_ATOM(troupe, troupe, all_true_atom, "t_alltrue")
+  CAF_ADD_ATOM(troupe, troupe, same_set_atom, "t_sameset")
+  CAF_ADD_ATOM(troupe, troupe, sleep_atom, "t_sleep")
+  CAF_ADD_ATOM(troupe, troupe, wake_atom, "t_wake")
+  CAF_ADD_ATOM(troupe, troupe, sleep_state_atom, "t_sstate")
+  CAF_ADD_ATOM(troupe, troupe, health_atom, "t_health")
+  CAF_ADD_ATOM(troupe, troupe, shutdown_atom, "t_shutdown")
+
+CAF_END_TYPE_ID_BLOCK(troupe)
+
+namespace troupe {
+
+/// Registers the type-id block and the error category with a config. Every actor system
+/// that talks to troupe actors calls this.
+void register_messages(caf::actor_system_config& cfg);
+
+} // namespace troupe
