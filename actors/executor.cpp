@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <thread>
 
 namespace troupe {
 
@@ -57,11 +58,25 @@ struct reply<void> {
   }
 };
 
+/// Creating a scoped_actor leaves a reference to the system's logger in a thread-local of
+/// the calling thread, and ~actor_system waits until every such reference is gone. Declared
+/// before the scoped_actor, this drops the reference once the scoped_actor is destroyed, so
+/// that host threads never keep the system from shutting down.
+struct logger_release {
+  logger_release() = default;
+  logger_release(const logger_release&) = delete;
+  logger_release& operator=(const logger_release&) = delete;
+  ~logger_release() {
+    caf::logger::set_current_actor_system(nullptr);
+  }
+};
+
 } // namespace
 
 struct executor::impl {
   executor_config cfg;
-  caf::actor_system_config sys_cfg;
+  // On the heap: a system abandoned by shutdown keeps using its config.
+  std::unique_ptr<caf::actor_system_config> sys_cfg = std::make_unique<caf::actor_system_config>();
   std::unique_ptr<caf::actor_system> sys;
   caf::actor supervisor;
   std::vector<caf::actor> local_workers;
@@ -85,6 +100,7 @@ struct executor::impl {
   template <class T, class... Ts>
   T ask(timeout_type t, Ts&&... xs) {
     check_open();
+    logger_release release;
     caf::scoped_actor self{*sys};
     using value_type = std::conditional_t<std::is_void<T>::value, bool, T>;
     value_type out{};
@@ -138,16 +154,18 @@ struct executor::impl {
       return;
     size_t left = 0;
     {
+      logger_release release;
       caf::scoped_actor self{*sys};
       for (auto& w : local_workers) {
         self->monitor(w);
         ++left;
       }
       if (supervisor) {
-        self->request(supervisor, caf::duration{facade_grace}, shutdown_atom::value)
-          .receive([] {}, [](caf::error&) {});
+        self->monitor(supervisor);
+        ++left;
+        self->send_exit(supervisor, caf::exit_reason::user_shutdown);
       }
-      // In case the supervisor was already gone, stop the workers directly.
+      // The supervisor stops the workers; this covers a supervisor that is already gone.
       for (auto& w : local_workers)
         self->send_exit(w, caf::exit_reason::user_shutdown);
       auto deadline = std::chrono::steady_clock::now() + shutdown_grace;
@@ -161,17 +179,36 @@ struct executor::impl {
                         >> [&] { timed_out = true; });
       }
     }
+    // Actors that remote nodes have seen stay in the registry for as long as those nodes
+    // keep a proxy; drop them so that destroying the system does not wait for the peers.
+    for (auto& w : local_workers)
+      sys->registry().erase(w.id());
+    if (supervisor)
+      sys->registry().erase(supervisor.id());
     supervisor = nullptr;
     local_workers.clear();
-    if (left > 0) {
-      // Destroying the system would wait for the stuck workers forever; leave them to the
-      // end of the process instead of hanging the host.
-      log->error("shutdown: {} worker(s) still busy after {} s; abandoning them", left,
+    if (left > 0)
+      log->error("shutdown: {} actor(s) still busy after {} s; abandoning them", left,
                  shutdown_grace.count());
-      (void)sys.release();
-      return;
+    // Destroying the system waits for every actor. A thread owns it (and its config, which
+    // it reads to the end); if that takes too long, the thread is left to finish on its own
+    // rather than hang the host.
+    auto done = std::make_shared<std::promise<void>>();
+    auto finished = done->get_future();
+    std::thread reaper{[done, sys = std::move(sys), sys_cfg = std::move(sys_cfg)]() mutable {
+      sys.reset();
+      sys_cfg.reset();
+      done->set_value();
+    }};
+    auto wait = left > 0 ? std::chrono::seconds(0) : shutdown_grace;
+    if (finished.wait_for(wait) == std::future_status::ready) {
+      reaper.join();
+    } else {
+      if (left == 0)
+        log->error("shutdown: the actor system did not stop within {} s; leaving it behind",
+                   shutdown_grace.count());
+      reaper.detach();
     }
-    sys.reset();
   }
 };
 
@@ -191,14 +228,17 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
   if (cfg.rpc_timeout <= timeout_type::zero() || cfg.startup_timeout <= timeout_type::zero())
     throw error{errc::invalid_argument, "rpc_timeout and startup_timeout must be positive"};
   d.cfg = std::move(cfg);
-  register_messages(d.sys_cfg);
+  register_messages(*d.sys_cfg);
   if (d.cfg.scheduler_threads > 0)
-    d.sys_cfg.set("scheduler.max-threads", d.cfg.scheduler_threads);
+    d.sys_cfg->set("scheduler.max-threads", d.cfg.scheduler_threads);
   if (!d.cfg.remote_workers.empty())
-    d.sys_cfg.load<caf::io::middleman>();
+    d.sys_cfg->load<caf::io::middleman>();
   if (d.cfg.configure_system)
-    d.cfg.configure_system(d.sys_cfg);
-  d.sys = std::make_unique<caf::actor_system>(d.sys_cfg);
+    d.cfg.configure_system(*d.sys_cfg);
+  d.sys = std::make_unique<caf::actor_system>(*d.sys_cfg);
+  // The constructing thread, too, keeps a reference to the system's logger (see
+  // logger_release).
+  caf::logger::set_current_actor_system(nullptr);
   std::vector<caf::actor> workers;
   for (int32_t i = 0; i < local_count; ++i) {
     workers.push_back(spawn_worker(*d.sys, factory));
@@ -488,6 +528,7 @@ std::future<void> executor::wake_up_async(const std::vector<std::string>& tags) 
 sleep_status executor::sleep_state() {
   auto& d = *impl_;
   d.check_open();
+  logger_release release;
   caf::scoped_actor self{*d.sys};
   sleep_status status;
   caf::error err;

@@ -269,10 +269,23 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
   for (auto& w : st.workers)
     self->monitor(w);
   self->set_down_handler([=](caf::down_msg& msg) { on_worker_down(self, msg); });
+  // Shutdown: fail what is pending, stop every local worker, then stop; later calls find
+  // the supervisor gone.
   self->set_exit_handler([=](caf::exit_msg& msg) {
-    for (auto& w : self->state.workers)
+    auto& st = self->state;
+    if (!st.failure)
+      st.failure = caf::make_error(errc::shut_down, std::string{"executor is shut down"});
+    auto pending = std::move(st.pending);
+    st.pending.clear();
+    for (auto& [id, g] : pending) {
+      g->finished = true;
+      g->done(st.failure);
+    }
+    for (auto& w : st.workers) {
+      self->demonitor(w);
       if (is_local(self, w))
         self->send_exit(w, caf::exit_reason::user_shutdown);
+    }
     self->quit(msg.reason);
   });
   return {
@@ -567,24 +580,6 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
         return caf::make_message(std::move(reports));
       });
       return rp;
-    },
-    // Stops every local worker and then the supervisor; later calls find it gone.
-    [=](shutdown_atom) {
-      auto& st = self->state;
-      st.failure = caf::make_error(errc::shut_down, std::string{"executor is shut down"});
-      auto pending = std::move(st.pending);
-      st.pending.clear();
-      for (auto& [id, g] : pending) {
-        g->finished = true;
-        g->done(st.failure);
-      }
-      for (auto& w : st.workers) {
-        self->demonitor(w);
-        if (is_local(self, w))
-          self->send_exit(w, caf::exit_reason::user_shutdown);
-      }
-      self->quit(caf::exit_reason::user_shutdown);
-      return caf::unit;
     },
   };
 }

@@ -60,6 +60,8 @@ void end_loop(worker_self* self, caf::error err) {
     st.loop_task.deliver(std::move(err));
   else
     st.loop_task.deliver(caf::ok_atom::value, caf::make_message(st.loop_steps));
+  // A delivered promise still holds the requester; let it go.
+  st.loop_task = caf::response_promise{};
 }
 
 caf::behavior worker_actor(worker_self* self, worker_factory factory) {

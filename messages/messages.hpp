@@ -72,6 +72,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_TYPE_ID(troupe, (std::vector<troupe::worker_health>))
   CAF_ADD_TYPE_ID(troupe, (std::vector<int64_t>))
   CAF_ADD_TYPE_ID(troupe, (std::vector<int32_t>))
+  CAF_ADD_TYPE_ID(troupe, (troupe::rpc_options))
 
   CAF_ADD_ATOM(troupe, troupe, init_atom, "t_init")
   CAF_ADD_ATOM(troupe, troupe, call_atom, "t_call")
@@ -87,7 +88,6 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, wake_atom, "t_wake")
   CAF_ADD_ATOM(troupe, troupe, sleep_state_atom, "t_sstate")
   CAF_ADD_ATOM(troupe, troupe, health_atom, "t_health")
-  CAF_ADD_ATOM(troupe, troupe, shutdown_atom, "t_shutdown")
 
 CAF_END_TYPE_ID_BLOCK(troupe)
 

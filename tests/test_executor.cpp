@@ -1,0 +1,378 @@
+// The executor facade and supervisor with real worker actors: collective_rpc, the
+// ExecutorBase methods, the distributed execution loop, sleep/wake and the async API.
+
+#include "troupe/executor.hpp"
+
+#include "tests/rss.hpp"
+#include "tests/test_worker.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <filesystem>
+
+using namespace troupe;
+using namespace std::chrono_literals;
+using troupe::testing::test_factory;
+
+namespace {
+
+executor_config config(int32_t workers) {
+  executor_config cfg;
+  cfg.tensor_parallel_size = workers;
+  cfg.rpc_timeout = 20s;
+  cfg.block_size = 16;
+  cfg.max_model_len = 256;
+  return cfg;
+}
+
+template <class F>
+errc code_of(F&& f) {
+  try {
+    f();
+  } catch (const error& e) {
+    return e.code();
+  }
+  return errc::none;
+}
+
+template <class F>
+std::string what_of(F&& f) {
+  try {
+    f();
+  } catch (const error& e) {
+    return e.what();
+  }
+  return {};
+}
+
+execute_model_request one_step(int32_t token) {
+  execute_model_request req;
+  sequence_group_metadata g;
+  g.request_id = "r";
+  g.seqs.push_back({0, {token, token}, 2, 0, {0}});
+  g.token_chunk_size = 2;
+  req.seq_group_metadata_list.push_back(g);
+  return req;
+}
+
+std::vector<int64_t> steps_per_rank(executor& exec) {
+  return exec.collective_rpc_as<int64_t>("steps");
+}
+
+} // namespace
+
+TEST_CASE("workers start with their ranks and devices") {
+  executor exec{config(3), test_factory()};
+  CHECK(exec.world_size() == 3);
+  REQUIRE(exec.workers().size() == 3);
+  for (int32_t rank = 0; rank < 3; ++rank) {
+    CHECK(exec.workers()[rank].rank == rank);
+    CHECK(exec.workers()[rank].world_size == 3);
+    CHECK(exec.workers()[rank].device == "cpu:" + std::to_string(rank));
+  }
+}
+
+TEST_CASE("collective_rpc returns results in rank order when workers answer out of order") {
+  executor exec{config(4), test_factory()};
+  rpc_call_options opts;
+  opts.args = caf::make_message(int32_t{40});
+  auto ranks = exec.collective_rpc_as<int32_t>("delayed_rank", opts);
+  CHECK(ranks == std::vector<int32_t>{0, 1, 2, 3});
+}
+
+TEST_CASE("collective_rpc passes args and kwargs") {
+  executor exec{config(2), test_factory()};
+  rpc_call_options opts;
+  opts.kwargs["name"] = std::string{"troupe"};
+  CHECK(exec.collective_rpc_as<std::string>("kwarg", opts)
+        == std::vector<std::string>{"troupe", "troupe"});
+  CHECK(exec.collective_rpc_as<std::string>("kwarg")
+        == std::vector<std::string>{"missing", "missing"});
+}
+
+TEST_CASE("the failing rank is named and unknown methods are reported as such") {
+  executor exec{config(3), test_factory()};
+  rpc_call_options opts;
+  opts.args = caf::make_message(int32_t{2});
+  auto what = what_of([&] { exec.collective_rpc("fail_on", opts); });
+  CHECK(what.find("rank 2") != std::string::npos);
+  CHECK(what.find("failed on purpose") != std::string::npos);
+  CHECK(code_of([&] { exec.collective_rpc("fail_on", opts); }) == errc::worker_error);
+  CHECK(code_of([&] { exec.collective_rpc("no_such_method"); }) == errc::unknown_method);
+  CHECK(what_of([&] { exec.collective_rpc("no_such_method"); }).find("no_such_method")
+        != std::string::npos);
+  // A failed call leaves the executor usable.
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1, 2});
+}
+
+TEST_CASE("arguments of the wrong type are an error naming the method not a crash") {
+  executor exec{config(1), test_factory()};
+  rpc_call_options opts;
+  opts.args = caf::make_message(std::string{"not a request"});
+  CHECK(code_of([&] { exec.collective_rpc("execute_model", opts); }) == errc::bad_arguments);
+  CHECK(code_of([&] { exec.collective_rpc_as<std::string>("rank"); }) == errc::bad_arguments);
+}
+
+TEST_CASE("a callable runs in-process on every worker object") {
+  executor exec{config(3), test_factory()};
+  auto results = exec.collective_rpc([](worker& w, const caf::message& args, const caf::settings&) {
+    return caf::make_message(w.rank() * args.get_as<int32_t>(0));
+  }, {caf::make_message(int32_t{10}), {}, {}, {}});
+  REQUIRE(results.size() == 3);
+  CHECK(results[2].get_as<int32_t>(0) == 20);
+  auto models = exec.apply_model([](model& m) { return caf::make_message(m.architecture()); });
+  CHECK(models[1].get_as<std::string>(0) == "TestModel");
+}
+
+TEST_CASE("max_concurrent_workers bounds how many workers are asked at once") {
+  executor exec{config(4), test_factory()};
+  auto& peak = troupe::testing::concurrency_probe::peak();
+  peak = 0;
+  exec.collective_rpc("track");
+  CHECK(peak.load() == 4);
+  peak = 0;
+  rpc_call_options opts;
+  opts.max_concurrent_workers = 2;
+  auto ranks = exec.collective_rpc_as<int32_t>("track", opts);
+  CHECK(peak.load() <= 2);
+  CHECK(ranks == std::vector<int32_t>{0, 1, 2, 3});
+}
+
+TEST_CASE("determine_num_available_blocks is the minimum over workers and initialize_cache allocates") {
+  executor exec{config(3), test_factory()};
+  auto blocks = exec.determine_num_available_blocks();
+  CHECK(blocks.num_device_blocks == 800); // rank 2: 1000 - 200
+  CHECK(blocks.num_swap_blocks == 64);    // rank 0: 64 + 0
+  exec.initialize_cache(blocks);
+  for (auto& h : exec.worker_healths())
+    for (auto& m : h.memory)
+      if (m.tag == memory_tag::kv_cache)
+        CHECK(m.allocated_bytes == 800 * 4096);
+  CHECK(code_of([&] { exec.initialize_cache({0, 0}); }) == errc::invalid_argument);
+  CHECK(code_of([&] { exec.initialize_cache({10, -1}); }) == errc::invalid_argument);
+}
+
+TEST_CASE("the execution loop: first step starts it steps reach every rank through the driver") {
+  executor exec{config(3), test_factory()};
+  auto out = exec.execute_model(one_step(5));
+  REQUIRE(out.size() == 1);
+  REQUIRE(out[0].outputs.size() == 1);
+  CHECK(out[0].outputs[0].samples[0].output_token == 10);
+  exec.execute_model(one_step(6));
+  exec.execute_model(one_step(7));
+  // Peers got every step from the driver; their order behind it is guaranteed because the
+  // driver sent them before answering.
+  exec.stop_remote_worker_execution_loop();
+  CHECK(steps_per_rank(exec) == std::vector<int64_t>{3, 3, 3});
+  // Stopping again is a no-op; a new step starts a new loop.
+  exec.stop_remote_worker_execution_loop();
+  exec.execute_model(one_step(1));
+  exec.stop_remote_worker_execution_loop();
+  CHECK(steps_per_rank(exec) == std::vector<int64_t>{4, 4, 4});
+}
+
+TEST_CASE("a peer that fails inside the loop is reported by the next step naming its rank") {
+  executor exec{config(2), test_factory()};
+  exec.execute_model(one_step(1));
+  exec.collective_rpc("fail_next_step", {caf::message{}, {}, {}, {}});
+  // Both ranks fail this step: the driver's error comes back at once.
+  CHECK(code_of([&] { exec.execute_model(one_step(2)); }) == errc::worker_error);
+  // The peer got that step before anything sent later, and reported its loop's end before
+  // answering this call: after it, the supervisor knows.
+  exec.collective_rpc("rank");
+  // The peer's loop ended with its error; the next step reports it with the rank.
+  auto what = what_of([&] { exec.execute_model(one_step(3)); });
+  CHECK(what.find("rank 1") != std::string::npos);
+  // After that the loop starts afresh.
+  exec.execute_model(one_step(4));
+  exec.stop_remote_worker_execution_loop();
+}
+
+TEST_CASE("single-worker executors run steps without a loop") {
+  executor exec{config(1), test_factory()};
+  exec.execute_model(one_step(1));
+  exec.stop_remote_worker_execution_loop();
+  CHECK(steps_per_rank(exec) == std::vector<int64_t>{1});
+}
+
+TEST_CASE("LoRA and prompt-adapter management with ids checked before anything is sent") {
+  executor exec{config(2), test_factory()};
+  CHECK(exec.add_lora({"a", 1, "/a"}));
+  CHECK(exec.add_lora({"b", 2, "/b"}));
+  CHECK(exec.list_loras() == std::vector<int64_t>{1, 2});
+  CHECK(exec.pin_lora(1));
+  CHECK(exec.remove_lora(2));
+  CHECK(!exec.remove_lora(2));
+  CHECK(exec.list_loras() == std::vector<int64_t>{1});
+  for (int64_t bad : {0, -3}) {
+    CHECK(code_of([&] { exec.add_lora({"x", bad, "/x"}); }) == errc::invalid_argument);
+    CHECK(code_of([&] { exec.remove_lora(bad); }) == errc::invalid_argument);
+    CHECK(code_of([&] { exec.pin_lora(bad); }) == errc::invalid_argument);
+    CHECK(code_of([&] { exec.add_prompt_adapter({"p", bad, "/p", 4}); })
+          == errc::invalid_argument);
+    CHECK(code_of([&] { exec.remove_prompt_adapter(bad); }) == errc::invalid_argument);
+    CHECK(code_of([&] { exec.pin_prompt_adapter(bad); }) == errc::invalid_argument);
+  }
+  CHECK(what_of([&] { exec.add_lora({"x", 0, "/x"}); }).find("lora_id must be greater than 0")
+        != std::string::npos);
+  CHECK(exec.add_prompt_adapter({"p", 5, "/p", 4}));
+  CHECK(exec.list_prompt_adapters() == std::vector<int64_t>{5});
+  CHECK(exec.pin_prompt_adapter(5));
+  CHECK(exec.remove_prompt_adapter(5));
+  CHECK(exec.list_prompt_adapters().empty());
+}
+
+TEST_CASE("workers that disagree on the LoRA set are an error naming the ranks") {
+  executor exec{config(3), test_factory()};
+  exec.collective_rpc("add_lora_on", {caf::make_message(int32_t{2}), {}, {}, {}});
+  CHECK(code_of([&] { exec.list_loras(); }) == errc::inconsistent_workers);
+  CHECK(what_of([&] { exec.list_loras(); }).find("rank(s) 2") != std::string::npos);
+}
+
+TEST_CASE("sleep and wake: weights bit-identical memory released while asleep") {
+  const size_t weights = 48u << 20;
+  executor exec{config(2), test_factory(weights)};
+  exec.initialize_cache({1000, 0}); // 1000 blocks x 4 KiB of KV cache per worker
+  exec.collective_rpc("fill_kv");
+  auto sums = exec.collective_rpc_as<int64_t>("checksum");
+  auto before = troupe::testing::rss_bytes();
+  exec.sleep(1);
+  auto asleep = troupe::testing::rss_bytes();
+  auto status = exec.sleep_state();
+  CHECK(status.is_sleeping);
+  CHECK(status.sleeping_tags == std::vector<std::string>{"weights", "kv_cache"});
+  // Released: weights and KV cache of both workers; held again: the weights' host backup.
+  double released = 2.0 * (weights + 1000 * 4096);
+  double backup = 2.0 * weights;
+  MESSAGE("RSS " << (before >> 20) << " MiB awake, " << (asleep >> 20) << " MiB asleep");
+  CHECK(static_cast<double>(before - asleep) >= 0.9 * (released - backup));
+  CHECK(code_of([&] { exec.execute_model(one_step(1)); }) == errc::sleeping);
+  exec.wake_up();
+  CHECK(!exec.is_sleeping());
+  CHECK(exec.collective_rpc_as<int64_t>("checksum") == sums);
+  CHECK(exec.collective_rpc_as<int64_t>("kv_nonzero") == std::vector<int64_t>{0, 0});
+  exec.execute_model(one_step(1));
+  exec.stop_remote_worker_execution_loop();
+}
+
+TEST_CASE("level-2 sleep returns all the memory and reload brings the weights back") {
+  const size_t weights = 48u << 20;
+  executor exec{config(2), test_factory(weights)};
+  auto sums = exec.collective_rpc_as<int64_t>("checksum");
+  auto before = troupe::testing::rss_bytes();
+  exec.sleep(2);
+  auto asleep = troupe::testing::rss_bytes();
+  MESSAGE("RSS " << (before >> 20) << " MiB awake, " << (asleep >> 20) << " MiB asleep");
+  CHECK(static_cast<double>(before - asleep) >= 0.9 * 2.0 * weights);
+  exec.wake_up({"weights"});
+  auto status = exec.sleep_state();
+  CHECK(status.sleeping_tags == std::vector<std::string>{"kv_cache"});
+  // Partly awake is still asleep for execute_model.
+  CHECK(code_of([&] { exec.execute_model(one_step(1)); }) == errc::sleeping);
+  exec.wake_up({"kv_cache"});
+  CHECK(exec.collective_rpc_as<int64_t>("checksum") != sums);
+  exec.collective_rpc("reload_weights");
+  CHECK(exec.collective_rpc_as<int64_t>("checksum") == sums);
+}
+
+TEST_CASE("invalid sleep and wake requests warn or fail and change nothing") {
+  executor exec{config(2), test_factory()};
+  CHECK(code_of([&] { exec.sleep(0); }) == errc::invalid_argument);
+  CHECK(code_of([&] { exec.sleep(3); }) == errc::invalid_argument);
+  exec.wake_up(); // awake: a warning, nothing else
+  CHECK(!exec.is_sleeping());
+  exec.sleep(1);
+  exec.sleep(2); // already sleeping: a warning; still level-1 asleep
+  exec.wake_up({"activations"}); // unknown tag: a warning, nothing woken
+  CHECK(exec.sleep_state().sleeping_tags.size() == 2);
+  exec.wake_up({"kv_cache"});
+  exec.wake_up({"kv_cache"}); // not asleep any more: a warning
+  CHECK(exec.sleep_state().sleeping_tags == std::vector<std::string>{"weights"});
+  exec.wake_up();
+  CHECK(!exec.is_sleeping());
+  for (auto& h : exec.worker_healths())
+    CHECK(h.sleeping_tags.empty());
+}
+
+TEST_CASE("profiling writes one trace per worker and stopping without starting is an error") {
+  auto dir = std::filesystem::temp_directory_path() / ("troupe-profile-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  auto cfg = config(2);
+  cfg.profile_dir = dir.string();
+  executor exec{cfg, test_factory()};
+  CHECK(code_of([&] { exec.stop_profile(); }) == errc::invalid_argument);
+  exec.start_profile();
+  CHECK(code_of([&] { exec.start_profile(); }) == errc::invalid_argument);
+  exec.collective_rpc("rank");
+  exec.stop_profile();
+  size_t traces = 0;
+  for (auto& entry : std::filesystem::directory_iterator(dir))
+    traces += entry.path().string().find(".trace.json") != std::string::npos;
+  CHECK(traces == 2);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("save_sharded_state reaches every worker and bad arguments are errors") {
+  auto dir = std::filesystem::temp_directory_path() / ("troupe-shards-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  executor exec{config(2), test_factory()};
+  exec.save_sharded_state(dir.string());
+  CHECK(std::filesystem::exists(dir / "test-rank-0.bin"));
+  CHECK(std::filesystem::exists(dir / "test-rank-1.bin"));
+  CHECK(code_of([&] { exec.save_sharded_state(""); }) == errc::invalid_argument);
+  CHECK(code_of([&] { exec.save_sharded_state(dir.string(), "", -1); }) == errc::invalid_argument);
+  CHECK(code_of([&] { exec.save_sharded_state("/nonexistent/dir"); }) == errc::invalid_argument);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("check_health reports every worker") {
+  executor exec{config(2), test_factory()};
+  exec.check_health();
+  auto reports = exec.worker_healths();
+  REQUIRE(reports.size() == 2);
+  CHECK(reports[1].rank == 1);
+  CHECK(reports[1].healthy);
+}
+
+TEST_CASE("the async API returns futures for every call") {
+  executor exec{config(2), test_factory()};
+  auto rpc = exec.collective_rpc_async("rank");
+  auto blocks = exec.determine_num_available_blocks_async();
+  CHECK(rpc.get().size() == 2);
+  CHECK(blocks.get().num_device_blocks == 900);
+  exec.initialize_cache_async({10, 1}).get();
+  CHECK(exec.execute_model_async(one_step(3)).get()[0].outputs[0].samples[0].output_token == 6);
+  exec.stop_remote_worker_execution_loop_async().get();
+  CHECK(exec.add_lora_async({"a", 4, "/a"}).get());
+  CHECK(exec.pin_lora_async(4).get());
+  CHECK(exec.list_loras_async().get() == std::vector<int64_t>{4});
+  CHECK(exec.remove_lora_async(4).get());
+  CHECK(exec.add_prompt_adapter_async({"p", 2, "/p", 1}).get());
+  CHECK(exec.pin_prompt_adapter_async(2).get());
+  CHECK(exec.list_prompt_adapters_async().get() == std::vector<int64_t>{2});
+  CHECK(exec.remove_prompt_adapter_async(2).get());
+  exec.start_profile_async().get();
+  exec.stop_profile_async().get();
+  exec.check_health_async().get();
+  exec.sleep_async(1).get();
+  exec.wake_up_async({}).get();
+  CHECK_THROWS_AS(exec.add_lora_async({"a", 0, "/a"}).get(), error);
+  CHECK_THROWS_AS(exec.collective_rpc_async("no_such_method").get(), error);
+  auto dir = std::filesystem::temp_directory_path() / ("troupe-async-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  exec.save_sharded_state_async(dir.string()).get();
+  std::filesystem::remove_all(dir);
+  auto callable = exec.collective_rpc_async(
+    [](worker& w, const caf::message&, const caf::settings&) { return caf::make_message(w.rank()); });
+  CHECK(callable.get()[1].get_as<int32_t>(0) == 1);
+}
+
+TEST_CASE("bad configurations are refused with the reason") {
+  auto cfg = config(0);
+  CHECK(code_of([&] { executor exec(cfg, test_factory()); }) == errc::invalid_argument);
+  CHECK(code_of([&] { executor exec(config(1), nullptr); }) == errc::invalid_argument);
+  auto failing = [](int32_t) -> std::unique_ptr<worker> { throw std::runtime_error("no device today"); };
+  auto what = what_of([&] { executor exec(config(2), failing); });
+  CHECK(what.find("no device today") != std::string::npos);
+}

@@ -1,0 +1,212 @@
+// Deadlines, dead workers, workers in another process, and shutdown that never hangs.
+
+#include "troupe/executor.hpp"
+
+#include "tests/test_worker.hpp"
+
+#include <doctest/doctest.h>
+
+#include <csignal>
+#include <cstdio>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+extern char** environ;
+
+using namespace troupe;
+using namespace std::chrono_literals;
+using troupe::testing::test_factory;
+using clock_type = std::chrono::steady_clock;
+
+namespace {
+
+executor_config config(int32_t workers) {
+  executor_config cfg;
+  cfg.tensor_parallel_size = workers;
+  cfg.rpc_timeout = 20s;
+  return cfg;
+}
+
+template <class F>
+errc code_of(F&& f) {
+  try {
+    f();
+  } catch (const error& e) {
+    return e.code();
+  }
+  return errc::none;
+}
+
+double seconds_since(clock_type::time_point start) {
+  return std::chrono::duration<double>(clock_type::now() - start).count();
+}
+
+rpc_call_options sleep_ms(int32_t ms) {
+  rpc_call_options opts;
+  opts.args = caf::make_message(ms);
+  return opts;
+}
+
+/// A test worker published by another process (tests/worker_host.cpp).
+class worker_process {
+public:
+  worker_process() {
+    int in[2];
+    int out[2];
+    REQUIRE(pipe(in) == 0);
+    REQUIRE(pipe(out) == 0);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, in[0], 0);
+    posix_spawn_file_actions_adddup2(&actions, out[1], 1);
+    posix_spawn_file_actions_addclose(&actions, in[1]);
+    posix_spawn_file_actions_addclose(&actions, out[0]);
+    char* argv[] = {const_cast<char*>(TROUPE_WORKER_HOST), nullptr};
+    REQUIRE(posix_spawn(&pid_, TROUPE_WORKER_HOST, &actions, nullptr, argv, environ) == 0);
+    posix_spawn_file_actions_destroy(&actions);
+    close(in[0]);
+    close(out[1]);
+    stdin_ = in[1];
+    auto stream = fdopen(out[0], "r");
+    REQUIRE(stream != nullptr);
+    unsigned port = 0;
+    REQUIRE(fscanf(stream, "%u", &port) == 1);
+    fclose(stream);
+    port_ = static_cast<uint16_t>(port);
+  }
+
+  ~worker_process() {
+    if (stdin_ >= 0)
+      close(stdin_); // asks the process to end
+    if (pid_ > 0) {
+      kill_now();
+    }
+  }
+
+  void kill_now() {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+  uint16_t port() const {
+    return port_;
+  }
+
+private:
+  pid_t pid_ = -1;
+  int stdin_ = -1;
+  uint16_t port_ = 0;
+};
+
+} // namespace
+
+TEST_CASE("a timeout fires near its deadline and names the late rank") {
+  executor exec{config(2), test_factory()};
+  auto opts = sleep_ms(3000);
+  opts.timeout = 200ms;
+  auto start = clock_type::now();
+  try {
+    exec.collective_rpc("sleep_ms", opts);
+    FAIL("the call must time out");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::timeout);
+    CHECK(std::string{e.what()}.find("rank") != std::string::npos);
+  }
+  auto took = seconds_since(start);
+  MESSAGE("timed out after " << took << " s");
+  CHECK(took >= 0.2);
+  CHECK(took < 2.5); // well before the workers finish
+}
+
+TEST_CASE("the default deadline comes from the config and waiting forever must be asked for") {
+  auto cfg = config(1);
+  cfg.rpc_timeout = 150ms;
+  executor exec{cfg, test_factory()};
+  CHECK(code_of([&] { exec.collective_rpc("sleep_ms", sleep_ms(1500)); }) == errc::timeout);
+  auto opts = sleep_ms(400);
+  opts.timeout = wait_forever;
+  CHECK(exec.collective_rpc_as<int32_t>("sleep_ms", opts) == std::vector<int32_t>{0});
+}
+
+TEST_CASE("a callable is refused for a worker in another process and named methods work there") {
+  worker_process remote;
+  auto cfg = config(2);
+  cfg.remote_workers = {{"127.0.0.1", remote.port()}};
+  executor exec{cfg, test_factory()};
+  CHECK(exec.workers()[1].pid != exec.workers()[0].pid);
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  auto callable = [](worker& w, const caf::message&, const caf::settings&) {
+    return caf::make_message(w.rank());
+  };
+  try {
+    exec.collective_rpc(callable);
+    FAIL("a callable must not go to another process");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::remote_callable);
+    CHECK(std::string{e.what()}.find("rank(s) 1") != std::string::npos);
+  }
+  CHECK(code_of([&] { exec.apply_model([](model&) { return caf::message{}; }); })
+        == errc::remote_callable);
+  // Sleep, wake and the execution loop work across the process boundary too.
+  exec.sleep(1);
+  exec.wake_up();
+  execute_model_request req;
+  req.seq_group_metadata_list.push_back({"r", true, {{0, {1, 2}, 2, 0, {0}}}, {}, 2, true, 0, 0});
+  CHECK(exec.execute_model(req)[0].outputs[0].samples[0].output_token == 3);
+  exec.stop_remote_worker_execution_loop();
+  CHECK(exec.collective_rpc_as<int64_t>("steps") == std::vector<int64_t>{1, 1});
+}
+
+TEST_CASE("a worker killed mid-call fails the call with worker_died at once and later calls fail fast") {
+  worker_process remote;
+  auto cfg = config(2);
+  cfg.remote_workers = {{"127.0.0.1", remote.port()}};
+  executor exec{cfg, test_factory()};
+  auto pending = exec.collective_rpc_async("sleep_ms", sleep_ms(10000));
+  std::this_thread::sleep_for(300ms);
+  auto start = clock_type::now();
+  remote.kill_now();
+  try {
+    pending.get();
+    FAIL("the call must fail");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::worker_died);
+    CHECK(std::string{e.what()}.find("rank 1") != std::string::npos);
+  }
+  auto took = seconds_since(start);
+  MESSAGE("failed " << took << " s after the kill");
+  CHECK(took < 5.0); // far from the 10 s the call would have taken
+  start = clock_type::now();
+  CHECK(code_of([&] { exec.collective_rpc("rank"); }) == errc::worker_died);
+  CHECK(code_of([&] { exec.execute_model({}); }) == errc::worker_died);
+  CHECK(code_of([&] { exec.check_health(); }) == errc::worker_died);
+  CHECK(seconds_since(start) < 1.0);
+}
+
+TEST_CASE("shutdown is idempotent and later calls fail with shut_down") {
+  executor exec{config(2), test_factory()};
+  exec.shutdown();
+  exec.shutdown();
+  CHECK(code_of([&] { exec.collective_rpc("rank"); }) == errc::shut_down);
+  CHECK_THROWS_AS(exec.collective_rpc_async("rank").get(), error);
+}
+
+TEST_CASE("destruction without shutdown returns promptly even with a worker stuck in a call") {
+  auto start = clock_type::now();
+  {
+    executor exec{config(2), test_factory()};
+    exec.collective_rpc("rank");
+  }
+  CHECK(seconds_since(start) < 5.0);
+  start = clock_type::now();
+  {
+    executor exec{config(2), test_factory()};
+    auto stuck = exec.collective_rpc_async("sleep_ms", sleep_ms(60000));
+    std::this_thread::sleep_for(100ms);
+  }
+  auto took = seconds_since(start);
+  MESSAGE("destroyed with a stuck worker in " << took << " s");
+  CHECK(took < executor::shutdown_grace.count() + 3.0);
+}

@@ -1,0 +1,238 @@
+#pragma once
+
+// A worker for the framework's tests: real memory in the device's tagged pool, a tiny
+// deterministic "model" step, adapter bookkeeping, and extra named methods that let tests
+// provoke delays, failures and concurrency.
+
+#include "troupe/errors.hpp"
+#include "troupe/worker.hpp"
+
+#include <caf/make_message.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <stdexcept>
+#include <thread>
+
+namespace troupe::testing {
+
+class test_model : public troupe::model {
+public:
+  explicit test_model(int64_t params) : params_(params) {
+  }
+  std::string architecture() const override {
+    return "TestModel";
+  }
+  int64_t num_parameters() const override {
+    return params_;
+  }
+
+private:
+  int64_t params_;
+};
+
+/// Bookkeeping shared by the workers of one process, for concurrency tests.
+struct concurrency_probe {
+  static std::atomic<int>& current() {
+    static std::atomic<int> value{0};
+    return value;
+  }
+  static std::atomic<int>& peak() {
+    static std::atomic<int> value{0};
+    return value;
+  }
+};
+
+inline uint64_t fnv1a(const unsigned char* data, size_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; ++i) {
+    h ^= data[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+class test_worker : public troupe::worker {
+public:
+  explicit test_worker(size_t weights_bytes = 1 << 20, size_t block_bytes = 4096)
+    : weights_bytes_(weights_bytes), block_bytes_(block_bytes) {
+    register_extra_methods();
+  }
+
+  void load_model() override {
+    weights_ = device_buffer(device(), weights_bytes_, memory_tag::weights);
+    fill_weights();
+    model_ = std::make_unique<test_model>(static_cast<int64_t>(weights_bytes_ / 4));
+  }
+
+  troupe::model* get_model() override {
+    return model_.get();
+  }
+
+  cache_blocks determine_num_available_blocks() override {
+    return {1000 - 100 * rank(), 64 + rank()};
+  }
+
+  void initialize_cache(const cache_blocks& blocks) override {
+    kv_ = device_buffer(device(), static_cast<size_t>(blocks.num_device_blocks) * block_bytes_,
+                        memory_tag::kv_cache);
+  }
+
+  std::vector<sampler_output> execute_model(const execute_model_request& req) override {
+    if (fail_next_step_) {
+      fail_next_step_ = false;
+      throw std::runtime_error("step failed on purpose");
+    }
+    ++steps_;
+    sampler_output out;
+    for (auto& group : req.seq_group_metadata_list) {
+      sequence_group_output g;
+      g.request_id = group.request_id;
+      for (auto& seq : group.seqs) {
+        int64_t sum = 0;
+        for (auto t : seq.token_ids)
+          sum += t;
+        g.samples.push_back({seq.seq_id, static_cast<int32_t>(sum % 32000), -0.5f, {}});
+      }
+      out.outputs.push_back(std::move(g));
+    }
+    return {out};
+  }
+
+  bool add_lora(const lora_request& req) override {
+    loras_.insert(req.lora_int_id);
+    return true;
+  }
+  bool remove_lora(int64_t id) override {
+    return loras_.erase(id) > 0;
+  }
+  bool pin_lora(int64_t id) override {
+    return loras_.count(id) > 0;
+  }
+  std::vector<int64_t> list_loras() override {
+    return {loras_.begin(), loras_.end()};
+  }
+  bool add_prompt_adapter(const prompt_adapter_request& req) override {
+    adapters_.insert(req.prompt_adapter_id);
+    return true;
+  }
+  bool remove_prompt_adapter(int64_t id) override {
+    return adapters_.erase(id) > 0;
+  }
+  bool pin_prompt_adapter(int64_t id) override {
+    return adapters_.count(id) > 0;
+  }
+  std::vector<int64_t> list_prompt_adapters() override {
+    return {adapters_.begin(), adapters_.end()};
+  }
+
+  void save_sharded_state(const sharded_state_request& req) override {
+    auto path = req.path + "/test-rank-" + std::to_string(rank()) + ".bin";
+    std::ofstream out{path, std::ios::binary};
+    if (!out)
+      throw error{errc::invalid_argument, "cannot write '" + path + "'"};
+    out.write(weights_.as<char>(), static_cast<std::streamsize>(weights_.size()));
+  }
+
+  uint64_t checksum() const {
+    return fnv1a(weights_.as<unsigned char>(), weights_.size());
+  }
+
+private:
+  void fill_weights() {
+    auto p = weights_.as<unsigned char>();
+    for (size_t i = 0; i < weights_.size(); ++i)
+      p[i] = static_cast<unsigned char>((i * 131 + static_cast<size_t>(rank()) * 7) & 0xff);
+  }
+
+  static int32_t int_arg(const caf::message& args, size_t i, int32_t fallback) {
+    if (i < args.size() && args.match_element<int32_t>(i))
+      return args.get_as<int32_t>(i);
+    return fallback;
+  }
+
+  void register_extra_methods() {
+    register_method("rank", [](worker& w, const caf::message&, const caf::settings&) {
+      return caf::make_message(w.rank());
+    });
+    // Answers in reverse rank order: rank r waits (world_size - 1 - r) * step ms.
+    register_method("delayed_rank", [](worker& w, const caf::message& args, const caf::settings&) {
+      auto step = int_arg(args, 0, 40);
+      auto wait = (w.context().world_size - 1 - w.rank()) * step;
+      std::this_thread::sleep_for(std::chrono::milliseconds(wait));
+      return caf::make_message(w.rank());
+    });
+    register_method("sleep_ms", [](worker& w, const caf::message& args, const caf::settings&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(int_arg(args, 0, 10)));
+      return caf::make_message(w.rank());
+    });
+    register_method("fail_on", [](worker& w, const caf::message& args, const caf::settings&) {
+      if (w.rank() == int_arg(args, 0, 0))
+        throw std::runtime_error("failed on purpose");
+      return caf::make_message(w.rank());
+    });
+    register_method("checksum", [](worker& w, const caf::message&, const caf::settings&) {
+      return caf::make_message(static_cast<int64_t>(static_cast<test_worker&>(w).checksum()));
+    });
+    register_method("fill_kv", [](worker& w, const caf::message&, const caf::settings&) {
+      auto& self = static_cast<test_worker&>(w);
+      std::memset(self.kv_.data(), 0xab, self.kv_.size());
+      return caf::message{};
+    });
+    register_method("kv_nonzero", [](worker& w, const caf::message&, const caf::settings&) {
+      auto& self = static_cast<test_worker&>(w);
+      auto p = self.kv_.as<unsigned char>();
+      int64_t n = std::count_if(p, p + self.kv_.size(), [](unsigned char c) { return c != 0; });
+      return caf::make_message(n);
+    });
+    register_method("reload_weights", [](worker& w, const caf::message&, const caf::settings&) {
+      static_cast<test_worker&>(w).fill_weights();
+      return caf::message{};
+    });
+    register_method("steps", [](worker& w, const caf::message&, const caf::settings&) {
+      return caf::make_message(static_cast<test_worker&>(w).steps_);
+    });
+    register_method("fail_next_step", [](worker& w, const caf::message&, const caf::settings&) {
+      static_cast<test_worker&>(w).fail_next_step_ = true;
+      return caf::message{};
+    });
+    register_method("add_lora_on", [](worker& w, const caf::message& args, const caf::settings&) {
+      if (w.rank() == int_arg(args, 0, 0))
+        static_cast<test_worker&>(w).loras_.insert(99);
+      return caf::message{};
+    });
+    register_method("kwarg", [](worker&, const caf::message&, const caf::settings& kwargs) {
+      return caf::make_message(caf::get_or(kwargs, "name", std::string{"missing"}));
+    });
+    // Holds the call for 50 ms and records how many calls overlap across workers.
+    register_method("track", [](worker& w, const caf::message&, const caf::settings&) {
+      auto now = ++concurrency_probe::current();
+      auto peak = concurrency_probe::peak().load();
+      while (now > peak && !concurrency_probe::peak().compare_exchange_weak(peak, now)) {
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      --concurrency_probe::current();
+      return caf::make_message(w.rank());
+    });
+  }
+
+  size_t weights_bytes_;
+  size_t block_bytes_;
+  device_buffer weights_;
+  device_buffer kv_;
+  std::unique_ptr<test_model> model_;
+  std::set<int64_t> loras_;
+  std::set<int64_t> adapters_;
+  int64_t steps_ = 0;
+  bool fail_next_step_ = false;
+};
+
+inline worker_factory test_factory(size_t weights_bytes = 1 << 20) {
+  return [weights_bytes](int32_t) { return std::make_unique<test_worker>(weights_bytes); };
+}
+
+} // namespace troupe::testing
