@@ -231,6 +231,8 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
   register_messages(*d.sys_cfg);
   if (d.cfg.scheduler_threads > 0)
     d.sys_cfg->set("scheduler.max-threads", d.cfg.scheduler_threads);
+  if (d.cfg.scheduler_poll_attempts > 0)
+    d.sys_cfg->set("work-stealing.aggressive-poll-attempts", d.cfg.scheduler_poll_attempts);
   if (!d.cfg.remote_workers.empty())
     d.sys_cfg->load<caf::io::middleman>();
   if (d.cfg.configure_system)

@@ -131,6 +131,7 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     int iterations = 2000;
     int busy_spin_us = 50;
     size_t scheduler_threads = 0;
+    size_t poll_attempts = 0;
     bool json = false;
   };
   auto opts = std::make_shared<options>();
@@ -151,11 +152,16 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     ->add_option("--scheduler-threads", opts->scheduler_threads,
                  "Threads of CAF's scheduler (0: one per core)")
     ->capture_default_str();
+  cmd->app
+    ->add_option("--scheduler-poll-attempts", opts->poll_attempts,
+                 "Polls of an idle scheduler thread before it sleeps (0: CAF's default)")
+    ->capture_default_str();
   cmd->app->add_flag("--json", opts->json, "Print only JSON (the last line is the result array)");
   cmd->run = [opts] {
     executor_config cfg;
     cfg.tensor_parallel_size = opts->workers;
     cfg.scheduler_threads = opts->scheduler_threads;
+    cfg.scheduler_poll_attempts = opts->poll_attempts;
     executor exec{cfg, [](int32_t) { return std::make_unique<bench_worker>(); }};
 
     auto floor = thread_wakeup_floor(opts->iterations);
