@@ -137,6 +137,18 @@ struct executor::impl {
     return fut;
   }
 
+  /// A method whose answer is true when every worker said true.
+  std::future<bool> all_true(const char* method, caf::message args) {
+    return ask_async<bool>(cfg.rpc_timeout, all_true_atom::value, std::string{method},
+                           std::move(args));
+  }
+
+  /// A method whose answer is a set every worker must agree on.
+  std::future<std::vector<int64_t>> same_set(const char* method) {
+    return ask_async<std::vector<int64_t>>(cfg.rpc_timeout, same_set_atom::value,
+                                           std::string{method});
+  }
+
   rpc_options options(const rpc_call_options& opts) const {
     rpc_options result;
     result.timeout_us = to_us(opts.timeout.value_or(cfg.rpc_timeout));
@@ -383,63 +395,71 @@ std::future<void> executor::stop_remote_worker_execution_loop_async() {
 }
 
 // -- adapters ---------------------------------------------------------------------
+// The blocking forms wait on the async ones: these calls are rare and the supervisor does
+// the work (id checks, agreement across workers) for both.
 
-namespace {
-
-// One name and argument shape per adapter method, shared by the blocking and async forms.
-caf::message id_args(int64_t id) {
-  return caf::make_message(id);
+bool executor::add_lora(const lora_request& request) {
+  return add_lora_async(request).get();
 }
 
-} // namespace
-
-#define TROUPE_ALL_TRUE(fn, method, type, to_args)                                        \
-  bool executor::fn(type x) {                                                              \
-    return impl_->ask<bool>(impl_->cfg.rpc_timeout, all_true_atom::value,                  \
-                            std::string{method}, to_args(x));                              \
-  }                                                                                        \
-  std::future<bool> executor::fn##_async(type x) {                                         \
-    return impl_->ask_async<bool>(impl_->cfg.rpc_timeout, all_true_atom::value,            \
-                                  std::string{method}, to_args(x));                        \
-  }
-
-namespace {
-
-template <class T>
-caf::message request_args(const T& x) {
-  return caf::make_message(x);
+std::future<bool> executor::add_lora_async(const lora_request& request) {
+  return impl_->all_true("add_lora", caf::make_message(request));
 }
 
-} // namespace
+bool executor::remove_lora(int64_t lora_id) {
+  return remove_lora_async(lora_id).get();
+}
 
-TROUPE_ALL_TRUE(add_lora, "add_lora", const lora_request&, request_args)
-TROUPE_ALL_TRUE(remove_lora, "remove_lora", int64_t, id_args)
-TROUPE_ALL_TRUE(pin_lora, "pin_lora", int64_t, id_args)
-TROUPE_ALL_TRUE(add_prompt_adapter, "add_prompt_adapter", const prompt_adapter_request&,
-                request_args)
-TROUPE_ALL_TRUE(remove_prompt_adapter, "remove_prompt_adapter", int64_t, id_args)
-TROUPE_ALL_TRUE(pin_prompt_adapter, "pin_prompt_adapter", int64_t, id_args)
+std::future<bool> executor::remove_lora_async(int64_t lora_id) {
+  return impl_->all_true("remove_lora", caf::make_message(lora_id));
+}
 
-#undef TROUPE_ALL_TRUE
+bool executor::pin_lora(int64_t lora_id) {
+  return pin_lora_async(lora_id).get();
+}
+
+std::future<bool> executor::pin_lora_async(int64_t lora_id) {
+  return impl_->all_true("pin_lora", caf::make_message(lora_id));
+}
 
 std::vector<int64_t> executor::list_loras() {
-  return impl_->ask<std::vector<int64_t>>(impl_->cfg.rpc_timeout, same_set_atom::value,
-                                          std::string{"list_loras"});
+  return list_loras_async().get();
 }
 
 std::future<std::vector<int64_t>> executor::list_loras_async() {
-  return impl_->ask_async<std::vector<int64_t>>(impl_->cfg.rpc_timeout, same_set_atom::value,
-                                                std::string{"list_loras"});
+  return impl_->same_set("list_loras");
+}
+
+bool executor::add_prompt_adapter(const prompt_adapter_request& request) {
+  return add_prompt_adapter_async(request).get();
+}
+
+std::future<bool> executor::add_prompt_adapter_async(const prompt_adapter_request& request) {
+  return impl_->all_true("add_prompt_adapter", caf::make_message(request));
+}
+
+bool executor::remove_prompt_adapter(int64_t adapter_id) {
+  return remove_prompt_adapter_async(adapter_id).get();
+}
+
+std::future<bool> executor::remove_prompt_adapter_async(int64_t adapter_id) {
+  return impl_->all_true("remove_prompt_adapter", caf::make_message(adapter_id));
+}
+
+bool executor::pin_prompt_adapter(int64_t adapter_id) {
+  return pin_prompt_adapter_async(adapter_id).get();
+}
+
+std::future<bool> executor::pin_prompt_adapter_async(int64_t adapter_id) {
+  return impl_->all_true("pin_prompt_adapter", caf::make_message(adapter_id));
 }
 
 std::vector<int64_t> executor::list_prompt_adapters() {
-  return impl_->ask<std::vector<int64_t>>(impl_->cfg.rpc_timeout, same_set_atom::value,
-                                          std::string{"list_prompt_adapters"});
+  return list_prompt_adapters_async().get();
 }
 
 std::future<std::vector<int64_t>> executor::list_prompt_adapters_async() {
-  return impl_->ask_async<std::vector<int64_t>>(impl_->cfg.rpc_timeout, same_set_atom::value,
-                                                std::string{"list_prompt_adapters"});
+  return impl_->same_set("list_prompt_adapters");
 }
 
 // -- profiling, sharded state, health -----------------------------------------------

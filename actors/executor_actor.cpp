@@ -166,6 +166,20 @@ std::vector<int32_t> all_ranks(supervisor_self* self) {
   return ranks;
 }
 
+/// collective_rpc: every reply, in rank order, goes to `rp`.
+void collective(supervisor_self* self, caf::response_promise rp, std::string label,
+                caf::message request, const rpc_options& opts) {
+  start_gather(self, std::move(label), all_ranks(self), std::move(request),
+               from_us(opts.timeout_us),
+               static_cast<size_t>(std::max(opts.max_concurrent_workers, 0)),
+               [=](gather_result res) mutable {
+                 if (res)
+                   rp.deliver(std::move(*res));
+                 else
+                   rp.deliver(res.error());
+               });
+}
+
 /// Calls `method` on every worker with the default deadline; `reduce` turns the replies into
 /// the answer delivered to `rp`.
 void call_all(supervisor_self* self, caf::response_promise rp, const std::string& method,
@@ -338,15 +352,7 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
       auto label = "collective_rpc '" + method + "'";
       auto request = caf::make_message(call_atom::value, std::move(method), std::move(args),
                                        std::move(kwargs));
-      start_gather(self, std::move(label), all_ranks(self), std::move(request),
-                   from_us(opts.timeout_us),
-                   static_cast<size_t>(std::max(opts.max_concurrent_workers, 0)),
-                   [=](gather_result res) mutable {
-                     if (res)
-                       rp.deliver(std::move(*res));
-                     else
-                       rp.deliver(res.error());
-                   });
+      collective(self, rp, std::move(label), std::move(request), opts);
       return rp;
     },
     // collective_rpc with a callable: refused when any worker lives in another process.
@@ -365,15 +371,8 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
         return rp;
       }
       auto label = "collective_rpc callable '" + call.label + "'";
-      start_gather(self, std::move(label), all_ranks(self),
-                   caf::make_message(call_atom::value, std::move(call)), from_us(opts.timeout_us),
-                   static_cast<size_t>(std::max(opts.max_concurrent_workers, 0)),
-                   [=](gather_result res) mutable {
-                     if (res)
-                       rp.deliver(std::move(*res));
-                     else
-                       rp.deliver(res.error());
-                   });
+      collective(self, rp, std::move(label), caf::make_message(call_atom::value, std::move(call)),
+                 opts);
       return rp;
     },
     // determine_num_available_blocks: the minimum over workers of both numbers.
