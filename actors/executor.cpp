@@ -81,18 +81,19 @@ struct executor::impl {
   caf::actor supervisor;
   std::vector<caf::actor> local_workers;
   std::vector<worker_info> infos;
-  std::atomic<bool> shut{false};
+  /// Shared with the helpers of async calls, which may outlive the facade.
+  std::shared_ptr<std::atomic<bool>> shut = std::make_shared<std::atomic<bool>>(false);
   std::mutex shutdown_mtx;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
 
   error translate(const caf::error& err) const {
-    if (shut && err == caf::sec::request_receiver_down)
+    if (*shut && err == caf::sec::request_receiver_down)
       return error{errc::shut_down, "executor is shut down"};
     return error::from(err);
   }
 
   void check_open() const {
-    if (shut)
+    if (*shut)
       throw error{errc::shut_down, "executor is shut down"};
   }
 
@@ -118,13 +119,13 @@ struct executor::impl {
   std::future<T> ask_async(timeout_type t, Ts... xs) {
     auto p = std::make_shared<std::promise<T>>();
     auto fut = p->get_future();
-    if (shut) {
+    if (*shut) {
       p->set_exception(std::make_exception_ptr(error{errc::shut_down, "executor is shut down"}));
       return fut;
     }
     auto target = supervisor;
     auto timeout = facade_timeout(t);
-    auto closed = &shut;
+    auto closed = shut;
     sys->spawn([=](caf::event_based_actor* self) {
       self->request(target, timeout, xs...)
         .then(reply<T>::async_handler(p), [p, closed](caf::error& e) {
@@ -162,7 +163,7 @@ struct executor::impl {
 
   void stop() {
     std::lock_guard<std::mutex> guard{shutdown_mtx};
-    if (shut.exchange(true) || !sys)
+    if (shut->exchange(true) || !sys)
       return;
     size_t left = 0;
     {

@@ -328,8 +328,18 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
                     ctx, peers)
           .then(
             [=](caf::ok_atom, caf::message& info) mutable {
+              if (*failed)
+                return;
+              if (!info.match_elements<worker_info>()) {
+                *failed = true;
+                rp.deliver(caf::make_error(errc::bad_arguments,
+                                           "rank " + std::to_string(rank) +
+                                             " answered init with (" + to_string(info) +
+                                             "), not a worker_info"));
+                return;
+              }
               (*infos)[rank] = info.get_as<worker_info>(0);
-              if (--*pending == 0 && !*failed)
+              if (--*pending == 0)
                 rp.deliver(std::move(*infos));
             },
             [=](caf::error& err) mutable {
