@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <shared_mutex>
 #include <thread>
 
 namespace troupe {
@@ -83,7 +84,10 @@ struct executor::impl {
   std::vector<worker_info> infos;
   /// Shared with the helpers of async calls, which may outlive the facade.
   std::shared_ptr<std::atomic<bool>> shut = std::make_shared<std::atomic<bool>>(false);
-  std::mutex shutdown_mtx;
+  /// Calls hold it shared while they use the system; shutdown takes it exclusively
+  /// (after telling the supervisor to stop, which makes calls in flight return) before it
+  /// tears the system down.
+  std::shared_mutex lifecycle;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
 
   error translate(const caf::error& err) const {
@@ -100,6 +104,7 @@ struct executor::impl {
   /// Sends a request to the supervisor and blocks for the reply.
   template <class T, class... Ts>
   T ask(timeout_type t, Ts&&... xs) {
+    std::shared_lock<std::shared_mutex> guard{lifecycle};
     check_open();
     logger_release release;
     caf::scoped_actor self{*sys};
@@ -119,6 +124,7 @@ struct executor::impl {
   std::future<T> ask_async(timeout_type t, Ts... xs) {
     auto p = std::make_shared<std::promise<T>>();
     auto fut = p->get_future();
+    std::shared_lock<std::shared_mutex> guard{lifecycle};
     if (*shut) {
       p->set_exception(std::make_exception_ptr(error{errc::shut_down, "executor is shut down"}));
       return fut;
@@ -138,6 +144,22 @@ struct executor::impl {
     return fut;
   }
 
+  /// Runs a callable on every worker and waits. If the call fails (deadline, an error of
+  /// one rank), workers that have not run the callable yet skip it: it may refer to the
+  /// caller's stack, which is gone once this returns.
+  std::vector<caf::message> run_callable(local_call call, const rpc_call_options& opts) {
+    auto guard = std::make_shared<local_call::guard_type>();
+    call.guard = guard;
+    try {
+      return ask<std::vector<caf::message>>(call_timeout(opts), rpc_atom::value, std::move(call),
+                                            options(opts));
+    } catch (...) {
+      std::unique_lock<std::shared_mutex> cancel{guard->mtx};
+      guard->cancelled = true;
+      throw;
+    }
+  }
+
   /// A method whose answer is true when every worker said true.
   std::future<bool> all_true(const char* method, caf::message args) {
     return ask_async<bool>(cfg.rpc_timeout, all_true_atom::value, std::string{method},
@@ -151,6 +173,13 @@ struct executor::impl {
   }
 
   rpc_options options(const rpc_call_options& opts) const {
+    if (opts.timeout && *opts.timeout <= timeout_type::zero())
+      throw error{errc::invalid_argument,
+                  "a call's timeout must be positive (use troupe::wait_forever for none), got " +
+                    std::to_string(opts.timeout->count()) + " us"};
+    if (opts.max_concurrent_workers && *opts.max_concurrent_workers < 1)
+      throw error{errc::invalid_argument, "max_concurrent_workers must be at least 1, got " +
+                                            std::to_string(*opts.max_concurrent_workers)};
     rpc_options result;
     result.timeout_us = to_us(opts.timeout.value_or(cfg.rpc_timeout));
     result.max_concurrent_workers = opts.max_concurrent_workers.value_or(0);
@@ -162,8 +191,15 @@ struct executor::impl {
   }
 
   void stop() {
-    std::lock_guard<std::mutex> guard{shutdown_mtx};
-    if (shut->exchange(true) || !sys)
+    if (shut->exchange(true))
+      return;
+    {
+      std::shared_lock<std::shared_mutex> guard{lifecycle};
+      if (supervisor)
+        caf::anon_send_exit(supervisor, caf::exit_reason::user_shutdown);
+    }
+    std::unique_lock<std::shared_mutex> guard{lifecycle};
+    if (!sys)
       return;
     size_t left = 0;
     {
@@ -176,7 +212,6 @@ struct executor::impl {
       if (supervisor) {
         self->monitor(supervisor);
         ++left;
-        self->send_exit(supervisor, caf::exit_reason::user_shutdown);
       }
       // The supervisor stops the workers; this covers a supervisor that is already gone.
       for (auto& w : local_workers)
@@ -322,9 +357,8 @@ std::vector<caf::message> executor::collective_rpc(worker_method fn,
   auto& d = *impl_;
   if (!fn)
     throw error{errc::invalid_argument, "collective_rpc needs a callable"};
-  return d.ask<std::vector<caf::message>>(d.call_timeout(opts), rpc_atom::value,
-                                          local_call{"callable", std::move(fn), opts.args, opts.kwargs},
-                                          d.options(opts));
+  return d.run_callable(local_call{"callable", std::move(fn), opts.args, opts.kwargs, nullptr},
+                        opts);
 }
 
 std::vector<caf::message> executor::apply_model(std::function<caf::message(troupe::model&)> fn) {
@@ -337,10 +371,7 @@ std::vector<caf::message> executor::apply_model(std::function<caf::message(troup
       throw error{errc::unsupported, "apply_model: no model is loaded"};
     return fn(*m);
   };
-  rpc_call_options opts;
-  return d.ask<std::vector<caf::message>>(d.cfg.rpc_timeout, rpc_atom::value,
-                                          local_call{"apply_model", on_model, {}, {}},
-                                          d.options(opts));
+  return d.run_callable(local_call{"apply_model", std::move(on_model), {}, {}, nullptr}, {});
 }
 
 std::future<std::vector<caf::message>>
@@ -354,7 +385,8 @@ std::future<std::vector<caf::message>>
 executor::collective_rpc_async(worker_method fn, const rpc_call_options& opts) {
   auto& d = *impl_;
   return d.ask_async<std::vector<caf::message>>(
-    d.call_timeout(opts), rpc_atom::value, local_call{"callable", std::move(fn), opts.args, opts.kwargs},
+    d.call_timeout(opts), rpc_atom::value,
+    local_call{"callable", std::move(fn), opts.args, opts.kwargs, nullptr},
     d.options(opts));
 }
 
@@ -549,21 +581,10 @@ std::future<void> executor::wake_up_async(const std::vector<std::string>& tags) 
 }
 
 sleep_status executor::sleep_state() {
-  auto& d = *impl_;
-  d.check_open();
-  logger_release release;
-  caf::scoped_actor self{*d.sys};
   sleep_status status;
-  caf::error err;
-  self->request(d.supervisor, facade_timeout(d.cfg.rpc_timeout), sleep_state_atom::value)
-    .receive(
-      [&](bool sleeping, std::vector<std::string>& tags) {
-        status.is_sleeping = sleeping;
-        status.sleeping_tags = std::move(tags);
-      },
-      [&](caf::error& e) { err = std::move(e); });
-  if (err)
-    throw d.translate(err);
+  status.sleeping_tags =
+    impl_->ask<std::vector<std::string>>(impl_->cfg.rpc_timeout, sleep_state_atom::value);
+  status.is_sleeping = !status.sleeping_tags.empty();
   return status;
 }
 

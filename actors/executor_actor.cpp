@@ -28,6 +28,8 @@ struct gather {
   std::string label;
   std::vector<int32_t> ranks;
   caf::message request;
+  /// When set, the request for `ranks[i]` (instead of `request` for all).
+  std::vector<caf::message> per_rank;
   bool forever = false;
   clock_type::time_point deadline;
   timeout_type timeout{0};
@@ -50,8 +52,13 @@ struct supervisor_state {
   uint64_t next_id = 1;
   std::unordered_map<uint64_t, gather_ptr> pending;
   troupe::sleep_state sleep;
+  /// A sleep or wake_up is being carried out on the workers.
+  bool transition = false;
   /// The parallel worker tasks of the execution loop (vLLM's parallel_worker_tasks).
   gather_ptr loop;
+  /// Id of the running loop; each loop has its own, so that late news of an old loop
+  /// never touches a newer one.
+  int64_t loop_id = 0;
   /// A loop task that failed; reported by the next execute_model or stop.
   caf::error loop_error;
   /// Callers of stop_remote_worker_execution_loop waiting for the tasks to end.
@@ -68,8 +75,17 @@ std::string ms_text(timeout_type t) {
   return std::to_string(ms) + " ms";
 }
 
+/// The deadline of a call; the facade has already refused zero and negative ones.
 timeout_type from_us(int64_t us) {
-  return us <= 0 || us == wait_forever.count() ? wait_forever : timeout_type{us};
+  return us == wait_forever.count() ? wait_forever : timeout_type{std::max<int64_t>(us, 1)};
+}
+
+/// Fails `rp` with the executor's failure, if it has one.
+bool refuse_if_failed(supervisor_self* self, caf::response_promise& rp) {
+  if (!self->state.failure)
+    return false;
+  rp.deliver(self->state.failure);
+  return true;
 }
 
 void finish(supervisor_self* self, const gather_ptr& g, gather_result result) {
@@ -109,7 +125,8 @@ void send_next(supervisor_self* self, const gather_ptr& g) {
       timeout = caf::duration{std::chrono::duration_cast<std::chrono::microseconds>(left)};
     }
     ++g->in_flight;
-    self->request(self->state.workers[rank], timeout, g->request)
+    auto& request = g->per_rank.empty() ? g->request : g->per_rank[index];
+    self->request(self->state.workers[rank], timeout, request)
       .then(
         [=](caf::ok_atom, caf::message& result) {
           if (g->finished)
@@ -129,13 +146,15 @@ void send_next(supervisor_self* self, const gather_ptr& g) {
 /// `ranks`) or with the first error.
 gather_ptr start_gather(supervisor_self* self, std::string label, std::vector<int32_t> ranks,
                         caf::message request, timeout_type timeout, size_t max_concurrent,
-                        std::function<void(gather_result)> done) {
+                        std::function<void(gather_result)> done,
+                        std::vector<caf::message> per_rank = {}) {
   auto& st = self->state;
   auto g = std::make_shared<gather>();
   g->id = st.next_id++;
   g->label = std::move(label);
   g->ranks = std::move(ranks);
   g->request = std::move(request);
+  g->per_rank = std::move(per_rank);
   g->timeout = timeout;
   g->forever = timeout == wait_forever;
   if (!g->forever)
@@ -223,13 +242,27 @@ bool is_local(supervisor_self* self, const caf::actor& worker) {
   return worker.node() == self->node();
 }
 
-/// The loop tasks ended (normally or not): wake the callers of stop.
-void loop_ended(supervisor_self* self, gather_result res) {
+std::vector<int32_t> peer_ranks(supervisor_self* self) {
+  std::vector<int32_t> peers;
+  for (size_t rank = 1; rank < self->state.workers.size(); ++rank)
+    peers.push_back(static_cast<int32_t>(rank));
+  return peers;
+}
+
+/// The tasks of loop `loop_id` ended (normally or not): wake the callers of stop. After a
+/// failure the peers still in that loop are told to leave it, so the next loop starts clean.
+void loop_ended(supervisor_self* self, int64_t loop_id, gather_result res) {
   auto& st = self->state;
+  if (!st.loop || st.loop_id != loop_id)
+    return; // news of an older loop
   st.loop.reset();
   caf::error err = res ? caf::error{} : res.error();
-  if (err && st.stop_waiters.empty())
-    st.loop_error = err;
+  if (err) {
+    for (auto rank : peer_ranks(self))
+      self->send(st.workers[rank], step_atom::value, stop_loop_atom::value, loop_id);
+    if (st.stop_waiters.empty())
+      st.loop_error = err;
+  }
   for (auto& rp : st.stop_waiters) {
     if (err)
       rp.deliver(err);
@@ -243,17 +276,15 @@ void start_loop(supervisor_self* self) {
   auto& st = self->state;
   if (st.loop || st.workers.size() < 2)
     return;
-  std::vector<int32_t> peers;
-  for (size_t rank = 1; rank < st.workers.size(); ++rank)
-    peers.push_back(static_cast<int32_t>(rank));
+  auto loop_id = ++st.loop_id;
   auto request = caf::make_message(call_atom::value, std::string{"start_worker_execution_loop"},
-                                   caf::message{}, caf::settings{});
+                                   caf::make_message(loop_id), caf::settings{});
   // The tasks end only when the loop is stopped; a dead worker still fails them at once.
-  st.loop = start_gather(self, "start_worker_execution_loop", std::move(peers),
-                         std::move(request), wait_forever, 0,
-                         [=](gather_result res) { loop_ended(self, std::move(res)); });
-  if (st.loop && st.loop->finished)
-    st.loop.reset();
+  auto g = start_gather(self, "start_worker_execution_loop", peer_ranks(self),
+                        std::move(request), wait_forever, 0,
+                        [=](gather_result res) { loop_ended(self, loop_id, std::move(res)); });
+  if (!g->finished)
+    st.loop = g;
 }
 
 void on_worker_down(supervisor_self* self, const caf::down_msg& msg) {
@@ -308,9 +339,7 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
       auto rp = self->make_response_promise();
       auto& st = self->state;
       auto world = static_cast<int32_t>(st.workers.size());
-      auto pending = std::make_shared<size_t>(st.workers.size());
-      auto infos = std::make_shared<std::vector<worker_info>>(st.workers.size());
-      auto failed = std::make_shared<bool>(false);
+      std::vector<caf::message> requests;
       int32_t local_index = 0;
       for (int32_t rank = 0; rank < world; ++rank) {
         worker_context ctx;
@@ -323,36 +352,31 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
         std::vector<caf::actor> peers;
         if (rank == 0)
           peers.assign(st.workers.begin() + 1, st.workers.end());
-        self
-          ->request(st.workers[rank], caf::duration{st.cfg.startup_timeout}, init_atom::value,
-                    ctx, peers)
-          .then(
-            [=](caf::ok_atom, caf::message& info) mutable {
-              if (*failed)
-                return;
-              if (!info.match_elements<worker_info>()) {
-                *failed = true;
-                rp.deliver(caf::make_error(errc::bad_arguments,
-                                           "rank " + std::to_string(rank) +
-                                             " answered init with (" + to_string(info) +
-                                             "), not a worker_info"));
-                return;
-              }
-              (*infos)[rank] = info.get_as<worker_info>(0);
-              if (--*pending == 0)
-                rp.deliver(std::move(*infos));
-            },
-            [=](caf::error& err) mutable {
-              if (*failed)
-                return;
-              *failed = true;
-              if (err == caf::sec::request_timeout)
-                err = caf::make_error(errc::timeout, "rank " + std::to_string(rank) +
-                                                       " did not start within " +
-                                                       ms_text(self->state.cfg.startup_timeout));
-              rp.deliver(err);
-            });
+        requests.push_back(caf::make_message(init_atom::value, ctx, std::move(peers)));
       }
+      auto g = start_gather(self, "init", all_ranks(self), caf::message{},
+                            st.cfg.startup_timeout, 0, [=](gather_result res) mutable {
+                              if (!res) {
+                                rp.deliver(res.error());
+                                return;
+                              }
+                              std::vector<worker_info> infos;
+                              for (size_t rank = 0; rank < res->size(); ++rank) {
+                                auto& info = (*res)[rank];
+                                if (!info.match_elements<worker_info>()) {
+                                  rp.deliver(caf::make_error(
+                                    errc::bad_arguments, "rank " + std::to_string(rank) +
+                                                           " answered init with (" +
+                                                           to_string(info) +
+                                                           "), not a worker_info"));
+                                  return;
+                                }
+                                infos.push_back(info.get_as<worker_info>(0));
+                              }
+                              rp.deliver(std::move(infos));
+                            },
+                            std::move(requests));
+      (void)g;
       return rp;
     },
     // collective_rpc with a method name: std::vector<caf::message> in rank order.
@@ -471,8 +495,12 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
     [=](execute_atom, execute_model_request req) {
       auto rp = self->make_response_promise();
       auto& st = self->state;
-      if (st.failure) {
-        rp.deliver(st.failure);
+      if (refuse_if_failed(self, rp))
+        return rp;
+      if (st.transition) {
+        rp.deliver(caf::make_error(errc::sleeping,
+                                   std::string{"execute_model while a sleep or wake_up is in "
+                                               "progress"}));
         return rp;
       }
       if (st.sleep.is_sleeping()) {
@@ -501,6 +529,8 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
     [=](stop_loop_atom) {
       auto rp = self->make_response_promise();
       auto& st = self->state;
+      if (refuse_if_failed(self, rp))
+        return rp;
       if (!st.loop) {
         auto err = std::move(st.loop_error);
         st.loop_error = caf::error{};
@@ -511,20 +541,30 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
         return rp;
       }
       st.stop_waiters.push_back(rp);
+      auto loop = st.loop;
       start_gather(self, "stop_remote_worker_execution_loop", {0},
-                   caf::make_message(execute_atom::value, stop_loop_atom::value),
+                   caf::make_message(execute_atom::value, stop_loop_atom::value, st.loop_id),
                    st.cfg.rpc_timeout, 0, [=](gather_result res) {
+                     // The driver could not pass the stop on: end the loop's tasks here,
+                     // which also tells the peers to leave the loop.
                      if (!res)
-                       loop_ended(self, res.error());
+                       finish(self, loop, res.error());
                    });
       return rp;
     },
     [=](sleep_atom, int32_t level) {
       auto rp = self->make_response_promise();
       auto& st = self->state;
+      if (refuse_if_failed(self, rp))
+        return rp;
       if (level != 1 && level != 2) {
         rp.deliver(caf::make_error(errc::invalid_argument,
                                    "sleep level must be 1 or 2, got " + std::to_string(level)));
+        return rp;
+      }
+      if (st.transition) {
+        rp.deliver(caf::make_error(errc::invalid_argument,
+                                   std::string{"another sleep or wake_up is in progress"}));
         return rp;
       }
       auto verdict = st.sleep.check_sleep(level);
@@ -533,43 +573,73 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
         rp.deliver(caf::unit);
         return rp;
       }
+      st.transition = true;
       auto start = clock_type::now();
-      call_all(self, rp, "sleep", caf::make_message(sleep_request{level}),
-               [=](std::vector<caf::message>&) {
-                 self->state.sleep.commit_sleep(level);
-                 std::chrono::duration<double> took = clock_type::now() - start;
-                 self->state.log->info("It took {:.6f} seconds to fall asleep.", took.count());
-                 return caf::message{};
-               });
+      auto request = caf::make_message(call_atom::value, std::string{"sleep"},
+                                       caf::make_message(sleep_request{level}), caf::settings{});
+      start_gather(self, "sleep", all_ranks(self), std::move(request), st.cfg.rpc_timeout, 0,
+                   [=](gather_result res) mutable {
+                     auto& st = self->state;
+                     st.transition = false;
+                     // Even when some rank failed, others may be asleep: only wake_up may
+                     // lead back to awake (waking an awake worker does nothing).
+                     st.sleep.commit_sleep(level);
+                     if (!res) {
+                       st.log->error("sleep failed; call wake_up before the next step: {}",
+                                     render(res.error()));
+                       rp.deliver(res.error());
+                       return;
+                     }
+                     std::chrono::duration<double> took = clock_type::now() - start;
+                     st.log->info("It took {:.6f} seconds to fall asleep.", took.count());
+                     rp.deliver(caf::unit);
+                   });
       return rp;
     },
     [=](wake_atom, std::vector<std::string> tags) {
       auto rp = self->make_response_promise();
       auto& st = self->state;
+      if (refuse_if_failed(self, rp))
+        return rp;
+      if (st.transition) {
+        rp.deliver(caf::make_error(errc::invalid_argument,
+                                   std::string{"another sleep or wake_up is in progress"}));
+        return rp;
+      }
       auto verdict = st.sleep.check_wake(tags);
       if (!verdict.proceed) {
         st.log->warn("{}", verdict.warning);
         rp.deliver(caf::unit);
         return rp;
       }
+      st.transition = true;
       auto start = clock_type::now();
       auto woken = verdict.tags;
-      call_all(self, rp, "wake_up", caf::make_message(wake_request{woken}),
-               [=](std::vector<caf::message>&) {
-                 self->state.sleep.commit_wake(woken);
-                 std::chrono::duration<double> took = clock_type::now() - start;
-                 self->state.log->info("It took {:.6f} seconds to wake up tags {}.",
-                                       took.count(), describe(woken));
-                 return caf::message{};
-               });
+      auto request = caf::make_message(call_atom::value, std::string{"wake_up"},
+                                       caf::make_message(wake_request{woken}), caf::settings{});
+      start_gather(self, "wake_up", all_ranks(self), std::move(request), st.cfg.rpc_timeout, 0,
+                   [=](gather_result res) mutable {
+                     auto& st = self->state;
+                     st.transition = false;
+                     if (!res) {
+                       // The tags still count as asleep; waking them again is harmless.
+                       rp.deliver(res.error());
+                       return;
+                     }
+                     st.sleep.commit_wake(woken);
+                     std::chrono::duration<double> took = clock_type::now() - start;
+                     st.log->info("It took {:.6f} seconds to wake up tags {}.", took.count(),
+                                  describe(woken));
+                     rp.deliver(caf::unit);
+                   });
       return rp;
     },
+    // The sleeping tags by name; empty when awake (vLLM's is_sleeping is "any tag sleeps").
     [=](sleep_state_atom) {
-      auto& sleep = self->state.sleep;
       std::vector<std::string> names;
-      for (auto tag : sleep.sleeping_tags())
+      for (auto tag : self->state.sleep.sleeping_tags())
         names.emplace_back(to_string(tag));
-      return caf::make_message(sleep.is_sleeping(), std::move(names));
+      return names;
     },
     // check_health: every report in rank order, or an error naming the unhealthy ranks.
     [=](health_atom) {

@@ -98,6 +98,17 @@ std::vector<sampler_output> worker::execute_model(const execute_model_request&) 
   unsupported("execute_model");
 }
 
+std::vector<sampler_output> worker::run_step(const execute_model_request& request) {
+  auto sleeping = device().sleeping_tags();
+  if (!sleeping.empty()) {
+    std::string tags;
+    for (auto tag : sleeping)
+      tags += std::string{tags.empty() ? "" : ", "} + to_string(tag);
+    throw error{errc::sleeping, "execute_model while tags {" + tags + "} sleep on this worker"};
+  }
+  return execute_model(request);
+}
+
 bool worker::add_lora(const lora_request&) {
   unsupported("add_lora");
 }
@@ -282,8 +293,8 @@ void worker::register_builtins() {
     return caf::message{};
   };
   m["execute_model"] = [](worker& w, const caf::message& args, const caf::settings&) {
-    return make_message(w.execute_model(
-      arg<execute_model_request>(args, 0, "execute_model", "execute_model_request")));
+    return make_message(
+      w.run_step(arg<execute_model_request>(args, 0, "execute_model", "execute_model_request")));
   };
   m["add_lora"] = [](worker& w, const caf::message& args, const caf::settings&) {
     return make_message(w.add_lora(arg<lora_request>(args, 0, "add_lora", "lora_request")));
@@ -312,8 +323,12 @@ void worker::register_builtins() {
   };
   m["sleep"] = [](worker& w, const caf::message& args, const caf::settings& kwargs) {
     // vLLM passes the level as a keyword; typed callers pass a sleep_request.
-    if (auto level = caf::get_if<int64_t>(&kwargs, "level"))
+    if (auto level = caf::get_if<int64_t>(&kwargs, "level")) {
+      if (*level != 1 && *level != 2)
+        throw error{errc::invalid_argument,
+                    "sleep level must be 1 or 2, got " + std::to_string(*level)};
       w.sleep(static_cast<int32_t>(*level));
+    }
     else
       w.sleep(arg<sleep_request>(args, 0, "sleep", "sleep_request").level);
     return caf::message{};

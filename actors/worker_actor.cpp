@@ -6,6 +6,8 @@
 
 #include <caf/all.hpp>
 
+#include <set>
+
 namespace troupe {
 
 namespace {
@@ -19,10 +21,13 @@ struct worker_actor_state {
   int32_t rank = -1;
   /// The parallel worker task of vLLM: answered when the execution loop stops.
   caf::response_promise loop_task;
-  bool loop_running = false;
-  /// A stop step that arrived before the loop started (possible when the start request and
-  /// the driver's stop travel on different paths); the next start ends at once.
-  bool stop_pending = false;
+  /// Id of the running loop; 0 when none runs.
+  int64_t loop_id = 0;
+  /// The highest loop id this worker has heard of (started or stopped).
+  int64_t newest_loop = 0;
+  /// Stops that overtook their loop's start (they travel different paths); such a loop
+  /// ends as soon as it starts.
+  std::set<int64_t> early_stops;
   int64_t loop_steps = 0;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.worker");
 
@@ -53,9 +58,9 @@ caf::result<caf::ok_atom, caf::message> guarded(worker_self* self, const std::st
 
 void end_loop(worker_self* self, caf::error err) {
   auto& st = self->state;
-  if (!st.loop_running)
+  if (st.loop_id == 0)
     return;
-  st.loop_running = false;
+  st.loop_id = 0;
   if (err)
     st.loop_task.deliver(std::move(err));
   else
@@ -97,23 +102,33 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory) {
                        [&](worker& w) { return w.call(method, args, kwargs); });
       if (!st.obj)
         return not_initialised();
-      if (st.stop_pending) {
-        st.stop_pending = false;
+      if (!args.match_elements<int64_t>() || args.get_as<int64_t>(0) <= 0)
+        return caf::make_error(errc::bad_arguments,
+                               std::string{"start_worker_execution_loop needs a loop id > 0"});
+      auto id = args.get_as<int64_t>(0);
+      st.newest_loop = std::max(st.newest_loop, id);
+      if (st.early_stops.erase(id) > 0)
         return {caf::ok_atom::value, caf::make_message(int64_t{0})};
-      }
-      if (st.loop_running)
-        return caf::make_error(errc::invalid_argument,
-                               "rank " + std::to_string(st.rank) +
-                                 ": execution loop is already running");
-      st.loop_running = true;
+      if (st.loop_id != 0)
+        end_loop(self, caf::make_error(errc::worker_error,
+                                       "rank " + std::to_string(st.rank) + ": execution loop " +
+                                         std::to_string(st.loop_id) + " superseded by loop " +
+                                         std::to_string(id)));
+      st.loop_id = id;
       st.loop_steps = 0;
       st.loop_task = self->make_response_promise();
       return st.loop_task;
     },
     [=](call_atom, const local_call& call) -> caf::result<caf::ok_atom, caf::message> {
       return guarded(self, call.label, [&](worker& w) {
+        std::shared_lock<std::shared_mutex> running;
+        if (call.guard) {
+          running = std::shared_lock<std::shared_mutex>{call.guard->mtx};
+          if (call.guard->cancelled)
+            throw error{errc::timeout, "callable '" + call.label + "' abandoned by its caller"};
+        }
         return w.call_local(call.label,
-                            [&](worker& self_ref) { return call.fn(self_ref, call.args, call.kwargs); });
+                            [&](worker& ref) { return call.fn(ref, call.args, call.kwargs); });
       });
     },
     [=](execute_atom,
@@ -122,12 +137,12 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory) {
         self->send(peer, step_atom::value, req);
       return guarded(self, "execute_model", [&](worker& w) {
         return w.call_local("execute_model",
-                            [&](worker& ref) { return caf::make_message(ref.execute_model(req)); });
+                            [&](worker& ref) { return caf::make_message(ref.run_step(req)); });
       });
     },
-    [=](execute_atom, stop_loop_atom) -> caf::result<caf::ok_atom, caf::message> {
+    [=](execute_atom, stop_loop_atom, int64_t loop_id) -> caf::result<caf::ok_atom, caf::message> {
       for (auto& peer : self->state.peers)
-        self->send(peer, step_atom::value, stop_loop_atom::value);
+        self->send(peer, step_atom::value, stop_loop_atom::value, loop_id);
       return {caf::ok_atom::value, caf::message{}};
     },
     [=](step_atom, const execute_model_request& req) {
@@ -136,7 +151,7 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory) {
         return;
       try {
         st.obj->call_local("execute_model", [&](worker& w) {
-          w.execute_model(req);
+          w.run_step(req);
           return caf::message{};
         });
         ++st.loop_steps;
@@ -146,12 +161,14 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory) {
         end_loop(self, std::move(err));
       }
     },
-    [=](step_atom, stop_loop_atom) {
+    [=](step_atom, stop_loop_atom, int64_t loop_id) {
       auto& st = self->state;
-      if (st.loop_running)
+      if (st.loop_id == loop_id)
         end_loop(self, caf::none);
-      else
-        st.stop_pending = true;
+      else if (loop_id > st.newest_loop)
+        st.early_stops.insert(loop_id);
+      // Otherwise the loop already ended (by an error): nothing to do.
+      st.newest_loop = std::max(st.newest_loop, loop_id);
     },
   };
 }

@@ -13,6 +13,8 @@
 #include <caf/type_id.hpp>
 
 #include <functional>
+#include <memory>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -26,6 +28,15 @@ struct local_call {
   worker_method fn;
   caf::message args;
   caf::settings kwargs;
+  /// Set by a blocking caller that gave up (deadline, another rank's error): workers that
+  /// have not run the callable yet skip it, because it may refer to the caller's stack.
+  /// Workers hold it shared while running the callable; the caller takes it exclusively
+  /// to cancel, which waits for runs in progress.
+  struct guard_type {
+    std::shared_mutex mtx;
+    bool cancelled = false;
+  };
+  std::shared_ptr<guard_type> guard;
 };
 
 /// Deadline and fan-out of one collective call (executor-internal).

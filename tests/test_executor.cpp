@@ -10,6 +10,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <thread>
 
 using namespace troupe;
 using namespace std::chrono_literals;
@@ -375,4 +376,68 @@ TEST_CASE("bad configurations are refused with the reason") {
   auto failing = [](int32_t) -> std::unique_ptr<worker> { throw std::runtime_error("no device today"); };
   auto what = what_of([&] { executor exec(config(2), failing); });
   CHECK(what.find("no device today") != std::string::npos);
+}
+
+TEST_CASE("a peer failing a step with three workers leaves the next loop clean") {
+  executor exec{config(3), test_factory()};
+  exec.execute_model(one_step(1));
+  exec.collective_rpc("fail_next_step_on", {caf::make_message(int32_t{2}), {}, {}, {}});
+  exec.execute_model(one_step(2)); // the driver is fine; rank 2 fails behind it
+  exec.collective_rpc("rank");     // after this the supervisor knows
+  auto what = what_of([&] { exec.execute_model(one_step(3)); });
+  CHECK(what.find("rank 2") != std::string::npos);
+  // Every later step and the stop work: rank 1 was told to leave the failed loop.
+  for (int32_t t = 4; t < 8; ++t)
+    CHECK(exec.execute_model(one_step(t)).size() == 1);
+  exec.stop_remote_worker_execution_loop();
+  auto steps = steps_per_rank(exec);
+  CHECK(steps[0] == 6);
+  CHECK(steps[1] == 6);
+  CHECK(steps[2] == 5); // it failed one
+}
+
+TEST_CASE("a sleep that fails on one rank still counts as asleep until wake_up") {
+  executor exec{config(2), test_factory()};
+  exec.collective_rpc("fail_next_sleep_on", {caf::make_message(int32_t{1}), {}, {}, {}});
+  CHECK(code_of([&] { exec.sleep(1); }) == errc::worker_error);
+  CHECK(exec.is_sleeping());
+  CHECK(code_of([&] { exec.execute_model(one_step(1)); }) == errc::sleeping);
+  exec.wake_up();
+  CHECK(!exec.is_sleeping());
+  CHECK(exec.execute_model(one_step(1)).size() == 1);
+  exec.stop_remote_worker_execution_loop();
+}
+
+TEST_CASE("a step during a sleep or on a sleeping worker is refused instead of crashing") {
+  executor exec{config(2), test_factory()};
+  auto busy = exec.collective_rpc_async("sleep_ms", {caf::make_message(int32_t{200}), {}, {}, {}});
+  std::this_thread::sleep_for(50ms); // the workers are inside the busy call
+  auto slept = exec.sleep_async(1);
+  std::this_thread::sleep_for(20ms); // the sleep is under way, queued behind the busy call
+  auto step = exec.execute_model_async(one_step(1));
+  CHECK(code_of([&] { step.get(); }) == errc::sleeping);
+  slept.get();
+  busy.get();
+  // A raw collective_rpc("sleep") bypasses the executor's state: the worker still refuses.
+  exec.wake_up();
+  exec.collective_rpc("sleep", {caf::make_message(sleep_request{2}), {}, {}, {}});
+  CHECK(code_of([&] { exec.collective_rpc("execute_model", {caf::make_message(one_step(1)), {}, {}, {}}); })
+        == errc::sleeping);
+  exec.collective_rpc("wake_up", {caf::make_message(wake_request{}), {}, {}, {}});
+}
+
+TEST_CASE("malformed sleep and wake arguments are errors") {
+  executor exec{config(1), test_factory()};
+  rpc_call_options bad_tag;
+  bad_tag.args = caf::make_message(wake_request{{static_cast<memory_tag>(200)}});
+  CHECK(code_of([&] { exec.collective_rpc("wake_up", bad_tag); }) == errc::invalid_argument);
+  rpc_call_options bad_level;
+  bad_level.kwargs["level"] = int64_t{(int64_t{1} << 32) + 1};
+  CHECK(code_of([&] { exec.collective_rpc("sleep", bad_level); }) == errc::invalid_argument);
+  rpc_call_options zero;
+  zero.timeout = timeout_type{0};
+  CHECK(code_of([&] { exec.collective_rpc("rank", zero); }) == errc::invalid_argument);
+  rpc_call_options none_at_once;
+  none_at_once.max_concurrent_workers = 0;
+  CHECK(code_of([&] { exec.collective_rpc("rank", none_at_once); }) == errc::invalid_argument);
 }

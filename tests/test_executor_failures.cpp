@@ -6,7 +6,10 @@
 
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <csignal>
+#include <numeric>
+#include <thread>
 #include <cstdio>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -209,4 +212,46 @@ TEST_CASE("destruction without shutdown returns promptly even with a worker stuc
   auto took = seconds_since(start);
   MESSAGE("destroyed with a stuck worker in " << took << " s");
   CHECK(took < executor::shutdown_grace.count() + 3.0);
+}
+
+TEST_CASE("a callable whose caller gave up is skipped and never touches the caller's stack") {
+  executor exec{config(1), test_factory()};
+  auto busy = exec.collective_rpc_async("sleep_ms", sleep_ms(500));
+  std::this_thread::sleep_for(50ms); // the worker is inside the busy call
+  {
+    std::vector<int> on_stack(1000, 7);
+    rpc_call_options opts;
+    opts.timeout = 100ms;
+    auto sum = [&](worker&, const caf::message&, const caf::settings&) {
+      return caf::make_message(std::accumulate(on_stack.begin(), on_stack.end(), 0));
+    };
+    CHECK(code_of([&] { exec.collective_rpc(sum, opts); }) == errc::timeout);
+  }
+  busy.get();
+  // The worker skipped the abandoned callable and goes on serving.
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0});
+}
+
+TEST_CASE("shutdown while other threads are calling ends their calls with shut_down") {
+  executor exec{config(2), test_factory()};
+  std::atomic<int> shut_down_errors{0};
+  std::atomic<int> other_errors{0};
+  std::vector<std::thread> callers;
+  for (int i = 0; i < 3; ++i)
+    callers.emplace_back([&] {
+      for (;;) {
+        try {
+          exec.collective_rpc("sleep_ms", sleep_ms(5));
+        } catch (const error& e) {
+          (e.code() == errc::shut_down ? shut_down_errors : other_errors)++;
+          return;
+        }
+      }
+    });
+  std::this_thread::sleep_for(100ms);
+  exec.shutdown();
+  for (auto& t : callers)
+    t.join();
+  CHECK(shut_down_errors.load() == 3);
+  CHECK(other_errors.load() == 0);
 }

@@ -89,7 +89,8 @@ std::vector<caf::message> every_type() {
     caf::make_message(call_atom::value, std::string{"execute_model"},
                       caf::make_message(sample_request()), caf::settings{}),
     caf::make_message(caf::ok_atom::value, caf::make_message(std::vector<int64_t>{1})),
-    caf::make_message(execute_atom::value, stop_loop_atom::value),
+    caf::make_message(execute_atom::value, stop_loop_atom::value, int64_t{3}),
+    caf::make_message(step_atom::value, stop_loop_atom::value, int64_t{3}),
     caf::make_message(step_atom::value, sample_request()),
   };
 }

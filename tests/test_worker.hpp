@@ -138,6 +138,14 @@ public:
     out.write(weights_.as<char>(), static_cast<std::streamsize>(weights_.size()));
   }
 
+  void sleep(int32_t level) override {
+    if (fail_next_sleep_) {
+      fail_next_sleep_ = false;
+      throw std::runtime_error("sleep failed on purpose");
+    }
+    worker::sleep(level);
+  }
+
   uint64_t checksum() const {
     return fnv1a(weights_.as<unsigned char>(), weights_.size());
   }
@@ -200,6 +208,18 @@ private:
       static_cast<test_worker&>(w).fail_next_step_ = true;
       return caf::message{};
     });
+    register_method("fail_next_sleep_on", [](worker& w, const caf::message& args,
+                                             const caf::settings&) {
+      if (w.rank() == int_arg(args, 0, 0))
+        static_cast<test_worker&>(w).fail_next_sleep_ = true;
+      return caf::message{};
+    });
+    register_method("fail_next_step_on", [](worker& w, const caf::message& args,
+                                            const caf::settings&) {
+      if (w.rank() == int_arg(args, 0, 0))
+        static_cast<test_worker&>(w).fail_next_step_ = true;
+      return caf::message{};
+    });
     register_method("add_lora_on", [](worker& w, const caf::message& args, const caf::settings&) {
       if (w.rank() == int_arg(args, 0, 0))
         static_cast<test_worker&>(w).loras_.insert(99);
@@ -229,6 +249,7 @@ private:
   std::set<int64_t> adapters_;
   int64_t steps_ = 0;
   bool fail_next_step_ = false;
+  bool fail_next_sleep_ = false;
 };
 
 inline worker_factory test_factory(size_t weights_bytes = 1 << 20) {

@@ -76,7 +76,10 @@ public:
                                            const rpc_call_options& opts = {});
 
   /// Runs `fn` on every worker object, in the worker's thread. In-process only: refused
-  /// with `errc::remote_callable` when a worker lives in another process.
+  /// with `errc::remote_callable` when a worker lives in another process. If the call
+  /// fails (deadline, a rank's error), workers that have not run `fn` yet skip it, and runs
+  /// in progress finish before this returns, so `fn` may capture the caller's locals by
+  /// reference.
   std::vector<caf::message> collective_rpc(worker_method fn, const rpc_call_options& opts = {});
 
   /// `collective_rpc` whose results are all of type `T`. Throws `bad_arguments` when a
@@ -179,6 +182,8 @@ public:
 
   std::future<std::vector<caf::message>>
   collective_rpc_async(const std::string& method, const rpc_call_options& opts = {});
+  /// The async form runs `fn` whenever each worker gets to it, even after the future was
+  /// dropped: capture by value.
   std::future<std::vector<caf::message>> collective_rpc_async(worker_method fn,
                                                               const rpc_call_options& opts = {});
   std::future<cache_blocks> determine_num_available_blocks_async();

@@ -99,6 +99,10 @@ public:
   /// Runs one model step.
   virtual std::vector<sampler_output> execute_model(const execute_model_request& request);
 
+  /// `execute_model`, refused with `errc::sleeping` while any memory tag of the device
+  /// sleeps (its memory is unmapped). Every step the worker actor runs goes through here.
+  std::vector<sampler_output> run_step(const execute_model_request& request);
+
   // -- adapters -----------------------------------------------------------------
 
   virtual bool add_lora(const lora_request& request);

@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 #include <sys/mman.h>
@@ -49,6 +50,12 @@ void protect(void* ptr, std::size_t bytes, int prot) {
     fail("mprotect", bytes);
 }
 
+void check_tag(memory_tag tag) {
+  if (static_cast<size_t>(tag) >= std::size(all_memory_tags))
+    throw error{errc::invalid_argument,
+                "unknown memory tag " + std::to_string(static_cast<int>(tag))};
+}
+
 } // namespace
 
 cpu_device::cpu_device(int32_t index) : index_(index) {
@@ -68,6 +75,7 @@ std::string cpu_device::name() const {
 }
 
 void* cpu_device::allocate(std::size_t bytes, memory_tag tag) {
+  check_tag(tag);
   if (tags_[index_of(tag)].asleep)
     throw error{errc::sleeping, std::string{"cpu device: cannot allocate under tag '"} +
                                   to_string(tag) + "' while it sleeps"};
@@ -91,6 +99,8 @@ void cpu_device::sleep(int32_t level) {
   if (level != 1 && level != 2)
     throw error{errc::invalid_argument,
                 "sleep level must be 1 or 2, got " + std::to_string(level)};
+  // First every backup (the step that can fail for want of memory), then the releases, so
+  // that a failure leaves all memory as it was.
   for (auto& [ptr, alloc] : allocations_) {
     if (tags_[index_of(alloc.tag)].asleep)
       continue;
@@ -102,6 +112,10 @@ void cpu_device::sleep(int32_t level) {
     } else {
       alloc.backup_valid = false;
     }
+  }
+  for (auto& [ptr, alloc] : allocations_) {
+    if (tags_[index_of(alloc.tag)].asleep)
+      continue;
     release_pages(ptr, alloc.mapped);
     protect(ptr, alloc.mapped, PROT_NONE);
   }
@@ -114,6 +128,8 @@ void cpu_device::sleep(int32_t level) {
 }
 
 void cpu_device::wake_up(const std::vector<memory_tag>& tags) {
+  for (auto tag : tags)
+    check_tag(tag);
   auto wanted = tags.empty() ? sleeping_tags() : tags;
   for (auto tag : wanted) {
     auto& state = tags_[index_of(tag)];
