@@ -29,3 +29,64 @@ with open(out / "dtypes.expected.txt", "w") as f:
         shape = "x".join(str(d) for d in t.shape)
         f.write(f"{name} {str(t.dtype).removeprefix('torch.')} {shape} : {values}\n")
 print("wrote", out / "dtypes.safetensors")
+
+
+# -- tiny random-weight models and their outputs, from transformers ---------------------
+import json
+
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+PROMPTS = [[1, 15, 27, 99, 3], [1, 200, 7], [5, 9, 13, 17, 21, 25, 29, 33, 37]]
+GREEDY_TOKENS = 32
+
+
+def tiny_models():
+    common = dict(vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
+                  bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    yield "llama-gqa", LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   rope_theta=10000.0, tie_word_embeddings=False, **common)
+    yield "llama3-rope-tied", LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        **common)
+    yield "qwen2-bias", Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2,
+                                    rope_theta=1000000.0, tie_word_embeddings=False,
+                                    use_sliding_window=False, **common)
+    yield "llama-odd-heads", LlamaConfig(hidden_size=48, intermediate_size=80,
+                                         num_hidden_layers=3, num_attention_heads=3,
+                                         num_key_value_heads=1, head_dim=16,
+                                         tie_word_embeddings=False, **common)
+
+
+for name, config in tiny_models():
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so that they matter.
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    directory = out / name
+    model.save_pretrained(directory, safe_serialization=True)
+    reference = {"prompts": []}
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            logits = model(ids).logits[0]
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                       max_new_tokens=GREEDY_TOKENS, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)
+        reference["prompts"].append({
+            "token_ids": prompt,
+            # Logits of the last prompt position, and of every position for the first prompt.
+            "last_logits": [float(v) for v in logits[-1]],
+            "all_logits": [[float(v) for v in row] for row in logits] if prompt is PROMPTS[0] else [],
+            "greedy": generated[0, len(prompt):].tolist(),
+        })
+    with open(directory / "reference.json", "w") as f:
+        json.dump(reference, f)
+    print("wrote", directory)

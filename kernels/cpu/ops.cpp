@@ -1,0 +1,56 @@
+#include "kernels/cpu/ops.hpp"
+
+#include <cblas.h>
+
+#include <cmath>
+
+namespace troupe::cpu {
+
+void gemm_nt(const float* x, const float* w, float* y, int64_t m, int64_t n, int64_t k,
+             bool accumulate) {
+  if (m == 0 || n == 0)
+    return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(m),
+              static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, x, static_cast<blasint>(k),
+              w, static_cast<blasint>(k), accumulate ? 1.0f : 0.0f, y, static_cast<blasint>(n));
+}
+
+void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,
+              float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* in = x + r * dim;
+    float* out = y + r * dim;
+    double sum = 0.0;
+    for (int64_t i = 0; i < dim; ++i)
+      sum += static_cast<double>(in[i]) * in[i];
+    auto inv = static_cast<float>(1.0 / std::sqrt(sum / dim + eps));
+    for (int64_t i = 0; i < dim; ++i)
+      out[i] = in[i] * inv * weight[i];
+  }
+}
+
+void add_bias(float* y, const float* bias, int64_t m, int64_t n) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < n; ++i)
+      y[r * n + i] += bias[i];
+}
+
+void rotary(float* x, int64_t heads, int64_t head_dim, const float* cos, const float* sin) {
+  auto half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      float a = v[i];
+      float b = v[i + half];
+      v[i] = a * cos[i] - b * sin[i];
+      v[i + half] = b * cos[i] + a * sin[i];
+    }
+  }
+}
+
+void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+} // namespace troupe::cpu

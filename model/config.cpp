@@ -1,0 +1,173 @@
+#include "model/config.hpp"
+
+#include "troupe/errors.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <sstream>
+
+namespace troupe {
+
+namespace {
+
+using json = nlohmann::json;
+
+[[noreturn]] void bad_config(const std::string& origin, const std::string& what) {
+  throw error{errc::invalid_argument, "model config '" + origin + "': " + what};
+}
+
+int64_t positive_int(const json& j, const char* key, const std::string& origin) {
+  if (!j.contains(key))
+    bad_config(origin, std::string{"missing "} + key);
+  if (!j[key].is_number_integer() || j[key].get<int64_t>() <= 0)
+    bad_config(origin, std::string{key} + " must be a positive integer, got " + j[key].dump());
+  return j[key].get<int64_t>();
+}
+
+/// `eos_token_id` may be a list (several end tokens); the first one is taken.
+int32_t token_id(const json& j, const char* key) {
+  if (!j.contains(key))
+    return -1;
+  auto& v = j[key];
+  if (v.is_number_integer())
+    return v.get<int32_t>();
+  if (v.is_array() && !v.empty() && v[0].is_number_integer())
+    return v[0].get<int32_t>();
+  return -1;
+}
+
+} // namespace
+
+int64_t model_config::num_parameters() const {
+  auto q = num_attention_heads * head_dim;
+  auto kv = num_key_value_heads * head_dim;
+  int64_t per_layer = hidden_size * (q + 2 * kv) + q * hidden_size
+                      + 3 * hidden_size * intermediate_size + 2 * hidden_size;
+  if (attention_bias)
+    per_layer += q + 2 * kv;
+  int64_t total = num_hidden_layers * per_layer + vocab_size * hidden_size + hidden_size;
+  if (!tie_word_embeddings)
+    total += vocab_size * hidden_size;
+  return total;
+}
+
+model_config parse_model_config(const std::string& json_text, const std::string& origin) {
+  auto j = json::parse(json_text, nullptr, false);
+  if (j.is_discarded() || !j.is_object())
+    bad_config(origin, "not a JSON object");
+  model_config c;
+  if (!j.contains("architectures") || !j["architectures"].is_array() || j["architectures"].empty()
+      || !j["architectures"][0].is_string())
+    bad_config(origin, "missing architectures");
+  c.architecture = j["architectures"][0].get<std::string>();
+  if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM"
+      && c.architecture != "Qwen2ForCausalLM")
+    bad_config(origin, "architecture " + c.architecture +
+                         " is not supported (LlamaForCausalLM, MistralForCausalLM, "
+                         "Qwen2ForCausalLM)");
+  c.vocab_size = positive_int(j, "vocab_size", origin);
+  c.hidden_size = positive_int(j, "hidden_size", origin);
+  c.intermediate_size = positive_int(j, "intermediate_size", origin);
+  c.num_hidden_layers = positive_int(j, "num_hidden_layers", origin);
+  c.num_attention_heads = positive_int(j, "num_attention_heads", origin);
+  c.num_key_value_heads = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null()
+                            ? positive_int(j, "num_key_value_heads", origin)
+                            : c.num_attention_heads;
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    bad_config(origin, "num_attention_heads " + std::to_string(c.num_attention_heads) +
+                         " is not a multiple of num_key_value_heads " +
+                         std::to_string(c.num_key_value_heads));
+  if (j.contains("head_dim") && !j["head_dim"].is_null()) {
+    c.head_dim = positive_int(j, "head_dim", origin);
+  } else {
+    if (c.hidden_size % c.num_attention_heads != 0)
+      bad_config(origin, "hidden_size is not a multiple of num_attention_heads");
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  if (c.head_dim % 2 != 0)
+    bad_config(origin, "head_dim must be even for rotary embeddings");
+  if (j.contains("max_position_embeddings"))
+    c.max_position_embeddings = positive_int(j, "max_position_embeddings", origin);
+  if (j.contains("rms_norm_eps") && j["rms_norm_eps"].is_number())
+    c.rms_norm_eps = j["rms_norm_eps"].get<double>();
+  // transformers 4 writes rope_theta and rope_scaling; transformers 5 folds both into
+  // rope_parameters.
+  const json* rope = nullptr;
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object())
+    rope = &j["rope_parameters"];
+  else if (j.contains("rope_scaling") && j["rope_scaling"].is_object())
+    rope = &j["rope_scaling"];
+  if (j.contains("rope_theta") && j["rope_theta"].is_number())
+    c.rope_theta = j["rope_theta"].get<double>();
+  else if (rope && rope->contains("rope_theta") && (*rope)["rope_theta"].is_number())
+    c.rope_theta = (*rope)["rope_theta"].get<double>();
+  if (rope) {
+    auto& rs = *rope;
+    auto type = rs.value("rope_type", rs.value("type", std::string{}));
+    if (type == "llama3") {
+      c.rope_scaling.enabled = true;
+      c.rope_scaling.factor = rs.value("factor", 8.0);
+      c.rope_scaling.low_freq_factor = rs.value("low_freq_factor", 1.0);
+      c.rope_scaling.high_freq_factor = rs.value("high_freq_factor", 4.0);
+      c.rope_scaling.original_max_position_embeddings =
+        rs.value("original_max_position_embeddings", int64_t{8192});
+    } else if (!type.empty() && type != "default") {
+      bad_config(origin, "rope type " + type + " is not supported (default, llama3)");
+    }
+  }
+  if (j.value("use_sliding_window", false))
+    bad_config(origin, "sliding-window attention is not supported");
+  c.tie_word_embeddings = j.value("tie_word_embeddings", false);
+  c.attention_bias = c.architecture == "Qwen2ForCausalLM" || j.value("attention_bias", false);
+  c.bos_token_id = token_id(j, "bos_token_id");
+  c.eos_token_id = token_id(j, "eos_token_id");
+  return c;
+}
+
+model_config load_model_config(const std::string& directory) {
+  auto path = directory + "/config.json";
+  std::ifstream in{path};
+  if (!in)
+    throw error{errc::invalid_argument, "cannot read model config '" + path + "'"};
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse_model_config(text.str(), path);
+}
+
+std::string to_config_json(const model_config& c) {
+  json j;
+  j["architectures"] = {c.architecture};
+  j["model_type"] = c.architecture == "Qwen2ForCausalLM"     ? "qwen2"
+                    : c.architecture == "MistralForCausalLM" ? "mistral"
+                                                             : "llama";
+  j["vocab_size"] = c.vocab_size;
+  j["hidden_size"] = c.hidden_size;
+  j["intermediate_size"] = c.intermediate_size;
+  j["num_hidden_layers"] = c.num_hidden_layers;
+  j["num_attention_heads"] = c.num_attention_heads;
+  j["num_key_value_heads"] = c.num_key_value_heads;
+  j["head_dim"] = c.head_dim;
+  j["max_position_embeddings"] = c.max_position_embeddings;
+  j["rms_norm_eps"] = c.rms_norm_eps;
+  j["rope_theta"] = c.rope_theta;
+  if (c.rope_scaling.enabled)
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", c.rope_scaling.factor},
+                         {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                         {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings",
+                          c.rope_scaling.original_max_position_embeddings}};
+  j["tie_word_embeddings"] = c.tie_word_embeddings;
+  if (c.architecture != "Qwen2ForCausalLM")
+    j["attention_bias"] = c.attention_bias;
+  j["hidden_act"] = "silu";
+  if (c.bos_token_id >= 0)
+    j["bos_token_id"] = c.bos_token_id;
+  if (c.eos_token_id >= 0)
+    j["eos_token_id"] = c.eos_token_id;
+  j["torch_dtype"] = "float32";
+  return j.dump(2);
+}
+
+} // namespace troupe

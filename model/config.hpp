@@ -1,0 +1,53 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace troupe {
+
+/// The llama3 rope scaling of Hugging Face's `rope_scaling` (`rope_type: "llama3"`).
+struct llama3_rope_scaling {
+  bool enabled = false;
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+/// The shape of a Llama-family decoder, read from a Hugging Face `config.json`.
+struct model_config {
+  /// `LlamaForCausalLM`, `MistralForCausalLM` or `Qwen2ForCausalLM`.
+  std::string architecture;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  llama3_rope_scaling rope_scaling;
+  bool tie_word_embeddings = false;
+  /// q, k and v projections carry a bias (Qwen2).
+  bool attention_bias = false;
+  int32_t bos_token_id = -1;
+  int32_t eos_token_id = -1;
+
+  /// Parameters of the whole model (all ranks together).
+  int64_t num_parameters() const;
+};
+
+/// Reads `config.json` of a Hugging Face model directory. Throws `troupe::error`
+/// (`invalid_argument`) naming the file and the field for a missing or bad value and for an
+/// architecture troupe does not run.
+model_config load_model_config(const std::string& directory);
+
+/// Parses the text of a `config.json`; `origin` names it in errors.
+model_config parse_model_config(const std::string& json_text, const std::string& origin);
+
+/// Writes `config` as a Hugging Face `config.json` text.
+std::string to_config_json(const model_config& config);
+
+} // namespace troupe

@@ -1,0 +1,74 @@
+#pragma once
+
+#include "troupe/device.hpp"
+#include "troupe/types.hpp"
+
+#include <cstdint>
+#include <vector>
+
+namespace troupe {
+
+/// The paged KV cache of one worker: per layer, keys and values of `num_blocks` blocks of
+/// `block_size` positions, each position holding `kv_heads × head_dim` floats. Device
+/// blocks live in the device's pool under `memory_tag::kv_cache` (they sleep with it); swap
+/// blocks live in host memory.
+class kv_cache {
+public:
+  kv_cache(device& dev, int64_t layers, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+           int64_t device_blocks, int64_t swap_blocks);
+
+  /// Bytes one block takes across all layers, keys and values.
+  static int64_t bytes_per_block(int64_t layers, int64_t kv_heads, int64_t head_dim,
+                                 int64_t block_size);
+
+  /// The key (value) vector of `kv_head` at `slot` of device block `block` in `layer`.
+  float* key(int64_t layer, int64_t block, int64_t slot, int64_t kv_head) {
+    return at(layer, 0, block, slot, kv_head);
+  }
+  float* value(int64_t layer, int64_t block, int64_t slot, int64_t kv_head) {
+    return at(layer, 1, block, slot, kv_head);
+  }
+
+  /// Carries out the block moves of a step; throws `invalid_argument` for a block number
+  /// out of range.
+  void swap_in(const std::vector<block_move>& moves);
+  void swap_out(const std::vector<block_move>& moves);
+  void copy(const std::vector<block_move>& moves);
+
+  int64_t device_blocks() const {
+    return device_blocks_;
+  }
+  int64_t swap_blocks() const {
+    return swap_blocks_;
+  }
+  int64_t block_size() const {
+    return block_size_;
+  }
+
+private:
+  float* at(int64_t layer, int64_t kv, int64_t block, int64_t slot, int64_t kv_head) {
+    return base_ + (((layer * 2 + kv) * device_blocks_ + block) * block_size_ + slot) * row_
+           + kv_head * head_dim_;
+  }
+
+  /// Floats of one block in one layer, for keys or values.
+  int64_t block_floats() const {
+    return block_size_ * row_;
+  }
+
+  void check(int64_t block, int64_t limit, const char* what) const;
+
+  device& dev_;
+  int64_t layers_;
+  int64_t head_dim_;
+  int64_t row_;
+  int64_t block_size_;
+  int64_t device_blocks_;
+  int64_t swap_blocks_;
+  device_buffer device_memory_;
+  float* base_;
+  /// Swap blocks: [swap block][layer][k|v][block floats].
+  std::vector<float> swap_;
+};
+
+} // namespace troupe

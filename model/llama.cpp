@@ -1,0 +1,361 @@
+#include "model/llama.hpp"
+
+#include "kernels/cpu/ops.hpp"
+#include "troupe/errors.hpp"
+
+#include <cmath>
+#include <cstring>
+
+namespace troupe {
+
+namespace {
+
+[[noreturn]] void bad_request(const std::string& what) {
+  throw error{errc::invalid_argument, "execute_model: " + what};
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i)
+    s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+/// Copies rows [row0, row0 + rows) of a 2-D (or 1-D: elements) tensor as float32.
+void read_rows(const tensor_view& t, int64_t row0, int64_t rows, float* dst) {
+  int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
+  auto offset = static_cast<size_t>(row0 * cols) * element_size(t.type);
+  to_float(t.type, t.data + offset, dst, static_cast<size_t>(rows * cols));
+}
+
+/// Copies columns [col0, col0 + cols) of every row of a 2-D tensor as float32.
+void read_cols(const tensor_view& t, int64_t col0, int64_t cols, float* dst) {
+  auto esize = element_size(t.type);
+  for (int64_t r = 0; r < t.shape[0]; ++r)
+    to_float(t.type, t.data + static_cast<size_t>(r * t.shape[1] + col0) * esize, dst + r * cols,
+             static_cast<size_t>(cols));
+}
+
+} // namespace
+
+llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t world)
+  : cfg_(std::move(cfg)), dev_(dev), rank_(rank), world_(world) {
+  auto fail = [&](const std::string& what) {
+    throw error{errc::invalid_argument, cfg_.architecture + " cannot be split " +
+                                          std::to_string(world) + " ways: " + what};
+  };
+  if (cfg_.num_attention_heads % world != 0)
+    fail("num_attention_heads " + std::to_string(cfg_.num_attention_heads) +
+         " is not a multiple of the tensor parallel size");
+  if (cfg_.intermediate_size % world != 0)
+    fail("intermediate_size " + std::to_string(cfg_.intermediate_size) +
+         " is not a multiple of the tensor parallel size");
+  local_heads_ = cfg_.num_attention_heads / world;
+  if (cfg_.num_key_value_heads % world == 0) {
+    local_kv_ = cfg_.num_key_value_heads / world;
+    kv_offset_ = rank * local_kv_;
+  } else if (world % cfg_.num_key_value_heads == 0) {
+    local_kv_ = 1; // replicated: several ranks share one kv head
+    kv_offset_ = rank / (world / cfg_.num_key_value_heads);
+  } else {
+    fail("num_key_value_heads " + std::to_string(cfg_.num_key_value_heads) +
+         " neither divides nor is divided by the tensor parallel size");
+  }
+  local_inter_ = cfg_.intermediate_size / world;
+  // Rotary frequencies, with the llama3 rescaling of long wavelengths.
+  auto half = cfg_.head_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    double f = 1.0 / std::pow(cfg_.rope_theta, static_cast<double>(2 * i) / cfg_.head_dim);
+    if (cfg_.rope_scaling.enabled) {
+      auto& rs = cfg_.rope_scaling;
+      double old_len = static_cast<double>(rs.original_max_position_embeddings);
+      double low_wavelen = old_len / rs.low_freq_factor;
+      double high_wavelen = old_len / rs.high_freq_factor;
+      double wavelen = 2.0 * M_PI / f;
+      if (wavelen > low_wavelen) {
+        f /= rs.factor;
+      } else if (wavelen >= high_wavelen) {
+        double smooth = (old_len / wavelen - rs.low_freq_factor)
+                        / (rs.high_freq_factor - rs.low_freq_factor);
+        f = (1.0 - smooth) * f / rs.factor + smooth * f;
+      }
+    }
+    inv_freq_.push_back(f);
+  }
+}
+
+std::string llama_model::architecture() const {
+  return cfg_.architecture;
+}
+
+int64_t llama_model::num_parameters() const {
+  int64_t n = 0;
+  for (auto& t : tensors()) {
+    int64_t numel = 1;
+    for (auto d : t.shape)
+      numel *= d;
+    n += numel;
+  }
+  return n;
+}
+
+void llama_model::load(const checkpoint& ckpt, const load_progress& progress) {
+  const auto H = cfg_.hidden_size;
+  const auto D = cfg_.head_dim;
+  const auto V = cfg_.vocab_size;
+  size_t total = 3 + static_cast<size_t>(cfg_.num_hidden_layers) * 9 + (cfg_.tie_word_embeddings ? 0 : 1);
+  size_t done = 0;
+  auto tick = [&] {
+    ++done;
+    if (progress)
+      progress(done, total);
+  };
+  auto tensor = [&](const std::string& name, std::vector<int64_t> shape) -> const tensor_view& {
+    auto& t = ckpt.at(name);
+    if (t.shape != shape)
+      throw error{errc::invalid_argument, "model '" + ckpt.directory() + "': tensor '" + name +
+                                            "' has shape " + shape_text(t.shape) +
+                                            ", the config needs " + shape_text(shape)};
+    return t;
+  };
+  // Reloading writes into the memory already there, so addresses stay the same.
+  auto buffer = [&](device_buffer& buf, int64_t floats) -> float* {
+    auto bytes = static_cast<size_t>(floats) * sizeof(float);
+    if (buf.size() != bytes)
+      buf = device_buffer(dev_, bytes, memory_tag::weights);
+    return buf.as<float>();
+  };
+  auto full = [&](device_buffer& buf, const std::string& name, std::vector<int64_t> shape) {
+    auto& t = tensor(name, shape);
+    read_rows(t, 0, shape[0], buffer(buf, t.numel()));
+    tick();
+  };
+  // Column-parallel: this rank's rows of the output dimension.
+  auto rows = [&](device_buffer& buf, const std::string& name, std::vector<int64_t> shape,
+                  int64_t row0, int64_t count) {
+    auto& t = tensor(name, shape);
+    int64_t cols = shape.size() == 2 ? shape[1] : 1;
+    read_rows(t, row0, count, buffer(buf, count * cols));
+  };
+  // Row-parallel: this rank's columns of the input dimension.
+  auto cols = [&](device_buffer& buf, const std::string& name, std::vector<int64_t> shape,
+                  int64_t col0, int64_t count) {
+    auto& t = tensor(name, shape);
+    read_cols(t, col0, count, buffer(buf, shape[0] * count));
+    tick();
+  };
+  full(embed_, "model.embed_tokens.weight", {V, H});
+  full(final_norm_, "model.norm.weight", {H});
+  if (!cfg_.tie_word_embeddings)
+    full(lm_head_, "lm_head.weight", {V, H});
+  tick();
+  layers_.resize(static_cast<size_t>(cfg_.num_hidden_layers));
+  const auto QH = cfg_.num_attention_heads * D;
+  const auto KVH = cfg_.num_key_value_heads * D;
+  const auto I = cfg_.intermediate_size;
+  for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
+    auto& l = layers_[static_cast<size_t>(i)];
+    auto p = "model.layers." + std::to_string(i) + ".";
+    full(l.input_norm, p + "input_layernorm.weight", {H});
+    full(l.post_norm, p + "post_attention_layernorm.weight", {H});
+    auto q0 = rank_ * local_heads_ * D;
+    auto kv0 = kv_offset_ * D;
+    rows(l.q, p + "self_attn.q_proj.weight", {QH, H}, q0, local_heads_ * D);
+    rows(l.k, p + "self_attn.k_proj.weight", {KVH, H}, kv0, local_kv_ * D);
+    rows(l.v, p + "self_attn.v_proj.weight", {KVH, H}, kv0, local_kv_ * D);
+    if (cfg_.attention_bias) {
+      rows(l.q_bias, p + "self_attn.q_proj.bias", {QH}, q0, local_heads_ * D);
+      rows(l.k_bias, p + "self_attn.k_proj.bias", {KVH}, kv0, local_kv_ * D);
+      rows(l.v_bias, p + "self_attn.v_proj.bias", {KVH}, kv0, local_kv_ * D);
+    }
+    tick();
+    tick();
+    tick();
+    cols(l.o, p + "self_attn.o_proj.weight", {H, QH}, q0, local_heads_ * D);
+    rows(l.gate, p + "mlp.gate_proj.weight", {I, H}, rank_ * local_inter_, local_inter_);
+    rows(l.up, p + "mlp.up_proj.weight", {I, H}, rank_ * local_inter_, local_inter_);
+    tick();
+    tick();
+    cols(l.down, p + "mlp.down_proj.weight", {H, I}, rank_ * local_inter_, local_inter_);
+  }
+}
+
+std::vector<llama_model::local_tensor> llama_model::tensors() const {
+  const auto H = cfg_.hidden_size;
+  const auto D = cfg_.head_dim;
+  std::vector<local_tensor> out;
+  out.push_back({"model.embed_tokens.weight", {cfg_.vocab_size, H}, embed_.as<float>()});
+  out.push_back({"model.norm.weight", {H}, final_norm_.as<float>()});
+  if (!cfg_.tie_word_embeddings)
+    out.push_back({"lm_head.weight", {cfg_.vocab_size, H}, lm_head_.as<float>()});
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    auto& l = layers_[i];
+    auto p = "model.layers." + std::to_string(i) + ".";
+    out.push_back({p + "input_layernorm.weight", {H}, l.input_norm.as<float>()});
+    out.push_back({p + "post_attention_layernorm.weight", {H}, l.post_norm.as<float>()});
+    out.push_back({p + "self_attn.q_proj.weight", {local_heads_ * D, H}, l.q.as<float>()});
+    out.push_back({p + "self_attn.k_proj.weight", {local_kv_ * D, H}, l.k.as<float>()});
+    out.push_back({p + "self_attn.v_proj.weight", {local_kv_ * D, H}, l.v.as<float>()});
+    if (cfg_.attention_bias) {
+      out.push_back({p + "self_attn.q_proj.bias", {local_heads_ * D}, l.q_bias.as<float>()});
+      out.push_back({p + "self_attn.k_proj.bias", {local_kv_ * D}, l.k_bias.as<float>()});
+      out.push_back({p + "self_attn.v_proj.bias", {local_kv_ * D}, l.v_bias.as<float>()});
+    }
+    out.push_back({p + "self_attn.o_proj.weight", {H, local_heads_ * D}, l.o.as<float>()});
+    out.push_back({p + "mlp.gate_proj.weight", {local_inter_, H}, l.gate.as<float>()});
+    out.push_back({p + "mlp.up_proj.weight", {local_inter_, H}, l.up.as<float>()});
+    out.push_back({p + "mlp.down_proj.weight", {H, local_inter_}, l.down.as<float>()});
+  }
+  return out;
+}
+
+void llama_model::rope_tables(int32_t position, float* cos, float* sin) const {
+  for (size_t i = 0; i < inv_freq_.size(); ++i) {
+    double angle = position * inv_freq_[i];
+    cos[i] = static_cast<float>(std::cos(angle));
+    sin[i] = static_cast<float>(std::sin(angle));
+  }
+}
+
+std::vector<float> llama_model::forward(const execute_model_request& req, kv_cache& cache,
+                                        std::vector<sample_row>& rows) {
+  const auto H = cfg_.hidden_size;
+  const auto D = cfg_.head_dim;
+  const auto V = cfg_.vocab_size;
+  const auto bs = cache.block_size();
+  const auto q_width = local_heads_ * D;
+  const auto kv_width = local_kv_ * D;
+  const auto group_size = cfg_.num_attention_heads / cfg_.num_key_value_heads;
+
+  // The tokens of the step, and where each one lives.
+  struct token {
+    int32_t id;
+    int32_t position;
+    const std::vector<int32_t>* block_table;
+  };
+  std::vector<token> tokens;
+  std::vector<int64_t> sample_token_rows;
+  rows.clear();
+  for (size_t g = 0; g < req.seq_group_metadata_list.size(); ++g) {
+    auto& group = req.seq_group_metadata_list[g];
+    for (size_t s = 0; s < group.seqs.size(); ++s) {
+      auto& seq = group.seqs[s];
+      int64_t start = seq.num_computed_tokens;
+      int64_t chunk = group.token_chunk_size;
+      if (start < 0 || chunk <= 0 || start + chunk > static_cast<int64_t>(seq.token_ids.size()))
+        bad_request("request '" + group.request_id + "': chunk of " + std::to_string(chunk) +
+                    " tokens from position " + std::to_string(start) + " does not fit its " +
+                    std::to_string(seq.token_ids.size()) + " tokens");
+      if (start + chunk > cfg_.max_position_embeddings)
+        bad_request("request '" + group.request_id + "' reaches position " +
+                    std::to_string(start + chunk) + ", past max_position_embeddings " +
+                    std::to_string(cfg_.max_position_embeddings));
+      auto blocks_needed = (start + chunk + bs - 1) / bs;
+      if (static_cast<int64_t>(seq.block_table.size()) < blocks_needed)
+        bad_request("request '" + group.request_id + "': block table has " +
+                    std::to_string(seq.block_table.size()) + " blocks, " +
+                    std::to_string(blocks_needed) + " needed");
+      for (int64_t b = 0; b < blocks_needed; ++b)
+        if (seq.block_table[b] < 0 || seq.block_table[b] >= cache.device_blocks())
+          bad_request("request '" + group.request_id + "': block " +
+                      std::to_string(seq.block_table[b]) + " is not a device block");
+      for (int64_t p = start; p < start + chunk; ++p) {
+        auto id = seq.token_ids[static_cast<size_t>(p)];
+        if (id < 0 || id >= V)
+          bad_request("request '" + group.request_id + "': token " + std::to_string(id) +
+                      " is outside the vocabulary of " + std::to_string(V));
+        tokens.push_back({id, static_cast<int32_t>(p), &seq.block_table});
+      }
+      if (group.do_sample) {
+        sample_token_rows.push_back(static_cast<int64_t>(tokens.size()) - 1);
+        rows.push_back({g, s});
+      }
+    }
+  }
+  const auto T = static_cast<int64_t>(tokens.size());
+  std::vector<float> x(static_cast<size_t>(T * H));
+  for (int64_t t = 0; t < T; ++t)
+    std::memcpy(&x[t * H], embed_.as<float>() + tokens[t].id * H, H * sizeof(float));
+
+  std::vector<float> h(x.size());
+  std::vector<float> q(static_cast<size_t>(T * q_width));
+  std::vector<float> k(static_cast<size_t>(T * kv_width));
+  std::vector<float> v(static_cast<size_t>(T * kv_width));
+  std::vector<float> attn(q.size());
+  std::vector<float> gate(static_cast<size_t>(T * local_inter_));
+  std::vector<float> up(gate.size());
+  std::vector<float> half_cos(inv_freq_.size());
+  std::vector<float> half_sin(inv_freq_.size());
+  std::vector<float> scores;
+  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const auto eps = static_cast<float>(cfg_.rms_norm_eps);
+  auto reduce = [&](std::vector<float>& buf) {
+    if (all_reduce_ && world_ > 1)
+      all_reduce_(buf.data(), buf.size());
+  };
+
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    auto& l = layers_[li];
+    auto layer = static_cast<int64_t>(li);
+    cpu::rms_norm(x.data(), l.input_norm.as<float>(), h.data(), T, H, eps);
+    cpu::gemm_nt(h.data(), l.q.as<float>(), q.data(), T, q_width, H);
+    cpu::gemm_nt(h.data(), l.k.as<float>(), k.data(), T, kv_width, H);
+    cpu::gemm_nt(h.data(), l.v.as<float>(), v.data(), T, kv_width, H);
+    if (cfg_.attention_bias) {
+      cpu::add_bias(q.data(), l.q_bias.as<float>(), T, q_width);
+      cpu::add_bias(k.data(), l.k_bias.as<float>(), T, kv_width);
+      cpu::add_bias(v.data(), l.v_bias.as<float>(), T, kv_width);
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      rope_tables(tokens[t].position, half_cos.data(), half_sin.data());
+      cpu::rotary(&q[t * q_width], local_heads_, D, half_cos.data(), half_sin.data());
+      cpu::rotary(&k[t * kv_width], local_kv_, D, half_cos.data(), half_sin.data());
+      auto pos = tokens[t].position;
+      auto block = (*tokens[t].block_table)[static_cast<size_t>(pos / bs)];
+      std::memcpy(cache.key(layer, block, pos % bs, 0), &k[t * kv_width],
+                  kv_width * sizeof(float));
+      std::memcpy(cache.value(layer, block, pos % bs, 0), &v[t * kv_width],
+                  kv_width * sizeof(float));
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      auto len = static_cast<int64_t>(tokens[t].position) + 1;
+      scores.resize(static_cast<size_t>(len));
+      auto& table = *tokens[t].block_table;
+      for (int64_t head = 0; head < local_heads_; ++head) {
+        auto global_head = rank_ * local_heads_ + head;
+        auto kv_head = global_head / group_size - kv_offset_;
+        auto key_at = [&](int64_t p) {
+          return cache.key(layer, table[static_cast<size_t>(p / bs)], p % bs, kv_head);
+        };
+        auto value_at = [&](int64_t p) {
+          return cache.value(layer, table[static_cast<size_t>(p / bs)], p % bs, kv_head);
+        };
+        cpu::attend(&q[t * q_width + head * D], D, len, scale, key_at, value_at, scores.data(),
+                    &attn[t * q_width + head * D]);
+      }
+    }
+    cpu::gemm_nt(attn.data(), l.o.as<float>(), h.data(), T, H, q_width);
+    reduce(h);
+    for (size_t i = 0; i < x.size(); ++i)
+      x[i] += h[i];
+    cpu::rms_norm(x.data(), l.post_norm.as<float>(), h.data(), T, H, eps);
+    cpu::gemm_nt(h.data(), l.gate.as<float>(), gate.data(), T, local_inter_, H);
+    cpu::gemm_nt(h.data(), l.up.as<float>(), up.data(), T, local_inter_, H);
+    cpu::silu_mul(gate.data(), up.data(), gate.data(), T * local_inter_);
+    cpu::gemm_nt(gate.data(), l.down.as<float>(), h.data(), T, H, local_inter_);
+    reduce(h);
+    for (size_t i = 0; i < x.size(); ++i)
+      x[i] += h[i];
+  }
+
+  const auto S = static_cast<int64_t>(sample_token_rows.size());
+  std::vector<float> last(static_cast<size_t>(S * H));
+  for (int64_t r = 0; r < S; ++r)
+    cpu::rms_norm(&x[sample_token_rows[r] * H], final_norm_.as<float>(), &last[r * H], 1, H, eps);
+  std::vector<float> logits(static_cast<size_t>(S * V));
+  auto head = cfg_.tie_word_embeddings ? embed_.as<float>() : lm_head_.as<float>();
+  cpu::gemm_nt(last.data(), head, logits.data(), S, V, H);
+  return logits;
+}
+
+} // namespace troupe

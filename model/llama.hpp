@@ -1,0 +1,101 @@
+#pragma once
+
+#include "model/checkpoint.hpp"
+#include "model/config.hpp"
+#include "model/kv_cache.hpp"
+#include "troupe/device.hpp"
+#include "troupe/types.hpp"
+#include "troupe/worker.hpp"
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace troupe {
+
+/// Where a row of logits comes from: the sequence that samples from it.
+struct sample_row {
+  size_t group = 0;
+  size_t seq = 0;
+};
+
+/// Reports weight loading: tensors done and in all.
+using load_progress = std::function<void(size_t done, size_t total)>;
+
+/// Sums a buffer over the ranks of a tensor-parallel group, in place.
+using all_reduce_fn = std::function<void(float* data, size_t count)>;
+
+/// A Llama-family decoder (Llama, Mistral, Qwen2) on the CPU device, holding this rank's
+/// shard of the weights in float32: attention heads and MLP columns split across ranks
+/// (column-parallel q/k/v/gate/up, row-parallel o/down followed by an all-reduce),
+/// embeddings and the output head replicated.
+class llama_model : public troupe::model {
+public:
+  /// Throws `invalid_argument` when the shape cannot be split `world` ways.
+  llama_model(model_config cfg, device& dev, int32_t rank, int32_t world);
+
+  /// Loads this rank's shard from `ckpt` into the device under `memory_tag::weights`
+  /// (converting f16/bf16 to f32). Throws `invalid_argument` naming the tensor for a
+  /// missing tensor or a shape that does not match the config. May be called again to
+  /// reload into the same memory.
+  void load(const checkpoint& ckpt, const load_progress& progress = {});
+
+  std::string architecture() const override;
+  int64_t num_parameters() const override;
+
+  const model_config& config() const {
+    return cfg_;
+  }
+  int64_t local_kv_heads() const {
+    return local_kv_;
+  }
+
+  /// Used after each row-parallel layer when the model is split; identity by default.
+  void set_all_reduce(all_reduce_fn fn) {
+    all_reduce_ = std::move(fn);
+  }
+
+  /// Runs one step: computes every scheduled token of `req`, writes keys and values into
+  /// `cache`, and returns the logits (rows × vocab) of the last token of each sequence of
+  /// every group that samples, in request order; `rows` says whose each row is. Throws
+  /// `invalid_argument` for a malformed request (token out of vocabulary, block table too
+  /// short, chunk past the tokens).
+  std::vector<float> forward(const execute_model_request& req, kv_cache& cache,
+                             std::vector<sample_row>& rows);
+
+  /// A weight of this rank, under its Hugging Face name.
+  struct local_tensor {
+    std::string name;
+    std::vector<int64_t> shape;
+    const float* data = nullptr;
+  };
+
+  /// Every weight this rank holds.
+  std::vector<local_tensor> tensors() const;
+
+private:
+  struct layer_weights {
+    device_buffer input_norm, q, k, v, q_bias, k_bias, v_bias, o, post_norm, gate, up, down;
+  };
+
+  void rope_tables(int32_t position, float* cos, float* sin) const;
+
+  model_config cfg_;
+  device& dev_;
+  int32_t rank_;
+  int32_t world_;
+  int64_t local_heads_;
+  int64_t local_kv_;
+  /// First global kv head of this rank (kv heads are split, or replicated when fewer than
+  /// ranks).
+  int64_t kv_offset_;
+  int64_t local_inter_;
+  std::vector<double> inv_freq_;
+  device_buffer embed_;
+  device_buffer final_norm_;
+  device_buffer lm_head_; // empty when tied
+  std::vector<layer_weights> layers_;
+  all_reduce_fn all_reduce_;
+};
+
+} // namespace troupe

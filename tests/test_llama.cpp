@@ -1,0 +1,162 @@
+// The Llama-family decoder against Hugging Face transformers: logits and greedy
+// continuations of tiny random-weight models (tests/fixtures, made by
+// scripts/make-reference-fixtures.py).
+
+#include "kernels/cpu/cpu_device.hpp"
+#include "model/checkpoint.hpp"
+#include "model/config.hpp"
+#include "model/llama.hpp"
+#include "troupe/errors.hpp"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+
+using namespace troupe;
+
+namespace {
+
+const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
+const char* models[] = {"llama-gqa", "llama3-rope-tied", "qwen2-bias", "llama-odd-heads"};
+
+nlohmann::json reference(const std::string& name) {
+  std::ifstream in{fixtures + "/" + name + "/reference.json"};
+  return nlohmann::json::parse(in);
+}
+
+/// max |a - b| / max |b|
+double relative_error(const float* a, const std::vector<float>& b) {
+  double diff = 0;
+  double scale = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    diff = std::max(diff, static_cast<double>(std::fabs(a[i] - b[i])));
+    scale = std::max(scale, static_cast<double>(std::fabs(b[i])));
+  }
+  return diff / scale;
+}
+
+/// One sequence stepping through a model on one rank.
+struct runner {
+  cpu_device dev{0};
+  model_config cfg;
+  checkpoint ckpt;
+  llama_model model;
+  kv_cache cache;
+  sequence_data seq;
+
+  explicit runner(const std::string& name)
+    : cfg(load_model_config(fixtures + "/" + name)),
+      ckpt(fixtures + "/" + name),
+      model(cfg, dev, 0, 1),
+      cache(dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, 64, 0) {
+    model.load(ckpt);
+    for (int32_t b = 0; b < 64; ++b)
+      seq.block_table.push_back(63 - b); // blocks out of order on purpose
+  }
+
+  /// Computes `chunk` more tokens of the sequence and returns the last token's logits.
+  std::vector<float> step(int32_t chunk) {
+    execute_model_request req;
+    sequence_group_metadata g;
+    g.request_id = "r";
+    g.seqs.push_back(seq);
+    g.token_chunk_size = chunk;
+    req.seq_group_metadata_list.push_back(g);
+    std::vector<sample_row> rows;
+    auto logits = model.forward(req, cache, rows);
+    seq.num_computed_tokens += chunk;
+    return logits;
+  }
+};
+
+int32_t argmax(const std::vector<float>& v) {
+  return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+} // namespace
+
+TEST_CASE("prefill logits match transformers within 1e-4") {
+  double worst = 0;
+  for (auto name : models) {
+    auto ref = reference(name);
+    for (auto& prompt : ref["prompts"]) {
+      runner r{name};
+      r.seq.token_ids = prompt["token_ids"].get<std::vector<int32_t>>();
+      auto logits = r.step(static_cast<int32_t>(r.seq.token_ids.size()));
+      auto want = prompt["last_logits"].get<std::vector<float>>();
+      REQUIRE(logits.size() == want.size());
+      auto err = relative_error(logits.data(), want);
+      worst = std::max(worst, err);
+      CHECK_MESSAGE(err < 1e-4, name << ": relative error " << err);
+    }
+  }
+  MESSAGE("largest relative error of prefill logits: " << worst);
+}
+
+TEST_CASE("decoding one token at a time through the paged cache matches every position") {
+  for (auto name : models) {
+    auto ref = reference(name);
+    auto& prompt = ref["prompts"][0];
+    runner r{name};
+    r.seq.token_ids = prompt["token_ids"].get<std::vector<int32_t>>();
+    auto all = prompt["all_logits"].get<std::vector<std::vector<float>>>();
+    for (size_t p = 0; p < all.size(); ++p) {
+      auto logits = r.step(1);
+      auto err = relative_error(logits.data(), all[p]);
+      CHECK_MESSAGE(err < 1e-4, name << " position " << p << ": relative error " << err);
+    }
+  }
+}
+
+TEST_CASE("greedy continuations of 32 tokens are identical to transformers") {
+  for (auto name : models) {
+    auto ref = reference(name);
+    for (auto& prompt : ref["prompts"]) {
+      runner r{name};
+      r.seq.token_ids = prompt["token_ids"].get<std::vector<int32_t>>();
+      auto logits = r.step(static_cast<int32_t>(r.seq.token_ids.size()));
+      std::vector<int32_t> generated;
+      for (int i = 0; i < 32; ++i) {
+        auto next = argmax(logits);
+        generated.push_back(next);
+        r.seq.token_ids.push_back(next);
+        if (i + 1 < 32)
+          logits = r.step(1);
+      }
+      CHECK_MESSAGE(generated == prompt["greedy"].get<std::vector<int32_t>>(), name);
+    }
+  }
+}
+
+TEST_CASE("malformed requests are errors naming the request") {
+  runner r{"llama-gqa"};
+  r.seq.token_ids = {1, 2, 300};
+  CHECK_THROWS_WITH_AS(r.step(3), doctest::Contains("token 300 is outside the vocabulary"), error);
+  r.seq.token_ids = {1, 2};
+  CHECK_THROWS_WITH_AS(r.step(5), doctest::Contains("does not fit"), error);
+  r.seq.block_table = {0};
+  r.seq.token_ids.assign(10, 3);
+  CHECK_THROWS_WITH_AS(r.step(10), doctest::Contains("block table has 1 blocks"), error);
+}
+
+TEST_CASE("configs and checkpoints that do not fit are errors naming the file") {
+  CHECK_THROWS_WITH_AS(load_model_config("/nonexistent"), doctest::Contains("/nonexistent/config.json"),
+                       error);
+  CHECK_THROWS_WITH_AS(parse_model_config(R"({"architectures":["GPT2LMHeadModel"]})", "x.json"),
+                       doctest::Contains("GPT2LMHeadModel is not supported"), error);
+  CHECK_THROWS_WITH_AS(
+    parse_model_config(R"({"architectures":["LlamaForCausalLM"],"vocab_size":0})", "x.json"),
+    doctest::Contains("vocab_size must be a positive integer"), error);
+  auto cfg = load_model_config(fixtures + "/llama-gqa");
+  cfg.hidden_size = 32; // no longer what the checkpoint holds
+  cpu_device dev{0};
+  llama_model model{cfg, dev, 0, 1};
+  checkpoint ckpt{fixtures + "/llama-gqa"};
+  CHECK_THROWS_WITH_AS(model.load(ckpt), doctest::Contains("model.embed_tokens.weight"), error);
+  auto odd = load_model_config(fixtures + "/llama-odd-heads");
+  CHECK_THROWS_WITH_AS(llama_model(odd, dev, 0, 2), doctest::Contains("num_attention_heads 3"),
+                       error);
+}
