@@ -1,0 +1,59 @@
+#pragma once
+
+/// @file
+/// The product's worker: runs a Llama-family model from a Hugging Face directory on its
+/// device, with a paged KV cache.
+
+#include "troupe/worker.hpp"
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace troupe {
+
+/// What a model worker loads and how much memory it may use.
+struct model_worker_options {
+  /// Hugging Face model directory (`config.json` + `*.safetensors`).
+  std::string model_path;
+  /// Bytes for the device KV cache; 0 takes `kv_cache_memory_fraction` of the device's free
+  /// memory (after the weights are loaded).
+  int64_t kv_cache_memory_bytes = 0;
+  double kv_cache_memory_fraction = 0.5;
+  /// Bytes of host memory for swapped-out KV blocks (vLLM's `swap_space`).
+  int64_t swap_space_bytes = 0;
+  /// Weight loading progress of rank 0: tensors done and in all.
+  std::function<void(size_t done, size_t total)> progress;
+};
+
+/// Runs the model of `options.model_path`, this rank's shard of it.
+///
+/// Beyond the built-in methods it registers `reload_weights` (reads the checkpoint again
+/// into the same memory, the step after a level-2 sleep). Errors (a missing or broken file,
+/// a malformed request) are `troupe::error`s naming the file, tensor or request.
+class model_worker : public worker {
+public:
+  explicit model_worker(model_worker_options options);
+  ~model_worker() override;
+
+  void load_model() override;
+  troupe::model* get_model() override;
+  cache_blocks determine_num_available_blocks() override;
+  void initialize_cache(const cache_blocks& blocks) override;
+  std::vector<sampler_output> execute_model(const execute_model_request& request) override;
+  void save_sharded_state(const sharded_state_request& request) override;
+
+  /// Reads the weights again from the checkpoint, into the memory they occupy.
+  void reload_weights();
+
+private:
+  struct state;
+  model_worker_options options_;
+  std::unique_ptr<state> state_;
+};
+
+/// A factory for `executor` that gives every rank a `model_worker` with `options`.
+worker_factory model_worker_factory(model_worker_options options);
+
+} // namespace troupe

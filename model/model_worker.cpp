@@ -1,0 +1,169 @@
+#include "troupe/model_worker.hpp"
+
+#include "model/checkpoint.hpp"
+#include "model/config.hpp"
+#include "model/kv_cache.hpp"
+#include "model/llama.hpp"
+#include "model/safetensors.hpp"
+#include "model/sampler.hpp"
+#include "troupe/errors.hpp"
+
+#include <filesystem>
+#include <random>
+
+namespace troupe {
+
+struct model_worker::state {
+  model_config config;
+  std::unique_ptr<checkpoint> ckpt;
+  std::unique_ptr<llama_model> model;
+  std::unique_ptr<kv_cache> cache;
+  std::mt19937_64 rng{std::random_device{}()};
+};
+
+model_worker::model_worker(model_worker_options options)
+  : options_(std::move(options)), state_(std::make_unique<state>()) {
+  register_method("reload_weights", [](worker& w, const caf::message&, const caf::settings&) {
+    static_cast<model_worker&>(w).reload_weights();
+    return caf::message{};
+  });
+}
+
+model_worker::~model_worker() = default;
+
+void model_worker::load_model() {
+  auto& st = *state_;
+  if (context().world_size > 1)
+    throw error{errc::unsupported,
+                "tensor parallelism of the model worker needs the CPU collective (Gloo), "
+                "which this build does not have yet; use tensor_parallel_size 1"};
+  st.config = load_model_config(options_.model_path);
+  st.ckpt = std::make_unique<checkpoint>(options_.model_path);
+  st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size);
+  st.model->load(*st.ckpt, rank() == 0 ? options_.progress : load_progress{});
+}
+
+void model_worker::reload_weights() {
+  auto& st = *state_;
+  if (!st.model)
+    throw error{errc::unsupported, "reload_weights: no model is loaded"};
+  st.model->load(*st.ckpt);
+}
+
+troupe::model* model_worker::get_model() {
+  return state_->model.get();
+}
+
+cache_blocks model_worker::determine_num_available_blocks() {
+  auto& st = *state_;
+  if (!st.model)
+    throw error{errc::unsupported, "determine_num_available_blocks: no model is loaded"};
+  auto block_bytes = kv_cache::bytes_per_block(st.config.num_hidden_layers,
+                                               st.model->local_kv_heads(), st.config.head_dim,
+                                               context().block_size);
+  auto budget = options_.kv_cache_memory_bytes > 0
+                  ? options_.kv_cache_memory_bytes
+                  : static_cast<int64_t>(options_.kv_cache_memory_fraction
+                                         * static_cast<double>(device().free_memory()));
+  return {budget / block_bytes, options_.swap_space_bytes / block_bytes};
+}
+
+void model_worker::initialize_cache(const cache_blocks& blocks) {
+  auto& st = *state_;
+  if (!st.model)
+    throw error{errc::unsupported, "initialize_cache: no model is loaded"};
+  st.cache.reset();
+  st.cache = std::make_unique<kv_cache>(device(), st.config.num_hidden_layers,
+                                        st.model->local_kv_heads(), st.config.head_dim,
+                                        context().block_size, blocks.num_device_blocks,
+                                        blocks.num_swap_blocks);
+}
+
+std::vector<sampler_output> model_worker::execute_model(const execute_model_request& request) {
+  auto& st = *state_;
+  if (!st.model || !st.cache)
+    throw error{errc::unsupported, "execute_model before initialize_cache"};
+  st.cache->swap_in(request.blocks_to_swap_in);
+  st.cache->swap_out(request.blocks_to_swap_out);
+  st.cache->copy(request.blocks_to_copy);
+  if (request.seq_group_metadata_list.empty())
+    return {};
+  std::vector<sample_row> rows;
+  auto logits = st.model->forward(request, *st.cache, rows);
+  if (rank() != 0)
+    return {}; // only the driver's output is used
+  sampler_output out;
+  auto vocab = st.config.vocab_size;
+  size_t row = 0;
+  for (size_t g = 0; g < request.seq_group_metadata_list.size(); ++g) {
+    auto& group = request.seq_group_metadata_list[g];
+    sequence_group_output group_out;
+    group_out.request_id = group.request_id;
+    for (; row < rows.size() && rows[row].group == g; ++row) {
+      auto& seq = group.seqs[rows[row].seq];
+      auto step = static_cast<int64_t>(seq.token_ids.size()) - seq.num_prompt_tokens;
+      group_out.samples.push_back(sample_token(&logits[row * vocab], vocab, group.sampling,
+                                               seq.seq_id, step, st.rng));
+    }
+    out.outputs.push_back(std::move(group_out));
+  }
+  return {out};
+}
+
+void model_worker::save_sharded_state(const sharded_state_request& request) {
+  auto& st = *state_;
+  if (!st.model)
+    throw error{errc::unsupported, "save_sharded_state: no model is loaded"};
+  namespace fs = std::filesystem;
+  if (!fs::is_directory(request.path))
+    throw error{errc::invalid_argument,
+                "save_sharded_state: '" + request.path + "' is not a directory"};
+  auto pattern = request.pattern.empty() ? std::string{"model-rank-{rank}-part-{part}.safetensors"}
+                                         : request.pattern;
+  auto max_size = request.max_size > 0 ? request.max_size : int64_t{5} << 30;
+  auto file_name = [&](int part) {
+    auto name = pattern;
+    for (auto [key, value] : {std::pair<std::string, std::string>{"{rank}", std::to_string(rank())},
+                              {"{part}", std::to_string(part)}}) {
+      auto at = name.find(key);
+      if (at == std::string::npos)
+        throw error{errc::invalid_argument, "save_sharded_state: pattern '" + pattern +
+                                              "' lacks " + key};
+      name.replace(at, key.size(), value);
+    }
+    return (fs::path{request.path} / name).string();
+  };
+  // Parts of at most max_size bytes; a tensor larger than that gets a part to itself.
+  std::vector<safetensors_writer> parts(1);
+  int64_t used = 0;
+  for (auto& t : st.model->tensors()) {
+    int64_t numel = 1;
+    for (auto d : t.shape)
+      numel *= d;
+    auto bytes = numel * static_cast<int64_t>(sizeof(float));
+    if (used > 0 && used + bytes > max_size) {
+      parts.emplace_back();
+      used = 0;
+    }
+    parts.back().add(t.name, dtype::f32, t.shape, t.data, static_cast<size_t>(bytes));
+    used += bytes;
+  }
+  std::vector<std::string> written;
+  try {
+    for (size_t part = 0; part < parts.size(); ++part) {
+      auto path = file_name(static_cast<int>(part));
+      parts[part].write(path);
+      written.push_back(path);
+    }
+  } catch (...) {
+    for (auto& path : written)
+      fs::remove(path); // nothing partial stays behind
+    throw;
+  }
+}
+
+worker_factory model_worker_factory(model_worker_options options) {
+  return [options](int32_t) { return std::make_unique<model_worker>(options); };
+}
+
+} // namespace troupe

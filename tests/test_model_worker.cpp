@@ -1,0 +1,221 @@
+// The product's worker through the executor: batched generation matches transformers,
+// sleep/wake and reload keep outputs bit-identical, swapped blocks come back unchanged,
+// sharded state is written as vLLM names it, sampling is deterministic for a seed.
+
+#include "troupe/executor.hpp"
+#include "troupe/model_worker.hpp"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include <unistd.h>
+
+using namespace troupe;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
+constexpr int32_t block_size = 4;
+
+executor make_executor(const std::string& model, int64_t kv_bytes = 4 << 20,
+                       int64_t swap_bytes = 1 << 20) {
+  executor_config cfg;
+  cfg.block_size = block_size;
+  cfg.max_model_len = 512;
+  model_worker_options opts;
+  opts.model_path = fixtures + "/" + model;
+  opts.kv_cache_memory_bytes = kv_bytes;
+  opts.swap_space_bytes = swap_bytes;
+  return executor{cfg, model_worker_factory(opts)};
+}
+
+/// Sequences that own consecutive blocks from `first_block`, stepping together.
+struct batch {
+  std::vector<sequence_group_metadata> groups;
+
+  void add(const std::vector<int32_t>& prompt, int32_t first_block, sampling_params sp = {}) {
+    sequence_group_metadata g;
+    g.request_id = "r" + std::to_string(groups.size());
+    g.is_prompt = true;
+    sequence_data seq;
+    seq.seq_id = static_cast<int64_t>(groups.size());
+    seq.token_ids = prompt;
+    seq.num_prompt_tokens = static_cast<int32_t>(prompt.size());
+    for (int32_t b = 0; b < 32; ++b)
+      seq.block_table.push_back(first_block + b);
+    g.seqs.push_back(seq);
+    g.token_chunk_size = static_cast<int32_t>(prompt.size());
+    g.sampling = sp;
+    groups.push_back(g);
+  }
+
+  execute_model_request request() const {
+    execute_model_request req;
+    req.seq_group_metadata_list = groups;
+    return req;
+  }
+
+  /// Appends the sampled tokens and turns every group into a one-token decode.
+  void advance(const sampler_output& out) {
+    for (size_t i = 0; i < groups.size(); ++i) {
+      auto& seq = groups[i].seqs[0];
+      seq.num_computed_tokens += groups[i].token_chunk_size;
+      seq.token_ids.push_back(out.outputs[i].samples[0].output_token);
+      groups[i].token_chunk_size = 1;
+      groups[i].is_prompt = false;
+    }
+  }
+};
+
+sampling_params greedy() {
+  sampling_params sp;
+  sp.temperature = 0.0f;
+  return sp;
+}
+
+bool same_bits(float a, float b) {
+  return std::memcmp(&a, &b, sizeof a) == 0;
+}
+
+} // namespace
+
+TEST_CASE("a batch of prompts generates the greedy tokens of transformers") {
+  for (auto name : {"llama-gqa", "qwen2-bias", "llama3-rope-tied"}) {
+    auto exec = make_executor(name);
+    auto blocks = exec.determine_num_available_blocks();
+    REQUIRE(blocks.num_device_blocks >= 100);
+    exec.initialize_cache(blocks);
+    std::ifstream in{fixtures + "/" + std::string{name} + "/reference.json"};
+    auto ref = nlohmann::json::parse(in);
+    batch b;
+    int32_t first = 0;
+    for (auto& p : ref["prompts"]) {
+      b.add(p["token_ids"].get<std::vector<int32_t>>(), first, greedy());
+      first += 32;
+    }
+    std::vector<std::vector<int32_t>> generated(b.groups.size());
+    for (int step = 0; step < 32; ++step) {
+      auto out = exec.execute_model(b.request());
+      REQUIRE(out.size() == 1);
+      for (size_t i = 0; i < generated.size(); ++i)
+        generated[i].push_back(out[0].outputs[i].samples[0].output_token);
+      b.advance(out[0]);
+    }
+    for (size_t i = 0; i < generated.size(); ++i)
+      CHECK_MESSAGE(generated[i] == ref["prompts"][i]["greedy"].get<std::vector<int32_t>>(),
+                    name << " prompt " << i);
+    exec.stop_remote_worker_execution_loop();
+  }
+}
+
+TEST_CASE("sleep and wake-up keep the next step bit-identical and level 2 needs a reload") {
+  auto exec = make_executor("llama-gqa");
+  exec.initialize_cache(exec.determine_num_available_blocks());
+  batch b;
+  b.add({1, 15, 27, 99, 3}, 0, greedy());
+  auto before = exec.execute_model(b.request())[0].outputs[0].samples[0];
+  exec.sleep(1);
+  exec.wake_up();
+  auto after = exec.execute_model(b.request())[0].outputs[0].samples[0];
+  CHECK(after.output_token == before.output_token);
+  CHECK(same_bits(after.logprob, before.logprob));
+  exec.sleep(2);
+  exec.wake_up();
+  auto zeroed = exec.execute_model(b.request())[0].outputs[0].samples[0];
+  CHECK(!same_bits(zeroed.logprob, before.logprob)); // the weights are gone
+  exec.collective_rpc("reload_weights");
+  auto reloaded = exec.execute_model(b.request())[0].outputs[0].samples[0];
+  CHECK(reloaded.output_token == before.output_token);
+  CHECK(same_bits(reloaded.logprob, before.logprob));
+}
+
+TEST_CASE("blocks swapped out and back in leave the outputs unchanged") {
+  auto exec = make_executor("llama-gqa");
+  auto blocks = exec.determine_num_available_blocks();
+  REQUIRE(blocks.num_swap_blocks >= 8);
+  exec.initialize_cache(blocks);
+  batch b;
+  b.add({1, 15, 27, 99, 3, 8, 9}, 0, greedy());
+  auto first = exec.execute_model(b.request())[0];
+  b.advance(first);
+  auto reference = exec.execute_model(b.request())[0].outputs[0].samples[0];
+
+  // Same prefill again, then move its two blocks to swap, clobber them, bring them back
+  // into other device blocks and decode from there.
+  batch c;
+  c.add({1, 15, 27, 99, 3, 8, 9}, 0, greedy());
+  auto out = exec.execute_model(c.request())[0];
+  c.advance(out);
+  execute_model_request swap_out;
+  swap_out.blocks_to_swap_out = {{0, 5}, {1, 6}};
+  exec.execute_model(swap_out);
+  batch other;
+  other.add({7, 7, 7, 7, 7, 7, 7, 7}, 0, greedy()); // overwrites blocks 0 and 1
+  exec.execute_model(other.request());
+  auto req = c.request();
+  req.blocks_to_swap_in = {{5, 40}, {6, 41}};
+  req.seq_group_metadata_list[0].seqs[0].block_table[0] = 40;
+  req.seq_group_metadata_list[0].seqs[0].block_table[1] = 41;
+  auto swapped = exec.execute_model(req)[0].outputs[0].samples[0];
+  CHECK(swapped.output_token == reference.output_token);
+  CHECK(same_bits(swapped.logprob, reference.logprob));
+  execute_model_request bad;
+  bad.blocks_to_swap_in = {{9999, 0}};
+  CHECK_THROWS_AS(exec.execute_model(bad), error);
+}
+
+TEST_CASE("sharded state is written in vLLM's file names with parts of at most max_size") {
+  auto exec = make_executor("llama-gqa");
+  auto dir = fs::temp_directory_path() / ("troupe-sharded-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  exec.save_sharded_state(dir.string());
+  CHECK(fs::exists(dir / "model-rank-0-part-0.safetensors"));
+  CHECK(!fs::exists(dir / "model-rank-0-part-1.safetensors"));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  exec.save_sharded_state(dir.string(), "", 100000);
+  size_t parts = 0;
+  for (auto& entry : fs::directory_iterator(dir)) {
+    ++parts;
+    // A part exceeds max_size only when it holds a single tensor larger than that.
+    CHECK(fs::file_size(entry.path()) < 100000 + 70000);
+  }
+  CHECK(parts > 2);
+  fs::remove_all(dir);
+  CHECK_THROWS_AS(exec.save_sharded_state("/nonexistent/dir"), error);
+}
+
+TEST_CASE("seeded sampling is deterministic whatever the batch") {
+  auto exec = make_executor("llama-gqa");
+  exec.initialize_cache(exec.determine_num_available_blocks());
+  sampling_params sp;
+  sp.temperature = 1.0f;
+  sp.top_p = 0.9f;
+  sp.top_k = 50;
+  sp.seed = 42;
+  sp.logprobs = 3;
+  auto run = [&](bool with_neighbour) {
+    batch b;
+    b.add({1, 15, 27}, 0, sp);
+    if (with_neighbour)
+      b.add({5, 6, 7, 8}, 32, greedy());
+    std::vector<int32_t> tokens;
+    for (int step = 0; step < 8; ++step) {
+      auto out = exec.execute_model(b.request())[0];
+      auto& s = out.outputs[0].samples[0];
+      CHECK(s.top_logprobs.size() == 3);
+      CHECK(s.logprob <= 0.0f);
+      tokens.push_back(s.output_token);
+      b.advance(out);
+    }
+    return tokens;
+  };
+  auto alone = run(false);
+  CHECK(run(true) == alone);
+  CHECK(run(false) == alone);
+}
