@@ -19,4 +19,7 @@ struct command {
 /// `troupe bench rpc`: collective_rpc latency of a no-op method.
 std::shared_ptr<command> add_bench_rpc(CLI::App& bench);
 
+/// `troupe make-model`: a random-weight model in Hugging Face format.
+std::shared_ptr<command> add_make_model(CLI::App& app);
+
 } // namespace troupe::cli

@@ -12,14 +12,16 @@ int main(int argc, char** argv) {
   auto bench = app.add_subcommand("bench", "Measure troupe");
   bench->require_subcommand(1);
   auto run_rpc = troupe::cli::add_bench_rpc(*bench);
+  auto make_model = troupe::cli::add_make_model(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   try {
-    if (run_rpc && *run_rpc)
-      return run_rpc->run();
+    for (auto& cmd : {run_rpc, make_model})
+      if (*cmd)
+        return cmd->run();
   } catch (const std::exception& e) {
     std::cerr << "troupe: " << e.what() << "\n";
     return 1;

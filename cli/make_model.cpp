@@ -1,0 +1,96 @@
+// `troupe make-model`: writes a random-weight model in Hugging Face format, for tests and
+// benchmarks.
+
+#include "cli/commands.hpp"
+
+#include "model/config.hpp"
+#include "model/make_model.hpp"
+
+#include <iostream>
+#include <map>
+
+namespace troupe::cli {
+
+std::shared_ptr<command> add_make_model(CLI::App& app) {
+  struct options {
+    std::string out;
+    std::string arch = "llama";
+    std::string preset;
+    int64_t layers = 2;
+    int64_t hidden = 64;
+    int64_t heads = 4;
+    int64_t kv_heads = 0;
+    int64_t head_dim = 0;
+    int64_t intermediate = 0;
+    int64_t vocab = 256;
+    int64_t max_position = 2048;
+    double rope_theta = 10000.0;
+    bool tie = false;
+    std::string dtype = "f32";
+    uint64_t seed = 0;
+    int64_t shard_mib = 2048;
+  };
+  auto o = std::make_shared<options>();
+  auto cmd = std::make_shared<command>();
+  auto* sub = app.add_subcommand("make-model", "Write a random-weight model in Hugging Face format");
+  cmd->app = sub;
+  sub->add_option("--out", o->out, "Directory to write (created)")->required();
+  sub->add_option("--arch", o->arch, "llama, mistral or qwen2 (q/k/v bias)")
+    ->check(CLI::IsMember({"llama", "mistral", "qwen2"}))
+    ->capture_default_str();
+  sub->add_option("--preset", o->preset,
+                  "A known shape instead of the size flags: smollm2-135m (SmolLM2-135M)")
+    ->check(CLI::IsMember({"smollm2-135m"}));
+  sub->add_option("--layers", o->layers, "Decoder layers")->capture_default_str();
+  sub->add_option("--hidden", o->hidden, "Hidden size")->capture_default_str();
+  sub->add_option("--heads", o->heads, "Attention heads")->capture_default_str();
+  sub->add_option("--kv-heads", o->kv_heads, "Key/value heads (default: --heads)");
+  sub->add_option("--head-dim", o->head_dim, "Head size (default: hidden / heads)");
+  sub->add_option("--intermediate", o->intermediate, "MLP size (default: 4 x hidden)");
+  sub->add_option("--vocab", o->vocab, "Vocabulary size")->capture_default_str();
+  sub->add_option("--max-position", o->max_position, "max_position_embeddings")
+    ->capture_default_str();
+  sub->add_option("--rope-theta", o->rope_theta, "Rotary base")->capture_default_str();
+  sub->add_flag("--tie", o->tie, "Tie the output head to the embeddings");
+  sub->add_option("--dtype", o->dtype, "f32, f16 or bf16")
+    ->check(CLI::IsMember({"f32", "f16", "bf16"}))
+    ->capture_default_str();
+  sub->add_option("--seed", o->seed, "Random seed")->capture_default_str();
+  sub->add_option("--shard-size-mib", o->shard_mib,
+                  "Largest safetensors file; above it the weights are sharded with an index")
+    ->capture_default_str();
+  cmd->run = [o] {
+    model_config c;
+    std::map<std::string, std::string> archs = {{"llama", "LlamaForCausalLM"},
+                                                {"mistral", "MistralForCausalLM"},
+                                                {"qwen2", "Qwen2ForCausalLM"}};
+    c.architecture = archs.at(o->arch);
+    if (o->preset == "smollm2-135m") {
+      c.architecture = "LlamaForCausalLM";
+      o->layers = 30, o->hidden = 576, o->heads = 9, o->kv_heads = 3, o->intermediate = 1536;
+      o->vocab = 49152, o->max_position = 8192, o->rope_theta = 100000.0, o->tie = true;
+      c.bos_token_id = 1;
+      c.eos_token_id = 2;
+    }
+    c.num_hidden_layers = o->layers;
+    c.hidden_size = o->hidden;
+    c.num_attention_heads = o->heads;
+    c.num_key_value_heads = o->kv_heads > 0 ? o->kv_heads : o->heads;
+    c.head_dim = o->head_dim > 0 ? o->head_dim : (o->heads > 0 ? o->hidden / o->heads : 0);
+    c.intermediate_size = o->intermediate > 0 ? o->intermediate : 4 * o->hidden;
+    c.vocab_size = o->vocab;
+    c.max_position_embeddings = o->max_position;
+    c.rope_theta = o->rope_theta;
+    c.tie_word_embeddings = o->tie;
+    c.attention_bias = o->arch == "qwen2";
+    c.rms_norm_eps = 1e-5;
+    auto type = o->dtype == "f16" ? dtype::f16 : (o->dtype == "bf16" ? dtype::bf16 : dtype::f32);
+    write_random_model(c, o->out, type, o->seed, o->shard_mib << 20);
+    std::cout << "wrote " << c.architecture << " with " << c.num_parameters()
+              << " parameters to " << o->out << "\n";
+    return 0;
+  };
+  return cmd;
+}
+
+} // namespace troupe::cli
