@@ -1,0 +1,45 @@
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace troupe {
+
+/// The CPU collective of a tensor-parallel group: Gloo over TCP. Bootstrapped in two
+/// rounds that the executor runs with collective_rpc: `prepare` opens one pair per peer and
+/// returns their addresses; `connect` takes every rank's addresses and connects the pairs
+/// (every rank at once). Failures (a peer gone, a timeout) throw `troupe::error`.
+class gloo_communicator {
+public:
+  /// A group of `size` ranks, this one `rank`, listening on `host`.
+  gloo_communicator(int rank, int size, const std::string& host,
+                    std::chrono::milliseconds timeout);
+  ~gloo_communicator();
+
+  /// The address of this rank's pair for each peer (empty for itself).
+  std::vector<std::string> prepare();
+
+  /// `table[j][i]`: rank j's address for its pair with rank i.
+  void connect(const std::vector<std::vector<std::string>>& table);
+
+  /// Sums `count` floats over the group, in place.
+  void all_reduce(float* data, size_t count);
+
+  int rank() const {
+    return rank_;
+  }
+  int size() const {
+    return size_;
+  }
+
+private:
+  struct impl;
+  int rank_;
+  int size_;
+  std::unique_ptr<impl> impl_;
+};
+
+} // namespace troupe
