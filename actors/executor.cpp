@@ -311,7 +311,28 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     d.stop();
     throw;
   }
+  if (d.infos.size() > 1)
+    connect_collective();
   d.log->info("executor ready: {} worker(s), driver on {}", d.infos.size(), d.infos[0].device);
+}
+
+void executor::connect_collective() {
+  auto& d = *impl_;
+  rpc_call_options opts;
+  opts.timeout = d.cfg.startup_timeout;
+  try {
+    auto table = collective_rpc_as<std::vector<std::string>>("prepare_collective", opts);
+    bool needed = false;
+    for (auto& row : table)
+      needed = needed || !row.empty();
+    if (!needed)
+      return;
+    opts.args = caf::make_message(std::move(table));
+    collective_rpc("connect_collective", opts);
+  } catch (...) {
+    d.stop();
+    throw;
+  }
 }
 
 executor::~executor() {

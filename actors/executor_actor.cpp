@@ -349,6 +349,7 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
         ctx.block_size = st.cfg.block_size;
         ctx.max_model_len = st.cfg.max_model_len;
         ctx.profile_dir = st.cfg.profile_dir;
+        ctx.collective_host = st.cfg.collective_host;
         std::vector<caf::actor> peers;
         if (rank == 0)
           peers.assign(st.workers.begin() + 1, st.workers.end());

@@ -86,6 +86,14 @@ troupe::device& worker::device() {
 
 // -- capabilities a subclass provides -------------------------------------------
 
+std::vector<std::string> worker::prepare_collective() {
+  return {};
+}
+
+void worker::connect_collective(const std::vector<std::vector<std::string>>&) {
+  // Nothing to connect for a worker without a collective.
+}
+
 cache_blocks worker::determine_num_available_blocks() {
   unsupported("determine_num_available_blocks");
 }
@@ -279,6 +287,14 @@ void worker::register_builtins() {
   auto& m = methods_;
   m["load_model"] = [](worker& w, const caf::message&, const caf::settings&) {
     w.load_model();
+    return caf::message{};
+  };
+  m["prepare_collective"] = [](worker& w, const caf::message&, const caf::settings&) {
+    return make_message(w.prepare_collective());
+  };
+  m["connect_collective"] = [](worker& w, const caf::message& args, const caf::settings&) {
+    w.connect_collective(arg<std::vector<std::vector<std::string>>>(
+      args, 0, "connect_collective", "list of address lists"));
     return caf::message{};
   };
   m["determine_num_available_blocks"] = [](worker& w, const caf::message&,

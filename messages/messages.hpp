@@ -84,6 +84,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_TYPE_ID(troupe, (std::vector<int64_t>))
   CAF_ADD_TYPE_ID(troupe, (std::vector<int32_t>))
   CAF_ADD_TYPE_ID(troupe, (troupe::rpc_options))
+  CAF_ADD_TYPE_ID(troupe, (std::vector<std::vector<std::string>>))
 
   CAF_ADD_ATOM(troupe, troupe, init_atom, "t_init")
   CAF_ADD_ATOM(troupe, troupe, call_atom, "t_call")

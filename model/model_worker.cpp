@@ -1,5 +1,6 @@
 #include "troupe/model_worker.hpp"
 
+#include "kernels/cpu/gloo_communicator.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config.hpp"
 #include "model/kv_cache.hpp"
@@ -19,6 +20,7 @@ struct model_worker::state {
   std::unique_ptr<llama_model> model;
   std::unique_ptr<kv_cache> cache;
   std::mt19937_64 rng{std::random_device{}()};
+  std::unique_ptr<gloo_communicator> comm;
 };
 
 model_worker::model_worker(model_worker_options options)
@@ -33,14 +35,31 @@ model_worker::~model_worker() = default;
 
 void model_worker::load_model() {
   auto& st = *state_;
-  if (context().world_size > 1)
-    throw error{errc::unsupported,
-                "tensor parallelism of the model worker needs the CPU collective (Gloo), "
-                "which this build does not have yet; use tensor_parallel_size 1"};
   st.config = load_model_config(options_.model_path);
   st.ckpt = std::make_unique<checkpoint>(options_.model_path);
   st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size);
   st.model->load(*st.ckpt, rank() == 0 ? options_.progress : load_progress{});
+  if (st.comm)
+    st.model->set_all_reduce(
+      [comm = st.comm.get()](float* data, size_t count) { comm->all_reduce(data, count); });
+}
+
+std::vector<std::string> model_worker::prepare_collective() {
+  auto& st = *state_;
+  st.comm = std::make_unique<gloo_communicator>(rank(), context().world_size,
+                                                context().collective_host,
+                                                std::chrono::seconds(60));
+  return st.comm->prepare();
+}
+
+void model_worker::connect_collective(const std::vector<std::vector<std::string>>& table) {
+  auto& st = *state_;
+  if (!st.comm)
+    throw error{errc::invalid_argument, "connect_collective before prepare_collective"};
+  st.comm->connect(table);
+  if (st.model)
+    st.model->set_all_reduce(
+      [comm = st.comm.get()](float* data, size_t count) { comm->all_reduce(data, count); });
 }
 
 void model_worker::reload_weights() {

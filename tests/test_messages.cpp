@@ -77,13 +77,14 @@ std::vector<caf::message> every_type() {
     caf::make_message(memory_usage{memory_tag::weights, 10, 5, 1}),
     caf::make_message(worker_info{1, 2, "cpu:1", "host", 42}),
     caf::make_message(sample_health()),
-    caf::make_message(worker_context{1, 2, "cpu", 1, 16, 2048, "/tmp"}),
+    caf::make_message(worker_context{1, 2, "cpu", 1, 16, 2048, "/tmp", "127.0.0.1"}),
     caf::make_message(std::vector<sampler_output>{sample_output(), sample_output()}),
     caf::make_message(std::vector<memory_tag>{memory_tag::kv_cache}),
     caf::make_message(std::vector<worker_health>{sample_health()}),
     caf::make_message(std::vector<int64_t>{1, 2, 3}),
     caf::make_message(std::vector<int32_t>{4, 5}),
     caf::make_message(rpc_options{1500, 2}),
+    caf::make_message(std::vector<std::vector<std::string>>{{"", "addr"}, {"x", ""}}),
     // The shapes of the worker protocol.
     caf::make_message(init_atom::value, worker_context{}, std::vector<caf::actor>{}),
     caf::make_message(call_atom::value, std::string{"execute_model"},
@@ -104,7 +105,7 @@ caf::actor_system_config& with_messages(caf::actor_system_config& cfg) {
 
 TEST_CASE("the type-id block covers every type of the vocabulary") {
   using block = caf::id_block::troupe;
-  CHECK(block::end - block::begin == 26);
+  CHECK(block::end - block::begin == 27);
 }
 
 TEST_CASE("every message type survives a binary round trip") {

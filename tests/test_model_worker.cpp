@@ -23,8 +23,9 @@ const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
 constexpr int32_t block_size = 4;
 
 executor make_executor(const std::string& model, int64_t kv_bytes = 4 << 20,
-                       int64_t swap_bytes = 1 << 20) {
+                       int64_t swap_bytes = 1 << 20, int32_t tp = 1) {
   executor_config cfg;
+  cfg.tensor_parallel_size = tp;
   cfg.block_size = block_size;
   cfg.max_model_len = 512;
   model_worker_options opts;
@@ -84,33 +85,48 @@ bool same_bits(float a, float b) {
 
 } // namespace
 
-TEST_CASE("a batch of prompts generates the greedy tokens of transformers") {
-  for (auto name : {"llama-gqa", "qwen2-bias", "llama3-rope-tied"}) {
-    auto exec = make_executor(name);
-    auto blocks = exec.determine_num_available_blocks();
-    REQUIRE(blocks.num_device_blocks >= 100);
-    exec.initialize_cache(blocks);
-    std::ifstream in{fixtures + "/" + std::string{name} + "/reference.json"};
-    auto ref = nlohmann::json::parse(in);
-    batch b;
-    int32_t first = 0;
-    for (auto& p : ref["prompts"]) {
-      b.add(p["token_ids"].get<std::vector<int32_t>>(), first, greedy());
-      first += 32;
-    }
-    std::vector<std::vector<int32_t>> generated(b.groups.size());
-    for (int step = 0; step < 32; ++step) {
-      auto out = exec.execute_model(b.request());
-      REQUIRE(out.size() == 1);
-      for (size_t i = 0; i < generated.size(); ++i)
-        generated[i].push_back(out[0].outputs[i].samples[0].output_token);
-      b.advance(out[0]);
-    }
-    for (size_t i = 0; i < generated.size(); ++i)
-      CHECK_MESSAGE(generated[i] == ref["prompts"][i]["greedy"].get<std::vector<int32_t>>(),
-                    name << " prompt " << i);
-    exec.stop_remote_worker_execution_loop();
+/// Generates 32 greedy tokens for every reference prompt in one batch and compares them.
+void check_greedy(const std::string& name, int32_t tp) {
+  auto exec = make_executor(name, 4 << 20, 1 << 20, tp);
+  auto blocks = exec.determine_num_available_blocks();
+  REQUIRE(blocks.num_device_blocks >= 100);
+  exec.initialize_cache(blocks);
+  std::ifstream in{fixtures + "/" + name + "/reference.json"};
+  auto ref = nlohmann::json::parse(in);
+  batch b;
+  int32_t first = 0;
+  for (auto& p : ref["prompts"]) {
+    b.add(p["token_ids"].get<std::vector<int32_t>>(), first, greedy());
+    first += 32;
   }
+  std::vector<std::vector<int32_t>> generated(b.groups.size());
+  for (int step = 0; step < 32; ++step) {
+    auto out = exec.execute_model(b.request());
+    REQUIRE(out.size() == 1);
+    for (size_t i = 0; i < generated.size(); ++i)
+      generated[i].push_back(out[0].outputs[i].samples[0].output_token);
+    b.advance(out[0]);
+  }
+  for (size_t i = 0; i < generated.size(); ++i)
+    CHECK_MESSAGE(generated[i] == ref["prompts"][i]["greedy"].get<std::vector<int32_t>>(),
+                  name << " prompt " << i << " at tensor parallel size " << tp);
+  exec.stop_remote_worker_execution_loop();
+}
+
+TEST_CASE("a batch of prompts generates the greedy tokens of transformers") {
+  for (auto name : {"llama-gqa", "qwen2-bias", "llama3-rope-tied", "llama-odd-heads"})
+    check_greedy(name, 1);
+}
+
+TEST_CASE("tensor parallel sizes 2 and 4 generate the same greedy tokens") {
+  for (auto name : {"llama-gqa", "qwen2-bias", "llama3-rope-tied"})
+    check_greedy(name, 2);
+  check_greedy("llama-gqa", 4); // 2 kv heads over 4 ranks: replicated
+}
+
+TEST_CASE("a model that cannot be split is refused at start with the reason") {
+  CHECK_THROWS_WITH_AS(make_executor("llama-odd-heads", 4 << 20, 1 << 20, 2),
+                       doctest::Contains("num_attention_heads 3"), error);
 }
 
 TEST_CASE("sleep and wake-up keep the next step bit-identical and level 2 needs a reload") {

@@ -45,6 +45,8 @@ struct executor_config {
   /// Where `stop_profile` writes one trace per worker (Chrome trace format); empty keeps the
   /// traces in memory only and `stop_profile` just logs a summary.
   std::string profile_dir;
+  /// Address the workers' tensor-parallel collective (Gloo on the CPU) listens on.
+  std::string collective_host = "127.0.0.1";
   /// Threads of CAF's scheduler for the supervisor and other event-based actors; 0 keeps
   /// CAF's default (one per core).
   size_t scheduler_threads = 0;

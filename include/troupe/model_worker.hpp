@@ -38,6 +38,9 @@ public:
   ~model_worker() override;
 
   void load_model() override;
+  /// Opens this rank's Gloo pairs (TCP on the context's collective_host).
+  std::vector<std::string> prepare_collective() override;
+  void connect_collective(const std::vector<std::vector<std::string>>& table) override;
   troupe::model* get_model() override;
   cache_blocks determine_num_available_blocks() override;
   void initialize_cache(const cache_blocks& blocks) override;

@@ -32,12 +32,14 @@ struct worker_context {
   int32_t max_model_len = 2048;
   /// Where `stop_profile` writes its trace; empty keeps it in memory.
   std::string profile_dir;
+  /// Address this worker's tensor-parallel collective listens on.
+  std::string collective_host = "127.0.0.1";
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, worker_context& x) {
   return f(caf::meta::type_name("worker_context"), x.rank, x.world_size, x.device_kind,
-           x.device_index, x.block_size, x.max_model_len, x.profile_dir);
+           x.device_index, x.block_size, x.max_model_len, x.profile_dir, x.collective_host);
 }
 
 /// A model a worker runs, as `apply_model` hands it to a function. Concrete models derive
@@ -87,6 +89,16 @@ public:
 
   /// The model for `apply_model`; `nullptr` when none is loaded.
   virtual troupe::model* get_model();
+
+  // -- tensor-parallel collective ------------------------------------------------
+
+  /// First round of the collective's bootstrap, run by the executor on every rank when
+  /// the world has more than one: opens this rank's side and returns its address for each
+  /// peer. The default (a worker that needs no collective) returns nothing.
+  virtual std::vector<std::string> prepare_collective();
+
+  /// Second round, on every rank at once: `table[j][i]` is rank j's address for rank i.
+  virtual void connect_collective(const std::vector<std::vector<std::string>>& table);
 
   // -- KV cache and steps ------------------------------------------------------
 
