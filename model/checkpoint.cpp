@@ -40,12 +40,23 @@ checkpoint::checkpoint(const std::string& directory) : directory_(directory) {
                                           "' has neither model.safetensors nor "
                                           "model.safetensors.index.json"};
   }
+  open(paths);
+}
+
+checkpoint::checkpoint(const std::string& directory, const std::vector<std::string>& files)
+  : directory_(directory) {
+  if (files.empty())
+    throw error{errc::invalid_argument, "no weight files given in '" + directory + "'"};
+  open(files);
+}
+
+void checkpoint::open(const std::vector<std::string>& paths) {
   for (auto& path : paths) {
     files_.push_back(std::make_unique<safetensors_file>(path));
     for (auto& t : files_.back()->tensors()) {
       if (index_.count(t.name) > 0)
         throw error{errc::invalid_argument,
-                    "tensor '" + t.name + "' appears twice in '" + directory + "' (again in '" +
+                    "tensor '" + t.name + "' appears twice in '" + directory_ + "' (again in '" +
                       path + "')"};
       index_[t.name] = &t;
     }

@@ -16,6 +16,9 @@ class checkpoint {
 public:
   explicit checkpoint(const std::string& directory);
 
+  /// The given safetensors files of `directory` (e.g. one rank's sharded state).
+  checkpoint(const std::string& directory, const std::vector<std::string>& files);
+
   /// Whether any file holds `name`.
   bool contains(const std::string& name) const;
 
@@ -30,6 +33,8 @@ public:
   }
 
 private:
+  void open(const std::vector<std::string>& paths);
+
   std::string directory_;
   std::vector<std::unique_ptr<safetensors_file>> files_;
   std::map<std::string, const tensor_view*> index_;

@@ -99,84 +99,81 @@ int64_t llama_model::num_parameters() const {
   return n;
 }
 
-void llama_model::load(const checkpoint& ckpt, const load_progress& progress) {
+void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bool presharded) {
   const auto H = cfg_.hidden_size;
   const auto D = cfg_.head_dim;
   const auto V = cfg_.vocab_size;
-  size_t total = 3 + static_cast<size_t>(cfg_.num_hidden_layers) * 9 + (cfg_.tie_word_embeddings ? 0 : 1);
-  size_t done = 0;
-  auto tick = [&] {
-    ++done;
-    if (progress)
-      progress(done, total);
-  };
-  auto tensor = [&](const std::string& name, std::vector<int64_t> shape) -> const tensor_view& {
-    auto& t = ckpt.at(name);
-    if (t.shape != shape)
-      throw error{errc::invalid_argument, "model '" + ckpt.directory() + "': tensor '" + name +
-                                            "' has shape " + shape_text(t.shape) +
-                                            ", the config needs " + shape_text(shape)};
-    return t;
-  };
-  // Reloading writes into the memory already there, so addresses stay the same.
-  auto buffer = [&](device_buffer& buf, int64_t floats) -> float* {
-    auto bytes = static_cast<size_t>(floats) * sizeof(float);
-    if (buf.size() != bytes)
-      buf = device_buffer(dev_, bytes, memory_tag::weights);
-    return buf.as<float>();
-  };
-  auto full = [&](device_buffer& buf, const std::string& name, std::vector<int64_t> shape) {
-    auto& t = tensor(name, shape);
-    read_rows(t, 0, shape[0], buffer(buf, t.numel()));
-    tick();
-  };
-  // Column-parallel: this rank's rows of the output dimension.
-  auto rows = [&](device_buffer& buf, const std::string& name, std::vector<int64_t> shape,
-                  int64_t row0, int64_t count) {
-    auto& t = tensor(name, shape);
-    int64_t cols = shape.size() == 2 ? shape[1] : 1;
-    read_rows(t, row0, count, buffer(buf, count * cols));
-  };
-  // Row-parallel: this rank's columns of the input dimension.
-  auto cols = [&](device_buffer& buf, const std::string& name, std::vector<int64_t> shape,
-                  int64_t col0, int64_t count) {
-    auto& t = tensor(name, shape);
-    read_cols(t, col0, count, buffer(buf, shape[0] * count));
-    tick();
-  };
-  full(embed_, "model.embed_tokens.weight", {V, H});
-  full(final_norm_, "model.norm.weight", {H});
-  if (!cfg_.tie_word_embeddings)
-    full(lm_head_, "lm_head.weight", {V, H});
-  tick();
-  layers_.resize(static_cast<size_t>(cfg_.num_hidden_layers));
   const auto QH = cfg_.num_attention_heads * D;
   const auto KVH = cfg_.num_key_value_heads * D;
   const auto I = cfg_.intermediate_size;
+  // What to read: a whole tensor, this rank's rows (column-parallel layers) or this rank's
+  // columns (row-parallel layers).
+  enum class part { whole, rows, cols };
+  struct job {
+    device_buffer* buf;
+    std::string name;
+    std::vector<int64_t> shape;
+    part split;
+    int64_t start;
+    int64_t count;
+  };
+  std::vector<job> jobs;
+  jobs.push_back({&embed_, "model.embed_tokens.weight", {V, H}, part::whole, 0, 0});
+  jobs.push_back({&final_norm_, "model.norm.weight", {H}, part::whole, 0, 0});
+  if (!cfg_.tie_word_embeddings)
+    jobs.push_back({&lm_head_, "lm_head.weight", {V, H}, part::whole, 0, 0});
+  layers_.resize(static_cast<size_t>(cfg_.num_hidden_layers));
+  const auto q0 = rank_ * local_heads_ * D;
+  const auto kv0 = kv_offset_ * D;
+  const auto i0 = rank_ * local_inter_;
   for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
     auto& l = layers_[static_cast<size_t>(i)];
     auto p = "model.layers." + std::to_string(i) + ".";
-    full(l.input_norm, p + "input_layernorm.weight", {H});
-    full(l.post_norm, p + "post_attention_layernorm.weight", {H});
-    auto q0 = rank_ * local_heads_ * D;
-    auto kv0 = kv_offset_ * D;
-    rows(l.q, p + "self_attn.q_proj.weight", {QH, H}, q0, local_heads_ * D);
-    rows(l.k, p + "self_attn.k_proj.weight", {KVH, H}, kv0, local_kv_ * D);
-    rows(l.v, p + "self_attn.v_proj.weight", {KVH, H}, kv0, local_kv_ * D);
+    jobs.push_back({&l.input_norm, p + "input_layernorm.weight", {H}, part::whole, 0, 0});
+    jobs.push_back({&l.post_norm, p + "post_attention_layernorm.weight", {H}, part::whole, 0, 0});
+    jobs.push_back({&l.q, p + "self_attn.q_proj.weight", {QH, H}, part::rows, q0, local_heads_ * D});
+    jobs.push_back({&l.k, p + "self_attn.k_proj.weight", {KVH, H}, part::rows, kv0, local_kv_ * D});
+    jobs.push_back({&l.v, p + "self_attn.v_proj.weight", {KVH, H}, part::rows, kv0, local_kv_ * D});
     if (cfg_.attention_bias) {
-      rows(l.q_bias, p + "self_attn.q_proj.bias", {QH}, q0, local_heads_ * D);
-      rows(l.k_bias, p + "self_attn.k_proj.bias", {KVH}, kv0, local_kv_ * D);
-      rows(l.v_bias, p + "self_attn.v_proj.bias", {KVH}, kv0, local_kv_ * D);
+      jobs.push_back({&l.q_bias, p + "self_attn.q_proj.bias", {QH}, part::rows, q0, local_heads_ * D});
+      jobs.push_back({&l.k_bias, p + "self_attn.k_proj.bias", {KVH}, part::rows, kv0, local_kv_ * D});
+      jobs.push_back({&l.v_bias, p + "self_attn.v_proj.bias", {KVH}, part::rows, kv0, local_kv_ * D});
     }
-    tick();
-    tick();
-    tick();
-    cols(l.o, p + "self_attn.o_proj.weight", {H, QH}, q0, local_heads_ * D);
-    rows(l.gate, p + "mlp.gate_proj.weight", {I, H}, rank_ * local_inter_, local_inter_);
-    rows(l.up, p + "mlp.up_proj.weight", {I, H}, rank_ * local_inter_, local_inter_);
-    tick();
-    tick();
-    cols(l.down, p + "mlp.down_proj.weight", {H, I}, rank_ * local_inter_, local_inter_);
+    jobs.push_back({&l.o, p + "self_attn.o_proj.weight", {H, QH}, part::cols, q0, local_heads_ * D});
+    jobs.push_back({&l.gate, p + "mlp.gate_proj.weight", {I, H}, part::rows, i0, local_inter_});
+    jobs.push_back({&l.up, p + "mlp.up_proj.weight", {I, H}, part::rows, i0, local_inter_});
+    jobs.push_back({&l.down, p + "mlp.down_proj.weight", {H, I}, part::cols, i0, local_inter_});
+  }
+  for (size_t n = 0; n < jobs.size(); ++n) {
+    auto& j = jobs[n];
+    // This rank's shape; a presharded checkpoint holds exactly that.
+    auto local = j.shape;
+    if (j.split == part::rows)
+      local[0] = j.count;
+    else if (j.split == part::cols)
+      local[1] = j.count;
+    auto& expected = presharded ? local : j.shape;
+    auto& t = ckpt.at(j.name);
+    if (t.shape != expected)
+      throw error{errc::invalid_argument, "model '" + ckpt.directory() + "': tensor '" + j.name +
+                                            "' has shape " + shape_text(t.shape) +
+                                            ", the config needs " + shape_text(expected)};
+    int64_t floats = 1;
+    for (auto d : local)
+      floats *= d;
+    // Reloading writes into the memory already there, so addresses stay the same.
+    auto bytes = static_cast<size_t>(floats) * sizeof(float);
+    if (j.buf->size() != bytes)
+      *j.buf = device_buffer(dev_, bytes, memory_tag::weights);
+    auto dst = j.buf->as<float>();
+    if (presharded || j.split == part::whole)
+      read_rows(t, 0, t.shape[0], dst);
+    else if (j.split == part::rows)
+      read_rows(t, j.start, j.count, dst);
+    else
+      read_cols(t, j.start, j.count, dst);
+    if (progress)
+      progress(n + 1, jobs.size());
   }
 }
 

@@ -35,10 +35,11 @@ public:
   llama_model(model_config cfg, device& dev, int32_t rank, int32_t world);
 
   /// Loads this rank's shard from `ckpt` into the device under `memory_tag::weights`
-  /// (converting f16/bf16 to f32). Throws `invalid_argument` naming the tensor for a
+  /// (converting f16/bf16 to f32); `presharded` when `ckpt` holds only this rank's shard
+  /// (vLLM's sharded_state format). Throws `invalid_argument` naming the tensor for a
   /// missing tensor or a shape that does not match the config. May be called again to
   /// reload into the same memory.
-  void load(const checkpoint& ckpt, const load_progress& progress = {});
+  void load(const checkpoint& ckpt, const load_progress& progress = {}, bool presharded = false);
 
   std::string architecture() const override;
   int64_t num_parameters() const override;

@@ -9,6 +9,7 @@
 #include "model/sampler.hpp"
 #include "troupe/errors.hpp"
 
+#include <algorithm>
 #include <filesystem>
 #include <random>
 
@@ -21,6 +22,7 @@ struct model_worker::state {
   std::unique_ptr<kv_cache> cache;
   std::mt19937_64 rng{std::random_device{}()};
   std::unique_ptr<gloo_communicator> comm;
+  bool presharded = false;
 };
 
 model_worker::model_worker(model_worker_options options)
@@ -36,9 +38,19 @@ model_worker::~model_worker() = default;
 void model_worker::load_model() {
   auto& st = *state_;
   st.config = load_model_config(options_.model_path);
-  st.ckpt = std::make_unique<checkpoint>(options_.model_path);
+  bool presharded = false;
+  if (options_.load_format == "sharded_state") {
+    st.ckpt = std::make_unique<checkpoint>(options_.model_path, rank_shards());
+    presharded = true;
+  } else if (options_.load_format == "auto") {
+    st.ckpt = std::make_unique<checkpoint>(options_.model_path);
+  } else {
+    throw error{errc::invalid_argument, "load format '" + options_.load_format +
+                                          "' is not known (auto, sharded_state)"};
+  }
+  st.presharded = presharded;
   st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size);
-  st.model->load(*st.ckpt, rank() == 0 ? options_.progress : load_progress{});
+  st.model->load(*st.ckpt, rank() == 0 ? options_.progress : load_progress{}, presharded);
   if (st.comm)
     st.model->set_all_reduce(
       [comm = st.comm.get()](float* data, size_t count) { comm->all_reduce(data, count); });
@@ -66,7 +78,33 @@ void model_worker::reload_weights() {
   auto& st = *state_;
   if (!st.model)
     throw error{errc::unsupported, "reload_weights: no model is loaded"};
-  st.model->load(*st.ckpt);
+  st.model->load(*st.ckpt, {}, st.presharded);
+}
+
+std::vector<std::string> model_worker::rank_shards() const {
+  namespace fs = std::filesystem;
+  auto prefix = "model-rank-" + std::to_string(rank()) + "-part-";
+  std::vector<std::pair<long, std::string>> parts;
+  std::error_code ec;
+  for (auto& entry : fs::directory_iterator(options_.model_path, ec)) {
+    auto name = entry.path().filename().string();
+    auto suffix = std::string{".safetensors"};
+    if (name.rfind(prefix, 0) != 0 || name.size() <= prefix.size() + suffix.size()
+        || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    auto number = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+    if (number.find_first_not_of("0123456789") != std::string::npos)
+      continue;
+    parts.emplace_back(std::stol(number), entry.path().string());
+  }
+  if (parts.empty())
+    throw error{errc::invalid_argument, "no " + prefix + "*.safetensors in '" +
+                                          options_.model_path + "' for load format sharded_state"};
+  std::sort(parts.begin(), parts.end());
+  std::vector<std::string> files;
+  for (auto& p : parts)
+    files.push_back(p.second);
+  return files;
 }
 
 troupe::model* model_worker::get_model() {

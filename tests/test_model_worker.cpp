@@ -23,13 +23,15 @@ const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
 constexpr int32_t block_size = 4;
 
 executor make_executor(const std::string& model, int64_t kv_bytes = 4 << 20,
-                       int64_t swap_bytes = 1 << 20, int32_t tp = 1) {
+                       int64_t swap_bytes = 1 << 20, int32_t tp = 1,
+                       const std::string& load_format = "auto") {
   executor_config cfg;
   cfg.tensor_parallel_size = tp;
   cfg.block_size = block_size;
   cfg.max_model_len = 512;
   model_worker_options opts;
-  opts.model_path = fixtures + "/" + model;
+  opts.model_path = model.front() == '/' ? model : fixtures + "/" + model;
+  opts.load_format = load_format;
   opts.kv_cache_memory_bytes = kv_bytes;
   opts.swap_space_bytes = swap_bytes;
   return executor{cfg, model_worker_factory(opts)};
@@ -234,4 +236,33 @@ TEST_CASE("seeded sampling is deterministic whatever the batch") {
   auto alone = run(false);
   CHECK(run(true) == alone);
   CHECK(run(false) == alone);
+}
+
+TEST_CASE("a sharded state loads back and gives the same outputs at tensor parallel size 2") {
+  auto dir = fs::temp_directory_path() / ("troupe-shards-tp-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  batch b;
+  b.add({1, 15, 27, 99, 3}, 0, greedy());
+  sequence_output before;
+  {
+    auto exec = make_executor("qwen2-bias", 4 << 20, 1 << 20, 2);
+    exec.initialize_cache(exec.determine_num_available_blocks());
+    before = exec.execute_model(b.request())[0].outputs[0].samples[0];
+    exec.save_sharded_state(dir.string(), "", 50000);
+    exec.stop_remote_worker_execution_loop();
+  }
+  fs::copy_file(fs::path{fixtures} / "qwen2-bias" / "config.json", dir / "config.json");
+  CHECK(fs::exists(dir / "model-rank-1-part-0.safetensors"));
+  auto exec = make_executor(dir.string(), 4 << 20, 1 << 20, 2, "sharded_state");
+  exec.initialize_cache(exec.determine_num_available_blocks());
+  auto after = exec.execute_model(b.request())[0].outputs[0].samples[0];
+  CHECK(after.output_token == before.output_token);
+  CHECK(same_bits(after.logprob, before.logprob));
+  exec.stop_remote_worker_execution_loop();
+  exec.shutdown();
+  // Loading another tensor parallel size's shards is refused, naming the tensor.
+  CHECK_THROWS_AS(make_executor(dir.string(), 4 << 20, 1 << 20, 1, "sharded_state"), error);
+  fs::remove_all(dir);
+  CHECK_THROWS_WITH_AS(make_executor(dir.string(), 4 << 20, 1 << 20, 1, "sharded_state"),
+                       doctest::Contains("config.json"), error);
 }

@@ -17,6 +17,10 @@ namespace troupe {
 struct model_worker_options {
   /// Hugging Face model directory (`config.json` + `*.safetensors`).
   std::string model_path;
+  /// `"auto"`: the Hugging Face checkpoint, split for this rank at load. `"sharded_state"`:
+  /// this rank's `model-rank-{rank}-part-{part}.safetensors` files as `save_sharded_state`
+  /// wrote them (next to a `config.json`), loaded as they are.
+  std::string load_format = "auto";
   /// Bytes for the device KV cache; 0 takes `kv_cache_memory_fraction` of the device's free
   /// memory (after the weights are loaded).
   int64_t kv_cache_memory_bytes = 0;
@@ -51,6 +55,9 @@ public:
   void reload_weights();
 
 private:
+  /// This rank's sharded-state files, in part order.
+  std::vector<std::string> rank_shards() const;
+
   struct state;
   model_worker_options options_;
   std::unique_ptr<state> state_;
