@@ -19,6 +19,9 @@ struct command {
 /// `troupe bench rpc`: collective_rpc latency of a no-op method.
 std::shared_ptr<command> add_bench_rpc(CLI::App& bench);
 
+/// `troupe bench step`: prefill and decode throughput of a model.
+std::shared_ptr<command> add_bench_step(CLI::App& bench);
+
 /// `troupe make-model`: a random-weight model in Hugging Face format.
 std::shared_ptr<command> add_make_model(CLI::App& app);
 

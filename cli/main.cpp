@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   auto bench = app.add_subcommand("bench", "Measure troupe");
   bench->require_subcommand(1);
   auto run_rpc = troupe::cli::add_bench_rpc(*bench);
+  auto run_step = troupe::cli::add_bench_step(*bench);
   auto make_model = troupe::cli::add_make_model(app);
   try {
     app.parse(argc, argv);
@@ -19,7 +20,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
-    for (auto& cmd : {run_rpc, make_model})
+    for (auto& cmd : {run_rpc, run_step, make_model})
       if (*cmd)
         return cmd->run();
   } catch (const std::exception& e) {

@@ -11,7 +11,7 @@ namespace troupe {
 namespace {
 
 [[noreturn]] void bad_request(const std::string& what) {
-  throw error{errc::invalid_argument, "execute_model: " + what};
+  throw error{errc::invalid_argument, what};
 }
 
 std::string shape_text(const std::vector<int64_t>& shape) {

@@ -1,6 +1,7 @@
 #include "troupe/model_worker.hpp"
 
 #include "kernels/cpu/gloo_communicator.hpp"
+#include "kernels/cpu/ops.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config.hpp"
 #include "model/kv_cache.hpp"
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <random>
+#include <thread>
 
 namespace troupe {
 
@@ -38,6 +40,9 @@ model_worker::~model_worker() = default;
 void model_worker::load_model() {
   auto& st = *state_;
   st.config = load_model_config(options_.model_path);
+  // Workers of one process share the cores: each GEMM gets its share of them.
+  cpu::set_gemm_threads(static_cast<int>(std::thread::hardware_concurrency())
+                        / std::max(1, context().world_size));
   bool presharded = false;
   if (options_.load_format == "sharded_state") {
     st.ckpt = std::make_unique<checkpoint>(options_.model_path, rank_shards());

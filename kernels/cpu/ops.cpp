@@ -6,6 +6,10 @@
 
 namespace troupe::cpu {
 
+void set_gemm_threads(int threads) {
+  openblas_set_num_threads(threads < 1 ? 1 : threads);
+}
+
 void gemm_nt(const float* x, const float* w, float* y, int64_t m, int64_t n, int64_t k,
              bool accumulate) {
   if (m == 0 || n == 0)

@@ -12,6 +12,9 @@
 
 namespace troupe::cpu {
 
+/// Threads OpenBLAS may use for one GEMM (process-wide).
+void set_gemm_threads(int threads);
+
 /// y[m×n] = x[m×k] · w[n×k]ᵀ (+ y when `accumulate`). `w` is a weight in the
 /// Hugging Face layout [out_features, in_features].
 void gemm_nt(const float* x, const float* w, float* y, int64_t m, int64_t n, int64_t k,

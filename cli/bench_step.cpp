@@ -1,0 +1,162 @@
+// `troupe bench step`: prefill and decode throughput of one model step through the
+// executor, next to the memory-bandwidth floor of a decode step on this machine.
+
+#include "cli/commands.hpp"
+
+#include "model/config.hpp"
+#include "troupe/executor.hpp"
+#include "troupe/model_worker.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <random>
+#include <vector>
+
+namespace troupe::cli {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+/// Bytes per second of a large memcpy (best of a few), the bandwidth a decode step that
+/// streams every weight once can hope for.
+double memcpy_bandwidth() {
+  const size_t bytes = size_t{256} << 20;
+  std::vector<char> src(bytes, 1);
+  std::vector<char> dst(bytes, 0);
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    auto start = clock_type::now();
+    std::memcpy(dst.data(), src.data(), bytes);
+    std::chrono::duration<double> took = clock_type::now() - start;
+    // A copy reads and writes every byte.
+    best = std::max(best, 2.0 * static_cast<double>(bytes) / took.count());
+  }
+  return best;
+}
+
+} // namespace
+
+std::shared_ptr<command> add_bench_step(CLI::App& bench) {
+  struct options {
+    std::string model;
+    int batch = 1;
+    int tp = 1;
+    int prompt_len = 64;
+    int decode_steps = 16;
+    bool json = false;
+  };
+  auto o = std::make_shared<options>();
+  auto cmd = std::make_shared<command>();
+  auto* sub = bench.add_subcommand("step", "Prefill and decode tokens per second of a model");
+  cmd->app = sub;
+  sub->add_option("--model", o->model, "Hugging Face model directory")->required();
+  sub->add_option("--batch", o->batch, "Sequences per step")
+    ->check(CLI::Range(1, 4096))
+    ->capture_default_str();
+  sub->add_option("--tensor-parallel-size", o->tp, "Worker actors")
+    ->check(CLI::Range(1, 64))
+    ->capture_default_str();
+  sub->add_option("--prompt-len", o->prompt_len, "Prompt tokens per sequence")
+    ->check(CLI::Range(1, 100000))
+    ->capture_default_str();
+  sub->add_option("--decode-steps", o->decode_steps, "Decode steps measured")
+    ->check(CLI::Range(1, 100000))
+    ->capture_default_str();
+  sub->add_flag("--json", o->json, "Print only the JSON result");
+  cmd->run = [o] {
+    const int block_size = 16;
+    executor_config cfg;
+    cfg.tensor_parallel_size = o->tp;
+    cfg.block_size = block_size;
+    cfg.max_model_len = o->prompt_len + o->decode_steps + 1;
+    cfg.rpc_timeout = std::chrono::minutes(10);
+    model_worker_options mw;
+    mw.model_path = o->model;
+    auto blocks_per_seq = (o->prompt_len + o->decode_steps + block_size) / block_size;
+    executor exec{cfg, model_worker_factory(mw)};
+    auto params = exec.collective_rpc(
+      [](worker& w, const caf::message&, const caf::settings&) {
+        return caf::make_message(w.get_model()->num_parameters());
+      });
+    int64_t weight_bytes = 0;
+    for (auto& p : params)
+      weight_bytes += p.get_as<int64_t>(0) * 4;
+    auto available = exec.determine_num_available_blocks();
+    int64_t needed = static_cast<int64_t>(o->batch) * blocks_per_seq;
+    if (available.num_device_blocks < needed)
+      throw error{errc::invalid_argument, "the KV cache holds " +
+                                            std::to_string(available.num_device_blocks) +
+                                            " blocks, the benchmark needs " + std::to_string(needed)};
+    exec.initialize_cache({needed, 0});
+
+    auto vocab = load_model_config(o->model).vocab_size;
+    std::mt19937 rng{7};
+    execute_model_request req;
+    for (int s = 0; s < o->batch; ++s) {
+      sequence_group_metadata g;
+      g.request_id = "b" + std::to_string(s);
+      g.is_prompt = true;
+      g.sampling.temperature = 0.0f;
+      sequence_data seq;
+      seq.seq_id = s;
+      for (int t = 0; t < o->prompt_len; ++t)
+        seq.token_ids.push_back(static_cast<int32_t>(rng() % vocab));
+      seq.num_prompt_tokens = o->prompt_len;
+      for (int b = 0; b < blocks_per_seq; ++b)
+        seq.block_table.push_back(s * blocks_per_seq + b);
+      g.seqs.push_back(seq);
+      g.token_chunk_size = o->prompt_len;
+      req.seq_group_metadata_list.push_back(g);
+    }
+    auto advance = [&](const sampler_output& out) {
+      for (size_t i = 0; i < req.seq_group_metadata_list.size(); ++i) {
+        auto& g = req.seq_group_metadata_list[i];
+        g.seqs[0].num_computed_tokens += g.token_chunk_size;
+        g.seqs[0].token_ids.push_back(out.outputs[i].samples[0].output_token);
+        g.token_chunk_size = 1;
+        g.is_prompt = false;
+      }
+    };
+    auto start = clock_type::now();
+    auto out = exec.execute_model(req);
+    std::chrono::duration<double> prefill = clock_type::now() - start;
+    advance(out[0]);
+    start = clock_type::now();
+    for (int step = 0; step < o->decode_steps; ++step)
+      advance(exec.execute_model(req)[0]);
+    std::chrono::duration<double> decode = clock_type::now() - start;
+    exec.stop_remote_worker_execution_loop();
+    exec.shutdown();
+
+    auto bandwidth = memcpy_bandwidth();
+    double step_s = decode.count() / o->decode_steps;
+    double floor_step_s = static_cast<double>(weight_bytes) / bandwidth;
+    nlohmann::json result = {
+      {"model", o->model},
+      {"batch", o->batch},
+      {"tensor_parallel_size", o->tp},
+      {"prompt_len", o->prompt_len},
+      {"prefill_tokens_per_s", o->batch * o->prompt_len / prefill.count()},
+      {"decode_tokens_per_s", o->batch / step_s},
+      {"decode_step_ms", step_s * 1e3},
+      {"weight_bytes", weight_bytes},
+      {"memcpy_bytes_per_s", bandwidth},
+      {"bandwidth_floor_step_ms", floor_step_s * 1e3},
+      {"bandwidth_bound_decode_tokens_per_s", o->batch / floor_step_s},
+    };
+    if (!o->json)
+      std::cout << "prefill " << result["prefill_tokens_per_s"].get<double>()
+                << " tokens/s, decode " << result["decode_tokens_per_s"].get<double>()
+                << " tokens/s (" << step_s * 1e3 << " ms a step; reading the weights once at "
+                << bandwidth / 1e9 << " GB/s takes " << floor_step_s * 1e3 << " ms)\n";
+    std::cout << result.dump() << std::endl;
+    return 0;
+  };
+  return cmd;
+}
+
+} // namespace troupe::cli
