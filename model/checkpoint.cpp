@@ -1,9 +1,11 @@
 #include "model/checkpoint.hpp"
 
+#include "model/gguf.hpp"
 #include "troupe/errors.hpp"
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -61,6 +63,49 @@ void checkpoint::open(const std::vector<std::string>& paths) {
       index_[t.name] = &t;
     }
   }
+}
+
+model_config checkpoint::gguf_config(const std::string& path) {
+  return gguf_file{path}.config();
+}
+
+checkpoint checkpoint::from_gguf(const std::string& path, const model_config& config) {
+  gguf_file file{path};
+  checkpoint result;
+  result.directory_ = path;
+  bool interleaved_rope = config.architecture == "LlamaForCausalLM";
+  for (auto& t : file.tensors()) {
+    auto name = hf_tensor_name(t.name);
+    if (name.empty())
+      continue; // e.g. rope_freqs: derived from the config here
+    auto values = file.read(t);
+    bool is_q = name.find("self_attn.q_proj.weight") != std::string::npos;
+    bool is_k = name.find("self_attn.k_proj.weight") != std::string::npos;
+    if (interleaved_rope && (is_q || is_k) && t.shape.size() == 2) {
+      // Within each head, GGUF row 2i + j is Hugging Face row j * head_dim / 2 + i.
+      auto heads = is_q ? config.num_attention_heads : config.num_key_value_heads;
+      auto rows = t.shape[0];
+      auto cols = t.shape[1];
+      auto head_dim = rows / heads;
+      std::vector<float> hf(values.size());
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t i = 0; i < head_dim / 2; ++i)
+          for (int64_t j = 0; j < 2; ++j)
+            std::copy_n(&values[static_cast<size_t>((h * head_dim + 2 * i + j) * cols)], cols,
+                        &hf[static_cast<size_t>((h * head_dim + j * head_dim / 2 + i) * cols)]);
+      values = std::move(hf);
+    }
+    result.owned_.push_back(std::move(values));
+    auto view = std::make_unique<tensor_view>();
+    view->name = name;
+    view->type = dtype::f32;
+    view->shape = t.shape;
+    view->data = reinterpret_cast<const std::byte*>(result.owned_.back().data());
+    view->bytes = result.owned_.back().size() * sizeof(float);
+    result.index_[name] = view.get();
+    result.views_.push_back(std::move(view));
+  }
+  return result;
 }
 
 bool checkpoint::contains(const std::string& name) const {

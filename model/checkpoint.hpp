@@ -1,5 +1,6 @@
 #pragma once
 
+#include "model/config.hpp"
 #include "model/safetensors.hpp"
 
 #include <map>
@@ -19,6 +20,14 @@ public:
   /// The given safetensors files of `directory` (e.g. one rank's sharded state).
   checkpoint(const std::string& directory, const std::vector<std::string>& files);
 
+  /// The weights of a GGUF file, dequantized to float32 under their Hugging Face names;
+  /// the q and k rows of a llama file go back from llama.cpp's interleaved rotary layout to
+  /// Hugging Face's. `config` is `gguf_config(path)`.
+  static checkpoint from_gguf(const std::string& path, const model_config& config);
+
+  /// The model shape a GGUF file describes.
+  static model_config gguf_config(const std::string& path);
+
   /// Whether any file holds `name`.
   bool contains(const std::string& name) const;
 
@@ -36,7 +45,12 @@ private:
   void open(const std::vector<std::string>& paths);
 
   std::string directory_;
+  checkpoint() = default;
+
   std::vector<std::unique_ptr<safetensors_file>> files_;
+  /// Tensors converted at load (GGUF); `index_` points into `views_`.
+  std::vector<std::vector<float>> owned_;
+  std::vector<std::unique_ptr<tensor_view>> views_;
   std::map<std::string, const tensor_view*> index_;
 };
 

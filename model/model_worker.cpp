@@ -19,7 +19,6 @@ namespace troupe {
 
 struct model_worker::state {
   model_config config;
-  std::unique_ptr<checkpoint> ckpt;
   std::unique_ptr<llama_model> model;
   std::unique_ptr<kv_cache> cache;
   std::mt19937_64 rng{std::random_device{}()};
@@ -39,23 +38,23 @@ model_worker::~model_worker() = default;
 
 void model_worker::load_model() {
   auto& st = *state_;
-  st.config = load_model_config(options_.model_path);
+  auto gguf = is_gguf();
+  st.config = gguf ? checkpoint::gguf_config(options_.model_path)
+                   : load_model_config(options_.model_path);
   // Workers of one process share the cores: each GEMM gets its share of them.
   cpu::set_gemm_threads(static_cast<int>(std::thread::hardware_concurrency())
                         / std::max(1, context().world_size));
   bool presharded = false;
   if (options_.load_format == "sharded_state") {
-    st.ckpt = std::make_unique<checkpoint>(options_.model_path, rank_shards());
     presharded = true;
-  } else if (options_.load_format == "auto") {
-    st.ckpt = std::make_unique<checkpoint>(options_.model_path);
-  } else {
+  } else if (options_.load_format != "auto") {
     throw error{errc::invalid_argument, "load format '" + options_.load_format +
                                           "' is not known (auto, sharded_state)"};
   }
   st.presharded = presharded;
   st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size);
-  st.model->load(*st.ckpt, rank() == 0 ? options_.progress : load_progress{}, presharded);
+  st.model->load(open_checkpoint(), rank() == 0 ? options_.progress : load_progress{},
+                 presharded);
   if (st.comm)
     st.model->set_all_reduce(
       [comm = st.comm.get()](float* data, size_t count) { comm->all_reduce(data, count); });
@@ -83,7 +82,22 @@ void model_worker::reload_weights() {
   auto& st = *state_;
   if (!st.model)
     throw error{errc::unsupported, "reload_weights: no model is loaded"};
-  st.model->load(*st.ckpt, {}, st.presharded);
+  st.model->load(open_checkpoint(), {}, st.presharded);
+}
+
+bool model_worker::is_gguf() const {
+  auto& p = options_.model_path;
+  return p.size() > 5 && p.compare(p.size() - 5, 5, ".gguf") == 0;
+}
+
+checkpoint model_worker::open_checkpoint() const {
+  // Opened for each load and dropped after it: a GGUF checkpoint holds a float32 copy of
+  // every weight.
+  if (is_gguf())
+    return checkpoint::from_gguf(options_.model_path, state_->config);
+  if (options_.load_format == "sharded_state")
+    return checkpoint{options_.model_path, rank_shards()};
+  return checkpoint{options_.model_path};
 }
 
 std::vector<std::string> model_worker::rank_shards() const {

@@ -13,9 +13,12 @@
 
 namespace troupe {
 
+class checkpoint;
+
 /// What a model worker loads and how much memory it may use.
 struct model_worker_options {
-  /// Hugging Face model directory (`config.json` + `*.safetensors`).
+  /// Hugging Face model directory (`config.json` + `*.safetensors`), or a `.gguf` file
+  /// (F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors, dequantized to float32 at load).
   std::string model_path;
   /// `"auto"`: the Hugging Face checkpoint, split for this rank at load. `"sharded_state"`:
   /// this rank's `model-rank-{rank}-part-{part}.safetensors` files as `save_sharded_state`
@@ -55,6 +58,11 @@ public:
   void reload_weights();
 
 private:
+  bool is_gguf() const;
+
+  /// The weights to load, opened for one load.
+  checkpoint open_checkpoint() const;
+
   /// This rank's sharded-state files, in part order.
   std::vector<std::string> rank_shards() const;
 

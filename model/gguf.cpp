@@ -1,0 +1,386 @@
+// GGUF: "GGUF", version, tensor count, metadata count, the metadata (key, type, value), the
+// tensor infos (name, dims innermost first, ggml type, offset), then the tensor data from
+// the next multiple of general.alignment (32 by default).
+
+#include "model/gguf.hpp"
+
+#include "model/dtype.hpp"
+#include "troupe/errors.hpp"
+
+#include <cerrno>
+#include <cstring>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace troupe {
+
+namespace {
+
+// ggml tensor types troupe reads, and the bytes of one block of each.
+enum ggml_type : uint32_t { f32 = 0, f16 = 1, q4_0 = 2, q4_1 = 3, q8_0 = 8, bf16 = 30 };
+
+[[noreturn]] void bad(const std::string& path, const std::string& what) {
+  throw error{errc::invalid_argument, "GGUF file '" + path + "': " + what};
+}
+
+/// Reads little-endian values from the mapping, refusing to run past its end.
+struct cursor {
+  const uint8_t* base;
+  size_t size;
+  size_t pos;
+  const std::string& path;
+
+  void need(size_t n) {
+    if (n > size - pos)
+      bad(path, "truncated at byte " + std::to_string(pos));
+  }
+  template <class T>
+  T get() {
+    need(sizeof(T));
+    T v;
+    std::memcpy(&v, base + pos, sizeof(T));
+    pos += sizeof(T);
+    return v;
+  }
+  std::string str() {
+    auto len = get<uint64_t>();
+    need(len);
+    std::string s(reinterpret_cast<const char*>(base + pos), len);
+    pos += len;
+    return s;
+  }
+};
+
+/// Bytes of `count` elements of a ggml type; 0 for a type troupe does not read.
+uint64_t type_bytes(uint32_t type, uint64_t count) {
+  switch (type) {
+    case f32:
+      return count * 4;
+    case f16:
+    case bf16:
+      return count * 2;
+    case q8_0:
+      return count / 32 * 34;
+    case q4_0:
+      return count / 32 * 18;
+    case q4_1:
+      return count / 32 * 20;
+    default:
+      return 0;
+  }
+}
+
+const char* type_name(uint32_t type) {
+  switch (type) {
+    case f32:
+      return "F32";
+    case f16:
+      return "F16";
+    case bf16:
+      return "BF16";
+    case q8_0:
+      return "Q8_0";
+    case q4_0:
+      return "Q4_0";
+    case q4_1:
+      return "Q4_1";
+    default:
+      return "unsupported";
+  }
+}
+
+gguf_file::value read_value(cursor& c, uint32_t type) {
+  switch (type) {
+    case 0:
+      return int64_t{c.get<uint8_t>()};
+    case 1:
+      return int64_t{c.get<int8_t>()};
+    case 2:
+      return int64_t{c.get<uint16_t>()};
+    case 3:
+      return int64_t{c.get<int16_t>()};
+    case 4:
+      return int64_t{c.get<uint32_t>()};
+    case 5:
+      return int64_t{c.get<int32_t>()};
+    case 6:
+      return double{c.get<float>()};
+    case 7:
+      return c.get<uint8_t>() != 0;
+    case 8:
+      return c.str();
+    case 10:
+      return static_cast<int64_t>(c.get<uint64_t>());
+    case 11:
+      return c.get<int64_t>();
+    case 12:
+      return c.get<double>();
+    case 9: {
+      auto elem = c.get<uint32_t>();
+      auto count = c.get<uint64_t>();
+      if (elem == 8) {
+        std::vector<std::string> out;
+        for (uint64_t i = 0; i < count; ++i)
+          out.push_back(c.str());
+        return out;
+      }
+      std::vector<double> out;
+      for (uint64_t i = 0; i < count; ++i) {
+        auto v = read_value(c, elem);
+        if (auto x = std::get_if<int64_t>(&v))
+          out.push_back(static_cast<double>(*x));
+        else if (auto y = std::get_if<double>(&v))
+          out.push_back(*y);
+        else if (auto b = std::get_if<bool>(&v))
+          out.push_back(*b ? 1.0 : 0.0);
+        else
+          bad(c.path, "nested arrays are not supported");
+      }
+      return out;
+    }
+    default:
+      bad(c.path, "unknown metadata type " + std::to_string(type));
+  }
+}
+
+} // namespace
+
+gguf_file::gguf_file(const std::string& path) : path_(path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    bad(path, std::strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    ::close(fd);
+    bad(path, std::strerror(errno));
+  }
+  size_ = static_cast<size_t>(st.st_size);
+  if (size_ < 24) {
+    ::close(fd);
+    bad(path, "too short for a GGUF header");
+  }
+  map_ = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (map_ == MAP_FAILED) {
+    map_ = nullptr;
+    bad(path, std::string{"mmap failed: "} + std::strerror(errno));
+  }
+  try {
+    cursor c{static_cast<const uint8_t*>(map_), size_, 0, path_};
+    if (std::memcmp(c.base, "GGUF", 4) != 0)
+      bad(path, "not a GGUF file (bad magic)");
+    c.pos = 4;
+    auto version = c.get<uint32_t>();
+    if (version != 2 && version != 3)
+      bad(path, "GGUF version " + std::to_string(version) + " is not supported (2, 3)");
+    auto tensor_count = c.get<uint64_t>();
+    auto kv_count = c.get<uint64_t>();
+    for (uint64_t i = 0; i < kv_count; ++i) {
+      auto key = c.str();
+      auto type = c.get<uint32_t>();
+      metadata_[key] = read_value(c, type);
+    }
+    for (uint64_t i = 0; i < tensor_count; ++i) {
+      tensor_info t;
+      t.name = c.str();
+      auto dims = c.get<uint32_t>();
+      if (dims == 0 || dims > 4)
+        bad(path, "tensor '" + t.name + "' has " + std::to_string(dims) + " dimensions");
+      std::vector<int64_t> ne(dims);
+      uint64_t count = 1;
+      for (auto& d : ne) {
+        d = static_cast<int64_t>(c.get<uint64_t>());
+        count *= static_cast<uint64_t>(d);
+      }
+      t.shape.assign(ne.rbegin(), ne.rend());
+      t.type = c.get<uint32_t>();
+      t.offset = c.get<uint64_t>();
+      t.bytes = type_bytes(t.type, count);
+      if (t.bytes == 0 && count > 0)
+        bad(path, "tensor '" + t.name + "' has ggml type " + std::to_string(t.type) +
+                    ", which troupe does not read (F32, F16, BF16, Q8_0, Q4_0, Q4_1)");
+      if ((t.type == q8_0 || t.type == q4_0 || t.type == q4_1) && count % 32 != 0)
+        bad(path, "tensor '" + t.name + "' is quantized in blocks of 32 but has " +
+                    std::to_string(count) + " elements");
+      tensors_.push_back(std::move(t));
+    }
+    uint64_t alignment = 32;
+    auto a = metadata_.find("general.alignment");
+    if (a != metadata_.end())
+      if (auto v = std::get_if<int64_t>(&a->second); v && *v > 0)
+        alignment = static_cast<uint64_t>(*v);
+    data_start_ = (c.pos + alignment - 1) / alignment * alignment;
+    for (auto& t : tensors_)
+      if (data_start_ + t.offset > size_ || t.bytes > size_ - data_start_ - t.offset)
+        bad(path, "tensor '" + t.name + "': its data lies past the end of the file (truncated?)");
+  } catch (const error&) {
+    munmap(map_, size_);
+    map_ = nullptr;
+    throw;
+  }
+}
+
+gguf_file::~gguf_file() {
+  if (map_ != nullptr)
+    munmap(map_, size_);
+}
+
+std::vector<float> gguf_file::read(const tensor_info& t) const {
+  uint64_t count = 1;
+  for (auto d : t.shape)
+    count *= static_cast<uint64_t>(d);
+  std::vector<float> out(count);
+  auto src = static_cast<const uint8_t*>(map_) + data_start_ + t.offset;
+  auto f16_at = [](const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return half_to_float(h);
+  };
+  switch (t.type) {
+    case f32:
+      to_float(dtype::f32, src, out.data(), count);
+      break;
+    case f16:
+      to_float(dtype::f16, src, out.data(), count);
+      break;
+    case bf16:
+      to_float(dtype::bf16, src, out.data(), count);
+      break;
+    case q8_0:
+      for (uint64_t b = 0; b < count / 32; ++b) {
+        auto block = src + b * 34;
+        float d = f16_at(block);
+        auto q = reinterpret_cast<const int8_t*>(block + 2);
+        for (int i = 0; i < 32; ++i)
+          out[b * 32 + i] = d * q[i];
+      }
+      break;
+    case q4_0:
+    case q4_1: {
+      bool with_min = t.type == q4_1;
+      auto block_bytes = with_min ? 20 : 18;
+      for (uint64_t b = 0; b < count / 32; ++b) {
+        auto block = src + b * block_bytes;
+        float d = f16_at(block);
+        float m = with_min ? f16_at(block + 2) : 0.0f;
+        auto qs = block + (with_min ? 4 : 2);
+        // Low nibbles are elements 0..15, high nibbles 16..31; Q4_0 centres them on 8.
+        for (int i = 0; i < 16; ++i) {
+          int lo = qs[i] & 0x0f;
+          int hi = qs[i] >> 4;
+          if (with_min) {
+            out[b * 32 + i] = d * lo + m;
+            out[b * 32 + i + 16] = d * hi + m;
+          } else {
+            out[b * 32 + i] = d * (lo - 8);
+            out[b * 32 + i + 16] = d * (hi - 8);
+          }
+        }
+      }
+      break;
+    }
+    default:
+      bad(path_, "tensor '" + t.name + "' has type " + type_name(t.type));
+  }
+  return out;
+}
+
+model_config gguf_file::config() const {
+  auto text = [&](const std::string& key) -> std::string {
+    auto i = metadata_.find(key);
+    if (i == metadata_.end() || !std::holds_alternative<std::string>(i->second))
+      bad(path_, "metadata has no " + key);
+    return std::get<std::string>(i->second);
+  };
+  auto arch = text("general.architecture");
+  auto number = [&](const std::string& key, double fallback, bool required) -> double {
+    auto i = metadata_.find(arch + "." + key);
+    if (i == metadata_.end()) {
+      if (required)
+        bad(path_, "metadata has no " + arch + "." + key);
+      return fallback;
+    }
+    if (auto v = std::get_if<int64_t>(&i->second))
+      return static_cast<double>(*v);
+    if (auto v = std::get_if<double>(&i->second))
+      return *v;
+    bad(path_, "metadata " + arch + "." + key + " is not a number");
+  };
+  model_config c;
+  if (arch == "llama")
+    c.architecture = "LlamaForCausalLM";
+  else if (arch == "qwen2")
+    c.architecture = "Qwen2ForCausalLM";
+  else
+    bad(path_, "architecture " + arch + " is not supported (llama, qwen2)");
+  c.hidden_size = static_cast<int64_t>(number("embedding_length", 0, true));
+  c.num_hidden_layers = static_cast<int64_t>(number("block_count", 0, true));
+  c.intermediate_size = static_cast<int64_t>(number("feed_forward_length", 0, true));
+  c.num_attention_heads = static_cast<int64_t>(number("attention.head_count", 0, true));
+  c.num_key_value_heads =
+    static_cast<int64_t>(number("attention.head_count_kv", static_cast<double>(c.num_attention_heads), false));
+  c.head_dim = static_cast<int64_t>(
+    number("attention.key_length", static_cast<double>(c.hidden_size / c.num_attention_heads), false));
+  c.max_position_embeddings = static_cast<int64_t>(number("context_length", 2048, false));
+  c.rope_theta = number("rope.freq_base", 10000.0, false);
+  c.rms_norm_eps = number("attention.layer_norm_rms_epsilon", 1e-6, false);
+  c.attention_bias = arch == "qwen2";
+  auto vocab = metadata_.find("tokenizer.ggml.tokens");
+  if (vocab != metadata_.end() && std::holds_alternative<std::vector<std::string>>(vocab->second))
+    c.vocab_size = static_cast<int64_t>(std::get<std::vector<std::string>>(vocab->second).size());
+  else
+    c.vocab_size = static_cast<int64_t>(number("vocab_size", 0, true));
+  c.tie_word_embeddings = true;
+  for (auto& t : tensors_)
+    if (t.name == "output.weight")
+      c.tie_word_embeddings = false;
+  auto token = [&](const std::string& key) -> int32_t {
+    auto i = metadata_.find(key);
+    if (i != metadata_.end())
+      if (auto v = std::get_if<int64_t>(&i->second))
+        return static_cast<int32_t>(*v);
+    return -1;
+  };
+  c.bos_token_id = token("tokenizer.ggml.bos_token_id");
+  c.eos_token_id = token("tokenizer.ggml.eos_token_id");
+  return c;
+}
+
+std::string hf_tensor_name(const std::string& name) {
+  static const std::map<std::string, std::string> top = {
+    {"token_embd.weight", "model.embed_tokens.weight"},
+    {"output_norm.weight", "model.norm.weight"},
+    {"output.weight", "lm_head.weight"},
+  };
+  if (auto i = top.find(name); i != top.end())
+    return i->second;
+  static const std::map<std::string, std::string> in_block = {
+    {"attn_norm.weight", "input_layernorm.weight"},
+    {"ffn_norm.weight", "post_attention_layernorm.weight"},
+    {"attn_q.weight", "self_attn.q_proj.weight"},
+    {"attn_k.weight", "self_attn.k_proj.weight"},
+    {"attn_v.weight", "self_attn.v_proj.weight"},
+    {"attn_q.bias", "self_attn.q_proj.bias"},
+    {"attn_k.bias", "self_attn.k_proj.bias"},
+    {"attn_v.bias", "self_attn.v_proj.bias"},
+    {"attn_output.weight", "self_attn.o_proj.weight"},
+    {"ffn_gate.weight", "mlp.gate_proj.weight"},
+    {"ffn_up.weight", "mlp.up_proj.weight"},
+    {"ffn_down.weight", "mlp.down_proj.weight"},
+  };
+  if (name.rfind("blk.", 0) != 0)
+    return {};
+  auto dot = name.find('.', 4);
+  if (dot == std::string::npos)
+    return {};
+  auto layer = name.substr(4, dot - 4);
+  auto i = in_block.find(name.substr(dot + 1));
+  if (i == in_block.end())
+    return {};
+  return "model.layers." + layer + "." + i->second;
+}
+
+} // namespace troupe

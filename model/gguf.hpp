@@ -1,0 +1,69 @@
+#pragma once
+
+#include "model/config.hpp"
+#include "model/safetensors.hpp"
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace troupe {
+
+/// A GGUF file (llama.cpp's format, version 2 or 3), memory-mapped. Tensors of type F32,
+/// F16, BF16, Q8_0, Q4_0 and Q4_1 are dequantized to float32 when read. Every problem
+/// (bad magic, truncated file, unknown tensor type, data outside the file) throws
+/// `troupe::error` (`invalid_argument`) naming the file and, where there is one, the tensor.
+class gguf_file {
+public:
+  /// A metadata value: integers widen to int64, floats to double; arrays of strings and of
+  /// numbers are kept, other arrays only by length.
+  using value = std::variant<int64_t, double, bool, std::string, std::vector<std::string>,
+                             std::vector<double>>;
+
+  struct tensor_info {
+    std::string name;
+    /// Hugging Face order: outermost dimension first (GGUF stores the reverse).
+    std::vector<int64_t> shape;
+    uint32_t type = 0;
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+  };
+
+  explicit gguf_file(const std::string& path);
+  ~gguf_file();
+
+  gguf_file(const gguf_file&) = delete;
+  gguf_file& operator=(const gguf_file&) = delete;
+
+  const std::string& path() const {
+    return path_;
+  }
+  const std::map<std::string, value>& metadata() const {
+    return metadata_;
+  }
+  const std::vector<tensor_info>& tensors() const {
+    return tensors_;
+  }
+
+  /// The tensor's values as float32.
+  std::vector<float> read(const tensor_info& t) const;
+
+  /// The model shape from the metadata (architectures llama and qwen2).
+  model_config config() const;
+
+private:
+  std::string path_;
+  void* map_ = nullptr;
+  std::size_t size_ = 0;
+  std::size_t data_start_ = 0;
+  std::map<std::string, value> metadata_;
+  std::vector<tensor_info> tensors_;
+};
+
+/// Hugging Face name of a GGUF tensor name (`blk.3.attn_q.weight` →
+/// `model.layers.3.self_attn.q_proj.weight`); empty for a name troupe does not use.
+std::string hf_tensor_name(const std::string& gguf_name);
+
+} // namespace troupe

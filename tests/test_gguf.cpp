@@ -1,0 +1,148 @@
+// GGUF loading against transformers reading the same files: llama-gqa written by
+// scripts/make-reference-fixtures.py as F32, F16, Q8_0, Q4_0 and Q4_1, with llama.cpp's
+// interleaved q/k rows.
+
+#include "kernels/cpu/cpu_device.hpp"
+#include "model/checkpoint.hpp"
+#include "model/gguf.hpp"
+#include "model/llama.hpp"
+#include "troupe/errors.hpp"
+#include "troupe/executor.hpp"
+#include "troupe/model_worker.hpp"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <unistd.h>
+
+using namespace troupe;
+
+namespace {
+
+const std::string dir = TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa-gguf";
+const char* types[] = {"F32", "F16", "Q8_0", "Q4_0", "Q4_1"};
+
+std::string file_of(const std::string& type) {
+  std::string lower = type;
+  for (auto& c : lower)
+    c = static_cast<char>(std::tolower(c));
+  return dir + "/llama-gqa-" + lower + ".gguf";
+}
+
+nlohmann::json reference() {
+  std::ifstream in{dir + "/reference.json"};
+  return nlohmann::json::parse(in);
+}
+
+std::string error_of(const std::string& path) {
+  try {
+    gguf_file f{path};
+  } catch (const error& e) {
+    return e.what();
+  }
+  return {};
+}
+
+} // namespace
+
+TEST_CASE("the metadata gives the model's shape") {
+  auto c = checkpoint::gguf_config(file_of("F32"));
+  CHECK(c.architecture == "LlamaForCausalLM");
+  CHECK(c.hidden_size == 64);
+  CHECK(c.num_hidden_layers == 2);
+  CHECK(c.num_attention_heads == 4);
+  CHECK(c.num_key_value_heads == 2);
+  CHECK(c.intermediate_size == 160);
+  CHECK(c.vocab_size == 256);
+  CHECK(!c.tie_word_embeddings);
+  CHECK(c.eos_token_id == 2);
+}
+
+TEST_CASE("prefill logits of every tensor type match transformers on the same file") {
+  auto ref = reference();
+  for (auto type : types) {
+    auto cfg = checkpoint::gguf_config(file_of(type));
+    auto ckpt = checkpoint::from_gguf(file_of(type), cfg);
+    cpu_device dev{0};
+    llama_model model{cfg, dev, 0, 1};
+    model.load(ckpt);
+    for (auto& run : ref[type]) {
+      kv_cache cache{dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 16, 4, 0};
+      auto prompt = run["token_ids"].get<std::vector<int32_t>>();
+      execute_model_request req;
+      req.seq_group_metadata_list.push_back(
+        {"r", true, {{0, prompt, static_cast<int32_t>(prompt.size()), 0, {0, 1, 2, 3}}}, {},
+         static_cast<int32_t>(prompt.size()), true, 0, 0});
+      std::vector<sample_row> rows;
+      auto logits = model.forward(req, cache, rows);
+      auto want = run["last_logits"].get<std::vector<float>>();
+      double diff = 0;
+      double scale = 0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        diff = std::max(diff, static_cast<double>(std::fabs(logits[i] - want[i])));
+        scale = std::max(scale, static_cast<double>(std::fabs(want[i])));
+      }
+      CHECK_MESSAGE(diff / scale < 1e-4, type << ": relative error " << diff / scale);
+    }
+  }
+}
+
+TEST_CASE("greedy generation from a GGUF file through the executor matches transformers") {
+  auto ref = reference();
+  for (auto type : {"F32", "Q8_0", "Q4_1"}) {
+    executor_config cfg;
+    cfg.block_size = 4;
+    model_worker_options opts;
+    opts.model_path = file_of(type);
+    opts.kv_cache_memory_bytes = 4 << 20;
+    executor exec{cfg, model_worker_factory(opts)};
+    exec.initialize_cache(exec.determine_num_available_blocks());
+    for (auto& run : ref[type]) {
+      auto prompt = run["token_ids"].get<std::vector<int32_t>>();
+      sequence_group_metadata g{"r", true, {{0, prompt, static_cast<int32_t>(prompt.size()), 0, {}}},
+                                {}, static_cast<int32_t>(prompt.size()), true, 0, 0};
+      g.sampling.temperature = 0.0f;
+      for (int32_t b = 0; b < 16; ++b)
+        g.seqs[0].block_table.push_back(b);
+      std::vector<int32_t> generated;
+      for (int step = 0; step < 32; ++step) {
+        execute_model_request req;
+        req.seq_group_metadata_list.push_back(g);
+        auto token = exec.execute_model(req)[0].outputs[0].samples[0].output_token;
+        generated.push_back(token);
+        g.seqs[0].num_computed_tokens += g.token_chunk_size;
+        g.seqs[0].token_ids.push_back(token);
+        g.token_chunk_size = 1;
+      }
+      CHECK_MESSAGE(generated == run["greedy"].get<std::vector<int32_t>>(), type);
+    }
+  }
+}
+
+TEST_CASE("broken GGUF files are errors naming the file and the tensor") {
+  auto path = (std::filesystem::temp_directory_path() / ("troupe-gguf-" + std::to_string(getpid())))
+                .string();
+  std::ifstream in{file_of("Q8_0"), std::ios::binary};
+  std::string whole{std::istreambuf_iterator<char>{in}, {}};
+  auto write = [&](const std::string& bytes) {
+    std::ofstream out{path, std::ios::binary};
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  };
+  write("GGML" + whole.substr(4));
+  CHECK(error_of(path).find("bad magic") != std::string::npos);
+  write(whole.substr(0, whole.size() - 100));
+  auto truncated = error_of(path);
+  CHECK(truncated.find("past the end") != std::string::npos);
+  CHECK(truncated.find("tensor '") != std::string::npos);
+  CHECK(truncated.find(path) != std::string::npos);
+  write(whole.substr(0, 200));
+  CHECK(error_of(path).find("truncated") != std::string::npos);
+  std::filesystem::remove(path);
+  CHECK(error_of("/nonexistent.gguf").find("/nonexistent.gguf") != std::string::npos);
+  CHECK(hf_tensor_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight");
+  CHECK(hf_tensor_name("rope_freqs.weight").empty());
+}
