@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -130,6 +131,55 @@ troupe::model* model_worker::get_model() {
   return state_->model.get();
 }
 
+namespace {
+
+int64_t status_kib(const char* key) {
+  std::ifstream status{"/proc/self/status"};
+  std::string line;
+  auto prefix = std::string{key} + ":";
+  while (std::getline(status, line))
+    if (line.rfind(prefix, 0) == 0)
+      return std::stoll(line.substr(prefix.size()));
+  return 0;
+}
+
+} // namespace
+
+int64_t model_worker::profile_step_bytes() {
+  auto& st = *state_;
+  auto tokens = std::min<int64_t>(options_.max_num_batched_tokens, st.config.max_position_embeddings);
+  auto seqs = std::max<int64_t>(1, std::min<int64_t>(options_.max_num_seqs, tokens));
+  auto per_seq = tokens / seqs;
+  auto bs = context().block_size;
+  auto blocks_per_seq = (per_seq + bs - 1) / bs;
+  execute_model_request req;
+  for (int64_t s = 0; s < seqs; ++s) {
+    sequence_group_metadata g;
+    g.request_id = "profile-" + std::to_string(s);
+    g.is_prompt = true;
+    sequence_data seq;
+    seq.seq_id = s;
+    seq.token_ids.assign(static_cast<size_t>(per_seq), 0);
+    seq.num_prompt_tokens = static_cast<int32_t>(per_seq);
+    for (int64_t b = 0; b < blocks_per_seq; ++b)
+      seq.block_table.push_back(static_cast<int32_t>(s * blocks_per_seq + b));
+    g.seqs.push_back(seq);
+    g.token_chunk_size = static_cast<int32_t>(per_seq);
+    req.seq_group_metadata_list.push_back(std::move(g));
+  }
+  // Peak resident memory of the step: reset the high-water mark, run it, read the mark.
+  { std::ofstream{"/proc/self/clear_refs"} << "5"; }
+  auto before = status_kib("VmRSS");
+  {
+    kv_cache scratch{device(), st.config.num_hidden_layers, st.model->local_kv_heads(),
+                     st.config.head_dim, bs, seqs * blocks_per_seq, 0};
+    std::vector<sample_row> rows;
+    st.model->forward(req, scratch, rows);
+  }
+  auto peak = status_kib("VmHWM");
+  return std::max<int64_t>(0, peak - before) * 1024;
+}
+
 cache_blocks model_worker::determine_num_available_blocks() {
   auto& st = *state_;
   if (!st.model)
@@ -137,10 +187,18 @@ cache_blocks model_worker::determine_num_available_blocks() {
   auto block_bytes = kv_cache::bytes_per_block(st.config.num_hidden_layers,
                                                st.model->local_kv_heads(), st.config.head_dim,
                                                context().block_size);
-  auto budget = options_.kv_cache_memory_bytes > 0
-                  ? options_.kv_cache_memory_bytes
-                  : static_cast<int64_t>(options_.kv_cache_memory_fraction
-                                         * static_cast<double>(device().free_memory()));
+  int64_t budget = options_.kv_cache_memory_bytes;
+  if (budget <= 0) {
+    auto free_bytes = static_cast<double>(device().free_memory());
+    auto step = profile_step_bytes();
+    budget = static_cast<int64_t>(options_.kv_cache_memory_fraction * free_bytes) - step;
+    if (budget < block_bytes)
+      throw error{errc::memory_error,
+                  "no room for a KV cache: " + std::to_string(options_.kv_cache_memory_fraction) +
+                    " of " + std::to_string(static_cast<int64_t>(free_bytes)) +
+                    " free bytes, less a profiled step of " + std::to_string(step) +
+                    " bytes, holds no block of " + std::to_string(block_bytes) + " bytes"};
+  }
   return {budget / block_bytes, options_.swap_space_bytes / block_bytes};
 }
 

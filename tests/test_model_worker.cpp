@@ -152,39 +152,80 @@ TEST_CASE("sleep and wake-up keep the next step bit-identical and level 2 needs 
   CHECK(same_bits(reloaded.logprob, before.logprob));
 }
 
-TEST_CASE("blocks swapped out and back in leave the outputs unchanged") {
-  auto exec = make_executor("llama-gqa");
+TEST_CASE("a full cache swapped out and back in leaves the outputs unchanged") {
+  // llama-gqa with blocks of 4: 2 layers x (k, v) x 4 positions x 2 kv heads x 16 x 4 bytes.
+  const int64_t block_bytes = 2 * 2 * 4 * 2 * 16 * 4;
+  auto exec = make_executor("llama-gqa", 16 * block_bytes, 8 * block_bytes);
   auto blocks = exec.determine_num_available_blocks();
-  REQUIRE(blocks.num_swap_blocks >= 8);
+  CHECK(blocks.num_device_blocks == 16);
+  CHECK(blocks.num_swap_blocks == 8);
   exec.initialize_cache(blocks);
-  batch b;
-  b.add({1, 15, 27, 99, 3, 8, 9}, 0, greedy());
-  auto first = exec.execute_model(b.request())[0];
-  b.advance(first);
-  auto reference = exec.execute_model(b.request())[0].outputs[0].samples[0];
+  // Four sequences of 13 tokens fill all 16 blocks.
+  batch full;
+  for (int32_t s = 0; s < 4; ++s) {
+    std::vector<int32_t> prompt;
+    for (int32_t t = 0; t < 13; ++t)
+      prompt.push_back((s * 31 + t * 7) % 256);
+    full.add(prompt, 4 * s, greedy());
+    full.groups.back().seqs[0].block_table.resize(4);
+  }
+  auto prefill = exec.execute_model(full.request())[0];
+  full.advance(prefill);
+  batch a;
+  a.groups.push_back(full.groups[0]);
+  auto reference = exec.execute_model(a.request())[0].outputs[0].samples[0];
 
-  // Same prefill again, then move its two blocks to swap, clobber them, bring them back
-  // into other device blocks and decode from there.
-  batch c;
-  c.add({1, 15, 27, 99, 3, 8, 9}, 0, greedy());
-  auto out = exec.execute_model(c.request())[0];
-  c.advance(out);
-  execute_model_request swap_out;
-  swap_out.blocks_to_swap_out = {{0, 5}, {1, 6}};
-  exec.execute_model(swap_out);
-  batch other;
-  other.add({7, 7, 7, 7, 7, 7, 7, 7}, 0, greedy()); // overwrites blocks 0 and 1
-  exec.execute_model(other.request());
-  auto req = c.request();
-  req.blocks_to_swap_in = {{5, 40}, {6, 41}};
-  req.seq_group_metadata_list[0].seqs[0].block_table[0] = 40;
-  req.seq_group_metadata_list[0].seqs[0].block_table[1] = 41;
-  auto swapped = exec.execute_model(req)[0].outputs[0].samples[0];
+  // A's blocks go to swap; a new sequence takes them over; it goes to swap in turn and A
+  // comes back into the same device blocks.
+  execute_model_request out_a;
+  out_a.blocks_to_swap_out = {{0, 0}, {1, 1}, {2, 2}, {3, 3}};
+  exec.execute_model(out_a);
+  batch e;
+  e.add({9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7, 6}, 0, greedy());
+  e.groups.back().seqs[0].block_table.resize(4);
+  exec.execute_model(e.request());
+  execute_model_request out_e;
+  out_e.blocks_to_swap_out = {{0, 4}, {1, 5}, {2, 6}, {3, 7}};
+  exec.execute_model(out_e);
+  auto back = a.request();
+  back.blocks_to_swap_in = {{0, 0}, {1, 1}, {2, 2}, {3, 3}};
+  auto swapped = exec.execute_model(back)[0].outputs[0].samples[0];
   CHECK(swapped.output_token == reference.output_token);
   CHECK(same_bits(swapped.logprob, reference.logprob));
+
+  // Copy-on-write: B's last block copied to a block A no longer needs gives B the same step.
+  batch b;
+  b.groups.push_back(full.groups[1]);
+  auto b_reference = exec.execute_model(b.request())[0].outputs[0].samples[0];
+  auto copied = b.request();
+  copied.blocks_to_copy = {{7, 3}};
+  copied.seq_group_metadata_list[0].seqs[0].block_table[3] = 3;
+  auto b_copied = exec.execute_model(copied)[0].outputs[0].samples[0];
+  CHECK(b_copied.output_token == b_reference.output_token);
+  CHECK(same_bits(b_copied.logprob, b_reference.logprob));
+
   execute_model_request bad;
   bad.blocks_to_swap_in = {{9999, 0}};
   CHECK_THROWS_AS(exec.execute_model(bad), error);
+  batch too_long;
+  too_long.add(std::vector<int32_t>(40, 1), 0, greedy());
+  too_long.groups.back().seqs[0].block_table = {0, 1, 2, 3, 16}; // 16 is not a device block
+  CHECK_THROWS_AS(exec.execute_model(too_long.request()), error);
+}
+
+TEST_CASE("without a fixed budget the KV cache is sized from free memory less a profiled step") {
+  executor_config cfg;
+  cfg.block_size = 16;
+  model_worker_options opts;
+  opts.model_path = fixtures + "/llama-gqa";
+  opts.kv_cache_memory_fraction = 0.01;
+  opts.max_num_batched_tokens = 256;
+  opts.max_num_seqs = 4;
+  executor exec{cfg, model_worker_factory(opts)};
+  auto blocks = exec.determine_num_available_blocks();
+  CHECK(blocks.num_device_blocks > 0);
+  CHECK(blocks.num_swap_blocks == 0);
+  exec.initialize_cache(blocks);
 }
 
 TEST_CASE("sharded state is written in vLLM's file names with parts of at most max_size") {

@@ -25,9 +25,14 @@ struct model_worker_options {
   /// wrote them (next to a `config.json`), loaded as they are.
   std::string load_format = "auto";
   /// Bytes for the device KV cache; 0 takes `kv_cache_memory_fraction` of the device's free
-  /// memory (after the weights are loaded).
+  /// memory (after the weights are loaded), less the peak memory of a profiled step at the
+  /// largest batch.
   int64_t kv_cache_memory_bytes = 0;
   double kv_cache_memory_fraction = 0.5;
+  /// The largest step the scheduler will send (vLLM's `max_num_batched_tokens` and
+  /// `max_num_seqs`); `determine_num_available_blocks` runs one such step to measure it.
+  int32_t max_num_batched_tokens = 2048;
+  int32_t max_num_seqs = 64;
   /// Bytes of host memory for swapped-out KV blocks (vLLM's `swap_space`).
   int64_t swap_space_bytes = 0;
   /// Weight loading progress of rank 0: tensors done and in all.
@@ -59,6 +64,9 @@ public:
 
 private:
   bool is_gguf() const;
+
+  /// Runs a step at the largest batch on scratch memory; returns its peak memory in bytes.
+  int64_t profile_step_bytes();
 
   /// The weights to load, opened for one load.
   checkpoint open_checkpoint() const;

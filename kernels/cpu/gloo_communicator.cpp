@@ -21,6 +21,12 @@ public:
     transportContext_ = device_->createContext(rank, size);
   }
 
+  /// Sets the deadline of new pairs (connecting) and of collectives.
+  void set_timeouts(std::chrono::milliseconds timeout) {
+    setTimeout(timeout);
+    transportContext_->setTimeout(timeout);
+  }
+
   gloo::transport::Context& transport() {
     return *transportContext_;
   }
@@ -51,7 +57,7 @@ gloo_communicator::gloo_communicator(int rank, int size, const std::string& host
     attr.hostname = host;
     auto dev = gloo::transport::tcp::CreateDevice(attr);
     impl_->context = std::make_shared<bootstrapped_context>(rank, size, dev);
-    impl_->context->setTimeout(timeout);
+    impl_->context->set_timeouts(timeout);
     return 0;
   });
 }
