@@ -8,6 +8,7 @@
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -306,4 +307,36 @@ TEST_CASE("a sharded state loads back and gives the same outputs at tensor paral
   fs::remove_all(dir);
   CHECK_THROWS_WITH_AS(make_executor(dir.string(), 4 << 20, 1 << 20, 1, "sharded_state"),
                        doctest::Contains("config.json"), error);
+}
+
+TEST_CASE("prefill and decode in the same step give the outputs they give apart") {
+  auto exec = make_executor("llama-gqa");
+  exec.initialize_cache(exec.determine_num_available_blocks());
+  batch a;
+  a.add({1, 15, 27, 99, 3}, 0, greedy());
+  a.advance(exec.execute_model(a.request())[0]);
+  auto a_alone = exec.execute_model(a.request())[0].outputs[0].samples[0];
+  batch b;
+  b.add({5, 9, 13, 17, 21, 25}, 32, greedy());
+  auto b_alone = exec.execute_model(b.request())[0].outputs[0].samples[0];
+  auto mixed = a.request(); // a decodes while b prefills
+  mixed.seq_group_metadata_list.push_back(b.groups[0]);
+  auto out = exec.execute_model(mixed)[0];
+  CHECK(out.outputs[0].samples[0].output_token == a_alone.output_token);
+  CHECK(out.outputs[1].samples[0].output_token == b_alone.output_token);
+  CHECK(std::fabs(out.outputs[0].samples[0].logprob - a_alone.logprob) < 1e-5f);
+  CHECK(std::fabs(out.outputs[1].samples[0].logprob - b_alone.logprob) < 1e-5f);
+}
+
+TEST_CASE("weight loading reports its progress through the callback") {
+  executor_config cfg;
+  model_worker_options opts;
+  opts.model_path = fixtures + "/qwen2-bias";
+  opts.kv_cache_memory_bytes = 1 << 20;
+  auto calls = std::make_shared<std::vector<std::pair<size_t, size_t>>>();
+  opts.progress = [calls](size_t done, size_t total) { calls->emplace_back(done, total); };
+  executor exec{cfg, model_worker_factory(opts)};
+  REQUIRE(!calls->empty());
+  CHECK(calls->back().first == calls->back().second);
+  CHECK(calls->front().first == 1);
 }

@@ -1,0 +1,83 @@
+// The sampler on its own: greedy, temperature, top-k, top-p, seeds and logprobs.
+
+#include "model/sampler.hpp"
+#include "troupe/errors.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <map>
+#include <vector>
+
+using namespace troupe;
+
+namespace {
+
+const std::vector<float> logits = {1.0f, 3.0f, 2.5f, -1.0f, 0.0f, 2.9f};
+
+float log_softmax(int i) {
+  double z = 0;
+  for (auto l : logits)
+    z += std::exp(l);
+  return static_cast<float>(logits[i] - std::log(z));
+}
+
+sampling_params with(float temperature, int32_t top_k = -1, float top_p = 1.0f, int64_t seed = -1) {
+  sampling_params p;
+  p.temperature = temperature;
+  p.top_k = top_k;
+  p.top_p = top_p;
+  p.seed = seed;
+  return p;
+}
+
+} // namespace
+
+TEST_CASE("greedy picks the largest logit and reports the model's logprobs") {
+  std::mt19937_64 rng{1};
+  auto params = with(0.0f);
+  params.logprobs = 2;
+  auto out = sample_token(logits.data(), 6, params, 7, 0, rng);
+  CHECK(out.output_token == 1);
+  CHECK(out.parent_seq_id == 7);
+  CHECK(out.logprob == doctest::Approx(log_softmax(1)));
+  REQUIRE(out.top_logprobs.size() == 2);
+  CHECK(out.top_logprobs[0].token == 1);
+  CHECK(out.top_logprobs[1].token == 5);
+}
+
+TEST_CASE("top-k 1 and a tiny top-p are greedy whatever the temperature") {
+  std::mt19937_64 rng{2};
+  for (int i = 0; i < 20; ++i) {
+    CHECK(sample_token(logits.data(), 6, with(5.0f, 1), 0, i, rng).output_token == 1);
+    CHECK(sample_token(logits.data(), 6, with(5.0f, -1, 0.01f), 0, i, rng).output_token == 1);
+  }
+}
+
+TEST_CASE("top-k keeps draws among the k best and temperature follows the distribution") {
+  std::mt19937_64 rng{3};
+  std::map<int32_t, int> counts;
+  for (int i = 0; i < 3000; ++i)
+    ++counts[sample_token(logits.data(), 6, with(1.0f, 3), 0, i, rng).output_token];
+  for (auto& [token, n] : counts)
+    CHECK((token == 1 || token == 2 || token == 5));
+  // Among tokens 1 (3.0), 5 (2.9) and 2 (2.5) at temperature 1: p(1) = e^3 / (e^3 + e^2.9 + e^2.5).
+  double p1 = std::exp(3.0) / (std::exp(3.0) + std::exp(2.9) + std::exp(2.5));
+  CHECK(counts[1] / 3000.0 == doctest::Approx(p1).epsilon(0.1));
+}
+
+TEST_CASE("a seed gives the same token for the same sequence and step") {
+  std::mt19937_64 a{10};
+  std::mt19937_64 b{20};
+  for (int step = 0; step < 20; ++step) {
+    auto x = sample_token(logits.data(), 6, with(2.0f, -1, 1.0f, 99), 3, step, a);
+    auto y = sample_token(logits.data(), 6, with(2.0f, -1, 1.0f, 99), 3, step, b);
+    CHECK(x.output_token == y.output_token);
+  }
+}
+
+TEST_CASE("out-of-range sampling parameters are errors") {
+  std::mt19937_64 rng{4};
+  CHECK_THROWS_AS(sample_token(logits.data(), 6, with(1.0f, -1, 0.0f), 0, 0, rng), error);
+  CHECK_THROWS_AS(sample_token(logits.data(), 6, with(-1.0f), 0, 0, rng), error);
+}
