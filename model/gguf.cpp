@@ -7,13 +7,8 @@
 #include "model/dtype.hpp"
 #include "troupe/errors.hpp"
 
-#include <cerrno>
 #include <cstring>
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 namespace troupe {
 
@@ -148,28 +143,9 @@ gguf_file::value read_value(cursor& c, uint32_t type) {
 
 } // namespace
 
-gguf_file::gguf_file(const std::string& path) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    bad(path, std::strerror(errno));
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    ::close(fd);
-    bad(path, std::strerror(errno));
-  }
-  size_ = static_cast<size_t>(st.st_size);
-  if (size_ < 24) {
-    ::close(fd);
-    bad(path, "too short for a GGUF header");
-  }
-  map_ = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (map_ == MAP_FAILED) {
-    map_ = nullptr;
-    bad(path, std::string{"mmap failed: "} + std::strerror(errno));
-  }
-  try {
-    cursor c{static_cast<const uint8_t*>(map_), size_, 0, path_};
+gguf_file::gguf_file(const std::string& path) : path_(path), file_(path, "GGUF file", 24) {
+  {
+    cursor c{reinterpret_cast<const uint8_t*>(file_.data()), file_.size(), 0, path_};
     if (std::memcmp(c.base, "GGUF", 4) != 0)
       bad(path, "not a GGUF file (bad magic)");
     c.pos = 4;
@@ -214,26 +190,19 @@ gguf_file::gguf_file(const std::string& path) : path_(path) {
         alignment = static_cast<uint64_t>(*v);
     data_start_ = (c.pos + alignment - 1) / alignment * alignment;
     for (auto& t : tensors_)
-      if (data_start_ + t.offset > size_ || t.bytes > size_ - data_start_ - t.offset)
+      if (data_start_ + t.offset > file_.size() || t.bytes > file_.size() - data_start_ - t.offset)
         bad(path, "tensor '" + t.name + "': its data lies past the end of the file (truncated?)");
-  } catch (const error&) {
-    munmap(map_, size_);
-    map_ = nullptr;
-    throw;
   }
 }
 
-gguf_file::~gguf_file() {
-  if (map_ != nullptr)
-    munmap(map_, size_);
-}
+gguf_file::~gguf_file() = default;
 
 std::vector<float> gguf_file::read(const tensor_info& t) const {
   uint64_t count = 1;
   for (auto d : t.shape)
     count *= static_cast<uint64_t>(d);
   std::vector<float> out(count);
-  auto src = static_cast<const uint8_t*>(map_) + data_start_ + t.offset;
+  auto src = reinterpret_cast<const uint8_t*>(file_.data()) + data_start_ + t.offset;
   auto f16_at = [](const uint8_t* p) {
     uint16_t h;
     std::memcpy(&h, p, 2);

@@ -1,6 +1,7 @@
 #pragma once
 
 #include "model/config.hpp"
+#include "model/mapped_file.hpp"
 #include "model/safetensors.hpp"
 
 #include <cstdint>
@@ -55,8 +56,7 @@ public:
 
 private:
   std::string path_;
-  void* map_ = nullptr;
-  std::size_t size_ = 0;
+  mapped_file file_;
   std::size_t data_start_ = 0;
   std::map<std::string, value> metadata_;
   std::vector<tensor_info> tensors_;

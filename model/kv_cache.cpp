@@ -34,38 +34,23 @@ void kv_cache::check(int64_t block, int64_t limit, const char* what) const {
 }
 
 void kv_cache::swap_out(const std::vector<block_move>& moves) {
-  auto bytes = static_cast<size_t>(block_floats()) * sizeof(float);
-  for (auto& m : moves) {
-    check(m.src, device_blocks_, "device");
-    check(m.dst, swap_blocks_, "swap");
-    for (int64_t layer = 0; layer < layers_; ++layer)
-      for (int64_t kv = 0; kv < 2; ++kv)
-        std::memcpy(swap_.data() + ((m.dst * layers_ + layer) * 2 + kv) * block_floats(),
-                    at(layer, kv, m.src, 0, 0), bytes);
-  }
+  move_blocks(moves, device_blocks_, "device", swap_blocks_, "swap",
+              [&](int64_t block, int64_t layer, int64_t kv) { return at(layer, kv, block, 0, 0); },
+              [&](int64_t block, int64_t layer, int64_t kv) { return swapped(block, layer, kv); });
 }
 
 void kv_cache::swap_in(const std::vector<block_move>& moves) {
-  auto bytes = static_cast<size_t>(block_floats()) * sizeof(float);
-  for (auto& m : moves) {
-    check(m.src, swap_blocks_, "swap");
-    check(m.dst, device_blocks_, "device");
-    for (int64_t layer = 0; layer < layers_; ++layer)
-      for (int64_t kv = 0; kv < 2; ++kv)
-        std::memcpy(at(layer, kv, m.dst, 0, 0),
-                    swap_.data() + ((m.src * layers_ + layer) * 2 + kv) * block_floats(), bytes);
-  }
+  move_blocks(moves, swap_blocks_, "swap", device_blocks_, "device",
+              [&](int64_t block, int64_t layer, int64_t kv) { return swapped(block, layer, kv); },
+              [&](int64_t block, int64_t layer, int64_t kv) { return at(layer, kv, block, 0, 0); });
 }
 
 void kv_cache::copy(const std::vector<block_move>& moves) {
-  auto bytes = static_cast<size_t>(block_floats()) * sizeof(float);
-  for (auto& m : moves) {
-    check(m.src, device_blocks_, "device");
-    check(m.dst, device_blocks_, "device");
-    for (int64_t layer = 0; layer < layers_; ++layer)
-      for (int64_t kv = 0; kv < 2; ++kv)
-        dev_.copy(at(layer, kv, m.dst, 0, 0), at(layer, kv, m.src, 0, 0), bytes);
-  }
+  auto device_block = [&](int64_t block, int64_t layer, int64_t kv) {
+    return at(layer, kv, block, 0, 0);
+  };
+  move_blocks(moves, device_blocks_, "device", device_blocks_, "device", device_block,
+              device_block);
 }
 
 } // namespace troupe

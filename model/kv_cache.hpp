@@ -58,6 +58,26 @@ private:
 
   void check(int64_t block, int64_t limit, const char* what) const;
 
+  /// Start of swap block `block`'s keys (kv 0) or values (kv 1) of `layer`.
+  float* swapped(int64_t block, int64_t layer, int64_t kv) {
+    return swap_.data() + ((block * layers_ + layer) * 2 + kv) * block_floats();
+  }
+
+  /// Checks every move, then copies each block's keys and values of every layer.
+  template <class Src, class Dst>
+  void move_blocks(const std::vector<block_move>& moves, int64_t src_limit, const char* src_kind,
+                   int64_t dst_limit, const char* dst_kind, Src src, Dst dst) {
+    for (auto& m : moves) {
+      check(m.src, src_limit, src_kind);
+      check(m.dst, dst_limit, dst_kind);
+    }
+    auto bytes = static_cast<size_t>(block_floats()) * sizeof(float);
+    for (auto& m : moves)
+      for (int64_t layer = 0; layer < layers_; ++layer)
+        for (int64_t kv = 0; kv < 2; ++kv)
+          dev_.copy(dst(m.dst, layer, kv), src(m.src, layer, kv), bytes);
+  }
+
   device& dev_;
   int64_t layers_;
   int64_t head_dim_;

@@ -9,15 +9,10 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 namespace troupe {
 
@@ -44,40 +39,23 @@ int64_t tensor_view::numel() const {
   return n;
 }
 
-safetensors_file::safetensors_file(const std::string& path) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    bad_file(path, std::strerror(errno));
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    ::close(fd);
-    bad_file(path, std::strerror(errno));
-  }
-  size_ = static_cast<std::size_t>(st.st_size);
-  if (size_ < 8) {
-    ::close(fd);
-    bad_file(path, "only " + std::to_string(size_) + " bytes, too short for a header");
-  }
-  map_ = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (map_ == MAP_FAILED) {
-    map_ = nullptr;
-    bad_file(path, std::string{"mmap failed: "} + std::strerror(errno));
-  }
-  try {
-    auto base = static_cast<const std::byte*>(map_);
+safetensors_file::safetensors_file(const std::string& path)
+  : path_(path), file_(path, "safetensors file", 8) {
+  {
+    auto base = file_.data();
+    auto size = file_.size();
     uint64_t header_len = 0;
     for (int i = 7; i >= 0; --i)
       header_len = (header_len << 8) | static_cast<uint8_t>(base[i]);
-    if (header_len > max_header_bytes || header_len > size_ - 8)
+    if (header_len > max_header_bytes || header_len > size - 8)
       bad_file(path, "header length " + std::to_string(header_len) + " does not fit a file of " +
-                       std::to_string(size_) + " bytes (truncated or not safetensors)");
+                       std::to_string(size) + " bytes (truncated or not safetensors)");
     auto text = reinterpret_cast<const char*>(base + 8);
     auto header = nlohmann::json::parse(text, text + header_len, nullptr, false);
     if (header.is_discarded() || !header.is_object())
       bad_file(path, "header is not a JSON object");
     auto data = base + 8 + header_len;
-    auto data_size = size_ - 8 - header_len;
+    auto data_size = size - 8 - header_len;
     for (auto& [name, desc] : header.items()) {
       if (name == "__metadata__") {
         if (!desc.is_object())
@@ -128,10 +106,6 @@ safetensors_file::safetensors_file(const std::string& path) : path_(path) {
       view.bytes = end - begin;
       tensors_.push_back(std::move(view));
     }
-  } catch (const error&) {
-    munmap(map_, size_);
-    map_ = nullptr;
-    throw;
   }
   std::sort(tensors_.begin(), tensors_.end(),
             [](const tensor_view& a, const tensor_view& b) { return a.data < b.data; });
@@ -139,10 +113,7 @@ safetensors_file::safetensors_file(const std::string& path) : path_(path) {
     index_[tensors_[i].name] = i;
 }
 
-safetensors_file::~safetensors_file() {
-  if (map_ != nullptr)
-    munmap(map_, size_);
-}
+safetensors_file::~safetensors_file() = default;
 
 const tensor_view& safetensors_file::at(const std::string& name) const {
   auto i = index_.find(name);

@@ -1,6 +1,7 @@
 #pragma once
 
 #include "model/dtype.hpp"
+#include "model/mapped_file.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -57,8 +58,7 @@ public:
 
 private:
   std::string path_;
-  void* map_ = nullptr;
-  std::size_t size_ = 0;
+  mapped_file file_;
   std::vector<tensor_view> tensors_;
   std::map<std::string, std::size_t> index_;
   std::map<std::string, std::string> metadata_;

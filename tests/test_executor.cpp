@@ -14,7 +14,9 @@
 
 using namespace troupe;
 using namespace std::chrono_literals;
+using troupe::testing::code_of;
 using troupe::testing::test_factory;
+using troupe::testing::what_of;
 
 namespace {
 
@@ -25,26 +27,6 @@ executor_config config(int32_t workers) {
   cfg.block_size = 16;
   cfg.max_model_len = 256;
   return cfg;
-}
-
-template <class F>
-errc code_of(F&& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    return e.code();
-  }
-  return errc::none;
-}
-
-template <class F>
-std::string what_of(F&& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    return e.what();
-  }
-  return {};
 }
 
 execute_model_request one_step(int32_t token) {

@@ -19,7 +19,9 @@ extern char** environ;
 
 using namespace troupe;
 using namespace std::chrono_literals;
+using troupe::testing::code_of;
 using troupe::testing::test_factory;
+using troupe::testing::what_of;
 using clock_type = std::chrono::steady_clock;
 
 namespace {
@@ -29,16 +31,6 @@ executor_config config(int32_t workers) {
   cfg.tensor_parallel_size = workers;
   cfg.rpc_timeout = 20s;
   return cfg;
-}
-
-template <class F>
-errc code_of(F&& f) {
-  try {
-    f();
-  } catch (const error& e) {
-    return e.code();
-  }
-  return errc::none;
 }
 
 double seconds_since(clock_type::time_point start) {

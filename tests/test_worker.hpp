@@ -252,6 +252,28 @@ private:
   bool fail_next_sleep_ = false;
 };
 
+/// The code of the troupe::error that `f` throws; errc::none when it throws nothing.
+template <class F>
+errc code_of(F&& f) {
+  try {
+    f();
+  } catch (const error& e) {
+    return e.code();
+  }
+  return errc::none;
+}
+
+/// The message of the troupe::error that `f` throws; empty when it throws nothing.
+template <class F>
+std::string what_of(F&& f) {
+  try {
+    f();
+  } catch (const error& e) {
+    return e.what();
+  }
+  return {};
+}
+
 inline worker_factory test_factory(size_t weights_bytes = 1 << 20) {
   return [weights_bytes](int32_t) { return std::make_unique<test_worker>(weights_bytes); };
 }

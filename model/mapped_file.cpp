@@ -1,0 +1,47 @@
+#include "model/mapped_file.hpp"
+
+#include "troupe/errors.hpp"
+
+#include <cerrno>
+#include <cstring>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace troupe {
+
+mapped_file::mapped_file(const std::string& path, const char* kind, std::size_t min_size) {
+  auto fail = [&](const std::string& what) {
+    throw error{errc::invalid_argument, std::string{kind} + " '" + path + "': " + what};
+  };
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    fail(std::strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    auto err = errno;
+    ::close(fd);
+    fail(std::strerror(err));
+  }
+  size_ = static_cast<std::size_t>(st.st_size);
+  if (size_ < min_size) {
+    ::close(fd);
+    fail("only " + std::to_string(size_) + " bytes, too short for a header");
+  }
+  map_ = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  auto err = errno;
+  ::close(fd);
+  if (map_ == MAP_FAILED) {
+    map_ = nullptr;
+    fail(std::string{"mmap failed: "} + std::strerror(err));
+  }
+}
+
+mapped_file::~mapped_file() {
+  if (map_ != nullptr)
+    munmap(map_, size_);
+}
+
+} // namespace troupe
