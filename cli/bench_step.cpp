@@ -3,7 +3,7 @@
 
 #include "cli/commands.hpp"
 
-#include "model/config.hpp"
+#include "model/checkpoint.hpp"
 #include "troupe/executor.hpp"
 #include "troupe/model_worker.hpp"
 
@@ -93,7 +93,7 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
                                             " blocks, the benchmark needs " + std::to_string(needed)};
     exec.initialize_cache({needed, 0});
 
-    auto vocab = load_model_config(o->model).vocab_size;
+    auto vocab = checkpoint::config_of(o->model).vocab_size;
     std::mt19937 rng{7};
     execute_model_request req;
     for (int s = 0; s < o->batch; ++s) {

@@ -69,6 +69,14 @@ model_config checkpoint::gguf_config(const std::string& path) {
   return gguf_file{path}.config();
 }
 
+bool checkpoint::is_gguf(const std::string& path) {
+  return path.size() > 5 && path.compare(path.size() - 5, 5, ".gguf") == 0;
+}
+
+model_config checkpoint::config_of(const std::string& path) {
+  return is_gguf(path) ? gguf_config(path) : load_model_config(path);
+}
+
 checkpoint checkpoint::from_gguf(const std::string& path, const model_config& config) {
   gguf_file file{path};
   checkpoint result;

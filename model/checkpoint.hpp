@@ -28,6 +28,12 @@ public:
   /// The model shape a GGUF file describes.
   static model_config gguf_config(const std::string& path);
 
+  /// Whether `path` names a GGUF file (by its extension).
+  static bool is_gguf(const std::string& path);
+
+  /// The model shape of `path`: a GGUF file's metadata, or a directory's `config.json`.
+  static model_config config_of(const std::string& path);
+
   /// Whether any file holds `name`.
   bool contains(const std::string& name) const;
 

@@ -39,9 +39,7 @@ model_worker::~model_worker() = default;
 
 void model_worker::load_model() {
   auto& st = *state_;
-  auto gguf = is_gguf();
-  st.config = gguf ? checkpoint::gguf_config(options_.model_path)
-                   : load_model_config(options_.model_path);
+  st.config = checkpoint::config_of(options_.model_path);
   // Workers of one process share the cores: each GEMM gets its share of them.
   cpu::set_gemm_threads(static_cast<int>(std::thread::hardware_concurrency())
                         / std::max(1, context().world_size));
@@ -86,15 +84,10 @@ void model_worker::reload_weights() {
   st.model->load(open_checkpoint(), {}, st.presharded);
 }
 
-bool model_worker::is_gguf() const {
-  auto& p = options_.model_path;
-  return p.size() > 5 && p.compare(p.size() - 5, 5, ".gguf") == 0;
-}
-
 checkpoint model_worker::open_checkpoint() const {
   // Opened for each load and dropped after it: a GGUF checkpoint holds a float32 copy of
   // every weight.
-  if (is_gguf())
+  if (checkpoint::is_gguf(options_.model_path))
     return checkpoint::from_gguf(options_.model_path, state_->config);
   if (options_.load_format == "sharded_state")
     return checkpoint{options_.model_path, rank_shards()};

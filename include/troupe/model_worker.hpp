@@ -63,8 +63,6 @@ public:
   void reload_weights();
 
 private:
-  bool is_gguf() const;
-
   /// Runs a step at the largest batch on scratch memory; returns its peak memory in bytes.
   int64_t profile_step_bytes();
 

