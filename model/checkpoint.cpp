@@ -83,9 +83,9 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
   result.directory_ = path;
   bool interleaved_rope = config.architecture == "LlamaForCausalLM";
   for (auto& t : file.tensors()) {
-    auto name = hf_tensor_name(t.name);
+    auto name = t.name == "rope_freqs.weight" ? t.name : hf_tensor_name(t.name);
     if (name.empty())
-      continue; // e.g. rope_freqs: derived from the config here
+      continue;
     auto values = file.read(t);
     bool is_q = name.find("self_attn.q_proj.weight") != std::string::npos;
     bool is_k = name.find("self_attn.k_proj.weight") != std::string::npos;

@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -21,7 +22,9 @@ int64_t positive_int(const json& j, const char* key, const std::string& origin) 
   if (!j.contains(key))
     bad_config(origin, std::string{"missing "} + key);
   if (!j[key].is_number_integer() || j[key].get<int64_t>() <= 0)
-    bad_config(origin, std::string{key} + " must be a positive integer, got " + j[key].dump());
+    bad_config(origin, std::string{key} + " must be a positive integer, got a " +
+                         (j[key].is_number() ? "number " + std::to_string(j[key].get<double>())
+                                             : std::string{j[key].type_name()}));
   return j[key].get<int64_t>();
 }
 
@@ -38,6 +41,31 @@ int32_t token_id(const json& j, const char* key) {
 }
 
 } // namespace
+
+void validate_model_config(const model_config& c, const std::string& origin) {
+  // Bounds keep every size product of the runtime far from overflow.
+  auto check = [&](const char* name, int64_t v, int64_t limit) {
+    if (v <= 0 || v > limit)
+      bad_config(origin, std::string{name} + " must be in [1, " + std::to_string(limit) +
+                           "], got " + std::to_string(v));
+  };
+  check("vocab_size", c.vocab_size, int64_t{1} << 24);
+  check("hidden_size", c.hidden_size, int64_t{1} << 20);
+  check("intermediate_size", c.intermediate_size, int64_t{1} << 22);
+  check("num_hidden_layers", c.num_hidden_layers, 4096);
+  check("num_attention_heads", c.num_attention_heads, 4096);
+  check("num_key_value_heads", c.num_key_value_heads, 4096);
+  check("head_dim", c.head_dim, 4096);
+  check("max_position_embeddings", c.max_position_embeddings, int64_t{1} << 24);
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    bad_config(origin, "num_attention_heads " + std::to_string(c.num_attention_heads) +
+                         " is not a multiple of num_key_value_heads " +
+                         std::to_string(c.num_key_value_heads));
+  if (c.head_dim % 2 != 0)
+    bad_config(origin, "head_dim must be even for rotary embeddings");
+  if (!(c.rms_norm_eps > 0) || !(c.rope_theta > 0))
+    bad_config(origin, "rms_norm_eps and rope_theta must be positive");
+}
 
 int64_t model_config::num_parameters() const {
   auto q = num_attention_heads * head_dim;
@@ -118,10 +146,21 @@ model_config parse_model_config(const std::string& json_text, const std::string&
   }
   if (j.value("use_sliding_window", false))
     bad_config(origin, "sliding-window attention is not supported");
+  if (j.value("mlp_bias", false))
+    bad_config(origin, "mlp_bias is not supported");
+  if (c.architecture != "Qwen2ForCausalLM" && j.value("attention_bias", false))
+    bad_config(origin, "attention_bias (which also biases o_proj) is not supported");
+  // Mistral's sliding window: within it attention is full, so sequences are kept inside it
+  // instead of approximating beyond.
+  if (j.contains("sliding_window") && j["sliding_window"].is_number_integer()
+      && j["sliding_window"].get<int64_t>() > 0)
+    c.max_position_embeddings =
+      std::min(c.max_position_embeddings, j["sliding_window"].get<int64_t>());
   c.tie_word_embeddings = j.value("tie_word_embeddings", false);
-  c.attention_bias = c.architecture == "Qwen2ForCausalLM" || j.value("attention_bias", false);
+  c.attention_bias = c.architecture == "Qwen2ForCausalLM";
   c.bos_token_id = token_id(j, "bos_token_id");
   c.eos_token_id = token_id(j, "eos_token_id");
+  validate_model_config(c, origin);
   return c;
 }
 

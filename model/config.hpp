@@ -47,6 +47,10 @@ model_config load_model_config(const std::string& directory);
 /// Parses the text of a `config.json`; `origin` names it in errors.
 model_config parse_model_config(const std::string& json_text, const std::string& origin);
 
+/// Checks that a config holds together (positive sizes, heads divisible by kv heads, an
+/// even head size); throws `invalid_argument` naming `origin` and the field.
+void validate_model_config(const model_config& config, const std::string& origin);
+
 /// Writes `config` as a Hugging Face `config.json` text.
 std::string to_config_json(const model_config& config);
 

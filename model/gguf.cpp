@@ -7,6 +7,7 @@
 #include "model/dtype.hpp"
 #include "troupe/errors.hpp"
 
+#include <cmath>
 #include <cstring>
 
 
@@ -116,6 +117,10 @@ gguf_file::value read_value(cursor& c, uint32_t type) {
     case 9: {
       auto elem = c.get<uint32_t>();
       auto count = c.get<uint64_t>();
+      if (elem == 9)
+        bad(c.path, "nested metadata arrays are not supported");
+      // Every element takes at least one byte: a count beyond the file is a lie.
+      c.need(count);
       if (elem == 8) {
         std::vector<std::string> out;
         for (uint64_t i = 0; i < count; ++i)
@@ -168,8 +173,12 @@ gguf_file::gguf_file(const std::string& path) : path_(path), file_(path, "GGUF f
       std::vector<int64_t> ne(dims);
       uint64_t count = 1;
       for (auto& d : ne) {
-        d = static_cast<int64_t>(c.get<uint64_t>());
-        count *= static_cast<uint64_t>(d);
+        auto dim = c.get<uint64_t>();
+        // Bounded so that no size computed from it overflows.
+        if (dim > (uint64_t{1} << 40) || __builtin_mul_overflow(count, dim, &count)
+            || count > (uint64_t{1} << 40))
+          bad(path, "tensor '" + t.name + "' has an impossible size");
+        d = static_cast<int64_t>(dim);
       }
       t.shape.assign(ne.rbegin(), ne.rend());
       t.type = c.get<uint32_t>();
@@ -272,11 +281,16 @@ model_config gguf_file::config() const {
         bad(path_, "metadata has no " + arch + "." + key);
       return fallback;
     }
-    if (auto v = std::get_if<int64_t>(&i->second))
-      return static_cast<double>(*v);
-    if (auto v = std::get_if<double>(&i->second))
-      return *v;
-    bad(path_, "metadata " + arch + "." + key + " is not a number");
+    double v = 0;
+    if (auto x = std::get_if<int64_t>(&i->second))
+      v = static_cast<double>(*x);
+    else if (auto y = std::get_if<double>(&i->second))
+      v = *y;
+    else
+      bad(path_, "metadata " + arch + "." + key + " is not a number");
+    if (!(std::fabs(v) < 1e15))
+      bad(path_, "metadata " + arch + "." + key + " is out of range");
+    return v;
   };
   model_config c;
   if (arch == "llama")
@@ -289,6 +303,8 @@ model_config gguf_file::config() const {
   c.num_hidden_layers = static_cast<int64_t>(number("block_count", 0, true));
   c.intermediate_size = static_cast<int64_t>(number("feed_forward_length", 0, true));
   c.num_attention_heads = static_cast<int64_t>(number("attention.head_count", 0, true));
+  if (c.num_attention_heads <= 0 || c.hidden_size <= 0)
+    bad(path_, "metadata gives no attention heads or no embedding length");
   c.num_key_value_heads =
     static_cast<int64_t>(number("attention.head_count_kv", static_cast<double>(c.num_attention_heads), false));
   c.head_dim = static_cast<int64_t>(
@@ -315,6 +331,7 @@ model_config gguf_file::config() const {
   };
   c.bos_token_id = token("tokenizer.ggml.bos_token_id");
   c.eos_token_id = token("tokenizer.ggml.eos_token_id");
+  validate_model_config(c, path_);
   return c;
 }
 

@@ -64,6 +64,7 @@ private:
 
 /// Hugging Face name of a GGUF tensor name (`blk.3.attn_q.weight` →
 /// `model.layers.3.self_attn.q_proj.weight`); empty for a name troupe does not use.
+/// (`rope_freqs.weight`, llama.cpp's form of the llama3 rope scaling, keeps its name.)
 std::string hf_tensor_name(const std::string& gguf_name);
 
 } // namespace troupe

@@ -3,8 +3,24 @@
 #include "troupe/errors.hpp"
 
 #include <cstring>
+#include <limits>
 
 namespace troupe {
+
+namespace {
+
+/// Bytes of `blocks` blocks; refuses counts a block number (int32) cannot address and
+/// products that overflow.
+size_t checked_bytes(int64_t per_block, int64_t blocks, const char* what) {
+  int64_t bytes = 0;
+  if (blocks < 0 || blocks > std::numeric_limits<int32_t>::max()
+      || __builtin_mul_overflow(per_block, blocks, &bytes))
+    throw error{errc::invalid_argument, std::string{"KV cache: "} + std::to_string(blocks) + " " +
+                                          what + " blocks cannot be addressed"};
+  return static_cast<size_t>(bytes);
+}
+
+} // namespace
 
 kv_cache::kv_cache(device& dev, int64_t layers, int64_t kv_heads, int64_t head_dim,
                    int64_t block_size, int64_t device_blocks, int64_t swap_blocks)
@@ -15,11 +31,21 @@ kv_cache::kv_cache(device& dev, int64_t layers, int64_t kv_heads, int64_t head_d
     block_size_(block_size),
     device_blocks_(device_blocks),
     swap_blocks_(swap_blocks),
-    device_memory_(dev, static_cast<size_t>(bytes_per_block(layers, kv_heads, head_dim, block_size)
-                                            * device_blocks),
+    device_memory_(dev,
+                   checked_bytes(bytes_per_block(layers, kv_heads, head_dim, block_size),
+                                 device_blocks, "device"),
                    memory_tag::kv_cache),
     base_(device_memory_.as<float>()),
-    swap_(static_cast<size_t>(swap_blocks * layers * 2 * block_size * kv_heads * head_dim)) {
+    swap_(checked_bytes(bytes_per_block(layers, kv_heads, head_dim, block_size), swap_blocks,
+                        "swap")
+          / sizeof(float)) {
+}
+
+void kv_cache::validate(int64_t layers, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                        int64_t device_blocks, int64_t swap_blocks) {
+  auto per_block = bytes_per_block(layers, kv_heads, head_dim, block_size);
+  checked_bytes(per_block, device_blocks, "device");
+  checked_bytes(per_block, swap_blocks, "swap");
 }
 
 int64_t kv_cache::bytes_per_block(int64_t layers, int64_t kv_heads, int64_t head_dim,

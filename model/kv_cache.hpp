@@ -17,6 +17,11 @@ public:
   kv_cache(device& dev, int64_t layers, int64_t kv_heads, int64_t head_dim, int64_t block_size,
            int64_t device_blocks, int64_t swap_blocks);
 
+  /// Throws `invalid_argument` when the block counts cannot be addressed or sized (what the
+  /// constructor checks, without allocating).
+  static void validate(int64_t layers, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                       int64_t device_blocks, int64_t swap_blocks);
+
   /// Bytes one block takes across all layers, keys and values.
   static int64_t bytes_per_block(int64_t layers, int64_t kv_heads, int64_t head_dim,
                                  int64_t block_size);

@@ -80,8 +80,9 @@ llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t wo
         f = (1.0 - smooth) * f / rs.factor + smooth * f;
       }
     }
-    inv_freq_.push_back(f);
+    base_inv_freq_.push_back(f);
   }
+  inv_freq_ = base_inv_freq_;
 }
 
 std::string llama_model::architecture() const {
@@ -143,6 +144,17 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     jobs.push_back({&l.gate, p + "mlp.gate_proj.weight", {I, H}, part::rows, i0, local_inter_});
     jobs.push_back({&l.up, p + "mlp.up_proj.weight", {I, H}, part::rows, i0, local_inter_});
     jobs.push_back({&l.down, p + "mlp.down_proj.weight", {H, I}, part::cols, i0, local_inter_});
+  }
+  inv_freq_ = base_inv_freq_;
+  if (ckpt.contains("rope_freqs.weight")) {
+    auto& t = ckpt.at("rope_freqs.weight");
+    if (t.shape != std::vector<int64_t>{static_cast<int64_t>(inv_freq_.size())})
+      throw error{errc::invalid_argument, "model '" + ckpt.directory() +
+                                            "': rope_freqs.weight has shape " + shape_text(t.shape)};
+    std::vector<float> factors(inv_freq_.size());
+    to_float(t.type, t.data, factors.data(), factors.size());
+    for (size_t i = 0; i < factors.size(); ++i)
+      inv_freq_[i] /= factors[i];
   }
   for (size_t n = 0; n < jobs.size(); ++n) {
     auto& j = jobs[n];

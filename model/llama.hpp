@@ -91,6 +91,9 @@ private:
   /// ranks).
   int64_t kv_offset_;
   int64_t local_inter_;
+  /// Rotary frequencies from the config, and as used (divided by a checkpoint's
+  /// `rope_freqs.weight` factors when it has them, as llama.cpp stores llama3 scaling).
+  std::vector<double> base_inv_freq_;
   std::vector<double> inv_freq_;
   device_buffer embed_;
   device_buffer final_norm_;

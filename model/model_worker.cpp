@@ -77,10 +77,17 @@ void model_worker::connect_collective(const std::vector<std::vector<std::string>
       [comm = st.comm.get()](float* data, size_t count) { comm->all_reduce(data, count); });
 }
 
+void model_worker::require_awake(const char* what) {
+  for (auto tag : device().sleeping_tags())
+    throw error{errc::sleeping, std::string{what} + " while tag " + to_string(tag) +
+                                  " sleeps; call wake_up first"};
+}
+
 void model_worker::reload_weights() {
   auto& st = *state_;
   if (!st.model)
     throw error{errc::unsupported, "reload_weights: no model is loaded"};
+  require_awake("reload_weights");
   st.model->load(open_checkpoint(), {}, st.presharded);
 }
 
@@ -177,6 +184,7 @@ cache_blocks model_worker::determine_num_available_blocks() {
   auto& st = *state_;
   if (!st.model)
     throw error{errc::unsupported, "determine_num_available_blocks: no model is loaded"};
+  require_awake("determine_num_available_blocks");
   auto block_bytes = kv_cache::bytes_per_block(st.config.num_hidden_layers,
                                                st.model->local_kv_heads(), st.config.head_dim,
                                                context().block_size);
@@ -184,7 +192,10 @@ cache_blocks model_worker::determine_num_available_blocks() {
   if (budget <= 0) {
     auto free_bytes = static_cast<double>(device().free_memory());
     auto step = profile_step_bytes();
-    budget = static_cast<int64_t>(options_.kv_cache_memory_fraction * free_bytes) - step;
+    // Ranks of one process share its memory (and profile it at the same time): each takes
+    // its share.
+    auto ranks = std::max(1, context().world_size);
+    budget = static_cast<int64_t>(options_.kv_cache_memory_fraction * free_bytes / ranks) - step;
     if (budget < block_bytes)
       throw error{errc::memory_error,
                   "no room for a KV cache: " + std::to_string(options_.kv_cache_memory_fraction) +
@@ -199,7 +210,9 @@ void model_worker::initialize_cache(const cache_blocks& blocks) {
   auto& st = *state_;
   if (!st.model)
     throw error{errc::unsupported, "initialize_cache: no model is loaded"};
-  st.cache.reset();
+  kv_cache::validate(st.config.num_hidden_layers, st.model->local_kv_heads(), st.config.head_dim,
+                     context().block_size, blocks.num_device_blocks, blocks.num_swap_blocks);
+  st.cache.reset(); // the old cache goes first: both at once may not fit
   st.cache = std::make_unique<kv_cache>(device(), st.config.num_hidden_layers,
                                         st.model->local_kv_heads(), st.config.head_dim,
                                         context().block_size, blocks.num_device_blocks,
@@ -241,6 +254,7 @@ void model_worker::save_sharded_state(const sharded_state_request& request) {
   auto& st = *state_;
   if (!st.model)
     throw error{errc::unsupported, "save_sharded_state: no model is loaded"};
+  require_awake("save_sharded_state");
   namespace fs = std::filesystem;
   if (!fs::is_directory(request.path))
     throw error{errc::invalid_argument,

@@ -78,14 +78,16 @@ safetensors_file::safetensors_file(const std::string& path)
       tensor_view view;
       view.name = name;
       view.type = *type;
-      int64_t numel = 1;
+      uint64_t numel = 1;
       if (!desc["shape"].is_array())
         bad_tensor(path, name, "shape is not a list");
       for (auto& d : desc["shape"]) {
-        if (!d.is_number_integer() || d.get<int64_t>() < 0)
-          bad_tensor(path, name, "shape " + desc["shape"].dump() + " has a bad dimension");
+        // Bounded so that no size computed from the shape overflows.
+        if (!d.is_number_integer() || d.get<int64_t>() < 0
+            || __builtin_mul_overflow(numel, d.get<uint64_t>(), &numel)
+            || numel > (uint64_t{1} << 40))
+          bad_tensor(path, name, "shape has a bad or impossible dimension");
         view.shape.push_back(d.get<int64_t>());
-        numel *= view.shape.back();
       }
       auto& offsets = desc["data_offsets"];
       if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned()
@@ -97,11 +99,10 @@ safetensors_file::safetensors_file(const std::string& path)
         bad_tensor(path, name, "data_offsets [" + std::to_string(begin) + ", " +
                                  std::to_string(end) + "] lie outside the " +
                                  std::to_string(data_size) + " bytes of data (truncated file?)");
-      auto expected = static_cast<uint64_t>(numel) * element_size(*type);
+      auto expected = numel * element_size(*type);
       if (end - begin != expected)
-        bad_tensor(path, name, std::to_string(end - begin) + " bytes of data, but shape " +
-                                 desc["shape"].dump() + " of " + dt.get<std::string>() +
-                                 " needs " + std::to_string(expected));
+        bad_tensor(path, name, std::to_string(end - begin) + " bytes of data, but its shape of " +
+                                 dt.get<std::string>() + " needs " + std::to_string(expected));
       view.data = data + begin;
       view.bytes = end - begin;
       tensors_.push_back(std::move(view));

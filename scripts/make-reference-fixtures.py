@@ -177,3 +177,40 @@ for qname in ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]:
     print("wrote", path)
 with open(gguf_dir / "reference.json", "w") as f:
     json.dump(gguf_reference, f)
+
+
+# -- a tiny byte-level BPE tokenizer and its encodings, from the tokenizers library -------
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+tok_dir = out / "tiny-tokenizer"
+tok_dir.mkdir(exist_ok=True)
+corpus = [
+    "The quick brown fox jumps over the lazy dog. It's 2024, isn't it?",
+    "Grüße aus München! Ça va? naïve café, résumé, façade.",
+    "日本語のテキストと中文文本, 한국어 텍스트, русский текст, ελληνικά.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Emoji 😀🎉👍🏽 and symbols ∑∫√ ±×÷ — “quotes” ‘single’ …",
+    "   leading spaces, trailing spaces   \n\n\ttabs\tand\r\nwindows lines",
+] * 20
+bpe = Tokenizer(models.BPE())
+bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+bpe.decoder = decoders.ByteLevel()
+trainer = trainers.BpeTrainer(vocab_size=420, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                              special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+bpe.train_from_iterator(corpus, trainer)
+bpe.save(str(tok_dir / "tokenizer.json"))
+samples = corpus[:6] + [
+    "",
+    " ",
+    "a",
+    "Hello, world!",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "numbers 1234567890 and 3.14159 and ٣٤٥ and Ⅻ",
+    "it's we're they've I'm you'll he'd 'S",
+    "mixed\u00a0non-breaking\u2009thin\u3000ideographic spaces",
+    "zero\u200bwidth and combining e\u0301 and ﬁ ligature",
+    "\x00\x01 control \x7f bytes",
+]
+with open(tok_dir / "reference.json", "w") as f:
+    json.dump([{"text": s, "ids": bpe.encode(s).ids} for s in samples], f, ensure_ascii=False)
+print("wrote", tok_dir)

@@ -10,6 +10,7 @@ packages=(
   libspdlog-dev libfmt-dev
   doctest-dev
   libboost-dev
+  libboost-regex-dev libicu-dev   # the tokenizer's Unicode pre-tokenizer
   libopenblas-dev
   libgloo-dev
   nlohmann-json3-dev

@@ -146,3 +146,61 @@ TEST_CASE("broken GGUF files are errors naming the file and the tensor") {
   CHECK(hf_tensor_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight");
   CHECK(hf_tensor_name("rope_freqs.weight").empty());
 }
+
+namespace {
+
+/// A minimal GGUF file: the given metadata (already encoded) and tensor infos.
+std::string gguf_bytes(uint64_t tensors, uint64_t kvs, const std::string& body) {
+  std::string out = "GGUF";
+  auto put = [&](auto v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); };
+  put(uint32_t{3});
+  put(tensors);
+  put(kvs);
+  return out + body;
+}
+
+std::string gguf_string(const std::string& s) {
+  std::string out;
+  uint64_t n = s.size();
+  out.append(reinterpret_cast<const char*>(&n), 8);
+  return out + s;
+}
+
+template <class T>
+std::string raw(T v) {
+  return std::string(reinterpret_cast<const char*>(&v), sizeof v);
+}
+
+} // namespace
+
+TEST_CASE("hostile GGUF headers are refused without crashing") {
+  auto path = (std::filesystem::temp_directory_path() / ("troupe-gguf-h-" + std::to_string(getpid())))
+                .string();
+  auto write = [&](const std::string& bytes) {
+    std::ofstream out{path, std::ios::binary};
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.close();
+  };
+  // Nested arrays.
+  write(gguf_bytes(0, 1, gguf_string("k") + raw(uint32_t{9}) + raw(uint32_t{9}) + raw(uint64_t{1})));
+  CHECK(error_of(path).find("nested") != std::string::npos);
+  // An array longer than the file.
+  write(gguf_bytes(0, 1, gguf_string("k") + raw(uint32_t{9}) + raw(uint32_t{4}) +
+                           raw(uint64_t{1} << 60)));
+  CHECK(error_of(path).find("truncated") != std::string::npos);
+  // Dimensions whose product overflows.
+  write(gguf_bytes(1, 0, gguf_string("blk.0.attn_q.weight") + raw(uint32_t{2}) +
+                           raw(uint64_t{1} << 32) + raw(uint64_t{1} << 32) + raw(uint32_t{0}) +
+                           raw(uint64_t{0})));
+  CHECK(error_of(path).find("impossible size") != std::string::npos);
+  // No attention heads.
+  auto md = gguf_string("general.architecture") + raw(uint32_t{8}) + gguf_string("llama") +
+            gguf_string("llama.embedding_length") + raw(uint32_t{4}) + raw(uint32_t{64}) +
+            gguf_string("llama.block_count") + raw(uint32_t{4}) + raw(uint32_t{1}) +
+            gguf_string("llama.feed_forward_length") + raw(uint32_t{4}) + raw(uint32_t{64}) +
+            gguf_string("llama.attention.head_count") + raw(uint32_t{4}) + raw(uint32_t{0}) +
+            gguf_string("llama.vocab_size") + raw(uint32_t{4}) + raw(uint32_t{16});
+  write(gguf_bytes(0, 6, md));
+  CHECK_THROWS_WITH_AS(checkpoint::gguf_config(path), doctest::Contains("attention heads"), error);
+  std::filesystem::remove(path);
+}

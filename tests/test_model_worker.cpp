@@ -144,6 +144,9 @@ TEST_CASE("sleep and wake-up keep the next step bit-identical and level 2 needs 
   CHECK(after.output_token == before.output_token);
   CHECK(same_bits(after.logprob, before.logprob));
   exec.sleep(2);
+  // Weight work is refused while the weights are unmapped.
+  CHECK_THROWS_AS(exec.collective_rpc("reload_weights"), error);
+  CHECK_THROWS_AS(exec.determine_num_available_blocks(), error);
   exec.wake_up();
   auto zeroed = exec.execute_model(b.request())[0].outputs[0].samples[0];
   CHECK(!same_bits(zeroed.logprob, before.logprob)); // the weights are gone
@@ -208,6 +211,9 @@ TEST_CASE("a full cache swapped out and back in leaves the outputs unchanged") {
   execute_model_request bad;
   bad.blocks_to_swap_in = {{9999, 0}};
   CHECK_THROWS_AS(exec.execute_model(bad), error);
+  // Block counts a block number cannot address are refused before any allocation.
+  CHECK_THROWS_AS(exec.initialize_cache({int64_t{1} << 53, 0}), error);
+  CHECK(exec.execute_model(back)[0].outputs[0].samples[0].output_token == reference.output_token);
   batch too_long;
   too_long.add(std::vector<int32_t>(40, 1), 0, greedy());
   too_long.groups.back().seqs[0].block_table = {0, 1, 2, 3, 16}; // 16 is not a device block

@@ -169,7 +169,12 @@ TEST_CASE("broken files are errors naming the file and the tensor") {
   CHECK(error_of(path).find("needs 12") != std::string::npos);
   write_bytes(path, with_header(R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})",
                                 std::string(4, '\0')));
-  CHECK(error_of(path).find("bad dimension") != std::string::npos);
+  CHECK(error_of(path).find("impossible dimension") != std::string::npos);
+  // A shape whose element count overflows is refused, not wrapped around.
+  write_bytes(path, with_header(
+    R"({"w":{"dtype":"F32","shape":[4611686018427387905],"data_offsets":[0,4]}})",
+    std::string(4, '\0')));
+  CHECK(error_of(path).find("impossible dimension") != std::string::npos);
   write_bytes(path, with_header(R"({"w":{"dtype":"F32"}})", ""));
   CHECK(error_of(path).find("needs dtype, shape and data_offsets") != std::string::npos);
   // A real file cut short.

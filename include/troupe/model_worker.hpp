@@ -63,6 +63,9 @@ public:
   void reload_weights();
 
 private:
+  /// Throws `errc::sleeping` naming `what` while any memory tag sleeps.
+  void require_awake(const char* what);
+
   /// Runs a step at the largest batch on scratch memory; returns its peak memory in bytes.
   int64_t profile_step_bytes();
 

@@ -1,0 +1,315 @@
+#include "model/tokenizer.hpp"
+
+#include "model/gguf.hpp"
+#include "troupe/errors.hpp"
+
+#include <boost/regex/icu.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <array>
+#include <fstream>
+#include <limits>
+
+namespace troupe {
+
+namespace {
+
+[[noreturn]] void bad(const std::string& origin, const std::string& what) {
+  throw error{errc::invalid_argument, "tokenizer '" + origin + "': " + what};
+}
+
+std::string utf8(uint32_t cp) {
+  std::string s;
+  if (cp < 0x80) {
+    s.push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    s.push_back(static_cast<char>(0xc0 | (cp >> 6)));
+    s.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  } else {
+    s.push_back(static_cast<char>(0xe0 | (cp >> 12)));
+    s.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
+    s.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  }
+  return s;
+}
+
+/// GPT-2's map from bytes to printable characters: printable Latin-1 bytes stand for
+/// themselves, the others for code points from 256 on.
+struct byte_map {
+  std::array<std::string, 256> to_text;
+  std::unordered_map<std::string, uint8_t> to_byte;
+
+  byte_map() {
+    uint32_t next = 256;
+    for (uint32_t b = 0; b < 256; ++b) {
+      bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
+      to_text[b] = utf8(printable ? b : next++);
+      to_byte[to_text[b]] = static_cast<uint8_t>(b);
+    }
+  }
+};
+
+const byte_map& bytes() {
+  static const byte_map map;
+  return map;
+}
+
+/// GPT-2's pre-tokenizer pattern. Boost's \p{L} means lowercase letters only, so letters
+/// and numbers are spelled out by their general categories.
+const boost::u32regex& pre_tokenizer() {
+  static const auto re = boost::make_u32regex(
+    R"('s|'t|'re|'ve|'m|'ll|'d)"
+    R"(| ?[[:Lu:][:Ll:][:Lt:][:Lm:][:Lo:]]+)"
+    R"(| ?[[:Nd:][:Nl:][:No:]]+)"
+    R"(| ?[^\s[:Lu:][:Ll:][:Lt:][:Lm:][:Lo:][:Nd:][:Nl:][:No:]]+)"
+    R"(|\s+(?!\S)|\s+)");
+  return re;
+}
+
+/// Length of the UTF-8 sequence starting with `c`; 0 for a byte that cannot start one.
+size_t sequence_length(unsigned char c) {
+  if (c < 0x80)
+    return 1;
+  if ((c >> 5) == 0x6)
+    return 2;
+  if ((c >> 4) == 0xe)
+    return 3;
+  if ((c >> 3) == 0x1e)
+    return 4;
+  return 0;
+}
+
+void check_utf8(std::string_view text) {
+  for (size_t i = 0; i < text.size();) {
+    auto n = sequence_length(static_cast<unsigned char>(text[i]));
+    if (n == 0 || i + n > text.size())
+      throw error{errc::invalid_argument,
+                  "tokenizer: text is not valid UTF-8 at byte " + std::to_string(i)};
+    for (size_t k = 1; k < n; ++k)
+      if ((static_cast<unsigned char>(text[i + k]) >> 6) != 0x2)
+        throw error{errc::invalid_argument,
+                    "tokenizer: text is not valid UTF-8 at byte " + std::to_string(i + k)};
+    i += n;
+  }
+}
+
+} // namespace
+
+void tokenizer::add_merge(const std::string& left, const std::string& right, int32_t rank) {
+  merge_ranks_.emplace(left + " " + right, rank);
+}
+
+void tokenizer::finish(const std::string& origin) {
+  if (id_to_token_.empty())
+    bad(origin, "has no vocabulary");
+  for (size_t i = 0; i < id_to_token_.size(); ++i)
+    vocab_.emplace(id_to_token_[i], static_cast<int32_t>(i));
+  for (int id : special_ids_)
+    specials_.emplace_back(id_to_token_[static_cast<size_t>(id)], id);
+  std::sort(specials_.begin(), specials_.end(),
+            [](auto& a, auto& b) { return a.first.size() > b.first.size(); });
+  // Every printable ASCII byte must be a token on its own, or it is not byte-level BPE.
+  // (Bytes that valid UTF-8 never contains may be missing.)
+  for (int b = 33; b < 127; ++b)
+    if (vocab_.count(bytes().to_text[static_cast<size_t>(b)]) == 0)
+      bad(origin, "is not byte-level BPE: no token for the byte '" +
+                    std::string(1, static_cast<char>(b)) + "'");
+}
+
+tokenizer tokenizer::from_json(const std::string& path) {
+  std::ifstream in{path};
+  if (!in)
+    bad(path, "cannot be read");
+  auto j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_discarded() || !j.contains("model"))
+    bad(path, "is not a tokenizer.json");
+  auto& model = j["model"];
+  if (model.value("type", std::string{}) != "BPE" || !model.contains("vocab"))
+    bad(path, "model is not BPE");
+  tokenizer t;
+  auto& vocab = model["vocab"];
+  t.id_to_token_.resize(vocab.size());
+  for (auto& [text, id] : vocab.items()) {
+    auto i = id.get<int64_t>();
+    if (i < 0 || i >= static_cast<int64_t>(vocab.size()))
+      bad(path, "token '" + text + "' has id " + std::to_string(i) + " outside the vocabulary");
+    t.id_to_token_[static_cast<size_t>(i)] = text;
+  }
+  int32_t rank = 0;
+  for (auto& m : model.value("merges", nlohmann::json::array())) {
+    if (m.is_string()) {
+      auto s = m.get<std::string>();
+      auto space = s.find(' ');
+      if (space == std::string::npos)
+        bad(path, "merge '" + s + "' has no space");
+      t.add_merge(s.substr(0, space), s.substr(space + 1), rank++);
+    } else if (m.is_array() && m.size() == 2) {
+      t.add_merge(m[0].get<std::string>(), m[1].get<std::string>(), rank++);
+    }
+  }
+  for (auto& added : j.value("added_tokens", nlohmann::json::array())) {
+    auto id = added.value("id", -1);
+    auto content = added.value("content", std::string{});
+    if (id < 0)
+      continue;
+    if (static_cast<size_t>(id) >= t.id_to_token_.size())
+      t.id_to_token_.resize(static_cast<size_t>(id) + 1);
+    t.id_to_token_[static_cast<size_t>(id)] = content;
+    if (added.value("special", false))
+      t.special_ids_.insert(id);
+  }
+  t.finish(path);
+  return t;
+}
+
+tokenizer tokenizer::from_gguf(const std::string& path) {
+  gguf_file file{path};
+  auto& md = file.metadata();
+  auto string_of = [&](const char* key) -> std::string {
+    auto i = md.find(key);
+    if (i != md.end())
+      if (auto s = std::get_if<std::string>(&i->second))
+        return *s;
+    return {};
+  };
+  if (string_of("tokenizer.ggml.model") != "gpt2")
+    bad(path, "tokenizer model '" + string_of("tokenizer.ggml.model") +
+                "' is not byte-level BPE (gpt2)");
+  auto tokens = md.find("tokenizer.ggml.tokens");
+  if (tokens == md.end() || !std::holds_alternative<std::vector<std::string>>(tokens->second))
+    bad(path, "has no tokenizer.ggml.tokens");
+  tokenizer t;
+  t.id_to_token_ = std::get<std::vector<std::string>>(tokens->second);
+  auto merges = md.find("tokenizer.ggml.merges");
+  if (merges != md.end())
+    if (auto list = std::get_if<std::vector<std::string>>(&merges->second)) {
+      int32_t rank = 0;
+      for (auto& m : *list) {
+        auto space = m.find(' ');
+        if (space != std::string::npos)
+          t.add_merge(m.substr(0, space), m.substr(space + 1), rank++);
+      }
+    }
+  // Token type 3 is a control token: special.
+  auto types = md.find("tokenizer.ggml.token_type");
+  if (types != md.end())
+    if (auto list = std::get_if<std::vector<double>>(&types->second))
+      for (size_t i = 0; i < list->size() && i < t.id_to_token_.size(); ++i)
+        if ((*list)[i] == 3.0)
+          t.special_ids_.insert(static_cast<int32_t>(i));
+  auto id_of = [&](const char* key) {
+    auto i = md.find(key);
+    if (i != md.end())
+      if (auto v = std::get_if<int64_t>(&i->second))
+        return static_cast<int32_t>(*v);
+    return -1;
+  };
+  t.bos_ = id_of("tokenizer.ggml.bos_token_id");
+  t.eos_ = id_of("tokenizer.ggml.eos_token_id");
+  t.chat_template_ = string_of("tokenizer.chat_template");
+  t.finish(path);
+  return t;
+}
+
+int32_t tokenizer::token_id(const std::string& token) const {
+  auto i = vocab_.find(token);
+  return i == vocab_.end() ? -1 : i->second;
+}
+
+void tokenizer::encode_piece(const std::string& piece, std::vector<int32_t>& out) const {
+  // One symbol per byte, in GPT-2's printable form.
+  std::vector<std::string> symbols;
+  for (unsigned char c : piece)
+    symbols.push_back(bytes().to_text[c]);
+  auto whole = std::string{};
+  for (auto& s : symbols)
+    whole += s;
+  if (auto hit = vocab_.find(whole); hit != vocab_.end() && !special_ids_.count(hit->second)) {
+    out.push_back(hit->second);
+    return;
+  }
+  // Merge the adjacent pair of lowest rank until none is left.
+  while (symbols.size() > 1) {
+    int32_t best = std::numeric_limits<int32_t>::max();
+    size_t at = 0;
+    for (size_t i = 0; i + 1 < symbols.size(); ++i) {
+      auto rank = merge_ranks_.find(symbols[i] + " " + symbols[i + 1]);
+      if (rank != merge_ranks_.end() && rank->second < best) {
+        best = rank->second;
+        at = i;
+      }
+    }
+    if (best == std::numeric_limits<int32_t>::max())
+      break;
+    symbols[at] += symbols[at + 1];
+    symbols.erase(symbols.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+  }
+  for (auto& s : symbols) {
+    auto id = vocab_.find(s);
+    if (id == vocab_.end())
+      throw error{errc::invalid_argument, "tokenizer: no token for symbol '" + s + "'"};
+    out.push_back(id->second);
+  }
+}
+
+std::vector<int32_t> tokenizer::encode(std::string_view text, bool parse_special) const {
+  check_utf8(text);
+  std::vector<int32_t> out;
+  auto encode_plain = [&](std::string_view part) {
+    std::string s{part};
+    boost::u32regex_iterator<std::string::const_iterator> it(s.begin(), s.end(), pre_tokenizer());
+    boost::u32regex_iterator<std::string::const_iterator> end;
+    for (; it != end; ++it)
+      encode_piece(it->str(), out);
+  };
+  size_t start = 0;
+  size_t pos = 0;
+  while (parse_special && pos < text.size()) {
+    bool matched = false;
+    for (auto& [special, id] : specials_) {
+      if (text.compare(pos, special.size(), special) == 0) {
+        encode_plain(text.substr(start, pos - start));
+        out.push_back(id);
+        pos += special.size();
+        start = pos;
+        matched = true;
+        break;
+      }
+    }
+    if (!matched)
+      ++pos;
+  }
+  encode_plain(text.substr(start));
+  return out;
+}
+
+std::string tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special) const {
+  std::string out;
+  for (auto id : ids) {
+    if (id < 0 || static_cast<size_t>(id) >= id_to_token_.size())
+      throw error{errc::invalid_argument, "tokenizer: id " + std::to_string(id) +
+                                            " is outside the vocabulary of " +
+                                            std::to_string(id_to_token_.size())};
+    auto& token = id_to_token_[static_cast<size_t>(id)];
+    if (special_ids_.count(id)) {
+      if (!skip_special)
+        out += token;
+      continue;
+    }
+    // Each UTF-8 character of the token stands for one byte.
+    for (size_t i = 0; i < token.size();) {
+      auto n = std::max<size_t>(1, sequence_length(static_cast<unsigned char>(token[i])));
+      auto ch = token.substr(i, n);
+      auto b = bytes().to_byte.find(ch);
+      if (b != bytes().to_byte.end())
+        out.push_back(static_cast<char>(b->second));
+      else
+        out += ch; // an added, non-byte-level token
+      i += n;
+    }
+  }
+  return out;
+}
+
+} // namespace troupe

@@ -1,0 +1,74 @@
+#pragma once
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace troupe {
+
+/// A byte-level BPE tokenizer (GPT-2 style, as SmolLM2, Llama 3 and Qwen2 use), read from a
+/// Hugging Face `tokenizer.json` or from a GGUF file's `tokenizer.ggml.*` metadata.
+/// Encoding splits out special tokens, pre-tokenizes with GPT-2's pattern, maps bytes to
+/// printable characters and applies the merges by rank; decoding reverses it, so any valid
+/// UTF-8 text round-trips exactly. Bad input (invalid UTF-8, an unknown id) throws
+/// `troupe::error` (`invalid_argument`).
+class tokenizer {
+public:
+  /// Reads `tokenizer.json`; throws `invalid_argument` naming the file for a model that is
+  /// not byte-level BPE.
+  static tokenizer from_json(const std::string& path);
+
+  /// Reads the tokenizer of a GGUF file (`tokenizer.ggml.model` must be `gpt2`).
+  static tokenizer from_gguf(const std::string& path);
+
+  /// Token ids of `text`; special tokens written in the text become their ids when
+  /// `parse_special`.
+  std::vector<int32_t> encode(std::string_view text, bool parse_special = true) const;
+
+  /// Text of `ids`; special tokens are left out when `skip_special`.
+  std::string decode(const std::vector<int32_t>& ids, bool skip_special = false) const;
+
+  /// The id of a token's text, or -1.
+  int32_t token_id(const std::string& token) const;
+
+  size_t vocab_size() const {
+    return id_to_token_.size();
+  }
+  int32_t bos_id() const {
+    return bos_;
+  }
+  int32_t eos_id() const {
+    return eos_;
+  }
+  bool is_special(int32_t id) const {
+    return special_ids_.count(id) > 0;
+  }
+  /// The Jinja chat template shipped with the tokenizer; empty when none.
+  const std::string& chat_template() const {
+    return chat_template_;
+  }
+
+private:
+  tokenizer() = default;
+
+  void add_merge(const std::string& left, const std::string& right, int32_t rank);
+  void finish(const std::string& origin);
+  void encode_piece(const std::string& piece, std::vector<int32_t>& out) const;
+
+  std::unordered_map<std::string, int32_t> vocab_;
+  std::vector<std::string> id_to_token_;
+  /// Rank of the merge of two symbols, keyed by "left right" (a space never occurs inside
+  /// a byte-level symbol: it is mapped to "Ġ").
+  std::unordered_map<std::string, int32_t> merge_ranks_;
+  /// Special tokens, longest first, for splitting text.
+  std::vector<std::pair<std::string, int32_t>> specials_;
+  std::set<int32_t> special_ids_;
+  int32_t bos_ = -1;
+  int32_t eos_ = -1;
+  std::string chat_template_;
+};
+
+} // namespace troupe

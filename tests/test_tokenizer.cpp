@@ -1,0 +1,131 @@
+// The byte-level BPE tokenizer against the tokenizers library (a tiny trained tokenizer in
+// tests/fixtures/tiny-tokenizer) and, when it is in the model cache, against transformers
+// reading SmolLM2-135M-Instruct's GGUF file.
+
+#include "model/tokenizer.hpp"
+#include "troupe/errors.hpp"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+using namespace troupe;
+
+namespace {
+
+const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream in{path};
+  return nlohmann::json::parse(in);
+}
+
+std::string random_utf8(std::mt19937& rng, size_t chars) {
+  // Code points from every plane that UTF-8 encodes, surrogates left out.
+  std::uniform_int_distribution<int> kind{0, 4};
+  std::string s;
+  for (size_t i = 0; i < chars; ++i) {
+    uint32_t cp = 0;
+    switch (kind(rng)) {
+      case 0:
+        cp = std::uniform_int_distribution<uint32_t>{0, 0x7f}(rng);
+        break;
+      case 1:
+        cp = std::uniform_int_distribution<uint32_t>{0x80, 0x7ff}(rng);
+        break;
+      case 2:
+        cp = std::uniform_int_distribution<uint32_t>{0x800, 0xd7ff}(rng);
+        break;
+      case 3:
+        cp = std::uniform_int_distribution<uint32_t>{0xe000, 0xfffd}(rng);
+        break;
+      default:
+        cp = std::uniform_int_distribution<uint32_t>{0x10000, 0x10ffff}(rng);
+    }
+    if (cp < 0x80) {
+      s.push_back(static_cast<char>(cp));
+    } else if (cp < 0x800) {
+      s.push_back(static_cast<char>(0xc0 | (cp >> 6)));
+      s.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+    } else if (cp < 0x10000) {
+      s.push_back(static_cast<char>(0xe0 | (cp >> 12)));
+      s.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
+      s.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+    } else {
+      s.push_back(static_cast<char>(0xf0 | (cp >> 18)));
+      s.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3f)));
+      s.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
+      s.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+    }
+  }
+  return s;
+}
+
+} // namespace
+
+TEST_CASE("encodings match the tokenizers library") {
+  auto tok = tokenizer::from_json(fixtures + "/tiny-tokenizer/tokenizer.json");
+  for (auto& sample : read_json(fixtures + "/tiny-tokenizer/reference.json")) {
+    auto text = sample["text"].get<std::string>();
+    auto want = sample["ids"].get<std::vector<int32_t>>();
+    CHECK_MESSAGE(tok.encode(text) == want, nlohmann::json(text).dump());
+    CHECK(tok.decode(want) == text);
+  }
+}
+
+TEST_CASE("any UTF-8 text round-trips exactly") {
+  auto tok = tokenizer::from_json(fixtures + "/tiny-tokenizer/tokenizer.json");
+  std::mt19937 rng{11};
+  for (int i = 0; i < 200; ++i) {
+    auto text = random_utf8(rng, static_cast<size_t>(i % 40));
+    CHECK(tok.decode(tok.encode(text, false)) == text);
+  }
+}
+
+TEST_CASE("special tokens split the text and can be skipped when decoding") {
+  auto tok = tokenizer::from_json(fixtures + "/tiny-tokenizer/tokenizer.json");
+  auto start = tok.token_id("<|im_start|>");
+  REQUIRE(start >= 0);
+  CHECK(tok.is_special(start));
+  auto ids = tok.encode("<|im_start|>user");
+  CHECK(ids.front() == start);
+  CHECK(tok.decode(ids, true) == "user");
+  // Without parsing, the marker is ordinary text.
+  CHECK(tok.encode("<|im_start|>", false).size() > 1);
+}
+
+TEST_CASE("bad input is an error, not a crash") {
+  auto tok = tokenizer::from_json(fixtures + "/tiny-tokenizer/tokenizer.json");
+  CHECK_THROWS_WITH_AS(tok.encode("\xff\xfe"), doctest::Contains("not valid UTF-8"), error);
+  CHECK_THROWS_WITH_AS(tok.encode("ab\xe3\x81"), doctest::Contains("not valid UTF-8"), error);
+  CHECK_THROWS_WITH_AS(tok.decode({100000}), doctest::Contains("outside the vocabulary"), error);
+  CHECK_THROWS_AS(tokenizer::from_json("/nonexistent/tokenizer.json"), error);
+  CHECK_THROWS_AS(tokenizer::from_json(fixtures + "/llama-gqa/config.json"), error);
+}
+
+TEST_CASE("SmolLM2's GGUF tokenizer gives the token ids of transformers") {
+  std::filesystem::path cache;
+  if (auto env = std::getenv("TROUPE_MODEL_CACHE"))
+    cache = env;
+  else if (auto home = std::getenv("HOME"))
+    cache = std::filesystem::path{home} / ".cache" / "troupe" / "models";
+  auto model = cache / "SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (!std::filesystem::exists(model)) {
+    MESSAGE("skipped: " << model << " is not in the cache");
+    return;
+  }
+  auto tok = tokenizer::from_gguf(model.string());
+  CHECK(tok.vocab_size() == 49152);
+  CHECK(tok.eos_id() == 2);
+  CHECK(!tok.chat_template().empty());
+  for (auto& run : read_json(fixtures + "/smollm2-reference.json")["runs"]) {
+    auto text = run["text"].get<std::string>();
+    CHECK_MESSAGE(tok.encode(text) == run["token_ids"].get<std::vector<int32_t>>(), text);
+    CHECK(tok.decode(run["greedy"].get<std::vector<int32_t>>()) ==
+          run["continuation"].get<std::string>());
+  }
+}
