@@ -40,28 +40,21 @@ void read_cols(const tensor_view& t, int64_t col0, int64_t cols, float* dst) {
 
 llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t world)
   : cfg_(std::move(cfg)), dev_(dev), rank_(rank), world_(world) {
-  auto fail = [&](const std::string& what) {
-    throw error{errc::invalid_argument, cfg_.architecture + " cannot be split " +
-                                          std::to_string(world) + " ways: " + what};
-  };
-  if (cfg_.num_attention_heads % world != 0)
-    fail("num_attention_heads " + std::to_string(cfg_.num_attention_heads) +
-         " is not a multiple of the tensor parallel size");
-  if (cfg_.intermediate_size % world != 0)
-    fail("intermediate_size " + std::to_string(cfg_.intermediate_size) +
-         " is not a multiple of the tensor parallel size");
-  local_heads_ = cfg_.num_attention_heads / world;
-  if (cfg_.num_key_value_heads % world == 0) {
-    local_kv_ = cfg_.num_key_value_heads / world;
-    kv_offset_ = rank * local_kv_;
-  } else if (world % cfg_.num_key_value_heads == 0) {
-    local_kv_ = 1; // replicated: several ranks share one kv head
-    kv_offset_ = rank / (world / cfg_.num_key_value_heads);
-  } else {
-    fail("num_key_value_heads " + std::to_string(cfg_.num_key_value_heads) +
-         " neither divides nor is divided by the tensor parallel size");
-  }
-  local_inter_ = cfg_.intermediate_size / world;
+  if (world < 1 || world > cfg_.num_attention_heads)
+    throw error{errc::invalid_argument,
+                cfg_.architecture + " with " + std::to_string(cfg_.num_attention_heads) +
+                  " attention heads cannot be split " + std::to_string(world) + " ways"};
+  // Each rank takes a contiguous, near-even share of the attention heads and of the MLP.
+  // Shares need not be equal (9 heads over 2 ranks: 4 and 5); a rank holds the kv heads
+  // its attention heads use, so a kv head may live on several ranks.
+  auto share = [&](int64_t n, int64_t r) { return r * n / world; };
+  head_begin_ = share(cfg_.num_attention_heads, rank);
+  local_heads_ = share(cfg_.num_attention_heads, rank + 1) - head_begin_;
+  auto group = cfg_.num_attention_heads / cfg_.num_key_value_heads;
+  kv_offset_ = head_begin_ / group;
+  local_kv_ = (head_begin_ + local_heads_ + group - 1) / group - kv_offset_;
+  inter_begin_ = share(cfg_.intermediate_size, rank);
+  local_inter_ = share(cfg_.intermediate_size, rank + 1) - inter_begin_;
   // Rotary frequencies, with the llama3 rescaling of long wavelengths.
   auto half = cfg_.head_dim / 2;
   for (int64_t i = 0; i < half; ++i) {
@@ -124,9 +117,9 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
   if (!cfg_.tie_word_embeddings)
     jobs.push_back({&lm_head_, "lm_head.weight", {V, H}, part::whole, 0, 0});
   layers_.resize(static_cast<size_t>(cfg_.num_hidden_layers));
-  const auto q0 = rank_ * local_heads_ * D;
+  const auto q0 = head_begin_ * D;
   const auto kv0 = kv_offset_ * D;
-  const auto i0 = rank_ * local_inter_;
+  const auto i0 = inter_begin_;
   for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
     auto& l = layers_[static_cast<size_t>(i)];
     auto p = "model.layers." + std::to_string(i) + ".";
@@ -331,7 +324,7 @@ std::vector<float> llama_model::forward(const execute_model_request& req, kv_cac
       scores.resize(static_cast<size_t>(len));
       auto& table = *tokens[t].block_table;
       for (int64_t head = 0; head < local_heads_; ++head) {
-        auto global_head = rank_ * local_heads_ + head;
+        auto global_head = head_begin_ + head;
         auto kv_head = global_head / group_size - kv_offset_;
         auto key_at = [&](int64_t p) {
           return cache.key(layer, table[static_cast<size_t>(p / bs)], p % bs, kv_head);

@@ -26,12 +26,12 @@ using load_progress = std::function<void(size_t done, size_t total)>;
 using all_reduce_fn = std::function<void(float* data, size_t count)>;
 
 /// A Llama-family decoder (Llama, Mistral, Qwen2) on the CPU device, holding this rank's
-/// shard of the weights in float32: attention heads and MLP columns split across ranks
-/// (column-parallel q/k/v/gate/up, row-parallel o/down followed by an all-reduce),
-/// embeddings and the output head replicated.
+/// shard of the weights in float32: attention heads and MLP columns split across ranks in
+/// near-even contiguous shares (column-parallel q/k/v/gate/up, row-parallel o/down followed
+/// by an all-reduce), embeddings and the output head replicated.
 class llama_model : public troupe::model {
 public:
-  /// Throws `invalid_argument` when the shape cannot be split `world` ways.
+  /// Throws `invalid_argument` when there are fewer attention heads than ranks.
   llama_model(model_config cfg, device& dev, int32_t rank, int32_t world);
 
   /// Loads this rank's shard from `ckpt` into the device under `memory_tag::weights`
@@ -85,11 +85,14 @@ private:
   device& dev_;
   int32_t rank_;
   int32_t world_;
+  /// This rank's attention heads: [head_begin_, head_begin_ + local_heads_).
+  int64_t head_begin_;
   int64_t local_heads_;
-  int64_t local_kv_;
-  /// First global kv head of this rank (kv heads are split, or replicated when fewer than
-  /// ranks).
+  /// The kv heads those attention heads use: [kv_offset_, kv_offset_ + local_kv_).
   int64_t kv_offset_;
+  int64_t local_kv_;
+  /// This rank's columns of the MLP: [inter_begin_, inter_begin_ + local_inter_).
+  int64_t inter_begin_;
   int64_t local_inter_;
   /// Rotary frequencies from the config, and as used (divided by a checkpoint's
   /// `rope_freqs.weight` factors when it has them, as llama.cpp stores llama3 scaling).

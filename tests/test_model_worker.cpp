@@ -124,12 +124,17 @@ TEST_CASE("a batch of prompts generates the greedy tokens of transformers") {
 TEST_CASE("tensor parallel sizes 2 and 4 generate the same greedy tokens") {
   for (auto name : {"llama-gqa", "qwen2-bias", "llama3-rope-tied"})
     check_greedy(name, 2);
-  check_greedy("llama-gqa", 4); // 2 kv heads over 4 ranks: replicated
+  check_greedy("llama-gqa", 4); // 2 kv heads over 4 ranks: each kv head on two ranks
 }
 
-TEST_CASE("a model that cannot be split is refused at start with the reason") {
-  CHECK_THROWS_WITH_AS(make_executor("llama-odd-heads", 4 << 20, 1 << 20, 2),
-                       doctest::Contains("num_attention_heads 3"), error);
+TEST_CASE("uneven splits: 3 heads over 2 and 3 ranks give the same greedy tokens") {
+  check_greedy("llama-odd-heads", 2); // 2 + 1 heads, the one kv head on both ranks
+  check_greedy("llama-odd-heads", 3);
+}
+
+TEST_CASE("more ranks than attention heads are refused at start with the reason") {
+  CHECK_THROWS_WITH_AS(make_executor("llama-odd-heads", 4 << 20, 1 << 20, 4),
+                       doctest::Contains("3 attention heads cannot be split 4 ways"), error);
 }
 
 TEST_CASE("sleep and wake-up keep the next step bit-identical and level 2 needs a reload") {
