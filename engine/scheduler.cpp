@@ -1,0 +1,186 @@
+#include "engine/scheduler.hpp"
+
+#include "troupe/errors.hpp"
+
+#include <algorithm>
+
+namespace troupe {
+
+scheduler::scheduler(scheduler_config config, int32_t block_size, int64_t device_blocks,
+                     int64_t swap_blocks, int32_t eos_token_id)
+  : config_(config), blocks_(block_size, device_blocks, swap_blocks), eos_(eos_token_id) {
+  if (config_.max_num_batched_tokens <= 0 || config_.max_num_seqs <= 0
+      || config_.max_model_len <= 0)
+    throw error{errc::invalid_argument, "scheduler limits must be positive"};
+}
+
+void scheduler::add(engine_request request) {
+  if (request.prompt.empty())
+    throw error{errc::invalid_argument, "request '" + request.request_id + "' has an empty prompt"};
+  if (requests_.count(request.seq_id) > 0)
+    throw error{errc::invalid_argument, "sequence id " + std::to_string(request.seq_id) +
+                                          " is already in use"};
+  auto seq = request.seq_id;
+  requests_.emplace(seq, std::move(request));
+  waiting_.push_back(seq);
+}
+
+bool scheduler::has_unfinished() const {
+  return !requests_.empty();
+}
+
+void scheduler::append_group(const engine_request& r, int64_t chunk, bool is_prompt,
+                             execute_model_request& step) {
+  sequence_group_metadata g;
+  g.request_id = r.request_id;
+  g.is_prompt = is_prompt;
+  sequence_data seq;
+  seq.seq_id = r.seq_id;
+  seq.token_ids = r.prompt;
+  seq.token_ids.insert(seq.token_ids.end(), r.output.begin(), r.output.end());
+  seq.num_prompt_tokens = static_cast<int32_t>(r.prompt.size());
+  seq.num_computed_tokens = static_cast<int32_t>(r.num_computed);
+  seq.block_table = blocks_.block_table(r.seq_id);
+  g.seqs.push_back(std::move(seq));
+  g.sampling = r.sampling;
+  g.token_chunk_size = static_cast<int32_t>(chunk);
+  g.lora_int_id = r.lora_int_id;
+  step.seq_group_metadata_list.push_back(std::move(g));
+  scheduled_.push_back(r.seq_id);
+}
+
+void scheduler::preempt(int64_t seq) {
+  ++preemptions_;
+  running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
+  if (config_.preempt_by_swap && blocks_.can_swap_out({seq})) {
+    // schedule() asks the block manager for the moves and puts them in the step.
+    swapped_.push_back(seq);
+    return;
+  }
+  // Recompute: drop the cache and start over from the prompt and the tokens so far.
+  blocks_.free(seq);
+  requests_.at(seq).num_computed = 0;
+  waiting_.push_front(seq);
+}
+
+execute_model_request scheduler::schedule() {
+  execute_model_request step;
+  scheduled_.clear();
+  int64_t budget = config_.max_num_batched_tokens;
+  bool preempted = false;
+  std::vector<int64_t> to_swap_out;
+
+  // 1. Running requests decode one token each; when one cannot grow, the most recently
+  //    admitted gives way until it can.
+  auto running = running_;
+  for (auto seq : running) {
+    if (std::find(running_.begin(), running_.end(), seq) == running_.end())
+      continue; // preempted for an earlier one
+    auto& r = requests_.at(seq);
+    auto fits = [&] {
+      auto have = static_cast<int64_t>(blocks_.block_table(seq).size()) * blocks_.block_size();
+      return have >= r.length() || blocks_.free_device_blocks() > 0;
+    };
+    while (!fits()) {
+      auto victim = running_.back();
+      auto swapped_before = swapped_.size();
+      preempt(victim);
+      if (swapped_.size() > swapped_before) {
+        for (auto& m : blocks_.swap_out({victim}))
+          step.blocks_to_swap_out.push_back(m);
+      }
+      preempted = true;
+      if (victim == seq)
+        break;
+    }
+    if (std::find(running_.begin(), running_.end(), seq) == running_.end())
+      continue;
+    if (budget < 1 || static_cast<int64_t>(scheduled_.size()) >= config_.max_num_seqs)
+      continue;
+    blocks_.append_slot(seq, r.length(), step.blocks_to_copy);
+    append_group(r, 1, false, step);
+    budget -= 1;
+  }
+
+  // 2. Swapped requests come back first, but not in a step that swapped something out
+  //    (its blocks would be overwritten before they are copied).
+  while (!preempted && !swapped_.empty() && budget >= 1
+         && static_cast<int64_t>(scheduled_.size()) < config_.max_num_seqs
+         && blocks_.can_swap_in({swapped_.front()})) {
+    auto seq = swapped_.front();
+    swapped_.pop_front();
+    for (auto& m : blocks_.swap_in({seq}))
+      step.blocks_to_swap_in.push_back(m);
+    auto& r = requests_.at(seq);
+    blocks_.append_slot(seq, r.length(), step.blocks_to_copy);
+    append_group(r, 1, false, step);
+    running_.push_back(seq);
+    budget -= 1;
+  }
+
+  // 3. Waiting prompts (recomputed ones first), whole, while everything allows.
+  while (!waiting_.empty() && swapped_.empty()
+         && static_cast<int64_t>(scheduled_.size()) < config_.max_num_seqs) {
+    auto seq = waiting_.front();
+    auto& r = requests_.at(seq);
+    auto tokens = r.length();
+    if (tokens > config_.max_model_len || tokens > config_.max_num_batched_tokens
+        || blocks_.can_allocate(tokens) == block_manager::allocation::never) {
+      waiting_.pop_front();
+      r.finished = true;
+      r.finish_reason = "abort";
+      finished_.push_back(std::move(r));
+      requests_.erase(seq);
+      continue;
+    }
+    if (tokens > budget || blocks_.can_allocate(tokens) != block_manager::allocation::ok)
+      break;
+    waiting_.pop_front();
+    blocks_.allocate(seq, tokens);
+    r.num_computed = 0;
+    append_group(r, tokens, true, step);
+    running_.push_back(seq);
+    budget -= tokens;
+  }
+  return step;
+}
+
+void scheduler::update(const sampler_output& output) {
+  if (output.outputs.size() != scheduled_.size())
+    throw error{errc::invalid_argument, "scheduler: " + std::to_string(output.outputs.size()) +
+                                          " outputs for " + std::to_string(scheduled_.size()) +
+                                          " scheduled sequences"};
+  for (size_t i = 0; i < scheduled_.size(); ++i) {
+    auto seq = scheduled_[i];
+    auto& r = requests_.at(seq);
+    if (output.outputs[i].samples.empty())
+      throw error{errc::invalid_argument, "scheduler: no sample for '" + r.request_id + "'"};
+    auto& sample = output.outputs[i].samples[0];
+    r.num_computed = r.length();
+    r.output.push_back(sample.output_token);
+    r.logprobs.push_back(sample.logprob);
+    auto& sp = r.sampling;
+    bool stop = (!sp.ignore_eos && sample.output_token == eos_)
+                || std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(),
+                             sample.output_token) != sp.stop_token_ids.end();
+    bool length = static_cast<int64_t>(r.output.size()) >= sp.max_tokens
+                  || r.length() >= config_.max_model_len;
+    if (stop || length) {
+      r.finished = true;
+      r.finish_reason = stop ? "stop" : "length";
+      blocks_.free(seq);
+      running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
+      finished_.push_back(std::move(r));
+      requests_.erase(seq);
+    }
+  }
+  scheduled_.clear();
+}
+
+std::vector<engine_request> scheduler::take_finished() {
+  auto out = std::move(finished_);
+  finished_.clear();
+  return out;
+}
+
+} // namespace troupe

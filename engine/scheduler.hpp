@@ -1,0 +1,100 @@
+#pragma once
+
+#include "engine/block_manager.hpp"
+#include "troupe/types.hpp"
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace troupe {
+
+/// Limits of one scheduling step (vLLM's scheduler config).
+struct scheduler_config {
+  /// Tokens computed in one step, prompts and decodes together.
+  int64_t max_num_batched_tokens = 2048;
+  /// Sequences in one step.
+  int64_t max_num_seqs = 64;
+  /// Longest prompt plus output a request may have.
+  int64_t max_model_len = 2048;
+  /// How a running sequence gives way when blocks run out: by swapping its blocks out
+  /// (when swap space allows) or by dropping them and computing the prompt again.
+  bool preempt_by_swap = true;
+};
+
+/// One request as the scheduler tracks it.
+struct engine_request {
+  std::string request_id;
+  int64_t seq_id = 0;
+  std::vector<int32_t> prompt;
+  sampling_params sampling;
+  int64_t lora_int_id = 0;
+  /// Generated so far, with the logprob of each token.
+  std::vector<int32_t> output;
+  std::vector<float> logprobs;
+  /// Tokens whose keys and values are in the cache.
+  int64_t num_computed = 0;
+  bool finished = false;
+  /// Why it finished: "length", "stop" (EOS or a stop token) or "abort" (too long).
+  std::string finish_reason;
+
+  int64_t length() const {
+    return static_cast<int64_t>(prompt.size() + output.size());
+  }
+};
+
+/// Continuous batching (after vLLM's v0 scheduler): every step runs the decodes of all
+/// running requests and admits waiting prompts while the token budget, the sequence limit
+/// and the free blocks allow, so prefills and decodes share a step. When a running request
+/// cannot grow, the most recently admitted one is preempted (swapped out, or recomputed
+/// later). Requests whose prompt can never fit are finished with reason "abort".
+class scheduler {
+public:
+  scheduler(scheduler_config config, int32_t block_size, int64_t device_blocks,
+            int64_t swap_blocks, int32_t eos_token_id);
+
+  /// Queues a request. Throws `invalid_argument` for an empty prompt.
+  void add(engine_request request);
+
+  /// Whether any request is not finished.
+  bool has_unfinished() const;
+
+  /// The next step: the request for the executor (with its block moves). Empty when
+  /// nothing can run.
+  execute_model_request schedule();
+
+  /// Applies the sampled tokens of the step `schedule` returned; finishes requests that hit
+  /// a stop condition and frees their blocks.
+  void update(const sampler_output& output);
+
+  /// Takes the finished requests out of the scheduler.
+  std::vector<engine_request> take_finished();
+
+  /// Preemptions so far (for tests and metrics).
+  int64_t preemptions() const {
+    return preemptions_;
+  }
+
+private:
+  void preempt(int64_t seq);
+  bool admit(engine_request& r, int64_t& budget, execute_model_request& step);
+  void append_group(const engine_request& r, int64_t chunk, bool is_prompt,
+                    execute_model_request& step);
+
+  scheduler_config config_;
+  block_manager blocks_;
+  int32_t eos_;
+  std::map<int64_t, engine_request> requests_;
+  std::deque<int64_t> waiting_;
+  std::vector<int64_t> running_;
+  std::deque<int64_t> swapped_;
+  /// Sequences in the step last scheduled, in request order.
+  std::vector<int64_t> scheduled_;
+  std::vector<engine_request> finished_;
+  int64_t preemptions_ = 0;
+};
+
+} // namespace troupe

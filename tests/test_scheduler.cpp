@@ -1,0 +1,139 @@
+// Continuous batching through the real executor and model: many requests of different
+// lengths give the outputs they give alone, also when a small cache forces preemption by
+// swapping or by recomputing.
+
+#include "engine/scheduler.hpp"
+#include "troupe/executor.hpp"
+#include "troupe/model_worker.hpp"
+
+#include <doctest/doctest.h>
+
+#include <map>
+#include <memory>
+
+using namespace troupe;
+
+namespace {
+
+const std::string model = TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa";
+constexpr int32_t block_size = 4;
+// llama-gqa: 2 layers x (k, v) x 4 positions x 2 kv heads x 16 floats.
+constexpr int64_t block_bytes = 2 * 2 * block_size * 2 * 16 * 4;
+
+struct outcome {
+  std::map<std::string, std::vector<int32_t>> tokens;
+  std::map<std::string, std::string> reasons;
+  int64_t preemptions = 0;
+};
+
+std::vector<engine_request> requests(int n) {
+  std::vector<engine_request> out;
+  for (int i = 0; i < n; ++i) {
+    engine_request r;
+    r.request_id = "req-" + std::to_string(i);
+    r.seq_id = i;
+    for (int t = 0; t < 3 + (i * 5) % 11; ++t)
+      r.prompt.push_back((i * 37 + t * 11) % 256);
+    r.sampling.temperature = 0.0f;
+    r.sampling.max_tokens = 4 + (i * 3) % 9;
+    r.sampling.ignore_eos = true;
+    out.push_back(r);
+  }
+  return out;
+}
+
+outcome run(executor& exec, const std::vector<engine_request>& reqs, int64_t device_blocks,
+            int64_t swap_blocks, scheduler_config cfg) {
+  scheduler sched{cfg, block_size, device_blocks, swap_blocks, 2};
+  for (auto& r : reqs)
+    sched.add(r);
+  int steps = 0;
+  while (sched.has_unfinished()) {
+    auto step = sched.schedule();
+    REQUIRE_MESSAGE(++steps < 2000, "the scheduler makes no progress");
+    auto out = exec.execute_model(step);
+    if (!step.seq_group_metadata_list.empty()) {
+      REQUIRE(out.size() == 1);
+      sched.update(out[0]);
+    }
+  }
+  outcome o;
+  for (auto& r : sched.take_finished()) {
+    o.tokens[r.request_id] = r.output;
+    o.reasons[r.request_id] = r.finish_reason;
+  }
+  o.preemptions = sched.preemptions();
+  return o;
+}
+
+std::unique_ptr<executor> make_executor(int64_t device_blocks, int64_t swap_blocks) {
+  executor_config cfg;
+  cfg.block_size = block_size;
+  model_worker_options opts;
+  opts.model_path = model;
+  opts.kv_cache_memory_bytes = device_blocks * block_bytes;
+  opts.swap_space_bytes = swap_blocks * block_bytes;
+  auto exec = std::make_unique<executor>(cfg, model_worker_factory(opts));
+  exec->initialize_cache(exec->determine_num_available_blocks());
+  return exec;
+}
+
+} // namespace
+
+TEST_CASE("concurrent requests give the outputs they give one at a time") {
+  auto reqs = requests(12);
+  auto exec = make_executor(128, 0);
+  outcome alone;
+  for (auto& r : reqs) {
+    auto one = run(*exec, {r}, 128, 0, {});
+    alone.tokens.insert(one.tokens.begin(), one.tokens.end());
+  }
+  auto together = run(*exec, reqs, 128, 0, {});
+  CHECK(together.tokens == alone.tokens);
+  for (auto& r : reqs) {
+    CHECK(together.tokens[r.request_id].size() == static_cast<size_t>(r.sampling.max_tokens));
+    CHECK(together.reasons[r.request_id] == "length");
+  }
+  CHECK(together.preemptions == 0);
+  exec->stop_remote_worker_execution_loop();
+
+  SUBCASE("a cache too small for the batch preempts by swapping, outputs unchanged") {
+    auto small = make_executor(16, 32);
+    auto swapped = run(*small, reqs, 16, 32, {});
+    CHECK(swapped.preemptions > 0);
+    CHECK(swapped.tokens == alone.tokens);
+  }
+  SUBCASE("and by recomputing when there is no swap space") {
+    auto small = make_executor(16, 0);
+    auto recomputed = run(*small, reqs, 16, 0, {});
+    CHECK(recomputed.preemptions > 0);
+    CHECK(recomputed.tokens == alone.tokens);
+  }
+  SUBCASE("a small token budget and sequence limit spread the work over more steps") {
+    scheduler_config tight;
+    tight.max_num_batched_tokens = 24;
+    tight.max_num_seqs = 3;
+    auto limited = run(*exec, reqs, 128, 0, tight);
+    CHECK(limited.tokens == alone.tokens);
+  }
+}
+
+TEST_CASE("stop tokens, end of sequence and impossible prompts finish requests") {
+  auto exec = make_executor(32, 0);
+  auto reqs = requests(3);
+  auto plain = run(*exec, {reqs[0]}, 32, 0, {});
+  auto first = plain.tokens["req-0"];
+  REQUIRE(first.size() > 2);
+  auto stopping = reqs[0];
+  stopping.sampling.stop_token_ids = {first[1]};
+  auto stopped = run(*exec, {stopping}, 32, 0, {});
+  CHECK(stopped.tokens["req-0"].size() == 2);
+  CHECK(stopped.reasons["req-0"] == "stop");
+  auto huge = reqs[1];
+  huge.prompt.assign(500, 7); // more blocks than the cache has
+  auto aborted = run(*exec, {huge}, 32, 0, {});
+  CHECK(aborted.reasons["req-1"] == "abort");
+  scheduler sched{{}, block_size, 32, 0, 2};
+  engine_request empty;
+  CHECK_THROWS_AS(sched.add(empty), error);
+}
