@@ -22,6 +22,9 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench);
 /// `troupe bench step`: prefill and decode throughput of a model.
 std::shared_ptr<command> add_bench_step(CLI::App& bench);
 
+/// `troupe generate`: text from a model.
+std::shared_ptr<command> add_generate(CLI::App& app);
+
 /// `troupe make-model`: a random-weight model in Hugging Face format.
 std::shared_ptr<command> add_make_model(CLI::App& app);
 

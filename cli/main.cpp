@@ -14,13 +14,14 @@ int main(int argc, char** argv) {
   auto run_rpc = troupe::cli::add_bench_rpc(*bench);
   auto run_step = troupe::cli::add_bench_step(*bench);
   auto make_model = troupe::cli::add_make_model(app);
+  auto generate = troupe::cli::add_generate(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   try {
-    for (auto& cmd : {run_rpc, run_step, make_model})
+    for (auto& cmd : {generate, run_rpc, run_step, make_model})
       if (*cmd)
         return cmd->run();
   } catch (const std::exception& e) {

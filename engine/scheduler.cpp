@@ -177,6 +177,23 @@ void scheduler::update(const sampler_output& output) {
   scheduled_.clear();
 }
 
+void scheduler::finish(int64_t seq, const std::string& reason) {
+  auto i = requests_.find(seq);
+  if (i == requests_.end())
+    throw error{errc::invalid_argument, "scheduler: sequence " + std::to_string(seq) +
+                                          " is not unfinished"};
+  auto& r = i->second;
+  if (blocks_.contains(seq))
+    blocks_.free(seq);
+  running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq), waiting_.end());
+  swapped_.erase(std::remove(swapped_.begin(), swapped_.end(), seq), swapped_.end());
+  r.finished = true;
+  r.finish_reason = reason;
+  finished_.push_back(std::move(r));
+  requests_.erase(i);
+}
+
 std::vector<engine_request> scheduler::take_finished() {
   auto out = std::move(finished_);
   finished_.clear();

@@ -70,6 +70,14 @@ public:
   /// a stop condition and frees their blocks.
   void update(const sampler_output& output);
 
+  /// Finishes an unfinished request now (e.g. a stop string appeared), freeing its blocks.
+  void finish(int64_t seq, const std::string& reason);
+
+  /// The unfinished requests, by sequence id.
+  const std::map<int64_t, engine_request>& unfinished() const {
+    return requests_;
+  }
+
   /// Takes the finished requests out of the scheduler.
   std::vector<engine_request> take_finished();
 

@@ -1,0 +1,160 @@
+// `troupe generate`: text from a model, for a few prompts, on CPU workers.
+
+#include "cli/commands.hpp"
+
+#include "troupe/llm.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <iostream>
+#include <sstream>
+
+#include <unistd.h>
+
+namespace troupe::cli {
+
+namespace {
+
+std::vector<int32_t> parse_ids(const std::string& text) {
+  std::vector<int32_t> ids;
+  std::stringstream in{text};
+  for (std::string part; std::getline(in, part, ',');) {
+    try {
+      size_t used = 0;
+      auto v = std::stol(part, &used);
+      if (used != part.size() || v < 0 || v > INT32_MAX)
+        throw std::invalid_argument{part};
+      ids.push_back(static_cast<int32_t>(v));
+    } catch (const std::exception&) {
+      throw error{errc::invalid_argument, "--prompt-token-ids: '" + part + "' is not a token id"};
+    }
+  }
+  return ids;
+}
+
+} // namespace
+
+std::shared_ptr<command> add_generate(CLI::App& app) {
+  struct options {
+    std::string model;
+    std::vector<std::string> prompts;
+    std::vector<std::string> prompt_ids;
+    int tp = 1;
+    int max_tokens = 64;
+    float temperature = 0.0f;
+    float top_p = 1.0f;
+    int top_k = -1;
+    int64_t seed = -1;
+    int logprobs = 0;
+    std::vector<std::string> stop;
+    bool chat = false;
+    bool json = false;
+    int64_t kv_cache_memory = 0;
+    double kv_fraction = 0.5;
+    int64_t swap_space_mib = 256;
+    int max_model_len = 0;
+  };
+  auto o = std::make_shared<options>();
+  auto cmd = std::make_shared<command>();
+  auto* sub = app.add_subcommand("generate", "Generate text from a model for one or more prompts");
+  cmd->app = sub;
+  sub->add_option("--model", o->model, "Hugging Face model directory or GGUF file")->required();
+  sub->add_option("--prompt", o->prompts, "A prompt (repeat for a batch)");
+  sub->add_option("--prompt-token-ids", o->prompt_ids,
+                  "A prompt as comma-separated token ids, bypassing the tokenizer (repeatable)");
+  sub->add_option("--tensor-parallel-size", o->tp, "CPU worker actors the model is split over")
+    ->check(CLI::Range(1, 64))
+    ->capture_default_str();
+  sub->add_option("--max-tokens", o->max_tokens, "Tokens to generate per prompt")
+    ->check(CLI::Range(1, 1 << 20))
+    ->capture_default_str();
+  sub->add_option("--temperature", o->temperature, "0 is greedy")
+    ->check(CLI::Range(0.0f, 100.0f))
+    ->capture_default_str();
+  sub->add_option("--top-p", o->top_p, "Nucleus sampling mass")
+    ->check(CLI::Range(0.0f, 1.0f))
+    ->capture_default_str();
+  sub->add_option("--top-k", o->top_k, "Keep the k most likely tokens; -1 keeps all")
+    ->capture_default_str();
+  sub->add_option("--seed", o->seed, "Seed of each request's sampling; -1 for none")
+    ->capture_default_str();
+  sub->add_option("--logprobs", o->logprobs, "Most likely tokens to report besides the sampled one")
+    ->check(CLI::Range(0, 20))
+    ->capture_default_str();
+  sub->add_option("--stop", o->stop, "Stop when the text contains this string (repeatable)");
+  sub->add_flag("--chat", o->chat, "Wrap each prompt in the model's chat template");
+  sub->add_flag("--json", o->json,
+                "Print JSON: per prompt the text, the token ids and their logprobs");
+  sub->add_option("--kv-cache-memory", o->kv_cache_memory,
+                  "Bytes of KV cache per worker (0: --kv-cache-memory-fraction of free memory)")
+    ->capture_default_str();
+  sub->add_option("--kv-cache-memory-fraction", o->kv_fraction,
+                  "Share of free memory for the KV cache when --kv-cache-memory is 0")
+    ->check(CLI::Range(0.01, 0.95))
+    ->capture_default_str();
+  sub->add_option("--swap-space", o->swap_space_mib, "MiB of host memory per worker for swapped blocks")
+    ->check(CLI::Range(0, 1 << 20))
+    ->capture_default_str();
+  sub->add_option("--max-model-len", o->max_model_len, "Longest prompt plus output (0: the model's)")
+    ->capture_default_str();
+  cmd->run = [o] {
+    if (o->prompts.empty() && o->prompt_ids.empty())
+      throw error{errc::invalid_argument, "give at least one --prompt or --prompt-token-ids"};
+    llm_config cfg;
+    cfg.model = o->model;
+    cfg.tensor_parallel_size = o->tp;
+    cfg.kv_cache_memory_bytes = o->kv_cache_memory;
+    cfg.kv_cache_memory_fraction = o->kv_fraction;
+    cfg.swap_space_bytes = o->swap_space_mib << 20;
+    cfg.max_model_len = o->max_model_len;
+    bool bar = isatty(STDERR_FILENO) != 0 && !o->json;
+    if (bar)
+      cfg.progress = [](size_t done, size_t total) {
+        int width = 40;
+        auto filled = static_cast<int>(width * done / std::max<size_t>(total, 1));
+        std::cerr << "\rloading weights [" << std::string(static_cast<size_t>(filled), '#')
+                  << std::string(static_cast<size_t>(width - filled), ' ') << "] " << done << "/"
+                  << total << (done == total ? "\n" : "") << std::flush;
+      };
+    llm model{cfg};
+    sampling_params sp;
+    sp.temperature = o->temperature;
+    sp.top_p = o->top_p;
+    sp.top_k = o->top_k;
+    sp.seed = o->seed;
+    sp.max_tokens = o->max_tokens;
+    sp.logprobs = o->logprobs;
+    std::vector<generation_request> reqs;
+    for (auto& p : o->prompts)
+      reqs.push_back({o->chat ? model.chat_prompt(p) : p, {}, sp, o->stop});
+    for (auto& ids : o->prompt_ids)
+      reqs.push_back({ids, parse_ids(ids), sp, o->stop});
+    auto outputs = model.generate(reqs);
+    if (o->json) {
+      auto all = nlohmann::json::array();
+      for (size_t i = 0; i < outputs.size(); ++i) {
+        auto& out = outputs[i];
+        all.push_back({{"prompt", i < o->prompts.size() ? o->prompts[i] : out.prompt},
+                       {"text", out.text},
+                       {"token_ids", out.token_ids},
+                       {"logprobs", out.logprobs},
+                       {"finish_reason", out.finish_reason}});
+      }
+      std::cout << all.dump(2) << std::endl;
+    } else {
+      for (size_t i = 0; i < outputs.size(); ++i) {
+        auto shown = i < o->prompts.size() ? o->prompts[i] : outputs[i].prompt;
+        std::cout << "prompt: " << shown << "\n";
+        if (model.has_tokenizer())
+          std::cout << "output: " << outputs[i].text << "\n\n";
+        else
+          std::cout << "output ids: " << nlohmann::json(outputs[i].token_ids).dump() << "\n\n";
+      }
+      std::cout << model.last_tokens_per_second() << " generated tokens/s" << std::endl;
+    }
+    return 0;
+  };
+  return cmd;
+}
+
+} // namespace troupe::cli

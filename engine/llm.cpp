@@ -1,0 +1,210 @@
+#include "troupe/llm.hpp"
+
+#include "engine/scheduler.hpp"
+#include "model/checkpoint.hpp"
+#include "model/tokenizer.hpp"
+#include "troupe/model_worker.hpp"
+
+#include <chrono>
+#include <filesystem>
+#include <map>
+#include <optional>
+
+namespace troupe {
+
+struct llm::impl {
+  llm_config cfg;
+  model_config model;
+  std::optional<tokenizer> tok;
+  std::unique_ptr<troupe::executor> exec;
+  cache_blocks blocks;
+  int64_t next_seq = 0;
+  double tokens_per_second = 0;
+};
+
+namespace {
+
+std::optional<tokenizer> load_tokenizer(const std::string& path) {
+  if (checkpoint::is_gguf(path))
+    return tokenizer::from_gguf(path);
+  auto json = std::filesystem::path{path} / "tokenizer.json";
+  if (std::filesystem::exists(json))
+    return tokenizer::from_json(json.string());
+  return std::nullopt;
+}
+
+/// Unescapes the \n, \t, \' and \\ of a Jinja string literal.
+std::string unescape(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '\\' && i + 1 < s.size()) {
+      char c = s[++i];
+      out.push_back(c == 'n' ? '\n' : c == 't' ? '\t' : c);
+    } else {
+      out.push_back(s[i]);
+    }
+  }
+  return out;
+}
+
+} // namespace
+
+llm::llm(llm_config config) : impl_(std::make_unique<impl>()) {
+  auto& d = *impl_;
+  d.cfg = std::move(config);
+  d.model = checkpoint::config_of(d.cfg.model);
+  d.tok = load_tokenizer(d.cfg.model);
+  executor_config ec;
+  ec.tensor_parallel_size = d.cfg.tensor_parallel_size;
+  ec.block_size = d.cfg.block_size;
+  auto max_len = d.cfg.max_model_len > 0 ? std::min<int64_t>(d.cfg.max_model_len, d.model.max_position_embeddings)
+                                         : d.model.max_position_embeddings;
+  ec.max_model_len = static_cast<int32_t>(max_len);
+  ec.rpc_timeout = std::chrono::minutes(10);
+  model_worker_options mw;
+  mw.model_path = d.cfg.model;
+  mw.kv_cache_memory_bytes = d.cfg.kv_cache_memory_bytes;
+  mw.kv_cache_memory_fraction = d.cfg.kv_cache_memory_fraction;
+  mw.swap_space_bytes = d.cfg.swap_space_bytes;
+  mw.max_num_batched_tokens = static_cast<int32_t>(d.cfg.max_num_batched_tokens);
+  mw.max_num_seqs = d.cfg.max_num_seqs;
+  mw.progress = d.cfg.progress;
+  d.exec = std::make_unique<troupe::executor>(ec, model_worker_factory(mw));
+  d.blocks = d.exec->determine_num_available_blocks();
+  d.exec->initialize_cache(d.blocks);
+}
+
+llm::~llm() = default;
+
+bool llm::has_tokenizer() const {
+  return impl_->tok.has_value();
+}
+
+double llm::last_tokens_per_second() const {
+  return impl_->tokens_per_second;
+}
+
+troupe::executor& llm::executor() {
+  return *impl_->exec;
+}
+
+std::string llm::chat_prompt(const std::string& user_message) const {
+  auto& d = *impl_;
+  std::string tmpl = d.tok ? d.tok->chat_template() : std::string{};
+  if (tmpl.find("<|im_start|>") == std::string::npos)
+    throw error{errc::unsupported, "the model has no ChatML chat template (the only kind "
+                                   "troupe renders)"};
+  // ChatML. Templates that add a default system message when the first message is not a
+  // system one carry it as a string literal right after that test.
+  std::string system;
+  auto test = tmpl.find("messages[0]['role'] != 'system'");
+  if (test != std::string::npos) {
+    auto open = tmpl.find("{{ '", test);
+    auto close = open == std::string::npos ? std::string::npos : tmpl.find("' }}", open);
+    if (close != std::string::npos)
+      system = unescape(tmpl.substr(open + 4, close - open - 4));
+  }
+  return system + "<|im_start|>user\n" + user_message + "<|im_end|>\n<|im_start|>assistant\n";
+}
+
+std::vector<generation_output> llm::generate(const std::vector<std::string>& prompts,
+                                             const sampling_params& sampling) {
+  std::vector<generation_request> reqs;
+  for (auto& p : prompts)
+    reqs.push_back({p, {}, sampling, {}});
+  return generate(reqs);
+}
+
+std::vector<generation_output> llm::generate(const std::vector<generation_request>& requests) {
+  auto& d = *impl_;
+  scheduler_config sc;
+  sc.max_num_batched_tokens = d.cfg.max_num_batched_tokens;
+  sc.max_num_seqs = d.cfg.max_num_seqs;
+  sc.max_model_len = d.exec->config().max_model_len;
+  scheduler sched{sc, d.cfg.block_size, d.blocks.num_device_blocks, d.blocks.num_swap_blocks,
+                  d.model.eos_token_id};
+  std::vector<generation_output> outputs(requests.size());
+  std::map<int64_t, size_t> index;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto& req = requests[i];
+    auto& out = outputs[i];
+    out.prompt = req.prompt;
+    if (!req.prompt_token_ids.empty()) {
+      out.prompt_token_ids = req.prompt_token_ids;
+    } else {
+      if (!d.tok)
+        throw error{errc::invalid_argument,
+                    "the model has no tokenizer: give prompt token ids instead of text"};
+      out.prompt_token_ids = d.tok->encode(req.prompt);
+    }
+    if (static_cast<int64_t>(out.prompt_token_ids.size()) >= sc.max_model_len)
+      throw error{errc::invalid_argument,
+                  "prompt " + std::to_string(i) + " has " +
+                    std::to_string(out.prompt_token_ids.size()) +
+                    " tokens; the model allows " + std::to_string(sc.max_model_len) +
+                    " with the output"};
+    engine_request r;
+    r.request_id = "req-" + std::to_string(i);
+    r.seq_id = d.next_seq++;
+    r.prompt = out.prompt_token_ids;
+    r.sampling = req.sampling;
+    index[r.seq_id] = i;
+    sched.add(std::move(r));
+  }
+  auto start = std::chrono::steady_clock::now();
+  size_t generated = 0;
+  auto collect = [&] {
+    for (auto& r : sched.take_finished()) {
+      auto& out = outputs[index.at(r.seq_id)];
+      out.token_ids = r.output;
+      out.logprobs = r.logprobs;
+      out.finish_reason = r.finish_reason;
+      generated += r.output.size();
+      if (d.tok)
+        out.text = d.tok->decode(r.output, true);
+      // A stop string ends the text and is cut off it.
+      for (auto& stop : requests[index.at(r.seq_id)].stop) {
+        auto at = stop.empty() ? std::string::npos : out.text.find(stop);
+        if (at != std::string::npos)
+          out.text.resize(at);
+      }
+    }
+  };
+  while (sched.has_unfinished()) {
+    auto step = sched.schedule();
+    auto result = d.exec->execute_model(step);
+    if (!step.seq_group_metadata_list.empty()) {
+      if (result.empty())
+        throw error{errc::worker_error, "execute_model returned no output for a step"};
+      sched.update(result[0]);
+    } else if (step.blocks_to_swap_in.empty() && step.blocks_to_swap_out.empty()
+               && step.blocks_to_copy.empty()) {
+      throw error{errc::worker_error, "the scheduler can make no progress"};
+    }
+    // Stop strings: finish a request once its text contains one.
+    if (d.tok) {
+      std::vector<int64_t> stopped;
+      for (auto& [seq, r] : sched.unfinished()) {
+        auto& stops = requests[index.at(seq)].stop;
+        if (stops.empty() || r.output.empty())
+          continue;
+        auto text = d.tok->decode(r.output, true);
+        for (auto& stop : stops)
+          if (!stop.empty() && text.find(stop) != std::string::npos) {
+            stopped.push_back(seq);
+            break;
+          }
+      }
+      for (auto seq : stopped)
+        sched.finish(seq, "stop");
+    }
+    collect();
+  }
+  collect();
+  d.exec->stop_remote_worker_execution_loop();
+  std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+  d.tokens_per_second = took.count() > 0 ? static_cast<double>(generated) / took.count() : 0;
+  return outputs;
+}
+
+} // namespace troupe

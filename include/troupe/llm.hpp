@@ -1,0 +1,92 @@
+#pragma once
+
+/// @file
+/// `troupe::llm`: offline generation for a batch of prompts (vLLM's `LLM.generate`), on an
+/// executor of model workers with a continuous-batching scheduler.
+
+#include "troupe/executor.hpp"
+#include "troupe/types.hpp"
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace troupe {
+
+/// How to run the model.
+struct llm_config {
+  /// Hugging Face model directory or GGUF file.
+  std::string model;
+  int32_t tensor_parallel_size = 1;
+  /// Bytes for the KV cache per worker; 0 takes `kv_cache_memory_fraction` of free memory.
+  int64_t kv_cache_memory_bytes = 0;
+  double kv_cache_memory_fraction = 0.5;
+  /// Host bytes per worker for swapped-out blocks.
+  int64_t swap_space_bytes = 256 << 20;
+  int32_t block_size = 16;
+  /// 0 takes the model's max_position_embeddings.
+  int32_t max_model_len = 0;
+  int64_t max_num_batched_tokens = 2048;
+  int32_t max_num_seqs = 64;
+  /// Weight loading progress (tensors done, in all).
+  std::function<void(size_t, size_t)> progress;
+};
+
+/// One prompt: text (tokenized with the model's tokenizer) or token ids, and how to sample.
+struct generation_request {
+  std::string prompt;
+  /// When not empty, used instead of `prompt` (for models without a tokenizer).
+  std::vector<int32_t> prompt_token_ids;
+  sampling_params sampling;
+  /// Generation stops when the text ends with one of these; it is cut off the output.
+  std::vector<std::string> stop;
+};
+
+/// What a request produced.
+struct generation_output {
+  std::string prompt;
+  std::vector<int32_t> prompt_token_ids;
+  /// Generated text (empty for a model without a tokenizer).
+  std::string text;
+  std::vector<int32_t> token_ids;
+  /// Logprob of each generated token.
+  std::vector<float> logprobs;
+  /// "length", "stop" or "abort" (the prompt can never fit).
+  std::string finish_reason;
+};
+
+/// A model ready to generate. Throws `troupe::error` when the model cannot be loaded.
+class llm {
+public:
+  explicit llm(llm_config config);
+  ~llm();
+
+  /// Generates for every request, batched; outputs in request order. Throws
+  /// `invalid_argument` for a text prompt when the model has no tokenizer, or a prompt
+  /// longer than the model allows.
+  std::vector<generation_output> generate(const std::vector<generation_request>& requests);
+
+  /// The same sampling for every prompt.
+  std::vector<generation_output> generate(const std::vector<std::string>& prompts,
+                                          const sampling_params& sampling);
+
+  /// The prompt for one user message in the model's chat format (ChatML templates).
+  /// Throws `unsupported` when the model has no chat template troupe can render.
+  std::string chat_prompt(const std::string& user_message) const;
+
+  /// Whether the model came with a tokenizer.
+  bool has_tokenizer() const;
+
+  /// Generated tokens per second of the last `generate` (output tokens over wall time).
+  double last_tokens_per_second() const;
+
+  troupe::executor& executor();
+
+private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+} // namespace troupe
