@@ -22,6 +22,9 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench);
 /// `troupe bench step`: prefill and decode throughput of a model.
 std::shared_ptr<command> add_bench_step(CLI::App& bench);
 
+/// `troupe bench generate`: offline request throughput and time per output token.
+std::shared_ptr<command> add_bench_generate(CLI::App& bench);
+
 /// `troupe generate`: text from a model.
 std::shared_ptr<command> add_generate(CLI::App& app);
 

@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   bench->require_subcommand(1);
   auto run_rpc = troupe::cli::add_bench_rpc(*bench);
   auto run_step = troupe::cli::add_bench_step(*bench);
+  auto run_generate = troupe::cli::add_bench_generate(*bench);
   auto make_model = troupe::cli::add_make_model(app);
   auto generate = troupe::cli::add_generate(app);
   try {
@@ -21,7 +22,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
-    for (auto& cmd : {generate, run_rpc, run_step, make_model})
+    for (auto& cmd : {generate, run_rpc, run_step, run_generate, make_model})
       if (*cmd)
         return cmd->run();
   } catch (const std::exception& e) {

@@ -152,10 +152,16 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
     sched.add(std::move(r));
   }
   auto start = std::chrono::steady_clock::now();
+  auto since_start = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
   size_t generated = 0;
   auto collect = [&] {
     for (auto& r : sched.take_finished()) {
       auto& out = outputs[index.at(r.seq_id)];
+      out.finished_seconds = since_start();
+      if (out.first_token_seconds == 0)
+        out.first_token_seconds = out.finished_seconds;
       out.token_ids = r.output;
       out.logprobs = r.logprobs;
       out.finish_reason = r.finish_reason;
@@ -180,6 +186,11 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
     } else if (step.blocks_to_swap_in.empty() && step.blocks_to_swap_out.empty()
                && step.blocks_to_copy.empty()) {
       throw error{errc::worker_error, "the scheduler can make no progress"};
+    }
+    for (auto& [seq, r] : sched.unfinished()) {
+      auto& out = outputs[index.at(seq)];
+      if (out.first_token_seconds == 0 && !r.output.empty())
+        out.first_token_seconds = since_start();
     }
     // Stop strings: finish a request once its text contains one.
     if (d.tok) {

@@ -55,6 +55,9 @@ struct generation_output {
   std::vector<float> logprobs;
   /// "length", "stop" or "abort" (the prompt can never fit).
   std::string finish_reason;
+  /// Seconds from the start of `generate` to the first generated token and to the end.
+  double first_token_seconds = 0;
+  double finished_seconds = 0;
 };
 
 /// A model ready to generate. Throws `troupe::error` when the model cannot be loaded.

@@ -1,0 +1,103 @@
+// `troupe bench generate`: offline throughput like vLLM's benchmark_throughput: N random
+// prompts of I tokens, O output tokens each, all submitted at once.
+
+#include "cli/commands.hpp"
+
+#include "model/checkpoint.hpp"
+#include "troupe/llm.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <random>
+
+namespace troupe::cli {
+
+std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
+  struct options {
+    std::string model;
+    int num_prompts = 16;
+    int input_len = 64;
+    int output_len = 32;
+    int tp = 1;
+    bool json = false;
+  };
+  auto o = std::make_shared<options>();
+  auto cmd = std::make_shared<command>();
+  auto* sub = bench.add_subcommand("generate", "Request throughput and time per output token");
+  cmd->app = sub;
+  sub->add_option("--model", o->model, "Hugging Face model directory or GGUF file")->required();
+  sub->add_option("--num-prompts", o->num_prompts, "Requests")
+    ->check(CLI::Range(1, 100000))
+    ->capture_default_str();
+  sub->add_option("--input-len", o->input_len, "Prompt tokens per request")
+    ->check(CLI::Range(1, 100000))
+    ->capture_default_str();
+  sub->add_option("--output-len", o->output_len, "Generated tokens per request")
+    ->check(CLI::Range(2, 100000))
+    ->capture_default_str();
+  sub->add_option("--tensor-parallel-size", o->tp, "CPU worker actors")
+    ->check(CLI::Range(1, 64))
+    ->capture_default_str();
+  sub->add_flag("--json", o->json, "Print only the JSON result");
+  cmd->run = [o] {
+    llm_config cfg;
+    cfg.model = o->model;
+    cfg.tensor_parallel_size = o->tp;
+    cfg.max_model_len = o->input_len + o->output_len + 1;
+    llm model{cfg};
+    auto vocab = checkpoint::config_of(o->model).vocab_size;
+    std::mt19937 rng{0};
+    std::vector<generation_request> reqs;
+    for (int i = 0; i < o->num_prompts; ++i) {
+      generation_request r;
+      for (int t = 0; t < o->input_len; ++t)
+        r.prompt_token_ids.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
+      r.sampling.temperature = 0.0f;
+      r.sampling.max_tokens = o->output_len;
+      r.sampling.ignore_eos = true; // every request produces output_len tokens
+      reqs.push_back(std::move(r));
+    }
+    auto start = std::chrono::steady_clock::now();
+    auto outs = model.generate(reqs);
+    std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+    size_t tokens = 0;
+    std::vector<double> tpot_ms;
+    for (auto& out : outs) {
+      tokens += out.token_ids.size();
+      if (out.token_ids.size() > 1)
+        tpot_ms.push_back((out.finished_seconds - out.first_token_seconds) * 1e3
+                          / static_cast<double>(out.token_ids.size() - 1));
+    }
+    std::sort(tpot_ms.begin(), tpot_ms.end());
+    auto at = [&](double q) {
+      return tpot_ms.empty() ? 0.0
+                             : tpot_ms[std::min(tpot_ms.size() - 1,
+                                                static_cast<size_t>(q * tpot_ms.size()))];
+    };
+    nlohmann::json result = {
+      {"model", o->model},
+      {"num_prompts", o->num_prompts},
+      {"input_len", o->input_len},
+      {"output_len", o->output_len},
+      {"tensor_parallel_size", o->tp},
+      {"elapsed_s", took.count()},
+      {"requests_per_s", o->num_prompts / took.count()},
+      {"output_tokens_per_s", static_cast<double>(tokens) / took.count()},
+      {"tpot_p50_ms", at(0.5)},
+      {"tpot_p99_ms", at(0.99)},
+    };
+    if (!o->json)
+      std::cout << o->num_prompts << " requests in " << took.count() << " s: "
+                << result["requests_per_s"].get<double>() << " requests/s, "
+                << result["output_tokens_per_s"].get<double>() << " output tokens/s, "
+                << "time per output token p50 " << at(0.5) << " ms, p99 " << at(0.99) << " ms\n";
+    std::cout << result.dump() << std::endl;
+    return 0;
+  };
+  return cmd;
+}
+
+} // namespace troupe::cli
