@@ -5,6 +5,7 @@
 // ~/.cache/troupe/models.
 
 #include "troupe/executor.hpp"
+#include "tests/generation.hpp"
 #include "troupe/model_worker.hpp"
 
 #include <nlohmann/json.hpp>
@@ -17,12 +18,7 @@
 using namespace troupe;
 
 int main() {
-  std::filesystem::path cache;
-  if (auto env = std::getenv("TROUPE_MODEL_CACHE"))
-    cache = env;
-  else if (auto home = std::getenv("HOME"))
-    cache = std::filesystem::path{home} / ".cache" / "troupe" / "models";
-  auto model = cache / "SmolLM2-135M-Instruct.Q4_1.gguf";
+  auto model = troupe::testing::cached_smollm2();
   if (!std::filesystem::exists(model)) {
     std::cout << "skipped: " << model << " is not in the cache\n";
     return 77;
@@ -40,26 +36,8 @@ int main() {
     executor exec{cfg, model_worker_factory(opts)};
     exec.initialize_cache(exec.determine_num_available_blocks());
     for (auto& run : ref["runs"]) {
-      auto prompt = run["token_ids"].get<std::vector<int32_t>>();
-      sequence_group_metadata g;
-      g.request_id = "r";
-      g.is_prompt = true;
-      g.seqs.push_back({0, prompt, static_cast<int32_t>(prompt.size()), 0, {}});
-      for (int32_t b = 0; b < 16; ++b)
-        g.seqs[0].block_table.push_back(b);
-      g.token_chunk_size = static_cast<int32_t>(prompt.size());
-      g.sampling.temperature = 0.0f;
-      std::vector<int32_t> generated;
-      for (size_t step = 0; step < run["greedy"].size(); ++step) {
-        execute_model_request req;
-        req.seq_group_metadata_list.push_back(g);
-        auto token = exec.execute_model(req)[0].outputs[0].samples[0].output_token;
-        generated.push_back(token);
-        g.seqs[0].num_computed_tokens += g.token_chunk_size;
-        g.seqs[0].token_ids.push_back(token);
-        g.token_chunk_size = 1;
-        g.is_prompt = false;
-      }
+      auto generated = troupe::testing::greedy_tokens(
+        exec, run["token_ids"].get<std::vector<int32_t>>(), run["greedy"].size());
       bool same = generated == run["greedy"].get<std::vector<int32_t>>();
       failures += same ? 0 : 1;
       std::cout << (same ? "same  " : "DIFFERENT ") << "tp=" << tp << " "

@@ -4,6 +4,7 @@
 
 #include "kernels/cpu/cpu_device.hpp"
 #include "model/checkpoint.hpp"
+#include "tests/generation.hpp"
 #include "model/gguf.hpp"
 #include "model/llama.hpp"
 #include "troupe/errors.hpp"
@@ -102,22 +103,8 @@ TEST_CASE("greedy generation from a GGUF file through the executor matches trans
     executor exec{cfg, model_worker_factory(opts)};
     exec.initialize_cache(exec.determine_num_available_blocks());
     for (auto& run : ref[type]) {
-      auto prompt = run["token_ids"].get<std::vector<int32_t>>();
-      sequence_group_metadata g{"r", true, {{0, prompt, static_cast<int32_t>(prompt.size()), 0, {}}},
-                                {}, static_cast<int32_t>(prompt.size()), true, 0, 0};
-      g.sampling.temperature = 0.0f;
-      for (int32_t b = 0; b < 16; ++b)
-        g.seqs[0].block_table.push_back(b);
-      std::vector<int32_t> generated;
-      for (int step = 0; step < 32; ++step) {
-        execute_model_request req;
-        req.seq_group_metadata_list.push_back(g);
-        auto token = exec.execute_model(req)[0].outputs[0].samples[0].output_token;
-        generated.push_back(token);
-        g.seqs[0].num_computed_tokens += g.token_chunk_size;
-        g.seqs[0].token_ids.push_back(token);
-        g.token_chunk_size = 1;
-      }
+      auto generated =
+        testing::greedy_tokens(exec, run["token_ids"].get<std::vector<int32_t>>(), 32);
       CHECK_MESSAGE(generated == run["greedy"].get<std::vector<int32_t>>(), type);
     }
   }

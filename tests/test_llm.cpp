@@ -1,6 +1,7 @@
 // troupe::llm end to end: batched generation equal to transformers' greedy tokens, chat
 // prompts as transformers renders them, and clear errors.
 
+#include "tests/generation.hpp"
 #include "troupe/llm.hpp"
 
 #include <doctest/doctest.h>
@@ -27,15 +28,6 @@ sampling_params greedy(int32_t max_tokens) {
   sp.max_tokens = max_tokens;
   sp.ignore_eos = true;
   return sp;
-}
-
-std::filesystem::path cached_smollm2() {
-  std::filesystem::path cache;
-  if (auto env = std::getenv("TROUPE_MODEL_CACHE"))
-    cache = env;
-  else if (auto home = std::getenv("HOME"))
-    cache = std::filesystem::path{home} / ".cache" / "troupe" / "models";
-  return cache / "SmolLM2-135M-Instruct.Q4_1.gguf";
 }
 
 } // namespace
@@ -67,7 +59,7 @@ TEST_CASE("a batch of token-id prompts gives transformers' greedy tokens") {
 }
 
 TEST_CASE("SmolLM2: chat prompts and generation as transformers does them") {
-  auto path = cached_smollm2();
+  auto path = testing::cached_smollm2();
   if (!std::filesystem::exists(path)) {
     MESSAGE("skipped: " << path << " is not in the cache");
     return;

@@ -3,6 +3,7 @@
 // reading SmolLM2-135M-Instruct's GGUF file.
 
 #include "model/tokenizer.hpp"
+#include "tests/generation.hpp"
 #include "troupe/errors.hpp"
 
 #include <doctest/doctest.h>
@@ -108,12 +109,7 @@ TEST_CASE("bad input is an error, not a crash") {
 }
 
 TEST_CASE("SmolLM2's GGUF tokenizer gives the token ids of transformers") {
-  std::filesystem::path cache;
-  if (auto env = std::getenv("TROUPE_MODEL_CACHE"))
-    cache = env;
-  else if (auto home = std::getenv("HOME"))
-    cache = std::filesystem::path{home} / ".cache" / "troupe" / "models";
-  auto model = cache / "SmolLM2-135M-Instruct.Q4_1.gguf";
+  auto model = troupe::testing::cached_smollm2();
   if (!std::filesystem::exists(model)) {
     MESSAGE("skipped: " << model << " is not in the cache");
     return;

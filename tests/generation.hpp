@@ -1,0 +1,49 @@
+#pragma once
+
+// Helpers of the tests that generate with real models.
+
+#include "troupe/executor.hpp"
+
+#include <cstdlib>
+#include <filesystem>
+#include <vector>
+
+namespace troupe::testing {
+
+/// Where the demo keeps SmolLM2-135M-Instruct: $TROUPE_MODEL_CACHE or ~/.cache/troupe/models.
+inline std::filesystem::path cached_smollm2() {
+  std::filesystem::path cache;
+  if (auto env = std::getenv("TROUPE_MODEL_CACHE"))
+    cache = env;
+  else if (auto home = std::getenv("HOME"))
+    cache = std::filesystem::path{home} / ".cache" / "troupe" / "models";
+  return cache / "SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+/// `steps` greedy tokens after `prompt`, one sequence stepping through the executor with
+/// device blocks 0..`blocks`-1.
+inline std::vector<int32_t> greedy_tokens(executor& exec, const std::vector<int32_t>& prompt,
+                                          size_t steps, int32_t blocks = 16) {
+  sequence_group_metadata g;
+  g.request_id = "r";
+  g.is_prompt = true;
+  g.seqs.push_back({0, prompt, static_cast<int32_t>(prompt.size()), 0, {}});
+  for (int32_t b = 0; b < blocks; ++b)
+    g.seqs[0].block_table.push_back(b);
+  g.token_chunk_size = static_cast<int32_t>(prompt.size());
+  g.sampling.temperature = 0.0f;
+  std::vector<int32_t> generated;
+  for (size_t step = 0; step < steps; ++step) {
+    execute_model_request req;
+    req.seq_group_metadata_list.push_back(g);
+    auto token = exec.execute_model(req)[0].outputs[0].samples[0].output_token;
+    generated.push_back(token);
+    g.seqs[0].num_computed_tokens += g.token_chunk_size;
+    g.seqs[0].token_ids.push_back(token);
+    g.token_chunk_size = 1;
+    g.is_prompt = false;
+  }
+  return generated;
+}
+
+} // namespace troupe::testing
