@@ -193,10 +193,8 @@ gguf_file::gguf_file(const std::string& path) : path_(path), file_(path, "GGUF f
       tensors_.push_back(std::move(t));
     }
     uint64_t alignment = 32;
-    auto a = metadata_.find("general.alignment");
-    if (a != metadata_.end())
-      if (auto v = std::get_if<int64_t>(&a->second); v && *v > 0)
-        alignment = static_cast<uint64_t>(*v);
+    if (auto a = find<int64_t>("general.alignment"); a && *a > 0)
+      alignment = static_cast<uint64_t>(*a);
     data_start_ = (c.pos + alignment - 1) / alignment * alignment;
     for (auto& t : tensors_)
       if (data_start_ + t.offset > file_.size() || t.bytes > file_.size() - data_start_ - t.offset)
@@ -268,10 +266,10 @@ std::vector<float> gguf_file::read(const tensor_info& t) const {
 
 model_config gguf_file::config() const {
   auto text = [&](const std::string& key) -> std::string {
-    auto i = metadata_.find(key);
-    if (i == metadata_.end() || !std::holds_alternative<std::string>(i->second))
+    auto s = find<std::string>(key);
+    if (s == nullptr)
       bad(path_, "metadata has no " + key);
-    return std::get<std::string>(i->second);
+    return *s;
   };
   auto arch = text("general.architecture");
   auto number = [&](const std::string& key, double fallback, bool required) -> double {
@@ -313,9 +311,8 @@ model_config gguf_file::config() const {
   c.rope_theta = number("rope.freq_base", 10000.0, false);
   c.rms_norm_eps = number("attention.layer_norm_rms_epsilon", 1e-6, false);
   c.attention_bias = arch == "qwen2";
-  auto vocab = metadata_.find("tokenizer.ggml.tokens");
-  if (vocab != metadata_.end() && std::holds_alternative<std::vector<std::string>>(vocab->second))
-    c.vocab_size = static_cast<int64_t>(std::get<std::vector<std::string>>(vocab->second).size());
+  if (auto vocab = find<std::vector<std::string>>("tokenizer.ggml.tokens"))
+    c.vocab_size = static_cast<int64_t>(vocab->size());
   else
     c.vocab_size = static_cast<int64_t>(number("vocab_size", 0, true));
   c.tie_word_embeddings = true;
@@ -323,11 +320,8 @@ model_config gguf_file::config() const {
     if (t.name == "output.weight")
       c.tie_word_embeddings = false;
   auto token = [&](const std::string& key) -> int32_t {
-    auto i = metadata_.find(key);
-    if (i != metadata_.end())
-      if (auto v = std::get_if<int64_t>(&i->second))
-        return static_cast<int32_t>(*v);
-    return -1;
+    auto v = find<int64_t>(key);
+    return v ? static_cast<int32_t>(*v) : -1;
   };
   c.bos_token_id = token("tokenizer.ggml.bos_token_id");
   c.eos_token_id = token("tokenizer.ggml.eos_token_id");

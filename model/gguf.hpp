@@ -44,6 +44,13 @@ public:
   const std::map<std::string, value>& metadata() const {
     return metadata_;
   }
+
+  /// The metadata value of `key` when it is a `T`; nullptr when absent or of another type.
+  template <class T>
+  const T* find(const std::string& key) const {
+    auto i = metadata_.find(key);
+    return i == metadata_.end() ? nullptr : std::get_if<T>(&i->second);
+  }
   const std::vector<tensor_info>& tensors() const {
     return tensors_;
   }

@@ -165,46 +165,35 @@ tokenizer tokenizer::from_json(const std::string& path) {
 
 tokenizer tokenizer::from_gguf(const std::string& path) {
   gguf_file file{path};
-  auto& md = file.metadata();
-  auto string_of = [&](const char* key) -> std::string {
-    auto i = md.find(key);
-    if (i != md.end())
-      if (auto s = std::get_if<std::string>(&i->second))
-        return *s;
-    return {};
+  auto string_of = [&](const char* key) {
+    auto s = file.find<std::string>(key);
+    return s ? *s : std::string{};
+  };
+  auto id_of = [&](const char* key) {
+    auto v = file.find<int64_t>(key);
+    return v ? static_cast<int32_t>(*v) : -1;
   };
   if (string_of("tokenizer.ggml.model") != "gpt2")
     bad(path, "tokenizer model '" + string_of("tokenizer.ggml.model") +
                 "' is not byte-level BPE (gpt2)");
-  auto tokens = md.find("tokenizer.ggml.tokens");
-  if (tokens == md.end() || !std::holds_alternative<std::vector<std::string>>(tokens->second))
+  auto tokens = file.find<std::vector<std::string>>("tokenizer.ggml.tokens");
+  if (tokens == nullptr)
     bad(path, "has no tokenizer.ggml.tokens");
   tokenizer t;
-  t.id_to_token_ = std::get<std::vector<std::string>>(tokens->second);
-  auto merges = md.find("tokenizer.ggml.merges");
-  if (merges != md.end())
-    if (auto list = std::get_if<std::vector<std::string>>(&merges->second)) {
-      int32_t rank = 0;
-      for (auto& m : *list) {
-        auto space = m.find(' ');
-        if (space != std::string::npos)
-          t.add_merge(m.substr(0, space), m.substr(space + 1), rank++);
-      }
+  t.id_to_token_ = *tokens;
+  if (auto merges = file.find<std::vector<std::string>>("tokenizer.ggml.merges")) {
+    int32_t rank = 0;
+    for (auto& m : *merges) {
+      auto space = m.find(' ');
+      if (space != std::string::npos)
+        t.add_merge(m.substr(0, space), m.substr(space + 1), rank++);
     }
+  }
   // Token type 3 is a control token: special.
-  auto types = md.find("tokenizer.ggml.token_type");
-  if (types != md.end())
-    if (auto list = std::get_if<std::vector<double>>(&types->second))
-      for (size_t i = 0; i < list->size() && i < t.id_to_token_.size(); ++i)
-        if ((*list)[i] == 3.0)
-          t.special_ids_.insert(static_cast<int32_t>(i));
-  auto id_of = [&](const char* key) {
-    auto i = md.find(key);
-    if (i != md.end())
-      if (auto v = std::get_if<int64_t>(&i->second))
-        return static_cast<int32_t>(*v);
-    return -1;
-  };
+  if (auto types = file.find<std::vector<double>>("tokenizer.ggml.token_type"))
+    for (size_t i = 0; i < types->size() && i < t.id_to_token_.size(); ++i)
+      if ((*types)[i] == 3.0)
+        t.special_ids_.insert(static_cast<int32_t>(i));
   t.bos_ = id_of("tokenizer.ggml.bos_token_id");
   t.eos_ = id_of("tokenizer.ggml.eos_token_id");
   t.chat_template_ = string_of("tokenizer.chat_template");

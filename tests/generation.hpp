@@ -4,11 +4,21 @@
 
 #include "troupe/executor.hpp"
 
+#include <nlohmann/json.hpp>
+
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <string>
 #include <vector>
 
 namespace troupe::testing {
+
+/// A JSON fixture.
+inline nlohmann::json read_json(const std::string& path) {
+  std::ifstream in{path};
+  return nlohmann::json::parse(in);
+}
 
 /// Where the demo keeps SmolLM2-135M-Instruct: $TROUPE_MODEL_CACHE or ~/.cache/troupe/models.
 inline std::filesystem::path cached_smollm2() {

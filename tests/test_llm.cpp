@@ -12,15 +12,11 @@
 #include <fstream>
 
 using namespace troupe;
+using troupe::testing::read_json;
 
 namespace {
 
 const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
-
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream in{path};
-  return nlohmann::json::parse(in);
-}
 
 sampling_params greedy(int32_t max_tokens) {
   sampling_params sp;

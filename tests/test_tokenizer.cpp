@@ -15,15 +15,11 @@
 #include <random>
 
 using namespace troupe;
+using troupe::testing::read_json;
 
 namespace {
 
 const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
-
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream in{path};
-  return nlohmann::json::parse(in);
-}
 
 std::string random_utf8(std::mt19937& rng, size_t chars) {
   // Code points from every plane that UTF-8 encodes, surrogates left out.
