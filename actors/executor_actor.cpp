@@ -61,6 +61,8 @@ struct supervisor_state {
   int64_t loop_id = 0;
   /// A loop task that failed; reported by the next execute_model or stop.
   caf::error loop_error;
+  /// The loop `loop_error` came from.
+  int64_t loop_error_id = 0;
   /// Callers of stop_remote_worker_execution_loop waiting for the tasks to end.
   std::vector<caf::response_promise> stop_waiters;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
@@ -260,8 +262,10 @@ void loop_ended(supervisor_self* self, int64_t loop_id, gather_result res) {
   if (err) {
     for (auto rank : peer_ranks(self))
       self->send(st.workers[rank], step_atom::value, stop_loop_atom::value, loop_id);
-    if (st.stop_waiters.empty())
+    if (st.stop_waiters.empty()) {
       st.loop_error = err;
+      st.loop_error_id = loop_id;
+    }
   }
   for (auto& rp : st.stop_waiters) {
     if (err)
@@ -269,6 +273,23 @@ void loop_ended(supervisor_self* self, int64_t loop_id, gather_result res) {
     else
       rp.deliver(caf::unit);
   }
+  st.stop_waiters.clear();
+}
+
+/// A step the driver failed leaves loop `loop_id` suspect: its peers are told to leave it,
+/// and a failure they report for it is the one the caller already got, not news for the
+/// next call.
+void abandon_loop(supervisor_self* self, int64_t loop_id) {
+  auto& st = self->state;
+  if (st.loop_error && st.loop_error_id == loop_id)
+    st.loop_error = caf::error{};
+  if (!st.loop || st.loop_id != loop_id)
+    return;
+  st.loop.reset();
+  for (auto rank : peer_ranks(self))
+    self->send(st.workers[rank], step_atom::value, stop_loop_atom::value, loop_id);
+  for (auto& rp : st.stop_waiters)
+    rp.deliver(caf::unit);
   st.stop_waiters.clear();
 }
 
@@ -517,13 +538,16 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
         return rp;
       }
       start_loop(self);
+      auto loop_id = st.loop_id;
       start_gather(self, "execute_model", {0},
                    caf::make_message(execute_atom::value, std::move(req)), st.cfg.rpc_timeout, 0,
                    [=](gather_result res) mutable {
-                     if (res)
+                     if (res) {
                        rp.deliver(std::move((*res)[0]));
-                     else
+                     } else {
+                       abandon_loop(self, loop_id);
                        rp.deliver(res.error());
+                     }
                    });
       return rp;
     },

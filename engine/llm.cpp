@@ -1,10 +1,12 @@
 #include "troupe/llm.hpp"
 
 #include "engine/scheduler.hpp"
+#include "model/adapters.hpp"
 #include "model/checkpoint.hpp"
 #include "model/tokenizer.hpp"
 #include "troupe/model_worker.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <map>
@@ -68,6 +70,10 @@ llm::llm(llm_config config) : impl_(std::make_unique<impl>()) {
   mw.swap_space_bytes = d.cfg.swap_space_bytes;
   mw.max_num_batched_tokens = static_cast<int32_t>(d.cfg.max_num_batched_tokens);
   mw.max_num_seqs = d.cfg.max_num_seqs;
+  mw.max_loras = d.cfg.max_loras;
+  mw.max_lora_rank = d.cfg.max_lora_rank;
+  mw.max_prompt_adapters = d.cfg.max_prompt_adapters;
+  mw.max_prompt_adapter_token = d.cfg.max_prompt_adapter_token;
   mw.progress = d.cfg.progress;
   d.exec = std::make_unique<troupe::executor>(ec, model_worker_factory(mw));
   d.blocks = d.exec->determine_num_available_blocks();
@@ -115,12 +121,53 @@ std::vector<generation_output> llm::generate(const std::vector<std::string>& pro
   return generate(reqs);
 }
 
+void llm::load_adapters(const std::vector<generation_request>& requests) {
+  auto& exec = *impl_->exec;
+  // One adapter per id: two requests naming the same id with different paths are a mistake.
+  std::map<int64_t, const lora_request*> loras;
+  std::map<int64_t, const prompt_adapter_request*> prompt_adapters;
+  for (auto& req : requests) {
+    if (req.lora) {
+      auto [at, fresh] = loras.emplace(req.lora->lora_int_id, &*req.lora);
+      if (!fresh && at->second->lora_path != req.lora->lora_path)
+        throw error{errc::invalid_argument, "LoRA id " + std::to_string(req.lora->lora_int_id) +
+                                              " names both '" + at->second->lora_path +
+                                              "' and '" + req.lora->lora_path + "'"};
+    }
+    if (req.prompt_adapter) {
+      auto& pa = *req.prompt_adapter;
+      auto [at, fresh] = prompt_adapters.emplace(pa.prompt_adapter_id, &pa);
+      if (!fresh && at->second->prompt_adapter_local_path != pa.prompt_adapter_local_path)
+        throw error{errc::invalid_argument,
+                    "prompt adapter id " + std::to_string(pa.prompt_adapter_id) + " names both '" +
+                      at->second->prompt_adapter_local_path + "' and '" +
+                      pa.prompt_adapter_local_path + "'"};
+    }
+  }
+  // Adapters the workers have not loaded are added; evicted ones come back when a step
+  // names them.
+  if (!loras.empty()) {
+    auto loaded = exec.list_loras();
+    for (auto& [id, req] : loras)
+      if (std::find(loaded.begin(), loaded.end(), id) == loaded.end())
+        exec.add_lora(*req);
+  }
+  if (!prompt_adapters.empty()) {
+    auto loaded = exec.list_prompt_adapters();
+    for (auto& [id, req] : prompt_adapters)
+      if (std::find(loaded.begin(), loaded.end(), id) == loaded.end())
+        exec.add_prompt_adapter(*req);
+  }
+}
+
 std::vector<generation_output> llm::generate(const std::vector<generation_request>& requests) {
   auto& d = *impl_;
   scheduler_config sc;
   sc.max_num_batched_tokens = d.cfg.max_num_batched_tokens;
   sc.max_num_seqs = d.cfg.max_num_seqs;
   sc.max_model_len = d.exec->config().max_model_len;
+  sc.max_loras = d.cfg.max_loras;
+  load_adapters(requests);
   scheduler sched{sc, d.cfg.block_size, d.blocks.num_device_blocks, d.blocks.num_swap_blocks,
                   d.model.eos_token_id};
   std::vector<generation_output> outputs(requests.size());
@@ -137,16 +184,24 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
                     "the model has no tokenizer: give prompt token ids instead of text"};
       out.prompt_token_ids = d.tok->encode(req.prompt);
     }
-    if (static_cast<int64_t>(out.prompt_token_ids.size()) >= sc.max_model_len)
-      throw error{errc::invalid_argument,
-                  "prompt " + std::to_string(i) + " has " +
-                    std::to_string(out.prompt_token_ids.size()) +
-                    " tokens; the model allows " + std::to_string(sc.max_model_len) +
-                    " with the output"};
     engine_request r;
+    if (req.prompt_adapter) {
+      // Placeholders for the adapter's virtual tokens; the workers embed them.
+      auto virtual_tokens =
+        read_prompt_tuning_config(req.prompt_adapter->prompt_adapter_local_path).num_virtual_tokens;
+      r.prompt.assign(static_cast<size_t>(virtual_tokens), 0);
+      r.prompt_adapter_id = req.prompt_adapter->prompt_adapter_id;
+    }
+    r.prompt.insert(r.prompt.end(), out.prompt_token_ids.begin(), out.prompt_token_ids.end());
+    if (static_cast<int64_t>(r.prompt.size()) >= sc.max_model_len)
+      throw error{errc::invalid_argument,
+                  "prompt " + std::to_string(i) + " has " + std::to_string(r.prompt.size()) +
+                    " tokens" + (req.prompt_adapter ? " with its virtual tokens" : "") +
+                    "; the model allows " + std::to_string(sc.max_model_len) +
+                    " with the output"};
     r.request_id = "req-" + std::to_string(i);
     r.seq_id = d.next_seq++;
-    r.prompt = out.prompt_token_ids;
+    r.lora_int_id = req.lora ? req.lora->lora_int_id : 0;
     r.sampling = req.sampling;
     index[r.seq_id] = i;
     sched.add(std::move(r));

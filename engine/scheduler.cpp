@@ -3,6 +3,7 @@
 #include "troupe/errors.hpp"
 
 #include <algorithm>
+#include <set>
 
 namespace troupe {
 
@@ -45,6 +46,7 @@ void scheduler::append_group(const engine_request& r, int64_t chunk, bool is_pro
   g.sampling = r.sampling;
   g.token_chunk_size = static_cast<int32_t>(chunk);
   g.lora_int_id = r.lora_int_id;
+  g.prompt_adapter_id = r.prompt_adapter_id;
   step.seq_group_metadata_list.push_back(std::move(g));
   scheduled_.push_back(r.seq_id);
 }
@@ -118,28 +120,42 @@ execute_model_request scheduler::schedule() {
     budget -= 1;
   }
 
-  // 3. Waiting prompts (recomputed ones first), whole, while everything allows.
-  while (!waiting_.empty() && swapped_.empty()
-         && static_cast<int64_t>(scheduled_.size()) < config_.max_num_seqs) {
-    auto seq = waiting_.front();
+  // 3. Waiting prompts (recomputed ones first), whole, while everything allows. One whose
+  //    LoRA adapter would exceed max_loras is passed over and keeps its place.
+  std::set<int64_t> loras;
+  for (auto& ids : {std::vector<int64_t>(running_.begin(), running_.end()),
+                    std::vector<int64_t>(swapped_.begin(), swapped_.end())})
+    for (auto seq : ids)
+      if (requests_.at(seq).lora_int_id != 0)
+        loras.insert(requests_.at(seq).lora_int_id);
+  for (size_t i = 0; i < waiting_.size() && swapped_.empty()
+                     && static_cast<int64_t>(scheduled_.size()) < config_.max_num_seqs;) {
+    auto seq = waiting_[i];
     auto& r = requests_.at(seq);
     auto tokens = r.length();
     if (tokens > config_.max_model_len || tokens > config_.max_num_batched_tokens
         || blocks_.can_allocate(tokens) == block_manager::allocation::never) {
-      waiting_.pop_front();
+      waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
       r.finished = true;
       r.finish_reason = "abort";
       finished_.push_back(std::move(r));
       requests_.erase(seq);
       continue;
     }
+    if (config_.max_loras > 0 && r.lora_int_id != 0 && loras.count(r.lora_int_id) == 0
+        && static_cast<int64_t>(loras.size()) >= config_.max_loras) {
+      ++i;
+      continue;
+    }
     if (tokens > budget || blocks_.can_allocate(tokens) != block_manager::allocation::ok)
       break;
-    waiting_.pop_front();
+    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
     blocks_.allocate(seq, tokens);
     r.num_computed = 0;
     append_group(r, tokens, true, step);
     running_.push_back(seq);
+    if (r.lora_int_id != 0)
+      loras.insert(r.lora_int_id);
     budget -= tokens;
   }
   return step;

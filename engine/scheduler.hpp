@@ -23,6 +23,9 @@ struct scheduler_config {
   /// How a running sequence gives way when blocks run out: by swapping its blocks out
   /// (when swap space allows) or by dropping them and computing the prompt again.
   bool preempt_by_swap = true;
+  /// Distinct LoRA adapters among the running requests (vLLM's `max_loras`); a waiting
+  /// request with another adapter waits while the limit is reached. 0: no limit.
+  int64_t max_loras = 0;
 };
 
 /// One request as the scheduler tracks it.
@@ -32,6 +35,8 @@ struct engine_request {
   std::vector<int32_t> prompt;
   sampling_params sampling;
   int64_t lora_int_id = 0;
+  /// Prompt adapter of the request; 0 for none. Its placeholder tokens are in `prompt`.
+  int64_t prompt_adapter_id = 0;
   /// Generated so far, with the logprob of each token.
   std::vector<int32_t> output;
   std::vector<float> logprobs;

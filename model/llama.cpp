@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 
 namespace troupe {
 
@@ -95,11 +96,7 @@ int64_t llama_model::num_parameters() const {
 
 void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bool presharded) {
   const auto H = cfg_.hidden_size;
-  const auto D = cfg_.head_dim;
   const auto V = cfg_.vocab_size;
-  const auto QH = cfg_.num_attention_heads * D;
-  const auto KVH = cfg_.num_key_value_heads * D;
-  const auto I = cfg_.intermediate_size;
   // What to read: a whole tensor, this rank's rows (column-parallel layers) or this rank's
   // columns (row-parallel layers).
   enum class part { whole, rows, cols };
@@ -117,26 +114,28 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
   if (!cfg_.tie_word_embeddings)
     jobs.push_back({&lm_head_, "lm_head.weight", {V, H}, part::whole, 0, 0});
   layers_.resize(static_cast<size_t>(cfg_.num_hidden_layers));
-  const auto q0 = head_begin_ * D;
-  const auto kv0 = kv_offset_ * D;
-  const auto i0 = inter_begin_;
   for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
     auto& l = layers_[static_cast<size_t>(i)];
     auto p = "model.layers." + std::to_string(i) + ".";
     jobs.push_back({&l.input_norm, p + "input_layernorm.weight", {H}, part::whole, 0, 0});
     jobs.push_back({&l.post_norm, p + "post_attention_layernorm.weight", {H}, part::whole, 0, 0});
-    jobs.push_back({&l.q, p + "self_attn.q_proj.weight", {QH, H}, part::rows, q0, local_heads_ * D});
-    jobs.push_back({&l.k, p + "self_attn.k_proj.weight", {KVH, H}, part::rows, kv0, local_kv_ * D});
-    jobs.push_back({&l.v, p + "self_attn.v_proj.weight", {KVH, H}, part::rows, kv0, local_kv_ * D});
-    if (cfg_.attention_bias) {
-      jobs.push_back({&l.q_bias, p + "self_attn.q_proj.bias", {QH}, part::rows, q0, local_heads_ * D});
-      jobs.push_back({&l.k_bias, p + "self_attn.k_proj.bias", {KVH}, part::rows, kv0, local_kv_ * D});
-      jobs.push_back({&l.v_bias, p + "self_attn.v_proj.bias", {KVH}, part::rows, kv0, local_kv_ * D});
+    device_buffer* weights[] = {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down};
+    for (size_t n = 0; n < projection_count; ++n) {
+      auto proj = static_cast<projection>(n);
+      auto sh = shard_of(proj);
+      auto parent = proj <= projection::o ? "self_attn." : "mlp.";
+      jobs.push_back({weights[n], p + parent + module_name(proj) + ".weight", {sh.out, sh.in},
+                      sh.by_rows ? part::rows : part::cols, sh.start, sh.count});
     }
-    jobs.push_back({&l.o, p + "self_attn.o_proj.weight", {H, QH}, part::cols, q0, local_heads_ * D});
-    jobs.push_back({&l.gate, p + "mlp.gate_proj.weight", {I, H}, part::rows, i0, local_inter_});
-    jobs.push_back({&l.up, p + "mlp.up_proj.weight", {I, H}, part::rows, i0, local_inter_});
-    jobs.push_back({&l.down, p + "mlp.down_proj.weight", {H, I}, part::cols, i0, local_inter_});
+    if (cfg_.attention_bias) {
+      device_buffer* biases[] = {&l.q_bias, &l.k_bias, &l.v_bias};
+      for (size_t n = 0; n < 3; ++n) {
+        auto proj = static_cast<projection>(n);
+        auto sh = shard_of(proj);
+        jobs.push_back({biases[n], p + "self_attn." + module_name(proj) + ".bias", {sh.out},
+                        part::rows, sh.start, sh.count});
+      }
+    }
   }
   inv_freq_ = base_inv_freq_;
   if (ckpt.contains("rope_freqs.weight")) {
@@ -182,6 +181,103 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
   }
 }
 
+llama_model::shard llama_model::shard_of(projection p) const {
+  const auto H = cfg_.hidden_size;
+  const auto D = cfg_.head_dim;
+  const auto QH = cfg_.num_attention_heads * D;
+  const auto KVH = cfg_.num_key_value_heads * D;
+  const auto I = cfg_.intermediate_size;
+  switch (p) {
+    case projection::q:
+      return {true, head_begin_ * D, local_heads_ * D, QH, H};
+    case projection::k:
+    case projection::v:
+      return {true, kv_offset_ * D, local_kv_ * D, KVH, H};
+    case projection::o:
+      return {false, head_begin_ * D, local_heads_ * D, H, QH};
+    case projection::gate:
+    case projection::up:
+      return {true, inter_begin_, local_inter_, I, H};
+    case projection::down:
+      return {false, inter_begin_, local_inter_, H, I};
+  }
+  throw error{errc::invalid_argument, "unknown projection"};
+}
+
+lora_weights llama_model::load_lora(const std::string& path, int64_t max_rank) const {
+  auto peft = read_peft_lora(path, cfg_.num_hidden_layers);
+  if (peft.rank > max_rank)
+    throw error{errc::invalid_argument, "adapter '" + path + "' has rank " +
+                                          std::to_string(peft.rank) + ", above max_lora_rank " +
+                                          std::to_string(max_rank)};
+  lora_weights out;
+  out.rank = peft.rank;
+  out.layers.resize(peft.layers.size());
+  for (size_t l = 0; l < peft.layers.size(); ++l) {
+    for (size_t n = 0; n < projection_count; ++n) {
+      auto& f = peft.layers[l][n];
+      if (!f.a)
+        continue;
+      auto proj = static_cast<projection>(n);
+      auto sh = shard_of(proj);
+      auto rank = f.a->shape[0];
+      if (f.a->shape[1] != sh.in || f.b->shape[0] != sh.out)
+        throw error{errc::invalid_argument,
+                    "adapter '" + path + "': layer " + std::to_string(l) + " " +
+                      module_name(proj) + " factors are " + shape_text(f.b->shape) + " x " +
+                      shape_text(f.a->shape) + ", the model's weight is " +
+                      shape_text({sh.out, sh.in})};
+      auto& dst = out.layers[l][n];
+      dst.rank = rank;
+      auto a_cols = sh.by_rows ? sh.in : sh.count;
+      auto b_rows = sh.by_rows ? sh.count : sh.out;
+      dst.a = device_buffer(dev_, static_cast<size_t>(rank * a_cols) * sizeof(float),
+                            memory_tag::weights);
+      dst.b = device_buffer(dev_, static_cast<size_t>(b_rows * rank) * sizeof(float),
+                            memory_tag::weights);
+      if (sh.by_rows) {
+        read_rows(*f.a, 0, rank, dst.a.as<float>());
+        read_rows(*f.b, sh.start, sh.count, dst.b.as<float>());
+      } else {
+        read_cols(*f.a, sh.start, sh.count, dst.a.as<float>());
+        read_rows(*f.b, 0, sh.out, dst.b.as<float>());
+      }
+      auto b = dst.b.as<float>();
+      for (int64_t i = 0; i < b_rows * rank; ++i)
+        b[i] *= f.scaling;
+    }
+  }
+  return out;
+}
+
+prompt_embeddings llama_model::load_prompt_adapter(const std::string& path,
+                                                   int64_t max_tokens) const {
+  auto config = read_prompt_tuning_config(path);
+  auto bad = [&](const std::string& what) {
+    throw error{errc::invalid_argument, "adapter '" + path + "': " + what};
+  };
+  if (config.token_dim != cfg_.hidden_size)
+    bad("token_dim is " + std::to_string(config.token_dim) + ", the model's hidden size " +
+        std::to_string(cfg_.hidden_size));
+  if (max_tokens > 0 && config.num_virtual_tokens > max_tokens)
+    bad(std::to_string(config.num_virtual_tokens) +
+        " virtual tokens, above max_prompt_adapter_token " + std::to_string(max_tokens));
+  safetensors_file file{(std::filesystem::path{path} / "adapter_model.safetensors").string()};
+  if (!file.contains("prompt_embeddings"))
+    bad("adapter_model.safetensors has no prompt_embeddings");
+  auto& t = file.at("prompt_embeddings");
+  std::vector<int64_t> expected{config.num_virtual_tokens, cfg_.hidden_size};
+  if (t.shape != expected)
+    bad("prompt_embeddings has shape " + shape_text(t.shape) + ", the config says " +
+        shape_text(expected));
+  prompt_embeddings out;
+  out.num_virtual_tokens = config.num_virtual_tokens;
+  out.table = device_buffer(dev_, static_cast<size_t>(t.numel()) * sizeof(float),
+                            memory_tag::weights);
+  read_rows(t, 0, t.shape[0], out.table.as<float>());
+  return out;
+}
+
 std::vector<llama_model::local_tensor> llama_model::tensors() const {
   const auto H = cfg_.hidden_size;
   const auto D = cfg_.head_dim;
@@ -220,7 +316,8 @@ void llama_model::rope_tables(int32_t position, float* cos, float* sin) const {
 }
 
 std::vector<float> llama_model::forward(const execute_model_request& req, kv_cache& cache,
-                                        std::vector<sample_row>& rows) {
+                                        std::vector<sample_row>& rows,
+                                        const step_adapters& adapters) {
   const auto H = cfg_.hidden_size;
   const auto D = cfg_.head_dim;
   const auto V = cfg_.vocab_size;
@@ -234,7 +331,13 @@ std::vector<float> llama_model::forward(const execute_model_request& req, kv_cac
     int32_t id;
     int32_t position;
     const std::vector<int32_t>* block_table;
+    size_t group;
   };
+  const auto groups = req.seq_group_metadata_list.size();
+  if ((!adapters.lora.empty() && adapters.lora.size() != groups)
+      || (!adapters.prompt.empty() && adapters.prompt.size() != groups))
+    bad_request("adapters given for " + std::to_string(adapters.lora.size()) + " and " +
+                std::to_string(adapters.prompt.size()) + " groups of " + std::to_string(groups));
   std::vector<token> tokens;
   std::vector<int64_t> sample_token_rows;
   rows.clear();
@@ -266,7 +369,7 @@ std::vector<float> llama_model::forward(const execute_model_request& req, kv_cac
         if (id < 0 || id >= V)
           bad_request("request '" + group.request_id + "': token " + std::to_string(id) +
                       " is outside the vocabulary of " + std::to_string(V));
-        tokens.push_back({id, static_cast<int32_t>(p), &seq.block_table});
+        tokens.push_back({id, static_cast<int32_t>(p), &seq.block_table, g});
       }
       if (group.do_sample) {
         sample_token_rows.push_back(static_cast<int64_t>(tokens.size()) - 1);
@@ -276,8 +379,49 @@ std::vector<float> llama_model::forward(const execute_model_request& req, kv_cac
   }
   const auto T = static_cast<int64_t>(tokens.size());
   std::vector<float> x(static_cast<size_t>(T * H));
-  for (int64_t t = 0; t < T; ++t)
-    std::memcpy(&x[t * H], embed_.as<float>() + tokens[t].id * H, H * sizeof(float));
+  for (int64_t t = 0; t < T; ++t) {
+    // A prompt adapter's virtual tokens take the first positions of the prompt.
+    auto* virtual_tokens = adapters.prompt.empty() ? nullptr : adapters.prompt[tokens[t].group];
+    auto row = virtual_tokens && tokens[t].position < virtual_tokens->num_virtual_tokens
+                 ? virtual_tokens->table.as<float>() + tokens[t].position * H
+                 : embed_.as<float>() + tokens[t].id * H;
+    std::memcpy(&x[t * H], row, H * sizeof(float));
+  }
+
+  // Runs of consecutive tokens computed with the same LoRA adapter.
+  struct lora_run {
+    int64_t begin;
+    int64_t count;
+    const lora_weights* weights;
+  };
+  std::vector<lora_run> lora_runs;
+  if (!adapters.lora.empty()) {
+    for (int64_t t = 0; t < T; ++t) {
+      auto* w = adapters.lora[tokens[t].group];
+      if (w == nullptr)
+        continue;
+      if (!lora_runs.empty() && lora_runs.back().weights == w
+          && lora_runs.back().begin + lora_runs.back().count == t)
+        ++lora_runs.back().count;
+      else
+        lora_runs.push_back({t, 1, w});
+    }
+  }
+  std::vector<float> lora_mid;
+  // y[T×out] += B·(A·x[T×in]) for the tokens of each run whose adapter adapts `proj`.
+  auto apply_lora = [&](size_t layer, projection proj, const float* in, int64_t in_width,
+                        float* out, int64_t out_width) {
+    for (auto& run : lora_runs) {
+      auto& f = run.weights->layers[layer][static_cast<size_t>(proj)];
+      if (f.rank == 0)
+        continue;
+      lora_mid.resize(static_cast<size_t>(run.count * f.rank));
+      cpu::gemm_nt(in + run.begin * in_width, f.a.as<float>(), lora_mid.data(), run.count,
+                   f.rank, in_width);
+      cpu::gemm_nt(lora_mid.data(), f.b.as<float>(), out + run.begin * out_width, run.count,
+                   out_width, f.rank, true);
+    }
+  };
 
   std::vector<float> h(x.size());
   std::vector<float> q(static_cast<size_t>(T * q_width));
@@ -303,6 +447,9 @@ std::vector<float> llama_model::forward(const execute_model_request& req, kv_cac
     cpu::gemm_nt(h.data(), l.q.as<float>(), q.data(), T, q_width, H);
     cpu::gemm_nt(h.data(), l.k.as<float>(), k.data(), T, kv_width, H);
     cpu::gemm_nt(h.data(), l.v.as<float>(), v.data(), T, kv_width, H);
+    apply_lora(li, projection::q, h.data(), H, q.data(), q_width);
+    apply_lora(li, projection::k, h.data(), H, k.data(), kv_width);
+    apply_lora(li, projection::v, h.data(), H, v.data(), kv_width);
     if (cfg_.attention_bias) {
       cpu::add_bias(q.data(), l.q_bias.as<float>(), T, q_width);
       cpu::add_bias(k.data(), l.k_bias.as<float>(), T, kv_width);
@@ -337,14 +484,18 @@ std::vector<float> llama_model::forward(const execute_model_request& req, kv_cac
       }
     }
     cpu::gemm_nt(attn.data(), l.o.as<float>(), h.data(), T, H, q_width);
+    apply_lora(li, projection::o, attn.data(), q_width, h.data(), H);
     reduce(h);
     for (size_t i = 0; i < x.size(); ++i)
       x[i] += h[i];
     cpu::rms_norm(x.data(), l.post_norm.as<float>(), h.data(), T, H, eps);
     cpu::gemm_nt(h.data(), l.gate.as<float>(), gate.data(), T, local_inter_, H);
     cpu::gemm_nt(h.data(), l.up.as<float>(), up.data(), T, local_inter_, H);
+    apply_lora(li, projection::gate, h.data(), H, gate.data(), local_inter_);
+    apply_lora(li, projection::up, h.data(), H, up.data(), local_inter_);
     cpu::silu_mul(gate.data(), up.data(), gate.data(), T * local_inter_);
     cpu::gemm_nt(gate.data(), l.down.as<float>(), h.data(), T, H, local_inter_);
+    apply_lora(li, projection::down, gate.data(), local_inter_, h.data(), H);
     reduce(h);
     for (size_t i = 0; i < x.size(); ++i)
       x[i] += h[i];

@@ -1,5 +1,6 @@
 #pragma once
 
+#include "model/adapters.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config.hpp"
 #include "model/kv_cache.hpp"
@@ -17,6 +18,35 @@ namespace troupe {
 struct sample_row {
   size_t group = 0;
   size_t seq = 0;
+};
+
+/// A LoRA adapter as one rank applies it: per layer and projection, y += B·(A·x) with the
+/// scaling folded into B. Column-parallel projections (q/k/v/gate/up) hold all of A and
+/// this rank's rows of B; row-parallel ones (o/down) hold this rank's columns of A and all
+/// of B, so each rank adds a partial product that the layer's all-reduce sums like the rest.
+/// Lives under `memory_tag::weights`.
+struct lora_weights {
+  struct factors {
+    device_buffer a;
+    device_buffer b;
+    int64_t rank = 0; // 0: the projection is not adapted
+  };
+  std::vector<std::array<factors, projection_count>> layers;
+  int64_t rank = 0;
+};
+
+/// A prompt-tuning adapter: the embeddings of its virtual tokens, which replace those of
+/// the first `num_virtual_tokens` positions of a prompt. Lives under `memory_tag::weights`.
+struct prompt_embeddings {
+  int64_t num_virtual_tokens = 0;
+  device_buffer table; // [num_virtual_tokens, hidden_size]
+};
+
+/// The adapters of one step, per sequence group of the request (null: none). Empty
+/// vectors mean no group uses any.
+struct step_adapters {
+  std::vector<const lora_weights*> lora;
+  std::vector<const prompt_embeddings*> prompt;
 };
 
 /// Reports weight loading: tensors done and in all.
@@ -62,7 +92,17 @@ public:
   /// `invalid_argument` for a malformed request (token out of vocabulary, block table too
   /// short, chunk past the tokens).
   std::vector<float> forward(const execute_model_request& req, kv_cache& cache,
-                             std::vector<sample_row>& rows);
+                             std::vector<sample_row>& rows, const step_adapters& adapters = {});
+
+  /// This rank's part of the PEFT LoRA adapter in directory `path`. Throws
+  /// `invalid_argument` naming the adapter for a rank above `max_rank`, a factor whose shape
+  /// does not fit the model, or anything `read_peft_lora` refuses.
+  lora_weights load_lora(const std::string& path, int64_t max_rank) const;
+
+  /// The PEFT prompt-tuning adapter in directory `path`. Throws `invalid_argument` naming
+  /// the adapter when its token_dim is not the model's hidden size, it has more than
+  /// `max_tokens` virtual tokens (0: no limit), or its embeddings are missing.
+  prompt_embeddings load_prompt_adapter(const std::string& path, int64_t max_tokens) const;
 
   /// A weight of this rank, under its Hugging Face name.
   struct local_tensor {
@@ -80,6 +120,17 @@ private:
   };
 
   void rope_tables(int32_t position, float* cos, float* sin) const;
+
+  /// How a projection's weight [out, in] is split: this rank's rows (column-parallel) or
+  /// columns (row-parallel) [start, start + count).
+  struct shard {
+    bool by_rows;
+    int64_t start;
+    int64_t count;
+    int64_t out;
+    int64_t in;
+  };
+  shard shard_of(projection p) const;
 
   model_config cfg_;
   device& dev_;

@@ -2,6 +2,7 @@
 
 #include "kernels/cpu/gloo_communicator.hpp"
 #include "kernels/cpu/ops.hpp"
+#include "model/adapter_slots.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config.hpp"
 #include "model/kv_cache.hpp"
@@ -14,13 +15,47 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 #include <thread>
 
 namespace troupe {
 
+namespace {
+
+std::function<lora_weights(const lora_request&)> lora_loader(const llama_model& model,
+                                                             int64_t max_rank) {
+  return [&model, max_rank](const lora_request& r) {
+    return model.load_lora(r.lora_path, max_rank);
+  };
+}
+
+std::function<prompt_embeddings(const prompt_adapter_request&)>
+prompt_adapter_loader(const llama_model& model, int64_t max_tokens) {
+  return [&model, max_tokens](const prompt_adapter_request& r) {
+    auto loaded = model.load_prompt_adapter(r.prompt_adapter_local_path, max_tokens);
+    if (r.prompt_adapter_num_virtual_tokens != 0
+        && r.prompt_adapter_num_virtual_tokens != loaded.num_virtual_tokens)
+      throw error{errc::invalid_argument,
+                  "prompt adapter '" + r.prompt_adapter_local_path + "' has " +
+                    std::to_string(loaded.num_virtual_tokens) +
+                    " virtual tokens, the request says " +
+                    std::to_string(r.prompt_adapter_num_virtual_tokens)};
+    return loaded;
+  };
+}
+
+} // namespace
+
 struct model_worker::state {
+  explicit state(const model_worker_options& o)
+    : loras("LoRA", static_cast<size_t>(std::max(0, o.max_loras))),
+      prompt_adapters("prompt adapter", static_cast<size_t>(std::max(0, o.max_prompt_adapters))) {
+  }
+
   model_config config;
   std::unique_ptr<llama_model> model;
+  adapter_slots<lora_request, lora_weights> loras;
+  adapter_slots<prompt_adapter_request, prompt_embeddings> prompt_adapters;
   std::unique_ptr<kv_cache> cache;
   std::mt19937_64 rng{std::random_device{}()};
   std::unique_ptr<gloo_communicator> comm;
@@ -28,7 +63,12 @@ struct model_worker::state {
 };
 
 model_worker::model_worker(model_worker_options options)
-  : options_(std::move(options)), state_(std::make_unique<state>()) {
+  : options_(std::move(options)), state_(std::make_unique<state>(options_)) {
+  if (options_.max_loras < 1 || options_.max_lora_rank < 1 || options_.max_prompt_adapters < 1
+      || options_.max_prompt_adapter_token < 0)
+    throw error{errc::invalid_argument,
+                "model_worker: max_loras, max_lora_rank and max_prompt_adapters must be at "
+                "least 1, max_prompt_adapter_token not negative"};
   register_method("reload_weights", [](worker& w, const caf::message&, const caf::settings&) {
     static_cast<model_worker&>(w).reload_weights();
     return caf::message{};
@@ -85,10 +125,60 @@ void model_worker::require_awake(const char* what) {
 
 void model_worker::reload_weights() {
   auto& st = *state_;
-  if (!st.model)
-    throw error{errc::unsupported, "reload_weights: no model is loaded"};
+  require_model("reload_weights");
   require_awake("reload_weights");
   st.model->load(open_checkpoint(), {}, st.presharded);
+  st.loras.reload(lora_loader(*st.model, options_.max_lora_rank));
+  st.prompt_adapters.reload(
+    prompt_adapter_loader(*st.model, options_.max_prompt_adapter_token));
+}
+
+void model_worker::require_model(const char* what) const {
+  if (!state_->model)
+    throw error{errc::unsupported, std::string{what} + ": no model is loaded"};
+}
+
+bool model_worker::add_lora(const lora_request& request) {
+  require_model("add_lora");
+  require_awake("add_lora");
+  state_->loras.add(request.lora_int_id, request,
+                    lora_loader(*state_->model, options_.max_lora_rank));
+  return true;
+}
+
+bool model_worker::remove_lora(int64_t lora_id) {
+  return state_->loras.remove(lora_id);
+}
+
+bool model_worker::pin_lora(int64_t lora_id) {
+  state_->loras.pin(lora_id);
+  return true;
+}
+
+std::vector<int64_t> model_worker::list_loras() {
+  return state_->loras.list();
+}
+
+bool model_worker::add_prompt_adapter(const prompt_adapter_request& request) {
+  require_model("add_prompt_adapter");
+  require_awake("add_prompt_adapter");
+  state_->prompt_adapters.add(
+    request.prompt_adapter_id, request,
+    prompt_adapter_loader(*state_->model, options_.max_prompt_adapter_token));
+  return true;
+}
+
+bool model_worker::remove_prompt_adapter(int64_t adapter_id) {
+  return state_->prompt_adapters.remove(adapter_id);
+}
+
+bool model_worker::pin_prompt_adapter(int64_t adapter_id) {
+  state_->prompt_adapters.pin(adapter_id);
+  return true;
+}
+
+std::vector<int64_t> model_worker::list_prompt_adapters() {
+  return state_->prompt_adapters.list();
 }
 
 checkpoint model_worker::open_checkpoint() const {
@@ -182,8 +272,7 @@ int64_t model_worker::profile_step_bytes() {
 
 cache_blocks model_worker::determine_num_available_blocks() {
   auto& st = *state_;
-  if (!st.model)
-    throw error{errc::unsupported, "determine_num_available_blocks: no model is loaded"};
+  require_model("determine_num_available_blocks");
   require_awake("determine_num_available_blocks");
   auto block_bytes = kv_cache::bytes_per_block(st.config.num_hidden_layers,
                                                st.model->local_kv_heads(), st.config.head_dim,
@@ -208,8 +297,7 @@ cache_blocks model_worker::determine_num_available_blocks() {
 
 void model_worker::initialize_cache(const cache_blocks& blocks) {
   auto& st = *state_;
-  if (!st.model)
-    throw error{errc::unsupported, "initialize_cache: no model is loaded"};
+  require_model("initialize_cache");
   kv_cache::validate(st.config.num_hidden_layers, st.model->local_kv_heads(), st.config.head_dim,
                      context().block_size, blocks.num_device_blocks, blocks.num_swap_blocks);
   st.cache.reset(); // the old cache goes first: both at once may not fit
@@ -228,8 +316,27 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
   st.cache->copy(request.blocks_to_copy);
   if (request.seq_group_metadata_list.empty())
     return {};
+  // The adapters of the step's groups, loading evicted ones that the step names again.
+  std::set<int64_t> lora_ids;
+  std::set<int64_t> prompt_ids;
+  for (auto& g : request.seq_group_metadata_list) {
+    lora_ids.insert(g.lora_int_id);
+    prompt_ids.insert(g.prompt_adapter_id);
+  }
+  step_adapters adapters;
+  if (lora_ids != std::set<int64_t>{0}) {
+    auto loras = st.loras.use(lora_ids, lora_loader(*st.model, options_.max_lora_rank));
+    for (auto& g : request.seq_group_metadata_list)
+      adapters.lora.push_back(loras.at(g.lora_int_id));
+  }
+  if (prompt_ids != std::set<int64_t>{0}) {
+    auto prompts = st.prompt_adapters.use(
+      prompt_ids, prompt_adapter_loader(*st.model, options_.max_prompt_adapter_token));
+    for (auto& g : request.seq_group_metadata_list)
+      adapters.prompt.push_back(prompts.at(g.prompt_adapter_id));
+  }
   std::vector<sample_row> rows;
-  auto logits = st.model->forward(request, *st.cache, rows);
+  auto logits = st.model->forward(request, *st.cache, rows, adapters);
   if (rank() != 0)
     return {}; // only the driver's output is used
   sampler_output out;
@@ -252,8 +359,7 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
 
 void model_worker::save_sharded_state(const sharded_state_request& request) {
   auto& st = *state_;
-  if (!st.model)
-    throw error{errc::unsupported, "save_sharded_state: no model is loaded"};
+  require_model("save_sharded_state");
   require_awake("save_sharded_state");
   namespace fs = std::filesystem;
   if (!fs::is_directory(request.path))

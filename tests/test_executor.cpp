@@ -158,9 +158,9 @@ TEST_CASE("the execution loop: first step starts it steps reach every rank throu
 TEST_CASE("a peer that fails inside the loop is reported by the next step naming its rank") {
   executor exec{config(2), test_factory()};
   exec.execute_model(one_step(1));
-  exec.collective_rpc("fail_next_step", {caf::message{}, {}, {}, {}});
-  // Both ranks fail this step: the driver's error comes back at once.
-  CHECK(code_of([&] { exec.execute_model(one_step(2)); }) == errc::worker_error);
+  exec.collective_rpc("fail_next_step_on", {caf::make_message(int32_t{1}), {}, {}, {}});
+  // Only the peer fails this step: the driver's answer is fine.
+  exec.execute_model(one_step(2));
   // The peer got that step before anything sent later, and reported its loop's end before
   // answering this call: after it, the supervisor knows.
   exec.collective_rpc("rank");
@@ -170,6 +170,19 @@ TEST_CASE("a peer that fails inside the loop is reported by the next step naming
   // After that the loop starts afresh.
   exec.execute_model(one_step(4));
   exec.stop_remote_worker_execution_loop();
+}
+
+TEST_CASE("a step that fails on every rank is reported once and the next one runs") {
+  executor exec{config(2), test_factory()};
+  exec.execute_model(one_step(1));
+  exec.collective_rpc("fail_next_step", {caf::message{}, {}, {}, {}});
+  // Both ranks fail this step: the driver's error comes back at once.
+  CHECK(code_of([&] { exec.execute_model(one_step(2)); }) == errc::worker_error);
+  exec.collective_rpc("rank");
+  // The peer's failure of that step is the same news: the next step runs, in a new loop.
+  exec.execute_model(one_step(3));
+  exec.stop_remote_worker_execution_loop();
+  CHECK(steps_per_rank(exec) == std::vector<int64_t>{2, 2});
 }
 
 TEST_CASE("single-worker executors run steps without a loop") {

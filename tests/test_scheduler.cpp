@@ -137,3 +137,40 @@ TEST_CASE("stop tokens, end of sequence and impossible prompts finish requests")
   engine_request empty;
   CHECK_THROWS_AS(sched.add(empty), error);
 }
+
+TEST_CASE("a step holds at most max_loras distinct adapters and passed-over requests keep their turn") {
+  scheduler_config cfg;
+  cfg.max_loras = 2;
+  scheduler sched{cfg, block_size, 64, 0, 2};
+  auto reqs = requests(5);
+  int64_t adapter_of[] = {1, 2, 3, 0, 1}; // request 2 must wait for a slot; 3 and 4 need none
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    reqs[i].lora_int_id = adapter_of[i];
+    reqs[i].sampling.max_tokens = i == 0 ? 1 : 3;
+    sched.add(reqs[i]);
+  }
+  auto adapters_of = [](const execute_model_request& step) {
+    std::vector<std::string> ids;
+    for (auto& g : step.seq_group_metadata_list)
+      ids.push_back(g.request_id + ":" + std::to_string(g.lora_int_id));
+    return ids;
+  };
+  auto sample_all = [&](const execute_model_request& step) {
+    sampler_output out;
+    for (auto& g : step.seq_group_metadata_list) {
+      sequence_output sample;
+      sample.output_token = 7;
+      out.outputs.push_back({g.request_id, {sample}});
+    }
+    sched.update(out);
+  };
+  auto first = sched.schedule();
+  CHECK(adapters_of(first) == std::vector<std::string>{"req-0:1", "req-1:2", "req-3:0", "req-4:1"});
+  sample_all(first); // req-0 is done: adapter 1 is still used by req-4
+  auto second = sched.schedule();
+  CHECK(adapters_of(second) == std::vector<std::string>{"req-1:2", "req-3:0", "req-4:1"});
+  sample_all(second);
+  sample_all(sched.schedule()); // req-1 and req-4 finish; adapter 3 gets a slot
+  auto fourth = sched.schedule();
+  CHECK(adapters_of(fourth) == std::vector<std::string>{"req-2:3"});
+}

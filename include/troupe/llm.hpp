@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,14 @@ struct llm_config {
   int32_t max_model_len = 0;
   int64_t max_num_batched_tokens = 2048;
   int32_t max_num_seqs = 64;
+  /// LoRA adapters loaded at once, and so used in one step (vLLM's `max_loras`).
+  int32_t max_loras = 1;
+  /// The highest LoRA rank accepted.
+  int32_t max_lora_rank = 16;
+  /// Prompt adapters loaded at once.
+  int32_t max_prompt_adapters = 1;
+  /// The most virtual tokens of a prompt adapter; 0 for no limit.
+  int32_t max_prompt_adapter_token = 0;
   /// Weight loading progress (tensors done, in all).
   std::function<void(size_t, size_t)> progress;
 };
@@ -42,6 +51,11 @@ struct generation_request {
   sampling_params sampling;
   /// Generation stops when the text ends with one of these; it is cut off the output.
   std::vector<std::string> stop;
+  /// A PEFT LoRA adapter to compute this request with (vLLM's `lora_request`); loaded on
+  /// the workers when it is not.
+  std::optional<lora_request> lora;
+  /// A PEFT prompt-tuning adapter whose virtual tokens go before the prompt.
+  std::optional<prompt_adapter_request> prompt_adapter;
 };
 
 /// What a request produced.
@@ -88,6 +102,9 @@ public:
   troupe::executor& executor();
 
 private:
+  /// Adds the adapters `requests` name that the workers have not loaded.
+  void load_adapters(const std::vector<generation_request>& requests);
+
   struct impl;
   std::unique_ptr<impl> impl_;
 };

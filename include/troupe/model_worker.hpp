@@ -35,6 +35,15 @@ struct model_worker_options {
   int32_t max_num_seqs = 64;
   /// Bytes of host memory for swapped-out KV blocks (vLLM's `swap_space`).
   int64_t swap_space_bytes = 0;
+  /// LoRA adapters held loaded at once (vLLM's `max_loras`); a step uses at most this many
+  /// distinct ones. Adding one more evicts the least recently used unpinned adapter.
+  int32_t max_loras = 1;
+  /// The highest LoRA rank accepted (vLLM's `max_lora_rank`).
+  int32_t max_lora_rank = 16;
+  /// Prompt adapters held loaded at once (vLLM's `max_prompt_adapters`).
+  int32_t max_prompt_adapters = 1;
+  /// The most virtual tokens a prompt adapter may have; 0 for no limit.
+  int32_t max_prompt_adapter_token = 0;
   /// Weight loading progress of rank 0: tensors done and in all.
   std::function<void(size_t done, size_t total)> progress;
 };
@@ -42,7 +51,15 @@ struct model_worker_options {
 /// Runs the model of `options.model_path`, this rank's shard of it.
 ///
 /// Beyond the built-in methods it registers `reload_weights` (reads the checkpoint again
-/// into the same memory, the step after a level-2 sleep). Errors (a missing or broken file,
+/// into the same memory, the step after a level-2 sleep).
+///
+/// LoRA adapters (PEFT directories: `adapter_config.json` + `adapter_model.safetensors`,
+/// any of q/k/v/o/gate/up/down_proj) and prompt-tuning adapters live in `max_loras` and
+/// `max_prompt_adapters` slots under the `weights` tag (they sleep with the weights); the
+/// groups of a step are computed with the adapters their `lora_int_id` and
+/// `prompt_adapter_id` name, several different ones in one step. The engine puts
+/// `num_virtual_tokens` placeholder tokens before a prompt whose adapter is a prompt
+/// adapter; their embeddings are the adapter's. Errors (a missing or broken file,
 /// a malformed request) are `troupe::error`s naming the file, tensor or request.
 class model_worker : public worker {
 public:
@@ -58,13 +75,25 @@ public:
   void initialize_cache(const cache_blocks& blocks) override;
   std::vector<sampler_output> execute_model(const execute_model_request& request) override;
   void save_sharded_state(const sharded_state_request& request) override;
+  bool add_lora(const lora_request& request) override;
+  bool remove_lora(int64_t lora_id) override;
+  bool pin_lora(int64_t lora_id) override;
+  std::vector<int64_t> list_loras() override;
+  bool add_prompt_adapter(const prompt_adapter_request& request) override;
+  bool remove_prompt_adapter(int64_t adapter_id) override;
+  bool pin_prompt_adapter(int64_t adapter_id) override;
+  std::vector<int64_t> list_prompt_adapters() override;
 
-  /// Reads the weights again from the checkpoint, into the memory they occupy.
+  /// Reads the weights again from the checkpoint, into the memory they occupy, and the
+  /// loaded adapters from their directories.
   void reload_weights();
 
 private:
   /// Throws `errc::sleeping` naming `what` while any memory tag sleeps.
   void require_awake(const char* what);
+
+  /// Throws `errc::unsupported` naming `what` before a model is loaded.
+  void require_model(const char* what) const;
 
   /// Runs a step at the largest batch on scratch memory; returns its peak memory in bytes.
   int64_t profile_step_bytes();

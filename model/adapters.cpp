@@ -1,0 +1,185 @@
+#include "model/adapters.hpp"
+
+#include "troupe/errors.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+namespace troupe {
+
+namespace {
+
+using json = nlohmann::json;
+
+[[noreturn]] void bad_adapter(const std::string& path, const std::string& what) {
+  throw error{errc::invalid_argument, "adapter '" + path + "': " + what};
+}
+
+json read_adapter_config(const std::string& path) {
+  auto file = (std::filesystem::path{path} / "adapter_config.json").string();
+  std::ifstream in{file};
+  if (!in)
+    bad_adapter(path, "no adapter_config.json");
+  auto config = json::parse(in, nullptr, false);
+  if (config.is_discarded() || !config.is_object())
+    bad_adapter(path, "adapter_config.json is not a JSON object");
+  return config;
+}
+
+std::string peft_type(const json& config) {
+  auto i = config.find("peft_type");
+  return i != config.end() && i->is_string() ? i->get<std::string>() : std::string{};
+}
+
+bool is_set(const json& config, const char* key) {
+  auto i = config.find(key);
+  if (i == config.end() || i->is_null())
+    return false;
+  if (i->is_boolean())
+    return i->get<bool>();
+  if (i->is_object() || i->is_array() || i->is_string())
+    return !i->empty() && !(i->is_string() && i->get<std::string>().empty());
+  return true;
+}
+
+/// "model.layers.3.self_attn.q_proj.lora_A.weight" (after PEFT's "base_model.model."):
+/// layer 3, q, A.
+bool parse_factor_name(std::string name, int64_t& layer, projection& proj, bool& is_a) {
+  const std::string peft_prefix = "base_model.model.";
+  if (name.rfind(peft_prefix, 0) == 0)
+    name = name.substr(peft_prefix.size());
+  const std::string layers_prefix = "model.layers.";
+  if (name.rfind(layers_prefix, 0) != 0)
+    return false;
+  auto rest = name.substr(layers_prefix.size());
+  auto dot = rest.find('.');
+  if (dot == 0 || dot == std::string::npos
+      || rest.substr(0, dot).find_first_not_of("0123456789") != std::string::npos
+      || dot > 9)
+    return false;
+  layer = std::stoll(rest.substr(0, dot));
+  rest = rest.substr(dot + 1);
+  for (size_t p = 0; p < projection_count; ++p) {
+    auto module = std::string{module_name(static_cast<projection>(p))};
+    auto parent = p <= static_cast<size_t>(projection::o) ? "self_attn." : "mlp.";
+    for (auto [suffix, a] : {std::pair<const char*, bool>{".lora_A.weight", true},
+                             {".lora_B.weight", false}}) {
+      if (rest == parent + module + suffix) {
+        proj = static_cast<projection>(p);
+        is_a = a;
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+} // namespace
+
+const char* module_name(projection p) {
+  switch (p) {
+    case projection::q:
+      return "q_proj";
+    case projection::k:
+      return "k_proj";
+    case projection::v:
+      return "v_proj";
+    case projection::o:
+      return "o_proj";
+    case projection::gate:
+      return "gate_proj";
+    case projection::up:
+      return "up_proj";
+    case projection::down:
+      return "down_proj";
+  }
+  return "?";
+}
+
+peft_lora read_peft_lora(const std::string& path, int64_t num_layers) {
+  auto config = read_adapter_config(path);
+  if (peft_type(config) != "LORA")
+    bad_adapter(path, "peft_type is '" + peft_type(config) + "', not LORA");
+  auto alpha_it = config.find("lora_alpha");
+  if (alpha_it == config.end() || !alpha_it->is_number() || alpha_it->get<double>() <= 0)
+    bad_adapter(path, "lora_alpha must be a positive number");
+  auto alpha = alpha_it->get<double>();
+  // Features that change the computation beyond y += scaling · B·A·x are refused, never
+  // silently dropped.
+  for (auto key : {"use_dora", "lora_bias", "fan_in_fan_out", "modules_to_save", "alpha_pattern",
+                   "layer_replication", "trainable_token_indices"})
+    if (is_set(config, key))
+      bad_adapter(path, std::string{key} + " is set; troupe applies plain LoRA only");
+  if (config.contains("bias") && config["bias"] != "none")
+    bad_adapter(path, "bias is " + config["bias"].dump() + "; troupe applies LoRA without biases");
+  bool rslora = is_set(config, "use_rslora");
+
+  peft_lora out;
+  out.path = path;
+  auto file = (std::filesystem::path{path} / "adapter_model.safetensors").string();
+  if (!std::filesystem::exists(file))
+    bad_adapter(path, "no adapter_model.safetensors");
+  out.file = std::make_unique<safetensors_file>(file);
+  out.layers.resize(static_cast<size_t>(num_layers));
+  for (auto& t : out.file->tensors()) {
+    int64_t layer = 0;
+    projection proj{};
+    bool is_a = false;
+    if (!parse_factor_name(t.name, layer, proj, is_a))
+      bad_adapter(path, "tensor '" + t.name +
+                          "' is not a LoRA factor of q/k/v/o/gate/up/down_proj of a layer");
+    if (layer >= num_layers)
+      bad_adapter(path, "tensor '" + t.name + "' names layer " + std::to_string(layer) +
+                          "; the model has " + std::to_string(num_layers));
+    if (t.shape.size() != 2 || t.shape[0] <= 0 || t.shape[1] <= 0)
+      bad_adapter(path, "tensor '" + t.name + "' is not a non-empty matrix");
+    auto& f = out.layers[static_cast<size_t>(layer)][static_cast<size_t>(proj)];
+    (is_a ? f.a : f.b) = &t;
+  }
+  for (size_t l = 0; l < out.layers.size(); ++l) {
+    for (size_t p = 0; p < projection_count; ++p) {
+      auto& f = out.layers[l][p];
+      if (!f.a && !f.b)
+        continue;
+      auto where = "layer " + std::to_string(l) + " " + module_name(static_cast<projection>(p));
+      if (!f.a || !f.b)
+        bad_adapter(path, where + " has only its lora_" + (f.a ? "A" : "B") + " factor");
+      auto rank = f.a->shape[0];
+      if (f.b->shape[1] != rank)
+        bad_adapter(path, where + ": lora_A has rank " + std::to_string(rank) + ", lora_B " +
+                            std::to_string(f.b->shape[1]));
+      f.scaling = static_cast<float>(alpha / (rslora ? std::sqrt(static_cast<double>(rank))
+                                                     : static_cast<double>(rank)));
+      out.rank = std::max(out.rank, rank);
+    }
+  }
+  if (out.rank == 0)
+    bad_adapter(path, "adapter_model.safetensors holds no LoRA factors");
+  return out;
+}
+
+peft_prompt_tuning read_prompt_tuning_config(const std::string& path) {
+  auto config = read_adapter_config(path);
+  if (peft_type(config) != "PROMPT_TUNING")
+    bad_adapter(path, "peft_type is '" + peft_type(config) + "', not PROMPT_TUNING");
+  if (config.contains("task_type") && config["task_type"] != "CAUSAL_LM")
+    bad_adapter(path, "task_type is " + config["task_type"].dump() + ", not CAUSAL_LM");
+  auto positive = [&](const char* key) {
+    auto i = config.find(key);
+    if (i == config.end() || !i->is_number_integer() || i->get<int64_t>() <= 0
+        || i->get<int64_t>() > (int64_t{1} << 24))
+      bad_adapter(path, std::string{key} + " must be a positive integer");
+    return i->get<int64_t>();
+  };
+  peft_prompt_tuning out;
+  out.num_virtual_tokens = positive("num_virtual_tokens");
+  out.token_dim = positive("token_dim");
+  if (config.contains("num_transformer_submodules") && config["num_transformer_submodules"] != 1)
+    bad_adapter(path, "num_transformer_submodules is not 1 (an encoder-decoder adapter)");
+  return out;
+}
+
+} // namespace troupe
