@@ -7,6 +7,8 @@
 #include <nlohmann/json.hpp>
 
 #include <iostream>
+#include <map>
+#include <optional>
 #include <sstream>
 
 #include <unistd.h>
@@ -32,6 +34,52 @@ std::vector<int32_t> parse_ids(const std::string& text) {
   return ids;
 }
 
+/// "NAME=PATH" of --lora and --prompt-adapter.
+std::pair<std::string, std::string> name_and_path(const std::string& flag,
+                                                  const std::string& text) {
+  auto eq = text.find('=');
+  if (eq == 0 || eq == std::string::npos || eq + 1 == text.size())
+    throw error{errc::invalid_argument, flag + ": '" + text + "' is not NAME=PATH"};
+  return {text.substr(0, eq), text.substr(eq + 1)};
+}
+
+/// The LoRA adapter of each prompt (none where empty): --prompt-lora names them in prompt
+/// order; without it a single --lora serves every prompt.
+std::vector<std::optional<lora_request>> prompt_loras(const std::vector<std::string>& loras,
+                                                      const std::vector<std::string>& choices,
+                                                      size_t prompts) {
+  std::map<std::string, lora_request> by_name;
+  for (auto& spec : loras) {
+    auto [name, path] = name_and_path("--lora", spec);
+    if (by_name.count(name) > 0)
+      throw error{errc::invalid_argument, "--lora: '" + name + "' is given twice"};
+    auto id = static_cast<int64_t>(by_name.size()) + 1;
+    by_name.emplace(name, lora_request{name, id, path});
+  }
+  std::vector<std::optional<lora_request>> out(prompts);
+  if (choices.empty()) {
+    if (by_name.size() > 1)
+      throw error{errc::invalid_argument,
+                  "several --lora adapters: say which prompt uses which with --prompt-lora"};
+    if (by_name.size() == 1)
+      for (auto& o : out)
+        o = by_name.begin()->second;
+    return out;
+  }
+  if (choices.size() != prompts)
+    throw error{errc::invalid_argument, std::to_string(choices.size()) + " --prompt-lora for " +
+                                          std::to_string(prompts) + " prompts"};
+  for (size_t i = 0; i < prompts; ++i) {
+    if (choices[i] == "none")
+      continue;
+    auto at = by_name.find(choices[i]);
+    if (at == by_name.end())
+      throw error{errc::invalid_argument, "--prompt-lora: no --lora is called '" + choices[i] + "'"};
+    out[i] = at->second;
+  }
+  return out;
+}
+
 } // namespace
 
 std::shared_ptr<command> add_generate(CLI::App& app) {
@@ -53,6 +101,12 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     double kv_fraction = 0.5;
     int64_t swap_space_mib = 256;
     int max_model_len = 0;
+    std::vector<std::string> loras;
+    std::vector<std::string> prompt_loras;
+    int max_loras = 0;
+    int max_lora_rank = 16;
+    std::string prompt_adapter;
+    int max_prompt_adapter_token = 0;
   };
   auto o = std::make_shared<options>();
   auto cmd = std::make_shared<command>();
@@ -97,6 +151,25 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     ->capture_default_str();
   sub->add_option("--max-model-len", o->max_model_len, "Longest prompt plus output (0: the model's)")
     ->capture_default_str();
+  sub->add_option("--lora", o->loras,
+                  "A PEFT LoRA adapter directory as NAME=PATH (repeatable); one alone serves "
+                  "every prompt");
+  sub->add_option("--prompt-lora", o->prompt_loras,
+                  "The --lora NAME of each prompt in order, text prompts first ('none' for the "
+                  "base model; repeatable)");
+  sub->add_option("--max-loras", o->max_loras,
+                  "LoRA adapters loaded at once (0: as many as --lora gives)")
+    ->check(CLI::Range(0, 1024))
+    ->capture_default_str();
+  sub->add_option("--max-lora-rank", o->max_lora_rank, "The highest LoRA rank accepted")
+    ->check(CLI::Range(1, 1 << 16))
+    ->capture_default_str();
+  sub->add_option("--prompt-adapter", o->prompt_adapter,
+                  "A PEFT prompt-tuning adapter directory as NAME=PATH, for every prompt");
+  sub->add_option("--max-prompt-adapter-token", o->max_prompt_adapter_token,
+                  "The most virtual tokens a prompt adapter may have (0: no limit)")
+    ->check(CLI::Range(0, 1 << 20))
+    ->capture_default_str();
   cmd->run = [o] {
     if (o->prompts.empty() && o->prompt_ids.empty())
       throw error{errc::invalid_argument, "give at least one --prompt or --prompt-token-ids"};
@@ -107,6 +180,16 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     cfg.kv_cache_memory_fraction = o->kv_fraction;
     cfg.swap_space_bytes = o->swap_space_mib << 20;
     cfg.max_model_len = o->max_model_len;
+    auto loras = prompt_loras(o->loras, o->prompt_loras, o->prompts.size() + o->prompt_ids.size());
+    cfg.max_loras = o->max_loras > 0 ? o->max_loras
+                                     : std::max(1, static_cast<int>(o->loras.size()));
+    cfg.max_lora_rank = o->max_lora_rank;
+    cfg.max_prompt_adapter_token = o->max_prompt_adapter_token;
+    std::optional<prompt_adapter_request> prompt_adapter;
+    if (!o->prompt_adapter.empty()) {
+      auto [name, path] = name_and_path("--prompt-adapter", o->prompt_adapter);
+      prompt_adapter = prompt_adapter_request{name, 1, path, 0};
+    }
     bool bar = isatty(STDERR_FILENO) != 0 && !o->json;
     if (bar)
       cfg.progress = [](size_t done, size_t total) {
@@ -129,6 +212,10 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
       reqs.push_back({o->chat ? model.chat_prompt(p) : p, {}, sp, o->stop});
     for (auto& ids : o->prompt_ids)
       reqs.push_back({ids, parse_ids(ids), sp, o->stop});
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      reqs[i].lora = loras[i];
+      reqs[i].prompt_adapter = prompt_adapter;
+    }
     auto outputs = model.generate(reqs);
     if (o->json) {
       auto all = nlohmann::json::array();
@@ -138,13 +225,15 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
                        {"text", out.text},
                        {"token_ids", out.token_ids},
                        {"logprobs", out.logprobs},
-                       {"finish_reason", out.finish_reason}});
+                       {"finish_reason", out.finish_reason},
+                       {"lora", loras[i] ? nlohmann::json(loras[i]->lora_name) : nlohmann::json()}});
       }
       std::cout << all.dump(2) << std::endl;
     } else {
       for (size_t i = 0; i < outputs.size(); ++i) {
         auto shown = i < o->prompts.size() ? o->prompts[i] : outputs[i].prompt;
-        std::cout << "prompt: " << shown << "\n";
+        std::cout << "prompt: " << shown << (loras[i] ? " [lora " + loras[i]->lora_name + "]" : "")
+                  << "\n";
         if (model.has_tokenizer())
           std::cout << "output: " << outputs[i].text << "\n\n";
         else
