@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +20,26 @@ namespace troupe::testing {
 inline nlohmann::json read_json(const std::string& path) {
   std::ifstream in{path};
   return nlohmann::json::parse(in);
+}
+
+/// max |a - b| / max |b| over b's elements.
+inline double relative_error(const float* a, const std::vector<float>& b) {
+  double diff = 0;
+  double scale = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    diff = std::max(diff, static_cast<double>(std::fabs(a[i] - b[i])));
+    scale = std::max(scale, static_cast<double>(std::fabs(b[i])));
+  }
+  return diff / scale;
+}
+
+/// Greedy sampling of `max_tokens` tokens that runs past EOS.
+inline sampling_params greedy(int32_t max_tokens) {
+  sampling_params sp;
+  sp.temperature = 0.0f;
+  sp.max_tokens = max_tokens;
+  sp.ignore_eos = true;
+  return sp;
 }
 
 /// Where the demo keeps SmolLM2-135M-Instruct: $TROUPE_MODEL_CACHE or ~/.cache/troupe/models.

@@ -20,7 +20,9 @@
 #include <unistd.h>
 
 using namespace troupe;
+using troupe::testing::greedy;
 using troupe::testing::read_json;
+using troupe::testing::relative_error;
 namespace fs = std::filesystem;
 
 namespace {
@@ -51,16 +53,6 @@ prompt_adapter_request prompt_tuning(int64_t id) {
   return {"prompt-tuning", id, adapters + "/prompt-tuning", 0};
 }
 
-double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double diff = 0;
-  double scale = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    diff = std::max(diff, static_cast<double>(std::fabs(a[i] - b[i])));
-    scale = std::max(scale, static_cast<double>(std::fabs(b[i])));
-  }
-  return diff / scale;
-}
-
 /// The last-position logits of `prompt` on one rank, with the given adapters.
 std::vector<float> prefill_logits(llama_model& model, kv_cache& cache,
                                   const std::vector<int32_t>& prompt,
@@ -80,12 +72,14 @@ std::vector<float> prefill_logits(llama_model& model, kv_cache& cache,
   return model.forward(req, cache, rows, with);
 }
 
-sampling_params greedy(int32_t max_tokens) {
-  sampling_params sp;
-  sp.temperature = 0.0f;
-  sp.max_tokens = max_tokens;
-  sp.ignore_eos = true;
-  return sp;
+std::unique_ptr<llm> make_llm(int32_t tp, int32_t max_loras) {
+  llm_config cfg;
+  cfg.model = base_model;
+  cfg.tensor_parallel_size = tp;
+  cfg.kv_cache_memory_bytes = 2 << 20;
+  cfg.block_size = 4;
+  cfg.max_loras = max_loras;
+  return std::make_unique<llm>(cfg);
 }
 
 std::unique_ptr<executor> make_executor(int32_t tp, int32_t max_loras, int32_t max_rank = 16) {
@@ -139,7 +133,7 @@ TEST_CASE("LoRA and prompt-tuning prefill logits match peft within 1e-4") {
     for (size_t i = 0; i < ref["prompts"].size(); ++i) {
       auto logits = prefill_logits(model, cache, prompt_of(ref, i), {{&weights}, {}});
       auto want = ref["adapters"][name][i]["last_logits"].get<std::vector<float>>();
-      auto err = relative_error(logits, want);
+      auto err = relative_error(logits.data(), want);
       worst = std::max(worst, err);
       CHECK_MESSAGE(err < 1e-4, name << " prompt " << i << ": relative error " << err);
     }
@@ -152,7 +146,7 @@ TEST_CASE("LoRA and prompt-tuning prefill logits match peft within 1e-4") {
     prompt.insert(prompt.end(), user.begin(), user.end());
     auto logits = prefill_logits(model, cache, prompt, {{}, {&embeddings}});
     auto want = ref["adapters"]["prompt-tuning"][i]["last_logits"].get<std::vector<float>>();
-    auto err = relative_error(logits, want);
+    auto err = relative_error(logits.data(), want);
     worst = std::max(worst, err);
     CHECK_MESSAGE(err < 1e-4, "prompt tuning, prompt " << i << ": relative error " << err);
   }
@@ -163,13 +157,7 @@ TEST_CASE("one batch mixing three LoRAs a prompt adapter and the base model give
   auto ref = reference();
   for (int32_t tp : {1, 2, 4}) {
     CAPTURE(tp);
-    llm_config cfg;
-    cfg.model = base_model;
-    cfg.tensor_parallel_size = tp;
-    cfg.kv_cache_memory_bytes = 2 << 20;
-    cfg.block_size = 4;
-    cfg.max_loras = 3;
-    llm model{cfg};
+    auto model = make_llm(tp, 3);
     // Every prompt with every adapter and without, all in one generate call.
     std::vector<generation_request> reqs;
     std::vector<std::string> expected_adapter;
@@ -188,7 +176,7 @@ TEST_CASE("one batch mixing three LoRAs a prompt adapter and the base model give
       reqs.push_back(r);
       expected_adapter.push_back("prompt-tuning");
     }
-    auto outs = model.generate(reqs);
+    auto outs = model->generate(reqs);
     auto base_ref = read_json(base_model + "/reference.json");
     for (size_t n = 0; n < reqs.size(); ++n) {
       size_t prompt = n / 5;
@@ -202,29 +190,24 @@ TEST_CASE("one batch mixing three LoRAs a prompt adapter and the base model give
                     "prompt " << prompt << " adapter '" << expected_adapter[n] << "'");
       CHECK(outs[n].prompt_token_ids == prompt_of(ref, prompt));
     }
-    CHECK(model.executor().list_loras() == std::vector<int64_t>{1, 2, 3});
-    CHECK(model.executor().list_prompt_adapters() == std::vector<int64_t>{7});
+    CHECK(model->executor().list_loras() == std::vector<int64_t>{1, 2, 3});
+    CHECK(model->executor().list_prompt_adapters() == std::vector<int64_t>{7});
   }
 }
 
 TEST_CASE("with fewer LoRA slots than adapters the steps take turns and outputs stay right") {
   auto ref = reference();
-  llm_config cfg;
-  cfg.model = base_model;
-  cfg.kv_cache_memory_bytes = 2 << 20;
-  cfg.block_size = 4;
-  cfg.max_loras = 1;
-  llm model{cfg};
+  auto model = make_llm(1, 1);
   std::vector<generation_request> reqs;
   for (int64_t id = 1; id <= 3; ++id) {
     generation_request r{"", prompt_of(ref, 0), greedy(16), {}};
     r.lora = lora(lora_names[id - 1], id);
     reqs.push_back(r);
   }
-  auto outs = model.generate(reqs);
+  auto outs = model->generate(reqs);
   for (size_t n = 0; n < 3; ++n)
     CHECK_MESSAGE(outs[n].token_ids == greedy_of(ref, lora_names[n], 0), lora_names[n]);
-  CHECK(model.executor().list_loras().size() == 1);
+  CHECK(model->executor().list_loras().size() == 1);
 }
 
 TEST_CASE("LoRA slots evict the least recently used unpinned adapter and refuse when all are pinned") {

@@ -7,6 +7,7 @@
 #include "model/config.hpp"
 #include "model/llama.hpp"
 #include "model/make_model.hpp"
+#include "tests/generation.hpp"
 #include "troupe/errors.hpp"
 
 #include <doctest/doctest.h>
@@ -20,6 +21,7 @@
 #include <unistd.h>
 
 using namespace troupe;
+using troupe::testing::relative_error;
 
 namespace {
 
@@ -29,17 +31,6 @@ const char* models[] = {"llama-gqa", "llama3-rope-tied", "qwen2-bias", "llama-od
 nlohmann::json reference(const std::string& name) {
   std::ifstream in{fixtures + "/" + name + "/reference.json"};
   return nlohmann::json::parse(in);
-}
-
-/// max |a - b| / max |b|
-double relative_error(const float* a, const std::vector<float>& b) {
-  double diff = 0;
-  double scale = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    diff = std::max(diff, static_cast<double>(std::fabs(a[i] - b[i])));
-    scale = std::max(scale, static_cast<double>(std::fabs(b[i])));
-  }
-  return diff / scale;
 }
 
 /// One sequence stepping through a model on one rank.

@@ -12,19 +12,12 @@
 #include <fstream>
 
 using namespace troupe;
+using troupe::testing::greedy;
 using troupe::testing::read_json;
 
 namespace {
 
 const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
-
-sampling_params greedy(int32_t max_tokens) {
-  sampling_params sp;
-  sp.temperature = 0.0f;
-  sp.max_tokens = max_tokens;
-  sp.ignore_eos = true;
-  return sp;
-}
 
 } // namespace
 
