@@ -5,6 +5,8 @@
 
 #include "actors/executor_actor.hpp"
 #include "actors/log.hpp"
+#include "actors/node_auth.hpp"
+#include "actors/remoting.hpp"
 #include "actors/worker_actor.hpp"
 #include "messages/messages.hpp"
 
@@ -80,6 +82,8 @@ struct executor::impl {
   std::unique_ptr<caf::actor_system_config> sys_cfg = std::make_unique<caf::actor_system_config>();
   std::unique_ptr<caf::actor_system> sys;
   caf::actor supervisor;
+  /// Watched by the nodes that leased workers to this executor.
+  caf::actor lease_holder;
   std::vector<caf::actor> local_workers;
   std::vector<worker_info> infos;
   /// Shared with the helpers of async calls, which may outlive the facade.
@@ -117,6 +121,42 @@ struct executor::impl {
       throw translate(err);
     if constexpr (!std::is_void<T>::value)
       return out;
+  }
+
+  /// Proves the secret to node `n` and leases its workers. Throws `worker_died` when the
+  /// node cannot be reached or does not answer in time, `invalid_argument` when it refuses.
+  std::vector<caf::actor> lease(const node_address& n) {
+    auto where = "node " + n.host + ":" + std::to_string(n.port);
+    auto gate = sys->middleman().remote_actor(n.host, n.port);
+    if (!gate)
+      throw error{errc::worker_died, "cannot reach " + where + ": " + render(gate.error())};
+    logger_release release;
+    caf::scoped_actor self{*sys};
+    auto deadline = facade_timeout(cfg.startup_timeout);
+    caf::error err;
+    auto fail = [&](caf::error& e) { err = std::move(e); };
+    auto checked = [&] {
+      if (!err)
+        return;
+      auto code = err.category() == caf::atom("troupe") ? static_cast<errc>(err.code())
+                                                         : errc::worker_died;
+      throw error{code == errc::timeout ? errc::worker_died : code,
+                  where + ": " + render(err)};
+    };
+    std::string challenge;
+    self->request(*gate, deadline, hello_atom::value)
+      .receive([&](std::string& c) { challenge = std::move(c); }, fail);
+    checked();
+    auto proof = secret_proof(cfg.node_secret, challenge, to_string(sys->node()));
+    self->request(*gate, deadline, auth_atom::value, proof).receive([](caf::ok_atom) {}, fail);
+    checked();
+    std::vector<caf::actor> leased;
+    self
+      ->request(*gate, deadline, lease_atom::value, cfg.node_worker_kind, cfg.node_worker_options,
+                n.workers, lease_holder)
+      .receive([&](std::vector<caf::actor>& ws) { leased = std::move(ws); }, fail);
+    checked();
+    return leased;
   }
 
   /// Sends a request to the supervisor from a short-lived actor; the future gets the reply.
@@ -216,6 +256,9 @@ struct executor::impl {
       // The supervisor stops the workers; this covers a supervisor that is already gone.
       for (auto& w : local_workers)
         self->send_exit(w, caf::exit_reason::user_shutdown);
+      // Tells the nodes to release their workers.
+      if (lease_holder)
+        self->send_exit(lease_holder, caf::exit_reason::user_shutdown);
       auto deadline = std::chrono::steady_clock::now() + shutdown_grace;
       bool timed_out = false;
       while (left > 0 && !timed_out) {
@@ -233,7 +276,10 @@ struct executor::impl {
       sys->registry().erase(w.id());
     if (supervisor)
       sys->registry().erase(supervisor.id());
+    if (lease_holder)
+      sys->registry().erase(lease_holder.id());
     supervisor = nullptr;
+    lease_holder = nullptr;
     local_workers.clear();
     if (left > 0)
       log->error("shutdown: {} actor(s) still busy after {} s; abandoning them", left,
@@ -266,6 +312,16 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     throw error{errc::invalid_argument, "tensor_parallel_size must be at least 1, got " +
                                           std::to_string(cfg.tensor_parallel_size)};
   auto remote_count = static_cast<int32_t>(cfg.remote_workers.size());
+  for (auto& n : cfg.nodes) {
+    if (n.workers < 1)
+      throw error{errc::invalid_argument, "node " + n.host + ":" + std::to_string(n.port) +
+                                            ": workers must be at least 1"};
+    remote_count += n.workers;
+  }
+  if (!cfg.nodes.empty() && cfg.node_secret.empty())
+    throw error{errc::invalid_argument, "worker nodes need node_secret"};
+  if (cfg.node_timeout <= timeout_type::zero())
+    throw error{errc::invalid_argument, "node_timeout must be positive"};
   if (remote_count > cfg.tensor_parallel_size)
     throw error{errc::invalid_argument,
                 std::to_string(remote_count) + " remote workers do not fit tensor_parallel_size " +
@@ -281,8 +337,10 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     d.sys_cfg->set("scheduler.max-threads", d.cfg.scheduler_threads);
   if (d.cfg.scheduler_poll_attempts > 0)
     d.sys_cfg->set("work-stealing.aggressive-poll-attempts", d.cfg.scheduler_poll_attempts);
-  if (!d.cfg.remote_workers.empty())
+  if (!d.cfg.remote_workers.empty() || !d.cfg.nodes.empty()) {
     d.sys_cfg->load<caf::io::middleman>();
+    configure_heartbeats(*d.sys_cfg, d.cfg.node_timeout);
+  }
   if (d.cfg.configure_system)
     d.cfg.configure_system(*d.sys_cfg);
   d.sys = std::make_unique<caf::actor_system>(*d.sys_cfg);
@@ -293,6 +351,19 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
   for (int32_t i = 0; i < local_count; ++i) {
     workers.push_back(spawn_worker(*d.sys, factory));
     d.local_workers.push_back(workers.back());
+  }
+  if (!d.cfg.nodes.empty()) {
+    // The nodes watch this actor: when it goes (shutdown, death, lost connection) they
+    // release the workers.
+    d.lease_holder = d.sys->spawn([]() -> caf::behavior { return {[](caf::ok_atom) {}}; });
+    try {
+      for (auto& n : d.cfg.nodes)
+        for (auto& w : d.lease(n))
+          workers.push_back(std::move(w));
+    } catch (...) {
+      d.stop();
+      throw;
+    }
   }
   for (auto& rw : d.cfg.remote_workers) {
     auto handle = d.sys->middleman().remote_actor(rw.host, rw.port);

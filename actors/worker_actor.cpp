@@ -29,6 +29,11 @@ struct worker_actor_state {
   /// ends as soon as it starts.
   std::set<int64_t> early_stops;
   int64_t loop_steps = 0;
+  /// Nodes whose messages a node-hosted worker serves: the executor's that leased it, and
+  /// those of its peers once init names them. Empty: any sender (in-process workers).
+  std::set<caf::node_id> allowed;
+  /// Where this worker's collective listens, when its node says so.
+  std::string collective_host;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.worker");
 
   static inline const char* name = "troupe.worker";
@@ -56,6 +61,24 @@ caf::result<caf::ok_atom, caf::message> guarded(worker_self* self, const std::st
   }
 }
 
+/// Whether the current message comes from a node this worker does not serve; logs it.
+bool refused(worker_self* self) {
+  auto& st = self->state;
+  if (st.allowed.empty())
+    return false;
+  auto& sender = self->current_sender();
+  if (sender && st.allowed.count(sender->node()) > 0)
+    return false;
+  st.log->warn("rank {}: refused a message from {}, which is not its executor's", st.rank,
+               sender ? to_string(sender->node()) : std::string{"an anonymous sender"});
+  return true;
+}
+
+caf::error refusal() {
+  return caf::make_error(errc::invalid_argument,
+                         std::string{"this worker serves only the executor that leased it"});
+}
+
 void end_loop(worker_self* self, caf::error err) {
   auto& st = self->state;
   if (st.loop_id == 0)
@@ -69,17 +92,39 @@ void end_loop(worker_self* self, caf::error err) {
   st.loop_task = caf::response_promise{};
 }
 
-caf::behavior worker_actor(worker_self* self, worker_factory factory) {
+caf::behavior worker_actor(worker_self* self, worker_factory factory,
+                           std::optional<caf::node_id> owner, std::string collective_host) {
   self->state.factory = std::move(factory);
+  self->state.collective_host = std::move(collective_host);
+  if (owner) {
+    // Its own node (the node daemon releasing it) and its executor's.
+    self->state.allowed.insert(self->node());
+    self->state.allowed.insert(*owner);
+    self->set_exit_handler([=](caf::exit_msg& msg) {
+      if (self->state.allowed.count(msg.source.node()) > 0) {
+        self->quit(msg.reason);
+        return;
+      }
+      self->state.log->warn("rank {}: ignored an exit message from {}", self->state.rank,
+                            to_string(msg.source.node()));
+    });
+  }
   return {
     [=](init_atom, worker_context ctx,
         std::vector<caf::actor> peers) -> caf::result<caf::ok_atom, caf::message> {
       auto& st = self->state;
+      if (refused(self))
+        return refusal();
+      if (!st.allowed.empty())
+        for (auto& peer : peers)
+          st.allowed.insert(peer.node());
       if (st.obj)
         return caf::make_error(errc::invalid_argument,
                                "rank " + std::to_string(st.rank) + ": worker already initialised");
       st.rank = ctx.rank;
       st.peers = std::move(peers);
+      if (!st.collective_host.empty())
+        ctx.collective_host = st.collective_host;
       try {
         st.obj = st.factory(ctx.rank);
         if (!st.obj)
@@ -97,6 +142,8 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory) {
     [=](call_atom, const std::string& method, const caf::message& args,
         const caf::settings& kwargs) -> caf::result<caf::ok_atom, caf::message> {
       auto& st = self->state;
+      if (refused(self))
+        return refusal();
       if (method != loop_method)
         return guarded(self, method,
                        [&](worker& w) { return w.call(method, args, kwargs); });
@@ -120,6 +167,8 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory) {
       return st.loop_task;
     },
     [=](call_atom, const local_call& call) -> caf::result<caf::ok_atom, caf::message> {
+      if (refused(self))
+        return refusal();
       return guarded(self, call.label, [&](worker& w) {
         std::shared_lock<std::shared_mutex> running;
         if (call.guard) {
@@ -133,6 +182,8 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory) {
     },
     [=](execute_atom,
         const execute_model_request& req) -> caf::result<caf::ok_atom, caf::message> {
+      if (refused(self))
+        return refusal();
       for (auto& peer : self->state.peers)
         self->send(peer, step_atom::value, req);
       return guarded(self, "execute_model", [&](worker& w) {
@@ -141,13 +192,15 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory) {
       });
     },
     [=](execute_atom, stop_loop_atom, int64_t loop_id) -> caf::result<caf::ok_atom, caf::message> {
+      if (refused(self))
+        return refusal();
       for (auto& peer : self->state.peers)
         self->send(peer, step_atom::value, stop_loop_atom::value, loop_id);
       return {caf::ok_atom::value, caf::message{}};
     },
     [=](step_atom, const execute_model_request& req) {
       auto& st = self->state;
-      if (!st.obj)
+      if (refused(self) || !st.obj)
         return;
       try {
         st.obj->call_local("execute_model", [&](worker& w) {
@@ -163,6 +216,8 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory) {
     },
     [=](step_atom, stop_loop_atom, int64_t loop_id) {
       auto& st = self->state;
+      if (refused(self))
+        return;
       if (st.loop_id == loop_id)
         end_loop(self, caf::none);
       else if (loop_id > st.newest_loop)
@@ -176,7 +231,15 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory) {
 } // namespace
 
 caf::actor spawn_worker(caf::actor_system& sys, worker_factory factory) {
-  return sys.spawn<caf::detached>(worker_actor, std::move(factory));
+  return sys.spawn<caf::detached>(worker_actor, std::move(factory),
+                                  std::optional<caf::node_id>{}, std::string{});
+}
+
+caf::actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory,
+                               caf::node_id owner, std::string collective_host) {
+  return sys.spawn<caf::detached>(worker_actor, std::move(factory),
+                                  std::optional<caf::node_id>{std::move(owner)},
+                                  std::move(collective_host));
 }
 
 caf::error worker_failure(int32_t rank, const std::string& method) {

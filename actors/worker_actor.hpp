@@ -5,6 +5,9 @@
 #include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
 
+#include <caf/node_id.hpp>
+
+#include <optional>
 #include <string>
 
 namespace troupe {
@@ -24,6 +27,13 @@ namespace troupe {
 /// - `(execute_atom, stop_loop_atom)`: driver tells every peer to leave the loop.
 /// - `(step_atom, execute_model_request)` / `(step_atom, stop_loop_atom)`: from the driver.
 caf::actor spawn_worker(caf::actor_system& sys, worker_factory factory);
+
+/// A worker a node leased to the executor on node `owner`: it serves only messages from
+/// that node, its own node and, after init, its peers' nodes; others are refused and
+/// logged (exit messages included). Its collective listens on `collective_host` (the
+/// node's address) whatever the executor says.
+caf::actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory,
+                               caf::node_id owner, std::string collective_host);
 
 /// Turns an exception thrown inside a worker into an error reply that names the rank and
 /// the method.

@@ -100,6 +100,9 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, wake_atom, "t_wake")
   CAF_ADD_ATOM(troupe, troupe, sleep_state_atom, "t_sstate")
   CAF_ADD_ATOM(troupe, troupe, health_atom, "t_health")
+  CAF_ADD_ATOM(troupe, troupe, hello_atom, "t_hello")
+  CAF_ADD_ATOM(troupe, troupe, auth_atom, "t_auth")
+  CAF_ADD_ATOM(troupe, troupe, lease_atom, "t_lease")
 
 CAF_END_TYPE_ID_BLOCK(troupe)
 

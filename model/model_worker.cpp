@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <set>
 #include <thread>
@@ -411,6 +412,81 @@ void model_worker::save_sharded_state(const sharded_state_request& request) {
 
 worker_factory model_worker_factory(model_worker_options options) {
   return [options](int32_t) { return std::make_unique<model_worker>(options); };
+}
+
+} // namespace troupe
+
+namespace troupe {
+
+namespace {
+
+// One list of the options that travel, used both ways.
+template <class F>
+void each_option(model_worker_options& o, F&& f) {
+  f("model_path", o.model_path);
+  f("load_format", o.load_format);
+  f("kv_cache_memory_bytes", o.kv_cache_memory_bytes);
+  f("kv_cache_memory_fraction", o.kv_cache_memory_fraction);
+  f("max_num_batched_tokens", o.max_num_batched_tokens);
+  f("max_num_seqs", o.max_num_seqs);
+  f("swap_space_bytes", o.swap_space_bytes);
+  f("max_loras", o.max_loras);
+  f("max_lora_rank", o.max_lora_rank);
+  f("max_prompt_adapters", o.max_prompt_adapters);
+  f("max_prompt_adapter_token", o.max_prompt_adapter_token);
+}
+
+} // namespace
+
+caf::settings to_settings(const model_worker_options& options) {
+  caf::settings out;
+  auto copy = options;
+  each_option(copy, [&](const char* key, auto& value) {
+    using value_type = std::decay_t<decltype(value)>;
+    if constexpr (std::is_integral<value_type>::value)
+      caf::put(out, key, static_cast<int64_t>(value));
+    else
+      caf::put(out, key, value);
+  });
+  return out;
+}
+
+model_worker_options model_worker_options_from(const caf::settings& settings) {
+  model_worker_options out;
+  each_option(out, [&](const char* key, auto& value) {
+    using value_type = std::decay_t<decltype(value)>;
+    auto at = settings.find(key);
+    if (at == settings.end())
+      return;
+    auto bad = [&](const char* want) {
+      throw error{errc::invalid_argument,
+                  std::string{"model worker option '"} + key + "' must be " + want};
+    };
+    if constexpr (std::is_integral<value_type>::value) {
+      auto v = caf::get_if<int64_t>(&at->second);
+      if (!v || *v < std::numeric_limits<value_type>::min()
+          || *v > std::numeric_limits<value_type>::max())
+        bad("an integer in range");
+      value = static_cast<value_type>(*v);
+    } else if constexpr (std::is_floating_point<value_type>::value) {
+      auto v = caf::get_if<double>(&at->second);
+      if (!v)
+        bad("a number");
+      value = *v;
+    } else {
+      auto v = caf::get_if<std::string>(&at->second);
+      if (!v)
+        bad("a string");
+      value = *v;
+    }
+  });
+  return out;
+}
+
+node_worker_factory model_worker_kind() {
+  return [](int32_t, const caf::settings& settings) -> std::unique_ptr<worker> {
+    return std::make_unique<model_worker>(model_worker_options_from(settings));
+  };
 }
 
 } // namespace troupe

@@ -15,6 +15,7 @@ packages=(
   libgloo-dev
   nlohmann-json3-dev
   libcli11-dev
+  libssl-dev            # HMAC-SHA256 of the node handshake
 )
 
 missing=()

@@ -2,6 +2,7 @@
 
 #include "troupe/executor.hpp"
 
+#include "tests/child_process.hpp"
 #include "tests/test_worker.hpp"
 
 #include <doctest/doctest.h>
@@ -10,12 +11,7 @@
 #include <csignal>
 #include <numeric>
 #include <thread>
-#include <cstdio>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
-
-extern char** environ;
 
 using namespace troupe;
 using namespace std::chrono_literals;
@@ -44,55 +40,9 @@ rpc_call_options sleep_ms(int32_t ms) {
 }
 
 /// A test worker published by another process (tests/worker_host.cpp).
-class worker_process {
-public:
-  worker_process() {
-    int in[2];
-    int out[2];
-    REQUIRE(pipe(in) == 0);
-    REQUIRE(pipe(out) == 0);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, in[0], 0);
-    posix_spawn_file_actions_adddup2(&actions, out[1], 1);
-    posix_spawn_file_actions_addclose(&actions, in[1]);
-    posix_spawn_file_actions_addclose(&actions, out[0]);
-    char* argv[] = {const_cast<char*>(TROUPE_WORKER_HOST), nullptr};
-    REQUIRE(posix_spawn(&pid_, TROUPE_WORKER_HOST, &actions, nullptr, argv, environ) == 0);
-    posix_spawn_file_actions_destroy(&actions);
-    close(in[0]);
-    close(out[1]);
-    stdin_ = in[1];
-    auto stream = fdopen(out[0], "r");
-    REQUIRE(stream != nullptr);
-    unsigned port = 0;
-    REQUIRE(fscanf(stream, "%u", &port) == 1);
-    fclose(stream);
-    port_ = static_cast<uint16_t>(port);
+struct worker_process : testing::child_process {
+  worker_process() : child_process(TROUPE_WORKER_HOST) {
   }
-
-  ~worker_process() {
-    if (stdin_ >= 0)
-      close(stdin_); // asks the process to end
-    if (pid_ > 0) {
-      kill_now();
-    }
-  }
-
-  void kill_now() {
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
-
-  uint16_t port() const {
-    return port_;
-  }
-
-private:
-  pid_t pid_ = -1;
-  int stdin_ = -1;
-  uint16_t port_ = 0;
 };
 
 } // namespace

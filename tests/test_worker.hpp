@@ -87,6 +87,8 @@ public:
       fail_next_step_ = false;
       throw std::runtime_error("step failed on purpose");
     }
+    if (step_delay_ms_ > 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(step_delay_ms_));
     ++steps_;
     sampler_output out;
     for (auto& group : req.seq_group_metadata_list) {
@@ -204,6 +206,10 @@ private:
     register_method("steps", [](worker& w, const caf::message&, const caf::settings&) {
       return caf::make_message(static_cast<test_worker&>(w).steps_);
     });
+    register_method("slow_steps", [](worker& w, const caf::message& args, const caf::settings&) {
+      static_cast<test_worker&>(w).step_delay_ms_ = int_arg(args, 0, 0);
+      return caf::message{};
+    });
     register_method("fail_next_step", [](worker& w, const caf::message&, const caf::settings&) {
       static_cast<test_worker&>(w).fail_next_step_ = true;
       return caf::message{};
@@ -249,6 +255,7 @@ private:
   std::set<int64_t> adapters_;
   int64_t steps_ = 0;
   bool fail_next_step_ = false;
+  int32_t step_delay_ms_ = 0;
   bool fail_next_sleep_ = false;
 };
 

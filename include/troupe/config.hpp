@@ -26,12 +26,32 @@ struct remote_worker {
   uint16_t port = 0;
 };
 
+/// A worker node (`troupe node`) and how many of its workers to lease.
+struct node_address {
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;
+  int32_t workers = 1;
+};
+
 /// Everything an executor needs to start (the counterpart of the parts of vLLM's
 /// `VllmConfig` that the executor layer reads).
 struct executor_config {
   /// Number of workers; rank 0 is the driver (vLLM's `tensor_parallel_size`).
   int32_t tensor_parallel_size = 1;
-  /// Workers in other processes: they take the last ranks, local workers the first ones.
+  /// Worker nodes to lease workers from: their workers take the ranks after the local
+  /// ones, node by node in this order. Local workers are the ones the nodes do not give.
+  std::vector<node_address> nodes;
+  /// The shared secret the nodes expect.
+  std::string node_secret;
+  /// The worker kind asked of the nodes, and its options (for `"model"`: a
+  /// `model_worker_options` turned into settings by `to_settings`).
+  std::string node_worker_kind = "model";
+  caf::settings node_worker_options;
+  /// A connection to a node or remote worker silent this long counts as lost (BASP
+  /// heartbeats go every quarter of it): the workers behind it are reported dead.
+  timeout_type node_timeout = std::chrono::seconds(3);
+  /// Worker actors published on their own (`publish_worker`, no authentication; for
+  /// trusted set-ups and tests): they take the last ranks.
   std::vector<remote_worker> remote_workers;
   /// Deadline of calls that do not name one. Finite by default: no call waits forever
   /// unless `wait_forever` is given.

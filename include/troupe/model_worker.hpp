@@ -4,6 +4,7 @@
 /// The product's worker: runs a Llama-family model from a Hugging Face directory on its
 /// device, with a paged KV cache.
 
+#include "troupe/node.hpp"
 #include "troupe/worker.hpp"
 
 #include <cstdint>
@@ -111,5 +112,17 @@ private:
 
 /// A factory for `executor` that gives every rank a `model_worker` with `options`.
 worker_factory model_worker_factory(model_worker_options options);
+
+/// `options` as settings under their field names (for `executor_config::node_worker_options`;
+/// the progress callback stays behind).
+caf::settings to_settings(const model_worker_options& options);
+
+/// Options from settings as `to_settings` writes them; missing keys keep their defaults.
+/// Throws `invalid_argument` naming a key of the wrong type.
+model_worker_options model_worker_options_from(const caf::settings& settings);
+
+/// The worker kind `"model"` of a node (`node_config::kinds`): a `model_worker` from the
+/// executor's options.
+node_worker_factory model_worker_kind();
 
 } // namespace troupe

@@ -1,0 +1,281 @@
+#include "troupe/node.hpp"
+
+#include "actors/log.hpp"
+#include "actors/node_auth.hpp"
+#include "actors/remoting.hpp"
+#include "actors/worker_actor.hpp"
+#include "messages/messages.hpp"
+#include "troupe/errors.hpp"
+
+#include <caf/all.hpp>
+#include <caf/io/all.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include <csignal>
+#include <unistd.h>
+
+namespace troupe {
+
+namespace {
+
+/// SIGINT/SIGTERM are turned into a byte on this pipe (see node::stop_on_signals).
+int signal_pipe[2] = {-1, -1};
+
+extern "C" void on_stop_signal(int) {
+  char byte = 1;
+  [[maybe_unused]] auto n = write(signal_pipe[1], &byte, 1);
+}
+
+/// The node's only published actor: authenticates executors and leases workers to one.
+struct gate_state {
+  node_config cfg;
+  /// Challenges handed out, by the node that asked.
+  std::map<caf::node_id, std::string> challenges;
+  std::set<caf::node_id> authenticated;
+  /// The current lease: the executor's holder actor and the workers it has.
+  caf::actor holder;
+  std::vector<caf::actor> workers;
+  std::shared_ptr<std::atomic<int32_t>> leased;
+  std::shared_ptr<spdlog::logger> log = get_logger("troupe.node");
+
+  static inline const char* name = "troupe.node";
+};
+
+using gate_self = caf::stateful_actor<gate_state>;
+
+std::string peer_of(gate_self* self) {
+  auto& sender = self->current_sender();
+  return sender ? to_string(sender->node()) : std::string{"an anonymous sender"};
+}
+
+void release(gate_self* self, const std::string& why) {
+  auto& st = self->state;
+  if (st.workers.empty() && !st.holder)
+    return;
+  st.log->info("releasing {} worker(s): {}", st.workers.size(), why);
+  for (auto& w : st.workers) {
+    self->send_exit(w, caf::exit_reason::user_shutdown);
+    self->home_system().registry().erase(w.id());
+  }
+  if (st.holder)
+    self->demonitor(st.holder);
+  st.workers.clear();
+  st.holder = nullptr;
+  st.leased->store(0);
+}
+
+caf::error refused(gate_self* self, const std::string& why) {
+  self->state.log->warn("refused {}: {}", peer_of(self), why);
+  return caf::make_error(errc::invalid_argument, "node: " + why);
+}
+
+caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<std::atomic<int32_t>> leased) {
+  self->state.cfg = std::move(cfg);
+  self->state.leased = std::move(leased);
+  self->set_down_handler([=](caf::down_msg& msg) {
+    if (self->state.holder && msg.source == self->state.holder.address())
+      release(self, "its executor is gone (" + render(msg.reason) + ")");
+  });
+  self->attach_functor([=](const caf::error&) { release(self, "the node stops"); });
+  return {
+    [=](hello_atom) -> caf::result<std::string> {
+      auto& sender = self->current_sender();
+      if (!sender)
+        return refused(self, "a hello without a sender");
+      auto challenge = random_challenge();
+      self->state.challenges[sender->node()] = challenge;
+      return challenge;
+    },
+    [=](auth_atom, const std::string& proof) -> caf::result<caf::ok_atom> {
+      auto& st = self->state;
+      auto& sender = self->current_sender();
+      if (!sender)
+        return refused(self, "an anonymous proof");
+      auto peer = sender->node();
+      auto at = st.challenges.find(peer);
+      if (at == st.challenges.end())
+        return refused(self, "a proof without a challenge");
+      auto expected = secret_proof(st.cfg.secret, at->second, to_string(peer));
+      st.challenges.erase(at); // one try per challenge
+      if (!same_proof(proof, expected))
+        return refused(self, "wrong secret");
+      st.authenticated.insert(peer);
+      st.log->info("{} authenticated", to_string(peer));
+      return caf::ok_atom::value;
+    },
+    [=](lease_atom, const std::string& kind, const caf::settings& options, int32_t count,
+        caf::actor holder) -> caf::result<std::vector<caf::actor>> {
+      auto& st = self->state;
+      auto& sender = self->current_sender();
+      if (!sender || st.authenticated.count(sender->node()) == 0)
+        return refused(self, "a lease before authentication");
+      if (st.holder)
+        return refused(self, "a lease while another executor holds the workers");
+      auto factory = st.cfg.kinds.find(kind);
+      if (factory == st.cfg.kinds.end()) {
+        std::string known;
+        for (auto& [name, f] : st.cfg.kinds)
+          known += (known.empty() ? "" : ", ") + name;
+        return refused(self, "no worker kind '" + kind + "' (this node has: " + known + ")");
+      }
+      if (count < 1 || count > st.cfg.devices)
+        return refused(self, std::to_string(count) + " workers asked, the node has " +
+                               std::to_string(st.cfg.devices) + " devices");
+      if (!holder)
+        return refused(self, "a lease without a holder");
+      auto make = factory->second;
+      for (int32_t i = 0; i < count; ++i)
+        st.workers.push_back(spawn_leased_worker(
+          self->home_system(), [make, options](int32_t rank) { return make(rank, options); },
+          sender->node(), st.cfg.collective_host));
+      st.holder = holder;
+      self->monitor(holder);
+      st.leased->store(count);
+      st.log->info("leased {} '{}' worker(s) to {}", count, kind, to_string(sender->node()));
+      return st.workers;
+    },
+  };
+}
+
+} // namespace
+
+struct node::impl {
+  std::unique_ptr<caf::actor_system_config> sys_cfg = std::make_unique<caf::actor_system_config>();
+  std::unique_ptr<caf::actor_system> sys;
+  caf::actor gate;
+  uint16_t port = 0;
+  std::shared_ptr<std::atomic<int32_t>> leased = std::make_shared<std::atomic<int32_t>>(0);
+  std::mutex mtx;
+  /// Held for the whole of a stop.
+  std::mutex stop_mtx;
+  std::condition_variable stopped_cv;
+  std::thread watcher;
+  bool stopped = false;
+  std::shared_ptr<spdlog::logger> log = get_logger("troupe.node");
+};
+
+node::node(node_config config) : impl_(std::make_unique<impl>()) {
+  auto& d = *impl_;
+  if (config.secret.empty())
+    throw error{errc::invalid_argument, "a node needs a shared secret (--secret-file)"};
+  if (config.kinds.empty())
+    throw error{errc::invalid_argument, "a node needs at least one worker kind"};
+  if (config.devices < 1)
+    throw error{errc::invalid_argument, "a node needs at least one device"};
+  if (config.collective_host.empty())
+    config.collective_host = config.host;
+  if (config.connection_timeout <= timeout_type::zero())
+    throw error{errc::invalid_argument, "connection_timeout must be positive"};
+  register_messages(*d.sys_cfg);
+  d.sys_cfg->load<caf::io::middleman>();
+  configure_heartbeats(*d.sys_cfg, config.connection_timeout);
+  if (config.configure_system)
+    config.configure_system(*d.sys_cfg);
+  {
+    // CAF's threads must not take SIGINT or SIGTERM (an interrupted multiplexer stops the
+    // system under the node); they inherit the mask in place while they start.
+    sigset_t stop_signals;
+    sigset_t previous;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, &previous);
+    d.sys = std::make_unique<caf::actor_system>(*d.sys_cfg);
+    pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  }
+  auto host = config.host;
+  auto wanted = config.port;
+  d.gate = d.sys->spawn(gate, std::move(config), d.leased);
+  auto port = d.sys->middleman().publish(d.gate, wanted, host.c_str(), true);
+  if (!port) {
+    caf::logger::set_current_actor_system(nullptr);
+    auto what = "node: cannot listen on " + host + ":" + std::to_string(wanted) + ": " +
+                render(port.error());
+    stop();
+    throw error{errc::worker_error, what};
+  }
+  d.port = *port;
+  // Publishing left this thread a reference to the system's logger; the system's
+  // destructor, on whatever thread stops the node, would wait for it.
+  caf::logger::set_current_actor_system(nullptr);
+  d.log->info("node listening on {}:{}", host, d.port);
+}
+
+node::~node() {
+  stop();
+  if (impl_->watcher.joinable()) {
+    char wake = 0; // a watcher still waiting for a signal leaves
+    [[maybe_unused]] auto n = write(signal_pipe[1], &wake, 1);
+    impl_->watcher.join();
+  }
+}
+
+uint16_t node::port() const {
+  return impl_->port;
+}
+
+int32_t node::leased_workers() const {
+  return impl_->leased->load();
+}
+
+void node::wait() {
+  std::unique_lock<std::mutex> guard{impl_->mtx};
+  impl_->stopped_cv.wait(guard, [&] { return impl_->stopped; });
+}
+
+void node::stop() {
+  auto& d = *impl_;
+  std::lock_guard<std::mutex> stopping{d.stop_mtx};
+  {
+    std::lock_guard<std::mutex> guard{d.mtx};
+    if (d.stopped)
+      return;
+  }
+  if (d.gate) {
+    // The gate stops the workers as it exits.
+    caf::anon_send_exit(d.gate, caf::exit_reason::user_shutdown);
+    d.sys->registry().erase(d.gate.id());
+    d.gate = nullptr;
+  }
+  // Sending from this thread left it a reference to the system's logger, which the
+  // system's destructor would wait for.
+  caf::logger::set_current_actor_system(nullptr);
+  d.sys.reset();
+  d.sys_cfg.reset();
+  {
+    std::lock_guard<std::mutex> guard{d.mtx};
+    d.stopped = true;
+  }
+  d.stopped_cv.notify_all();
+}
+
+void node::stop_on_signals() {
+  auto& d = *impl_;
+  if (d.watcher.joinable())
+    return;
+  // Any thread may take the signal (libraries start threads before main); the handler only
+  // writes to a pipe, and a thread of ours stops the node.
+  if (signal_pipe[0] < 0 && pipe(signal_pipe) != 0)
+    throw error{errc::worker_error, "node: cannot create the signal pipe"};
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+  d.watcher = std::thread{[this] {
+    char byte = 0;
+    while (read(signal_pipe[0], &byte, 1) < 0 && errno == EINTR) {
+    }
+    if (byte == 1) {
+      impl_->log->info("signal received: stopping");
+      stop();
+    }
+  }};
+}
+
+} // namespace troupe

@@ -1,0 +1,86 @@
+#pragma once
+
+/// @file
+/// A worker node: a process that hosts worker actors for an executor in another process
+/// or on another machine, reached through CAF's middleman (`troupe node` on the command
+/// line).
+
+#include "troupe/config.hpp"
+#include "troupe/worker.hpp"
+
+#include <caf/actor_system_config.hpp>
+#include <caf/settings.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+namespace troupe {
+
+/// Builds the worker of one kind for `rank` from the options the executor sent
+/// (`executor_config::node_worker_options`).
+using node_worker_factory =
+  std::function<std::unique_ptr<worker>(int32_t rank, const caf::settings& options)>;
+
+/// How a node listens and what it may host.
+struct node_config {
+  /// Address and port to listen on; loopback unless told otherwise, 0 picks a free port.
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;
+  /// Where the workers' tensor-parallel collective (Gloo) listens; empty takes `host`
+  /// (give one when `host` is 0.0.0.0).
+  std::string collective_host;
+  /// Workers the node hosts at most (one per device; `cpu:N` gives N).
+  int32_t devices = 1;
+  /// The shared secret an executor proves before anything else is served. Required.
+  std::string secret;
+  /// The worker kinds an executor may ask for, by name; nothing else can be spawned.
+  std::map<std::string, node_worker_factory> kinds;
+  /// A connection silent for this long counts as lost (BASP heartbeats every quarter of
+  /// it): an executor that disappears releases the node's workers.
+  timeout_type connection_timeout = std::chrono::seconds(3);
+  /// Lets the host add settings to the node's actor system.
+  std::function<void(caf::actor_system_config&)> configure_system;
+};
+
+/// A running node. One executor at a time leases its workers: the executor proves the
+/// shared secret (an HMAC-SHA256 of a fresh challenge, so the secret never travels), then
+/// asks for workers of a registered kind. Leased workers serve only that executor and its
+/// other workers; every other peer is refused and logged. When the executor goes away
+/// (it shuts down, dies, or its connection times out) the workers are stopped, their
+/// memory released, and the node waits for the next executor.
+class node {
+public:
+  /// Starts listening. Throws `troupe::error`: `invalid_argument` without a secret, with
+  /// no worker kind or no device; `worker_error` when the address cannot be bound.
+  explicit node(node_config config);
+  /// Stops the node (see `stop`).
+  ~node();
+
+  node(const node&) = delete;
+  node& operator=(const node&) = delete;
+
+  /// The port the node listens on.
+  uint16_t port() const;
+
+  /// Workers leased to an executor right now.
+  int32_t leased_workers() const;
+
+  /// Blocks until the node is stopped (by `stop` from another thread, or a signal).
+  void wait();
+
+  /// Stops the leased workers and closes the node; idempotent, and a second caller waits
+  /// until the first is done.
+  void stop();
+
+  /// For daemons: from now on SIGINT and SIGTERM (their handlers replaced) stop the node.
+  void stop_on_signals();
+
+private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+} // namespace troupe

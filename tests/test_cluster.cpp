@@ -1,0 +1,272 @@
+// Executors with workers on nodes in other processes (tests/node_host.cpp, on loopback):
+// the same results as all-local runs, generation across processes, failures noticed
+// (kill -9, SIGSTOP) within the heartbeat timeout, and peers without the secret refused.
+
+#include "actors/node_auth.hpp"
+#include "messages/messages.hpp"
+#include "tests/child_process.hpp"
+#include "tests/generation.hpp"
+#include "tests/test_worker.hpp"
+#include "troupe/executor.hpp"
+#include "troupe/model_worker.hpp"
+
+#include <caf/all.hpp>
+#include <caf/io/all.hpp>
+
+#include <doctest/doctest.h>
+
+#include <sstream>
+#include <thread>
+
+using namespace troupe;
+using namespace std::chrono_literals;
+using troupe::testing::child_process;
+using troupe::testing::code_of;
+using troupe::testing::test_factory;
+using troupe::testing::what_of;
+using clock_type = std::chrono::steady_clock;
+
+namespace {
+
+const std::string secret = "correct horse battery staple";
+
+/// A node process with `devices` worker slots.
+struct node_process : child_process {
+  explicit node_process(int32_t devices = 2, int32_t timeout_ms = 1000)
+    : child_process(TROUPE_NODE_HOST,
+                    {secret, std::to_string(devices), std::to_string(timeout_ms)}) {
+  }
+};
+
+executor_config mixed_config(int32_t local, const std::vector<node_address>& nodes) {
+  executor_config cfg;
+  cfg.nodes = nodes;
+  int32_t remote = 0;
+  for (auto& n : nodes)
+    remote += n.workers;
+  cfg.tensor_parallel_size = local + remote;
+  cfg.node_secret = secret;
+  cfg.node_worker_kind = "test";
+  cfg.node_timeout = 1s;
+  cfg.rpc_timeout = 20s;
+  cfg.startup_timeout = 20s;
+  return cfg;
+}
+
+double seconds_since(clock_type::time_point start) {
+  return std::chrono::duration<double>(clock_type::now() - start).count();
+}
+
+/// The framework's calls, their results rendered as text (pids and devices left out: they
+/// differ by placement).
+std::vector<std::string> run_suite(executor& exec) {
+  std::vector<std::string> out;
+  auto add = [&](const std::string& what, const std::string& result) {
+    out.push_back(what + " = " + result);
+  };
+  auto text = [](const auto& xs) {
+    std::ostringstream s;
+    for (auto& x : xs)
+      s << x << ",";
+    return s.str();
+  };
+  add("rank", text(exec.collective_rpc_as<int32_t>("rank")));
+  rpc_call_options opts;
+  opts.args = caf::make_message(int32_t{3});
+  add("sleep_ms", text(exec.collective_rpc_as<int32_t>("sleep_ms", opts)));
+  add("fail_on", what_of([&] {
+        rpc_call_options o;
+        o.args = caf::make_message(int32_t{2});
+        exec.collective_rpc("fail_on", o);
+      }));
+  // Every rank fails: which one is named depends on who answers first.
+  add("unknown", to_string(code_of([&] { exec.collective_rpc("no_such_method"); })));
+  auto blocks = exec.determine_num_available_blocks();
+  add("blocks", std::to_string(blocks.num_device_blocks) + "/" +
+                  std::to_string(blocks.num_swap_blocks));
+  exec.initialize_cache(blocks);
+  execute_model_request req;
+  sequence_group_metadata g;
+  g.request_id = "r";
+  g.seqs.push_back({0, {1, 2, 3}, 3, 0, {0}});
+  g.token_chunk_size = 3;
+  req.seq_group_metadata_list.push_back(g);
+  for (int i = 0; i < 3; ++i)
+    add("execute_model", std::to_string(exec.execute_model(req)[0].outputs[0].samples[0].output_token));
+  exec.stop_remote_worker_execution_loop();
+  add("steps", text(exec.collective_rpc_as<int64_t>("steps")));
+  exec.add_lora({"a", 3, "/nowhere"});
+  exec.add_lora({"b", 5, "/nowhere"});
+  exec.remove_lora(3);
+  add("loras", text(exec.list_loras()));
+  add("checksum before sleep", text(exec.collective_rpc_as<int64_t>("checksum")));
+  exec.sleep(1);
+  add("sleeping", text(exec.sleep_state().sleeping_tags));
+  exec.wake_up();
+  add("checksum after wake", text(exec.collective_rpc_as<int64_t>("checksum")));
+  exec.check_health();
+  return out;
+}
+
+} // namespace
+
+TEST_CASE("two nodes and local workers give the results of an all-local executor") {
+  std::vector<std::string> local;
+  {
+    executor_config cfg;
+    cfg.tensor_parallel_size = 4;
+    executor exec{cfg, test_factory()};
+    local = run_suite(exec);
+  }
+  node_process a;
+  node_process b;
+  auto exec = std::make_unique<executor>(mixed_config(2, {{"127.0.0.1", a.port(), 1},
+                                                          {"127.0.0.1", b.port(), 1}}),
+                                         test_factory());
+  auto workers = exec->workers();
+  REQUIRE(workers.size() == 4);
+  CHECK(workers[0].pid == workers[1].pid);
+  CHECK(workers[2].pid != workers[0].pid);
+  CHECK(workers[3].pid != workers[2].pid);
+  auto mixed = run_suite(*exec);
+  REQUIRE(mixed.size() == local.size());
+  for (size_t i = 0; i < local.size(); ++i)
+    CHECK(mixed[i] == local[i]);
+  // Callables never cross the network.
+  CHECK(code_of([&] { exec->collective_rpc([](worker&, const caf::message&, const caf::settings&) {
+    return caf::message{};
+  }); }) == errc::remote_callable);
+}
+
+TEST_CASE("a model split across processes generates transformers' greedy tokens") {
+  node_process n;
+  auto cfg = mixed_config(1, {{"127.0.0.1", n.port(), 1}});
+  cfg.node_worker_kind = "model";
+  cfg.block_size = 4;
+  model_worker_options opts;
+  opts.model_path = TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa";
+  opts.kv_cache_memory_bytes = 1 << 20;
+  cfg.node_worker_options = to_settings(opts);
+  executor exec{cfg, model_worker_factory(opts)};
+  exec.initialize_cache(exec.determine_num_available_blocks());
+  auto ref = testing::read_json(opts.model_path + "/reference.json");
+  for (auto& p : ref["prompts"]) {
+    auto tokens = testing::greedy_tokens(exec, p["token_ids"].get<std::vector<int32_t>>(), 32);
+    CHECK(tokens == p["greedy"].get<std::vector<int32_t>>());
+  }
+  exec.stop_remote_worker_execution_loop();
+}
+
+TEST_CASE("a node killed mid-step fails the call with worker_died and nothing hangs") {
+  node_process n;
+  executor exec{mixed_config(1, {{"127.0.0.1", n.port(), 1}}), test_factory()};
+  rpc_call_options slow;
+  slow.args = caf::make_message(int32_t{10000});
+  exec.collective_rpc("slow_steps", slow);
+  execute_model_request req;
+  sequence_group_metadata g;
+  g.request_id = "r";
+  g.seqs.push_back({0, {1, 2}, 2, 0, {0}});
+  g.token_chunk_size = 2;
+  req.seq_group_metadata_list.push_back(g);
+  auto step = exec.execute_model_async(req);
+  std::this_thread::sleep_for(300ms);
+  auto start = clock_type::now();
+  n.kill_now();
+  try {
+    step.get();
+    FAIL("the step succeeded");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::worker_died);
+    CHECK(std::string{e.what()}.find("rank") != std::string::npos);
+  }
+  auto took = seconds_since(start);
+  MESSAGE("kill -9 noticed after " << took << " s");
+  CHECK(took < 5.0);
+  CHECK(code_of([&] { exec.collective_rpc("rank"); }) == errc::worker_died);
+}
+
+TEST_CASE("a stopped node (SIGSTOP) is noticed by heartbeat within the timeout") {
+  node_process n{1, 1000};
+  executor exec{mixed_config(1, {{"127.0.0.1", n.port(), 1}}), test_factory()};
+  rpc_call_options opts;
+  opts.args = caf::make_message(int32_t{1});
+  exec.collective_rpc("sleep_ms", opts); // warm
+  n.signal(SIGSTOP);
+  auto start = clock_type::now();
+  opts.args = caf::make_message(int32_t{10});
+  CHECK(code_of([&] { exec.collective_rpc("sleep_ms", opts); }) == errc::worker_died);
+  auto took = seconds_since(start);
+  MESSAGE("SIGSTOP noticed after " << took << " s (node_timeout 1 s)");
+  CHECK(took < 10.0); // the call's own deadline is 20 s
+  n.signal(SIGCONT);
+}
+
+TEST_CASE("peers without the secret are refused and the legitimate executor is unaffected") {
+  node_process n{2};
+  auto legit = std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}),
+                                          test_factory());
+  CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+
+  auto wrong = mixed_config(0, {{"127.0.0.1", n.port(), 1}});
+  wrong.node_secret = "guess";
+  CHECK_THROWS_WITH_AS(executor(wrong, test_factory()), doctest::Contains("wrong secret"), error);
+
+  // Right secret, but the node's workers are leased: refused, nothing spawned.
+  CHECK_THROWS_WITH_AS(executor(mixed_config(0, {{"127.0.0.1", n.port(), 1}}), test_factory()),
+                       doctest::Contains("another executor holds the workers"), error);
+
+  // A peer that skips the handshake: hello, lease and a forged proof are all refused.
+  {
+    caf::actor_system_config cfg;
+    register_messages(cfg);
+    cfg.load<caf::io::middleman>();
+    caf::actor_system sys{cfg};
+    auto gate = sys.middleman().remote_actor("127.0.0.1", n.port());
+    REQUIRE(gate);
+    caf::scoped_actor self{sys};
+    caf::error err;
+    auto holder = sys.spawn([]() -> caf::behavior { return {[](caf::ok_atom) {}}; });
+    self->request(*gate, 5s, lease_atom::value, std::string{"test"}, caf::settings{}, int32_t{1},
+                  holder)
+      .receive([](std::vector<caf::actor>&) {}, [&](caf::error& e) { err = e; });
+    CHECK(render(err).find("a lease before authentication") != std::string::npos);
+    err = caf::error{};
+    self->request(*gate, 5s, auth_atom::value, std::string(64, '0'))
+      .receive([](caf::ok_atom) {}, [&](caf::error& e) { err = e; });
+    CHECK(render(err).find("a proof without a challenge") != std::string::npos);
+    std::string challenge;
+    self->request(*gate, 5s, hello_atom::value)
+      .receive([&](std::string& c) { challenge = c; }, [&](caf::error& e) { err = e; });
+    // A proof made for another node id (overheard) does not pass.
+    auto stolen = secret_proof(secret, challenge, "someone-else");
+    err = caf::error{};
+    self->request(*gate, 5s, auth_atom::value, stolen)
+      .receive([](caf::ok_atom) {}, [&](caf::error& e) { err = e; });
+    CHECK(render(err).find("wrong secret") != std::string::npos);
+    anon_send_exit(holder, caf::exit_reason::user_shutdown);
+  }
+  // The legitimate executor keeps working.
+  CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+
+  // Once it is gone, the node serves the next executor.
+  legit.reset();
+  auto start = clock_type::now();
+  std::unique_ptr<executor> next;
+  while (!next) {
+    try {
+      next = std::make_unique<executor>(mixed_config(0, {{"127.0.0.1", n.port(), 2}}),
+                                        test_factory());
+    } catch (const error& e) {
+      REQUIRE_MESSAGE(seconds_since(start) < 5.0, e.what());
+      std::this_thread::sleep_for(50ms);
+    }
+  }
+  CHECK(next->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+}
+
+TEST_CASE("SIGTERM stops a node cleanly") {
+  node_process n;
+  n.signal(SIGTERM);
+  CHECK(n.wait_exit() == 0);
+}
