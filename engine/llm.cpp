@@ -21,6 +21,9 @@ struct llm::impl {
   std::unique_ptr<troupe::executor> exec;
   cache_blocks blocks;
   int64_t next_seq = 0;
+  /// The adapter directory of every id used so far: an id keeps its adapter.
+  std::map<int64_t, std::string> lora_paths;
+  std::map<int64_t, std::string> prompt_adapter_paths;
   double tokens_per_second = 0;
 };
 
@@ -121,27 +124,35 @@ std::vector<generation_output> llm::generate(const std::vector<std::string>& pro
   return generate(reqs);
 }
 
+namespace {
+
+/// Records that `id` means the adapter at `path`; refuses an id that meant another one.
+void bind_adapter_id(std::map<int64_t, std::string>& paths, const char* kind, int64_t id,
+                     const std::string& path) {
+  auto [at, fresh] = paths.emplace(id, path);
+  if (!fresh && at->second != path)
+    throw error{errc::invalid_argument, std::string{kind} + " id " + std::to_string(id) +
+                                          " names '" + at->second + "', not '" + path +
+                                          "'; remove it first or use another id"};
+}
+
+} // namespace
+
 void llm::load_adapters(const std::vector<generation_request>& requests) {
-  auto& exec = *impl_->exec;
-  // One adapter per id: two requests naming the same id with different paths are a mistake.
-  std::map<int64_t, const lora_request*> loras;
-  std::map<int64_t, const prompt_adapter_request*> prompt_adapters;
+  auto& d = *impl_;
+  auto& exec = *d.exec;
+  std::map<int64_t, lora_request> loras;
+  std::map<int64_t, prompt_adapter_request> prompt_adapters;
   for (auto& req : requests) {
     if (req.lora) {
-      auto [at, fresh] = loras.emplace(req.lora->lora_int_id, &*req.lora);
-      if (!fresh && at->second->lora_path != req.lora->lora_path)
-        throw error{errc::invalid_argument, "LoRA id " + std::to_string(req.lora->lora_int_id) +
-                                              " names both '" + at->second->lora_path +
-                                              "' and '" + req.lora->lora_path + "'"};
+      bind_adapter_id(d.lora_paths, "LoRA", req.lora->lora_int_id, req.lora->lora_path);
+      loras.emplace(req.lora->lora_int_id, *req.lora);
     }
     if (req.prompt_adapter) {
       auto& pa = *req.prompt_adapter;
-      auto [at, fresh] = prompt_adapters.emplace(pa.prompt_adapter_id, &pa);
-      if (!fresh && at->second->prompt_adapter_local_path != pa.prompt_adapter_local_path)
-        throw error{errc::invalid_argument,
-                    "prompt adapter id " + std::to_string(pa.prompt_adapter_id) + " names both '" +
-                      at->second->prompt_adapter_local_path + "' and '" +
-                      pa.prompt_adapter_local_path + "'"};
+      bind_adapter_id(d.prompt_adapter_paths, "prompt adapter", pa.prompt_adapter_id,
+                      pa.prompt_adapter_local_path);
+      prompt_adapters.emplace(pa.prompt_adapter_id, pa);
     }
   }
   // Adapters the workers have not loaded are added; evicted ones come back when a step
@@ -150,13 +161,18 @@ void llm::load_adapters(const std::vector<generation_request>& requests) {
     auto loaded = exec.list_loras();
     for (auto& [id, req] : loras)
       if (std::find(loaded.begin(), loaded.end(), id) == loaded.end())
-        exec.add_lora(*req);
+        exec.add_lora(req);
   }
   if (!prompt_adapters.empty()) {
     auto loaded = exec.list_prompt_adapters();
     for (auto& [id, req] : prompt_adapters)
-      if (std::find(loaded.begin(), loaded.end(), id) == loaded.end())
-        exec.add_prompt_adapter(*req);
+      if (std::find(loaded.begin(), loaded.end(), id) == loaded.end()) {
+        // The workers check that the adapter has as many virtual tokens as the engine puts
+        // placeholders for.
+        req.prompt_adapter_num_virtual_tokens = static_cast<int32_t>(
+          read_prompt_tuning_config(req.prompt_adapter_local_path).num_virtual_tokens);
+        exec.add_prompt_adapter(req);
+      }
   }
 }
 
@@ -167,6 +183,7 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
   sc.max_num_seqs = d.cfg.max_num_seqs;
   sc.max_model_len = d.exec->config().max_model_len;
   sc.max_loras = d.cfg.max_loras;
+  sc.max_prompt_adapters = d.cfg.max_prompt_adapters;
   load_adapters(requests);
   scheduler sched{sc, d.cfg.block_size, d.blocks.num_device_blocks, d.blocks.num_swap_blocks,
                   d.model.eos_token_id};

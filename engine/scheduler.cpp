@@ -121,13 +121,28 @@ execute_model_request scheduler::schedule() {
   }
 
   // 3. Waiting prompts (recomputed ones first), whole, while everything allows. One whose
-  //    LoRA adapter would exceed max_loras is passed over and keeps its place.
-  std::set<int64_t> loras;
+  //    LoRA or prompt adapter would exceed max_loras or max_prompt_adapters is passed over
+  //    and keeps its place.
+  struct adapter_limit {
+    int64_t engine_request::*id;
+    int64_t max;
+    std::set<int64_t> in_use;
+    bool allows(const engine_request& r) const {
+      auto a = r.*id;
+      return max <= 0 || a == 0 || in_use.count(a) > 0 || static_cast<int64_t>(in_use.size()) < max;
+    }
+    void take(const engine_request& r) {
+      if (r.*id != 0)
+        in_use.insert(r.*id);
+    }
+  };
+  adapter_limit limits[] = {{&engine_request::lora_int_id, config_.max_loras, {}},
+                            {&engine_request::prompt_adapter_id, config_.max_prompt_adapters, {}}};
   for (auto& ids : {std::vector<int64_t>(running_.begin(), running_.end()),
                     std::vector<int64_t>(swapped_.begin(), swapped_.end())})
     for (auto seq : ids)
-      if (requests_.at(seq).lora_int_id != 0)
-        loras.insert(requests_.at(seq).lora_int_id);
+      for (auto& l : limits)
+        l.take(requests_.at(seq));
   for (size_t i = 0; i < waiting_.size() && swapped_.empty()
                      && static_cast<int64_t>(scheduled_.size()) < config_.max_num_seqs;) {
     auto seq = waiting_[i];
@@ -142,8 +157,7 @@ execute_model_request scheduler::schedule() {
       requests_.erase(seq);
       continue;
     }
-    if (config_.max_loras > 0 && r.lora_int_id != 0 && loras.count(r.lora_int_id) == 0
-        && static_cast<int64_t>(loras.size()) >= config_.max_loras) {
+    if (!limits[0].allows(r) || !limits[1].allows(r)) {
       ++i;
       continue;
     }
@@ -154,8 +168,8 @@ execute_model_request scheduler::schedule() {
     r.num_computed = 0;
     append_group(r, tokens, true, step);
     running_.push_back(seq);
-    if (r.lora_int_id != 0)
-      loras.insert(r.lora_int_id);
+    for (auto& l : limits)
+      l.take(r);
     budget -= tokens;
   }
   return step;

@@ -26,6 +26,8 @@ struct scheduler_config {
   /// Distinct LoRA adapters among the running requests (vLLM's `max_loras`); a waiting
   /// request with another adapter waits while the limit is reached. 0: no limit.
   int64_t max_loras = 0;
+  /// The same for prompt adapters (vLLM's `max_prompt_adapters`). 0: no limit.
+  int64_t max_prompt_adapters = 0;
 };
 
 /// One request as the scheduler tracks it.

@@ -3,6 +3,7 @@
 #include "troupe/errors.hpp"
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <optional>
@@ -47,12 +48,19 @@ public:
     return known_.erase(id) > 0;
   }
 
-  /// Exempts a loaded adapter from eviction. Throws `invalid_argument` when it is not loaded.
-  void pin(int64_t id) {
+  /// Exempts an adapter from eviction, loading it again first when it was evicted. Throws
+  /// `invalid_argument` when it was never added (or was removed).
+  void pin(int64_t id, const loader& load) {
     auto i = known_.find(id);
-    if (i == known_.end() || !i->second.loaded)
+    if (i == known_.end())
       throw error{errc::invalid_argument,
                   kind_ + " " + std::to_string(id) + " is not loaded; add it before pinning"};
+    if (!i->second.loaded) {
+      auto loaded = load(i->second.request);
+      make_room({});
+      i->second.loaded = std::move(loaded);
+      i->second.last_used = ++clock_;
+    }
     i->second.pinned = true;
   }
 
@@ -95,11 +103,24 @@ public:
     return out;
   }
 
-  /// Loads every loaded adapter again from its request (their memory was discarded).
+  /// Loads every loaded adapter again from its request (their memory was discarded). One
+  /// that fails is unloaded (a later step loads it again or says why not), the others are
+  /// still reloaded, and the first failure is rethrown.
   void reload(const loader& load) {
-    for (auto& [id, e] : known_)
-      if (e.loaded)
+    std::exception_ptr first;
+    for (auto& [id, e] : known_) {
+      if (!e.loaded)
+        continue;
+      try {
         e.loaded = load(e.request);
+      } catch (...) {
+        e.loaded.reset();
+        if (!first)
+          first = std::current_exception();
+      }
+    }
+    if (first)
+      std::rethrow_exception(first);
   }
 
 private:

@@ -129,9 +129,15 @@ void model_worker::reload_weights() {
   require_model("reload_weights");
   require_awake("reload_weights");
   st.model->load(open_checkpoint(), {}, st.presharded);
-  st.loras.reload(lora_loader(*st.model, options_.max_lora_rank));
-  st.prompt_adapters.reload(
-    prompt_adapter_loader(*st.model, options_.max_prompt_adapter_token));
+  std::exception_ptr failed;
+  try {
+    st.loras.reload(lora_loader(*st.model, options_.max_lora_rank));
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  st.prompt_adapters.reload(prompt_adapter_loader(*st.model, options_.max_prompt_adapter_token));
+  if (failed)
+    std::rethrow_exception(failed);
 }
 
 void model_worker::require_model(const char* what) const {
@@ -152,7 +158,9 @@ bool model_worker::remove_lora(int64_t lora_id) {
 }
 
 bool model_worker::pin_lora(int64_t lora_id) {
-  state_->loras.pin(lora_id);
+  require_model("pin_lora");
+  require_awake("pin_lora");
+  state_->loras.pin(lora_id, lora_loader(*state_->model, options_.max_lora_rank));
   return true;
 }
 
@@ -174,7 +182,10 @@ bool model_worker::remove_prompt_adapter(int64_t adapter_id) {
 }
 
 bool model_worker::pin_prompt_adapter(int64_t adapter_id) {
-  state_->prompt_adapters.pin(adapter_id);
+  require_model("pin_prompt_adapter");
+  require_awake("pin_prompt_adapter");
+  state_->prompt_adapters.pin(
+    adapter_id, prompt_adapter_loader(*state_->model, options_.max_prompt_adapter_token));
   return true;
 }
 

@@ -356,3 +356,55 @@ TEST_CASE("bad adapters are refused naming the adapter and what is wrong, and no
                        doctest::Contains("has 4 virtual tokens, the request says 5"), error);
   CHECK(exec->list_prompt_adapters().empty());
 }
+
+TEST_CASE("adapters take turns within their slots and keep their ids and outputs") {
+  auto ref = reference();
+  auto model = make_llm(1, 1);
+  // Two prompt adapters (ids 1 and 2, the same files) with one slot: they take turns.
+  std::vector<generation_request> reqs;
+  for (int64_t id = 1; id <= 2; ++id) {
+    generation_request r{"", prompt_of(ref, 2), greedy(16), {}};
+    r.prompt_adapter = prompt_tuning(id);
+    reqs.push_back(r);
+  }
+  for (auto& out : model->generate(reqs))
+    CHECK(out.token_ids == greedy_of(ref, "prompt-tuning", 2));
+  // An id keeps the adapter it was first used with.
+  generation_request other{"", prompt_of(ref, 0), greedy(4), {}};
+  other.lora = lora("lora-all", 1);
+  model->generate({other});
+  other.lora = lora("lora-qv", 1);
+  CHECK_THROWS_WITH_AS(model->generate({other}), doctest::Contains("LoRA id 1 names"), error);
+  // Pinning an evicted adapter loads it again.
+  auto& exec = model->executor();
+  CHECK(exec.add_lora(lora("lora-mlp", 2))); // evicts 1
+  CHECK(exec.list_loras() == std::vector<int64_t>{2});
+  CHECK(exec.pin_lora(1)); // 1 comes back and 2 goes
+  CHECK(exec.list_loras() == std::vector<int64_t>{1});
+}
+
+TEST_CASE("a reload that fails for one adapter leaves no adapter with discarded weights") {
+  auto ref = reference();
+  auto exec = make_executor(1, 2);
+  adapter_copy gone{"lora-all"};
+  exec->add_lora({"gone", 1, gone.dir.string()});
+  exec->add_lora(lora("lora-qv", 2));
+  exec->sleep(2);
+  exec->wake_up();
+  fs::remove_all(gone.dir);
+  CHECK_THROWS_WITH_AS(exec->collective_rpc("reload_weights"),
+                       doctest::Contains("no adapter_config.json"), error);
+  CHECK(exec->list_loras() == std::vector<int64_t>{2}); // the broken one is unloaded
+  sequence_group_metadata g;
+  g.request_id = "r";
+  g.is_prompt = true;
+  g.seqs.push_back({0, prompt_of(ref, 1), static_cast<int32_t>(prompt_of(ref, 1).size()), 0,
+                    {0, 1, 2, 3}});
+  g.token_chunk_size = static_cast<int32_t>(g.seqs[0].token_ids.size());
+  g.sampling = greedy(1);
+  g.lora_int_id = 2;
+  execute_model_request req;
+  req.seq_group_metadata_list.push_back(g);
+  CHECK(exec->execute_model(req)[0].outputs[0].samples[0].output_token
+        == greedy_of(ref, "lora-qv", 1)[0]);
+}
