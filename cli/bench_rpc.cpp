@@ -4,6 +4,7 @@
 
 #include "cli/commands.hpp"
 
+#include "troupe/errors.hpp"
 #include "troupe/executor.hpp"
 
 #include <caf/make_message.hpp>
@@ -17,6 +18,11 @@
 #include <numeric>
 #include <sstream>
 #include <thread>
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 namespace troupe::cli {
 
@@ -123,7 +129,52 @@ std::string to_json(const stats& s, int workers, const std::string& mode) {
   return out.str();
 }
 
+/// Round trip of one byte over a loopback TCP connection between two threads (Nagle off):
+/// the least a call to a worker in another process can cost here.
+stats tcp_round_trip_floor(int iterations) {
+  int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&addr), len) != 0
+      || listen(listener, 1) != 0
+      || getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+    throw error{errc::worker_error, "bench rpc: cannot open a loopback socket"};
+  int one = 1;
+  std::thread echo([&] {
+    int peer = accept(listener, nullptr, nullptr);
+    setsockopt(peer, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    char byte;
+    while (read(peer, &byte, 1) == 1 && write(peer, &byte, 1) == 1) {
+    }
+    close(peer);
+  });
+  int client = socket(AF_INET, SOCK_STREAM, 0);
+  setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (connect(client, reinterpret_cast<sockaddr*>(&addr), len) != 0)
+    throw error{errc::worker_error, "bench rpc: cannot connect over loopback"};
+  std::vector<double> samples;
+  auto wall_start = clock_type::now();
+  char byte = 1;
+  for (int i = 0; i < iterations; ++i) {
+    auto start = clock_type::now();
+    if (write(client, &byte, 1) != 1 || read(client, &byte, 1) != 1)
+      break;
+    samples.push_back(std::chrono::duration<double, std::micro>(clock_type::now() - start).count());
+  }
+  close(client);
+  echo.join();
+  close(listener);
+  std::chrono::duration<double> wall = clock_type::now() - wall_start;
+  return summarize(std::move(samples), wall.count());
+}
+
 } // namespace
+
+std::unique_ptr<worker> make_bench_worker() {
+  return std::make_unique<bench_worker>();
+}
 
 std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
   struct options {
@@ -133,6 +184,7 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     size_t scheduler_threads = 0;
     size_t poll_attempts = 0;
     bool json = false;
+    node_options nodes;
   };
   auto opts = std::make_shared<options>();
   auto cmd = std::make_shared<command>();
@@ -157,14 +209,21 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                  "Polls of an idle scheduler thread before it sleeps (0: CAF's default)")
     ->capture_default_str();
   cmd->app->add_flag("--json", opts->json, "Print only JSON (the last line is the result array)");
+  add_node_options(*cmd->app, opts->nodes);
   cmd->run = [opts] {
     executor_config cfg;
     cfg.tensor_parallel_size = opts->workers;
+    apply_node_options(opts->nodes, cfg);
+    cfg.node_worker_kind = "bench";
     cfg.scheduler_threads = opts->scheduler_threads;
     cfg.scheduler_poll_attempts = opts->poll_attempts;
-    executor exec{cfg, [](int32_t) { return std::make_unique<bench_worker>(); }};
+    executor exec{cfg, [](int32_t) { return make_bench_worker(); }};
+    int32_t remote = 0;
+    for (auto& n : cfg.nodes)
+      remote += n.workers;
 
     auto floor = thread_wakeup_floor(opts->iterations);
+    auto tcp_floor = tcp_round_trip_floor(opts->iterations);
     auto idle = measure(exec, opts->iterations);
 
     // Busy: a second caller keeps every worker running short calls back to back.
@@ -185,11 +244,16 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                 << opts->iterations << " calls per mode\n"
                 << "  idle: p50 " << idle.p50_us << " us, p99 " << idle.p99_us << " us\n"
                 << "  busy: p50 " << busy.p50_us << " us, p99 " << busy.p99_us << " us\n"
-                << "  floor (thread wake-up round trip): p50 " << floor.p50_us << " us\n";
+                << "  floor (thread wake-up round trip): p50 " << floor.p50_us << " us\n"
+                << "  floor (loopback TCP round trip): p50 " << tcp_floor.p50_us << " us\n";
+      if (remote > 0)
+        std::cout << "  " << remote << " of the workers on " << cfg.nodes.size() << " node(s)\n";
     }
-    std::cout << "{\"floor\":" << to_json(floor, 0, "thread_wakeup_round_trip") << "}\n";
-    std::cout << "[" << to_json(idle, opts->workers, "idle") << ","
-              << to_json(busy, opts->workers, "busy") << "]" << std::endl;
+    std::cout << "{\"floor\":" << to_json(floor, 0, "thread_wakeup_round_trip")
+              << ",\"tcp_floor\":" << to_json(tcp_floor, 0, "loopback_tcp_round_trip") << "}\n";
+    auto mode = [&](const char* m) { return remote > 0 ? std::string{m} + "_nodes" : std::string{m}; };
+    std::cout << "[" << to_json(idle, opts->workers, mode("idle")) << ","
+              << to_json(busy, opts->workers, mode("busy")) << "]" << std::endl;
     return 0;
   };
   return cmd;

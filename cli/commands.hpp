@@ -1,9 +1,14 @@
 #pragma once
 
+#include "troupe/config.hpp"
+#include "troupe/worker.hpp"
+
 #include <CLI/CLI.hpp>
 
 #include <functional>
 #include <memory>
+#include <string>
+#include <vector>
 
 namespace troupe::cli {
 
@@ -27,6 +32,29 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench);
 
 /// `troupe generate`: text from a model.
 std::shared_ptr<command> add_generate(CLI::App& app);
+
+/// `troupe node`: a worker node with the worker kinds "model" and "bench".
+std::shared_ptr<command> add_node(CLI::App& app);
+
+/// Where the workers of an executor live, from the command line.
+struct node_options {
+  std::vector<std::string> nodes;
+  std::string secret_file;
+  int timeout_ms = 3000;
+};
+
+/// Adds --nodes, --secret-file and --node-timeout-ms to `app`.
+void add_node_options(CLI::App& app, node_options& o);
+
+/// Puts the nodes, the secret and the timeout into `cfg`; throws `invalid_argument` for a
+/// malformed node, a missing or empty secret file.
+void apply_node_options(const node_options& o, executor_config& cfg);
+
+/// The contents of a secret file, without a trailing newline.
+std::string read_secret(const std::string& path);
+
+/// The worker of `troupe bench rpc` (methods "noop" and "spin").
+std::unique_ptr<worker> make_bench_worker();
 
 /// `troupe make-model`: a random-weight model in Hugging Face format.
 std::shared_ptr<command> add_make_model(CLI::App& app);

@@ -16,13 +16,14 @@ int main(int argc, char** argv) {
   auto run_generate = troupe::cli::add_bench_generate(*bench);
   auto make_model = troupe::cli::add_make_model(app);
   auto generate = troupe::cli::add_generate(app);
+  auto node = troupe::cli::add_node(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   try {
-    for (auto& cmd : {generate, run_rpc, run_step, run_generate, make_model})
+    for (auto& cmd : {generate, node, run_rpc, run_step, run_generate, make_model})
       if (*cmd)
         return cmd->run();
   } catch (const std::exception& e) {

@@ -1,0 +1,150 @@
+// `troupe node` and the --nodes / --secret-file options of the commands that run an
+// executor.
+
+#include "cli/commands.hpp"
+
+#include "troupe/errors.hpp"
+#include "troupe/model_worker.hpp"
+#include "troupe/node.hpp"
+
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+namespace troupe::cli {
+
+namespace {
+
+/// "HOST:PORT" (the port after the last colon).
+std::pair<std::string, uint16_t> host_and_port(const std::string& flag, const std::string& text) {
+  auto colon = text.rfind(':');
+  long port = -1;
+  if (colon != std::string::npos && colon > 0) {
+    try {
+      size_t used = 0;
+      port = std::stol(text.substr(colon + 1), &used);
+      if (used != text.size() - colon - 1)
+        port = -1;
+    } catch (const std::exception&) {
+      port = -1;
+    }
+  }
+  if (port < 0 || port > 65535)
+    throw error{errc::invalid_argument, flag + ": '" + text + "' is not HOST:PORT"};
+  return {text.substr(0, colon), static_cast<uint16_t>(port)};
+}
+
+} // namespace
+
+void add_node_options(CLI::App& app, node_options& o) {
+  app.add_option("--nodes", o.nodes,
+                 "Worker nodes (troupe node) as HOST:PORT or HOST:PORT/WORKERS, comma-separated; "
+                 "their workers take the last ranks")
+    ->delimiter(',');
+  app.add_option("--secret-file", o.secret_file, "File holding the nodes' shared secret");
+  app.add_option("--node-timeout-ms", o.timeout_ms,
+                 "A node silent this long counts as lost (BASP heartbeats every quarter)")
+    ->check(CLI::Range(100, 3600000))
+    ->capture_default_str();
+}
+
+std::string read_secret(const std::string& path) {
+  std::ifstream in{path};
+  if (!in)
+    throw error{errc::invalid_argument, "--secret-file: cannot read '" + path + "'"};
+  std::stringstream text;
+  text << in.rdbuf();
+  auto secret = text.str();
+  while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r'))
+    secret.pop_back();
+  if (secret.empty())
+    throw error{errc::invalid_argument, "--secret-file: '" + path + "' is empty"};
+  return secret;
+}
+
+void apply_node_options(const node_options& o, executor_config& cfg) {
+  for (auto& spec : o.nodes) {
+    node_address n;
+    auto slash = spec.find('/');
+    auto [host, port] = host_and_port("--nodes", spec.substr(0, slash));
+    n.host = host;
+    n.port = port;
+    if (slash != std::string::npos) {
+      try {
+        n.workers = std::stoi(spec.substr(slash + 1));
+      } catch (const std::exception&) {
+        n.workers = 0;
+      }
+      if (n.workers < 1)
+        throw error{errc::invalid_argument, "--nodes: '" + spec + "' asks for no workers"};
+    }
+    cfg.nodes.push_back(n);
+  }
+  if (!cfg.nodes.empty()) {
+    if (o.secret_file.empty())
+      throw error{errc::invalid_argument, "--nodes needs --secret-file"};
+    cfg.node_secret = read_secret(o.secret_file);
+  }
+  cfg.node_timeout = std::chrono::milliseconds(o.timeout_ms);
+}
+
+std::shared_ptr<command> add_node(CLI::App& app) {
+  struct options {
+    std::string listen = "127.0.0.1:7420";
+    std::string devices = "cpu:1";
+    std::string secret_file;
+    std::string collective_host;
+    int timeout_ms = 3000;
+  };
+  auto o = std::make_shared<options>();
+  auto cmd = std::make_shared<command>();
+  auto* sub = app.add_subcommand(
+    "node", "Host workers for an executor in another process or on another machine");
+  cmd->app = sub;
+  sub->add_option("--listen", o->listen,
+                  "HOST:PORT to listen on (loopback unless an address is given; port 0 picks one)")
+    ->capture_default_str();
+  sub->add_option("--devices", o->devices, "Devices to host workers on: cpu:N")
+    ->capture_default_str();
+  sub->add_option("--secret-file", o->secret_file,
+                  "File holding the shared secret executors must prove")
+    ->required();
+  sub->add_option("--collective-host", o->collective_host,
+                  "Address the workers' tensor-parallel collective listens on (default: the "
+                  "--listen host)");
+  sub->add_option("--connection-timeout-ms", o->timeout_ms,
+                  "An executor silent this long counts as gone and its workers are released")
+    ->check(CLI::Range(100, 3600000))
+    ->capture_default_str();
+  cmd->run = [o] {
+    node_config cfg;
+    auto [host, port] = host_and_port("--listen", o->listen);
+    cfg.host = host;
+    cfg.port = port;
+    const std::string cpu = "cpu:";
+    if (o->devices.rfind(cpu, 0) != 0)
+      throw error{errc::invalid_argument, "--devices: '" + o->devices +
+                                            "' is not cpu:N (CUDA devices are not built in)"};
+    try {
+      cfg.devices = std::stoi(o->devices.substr(cpu.size()));
+    } catch (const std::exception&) {
+      cfg.devices = 0;
+    }
+    if (cfg.devices < 1)
+      throw error{errc::invalid_argument, "--devices: '" + o->devices + "' has no devices"};
+    cfg.secret = read_secret(o->secret_file);
+    cfg.collective_host = o->collective_host;
+    cfg.connection_timeout = std::chrono::milliseconds(o->timeout_ms);
+    cfg.kinds["model"] = model_worker_kind();
+    cfg.kinds["bench"] = [](int32_t, const caf::settings&) { return make_bench_worker(); };
+    node n{cfg};
+    n.stop_on_signals();
+    std::cout << "troupe node listening on " << cfg.host << ":" << n.port() << " with "
+              << cfg.devices << " cpu device(s)" << std::endl;
+    n.wait();
+    return 0;
+  };
+  return cmd;
+}
+
+} // namespace troupe::cli
