@@ -107,6 +107,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     int max_lora_rank = 16;
     std::string prompt_adapter;
     int max_prompt_adapter_token = 0;
+    node_options nodes;
   };
   auto o = std::make_shared<options>();
   auto cmd = std::make_shared<command>();
@@ -170,6 +171,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
                   "The most virtual tokens a prompt adapter may have (0: no limit)")
     ->check(CLI::Range(0, 1 << 20))
     ->capture_default_str();
+  add_node_options(*sub, o->nodes);
   cmd->run = [o] {
     if (o->prompts.empty() && o->prompt_ids.empty())
       throw error{errc::invalid_argument, "give at least one --prompt or --prompt-token-ids"};
@@ -190,6 +192,11 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
       auto [name, path] = name_and_path("--prompt-adapter", o->prompt_adapter);
       prompt_adapter = prompt_adapter_request{name, 1, path, 0};
     }
+    executor_config placement;
+    apply_node_options(o->nodes, placement);
+    cfg.nodes = placement.nodes;
+    cfg.node_secret = placement.node_secret;
+    cfg.node_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(placement.node_timeout);
     bool bar = isatty(STDERR_FILENO) != 0 && !o->json;
     if (bar)
       cfg.progress = [](size_t done, size_t total) {

@@ -78,6 +78,11 @@ llm::llm(llm_config config) : impl_(std::make_unique<impl>()) {
   mw.max_prompt_adapters = d.cfg.max_prompt_adapters;
   mw.max_prompt_adapter_token = d.cfg.max_prompt_adapter_token;
   mw.progress = d.cfg.progress;
+  ec.nodes = d.cfg.nodes;
+  ec.node_secret = d.cfg.node_secret;
+  ec.node_timeout = d.cfg.node_timeout;
+  ec.node_worker_kind = "model";
+  ec.node_worker_options = to_settings(mw);
   d.exec = std::make_unique<troupe::executor>(ec, model_worker_factory(mw));
   d.blocks = d.exec->determine_num_available_blocks();
   d.exec->initialize_cache(d.blocks);

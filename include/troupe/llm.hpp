@@ -7,6 +7,7 @@
 #include "troupe/executor.hpp"
 #include "troupe/types.hpp"
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -39,6 +40,11 @@ struct llm_config {
   int32_t max_prompt_adapters = 1;
   /// The most virtual tokens of a prompt adapter; 0 for no limit.
   int32_t max_prompt_adapter_token = 0;
+  /// Worker nodes (`troupe node`) hosting the last ranks, the secret they expect, and how
+  /// long a silent one may stay. The model path must name the model on the nodes too.
+  std::vector<node_address> nodes;
+  std::string node_secret;
+  std::chrono::milliseconds node_timeout{3000};
   /// Weight loading progress (tensors done, in all).
   std::function<void(size_t, size_t)> progress;
 };
