@@ -1,5 +1,6 @@
 #include "troupe/node.hpp"
 
+#include "actors/gateway.hpp"
 #include "actors/log.hpp"
 #include "actors/node_auth.hpp"
 #include "actors/remoting.hpp"
@@ -155,6 +156,7 @@ struct node::impl {
   std::mutex stop_mtx;
   std::condition_variable stopped_cv;
   std::thread watcher;
+  std::unique_ptr<frame_gateway> gateway;
   bool stopped = false;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.node");
 };
@@ -190,19 +192,23 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   }
   auto host = config.host;
   auto wanted = config.port;
+  auto max_bytes = config.max_message_bytes;
   d.gate = d.sys->spawn(gate, std::move(config), d.leased);
-  auto port = d.sys->middleman().publish(d.gate, wanted, host.c_str(), true);
-  if (!port) {
-    caf::logger::set_current_actor_system(nullptr);
-    auto what = "node: cannot listen on " + host + ":" + std::to_string(wanted) + ": " +
-                render(port.error());
-    stop();
-    throw error{errc::worker_error, what};
-  }
-  d.port = *port;
+  // The middleman listens on loopback only; peers reach it through the gateway, which
+  // bounds the frames they send.
+  auto inner = d.sys->middleman().publish(d.gate, 0, "127.0.0.1", true);
   // Publishing left this thread a reference to the system's logger; the system's
   // destructor, on whatever thread stops the node, would wait for it.
   caf::logger::set_current_actor_system(nullptr);
+  try {
+    if (!inner)
+      throw error{errc::worker_error, "node: cannot publish on loopback: " + render(inner.error())};
+    d.gateway = std::make_unique<frame_gateway>(host, wanted, *inner, max_bytes, d.log);
+  } catch (...) {
+    stop();
+    throw;
+  }
+  d.port = d.gateway->port();
   d.log->info("node listening on {}:{}", host, d.port);
 }
 
@@ -236,6 +242,8 @@ void node::stop() {
     if (d.stopped)
       return;
   }
+  if (d.gateway)
+    d.gateway->stop();
   if (d.gate) {
     // The gate stops the workers as it exits.
     caf::anon_send_exit(d.gate, caf::exit_reason::user_shutdown);

@@ -1,5 +1,5 @@
 // Test helper: a worker node (troupe::node) on 127.0.0.1 with the test and model worker
-// kinds. Usage: node_host SECRET DEVICES [TIMEOUT_MS]. Prints its port, then runs until
+// kinds. Usage: node_host SECRET DEVICES [TIMEOUT_MS [MAX_MESSAGE_BYTES]]. Prints its port, then runs until
 // stdin closes or SIGTERM/SIGINT arrives.
 
 #include "tests/test_worker.hpp"
@@ -13,7 +13,7 @@
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::cerr << "usage: node_host SECRET DEVICES [TIMEOUT_MS]\n";
+    std::cerr << "usage: node_host SECRET DEVICES [TIMEOUT_MS [MAX_MESSAGE_BYTES]]\n";
     return 2;
   }
   troupe::node_config cfg;
@@ -21,6 +21,8 @@ int main(int argc, char** argv) {
   cfg.devices = std::stoi(argv[2]);
   if (argc > 3)
     cfg.connection_timeout = std::chrono::milliseconds(std::stoi(argv[3]));
+  if (argc > 4)
+    cfg.max_message_bytes = std::stoull(argv[4]);
   cfg.kinds["test"] = [](int32_t rank, const caf::settings&) {
     return troupe::testing::test_factory()(rank);
   };

@@ -15,7 +15,12 @@
 
 #include <doctest/doctest.h>
 
+#include <fstream>
 #include <sstream>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <thread>
 
 using namespace troupe;
@@ -32,11 +37,22 @@ const std::string secret = "correct horse battery staple";
 
 /// A node process with `devices` worker slots.
 struct node_process : child_process {
-  explicit node_process(int32_t devices = 2, int32_t timeout_ms = 1000)
-    : child_process(TROUPE_NODE_HOST,
-                    {secret, std::to_string(devices), std::to_string(timeout_ms)}) {
+  explicit node_process(int32_t devices = 2, int32_t timeout_ms = 1000,
+                        uint64_t max_message_bytes = 64 << 20)
+    : child_process(TROUPE_NODE_HOST, {secret, std::to_string(devices), std::to_string(timeout_ms),
+                                       std::to_string(max_message_bytes)}) {
   }
 };
+
+/// Resident memory of a process in KiB.
+int64_t rss_kib(pid_t pid) {
+  std::ifstream status{"/proc/" + std::to_string(pid) + "/status"};
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmRSS:", 0) == 0)
+      return std::stoll(line.substr(6));
+  return -1;
+}
 
 executor_config mixed_config(int32_t local, const std::vector<node_address>& nodes) {
   executor_config cfg;
@@ -263,6 +279,45 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
     }
   }
   CHECK(next->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+}
+
+TEST_CASE("an oversized message is refused without the node allocating it") {
+  node_process n{2, 1000, 1 << 20};
+  auto legit = std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}),
+                                          test_factory());
+  // A message under the bound passes.
+  rpc_call_options small;
+  small.kwargs["pad"] = std::string(512 << 10, 'x');
+  CHECK(legit->collective_rpc_as<int32_t>("rank", small) == std::vector<int32_t>{0, 1});
+
+  // A raw peer announcing a 4 GiB frame: the connection is closed and nothing is allocated.
+  auto before = rss_kib(n.pid());
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(n.port());
+  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  unsigned char header[32] = {};
+  header[0] = 1; // any operation: the length is read first
+  header[4] = header[5] = header[6] = header[7] = 0xff;
+  REQUIRE(send(fd, header, sizeof(header), MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof(header)));
+  char byte;
+  ssize_t got = 0;
+  do {
+    got = recv(fd, &byte, 1, 0);
+  } while (got > 0); // the node's own handshake may come first; then the close
+  CHECK(got == 0);
+  close(fd);
+  auto after = rss_kib(n.pid());
+  MESSAGE("node RSS " << before << " KiB before, " << after << " KiB after the 4 GiB frame");
+  CHECK(after < before + 64 * 1024);
+
+  // The legitimate executor is unaffected; its own oversized message costs it the node.
+  CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  rpc_call_options big;
+  big.kwargs["pad"] = std::string(2 << 20, 'x');
+  CHECK(code_of([&] { legit->collective_rpc("rank", big); }) == errc::worker_died);
 }
 
 TEST_CASE("SIGTERM stops a node cleanly") {

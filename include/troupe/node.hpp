@@ -32,6 +32,9 @@ struct node_config {
   /// Where the workers' tensor-parallel collective (Gloo) listens; empty takes `host`
   /// (give one when `host` is 0.0.0.0).
   std::string collective_host;
+  /// The largest message a peer may send (a BASP frame's payload); a larger one closes
+  /// the connection before the node reads it.
+  uint64_t max_message_bytes = uint64_t{64} << 20;
   /// Workers the node hosts at most (one per device; `cpu:N` gives N).
   int32_t devices = 1;
   /// The shared secret an executor proves before anything else is served. Required.
