@@ -95,6 +95,7 @@ std::shared_ptr<command> add_node(CLI::App& app) {
     std::string secret_file;
     std::string collective_host;
     int timeout_ms = 3000;
+    uint64_t max_message_bytes = uint64_t{64} << 20;
   };
   auto o = std::make_shared<options>();
   auto cmd = std::make_shared<command>();
@@ -116,8 +117,13 @@ std::shared_ptr<command> add_node(CLI::App& app) {
                   "An executor silent this long counts as gone and its workers are released")
     ->check(CLI::Range(100, 3600000))
     ->capture_default_str();
+  sub->add_option("--max-message-bytes", o->max_message_bytes,
+                  "The largest message a peer may send; a larger one closes its connection")
+    ->check(CLI::Range(uint64_t{1} << 10, uint64_t{1} << 32))
+    ->capture_default_str();
   cmd->run = [o] {
     node_config cfg;
+    cfg.max_message_bytes = o->max_message_bytes;
     auto [host, port] = host_and_port("--listen", o->listen);
     cfg.host = host;
     cfg.port = port;
