@@ -12,6 +12,7 @@
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
+#include <caf/openssl/all.hpp>
 
 #include <atomic>
 #include <mutex>
@@ -127,10 +128,12 @@ struct executor::impl {
   /// node cannot be reached or does not answer in time, `invalid_argument` when it refuses.
   std::vector<caf::actor> lease(const node_address& n) {
     auto where = "node " + n.host + ":" + std::to_string(n.port);
-    auto gate = sys->middleman().remote_actor(n.host, n.port);
+    logger_release release; // remote_actor, too, leaves this thread a logger reference
+    auto tls = !cfg.tls_certificate.empty();
+    auto gate = tls ? caf::openssl::remote_actor(*sys, n.host, n.port)
+                    : sys->middleman().remote_actor(n.host, n.port);
     if (!gate)
       throw error{errc::worker_died, "cannot reach " + where + ": " + render(gate.error())};
-    logger_release release;
     caf::scoped_actor self{*sys};
     auto deadline = facade_timeout(cfg.startup_timeout);
     caf::error err;
@@ -143,13 +146,15 @@ struct executor::impl {
       throw error{code == errc::timeout ? errc::worker_died : code,
                   where + ": " + render(err)};
     };
-    std::string challenge;
-    self->request(*gate, deadline, hello_atom::value)
-      .receive([&](std::string& c) { challenge = std::move(c); }, fail);
-    checked();
-    auto proof = secret_proof(cfg.node_secret, challenge, to_string(sys->node()));
-    self->request(*gate, deadline, auth_atom::value, proof).receive([](caf::ok_atom) {}, fail);
-    checked();
+    if (!cfg.node_secret.empty()) {
+      std::string challenge;
+      self->request(*gate, deadline, hello_atom::value)
+        .receive([&](std::string& c) { challenge = std::move(c); }, fail);
+      checked();
+      auto proof = secret_proof(cfg.node_secret, challenge, to_string(sys->node()));
+      self->request(*gate, deadline, auth_atom::value, proof).receive([](caf::ok_atom) {}, fail);
+      checked();
+    }
     std::vector<caf::actor> leased;
     self
       ->request(*gate, deadline, lease_atom::value, cfg.node_worker_kind, cfg.node_worker_options,
@@ -318,8 +323,9 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
                                             ": workers must be at least 1"};
     remote_count += n.workers;
   }
-  if (!cfg.nodes.empty() && cfg.node_secret.empty())
-    throw error{errc::invalid_argument, "worker nodes need node_secret"};
+  auto tls = wants_tls(cfg.tls_certificate, cfg.tls_key, cfg.tls_ca);
+  if (!cfg.nodes.empty() && cfg.node_secret.empty() && !tls)
+    throw error{errc::invalid_argument, "worker nodes need node_secret or TLS certificates"};
   if (cfg.node_timeout <= timeout_type::zero())
     throw error{errc::invalid_argument, "node_timeout must be positive"};
   if (remote_count > cfg.tensor_parallel_size)
@@ -340,6 +346,8 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
   if (!d.cfg.remote_workers.empty() || !d.cfg.nodes.empty()) {
     d.sys_cfg->load<caf::io::middleman>();
     configure_heartbeats(*d.sys_cfg, d.cfg.node_timeout);
+    if (tls)
+      configure_tls(*d.sys_cfg, d.cfg.tls_certificate, d.cfg.tls_key, d.cfg.tls_ca);
   }
   if (d.cfg.configure_system)
     d.cfg.configure_system(*d.sys_cfg);
@@ -367,6 +375,7 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
   }
   for (auto& rw : d.cfg.remote_workers) {
     auto handle = d.sys->middleman().remote_actor(rw.host, rw.port);
+    caf::logger::set_current_actor_system(nullptr); // see logger_release
     if (!handle) {
       auto what = "cannot reach remote worker " + rw.host + ":" + std::to_string(rw.port) + ": " +
                   render(handle.error());

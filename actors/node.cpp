@@ -10,6 +10,7 @@
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
+#include <caf/openssl/all.hpp>
 
 #include <atomic>
 #include <condition_variable>
@@ -113,7 +114,8 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<std::atomic
         caf::actor holder) -> caf::result<std::vector<caf::actor>> {
       auto& st = self->state;
       auto& sender = self->current_sender();
-      if (!sender || st.authenticated.count(sender->node()) == 0)
+      // Without a secret the node runs TLS only: its peers proved their certificates.
+      if (!sender || (!st.cfg.secret.empty() && st.authenticated.count(sender->node()) == 0))
         return refused(self, "a lease before authentication");
       if (st.holder)
         return refused(self, "a lease while another executor holds the workers");
@@ -163,8 +165,10 @@ struct node::impl {
 
 node::node(node_config config) : impl_(std::make_unique<impl>()) {
   auto& d = *impl_;
-  if (config.secret.empty())
-    throw error{errc::invalid_argument, "a node needs a shared secret (--secret-file)"};
+  auto tls = wants_tls(config.tls_certificate, config.tls_key, config.tls_ca);
+  if (config.secret.empty() && !tls)
+    throw error{errc::invalid_argument,
+                "a node needs a shared secret (--secret-file) or TLS certificates (--tls-*)"};
   if (config.kinds.empty())
     throw error{errc::invalid_argument, "a node needs at least one worker kind"};
   if (config.devices < 1)
@@ -176,6 +180,8 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   register_messages(*d.sys_cfg);
   d.sys_cfg->load<caf::io::middleman>();
   configure_heartbeats(*d.sys_cfg, config.connection_timeout);
+  if (tls)
+    configure_tls(*d.sys_cfg, config.tls_certificate, config.tls_key, config.tls_ca);
   if (config.configure_system)
     config.configure_system(*d.sys_cfg);
   {
@@ -194,6 +200,20 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   auto wanted = config.port;
   auto max_bytes = config.max_message_bytes;
   d.gate = d.sys->spawn(gate, std::move(config), d.leased);
+  if (tls) {
+    // TLS ends in caf-openssl, which checks the peer's certificate before any frame.
+    auto port = caf::openssl::publish(d.gate, wanted, host.c_str(), true);
+    caf::logger::set_current_actor_system(nullptr);
+    if (!port) {
+      auto what = "node: cannot listen with TLS on " + host + ":" + std::to_string(wanted) +
+                  ": " + render(port.error());
+      stop();
+      throw error{errc::worker_error, what};
+    }
+    d.port = *port;
+    d.log->info("node listening on {}:{} (mutual TLS)", host, d.port);
+    return;
+  }
   // The middleman listens on loopback only; peers reach it through the gateway, which
   // bounds the frames they send.
   auto inner = d.sys->middleman().publish(d.gate, 0, "127.0.0.1", true);

@@ -4,10 +4,20 @@
 
 #include <caf/actor_system_config.hpp>
 
+#include <string>
+
 namespace troupe {
 
 /// Turns on BASP heartbeats (every quarter of `timeout`) and drops connections silent for
 /// `timeout`, so that a peer that is cut off or stopped is noticed.
 void configure_heartbeats(caf::actor_system_config& cfg, timeout_type timeout);
+
+/// Whether TLS is asked for: false when all three files are empty, true when all three are
+/// given; throws `invalid_argument` for part of them.
+bool wants_tls(const std::string& certificate, const std::string& key, const std::string& ca);
+
+/// Loads caf-openssl with the certificate, key and CA (the middleman must be loaded).
+void configure_tls(caf::actor_system_config& cfg, const std::string& certificate,
+                   const std::string& key, const std::string& ca);
 
 } // namespace troupe

@@ -42,6 +42,10 @@ void add_node_options(CLI::App& app, node_options& o) {
                  "their workers take the last ranks")
     ->delimiter(',');
   app.add_option("--secret-file", o.secret_file, "File holding the nodes' shared secret");
+  app.add_option("--tls-cert", o.tls_certificate,
+                 "Mutual TLS with the nodes: this side's certificate (PEM)");
+  app.add_option("--tls-key", o.tls_key, "Mutual TLS: this side's private key (PEM)");
+  app.add_option("--tls-ca", o.tls_ca, "Mutual TLS: the CA the nodes' certificates come from");
   app.add_option("--node-timeout-ms", o.timeout_ms,
                  "A node silent this long counts as lost (BASP heartbeats every quarter)")
     ->check(CLI::Range(100, 3600000))
@@ -80,10 +84,14 @@ void apply_node_options(const node_options& o, executor_config& cfg) {
     }
     cfg.nodes.push_back(n);
   }
+  cfg.tls_certificate = o.tls_certificate;
+  cfg.tls_key = o.tls_key;
+  cfg.tls_ca = o.tls_ca;
   if (!cfg.nodes.empty()) {
-    if (o.secret_file.empty())
-      throw error{errc::invalid_argument, "--nodes needs --secret-file"};
-    cfg.node_secret = read_secret(o.secret_file);
+    if (o.secret_file.empty() && o.tls_certificate.empty())
+      throw error{errc::invalid_argument, "--nodes needs --secret-file or --tls-cert/--tls-key/--tls-ca"};
+    if (!o.secret_file.empty())
+      cfg.node_secret = read_secret(o.secret_file);
   }
   cfg.node_timeout = std::chrono::milliseconds(o.timeout_ms);
 }
@@ -93,6 +101,9 @@ std::shared_ptr<command> add_node(CLI::App& app) {
     std::string listen = "127.0.0.1:7420";
     std::string devices = "cpu:1";
     std::string secret_file;
+    std::string tls_certificate;
+    std::string tls_key;
+    std::string tls_ca;
     std::string collective_host;
     int timeout_ms = 3000;
     uint64_t max_message_bytes = uint64_t{64} << 20;
@@ -108,8 +119,11 @@ std::shared_ptr<command> add_node(CLI::App& app) {
   sub->add_option("--devices", o->devices, "Devices to host workers on: cpu:N")
     ->capture_default_str();
   sub->add_option("--secret-file", o->secret_file,
-                  "File holding the shared secret executors must prove")
-    ->required();
+                  "File holding the shared secret executors must prove");
+  sub->add_option("--tls-cert", o->tls_certificate, "Mutual TLS: this node's certificate (PEM)");
+  sub->add_option("--tls-key", o->tls_key, "Mutual TLS: this node's private key (PEM)");
+  sub->add_option("--tls-ca", o->tls_ca,
+                  "Mutual TLS: the CA executors' certificates must come from (PEM)");
   sub->add_option("--collective-host", o->collective_host,
                   "Address the workers' tensor-parallel collective listens on (default: the "
                   "--listen host)");
@@ -138,7 +152,11 @@ std::shared_ptr<command> add_node(CLI::App& app) {
     }
     if (cfg.devices < 1)
       throw error{errc::invalid_argument, "--devices: '" + o->devices + "' has no devices"};
-    cfg.secret = read_secret(o->secret_file);
+    if (!o->secret_file.empty())
+      cfg.secret = read_secret(o->secret_file);
+    cfg.tls_certificate = o->tls_certificate;
+    cfg.tls_key = o->tls_key;
+    cfg.tls_ca = o->tls_ca;
     cfg.collective_host = o->collective_host;
     cfg.connection_timeout = std::chrono::milliseconds(o->timeout_ms);
     cfg.kinds["model"] = model_worker_kind();

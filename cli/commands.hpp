@@ -40,10 +40,13 @@ std::shared_ptr<command> add_node(CLI::App& app);
 struct node_options {
   std::vector<std::string> nodes;
   std::string secret_file;
+  std::string tls_certificate;
+  std::string tls_key;
+  std::string tls_ca;
   int timeout_ms = 3000;
 };
 
-/// Adds --nodes, --secret-file and --node-timeout-ms to `app`.
+/// Adds --nodes, --secret-file, --tls-cert/--tls-key/--tls-ca and --node-timeout-ms to `app`.
 void add_node_options(CLI::App& app, node_options& o);
 
 /// Puts the nodes, the secret and the timeout into `cfg`; throws `invalid_argument` for a

@@ -197,6 +197,9 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     cfg.nodes = placement.nodes;
     cfg.node_secret = placement.node_secret;
     cfg.node_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(placement.node_timeout);
+    cfg.tls_certificate = placement.tls_certificate;
+    cfg.tls_key = placement.tls_key;
+    cfg.tls_ca = placement.tls_ca;
     bool bar = isatty(STDERR_FILENO) != 0 && !o->json;
     if (bar)
       cfg.progress = [](size_t done, size_t total) {

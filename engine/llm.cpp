@@ -81,6 +81,9 @@ llm::llm(llm_config config) : impl_(std::make_unique<impl>()) {
   ec.nodes = d.cfg.nodes;
   ec.node_secret = d.cfg.node_secret;
   ec.node_timeout = d.cfg.node_timeout;
+  ec.tls_certificate = d.cfg.tls_certificate;
+  ec.tls_key = d.cfg.tls_key;
+  ec.tls_ca = d.cfg.tls_ca;
   ec.node_worker_kind = "model";
   ec.node_worker_options = to_settings(mw);
   d.exec = std::make_unique<troupe::executor>(ec, model_worker_factory(mw));

@@ -320,6 +320,63 @@ TEST_CASE("an oversized message is refused without the node allocating it") {
   CHECK(code_of([&] { legit->collective_rpc("rank", big); }) == errc::worker_died);
 }
 
+namespace {
+
+/// A CA and certificates it signed, made with the openssl command in a scratch directory;
+/// and a second CA's certificate that the first does not vouch for.
+struct test_pki {
+  std::string dir = "/tmp/troupe-pki-" + std::to_string(getpid());
+
+  test_pki() {
+    auto script = "set -e; mkdir -p " + dir + "; cd " + dir + R"(;
+      make_ca() { openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=$1" \
+                    -keyout $1.key -out $1.pem 2>/dev/null; }
+      make_cert() { openssl req -newkey rsa:2048 -nodes -subj "/CN=$1" -keyout $1.key \
+                      -out $1.csr 2>/dev/null;
+                    openssl x509 -req -in $1.csr -CA $2.pem -CAkey $2.key -CAcreateserial \
+                      -days 2 -out $1.pem 2>/dev/null; }
+      make_ca ca; make_ca other-ca
+      make_cert node ca; make_cert executor ca; make_cert stranger other-ca)";
+    REQUIRE(std::system(("bash -c '" + script + "'").c_str()) == 0);
+  }
+  ~test_pki() {
+    std::system(("rm -rf " + dir).c_str());
+  }
+  std::string pem(const std::string& name) const {
+    return dir + "/" + name + ".pem";
+  }
+  std::string key(const std::string& name) const {
+    return dir + "/" + name + ".key";
+  }
+};
+
+} // namespace
+
+TEST_CASE("mutual TLS: only executors with a certificate of the node's CA get workers") {
+  test_pki pki;
+  child_process n{TROUPE_NODE_HOST,
+                  {"-", "1", "1000", "1048576", pki.pem("node"), pki.key("node"), pki.pem("ca")}};
+  auto config_with = [&](const std::string& who, const std::string& ca) {
+    auto cfg = mixed_config(1, {{"127.0.0.1", n.port(), 1}});
+    cfg.node_secret.clear();
+    cfg.tls_certificate = pki.pem(who);
+    cfg.tls_key = pki.key(who);
+    cfg.tls_ca = pki.pem(ca);
+    cfg.startup_timeout = 5s;
+    return cfg;
+  };
+  // A certificate of another CA, and no TLS at all: no connection.
+  CHECK(code_of([&] { executor(config_with("stranger", "ca"), test_factory()); })
+        == errc::worker_died);
+  auto plain = mixed_config(1, {{"127.0.0.1", n.port(), 1}});
+  plain.startup_timeout = 5s;
+  CHECK(code_of([&] { executor(plain, test_factory()); }) == errc::worker_died);
+  // The node's own CA: workers, and calls across the TLS connection.
+  executor exec{config_with("executor", "ca"), test_factory()};
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  CHECK(exec.workers()[1].pid == n.pid());
+}
+
 TEST_CASE("SIGTERM stops a node cleanly") {
   node_process n;
   n.signal(SIGTERM);

@@ -41,8 +41,13 @@ struct executor_config {
   /// Worker nodes to lease workers from: their workers take the ranks after the local
   /// ones, node by node in this order. Local workers are the ones the nodes do not give.
   std::vector<node_address> nodes;
-  /// The shared secret the nodes expect.
+  /// The shared secret the nodes expect (may be empty when they use TLS only).
   std::string node_secret;
+  /// Mutual TLS with the nodes (caf-openssl): this executor's certificate and key and the
+  /// CA the nodes' certificates are signed by (PEM files; all three or none).
+  std::string tls_certificate;
+  std::string tls_key;
+  std::string tls_ca;
   /// The worker kind asked of the nodes, and its options (for `"model"`: a
   /// `model_worker_options` turned into settings by `to_settings`).
   std::string node_worker_kind = "model";

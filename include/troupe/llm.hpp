@@ -45,6 +45,10 @@ struct llm_config {
   std::vector<node_address> nodes;
   std::string node_secret;
   std::chrono::milliseconds node_timeout{3000};
+  /// Mutual TLS with the nodes (see `executor_config`).
+  std::string tls_certificate;
+  std::string tls_key;
+  std::string tls_ca;
   /// Weight loading progress (tensors done, in all).
   std::function<void(size_t, size_t)> progress;
 };

@@ -37,8 +37,16 @@ struct node_config {
   uint64_t max_message_bytes = uint64_t{64} << 20;
   /// Workers the node hosts at most (one per device; `cpu:N` gives N).
   int32_t devices = 1;
-  /// The shared secret an executor proves before anything else is served. Required.
+  /// The shared secret an executor proves before anything else is served. Required
+  /// unless TLS is set up; with both, executors need both.
   std::string secret;
+  /// Mutual TLS (caf-openssl): this node's certificate and key, and the CA that executors'
+  /// certificates must be signed by (PEM files; all three or none). Peers without such a
+  /// certificate cannot connect. Under TLS the node's middleman listens on `host` itself,
+  /// so `max_message_bytes` is not enforced (the frames are encrypted).
+  std::string tls_certificate;
+  std::string tls_key;
+  std::string tls_ca;
   /// The worker kinds an executor may ask for, by name; nothing else can be spawned.
   std::map<std::string, node_worker_factory> kinds;
   /// A connection silent for this long counts as lost (BASP heartbeats every quarter of
@@ -56,8 +64,8 @@ struct node_config {
 /// memory released, and the node waits for the next executor.
 class node {
 public:
-  /// Starts listening. Throws `troupe::error`: `invalid_argument` without a secret, with
-  /// no worker kind or no device; `worker_error` when the address cannot be bound.
+  /// Starts listening. Throws `troupe::error`: `invalid_argument` without a secret or TLS,
+  /// with part of the TLS files, no worker kind or no device; `worker_error` when the address cannot be bound.
   explicit node(node_config config);
   /// Stops the node (see `stop`).
   ~node();
