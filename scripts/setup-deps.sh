@@ -15,7 +15,7 @@ packages=(
   libgloo-dev
   nlohmann-json3-dev
   libcli11-dev
-  libssl-dev            # HMAC-SHA256 of the node handshake
+  libssl-dev openssl    # HMAC-SHA256 of the node handshake; test certificates
 )
 
 missing=()
