@@ -97,6 +97,26 @@ std::unique_ptr<executor> make_executor(int32_t tp, int32_t max_loras, int32_t m
   return exec;
 }
 
+/// The greedy token after `prompt` in one prefill step with the given adapters (the
+/// prompt adapter's placeholders put in front), on blocks `first_block`...+3.
+int32_t first_token(executor& exec, std::vector<int32_t> prompt, int64_t lora_id,
+                    int64_t prompt_adapter_id = 0, int32_t first_block = 0) {
+  if (prompt_adapter_id != 0)
+    prompt.insert(prompt.begin(), virtual_tokens, 0);
+  sequence_group_metadata g;
+  g.request_id = "r";
+  g.is_prompt = true;
+  g.seqs.push_back({0, prompt, static_cast<int32_t>(prompt.size()), 0,
+                    {first_block, first_block + 1, first_block + 2, first_block + 3}});
+  g.token_chunk_size = static_cast<int32_t>(prompt.size());
+  g.sampling = greedy(1);
+  g.lora_int_id = lora_id;
+  g.prompt_adapter_id = prompt_adapter_id;
+  execute_model_request req;
+  req.seq_group_metadata_list.push_back(g);
+  return exec.execute_model(req)[0].outputs[0].samples[0].output_token;
+}
+
 /// A scratch copy of an adapter directory whose config or weights a test may spoil.
 struct adapter_copy {
   fs::path dir;
@@ -278,27 +298,8 @@ TEST_CASE("LoRA and prompt adapters survive a level-2 sleep through reload_weigh
   exec->sleep(2);
   exec->wake_up();
   exec->collective_rpc("reload_weights");
-  sequence_group_metadata g;
-  g.request_id = "r";
-  g.is_prompt = true;
-  g.seqs.push_back({0, prompt_of(ref, 0), static_cast<int32_t>(prompt_of(ref, 0).size()), 0,
-                    {0, 1, 2, 3}});
-  g.token_chunk_size = static_cast<int32_t>(g.seqs[0].token_ids.size());
-  g.sampling = greedy(1);
-  g.lora_int_id = 1;
-  execute_model_request req;
-  req.seq_group_metadata_list.push_back(g);
-  CHECK(exec->execute_model(req)[0].outputs[0].samples[0].output_token
-        == greedy_of(ref, "lora-all", 0)[0]);
-  auto& seq = req.seq_group_metadata_list[0];
-  seq.lora_int_id = 0;
-  seq.prompt_adapter_id = 1;
-  seq.seqs[0].token_ids.insert(seq.seqs[0].token_ids.begin(), virtual_tokens, 0);
-  seq.seqs[0].num_prompt_tokens += virtual_tokens;
-  seq.seqs[0].block_table = {4, 5, 6, 7};
-  seq.token_chunk_size += virtual_tokens;
-  CHECK(exec->execute_model(req)[0].outputs[0].samples[0].output_token
-        == greedy_of(ref, "prompt-tuning", 0)[0]);
+  CHECK(first_token(*exec, prompt_of(ref, 0), 1) == greedy_of(ref, "lora-all", 0)[0]);
+  CHECK(first_token(*exec, prompt_of(ref, 0), 0, 1, 4) == greedy_of(ref, "prompt-tuning", 0)[0]);
 }
 
 TEST_CASE("bad adapters are refused naming the adapter and what is wrong, and nothing is lost") {
@@ -395,16 +396,5 @@ TEST_CASE("a reload that fails for one adapter leaves no adapter with discarded 
   CHECK_THROWS_WITH_AS(exec->collective_rpc("reload_weights"),
                        doctest::Contains("no adapter_config.json"), error);
   CHECK(exec->list_loras() == std::vector<int64_t>{2}); // the broken one is unloaded
-  sequence_group_metadata g;
-  g.request_id = "r";
-  g.is_prompt = true;
-  g.seqs.push_back({0, prompt_of(ref, 1), static_cast<int32_t>(prompt_of(ref, 1).size()), 0,
-                    {0, 1, 2, 3}});
-  g.token_chunk_size = static_cast<int32_t>(g.seqs[0].token_ids.size());
-  g.sampling = greedy(1);
-  g.lora_int_id = 2;
-  execute_model_request req;
-  req.seq_group_metadata_list.push_back(g);
-  CHECK(exec->execute_model(req)[0].outputs[0].samples[0].output_token
-        == greedy_of(ref, "lora-qv", 1)[0]);
+  CHECK(first_token(*exec, prompt_of(ref, 1), 2) == greedy_of(ref, "lora-qv", 1)[0]);
 }
