@@ -320,6 +320,40 @@ TEST_CASE("an oversized message is refused without the node allocating it") {
   CHECK(code_of([&] { legit->collective_rpc("rank", big); }) == errc::worker_died);
 }
 
+TEST_CASE("a node whose executor is killed or stopped releases its workers for the next one") {
+  node_process n{1, 1000};
+  // Leases the node's only worker, or fails while it is still held.
+  auto lease_now = [&] {
+    return std::make_unique<executor>(mixed_config(0, {{"127.0.0.1", n.port(), 1}}),
+                                      test_factory());
+  };
+  auto lease_within = [&](double seconds) {
+    auto start = clock_type::now();
+    for (;;) {
+      try {
+        auto exec = lease_now();
+        return seconds_since(start);
+      } catch (const error& e) {
+        REQUIRE_MESSAGE(seconds_since(start) < seconds, e.what());
+        std::this_thread::sleep_for(100ms);
+      }
+    }
+  };
+  {
+    child_process killed{TROUPE_EXECUTOR_HOST, {std::to_string(n.port()), secret}};
+    CHECK_THROWS_WITH_AS(lease_now(), doctest::Contains("another executor"), error);
+    killed.kill_now();
+    MESSAGE("after kill -9 of its executor the node leased again in " << lease_within(5.0)
+                                                                        << " s");
+  }
+  {
+    child_process stopped{TROUPE_EXECUTOR_HOST, {std::to_string(n.port()), secret}};
+    stopped.signal(SIGSTOP);
+    MESSAGE("after SIGSTOP of its executor the node leased again in " << lease_within(5.0)
+                                                                        << " s");
+  }
+}
+
 namespace {
 
 /// A CA and certificates it signed, made with the openssl command in a scratch directory;
