@@ -127,8 +127,12 @@ std::string llm::chat_prompt(const std::string& user_message) const {
 std::vector<generation_output> llm::generate(const std::vector<std::string>& prompts,
                                              const sampling_params& sampling) {
   std::vector<generation_request> reqs;
-  for (auto& p : prompts)
-    reqs.push_back({p, {}, sampling, {}});
+  for (auto& p : prompts) {
+    generation_request r;
+    r.prompt = p;
+    r.sampling = sampling;
+    reqs.push_back(std::move(r));
+  }
   return generate(reqs);
 }
 

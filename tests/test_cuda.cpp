@@ -1,0 +1,196 @@
+// The CUDA device (label gpu; run by scripts/gpu-check.sh on a machine with a GPU): every
+// kernel against the CPU kernel it mirrors, and a sleep/wake cycle that gives the memory
+// back to the GPU (cudaMemGetInfo) and brings the weights back bit-identical.
+
+#include "kernels/cpu/ops.hpp"
+#include "kernels/cuda/cuda_device.hpp"
+#include "kernels/cuda/ops.hpp"
+#include "troupe/errors.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+using namespace troupe;
+
+namespace {
+
+/// Without a GPU the test reports itself skipped to ctest (exit code 77), never passed.
+bool have_gpu() {
+  if (cuda_device::count() > 0)
+    return true;
+  std::fprintf(stderr, "skipped: no GPU visible\n");
+  std::exit(77);
+}
+
+std::vector<float> random_floats(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 gen{seed};
+  std::normal_distribution<float> dist{0.0f, scale};
+  std::vector<float> v(n);
+  for (auto& x : v)
+    x = dist(gen);
+  return v;
+}
+
+/// Device memory holding a copy of `host` (or `count` zeros).
+template <class T>
+T* upload(cuda_device& dev, const std::vector<T>& host) {
+  auto ptr = static_cast<T*>(dev.allocate(host.size() * sizeof(T), memory_tag::kv_cache));
+  dev.copy(ptr, host.data(), host.size() * sizeof(T));
+  return ptr;
+}
+
+template <class T>
+std::vector<T> download(cuda_device& dev, const T* ptr, size_t n) {
+  std::vector<T> host(n);
+  dev.copy(host.data(), ptr, n * sizeof(T));
+  return host;
+}
+
+double max_relative_error(const std::vector<float>& got, const std::vector<float>& want) {
+  double diff = 0;
+  double scale = 1e-30;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff = std::max(diff, static_cast<double>(std::fabs(got[i] - want[i])));
+    scale = std::max(scale, static_cast<double>(std::fabs(want[i])));
+  }
+  return diff / scale;
+}
+
+} // namespace
+
+TEST_CASE("GPU kernels match the CPU kernels") {
+  if (!have_gpu())
+    return;
+  cuda_device dev{0};
+  auto s = dev.stream();
+  const int64_t rows = 5, dim = 576, heads = 9, head_dim = 64, inter = 1536;
+
+  auto x = random_floats(rows * dim, 1);
+  auto w = random_floats(dim, 2);
+  std::vector<float> want(x.size());
+  cpu::rms_norm(x.data(), w.data(), want.data(), rows, dim, 1e-5f);
+  auto dx = upload(dev, x);
+  auto dw = upload(dev, w);
+  auto dy = upload(dev, std::vector<float>(x.size()));
+  cuda::rms_norm(dx, dw, dy, rows, dim, 1e-5f, s);
+  CHECK(max_relative_error(download(dev, dy, x.size()), want) < 1e-5);
+
+  auto bias = random_floats(dim, 3);
+  want = x;
+  cpu::add_bias(want.data(), bias.data(), rows, dim);
+  auto dbias = upload(dev, bias);
+  dev.copy(dy, x.data(), x.size() * sizeof(float));
+  cuda::add_bias(dy, dbias, rows, dim, s);
+  CHECK(max_relative_error(download(dev, dy, x.size()), want) < 1e-6);
+
+  // Rotary: one position per row.
+  auto q = random_floats(rows * heads * head_dim, 4);
+  std::vector<float> cos(rows * head_dim / 2), sin(cos.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < head_dim / 2; ++i) {
+      auto angle = (r + 3) / std::pow(10000.0, 2.0 * i / head_dim);
+      cos[r * head_dim / 2 + i] = static_cast<float>(std::cos(angle));
+      sin[r * head_dim / 2 + i] = static_cast<float>(std::sin(angle));
+    }
+  want = q;
+  for (int64_t r = 0; r < rows; ++r)
+    cpu::rotary(&want[r * heads * head_dim], heads, head_dim, &cos[r * head_dim / 2],
+                &sin[r * head_dim / 2]);
+  auto dq = upload(dev, q);
+  cuda::rotary(dq, rows, heads, head_dim, upload(dev, cos), upload(dev, sin), s);
+  CHECK(max_relative_error(download(dev, dq, q.size()), want) < 1e-5);
+
+  auto gate = random_floats(rows * inter, 5);
+  auto up = random_floats(rows * inter, 6);
+  want.assign(gate.size(), 0.0f);
+  cpu::silu_mul(gate.data(), up.data(), want.data(), rows * inter);
+  auto dout = upload(dev, std::vector<float>(gate.size()));
+  cuda::silu_mul(upload(dev, gate), upload(dev, up), dout, rows * inter, s);
+  CHECK(max_relative_error(download(dev, dout, gate.size()), want) < 1e-5);
+
+  auto table = random_floats(100 * dim, 7);
+  std::vector<int32_t> ids{3, 99, 0, 42, 3};
+  want.assign(rows * dim, 0.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(&want[r * dim], &table[ids[r] * dim], dim * sizeof(float));
+  cuda::embedding(upload(dev, ids), upload(dev, table), dy, rows, dim, s);
+  CHECK(download(dev, dy, want.size()) == want);
+
+  auto logits = random_floats(rows * 49152, 8);
+  logits[2 * 49152 + 777] = 100.0f;
+  logits[2 * 49152 + 778] = 100.0f; // a tie: the first wins
+  std::vector<int32_t> best(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    best[r] = static_cast<int32_t>(
+      std::max_element(&logits[r * 49152], &logits[(r + 1) * 49152]) - &logits[r * 49152]);
+  auto dbest = upload(dev, std::vector<int32_t>(rows));
+  cuda::argmax(upload(dev, logits), dbest, rows, 49152, s);
+  CHECK(download(dev, dbest, rows) == best);
+
+  // GEMM through cuBLAS, plain and accumulating.
+  auto weight = random_floats(inter * dim, 9, 0.05f);
+  want.assign(rows * inter, 0.0f);
+  cpu::gemm_nt(x.data(), weight.data(), want.data(), rows, inter, dim);
+  cublasHandle_t blas = nullptr;
+  REQUIRE(cublasCreate(&blas) == CUBLAS_STATUS_SUCCESS);
+  cublasSetStream(blas, s);
+  cuda::gemm_nt(blas, dx, upload(dev, weight), dout, rows, inter, dim);
+  CHECK(max_relative_error(download(dev, dout, want.size()), want) < 1e-4);
+  cuda::gemm_nt(blas, dx, upload(dev, weight), dout, rows, inter, dim, true);
+  for (auto& v : want)
+    v *= 2;
+  CHECK(max_relative_error(download(dev, dout, want.size()), want) < 1e-4);
+  cublasDestroy(blas);
+}
+
+TEST_CASE("sleep gives the memory back to the GPU and wake-up restores the weights") {
+  if (!have_gpu())
+    return;
+  cuda_device dev{0};
+  const size_t weight_bytes = size_t{2} << 30;
+  const size_t kv_bytes = size_t{4} << 30;
+  auto weights = static_cast<float*>(dev.allocate(weight_bytes, memory_tag::weights));
+  auto kv = dev.allocate(kv_bytes, memory_tag::kv_cache);
+  auto pattern = random_floats(1 << 20, 10);
+  for (size_t off = 0; off + pattern.size() <= weight_bytes / sizeof(float); off += pattern.size())
+    dev.copy(weights + off, pattern.data(), pattern.size() * sizeof(float));
+  dev.copy(kv, pattern.data(), pattern.size() * sizeof(float));
+  for (int cycle = 0; cycle < 2; ++cycle) {
+    auto awake = dev.free_memory();
+    dev.sleep(1);
+    auto asleep = dev.free_memory();
+    auto returned = static_cast<double>(asleep - awake) / (weight_bytes + kv_bytes);
+    MESSAGE("cycle " << cycle << ": " << returned * 100 << " % of weight and KV bytes returned");
+    CHECK(returned >= 0.95);
+    CHECK(dev.sleeping_tags().size() == 2);
+    dev.wake_up({});
+    CHECK(download(dev, weights + (weight_bytes / sizeof(float)) - pattern.size(), pattern.size())
+          == std::vector<float>(pattern.end() - static_cast<std::ptrdiff_t>(pattern.size()),
+                                pattern.end()));
+    CHECK(download(dev, static_cast<float*>(kv), 16) == std::vector<float>(16, 0.0f));
+  }
+  CHECK_THROWS_AS(dev.sleep(3), error);
+  dev.deallocate(weights);
+  dev.deallocate(kv);
+}
+
+TEST_CASE("a failed CUDA call names the call, the place and the device") {
+  if (!have_gpu())
+    return;
+  cuda_device dev{0};
+  try {
+    dev.allocate(size_t{1} << 50, memory_tag::weights);
+    FAIL("a petabyte was allocated");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::memory_error);
+    CHECK(std::string{e.what()}.find("cuda:0") != std::string::npos);
+    CHECK(std::string{e.what()}.find("cuda_device.cpp") != std::string::npos);
+  }
+  CHECK_THROWS_WITH_AS(cuda_device{99}, doctest::Contains("cuda:99 does not exist"), error);
+}
