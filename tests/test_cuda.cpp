@@ -194,3 +194,103 @@ TEST_CASE("a failed CUDA call names the call, the place and the device") {
   }
   CHECK_THROWS_WITH_AS(cuda_device{99}, doctest::Contains("cuda:99 does not exist"), error);
 }
+
+TEST_CASE("paged attention over a paged cache matches the CPU attention, GQA and prefill") {
+  if (!have_gpu())
+    return;
+  cuda_device dev{0};
+  auto s = dev.stream();
+  // Two sequences (lengths 37 and 5) in a 16-block cache of block size 4, blocks shuffled;
+  // 6 local query heads over 2 kv heads, as a rank holding heads 3..8 of 12 (kv offset 1).
+  const int64_t block_size = 4, blocks = 16, kv_heads = 2, head_dim = 32, heads = 6;
+  const int64_t head_begin = 3, group = 3, kv_offset = 1, row = kv_heads * head_dim;
+  std::vector<std::vector<int32_t>> tables{{9, 2, 14, 0, 7, 11, 3, 12, 5, 1}, {6, 15}};
+  std::vector<int64_t> lengths{37, 5};
+  auto k_host = random_floats(blocks * block_size * row, 11);
+  auto v_host = random_floats(blocks * block_size * row, 12);
+  // Keys and values of the tokens go in through write_kv, slot by slot.
+  std::vector<int32_t> slots;
+  std::vector<float> k_rows, v_rows;
+  for (size_t seq = 0; seq < tables.size(); ++seq)
+    for (int64_t p = 0; p < lengths[seq]; ++p) {
+      int64_t slot = tables[seq][p / block_size] * block_size + p % block_size;
+      slots.push_back(static_cast<int32_t>(slot));
+      k_rows.insert(k_rows.end(), &k_host[slot * row], &k_host[(slot + 1) * row]);
+      v_rows.insert(v_rows.end(), &v_host[slot * row], &v_host[(slot + 1) * row]);
+    }
+  auto k_cache = upload(dev, std::vector<float>(k_host.size()));
+  auto v_cache = upload(dev, std::vector<float>(v_host.size()));
+  cuda::write_kv(upload(dev, k_rows), upload(dev, v_rows), k_cache, v_cache, upload(dev, slots),
+                 static_cast<int64_t>(slots.size()), row, s);
+  // Queries: every position of sequence 0 (a prefill) and the last of sequence 1 (a decode).
+  std::vector<int32_t> positions, flat_tables;
+  const int64_t max_blocks = 10;
+  std::vector<size_t> seq_of;
+  for (int64_t p = 0; p < lengths[0]; ++p) {
+    positions.push_back(static_cast<int32_t>(p));
+    seq_of.push_back(0);
+  }
+  positions.push_back(static_cast<int32_t>(lengths[1] - 1));
+  seq_of.push_back(1);
+  for (auto seq : seq_of) {
+    auto t = tables[seq];
+    t.resize(max_blocks, 0);
+    flat_tables.insert(flat_tables.end(), t.begin(), t.end());
+  }
+  const auto tokens = static_cast<int64_t>(positions.size());
+  auto q = random_floats(tokens * heads * head_dim, 13);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  std::vector<float> want(q.size());
+  std::vector<float> scores(64);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      auto kv = (head_begin + h) / group - kv_offset;
+      auto& table = tables[seq_of[t]];
+      auto at = [&](std::vector<float>& cache) {
+        return [&, kv](int64_t p) {
+          return &cache[(table[p / block_size] * block_size + p % block_size) * row + kv * head_dim];
+        };
+      };
+      cpu::attend(&q[(t * heads + h) * head_dim], head_dim, positions[t] + 1, scale, at(k_host),
+                  at(v_host), scores.data(), &want[(t * heads + h) * head_dim]);
+    }
+  cuda::paged_layout layout;
+  layout.block_tables = upload(dev, flat_tables);
+  layout.max_blocks = max_blocks;
+  layout.positions = upload(dev, positions);
+  layout.block_size = block_size;
+  layout.heads = heads;
+  layout.kv_heads = kv_heads;
+  layout.head_dim = head_dim;
+  layout.head_begin = head_begin;
+  layout.group_size = group;
+  layout.kv_offset = kv_offset;
+  auto out = upload(dev, std::vector<float>(q.size()));
+  auto scratch = upload(dev, std::vector<float>(tokens * heads * 64));
+  cuda::paged_attention(upload(dev, q), out, k_cache, v_cache, layout, tokens, scale, scratch, 64,
+                        s);
+  CHECK(max_relative_error(download(dev, out, q.size()), want) < 1e-5);
+}
+
+TEST_CASE("LoRA on the GPU adds b·(a·x) as the CPU does") {
+  if (!have_gpu())
+    return;
+  cuda_device dev{0};
+  const int64_t m = 7, in = 64, rank = 8, out = 96;
+  auto x = random_floats(m * in, 14);
+  auto a = random_floats(rank * in, 15);
+  auto b = random_floats(out * rank, 16);
+  auto y = random_floats(m * out, 17);
+  auto want = y;
+  std::vector<float> mid(m * rank);
+  cpu::gemm_nt(x.data(), a.data(), mid.data(), m, rank, in);
+  cpu::gemm_nt(mid.data(), b.data(), want.data(), m, out, rank, true);
+  cublasHandle_t blas = nullptr;
+  REQUIRE(cublasCreate(&blas) == CUBLAS_STATUS_SUCCESS);
+  cublasSetStream(blas, dev.stream());
+  auto dy = upload(dev, y);
+  cuda::apply_lora(blas, upload(dev, x), upload(dev, a), upload(dev, b), dy, m, in, rank, out,
+                   upload(dev, std::vector<float>(mid.size())));
+  CHECK(max_relative_error(download(dev, dy, y.size()), want) < 1e-5);
+  cublasDestroy(blas);
+}

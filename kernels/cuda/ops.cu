@@ -109,7 +109,95 @@ __global__ void argmax_kernel(const float* x, int32_t* out, int64_t cols) {
     out[row] = static_cast<int32_t>(at[0] < cols ? at[0] : 0);
 }
 
+__global__ void write_kv_kernel(const float* k, const float* v, float* k_cache, float* v_cache,
+                                const int32_t* slots, int64_t tokens, int64_t row) {
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= tokens * row)
+    return;
+  int64_t t = i / row;
+  int64_t dst = static_cast<int64_t>(slots[t]) * row + i % row;
+  k_cache[dst] = k[i];
+  v_cache[dst] = v[i];
+}
+
+// One block per (token, head): scores of every position into the scratch row, a
+// block-wide max and sum, then each thread sums the weighted values of its dimensions.
+__global__ void paged_attention_kernel(const float* q, float* out, const float* k_cache,
+                                       const float* v_cache, paged_layout l, float scale,
+                                       float* scores, int64_t max_len) {
+  __shared__ float reduce[threads];
+  int64_t token = blockIdx.x / l.heads;
+  int64_t head = blockIdx.x % l.heads;
+  int64_t len = static_cast<int64_t>(l.positions[token]) + 1;
+  int64_t row = l.kv_heads * l.head_dim;
+  int64_t kv_head = (l.head_begin + head) / l.group_size - l.kv_offset;
+  const float* query = q + (token * l.heads + head) * l.head_dim;
+  const int32_t* table = l.block_tables + token * l.max_blocks;
+  float* s = scores + blockIdx.x * max_len;
+  auto cached = [&](const float* cache, int64_t p) {
+    int64_t slot = static_cast<int64_t>(table[p / l.block_size]) * l.block_size + p % l.block_size;
+    return cache + slot * row + kv_head * l.head_dim;
+  };
+  float local_max = -INFINITY;
+  for (int64_t p = threadIdx.x; p < len; p += blockDim.x) {
+    const float* key = cached(k_cache, p);
+    float dot = 0.0f;
+    for (int64_t d = 0; d < l.head_dim; ++d)
+      dot += query[d] * key[d];
+    s[p] = dot * scale;
+    local_max = fmaxf(local_max, s[p]);
+  }
+  reduce[threadIdx.x] = local_max;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride)
+      reduce[threadIdx.x] = fmaxf(reduce[threadIdx.x], reduce[threadIdx.x + stride]);
+    __syncthreads();
+  }
+  float max_score = reduce[0];
+  __syncthreads();
+  float local_sum = 0.0f;
+  for (int64_t p = threadIdx.x; p < len; p += blockDim.x) {
+    s[p] = expf(s[p] - max_score);
+    local_sum += s[p];
+  }
+  reduce[threadIdx.x] = local_sum;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride)
+      reduce[threadIdx.x] += reduce[threadIdx.x + stride];
+    __syncthreads();
+  }
+  float sum = reduce[0];
+  float* result = out + (token * l.heads + head) * l.head_dim;
+  for (int64_t d = threadIdx.x; d < l.head_dim; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t p = 0; p < len; ++p)
+      acc += s[p] * cached(v_cache, p)[d];
+    result[d] = acc / sum;
+  }
+}
+
 } // namespace
+
+void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,
+              const int32_t* slots, int64_t tokens, int64_t row, cudaStream_t stream) {
+  if (tokens * row == 0)
+    return;
+  write_kv_kernel<<<blocks_for(tokens * row), threads, 0, stream>>>(k, v, k_cache, v_cache,
+                                                                    slots, tokens, row);
+  launched("write_kv_kernel");
+}
+
+void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
+                     const paged_layout& layout, int64_t tokens, float scale, float* scores,
+                     int64_t max_len, cudaStream_t stream) {
+  if (tokens * layout.heads == 0)
+    return;
+  paged_attention_kernel<<<static_cast<unsigned>(tokens * layout.heads), threads, 0, stream>>>(
+    q, out, k_cache, v_cache, layout, scale, scores, max_len);
+  launched("paged_attention_kernel");
+}
 
 void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps,
               cudaStream_t stream) {
@@ -167,6 +255,12 @@ void gemm_nt(cublasHandle_t handle, const float* x, const float* w, float* y, in
                                 static_cast<int>(m), static_cast<int>(k), &alpha, w,
                                 static_cast<int>(k), x, static_cast<int>(k), &beta, y,
                                 static_cast<int>(n)));
+}
+
+void apply_lora(cublasHandle_t handle, const float* x, const float* a, const float* b, float* y,
+                int64_t m, int64_t in, int64_t rank, int64_t out, float* mid) {
+  gemm_nt(handle, x, a, mid, m, rank, in);
+  gemm_nt(handle, mid, b, y, m, out, rank, true);
 }
 
 } // namespace troupe::cuda
