@@ -4,6 +4,7 @@
 
 #include "kernels/cpu/ops.hpp"
 #include "kernels/cuda/cuda_device.hpp"
+#include "kernels/cuda/nccl_communicator.hpp"
 #include "kernels/cuda/ops.hpp"
 #include "troupe/errors.hpp"
 
@@ -293,4 +294,31 @@ TEST_CASE("LoRA on the GPU adds b·(a·x) as the CPU does") {
                    upload(dev, std::vector<float>(mid.size())));
   CHECK(max_relative_error(download(dev, dy, y.size()), want) < 1e-5);
   cublasDestroy(blas);
+}
+
+TEST_CASE("NCCL: a one-rank all-reduce, and a peer that never joins is reported, not waited on") {
+  if (!have_gpu())
+    return;
+  cuda_device dev{0};
+  auto id = nccl_communicator::make_id();
+  CHECK(id != nccl_communicator::make_id());
+  {
+    nccl_communicator alone{0, 1, id, std::chrono::seconds(10)};
+    auto values = random_floats(4096, 18);
+    auto d = upload(dev, values);
+    alone.all_reduce(d, values.size(), dev.stream());
+    CHECK(download(dev, d, values.size()) == values);
+  }
+  auto start = std::chrono::steady_clock::now();
+  try {
+    nccl_communicator lonely{0, 2, nccl_communicator::make_id(), std::chrono::seconds(2)};
+    FAIL("joined a communicator whose peer never came");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::worker_died);
+  }
+  std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+  MESSAGE("a missing NCCL peer was reported after " << took.count() << " s (timeout 2 s)");
+  CHECK(took.count() < 10.0);
+  CHECK_THROWS_WITH_AS(nccl_communicator(0, 1, "abc", std::chrono::seconds(1)),
+                       doctest::Contains("hex digits"), error);
 }

@@ -1,0 +1,49 @@
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+
+namespace troupe {
+
+/// One rank of an NCCL communicator for tensor parallelism on GPUs. The unique id is made
+/// by rank 0 (`make_id`) and handed to every rank through collective_rpc, so all ranks
+/// initialise concurrently. The communicator is non-blocking: initialisation and every
+/// all-reduce are polled against a deadline, and a peer that never joins or died mid-call
+/// makes this rank abort the communicator and throw `errc::worker_died` instead of hanging.
+class nccl_communicator {
+public:
+  /// A fresh unique id, as hex text.
+  static std::string make_id();
+
+  /// Joins the communicator of `world` ranks named by `id` as `rank`, on the current
+  /// device. Throws `worker_died` when the others have not joined within `timeout`,
+  /// `invalid_argument` for a malformed id.
+  nccl_communicator(int rank, int world, const std::string& id, std::chrono::milliseconds timeout);
+  ~nccl_communicator();
+
+  nccl_communicator(const nccl_communicator&) = delete;
+  nccl_communicator& operator=(const nccl_communicator&) = delete;
+
+  /// Sums `count` floats over the ranks, in place, on `stream`, and waits for it. Throws
+  /// `worker_died` (after aborting) when it does not finish within the timeout.
+  void all_reduce(float* data, std::size_t count, cudaStream_t stream);
+
+  /// Aborts the communicator: pending and later calls fail.
+  void abort() noexcept;
+
+private:
+  /// Polls until the communicator's pending work is done, `done()` holds, or the deadline.
+  template <class Done>
+  void wait(const char* what, Done done);
+
+  ncclComm_t comm_ = nullptr;
+  int rank_;
+  int world_;
+  std::chrono::milliseconds timeout_;
+};
+
+} // namespace troupe
