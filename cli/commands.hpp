@@ -30,6 +30,9 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench);
 /// `troupe bench generate`: offline request throughput and time per output token.
 std::shared_ptr<command> add_bench_generate(CLI::App& bench);
 
+/// `troupe bench sleep`: level-1 sleep and wake bandwidth of a device against plain copies.
+std::shared_ptr<command> add_bench_sleep(CLI::App& bench);
+
 /// `troupe generate`: text from a model.
 std::shared_ptr<command> add_generate(CLI::App& app);
 

@@ -18,7 +18,7 @@ start=$(date +%s)
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DTROUPE_WITH_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DTROUPE_BUILD_EXAMPLES=OFF > "$log/configure.txt" 2>&1 \
   || { tail -30 "$log/configure.txt"; exit 1; }
-cmake --build "$build" -j"$(nproc)" --target troupe test_cuda > "$log/build.txt" 2>&1 \
+cmake --build "$build" -j"$(nproc)" --target troupe test_cuda troupe_cli > "$log/build.txt" 2>&1 \
   || { grep -E "error" -A3 "$log/build.txt" | head -60; exit 1; }
 built=$(date +%s)
 
@@ -26,6 +26,9 @@ built=$(date +%s)
 ctest_rc=$?
 tested=$(date +%s)
 grep -E "Test +#|Passed|Failed|Skipped|ERROR|CHECK" "$log/ctest.txt" | tail -40
+# The GPU benchmarks: level-1 sleep and wake against plain pinned copies of the same bytes.
+"$build/troupe" bench sleep --device cuda --gib 4 --cycles 3 --json > "$log/sleep.json" 2>&1 \
+  || tail -5 "$log/sleep.json"
 # The figures the suites print (doctest MESSAGE lines).
 grep -E "MESSAGE:" "$log/ctest.txt" | sed 's/^.*MESSAGE: //' > "$log/figures.txt" || true
 
@@ -35,4 +38,5 @@ printf "%-28s %s\n" "build (s)" "$((built - start))"
 printf "%-28s %s\n" "ctest -L gpu (s)" "$((tested - built))"
 printf "%-28s %s\n" "ctest -L gpu" "$(grep -E 'tests passed' "$log/ctest.txt" || echo FAILED)"
 sed 's/^/figure: /' "$log/figures.txt"
+printf "%-28s %s\n" "bench sleep (4 GiB)" "$(tail -1 "$log/sleep.json")"
 exit $ctest_rc
