@@ -336,17 +336,33 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
     prompt_ids.insert(g.prompt_adapter_id);
   }
   step_adapters adapters;
-  if (lora_ids != std::set<int64_t>{0}) {
-    auto loras = st.loras.use(lora_ids, lora_loader(*st.model, options_.max_lora_rank));
-    for (auto& g : request.seq_group_metadata_list)
-      adapters.lora.push_back(loras.at(g.lora_int_id));
+  bool uses_adapters = lora_ids != std::set<int64_t>{0} || prompt_ids != std::set<int64_t>{0};
+  std::exception_ptr failed;
+  try {
+    if (lora_ids != std::set<int64_t>{0}) {
+      auto loras = st.loras.use(lora_ids, lora_loader(*st.model, options_.max_lora_rank));
+      for (auto& g : request.seq_group_metadata_list)
+        adapters.lora.push_back(loras.at(g.lora_int_id));
+    }
+    if (prompt_ids != std::set<int64_t>{0}) {
+      auto prompts = st.prompt_adapters.use(
+        prompt_ids, prompt_adapter_loader(*st.model, options_.max_prompt_adapter_token));
+      for (auto& g : request.seq_group_metadata_list)
+        adapters.prompt.push_back(prompts.at(g.prompt_adapter_id));
+    }
+  } catch (...) {
+    failed = std::current_exception();
   }
-  if (prompt_ids != std::set<int64_t>{0}) {
-    auto prompts = st.prompt_adapters.use(
-      prompt_ids, prompt_adapter_loader(*st.model, options_.max_prompt_adapter_token));
-    for (auto& g : request.seq_group_metadata_list)
-      adapters.prompt.push_back(prompts.at(g.prompt_adapter_id));
+  // Loading an adapter may fail on one rank only (a file missing on one node): the ranks
+  // agree first, so that none enters the step's all-reduces without the others.
+  if (uses_adapters && st.comm) {
+    float failures = failed ? 1.0f : 0.0f;
+    st.comm->all_reduce(&failures, 1);
+    if (failures > 0 && !failed)
+      throw error{errc::worker_error, "another rank could not load the step's adapters"};
   }
+  if (failed)
+    std::rethrow_exception(failed);
   std::vector<sample_row> rows;
   auto logits = st.model->forward(request, *st.cache, rows, adapters);
   if (rank() != 0)
