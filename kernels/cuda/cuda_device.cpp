@@ -82,21 +82,26 @@ cuda_device::cuda_device(int32_t index) : index_(index) {
 }
 
 cuda_device::~cuda_device() {
-  for (auto& [ptr, a] : allocations_) {
-    if (a.handle != 0) {
-      driver().unmap(address(ptr), a.mapped);
-      driver().release(a.handle);
-    }
-    driver().address_free(address(ptr), a.mapped);
-    if (a.backup != nullptr)
-      cudaFreeHost(a.backup);
-  }
+  if (stream_ != nullptr)
+    cudaStreamSynchronize(stream_);
+  for (auto& [ptr, a] : allocations_)
+    free_allocation(ptr, a);
   if (stream_ != nullptr)
     cudaStreamDestroy(stream_);
 }
 
 std::string cuda_device::name() const {
   return "cuda:" + std::to_string(index_);
+}
+
+void cuda_device::free_allocation(void* ptr, allocation& a) noexcept {
+  if (a.handle != 0) {
+    driver().unmap(address(ptr), a.mapped);
+    driver().release(a.handle);
+  }
+  driver().address_free(address(ptr), a.mapped);
+  if (a.backup != nullptr)
+    cudaFreeHost(a.backup);
 }
 
 void cuda_device::map(void* ptr, allocation& a) {
@@ -154,15 +159,8 @@ void cuda_device::deallocate(void* ptr) noexcept {
   auto i = allocations_.find(ptr);
   if (i == allocations_.end())
     return;
-  auto& a = i->second;
   cudaStreamSynchronize(stream_); // kernels may still use it
-  if (a.handle != 0) {
-    driver().unmap(address(ptr), a.mapped);
-    driver().release(a.handle);
-  }
-  driver().address_free(address(ptr), a.mapped);
-  if (a.backup != nullptr)
-    cudaFreeHost(a.backup);
+  free_allocation(ptr, i->second);
   allocations_.erase(i);
 }
 

@@ -65,6 +65,8 @@ private:
   void map(void* ptr, allocation& a);
   /// Unmaps and releases the physical memory of `a`.
   void unmap(void* ptr, allocation& a);
+  /// Gives back everything of `a`: physical memory, address range, backup.
+  static void free_allocation(void* ptr, allocation& a) noexcept;
 
   int32_t index_;
   cudaStream_t stream_ = nullptr;
