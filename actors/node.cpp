@@ -135,7 +135,9 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<std::atomic
       for (int32_t i = 0; i < count; ++i)
         st.workers.push_back(spawn_leased_worker(
           self->home_system(), [make, options](int32_t rank) { return make(rank, options); },
-          sender->node(), st.cfg.collective_host));
+          sender->node(),
+          {st.cfg.device_kind, st.cfg.device_indices[static_cast<size_t>(i)],
+           st.cfg.collective_host}));
       st.holder = holder;
       self->monitor(holder);
       st.leased->store(count);
@@ -171,6 +173,10 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
                 "a node needs a shared secret (--secret-file) or TLS certificates (--tls-*)"};
   if (config.kinds.empty())
     throw error{errc::invalid_argument, "a node needs at least one worker kind"};
+  if (config.device_indices.empty())
+    for (int32_t i = 0; i < config.devices; ++i)
+      config.device_indices.push_back(i);
+  config.devices = static_cast<int32_t>(config.device_indices.size());
   if (config.devices < 1)
     throw error{errc::invalid_argument, "a node needs at least one device"};
   if (config.collective_host.empty())

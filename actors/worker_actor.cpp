@@ -32,8 +32,8 @@ struct worker_actor_state {
   /// Nodes whose messages a node-hosted worker serves: the executor's that leased it, and
   /// those of its peers once init names them. Empty: any sender (in-process workers).
   std::set<caf::node_id> allowed;
-  /// Where this worker's collective listens, when its node says so.
-  std::string collective_host;
+  /// The device and collective address its node chose (leased workers only).
+  std::optional<node_placement> placement;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.worker");
 
   static inline const char* name = "troupe.worker";
@@ -93,9 +93,10 @@ void end_loop(worker_self* self, caf::error err) {
 }
 
 caf::behavior worker_actor(worker_self* self, worker_factory factory,
-                           std::optional<caf::node_id> owner, std::string collective_host) {
+                           std::optional<caf::node_id> owner,
+                           std::optional<node_placement> placement) {
   self->state.factory = std::move(factory);
-  self->state.collective_host = std::move(collective_host);
+  self->state.placement = std::move(placement);
   if (owner) {
     // Its own node (the node daemon releasing it) and its executor's.
     self->state.allowed.insert(self->node());
@@ -123,8 +124,12 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory,
                                "rank " + std::to_string(st.rank) + ": worker already initialised");
       st.rank = ctx.rank;
       st.peers = std::move(peers);
-      if (!st.collective_host.empty())
-        ctx.collective_host = st.collective_host;
+      if (st.placement) {
+        ctx.device_kind = st.placement->device_kind;
+        ctx.device_index = st.placement->device_index;
+        if (!st.placement->collective_host.empty())
+          ctx.collective_host = st.placement->collective_host;
+      }
       try {
         st.obj = st.factory(ctx.rank);
         if (!st.obj)
@@ -232,14 +237,14 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory,
 
 caf::actor spawn_worker(caf::actor_system& sys, worker_factory factory) {
   return sys.spawn<caf::detached>(worker_actor, std::move(factory),
-                                  std::optional<caf::node_id>{}, std::string{});
+                                  std::optional<caf::node_id>{}, std::optional<node_placement>{});
 }
 
 caf::actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory,
-                               caf::node_id owner, std::string collective_host) {
+                               caf::node_id owner, node_placement placement) {
   return sys.spawn<caf::detached>(worker_actor, std::move(factory),
                                   std::optional<caf::node_id>{std::move(owner)},
-                                  std::move(collective_host));
+                                  std::optional<node_placement>{std::move(placement)});
 }
 
 caf::error worker_failure(int32_t rank, const std::string& method) {

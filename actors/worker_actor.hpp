@@ -28,12 +28,21 @@ namespace troupe {
 /// - `(step_atom, execute_model_request)` / `(step_atom, stop_loop_atom)`: from the driver.
 caf::actor spawn_worker(caf::actor_system& sys, worker_factory factory);
 
+/// What a node decides for a worker it leases, whatever the executor's context says.
+struct node_placement {
+  /// The device the worker owns on the node ("cpu" or "cuda", and its index).
+  std::string device_kind = "cpu";
+  int32_t device_index = 0;
+  /// Where its collective listens (the node's address).
+  std::string collective_host;
+};
+
 /// A worker a node leased to the executor on node `owner`: it serves only messages from
 /// that node, its own node and, after init, its peers' nodes; others are refused and
-/// logged (exit messages included). Its collective listens on `collective_host` (the
-/// node's address) whatever the executor says.
+/// logged (exit messages included). Its device and collective address are the node's
+/// `placement`.
 caf::actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory,
-                               caf::node_id owner, std::string collective_host);
+                               caf::node_id owner, node_placement placement);
 
 /// Turns an exception thrown inside a worker into an error reply that names the rank and
 /// the method.

@@ -116,7 +116,8 @@ std::shared_ptr<command> add_node(CLI::App& app) {
   sub->add_option("--listen", o->listen,
                   "HOST:PORT to listen on (loopback unless an address is given; port 0 picks one)")
     ->capture_default_str();
-  sub->add_option("--devices", o->devices, "Devices to host workers on: cpu:N")
+  sub->add_option("--devices", o->devices,
+                  "Devices to host workers on, one worker each: cpu:N or cuda:I[,J...]")
     ->capture_default_str();
   sub->add_option("--secret-file", o->secret_file,
                   "File holding the shared secret executors must prove");
@@ -141,17 +142,33 @@ std::shared_ptr<command> add_node(CLI::App& app) {
     auto [host, port] = host_and_port("--listen", o->listen);
     cfg.host = host;
     cfg.port = port;
-    const std::string cpu = "cpu:";
-    if (o->devices.rfind(cpu, 0) != 0)
-      throw error{errc::invalid_argument, "--devices: '" + o->devices +
-                                            "' is not cpu:N (CUDA devices are not built in)"};
-    try {
-      cfg.devices = std::stoi(o->devices.substr(cpu.size()));
-    } catch (const std::exception&) {
-      cfg.devices = 0;
+    // cpu:N, or cuda:I[,J...]
+    auto colon = o->devices.find(':');
+    auto kind = o->devices.substr(0, colon);
+    auto rest = colon == std::string::npos ? std::string{} : o->devices.substr(colon + 1);
+    auto bad = [&] {
+      return error{errc::invalid_argument,
+                   "--devices: '" + o->devices + "' is not cpu:N or cuda:I[,J...]"};
+    };
+    std::vector<int> numbers;
+    std::stringstream parts{rest};
+    for (std::string part; std::getline(parts, part, ',');) {
+      try {
+        size_t used = 0;
+        numbers.push_back(std::stoi(part, &used));
+        if (used != part.size() || numbers.back() < 0)
+          throw bad();
+      } catch (const std::exception&) {
+        throw bad();
+      }
     }
-    if (cfg.devices < 1)
-      throw error{errc::invalid_argument, "--devices: '" + o->devices + "' has no devices"};
+    cfg.device_kind = kind;
+    if (kind == "cpu" && numbers.size() == 1 && numbers[0] > 0)
+      cfg.devices = numbers[0];
+    else if (kind == "cuda" && !numbers.empty())
+      cfg.device_indices.assign(numbers.begin(), numbers.end());
+    else
+      throw bad();
     if (!o->secret_file.empty())
       cfg.secret = read_secret(o->secret_file);
     cfg.tls_certificate = o->tls_certificate;
@@ -164,7 +181,7 @@ std::shared_ptr<command> add_node(CLI::App& app) {
     node n{cfg};
     n.stop_on_signals();
     std::cout << "troupe node listening on " << cfg.host << ":" << n.port() << " with "
-              << cfg.devices << " cpu device(s)" << std::endl;
+              << o->devices << std::endl;
     n.wait();
     return 0;
   };

@@ -279,6 +279,9 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
     }
   }
   CHECK(next->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  // The node gives each of its workers a device of its own.
+  CHECK(next->workers()[0].device == "cpu:0");
+  CHECK(next->workers()[1].device == "cpu:1");
 }
 
 TEST_CASE("an oversized message is refused without the node allocating it") {

@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace troupe {
 
@@ -35,7 +36,11 @@ struct node_config {
   /// The largest message a peer may send (a BASP frame's payload); a larger one closes
   /// the connection before the node reads it.
   uint64_t max_message_bytes = uint64_t{64} << 20;
-  /// Workers the node hosts at most (one per device; `cpu:N` gives N).
+  /// The devices the node hosts workers on, one worker each: `device_kind` "cpu" (N of
+  /// them: `cpu:N`) or "cuda" (`cuda:0,1` gives indices 0 and 1). Empty indices with
+  /// `devices` = N mean 0..N-1.
+  std::string device_kind = "cpu";
+  std::vector<int32_t> device_indices;
   int32_t devices = 1;
   /// The shared secret an executor proves before anything else is served. Required
   /// unless TLS is set up; with both, executors need both.
