@@ -80,6 +80,10 @@ model_worker::~model_worker() = default;
 
 void model_worker::load_model() {
   auto& st = *state_;
+  // The decoder computes on host memory; a GPU's memory would be touched from the CPU.
+  if (device().name().rfind("cpu:", 0) != 0)
+    throw error{errc::unsupported, "the model runs on the CPU device only so far, not on " +
+                                     device().name()};
   st.config = checkpoint::config_of(options_.model_path);
   // Workers of one process share the cores: each GEMM gets its share of them.
   cpu::set_gemm_threads(static_cast<int>(std::thread::hardware_concurrency())
