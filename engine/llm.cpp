@@ -150,11 +150,12 @@ void bind_adapter_id(std::map<int64_t, std::string>& paths, const char* kind, in
 
 } // namespace
 
-void llm::load_adapters(const std::vector<generation_request>& requests) {
+std::map<int64_t, int64_t> llm::load_adapters(const std::vector<generation_request>& requests) {
   auto& d = *impl_;
   auto& exec = *d.exec;
   std::map<int64_t, lora_request> loras;
   std::map<int64_t, prompt_adapter_request> prompt_adapters;
+  std::map<int64_t, int64_t> virtual_tokens;
   for (auto& req : requests) {
     if (req.lora) {
       bind_adapter_id(d.lora_paths, "LoRA", req.lora->lora_int_id, req.lora->lora_path);
@@ -164,7 +165,14 @@ void llm::load_adapters(const std::vector<generation_request>& requests) {
       auto& pa = *req.prompt_adapter;
       bind_adapter_id(d.prompt_adapter_paths, "prompt adapter", pa.prompt_adapter_id,
                       pa.prompt_adapter_local_path);
-      prompt_adapters.emplace(pa.prompt_adapter_id, pa);
+      if (prompt_adapters.emplace(pa.prompt_adapter_id, pa).second) {
+        // The workers check that the adapter has as many virtual tokens as the engine
+        // puts placeholders for.
+        virtual_tokens[pa.prompt_adapter_id] =
+          read_prompt_tuning_config(pa.prompt_adapter_local_path).num_virtual_tokens;
+        prompt_adapters[pa.prompt_adapter_id].prompt_adapter_num_virtual_tokens =
+          static_cast<int32_t>(virtual_tokens[pa.prompt_adapter_id]);
+      }
     }
   }
   // Adapters the workers have not loaded are added; evicted ones come back when a step
@@ -178,14 +186,10 @@ void llm::load_adapters(const std::vector<generation_request>& requests) {
   if (!prompt_adapters.empty()) {
     auto loaded = exec.list_prompt_adapters();
     for (auto& [id, req] : prompt_adapters)
-      if (std::find(loaded.begin(), loaded.end(), id) == loaded.end()) {
-        // The workers check that the adapter has as many virtual tokens as the engine puts
-        // placeholders for.
-        req.prompt_adapter_num_virtual_tokens = static_cast<int32_t>(
-          read_prompt_tuning_config(req.prompt_adapter_local_path).num_virtual_tokens);
+      if (std::find(loaded.begin(), loaded.end(), id) == loaded.end())
         exec.add_prompt_adapter(req);
-      }
   }
+  return virtual_tokens;
 }
 
 std::vector<generation_output> llm::generate(const std::vector<generation_request>& requests) {
@@ -196,7 +200,7 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
   sc.max_model_len = d.exec->config().max_model_len;
   sc.max_loras = d.cfg.max_loras;
   sc.max_prompt_adapters = d.cfg.max_prompt_adapters;
-  load_adapters(requests);
+  auto virtual_tokens = load_adapters(requests);
   scheduler sched{sc, d.cfg.block_size, d.blocks.num_device_blocks, d.blocks.num_swap_blocks,
                   d.model.eos_token_id};
   std::vector<generation_output> outputs(requests.size());
@@ -216,9 +220,8 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
     engine_request r;
     if (req.prompt_adapter) {
       // Placeholders for the adapter's virtual tokens; the workers embed them.
-      auto virtual_tokens =
-        read_prompt_tuning_config(req.prompt_adapter->prompt_adapter_local_path).num_virtual_tokens;
-      r.prompt.assign(static_cast<size_t>(virtual_tokens), 0);
+      r.prompt.assign(static_cast<size_t>(virtual_tokens.at(req.prompt_adapter->prompt_adapter_id)),
+                      0);
       r.prompt_adapter_id = req.prompt_adapter->prompt_adapter_id;
     }
     r.prompt.insert(r.prompt.end(), out.prompt_token_ids.begin(), out.prompt_token_ids.end());

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -112,8 +113,9 @@ public:
   troupe::executor& executor();
 
 private:
-  /// Adds the adapters `requests` name that the workers have not loaded.
-  void load_adapters(const std::vector<generation_request>& requests);
+  /// Adds the adapters `requests` name that the workers have not loaded; returns the
+  /// virtual tokens of each prompt adapter, by id.
+  std::map<int64_t, int64_t> load_adapters(const std::vector<generation_request>& requests);
 
   struct impl;
   std::unique_ptr<impl> impl_;
