@@ -35,12 +35,7 @@ public:
       i->second.last_used = ++clock_;
       return;
     }
-    auto loaded = load(request);
-    make_room({});
-    auto& e = known_[id];
-    e.request = request;
-    e.loaded = std::move(loaded);
-    e.last_used = ++clock_;
+    bring_in(id, load(request), {}).request = request;
   }
 
   /// Unloads and forgets `id`; false when it was not known.
@@ -55,12 +50,8 @@ public:
     if (i == known_.end())
       throw error{errc::invalid_argument,
                   kind_ + " " + std::to_string(id) + " is not loaded; add it before pinning"};
-    if (!i->second.loaded) {
-      auto loaded = load(i->second.request);
-      make_room({});
-      i->second.loaded = std::move(loaded);
-      i->second.last_used = ++clock_;
-    }
+    if (!i->second.loaded)
+      bring_in(id, load(i->second.request), {});
     i->second.pinned = true;
   }
 
@@ -92,12 +83,10 @@ public:
     std::map<int64_t, const Loaded*> out{{0, nullptr}};
     for (auto id : needed) {
       auto& e = known_.at(id);
-      if (!e.loaded) {
-        auto loaded = load(e.request);
-        make_room(needed);
-        e.loaded = std::move(loaded);
-      }
-      e.last_used = ++clock_;
+      if (e.loaded)
+        e.last_used = ++clock_;
+      else
+        bring_in(id, load(e.request), needed);
       out[id] = &*e.loaded;
     }
     return out;
@@ -105,8 +94,8 @@ public:
 
   /// Loads every loaded adapter again from its request (their memory was discarded). One
   /// that fails is unloaded (a later step loads it again or says why not), the others are
-  /// still reloaded, and the first failure is rethrown.
-  void reload(const loader& load) {
+  /// still reloaded; returns the first failure (null when none).
+  std::exception_ptr reload(const loader& load) {
     std::exception_ptr first;
     for (auto& [id, e] : known_) {
       if (!e.loaded)
@@ -119,8 +108,7 @@ public:
           first = std::current_exception();
       }
     }
-    if (first)
-      std::rethrow_exception(first);
+    return first;
   }
 
 private:
@@ -130,6 +118,16 @@ private:
     bool pinned = false;
     uint64_t last_used = 0;
   };
+
+  /// Puts a freshly loaded adapter into a slot under `id`, making room first (the adapters
+  /// in `keep` stay; when that fails nothing changes), and marks it used.
+  entry& bring_in(int64_t id, Loaded loaded, const std::set<int64_t>& keep) {
+    make_room(keep);
+    auto& e = known_[id];
+    e.loaded = std::move(loaded);
+    e.last_used = ++clock_;
+    return e;
+  }
 
   /// Frees a slot when all are taken, evicting the least recently used adapter that is
   /// neither pinned nor in `keep`.

@@ -133,15 +133,12 @@ void model_worker::reload_weights() {
   require_model("reload_weights");
   require_awake("reload_weights");
   st.model->load(open_checkpoint(), {}, st.presharded);
-  std::exception_ptr failed;
-  try {
-    st.loras.reload(lora_loader(*st.model, options_.max_lora_rank));
-  } catch (...) {
-    failed = std::current_exception();
-  }
-  st.prompt_adapters.reload(prompt_adapter_loader(*st.model, options_.max_prompt_adapter_token));
-  if (failed)
-    std::rethrow_exception(failed);
+  auto lora_failure = st.loras.reload(lora_loader(*st.model, options_.max_lora_rank));
+  auto prompt_failure =
+    st.prompt_adapters.reload(prompt_adapter_loader(*st.model, options_.max_prompt_adapter_token));
+  for (auto& failure : {lora_failure, prompt_failure})
+    if (failure)
+      std::rethrow_exception(failure);
 }
 
 void model_worker::require_model(const char* what) const {
