@@ -62,6 +62,26 @@ def tiny_models():
                                          tie_word_embeddings=False, **common)
 
 
+def reference_runs(model, all_logits_of_first=False):
+    """Per prompt: the last-position logits (and every position's, for the first prompt
+    when asked) and the greedy continuation, from transformers."""
+    runs = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            logits = model(ids).logits[0]
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                       max_new_tokens=GREEDY_TOKENS, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)
+        run = {"token_ids": prompt, "last_logits": [float(v) for v in logits[-1]]}
+        if all_logits_of_first:
+            run["all_logits"] = ([[float(v) for v in row] for row in logits]
+                                 if prompt is PROMPTS[0] else [])
+        run["greedy"] = generated[0, len(prompt):].tolist()
+        runs.append(run)
+    return runs
+
+
 for name, config in tiny_models():
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
@@ -72,21 +92,7 @@ for name, config in tiny_models():
                 p.add_(torch.randn_like(p) * 0.1)
     directory = out / name
     model.save_pretrained(directory, safe_serialization=True)
-    reference = {"prompts": []}
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            logits = model(ids).logits[0]
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                       max_new_tokens=GREEDY_TOKENS, do_sample=False,
-                                       eos_token_id=None, pad_token_id=0)
-        reference["prompts"].append({
-            "token_ids": prompt,
-            # Logits of the last prompt position, and of every position for the first prompt.
-            "last_logits": [float(v) for v in logits[-1]],
-            "all_logits": [[float(v) for v in row] for row in logits] if prompt is PROMPTS[0] else [],
-            "greedy": generated[0, len(prompt):].tolist(),
-        })
+    reference = {"prompts": reference_runs(model, all_logits_of_first=True)}
     with open(directory / "reference.json", "w") as f:
         json.dump(reference, f)
     print("wrote", directory)
@@ -163,17 +169,7 @@ for qname in ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]:
     write_gguf(out / "llama-gqa", path, qtype)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=path.name,
                                                  torch_dtype=torch.float32).eval()
-    runs = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            logits = model(ids).logits[0]
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                       max_new_tokens=GREEDY_TOKENS, do_sample=False,
-                                       eos_token_id=None, pad_token_id=0)
-        runs.append({"token_ids": prompt, "last_logits": [float(v) for v in logits[-1]],
-                     "greedy": generated[0, len(prompt):].tolist()})
-    gguf_reference[qname] = runs
+    gguf_reference[qname] = reference_runs(model)
     print("wrote", path)
 with open(gguf_dir / "reference.json", "w") as f:
     json.dump(gguf_reference, f)
