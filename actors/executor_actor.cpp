@@ -366,6 +366,7 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
         worker_context ctx;
         ctx.rank = rank;
         ctx.world_size = world;
+        ctx.device_kind = st.cfg.device_kind;
         ctx.device_index = is_local(self, st.workers[rank]) ? local_index++ : 0;
         ctx.block_size = st.cfg.block_size;
         ctx.max_model_len = st.cfg.max_model_len;

@@ -60,18 +60,20 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
                   "Largest safetensors file; above it the weights are sharded with an index")
     ->capture_default_str();
   cmd->run = [o] {
+    auto type = o->dtype == "f16" ? dtype::f16 : (o->dtype == "bf16" ? dtype::bf16 : dtype::f32);
+    auto write = [&](const model_config& c) {
+      write_random_model(c, o->out, type, o->seed, o->shard_mib << 20);
+      std::cout << "wrote " << c.architecture << " with " << c.num_parameters()
+                << " parameters to " << o->out << "\n";
+      return 0;
+    };
+    if (o->preset == "smollm2-135m")
+      return write(smollm2_135m_config());
     model_config c;
     std::map<std::string, std::string> archs = {{"llama", "LlamaForCausalLM"},
                                                 {"mistral", "MistralForCausalLM"},
                                                 {"qwen2", "Qwen2ForCausalLM"}};
     c.architecture = archs.at(o->arch);
-    if (o->preset == "smollm2-135m") {
-      c.architecture = "LlamaForCausalLM";
-      o->layers = 30, o->hidden = 576, o->heads = 9, o->kv_heads = 3, o->intermediate = 1536;
-      o->vocab = 49152, o->max_position = 8192, o->rope_theta = 100000.0, o->tie = true;
-      c.bos_token_id = 1;
-      c.eos_token_id = 2;
-    }
     c.num_hidden_layers = o->layers;
     c.hidden_size = o->hidden;
     c.num_attention_heads = o->heads;
@@ -84,11 +86,7 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
     c.tie_word_embeddings = o->tie;
     c.attention_bias = o->arch == "qwen2";
     c.rms_norm_eps = 1e-5;
-    auto type = o->dtype == "f16" ? dtype::f16 : (o->dtype == "bf16" ? dtype::bf16 : dtype::f32);
-    write_random_model(c, o->out, type, o->seed, o->shard_mib << 20);
-    std::cout << "wrote " << c.architecture << " with " << c.num_parameters()
-              << " parameters to " << o->out << "\n";
-    return 0;
+    return write(c);
   };
   return cmd;
 }

@@ -158,6 +158,12 @@ model_config parse_model_config(const std::string& json_text, const std::string&
       std::min(c.max_position_embeddings, j["sliding_window"].get<int64_t>());
   c.tie_word_embeddings = j.value("tie_word_embeddings", false);
   c.attention_bias = c.architecture == "Qwen2ForCausalLM";
+  // transformers 5 writes dtype, earlier versions torch_dtype.
+  for (auto key : {"dtype", "torch_dtype"})
+    if (j.contains(key) && j[key].is_string()) {
+      c.torch_dtype = j[key].get<std::string>();
+      break;
+    }
   c.bos_token_id = token_id(j, "bos_token_id");
   c.eos_token_id = token_id(j, "eos_token_id");
   validate_model_config(c, origin);
@@ -205,7 +211,7 @@ std::string to_config_json(const model_config& c) {
     j["bos_token_id"] = c.bos_token_id;
   if (c.eos_token_id >= 0)
     j["eos_token_id"] = c.eos_token_id;
-  j["torch_dtype"] = "float32";
+  j["torch_dtype"] = c.torch_dtype;
   return j.dump(2);
 }
 

@@ -34,6 +34,9 @@ struct model_config {
   bool attention_bias = false;
   int32_t bos_token_id = -1;
   int32_t eos_token_id = -1;
+  /// The element type the checkpoint was saved in (`torch_dtype`): `"float32"`,
+  /// `"float16"`, `"bfloat16"`.
+  std::string torch_dtype = "float32";
 
   /// Parameters of the whole model (all ranks together).
   int64_t num_parameters() const;

@@ -107,4 +107,43 @@ void to_float(dtype from, const void* src, float* dst, std::size_t count) {
   }
 }
 
+void from_float(dtype to, const float* src, void* dst, std::size_t count) {
+  switch (to) {
+    case dtype::f32:
+      std::memcpy(dst, src, count * sizeof(float));
+      return;
+    case dtype::f16: {
+      auto p = static_cast<uint16_t*>(dst);
+      for (std::size_t i = 0; i < count; ++i)
+        p[i] = float_to_half(src[i]);
+      return;
+    }
+    case dtype::bf16: {
+      auto p = static_cast<uint16_t*>(dst);
+      for (std::size_t i = 0; i < count; ++i)
+        p[i] = float_to_bf16(src[i]);
+      return;
+    }
+  }
+}
+
+std::optional<dtype> parse_dtype_name(std::string_view name) {
+  for (auto t : {dtype::f32, dtype::f16, dtype::bf16})
+    if (name == dtype_name(t))
+      return t;
+  return std::nullopt;
+}
+
+const char* dtype_name(dtype t) {
+  switch (t) {
+    case dtype::f32:
+      return "float32";
+    case dtype::f16:
+      return "float16";
+    case dtype::bf16:
+      return "bfloat16";
+  }
+  return "unknown";
+}
+
 } // namespace troupe

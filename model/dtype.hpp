@@ -41,4 +41,15 @@ uint16_t float_to_bf16(float f);
 /// Converts `count` elements of type `from` at `src` to floats at `dst`.
 void to_float(dtype from, const void* src, float* dst, std::size_t count);
 
+/// Converts `count` floats at `src` to elements of type `to` at `dst` (rounding to nearest
+/// even).
+void from_float(dtype to, const float* src, void* dst, std::size_t count);
+
+/// The dtype named `"float32"`, `"float16"` or `"bfloat16"` (as Hugging Face's
+/// `torch_dtype` and vLLM's `dtype` spell them); `std::nullopt` otherwise.
+std::optional<dtype> parse_dtype_name(std::string_view name);
+
+/// `"float32"`, `"float16"` or `"bfloat16"`.
+const char* dtype_name(dtype t);
+
 } // namespace troupe

@@ -26,12 +26,13 @@ public:
   static int64_t bytes_per_block(int64_t layers, int64_t kv_heads, int64_t head_dim,
                                  int64_t block_size);
 
-  /// The key (value) vector of `kv_head` at `slot` of device block `block` in `layer`.
-  float* key(int64_t layer, int64_t block, int64_t slot, int64_t kv_head) {
-    return at(layer, 0, block, slot, kv_head);
+  /// The keys (values) of `layer`: [device blocks × block_size slots, kv_heads × head_dim],
+  /// slot = block × block_size + offset.
+  float* keys(int64_t layer) {
+    return at(layer, 0, 0, 0, 0);
   }
-  float* value(int64_t layer, int64_t block, int64_t slot, int64_t kv_head) {
-    return at(layer, 1, block, slot, kv_head);
+  float* values(int64_t layer) {
+    return at(layer, 1, 0, 0, 0);
   }
 
   /// Carries out the block moves of a step; throws `invalid_argument` for a block number

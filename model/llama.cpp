@@ -1,8 +1,8 @@
 #include "model/llama.hpp"
 
-#include "kernels/cpu/ops.hpp"
 #include "troupe/errors.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -39,8 +39,17 @@ void read_cols(const tensor_view& t, int64_t col0, int64_t cols, float* dst) {
 
 } // namespace
 
-llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t world)
-  : cfg_(std::move(cfg)), dev_(dev), rank_(rank), world_(world) {
+llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t world,
+                         dtype weight_type)
+  : cfg_(std::move(cfg)),
+    dev_(dev),
+    backend_(make_backend(dev)),
+    rank_(rank),
+    world_(world),
+    weight_type_(weight_type) {
+  if (!backend_->computes_in(weight_type))
+    throw error{errc::unsupported, dev.name() + " does not compute with " +
+                                     dtype_name(weight_type) + " weights"};
   if (world < 1 || world > cfg_.num_attention_heads)
     throw error{errc::invalid_argument,
                 cfg_.architecture + " with " + std::to_string(cfg_.num_attention_heads) +
@@ -107,25 +116,29 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     part split;
     int64_t start;
     int64_t count;
+    dtype type;
   };
+  const auto f32 = dtype::f32;
+  const auto wt = weight_type_;
   std::vector<job> jobs;
-  jobs.push_back({&embed_, "model.embed_tokens.weight", {V, H}, part::whole, 0, 0});
-  jobs.push_back({&final_norm_, "model.norm.weight", {H}, part::whole, 0, 0});
+  jobs.push_back({&embed_, "model.embed_tokens.weight", {V, H}, part::whole, 0, 0, wt});
+  jobs.push_back({&final_norm_, "model.norm.weight", {H}, part::whole, 0, 0, f32});
   if (!cfg_.tie_word_embeddings)
-    jobs.push_back({&lm_head_, "lm_head.weight", {V, H}, part::whole, 0, 0});
+    jobs.push_back({&lm_head_, "lm_head.weight", {V, H}, part::whole, 0, 0, wt});
   layers_.resize(static_cast<size_t>(cfg_.num_hidden_layers));
   for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
     auto& l = layers_[static_cast<size_t>(i)];
     auto p = "model.layers." + std::to_string(i) + ".";
-    jobs.push_back({&l.input_norm, p + "input_layernorm.weight", {H}, part::whole, 0, 0});
-    jobs.push_back({&l.post_norm, p + "post_attention_layernorm.weight", {H}, part::whole, 0, 0});
+    jobs.push_back({&l.input_norm, p + "input_layernorm.weight", {H}, part::whole, 0, 0, f32});
+    jobs.push_back(
+      {&l.post_norm, p + "post_attention_layernorm.weight", {H}, part::whole, 0, 0, f32});
     device_buffer* weights[] = {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down};
     for (size_t n = 0; n < projection_count; ++n) {
       auto proj = static_cast<projection>(n);
       auto sh = shard_of(proj);
       auto parent = proj <= projection::o ? "self_attn." : "mlp.";
       jobs.push_back({weights[n], p + parent + module_name(proj) + ".weight", {sh.out, sh.in},
-                      sh.by_rows ? part::rows : part::cols, sh.start, sh.count});
+                      sh.by_rows ? part::rows : part::cols, sh.start, sh.count, wt});
     }
     if (cfg_.attention_bias) {
       device_buffer* biases[] = {&l.q_bias, &l.k_bias, &l.v_bias};
@@ -133,7 +146,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
         auto proj = static_cast<projection>(n);
         auto sh = shard_of(proj);
         jobs.push_back({biases[n], p + "self_attn." + module_name(proj) + ".bias", {sh.out},
-                        part::rows, sh.start, sh.count});
+                        part::rows, sh.start, sh.count, f32});
       }
     }
   }
@@ -148,6 +161,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     for (size_t i = 0; i < factors.size(); ++i)
       inv_freq_[i] /= factors[i];
   }
+  std::vector<float> staging;
   for (size_t n = 0; n < jobs.size(); ++n) {
     auto& j = jobs[n];
     // This rank's shape; a presharded checkpoint holds exactly that.
@@ -165,17 +179,14 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     int64_t floats = 1;
     for (auto d : local)
       floats *= d;
-    // Reloading writes into the memory already there, so addresses stay the same.
-    auto bytes = static_cast<size_t>(floats) * sizeof(float);
-    if (j.buf->size() != bytes)
-      *j.buf = device_buffer(dev_, bytes, memory_tag::weights);
-    auto dst = j.buf->as<float>();
+    staging.resize(static_cast<size_t>(floats));
     if (presharded || j.split == part::whole)
-      read_rows(t, 0, t.shape[0], dst);
+      read_rows(t, 0, t.shape[0], staging.data());
     else if (j.split == part::rows)
-      read_rows(t, j.start, j.count, dst);
+      read_rows(t, j.start, j.count, staging.data());
     else
-      read_cols(t, j.start, j.count, dst);
+      read_cols(t, j.start, j.count, staging.data());
+    upload(*j.buf, staging, j.type);
     if (progress)
       progress(n + 1, jobs.size());
   }
@@ -202,6 +213,30 @@ llama_model::shard llama_model::shard_of(projection p) const {
       return {false, inter_begin_, local_inter_, H, I};
   }
   throw error{errc::invalid_argument, "unknown projection"};
+}
+
+void llama_model::upload(device_buffer& buf, const std::vector<float>& values, dtype type) const {
+  auto bytes = values.size() * element_size(type);
+  // Reloading writes into the memory already there, so addresses stay the same.
+  if (buf.size() != bytes)
+    buf = device_buffer(dev_, bytes, memory_tag::weights);
+  if (type == dtype::f32) {
+    dev_.copy(buf.data(), values.data(), bytes);
+    return;
+  }
+  std::vector<char> converted(bytes);
+  from_float(type, values.data(), converted.data(), values.size());
+  dev_.copy(buf.data(), converted.data(), bytes);
+}
+
+void* llama_model::workspace(size_t bytes) {
+  if (workspace_.size() < bytes) {
+    // Grown by half again at least, so that a growing batch does not reallocate each step.
+    auto grown = std::max(bytes, workspace_.size() + workspace_.size() / 2);
+    workspace_.reset();
+    workspace_ = device_buffer(dev_, grown, memory_tag::kv_cache);
+  }
+  return workspace_.data();
 }
 
 lora_weights llama_model::load_lora(const std::string& path, int64_t max_rank) const {
@@ -231,20 +266,19 @@ lora_weights llama_model::load_lora(const std::string& path, int64_t max_rank) c
       dst.rank = rank;
       auto a_cols = sh.by_rows ? sh.in : sh.count;
       auto b_rows = sh.by_rows ? sh.count : sh.out;
-      dst.a = device_buffer(dev_, static_cast<size_t>(rank * a_cols) * sizeof(float),
-                            memory_tag::weights);
-      dst.b = device_buffer(dev_, static_cast<size_t>(b_rows * rank) * sizeof(float),
-                            memory_tag::weights);
+      std::vector<float> a(static_cast<size_t>(rank * a_cols));
+      std::vector<float> b(static_cast<size_t>(b_rows * rank));
       if (sh.by_rows) {
-        read_rows(*f.a, 0, rank, dst.a.as<float>());
-        read_rows(*f.b, sh.start, sh.count, dst.b.as<float>());
+        read_rows(*f.a, 0, rank, a.data());
+        read_rows(*f.b, sh.start, sh.count, b.data());
       } else {
-        read_cols(*f.a, sh.start, sh.count, dst.a.as<float>());
-        read_rows(*f.b, 0, sh.out, dst.b.as<float>());
+        read_cols(*f.a, sh.start, sh.count, a.data());
+        read_rows(*f.b, 0, sh.out, b.data());
       }
-      auto b = dst.b.as<float>();
-      for (int64_t i = 0; i < b_rows * rank; ++i)
-        b[i] *= f.scaling;
+      for (auto& value : b)
+        value *= f.scaling;
+      upload(dst.a, a, dtype::f32);
+      upload(dst.b, b, dtype::f32);
     }
   }
   return out;
@@ -272,39 +306,50 @@ prompt_embeddings llama_model::load_prompt_adapter(const std::string& path,
         shape_text(expected));
   prompt_embeddings out;
   out.num_virtual_tokens = config.num_virtual_tokens;
-  out.table = device_buffer(dev_, static_cast<size_t>(t.numel()) * sizeof(float),
-                            memory_tag::weights);
-  read_rows(t, 0, t.shape[0], out.table.as<float>());
+  std::vector<float> table(static_cast<size_t>(t.numel()));
+  read_rows(t, 0, t.shape[0], table.data());
+  upload(out.table, table, dtype::f32);
   return out;
 }
 
 std::vector<llama_model::local_tensor> llama_model::tensors() const {
   const auto H = cfg_.hidden_size;
   const auto D = cfg_.head_dim;
+  const auto f32 = dtype::f32;
+  const auto wt = weight_type_;
   std::vector<local_tensor> out;
-  out.push_back({"model.embed_tokens.weight", {cfg_.vocab_size, H}, embed_.as<float>()});
-  out.push_back({"model.norm.weight", {H}, final_norm_.as<float>()});
+  out.push_back({"model.embed_tokens.weight", {cfg_.vocab_size, H}, wt, embed_.data()});
+  out.push_back({"model.norm.weight", {H}, f32, final_norm_.data()});
   if (!cfg_.tie_word_embeddings)
-    out.push_back({"lm_head.weight", {cfg_.vocab_size, H}, lm_head_.as<float>()});
+    out.push_back({"lm_head.weight", {cfg_.vocab_size, H}, wt, lm_head_.data()});
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& l = layers_[i];
     auto p = "model.layers." + std::to_string(i) + ".";
-    out.push_back({p + "input_layernorm.weight", {H}, l.input_norm.as<float>()});
-    out.push_back({p + "post_attention_layernorm.weight", {H}, l.post_norm.as<float>()});
-    out.push_back({p + "self_attn.q_proj.weight", {local_heads_ * D, H}, l.q.as<float>()});
-    out.push_back({p + "self_attn.k_proj.weight", {local_kv_ * D, H}, l.k.as<float>()});
-    out.push_back({p + "self_attn.v_proj.weight", {local_kv_ * D, H}, l.v.as<float>()});
+    out.push_back({p + "input_layernorm.weight", {H}, f32, l.input_norm.data()});
+    out.push_back({p + "post_attention_layernorm.weight", {H}, f32, l.post_norm.data()});
+    out.push_back({p + "self_attn.q_proj.weight", {local_heads_ * D, H}, wt, l.q.data()});
+    out.push_back({p + "self_attn.k_proj.weight", {local_kv_ * D, H}, wt, l.k.data()});
+    out.push_back({p + "self_attn.v_proj.weight", {local_kv_ * D, H}, wt, l.v.data()});
     if (cfg_.attention_bias) {
-      out.push_back({p + "self_attn.q_proj.bias", {local_heads_ * D}, l.q_bias.as<float>()});
-      out.push_back({p + "self_attn.k_proj.bias", {local_kv_ * D}, l.k_bias.as<float>()});
-      out.push_back({p + "self_attn.v_proj.bias", {local_kv_ * D}, l.v_bias.as<float>()});
+      out.push_back({p + "self_attn.q_proj.bias", {local_heads_ * D}, f32, l.q_bias.data()});
+      out.push_back({p + "self_attn.k_proj.bias", {local_kv_ * D}, f32, l.k_bias.data()});
+      out.push_back({p + "self_attn.v_proj.bias", {local_kv_ * D}, f32, l.v_bias.data()});
     }
-    out.push_back({p + "self_attn.o_proj.weight", {H, local_heads_ * D}, l.o.as<float>()});
-    out.push_back({p + "mlp.gate_proj.weight", {local_inter_, H}, l.gate.as<float>()});
-    out.push_back({p + "mlp.up_proj.weight", {local_inter_, H}, l.up.as<float>()});
-    out.push_back({p + "mlp.down_proj.weight", {H, local_inter_}, l.down.as<float>()});
+    out.push_back({p + "self_attn.o_proj.weight", {H, local_heads_ * D}, wt, l.o.data()});
+    out.push_back({p + "mlp.gate_proj.weight", {local_inter_, H}, wt, l.gate.data()});
+    out.push_back({p + "mlp.up_proj.weight", {local_inter_, H}, wt, l.up.data()});
+    out.push_back({p + "mlp.down_proj.weight", {H, local_inter_}, wt, l.down.data()});
   }
   return out;
+}
+
+std::vector<char> llama_model::download(const local_tensor& t) const {
+  size_t numel = 1;
+  for (auto d : t.shape)
+    numel *= static_cast<size_t>(d);
+  std::vector<char> host(numel * element_size(t.type));
+  dev_.copy(host.data(), t.data, host.size());
+  return host;
 }
 
 void llama_model::rope_tables(int32_t position, float* cos, float* sin) const {
@@ -315,16 +360,15 @@ void llama_model::rope_tables(int32_t position, float* cos, float* sin) const {
   }
 }
 
-std::vector<float> llama_model::forward(const execute_model_request& req, kv_cache& cache,
-                                        std::vector<sample_row>& rows,
-                                        const step_adapters& adapters) {
+void llama_model::run(const execute_model_request& req, kv_cache& cache,
+                      std::vector<sample_row>& rows, const step_adapters& adapters) {
   const auto H = cfg_.hidden_size;
   const auto D = cfg_.head_dim;
   const auto V = cfg_.vocab_size;
   const auto bs = cache.block_size();
   const auto q_width = local_heads_ * D;
   const auto kv_width = local_kv_ * D;
-  const auto group_size = cfg_.num_attention_heads / cfg_.num_key_value_heads;
+  const auto half = D / 2;
 
   // The tokens of the step, and where each one lives.
   struct token {
@@ -339,8 +383,10 @@ std::vector<float> llama_model::forward(const execute_model_request& req, kv_cac
     bad_request("adapters given for " + std::to_string(adapters.lora.size()) + " and " +
                 std::to_string(adapters.prompt.size()) + " groups of " + std::to_string(groups));
   std::vector<token> tokens;
-  std::vector<int64_t> sample_token_rows;
+  std::vector<int32_t> sample_token_rows;
   rows.clear();
+  logits_ = nullptr;
+  logit_rows_ = 0;
   for (size_t g = 0; g < req.seq_group_metadata_list.size(); ++g) {
     auto& group = req.seq_group_metadata_list[g];
     for (size_t s = 0; s < group.seqs.size(); ++s) {
@@ -372,21 +418,15 @@ std::vector<float> llama_model::forward(const execute_model_request& req, kv_cac
         tokens.push_back({id, static_cast<int32_t>(p), &seq.block_table, g});
       }
       if (group.do_sample) {
-        sample_token_rows.push_back(static_cast<int64_t>(tokens.size()) - 1);
+        sample_token_rows.push_back(static_cast<int32_t>(tokens.size()) - 1);
         rows.push_back({g, s});
       }
     }
   }
   const auto T = static_cast<int64_t>(tokens.size());
-  std::vector<float> x(static_cast<size_t>(T * H));
-  for (int64_t t = 0; t < T; ++t) {
-    // A prompt adapter's virtual tokens take the first positions of the prompt.
-    auto* virtual_tokens = adapters.prompt.empty() ? nullptr : adapters.prompt[tokens[t].group];
-    auto row = virtual_tokens && tokens[t].position < virtual_tokens->num_virtual_tokens
-                 ? virtual_tokens->table.as<float>() + tokens[t].position * H
-                 : embed_.as<float>() + tokens[t].id * H;
-    std::memcpy(&x[t * H], row, H * sizeof(float));
-  }
+  const auto S = static_cast<int64_t>(sample_token_rows.size());
+  if (T == 0)
+    return;
 
   // Runs of consecutive tokens computed with the same LoRA adapter.
   struct lora_run {
@@ -395,11 +435,13 @@ std::vector<float> llama_model::forward(const execute_model_request& req, kv_cac
     const lora_weights* weights;
   };
   std::vector<lora_run> lora_runs;
+  int64_t max_lora_rank = 0;
   if (!adapters.lora.empty()) {
     for (int64_t t = 0; t < T; ++t) {
       auto* w = adapters.lora[tokens[t].group];
       if (w == nullptr)
         continue;
+      max_lora_rank = std::max(max_lora_rank, w->rank);
       if (!lora_runs.empty() && lora_runs.back().weights == w
           && lora_runs.back().begin + lora_runs.back().count == t)
         ++lora_runs.back().count;
@@ -407,7 +449,95 @@ std::vector<float> llama_model::forward(const execute_model_request& req, kv_cac
         lora_runs.push_back({t, 1, w});
     }
   }
-  std::vector<float> lora_mid;
+
+  // The step's metadata, made on the host and copied to the device in two copies: token
+  // ids, positions, cache slots, per-token block tables and sampled rows (int32), and the
+  // rotary tables (float).
+  int64_t max_blocks = 0;
+  int64_t max_len = 0;
+  for (auto& t : tokens) {
+    max_blocks = std::max<int64_t>(max_blocks, t.position / bs + 1);
+    max_len = std::max<int64_t>(max_len, t.position + 1);
+  }
+  std::vector<int32_t> ints(static_cast<size_t>(T * (3 + max_blocks) + S));
+  auto ids_at = ints.data();
+  auto positions_at = ids_at + T;
+  auto slots_at = positions_at + T;
+  auto tables_at = slots_at + T;
+  auto samples_at = tables_at + T * max_blocks;
+  std::vector<float> rope(static_cast<size_t>(2 * T * half));
+  for (int64_t t = 0; t < T; ++t) {
+    auto& tok = tokens[t];
+    auto& table = *tok.block_table;
+    ids_at[t] = tok.id;
+    positions_at[t] = tok.position;
+    slots_at[t] = table[static_cast<size_t>(tok.position / bs)] * static_cast<int32_t>(bs)
+                  + tok.position % static_cast<int32_t>(bs);
+    std::copy(table.begin(), table.begin() + tok.position / bs + 1, tables_at + t * max_blocks);
+    rope_tables(tok.position, &rope[t * half], &rope[(T + t) * half]);
+  }
+  std::copy(sample_token_rows.begin(), sample_token_rows.end(), samples_at);
+
+  // The workspace, in 4-byte units: metadata, then the activations.
+  struct region {
+    int64_t offset;
+    int64_t size;
+  };
+  int64_t used = 0;
+  auto take = [&](int64_t size) {
+    region r{used, size};
+    used += (size + 63) / 64 * 64; // 256-byte aligned, as cuBLAS prefers
+    return r;
+  };
+  auto r_ints = take(static_cast<int64_t>(ints.size()));
+  auto r_rope = take(static_cast<int64_t>(rope.size()));
+  auto r_x = take(T * H);
+  auto r_h = take(T * H);
+  auto r_q = take(T * q_width);
+  auto r_k = take(T * kv_width);
+  auto r_v = take(T * kv_width);
+  auto r_attn = take(T * q_width);
+  auto r_gate = take(T * local_inter_);
+  auto r_up = take(T * local_inter_);
+  auto r_mid = take(T * max_lora_rank);
+  auto r_last = take(S * H);
+  auto r_logits = take(S * V);
+  auto r_greedy_ids = take(S);
+  auto r_greedy_logprobs = take(S);
+  auto base = static_cast<float*>(workspace(static_cast<size_t>(used) * sizeof(float)));
+  auto at = [&](const region& r) { return base + r.offset; };
+  auto int_at = [&](const region& r) { return reinterpret_cast<int32_t*>(at(r)); };
+  dev_.copy(at(r_ints), ints.data(), ints.size() * sizeof(int32_t));
+  dev_.copy(at(r_rope), rope.data(), rope.size() * sizeof(float));
+  auto d_ints = int_at(r_ints);
+  const int32_t* d_ids = d_ints;
+  const int32_t* d_positions = d_ints + T;
+  const int32_t* d_slots = d_positions + T;
+  const int32_t* d_tables = d_slots + T;
+  const int32_t* d_samples = d_tables + T * max_blocks;
+  const float* d_cos = at(r_rope);
+  const float* d_sin = d_cos + T * half;
+  auto x = at(r_x);
+  auto h = at(r_h);
+  auto q = at(r_q);
+  auto k = at(r_k);
+  auto v = at(r_v);
+  auto attn = at(r_attn);
+  auto gate = at(r_gate);
+  auto up = at(r_up);
+  auto mid = at(r_mid);
+  auto& be = *backend_;
+
+  be.gather_rows(d_ids, embed_.data(), weight_type_, x, T, H);
+  // A prompt adapter's virtual tokens take the first positions of the prompt.
+  if (!adapters.prompt.empty())
+    for (int64_t t = 0; t < T; ++t) {
+      auto* virtual_tokens = adapters.prompt[tokens[t].group];
+      if (virtual_tokens && tokens[t].position < virtual_tokens->num_virtual_tokens)
+        dev_.copy(x + t * H, virtual_tokens->table.as<float>() + tokens[t].position * H,
+                  static_cast<size_t>(H) * sizeof(float));
+    }
+
   // y[T×out] += B·(A·x[T×in]) for the tokens of each run whose adapter adapts `proj`.
   auto apply_lora = [&](size_t layer, projection proj, const float* in, int64_t in_width,
                         float* out, int64_t out_width) {
@@ -415,100 +545,103 @@ std::vector<float> llama_model::forward(const execute_model_request& req, kv_cac
       auto& f = run.weights->layers[layer][static_cast<size_t>(proj)];
       if (f.rank == 0)
         continue;
-      lora_mid.resize(static_cast<size_t>(run.count * f.rank));
-      cpu::gemm_nt(in + run.begin * in_width, f.a.as<float>(), lora_mid.data(), run.count,
-                   f.rank, in_width);
-      cpu::gemm_nt(lora_mid.data(), f.b.as<float>(), out + run.begin * out_width, run.count,
-                   out_width, f.rank, true);
+      be.gemm_nt(in + run.begin * in_width, f.a.data(), dtype::f32, mid, run.count, f.rank,
+                 in_width);
+      be.gemm_nt(mid, f.b.data(), dtype::f32, out + run.begin * out_width, run.count, out_width,
+                 f.rank, true);
     }
   };
-
-  std::vector<float> h(x.size());
-  std::vector<float> q(static_cast<size_t>(T * q_width));
-  std::vector<float> k(static_cast<size_t>(T * kv_width));
-  std::vector<float> v(static_cast<size_t>(T * kv_width));
-  std::vector<float> attn(q.size());
-  std::vector<float> gate(static_cast<size_t>(T * local_inter_));
-  std::vector<float> up(gate.size());
-  std::vector<float> half_cos(inv_freq_.size());
-  std::vector<float> half_sin(inv_freq_.size());
-  std::vector<float> scores;
+  auto project = [&](const float* in, const device_buffer& w, float* out, int64_t out_width,
+                     int64_t in_width) {
+    be.gemm_nt(in, w.data(), weight_type_, out, T, out_width, in_width);
+  };
+  auto reduce = [&](float* buf, int64_t count) {
+    if (all_reduce_ && world_ > 1)
+      all_reduce_(buf, static_cast<size_t>(count));
+  };
+  paged_layout layout;
+  layout.block_tables = d_tables;
+  layout.max_blocks = max_blocks;
+  layout.positions = d_positions;
+  layout.block_size = bs;
+  layout.heads = local_heads_;
+  layout.kv_heads = local_kv_;
+  layout.head_dim = D;
+  layout.head_begin = head_begin_;
+  layout.group_size = cfg_.num_attention_heads / cfg_.num_key_value_heads;
+  layout.kv_offset = kv_offset_;
   const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   const auto eps = static_cast<float>(cfg_.rms_norm_eps);
-  auto reduce = [&](std::vector<float>& buf) {
-    if (all_reduce_ && world_ > 1)
-      all_reduce_(buf.data(), buf.size());
-  };
 
   for (size_t li = 0; li < layers_.size(); ++li) {
     auto& l = layers_[li];
     auto layer = static_cast<int64_t>(li);
-    cpu::rms_norm(x.data(), l.input_norm.as<float>(), h.data(), T, H, eps);
-    cpu::gemm_nt(h.data(), l.q.as<float>(), q.data(), T, q_width, H);
-    cpu::gemm_nt(h.data(), l.k.as<float>(), k.data(), T, kv_width, H);
-    cpu::gemm_nt(h.data(), l.v.as<float>(), v.data(), T, kv_width, H);
-    apply_lora(li, projection::q, h.data(), H, q.data(), q_width);
-    apply_lora(li, projection::k, h.data(), H, k.data(), kv_width);
-    apply_lora(li, projection::v, h.data(), H, v.data(), kv_width);
+    be.rms_norm(x, l.input_norm.as<float>(), h, T, H, eps);
+    project(h, l.q, q, q_width, H);
+    project(h, l.k, k, kv_width, H);
+    project(h, l.v, v, kv_width, H);
+    apply_lora(li, projection::q, h, H, q, q_width);
+    apply_lora(li, projection::k, h, H, k, kv_width);
+    apply_lora(li, projection::v, h, H, v, kv_width);
     if (cfg_.attention_bias) {
-      cpu::add_bias(q.data(), l.q_bias.as<float>(), T, q_width);
-      cpu::add_bias(k.data(), l.k_bias.as<float>(), T, kv_width);
-      cpu::add_bias(v.data(), l.v_bias.as<float>(), T, kv_width);
+      be.add_bias(q, l.q_bias.as<float>(), T, q_width);
+      be.add_bias(k, l.k_bias.as<float>(), T, kv_width);
+      be.add_bias(v, l.v_bias.as<float>(), T, kv_width);
     }
-    for (int64_t t = 0; t < T; ++t) {
-      rope_tables(tokens[t].position, half_cos.data(), half_sin.data());
-      cpu::rotary(&q[t * q_width], local_heads_, D, half_cos.data(), half_sin.data());
-      cpu::rotary(&k[t * kv_width], local_kv_, D, half_cos.data(), half_sin.data());
-      auto pos = tokens[t].position;
-      auto block = (*tokens[t].block_table)[static_cast<size_t>(pos / bs)];
-      std::memcpy(cache.key(layer, block, pos % bs, 0), &k[t * kv_width],
-                  kv_width * sizeof(float));
-      std::memcpy(cache.value(layer, block, pos % bs, 0), &v[t * kv_width],
-                  kv_width * sizeof(float));
-    }
-    for (int64_t t = 0; t < T; ++t) {
-      auto len = static_cast<int64_t>(tokens[t].position) + 1;
-      scores.resize(static_cast<size_t>(len));
-      auto& table = *tokens[t].block_table;
-      for (int64_t head = 0; head < local_heads_; ++head) {
-        auto global_head = head_begin_ + head;
-        auto kv_head = global_head / group_size - kv_offset_;
-        auto key_at = [&](int64_t p) {
-          return cache.key(layer, table[static_cast<size_t>(p / bs)], p % bs, kv_head);
-        };
-        auto value_at = [&](int64_t p) {
-          return cache.value(layer, table[static_cast<size_t>(p / bs)], p % bs, kv_head);
-        };
-        cpu::attend(&q[t * q_width + head * D], D, len, scale, key_at, value_at, scores.data(),
-                    &attn[t * q_width + head * D]);
-      }
-    }
-    cpu::gemm_nt(attn.data(), l.o.as<float>(), h.data(), T, H, q_width);
-    apply_lora(li, projection::o, attn.data(), q_width, h.data(), H);
-    reduce(h);
-    for (size_t i = 0; i < x.size(); ++i)
-      x[i] += h[i];
-    cpu::rms_norm(x.data(), l.post_norm.as<float>(), h.data(), T, H, eps);
-    cpu::gemm_nt(h.data(), l.gate.as<float>(), gate.data(), T, local_inter_, H);
-    cpu::gemm_nt(h.data(), l.up.as<float>(), up.data(), T, local_inter_, H);
-    apply_lora(li, projection::gate, h.data(), H, gate.data(), local_inter_);
-    apply_lora(li, projection::up, h.data(), H, up.data(), local_inter_);
-    cpu::silu_mul(gate.data(), up.data(), gate.data(), T * local_inter_);
-    cpu::gemm_nt(gate.data(), l.down.as<float>(), h.data(), T, H, local_inter_);
-    apply_lora(li, projection::down, gate.data(), local_inter_, h.data(), H);
-    reduce(h);
-    for (size_t i = 0; i < x.size(); ++i)
-      x[i] += h[i];
+    be.rotary(q, T, local_heads_, D, d_cos, d_sin);
+    be.rotary(k, T, local_kv_, D, d_cos, d_sin);
+    be.write_kv(k, v, cache.keys(layer), cache.values(layer), d_slots, T, kv_width);
+    be.paged_attention(q, attn, cache.keys(layer), cache.values(layer), layout, T, max_len, scale);
+    project(attn, l.o, h, H, q_width);
+    apply_lora(li, projection::o, attn, q_width, h, H);
+    reduce(h, T * H);
+    be.add(x, h, T * H);
+    be.rms_norm(x, l.post_norm.as<float>(), h, T, H, eps);
+    project(h, l.gate, gate, local_inter_, H);
+    project(h, l.up, up, local_inter_, H);
+    apply_lora(li, projection::gate, h, H, gate, local_inter_);
+    apply_lora(li, projection::up, h, H, up, local_inter_);
+    be.silu_mul(gate, up, gate, T * local_inter_);
+    project(gate, l.down, h, H, local_inter_);
+    apply_lora(li, projection::down, gate, local_inter_, h, H);
+    reduce(h, T * H);
+    be.add(x, h, T * H);
   }
 
-  const auto S = static_cast<int64_t>(sample_token_rows.size());
-  std::vector<float> last(static_cast<size_t>(S * H));
-  for (int64_t r = 0; r < S; ++r)
-    cpu::rms_norm(&x[sample_token_rows[r] * H], final_norm_.as<float>(), &last[r * H], 1, H, eps);
-  std::vector<float> logits(static_cast<size_t>(S * V));
-  auto head = cfg_.tie_word_embeddings ? embed_.as<float>() : lm_head_.as<float>();
-  cpu::gemm_nt(last.data(), head, logits.data(), S, V, H);
-  return logits;
+  auto last = at(r_last);
+  be.gather_rows(d_samples, x, dtype::f32, last, S, H);
+  be.rms_norm(last, final_norm_.as<float>(), h, S, H, eps);
+  auto logits = at(r_logits);
+  auto& head = cfg_.tie_word_embeddings ? embed_ : lm_head_;
+  be.gemm_nt(h, head.data(), weight_type_, logits, S, V, H);
+  logits_ = logits;
+  logit_rows_ = S;
+  greedy_ids_ = int_at(r_greedy_ids);
+  greedy_logprobs_ = at(r_greedy_logprobs);
+}
+
+std::vector<float> llama_model::logits() const {
+  std::vector<float> out(static_cast<size_t>(logit_rows_ * cfg_.vocab_size));
+  if (!out.empty())
+    dev_.copy(out.data(), logits_, out.size() * sizeof(float));
+  return out;
+}
+
+void llama_model::greedy(std::vector<int32_t>& ids, std::vector<float>& logprobs) {
+  ids.resize(static_cast<size_t>(logit_rows_));
+  logprobs.resize(ids.size());
+  if (ids.empty())
+    return;
+  backend_->greedy(logits_, logit_rows_, cfg_.vocab_size, greedy_ids_, greedy_logprobs_);
+  dev_.copy(ids.data(), greedy_ids_, ids.size() * sizeof(int32_t));
+  dev_.copy(logprobs.data(), greedy_logprobs_, logprobs.size() * sizeof(float));
+}
+
+std::vector<float> llama_model::forward(const execute_model_request& req, kv_cache& cache,
+                                        std::vector<sample_row>& rows,
+                                        const step_adapters& adapters) {
+  run(req, cache, rows, adapters);
+  return logits();
 }
 
 } // namespace troupe

@@ -1,8 +1,10 @@
 #pragma once
 
+#include "kernels/backend.hpp"
 #include "model/adapters.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config.hpp"
+#include "model/dtype.hpp"
 #include "model/kv_cache.hpp"
 #include "troupe/device.hpp"
 #include "troupe/types.hpp"
@@ -21,7 +23,7 @@ struct sample_row {
 };
 
 /// A LoRA adapter as one rank applies it: per layer and projection, y += B·(A·x) with the
-/// scaling folded into B. Column-parallel projections (q/k/v/gate/up) hold all of A and
+/// scaling folded into B (float32 factors in device memory). Column-parallel projections (q/k/v/gate/up) hold all of A and
 /// this rank's rows of B; row-parallel ones (o/down) hold this rank's columns of A and all
 /// of B, so each rank adds a partial product that the layer's all-reduce sums like the rest.
 /// Lives under `memory_tag::weights`.
@@ -52,20 +54,24 @@ struct step_adapters {
 /// Reports weight loading: tensors done and in all.
 using load_progress = std::function<void(size_t done, size_t total)>;
 
-/// Sums a buffer over the ranks of a tensor-parallel group, in place.
+/// Sums a buffer of device memory over the ranks of a tensor-parallel group, in place.
 using all_reduce_fn = std::function<void(float* data, size_t count)>;
 
-/// A Llama-family decoder (Llama, Mistral, Qwen2) on the CPU device, holding this rank's
-/// shard of the weights in float32: attention heads and MLP columns split across ranks in
-/// near-even contiguous shares (column-parallel q/k/v/gate/up, row-parallel o/down followed
-/// by an all-reduce), embeddings and the output head replicated.
+/// A Llama-family decoder (Llama, Mistral, Qwen2) on any device (through its `backend`),
+/// holding this rank's shard of the weights: attention heads and MLP columns split across
+/// ranks in near-even contiguous shares (column-parallel q/k/v/gate/up, row-parallel o/down
+/// followed by an all-reduce), embeddings and the output head replicated. Projections,
+/// embeddings and the output head are kept in `weight_type`; norms, biases, activations,
+/// the KV cache and the logits in float32.
 class llama_model : public troupe::model {
 public:
-  /// Throws `invalid_argument` when there are fewer attention heads than ranks.
-  llama_model(model_config cfg, device& dev, int32_t rank, int32_t world);
+  /// Throws `invalid_argument` when there are fewer attention heads than ranks, and
+  /// `unsupported` when the device does not compute in `weight_type`.
+  llama_model(model_config cfg, device& dev, int32_t rank, int32_t world,
+              dtype weight_type = dtype::f32);
 
   /// Loads this rank's shard from `ckpt` into the device under `memory_tag::weights`
-  /// (converting f16/bf16 to f32); `presharded` when `ckpt` holds only this rank's shard
+  /// (converting to the weight type); `presharded` when `ckpt` holds only this rank's shard
   /// (vLLM's sharded_state format). Throws `invalid_argument` naming the tensor for a
   /// missing tensor or a shape that does not match the config. May be called again to
   /// reload into the same memory.
@@ -80,17 +86,30 @@ public:
   int64_t local_kv_heads() const {
     return local_kv_;
   }
+  dtype weight_type() const {
+    return weight_type_;
+  }
 
   /// Used after each row-parallel layer when the model is split; identity by default.
   void set_all_reduce(all_reduce_fn fn) {
     all_reduce_ = std::move(fn);
   }
 
-  /// Runs one step: computes every scheduled token of `req`, writes keys and values into
-  /// `cache`, and returns the logits (rows × vocab) of the last token of each sequence of
-  /// every group that samples, in request order; `rows` says whose each row is. Throws
-  /// `invalid_argument` for a malformed request (token out of vocabulary, block table too
-  /// short, chunk past the tokens).
+  /// Runs one step: computes every scheduled token of `req` and writes its keys and values
+  /// into `cache`, leaving on the device the logits of the last token of each sequence of
+  /// every group that samples, in request order (`logits`, `greedy`); `rows` says whose
+  /// each row is. Throws `invalid_argument` for a malformed request (token out of
+  /// vocabulary, block table too short, chunk past the tokens).
+  void run(const execute_model_request& req, kv_cache& cache, std::vector<sample_row>& rows,
+           const step_adapters& adapters = {});
+
+  /// The logits of the last `run` (rows × vocab), copied to the host.
+  std::vector<float> logits() const;
+
+  /// The greedy token of each row of the last `run` and its logprob, computed on the device.
+  void greedy(std::vector<int32_t>& ids, std::vector<float>& logprobs);
+
+  /// `run`, then `logits`.
   std::vector<float> forward(const execute_model_request& req, kv_cache& cache,
                              std::vector<sample_row>& rows, const step_adapters& adapters = {});
 
@@ -104,15 +123,19 @@ public:
   /// `max_tokens` virtual tokens (0: no limit), or its embeddings are missing.
   prompt_embeddings load_prompt_adapter(const std::string& path, int64_t max_tokens) const;
 
-  /// A weight of this rank, under its Hugging Face name.
+  /// A weight of this rank, under its Hugging Face name; `data` is device memory.
   struct local_tensor {
     std::string name;
     std::vector<int64_t> shape;
-    const float* data = nullptr;
+    dtype type = dtype::f32;
+    const void* data = nullptr;
   };
 
   /// Every weight this rank holds.
   std::vector<local_tensor> tensors() const;
+
+  /// Copies `t`'s elements to the host.
+  std::vector<char> download(const local_tensor& t) const;
 
 private:
   struct layer_weights {
@@ -120,6 +143,13 @@ private:
   };
 
   void rope_tables(int32_t position, float* cos, float* sin) const;
+
+  /// Writes `values` into `buf` (allocated under `memory_tag::weights` when its size
+  /// differs) as elements of `type`.
+  void upload(device_buffer& buf, const std::vector<float>& values, dtype type) const;
+
+  /// The step's scratch memory of at least `bytes`, grown as needed.
+  void* workspace(size_t bytes);
 
   /// How a projection's weight [out, in] is split: this rank's rows (column-parallel) or
   /// columns (row-parallel) [start, start + count).
@@ -134,8 +164,10 @@ private:
 
   model_config cfg_;
   device& dev_;
+  std::unique_ptr<backend> backend_;
   int32_t rank_;
   int32_t world_;
+  dtype weight_type_;
   /// This rank's attention heads: [head_begin_, head_begin_ + local_heads_).
   int64_t head_begin_;
   int64_t local_heads_;
@@ -154,6 +186,13 @@ private:
   device_buffer lm_head_; // empty when tied
   std::vector<layer_weights> layers_;
   all_reduce_fn all_reduce_;
+  /// Activations and step metadata, under `memory_tag::kv_cache` (it sleeps with the cache).
+  device_buffer workspace_;
+  /// Where the last `run` left its logits, and how many rows.
+  const float* logits_ = nullptr;
+  int64_t logit_rows_ = 0;
+  int32_t* greedy_ids_ = nullptr;
+  float* greedy_logprobs_ = nullptr;
 };
 
 } // namespace troupe

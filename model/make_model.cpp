@@ -57,7 +57,9 @@ void write_random_model(const model_config& config, const std::string& directory
                         uint64_t seed, int64_t max_shard_bytes) {
   namespace fs = std::filesystem;
   // Round-trip through the parser: it checks that the shape holds together.
-  auto text = to_config_json(config);
+  auto written = config;
+  written.torch_dtype = dtype_name(type);
+  auto text = to_config_json(written);
   parse_model_config(text, directory + "/config.json");
   std::error_code ec;
   fs::create_directories(directory, ec);
@@ -123,6 +125,25 @@ void write_random_model(const model_config& config, const std::string& directory
     throw error{errc::invalid_argument,
                 "cannot write '" + directory + "/model.safetensors.index.json'"};
   out << index.dump(2) << "\n";
+}
+
+model_config smollm2_135m_config() {
+  model_config c;
+  c.architecture = "LlamaForCausalLM";
+  c.num_hidden_layers = 30;
+  c.hidden_size = 576;
+  c.num_attention_heads = 9;
+  c.num_key_value_heads = 3;
+  c.head_dim = 64;
+  c.intermediate_size = 1536;
+  c.vocab_size = 49152;
+  c.max_position_embeddings = 8192;
+  c.rope_theta = 100000.0;
+  c.rms_norm_eps = 1e-5;
+  c.tie_word_embeddings = true;
+  c.bos_token_id = 1;
+  c.eos_token_id = 2;
+  return c;
 }
 
 } // namespace troupe

@@ -17,4 +17,8 @@ namespace troupe {
 void write_random_model(const model_config& config, const std::string& directory, dtype type,
                         uint64_t seed, int64_t max_shard_bytes = int64_t{2} << 30);
 
+/// The shape of SmolLM2-135M (Llama, 30 layers, hidden 576, 9 heads over 3 kv heads, tied
+/// embeddings), for benchmarks and tests that need its size but not its weights.
+model_config smollm2_135m_config();
+
 } // namespace troupe

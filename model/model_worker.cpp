@@ -2,6 +2,10 @@
 
 #include "kernels/cpu/gloo_communicator.hpp"
 #include "kernels/cpu/ops.hpp"
+#ifdef TROUPE_WITH_CUDA
+#include "kernels/cuda/cuda_device.hpp"
+#include "kernels/cuda/nccl_communicator.hpp"
+#endif
 #include "model/adapter_slots.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config.hpp"
@@ -59,7 +63,14 @@ struct model_worker::state {
   adapter_slots<prompt_adapter_request, prompt_embeddings> prompt_adapters;
   std::unique_ptr<kv_cache> cache;
   std::mt19937_64 rng{std::random_device{}()};
-  std::unique_ptr<gloo_communicator> comm;
+  std::unique_ptr<gloo_communicator> gloo;
+#ifdef TROUPE_WITH_CUDA
+  std::unique_ptr<nccl_communicator> nccl;
+#endif
+  /// Sums device memory over the ranks once the collective is connected.
+  all_reduce_fn reduce;
+  /// One float of device memory for the ranks' agreement on a step's adapters.
+  device_buffer flag;
   bool presharded = false;
 };
 
@@ -70,6 +81,9 @@ model_worker::model_worker(model_worker_options options)
     throw error{errc::invalid_argument,
                 "model_worker: max_loras, max_lora_rank and max_prompt_adapters must be at "
                 "least 1, max_prompt_adapter_token not negative"};
+  if (!(options_.gpu_memory_utilization > 0.0 && options_.gpu_memory_utilization <= 1.0))
+    throw error{errc::invalid_argument, "model_worker: gpu_memory_utilization must be in (0, 1], "
+                                        "got " + std::to_string(options_.gpu_memory_utilization)};
   register_method("reload_weights", [](worker& w, const caf::message&, const caf::settings&) {
     static_cast<model_worker&>(w).reload_weights();
     return caf::message{};
@@ -80,14 +94,21 @@ model_worker::~model_worker() = default;
 
 void model_worker::load_model() {
   auto& st = *state_;
-  // The decoder computes on host memory; a GPU's memory would be touched from the CPU.
-  if (device().name().rfind("cpu:", 0) != 0)
-    throw error{errc::unsupported, "the model runs on the CPU device only so far, not on " +
-                                     device().name()};
   st.config = checkpoint::config_of(options_.model_path);
+  auto weight_type = dtype::f32;
+  if (options_.dtype == "auto") {
+    if (on_gpu())
+      weight_type = st.config.torch_dtype == "bfloat16" ? dtype::bf16 : dtype::f16;
+  } else if (auto named = parse_dtype_name(options_.dtype)) {
+    weight_type = *named;
+  } else {
+    throw error{errc::invalid_argument, "dtype '" + options_.dtype +
+                                          "' is not known (auto, float32, float16, bfloat16)"};
+  }
   // Workers of one process share the cores: each GEMM gets its share of them.
-  cpu::set_gemm_threads(static_cast<int>(std::thread::hardware_concurrency())
-                        / std::max(1, context().world_size));
+  if (!on_gpu())
+    cpu::set_gemm_threads(static_cast<int>(std::thread::hardware_concurrency())
+                          / std::max(1, context().world_size));
   bool presharded = false;
   if (options_.load_format == "sharded_state") {
     presharded = true;
@@ -96,30 +117,70 @@ void model_worker::load_model() {
                                           "' is not known (auto, sharded_state)"};
   }
   st.presharded = presharded;
-  st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size);
+  st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size,
+                                           weight_type);
   st.model->load(open_checkpoint(), rank() == 0 ? options_.progress : load_progress{},
                  presharded);
-  if (st.comm)
-    st.model->set_all_reduce(
-      [comm = st.comm.get()](float* data, size_t count) { comm->all_reduce(data, count); });
+  if (st.reduce)
+    st.model->set_all_reduce(st.reduce);
 }
+
+bool model_worker::on_gpu() const {
+  return context().device_kind == "cuda";
+}
+
+namespace {
+
+/// How long a rank waits for the others to join the collective, or for a collective call.
+constexpr auto collective_timeout = std::chrono::seconds(60);
+
+} // namespace
 
 std::vector<std::string> model_worker::prepare_collective() {
   auto& st = *state_;
-  st.comm = std::make_unique<gloo_communicator>(rank(), context().world_size,
-                                                context().collective_host,
-                                                std::chrono::seconds(60));
-  return st.comm->prepare();
+  if (on_gpu()) {
+#ifdef TROUPE_WITH_CUDA
+    if (rank() == 0)
+      return {nccl_communicator::make_id()};
+    return {};
+#endif
+  }
+  st.gloo = std::make_unique<gloo_communicator>(rank(), context().world_size,
+                                                context().collective_host, collective_timeout);
+  return st.gloo->prepare();
 }
 
 void model_worker::connect_collective(const std::vector<std::vector<std::string>>& table) {
   auto& st = *state_;
-  if (!st.comm)
-    throw error{errc::invalid_argument, "connect_collective before prepare_collective"};
-  st.comm->connect(table);
+  if (on_gpu()) {
+#ifdef TROUPE_WITH_CUDA
+    if (table.empty() || table[0].size() != 1)
+      throw error{errc::invalid_argument,
+                  "connect_collective: rank 0's entry must hold the NCCL unique id"};
+    // Every rank joins at once (the executor calls them together); NCCL's init returns
+    // only when all have.
+    st.nccl = std::make_unique<nccl_communicator>(rank(), context().world_size, table[0][0],
+                                                  collective_timeout);
+    auto stream = dynamic_cast<cuda_device&>(device()).stream();
+    st.reduce = [comm = st.nccl.get(), stream](float* data, size_t count) {
+      comm->all_reduce(data, count, stream);
+    };
+#endif
+  } else {
+    if (!st.gloo)
+      throw error{errc::invalid_argument, "connect_collective before prepare_collective"};
+    st.gloo->connect(table);
+    st.reduce = [comm = st.gloo.get()](float* data, size_t count) {
+      comm->all_reduce(data, count);
+    };
+  }
   if (st.model)
-    st.model->set_all_reduce(
-      [comm = st.comm.get()](float* data, size_t count) { comm->all_reduce(data, count); });
+    st.model->set_all_reduce(st.reduce);
+}
+
+void model_worker::all_reduce(float* data, size_t count) {
+  if (state_->reduce)
+    state_->reduce(data, count);
 }
 
 void model_worker::require_awake(const char* what) {
@@ -270,15 +331,26 @@ int64_t model_worker::profile_step_bytes() {
     g.token_chunk_size = static_cast<int32_t>(per_seq);
     req.seq_group_metadata_list.push_back(std::move(g));
   }
-  // Peak resident memory of the step: reset the high-water mark, run it, read the mark.
-  { std::ofstream{"/proc/self/clear_refs"} << "5"; }
-  auto before = status_kib("VmRSS");
-  {
+  auto run = [&] {
     kv_cache scratch{device(), st.config.num_hidden_layers, st.model->local_kv_heads(),
                      st.config.head_dim, bs, seqs * blocks_per_seq, 0};
     std::vector<sample_row> rows;
-    st.model->forward(req, scratch, rows);
+    st.model->run(req, scratch, rows);
+    std::vector<int32_t> ids;
+    std::vector<float> logprobs;
+    st.model->greedy(ids, logprobs); // waits for the step
+  };
+  if (on_gpu()) {
+    // Everything a step allocates on a GPU stays (the model's workspace, the backend's
+    // scratch, cuBLAS's workspace): what the device lost after it is the step's peak.
+    auto before = static_cast<int64_t>(device().free_memory());
+    run();
+    return std::max<int64_t>(0, before - static_cast<int64_t>(device().free_memory()));
   }
+  // Peak resident memory of the step: reset the high-water mark, run it, read the mark.
+  { std::ofstream{"/proc/self/clear_refs"} << "5"; }
+  auto before = status_kib("VmRSS");
+  run();
   auto peak = status_kib("VmHWM");
   return std::max<int64_t>(0, peak - before) * 1024;
 }
@@ -291,7 +363,23 @@ cache_blocks model_worker::determine_num_available_blocks() {
                                                st.model->local_kv_heads(), st.config.head_dim,
                                                context().block_size);
   int64_t budget = options_.kv_cache_memory_bytes;
-  if (budget <= 0) {
+  if (budget <= 0 && on_gpu()) {
+    auto step = profile_step_bytes();
+    auto total = static_cast<double>(device().total_memory());
+    auto used = total - static_cast<double>(device().free_memory());
+    // vLLM's rule: the cache gets what is left of gpu_memory_utilization of the GPU once
+    // everything in use (weights, the profiled step's activations, the CUDA context) is
+    // counted.
+    budget = static_cast<int64_t>(options_.gpu_memory_utilization * total - used);
+    if (budget < block_bytes)
+      throw error{errc::memory_error,
+                  "no room for a KV cache on " + device().name() + ": gpu_memory_utilization " +
+                    std::to_string(options_.gpu_memory_utilization) + " of " +
+                    std::to_string(static_cast<int64_t>(total)) + " bytes, with " +
+                    std::to_string(static_cast<int64_t>(used)) +
+                    " bytes in use (a profiled step took " + std::to_string(step) +
+                    "), holds no block of " + std::to_string(block_bytes) + " bytes"};
+  } else if (budget <= 0) {
     auto free_bytes = static_cast<double>(device().free_memory());
     auto step = profile_step_bytes();
     // Ranks of one process share its memory (and profile it at the same time): each takes
@@ -356,18 +444,37 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
   }
   // Loading an adapter may fail on one rank only (a file missing on one node): the ranks
   // agree first, so that none enters the step's all-reduces without the others.
-  if (uses_adapters && st.comm) {
+  if (uses_adapters && st.reduce) {
     float failures = failed ? 1.0f : 0.0f;
-    st.comm->all_reduce(&failures, 1);
+    if (st.flag.size() == 0)
+      st.flag = device_buffer(device(), sizeof(float), memory_tag::kv_cache);
+    device().copy(st.flag.data(), &failures, sizeof failures);
+    all_reduce(st.flag.as<float>(), 1);
+    device().copy(&failures, st.flag.data(), sizeof failures);
     if (failures > 0 && !failed)
       throw error{errc::worker_error, "another rank could not load the step's adapters"};
   }
   if (failed)
     std::rethrow_exception(failed);
   std::vector<sample_row> rows;
-  auto logits = st.model->forward(request, *st.cache, rows, adapters);
+  st.model->run(request, *st.cache, rows, adapters);
   if (rank() != 0)
     return {}; // only the driver's output is used
+  // A step whose every sampling group is greedy without top logprobs is sampled on the
+  // device, and only the tokens come back; otherwise the logits do.
+  bool greedy = true;
+  for (auto& g : request.seq_group_metadata_list)
+    greedy = greedy && (!g.do_sample || (g.sampling.temperature >= 0.0f
+                                         && g.sampling.temperature < 1e-5f
+                                         && g.sampling.logprobs <= 0 && g.sampling.top_p > 0.0f
+                                         && g.sampling.top_p <= 1.0f));
+  std::vector<float> logits;
+  std::vector<int32_t> greedy_ids;
+  std::vector<float> greedy_logprobs;
+  if (greedy)
+    st.model->greedy(greedy_ids, greedy_logprobs);
+  else
+    logits = st.model->logits();
   sampler_output out;
   auto vocab = st.config.vocab_size;
   size_t row = 0;
@@ -377,6 +484,14 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
     group_out.request_id = group.request_id;
     for (; row < rows.size() && rows[row].group == g; ++row) {
       auto& seq = group.seqs[rows[row].seq];
+      if (greedy) {
+        sequence_output sample;
+        sample.parent_seq_id = seq.seq_id;
+        sample.output_token = greedy_ids[row];
+        sample.logprob = greedy_logprobs[row];
+        group_out.samples.push_back(sample);
+        continue;
+      }
       auto step = static_cast<int64_t>(seq.token_ids.size()) - seq.num_prompt_tokens;
       group_out.samples.push_back(sample_token(&logits[row * vocab], vocab, group.sampling,
                                                seq.seq_id, step, st.rng));
@@ -411,17 +526,19 @@ void model_worker::save_sharded_state(const sharded_state_request& request) {
   };
   // Parts of at most max_size bytes; a tensor larger than that gets a part to itself.
   std::vector<safetensors_writer> parts(1);
+  // The tensors on the host, in their own types (the writers refer to them).
+  auto tensors = st.model->tensors();
+  std::vector<std::vector<char>> host;
+  host.reserve(tensors.size());
   int64_t used = 0;
-  for (auto& t : st.model->tensors()) {
-    int64_t numel = 1;
-    for (auto d : t.shape)
-      numel *= d;
-    auto bytes = numel * static_cast<int64_t>(sizeof(float));
+  for (auto& t : tensors) {
+    host.push_back(st.model->download(t));
+    auto bytes = static_cast<int64_t>(host.back().size());
     if (used > 0 && used + bytes > max_size) {
       parts.emplace_back();
       used = 0;
     }
-    parts.back().add(t.name, dtype::f32, t.shape, t.data, static_cast<size_t>(bytes));
+    parts.back().add(t.name, t.type, t.shape, host.back().data(), host.back().size());
     used += bytes;
   }
   std::vector<std::string> written;
@@ -453,8 +570,10 @@ template <class F>
 void each_option(model_worker_options& o, F&& f) {
   f("model_path", o.model_path);
   f("load_format", o.load_format);
+  f("dtype", o.dtype);
   f("kv_cache_memory_bytes", o.kv_cache_memory_bytes);
   f("kv_cache_memory_fraction", o.kv_cache_memory_fraction);
+  f("gpu_memory_utilization", o.gpu_memory_utilization);
   f("max_num_batched_tokens", o.max_num_batched_tokens);
   f("max_num_seqs", o.max_num_seqs);
   f("swap_space_bytes", o.swap_space_bytes);

@@ -52,9 +52,13 @@ public:
 
   /// Bytes the device could still allocate (free memory of the device).
   virtual std::size_t free_memory() const = 0;
+
+  /// Bytes of memory the device has in all.
+  virtual std::size_t total_memory() const = 0;
 };
 
-/// Creates the device a worker of the given rank owns: `"cpu"` for host memory.
+/// Creates the device a worker of the given rank owns: `"cpu"` for host memory, `"cuda"` for
+/// GPU `index` (when built with CUDA).
 /// Throws `troupe::error` (`invalid_argument`) for a kind this build does not support.
 std::unique_ptr<device> make_device(const std::string& kind, int32_t index);
 

@@ -25,11 +25,19 @@ struct model_worker_options {
   /// this rank's `model-rank-{rank}-part-{part}.safetensors` files as `save_sharded_state`
   /// wrote them (next to a `config.json`), loaded as they are.
   std::string load_format = "auto";
-  /// Bytes for the device KV cache; 0 takes `kv_cache_memory_fraction` of the device's free
-  /// memory (after the weights are loaded), less the peak memory of a profiled step at the
-  /// largest batch.
+  /// The element type of the weights (vLLM's `dtype`): `"float32"`, `"float16"`,
+  /// `"bfloat16"`, or `"auto"`: float32 on the CPU (which computes only in it); on a GPU
+  /// the checkpoint's bfloat16, else float16 (as vLLM's `auto`). Activations, the KV cache
+  /// and the logits are float32 either way.
+  std::string dtype = "auto";
+  /// Bytes for the device KV cache; 0 sizes it from the device's memory after a profiled
+  /// step at the largest batch: on the CPU `kv_cache_memory_fraction` of the free memory
+  /// (after the weights are loaded) less the step's peak; on a GPU what is left of
+  /// `gpu_memory_utilization` of the GPU's memory once the weights and the step's
+  /// activations are counted (as vLLM does).
   int64_t kv_cache_memory_bytes = 0;
   double kv_cache_memory_fraction = 0.5;
+  double gpu_memory_utilization = 0.9;
   /// The largest step the scheduler will send (vLLM's `max_num_batched_tokens` and
   /// `max_num_seqs`); `determine_num_available_blocks` runs one such step to measure it.
   int32_t max_num_batched_tokens = 2048;
@@ -49,7 +57,8 @@ struct model_worker_options {
   std::function<void(size_t done, size_t total)> progress;
 };
 
-/// Runs the model of `options.model_path`, this rank's shard of it.
+/// Runs the model of `options.model_path`, this rank's shard of it, on the worker's device
+/// (the CPU, or a GPU with NCCL between the ranks).
 ///
 /// Beyond the built-in methods it registers `reload_weights` (reads the checkpoint again
 /// into the same memory, the step after a level-2 sleep).
@@ -68,7 +77,8 @@ public:
   ~model_worker() override;
 
   void load_model() override;
-  /// Opens this rank's Gloo pairs (TCP on the context's collective_host).
+  /// On the CPU opens this rank's Gloo pairs (TCP on the context's collective_host); on a
+  /// GPU rank 0 makes the NCCL unique id, which `connect_collective` hands to every rank.
   std::vector<std::string> prepare_collective() override;
   void connect_collective(const std::vector<std::vector<std::string>>& table) override;
   troupe::model* get_model() override;
@@ -96,8 +106,15 @@ private:
   /// Throws `errc::unsupported` naming `what` before a model is loaded.
   void require_model(const char* what) const;
 
-  /// Runs a step at the largest batch on scratch memory; returns its peak memory in bytes.
+  /// Runs a step at the largest batch on a scratch cache, whose activation memory the model
+  /// keeps; returns the step's peak memory in bytes.
   int64_t profile_step_bytes();
+
+  /// Sums `count` floats of device memory over the ranks (nothing on one rank).
+  void all_reduce(float* data, size_t count);
+
+  /// Whether the worker's device is a GPU.
+  bool on_gpu() const;
 
   /// The weights to load, opened for one load.
   checkpoint open_checkpoint() const;

@@ -184,15 +184,28 @@ void cpu_device::copy(void* dst, const void* src, std::size_t bytes) {
   std::memmove(dst, src, bytes);
 }
 
-std::size_t cpu_device::free_memory() const {
+namespace {
+
+/// A `/proc/meminfo` entry in bytes (0 when missing).
+std::size_t meminfo_bytes(const std::string& wanted) {
   std::ifstream meminfo{"/proc/meminfo"};
   std::string key;
   std::size_t value = 0;
   std::string unit;
   while (meminfo >> key >> value >> unit)
-    if (key == "MemAvailable:")
+    if (key == wanted)
       return value * 1024;
   return 0;
+}
+
+} // namespace
+
+std::size_t cpu_device::free_memory() const {
+  return meminfo_bytes("MemAvailable:");
+}
+
+std::size_t cpu_device::total_memory() const {
+  return meminfo_bytes("MemTotal:");
 }
 
 } // namespace troupe

@@ -31,6 +31,7 @@ public:
   std::vector<memory_usage> usage() const override;
   void copy(void* dst, const void* src, std::size_t bytes) override;
   std::size_t free_memory() const override;
+  std::size_t total_memory() const override;
 
 private:
   struct allocation {

@@ -254,4 +254,11 @@ std::size_t cuda_device::free_memory() const {
   return free_bytes;
 }
 
+std::size_t cuda_device::total_memory() const {
+  std::size_t free_bytes = 0;
+  std::size_t total = 0;
+  TROUPE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+  return total;
+}
+
 } // namespace troupe

@@ -39,6 +39,7 @@ public:
   /// Copies between any two addresses (device or host), on the stream, and waits.
   void copy(void* dst, const void* src, std::size_t bytes) override;
   std::size_t free_memory() const override;
+  std::size_t total_memory() const override;
 
   /// The worker's stream: every kernel of this device runs on it.
   cudaStream_t stream() const {

@@ -1,5 +1,9 @@
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/ops.hpp"
+#include "troupe/errors.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 namespace troupe::cuda {
 
@@ -70,16 +74,46 @@ __global__ void silu_mul_kernel(const float* gate, const float* up, float* out, 
   }
 }
 
-__global__ void embedding_kernel(const int32_t* ids, const float* table, float* out,
-                                 int64_t rows, int64_t dim) {
+__device__ float as_float(float x) {
+  return x;
+}
+__device__ float as_float(__half x) {
+  return __half2float(x);
+}
+__device__ float as_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+template <class T>
+__global__ void gather_rows_kernel(const int32_t* ids, const T* table, float* out, int64_t rows,
+                                   int64_t dim) {
   int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < rows * dim)
-    out[i] = table[static_cast<int64_t>(ids[i / dim]) * dim + i % dim];
+    out[i] = as_float(table[static_cast<int64_t>(ids[i / dim]) * dim + i % dim]);
+}
+
+__global__ void add_kernel(float* y, const float* x, int64_t n) {
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n)
+    y[i] += x[i];
+}
+
+__global__ void to_bf16_kernel(const float* x, __nv_bfloat16* y, int64_t n) {
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n)
+    y[i] = __float2bfloat16_rn(x[i]);
+}
+
+__global__ void to_f16_kernel(const float* x, __half* y, int64_t n) {
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n)
+    y[i] = __float2half_rn(x[i]);
 }
 
 // One block per row: each thread keeps its best, then a block-wide reduction that prefers
-// the lower index on ties (as the CPU sampler does).
-__global__ void argmax_kernel(const float* x, int32_t* out, int64_t cols) {
+// the lower index on ties (as the CPU sampler does); then a block-wide sum of exp(x - max)
+// for the log-softmax of the winner.
+__global__ void greedy_kernel(const float* x, int32_t* ids, float* logprobs, int64_t cols) {
   __shared__ float best[threads];
   __shared__ int64_t at[threads];
   auto row = blockIdx.x;
@@ -105,8 +139,23 @@ __global__ void argmax_kernel(const float* x, int32_t* out, int64_t cols) {
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0)
-    out[row] = static_cast<int32_t>(at[0] < cols ? at[0] : 0);
+  float max_value = best[0];
+  int64_t winner = at[0];
+  __syncthreads();
+  float sum = 0.0f;
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
+    sum += expf(in[i] - max_value);
+  best[threadIdx.x] = sum;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride)
+      best[threadIdx.x] += best[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    ids[row] = static_cast<int32_t>(winner < cols ? winner : 0);
+    logprobs[row] = -logf(best[0]);
+  }
 }
 
 __global__ void write_kv_kernel(const float* k, const float* v, float* k_cache, float* v_cache,
@@ -230,23 +279,60 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n, cudaStr
   launched("silu_mul_kernel");
 }
 
-void embedding(const int32_t* ids, const float* table, float* out, int64_t rows, int64_t dim,
-               cudaStream_t stream) {
-  if (rows * dim == 0)
+void add(float* y, const float* x, int64_t n, cudaStream_t stream) {
+  if (n == 0)
     return;
-  embedding_kernel<<<blocks_for(rows * dim), threads, 0, stream>>>(ids, table, out, rows, dim);
-  launched("embedding_kernel");
+  add_kernel<<<blocks_for(n), threads, 0, stream>>>(y, x, n);
+  launched("add_kernel");
 }
 
-void argmax(const float* x, int32_t* out, int64_t rows, int64_t cols, cudaStream_t stream) {
+void gather_rows(const int32_t* ids, const void* table, dtype type, float* out, int64_t rows,
+                 int64_t dim, cudaStream_t stream) {
+  if (rows * dim == 0)
+    return;
+  auto blocks = blocks_for(rows * dim);
+  switch (type) {
+    case dtype::f32:
+      gather_rows_kernel<<<blocks, threads, 0, stream>>>(ids, static_cast<const float*>(table),
+                                                         out, rows, dim);
+      break;
+    case dtype::f16:
+      gather_rows_kernel<<<blocks, threads, 0, stream>>>(ids, static_cast<const __half*>(table),
+                                                         out, rows, dim);
+      break;
+    case dtype::bf16:
+      gather_rows_kernel<<<blocks, threads, 0, stream>>>(
+        ids, static_cast<const __nv_bfloat16*>(table), out, rows, dim);
+      break;
+  }
+  launched("gather_rows_kernel");
+}
+
+void greedy(const float* x, int32_t* ids, float* logprobs, int64_t rows, int64_t cols,
+            cudaStream_t stream) {
   if (rows == 0)
     return;
-  argmax_kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, out, cols);
-  launched("argmax_kernel");
+  greedy_kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, ids, logprobs, cols);
+  launched("greedy_kernel");
+}
+
+void to_half(const float* x, void* y, dtype type, int64_t n, cudaStream_t stream) {
+  if (n == 0)
+    return;
+  if (type == dtype::bf16) {
+    to_bf16_kernel<<<blocks_for(n), threads, 0, stream>>>(x, static_cast<__nv_bfloat16*>(y), n);
+  } else if (type == dtype::f16) {
+    to_f16_kernel<<<blocks_for(n), threads, 0, stream>>>(x, static_cast<__half*>(y), n);
+  } else {
+    throw error{errc::invalid_argument, "to_half: the target must be float16 or bfloat16"};
+  }
+  launched("to_half");
 }
 
 void gemm_nt(cublasHandle_t handle, const float* x, const float* w, float* y, int64_t m,
              int64_t n, int64_t k, bool accumulate) {
+  if (m == 0 || n == 0)
+    return;
   // Row-major y = x · wᵀ is column-major yᵀ = w · xᵀ: w is a column-major k×n matrix used
   // transposed, x a column-major k×m one.
   float alpha = 1.0f;
@@ -257,10 +343,21 @@ void gemm_nt(cublasHandle_t handle, const float* x, const float* w, float* y, in
                                 static_cast<int>(n)));
 }
 
-void apply_lora(cublasHandle_t handle, const float* x, const float* a, const float* b, float* y,
-                int64_t m, int64_t in, int64_t rank, int64_t out, float* mid) {
-  gemm_nt(handle, x, a, mid, m, rank, in);
-  gemm_nt(handle, mid, b, y, m, out, rank, true);
+void gemm_nt_half(cublasHandle_t handle, const void* x, const void* w, dtype type, float* y,
+                  int64_t m, int64_t n, int64_t k, bool accumulate) {
+  if (type != dtype::bf16 && type != dtype::f16)
+    throw error{errc::invalid_argument, "gemm_nt_half: inputs must be float16 or bfloat16"};
+  if (m == 0 || n == 0)
+    return;
+  auto in_type = type == dtype::bf16 ? CUDA_R_16BF : CUDA_R_16F;
+  float alpha = 1.0f;
+  float beta = accumulate ? 1.0f : 0.0f;
+  // The same transposition as gemm_nt; float32 output and accumulation.
+  TROUPE_CUDA_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
+                                 static_cast<int>(m), static_cast<int>(k), &alpha, w, in_type,
+                                 static_cast<int>(k), x, in_type, static_cast<int>(k), &beta, y,
+                                 CUDA_R_32F, static_cast<int>(n), CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT));
 }
 
 } // namespace troupe::cuda

@@ -1,0 +1,92 @@
+#pragma once
+
+/// @file
+/// The kernels of a decoder step behind one interface, so that `llama_model` runs the same
+/// step on any device: `kernels/cpu` implements it on host memory, `kernels/cuda` on a GPU.
+/// Every pointer is memory of the backend's device; tensors are row-major, activations
+/// float32, weights [out, in] in the element type given.
+
+#include "model/dtype.hpp"
+#include "troupe/device.hpp"
+
+#include <cstdint>
+#include <memory>
+
+namespace troupe {
+
+/// Where each query token of `paged_attention` finds its sequence's cache.
+struct paged_layout {
+  /// Block table of every query token, `max_blocks` entries each.
+  const int32_t* block_tables = nullptr;
+  int64_t max_blocks = 0;
+  /// Position of every query token: it attends to positions 0..position.
+  const int32_t* positions = nullptr;
+  int64_t block_size = 0;
+  /// Local query heads and the kv heads they use: query head h reads kv head
+  /// (head_begin + h) / group_size - kv_offset of a row of `kv_heads` heads.
+  int64_t heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t head_begin = 0;
+  int64_t group_size = 1;
+  int64_t kv_offset = 0;
+};
+
+/// The kernels of one device, used from its worker's thread. Calls may run asynchronously
+/// (on the GPU's stream); `device::copy` to the host waits for them.
+class backend {
+public:
+  virtual ~backend();
+
+  /// Whether `gemm_nt` takes weights of type `t`.
+  virtual bool computes_in(dtype t) const = 0;
+
+  /// y[m×n] = x[m×k] · w[n×k]ᵀ (+ y when `accumulate`), accumulating in float32.
+  virtual void gemm_nt(const float* x, const void* w, dtype w_type, float* y, int64_t m,
+                       int64_t n, int64_t k, bool accumulate = false) = 0;
+
+  /// y = x / rms(x) · weight, per row of `rows` × `dim`.
+  virtual void rms_norm(const float* x, const float* weight, float* y, int64_t rows,
+                        int64_t dim, float eps) = 0;
+
+  /// Adds `bias[n]` to every row of y[m×n].
+  virtual void add_bias(float* y, const float* bias, int64_t m, int64_t n) = 0;
+
+  /// y[i] += x[i].
+  virtual void add(float* y, const float* x, int64_t n) = 0;
+
+  /// Rotates `heads` heads of `head_dim` of each of `rows` rows in place ("rotate half"
+  /// layout), with per-row cos/sin tables of head_dim/2 entries.
+  virtual void rotary(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* cos,
+                      const float* sin) = 0;
+
+  /// out[i] = silu(gate[i]) · up[i].
+  virtual void silu_mul(const float* gate, const float* up, float* out, int64_t n) = 0;
+
+  /// out[r] = table[ids[r]] as float32, for `rows` rows of `dim` (embedding lookup, and
+  /// gathering rows of activations).
+  virtual void gather_rows(const int32_t* ids, const void* table, dtype table_type, float* out,
+                           int64_t rows, int64_t dim) = 0;
+
+  /// Writes `tokens` rows of `row` floats of keys and values into one layer's cache
+  /// ([slots, row]): token t goes to slot `slots[t]` (block × block_size + offset).
+  virtual void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,
+                        const int32_t* slots, int64_t tokens, int64_t row) = 0;
+
+  /// Causal grouped-query attention of `tokens` query rows ([tokens, heads, head_dim]) over
+  /// one layer's paged cache; `max_len` exceeds every position.
+  virtual void paged_attention(const float* q, float* out, const float* k_cache,
+                               const float* v_cache, const paged_layout& layout, int64_t tokens,
+                               int64_t max_len, float scale) = 0;
+
+  /// For each of `rows` rows of `cols` logits: the index of the largest (the first on ties)
+  /// and its log-softmax.
+  virtual void greedy(const float* logits, int64_t rows, int64_t cols, int32_t* ids,
+                      float* logprobs) = 0;
+};
+
+/// The backend of `dev`: CUDA kernels and cuBLAS for a `cuda_device`, the CPU kernels for
+/// the rest.
+std::unique_ptr<backend> make_backend(device& dev);
+
+} // namespace troupe

@@ -1,0 +1,120 @@
+#include "kernels/cpu/cpu_backend.hpp"
+
+#include "kernels/cpu/ops.hpp"
+#include "troupe/errors.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace troupe {
+
+namespace {
+
+class cpu_backend final : public backend {
+public:
+  bool computes_in(dtype t) const override {
+    return t == dtype::f32;
+  }
+
+  void gemm_nt(const float* x, const void* w, dtype w_type, float* y, int64_t m, int64_t n,
+               int64_t k, bool accumulate) override {
+    if (w_type != dtype::f32)
+      throw error{errc::unsupported, std::string{"the CPU device computes with float32 weights, not "} +
+                                       dtype_name(w_type)};
+    cpu::gemm_nt(x, static_cast<const float*>(w), y, m, n, k, accumulate);
+  }
+
+  void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,
+                float eps) override {
+    cpu::rms_norm(x, weight, y, rows, dim, eps);
+  }
+
+  void add_bias(float* y, const float* bias, int64_t m, int64_t n) override {
+    cpu::add_bias(y, bias, m, n);
+  }
+
+  void add(float* y, const float* x, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i)
+      y[i] += x[i];
+  }
+
+  void rotary(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* cos,
+              const float* sin) override {
+    auto half = head_dim / 2;
+    for (int64_t r = 0; r < rows; ++r)
+      cpu::rotary(x + r * heads * head_dim, heads, head_dim, cos + r * half, sin + r * half);
+  }
+
+  void silu_mul(const float* gate, const float* up, float* out, int64_t n) override {
+    cpu::silu_mul(gate, up, out, n);
+  }
+
+  void gather_rows(const int32_t* ids, const void* table, dtype table_type, float* out,
+                   int64_t rows, int64_t dim) override {
+    auto bytes = static_cast<size_t>(dim) * element_size(table_type);
+    for (int64_t r = 0; r < rows; ++r)
+      to_float(table_type, static_cast<const char*>(table) + static_cast<size_t>(ids[r]) * bytes,
+               out + r * dim, static_cast<size_t>(dim));
+  }
+
+  void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,
+                const int32_t* slots, int64_t tokens, int64_t row) override {
+    auto bytes = static_cast<size_t>(row) * sizeof(float);
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::memcpy(k_cache + slots[t] * row, k + t * row, bytes);
+      std::memcpy(v_cache + slots[t] * row, v + t * row, bytes);
+    }
+  }
+
+  void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
+                       const paged_layout& l, int64_t tokens, int64_t max_len,
+                       float scale) override {
+    scores_.resize(static_cast<size_t>(max_len));
+    const auto row = l.kv_heads * l.head_dim;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int32_t* table = l.block_tables + t * l.max_blocks;
+      auto slot = [&](int64_t p) { return table[p / l.block_size] * l.block_size + p % l.block_size; };
+      for (int64_t head = 0; head < l.heads; ++head) {
+        auto kv_head = (l.head_begin + head) / l.group_size - l.kv_offset;
+        auto at = [&](const float* cache, int64_t p) {
+          return cache + slot(p) * row + kv_head * l.head_dim;
+        };
+        auto offset = (t * l.heads + head) * l.head_dim;
+        cpu::attend(
+          q + offset, l.head_dim, l.positions[t] + int64_t{1}, scale,
+          [&](int64_t p) { return at(k_cache, p); }, [&](int64_t p) { return at(v_cache, p); },
+          scores_.data(), out + offset);
+      }
+    }
+  }
+
+  void greedy(const float* logits, int64_t rows, int64_t cols, int32_t* ids,
+              float* logprobs) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = logits + r * cols;
+      int64_t best = 0;
+      for (int64_t i = 1; i < cols; ++i)
+        if (row[i] > row[best])
+          best = i;
+      double sum = 0;
+      for (int64_t i = 0; i < cols; ++i)
+        sum += std::exp(static_cast<double>(row[i] - row[best]));
+      // As sample_token computes it, so that both paths report the same logprob.
+      auto log_z = static_cast<float>(row[best] + std::log(sum));
+      ids[r] = static_cast<int32_t>(best);
+      logprobs[r] = row[best] - log_z;
+    }
+  }
+
+private:
+  std::vector<float> scores_;
+};
+
+} // namespace
+
+std::unique_ptr<backend> make_cpu_backend() {
+  return std::make_unique<cpu_backend>();
+}
+
+} // namespace troupe

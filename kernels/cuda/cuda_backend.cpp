@@ -1,0 +1,114 @@
+#include "kernels/cuda/cuda_backend.hpp"
+
+#include "kernels/cuda/check.hpp"
+#include "kernels/cuda/cuda_device.hpp"
+#include "kernels/cuda/ops.hpp"
+
+namespace troupe {
+
+namespace {
+
+class cuda_backend final : public backend {
+public:
+  explicit cuda_backend(cuda_device& dev) : dev_(dev) {
+    TROUPE_CUDA_CHECK(cublasCreate(&blas_));
+    try {
+      TROUPE_CUDA_CHECK(cublasSetStream(blas_, dev.stream()));
+    } catch (...) {
+      cublasDestroy(blas_);
+      throw;
+    }
+  }
+
+  ~cuda_backend() override {
+    cudaStreamSynchronize(dev_.stream());
+    cublasDestroy(blas_);
+  }
+
+  bool computes_in(dtype) const override {
+    return true;
+  }
+
+  void gemm_nt(const float* x, const void* w, dtype w_type, float* y, int64_t m, int64_t n,
+               int64_t k, bool accumulate) override {
+    if (w_type == dtype::f32) {
+      cuda::gemm_nt(blas_, x, static_cast<const float*>(w), y, m, n, k, accumulate);
+      return;
+    }
+    auto count = m * k;
+    auto x_half = scratch(half_, static_cast<size_t>(count) * element_size(w_type));
+    cuda::to_half(x, x_half, w_type, count, dev_.stream());
+    cuda::gemm_nt_half(blas_, x_half, w, w_type, y, m, n, k, accumulate);
+  }
+
+  void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,
+                float eps) override {
+    cuda::rms_norm(x, weight, y, rows, dim, eps, dev_.stream());
+  }
+
+  void add_bias(float* y, const float* bias, int64_t m, int64_t n) override {
+    cuda::add_bias(y, bias, m, n, dev_.stream());
+  }
+
+  void add(float* y, const float* x, int64_t n) override {
+    cuda::add(y, x, n, dev_.stream());
+  }
+
+  void rotary(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* cos,
+              const float* sin) override {
+    cuda::rotary(x, rows, heads, head_dim, cos, sin, dev_.stream());
+  }
+
+  void silu_mul(const float* gate, const float* up, float* out, int64_t n) override {
+    cuda::silu_mul(gate, up, out, n, dev_.stream());
+  }
+
+  void gather_rows(const int32_t* ids, const void* table, dtype table_type, float* out,
+                   int64_t rows, int64_t dim) override {
+    cuda::gather_rows(ids, table, table_type, out, rows, dim, dev_.stream());
+  }
+
+  void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,
+                const int32_t* slots, int64_t tokens, int64_t row) override {
+    cuda::write_kv(k, v, k_cache, v_cache, slots, tokens, row, dev_.stream());
+  }
+
+  void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
+                       const paged_layout& layout, int64_t tokens, int64_t max_len,
+                       float scale) override {
+    auto scores = static_cast<float*>(
+      scratch(scores_, static_cast<size_t>(tokens * layout.heads * max_len) * sizeof(float)));
+    cuda::paged_attention(q, out, k_cache, v_cache, layout, tokens, scale, scores, max_len,
+                          dev_.stream());
+  }
+
+  void greedy(const float* logits, int64_t rows, int64_t cols, int32_t* ids,
+              float* logprobs) override {
+    cuda::greedy(logits, ids, logprobs, rows, cols, dev_.stream());
+  }
+
+private:
+  /// `buf`, grown to at least `bytes` (by half again at least, so that a growing batch
+  /// does not reallocate every step).
+  void* scratch(device_buffer& buf, size_t bytes) {
+    if (buf.size() < bytes) {
+      auto grown = std::max(bytes, buf.size() + buf.size() / 2);
+      buf.reset();
+      buf = device_buffer(dev_, grown, memory_tag::kv_cache);
+    }
+    return buf.data();
+  }
+
+  cuda_device& dev_;
+  cublasHandle_t blas_ = nullptr;
+  device_buffer half_;
+  device_buffer scores_;
+};
+
+} // namespace
+
+std::unique_ptr<backend> make_cuda_backend(cuda_device& dev) {
+  return std::make_unique<cuda_backend>(dev);
+}
+
+} // namespace troupe

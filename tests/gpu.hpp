@@ -1,0 +1,31 @@
+#pragma once
+
+// Helpers of the gpu suites.
+
+#include "kernels/cuda/cuda_device.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+namespace troupe::testing {
+
+/// Without a GPU a gpu suite reports itself skipped to ctest (exit code 77), never passed.
+inline bool have_gpu() {
+  if (cuda_device::count() > 0)
+    return true;
+  std::fprintf(stderr, "skipped: no GPU visible\n");
+  std::exit(77);
+}
+
+/// Free bytes of GPU 0, as cudaMemGetInfo sees them.
+inline size_t gpu_free_bytes() {
+  size_t free_bytes = 0;
+  size_t total = 0;
+  cudaSetDevice(0);
+  cudaMemGetInfo(&free_bytes, &total);
+  return free_bytes;
+}
+
+} // namespace troupe::testing

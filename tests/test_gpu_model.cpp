@@ -1,0 +1,277 @@
+// The decoder on a GPU (label gpu; run by scripts/gpu-check.sh): transformers' logits and
+// greedy tokens on the tiny fixtures, the CPU's on SmolLM2-135M, and a model worker whose
+// KV cache follows gpu_memory_utilization and whose sleep gives the memory back.
+
+#include "kernels/cpu/cpu_device.hpp"
+#include "kernels/cuda/cuda_device.hpp"
+#include "model/checkpoint.hpp"
+#include "model/config.hpp"
+#include "model/llama.hpp"
+#include "model/make_model.hpp"
+#include "tests/generation.hpp"
+#include "tests/gpu.hpp"
+#include "troupe/errors.hpp"
+#include "troupe/executor.hpp"
+#include "troupe/model_worker.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include <unistd.h>
+
+using namespace troupe;
+using troupe::testing::have_gpu;
+using troupe::testing::read_json;
+using troupe::testing::relative_error;
+
+namespace {
+
+const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
+const char* models[] = {"llama-gqa", "llama3-rope-tied", "qwen2-bias", "llama-odd-heads"};
+
+/// One sequence stepping through a model on one rank of a device.
+struct runner {
+  llama_model model;
+  kv_cache cache;
+  sequence_data seq;
+
+  runner(device& dev, const model_config& cfg, const checkpoint& ckpt, dtype type)
+    : model(cfg, dev, 0, 1, type),
+      cache(dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 16, 64, 0) {
+    model.load(ckpt);
+    for (int32_t b = 0; b < 64; ++b)
+      seq.block_table.push_back(63 - b); // blocks out of order on purpose
+  }
+
+  /// Computes `chunk` more tokens; the last one's logits stay on the device.
+  void step(int32_t chunk) {
+    execute_model_request req;
+    sequence_group_metadata g;
+    g.request_id = "r";
+    g.seqs.push_back(seq);
+    g.token_chunk_size = chunk;
+    req.seq_group_metadata_list.push_back(g);
+    std::vector<sample_row> rows;
+    model.run(req, cache, rows);
+    seq.num_computed_tokens += chunk;
+  }
+
+  /// The prompt's logits, then `steps` greedy tokens chosen on the device.
+  std::vector<int32_t> generate(const std::vector<int32_t>& prompt, int steps,
+                                std::vector<float>* prompt_logits = nullptr) {
+    seq.token_ids = prompt;
+    seq.num_computed_tokens = 0;
+    step(static_cast<int32_t>(prompt.size()));
+    if (prompt_logits)
+      *prompt_logits = model.logits();
+    std::vector<int32_t> out;
+    std::vector<int32_t> ids;
+    std::vector<float> logprobs;
+    for (int i = 0; i < steps; ++i) {
+      model.greedy(ids, logprobs);
+      out.push_back(ids[0]);
+      seq.token_ids.push_back(ids[0]);
+      if (i + 1 < steps)
+        step(1);
+    }
+    return out;
+  }
+};
+
+/// Bytes resident on the workers' devices, over all tags.
+int64_t resident_bytes(executor& exec) {
+  int64_t total = 0;
+  for (auto& m : exec.collective_rpc([](worker& w, const caf::message&, const caf::settings&) {
+         int64_t bytes = 0;
+         for (auto& u : w.device().usage())
+           bytes += u.resident_bytes;
+         return caf::make_message(bytes);
+       }))
+    total += m.get_as<int64_t>(0);
+  return total;
+}
+
+} // namespace
+
+TEST_CASE("tiny models on the GPU: transformers' logits and tokens in float32, close in bf16") {
+  if (!have_gpu())
+    return;
+  cuda_device dev{0};
+  double worst_f32 = 0;
+  double worst_bf16 = 0;
+  for (auto name : models) {
+    auto cfg = load_model_config(fixtures + "/" + name);
+    checkpoint ckpt{fixtures + "/" + name};
+    auto ref = read_json(fixtures + "/" + name + "/reference.json");
+    for (auto& prompt : ref["prompts"]) {
+      auto ids = prompt["token_ids"].get<std::vector<int32_t>>();
+      auto want = prompt["last_logits"].get<std::vector<float>>();
+      runner f32{dev, cfg, ckpt, dtype::f32};
+      std::vector<float> logits;
+      auto tokens = f32.generate(ids, 32, &logits);
+      REQUIRE(logits.size() == want.size());
+      auto err = relative_error(logits.data(), want);
+      worst_f32 = std::max(worst_f32, err);
+      CHECK_MESSAGE(err < 1e-4, name << " float32: relative error " << err);
+      CHECK_MESSAGE(tokens == prompt["greedy"].get<std::vector<int32_t>>(), name);
+
+      runner bf16{dev, cfg, ckpt, dtype::bf16};
+      bf16.generate(ids, 1, &logits);
+      err = relative_error(logits.data(), want);
+      worst_bf16 = std::max(worst_bf16, err);
+      CHECK_MESSAGE(err < 3e-2, name << " bfloat16: relative error " << err);
+    }
+    // Decoding token by token through the paged cache, against every position.
+    auto& prompt = ref["prompts"][0];
+    runner r{dev, cfg, ckpt, dtype::f32};
+    r.seq.token_ids = prompt["token_ids"].get<std::vector<int32_t>>();
+    auto all = prompt["all_logits"].get<std::vector<std::vector<float>>>();
+    for (size_t p = 0; p < all.size(); ++p) {
+      r.step(1);
+      auto logits = r.model.logits();
+      auto err = relative_error(logits.data(), all[p]);
+      CHECK_MESSAGE(err < 1e-4, name << " position " << p << ": relative error " << err);
+    }
+  }
+  MESSAGE("tiny models, prefill logits against transformers: float32 " << worst_f32
+                                                                       << ", bfloat16 "
+                                                                       << worst_bf16);
+}
+
+TEST_CASE("SmolLM2-135M on the GPU: the CPU's greedy tokens, logits within bf16 tolerance") {
+  if (!have_gpu())
+    return;
+  auto path = testing::cached_smollm2();
+  if (!std::filesystem::exists(path)) {
+    MESSAGE("skipped: " << path << " is not in the cache");
+    return;
+  }
+  auto cfg = checkpoint::config_of(path.string());
+  auto ckpt = checkpoint::from_gguf(path.string(), cfg);
+  cpu_device host{0};
+  cuda_device dev{0};
+  runner cpu{host, cfg, ckpt, dtype::f32};
+  runner f32{dev, cfg, ckpt, dtype::f32};
+  runner bf16{dev, cfg, ckpt, dtype::bf16};
+  double worst_f32 = 0;
+  double worst_bf16 = 0;
+  size_t same_bf16 = 0;
+  size_t count = 0;
+  for (auto& run : read_json(fixtures + "/smollm2-reference.json")["runs"]) {
+    auto ids = run["token_ids"].get<std::vector<int32_t>>();
+    auto want_tokens = run["greedy"].get<std::vector<int32_t>>();
+    auto steps = static_cast<int>(want_tokens.size());
+    std::vector<float> want;
+    auto cpu_tokens = cpu.generate(ids, steps, &want);
+    CHECK(cpu_tokens == want_tokens);
+    std::vector<float> logits;
+    CHECK(f32.generate(ids, steps, &logits) == cpu_tokens);
+    worst_f32 = std::max(worst_f32, relative_error(logits.data(), want));
+    auto tokens = bf16.generate(ids, steps, &logits);
+    worst_bf16 = std::max(worst_bf16, relative_error(logits.data(), want));
+    CHECK(tokens[0] == cpu_tokens[0]);
+    // bf16 may part ways with float32 where two tokens are nearly tied; count how far the
+    // tokens agree.
+    size_t agree = 0;
+    while (agree < tokens.size() && tokens[agree] == cpu_tokens[agree])
+      ++agree;
+    same_bf16 += agree;
+    count += tokens.size();
+  }
+  CHECK(worst_f32 < 1e-4);
+  CHECK(worst_bf16 < 5e-2);
+  MESSAGE("SmolLM2 prefill logits against the CPU: float32 " << worst_f32 << ", bfloat16 "
+                                                             << worst_bf16 << "; bfloat16 greedy "
+                                                             << same_bf16 << "/" << count
+                                                             << " tokens before parting");
+}
+
+TEST_CASE("a model worker on the GPU: gpu_memory_utilization, sleep gives the memory back") {
+  if (!have_gpu())
+    return;
+  auto dir = std::filesystem::temp_directory_path()
+             / ("troupe-gpu-smollm2-" + std::to_string(::getpid()));
+  write_random_model(smollm2_135m_config(), dir.string(), dtype::bf16, 7);
+  executor_config cfg;
+  cfg.device_kind = "cuda";
+  cfg.max_model_len = 512;
+  model_worker_options mw;
+  mw.model_path = dir.string();
+  mw.gpu_memory_utilization = 0.3;
+  mw.max_num_batched_tokens = 512;
+  mw.max_num_seqs = 8;
+  {
+    executor exec{cfg, model_worker_factory(mw)};
+    auto blocks = exec.determine_num_available_blocks();
+    exec.initialize_cache(blocks);
+    size_t free_bytes = 0;
+    size_t total = 0;
+    cudaSetDevice(0);
+    cudaMemGetInfo(&free_bytes, &total);
+    auto used = 1.0 - static_cast<double>(free_bytes) / static_cast<double>(total);
+    MESSAGE(blocks.num_device_blocks << " KV blocks; the GPU is " << used * 100
+                                     << " % used for gpu_memory_utilization 0.3");
+    CHECK(std::fabs(used - 0.3) < 0.02);
+
+    std::vector<int32_t> prompt;
+    for (int32_t i = 0; i < 20; ++i)
+      prompt.push_back(100 + 37 * i);
+    auto before = testing::greedy_tokens(exec, prompt, 16);
+    for (int level : {1, 2}) {
+      auto resident = resident_bytes(exec);
+      auto awake = testing::gpu_free_bytes();
+      exec.sleep(level);
+      auto asleep = testing::gpu_free_bytes();
+      auto returned = static_cast<double>(asleep - awake) / static_cast<double>(resident);
+      MESSAGE("sleep(" << level << ") returned " << returned * 100 << " % of " << resident
+                       << " resident bytes to the GPU");
+      CHECK(returned >= 0.95);
+      exec.wake_up();
+      if (level == 2)
+        exec.collective_rpc("reload_weights");
+      CHECK_MESSAGE(testing::greedy_tokens(exec, prompt, 16) == before, "after sleep " << level);
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("the executor on the GPU: greedy tokens and logprobs as on the CPU") {
+  if (!have_gpu())
+    return;
+  auto path = fixtures + "/llama-gqa";
+  auto ref = read_json(path + "/reference.json");
+  auto prompt = ref["prompts"][0]["token_ids"].get<std::vector<int32_t>>();
+  auto want = ref["prompts"][0]["greedy"].get<std::vector<int32_t>>();
+  model_worker_options mw;
+  mw.model_path = path;
+  mw.dtype = "float32";
+  mw.kv_cache_memory_bytes = 64 << 20;
+  // A step asking for top logprobs samples on the host from the downloaded logits; compare
+  // those logprobs with the CPU's.
+  auto logprobs_of = [&](const std::string& kind) {
+    executor_config cfg;
+    cfg.device_kind = kind;
+    executor exec{cfg, model_worker_factory(mw)};
+    exec.initialize_cache(exec.determine_num_available_blocks());
+    CHECK(testing::greedy_tokens(exec, prompt, want.size()) == want);
+    execute_model_request req;
+    sequence_group_metadata g;
+    g.request_id = "p";
+    g.is_prompt = true;
+    g.seqs.push_back({0, prompt, static_cast<int32_t>(prompt.size()), 0, {0, 1, 2, 3}});
+    g.token_chunk_size = static_cast<int32_t>(prompt.size());
+    g.sampling.temperature = 0.0f;
+    g.sampling.logprobs = 3;
+    req.seq_group_metadata_list.push_back(g);
+    return exec.execute_model(req)[0].outputs[0].samples[0];
+  };
+  auto gpu = logprobs_of("cuda");
+  auto cpu = logprobs_of("cpu");
+  CHECK(gpu.output_token == cpu.output_token);
+  CHECK(std::fabs(gpu.logprob - cpu.logprob) < 1e-4);
+  REQUIRE(gpu.top_logprobs.size() == cpu.top_logprobs.size());
+  for (size_t i = 0; i < cpu.top_logprobs.size(); ++i)
+    CHECK(std::fabs(gpu.top_logprobs[i].logprob - cpu.top_logprobs[i].logprob) < 1e-4);
+}
