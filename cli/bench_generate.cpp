@@ -23,6 +23,7 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
     int output_len = 32;
     int tp = 1;
     bool json = false;
+    device_options device;
   };
   auto o = std::make_shared<options>();
   auto cmd = std::make_shared<command>();
@@ -38,14 +39,18 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
   sub->add_option("--output-len", o->output_len, "Generated tokens per request")
     ->check(CLI::Range(2, 100000))
     ->capture_default_str();
-  sub->add_option("--tensor-parallel-size", o->tp, "CPU worker actors")
+  sub->add_option("--tensor-parallel-size", o->tp, "Worker actors")
     ->check(CLI::Range(1, 64))
     ->capture_default_str();
   sub->add_flag("--json", o->json, "Print only the JSON result");
+  add_device_options(*sub, o->device);
   cmd->run = [o] {
     llm_config cfg;
     cfg.model = o->model;
     cfg.tensor_parallel_size = o->tp;
+    cfg.device = o->device.device;
+    cfg.dtype = o->device.dtype;
+    cfg.gpu_memory_utilization = o->device.gpu_memory_utilization;
     cfg.max_model_len = o->input_len + o->output_len + 1;
     llm model{cfg};
     auto vocab = checkpoint::config_of(o->model).vocab_size;
@@ -83,6 +88,8 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
       {"input_len", o->input_len},
       {"output_len", o->output_len},
       {"tensor_parallel_size", o->tp},
+      {"device", o->device.device},
+      {"dtype", o->device.dtype},
       {"elapsed_s", took.count()},
       {"requests_per_s", o->num_prompts / took.count()},
       {"output_tokens_per_s", static_cast<double>(tokens) / took.count()},

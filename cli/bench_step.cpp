@@ -9,6 +9,10 @@
 
 #include <nlohmann/json.hpp>
 
+#ifdef TROUPE_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include <chrono>
 #include <cstring>
 #include <iostream>
@@ -21,9 +25,38 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
+#ifdef TROUPE_WITH_CUDA
+/// The same on GPU 0: a device-to-device cudaMemcpy of 1 GiB, best of a few.
+double gpu_copy_bandwidth() {
+  const size_t bytes = size_t{1} << 30;
+  void* src = nullptr;
+  void* dst = nullptr;
+  if (cudaSetDevice(0) != cudaSuccess || cudaMalloc(&src, bytes) != cudaSuccess
+      || cudaMalloc(&dst, bytes) != cudaSuccess)
+    throw error{errc::memory_error, "bench step: no room on cuda:0 for the bandwidth copy"};
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    cudaDeviceSynchronize();
+    auto start = clock_type::now();
+    cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice);
+    cudaDeviceSynchronize();
+    std::chrono::duration<double> took = clock_type::now() - start;
+    best = std::max(best, 2.0 * static_cast<double>(bytes) / took.count());
+  }
+  cudaFree(src);
+  cudaFree(dst);
+  return best;
+}
+#endif
+
 /// Bytes per second of a large memcpy (best of a few), the bandwidth a decode step that
 /// streams every weight once can hope for.
-double memcpy_bandwidth() {
+double memcpy_bandwidth(const std::string& device) {
+#ifdef TROUPE_WITH_CUDA
+  if (device == "cuda")
+    return gpu_copy_bandwidth();
+#endif
+  (void)device;
   const size_t bytes = size_t{256} << 20;
   std::vector<char> src(bytes, 1);
   std::vector<char> dst(bytes, 0);
@@ -48,6 +81,7 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
     int prompt_len = 64;
     int decode_steps = 16;
     bool json = false;
+    device_options device;
   };
   auto o = std::make_shared<options>();
   auto cmd = std::make_shared<command>();
@@ -67,24 +101,34 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
     ->check(CLI::Range(1, 100000))
     ->capture_default_str();
   sub->add_flag("--json", o->json, "Print only the JSON result");
+  add_device_options(*sub, o->device);
   cmd->run = [o] {
     const int block_size = 16;
     executor_config cfg;
     cfg.tensor_parallel_size = o->tp;
+    cfg.device_kind = o->device.device;
     cfg.block_size = block_size;
     cfg.max_model_len = o->prompt_len + o->decode_steps + 1;
     cfg.rpc_timeout = std::chrono::minutes(10);
     model_worker_options mw;
     mw.model_path = o->model;
+    mw.dtype = o->device.dtype;
+    mw.gpu_memory_utilization = o->device.gpu_memory_utilization;
+    mw.max_num_seqs = o->batch;
+    mw.max_num_batched_tokens = o->batch * o->prompt_len;
     auto blocks_per_seq = (o->prompt_len + o->decode_steps + block_size) / block_size;
     executor exec{cfg, model_worker_factory(mw)};
-    auto params = exec.collective_rpc(
-      [](worker& w, const caf::message&, const caf::settings&) {
-        return caf::make_message(w.get_model()->num_parameters());
-      });
+    // The bytes a decode step reads at least once: every weight the workers hold.
+    auto held = exec.collective_rpc([](worker& w, const caf::message&, const caf::settings&) {
+      int64_t bytes = 0;
+      for (auto& u : w.device().usage())
+        if (u.tag == memory_tag::weights)
+          bytes += u.allocated_bytes;
+      return caf::make_message(bytes);
+    });
     int64_t weight_bytes = 0;
-    for (auto& p : params)
-      weight_bytes += p.get_as<int64_t>(0) * 4;
+    for (auto& p : held)
+      weight_bytes += p.get_as<int64_t>(0);
     auto available = exec.determine_num_available_blocks();
     int64_t needed = static_cast<int64_t>(o->batch) * blocks_per_seq;
     if (available.num_device_blocks < needed)
@@ -132,13 +176,15 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
     exec.stop_remote_worker_execution_loop();
     exec.shutdown();
 
-    auto bandwidth = memcpy_bandwidth();
+    auto bandwidth = memcpy_bandwidth(o->device.device);
     double step_s = decode.count() / o->decode_steps;
     double floor_step_s = static_cast<double>(weight_bytes) / bandwidth;
     nlohmann::json result = {
       {"model", o->model},
       {"batch", o->batch},
       {"tensor_parallel_size", o->tp},
+      {"device", o->device.device},
+      {"dtype", o->device.dtype},
       {"prompt_len", o->prompt_len},
       {"prefill_tokens_per_s", o->batch * o->prompt_len / prefill.count()},
       {"decode_tokens_per_s", o->batch / step_s},

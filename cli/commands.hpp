@@ -59,6 +59,16 @@ void apply_node_options(const node_options& o, executor_config& cfg);
 /// The contents of a secret file, without a trailing newline.
 std::string read_secret(const std::string& path);
 
+/// The device the local workers compute on, from the command line.
+struct device_options {
+  std::string device = "cpu";
+  std::string dtype = "auto";
+  double gpu_memory_utilization = 0.9;
+};
+
+/// Adds --device, --dtype and --gpu-memory-utilization to `app`.
+void add_device_options(CLI::App& app, device_options& o);
+
 /// The worker of `troupe bench rpc` (methods "noop" and "spin").
 std::unique_ptr<worker> make_bench_worker();
 

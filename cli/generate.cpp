@@ -82,6 +82,21 @@ std::vector<std::optional<lora_request>> prompt_loras(const std::vector<std::str
 
 } // namespace
 
+void add_device_options(CLI::App& app, device_options& o) {
+  app.add_option("--device", o.device, "What the local workers compute on (worker i on GPU i)")
+    ->check(CLI::IsMember({"cpu", "cuda"}))
+    ->capture_default_str();
+  app.add_option("--dtype", o.dtype,
+                 "The weights' element type (auto: float32 on the CPU, the checkpoint's "
+                 "bfloat16 or else float16 on a GPU)")
+    ->check(CLI::IsMember({"auto", "float32", "float16", "bfloat16"}))
+    ->capture_default_str();
+  app.add_option("--gpu-memory-utilization", o.gpu_memory_utilization,
+                 "Share of each GPU's memory for weights, activations and KV cache")
+    ->check(CLI::Range(0.01, 1.0))
+    ->capture_default_str();
+}
+
 std::shared_ptr<command> add_generate(CLI::App& app) {
   struct options {
     std::string model;
@@ -108,6 +123,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     std::string prompt_adapter;
     int max_prompt_adapter_token = 0;
     node_options nodes;
+    device_options device;
   };
   auto o = std::make_shared<options>();
   auto cmd = std::make_shared<command>();
@@ -117,7 +133,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
   sub->add_option("--prompt", o->prompts, "A prompt (repeat for a batch)");
   sub->add_option("--prompt-token-ids", o->prompt_ids,
                   "A prompt as comma-separated token ids, bypassing the tokenizer (repeatable)");
-  sub->add_option("--tensor-parallel-size", o->tp, "CPU worker actors the model is split over")
+  sub->add_option("--tensor-parallel-size", o->tp, "Worker actors the model is split over")
     ->check(CLI::Range(1, 64))
     ->capture_default_str();
   sub->add_option("--max-tokens", o->max_tokens, "Tokens to generate per prompt")
@@ -172,12 +188,16 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     ->check(CLI::Range(0, 1 << 20))
     ->capture_default_str();
   add_node_options(*sub, o->nodes);
+  add_device_options(*sub, o->device);
   cmd->run = [o] {
     if (o->prompts.empty() && o->prompt_ids.empty())
       throw error{errc::invalid_argument, "give at least one --prompt or --prompt-token-ids"};
     llm_config cfg;
     cfg.model = o->model;
     cfg.tensor_parallel_size = o->tp;
+    cfg.device = o->device.device;
+    cfg.dtype = o->device.dtype;
+    cfg.gpu_memory_utilization = o->device.gpu_memory_utilization;
     cfg.kv_cache_memory_bytes = o->kv_cache_memory;
     cfg.kv_cache_memory_fraction = o->kv_fraction;
     cfg.swap_space_bytes = o->swap_space_mib << 20;

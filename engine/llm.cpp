@@ -61,6 +61,7 @@ llm::llm(llm_config config) : impl_(std::make_unique<impl>()) {
   d.tok = load_tokenizer(d.cfg.model);
   executor_config ec;
   ec.tensor_parallel_size = d.cfg.tensor_parallel_size;
+  ec.device_kind = d.cfg.device;
   ec.block_size = d.cfg.block_size;
   auto max_len = d.cfg.max_model_len > 0 ? std::min<int64_t>(d.cfg.max_model_len, d.model.max_position_embeddings)
                                          : d.model.max_position_embeddings;
@@ -70,6 +71,8 @@ llm::llm(llm_config config) : impl_(std::make_unique<impl>()) {
   mw.model_path = d.cfg.model;
   mw.kv_cache_memory_bytes = d.cfg.kv_cache_memory_bytes;
   mw.kv_cache_memory_fraction = d.cfg.kv_cache_memory_fraction;
+  mw.dtype = d.cfg.dtype;
+  mw.gpu_memory_utilization = d.cfg.gpu_memory_utilization;
   mw.swap_space_bytes = d.cfg.swap_space_bytes;
   mw.max_num_batched_tokens = static_cast<int32_t>(d.cfg.max_num_batched_tokens);
   mw.max_num_seqs = d.cfg.max_num_seqs;

@@ -137,6 +137,26 @@ TEST_CASE("more ranks than attention heads are refused at start with the reason"
                        doctest::Contains("3 attention heads cannot be split 4 ways"), error);
 }
 
+TEST_CASE("a bad dtype, device or gpu_memory_utilization is refused at start, naming it") {
+  auto start = [](const std::string& device, const std::string& dtype, double utilization) {
+    executor_config cfg;
+    cfg.device_kind = device;
+    model_worker_options opts;
+    opts.model_path = fixtures + "/llama-gqa";
+    opts.dtype = dtype;
+    opts.gpu_memory_utilization = utilization;
+    executor exec{cfg, model_worker_factory(opts)};
+  };
+  CHECK_THROWS_WITH_AS(start("cpu", "bfloat16", 0.9),
+                       doctest::Contains("cpu:0 does not compute with bfloat16 weights"), error);
+  CHECK_THROWS_WITH_AS(start("cpu", "int8", 0.9), doctest::Contains("dtype 'int8' is not known"),
+                       error);
+  CHECK_THROWS_WITH_AS(start("cpu", "auto", 1.5),
+                       doctest::Contains("gpu_memory_utilization must be in (0, 1]"), error);
+  CHECK_THROWS_WITH_AS(start("tpu", "auto", 0.9), doctest::Contains("device kind 'tpu'"), error);
+  CHECK_NOTHROW(start("cpu", "float32", 0.9));
+}
+
 TEST_CASE("sleep and wake-up keep the next step bit-identical and level 2 needs a reload") {
   auto exec = make_executor("llama-gqa");
   exec.initialize_cache(exec.determine_num_available_blocks());

@@ -23,9 +23,16 @@ struct llm_config {
   /// Hugging Face model directory or GGUF file.
   std::string model;
   int32_t tensor_parallel_size = 1;
-  /// Bytes for the KV cache per worker; 0 takes `kv_cache_memory_fraction` of free memory.
+  /// The device of each local worker: `"cpu"` or `"cuda"` (worker i on GPU i).
+  std::string device = "cpu";
+  /// The weights' element type (`model_worker_options::dtype`).
+  std::string dtype = "auto";
+  /// Bytes for the KV cache per worker; 0 sizes it from the device's memory:
+  /// `kv_cache_memory_fraction` of the free memory on the CPU, `gpu_memory_utilization` of
+  /// a GPU (see `model_worker_options`).
   int64_t kv_cache_memory_bytes = 0;
   double kv_cache_memory_fraction = 0.5;
+  double gpu_memory_utilization = 0.9;
   /// Host bytes per worker for swapped-out blocks.
   int64_t swap_space_bytes = 256 << 20;
   int32_t block_size = 16;
