@@ -16,9 +16,11 @@ namespace troupe {
 
 /// Where each query token of `paged_attention` finds its sequence's cache.
 struct paged_layout {
-  /// Block table of every query token, `max_blocks` entries each.
+  /// Block tables of the step's sequences, `max_blocks` entries each, and the sequence of
+  /// every query token.
   const int32_t* block_tables = nullptr;
   int64_t max_blocks = 0;
+  const int32_t* token_seq = nullptr;
   /// Position of every query token: it attends to positions 0..position.
   const int32_t* positions = nullptr;
   int64_t block_size = 0;
@@ -74,10 +76,10 @@ public:
                         const int32_t* slots, int64_t tokens, int64_t row) = 0;
 
   /// Causal grouped-query attention of `tokens` query rows ([tokens, heads, head_dim]) over
-  /// one layer's paged cache; `max_len` exceeds every position.
+  /// one layer's paged cache.
   virtual void paged_attention(const float* q, float* out, const float* k_cache,
                                const float* v_cache, const paged_layout& layout, int64_t tokens,
-                               int64_t max_len, float scale) = 0;
+                               float scale) = 0;
 
   /// For each of `rows` rows of `cols` logits: the index of the largest (the first on ties)
   /// and its log-softmax.

@@ -230,11 +230,10 @@ void llama_model::upload(device_buffer& buf, const std::vector<float>& values, d
 }
 
 void* llama_model::workspace(size_t bytes) {
+  // Grown to what a step needs (the profiled largest step sizes it once).
   if (workspace_.size() < bytes) {
-    // Grown by half again at least, so that a growing batch does not reallocate each step.
-    auto grown = std::max(bytes, workspace_.size() + workspace_.size() / 2);
     workspace_.reset();
-    workspace_ = device_buffer(dev_, grown, memory_tag::kv_cache);
+    workspace_ = device_buffer(dev_, bytes, memory_tag::kv_cache);
   }
   return workspace_.data();
 }
@@ -374,9 +373,12 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   struct token {
     int32_t id;
     int32_t position;
-    const std::vector<int32_t>* block_table;
+    int32_t seq; // index into `tables`
     size_t group;
   };
+  // Each sequence's block table, as far as the step reaches.
+  std::vector<const int32_t*> tables;
+  std::vector<int64_t> table_blocks;
   const auto groups = req.seq_group_metadata_list.size();
   if ((!adapters.lora.empty() && adapters.lora.size() != groups)
       || (!adapters.prompt.empty() && adapters.prompt.size() != groups))
@@ -410,12 +412,15 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
         if (seq.block_table[b] < 0 || seq.block_table[b] >= cache.device_blocks())
           bad_request("request '" + group.request_id + "': block " +
                       std::to_string(seq.block_table[b]) + " is not a device block");
+      auto seq_index = static_cast<int32_t>(tables.size());
+      tables.push_back(seq.block_table.data());
+      table_blocks.push_back(blocks_needed);
       for (int64_t p = start; p < start + chunk; ++p) {
         auto id = seq.token_ids[static_cast<size_t>(p)];
         if (id < 0 || id >= V)
           bad_request("request '" + group.request_id + "': token " + std::to_string(id) +
                       " is outside the vocabulary of " + std::to_string(V));
-        tokens.push_back({id, static_cast<int32_t>(p), &seq.block_table, g});
+        tokens.push_back({id, static_cast<int32_t>(p), seq_index, g});
       }
       if (group.do_sample) {
         sample_token_rows.push_back(static_cast<int32_t>(tokens.size()) - 1);
@@ -451,29 +456,27 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   }
 
   // The step's metadata, made on the host and copied to the device in two copies: token
-  // ids, positions, cache slots, per-token block tables and sampled rows (int32), and the
-  // rotary tables (float).
-  int64_t max_blocks = 0;
-  int64_t max_len = 0;
-  for (auto& t : tokens) {
-    max_blocks = std::max<int64_t>(max_blocks, t.position / bs + 1);
-    max_len = std::max<int64_t>(max_len, t.position + 1);
-  }
-  std::vector<int32_t> ints(static_cast<size_t>(T * (3 + max_blocks) + S));
+  // ids, positions, cache slots, each token's sequence, the sequences' block tables and the
+  // sampled rows (int32), and the rotary tables (float).
+  const auto seqs = static_cast<int64_t>(tables.size());
+  const auto max_blocks = *std::max_element(table_blocks.begin(), table_blocks.end());
+  std::vector<int32_t> ints(static_cast<size_t>(4 * T + seqs * max_blocks + S));
   auto ids_at = ints.data();
   auto positions_at = ids_at + T;
   auto slots_at = positions_at + T;
-  auto tables_at = slots_at + T;
-  auto samples_at = tables_at + T * max_blocks;
+  auto token_seq_at = slots_at + T;
+  auto tables_at = token_seq_at + T;
+  auto samples_at = tables_at + seqs * max_blocks;
+  for (int64_t s = 0; s < seqs; ++s)
+    std::copy(tables[s], tables[s] + table_blocks[s], tables_at + s * max_blocks);
   std::vector<float> rope(static_cast<size_t>(2 * T * half));
   for (int64_t t = 0; t < T; ++t) {
     auto& tok = tokens[t];
-    auto& table = *tok.block_table;
     ids_at[t] = tok.id;
     positions_at[t] = tok.position;
-    slots_at[t] = table[static_cast<size_t>(tok.position / bs)] * static_cast<int32_t>(bs)
+    slots_at[t] = tables[tok.seq][tok.position / bs] * static_cast<int32_t>(bs)
                   + tok.position % static_cast<int32_t>(bs);
-    std::copy(table.begin(), table.begin() + tok.position / bs + 1, tables_at + t * max_blocks);
+    token_seq_at[t] = tok.seq;
     rope_tables(tok.position, &rope[t * half], &rope[(T + t) * half]);
   }
   std::copy(sample_token_rows.begin(), sample_token_rows.end(), samples_at);
@@ -513,8 +516,9 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   const int32_t* d_ids = d_ints;
   const int32_t* d_positions = d_ints + T;
   const int32_t* d_slots = d_positions + T;
-  const int32_t* d_tables = d_slots + T;
-  const int32_t* d_samples = d_tables + T * max_blocks;
+  const int32_t* d_token_seq = d_slots + T;
+  const int32_t* d_tables = d_token_seq + T;
+  const int32_t* d_samples = d_tables + seqs * max_blocks;
   const float* d_cos = at(r_rope);
   const float* d_sin = d_cos + T * half;
   auto x = at(r_x);
@@ -562,6 +566,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   paged_layout layout;
   layout.block_tables = d_tables;
   layout.max_blocks = max_blocks;
+  layout.token_seq = d_token_seq;
   layout.positions = d_positions;
   layout.block_size = bs;
   layout.heads = local_heads_;
@@ -591,7 +596,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
     be.rotary(q, T, local_heads_, D, d_cos, d_sin);
     be.rotary(k, T, local_kv_, D, d_cos, d_sin);
     be.write_kv(k, v, cache.keys(layer), cache.values(layer), d_slots, T, kv_width);
-    be.paged_attention(q, attn, cache.keys(layer), cache.values(layer), layout, T, max_len, scale);
+    be.paged_attention(q, attn, cache.keys(layer), cache.values(layer), layout, T, scale);
     project(attn, l.o, h, H, q_width);
     apply_lora(li, projection::o, attn, q_width, h, H);
     reduce(h, T * H);

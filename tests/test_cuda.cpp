@@ -254,18 +254,17 @@ TEST_CASE("paged attention over a paged cache matches the CPU attention, GQA and
   auto v_cache = upload(dev, std::vector<float>(v_host.size()));
   cuda::write_kv(upload(dev, k_rows), upload(dev, v_rows), k_cache, v_cache, upload(dev, slots),
                  static_cast<int64_t>(slots.size()), row, s);
-  // Queries: every position of sequence 0 (a prefill) and the last of sequence 1 (a decode).
-  std::vector<int32_t> positions, flat_tables;
+  // Queries: every position of sequence 0 (a prefill) and the last of sequence 1 (a decode),
+  // and a long one (4000 positions, past any fixed scratch) in a cache of its own below.
+  std::vector<int32_t> positions, token_seq, flat_tables;
   const int64_t max_blocks = 10;
-  std::vector<size_t> seq_of;
   for (int64_t p = 0; p < lengths[0]; ++p) {
     positions.push_back(static_cast<int32_t>(p));
-    seq_of.push_back(0);
+    token_seq.push_back(0);
   }
   positions.push_back(static_cast<int32_t>(lengths[1] - 1));
-  seq_of.push_back(1);
-  for (auto seq : seq_of) {
-    auto t = tables[seq];
+  token_seq.push_back(1);
+  for (auto t : tables) {
     t.resize(max_blocks, 0);
     flat_tables.insert(flat_tables.end(), t.begin(), t.end());
   }
@@ -277,7 +276,7 @@ TEST_CASE("paged attention over a paged cache matches the CPU attention, GQA and
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t h = 0; h < heads; ++h) {
       auto kv = (head_begin + h) / group - kv_offset;
-      auto& table = tables[seq_of[t]];
+      auto& table = tables[token_seq[t]];
       auto at = [&](std::vector<float>& cache) {
         return [&, kv](int64_t p) {
           return &cache[(table[p / block_size] * block_size + p % block_size) * row + kv * head_dim];
@@ -289,6 +288,7 @@ TEST_CASE("paged attention over a paged cache matches the CPU attention, GQA and
   paged_layout layout;
   layout.block_tables = upload(dev, flat_tables);
   layout.max_blocks = max_blocks;
+  layout.token_seq = upload(dev, token_seq);
   layout.positions = upload(dev, positions);
   layout.block_size = block_size;
   layout.heads = heads;
@@ -298,10 +298,37 @@ TEST_CASE("paged attention over a paged cache matches the CPU attention, GQA and
   layout.group_size = group;
   layout.kv_offset = kv_offset;
   auto out = upload(dev, std::vector<float>(q.size()));
-  auto scratch = upload(dev, std::vector<float>(tokens * heads * 64));
-  cuda::paged_attention(upload(dev, q), out, k_cache, v_cache, layout, tokens, scale, scratch, 64,
-                        s);
+  cuda::paged_attention(upload(dev, q), out, k_cache, v_cache, layout, tokens, scale, s);
   CHECK(max_relative_error(download(dev, out, q.size()), want) < 1e-5);
+
+  // One decode at position 3999 through 1000 blocks, against the CPU backend.
+  cpu_device host{0};
+  auto cpu_backend = make_backend(host);
+  const int64_t long_blocks = 1000;
+  auto long_k = random_floats(long_blocks * block_size * row, 20);
+  auto long_v = random_floats(long_blocks * block_size * row, 21);
+  std::vector<int32_t> long_table(long_blocks);
+  for (int64_t b = 0; b < long_blocks; ++b)
+    long_table[b] = static_cast<int32_t>((b * 7) % long_blocks); // a permutation
+  std::vector<int32_t> long_position{static_cast<int32_t>(long_blocks * block_size - 1)};
+  std::vector<int32_t> first_seq{0};
+  auto long_q = random_floats(heads * head_dim, 22);
+  paged_layout cpu_layout = layout;
+  cpu_layout.block_tables = long_table.data();
+  cpu_layout.max_blocks = long_blocks;
+  cpu_layout.token_seq = first_seq.data();
+  cpu_layout.positions = long_position.data();
+  want.assign(long_q.size(), 0.0f);
+  cpu_backend->paged_attention(long_q.data(), want.data(), long_k.data(), long_v.data(),
+                               cpu_layout, 1, scale);
+  paged_layout gpu_layout = cpu_layout;
+  gpu_layout.block_tables = upload(dev, long_table);
+  gpu_layout.token_seq = upload(dev, first_seq);
+  gpu_layout.positions = upload(dev, long_position);
+  auto long_out = upload(dev, std::vector<float>(long_q.size()));
+  cuda::paged_attention(upload(dev, long_q), long_out, upload(dev, long_k), upload(dev, long_v),
+                        gpu_layout, 1, scale, s);
+  CHECK(max_relative_error(download(dev, long_out, long_q.size()), want) < 1e-5);
 }
 
 TEST_CASE("LoRA on the GPU adds b·(a·x) as the CPU does") {

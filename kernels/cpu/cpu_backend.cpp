@@ -68,12 +68,11 @@ public:
   }
 
   void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
-                       const paged_layout& l, int64_t tokens, int64_t max_len,
-                       float scale) override {
-    scores_.resize(static_cast<size_t>(max_len));
+                       const paged_layout& l, int64_t tokens, float scale) override {
     const auto row = l.kv_heads * l.head_dim;
     for (int64_t t = 0; t < tokens; ++t) {
-      const int32_t* table = l.block_tables + t * l.max_blocks;
+      const int32_t* table = l.block_tables + l.token_seq[t] * l.max_blocks;
+      scores_.resize(static_cast<size_t>(l.positions[t]) + 1);
       auto slot = [&](int64_t p) { return table[p / l.block_size] * l.block_size + p % l.block_size; };
       for (int64_t head = 0; head < l.heads; ++head) {
         auto kv_head = (l.head_begin + head) / l.group_size - l.kv_offset;

@@ -74,12 +74,8 @@ public:
   }
 
   void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
-                       const paged_layout& layout, int64_t tokens, int64_t max_len,
-                       float scale) override {
-    auto scores = static_cast<float*>(
-      scratch(scores_, static_cast<size_t>(tokens * layout.heads * max_len) * sizeof(float)));
-    cuda::paged_attention(q, out, k_cache, v_cache, layout, tokens, scale, scores, max_len,
-                          dev_.stream());
+                       const paged_layout& layout, int64_t tokens, float scale) override {
+    cuda::paged_attention(q, out, k_cache, v_cache, layout, tokens, scale, dev_.stream());
   }
 
   void greedy(const float* logits, int64_t rows, int64_t cols, int32_t* ids,
@@ -88,13 +84,11 @@ public:
   }
 
 private:
-  /// `buf`, grown to at least `bytes` (by half again at least, so that a growing batch
-  /// does not reallocate every step).
+  /// `buf`, grown to `bytes` when smaller (the profiled largest step sizes it once).
   void* scratch(device_buffer& buf, size_t bytes) {
     if (buf.size() < bytes) {
-      auto grown = std::max(bytes, buf.size() + buf.size() / 2);
       buf.reset();
-      buf = device_buffer(dev_, grown, memory_tag::kv_cache);
+      buf = device_buffer(dev_, bytes, memory_tag::kv_cache);
     }
     return buf.data();
   }
@@ -102,7 +96,6 @@ private:
   cuda_device& dev_;
   cublasHandle_t blas_ = nullptr;
   device_buffer half_;
-  device_buffer scores_;
 };
 
 } // namespace

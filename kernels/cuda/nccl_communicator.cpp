@@ -40,10 +40,22 @@ nccl_communicator::nccl_communicator(int rank, int world, const std::string& id,
 }
 
 nccl_communicator::~nccl_communicator() {
-  if (comm_ != nullptr) {
-    ncclCommFinalize(comm_);
-    ncclCommDestroy(comm_);
+  if (comm_ == nullptr)
+    return;
+  // Finalizing a non-blocking communicator is itself asynchronous: it is polled to its end
+  // (bounded like every call) before the communicator may be destroyed; one that does not
+  // finish, because a peer is gone, is aborted instead.
+  auto finalized = ncclCommFinalize(comm_);
+  if (finalized != ncclSuccess && finalized != ncclInProgress) {
+    abort();
+    return;
   }
+  try {
+    wait("finalizing", [] { return true; });
+  } catch (...) {
+    return; // wait aborted it
+  }
+  ncclCommDestroy(comm_);
 }
 
 template <class Done>

@@ -169,61 +169,84 @@ __global__ void write_kv_kernel(const float* k, const float* v, float* k_cache, 
   v_cache[dst] = v[i];
 }
 
-// One block per (token, head): scores of every position into the scratch row, a
-// block-wide max and sum, then each thread sums the weighted values of its dimensions.
+constexpr int attention_warps = 4;
+constexpr int max_head_dim = 256;
+constexpr int per_lane_max = max_head_dim / 32;
+
+// One block per (token, head). Warp w takes positions w, w + 4, ...: the 32 lanes share each
+// dot product (lane i holds dimensions i, i + 32, ...), and the warp keeps a running softmax
+// (max, sum of weights, weighted values). The block then merges its warps' states.
 __global__ void paged_attention_kernel(const float* q, float* out, const float* k_cache,
-                                       const float* v_cache, paged_layout l, float scale,
-                                       float* scores, int64_t max_len) {
-  __shared__ float reduce[threads];
+                                       const float* v_cache, paged_layout l, float scale) {
+  __shared__ float warp_max[attention_warps];
+  __shared__ float warp_sum[attention_warps];
+  __shared__ float warp_acc[attention_warps][max_head_dim];
   int64_t token = blockIdx.x / l.heads;
   int64_t head = blockIdx.x % l.heads;
+  int warp = threadIdx.x / 32;
+  int lane = threadIdx.x % 32;
   int64_t len = static_cast<int64_t>(l.positions[token]) + 1;
   int64_t row = l.kv_heads * l.head_dim;
   int64_t kv_head = (l.head_begin + head) / l.group_size - l.kv_offset;
   const float* query = q + (token * l.heads + head) * l.head_dim;
-  const int32_t* table = l.block_tables + token * l.max_blocks;
-  float* s = scores + blockIdx.x * max_len;
-  auto cached = [&](const float* cache, int64_t p) {
+  const int32_t* table = l.block_tables + static_cast<int64_t>(l.token_seq[token]) * l.max_blocks;
+  int per_lane = static_cast<int>((l.head_dim + 31) / 32);
+  float qv[per_lane_max];
+  float acc[per_lane_max];
+  for (int i = 0; i < per_lane_max; ++i) {
+    int64_t d = lane + 32 * i;
+    qv[i] = i < per_lane && d < l.head_dim ? query[d] : 0.0f;
+    acc[i] = 0.0f;
+  }
+  float running_max = -INFINITY;
+  float running_sum = 0.0f;
+  for (int64_t p = warp; p < len; p += attention_warps) {
     int64_t slot = static_cast<int64_t>(table[p / l.block_size]) * l.block_size + p % l.block_size;
-    return cache + slot * row + kv_head * l.head_dim;
-  };
-  float local_max = -INFINITY;
-  for (int64_t p = threadIdx.x; p < len; p += blockDim.x) {
-    const float* key = cached(k_cache, p);
+    const float* key = k_cache + slot * row + kv_head * l.head_dim;
+    const float* value = v_cache + slot * row + kv_head * l.head_dim;
     float dot = 0.0f;
-    for (int64_t d = 0; d < l.head_dim; ++d)
-      dot += query[d] * key[d];
-    s[p] = dot * scale;
-    local_max = fmaxf(local_max, s[p]);
+    for (int i = 0; i < per_lane; ++i) {
+      int64_t d = lane + 32 * i;
+      if (d < l.head_dim)
+        dot += qv[i] * key[d];
+    }
+    for (int offset = 16; offset > 0; offset /= 2)
+      dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    float score = dot * scale;
+    float next_max = fmaxf(running_max, score);
+    float rescale = expf(running_max - next_max); // 0 for the first position
+    float weight = expf(score - next_max);
+    running_sum = running_sum * rescale + weight;
+    for (int i = 0; i < per_lane; ++i) {
+      int64_t d = lane + 32 * i;
+      if (d < l.head_dim)
+        acc[i] = acc[i] * rescale + weight * value[d];
+    }
+    running_max = next_max;
   }
-  reduce[threadIdx.x] = local_max;
+  if (lane == 0) {
+    warp_max[warp] = running_max;
+    warp_sum[warp] = running_sum;
+  }
+  for (int i = 0; i < per_lane; ++i) {
+    int64_t d = lane + 32 * i;
+    if (d < l.head_dim)
+      warp_acc[warp][d] = acc[i];
+  }
   __syncthreads();
-  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride)
-      reduce[threadIdx.x] = fmaxf(reduce[threadIdx.x], reduce[threadIdx.x + stride]);
-    __syncthreads();
-  }
-  float max_score = reduce[0];
-  __syncthreads();
-  float local_sum = 0.0f;
-  for (int64_t p = threadIdx.x; p < len; p += blockDim.x) {
-    s[p] = expf(s[p] - max_score);
-    local_sum += s[p];
-  }
-  reduce[threadIdx.x] = local_sum;
-  __syncthreads();
-  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride)
-      reduce[threadIdx.x] += reduce[threadIdx.x + stride];
-    __syncthreads();
-  }
-  float sum = reduce[0];
+  // Warps that saw no position (len < attention_warps) have max -inf and weigh nothing.
+  float block_max = -INFINITY;
+  for (int w = 0; w < attention_warps; ++w)
+    block_max = fmaxf(block_max, warp_max[w]);
+  float total = 0.0f;
+  for (int w = 0; w < attention_warps; ++w)
+    total += warp_sum[w] * expf(warp_max[w] - block_max);
   float* result = out + (token * l.heads + head) * l.head_dim;
   for (int64_t d = threadIdx.x; d < l.head_dim; d += blockDim.x) {
-    float acc = 0.0f;
-    for (int64_t p = 0; p < len; ++p)
-      acc += s[p] * cached(v_cache, p)[d];
-    result[d] = acc / sum;
+    float sum = 0.0f;
+    for (int w = 0; w < attention_warps; ++w)
+      sum += warp_acc[w][d] * expf(warp_max[w] - block_max);
+    result[d] = sum / total;
   }
 }
 
@@ -239,12 +262,16 @@ void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,
 }
 
 void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
-                     const paged_layout& layout, int64_t tokens, float scale, float* scores,
-                     int64_t max_len, cudaStream_t stream) {
+                     const paged_layout& layout, int64_t tokens, float scale,
+                     cudaStream_t stream) {
+  if (layout.head_dim > max_head_dim)
+    throw error{errc::unsupported, "paged_attention: head_dim " +
+                                     std::to_string(layout.head_dim) + " is above " +
+                                     std::to_string(max_head_dim)};
   if (tokens * layout.heads == 0)
     return;
-  paged_attention_kernel<<<static_cast<unsigned>(tokens * layout.heads), threads, 0, stream>>>(
-    q, out, k_cache, v_cache, layout, scale, scores, max_len);
+  paged_attention_kernel<<<static_cast<unsigned>(tokens * layout.heads), attention_warps * 32, 0,
+                           stream>>>(q, out, k_cache, v_cache, layout, scale);
   launched("paged_attention_kernel");
 }
 

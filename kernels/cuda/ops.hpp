@@ -51,13 +51,13 @@ void to_half(const float* x, void* y, dtype type, int64_t n, cudaStream_t stream
 void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,
               const int32_t* slots, int64_t tokens, int64_t row, cudaStream_t stream);
 
-/// Causal grouped-query attention of `tokens` query rows ([tokens, heads, head_dim]) over
-/// one layer's paged cache, for prefill and decode alike; `scores` is scratch of
-/// tokens × heads × `max_len` floats (`max_len` > every position). A plain two-pass kernel
-/// (scores, then softmax-weighted values): correct for any length, not tuned.
+/// Causal grouped-query attention of `tokens` query rows ([tokens, heads, head_dim], head_dim
+/// at most 256) over one layer's paged cache, for prefill and decode alike. One block per
+/// (token, head); its warps take every fourth position and keep a running softmax (max,
+/// sum, weighted values), merged at the end, so no scratch memory is needed for any length.
 void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
-                     const paged_layout& layout, int64_t tokens, float scale, float* scores,
-                     int64_t max_len, cudaStream_t stream);
+                     const paged_layout& layout, int64_t tokens, float scale,
+                     cudaStream_t stream);
 
 /// y[m×n] = x[m×k] · w[n×k]ᵀ (+ y when `accumulate`), through cuBLAS on `handle`'s stream.
 void gemm_nt(cublasHandle_t handle, const float* x, const float* w, float* y, int64_t m,
