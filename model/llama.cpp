@@ -29,6 +29,14 @@ void read_rows(const tensor_view& t, int64_t row0, int64_t rows, float* dst) {
   to_float(t.type, t.data + offset, dst, static_cast<size_t>(rows * cols));
 }
 
+/// Places a tensor of `bytes` at the end of an allocation of `total` bytes (256-byte aligned,
+/// as cuBLAS prefers); returns its offset.
+size_t pack(size_t& total, size_t bytes) {
+  auto at = total;
+  total += (bytes + 255) / 256 * 256;
+  return at;
+}
+
 /// Copies columns [col0, col0 + cols) of every row of a 2-D tensor as float32.
 void read_cols(const tensor_view& t, int64_t col0, int64_t cols, float* dst) {
   auto esize = element_size(t.type);
@@ -110,7 +118,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
   // columns (row-parallel layers).
   enum class part { whole, rows, cols };
   struct job {
-    device_buffer* buf;
+    tensor_slot* slot;
     std::string name;
     std::vector<int64_t> shape;
     part split;
@@ -132,7 +140,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     jobs.push_back({&l.input_norm, p + "input_layernorm.weight", {H}, part::whole, 0, 0, f32});
     jobs.push_back(
       {&l.post_norm, p + "post_attention_layernorm.weight", {H}, part::whole, 0, 0, f32});
-    device_buffer* weights[] = {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down};
+    tensor_slot* weights[] = {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down};
     for (size_t n = 0; n < projection_count; ++n) {
       auto proj = static_cast<projection>(n);
       auto sh = shard_of(proj);
@@ -141,7 +149,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
                       sh.by_rows ? part::rows : part::cols, sh.start, sh.count, wt});
     }
     if (cfg_.attention_bias) {
-      device_buffer* biases[] = {&l.q_bias, &l.k_bias, &l.v_bias};
+      tensor_slot* biases[] = {&l.q_bias, &l.k_bias, &l.v_bias};
       for (size_t n = 0; n < 3; ++n) {
         auto proj = static_cast<projection>(n);
         auto sh = shard_of(proj);
@@ -161,9 +169,12 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     for (size_t i = 0; i < factors.size(); ++i)
       inv_freq_[i] /= factors[i];
   }
-  std::vector<float> staging;
-  for (size_t n = 0; n < jobs.size(); ++n) {
-    auto& j = jobs[n];
+  // Every shape is checked and placed first, so that a checkpoint that does not fit changes
+  // nothing; a reload finds the same layout and writes into the same memory.
+  std::vector<std::vector<int64_t>> local_shapes;
+  std::vector<size_t> offsets;
+  size_t total = 0;
+  for (auto& j : jobs) {
     // This rank's shape; a presharded checkpoint holds exactly that.
     auto local = j.shape;
     if (j.split == part::rows)
@@ -176,8 +187,23 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       throw error{errc::invalid_argument, "model '" + ckpt.directory() + "': tensor '" + j.name +
                                             "' has shape " + shape_text(t.shape) +
                                             ", the config needs " + shape_text(expected)};
-    int64_t floats = 1;
+    size_t numel = 1;
     for (auto d : local)
+      numel *= static_cast<size_t>(d);
+    offsets.push_back(pack(total, numel * element_size(j.type)));
+    local_shapes.push_back(local);
+  }
+  if (weights_.size() != total) {
+    weights_.reset();
+    weights_ = device_buffer(dev_, total, memory_tag::weights);
+  }
+  std::vector<float> staging;
+  for (size_t n = 0; n < jobs.size(); ++n) {
+    auto& j = jobs[n];
+    auto& t = ckpt.at(j.name);
+    j.slot->ptr = static_cast<char*>(weights_.data()) + offsets[n];
+    int64_t floats = 1;
+    for (auto d : local_shapes[n])
       floats *= d;
     staging.resize(static_cast<size_t>(floats));
     if (presharded || j.split == part::whole)
@@ -186,7 +212,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       read_rows(t, j.start, j.count, staging.data());
     else
       read_cols(t, j.start, j.count, staging.data());
-    upload(*j.buf, staging, j.type);
+    upload(j.slot->ptr, staging, j.type);
     if (progress)
       progress(n + 1, jobs.size());
   }
@@ -215,18 +241,15 @@ llama_model::shard llama_model::shard_of(projection p) const {
   throw error{errc::invalid_argument, "unknown projection"};
 }
 
-void llama_model::upload(device_buffer& buf, const std::vector<float>& values, dtype type) const {
+void llama_model::upload(void* dst, const std::vector<float>& values, dtype type) const {
   auto bytes = values.size() * element_size(type);
-  // Reloading writes into the memory already there, so addresses stay the same.
-  if (buf.size() != bytes)
-    buf = device_buffer(dev_, bytes, memory_tag::weights);
   if (type == dtype::f32) {
-    dev_.copy(buf.data(), values.data(), bytes);
+    dev_.copy(dst, values.data(), bytes);
     return;
   }
   std::vector<char> converted(bytes);
   from_float(type, values.data(), converted.data(), values.size());
-  dev_.copy(buf.data(), converted.data(), bytes);
+  dev_.copy(dst, converted.data(), bytes);
 }
 
 void* llama_model::workspace(size_t bytes) {
@@ -247,6 +270,15 @@ lora_weights llama_model::load_lora(const std::string& path, int64_t max_rank) c
   lora_weights out;
   out.rank = peft.rank;
   out.layers.resize(peft.layers.size());
+  // Shapes are checked and the factors placed first, then all are read into one allocation.
+  struct placed {
+    size_t layer;
+    size_t proj;
+    size_t a_at;
+    size_t b_at;
+  };
+  std::vector<placed> factors;
+  size_t total = 0;
   for (size_t l = 0; l < peft.layers.size(); ++l) {
     for (size_t n = 0; n < projection_count; ++n) {
       auto& f = peft.layers[l][n];
@@ -261,24 +293,38 @@ lora_weights llama_model::load_lora(const std::string& path, int64_t max_rank) c
                       module_name(proj) + " factors are " + shape_text(f.b->shape) + " x " +
                       shape_text(f.a->shape) + ", the model's weight is " +
                       shape_text({sh.out, sh.in})};
-      auto& dst = out.layers[l][n];
-      dst.rank = rank;
+      out.layers[l][n].rank = rank;
       auto a_cols = sh.by_rows ? sh.in : sh.count;
       auto b_rows = sh.by_rows ? sh.count : sh.out;
-      std::vector<float> a(static_cast<size_t>(rank * a_cols));
-      std::vector<float> b(static_cast<size_t>(b_rows * rank));
-      if (sh.by_rows) {
-        read_rows(*f.a, 0, rank, a.data());
-        read_rows(*f.b, sh.start, sh.count, b.data());
-      } else {
-        read_cols(*f.a, sh.start, sh.count, a.data());
-        read_rows(*f.b, 0, sh.out, b.data());
-      }
-      for (auto& value : b)
-        value *= f.scaling;
-      upload(dst.a, a, dtype::f32);
-      upload(dst.b, b, dtype::f32);
+      auto a_at = pack(total, static_cast<size_t>(rank * a_cols) * sizeof(float));
+      auto b_at = pack(total, static_cast<size_t>(b_rows * rank) * sizeof(float));
+      factors.push_back({l, n, a_at, b_at});
     }
+  }
+  if (total == 0)
+    return out;
+  out.memory = device_buffer(dev_, total, memory_tag::weights);
+  auto base = static_cast<char*>(out.memory.data());
+  for (auto& at : factors) {
+    auto& f = peft.layers[at.layer][at.proj];
+    auto sh = shard_of(static_cast<projection>(at.proj));
+    auto& dst = out.layers[at.layer][at.proj];
+    auto rank = dst.rank;
+    std::vector<float> a(static_cast<size_t>(rank * (sh.by_rows ? sh.in : sh.count)));
+    std::vector<float> b(static_cast<size_t>((sh.by_rows ? sh.count : sh.out) * rank));
+    if (sh.by_rows) {
+      read_rows(*f.a, 0, rank, a.data());
+      read_rows(*f.b, sh.start, sh.count, b.data());
+    } else {
+      read_cols(*f.a, sh.start, sh.count, a.data());
+      read_rows(*f.b, 0, sh.out, b.data());
+    }
+    for (auto& value : b)
+      value *= f.scaling;
+    dst.a = reinterpret_cast<const float*>(base + at.a_at);
+    dst.b = reinterpret_cast<const float*>(base + at.b_at);
+    upload(base + at.a_at, a, dtype::f32);
+    upload(base + at.b_at, b, dtype::f32);
   }
   return out;
 }
@@ -307,7 +353,8 @@ prompt_embeddings llama_model::load_prompt_adapter(const std::string& path,
   out.num_virtual_tokens = config.num_virtual_tokens;
   std::vector<float> table(static_cast<size_t>(t.numel()));
   read_rows(t, 0, t.shape[0], table.data());
-  upload(out.table, table, dtype::f32);
+  out.table = device_buffer(dev_, table.size() * sizeof(float), memory_tag::weights);
+  upload(out.table.data(), table, dtype::f32);
   return out;
 }
 
@@ -549,13 +596,12 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
       auto& f = run.weights->layers[layer][static_cast<size_t>(proj)];
       if (f.rank == 0)
         continue;
-      be.gemm_nt(in + run.begin * in_width, f.a.data(), dtype::f32, mid, run.count, f.rank,
-                 in_width);
-      be.gemm_nt(mid, f.b.data(), dtype::f32, out + run.begin * out_width, run.count, out_width,
-                 f.rank, true);
+      be.gemm_nt(in + run.begin * in_width, f.a, dtype::f32, mid, run.count, f.rank, in_width);
+      be.gemm_nt(mid, f.b, dtype::f32, out + run.begin * out_width, run.count, out_width, f.rank,
+                 true);
     }
   };
-  auto project = [&](const float* in, const device_buffer& w, float* out, int64_t out_width,
+  auto project = [&](const float* in, const tensor_slot& w, float* out, int64_t out_width,
                      int64_t in_width) {
     be.gemm_nt(in, w.data(), weight_type_, out, T, out_width, in_width);
   };

@@ -23,18 +23,19 @@ struct sample_row {
 };
 
 /// A LoRA adapter as one rank applies it: per layer and projection, y += B·(A·x) with the
-/// scaling folded into B (float32 factors in device memory). Column-parallel projections (q/k/v/gate/up) hold all of A and
+/// scaling folded into B. Column-parallel projections (q/k/v/gate/up) hold all of A and
 /// this rank's rows of B; row-parallel ones (o/down) hold this rank's columns of A and all
 /// of B, so each rank adds a partial product that the layer's all-reduce sums like the rest.
-/// Lives under `memory_tag::weights`.
+/// The float32 factors share one allocation under `memory_tag::weights`.
 struct lora_weights {
   struct factors {
-    device_buffer a;
-    device_buffer b;
+    const float* a = nullptr;
+    const float* b = nullptr;
     int64_t rank = 0; // 0: the projection is not adapted
   };
   std::vector<std::array<factors, projection_count>> layers;
   int64_t rank = 0;
+  device_buffer memory;
 };
 
 /// A prompt-tuning adapter: the embeddings of its virtual tokens, which replace those of
@@ -138,15 +139,26 @@ public:
   std::vector<char> download(const local_tensor& t) const;
 
 private:
+  /// Where a weight lives in `weights_`.
+  struct tensor_slot {
+    void* ptr = nullptr;
+    void* data() const {
+      return ptr;
+    }
+    template <class T>
+    T* as() const {
+      return static_cast<T*>(ptr);
+    }
+  };
+
   struct layer_weights {
-    device_buffer input_norm, q, k, v, q_bias, k_bias, v_bias, o, post_norm, gate, up, down;
+    tensor_slot input_norm, q, k, v, q_bias, k_bias, v_bias, o, post_norm, gate, up, down;
   };
 
   void rope_tables(int32_t position, float* cos, float* sin) const;
 
-  /// Writes `values` into `buf` (allocated under `memory_tag::weights` when its size
-  /// differs) as elements of `type`.
-  void upload(device_buffer& buf, const std::vector<float>& values, dtype type) const;
+  /// Writes `values` to device memory at `dst` as elements of `type`.
+  void upload(void* dst, const std::vector<float>& values, dtype type) const;
 
   /// The step's scratch memory of at least `bytes`, grown as needed.
   void* workspace(size_t bytes);
@@ -181,9 +193,12 @@ private:
   /// `rope_freqs.weight` factors when it has them, as llama.cpp stores llama3 scaling).
   std::vector<double> base_inv_freq_;
   std::vector<double> inv_freq_;
-  device_buffer embed_;
-  device_buffer final_norm_;
-  device_buffer lm_head_; // empty when tied
+  /// Every weight of this rank in one allocation under `memory_tag::weights`: a GPU maps
+  /// memory in 2 MiB granules, so one allocation per tensor would round each small one up.
+  device_buffer weights_;
+  tensor_slot embed_;
+  tensor_slot final_norm_;
+  tensor_slot lm_head_; // empty when tied
   std::vector<layer_weights> layers_;
   all_reduce_fn all_reduce_;
   /// Activations and step metadata, under `memory_tag::kv_cache` (it sleeps with the cache).

@@ -311,29 +311,33 @@ int64_t status_kib(const char* key) {
 
 int64_t model_worker::profile_step_bytes() {
   auto& st = *state_;
-  auto tokens = std::min<int64_t>(options_.max_num_batched_tokens, st.config.max_position_embeddings);
-  auto seqs = std::max<int64_t>(1, std::min<int64_t>(options_.max_num_seqs, tokens));
-  auto per_seq = tokens / seqs;
+  // max_num_batched_tokens tokens in near-even prompts, as many as max_num_seqs allows and
+  // as few as max_position_embeddings does.
+  int64_t tokens = std::max(1, options_.max_num_batched_tokens);
+  auto max_len = st.config.max_position_embeddings;
+  auto seqs = std::max<int64_t>((tokens + max_len - 1) / max_len,
+                                std::min<int64_t>(std::max(1, options_.max_num_seqs), tokens));
   auto bs = context().block_size;
-  auto blocks_per_seq = (per_seq + bs - 1) / bs;
+  int32_t blocks = 0;
   execute_model_request req;
   for (int64_t s = 0; s < seqs; ++s) {
+    auto len = tokens * (s + 1) / seqs - tokens * s / seqs;
     sequence_group_metadata g;
     g.request_id = "profile-" + std::to_string(s);
     g.is_prompt = true;
     sequence_data seq;
     seq.seq_id = s;
-    seq.token_ids.assign(static_cast<size_t>(per_seq), 0);
-    seq.num_prompt_tokens = static_cast<int32_t>(per_seq);
-    for (int64_t b = 0; b < blocks_per_seq; ++b)
-      seq.block_table.push_back(static_cast<int32_t>(s * blocks_per_seq + b));
+    seq.token_ids.assign(static_cast<size_t>(len), 0);
+    seq.num_prompt_tokens = static_cast<int32_t>(len);
+    for (int64_t b = 0; b < (len + bs - 1) / bs; ++b)
+      seq.block_table.push_back(blocks++);
     g.seqs.push_back(seq);
-    g.token_chunk_size = static_cast<int32_t>(per_seq);
+    g.token_chunk_size = static_cast<int32_t>(len);
     req.seq_group_metadata_list.push_back(std::move(g));
   }
   auto run = [&] {
     kv_cache scratch{device(), st.config.num_hidden_layers, st.model->local_kv_heads(),
-                     st.config.head_dim, bs, seqs * blocks_per_seq, 0};
+                     st.config.head_dim, bs, blocks, 0};
     std::vector<sample_row> rows;
     st.model->run(req, scratch, rows);
     std::vector<int32_t> ids;
