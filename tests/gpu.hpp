@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 namespace troupe::testing {
 
@@ -17,6 +18,14 @@ inline bool have_gpu() {
     return true;
   std::fprintf(stderr, "skipped: no GPU visible\n");
   std::exit(77);
+}
+
+/// The source tree: $TROUPE_SOURCE_DIR where set (a bundle run on another machine,
+/// scripts/gpu-check.sh), else where the suite was built from.
+inline std::string source_dir() {
+  if (auto dir = std::getenv("TROUPE_SOURCE_DIR"))
+    return dir;
+  return TROUPE_SOURCE_DIR;
 }
 
 /// Free bytes of GPU 0, as cudaMemGetInfo sees them.

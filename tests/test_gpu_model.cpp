@@ -28,7 +28,7 @@ using troupe::testing::relative_error;
 
 namespace {
 
-const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
+const std::string fixtures = testing::source_dir() + "/tests/fixtures";
 const char* models[] = {"llama-gqa", "llama3-rope-tied", "qwen2-bias", "llama-odd-heads"};
 
 /// One sequence stepping through a model on one rank of a device.
