@@ -275,3 +275,26 @@ TEST_CASE("the executor on the GPU: greedy tokens and logprobs as on the CPU") {
   for (size_t i = 0; i < cpu.top_logprobs.size(); ++i)
     CHECK(std::fabs(gpu.top_logprobs[i].logprob - cpu.top_logprobs[i].logprob) < 1e-4);
 }
+
+TEST_CASE("tensor parallelism over GPUs with NCCL gives the tokens of one GPU") {
+  if (!have_gpu())
+    return;
+  if (cuda_device::count() < 2) {
+    MESSAGE("skipped: one GPU visible; NCCL needs a GPU per rank");
+    return;
+  }
+  auto path = fixtures + "/llama-gqa";
+  auto ref = read_json(path + "/reference.json");
+  auto prompt = ref["prompts"][0]["token_ids"].get<std::vector<int32_t>>();
+  auto want = ref["prompts"][0]["greedy"].get<std::vector<int32_t>>();
+  model_worker_options mw;
+  mw.model_path = path;
+  mw.dtype = "float32";
+  mw.kv_cache_memory_bytes = 64 << 20;
+  executor_config cfg;
+  cfg.device_kind = "cuda";
+  cfg.tensor_parallel_size = 2;
+  executor exec{cfg, model_worker_factory(mw)};
+  exec.initialize_cache(exec.determine_num_available_blocks());
+  CHECK(testing::greedy_tokens(exec, prompt, want.size()) == want);
+}
