@@ -9,6 +9,7 @@
 #include "model/llama.hpp"
 #include "model/make_model.hpp"
 #include "tests/generation.hpp"
+#include "tests/model_runner.hpp"
 #include "tests/gpu.hpp"
 #include "troupe/errors.hpp"
 #include "troupe/executor.hpp"
@@ -23,6 +24,7 @@
 
 using namespace troupe;
 using troupe::testing::have_gpu;
+using troupe::testing::model_runner;
 using troupe::testing::read_json;
 using troupe::testing::relative_error;
 
@@ -31,52 +33,42 @@ namespace {
 const std::string fixtures = testing::source_dir() + "/tests/fixtures";
 const char* models[] = {"llama-gqa", "llama3-rope-tied", "qwen2-bias", "llama-odd-heads"};
 
-/// One sequence stepping through a model on one rank of a device.
-struct runner {
-  llama_model model;
-  kv_cache cache;
-  sequence_data seq;
-
-  runner(device& dev, const model_config& cfg, const checkpoint& ckpt, dtype type)
-    : model(cfg, dev, 0, 1, type),
-      cache(dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 16, 64, 0) {
-    model.load(ckpt);
-    for (int32_t b = 0; b < 64; ++b)
-      seq.block_table.push_back(63 - b); // blocks out of order on purpose
+/// The prompt's logits (into `prompt_logits`), then `steps` greedy tokens chosen on the
+/// device.
+std::vector<int32_t> generate(testing::model_runner& r, const std::vector<int32_t>& prompt,
+                              int steps, std::vector<float>* prompt_logits = nullptr) {
+  r.seq.token_ids = prompt;
+  r.seq.num_computed_tokens = 0;
+  auto logits = r.step(static_cast<int32_t>(prompt.size()));
+  if (prompt_logits)
+    *prompt_logits = logits;
+  std::vector<int32_t> out;
+  std::vector<int32_t> ids;
+  std::vector<float> logprobs;
+  for (int i = 0; i < steps; ++i) {
+    r.model.greedy(ids, logprobs);
+    out.push_back(ids[0]);
+    r.seq.token_ids.push_back(ids[0]);
+    if (i + 1 < steps)
+      r.step(1);
   }
+  return out;
+}
 
-  /// Computes `chunk` more tokens; the last one's logits stay on the device.
-  void step(int32_t chunk) {
-    execute_model_request req;
-    sequence_group_metadata g;
-    g.request_id = "r";
-    g.seqs.push_back(seq);
-    g.token_chunk_size = chunk;
-    req.seq_group_metadata_list.push_back(g);
-    std::vector<sample_row> rows;
-    model.run(req, cache, rows);
-    seq.num_computed_tokens += chunk;
-  }
+/// The first prompt of the llama-gqa fixture, its greedy tokens, and worker options for it.
+struct llama_gqa_case {
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> greedy;
+  model_worker_options options;
 
-  /// The prompt's logits, then `steps` greedy tokens chosen on the device.
-  std::vector<int32_t> generate(const std::vector<int32_t>& prompt, int steps,
-                                std::vector<float>* prompt_logits = nullptr) {
-    seq.token_ids = prompt;
-    seq.num_computed_tokens = 0;
-    step(static_cast<int32_t>(prompt.size()));
-    if (prompt_logits)
-      *prompt_logits = model.logits();
-    std::vector<int32_t> out;
-    std::vector<int32_t> ids;
-    std::vector<float> logprobs;
-    for (int i = 0; i < steps; ++i) {
-      model.greedy(ids, logprobs);
-      out.push_back(ids[0]);
-      seq.token_ids.push_back(ids[0]);
-      if (i + 1 < steps)
-        step(1);
-    }
-    return out;
+  llama_gqa_case() {
+    auto path = fixtures + "/llama-gqa";
+    auto ref = read_json(path + "/reference.json")["prompts"][0];
+    prompt = ref["token_ids"].get<std::vector<int32_t>>();
+    greedy = ref["greedy"].get<std::vector<int32_t>>();
+    options.model_path = path;
+    options.dtype = "float32";
+    options.kv_cache_memory_bytes = 64 << 20;
   }
 };
 
@@ -108,29 +100,28 @@ TEST_CASE("tiny models on the GPU: transformers' logits and tokens in float32, c
     for (auto& prompt : ref["prompts"]) {
       auto ids = prompt["token_ids"].get<std::vector<int32_t>>();
       auto want = prompt["last_logits"].get<std::vector<float>>();
-      runner f32{dev, cfg, ckpt, dtype::f32};
+      model_runner f32{dev, cfg, ckpt, dtype::f32, 16};
       std::vector<float> logits;
-      auto tokens = f32.generate(ids, 32, &logits);
+      auto tokens = generate(f32, ids, 32, &logits);
       REQUIRE(logits.size() == want.size());
       auto err = relative_error(logits.data(), want);
       worst_f32 = std::max(worst_f32, err);
       CHECK_MESSAGE(err < 1e-4, name << " float32: relative error " << err);
       CHECK_MESSAGE(tokens == prompt["greedy"].get<std::vector<int32_t>>(), name);
 
-      runner bf16{dev, cfg, ckpt, dtype::bf16};
-      bf16.generate(ids, 1, &logits);
+      model_runner bf16{dev, cfg, ckpt, dtype::bf16, 16};
+      generate(bf16, ids, 1, &logits);
       err = relative_error(logits.data(), want);
       worst_bf16 = std::max(worst_bf16, err);
       CHECK_MESSAGE(err < 3e-2, name << " bfloat16: relative error " << err);
     }
     // Decoding token by token through the paged cache, against every position.
     auto& prompt = ref["prompts"][0];
-    runner r{dev, cfg, ckpt, dtype::f32};
+    model_runner r{dev, cfg, ckpt, dtype::f32, 16};
     r.seq.token_ids = prompt["token_ids"].get<std::vector<int32_t>>();
     auto all = prompt["all_logits"].get<std::vector<std::vector<float>>>();
     for (size_t p = 0; p < all.size(); ++p) {
-      r.step(1);
-      auto logits = r.model.logits();
+      auto logits = r.step(1);
       auto err = relative_error(logits.data(), all[p]);
       CHECK_MESSAGE(err < 1e-4, name << " position " << p << ": relative error " << err);
     }
@@ -152,9 +143,9 @@ TEST_CASE("SmolLM2-135M on the GPU: the CPU's greedy tokens, logits within bf16 
   auto ckpt = checkpoint::from_gguf(path.string(), cfg);
   cpu_device host{0};
   cuda_device dev{0};
-  runner cpu{host, cfg, ckpt, dtype::f32};
-  runner f32{dev, cfg, ckpt, dtype::f32};
-  runner bf16{dev, cfg, ckpt, dtype::bf16};
+  model_runner cpu{host, cfg, ckpt, dtype::f32, 16};
+  model_runner f32{dev, cfg, ckpt, dtype::f32, 16};
+  model_runner bf16{dev, cfg, ckpt, dtype::bf16, 16};
   double worst_f32 = 0;
   double worst_bf16 = 0;
   size_t same_bf16 = 0;
@@ -164,12 +155,12 @@ TEST_CASE("SmolLM2-135M on the GPU: the CPU's greedy tokens, logits within bf16 
     auto want_tokens = run["greedy"].get<std::vector<int32_t>>();
     auto steps = static_cast<int>(want_tokens.size());
     std::vector<float> want;
-    auto cpu_tokens = cpu.generate(ids, steps, &want);
+    auto cpu_tokens = generate(cpu, ids, steps, &want);
     CHECK(cpu_tokens == want_tokens);
     std::vector<float> logits;
-    CHECK(f32.generate(ids, steps, &logits) == cpu_tokens);
+    CHECK(generate(f32, ids, steps, &logits) == cpu_tokens);
     worst_f32 = std::max(worst_f32, relative_error(logits.data(), want));
-    auto tokens = bf16.generate(ids, steps, &logits);
+    auto tokens = generate(bf16, ids, steps, &logits);
     worst_bf16 = std::max(worst_bf16, relative_error(logits.data(), want));
     CHECK(tokens[0] == cpu_tokens[0]);
     // bf16 may part ways with float32 where two tokens are nearly tied; count how far the
@@ -240,28 +231,21 @@ TEST_CASE("a model worker on the GPU: gpu_memory_utilization, sleep gives the me
 TEST_CASE("the executor on the GPU: greedy tokens and logprobs as on the CPU") {
   if (!have_gpu())
     return;
-  auto path = fixtures + "/llama-gqa";
-  auto ref = read_json(path + "/reference.json");
-  auto prompt = ref["prompts"][0]["token_ids"].get<std::vector<int32_t>>();
-  auto want = ref["prompts"][0]["greedy"].get<std::vector<int32_t>>();
-  model_worker_options mw;
-  mw.model_path = path;
-  mw.dtype = "float32";
-  mw.kv_cache_memory_bytes = 64 << 20;
+  llama_gqa_case c;
   // A step asking for top logprobs samples on the host from the downloaded logits; compare
   // those logprobs with the CPU's.
   auto logprobs_of = [&](const std::string& kind) {
     executor_config cfg;
     cfg.device_kind = kind;
-    executor exec{cfg, model_worker_factory(mw)};
+    executor exec{cfg, model_worker_factory(c.options)};
     exec.initialize_cache(exec.determine_num_available_blocks());
-    CHECK(testing::greedy_tokens(exec, prompt, want.size()) == want);
+    CHECK(testing::greedy_tokens(exec, c.prompt, c.greedy.size()) == c.greedy);
     execute_model_request req;
     sequence_group_metadata g;
     g.request_id = "p";
     g.is_prompt = true;
-    g.seqs.push_back({0, prompt, static_cast<int32_t>(prompt.size()), 0, {0, 1, 2, 3}});
-    g.token_chunk_size = static_cast<int32_t>(prompt.size());
+    g.seqs.push_back({0, c.prompt, static_cast<int32_t>(c.prompt.size()), 0, {0, 1, 2, 3}});
+    g.token_chunk_size = static_cast<int32_t>(c.prompt.size());
     g.sampling.temperature = 0.0f;
     g.sampling.logprobs = 3;
     req.seq_group_metadata_list.push_back(g);
@@ -283,18 +267,11 @@ TEST_CASE("tensor parallelism over GPUs with NCCL gives the tokens of one GPU") 
     MESSAGE("skipped: one GPU visible; NCCL needs a GPU per rank");
     return;
   }
-  auto path = fixtures + "/llama-gqa";
-  auto ref = read_json(path + "/reference.json");
-  auto prompt = ref["prompts"][0]["token_ids"].get<std::vector<int32_t>>();
-  auto want = ref["prompts"][0]["greedy"].get<std::vector<int32_t>>();
-  model_worker_options mw;
-  mw.model_path = path;
-  mw.dtype = "float32";
-  mw.kv_cache_memory_bytes = 64 << 20;
+  llama_gqa_case c;
   executor_config cfg;
   cfg.device_kind = "cuda";
   cfg.tensor_parallel_size = 2;
-  executor exec{cfg, model_worker_factory(mw)};
+  executor exec{cfg, model_worker_factory(c.options)};
   exec.initialize_cache(exec.determine_num_available_blocks());
-  CHECK(testing::greedy_tokens(exec, prompt, want.size()) == want);
+  CHECK(testing::greedy_tokens(exec, c.prompt, c.greedy.size()) == c.greedy);
 }

@@ -8,6 +8,7 @@
 #include "model/llama.hpp"
 #include "model/make_model.hpp"
 #include "tests/generation.hpp"
+#include "tests/model_runner.hpp"
 #include "troupe/errors.hpp"
 
 #include <doctest/doctest.h>
@@ -33,37 +34,14 @@ nlohmann::json reference(const std::string& name) {
   return nlohmann::json::parse(in);
 }
 
-/// One sequence stepping through a model on one rank.
+/// A fixture model on the CPU, one sequence stepping through it.
 struct runner {
   cpu_device dev{0};
-  model_config cfg;
   checkpoint ckpt;
-  llama_model model;
-  kv_cache cache;
-  sequence_data seq;
+  testing::model_runner run;
 
   explicit runner(const std::string& name)
-    : cfg(load_model_config(fixtures + "/" + name)),
-      ckpt(fixtures + "/" + name),
-      model(cfg, dev, 0, 1),
-      cache(dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, 64, 0) {
-    model.load(ckpt);
-    for (int32_t b = 0; b < 64; ++b)
-      seq.block_table.push_back(63 - b); // blocks out of order on purpose
-  }
-
-  /// Computes `chunk` more tokens of the sequence and returns the last token's logits.
-  std::vector<float> step(int32_t chunk) {
-    execute_model_request req;
-    sequence_group_metadata g;
-    g.request_id = "r";
-    g.seqs.push_back(seq);
-    g.token_chunk_size = chunk;
-    req.seq_group_metadata_list.push_back(g);
-    std::vector<sample_row> rows;
-    auto logits = model.forward(req, cache, rows);
-    seq.num_computed_tokens += chunk;
-    return logits;
+    : ckpt(fixtures + "/" + name), run(dev, load_model_config(fixtures + "/" + name), ckpt) {
   }
 };
 
@@ -79,8 +57,8 @@ TEST_CASE("prefill logits match transformers within 1e-4") {
     auto ref = reference(name);
     for (auto& prompt : ref["prompts"]) {
       runner r{name};
-      r.seq.token_ids = prompt["token_ids"].get<std::vector<int32_t>>();
-      auto logits = r.step(static_cast<int32_t>(r.seq.token_ids.size()));
+      r.run.seq.token_ids = prompt["token_ids"].get<std::vector<int32_t>>();
+      auto logits = r.run.step(static_cast<int32_t>(r.run.seq.token_ids.size()));
       auto want = prompt["last_logits"].get<std::vector<float>>();
       REQUIRE(logits.size() == want.size());
       auto err = relative_error(logits.data(), want);
@@ -96,10 +74,10 @@ TEST_CASE("decoding one token at a time through the paged cache matches every po
     auto ref = reference(name);
     auto& prompt = ref["prompts"][0];
     runner r{name};
-    r.seq.token_ids = prompt["token_ids"].get<std::vector<int32_t>>();
+    r.run.seq.token_ids = prompt["token_ids"].get<std::vector<int32_t>>();
     auto all = prompt["all_logits"].get<std::vector<std::vector<float>>>();
     for (size_t p = 0; p < all.size(); ++p) {
-      auto logits = r.step(1);
+      auto logits = r.run.step(1);
       auto err = relative_error(logits.data(), all[p]);
       CHECK_MESSAGE(err < 1e-4, name << " position " << p << ": relative error " << err);
     }
@@ -111,15 +89,15 @@ TEST_CASE("greedy continuations of 32 tokens are identical to transformers") {
     auto ref = reference(name);
     for (auto& prompt : ref["prompts"]) {
       runner r{name};
-      r.seq.token_ids = prompt["token_ids"].get<std::vector<int32_t>>();
-      auto logits = r.step(static_cast<int32_t>(r.seq.token_ids.size()));
+      r.run.seq.token_ids = prompt["token_ids"].get<std::vector<int32_t>>();
+      auto logits = r.run.step(static_cast<int32_t>(r.run.seq.token_ids.size()));
       std::vector<int32_t> generated;
       for (int i = 0; i < 32; ++i) {
         auto next = argmax(logits);
         generated.push_back(next);
-        r.seq.token_ids.push_back(next);
+        r.run.seq.token_ids.push_back(next);
         if (i + 1 < 32)
-          logits = r.step(1);
+          logits = r.run.step(1);
       }
       CHECK_MESSAGE(generated == prompt["greedy"].get<std::vector<int32_t>>(), name);
     }
@@ -128,13 +106,13 @@ TEST_CASE("greedy continuations of 32 tokens are identical to transformers") {
 
 TEST_CASE("malformed requests are errors naming the request") {
   runner r{"llama-gqa"};
-  r.seq.token_ids = {1, 2, 300};
-  CHECK_THROWS_WITH_AS(r.step(3), doctest::Contains("token 300 is outside the vocabulary"), error);
-  r.seq.token_ids = {1, 2};
-  CHECK_THROWS_WITH_AS(r.step(5), doctest::Contains("does not fit"), error);
-  r.seq.block_table = {0};
-  r.seq.token_ids.assign(10, 3);
-  CHECK_THROWS_WITH_AS(r.step(10), doctest::Contains("block table has 1 blocks"), error);
+  r.run.seq.token_ids = {1, 2, 300};
+  CHECK_THROWS_WITH_AS(r.run.step(3), doctest::Contains("token 300 is outside the vocabulary"), error);
+  r.run.seq.token_ids = {1, 2};
+  CHECK_THROWS_WITH_AS(r.run.step(5), doctest::Contains("does not fit"), error);
+  r.run.seq.block_table = {0};
+  r.run.seq.token_ids.assign(10, 3);
+  CHECK_THROWS_WITH_AS(r.run.step(10), doctest::Contains("block table has 1 blocks"), error);
 }
 
 TEST_CASE("configs and checkpoints that do not fit are errors naming the file") {

@@ -1,0 +1,45 @@
+#pragma once
+
+// One sequence stepping through a model on one rank of a device, for the tests that compare
+// a model's logits and tokens with transformers'.
+
+#include "model/checkpoint.hpp"
+#include "model/config.hpp"
+#include "model/llama.hpp"
+
+#include <vector>
+
+namespace troupe::testing {
+
+struct model_runner {
+  llama_model model;
+  kv_cache cache;
+  sequence_data seq;
+
+  /// 64 blocks of `block_size`, used out of order on purpose.
+  model_runner(device& dev, const model_config& cfg, const checkpoint& ckpt,
+               dtype type = dtype::f32, int64_t block_size = 4)
+    : model(cfg, dev, 0, 1, type),
+      cache(dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, 64,
+            0) {
+    model.load(ckpt);
+    for (int32_t b = 0; b < 64; ++b)
+      seq.block_table.push_back(63 - b);
+  }
+
+  /// Computes `chunk` more tokens of the sequence and returns the last token's logits.
+  std::vector<float> step(int32_t chunk) {
+    execute_model_request req;
+    sequence_group_metadata g;
+    g.request_id = "r";
+    g.seqs.push_back(seq);
+    g.token_chunk_size = chunk;
+    req.seq_group_metadata_list.push_back(g);
+    std::vector<sample_row> rows;
+    auto logits = model.forward(req, cache, rows);
+    seq.num_computed_tokens += chunk;
+    return logits;
+  }
+};
+
+} // namespace troupe::testing
