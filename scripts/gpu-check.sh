@@ -4,7 +4,11 @@
 # models against transformers and the CPU, sleep/wake, gpu_memory_utilization, NCCL), then
 # the GPU benchmarks, and prints a short table last.
 #
-#   bash scripts/gpu-check.sh [BUILD_DIR]
+#   bash scripts/gpu-check.sh [--stage] [BUILD_DIR]
+#
+# BUILD_DIR (default build-gpu) also keeps what the device tool's calls carried, so that a
+# warm machine has it in the next call; --stage only stores this call's parts there (see
+# scripts/gpu-bundle.sh for the two calls).
 #
 # Two ways to get the binaries ($GPU_CHECK_MODE=bundle|build forces one):
 # - where troupe's dependencies are installed, it configures and builds with CUDA for sm_90;
@@ -17,9 +21,36 @@
 # reads the same bytes.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+stage_only=0
+if [ "${1:-}" = --stage ]; then
+  stage_only=1
+  shift
+fi
 build=${1:-$root/build-gpu}
-bundle=$root/.gpu-bundle/bundle.tar.xz
 log=$(mktemp -d)
+
+# What this call carried joins what earlier calls left in the build folder.
+mkdir -p "$build"
+for file in .gpu-bundle/bundle.tar.xz .gpu-bundle/smollm2.part1 .gpu-model/smollm2.part2 \
+            .gpu-model/smollm2.sha256; do
+  [ -f "$root/$file" ] && cp "$root/$file" "$build/"
+done
+if [ $stage_only = 1 ]; then
+  ls -la "$build"
+  exit 0
+fi
+bundle=$build/bundle.tar.xz
+if [ -f "$build/smollm2.part1" ] && [ -f "$build/smollm2.part2" ]; then
+  mkdir -p "$build/models"
+  cat "$build/smollm2.part1" "$build/smollm2.part2" \
+    > "$build/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+  if [ "$(sha256sum < "$build/models/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -d' ' -f1)" \
+       = "$(cat "$build/smollm2.sha256" 2> /dev/null)" ]; then
+    export TROUPE_MODEL_CACHE=$build/models
+  else
+    echo "gpu-check: the SmolLM2 parts do not make the file they were cut from" >&2
+  fi
+fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 start=$(date +%s)
