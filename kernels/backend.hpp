@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 namespace troupe {
 
@@ -47,6 +48,18 @@ public:
   virtual void gemm_nt(const float* x, const void* w, dtype w_type, float* y, int64_t m,
                        int64_t n, int64_t k, bool accumulate = false) = 0;
 
+  /// One of several GEMMs that share their input.
+  struct gemm_output {
+    const void* w;
+    float* y;
+    int64_t n;
+  };
+
+  /// y_i[m×n_i] = x[m×k] · w_iᵀ for every output, weights all of type `w_type` (q/k/v, or
+  /// gate/up): half-precision weights need the activations converted only once.
+  virtual void gemm_nt_shared(const float* x, dtype w_type, int64_t m, int64_t k,
+                              const std::vector<gemm_output>& outputs) = 0;
+
   /// y = x / rms(x) · weight, per row of `rows` × `dim`.
   virtual void rms_norm(const float* x, const float* weight, float* y, int64_t rows,
                         int64_t dim, float eps) = 0;
@@ -57,10 +70,16 @@ public:
   /// y[i] += x[i].
   virtual void add(float* y, const float* x, int64_t n) = 0;
 
-  /// Rotates `heads` heads of `head_dim` of each of `rows` rows in place ("rotate half"
-  /// layout), with per-row cos/sin tables of head_dim/2 entries.
-  virtual void rotary(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* cos,
-                      const float* sin) = 0;
+  /// The residual step between sublayers: x += h, then y = x / rms(x) · weight, per row of
+  /// `rows` × `dim` (`y` may be `h`).
+  virtual void add_rms_norm(float* x, const float* h, const float* weight, float* y,
+                            int64_t rows, int64_t dim, float eps) = 0;
+
+  /// Rotates, in place, `q_heads` heads of each of `rows` rows of `q` and `k_heads` of `k`
+  /// (heads of `head_dim`, "rotate half" layout), with per-row cos/sin tables of head_dim/2
+  /// entries.
+  virtual void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
+                      int64_t head_dim, const float* cos, const float* sin) = 0;
 
   /// out[i] = silu(gate[i]) · up[i].
   virtual void silu_mul(const float* gate, const float* up, float* out, int64_t n) = 0;

@@ -601,10 +601,6 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
                  true);
     }
   };
-  auto project = [&](const float* in, const tensor_slot& w, float* out, int64_t out_width,
-                     int64_t in_width) {
-    be.gemm_nt(in, w.data(), weight_type_, out, T, out_width, in_width);
-  };
   auto reduce = [&](float* buf, int64_t count) {
     if (all_reduce_ && world_ > 1)
       all_reduce_(buf, static_cast<size_t>(count));
@@ -624,13 +620,14 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   const auto eps = static_cast<float>(cfg_.rms_norm_eps);
 
+  // The residual adds are fused with the norm that follows them: the input norm of the
+  // next layer, or the post-attention norm.
+  be.rms_norm(x, layers_.front().input_norm.as<float>(), h, T, H, eps);
   for (size_t li = 0; li < layers_.size(); ++li) {
     auto& l = layers_[li];
     auto layer = static_cast<int64_t>(li);
-    be.rms_norm(x, l.input_norm.as<float>(), h, T, H, eps);
-    project(h, l.q, q, q_width, H);
-    project(h, l.k, k, kv_width, H);
-    project(h, l.v, v, kv_width, H);
+    be.gemm_nt_shared(h, weight_type_, T, H,
+                      {{l.q.data(), q, q_width}, {l.k.data(), k, kv_width}, {l.v.data(), v, kv_width}});
     apply_lora(li, projection::q, h, H, q, q_width);
     apply_lora(li, projection::k, h, H, k, kv_width);
     apply_lora(li, projection::v, h, H, v, kv_width);
@@ -639,24 +636,25 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
       be.add_bias(k, l.k_bias.as<float>(), T, kv_width);
       be.add_bias(v, l.v_bias.as<float>(), T, kv_width);
     }
-    be.rotary(q, T, local_heads_, D, d_cos, d_sin);
-    be.rotary(k, T, local_kv_, D, d_cos, d_sin);
+    be.rotary(q, local_heads_, k, local_kv_, T, D, d_cos, d_sin);
     be.write_kv(k, v, cache.keys(layer), cache.values(layer), d_slots, T, kv_width);
     be.paged_attention(q, attn, cache.keys(layer), cache.values(layer), layout, T, scale);
-    project(attn, l.o, h, H, q_width);
+    be.gemm_nt(attn, l.o.data(), weight_type_, h, T, H, q_width);
     apply_lora(li, projection::o, attn, q_width, h, H);
     reduce(h, T * H);
-    be.add(x, h, T * H);
-    be.rms_norm(x, l.post_norm.as<float>(), h, T, H, eps);
-    project(h, l.gate, gate, local_inter_, H);
-    project(h, l.up, up, local_inter_, H);
+    be.add_rms_norm(x, h, l.post_norm.as<float>(), h, T, H, eps);
+    be.gemm_nt_shared(h, weight_type_, T, H,
+                      {{l.gate.data(), gate, local_inter_}, {l.up.data(), up, local_inter_}});
     apply_lora(li, projection::gate, h, H, gate, local_inter_);
     apply_lora(li, projection::up, h, H, up, local_inter_);
     be.silu_mul(gate, up, gate, T * local_inter_);
-    project(gate, l.down, h, H, local_inter_);
+    be.gemm_nt(gate, l.down.data(), weight_type_, h, T, H, local_inter_);
     apply_lora(li, projection::down, gate, local_inter_, h, H);
     reduce(h, T * H);
-    be.add(x, h, T * H);
+    if (li + 1 < layers_.size())
+      be.add_rms_norm(x, h, layers_[li + 1].input_norm.as<float>(), h, T, H, eps);
+    else
+      be.add(x, h, T * H);
   }
 
   auto last = at(r_last);

@@ -97,8 +97,10 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
   gpu->add(dy, upload(dev, other), rows * dim);
   CHECK(download(dev, dy, x.size()) == want);
 
-  // Rotary: one position per row.
+  // Rotary of q and k together: one position per row.
+  const int64_t kv_heads = 3;
   auto q = random_floats(rows * heads * head_dim, 4);
+  auto k = random_floats(rows * kv_heads * head_dim, 23);
   std::vector<float> cos(rows * head_dim / 2), sin(cos.size());
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < head_dim / 2; ++i) {
@@ -107,10 +109,25 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
       sin[r * head_dim / 2 + i] = static_cast<float>(std::sin(angle));
     }
   want = q;
-  cpu->rotary(want.data(), rows, heads, head_dim, cos.data(), sin.data());
+  auto want_k = k;
+  cpu->rotary(want.data(), heads, want_k.data(), kv_heads, rows, head_dim, cos.data(),
+              sin.data());
   auto dq = upload(dev, q);
-  gpu->rotary(dq, rows, heads, head_dim, upload(dev, cos), upload(dev, sin));
+  auto dk = upload(dev, k);
+  gpu->rotary(dq, heads, dk, kv_heads, rows, head_dim, upload(dev, cos), upload(dev, sin));
   CHECK(max_relative_error(download(dev, dq, q.size()), want) < 1e-5);
+  CHECK(max_relative_error(download(dev, dk, k.size()), want_k) < 1e-5);
+
+  // The residual add fused with the next norm, written over its h input.
+  auto residual = random_floats(x.size(), 24);
+  auto sum_want = x;
+  want.assign(x.size(), 0.0f);
+  cpu->add_rms_norm(sum_want.data(), residual.data(), w.data(), want.data(), rows, dim, 1e-5f);
+  auto dsum = upload(dev, x);
+  auto dresidual = upload(dev, residual);
+  gpu->add_rms_norm(dsum, dresidual, upload(dev, w), dresidual, rows, dim, 1e-5f);
+  CHECK(max_relative_error(download(dev, dsum, x.size()), sum_want) < 1e-6);
+  CHECK(max_relative_error(download(dev, dresidual, x.size()), want) < 1e-5);
 
   auto gate = random_floats(rows * inter, 5);
   auto up = random_floats(rows * inter, 6);
@@ -172,9 +189,15 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
     auto x_back = rounded(x).second;
     want.assign(rows * inter, 0.0f);
     cpu->gemm_nt(x_back.data(), w_back.data(), dtype::f32, want.data(), rows, inter, dim);
-    gpu->gemm_nt(dx, upload(dev, w_typed), type, dout, rows, inter, dim);
+    auto dw_typed = upload(dev, w_typed);
+    gpu->gemm_nt(dx, dw_typed, type, dout, rows, inter, dim);
     auto err = max_relative_error(download(dev, dout, want.size()), want);
     CHECK_MESSAGE(err < 1e-4, dtype_name(type) << " GEMM: relative error " << err);
+    // Two GEMMs sharing the input (as q/k/v do): both outputs as the single GEMM's.
+    auto dsecond = zeros(want.size());
+    gpu->gemm_nt_shared(dx, type, rows, dim, {{dw_typed, dout, inter}, {dw_typed, dsecond, inter}});
+    CHECK(max_relative_error(download(dev, dout, want.size()), want) < 1e-4);
+    CHECK(max_relative_error(download(dev, dsecond, want.size()), want) < 1e-4);
   }
   CHECK_FALSE(cpu->computes_in(dtype::bf16));
   CHECK_THROWS_WITH_AS(cpu->gemm_nt(x.data(), weight.data(), dtype::bf16, want.data(), 1, 1, 1),

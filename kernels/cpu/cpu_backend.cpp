@@ -25,6 +25,12 @@ public:
     cpu::gemm_nt(x, static_cast<const float*>(w), y, m, n, k, accumulate);
   }
 
+  void gemm_nt_shared(const float* x, dtype w_type, int64_t m, int64_t k,
+                      const std::vector<gemm_output>& outputs) override {
+    for (auto& o : outputs)
+      gemm_nt(x, o.w, w_type, o.y, m, o.n, k, false);
+  }
+
   void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,
                 float eps) override {
     cpu::rms_norm(x, weight, y, rows, dim, eps);
@@ -39,11 +45,19 @@ public:
       y[i] += x[i];
   }
 
-  void rotary(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* cos,
-              const float* sin) override {
+  void add_rms_norm(float* x, const float* h, const float* weight, float* y, int64_t rows,
+                    int64_t dim, float eps) override {
+    add(x, h, rows * dim);
+    cpu::rms_norm(x, weight, y, rows, dim, eps);
+  }
+
+  void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
+              int64_t head_dim, const float* cos, const float* sin) override {
     auto half = head_dim / 2;
-    for (int64_t r = 0; r < rows; ++r)
-      cpu::rotary(x + r * heads * head_dim, heads, head_dim, cos + r * half, sin + r * half);
+    for (int64_t r = 0; r < rows; ++r) {
+      cpu::rotary(q + r * q_heads * head_dim, q_heads, head_dim, cos + r * half, sin + r * half);
+      cpu::rotary(k + r * k_heads * head_dim, k_heads, head_dim, cos + r * half, sin + r * half);
+    }
   }
 
   void silu_mul(const float* gate, const float* up, float* out, int64_t n) override {

@@ -41,6 +41,19 @@ public:
     cuda::gemm_nt_half(blas_, x_half, w, w_type, y, m, n, k, accumulate);
   }
 
+  void gemm_nt_shared(const float* x, dtype w_type, int64_t m, int64_t k,
+                      const std::vector<gemm_output>& outputs) override {
+    if (w_type == dtype::f32) {
+      for (auto& o : outputs)
+        cuda::gemm_nt(blas_, x, static_cast<const float*>(o.w), o.y, m, o.n, k);
+      return;
+    }
+    auto x_half = scratch(half_, static_cast<size_t>(m * k) * element_size(w_type));
+    cuda::to_half(x, x_half, w_type, m * k, dev_.stream());
+    for (auto& o : outputs)
+      cuda::gemm_nt_half(blas_, x_half, o.w, w_type, o.y, m, o.n, k);
+  }
+
   void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,
                 float eps) override {
     cuda::rms_norm(x, weight, y, rows, dim, eps, dev_.stream());
@@ -54,9 +67,14 @@ public:
     cuda::add(y, x, n, dev_.stream());
   }
 
-  void rotary(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* cos,
-              const float* sin) override {
-    cuda::rotary(x, rows, heads, head_dim, cos, sin, dev_.stream());
+  void add_rms_norm(float* x, const float* h, const float* weight, float* y, int64_t rows,
+                    int64_t dim, float eps) override {
+    cuda::add_rms_norm(x, h, weight, y, rows, dim, eps, dev_.stream());
+  }
+
+  void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
+              int64_t head_dim, const float* cos, const float* sin) override {
+    cuda::rotary(q, q_heads, k, k_heads, rows, head_dim, cos, sin, dev_.stream());
   }
 
   void silu_mul(const float* gate, const float* up, float* out, int64_t n) override {

@@ -21,15 +21,24 @@ void launched(const char* kernel) {
     fail("CUDA", static_cast<int>(e), cudaGetErrorString(e), false, kernel, __FILE__, __LINE__);
 }
 
-// One block per row: a block-wide sum of squares, then the scaled row.
-__global__ void rms_norm_kernel(const float* x, const float* weight, float* y, int64_t dim,
-                                float eps) {
+// One block per row: a block-wide sum of squares, then the scaled row. With `residual`, the
+// row is x + h, written back to x first (each thread reads and writes its own elements, so y
+// may be h).
+template <bool residual>
+__global__ void rms_norm_kernel(float* x, const float* h, const float* weight, float* y,
+                                int64_t dim, float eps) {
   __shared__ float partial[threads];
   auto row = blockIdx.x;
-  const float* in = x + row * dim;
+  float* in = x + row * dim;
   float sum = 0.0f;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
-    sum += in[i] * in[i];
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    float v = in[i];
+    if (residual) {
+      v += h[row * dim + i];
+      in[i] = v;
+    }
+    sum += v * v;
+  }
   partial[threadIdx.x] = sum;
   __syncthreads();
   for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
@@ -48,16 +57,19 @@ __global__ void add_bias_kernel(float* y, const float* bias, int64_t m, int64_t 
     y[i] += bias[i % n];
 }
 
-__global__ void rotary_kernel(float* x, int64_t rows, int64_t heads, int64_t head_dim,
-                              const float* cos, const float* sin) {
+// One thread per (row, head, pair); heads [0, q_heads) are q's, the rest k's.
+__global__ void rotary_kernel(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
+                              int64_t head_dim, const float* cos, const float* sin) {
   int64_t half = head_dim / 2;
+  int64_t heads = q_heads + k_heads;
   int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows * heads * half)
     return;
   int64_t row = i / (heads * half);
   int64_t head = (i / half) % heads;
   int64_t j = i % half;
-  float* h = x + (row * heads + head) * head_dim;
+  float* h = head < q_heads ? q + (row * q_heads + head) * head_dim
+                            : k + (row * k_heads + head - q_heads) * head_dim;
   float c = cos[row * half + j];
   float s = sin[row * half + j];
   float a = h[j];
@@ -279,8 +291,19 @@ void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64
               cudaStream_t stream) {
   if (rows == 0)
     return;
-  rms_norm_kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, weight, y, dim, eps);
+  // Without the residual the kernel only reads x.
+  rms_norm_kernel<false><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+    const_cast<float*>(x), nullptr, weight, y, dim, eps);
   launched("rms_norm_kernel");
+}
+
+void add_rms_norm(float* x, const float* h, const float* weight, float* y, int64_t rows,
+                  int64_t dim, float eps, cudaStream_t stream) {
+  if (rows == 0)
+    return;
+  rms_norm_kernel<true><<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, h, weight, y,
+                                                                             dim, eps);
+  launched("add_rms_norm_kernel");
 }
 
 void add_bias(float* y, const float* bias, int64_t m, int64_t n, cudaStream_t stream) {
@@ -290,12 +313,13 @@ void add_bias(float* y, const float* bias, int64_t m, int64_t n, cudaStream_t st
   launched("add_bias_kernel");
 }
 
-void rotary(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* cos,
-            const float* sin, cudaStream_t stream) {
-  auto n = rows * heads * (head_dim / 2);
+void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
+            int64_t head_dim, const float* cos, const float* sin, cudaStream_t stream) {
+  auto n = rows * (q_heads + k_heads) * (head_dim / 2);
   if (n == 0)
     return;
-  rotary_kernel<<<blocks_for(n), threads, 0, stream>>>(x, rows, heads, head_dim, cos, sin);
+  rotary_kernel<<<blocks_for(n), threads, 0, stream>>>(q, q_heads, k, k_heads, rows, head_dim,
+                                                       cos, sin);
   launched("rotary_kernel");
 }
 

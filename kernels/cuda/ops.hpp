@@ -22,10 +22,16 @@ void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64
 /// Adds `bias[n]` to every row of y[m×n].
 void add_bias(float* y, const float* bias, int64_t m, int64_t n, cudaStream_t stream);
 
-/// Rotates `heads` heads of `head_dim` of each of `rows` rows in place ("rotate half"
-/// layout), with per-row cos/sin tables of head_dim/2 entries (`cos[row * head_dim/2 + i]`).
-void rotary(float* x, int64_t rows, int64_t heads, int64_t head_dim, const float* cos,
-            const float* sin, cudaStream_t stream);
+/// x += h, then y = x / rms(x) · weight, per row of `rows` × `dim` (`y` may be `h`: each
+/// element is read and written by the same thread).
+void add_rms_norm(float* x, const float* h, const float* weight, float* y, int64_t rows,
+                  int64_t dim, float eps, cudaStream_t stream);
+
+/// Rotates in place `q_heads` heads of each of `rows` rows of `q` and `k_heads` of `k` (heads
+/// of `head_dim`, "rotate half" layout) in one launch, with per-row cos/sin tables of
+/// head_dim/2 entries (`cos[row * head_dim/2 + i]`).
+void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
+            int64_t head_dim, const float* cos, const float* sin, cudaStream_t stream);
 
 /// out[i] = silu(gate[i]) · up[i].
 void silu_mul(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream);
