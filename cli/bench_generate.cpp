@@ -51,6 +51,7 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
     cfg.device = o->device.device;
     cfg.dtype = o->device.dtype;
     cfg.gpu_memory_utilization = o->device.gpu_memory_utilization;
+    cfg.enforce_eager = o->device.enforce_eager;
     cfg.max_model_len = o->input_len + o->output_len + 1;
     llm model{cfg};
     auto vocab = checkpoint::config_of(o->model).vocab_size;
@@ -90,6 +91,7 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
       {"tensor_parallel_size", o->tp},
       {"device", o->device.device},
       {"dtype", o->device.dtype},
+      {"enforce_eager", o->device.enforce_eager},
       {"elapsed_s", took.count()},
       {"requests_per_s", o->num_prompts / took.count()},
       {"output_tokens_per_s", static_cast<double>(tokens) / took.count()},

@@ -108,15 +108,20 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
     cfg.tensor_parallel_size = o->tp;
     cfg.device_kind = o->device.device;
     cfg.block_size = block_size;
-    cfg.max_model_len = o->prompt_len + o->decode_steps + 1;
+    // Two decode steps before the measured ones: the first runs call by call, the second
+    // records the step's CUDA graph (on a GPU).
+    const int warmup_steps = 2;
+    cfg.max_model_len = o->prompt_len + warmup_steps + o->decode_steps + 1;
     cfg.rpc_timeout = std::chrono::minutes(10);
     model_worker_options mw;
     mw.model_path = o->model;
     mw.dtype = o->device.dtype;
     mw.gpu_memory_utilization = o->device.gpu_memory_utilization;
+    mw.enforce_eager = o->device.enforce_eager;
     mw.max_num_seqs = o->batch;
     mw.max_num_batched_tokens = o->batch * o->prompt_len;
-    auto blocks_per_seq = (o->prompt_len + o->decode_steps + block_size) / block_size;
+    auto blocks_per_seq =
+      (o->prompt_len + warmup_steps + o->decode_steps + block_size) / block_size;
     executor exec{cfg, model_worker_factory(mw)};
     // The bytes a decode step reads at least once: every weight the workers hold.
     auto held = exec.collective_rpc([](worker& w, const caf::message&, const caf::settings&) {
@@ -169,6 +174,8 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
     auto out = exec.execute_model(req);
     std::chrono::duration<double> prefill = clock_type::now() - start;
     advance(out[0]);
+    for (int step = 0; step < warmup_steps; ++step)
+      advance(exec.execute_model(req)[0]);
     start = clock_type::now();
     for (int step = 0; step < o->decode_steps; ++step)
       advance(exec.execute_model(req)[0]);
@@ -185,6 +192,7 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
       {"tensor_parallel_size", o->tp},
       {"device", o->device.device},
       {"dtype", o->device.dtype},
+      {"enforce_eager", o->device.enforce_eager},
       {"prompt_len", o->prompt_len},
       {"prefill_tokens_per_s", o->batch * o->prompt_len / prefill.count()},
       {"decode_tokens_per_s", o->batch / step_s},

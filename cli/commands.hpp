@@ -64,9 +64,10 @@ struct device_options {
   std::string device = "cpu";
   std::string dtype = "auto";
   double gpu_memory_utilization = 0.9;
+  bool enforce_eager = false;
 };
 
-/// Adds --device, --dtype and --gpu-memory-utilization to `app`.
+/// Adds --device, --dtype, --gpu-memory-utilization and --enforce-eager to `app`.
 void add_device_options(CLI::App& app, device_options& o);
 
 /// The worker of `troupe bench rpc` (methods "noop" and "spin").

@@ -95,6 +95,8 @@ void add_device_options(CLI::App& app, device_options& o) {
                  "Share of each GPU's memory for weights, activations and KV cache")
     ->check(CLI::Range(0.01, 1.0))
     ->capture_default_str();
+  app.add_flag("--enforce-eager", o.enforce_eager,
+               "Run every step call by call, without CUDA graphs");
 }
 
 std::shared_ptr<command> add_generate(CLI::App& app) {
@@ -198,6 +200,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     cfg.device = o->device.device;
     cfg.dtype = o->device.dtype;
     cfg.gpu_memory_utilization = o->device.gpu_memory_utilization;
+    cfg.enforce_eager = o->device.enforce_eager;
     cfg.kv_cache_memory_bytes = o->kv_cache_memory;
     cfg.kv_cache_memory_fraction = o->kv_fraction;
     cfg.swap_space_bytes = o->swap_space_mib << 20;

@@ -72,6 +72,7 @@ llm::llm(llm_config config) : impl_(std::make_unique<impl>()) {
   mw.kv_cache_memory_bytes = d.cfg.kv_cache_memory_bytes;
   mw.kv_cache_memory_fraction = d.cfg.kv_cache_memory_fraction;
   mw.dtype = d.cfg.dtype;
+  mw.enforce_eager = d.cfg.enforce_eager;
   mw.gpu_memory_utilization = d.cfg.gpu_memory_utilization;
   mw.swap_space_bytes = d.cfg.swap_space_bytes;
   mw.max_num_batched_tokens = static_cast<int32_t>(d.cfg.max_num_batched_tokens);

@@ -8,6 +8,8 @@
 
 namespace troupe {
 
+captured_calls::~captured_calls() = default;
+
 backend::~backend() = default;
 
 std::unique_ptr<backend> make_backend(device& dev) {

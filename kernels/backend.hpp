@@ -10,6 +10,7 @@
 #include "troupe/device.hpp"
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -35,11 +36,34 @@ struct paged_layout {
   int64_t kv_offset = 0;
 };
 
+/// Calls recorded once by `backend::capture`, run again by `replay` with the same arguments
+/// (the memory they name must still be there; its contents may change).
+class captured_calls {
+public:
+  virtual ~captured_calls();
+  virtual void replay() = 0;
+};
+
 /// The kernels of one device, used from its worker's thread. Calls may run asynchronously
 /// (on the GPU's stream); `device::copy` to the host waits for them.
 class backend {
 public:
   virtual ~backend();
+
+  /// Records the backend calls `record` makes, without running them, for replaying later
+  /// at the cost of one launch (a CUDA graph). nullptr when the backend cannot record, or
+  /// recording failed (a call that cannot be recorded, such as growing scratch memory): the
+  /// caller then makes the calls itself.
+  virtual std::unique_ptr<captured_calls> capture(const std::function<void()>& record) {
+    (void)record;
+    return nullptr;
+  }
+
+  /// Changes whenever the backend's own scratch memory moves: calls captured before name
+  /// memory that is gone.
+  virtual uint64_t scratch_epoch() const {
+    return 0;
+  }
 
   /// Whether `gemm_nt` takes weights of type `t`.
   virtual bool computes_in(dtype t) const = 0;

@@ -253,8 +253,11 @@ void llama_model::upload(void* dst, const std::vector<float>& values, dtype type
 }
 
 void* llama_model::workspace(size_t bytes) {
-  // Grown to what a step needs (the profiled largest step sizes it once).
+  // Grown to what a step needs (the profiled largest step sizes it once). Captured steps
+  // name the old memory: they go.
   if (workspace_.size() < bytes) {
+    captured_.clear();
+    seen_.clear();
     workspace_.reset();
     workspace_ = device_buffer(dev_, bytes, memory_tag::kv_cache);
   }
@@ -433,6 +436,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
                 std::to_string(adapters.prompt.size()) + " groups of " + std::to_string(groups));
   std::vector<token> tokens;
   std::vector<int32_t> sample_token_rows;
+  bool decode_only = true;
   rows.clear();
   logits_ = nullptr;
   logit_rows_ = 0;
@@ -459,6 +463,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
         if (seq.block_table[b] < 0 || seq.block_table[b] >= cache.device_blocks())
           bad_request("request '" + group.request_id + "': block " +
                       std::to_string(seq.block_table[b]) + " is not a device block");
+      decode_only = decode_only && chunk == 1;
       auto seq_index = static_cast<int32_t>(tables.size());
       tables.push_back(seq.block_table.data());
       table_blocks.push_back(blocks_needed);
@@ -506,7 +511,11 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   // ids, positions, cache slots, each token's sequence, the sequences' block tables and the
   // sampled rows (int32), and the rotary tables (float).
   const auto seqs = static_cast<int64_t>(tables.size());
-  const auto max_blocks = *std::max_element(table_blocks.begin(), table_blocks.end());
+  // Rounded up to a power of two, so that decode steps keep one layout (and one captured
+  // graph) while their sequences grow.
+  int64_t max_blocks = 1;
+  while (max_blocks < *std::max_element(table_blocks.begin(), table_blocks.end()))
+    max_blocks *= 2;
   std::vector<int32_t> ints(static_cast<size_t>(4 * T + seqs * max_blocks + S));
   auto ids_at = ints.data();
   auto positions_at = ids_at + T;
@@ -579,15 +588,17 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   auto mid = at(r_mid);
   auto& be = *backend_;
 
-  be.gather_rows(d_ids, embed_.data(), weight_type_, x, T, H);
   // A prompt adapter's virtual tokens take the first positions of the prompt.
-  if (!adapters.prompt.empty())
-    for (int64_t t = 0; t < T; ++t) {
-      auto* virtual_tokens = adapters.prompt[tokens[t].group];
-      if (virtual_tokens && tokens[t].position < virtual_tokens->num_virtual_tokens)
-        dev_.copy(x + t * H, virtual_tokens->table.as<float>() + tokens[t].position * H,
-                  static_cast<size_t>(H) * sizeof(float));
-    }
+  auto embed = [&] {
+    be.gather_rows(d_ids, embed_.data(), weight_type_, x, T, H);
+    if (!adapters.prompt.empty())
+      for (int64_t t = 0; t < T; ++t) {
+        auto* virtual_tokens = adapters.prompt[tokens[t].group];
+        if (virtual_tokens && tokens[t].position < virtual_tokens->num_virtual_tokens)
+          dev_.copy(x + t * H, virtual_tokens->table.as<float>() + tokens[t].position * H,
+                    static_cast<size_t>(H) * sizeof(float));
+      }
+  };
 
   // y[T×out] += B·(A·x[T×in]) for the tokens of each run whose adapter adapts `proj`.
   auto apply_lora = [&](size_t layer, projection proj, const float* in, int64_t in_width,
@@ -620,49 +631,85 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   const auto eps = static_cast<float>(cfg_.rms_norm_eps);
 
-  // The residual adds are fused with the norm that follows them: the input norm of the
-  // next layer, or the post-attention norm.
-  be.rms_norm(x, layers_.front().input_norm.as<float>(), h, T, H, eps);
-  for (size_t li = 0; li < layers_.size(); ++li) {
-    auto& l = layers_[li];
-    auto layer = static_cast<int64_t>(li);
-    be.gemm_nt_shared(h, weight_type_, T, H,
-                      {{l.q.data(), q, q_width}, {l.k.data(), k, kv_width}, {l.v.data(), v, kv_width}});
-    apply_lora(li, projection::q, h, H, q, q_width);
-    apply_lora(li, projection::k, h, H, k, kv_width);
-    apply_lora(li, projection::v, h, H, v, kv_width);
-    if (cfg_.attention_bias) {
-      be.add_bias(q, l.q_bias.as<float>(), T, q_width);
-      be.add_bias(k, l.k_bias.as<float>(), T, kv_width);
-      be.add_bias(v, l.v_bias.as<float>(), T, kv_width);
-    }
-    be.rotary(q, local_heads_, k, local_kv_, T, D, d_cos, d_sin);
-    be.write_kv(k, v, cache.keys(layer), cache.values(layer), d_slots, T, kv_width);
-    be.paged_attention(q, attn, cache.keys(layer), cache.values(layer), layout, T, scale);
-    be.gemm_nt(attn, l.o.data(), weight_type_, h, T, H, q_width);
-    apply_lora(li, projection::o, attn, q_width, h, H);
-    reduce(h, T * H);
-    be.add_rms_norm(x, h, l.post_norm.as<float>(), h, T, H, eps);
-    be.gemm_nt_shared(h, weight_type_, T, H,
-                      {{l.gate.data(), gate, local_inter_}, {l.up.data(), up, local_inter_}});
-    apply_lora(li, projection::gate, h, H, gate, local_inter_);
-    apply_lora(li, projection::up, h, H, up, local_inter_);
-    be.silu_mul(gate, up, gate, T * local_inter_);
-    be.gemm_nt(gate, l.down.data(), weight_type_, h, T, H, local_inter_);
-    apply_lora(li, projection::down, gate, local_inter_, h, H);
-    reduce(h, T * H);
-    if (li + 1 < layers_.size())
-      be.add_rms_norm(x, h, layers_[li + 1].input_norm.as<float>(), h, T, H, eps);
-    else
-      be.add(x, h, T * H);
-  }
-
   auto last = at(r_last);
-  be.gather_rows(d_samples, x, dtype::f32, last, S, H);
-  be.rms_norm(last, final_norm_.as<float>(), h, S, H, eps);
   auto logits = at(r_logits);
-  auto& head = cfg_.tie_word_embeddings ? embed_ : lm_head_;
-  be.gemm_nt(h, head.data(), weight_type_, logits, S, V, H);
+  auto layers_and_head = [&] {
+    // The residual adds are fused with the norm that follows them: the input norm of the
+    // next layer, or the post-attention norm.
+    be.rms_norm(x, layers_.front().input_norm.as<float>(), h, T, H, eps);
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      auto& l = layers_[li];
+      auto layer = static_cast<int64_t>(li);
+      be.gemm_nt_shared(h, weight_type_, T, H,
+                        {{l.q.data(), q, q_width},
+                         {l.k.data(), k, kv_width},
+                         {l.v.data(), v, kv_width}});
+      apply_lora(li, projection::q, h, H, q, q_width);
+      apply_lora(li, projection::k, h, H, k, kv_width);
+      apply_lora(li, projection::v, h, H, v, kv_width);
+      if (cfg_.attention_bias) {
+        be.add_bias(q, l.q_bias.as<float>(), T, q_width);
+        be.add_bias(k, l.k_bias.as<float>(), T, kv_width);
+        be.add_bias(v, l.v_bias.as<float>(), T, kv_width);
+      }
+      be.rotary(q, local_heads_, k, local_kv_, T, D, d_cos, d_sin);
+      be.write_kv(k, v, cache.keys(layer), cache.values(layer), d_slots, T, kv_width);
+      be.paged_attention(q, attn, cache.keys(layer), cache.values(layer), layout, T, scale);
+      be.gemm_nt(attn, l.o.data(), weight_type_, h, T, H, q_width);
+      apply_lora(li, projection::o, attn, q_width, h, H);
+      reduce(h, T * H);
+      be.add_rms_norm(x, h, l.post_norm.as<float>(), h, T, H, eps);
+      be.gemm_nt_shared(h, weight_type_, T, H,
+                        {{l.gate.data(), gate, local_inter_}, {l.up.data(), up, local_inter_}});
+      apply_lora(li, projection::gate, h, H, gate, local_inter_);
+      apply_lora(li, projection::up, h, H, up, local_inter_);
+      be.silu_mul(gate, up, gate, T * local_inter_);
+      be.gemm_nt(gate, l.down.data(), weight_type_, h, T, H, local_inter_);
+      apply_lora(li, projection::down, gate, local_inter_, h, H);
+      reduce(h, T * H);
+      if (li + 1 < layers_.size())
+        be.add_rms_norm(x, h, layers_[li + 1].input_norm.as<float>(), h, T, H, eps);
+      else
+        be.add(x, h, T * H);
+    }
+
+    be.gather_rows(d_samples, x, dtype::f32, last, S, H);
+    be.rms_norm(last, final_norm_.as<float>(), h, S, H, eps);
+    auto& head = cfg_.tie_word_embeddings ? embed_ : lm_head_;
+    be.gemm_nt(h, head.data(), weight_type_, logits, S, V, H);
+  };
+
+  // A decode step of one process is recorded once per shape (a CUDA graph on a GPU) and
+  // then replayed at the cost of one launch; the first sighting runs as it is, so that
+  // scratch memory has grown before it is recorded. Steps with adapters, all-reduces or
+  // prompts run call by call.
+  bool replayable = capture_ && world_ == 1 && decode_only && T <= 512 && lora_runs.empty()
+                    && adapters.prompt.empty();
+  if (!replayable) {
+    embed();
+    layers_and_head();
+  } else {
+    step_shape shape{T, S, seqs, max_blocks, cache.keys(0), backend_->scratch_epoch()};
+    auto found = captured_.find(shape);
+    if (found == captured_.end() && seen_.count(shape) > 0) {
+      if (captured_.size() >= 64)
+        captured_.clear();
+      if (auto calls = backend_->capture([&] {
+            embed();
+            layers_and_head();
+          }))
+        found = captured_.emplace(shape, std::move(calls)).first;
+    }
+    if (found != captured_.end()) {
+      found->second->replay();
+    } else {
+      if (seen_.size() >= 256)
+        seen_.clear();
+      seen_.insert(shape);
+      embed();
+      layers_and_head();
+    }
+  }
   logits_ = logits;
   logit_rows_ = S;
   greedy_ids_ = int_at(r_greedy_ids);

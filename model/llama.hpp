@@ -11,7 +11,10 @@
 #include "troupe/worker.hpp"
 
 #include <functional>
+#include <map>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace troupe {
@@ -89,6 +92,13 @@ public:
   }
   dtype weight_type() const {
     return weight_type_;
+  }
+
+  /// Whether decode steps are recorded and replayed (CUDA graphs on a GPU; on by default).
+  /// vLLM's `enforce_eager` turns it off.
+  void capture_decode_steps(bool on) {
+    capture_ = on;
+    captured_.clear();
   }
 
   /// Used after each row-parallel layer when the model is split; identity by default.
@@ -203,6 +213,19 @@ private:
   all_reduce_fn all_reduce_;
   /// Activations and step metadata, under `memory_tag::kv_cache` (it sleeps with the cache).
   device_buffer workspace_;
+  /// What a recorded step depends on: its sizes, the cache and the backend's scratch.
+  struct step_shape {
+    int64_t tokens, samples, seqs, max_blocks;
+    const float* cache;
+    uint64_t scratch_epoch;
+    bool operator<(const step_shape& o) const {
+      return std::tie(tokens, samples, seqs, max_blocks, cache, scratch_epoch)
+             < std::tie(o.tokens, o.samples, o.seqs, o.max_blocks, o.cache, o.scratch_epoch);
+    }
+  };
+  bool capture_ = true;
+  std::map<step_shape, std::unique_ptr<captured_calls>> captured_;
+  std::set<step_shape> seen_;
   /// Where the last `run` left its logits, and how many rows.
   const float* logits_ = nullptr;
   int64_t logit_rows_ = 0;

@@ -119,6 +119,7 @@ void model_worker::load_model() {
   st.presharded = presharded;
   st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size,
                                            weight_type);
+  st.model->capture_decode_steps(!options_.enforce_eager);
   st.model->load(open_checkpoint(), rank() == 0 ? options_.progress : load_progress{},
                  presharded);
   if (st.reduce)
@@ -575,6 +576,7 @@ void each_option(model_worker_options& o, F&& f) {
   f("model_path", o.model_path);
   f("load_format", o.load_format);
   f("dtype", o.dtype);
+  f("enforce_eager", o.enforce_eager);
   f("kv_cache_memory_bytes", o.kv_cache_memory_bytes);
   f("kv_cache_memory_fraction", o.kv_cache_memory_fraction);
   f("gpu_memory_utilization", o.gpu_memory_utilization);

@@ -103,8 +103,9 @@ for suite in "${suites[@]}"; do
 done
 tested=$(date +%s)
 
-# Decode at batch 1 and 32 on a model of SmolLM2-135M's size, in bf16 and float32, next to
-# the floor of reading every weight once at the GPU's copy bandwidth.
+# Decode at batch 1 and 32 on a model of SmolLM2-135M's size, in bf16 (with CUDA graphs and
+# without) and float32, next to the floor of reading every weight once at the GPU's copy
+# bandwidth.
 troupe=$bin/troupe
 model=$log/smollm2-shape
 cache=${TROUPE_MODEL_CACHE:-$HOME/.cache/troupe/models}
@@ -114,13 +115,15 @@ else
   "$troupe" make-model --preset smollm2-135m --dtype bf16 --out "$model" > /dev/null
 fi
 : > "$log/step.json"
-for dtype in bfloat16 float32; do
-  for batch in 1 32; do
-    timeout 120 "$troupe" bench step --model "$model" --device cuda --dtype "$dtype" \
-      --batch "$batch" --prompt-len 64 --decode-steps 64 --gpu-memory-utilization 0.5 --json \
-      2> "$log/step-$dtype-$batch.err" | tail -1 >> "$log/step.json" \
-      || tail -5 "$log/step-$dtype-$batch.err"
-  done
+bench_step() { # DTYPE BATCH [--enforce-eager]
+  timeout 120 "$troupe" bench step --model "$model" --device cuda --dtype "$1" --batch "$2" \
+    --prompt-len 64 --decode-steps 64 --gpu-memory-utilization 0.5 --json ${3:-} \
+    2> "$log/step.err" | tail -1 >> "$log/step.json" || tail -5 "$log/step.err"
+}
+for batch in 1 32; do
+  bench_step bfloat16 $batch
+  bench_step bfloat16 $batch --enforce-eager
+  bench_step float32 $batch
 done
 # Level-1 sleep and wake against plain pinned copies of the same bytes.
 timeout 120 "$troupe" bench sleep --device cuda --gib 4 --cycles 3 --json > "$log/sleep.json" \
@@ -144,7 +147,9 @@ def results(path):
             pass  # a log line, not the JSON result
 steps = list(results(sys.argv[1]))
 for r in steps:
-    print(f"decode {r['dtype']:>8} batch {r['batch']:>2}: {r['decode_tokens_per_s']:9.0f} tok/s, "
+    mode = "eager" if r.get("enforce_eager") else "graphs"
+    print(f"decode {r['dtype']:>8} {mode:>6} batch {r['batch']:>2}: "
+          f"{r['decode_tokens_per_s']:9.0f} tok/s, "
           f"{r['decode_step_ms']:.3f} ms/step; floor {r['bandwidth_floor_step_ms']:.3f} ms "
           f"({r['weight_bytes'] / 1e6:.0f} MB at {r['memcpy_bytes_per_s'] / 1e9:.0f} GB/s)")
 if not steps:

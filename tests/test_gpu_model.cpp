@@ -13,6 +13,7 @@
 #include "tests/gpu.hpp"
 #include "troupe/errors.hpp"
 #include "troupe/executor.hpp"
+#include "troupe/llm.hpp"
 #include "troupe/model_worker.hpp"
 
 #include <doctest/doctest.h>
@@ -274,4 +275,29 @@ TEST_CASE("tensor parallelism over GPUs with NCCL gives the tokens of one GPU") 
   executor exec{cfg, model_worker_factory(c.options)};
   exec.initialize_cache(exec.determine_num_available_blocks());
   CHECK(testing::greedy_tokens(exec, c.prompt, c.greedy.size()) == c.greedy);
+}
+
+TEST_CASE("batched decode replayed from CUDA graphs gives transformers' tokens, as eager steps") {
+  if (!have_gpu())
+    return;
+  for (auto name : {"qwen2-bias", "llama-gqa"}) {
+    auto ref = read_json(fixtures + "/" + name + "/reference.json");
+    std::vector<generation_request> reqs;
+    for (auto& p : ref["prompts"])
+      reqs.push_back({"", p["token_ids"].get<std::vector<int32_t>>(), testing::greedy(32), {}});
+    for (bool eager : {false, true}) {
+      llm_config cfg;
+      cfg.model = fixtures + "/" + name;
+      cfg.device = "cuda";
+      cfg.dtype = "float32";
+      cfg.enforce_eager = eager;
+      cfg.kv_cache_memory_bytes = 16 << 20;
+      llm model{cfg};
+      auto outs = model.generate(reqs);
+      REQUIRE(outs.size() == reqs.size());
+      for (size_t i = 0; i < outs.size(); ++i)
+        CHECK_MESSAGE(outs[i].token_ids == ref["prompts"][i]["greedy"].get<std::vector<int32_t>>(),
+                      name << (eager ? " eager" : " graphs") << " prompt " << i);
+    }
+  }
 }

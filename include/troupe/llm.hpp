@@ -27,6 +27,8 @@ struct llm_config {
   std::string device = "cpu";
   /// The weights' element type (`model_worker_options::dtype`).
   std::string dtype = "auto";
+  /// No CUDA graphs (`model_worker_options::enforce_eager`).
+  bool enforce_eager = false;
   /// Bytes for the KV cache per worker; 0 sizes it from the device's memory:
   /// `kv_cache_memory_fraction` of the free memory on the CPU, `gpu_memory_utilization` of
   /// a GPU (see `model_worker_options`).

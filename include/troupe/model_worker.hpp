@@ -30,6 +30,9 @@ struct model_worker_options {
   /// the checkpoint's bfloat16, else float16 (as vLLM's `auto`). Activations, the KV cache
   /// and the logits are float32 either way.
   std::string dtype = "auto";
+  /// Run every step call by call (vLLM's `enforce_eager`); otherwise a GPU records each
+  /// decode shape once as a CUDA graph and replays it.
+  bool enforce_eager = false;
   /// Bytes for the device KV cache; 0 sizes it from the device's memory after a profiled
   /// step at the largest batch: on the CPU `kv_cache_memory_fraction` of the free memory
   /// (after the weights are loaded) less the step's peak; on a GPU what is left of

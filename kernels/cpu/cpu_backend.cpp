@@ -20,8 +20,9 @@ public:
   void gemm_nt(const float* x, const void* w, dtype w_type, float* y, int64_t m, int64_t n,
                int64_t k, bool accumulate) override {
     if (w_type != dtype::f32)
-      throw error{errc::unsupported, std::string{"the CPU device computes with float32 weights, not "} +
-                                       dtype_name(w_type)};
+      throw error{errc::unsupported,
+                  std::string{"the CPU device computes with float32 weights, not "}
+                    + dtype_name(w_type)};
     cpu::gemm_nt(x, static_cast<const float*>(w), y, m, n, k, accumulate);
   }
 
@@ -87,7 +88,9 @@ public:
     for (int64_t t = 0; t < tokens; ++t) {
       const int32_t* table = l.block_tables + l.token_seq[t] * l.max_blocks;
       scores_.resize(static_cast<size_t>(l.positions[t]) + 1);
-      auto slot = [&](int64_t p) { return table[p / l.block_size] * l.block_size + p % l.block_size; };
+      auto slot = [&](int64_t p) {
+        return table[p / l.block_size] * l.block_size + p % l.block_size;
+      };
       for (int64_t head = 0; head < l.heads; ++head) {
         auto kv_head = (l.head_begin + head) / l.group_size - l.kv_offset;
         auto at = [&](const float* cache, int64_t p) {

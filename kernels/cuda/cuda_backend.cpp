@@ -4,20 +4,78 @@
 #include "kernels/cuda/cuda_device.hpp"
 #include "kernels/cuda/ops.hpp"
 
+#include <algorithm>
+
 namespace troupe {
 
 namespace {
 
+/// cuBLAS's workspace, from the device's pool: fixed, so that captured GEMMs never make
+/// cuBLAS allocate, and counted with the rest (NVIDIA suggests 32 MiB on Hopper).
+constexpr size_t blas_workspace_bytes = size_t{32} << 20;
+
+/// A CUDA graph, instantiated.
+class cuda_graph final : public captured_calls {
+public:
+  cuda_graph(cudaGraphExec_t exec, cudaStream_t stream) : exec_(exec), stream_(stream) {
+  }
+  ~cuda_graph() override {
+    cudaGraphExecDestroy(exec_);
+  }
+  void replay() override {
+    TROUPE_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
+  }
+
+private:
+  cudaGraphExec_t exec_;
+  cudaStream_t stream_;
+};
+
 class cuda_backend final : public backend {
 public:
-  explicit cuda_backend(cuda_device& dev) : dev_(dev) {
+  explicit cuda_backend(cuda_device& dev)
+    : dev_(dev), blas_workspace_(dev, blas_workspace_bytes, memory_tag::kv_cache) {
     TROUPE_CUDA_CHECK(cublasCreate(&blas_));
     try {
       TROUPE_CUDA_CHECK(cublasSetStream(blas_, dev.stream()));
+      TROUPE_CUDA_CHECK(
+        cublasSetWorkspace(blas_, blas_workspace_.data(), blas_workspace_.size()));
     } catch (...) {
       cublasDestroy(blas_);
       throw;
     }
+  }
+
+  std::unique_ptr<captured_calls> capture(const std::function<void()>& record) override {
+    auto stream = dev_.stream();
+    // Thread-local mode: a call of this thread that cannot be recorded fails (and ends up
+    // here) instead of silently running.
+    if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    bool recorded = true;
+    try {
+      record();
+    } catch (...) {
+      recorded = false;
+    }
+    cudaGraph_t graph = nullptr;
+    auto ended = cudaStreamEndCapture(stream, &graph);
+    cudaGraphExec_t exec = nullptr;
+    bool ok = recorded && ended == cudaSuccess && graph != nullptr
+              && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+    if (graph != nullptr)
+      cudaGraphDestroy(graph);
+    if (!ok) {
+      cudaGetLastError(); // a failed capture leaves its error behind, not sticky
+      return nullptr;
+    }
+    return std::make_unique<cuda_graph>(exec, stream);
+  }
+
+  uint64_t scratch_epoch() const override {
+    return epoch_;
   }
 
   ~cuda_backend() override {
@@ -107,13 +165,16 @@ private:
     if (buf.size() < bytes) {
       buf.reset();
       buf = device_buffer(dev_, bytes, memory_tag::kv_cache);
+      ++epoch_;
     }
     return buf.data();
   }
 
   cuda_device& dev_;
+  device_buffer blas_workspace_;
   cublasHandle_t blas_ = nullptr;
   device_buffer half_;
+  uint64_t epoch_ = 0;
 };
 
 } // namespace
