@@ -33,12 +33,20 @@ extern "C" void on_stop_signal(int) {
   [[maybe_unused]] auto n = write(signal_pipe[1], &byte, 1);
 }
 
+using gate_clock = std::chrono::steady_clock;
+
+/// Handshakes under way at once; more are refused rather than remembered.
+constexpr size_t max_pending_handshakes = 1024;
+
 /// The node's only published actor: authenticates executors and leases workers to one.
 struct gate_state {
   node_config cfg;
-  /// Challenges handed out, by the node that asked.
-  std::map<caf::node_id, std::string> challenges;
-  std::set<caf::node_id> authenticated;
+  /// Challenges handed out, by the node that asked, and when. A challenge is answered
+  /// within the connection timeout or forgotten, so peers that never answer leave nothing.
+  std::map<caf::node_id, std::pair<std::string, gate_clock::time_point>> challenges;
+  /// Peers that proved the secret, and when; forgotten when their lease ends, or after the
+  /// connection timeout when they never lease.
+  std::map<caf::node_id, gate_clock::time_point> authenticated;
   /// The current lease: the executor's holder actor and the workers it has.
   caf::actor holder;
   std::vector<caf::actor> workers;
@@ -55,10 +63,25 @@ std::string peer_of(gate_self* self) {
   return sender ? to_string(sender->node()) : std::string{"an anonymous sender"};
 }
 
+/// Forgets the handshakes older than the connection timeout (those of the lease holder
+/// stay).
+void forget_stale(gate_self* self) {
+  auto& st = self->state;
+  auto oldest = gate_clock::now() - st.cfg.connection_timeout;
+  for (auto i = st.challenges.begin(); i != st.challenges.end();)
+    i = i->second.second < oldest ? st.challenges.erase(i) : std::next(i);
+  for (auto i = st.authenticated.begin(); i != st.authenticated.end();)
+    i = i->second < oldest && (!st.holder || i->first != st.holder.node())
+          ? st.authenticated.erase(i)
+          : std::next(i);
+}
+
 void release(gate_self* self, const std::string& why) {
   auto& st = self->state;
   if (st.workers.empty() && !st.holder)
     return;
+  if (st.holder)
+    st.authenticated.erase(st.holder.node());
   st.log->info("releasing {} worker(s): {}", st.workers.size(), why);
   for (auto& w : st.workers) {
     self->send_exit(w, caf::exit_reason::user_shutdown);
@@ -89,8 +112,12 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<std::atomic
       auto& sender = self->current_sender();
       if (!sender)
         return refused(self, "a hello without a sender");
+      auto& st = self->state;
+      forget_stale(self);
+      if (st.challenges.size() >= max_pending_handshakes)
+        return refused(self, "too many executors are authenticating at once");
       auto challenge = random_challenge();
-      self->state.challenges[sender->node()] = challenge;
+      st.challenges[sender->node()] = {challenge, gate_clock::now()};
       return challenge;
     },
     [=](auth_atom, const std::string& proof) -> caf::result<caf::ok_atom> {
@@ -99,14 +126,15 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<std::atomic
       if (!sender)
         return refused(self, "an anonymous proof");
       auto peer = sender->node();
+      forget_stale(self);
       auto at = st.challenges.find(peer);
       if (at == st.challenges.end())
-        return refused(self, "a proof without a challenge");
-      auto expected = secret_proof(st.cfg.secret, at->second, to_string(peer));
+        return refused(self, "a proof without a challenge (or after the connection timeout)");
+      auto expected = secret_proof(st.cfg.secret, at->second.first, to_string(peer));
       st.challenges.erase(at); // one try per challenge
       if (!same_proof(proof, expected))
         return refused(self, "wrong secret");
-      st.authenticated.insert(peer);
+      st.authenticated[peer] = gate_clock::now();
       st.log->info("{} authenticated", to_string(peer));
       return caf::ok_atom::value;
     },
@@ -115,6 +143,7 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<std::atomic
       auto& st = self->state;
       auto& sender = self->current_sender();
       // Without a secret the node runs TLS only: its peers proved their certificates.
+      forget_stale(self);
       if (!sender || (!st.cfg.secret.empty() && st.authenticated.count(sender->node()) == 0))
         return refused(self, "a lease before authentication");
       if (st.holder)

@@ -3,6 +3,7 @@
 // (kill -9, SIGSTOP) within the heartbeat timeout, and peers without the secret refused.
 
 #include "actors/node_auth.hpp"
+#include "actors/remoting.hpp"
 #include "messages/messages.hpp"
 #include "tests/child_process.hpp"
 #include "tests/generation.hpp"
@@ -237,6 +238,7 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
     caf::actor_system_config cfg;
     register_messages(cfg);
     cfg.load<caf::io::middleman>();
+    configure_heartbeats(cfg, 1s); // stays connected while it waits below
     caf::actor_system sys{cfg};
     auto gate = sys.middleman().remote_actor("127.0.0.1", n.port());
     REQUIRE(gate);
@@ -260,6 +262,15 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
     self->request(*gate, 5s, auth_atom::value, stolen)
       .receive([](caf::ok_atom) {}, [&](caf::error& e) { err = e; });
     CHECK(render(err).find("wrong secret") != std::string::npos);
+    // The right proof, but after the node's connection timeout (1 s): the challenge is gone.
+    self->request(*gate, 5s, hello_atom::value)
+      .receive([&](std::string& c) { challenge = c; }, [&](caf::error& e) { err = e; });
+    std::this_thread::sleep_for(1200ms);
+    err = caf::error{};
+    self->request(*gate, 5s, auth_atom::value, secret_proof(secret, challenge, to_string(sys.node())))
+      .receive([](caf::ok_atom) {}, [&](caf::error& e) { err = e; });
+    CHECK_MESSAGE(render(err).find("after the connection timeout") != std::string::npos,
+                  render(err));
     anon_send_exit(holder, caf::exit_reason::user_shutdown);
   }
   // The legitimate executor keeps working.
