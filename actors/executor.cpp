@@ -128,16 +128,25 @@ struct executor::impl {
   /// node cannot be reached or does not answer in time, `invalid_argument` when it refuses.
   std::vector<caf::actor> lease(const node_address& n) {
     auto where = "node " + n.host + ":" + std::to_string(n.port);
-    logger_release release; // remote_actor, too, leaves this thread a logger reference
-    auto tls = !cfg.tls_certificate.empty();
-    auto gate = tls ? caf::openssl::remote_actor(*sys, n.host, n.port)
-                    : sys->middleman().remote_actor(n.host, n.port);
-    if (!gate)
-      throw error{errc::worker_died, "cannot reach " + where + ": " + render(gate.error())};
+    logger_release release;
     caf::scoped_actor self{*sys};
     auto deadline = facade_timeout(cfg.startup_timeout);
     caf::error err;
     auto fail = [&](caf::error& e) { err = std::move(e); };
+    // Connecting through the middleman's actor, so that the startup deadline bounds it
+    // (remote_actor waits as long as TCP's connect does).
+    auto manager = cfg.tls_certificate.empty() ? sys->middleman().actor_handle()
+                                               : sys->openssl_manager().actor_handle();
+    caf::actor gate;
+    self->request(manager, deadline, caf::connect_atom::value, n.host, n.port)
+      .receive(
+        [&](caf::node_id&, caf::strong_actor_ptr& ptr, std::set<std::string>&) {
+          gate = caf::actor_cast<caf::actor>(std::move(ptr));
+        },
+        fail);
+    if (err || !gate)
+      throw error{errc::worker_died,
+                  "cannot reach " + where + ": " + (err ? render(err) : "it published nothing")};
     auto checked = [&] {
       if (!err)
         return;
@@ -148,16 +157,16 @@ struct executor::impl {
     };
     if (!cfg.node_secret.empty()) {
       std::string challenge;
-      self->request(*gate, deadline, hello_atom::value)
+      self->request(gate, deadline, hello_atom::value)
         .receive([&](std::string& c) { challenge = std::move(c); }, fail);
       checked();
       auto proof = secret_proof(cfg.node_secret, challenge, to_string(sys->node()));
-      self->request(*gate, deadline, auth_atom::value, proof).receive([](caf::ok_atom) {}, fail);
+      self->request(gate, deadline, auth_atom::value, proof).receive([](caf::ok_atom) {}, fail);
       checked();
     }
     std::vector<caf::actor> leased;
     self
-      ->request(*gate, deadline, lease_atom::value, cfg.node_worker_kind, cfg.node_worker_options,
+      ->request(gate, deadline, lease_atom::value, cfg.node_worker_kind, cfg.node_worker_options,
                 n.workers, lease_holder)
       .receive([&](std::vector<caf::actor>& ws) { leased = std::move(ws); }, fail);
     checked();

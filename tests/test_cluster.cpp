@@ -430,3 +430,27 @@ TEST_CASE("SIGTERM stops a node cleanly") {
   n.signal(SIGTERM);
   CHECK(n.wait_exit() == 0);
 }
+
+TEST_CASE("a node that does not answer fails the start within the startup deadline") {
+  // A listener that never accepts: the kernel completes TCP's handshake, BASP's never comes.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  REQUIRE(::listen(fd, 4) == 0);
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  auto port = ntohs(addr.sin_port);
+  auto cfg = mixed_config(0, {{"127.0.0.1", port, 1}});
+  cfg.startup_timeout = 1s;
+  cfg.node_timeout = 30s; // the deadline, not a lost connection, ends the wait
+  auto start = clock_type::now();
+  auto where = "cannot reach node 127.0.0.1:" + std::to_string(port);
+  CHECK_THROWS_WITH_AS(executor(cfg, test_factory()), doctest::Contains(where.c_str()), error);
+  auto took = seconds_since(start);
+  MESSAGE("a silent node was given up after " << took << " s (deadline 1 s)");
+  CHECK(took < 10.0);
+  ::close(fd);
+}
