@@ -194,6 +194,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     local_shapes.push_back(local);
   }
   if (weights_.size() != total) {
+    forget_captured();
     weights_.reset();
     weights_ = device_buffer(dev_, total, memory_tag::weights);
   }
@@ -252,12 +253,57 @@ void llama_model::upload(void* dst, const std::vector<float>& values, dtype type
   dev_.copy(dst, converted.data(), bytes);
 }
 
+llama_model::step_layout llama_model::layout_of(int64_t T, int64_t S, int64_t seqs,
+                                                int64_t max_blocks,
+                                                int64_t max_lora_rank) const {
+  const auto H = cfg_.hidden_size;
+  const auto q_width = local_heads_ * cfg_.head_dim;
+  const auto kv_width = local_kv_ * cfg_.head_dim;
+  step_layout l{};
+  auto take = [&](int64_t size) {
+    auto at = l.total;
+    l.total += (size + 63) / 64 * 64;
+    return at;
+  };
+  l.ints = take(4 * T + seqs * max_blocks + S);
+  l.rope = take(T * cfg_.head_dim); // cos and sin, head_dim / 2 each
+  l.x = take(T * H);
+  l.h = take(T * H);
+  l.q = take(T * q_width);
+  l.k = take(T * kv_width);
+  l.v = take(T * kv_width);
+  l.attn = take(T * q_width);
+  l.gate = take(T * local_inter_);
+  l.up = take(T * local_inter_);
+  l.mid = take(T * max_lora_rank);
+  l.last = take(S * H);
+  l.logits = take(S * cfg_.vocab_size);
+  l.greedy_ids = take(S);
+  l.greedy_logprobs = take(S);
+  return l;
+}
+
+void llama_model::reserve(int64_t tokens, int64_t seqs, int64_t max_len, int64_t block_size,
+                          int64_t max_lora_rank) {
+  int64_t max_blocks = 1;
+  while (max_blocks < (max_len + block_size - 1) / block_size)
+    max_blocks *= 2;
+  auto layout = layout_of(tokens, std::min(seqs, tokens), std::min(seqs, tokens), max_blocks,
+                          max_lora_rank);
+  workspace(static_cast<size_t>(layout.total) * sizeof(float));
+}
+
+void llama_model::forget_captured() {
+  captured_.clear();
+  seen_.clear();
+  uncapturable_.clear();
+}
+
 void* llama_model::workspace(size_t bytes) {
   // Grown to what a step needs (the profiled largest step sizes it once). Captured steps
   // name the old memory: they go.
   if (workspace_.size() < bytes) {
-    captured_.clear();
-    seen_.clear();
+    forget_captured();
     workspace_.reset();
     workspace_ = device_buffer(dev_, bytes, memory_tag::kv_cache);
   }
@@ -537,55 +583,30 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   }
   std::copy(sample_token_rows.begin(), sample_token_rows.end(), samples_at);
 
-  // The workspace, in 4-byte units: metadata, then the activations.
-  struct region {
-    int64_t offset;
-    int64_t size;
-  };
-  int64_t used = 0;
-  auto take = [&](int64_t size) {
-    region r{used, size};
-    used += (size + 63) / 64 * 64; // 256-byte aligned, as cuBLAS prefers
-    return r;
-  };
-  auto r_ints = take(static_cast<int64_t>(ints.size()));
-  auto r_rope = take(static_cast<int64_t>(rope.size()));
-  auto r_x = take(T * H);
-  auto r_h = take(T * H);
-  auto r_q = take(T * q_width);
-  auto r_k = take(T * kv_width);
-  auto r_v = take(T * kv_width);
-  auto r_attn = take(T * q_width);
-  auto r_gate = take(T * local_inter_);
-  auto r_up = take(T * local_inter_);
-  auto r_mid = take(T * max_lora_rank);
-  auto r_last = take(S * H);
-  auto r_logits = take(S * V);
-  auto r_greedy_ids = take(S);
-  auto r_greedy_logprobs = take(S);
-  auto base = static_cast<float*>(workspace(static_cast<size_t>(used) * sizeof(float)));
-  auto at = [&](const region& r) { return base + r.offset; };
-  auto int_at = [&](const region& r) { return reinterpret_cast<int32_t*>(at(r)); };
-  dev_.copy(at(r_ints), ints.data(), ints.size() * sizeof(int32_t));
-  dev_.copy(at(r_rope), rope.data(), rope.size() * sizeof(float));
-  auto d_ints = int_at(r_ints);
+  auto parts = layout_of(T, S, seqs, max_blocks, max_lora_rank);
+  auto base = static_cast<float*>(workspace(static_cast<size_t>(parts.total) * sizeof(float)));
+  auto at = [&](int64_t offset) { return base + offset; };
+  auto int_at = [&](int64_t offset) { return reinterpret_cast<int32_t*>(at(offset)); };
+  dev_.copy(at(parts.ints), ints.data(), ints.size() * sizeof(int32_t));
+  dev_.copy(at(parts.rope), rope.data(), rope.size() * sizeof(float));
+  auto d_ints = int_at(parts.ints);
   const int32_t* d_ids = d_ints;
   const int32_t* d_positions = d_ints + T;
   const int32_t* d_slots = d_positions + T;
   const int32_t* d_token_seq = d_slots + T;
   const int32_t* d_tables = d_token_seq + T;
   const int32_t* d_samples = d_tables + seqs * max_blocks;
-  const float* d_cos = at(r_rope);
+  const float* d_cos = at(parts.rope);
   const float* d_sin = d_cos + T * half;
-  auto x = at(r_x);
-  auto h = at(r_h);
-  auto q = at(r_q);
-  auto k = at(r_k);
-  auto v = at(r_v);
-  auto attn = at(r_attn);
-  auto gate = at(r_gate);
-  auto up = at(r_up);
-  auto mid = at(r_mid);
+  auto x = at(parts.x);
+  auto h = at(parts.h);
+  auto q = at(parts.q);
+  auto k = at(parts.k);
+  auto v = at(parts.v);
+  auto attn = at(parts.attn);
+  auto gate = at(parts.gate);
+  auto up = at(parts.up);
+  auto mid = at(parts.mid);
   auto& be = *backend_;
 
   // A prompt adapter's virtual tokens take the first positions of the prompt.
@@ -631,8 +652,8 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   const auto eps = static_cast<float>(cfg_.rms_norm_eps);
 
-  auto last = at(r_last);
-  auto logits = at(r_logits);
+  auto last = at(parts.last);
+  auto logits = at(parts.logits);
   auto layers_and_head = [&] {
     // The residual adds are fused with the norm that follows them: the input norm of the
     // next layer, or the post-attention norm.
@@ -689,22 +710,31 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
     embed();
     layers_and_head();
   } else {
-    step_shape shape{T, S, seqs, max_blocks, cache.keys(0), backend_->scratch_epoch()};
+    step_shape shape{T,
+                     S,
+                     seqs,
+                     max_blocks,
+                     cache.keys(0),
+                     cache.device_blocks(),
+                     cache.block_size(),
+                     backend_->scratch_epoch()};
     auto found = captured_.find(shape);
-    if (found == captured_.end() && seen_.count(shape) > 0) {
+    if (found == captured_.end() && seen_.count(shape) > 0 && uncapturable_.count(shape) == 0) {
       if (captured_.size() >= 64)
-        captured_.clear();
+        forget_captured();
       if (auto calls = backend_->capture([&] {
             embed();
             layers_and_head();
           }))
         found = captured_.emplace(shape, std::move(calls)).first;
+      else
+        uncapturable_.insert(shape);
     }
     if (found != captured_.end()) {
       found->second->replay();
     } else {
-      if (seen_.size() >= 256)
-        seen_.clear();
+      if (seen_.size() >= 256 || uncapturable_.size() >= 256)
+        forget_captured();
       seen_.insert(shape);
       embed();
       layers_and_head();
@@ -712,8 +742,8 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   }
   logits_ = logits;
   logit_rows_ = S;
-  greedy_ids_ = int_at(r_greedy_ids);
-  greedy_logprobs_ = at(r_greedy_logprobs);
+  greedy_ids_ = int_at(parts.greedy_ids);
+  greedy_logprobs_ = at(parts.greedy_logprobs);
 }
 
 std::vector<float> llama_model::logits() const {

@@ -98,7 +98,7 @@ public:
   /// vLLM's `enforce_eager` turns it off.
   void capture_decode_steps(bool on) {
     capture_ = on;
-    captured_.clear();
+    forget_captured();
   }
 
   /// Used after each row-parallel layer when the model is split; identity by default.
@@ -119,6 +119,13 @@ public:
 
   /// The greedy token of each row of the last `run` and its logprob, computed on the device.
   void greedy(std::vector<int32_t>& ids, std::vector<float>& logprobs);
+
+  /// Grows the step workspace to what any step within these bounds needs: `tokens` tokens
+  /// in at most `seqs` sequences of up to `max_len` positions in blocks of `block_size`,
+  /// LoRA adapters up to `max_lora_rank`. Such steps then never grow it (a GPU's memory is
+  /// budgeted once, after this).
+  void reserve(int64_t tokens, int64_t seqs, int64_t max_len, int64_t block_size,
+               int64_t max_lora_rank);
 
   /// `run`, then `logits`.
   std::vector<float> forward(const execute_model_request& req, kv_cache& cache,
@@ -173,6 +180,15 @@ private:
   /// The step's scratch memory of at least `bytes`, grown as needed.
   void* workspace(size_t bytes);
 
+  /// Where a step's parts lie in the workspace, in 4-byte units (each 256-byte aligned):
+  /// the metadata (int32s, then the rotary tables), then the activations.
+  struct step_layout {
+    int64_t ints, rope, x, h, q, k, v, attn, gate, up, mid, last, logits, greedy_ids,
+      greedy_logprobs, total;
+  };
+  step_layout layout_of(int64_t tokens, int64_t samples, int64_t seqs, int64_t max_blocks,
+                        int64_t max_lora_rank) const;
+
   /// How a projection's weight [out, in] is split: this rank's rows (column-parallel) or
   /// columns (row-parallel) [start, start + count).
   struct shard {
@@ -213,19 +229,28 @@ private:
   all_reduce_fn all_reduce_;
   /// Activations and step metadata, under `memory_tag::kv_cache` (it sleeps with the cache).
   device_buffer workspace_;
-  /// What a recorded step depends on: its sizes, the cache and the backend's scratch.
+  /// What a recorded step depends on: its sizes, the cache (where and how its layers lie)
+  /// and the backend's scratch.
   struct step_shape {
     int64_t tokens, samples, seqs, max_blocks;
     const float* cache;
+    int64_t cache_blocks, block_size;
     uint64_t scratch_epoch;
     bool operator<(const step_shape& o) const {
-      return std::tie(tokens, samples, seqs, max_blocks, cache, scratch_epoch)
-             < std::tie(o.tokens, o.samples, o.seqs, o.max_blocks, o.cache, o.scratch_epoch);
+      return std::tie(tokens, samples, seqs, max_blocks, cache, cache_blocks, block_size,
+                      scratch_epoch)
+             < std::tie(o.tokens, o.samples, o.seqs, o.max_blocks, o.cache, o.cache_blocks,
+                        o.block_size, o.scratch_epoch);
     }
   };
+  /// Drops every recorded step (the memory they name moved).
+  void forget_captured();
+
   bool capture_ = true;
   std::map<step_shape, std::unique_ptr<captured_calls>> captured_;
+  /// Shapes run once (recorded on the next sighting), and shapes that could not be recorded.
   std::set<step_shape> seen_;
+  std::set<step_shape> uncapturable_;
   /// Where the last `run` left its logits, and how many rows.
   const float* logits_ = nullptr;
   int64_t logit_rows_ = 0;

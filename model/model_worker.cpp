@@ -337,6 +337,9 @@ int64_t model_worker::profile_step_bytes() {
     req.seq_group_metadata_list.push_back(std::move(g));
   }
   auto run = [&] {
+    // The workspace at its largest (long sequences need wide block tables), then the step.
+    st.model->reserve(tokens, std::max(1, options_.max_num_seqs), context().max_model_len, bs,
+                      options_.max_lora_rank);
     kv_cache scratch{device(), st.config.num_hidden_layers, st.model->local_kv_heads(),
                      st.config.head_dim, bs, blocks, 0};
     std::vector<sample_row> rows;
@@ -398,7 +401,10 @@ cache_blocks model_worker::determine_num_available_blocks() {
                     " free bytes, less a profiled step of " + std::to_string(step) +
                     " bytes, holds no block of " + std::to_string(block_bytes) + " bytes"};
   }
-  return {budget / block_bytes, options_.swap_space_bytes / block_bytes};
+  // A step addresses cache slots (block × block_size + offset) as int32.
+  auto most = std::numeric_limits<int32_t>::max() / context().block_size;
+  return {std::min<int64_t>(budget / block_bytes, most),
+          std::min<int64_t>(options_.swap_space_bytes / block_bytes, most)};
 }
 
 void model_worker::initialize_cache(const cache_blocks& blocks) {

@@ -164,8 +164,9 @@ private:
   void* scratch(device_buffer& buf, size_t bytes) {
     if (buf.size() < bytes) {
       buf.reset();
+      ++epoch_; // before allocating: steps recorded with the old memory are stale even if
+                // the allocation fails
       buf = device_buffer(dev_, bytes, memory_tag::kv_cache);
-      ++epoch_;
     }
     return buf.data();
   }

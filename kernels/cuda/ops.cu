@@ -203,8 +203,10 @@ __global__ void paged_attention_kernel(const float* q, float* out, const float* 
   const float* query = q + (token * l.heads + head) * l.head_dim;
   const int32_t* table = l.block_tables + static_cast<int64_t>(l.token_seq[token]) * l.max_blocks;
   int per_lane = static_cast<int>((l.head_dim + 31) / 32);
+  // Loops over the compile-time bound, unrolled, keep these arrays in registers.
   float qv[per_lane_max];
   float acc[per_lane_max];
+#pragma unroll
   for (int i = 0; i < per_lane_max; ++i) {
     int64_t d = lane + 32 * i;
     qv[i] = i < per_lane && d < l.head_dim ? query[d] : 0.0f;
@@ -217,9 +219,10 @@ __global__ void paged_attention_kernel(const float* q, float* out, const float* 
     const float* key = k_cache + slot * row + kv_head * l.head_dim;
     const float* value = v_cache + slot * row + kv_head * l.head_dim;
     float dot = 0.0f;
-    for (int i = 0; i < per_lane; ++i) {
+#pragma unroll
+    for (int i = 0; i < per_lane_max; ++i) {
       int64_t d = lane + 32 * i;
-      if (d < l.head_dim)
+      if (i < per_lane && d < l.head_dim)
         dot += qv[i] * key[d];
     }
     for (int offset = 16; offset > 0; offset /= 2)
@@ -229,9 +232,10 @@ __global__ void paged_attention_kernel(const float* q, float* out, const float* 
     float rescale = expf(running_max - next_max); // 0 for the first position
     float weight = expf(score - next_max);
     running_sum = running_sum * rescale + weight;
-    for (int i = 0; i < per_lane; ++i) {
+#pragma unroll
+    for (int i = 0; i < per_lane_max; ++i) {
       int64_t d = lane + 32 * i;
-      if (d < l.head_dim)
+      if (i < per_lane && d < l.head_dim)
         acc[i] = acc[i] * rescale + weight * value[d];
     }
     running_max = next_max;
@@ -240,9 +244,10 @@ __global__ void paged_attention_kernel(const float* q, float* out, const float* 
     warp_max[warp] = running_max;
     warp_sum[warp] = running_sum;
   }
-  for (int i = 0; i < per_lane; ++i) {
+#pragma unroll
+  for (int i = 0; i < per_lane_max; ++i) {
     int64_t d = lane + 32 * i;
-    if (d < l.head_dim)
+    if (i < per_lane && d < l.head_dim)
       warp_acc[warp][d] = acc[i];
   }
   __syncthreads();
