@@ -36,6 +36,16 @@ struct paged_layout {
   int64_t kv_offset = 0;
 };
 
+/// How `backend::sample` picks the token of one row: the most likely when `temperature` is
+/// below 1e-5, else a draw at `temperature` among the `top_k` most likely (all when <= 0)
+/// cut to `top_p` of their mass, with `u` in [0, 1).
+struct row_sampling {
+  float temperature = 0.0f;
+  int32_t top_k = -1;
+  float top_p = 1.0f;
+  float u = 0.0f;
+};
+
 /// Calls recorded once by `backend::capture`, run again by `replay` with the same arguments
 /// (the memory they name must still be there; its contents may change).
 class captured_calls {
@@ -124,10 +134,10 @@ public:
                                const float* v_cache, const paged_layout& layout, int64_t tokens,
                                float scale) = 0;
 
-  /// For each of `rows` rows of `cols` logits: the index of the largest (the first on ties)
-  /// and its log-softmax.
-  virtual void greedy(const float* logits, int64_t rows, int64_t cols, int32_t* ids,
-                      float* logprobs) = 0;
+  /// For each of `rows` rows of `cols` logits, the token `params` picks (the most likely,
+  /// or the draw of `choose_token` in model/sampler.hpp) and its log-softmax.
+  virtual void sample(const float* logits, int64_t rows, int64_t cols,
+                      const row_sampling* params, int32_t* ids, float* logprobs) = 0;
 };
 
 /// The backend of `dev`: CUDA kernels and cuBLAS for a `cuda_device`, the CPU kernels for

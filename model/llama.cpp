@@ -278,8 +278,9 @@ llama_model::step_layout llama_model::layout_of(int64_t T, int64_t S, int64_t se
   l.mid = take(T * max_lora_rank);
   l.last = take(S * H);
   l.logits = take(S * cfg_.vocab_size);
-  l.greedy_ids = take(S);
-  l.greedy_logprobs = take(S);
+  l.sampling = take(S * static_cast<int64_t>(sizeof(row_sampling) / sizeof(float)));
+  l.sampled_ids = take(S);
+  l.sampled_logprobs = take(S);
   return l;
 }
 
@@ -742,8 +743,9 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   }
   logits_ = logits;
   logit_rows_ = S;
-  greedy_ids_ = int_at(parts.greedy_ids);
-  greedy_logprobs_ = at(parts.greedy_logprobs);
+  sampling_ = reinterpret_cast<row_sampling*>(at(parts.sampling));
+  sampled_ids_ = int_at(parts.sampled_ids);
+  sampled_logprobs_ = at(parts.sampled_logprobs);
 }
 
 std::vector<float> llama_model::logits() const {
@@ -753,14 +755,21 @@ std::vector<float> llama_model::logits() const {
   return out;
 }
 
-void llama_model::greedy(std::vector<int32_t>& ids, std::vector<float>& logprobs) {
-  ids.resize(static_cast<size_t>(logit_rows_));
-  logprobs.resize(ids.size());
-  if (ids.empty())
+void llama_model::sample(const std::vector<row_sampling>& params, std::vector<int32_t>& ids,
+                         std::vector<float>& logprobs) {
+  if (static_cast<int64_t>(params.size()) != logit_rows_)
+    throw error{errc::invalid_argument, "sample: " + std::to_string(params.size()) +
+                                          " rows of parameters for " +
+                                          std::to_string(logit_rows_) + " rows of logits"};
+  ids.resize(params.size());
+  logprobs.resize(params.size());
+  if (params.empty())
     return;
-  backend_->greedy(logits_, logit_rows_, cfg_.vocab_size, greedy_ids_, greedy_logprobs_);
-  dev_.copy(ids.data(), greedy_ids_, ids.size() * sizeof(int32_t));
-  dev_.copy(logprobs.data(), greedy_logprobs_, logprobs.size() * sizeof(float));
+  dev_.copy(sampling_, params.data(), params.size() * sizeof(row_sampling));
+  backend_->sample(logits_, logit_rows_, cfg_.vocab_size, sampling_, sampled_ids_,
+                   sampled_logprobs_);
+  dev_.copy(ids.data(), sampled_ids_, ids.size() * sizeof(int32_t));
+  dev_.copy(logprobs.data(), sampled_logprobs_, logprobs.size() * sizeof(float));
 }
 
 std::vector<float> llama_model::forward(const execute_model_request& req, kv_cache& cache,

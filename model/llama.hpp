@@ -108,7 +108,7 @@ public:
 
   /// Runs one step: computes every scheduled token of `req` and writes its keys and values
   /// into `cache`, leaving on the device the logits of the last token of each sequence of
-  /// every group that samples, in request order (`logits`, `greedy`); `rows` says whose
+  /// every group that samples, in request order (`logits`, `sample`); `rows` says whose
   /// each row is. Throws `invalid_argument` for a malformed request (token out of
   /// vocabulary, block table too short, chunk past the tokens).
   void run(const execute_model_request& req, kv_cache& cache, std::vector<sample_row>& rows,
@@ -117,8 +117,10 @@ public:
   /// The logits of the last `run` (rows × vocab), copied to the host.
   std::vector<float> logits() const;
 
-  /// The greedy token of each row of the last `run` and its logprob, computed on the device.
-  void greedy(std::vector<int32_t>& ids, std::vector<float>& logprobs);
+  /// The token each row of the last `run` samples (`params`, one per row) and its logprob,
+  /// picked on the device; only these come back to the host.
+  void sample(const std::vector<row_sampling>& params, std::vector<int32_t>& ids,
+              std::vector<float>& logprobs);
 
   /// Grows the step workspace to what any step within these bounds needs: `tokens` tokens
   /// in at most `seqs` sequences of up to `max_len` positions in blocks of `block_size`,
@@ -183,8 +185,8 @@ private:
   /// Where a step's parts lie in the workspace, in 4-byte units (each 256-byte aligned):
   /// the metadata (int32s, then the rotary tables), then the activations.
   struct step_layout {
-    int64_t ints, rope, x, h, q, k, v, attn, gate, up, mid, last, logits, greedy_ids,
-      greedy_logprobs, total;
+    int64_t ints, rope, x, h, q, k, v, attn, gate, up, mid, last, logits, sampling, sampled_ids,
+      sampled_logprobs, total;
   };
   step_layout layout_of(int64_t tokens, int64_t samples, int64_t seqs, int64_t max_blocks,
                         int64_t max_lora_rank) const;
@@ -254,8 +256,9 @@ private:
   /// Where the last `run` left its logits, and how many rows.
   const float* logits_ = nullptr;
   int64_t logit_rows_ = 0;
-  int32_t* greedy_ids_ = nullptr;
-  float* greedy_logprobs_ = nullptr;
+  row_sampling* sampling_ = nullptr;
+  int32_t* sampled_ids_ = nullptr;
+  float* sampled_logprobs_ = nullptr;
 };
 
 } // namespace troupe

@@ -346,7 +346,7 @@ int64_t model_worker::profile_step_bytes() {
     st.model->run(req, scratch, rows);
     std::vector<int32_t> ids;
     std::vector<float> logprobs;
-    st.model->greedy(ids, logprobs); // waits for the step
+    st.model->sample(std::vector<row_sampling>(rows.size()), ids, logprobs); // waits for it
   };
   if (on_gpu()) {
     // Everything a step allocates on a GPU stays (the model's workspace, the backend's
@@ -471,21 +471,38 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
   st.model->run(request, *st.cache, rows, adapters);
   if (rank() != 0)
     return {}; // only the driver's output is used
-  // A step whose every sampling group is greedy without top logprobs is sampled on the
-  // device, and only the tokens come back; otherwise the logits do.
-  bool greedy = true;
+  // Unless a group asks for top logprobs, every row is sampled on the device and only the
+  // tokens come back; otherwise the logits do, for the host sampler (which picks alike).
+  bool on_device = true;
   for (auto& g : request.seq_group_metadata_list)
-    greedy = greedy && (!g.do_sample || (g.sampling.temperature >= 0.0f
-                                         && g.sampling.temperature < 1e-5f
-                                         && g.sampling.logprobs <= 0 && g.sampling.top_p > 0.0f
-                                         && g.sampling.top_p <= 1.0f));
+    if (g.do_sample) {
+      check_sampling(g.sampling);
+      on_device = on_device && g.sampling.logprobs <= 0;
+    }
+  auto step_of = [](const sequence_data& seq) {
+    return static_cast<int64_t>(seq.token_ids.size()) - seq.num_prompt_tokens;
+  };
   std::vector<float> logits;
-  std::vector<int32_t> greedy_ids;
-  std::vector<float> greedy_logprobs;
-  if (greedy)
-    st.model->greedy(greedy_ids, greedy_logprobs);
-  else
+  std::vector<int32_t> ids;
+  std::vector<float> logprobs;
+  if (on_device) {
+    std::vector<row_sampling> params;
+    for (auto& r : rows) {
+      auto& group = request.seq_group_metadata_list[r.group];
+      auto& seq = group.seqs[r.seq];
+      row_sampling p;
+      if (!is_greedy(group.sampling)) {
+        p.temperature = group.sampling.temperature;
+        p.top_k = group.sampling.top_k;
+        p.top_p = group.sampling.top_p;
+        p.u = static_cast<float>(draw_uniform(group.sampling, seq.seq_id, step_of(seq), st.rng));
+      }
+      params.push_back(p);
+    }
+    st.model->sample(params, ids, logprobs);
+  } else {
     logits = st.model->logits();
+  }
   sampler_output out;
   auto vocab = st.config.vocab_size;
   size_t row = 0;
@@ -495,17 +512,16 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
     group_out.request_id = group.request_id;
     for (; row < rows.size() && rows[row].group == g; ++row) {
       auto& seq = group.seqs[rows[row].seq];
-      if (greedy) {
+      if (on_device) {
         sequence_output sample;
         sample.parent_seq_id = seq.seq_id;
-        sample.output_token = greedy_ids[row];
-        sample.logprob = greedy_logprobs[row];
+        sample.output_token = ids[row];
+        sample.logprob = logprobs[row];
         group_out.samples.push_back(sample);
-        continue;
+      } else {
+        group_out.samples.push_back(sample_token(&logits[row * vocab], vocab, group.sampling,
+                                                 seq.seq_id, step_of(seq), st.rng));
       }
-      auto step = static_cast<int64_t>(seq.token_ids.size()) - seq.num_prompt_tokens;
-      group_out.samples.push_back(sample_token(&logits[row * vocab], vocab, group.sampling,
-                                               seq.seq_id, step, st.rng));
     }
     out.outputs.push_back(std::move(group_out));
   }

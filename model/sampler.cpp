@@ -9,13 +9,81 @@
 
 namespace troupe {
 
-sequence_output sample_token(const float* logits, int64_t vocab, const sampling_params& params,
-                             int64_t seq_id, int64_t step, std::mt19937_64& rng) {
+void check_sampling(const sampling_params& params) {
   if (params.top_p <= 0.0f || params.top_p > 1.0f)
     throw error{errc::invalid_argument, "top_p must be in (0, 1], got " + std::to_string(params.top_p)};
   if (params.temperature < 0.0f)
     throw error{errc::invalid_argument,
                 "temperature must be >= 0, got " + std::to_string(params.temperature)};
+}
+
+bool is_greedy(const sampling_params& params) {
+  return params.temperature < 1e-5f;
+}
+
+double draw_uniform(const sampling_params& params, int64_t seq_id, int64_t step,
+                    std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> uniform{0.0, 1.0};
+  if (params.seed >= 0) {
+    std::seed_seq seq{static_cast<uint64_t>(params.seed), static_cast<uint64_t>(seq_id),
+                      static_cast<uint64_t>(step)};
+    std::mt19937_64 seeded{seq};
+    return uniform(seeded);
+  }
+  return uniform(rng);
+}
+
+int64_t choose_token(const float* logits, int64_t vocab, float temperature, int32_t top_k,
+                     float top_p, double u) {
+  float max_logit = *std::max_element(logits, logits + vocab);
+  // The kept tokens: the most likely first (ties by token), cut by top-k, then by top-p.
+  std::vector<int64_t> order(static_cast<size_t>(vocab));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  });
+  auto keep = static_cast<size_t>(vocab);
+  if (top_k > 0)
+    keep = std::min(keep, static_cast<size_t>(top_k));
+  std::vector<double> weight(static_cast<size_t>(vocab), 0.0);
+  double total = 0;
+  for (size_t i = 0; i < keep; ++i) {
+    auto t = order[i];
+    weight[t] = std::exp(static_cast<double>(logits[t] - max_logit) / temperature);
+    total += weight[t];
+  }
+  // Nucleus: the smallest prefix whose mass reaches top_p (at least one token).
+  if (top_p < 1.0f) {
+    double mass = 0;
+    size_t cut = 0;
+    while (cut < keep) {
+      mass += weight[order[cut]];
+      ++cut;
+      if (mass >= top_p * total)
+        break;
+    }
+    for (size_t i = cut; i < keep; ++i)
+      weight[order[i]] = 0.0;
+    total = mass;
+  }
+  // The draw, in token order.
+  auto target = u * total;
+  double acc = 0;
+  int64_t last = order[0];
+  for (int64_t t = 0; t < vocab; ++t) {
+    if (weight[t] == 0.0)
+      continue;
+    acc += weight[t];
+    last = t;
+    if (acc > target)
+      return t;
+  }
+  return last; // u × total rounded up to the whole mass
+}
+
+sequence_output sample_token(const float* logits, int64_t vocab, const sampling_params& params,
+                             int64_t seq_id, int64_t step, std::mt19937_64& rng) {
+  check_sampling(params);
   // log-softmax of the model's distribution, for the reported logprobs.
   float max_logit = *std::max_element(logits, logits + vocab);
   double sum = 0;
@@ -25,51 +93,12 @@ sequence_output sample_token(const float* logits, int64_t vocab, const sampling_
   auto logprob = [&](int64_t i) { return logits[i] - log_z; };
 
   int64_t chosen = 0;
-  if (params.temperature < 1e-5f) {
+  if (is_greedy(params))
     chosen = std::max_element(logits, logits + vocab) - logits;
-  } else {
-    std::vector<int64_t> order(static_cast<size_t>(vocab));
-    std::iota(order.begin(), order.end(), 0);
-    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-    });
-    auto keep = static_cast<size_t>(vocab);
-    if (params.top_k > 0)
-      keep = std::min(keep, static_cast<size_t>(params.top_k));
-    std::vector<double> probs(keep);
-    double total = 0;
-    for (size_t i = 0; i < keep; ++i) {
-      probs[i] = std::exp(static_cast<double>(logits[order[i]] - max_logit) / params.temperature);
-      total += probs[i];
-    }
-    // Nucleus: the smallest prefix whose mass reaches top_p (at least one token).
-    if (params.top_p < 1.0f) {
-      double mass = 0;
-      size_t cut = 0;
-      while (cut < keep) {
-        mass += probs[cut] / total;
-        ++cut;
-        if (mass >= params.top_p)
-          break;
-      }
-      keep = cut;
-      probs.resize(keep);
-      total = std::accumulate(probs.begin(), probs.end(), 0.0);
-    }
-    double u;
-    if (params.seed >= 0) {
-      std::seed_seq seq{static_cast<uint64_t>(params.seed), static_cast<uint64_t>(seq_id),
-                        static_cast<uint64_t>(step)};
-      std::mt19937_64 seeded{seq};
-      u = std::uniform_real_distribution<double>{0.0, total}(seeded);
-    } else {
-      u = std::uniform_real_distribution<double>{0.0, total}(rng);
-    }
-    size_t pick = 0;
-    for (double acc = probs[0]; acc < u && pick + 1 < keep; acc += probs[++pick]) {
-    }
-    chosen = order[pick];
-  }
+  else
+    // u as a float, as the device samplers get it, so that both pick alike.
+    chosen = choose_token(logits, vocab, params.temperature, params.top_k, params.top_p,
+                          static_cast<float>(draw_uniform(params, seq_id, step, rng)));
   sequence_output out;
   out.parent_seq_id = seq_id;
   out.output_token = static_cast<int32_t>(chosen);

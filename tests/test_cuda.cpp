@@ -150,20 +150,28 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
     CHECK_MESSAGE(download(dev, dy, want.size()) == want, dtype_name(type));
   }
 
-  // Greedy sampling: the first of equal maxima, and its log-softmax.
+  // Sampling: greedy rows (the first of equal maxima) and draws at a temperature with top-k
+  // and top-p cuts, against the CPU backend for the same u; and each row's log-softmax.
   const int64_t vocab = 49152;
-  auto logits = random_floats(rows * vocab, 8);
+  auto logits = random_floats(rows * vocab, 8, 3.0f);
   logits[2 * vocab + 777] = 100.0f;
   logits[2 * vocab + 778] = 100.0f;
-  std::vector<int32_t> best(rows), got_best(rows);
-  std::vector<float> logprob(rows), got_logprob(rows);
-  cpu->greedy(logits.data(), rows, vocab, best.data(), logprob.data());
-  CHECK(best[2] == 777);
-  auto dbest = upload(dev, std::vector<int32_t>(rows));
+  auto dlogits = upload(dev, logits);
+  auto dsampled = upload(dev, std::vector<int32_t>(rows));
   auto dlogprob = zeros(rows);
-  gpu->greedy(upload(dev, logits), rows, vocab, dbest, dlogprob);
-  CHECK(download(dev, dbest, rows) == best);
-  CHECK(max_relative_error(download(dev, dlogprob, rows), logprob) < 1e-4);
+  for (float u : {0.013f, 0.21f, 0.5f, 0.77f, 0.994f}) {
+    std::vector<row_sampling> params(rows);
+    params[1] = {0.8f, 50, 1.0f, u};
+    params[3] = {1.0f, -1, 0.9f, u};
+    params[4] = {0.7f, 20, 0.8f, u};
+    std::vector<int32_t> want_ids(rows);
+    std::vector<float> want_logprob(rows);
+    cpu->sample(logits.data(), rows, vocab, params.data(), want_ids.data(), want_logprob.data());
+    CHECK(want_ids[2] == 777);
+    gpu->sample(dlogits, rows, vocab, upload(dev, params), dsampled, dlogprob);
+    CHECK_MESSAGE(download(dev, dsampled, rows) == want_ids, "u = " << u);
+    CHECK(max_relative_error(download(dev, dlogprob, rows), want_logprob) < 1e-4);
+  }
 
   // GEMMs: float32 (plain and accumulating), and half-precision weights, whose reference
   // is the CPU GEMM of the same values rounded to that type.

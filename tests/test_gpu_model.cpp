@@ -47,7 +47,7 @@ std::vector<int32_t> generate(testing::model_runner& r, const std::vector<int32_
   std::vector<int32_t> ids;
   std::vector<float> logprobs;
   for (int i = 0; i < steps; ++i) {
-    r.model.greedy(ids, logprobs);
+    r.model.sample(std::vector<row_sampling>(1), ids, logprobs);
     out.push_back(ids[0]);
     r.seq.token_ids.push_back(ids[0]);
     if (i + 1 < steps)
@@ -300,4 +300,33 @@ TEST_CASE("batched decode replayed from CUDA graphs gives transformers' tokens, 
                       name << (eager ? " eager" : " graphs") << " prompt " << i);
     }
   }
+}
+
+TEST_CASE("seeded sampling on the GPU draws the tokens the CPU draws") {
+  if (!have_gpu())
+    return;
+  auto name = std::string{"llama-gqa"};
+  auto ref = read_json(fixtures + "/" + name + "/reference.json");
+  std::vector<generation_request> reqs;
+  for (auto& p : ref["prompts"]) {
+    generation_request r{"", p["token_ids"].get<std::vector<int32_t>>(), testing::greedy(24), {}};
+    r.sampling.temperature = 0.8f;
+    r.sampling.top_k = 40;
+    r.sampling.top_p = 0.9f;
+    r.sampling.seed = 1234;
+    reqs.push_back(r);
+  }
+  auto tokens_on = [&](const std::string& device) {
+    llm_config cfg;
+    cfg.model = fixtures + "/" + name;
+    cfg.device = device;
+    cfg.dtype = "float32";
+    cfg.kv_cache_memory_bytes = 16 << 20;
+    llm model{cfg};
+    std::vector<std::vector<int32_t>> out;
+    for (auto& o : model.generate(reqs))
+      out.push_back(o.token_ids);
+    return out;
+  };
+  CHECK(tokens_on("cuda") == tokens_on("cpu"));
 }

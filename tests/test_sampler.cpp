@@ -81,3 +81,18 @@ TEST_CASE("out-of-range sampling parameters are errors") {
   CHECK_THROWS_AS(sample_token(logits.data(), 6, with(1.0f, -1, 0.0f), 0, 0, rng), error);
   CHECK_THROWS_AS(sample_token(logits.data(), 6, with(-1.0f), 0, 0, rng), error);
 }
+
+TEST_CASE("a draw walks the kept tokens in token order") {
+  std::vector<float> logits{0.0f, 2.0f, 1.0f, 3.0f};
+  // top-k 2 keeps tokens 3 and 1 (weights 1 and e^-1); token 1 comes first in the walk.
+  auto w1 = std::exp(-1.0);
+  auto total = 1.0 + w1;
+  CHECK(choose_token(logits.data(), 4, 1.0f, 2, 1.0f, 0.5 * w1 / total) == 1);
+  CHECK(choose_token(logits.data(), 4, 1.0f, 2, 1.0f, (w1 + 0.5) / total) == 3);
+  CHECK(choose_token(logits.data(), 4, 1.0f, 2, 1.0f, 0.999999) == 3);
+  // top-p 0.5: token 3 alone holds 64 % of the mass.
+  for (double u : {0.0, 0.3, 0.99})
+    CHECK(choose_token(logits.data(), 4, 1.0f, -1, 0.5f, u) == 3);
+  // Without cuts every token can be drawn, in token order.
+  CHECK(choose_token(logits.data(), 4, 1.0f, -1, 1.0f, 0.0) == 0);
+}

@@ -1,6 +1,7 @@
 #include "kernels/cpu/cpu_backend.hpp"
 
 #include "kernels/cpu/ops.hpp"
+#include "model/sampler.hpp"
 #include "troupe/errors.hpp"
 
 #include <cmath>
@@ -105,21 +106,25 @@ public:
     }
   }
 
-  void greedy(const float* logits, int64_t rows, int64_t cols, int32_t* ids,
-              float* logprobs) override {
+  void sample(const float* logits, int64_t rows, int64_t cols, const row_sampling* params,
+              int32_t* ids, float* logprobs) override {
     for (int64_t r = 0; r < rows; ++r) {
       const float* row = logits + r * cols;
+      auto& p = params[r];
       int64_t best = 0;
       for (int64_t i = 1; i < cols; ++i)
         if (row[i] > row[best])
           best = i;
+      auto chosen = p.temperature < 1e-5f
+                      ? best
+                      : choose_token(row, cols, p.temperature, p.top_k, p.top_p, p.u);
       double sum = 0;
       for (int64_t i = 0; i < cols; ++i)
         sum += std::exp(static_cast<double>(row[i] - row[best]));
       // As sample_token computes it, so that both paths report the same logprob.
       auto log_z = static_cast<float>(row[best] + std::log(sum));
-      ids[r] = static_cast<int32_t>(best);
-      logprobs[r] = row[best] - log_z;
+      ids[r] = static_cast<int32_t>(chosen);
+      logprobs[r] = row[chosen] - log_z;
     }
   }
 

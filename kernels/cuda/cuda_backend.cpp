@@ -154,9 +154,9 @@ public:
     cuda::paged_attention(q, out, k_cache, v_cache, layout, tokens, scale, dev_.stream());
   }
 
-  void greedy(const float* logits, int64_t rows, int64_t cols, int32_t* ids,
-              float* logprobs) override {
-    cuda::greedy(logits, ids, logprobs, rows, cols, dev_.stream());
+  void sample(const float* logits, int64_t rows, int64_t cols, const row_sampling* params,
+              int32_t* ids, float* logprobs) override {
+    cuda::sample(logits, params, ids, logprobs, rows, cols, dev_.stream());
   }
 
 private:

@@ -122,14 +122,47 @@ __global__ void to_f16_kernel(const float* x, __half* y, int64_t n) {
     y[i] = __float2half_rn(x[i]);
 }
 
-// One block per row: each thread keeps its best, then a block-wide reduction that prefers
-// the lower index on ties (as the CPU sampler does); then a block-wide sum of exp(x - max)
-// for the log-softmax of the winner.
-__global__ void greedy_kernel(const float* x, int32_t* ids, float* logprobs, int64_t cols) {
-  __shared__ float best[threads];
+struct add_op {
+  __device__ float operator()(float a, float b) const {
+    return a + b;
+  }
+};
+struct min_op {
+  __device__ float operator()(float a, float b) const {
+    return fminf(a, b);
+  }
+};
+
+// The block's reduction of one value per thread (blockDim.x == threads); every thread gets
+// the result. `shared` is free again when it returns.
+template <class Op>
+__device__ float block_reduce(float value, float* shared, Op op) {
+  shared[threadIdx.x] = value;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride)
+      shared[threadIdx.x] = op(shared[threadIdx.x], shared[threadIdx.x + stride]);
+    __syncthreads();
+  }
+  float out = shared[0];
+  __syncthreads();
+  return out;
+}
+
+// One block per row. The largest logit (the lower index on ties, as the CPU sampler) and
+// the log-softmax's normaliser; at a temperature, the top-k and top-p cuts as thresholds on
+// the logits found by bisection (then snapped to the logit at the cut), and the draw found
+// in the running sum of the kept weights in token order: each thread sums a contiguous
+// chunk, and the thread whose chunk holds u × total walks it.
+__global__ void sample_kernel(const float* x, const row_sampling* params, int32_t* ids,
+                              float* logprobs, int64_t cols) {
+  __shared__ float scratch[threads];
   __shared__ int64_t at[threads];
+  __shared__ float prefix[threads];
+  __shared__ int64_t pick;
   auto row = blockIdx.x;
   const float* in = x + row * cols;
+  row_sampling p = params[row];
   float b = -INFINITY;
   int64_t a = cols;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
@@ -137,36 +170,127 @@ __global__ void greedy_kernel(const float* x, int32_t* ids, float* logprobs, int
       b = in[i];
       a = i;
     }
-  best[threadIdx.x] = b;
+  scratch[threadIdx.x] = b;
   at[threadIdx.x] = a;
   __syncthreads();
   for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
     if (threadIdx.x < stride) {
-      auto ob = best[threadIdx.x + stride];
+      auto ob = scratch[threadIdx.x + stride];
       auto oa = at[threadIdx.x + stride];
-      if (ob > best[threadIdx.x] || (ob == best[threadIdx.x] && oa < at[threadIdx.x])) {
-        best[threadIdx.x] = ob;
+      if (ob > scratch[threadIdx.x] || (ob == scratch[threadIdx.x] && oa < at[threadIdx.x])) {
+        scratch[threadIdx.x] = ob;
         at[threadIdx.x] = oa;
       }
     }
     __syncthreads();
   }
-  float max_value = best[0];
-  int64_t winner = at[0];
+  float max_value = scratch[0];
+  int64_t best = at[0] < cols ? at[0] : 0;
   __syncthreads();
   float sum = 0.0f;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
     sum += expf(in[i] - max_value);
-  best[threadIdx.x] = sum;
-  __syncthreads();
-  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride)
-      best[threadIdx.x] += best[threadIdx.x + stride];
+  sum = block_reduce(sum, scratch, add_op{});
+  if (threadIdx.x == 0)
+    pick = best;
+  if (p.temperature >= 1e-5f) {
+    float inv_t = 1.0f / p.temperature;
+    auto weight = [&](float v) { return expf((v - max_value) * inv_t); };
+    // Tokens with a logit >= cut are kept.
+    float lowest = INFINITY;
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
+      lowest = fminf(lowest, in[i]);
+    float cut = block_reduce(lowest, scratch, min_op{});
+    // The smallest logit at or above `bound`: the cut a bisection converged to.
+    auto snap = [&](float bound) {
+      float m = INFINITY;
+      for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
+        if (in[i] >= bound)
+          m = fminf(m, in[i]);
+      return block_reduce(m, scratch, min_op{});
+    };
+    if (p.top_k > 0 && p.top_k < cols) {
+      // Keeps count(logit >= lo) >= top_k.
+      float lo = cut;
+      float hi = max_value;
+      for (int it = 0; it < 48; ++it) {
+        float mid = 0.5f * (lo + hi);
+        float count = 0.0f;
+        for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
+          count += in[i] >= mid ? 1.0f : 0.0f;
+        if (block_reduce(count, scratch, add_op{}) >= static_cast<float>(p.top_k))
+          lo = mid;
+        else
+          hi = mid;
+      }
+      cut = snap(lo);
+    }
+    if (p.top_p < 1.0f) {
+      auto mass_from = [&](float bound) {
+        float m = 0.0f;
+        for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
+          if (in[i] >= bound)
+            m += weight(in[i]);
+        return block_reduce(m, scratch, add_op{});
+      };
+      float need = p.top_p * mass_from(cut);
+      // Keeps mass(logit >= lo) >= need.
+      float lo = cut;
+      float hi = max_value;
+      for (int it = 0; it < 48; ++it) {
+        float mid = 0.5f * (lo + hi);
+        if (mass_from(mid) >= need)
+          lo = mid;
+        else
+          hi = mid;
+      }
+      cut = snap(lo);
+    }
+    int64_t chunk = (cols + blockDim.x - 1) / blockDim.x;
+    int64_t begin = threadIdx.x * chunk;
+    int64_t end = begin + chunk < cols ? begin + chunk : cols;
+    float local = 0.0f;
+    for (int64_t i = begin; i < end; ++i)
+      if (in[i] >= cut)
+        local += weight(in[i]);
+    scratch[threadIdx.x] = local;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float running = 0.0f;
+      for (int t = 0; t < blockDim.x; ++t) {
+        prefix[t] = running;
+        running += scratch[t];
+      }
+      prefix[0] = 0.0f;
+      scratch[0] = running; // the kept mass, read below by every thread
+    }
+    __syncthreads();
+    float total = scratch[0];
+    float target = p.u * total;
+    // The last thread with kept tokens takes a target that rounding put past the end.
+    bool mine = local > 0.0f && prefix[threadIdx.x] <= target
+                && (target < prefix[threadIdx.x] + local
+                    || (threadIdx.x + 1 == blockDim.x || prefix[threadIdx.x + 1] >= total));
+    __syncthreads();
+    if (mine) {
+      float acc = prefix[threadIdx.x];
+      int64_t last = begin;
+      for (int64_t i = begin; i < end; ++i) {
+        if (in[i] < cut)
+          continue;
+        acc += weight(in[i]);
+        last = i;
+        if (acc > target)
+          break;
+      }
+      pick = last;
+    }
     __syncthreads();
   }
+  __syncthreads();
   if (threadIdx.x == 0) {
-    ids[row] = static_cast<int32_t>(winner < cols ? winner : 0);
-    logprobs[row] = -logf(best[0]);
+    ids[row] = static_cast<int32_t>(pick);
+    logprobs[row] = in[pick] - max_value - logf(sum);
   }
 }
 
@@ -364,12 +488,13 @@ void gather_rows(const int32_t* ids, const void* table, dtype type, float* out, 
   launched("gather_rows_kernel");
 }
 
-void greedy(const float* x, int32_t* ids, float* logprobs, int64_t rows, int64_t cols,
-            cudaStream_t stream) {
+void sample(const float* x, const row_sampling* params, int32_t* ids, float* logprobs,
+            int64_t rows, int64_t cols, cudaStream_t stream) {
   if (rows == 0)
     return;
-  greedy_kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, ids, logprobs, cols);
-  launched("greedy_kernel");
+  sample_kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, params, ids, logprobs,
+                                                                      cols);
+  launched("sample_kernel");
 }
 
 void to_half(const float* x, void* y, dtype type, int64_t n, cudaStream_t stream) {

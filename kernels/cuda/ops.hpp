@@ -43,10 +43,13 @@ void add(float* y, const float* x, int64_t n, cudaStream_t stream);
 void gather_rows(const int32_t* ids, const void* table, dtype type, float* out, int64_t rows,
                  int64_t dim, cudaStream_t stream);
 
-/// For each of `rows` rows of `cols`: the index of the largest value (the first on ties)
-/// and its log-softmax.
-void greedy(const float* x, int32_t* ids, float* logprobs, int64_t rows, int64_t cols,
-            cudaStream_t stream);
+/// For each of `rows` rows of `cols` logits, the token `params[row]` picks and its
+/// log-softmax: the largest (the first on ties) at temperature 0; else the draw of
+/// `choose_token` (model/sampler.hpp), with the top-k and top-p cuts found by bisection on
+/// the value instead of a sort (ties at a cut are all kept) and `u` found in the running sum
+/// in token order. One block per row.
+void sample(const float* x, const row_sampling* params, int32_t* ids, float* logprobs,
+            int64_t rows, int64_t cols, cudaStream_t stream);
 
 /// y[i] = x[i] rounded to `type` (f16 or bf16, to nearest even).
 void to_half(const float* x, void* y, dtype type, int64_t n, cudaStream_t stream);
