@@ -45,6 +45,7 @@ struct row_sampling {
   float top_p = 1.0f;
   float u = 0.0f;
 };
+static_assert(sizeof(row_sampling) % sizeof(float) == 0, "laid out in 4-byte units");
 
 /// Calls recorded once by `backend::capture`, run again by `replay` with the same arguments
 /// (the memory they name must still be there; its contents may change).

@@ -495,7 +495,7 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
         p.temperature = group.sampling.temperature;
         p.top_k = group.sampling.top_k;
         p.top_p = group.sampling.top_p;
-        p.u = static_cast<float>(draw_uniform(group.sampling, seq.seq_id, step_of(seq), st.rng));
+        p.u = draw_uniform(group.sampling, seq.seq_id, step_of(seq), st.rng);
       }
       params.push_back(p);
     }

@@ -10,9 +10,10 @@
 namespace troupe {
 
 void check_sampling(const sampling_params& params) {
-  if (params.top_p <= 0.0f || params.top_p > 1.0f)
+  // Written so that NaN fails too.
+  if (!(params.top_p > 0.0f && params.top_p <= 1.0f))
     throw error{errc::invalid_argument, "top_p must be in (0, 1], got " + std::to_string(params.top_p)};
-  if (params.temperature < 0.0f)
+  if (!(params.temperature >= 0.0f))
     throw error{errc::invalid_argument,
                 "temperature must be >= 0, got " + std::to_string(params.temperature)};
 }
@@ -21,16 +22,20 @@ bool is_greedy(const sampling_params& params) {
   return params.temperature < 1e-5f;
 }
 
-double draw_uniform(const sampling_params& params, int64_t seq_id, int64_t step,
-                    std::mt19937_64& rng) {
+float draw_uniform(const sampling_params& params, int64_t seq_id, int64_t step,
+                   std::mt19937_64& rng) {
   std::uniform_real_distribution<double> uniform{0.0, 1.0};
+  double u;
   if (params.seed >= 0) {
     std::seed_seq seq{static_cast<uint64_t>(params.seed), static_cast<uint64_t>(seq_id),
                       static_cast<uint64_t>(step)};
     std::mt19937_64 seeded{seq};
-    return uniform(seeded);
+    u = uniform(seeded);
+  } else {
+    u = uniform(rng);
   }
-  return uniform(rng);
+  // A double just below 1 rounds to 1.0f, which would put u × mass at the very end.
+  return std::min(static_cast<float>(u), std::nextafter(1.0f, 0.0f));
 }
 
 int64_t choose_token(const float* logits, int64_t vocab, float temperature, int32_t top_k,
@@ -42,9 +47,16 @@ int64_t choose_token(const float* logits, int64_t vocab, float temperature, int3
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
   });
+  // Tokens tied with the last one kept are kept too, at both cuts (as the GPU's threshold
+  // cuts do).
+  auto with_ties = [&](size_t n) {
+    while (n < static_cast<size_t>(vocab) && logits[order[n]] == logits[order[n - 1]])
+      ++n;
+    return n;
+  };
   auto keep = static_cast<size_t>(vocab);
-  if (top_k > 0)
-    keep = std::min(keep, static_cast<size_t>(top_k));
+  if (top_k > 0 && top_k < vocab)
+    keep = with_ties(static_cast<size_t>(top_k));
   std::vector<double> weight(static_cast<size_t>(vocab), 0.0);
   double total = 0;
   for (size_t i = 0; i < keep; ++i) {
@@ -62,8 +74,13 @@ int64_t choose_token(const float* logits, int64_t vocab, float temperature, int3
       if (mass >= top_p * total)
         break;
     }
-    for (size_t i = cut; i < keep; ++i)
-      weight[order[i]] = 0.0;
+    cut = std::min(with_ties(cut), keep);
+    mass = 0;
+    for (size_t i = 0; i < keep; ++i) {
+      if (i >= cut)
+        weight[order[i]] = 0.0;
+      mass += weight[order[i]];
+    }
     total = mass;
   }
   // The draw, in token order.
@@ -96,9 +113,8 @@ sequence_output sample_token(const float* logits, int64_t vocab, const sampling_
   if (is_greedy(params))
     chosen = std::max_element(logits, logits + vocab) - logits;
   else
-    // u as a float, as the device samplers get it, so that both pick alike.
     chosen = choose_token(logits, vocab, params.temperature, params.top_k, params.top_p,
-                          static_cast<float>(draw_uniform(params, seq_id, step, rng)));
+                          draw_uniform(params, seq_id, step, rng));
   sequence_output out;
   out.parent_seq_id = seq_id;
   out.output_token = static_cast<int32_t>(chosen);

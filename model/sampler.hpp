@@ -25,15 +25,16 @@ void check_sampling(const sampling_params& params);
 /// Whether `params` pick the most likely token.
 bool is_greedy(const sampling_params& params);
 
-/// The uniform number in [0, 1) of one draw: from (seed, sequence, step) when the request
-/// has a seed, else from `rng`.
-double draw_uniform(const sampling_params& params, int64_t seq_id, int64_t step,
-                    std::mt19937_64& rng);
+/// The uniform number in [0, 1) of one draw, as a float (what the device samplers take):
+/// from (seed, sequence, step) when the request has a seed, else from `rng`.
+float draw_uniform(const sampling_params& params, int64_t seq_id, int64_t step,
+                   std::mt19937_64& rng);
 
 /// The token a draw `u` in [0, 1) picks: the tokens kept are the `top_k` most likely (all
 /// when top_k <= 0) and of those the fewest most likely whose probability (at
-/// `temperature`) reaches `top_p`; `u` × their mass is then found in the running sum of
-/// their probabilities in token order (the order a GPU kernel can follow too).
+/// `temperature`) reaches `top_p`, each cut keeping the tokens tied with its last one;
+/// `u` × their mass is then found in the running sum of their probabilities in token order
+/// (the order a GPU kernel can follow too).
 int64_t choose_token(const float* logits, int64_t vocab, float temperature, int32_t top_k,
                      float top_p, double u);
 

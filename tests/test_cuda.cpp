@@ -159,11 +159,11 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
   auto dlogits = upload(dev, logits);
   auto dsampled = upload(dev, std::vector<int32_t>(rows));
   auto dlogprob = zeros(rows);
-  for (float u : {0.013f, 0.21f, 0.5f, 0.77f, 0.994f}) {
+  for (float u : {0.013f, 0.21f, 0.5f, 0.77f, 0.994f, 0x1.fffffep-1f}) {
     std::vector<row_sampling> params(rows);
     params[1] = {0.8f, 50, 1.0f, u};
     params[3] = {1.0f, -1, 0.9f, u};
-    params[4] = {0.7f, 20, 0.8f, u};
+    params[4] = {1.0f, 200, 0.8f, u};
     std::vector<int32_t> want_ids(rows);
     std::vector<float> want_logprob(rows);
     cpu->sample(logits.data(), rows, vocab, params.data(), want_ids.data(), want_logprob.data());
@@ -171,6 +171,27 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
     gpu->sample(dlogits, rows, vocab, upload(dev, params), dsampled, dlogprob);
     CHECK_MESSAGE(download(dev, dsampled, rows) == want_ids, "u = " << u);
     CHECK(max_relative_error(download(dev, dlogprob, rows), want_logprob) < 1e-4);
+  }
+  // Ties at a cut (all are kept), -inf logits, top-k 1 and a top-k above the vocabulary.
+  const int64_t small = 1000;
+  std::vector<float> special(4 * small, 0.5f);
+  auto noise = random_floats(small, 25);
+  for (int64_t i = 0; i < small; ++i) {
+    special[small + i] = i % 2 ? -INFINITY : noise[i];
+    special[2 * small + i] = noise[i];
+    special[3 * small + i] = noise[i];
+  }
+  auto dspecial = upload(dev, special);
+  auto dspecial_ids = upload(dev, std::vector<int32_t>(4));
+  auto dspecial_logprobs = zeros(4);
+  for (float u : {0.05f, 0.45f, 0.95f}) {
+    std::vector<row_sampling> params{{1.0f, 20, 1.0f, u}, {0.9f, 20, 0.5f, u},
+                                     {1.0f, 1, 1.0f, u}, {1.0f, 5000, 0.7f, u}};
+    std::vector<int32_t> want_ids(4);
+    std::vector<float> want_logprob(4);
+    cpu->sample(special.data(), 4, small, params.data(), want_ids.data(), want_logprob.data());
+    gpu->sample(dspecial, 4, small, upload(dev, params), dspecial_ids, dspecial_logprobs);
+    CHECK_MESSAGE(download(dev, dspecial_ids, 4) == want_ids, "u = " << u);
   }
 
   // GEMMs: float32 (plain and accumulating), and half-precision weights, whose reference

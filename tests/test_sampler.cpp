@@ -96,3 +96,19 @@ TEST_CASE("a draw walks the kept tokens in token order") {
   // Without cuts every token can be drawn, in token order.
   CHECK(choose_token(logits.data(), 4, 1.0f, -1, 1.0f, 0.0) == 0);
 }
+
+TEST_CASE("the cuts keep tokens tied with their last, and NaN parameters are refused") {
+  std::vector<float> logits{1.0f, 3.0f, 2.0f, 2.0f, 0.0f};
+  // top-k 2 keeps 3.0 and both 2.0s: the draw reaches token 3 only if ties are kept.
+  CHECK(choose_token(logits.data(), 5, 1.0f, 2, 1.0f, 0.999) == 3);
+  std::mt19937_64 rng{1};
+  sampling_params nan_temperature;
+  nan_temperature.temperature = std::nanf("");
+  CHECK_THROWS_AS(sample_token(logits.data(), 5, nan_temperature, 0, 0, rng), error);
+  sampling_params nan_top_p;
+  nan_top_p.temperature = 1.0f;
+  nan_top_p.top_p = std::nanf("");
+  CHECK_THROWS_AS(sample_token(logits.data(), 5, nan_top_p, 0, 0, rng), error);
+  // The largest draw stays below the whole mass.
+  CHECK(draw_uniform(nan_top_p, 0, 0, rng) < 1.0f);
+}

@@ -133,6 +133,12 @@ struct min_op {
   }
 };
 
+// A key that orders like the float it is made of (-inf lowest, +inf highest).
+__device__ uint32_t order_key(float v) {
+  uint32_t bits = __float_as_uint(v);
+  return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+}
+
 // The block's reduction of one value per thread (blockDim.x == threads); every thread gets
 // the result. `shared` is free again when it returns.
 template <class Op>
@@ -196,62 +202,50 @@ __global__ void sample_kernel(const float* x, const row_sampling* params, int32_
   if (p.temperature >= 1e-5f) {
     float inv_t = 1.0f / p.temperature;
     auto weight = [&](float v) { return expf((v - max_value) * inv_t); };
-    // Tokens with a logit >= cut are kept.
+    // Tokens whose key is at least `cut` are kept; keys order like the logits, ±inf
+    // included, so a bisection over them ends on a logit exactly, in 32 halvings.
     float lowest = INFINITY;
     for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
       lowest = fminf(lowest, in[i]);
-    float cut = block_reduce(lowest, scratch, min_op{});
-    // The smallest logit at or above `bound`: the cut a bisection converged to.
-    auto snap = [&](float bound) {
-      float m = INFINITY;
-      for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
-        if (in[i] >= bound)
-          m = fminf(m, in[i]);
-      return block_reduce(m, scratch, min_op{});
+    uint32_t cut = order_key(block_reduce(lowest, scratch, min_op{}));
+    // The largest key k in [cut, key(max)] with holds(k); holds(cut) is true and holds
+    // is monotone.
+    auto largest = [&](auto holds) {
+      uint32_t lo = cut;
+      uint32_t hi = order_key(max_value);
+      while (lo < hi) {
+        uint32_t mid = lo + (hi - lo + 1) / 2;
+        if (holds(mid))
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      return lo;
     };
-    if (p.top_k > 0 && p.top_k < cols) {
-      // Keeps count(logit >= lo) >= top_k.
-      float lo = cut;
-      float hi = max_value;
-      for (int it = 0; it < 48; ++it) {
-        float mid = 0.5f * (lo + hi);
+    if (p.top_k > 0 && p.top_k < cols)
+      cut = largest([&](uint32_t k) {
         float count = 0.0f;
         for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
-          count += in[i] >= mid ? 1.0f : 0.0f;
-        if (block_reduce(count, scratch, add_op{}) >= static_cast<float>(p.top_k))
-          lo = mid;
-        else
-          hi = mid;
-      }
-      cut = snap(lo);
-    }
+          count += order_key(in[i]) >= k ? 1.0f : 0.0f;
+        return block_reduce(count, scratch, add_op{}) >= static_cast<float>(p.top_k);
+      });
+    auto mass_from = [&](uint32_t k) {
+      float m = 0.0f;
+      for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
+        if (order_key(in[i]) >= k)
+          m += weight(in[i]);
+      return block_reduce(m, scratch, add_op{});
+    };
     if (p.top_p < 1.0f) {
-      auto mass_from = [&](float bound) {
-        float m = 0.0f;
-        for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
-          if (in[i] >= bound)
-            m += weight(in[i]);
-        return block_reduce(m, scratch, add_op{});
-      };
       float need = p.top_p * mass_from(cut);
-      // Keeps mass(logit >= lo) >= need.
-      float lo = cut;
-      float hi = max_value;
-      for (int it = 0; it < 48; ++it) {
-        float mid = 0.5f * (lo + hi);
-        if (mass_from(mid) >= need)
-          lo = mid;
-        else
-          hi = mid;
-      }
-      cut = snap(lo);
+      cut = largest([&](uint32_t k) { return mass_from(k) >= need; });
     }
     int64_t chunk = (cols + blockDim.x - 1) / blockDim.x;
     int64_t begin = threadIdx.x * chunk;
     int64_t end = begin + chunk < cols ? begin + chunk : cols;
     float local = 0.0f;
     for (int64_t i = begin; i < end; ++i)
-      if (in[i] >= cut)
+      if (order_key(in[i]) >= cut)
         local += weight(in[i]);
     scratch[threadIdx.x] = local;
     __syncthreads();
@@ -261,29 +255,31 @@ __global__ void sample_kernel(const float* x, const row_sampling* params, int32_
         prefix[t] = running;
         running += scratch[t];
       }
-      prefix[0] = 0.0f;
       scratch[0] = running; // the kept mass, read below by every thread
     }
     __syncthreads();
-    float total = scratch[0];
-    float target = p.u * total;
-    // The last thread with kept tokens takes a target that rounding put past the end.
+    // u < 1 (the host clamps it; so does this) and the top token's weight is 1, so the
+    // target lies below the mass and exactly one chunk holds it.
+    float target = fminf(p.u, 0x1.fffffep-1f) * scratch[0];
     bool mine = local > 0.0f && prefix[threadIdx.x] <= target
-                && (target < prefix[threadIdx.x] + local
-                    || (threadIdx.x + 1 == blockDim.x || prefix[threadIdx.x + 1] >= total));
+                && target < prefix[threadIdx.x] + local;
     __syncthreads();
     if (mine) {
       float acc = prefix[threadIdx.x];
-      int64_t last = begin;
+      int64_t last = -1;
       for (int64_t i = begin; i < end; ++i) {
-        if (in[i] < cut)
+        if (order_key(in[i]) < cut)
           continue;
-        acc += weight(in[i]);
+        float w = weight(in[i]);
+        if (w == 0.0f)
+          continue;
+        acc += w;
         last = i;
         if (acc > target)
           break;
       }
-      pick = last;
+      if (last >= 0)
+        pick = last;
     }
     __syncthreads();
   }
