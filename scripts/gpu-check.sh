@@ -65,10 +65,12 @@ if [ "$mode" = bundle ]; then
   tar -C "$log/bundle" -xJf "$bundle" 2> /dev/null \
     || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
       "$bundle" "$log/bundle" || exit 1
-  # CUDA's own libraries, wherever this machine keeps them (toolkit or Python wheels).
-  cuda_dirs=$(find /usr/local /usr/lib /opt \( -name 'libcudart.so.13' -o -name 'libcublas.so.13' \
-      -o -name 'libcublasLt.so.13' -o -name 'libnccl.so.2' \) 2> /dev/null \
-    | xargs -r -n1 dirname | sort -u | paste -sd:)
+  # CUDA's own libraries, wherever this machine keeps them: the toolkit's first (so that
+  # cuBLAS and cuBLASLt come from one place), then Python wheels (NCCL).
+  cuda_dirs=$(for where in /usr/local/cuda* /usr/local /usr/lib /opt; do
+      find "$where" \( -name 'libcudart.so.13' -o -name 'libcublas.so.13' \
+        -o -name 'libcublasLt.so.13' -o -name 'libnccl.so.2' \) 2> /dev/null
+    done | xargs -r -n1 dirname | awk '!seen[$0]++' | paste -sd:)
   export LD_LIBRARY_PATH=$log/bundle/lib:$cuda_dirs:${LD_LIBRARY_PATH:-}
   export TROUPE_SOURCE_DIR=$root
   if ldd "$bin"/* | grep "not found"; then
