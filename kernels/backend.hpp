@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <vector>
 
@@ -76,24 +77,28 @@ public:
     return 0;
   }
 
-  /// Whether `gemm_nt` takes weights of type `t`.
+  /// Whether the GEMMs take weights of type `t`.
   virtual bool computes_in(dtype t) const = 0;
 
-  /// y[m×n] = x[m×k] · w[n×k]ᵀ (+ y when `accumulate`), accumulating in float32.
-  virtual void gemm_nt(const float* x, const void* w, dtype w_type, float* y, int64_t m,
-                       int64_t n, int64_t k, bool accumulate = false) = 0;
-
-  /// One of several GEMMs that share their input.
+  /// One of several GEMMs that share their input: y[m×n] = x · wᵀ (+ y when `accumulate`).
   struct gemm_output {
     const void* w;
     float* y;
     int64_t n;
+    bool accumulate = false;
   };
 
   /// y_i[m×n_i] = x[m×k] · w_iᵀ for every output, weights all of type `w_type` (q/k/v, or
-  /// gate/up): half-precision weights need the activations converted only once.
+  /// gate/up), accumulating in float32: half-precision weights need the activations
+  /// converted only once.
   virtual void gemm_nt_shared(const float* x, dtype w_type, int64_t m, int64_t k,
-                              const std::vector<gemm_output>& outputs) = 0;
+                              std::initializer_list<gemm_output> outputs) = 0;
+
+  /// y[m×n] = x[m×k] · w[n×k]ᵀ (+ y when `accumulate`): one GEMM of its own.
+  void gemm_nt(const float* x, const void* w, dtype w_type, float* y, int64_t m, int64_t n,
+               int64_t k, bool accumulate = false) {
+    gemm_nt_shared(x, w_type, m, k, {gemm_output{w, y, n, accumulate}});
+  }
 
   /// y = x / rms(x) · weight, per row of `rows` × `dim`.
   virtual void rms_norm(const float* x, const float* weight, float* y, int64_t rows,

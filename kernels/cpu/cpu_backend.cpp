@@ -18,19 +18,14 @@ public:
     return t == dtype::f32;
   }
 
-  void gemm_nt(const float* x, const void* w, dtype w_type, float* y, int64_t m, int64_t n,
-               int64_t k, bool accumulate) override {
+  void gemm_nt_shared(const float* x, dtype w_type, int64_t m, int64_t k,
+                      std::initializer_list<gemm_output> outputs) override {
     if (w_type != dtype::f32)
       throw error{errc::unsupported,
                   std::string{"the CPU device computes with float32 weights, not "}
                     + dtype_name(w_type)};
-    cpu::gemm_nt(x, static_cast<const float*>(w), y, m, n, k, accumulate);
-  }
-
-  void gemm_nt_shared(const float* x, dtype w_type, int64_t m, int64_t k,
-                      const std::vector<gemm_output>& outputs) override {
     for (auto& o : outputs)
-      gemm_nt(x, o.w, w_type, o.y, m, o.n, k, false);
+      cpu::gemm_nt(x, static_cast<const float*>(o.w), o.y, m, o.n, k, o.accumulate);
   }
 
   void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,

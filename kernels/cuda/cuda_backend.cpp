@@ -87,29 +87,17 @@ public:
     return true;
   }
 
-  void gemm_nt(const float* x, const void* w, dtype w_type, float* y, int64_t m, int64_t n,
-               int64_t k, bool accumulate) override {
-    if (w_type == dtype::f32) {
-      cuda::gemm_nt(blas_, x, static_cast<const float*>(w), y, m, n, k, accumulate);
-      return;
-    }
-    auto count = m * k;
-    auto x_half = scratch(half_, static_cast<size_t>(count) * element_size(w_type));
-    cuda::to_half(x, x_half, w_type, count, dev_.stream());
-    cuda::gemm_nt_half(blas_, x_half, w, w_type, y, m, n, k, accumulate);
-  }
-
   void gemm_nt_shared(const float* x, dtype w_type, int64_t m, int64_t k,
-                      const std::vector<gemm_output>& outputs) override {
+                      std::initializer_list<gemm_output> outputs) override {
     if (w_type == dtype::f32) {
       for (auto& o : outputs)
-        cuda::gemm_nt(blas_, x, static_cast<const float*>(o.w), o.y, m, o.n, k);
+        cuda::gemm_nt(blas_, x, static_cast<const float*>(o.w), o.y, m, o.n, k, o.accumulate);
       return;
     }
     auto x_half = scratch(half_, static_cast<size_t>(m * k) * element_size(w_type));
     cuda::to_half(x, x_half, w_type, m * k, dev_.stream());
     for (auto& o : outputs)
-      cuda::gemm_nt_half(blas_, x_half, o.w, w_type, o.y, m, o.n, k);
+      cuda::gemm_nt_half(blas_, x_half, o.w, w_type, o.y, m, o.n, k, o.accumulate);
   }
 
   void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,
