@@ -29,6 +29,16 @@ void read_rows(const tensor_view& t, int64_t row0, int64_t rows, float* dst) {
   to_float(t.type, t.data + offset, dst, static_cast<size_t>(rows * cols));
 }
 
+/// The width of a step's block tables for sequences of up to `blocks` blocks: rounded up to
+/// a power of two, so that decode steps keep one layout (and one captured graph) while
+/// their sequences grow.
+int64_t table_width(int64_t blocks) {
+  int64_t width = 1;
+  while (width < blocks)
+    width *= 2;
+  return width;
+}
+
 /// Places a tensor of `bytes` at the end of an allocation of `total` bytes (256-byte aligned,
 /// as cuBLAS prefers); returns its offset.
 size_t pack(size_t& total, size_t bytes) {
@@ -265,7 +275,14 @@ llama_model::step_layout llama_model::layout_of(int64_t T, int64_t S, int64_t se
     l.total += (size + 63) / 64 * 64;
     return at;
   };
-  l.ints = take(4 * T + seqs * max_blocks + S);
+  l.ids = 0;
+  l.positions = T;
+  l.slots = 2 * T;
+  l.token_seq = 3 * T;
+  l.tables = 4 * T;
+  l.samples = l.tables + seqs * max_blocks;
+  l.int_count = l.samples + S;
+  l.ints = take(l.int_count);
   l.rope = take(T * cfg_.head_dim); // cos and sin, head_dim / 2 each
   l.x = take(T * H);
   l.h = take(T * H);
@@ -286,9 +303,7 @@ llama_model::step_layout llama_model::layout_of(int64_t T, int64_t S, int64_t se
 
 void llama_model::reserve(int64_t tokens, int64_t seqs, int64_t max_len, int64_t block_size,
                           int64_t max_lora_rank) {
-  int64_t max_blocks = 1;
-  while (max_blocks < (max_len + block_size - 1) / block_size)
-    max_blocks *= 2;
+  auto max_blocks = table_width((max_len + block_size - 1) / block_size);
   auto layout = layout_of(tokens, std::min(seqs, tokens), std::min(seqs, tokens), max_blocks,
                           max_lora_rank);
   workspace(static_cast<size_t>(layout.total) * sizeof(float));
@@ -558,45 +573,30 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   // ids, positions, cache slots, each token's sequence, the sequences' block tables and the
   // sampled rows (int32), and the rotary tables (float).
   const auto seqs = static_cast<int64_t>(tables.size());
-  // Rounded up to a power of two, so that decode steps keep one layout (and one captured
-  // graph) while their sequences grow.
-  int64_t max_blocks = 1;
-  while (max_blocks < *std::max_element(table_blocks.begin(), table_blocks.end()))
-    max_blocks *= 2;
-  std::vector<int32_t> ints(static_cast<size_t>(4 * T + seqs * max_blocks + S));
-  auto ids_at = ints.data();
-  auto positions_at = ids_at + T;
-  auto slots_at = positions_at + T;
-  auto token_seq_at = slots_at + T;
-  auto tables_at = token_seq_at + T;
-  auto samples_at = tables_at + seqs * max_blocks;
+  const auto max_blocks =
+    table_width(*std::max_element(table_blocks.begin(), table_blocks.end()));
+  auto parts = layout_of(T, S, seqs, max_blocks, max_lora_rank);
+  std::vector<int32_t> ints(static_cast<size_t>(parts.int_count));
   for (int64_t s = 0; s < seqs; ++s)
-    std::copy(tables[s], tables[s] + table_blocks[s], tables_at + s * max_blocks);
+    std::copy(tables[s], tables[s] + table_blocks[s], &ints[parts.tables + s * max_blocks]);
   std::vector<float> rope(static_cast<size_t>(2 * T * half));
   for (int64_t t = 0; t < T; ++t) {
     auto& tok = tokens[t];
-    ids_at[t] = tok.id;
-    positions_at[t] = tok.position;
-    slots_at[t] = tables[tok.seq][tok.position / bs] * static_cast<int32_t>(bs)
-                  + tok.position % static_cast<int32_t>(bs);
-    token_seq_at[t] = tok.seq;
+    ints[parts.ids + t] = tok.id;
+    ints[parts.positions + t] = tok.position;
+    ints[parts.slots + t] = tables[tok.seq][tok.position / bs] * static_cast<int32_t>(bs)
+                            + tok.position % static_cast<int32_t>(bs);
+    ints[parts.token_seq + t] = tok.seq;
     rope_tables(tok.position, &rope[t * half], &rope[(T + t) * half]);
   }
-  std::copy(sample_token_rows.begin(), sample_token_rows.end(), samples_at);
+  std::copy(sample_token_rows.begin(), sample_token_rows.end(), &ints[parts.samples]);
 
-  auto parts = layout_of(T, S, seqs, max_blocks, max_lora_rank);
   auto base = static_cast<float*>(workspace(static_cast<size_t>(parts.total) * sizeof(float)));
   auto at = [&](int64_t offset) { return base + offset; };
   auto int_at = [&](int64_t offset) { return reinterpret_cast<int32_t*>(at(offset)); };
   dev_.copy(at(parts.ints), ints.data(), ints.size() * sizeof(int32_t));
   dev_.copy(at(parts.rope), rope.data(), rope.size() * sizeof(float));
   auto d_ints = int_at(parts.ints);
-  const int32_t* d_ids = d_ints;
-  const int32_t* d_positions = d_ints + T;
-  const int32_t* d_slots = d_positions + T;
-  const int32_t* d_token_seq = d_slots + T;
-  const int32_t* d_tables = d_token_seq + T;
-  const int32_t* d_samples = d_tables + seqs * max_blocks;
   const float* d_cos = at(parts.rope);
   const float* d_sin = d_cos + T * half;
   auto x = at(parts.x);
@@ -610,18 +610,8 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   auto mid = at(parts.mid);
   auto& be = *backend_;
 
-  // A prompt adapter's virtual tokens take the first positions of the prompt.
-  auto embed = [&] {
-    be.gather_rows(d_ids, embed_.data(), weight_type_, x, T, H);
-    if (!adapters.prompt.empty())
-      for (int64_t t = 0; t < T; ++t) {
-        auto* virtual_tokens = adapters.prompt[tokens[t].group];
-        if (virtual_tokens && tokens[t].position < virtual_tokens->num_virtual_tokens)
-          dev_.copy(x + t * H, virtual_tokens->table.as<float>() + tokens[t].position * H,
-                    static_cast<size_t>(H) * sizeof(float));
-      }
-  };
-
+  auto last = at(parts.last);
+  auto logits = at(parts.logits);
   // y[T×out] += B·(A·x[T×in]) for the tokens of each run whose adapter adapts `proj`.
   auto apply_lora = [&](size_t layer, projection proj, const float* in, int64_t in_width,
                         float* out, int64_t out_width) {
@@ -639,10 +629,10 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
       all_reduce_(buf, static_cast<size_t>(count));
   };
   paged_layout layout;
-  layout.block_tables = d_tables;
+  layout.block_tables = d_ints + parts.tables;
   layout.max_blocks = max_blocks;
-  layout.token_seq = d_token_seq;
-  layout.positions = d_positions;
+  layout.token_seq = d_ints + parts.token_seq;
+  layout.positions = d_ints + parts.positions;
   layout.block_size = bs;
   layout.heads = local_heads_;
   layout.kv_heads = local_kv_;
@@ -653,9 +643,18 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   const auto eps = static_cast<float>(cfg_.rms_norm_eps);
 
-  auto last = at(parts.last);
-  auto logits = at(parts.logits);
-  auto layers_and_head = [&] {
+  // The step's device work: embeddings, the layers, the head.
+  auto compute = [&] {
+    be.gather_rows(d_ints + parts.ids, embed_.data(), weight_type_, x, T, H);
+    // A prompt adapter's virtual tokens take the first positions of the prompt.
+    if (!adapters.prompt.empty())
+      for (int64_t t = 0; t < T; ++t) {
+        auto* virtual_tokens = adapters.prompt[tokens[t].group];
+        if (virtual_tokens && tokens[t].position < virtual_tokens->num_virtual_tokens)
+          dev_.copy(x + t * H, virtual_tokens->table.as<float>() + tokens[t].position * H,
+                    static_cast<size_t>(H) * sizeof(float));
+      }
+
     // The residual adds are fused with the norm that follows them: the input norm of the
     // next layer, or the post-attention norm.
     be.rms_norm(x, layers_.front().input_norm.as<float>(), h, T, H, eps);
@@ -675,7 +674,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
         be.add_bias(v, l.v_bias.as<float>(), T, kv_width);
       }
       be.rotary(q, local_heads_, k, local_kv_, T, D, d_cos, d_sin);
-      be.write_kv(k, v, cache.keys(layer), cache.values(layer), d_slots, T, kv_width);
+      be.write_kv(k, v, cache.keys(layer), cache.values(layer), d_ints + parts.slots, T, kv_width);
       be.paged_attention(q, attn, cache.keys(layer), cache.values(layer), layout, T, scale);
       be.gemm_nt(attn, l.o.data(), weight_type_, h, T, H, q_width);
       apply_lora(li, projection::o, attn, q_width, h, H);
@@ -695,7 +694,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
         be.add(x, h, T * H);
     }
 
-    be.gather_rows(d_samples, x, dtype::f32, last, S, H);
+    be.gather_rows(d_ints + parts.samples, x, dtype::f32, last, S, H);
     be.rms_norm(last, final_norm_.as<float>(), h, S, H, eps);
     auto& head = cfg_.tie_word_embeddings ? embed_ : lm_head_;
     be.gemm_nt(h, head.data(), weight_type_, logits, S, V, H);
@@ -708,8 +707,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   bool replayable = capture_ && world_ == 1 && decode_only && T <= 512 && lora_runs.empty()
                     && adapters.prompt.empty();
   if (!replayable) {
-    embed();
-    layers_and_head();
+    compute();
   } else {
     step_shape shape{T,
                      S,
@@ -723,10 +721,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
     if (found == captured_.end() && seen_.count(shape) > 0 && uncapturable_.count(shape) == 0) {
       if (captured_.size() >= 64)
         forget_captured();
-      if (auto calls = backend_->capture([&] {
-            embed();
-            layers_and_head();
-          }))
+      if (auto calls = backend_->capture(compute))
         found = captured_.emplace(shape, std::move(calls)).first;
       else
         uncapturable_.insert(shape);
@@ -737,8 +732,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
       if (seen_.size() >= 256 || uncapturable_.size() >= 256)
         forget_captured();
       seen_.insert(shape);
-      embed();
-      layers_and_head();
+      compute();
     }
   }
   logits_ = logits;

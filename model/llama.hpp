@@ -183,8 +183,11 @@ private:
   void* workspace(size_t bytes);
 
   /// Where a step's parts lie in the workspace, in 4-byte units (each 256-byte aligned):
-  /// the metadata (int32s, then the rotary tables), then the activations.
+  /// the metadata (`int_count` int32s, then the rotary tables), then the activations. The
+  /// int32 metadata's arrays (token ids, positions, cache slots, each token's sequence, the
+  /// block tables, the sampled rows) are at their offsets within it.
   struct step_layout {
+    int64_t ids, positions, slots, token_seq, tables, samples, int_count;
     int64_t ints, rope, x, h, q, k, v, attn, gate, up, mid, last, logits, sampling, sampled_ids,
       sampled_logprobs, total;
   };
