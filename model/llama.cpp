@@ -157,14 +157,15 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       auto parent = proj <= projection::o ? "self_attn." : "mlp.";
       jobs.push_back({weights[n], p + parent + module_name(proj) + ".weight", {sh.out, sh.in},
                       sh.by_rows ? part::rows : part::cols, sh.start, sh.count, wt});
-    }
-    if (cfg_.attention_bias) {
-      tensor_slot* biases[] = {&l.q_bias, &l.k_bias, &l.v_bias};
-      for (size_t n = 0; n < 3; ++n) {
-        auto proj = static_cast<projection>(n);
-        auto sh = shard_of(proj);
-        jobs.push_back({biases[n], p + "self_attn." + module_name(proj) + ".bias", {sh.out},
-                        part::rows, sh.start, sh.count, f32});
+      if (proj == projection::v && cfg_.attention_bias) {
+        tensor_slot* biases[] = {&l.q_bias, &l.k_bias, &l.v_bias};
+        for (size_t b = 0; b < 3; ++b) {
+          auto biased = static_cast<projection>(b);
+          auto bias_shard = shard_of(biased);
+          jobs.push_back({biases[b], p + "self_attn." + module_name(biased) + ".bias",
+                          {bias_shard.out}, part::rows, bias_shard.start, bias_shard.count,
+                          f32});
+        }
       }
     }
   }
@@ -227,6 +228,9 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     if (progress)
       progress(n + 1, jobs.size());
   }
+  held_.clear();
+  for (size_t n = 0; n < jobs.size(); ++n)
+    held_.push_back({jobs[n].name, local_shapes[n], jobs[n].type, jobs[n].slot->ptr});
 }
 
 llama_model::shard llama_model::shard_of(projection p) const {
@@ -420,37 +424,6 @@ prompt_embeddings llama_model::load_prompt_adapter(const std::string& path,
   read_rows(t, 0, t.shape[0], table.data());
   out.table = device_buffer(dev_, table.size() * sizeof(float), memory_tag::weights);
   upload(out.table.data(), table, dtype::f32);
-  return out;
-}
-
-std::vector<llama_model::local_tensor> llama_model::tensors() const {
-  const auto H = cfg_.hidden_size;
-  const auto D = cfg_.head_dim;
-  const auto f32 = dtype::f32;
-  const auto wt = weight_type_;
-  std::vector<local_tensor> out;
-  out.push_back({"model.embed_tokens.weight", {cfg_.vocab_size, H}, wt, embed_.data()});
-  out.push_back({"model.norm.weight", {H}, f32, final_norm_.data()});
-  if (!cfg_.tie_word_embeddings)
-    out.push_back({"lm_head.weight", {cfg_.vocab_size, H}, wt, lm_head_.data()});
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    auto& l = layers_[i];
-    auto p = "model.layers." + std::to_string(i) + ".";
-    out.push_back({p + "input_layernorm.weight", {H}, f32, l.input_norm.data()});
-    out.push_back({p + "post_attention_layernorm.weight", {H}, f32, l.post_norm.data()});
-    out.push_back({p + "self_attn.q_proj.weight", {local_heads_ * D, H}, wt, l.q.data()});
-    out.push_back({p + "self_attn.k_proj.weight", {local_kv_ * D, H}, wt, l.k.data()});
-    out.push_back({p + "self_attn.v_proj.weight", {local_kv_ * D, H}, wt, l.v.data()});
-    if (cfg_.attention_bias) {
-      out.push_back({p + "self_attn.q_proj.bias", {local_heads_ * D}, f32, l.q_bias.data()});
-      out.push_back({p + "self_attn.k_proj.bias", {local_kv_ * D}, f32, l.k_bias.data()});
-      out.push_back({p + "self_attn.v_proj.bias", {local_kv_ * D}, f32, l.v_bias.data()});
-    }
-    out.push_back({p + "self_attn.o_proj.weight", {H, local_heads_ * D}, wt, l.o.data()});
-    out.push_back({p + "mlp.gate_proj.weight", {local_inter_, H}, wt, l.gate.data()});
-    out.push_back({p + "mlp.up_proj.weight", {local_inter_, H}, wt, l.up.data()});
-    out.push_back({p + "mlp.down_proj.weight", {H, local_inter_}, wt, l.down.data()});
-  }
   return out;
 }
 

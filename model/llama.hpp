@@ -151,8 +151,10 @@ public:
     const void* data = nullptr;
   };
 
-  /// Every weight this rank holds.
-  std::vector<local_tensor> tensors() const;
+  /// Every weight this rank holds, as the last `load` placed them.
+  const std::vector<local_tensor>& tensors() const {
+    return held_;
+  }
 
   /// Copies `t`'s elements to the host.
   std::vector<char> download(const local_tensor& t) const;
@@ -231,6 +233,7 @@ private:
   tensor_slot final_norm_;
   tensor_slot lm_head_; // empty when tied
   std::vector<layer_weights> layers_;
+  std::vector<local_tensor> held_;
   all_reduce_fn all_reduce_;
   /// Activations and step metadata, under `memory_tag::kv_cache` (it sleeps with the cache).
   device_buffer workspace_;

@@ -554,7 +554,7 @@ void model_worker::save_sharded_state(const sharded_state_request& request) {
   // Parts of at most max_size bytes; a tensor larger than that gets a part to itself.
   std::vector<safetensors_writer> parts(1);
   // The tensors on the host, in their own types (the writers refer to them).
-  auto tensors = st.model->tensors();
+  const auto& tensors = st.model->tensors();
   std::vector<std::vector<char>> host;
   host.reserve(tensors.size());
   int64_t used = 0;
