@@ -2,6 +2,7 @@
 
 #include "troupe/errors.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -43,14 +44,18 @@ kv_cache::kv_cache(device& dev, int64_t layers, int64_t kv_heads, int64_t head_d
 
 void kv_cache::validate(int64_t layers, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                         int64_t device_blocks, int64_t swap_blocks) {
-  // A step addresses cache slots (block × block_size + offset) as int32.
-  if (device_blocks > 0 && block_size > std::numeric_limits<int32_t>::max() / device_blocks)
+  if (device_blocks > max_device_blocks(block_size))
     throw error{errc::invalid_argument, "KV cache: " + std::to_string(device_blocks) +
                                           " device blocks of " + std::to_string(block_size) +
                                           " slots cannot be addressed"};
   auto per_block = bytes_per_block(layers, kv_heads, head_dim, block_size);
   checked_bytes(per_block, device_blocks, "device");
   checked_bytes(per_block, swap_blocks, "swap");
+}
+
+int64_t kv_cache::max_device_blocks(int64_t block_size) {
+  // A step addresses cache slots (block × block_size + offset) as int32.
+  return std::numeric_limits<int32_t>::max() / std::max<int64_t>(1, block_size);
 }
 
 int64_t kv_cache::bytes_per_block(int64_t layers, int64_t kv_heads, int64_t head_dim,

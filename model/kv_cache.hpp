@@ -22,6 +22,9 @@ public:
   static void validate(int64_t layers, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                        int64_t device_blocks, int64_t swap_blocks);
 
+  /// The most device blocks of `block_size` slots a step can address (slots are int32).
+  static int64_t max_device_blocks(int64_t block_size);
+
   /// Bytes one block takes across all layers, keys and values.
   static int64_t bytes_per_block(int64_t layers, int64_t kv_heads, int64_t head_dim,
                                  int64_t block_size);

@@ -401,10 +401,9 @@ cache_blocks model_worker::determine_num_available_blocks() {
                     " free bytes, less a profiled step of " + std::to_string(step) +
                     " bytes, holds no block of " + std::to_string(block_bytes) + " bytes"};
   }
-  // A step addresses cache slots (block × block_size + offset) as int32.
-  auto most = std::numeric_limits<int32_t>::max() / context().block_size;
-  return {std::min<int64_t>(budget / block_bytes, most),
-          std::min<int64_t>(options_.swap_space_bytes / block_bytes, most)};
+  auto most = kv_cache::max_device_blocks(context().block_size);
+  return {std::min(budget / block_bytes, most),
+          std::min(options_.swap_space_bytes / block_bytes, most)};
 }
 
 void model_worker::initialize_cache(const cache_blocks& blocks) {

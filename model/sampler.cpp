@@ -18,6 +18,14 @@ void check_sampling(const sampling_params& params) {
                 "temperature must be >= 0, got " + std::to_string(params.temperature)};
 }
 
+float log_partition(const float* logits, int64_t vocab) {
+  float max_logit = *std::max_element(logits, logits + vocab);
+  double sum = 0;
+  for (int64_t i = 0; i < vocab; ++i)
+    sum += std::exp(static_cast<double>(logits[i] - max_logit));
+  return static_cast<float>(max_logit + std::log(sum));
+}
+
 bool is_greedy(const sampling_params& params) {
   return params.temperature < 1e-5f;
 }
@@ -102,11 +110,7 @@ sequence_output sample_token(const float* logits, int64_t vocab, const sampling_
                              int64_t seq_id, int64_t step, std::mt19937_64& rng) {
   check_sampling(params);
   // log-softmax of the model's distribution, for the reported logprobs.
-  float max_logit = *std::max_element(logits, logits + vocab);
-  double sum = 0;
-  for (int64_t i = 0; i < vocab; ++i)
-    sum += std::exp(static_cast<double>(logits[i] - max_logit));
-  auto log_z = static_cast<float>(max_logit + std::log(sum));
+  auto log_z = log_partition(logits, vocab);
   auto logprob = [&](int64_t i) { return logits[i] - log_z; };
 
   int64_t chosen = 0;

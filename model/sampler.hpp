@@ -18,6 +18,9 @@ namespace troupe {
 sequence_output sample_token(const float* logits, int64_t vocab, const sampling_params& params,
                              int64_t seq_id, int64_t step, std::mt19937_64& rng);
 
+/// log Σ exp(logits): a logit less this is its log-softmax (the logprob reported).
+float log_partition(const float* logits, int64_t vocab);
+
 /// Throws `invalid_argument` naming the parameter for a temperature below 0 or a top_p
 /// outside (0, 1].
 void check_sampling(const sampling_params& params);

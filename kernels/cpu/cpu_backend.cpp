@@ -4,6 +4,7 @@
 #include "model/sampler.hpp"
 #include "troupe/errors.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -106,20 +107,11 @@ public:
     for (int64_t r = 0; r < rows; ++r) {
       const float* row = logits + r * cols;
       auto& p = params[r];
-      int64_t best = 0;
-      for (int64_t i = 1; i < cols; ++i)
-        if (row[i] > row[best])
-          best = i;
       auto chosen = p.temperature < 1e-5f
-                      ? best
+                      ? std::max_element(row, row + cols) - row // the first of equal maxima
                       : choose_token(row, cols, p.temperature, p.top_k, p.top_p, p.u);
-      double sum = 0;
-      for (int64_t i = 0; i < cols; ++i)
-        sum += std::exp(static_cast<double>(row[i] - row[best]));
-      // As sample_token computes it, so that both paths report the same logprob.
-      auto log_z = static_cast<float>(row[best] + std::log(sum));
       ids[r] = static_cast<int32_t>(chosen);
-      logprobs[r] = row[chosen] - log_z;
+      logprobs[r] = row[chosen] - log_partition(row, cols); // as sample_token reports it
     }
   }
 
