@@ -48,10 +48,7 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
     llm_config cfg;
     cfg.model = o->model;
     cfg.tensor_parallel_size = o->tp;
-    cfg.device = o->device.device;
-    cfg.dtype = o->device.dtype;
-    cfg.gpu_memory_utilization = o->device.gpu_memory_utilization;
-    cfg.enforce_eager = o->device.enforce_eager;
+    apply_device_options(o->device, cfg);
     cfg.max_model_len = o->input_len + o->output_len + 1;
     llm model{cfg};
     auto vocab = checkpoint::config_of(o->model).vocab_size;

@@ -1,6 +1,7 @@
 #pragma once
 
 #include "troupe/config.hpp"
+#include "troupe/llm.hpp"
 #include "troupe/worker.hpp"
 
 #include <CLI/CLI.hpp>
@@ -69,6 +70,9 @@ struct device_options {
 
 /// Adds --device, --dtype, --gpu-memory-utilization and --enforce-eager to `app`.
 void add_device_options(CLI::App& app, device_options& o);
+
+/// Puts the device options into an `llm_config`.
+void apply_device_options(const device_options& o, llm_config& cfg);
 
 /// The worker of `troupe bench rpc` (methods "noop" and "spin").
 std::unique_ptr<worker> make_bench_worker();

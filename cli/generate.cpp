@@ -99,6 +99,13 @@ void add_device_options(CLI::App& app, device_options& o) {
                "Run every step call by call, without CUDA graphs");
 }
 
+void apply_device_options(const device_options& o, llm_config& cfg) {
+  cfg.device = o.device;
+  cfg.dtype = o.dtype;
+  cfg.gpu_memory_utilization = o.gpu_memory_utilization;
+  cfg.enforce_eager = o.enforce_eager;
+}
+
 std::shared_ptr<command> add_generate(CLI::App& app) {
   struct options {
     std::string model;
@@ -197,10 +204,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     llm_config cfg;
     cfg.model = o->model;
     cfg.tensor_parallel_size = o->tp;
-    cfg.device = o->device.device;
-    cfg.dtype = o->device.dtype;
-    cfg.gpu_memory_utilization = o->device.gpu_memory_utilization;
-    cfg.enforce_eager = o->device.enforce_eager;
+    apply_device_options(o->device, cfg);
     cfg.kv_cache_memory_bytes = o->kv_cache_memory;
     cfg.kv_cache_memory_fraction = o->kv_fraction;
     cfg.swap_space_bytes = o->swap_space_mib << 20;

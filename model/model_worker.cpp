@@ -179,11 +179,6 @@ void model_worker::connect_collective(const std::vector<std::vector<std::string>
     st.model->set_all_reduce(st.reduce);
 }
 
-void model_worker::all_reduce(float* data, size_t count) {
-  if (state_->reduce)
-    state_->reduce(data, count);
-}
-
 void model_worker::require_awake(const char* what) {
   for (auto tag : device().sleeping_tags())
     throw error{errc::sleeping, std::string{what} + " while tag " + to_string(tag) +
@@ -459,7 +454,7 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
     if (st.flag.size() == 0)
       st.flag = device_buffer(device(), sizeof(float), memory_tag::kv_cache);
     device().copy(st.flag.data(), &failures, sizeof failures);
-    all_reduce(st.flag.as<float>(), 1);
+    st.reduce(st.flag.as<float>(), 1);
     device().copy(&failures, st.flag.data(), sizeof failures);
     if (failures > 0 && !failed)
       throw error{errc::worker_error, "another rank could not load the step's adapters"};

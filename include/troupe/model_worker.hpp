@@ -113,9 +113,6 @@ private:
   /// keeps; returns the step's peak memory in bytes.
   int64_t profile_step_bytes();
 
-  /// Sums `count` floats of device memory over the ranks (nothing on one rank).
-  void all_reduce(float* data, size_t count);
-
   /// Whether the worker's device is a GPU.
   bool on_gpu() const;
 
