@@ -5,7 +5,6 @@
 #include "troupe/errors.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <vector>
 

@@ -4,8 +4,6 @@
 #include "kernels/cuda/cuda_device.hpp"
 #include "kernels/cuda/ops.hpp"
 
-#include <algorithm>
-
 namespace troupe {
 
 namespace {
@@ -46,6 +44,11 @@ public:
     }
   }
 
+  ~cuda_backend() override {
+    cudaStreamSynchronize(dev_.stream());
+    cublasDestroy(blas_);
+  }
+
   std::unique_ptr<captured_calls> capture(const std::function<void()>& record) override {
     auto stream = dev_.stream();
     // Thread-local mode: a call of this thread that cannot be recorded fails (and ends up
@@ -76,11 +79,6 @@ public:
 
   uint64_t scratch_epoch() const override {
     return epoch_;
-  }
-
-  ~cuda_backend() override {
-    cudaStreamSynchronize(dev_.stream());
-    cublasDestroy(blas_);
   }
 
   bool computes_in(dtype) const override {
