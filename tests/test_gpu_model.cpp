@@ -277,6 +277,24 @@ TEST_CASE("tensor parallelism over GPUs with NCCL gives the tokens of one GPU") 
   CHECK(testing::greedy_tokens(exec, c.prompt, c.greedy.size()) == c.greedy);
 }
 
+/// The token ids `requests` generate through `troupe::llm` with a fixture model in float32
+/// on `device`.
+std::vector<std::vector<int32_t>> generated(const std::string& name, const std::string& device,
+                                            bool eager,
+                                            const std::vector<generation_request>& requests) {
+  llm_config cfg;
+  cfg.model = fixtures + "/" + name;
+  cfg.device = device;
+  cfg.dtype = "float32";
+  cfg.enforce_eager = eager;
+  cfg.kv_cache_memory_bytes = 16 << 20;
+  llm model{cfg};
+  std::vector<std::vector<int32_t>> out;
+  for (auto& o : model.generate(requests))
+    out.push_back(o.token_ids);
+  return out;
+}
+
 TEST_CASE("batched decode replayed from CUDA graphs gives transformers' tokens, as eager steps") {
   if (!have_gpu())
     return;
@@ -286,17 +304,10 @@ TEST_CASE("batched decode replayed from CUDA graphs gives transformers' tokens, 
     for (auto& p : ref["prompts"])
       reqs.push_back({"", p["token_ids"].get<std::vector<int32_t>>(), testing::greedy(32), {}});
     for (bool eager : {false, true}) {
-      llm_config cfg;
-      cfg.model = fixtures + "/" + name;
-      cfg.device = "cuda";
-      cfg.dtype = "float32";
-      cfg.enforce_eager = eager;
-      cfg.kv_cache_memory_bytes = 16 << 20;
-      llm model{cfg};
-      auto outs = model.generate(reqs);
+      auto outs = generated(name, "cuda", eager, reqs);
       REQUIRE(outs.size() == reqs.size());
       for (size_t i = 0; i < outs.size(); ++i)
-        CHECK_MESSAGE(outs[i].token_ids == ref["prompts"][i]["greedy"].get<std::vector<int32_t>>(),
+        CHECK_MESSAGE(outs[i] == ref["prompts"][i]["greedy"].get<std::vector<int32_t>>(),
                       name << (eager ? " eager" : " graphs") << " prompt " << i);
     }
   }
@@ -305,8 +316,7 @@ TEST_CASE("batched decode replayed from CUDA graphs gives transformers' tokens, 
 TEST_CASE("seeded sampling on the GPU draws the tokens the CPU draws") {
   if (!have_gpu())
     return;
-  auto name = std::string{"llama-gqa"};
-  auto ref = read_json(fixtures + "/" + name + "/reference.json");
+  auto ref = read_json(fixtures + "/llama-gqa/reference.json");
   std::vector<generation_request> reqs;
   for (auto& p : ref["prompts"]) {
     generation_request r{"", p["token_ids"].get<std::vector<int32_t>>(), testing::greedy(24), {}};
@@ -316,17 +326,5 @@ TEST_CASE("seeded sampling on the GPU draws the tokens the CPU draws") {
     r.sampling.seed = 1234;
     reqs.push_back(r);
   }
-  auto tokens_on = [&](const std::string& device) {
-    llm_config cfg;
-    cfg.model = fixtures + "/" + name;
-    cfg.device = device;
-    cfg.dtype = "float32";
-    cfg.kv_cache_memory_bytes = 16 << 20;
-    llm model{cfg};
-    std::vector<std::vector<int32_t>> out;
-    for (auto& o : model.generate(reqs))
-      out.push_back(o.token_ids);
-    return out;
-  };
-  CHECK(tokens_on("cuda") == tokens_on("cpu"));
+  CHECK(generated("llama-gqa", "cuda", false, reqs) == generated("llama-gqa", "cpu", false, reqs));
 }
