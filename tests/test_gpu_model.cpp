@@ -277,6 +277,8 @@ TEST_CASE("tensor parallelism over GPUs with NCCL gives the tokens of one GPU") 
   CHECK(testing::greedy_tokens(exec, c.prompt, c.greedy.size()) == c.greedy);
 }
 
+namespace {
+
 /// The token ids `requests` generate through `troupe::llm` with a fixture model in float32
 /// on `device`.
 std::vector<std::vector<int32_t>> generated(const std::string& name, const std::string& device,
@@ -294,6 +296,8 @@ std::vector<std::vector<int32_t>> generated(const std::string& name, const std::
     out.push_back(o.token_ids);
   return out;
 }
+
+} // namespace
 
 TEST_CASE("batched decode replayed from CUDA graphs gives transformers' tokens, as eager steps") {
   if (!have_gpu())
