@@ -38,9 +38,12 @@ struct paged_layout {
 };
 
 /// How `backend::sample` picks the token of one row: the most likely when `temperature` is
-/// below 1e-5, else a draw at `temperature` among the `top_k` most likely (all when <= 0)
+/// below `greedy_below`, else a draw at `temperature` among the `top_k` most likely (all when <= 0)
 /// cut to `top_p` of their mass, with `u` in [0, 1).
 struct row_sampling {
+  /// Temperatures below this pick the most likely token (vLLM's `_SAMPLING_EPS`).
+  static constexpr float greedy_below = 1e-5f;
+
   float temperature = 0.0f;
   int32_t top_k = -1;
   float top_p = 1.0f;

@@ -1,5 +1,6 @@
 #include "model/sampler.hpp"
 
+#include "kernels/backend.hpp"
 #include "troupe/errors.hpp"
 
 #include <algorithm>
@@ -27,7 +28,7 @@ float log_partition(const float* logits, int64_t vocab) {
 }
 
 bool is_greedy(const sampling_params& params) {
-  return params.temperature < 1e-5f;
+  return params.temperature < row_sampling::greedy_below;
 }
 
 float draw_uniform(const sampling_params& params, int64_t seq_id, int64_t step,

@@ -106,7 +106,7 @@ public:
     for (int64_t r = 0; r < rows; ++r) {
       const float* row = logits + r * cols;
       auto& p = params[r];
-      auto chosen = p.temperature < 1e-5f
+      auto chosen = p.temperature < row_sampling::greedy_below
                       ? std::max_element(row, row + cols) - row // the first of equal maxima
                       : choose_token(row, cols, p.temperature, p.top_k, p.top_p, p.u);
       ids[r] = static_cast<int32_t>(chosen);

@@ -199,7 +199,7 @@ __global__ void sample_kernel(const float* x, const row_sampling* params, int32_
   sum = block_reduce(sum, scratch, add_op{});
   if (threadIdx.x == 0)
     pick = best;
-  if (p.temperature >= 1e-5f) {
+  if (p.temperature >= row_sampling::greedy_below) {
     float inv_t = 1.0f / p.temperature;
     auto weight = [&](float v) { return expf((v - max_value) * inv_t); };
     // Tokens whose key is at least `cut` are kept; keys order like the logits, ±inf
