@@ -2,6 +2,7 @@
 
 // Helpers of the tests that generate with real models.
 
+#include "tests/skip.hpp"
 #include "troupe/executor.hpp"
 
 #include <nlohmann/json.hpp>
@@ -50,6 +51,16 @@ inline std::filesystem::path cached_smollm2() {
   else if (auto home = std::getenv("HOME"))
     cache = std::filesystem::path{home} / ".cache" / "troupe" / "models";
   return cache / "SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+/// SmolLM2-135M-Instruct from the model cache; when it is not there the test case is
+/// skipped, with the reason, and the path returned is empty.
+inline std::filesystem::path smollm2_or_skip() {
+  auto path = cached_smollm2();
+  if (std::filesystem::exists(path))
+    return path;
+  skip(path.string() + " is not in the model cache (scripts/fetch-smollm2.sh fetches it)");
+  return {};
 }
 
 /// `steps` greedy tokens after `prompt`, one sequence stepping through the executor with

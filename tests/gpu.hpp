@@ -3,6 +3,7 @@
 // Helpers of the gpu suites.
 
 #include "kernels/cuda/cuda_device.hpp"
+#include "tests/skip.hpp"
 
 #include <cuda_runtime_api.h>
 
@@ -12,12 +13,13 @@
 
 namespace troupe::testing {
 
-/// Without a GPU a gpu suite reports itself skipped to ctest (exit code 77), never passed.
+/// Whether a GPU is visible; without one the test case is skipped (ctest sees a skip, never
+/// a pass) and should return.
 inline bool have_gpu() {
   if (cuda_device::count() > 0)
     return true;
-  std::fprintf(stderr, "skipped: no GPU visible\n");
-  std::exit(77);
+  skip("no GPU visible");
+  return false;
 }
 
 /// The source tree: $TROUPE_SOURCE_DIR where set (a bundle run on another machine,

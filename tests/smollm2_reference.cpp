@@ -20,7 +20,8 @@ using namespace troupe;
 int main() {
   auto model = troupe::testing::cached_smollm2();
   if (!std::filesystem::exists(model)) {
-    std::cout << "skipped: " << model << " is not in the cache\n";
+    std::cout << "skipped: " << model.string()
+              << " is not in the model cache (scripts/fetch-smollm2.sh fetches it)\n";
     return 77;
   }
   std::ifstream in{TROUPE_SOURCE_DIR "/tests/fixtures/smollm2-reference.json"};

@@ -135,11 +135,9 @@ TEST_CASE("tiny models on the GPU: transformers' logits and tokens in float32, c
 TEST_CASE("SmolLM2-135M on the GPU: the CPU's greedy tokens, logits within bf16 tolerance") {
   if (!have_gpu())
     return;
-  auto path = testing::cached_smollm2();
-  if (!std::filesystem::exists(path)) {
-    MESSAGE("skipped: " << path << " is not in the cache");
+  auto path = testing::smollm2_or_skip();
+  if (path.empty())
     return;
-  }
   auto cfg = checkpoint::config_of(path.string());
   auto ckpt = checkpoint::from_gguf(path.string(), cfg);
   cpu_device host{0};
@@ -264,10 +262,8 @@ TEST_CASE("the executor on the GPU: greedy tokens and logprobs as on the CPU") {
 TEST_CASE("tensor parallelism over GPUs with NCCL gives the tokens of one GPU") {
   if (!have_gpu())
     return;
-  if (cuda_device::count() < 2) {
-    MESSAGE("skipped: one GPU visible; NCCL needs a GPU per rank");
-    return;
-  }
+  if (cuda_device::count() < 2)
+    return testing::skip("one GPU visible; tensor parallelism over NCCL needs a GPU per rank");
   llama_gqa_case c;
   executor_config cfg;
   cfg.device_kind = "cuda";

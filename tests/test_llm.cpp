@@ -48,11 +48,9 @@ TEST_CASE("a batch of token-id prompts gives transformers' greedy tokens") {
 }
 
 TEST_CASE("SmolLM2: chat prompts and generation as transformers does them") {
-  auto path = testing::cached_smollm2();
-  if (!std::filesystem::exists(path)) {
-    MESSAGE("skipped: " << path << " is not in the cache");
+  auto path = testing::smollm2_or_skip();
+  if (path.empty())
     return;
-  }
   llm_config cfg;
   cfg.model = path.string();
   cfg.kv_cache_memory_bytes = 32 << 20;
