@@ -16,12 +16,16 @@ struct model_runner {
   kv_cache cache;
   sequence_data seq;
 
-  /// 64 blocks of `block_size`, used out of order on purpose.
+  /// 64 blocks of `block_size`, used out of order on purpose. Rank `rank` of `world`
+  /// holds its shard of the model; `reduce` sums over the ranks (needed when `world` > 1).
   model_runner(device& dev, const model_config& cfg, const checkpoint& ckpt,
-               dtype type = dtype::f32, int64_t block_size = 4)
-    : model(cfg, dev, 0, 1, type),
-      cache(dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, 64,
+               dtype type = dtype::f32, int64_t block_size = 4, int32_t rank = 0,
+               int32_t world = 1, all_reduce_fn reduce = {})
+    : model(cfg, dev, rank, world, type),
+      cache(dev, cfg.num_hidden_layers, model.local_kv_heads(), cfg.head_dim, block_size, 64,
             0) {
+    if (reduce)
+      model.set_all_reduce(std::move(reduce));
     model.load(ckpt);
     for (int32_t b = 0; b < 64; ++b)
       seq.block_table.push_back(63 - b);

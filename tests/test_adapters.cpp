@@ -30,7 +30,7 @@ namespace {
 const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
 const std::string base_model = fixtures + "/llama-gqa";
 const std::string adapters = fixtures + "/llama-gqa-adapters";
-const char* lora_names[] = {"lora-all", "lora-qv", "lora-mlp"};
+const std::string lora_names[] = {"lora-all", "lora-qv", "lora-mlp"};
 constexpr int64_t virtual_tokens = 4;
 
 nlohmann::json reference() {
@@ -148,7 +148,7 @@ TEST_CASE("LoRA and prompt-tuning prefill logits match peft within 1e-4") {
   model.load(checkpoint{base_model});
   kv_cache cache{dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, 16, 0};
   double worst = 0;
-  for (auto name : lora_names) {
+  for (auto& name : lora_names) {
     auto weights = model.load_lora(adapters + "/" + name, 16);
     for (size_t i = 0; i < ref["prompts"].size(); ++i) {
       auto logits = prefill_logits(model, cache, prompt_of(ref, i), {{&weights}, {}});

@@ -32,7 +32,7 @@ using troupe::testing::relative_error;
 namespace {
 
 const std::string fixtures = testing::source_dir() + "/tests/fixtures";
-const char* models[] = {"llama-gqa", "llama3-rope-tied", "qwen2-bias", "llama-odd-heads"};
+const std::string models[] = {"llama-gqa", "llama3-rope-tied", "qwen2-bias", "llama-odd-heads"};
 
 /// The prompt's logits (into `prompt_logits`), then `steps` greedy tokens chosen on the
 /// device.
@@ -94,7 +94,7 @@ TEST_CASE("tiny models on the GPU: transformers' logits and tokens in float32, c
   cuda_device dev{0};
   double worst_f32 = 0;
   double worst_bf16 = 0;
-  for (auto name : models) {
+  for (auto& name : models) {
     auto cfg = load_model_config(fixtures + "/" + name);
     checkpoint ckpt{fixtures + "/" + name};
     auto ref = read_json(fixtures + "/" + name + "/reference.json");
@@ -298,7 +298,7 @@ std::vector<std::vector<int32_t>> generated(const std::string& name, const std::
 TEST_CASE("batched decode replayed from CUDA graphs gives transformers' tokens, as eager steps") {
   if (!have_gpu())
     return;
-  for (auto name : {"qwen2-bias", "llama-gqa"}) {
+  for (std::string name : {"qwen2-bias", "llama-gqa"}) {
     auto ref = read_json(fixtures + "/" + name + "/reference.json");
     std::vector<generation_request> reqs;
     for (auto& p : ref["prompts"])
