@@ -124,21 +124,33 @@ struct executor::impl {
       return out;
   }
 
-  /// Proves the secret to node `n` and leases its workers. Throws `worker_died` when the
-  /// node cannot be reached or does not answer in time, `invalid_argument` when it refuses.
-  std::vector<caf::actor> lease(const node_address& n) {
+  /// Proves the secret to node `n` and leases its workers, all before `deadline`. Throws
+  /// `worker_died` when the node cannot be reached or does not answer in time,
+  /// `invalid_argument` when it refuses.
+  std::vector<caf::actor> lease(const node_address& n,
+                                std::chrono::steady_clock::time_point deadline) {
     auto where = "node " + n.host + ":" + std::to_string(n.port);
     logger_release release;
     caf::scoped_actor self{*sys};
-    auto deadline = facade_timeout(cfg.startup_timeout);
+    auto late = "no answer within the startup_timeout of " +
+                std::to_string(cfg.startup_timeout.count() / 1000) + " ms";
+    // Each step gets what is left of the deadline; none starts once it has passed.
+    auto left = [&] {
+      auto rest = std::chrono::duration_cast<std::chrono::microseconds>(
+        deadline - std::chrono::steady_clock::now());
+      if (rest <= std::chrono::microseconds::zero())
+        throw error{errc::worker_died, "cannot reach " + where + ": " + late};
+      return caf::duration{rest};
+    };
     caf::error err;
+    auto why = [&] { return err == caf::sec::request_timeout ? late : render(err); };
     auto fail = [&](caf::error& e) { err = std::move(e); };
-    // Connecting through the middleman's actor, so that the startup deadline bounds it
+    // Connecting through the middleman's actor, so that the deadline bounds it
     // (remote_actor waits as long as TCP's connect does).
     auto manager = cfg.tls_certificate.empty() ? sys->middleman().actor_handle()
                                                : sys->openssl_manager().actor_handle();
     caf::actor gate;
-    self->request(manager, deadline, caf::connect_atom::value, n.host, n.port)
+    self->request(manager, left(), caf::connect_atom::value, n.host, n.port)
       .receive(
         [&](caf::node_id&, caf::strong_actor_ptr& ptr, std::set<std::string>&) {
           gate = caf::actor_cast<caf::actor>(std::move(ptr));
@@ -146,27 +158,26 @@ struct executor::impl {
         fail);
     if (err || !gate)
       throw error{errc::worker_died,
-                  "cannot reach " + where + ": " + (err ? render(err) : "it published nothing")};
+                  "cannot reach " + where + ": " + (err ? why() : "it published nothing")};
     auto checked = [&] {
       if (!err)
         return;
       auto code = err.category() == caf::atom("troupe") ? static_cast<errc>(err.code())
                                                          : errc::worker_died;
-      throw error{code == errc::timeout ? errc::worker_died : code,
-                  where + ": " + render(err)};
+      throw error{code == errc::timeout ? errc::worker_died : code, where + ": " + why()};
     };
     if (!cfg.node_secret.empty()) {
       std::string challenge;
-      self->request(gate, deadline, hello_atom::value)
+      self->request(gate, left(), hello_atom::value)
         .receive([&](std::string& c) { challenge = std::move(c); }, fail);
       checked();
       auto proof = secret_proof(cfg.node_secret, challenge, to_string(sys->node()));
-      self->request(gate, deadline, auth_atom::value, proof).receive([](caf::ok_atom) {}, fail);
+      self->request(gate, left(), auth_atom::value, proof).receive([](caf::ok_atom) {}, fail);
       checked();
     }
     std::vector<caf::actor> leased;
     self
-      ->request(gate, deadline, lease_atom::value, cfg.node_worker_kind, cfg.node_worker_options,
+      ->request(gate, left(), lease_atom::value, cfg.node_worker_kind, cfg.node_worker_options,
                 n.workers, lease_holder)
       .receive([&](std::vector<caf::actor>& ws) { leased = std::move(ws); }, fail);
     checked();
@@ -373,9 +384,11 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     // The nodes watch this actor: when it goes (shutdown, death, lost connection) they
     // release the workers.
     d.lease_holder = d.sys->spawn([]() -> caf::behavior { return {[](caf::ok_atom) {}}; });
+    // startup_timeout bounds the connections and handshakes with every node together.
+    auto deadline = std::chrono::steady_clock::now() + d.cfg.startup_timeout;
     try {
       for (auto& n : d.cfg.nodes)
-        for (auto& w : d.lease(n))
+        for (auto& w : d.lease(n, deadline))
           workers.push_back(std::move(w));
     } catch (...) {
       d.stop();
