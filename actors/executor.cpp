@@ -645,30 +645,36 @@ std::future<void> executor::stop_profile_async() {
 
 namespace {
 
-rpc_call_options sharded_state_call(const std::string& path, const std::string& pattern,
+sharded_state_request sharded_state(const std::string& path, const std::string& pattern,
                                     int64_t max_size) {
   if (path.empty())
     throw error{errc::invalid_argument, "save_sharded_state needs a path"};
   if (max_size < 0)
     throw error{errc::invalid_argument,
                 "save_sharded_state: max_size must be >= 0, got " + std::to_string(max_size)};
-  rpc_call_options opts;
-  opts.args = caf::make_message(sharded_state_request{path, pattern, max_size});
-  return opts;
+  return {path, pattern, max_size};
+}
+
+/// A staged save is two collective calls, each bounded by `t`.
+timeout_type twice(timeout_type t) {
+  return t >= wait_forever / 2 ? wait_forever : 2 * t;
 }
 
 } // namespace
 
 void executor::save_sharded_state(const std::string& path, const std::string& pattern,
                                   int64_t max_size) {
-  collective_rpc("save_sharded_state", sharded_state_call(path, pattern, max_size));
+  auto& d = *impl_;
+  d.ask<void>(twice(d.cfg.rpc_timeout), save_state_atom::value,
+              sharded_state(path, pattern, max_size));
 }
 
 std::future<void> executor::save_sharded_state_async(const std::string& path,
                                                      const std::string& pattern,
                                                      int64_t max_size) {
-  auto f = collective_rpc_async("save_sharded_state", sharded_state_call(path, pattern, max_size));
-  return std::async(std::launch::deferred, [f = std::move(f)]() mutable { f.get(); });
+  auto& d = *impl_;
+  return d.ask_async<void>(twice(d.cfg.rpc_timeout), save_state_atom::value,
+                           sharded_state(path, pattern, max_size));
 }
 
 std::vector<worker_health> executor::worker_healths() {

@@ -10,6 +10,8 @@
 
 #include <caf/all.hpp>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -63,6 +65,8 @@ struct supervisor_state {
   caf::error loop_error;
   /// The loop `loop_error` came from.
   int64_t loop_error_id = 0;
+  /// Staged saves so far (names each one's staging folders).
+  int64_t saves = 0;
   /// Callers of stop_remote_worker_execution_loop waiting for the tasks to end.
   std::vector<caf::response_promise> stop_waiters;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
@@ -447,6 +451,40 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
         }
         return caf::make_message(least);
       });
+      return rp;
+    },
+    // save_sharded_state, all or nothing: every rank writes its files aside; they are moved
+    // into place only once every rank has succeeded, and removed otherwise.
+    [=](save_state_atom, sharded_state_request req) {
+      auto rp = self->make_response_promise();
+      auto& st = self->state;
+      auto token = std::to_string(getpid()) + "-" + std::to_string(++st.saves);
+      auto finish = [=](bool commit, std::function<void(gather_result)> then) {
+        start_gather(self, "save_sharded_state", all_ranks(self),
+                     caf::make_message(call_atom::value, std::string{"finish_sharded_state"},
+                                       caf::make_message(req.path, token, commit),
+                                       caf::settings{}),
+                     self->state.cfg.rpc_timeout, 0, std::move(then));
+      };
+      caf::settings staged;
+      staged["staging"] = token;
+      start_gather(self, "save_sharded_state", all_ranks(self),
+                   caf::make_message(call_atom::value, std::string{"save_sharded_state"},
+                                     caf::make_message(req), std::move(staged)),
+                   st.cfg.rpc_timeout, 0, [=](gather_result res) mutable {
+                     if (!res) {
+                       finish(false, [=, failure = res.error()](gather_result) mutable {
+                         rp.deliver(failure);
+                       });
+                       return;
+                     }
+                     finish(true, [=](gather_result done) mutable {
+                       if (done)
+                         rp.deliver(caf::message{});
+                       else
+                         rp.deliver(done.error());
+                     });
+                   });
       return rp;
     },
     [=](init_cache_atom, cache_blocks blocks) {

@@ -9,6 +9,7 @@
 #include <caf/settings.hpp>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -29,6 +30,14 @@ const T& arg(const caf::message& args, size_t i, const std::string& method,
                                        std::to_string(i) + " of type " + expected + ", got (" +
                                        to_string(args) + ")"};
   return args.get_as<T>(i);
+}
+
+/// Where a rank's part of a staged `save_sharded_state` is written before the executor
+/// commits it: a hidden folder next to the final files, so that the commit is a rename.
+std::filesystem::path staging_dir(const std::string& path, const std::string& token,
+                                  int32_t rank) {
+  return std::filesystem::path{path} /
+         (".troupe-staging-" + token + "-rank-" + std::to_string(rank));
 }
 
 /// An id argument given as int64 or int32.
@@ -377,7 +386,52 @@ void worker::register_builtins() {
     }
     if (req.path.empty())
       throw error{errc::invalid_argument, "save_sharded_state needs a path"};
-    w.save_sharded_state(req);
+    auto token = caf::get_or(kwargs, "staging", std::string{});
+    if (token.empty()) {
+      w.save_sharded_state(req);
+      return caf::message{};
+    }
+    // Staged (the executor's all-or-nothing save): written aside, moved into place by
+    // finish_sharded_state once every rank has succeeded.
+    namespace fs = std::filesystem;
+    if (!fs::is_directory(req.path))
+      throw error{errc::invalid_argument,
+                  "save_sharded_state: '" + req.path + "' is not a directory"};
+    auto staging = staging_dir(req.path, token, w.rank());
+    std::error_code ec;
+    fs::create_directory(staging, ec);
+    if (ec)
+      throw error{errc::invalid_argument, "save_sharded_state: cannot write into '" + req.path +
+                                            "': " + ec.message()};
+    req.path = staging.string();
+    try {
+      w.save_sharded_state(req);
+    } catch (...) {
+      fs::remove_all(staging, ec);
+      throw;
+    }
+    return caf::message{};
+  };
+  // (path, staging token, commit): moves this rank's staged files into `path`, or removes
+  // them; a rank that staged nothing has nothing to do.
+  m["finish_sharded_state"] = [](worker& w, const caf::message& args, const caf::settings&) {
+    namespace fs = std::filesystem;
+    auto& path = arg<std::string>(args, 0, "finish_sharded_state", "string");
+    auto staging = staging_dir(path, arg<std::string>(args, 1, "finish_sharded_state", "string"),
+                               w.rank());
+    std::error_code ec;
+    if (!fs::is_directory(staging, ec))
+      return caf::message{};
+    if (arg<bool>(args, 2, "finish_sharded_state", "bool")) {
+      for (auto& entry : fs::directory_iterator(staging)) {
+        fs::rename(entry.path(), fs::path{path} / entry.path().filename(), ec);
+        if (ec)
+          throw error{errc::invalid_argument, "save_sharded_state: cannot move " +
+                                                entry.path().filename().string() + " into '" +
+                                                path + "': " + ec.message()};
+      }
+    }
+    fs::remove_all(staging, ec);
     return caf::message{};
   };
   m["start_profile"] = [](worker& w, const caf::message&, const caf::settings&) {

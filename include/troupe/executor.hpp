@@ -133,7 +133,10 @@ public:
 
   /// Each worker writes its shard of the weights to `path` (vLLM's `save_sharded_state`);
   /// `pattern` empty means `model-rank-{rank}-part-{part}.safetensors`, `max_size` 0 the
-  /// default file size.
+  /// default file size. All or nothing: the workers write into hidden staging folders in
+  /// `path` and the files are moved into place only once every worker has succeeded; when
+  /// one fails, the others' files are removed and its error is thrown. Blocks for up to
+  /// twice `rpc_timeout` (the writes, then the moves).
   void save_sharded_state(const std::string& path, const std::string& pattern = {},
                           int64_t max_size = 0);
 
