@@ -74,6 +74,8 @@ TEST_CASE("level-1 sleep releases the pages and wake restores weights bit for bi
   auto asleep = rss_bytes();
   CHECK(dev.sleeping_tags().size() == 2);
   CHECK(usage_of(dev, memory_tag::weights, &memory_usage::resident_bytes) == 0);
+  CHECK(testing::resident_bytes(w, n) == 0); // the kernel agrees
+  CHECK(testing::resident_bytes(kv, n) == 0);
   auto backup = usage_of(dev, memory_tag::weights, &memory_usage::backup_bytes);
   CHECK(backup == static_cast<int64_t>(n));
   // Device pages of both tags are gone; the weights now live once, in the backup.
@@ -105,6 +107,8 @@ TEST_CASE("level-2 sleep releases everything with no backup and weights come bac
   dev.sleep(2);
   auto asleep = rss_bytes();
   MESSAGE("RSS " << before / mib << " MiB awake, " << asleep / mib << " MiB asleep");
+  CHECK(testing::resident_bytes(w, n) == 0);
+  CHECK(testing::resident_bytes(kv, n) == 0);
   CHECK(before - asleep >= static_cast<int64_t>(0.9 * static_cast<double>(2 * n)));
   CHECK(usage_of(dev, memory_tag::weights, &memory_usage::backup_bytes) == 0);
   dev.wake_up({memory_tag::weights});

@@ -122,7 +122,7 @@ TEST_CASE("a worker killed mid-call fails the call with worker_died at once and 
   }
   auto took = seconds_since(start);
   MESSAGE("failed " << took << " s after the kill");
-  CHECK(took < 5.0); // far from the 10 s the call would have taken
+  CHECK(took < 1.0); // the death is noticed, not the 10 s call waited out
   start = clock_type::now();
   CHECK(code_of([&] { exec.collective_rpc("rank"); }) == errc::worker_died);
   CHECK(code_of([&] { exec.execute_model({}); }) == errc::worker_died);

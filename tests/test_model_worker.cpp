@@ -2,6 +2,7 @@
 // sleep/wake and reload keep outputs bit-identical, swapped blocks come back unchanged,
 // sharded state is written as vLLM names it, sampling is deterministic for a seed.
 
+#include "model/safetensors.hpp"
 #include "troupe/executor.hpp"
 #include "troupe/model_worker.hpp"
 
@@ -245,19 +246,57 @@ TEST_CASE("a full cache swapped out and back in leaves the outputs unchanged") {
   CHECK_THROWS_AS(exec.execute_model(too_long.request()), error);
 }
 
+/// MemAvailable of /proc/meminfo in bytes: the free memory the CPU device sizes from.
+double mem_available() {
+  std::ifstream meminfo{"/proc/meminfo"};
+  std::string key;
+  double kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit)
+    if (key == "MemAvailable:")
+      return kib * 1024;
+  return 0;
+}
+
 TEST_CASE("without a fixed budget the KV cache is sized from free memory less a profiled step") {
-  executor_config cfg;
-  cfg.block_size = 16;
-  model_worker_options opts;
-  opts.model_path = fixtures + "/llama-gqa";
-  opts.kv_cache_memory_fraction = 0.01;
-  opts.max_num_batched_tokens = 256;
-  opts.max_num_seqs = 4;
-  executor exec{cfg, model_worker_factory(opts)};
-  auto blocks = exec.determine_num_available_blocks();
-  CHECK(blocks.num_device_blocks > 0);
-  CHECK(blocks.num_swap_blocks == 0);
-  exec.initialize_cache(blocks);
+  // llama-gqa: 2 layers x (k, v) x 2 kv heads x head_dim 16 x 16 positions x 4 bytes (one
+  // kv head per rank at tensor parallel size 2).
+  const double block_bytes = 2 * 2 * 2 * 16 * 16 * 4;
+  double least = mem_available();
+  double most = least;
+  auto blocks_for = [&](double fraction, int32_t tp) {
+    executor_config cfg;
+    cfg.block_size = 16;
+    cfg.tensor_parallel_size = tp;
+    model_worker_options opts;
+    opts.model_path = fixtures + "/llama-gqa";
+    opts.kv_cache_memory_fraction = fraction;
+    opts.max_num_batched_tokens = 256;
+    opts.max_num_seqs = 4;
+    executor exec{cfg, model_worker_factory(opts)};
+    least = std::min(least, mem_available());
+    most = std::max(most, mem_available());
+    auto blocks = exec.determine_num_available_blocks();
+    least = std::min(least, mem_available());
+    most = std::max(most, mem_available());
+    CHECK(blocks.num_swap_blocks == 0);
+    exec.initialize_cache(blocks);
+    exec.shutdown();
+    return static_cast<double>(blocks.num_device_blocks);
+  };
+  // The budget is the fraction of the free memory (MemAvailable, bracketed over the test's
+  // drift), shared by the ranks of the process, less a profiled step: at most the share,
+  // and short of it by no more than the step, which for this model's 256-token step is well
+  // under 8 MiB (kv heads split over 2 ranks halve the block).
+  const double step_bound = 8.0 * (1 << 20);
+  auto one = blocks_for(0.01, 1);
+  auto two = blocks_for(0.02, 2);
+  MESSAGE("KV blocks: " << one << " at 1 % (1 rank), " << two << " at 2 % (2 ranks) of "
+                        << least / (1 << 20) << "-" << most / (1 << 20) << " MiB free");
+  for (auto [blocks, bytes] : {std::pair{one, block_bytes}, std::pair{two, block_bytes / 2}}) {
+    CHECK(blocks * bytes <= 0.01 * most);
+    CHECK(blocks * bytes >= 0.01 * least - step_bound);
+  }
 }
 
 TEST_CASE("sharded state is written in vLLM's file names with parts of at most max_size") {
@@ -269,14 +308,31 @@ TEST_CASE("sharded state is written in vLLM's file names with parts of at most m
   CHECK(!fs::exists(dir / "model-rank-0-part-1.safetensors"));
   fs::remove_all(dir);
   fs::create_directories(dir);
-  exec.save_sharded_state(dir.string(), "", 100000);
+  const int64_t max_size = 100000;
+  exec.save_sharded_state(dir.string(), "", max_size);
   size_t parts = 0;
-  for (auto& entry : fs::directory_iterator(dir)) {
-    ++parts;
-    // A part exceeds max_size only when it holds a single tensor larger than that.
-    CHECK(fs::file_size(entry.path()) < 100000 + 70000);
+  size_t tensors = 0;
+  int64_t largest = 0;
+  for (; fs::exists(dir / ("model-rank-0-part-" + std::to_string(parts) + ".safetensors"));
+       ++parts) {
+    safetensors_file part{(dir / ("model-rank-0-part-" + std::to_string(parts) +
+                                  ".safetensors")).string()};
+    int64_t bytes = 0;
+    for (auto& t : part.tensors())
+      bytes += static_cast<int64_t>(t.bytes);
+    largest = std::max(largest, bytes);
+    tensors += part.tensors().size();
+    // The tensor bytes of a part stay within max_size, unless the part is a single tensor
+    // larger than that.
+    CHECK_MESSAGE((bytes <= max_size || part.tensors().size() == 1),
+                  "part " << parts << ": " << part.tensors().size() << " tensors, " << bytes
+                          << " bytes");
   }
   CHECK(parts > 2);
+  CHECK(static_cast<size_t>(std::distance(fs::directory_iterator(dir), {})) == parts);
+  CHECK(tensors == safetensors_file{fixtures + "/llama-gqa/model.safetensors"}.tensors().size());
+  MESSAGE(parts << " parts of at most " << largest << " tensor bytes (max_size " << max_size
+                << ")");
   fs::remove_all(dir);
   CHECK_THROWS_AS(exec.save_sharded_state("/nonexistent/dir"), error);
 }

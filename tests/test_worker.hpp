@@ -4,6 +4,7 @@
 // deterministic "model" step, adapter bookkeeping, and extra named methods that let tests
 // provoke delays, failures and concurrency.
 
+#include "tests/rss.hpp"
 #include "troupe/errors.hpp"
 #include "troupe/worker.hpp"
 
@@ -133,7 +134,8 @@ public:
   }
 
   void save_sharded_state(const sharded_state_request& req) override {
-    auto path = req.path + "/test-rank-" + std::to_string(rank()) + ".bin";
+    auto dir = save_dir_.empty() ? req.path : save_dir_;
+    auto path = dir + "/test-rank-" + std::to_string(rank()) + ".bin";
     std::ofstream out{path, std::ios::binary};
     if (!out)
       throw error{errc::invalid_argument, "cannot write '" + path + "'"};
@@ -199,6 +201,11 @@ private:
       int64_t n = std::count_if(p, p + self.kv_.size(), [](unsigned char c) { return c != 0; });
       return caf::make_message(n);
     });
+    register_method("resident_bytes", [](worker& w, const caf::message&, const caf::settings&) {
+      auto& self = static_cast<test_worker&>(w);
+      return caf::make_message(resident_bytes(self.weights_.data(), self.weights_.size()) +
+                               resident_bytes(self.kv_.data(), self.kv_.size()));
+    });
     register_method("reload_weights", [](worker& w, const caf::message&, const caf::settings&) {
       static_cast<test_worker&>(w).fill_weights();
       return caf::message{};
@@ -218,6 +225,13 @@ private:
                                              const caf::settings&) {
       if (w.rank() == int_arg(args, 0, 0))
         static_cast<test_worker&>(w).fail_next_sleep_ = true;
+      return caf::message{};
+    });
+    // (rank, dir): that rank writes its sharded state into `dir` instead, as a rank whose
+    // machine has another file system would.
+    register_method("save_into_on", [](worker& w, const caf::message& args, const caf::settings&) {
+      if (w.rank() == int_arg(args, 0, 0))
+        static_cast<test_worker&>(w).save_dir_ = args.get_as<std::string>(1);
       return caf::message{};
     });
     register_method("fail_next_step_on", [](worker& w, const caf::message& args,
@@ -257,6 +271,7 @@ private:
   bool fail_next_step_ = false;
   int32_t step_delay_ms_ = 0;
   bool fail_next_sleep_ = false;
+  std::string save_dir_;
 };
 
 /// The code of the troupe::error that `f` throws; errc::none when it throws nothing.
