@@ -376,9 +376,11 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
   // logger_release).
   caf::logger::set_current_actor_system(nullptr);
   std::vector<caf::actor> workers;
+  std::vector<worker_place> places;
   for (int32_t i = 0; i < local_count; ++i) {
     workers.push_back(spawn_worker(*d.sys, factory));
     d.local_workers.push_back(workers.back());
+    places.emplace_back();
   }
   if (!d.cfg.nodes.empty()) {
     // The nodes watch this actor: when it goes (shutdown, death, lost connection) they
@@ -388,8 +390,10 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     auto deadline = std::chrono::steady_clock::now() + d.cfg.startup_timeout;
     try {
       for (auto& n : d.cfg.nodes)
-        for (auto& w : d.lease(n, deadline))
+        for (auto& w : d.lease(n, deadline)) {
           workers.push_back(std::move(w));
+          places.push_back({"node", n.host, n.port});
+        }
     } catch (...) {
       d.stop();
       throw;
@@ -405,8 +409,9 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
       throw error{errc::worker_died, what};
     }
     workers.push_back(*handle);
+    places.push_back({"worker host", rw.host, rw.port});
   }
-  d.supervisor = spawn_supervisor(*d.sys, d.cfg, std::move(workers));
+  d.supervisor = spawn_supervisor(*d.sys, d.cfg, std::move(workers), std::move(places));
   try {
     d.infos = d.ask<std::vector<worker_info>>(d.cfg.startup_timeout, init_atom::value);
   } catch (...) {

@@ -3,6 +3,8 @@
 
 #include "actors/executor_actor.hpp"
 
+#include "actors/remoting.hpp"
+
 #include "actors/log.hpp"
 #include "actors/sleep_state.hpp"
 #include "messages/messages.hpp"
@@ -49,6 +51,7 @@ using gather_ptr = std::shared_ptr<gather>;
 struct supervisor_state {
   executor_config cfg;
   std::vector<caf::actor> workers;
+  std::vector<worker_place> places;
   /// Set when a worker went down or the executor shut down; every call fails with it.
   caf::error failure;
   uint64_t next_id = 1;
@@ -320,8 +323,16 @@ void on_worker_down(supervisor_self* self, const caf::down_msg& msg) {
       rank = static_cast<int32_t>(i);
   if (rank < 0 || st.failure)
     return;
-  st.failure = caf::make_error(errc::worker_died, "rank " + std::to_string(rank) +
-                                                    " went down: " + render(msg.reason));
+  auto what = "rank " + std::to_string(rank);
+  auto why = render(msg.reason);
+  auto& place = st.places[static_cast<size_t>(rank)];
+  if (!place.host.empty()) {
+    what += " on " + place.kind + " " + place.host + ":" + std::to_string(place.port);
+    // CAF says only that the connection is gone; asking the peer's port again tells how.
+    if (msg.reason == caf::exit_reason::remote_link_unreachable)
+      why = why_connection_lost(place.host, place.port, !st.cfg.tls_certificate.empty());
+  }
+  st.failure = caf::make_error(errc::worker_died, what + " went down: " + why);
   st.log->error("{}", render(st.failure));
   auto pending = std::move(st.pending);
   st.pending.clear();
@@ -332,10 +343,11 @@ void on_worker_down(supervisor_self* self, const caf::down_msg& msg) {
 }
 
 caf::behavior supervisor(supervisor_self* self, executor_config cfg,
-                         std::vector<caf::actor> workers) {
+                         std::vector<caf::actor> workers, std::vector<worker_place> places) {
   auto& st = self->state;
   st.cfg = std::move(cfg);
   st.workers = std::move(workers);
+  st.places = std::move(places);
   for (auto& w : st.workers)
     self->monitor(w);
   self->set_down_handler([=](caf::down_msg& msg) { on_worker_down(self, msg); });
@@ -730,8 +742,9 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
 } // namespace
 
 caf::actor spawn_supervisor(caf::actor_system& sys, const executor_config& cfg,
-                            std::vector<caf::actor> workers) {
-  return sys.spawn(supervisor, cfg, std::move(workers));
+                            std::vector<caf::actor> workers, std::vector<worker_place> places) {
+  places.resize(workers.size());
+  return sys.spawn(supervisor, cfg, std::move(workers), std::move(places));
 }
 
 } // namespace troupe

@@ -5,15 +5,25 @@
 #include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
 
+#include <string>
 #include <vector>
 
 namespace troupe {
 
-/// Spawns the supervisor: it monitors `workers` (rank order, local or remote), scatters
+/// Where a worker runs, for the report of its death: `host` is empty for a worker of this
+/// process, else the `kind` of peer ("node", "worker host") at `host`:`port`.
+struct worker_place {
+  std::string kind;
+  std::string host;
+  uint16_t port = 0;
+};
+
+/// Spawns the supervisor: it monitors `workers` (rank order, local or remote; `places` says
+/// where each runs), scatters
 /// and gathers every collective call, runs the distributed execution loop and keeps the
 /// sleep/wake state machine. Its message interface is private to the facade
 /// (`actors/executor.cpp`); the handlers are documented there.
 caf::actor spawn_supervisor(caf::actor_system& sys, const executor_config& cfg,
-                            std::vector<caf::actor> workers);
+                            std::vector<caf::actor> workers, std::vector<worker_place> places);
 
 } // namespace troupe

@@ -16,6 +16,13 @@ void configure_heartbeats(caf::actor_system_config& cfg, timeout_type timeout);
 /// given; throws `invalid_argument` for part of them.
 bool wants_tls(const std::string& certificate, const std::string& key, const std::string& ca);
 
+/// Why the connection to a peer at `host`:`port` (a node or a worker host) was lost, found
+/// by connecting to it again for at most about half a second: its process has exited
+/// (the port refuses), it is stopped or hung (it accepts but says nothing: the heartbeat
+/// timeout), it is up and closed the connection itself, or it cannot be reached at all.
+/// `tls`: the peer speaks TLS, so it never speaks first and the last two look alike.
+std::string why_connection_lost(const std::string& host, uint16_t port, bool tls);
+
 /// Loads caf-openssl with the certificate, key and CA (the middleman must be loaded).
 void configure_tls(caf::actor_system_config& cfg, const std::string& certificate,
                    const std::string& key, const std::string& ca);

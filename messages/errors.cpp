@@ -61,6 +61,8 @@ std::string render(const caf::error& err) {
     result = to_string(static_cast<errc>(err.code()));
   else if (err.category() == caf::atom("system"))
     result = "caf: " + to_string(static_cast<caf::sec>(err.code()));
+  else if (err.category() == caf::atom("exit"))
+    result = "exit: " + to_string(static_cast<caf::exit_reason>(err.code()));
   else
     result = to_string(err.category()) + ": " + std::to_string(err.code());
   auto ctx = context_of(err.context());
