@@ -2,247 +2,338 @@
 
 #include "troupe/errors.hpp"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
+#include <boost/asio.hpp>
+#include <boost/asio/ssl.hpp>
 
+#include <openssl/ssl.h>
+
+#include <array>
 #include <cerrno>
-#include <algorithm>
 #include <cstring>
+#include <list>
+#include <thread>
 #include <vector>
 
 namespace troupe {
 
 namespace {
 
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+using local_socket = asio::local::stream_protocol::socket;
+using tls_stream = asio::ssl::stream<tcp::socket>;
+
 /// Size of a BASP header: operation, 2 padding bytes, flags, payload length (u32), operation
 /// data (u64), source and destination actor ids (u64 each), integers in network order.
 constexpr size_t basp_header_size = 32;
 constexpr size_t payload_length_offset = 4;
 
-bool read_full(int fd, char* data, size_t size) {
-  while (size > 0) {
-    auto n = ::read(fd, data, size);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0)
-      return false;
-    data += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
+/// How long accepting pauses when the process is out of file descriptors.
+constexpr auto accept_backoff = std::chrono::milliseconds(100);
 
-bool write_full(int fd, const char* data, size_t size) {
-  while (size > 0) {
-    auto n = ::send(fd, data, size, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0)
-      return false;
-    data += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
+/// What every relay of a gateway needs.
+struct relay_settings {
+  uint64_t max_frame_bytes = 0;
+  timeout_type handshake_timeout{0};
+  frame_gateway::connect_fn connect;
+  std::shared_ptr<spdlog::logger> log;
+};
 
-void no_delay(int fd) {
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+struct relay_base {
+  virtual ~relay_base() = default;
+  virtual void close() = 0;
+};
+
+/// One peer's connection and its private connection to the middleman. Upstream (peer to
+/// middleman) goes frame by frame, each payload streamed through a fixed buffer once its
+/// header passed the bound; downstream goes as it comes. Any error or close on either side
+/// closes both.
+template <class Stream>
+class relay : public relay_base, public std::enable_shared_from_this<relay<Stream>> {
+public:
+  relay(Stream client, std::string peer, std::shared_ptr<const relay_settings> settings)
+    : client_(std::move(client)),
+      server_(client_.get_executor()),
+      deadline_(client_.get_executor()),
+      peer_(std::move(peer)),
+      settings_(std::move(settings)) {
+  }
+
+  /// Starts relaying; a TLS stream first completes its handshake within the deadline.
+  void start() {
+    if constexpr (std::is_same_v<Stream, tls_stream>) {
+      auto self = this->shared_from_this();
+      deadline_.expires_after(settings_->handshake_timeout);
+      deadline_.async_wait([self](const boost::system::error_code& ec) {
+        if (!ec) {
+          self->settings_->log->warn("closed {}: no TLS handshake within {} ms", self->peer_,
+                                    self->settings_->handshake_timeout.count() / 1000);
+          self->close();
+        }
+      });
+      client_.async_handshake(asio::ssl::stream_base::server,
+                              [self](const boost::system::error_code& ec) {
+                                self->deadline_.cancel();
+                                if (ec) {
+                                  self->settings_->log->warn("refused {}: TLS handshake failed: {}",
+                                                            self->peer_, ec.message());
+                                  self->close();
+                                  return;
+                                }
+                                self->relay_to_middleman();
+                              });
+    } else {
+      relay_to_middleman();
+    }
+  }
+
+  void close() override {
+    if (closed_)
+      return;
+    closed_ = true;
+    settings_->log->info("connection from {} closed", peer_);
+    boost::system::error_code ec;
+    deadline_.cancel();
+    client_.lowest_layer().close(ec);
+    server_.close(ec);
+  }
+
+private:
+  void relay_to_middleman() {
+    int fd = settings_->connect();
+    if (fd < 0) {
+      settings_->log->error("connection from {}: cannot reach the middleman", peer_);
+      close();
+      return;
+    }
+    boost::system::error_code ec;
+    server_.assign(asio::local::stream_protocol{}, fd, ec);
+    if (ec) {
+      ::close(fd);
+      close();
+      return;
+    }
+    read_header();
+    read_downstream();
+  }
+
+  void read_header() {
+    auto self = this->shared_from_this();
+    asio::async_read(client_, asio::buffer(header_),
+                     [self](const boost::system::error_code& ec, size_t) {
+                       if (ec)
+                         return self->close();
+                       uint32_t net_length = 0;
+                       std::memcpy(&net_length, self->header_.data() + payload_length_offset,
+                                   sizeof net_length);
+                       uint64_t length = ntohl(net_length);
+                       if (length > self->settings_->max_frame_bytes) {
+                         self->settings_->log->warn(
+                           "refused {}: a message of {} bytes, above the bound of {}", self->peer_,
+                           length, self->settings_->max_frame_bytes);
+                         return self->close();
+                       }
+                       self->remaining_ = length;
+                       asio::async_write(self->server_, asio::buffer(self->header_),
+                                         [self](const boost::system::error_code& ec, size_t) {
+                                           if (ec)
+                                             return self->close();
+                                           self->read_payload();
+                                         });
+                     });
+  }
+
+  void read_payload() {
+    if (remaining_ == 0)
+      return read_header();
+    auto self = this->shared_from_this();
+    auto chunk = static_cast<size_t>(std::min<uint64_t>(remaining_, up_.size()));
+    client_.async_read_some(
+      asio::buffer(up_.data(), chunk), [self](const boost::system::error_code& ec, size_t n) {
+        if (ec)
+          return self->close();
+        self->remaining_ -= n;
+        asio::async_write(self->server_, asio::buffer(self->up_.data(), n),
+                          [self](const boost::system::error_code& ec, size_t) {
+                            if (ec)
+                              return self->close();
+                            self->read_payload();
+                          });
+      });
+  }
+
+  void read_downstream() {
+    auto self = this->shared_from_this();
+    server_.async_read_some(asio::buffer(down_),
+                            [self](const boost::system::error_code& ec, size_t n) {
+                              if (ec)
+                                return self->close();
+                              asio::async_write(self->client_, asio::buffer(self->down_.data(), n),
+                                                [self](const boost::system::error_code& ec,
+                                                       size_t) {
+                                                  if (ec)
+                                                    return self->close();
+                                                  self->read_downstream();
+                                                });
+                            });
+  }
+
+  Stream client_;
+  local_socket server_;
+  asio::steady_timer deadline_;
+  std::string peer_;
+  std::shared_ptr<const relay_settings> settings_;
+  std::array<char, basp_header_size> header_{};
+  uint64_t remaining_ = 0;
+  bool closed_ = false;
+  std::vector<char> up_ = std::vector<char>(64 << 10);
+  std::vector<char> down_ = std::vector<char>(64 << 10);
+};
+
+bool out_of_descriptors(const boost::system::error_code& ec) {
+  return ec == asio::error::no_descriptors || ec.value() == ENFILE ||
+         ec == asio::error::no_buffer_space || ec == asio::error::no_memory;
 }
 
 } // namespace
 
-frame_gateway::frame_gateway(const std::string& host, uint16_t port, uint16_t target_port,
-                             uint64_t max_frame_bytes, std::shared_ptr<spdlog::logger> log)
-  : target_port_(target_port), max_frame_bytes_(max_frame_bytes), log_(std::move(log)) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  addrinfo* found = nullptr;
-  auto service = std::to_string(port);
-  if (getaddrinfo(host.c_str(), service.c_str(), &hints, &found) != 0 || !found)
-    throw error{errc::worker_error, "node: cannot resolve '" + host + "'"};
-  std::string why;
-  for (auto* a = found; a && listener_ < 0; a = a->ai_next) {
-    int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
-    if (fd < 0)
-      continue;
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 64) == 0) {
-      listener_ = fd;
-      sockaddr_storage bound{};
-      socklen_t len = sizeof(bound);
-      getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-      port_ = ntohs(bound.ss_family == AF_INET6
-                      ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                      : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+struct frame_gateway::impl {
+  asio::io_context io;
+  tcp::acceptor acceptor{io};
+  asio::steady_timer backoff{io};
+  std::unique_ptr<asio::ssl::context> tls;
+  std::shared_ptr<const relay_settings> settings;
+  /// The relays alive, to close at stop; expired ones are dropped as new ones come.
+  std::list<std::weak_ptr<relay_base>> relays;
+  std::thread thread;
+  bool stopped = false;
+
+  void accept() {
+    acceptor.async_accept([this](const boost::system::error_code& ec, tcp::socket socket) {
+      if (!acceptor.is_open())
+        return;
+      if (ec) {
+        if (out_of_descriptors(ec)) {
+          // Retrying at once would spin: the error stays until a descriptor is freed.
+          settings->log->warn("cannot accept a connection: {}; pausing {} ms", ec.message(),
+                             accept_backoff.count());
+          backoff.expires_after(accept_backoff);
+          backoff.async_wait([this](const boost::system::error_code& e) {
+            if (!e)
+              accept();
+          });
+          return;
+        }
+        return accept();
+      }
+      start_relay(std::move(socket));
+      accept();
+    });
+  }
+
+  void start_relay(tcp::socket socket) {
+    boost::system::error_code ec;
+    auto from = socket.remote_endpoint(ec);
+    auto peer = ec ? std::string{"?"}
+                   : from.address().to_string() + ":" + std::to_string(from.port());
+    socket.set_option(tcp::no_delay(true), ec);
+    settings->log->info("connection from {}", peer);
+    relays.remove_if([](const std::weak_ptr<relay_base>& r) { return r.expired(); });
+    std::shared_ptr<relay_base> r;
+    if (tls) {
+      auto t = std::make_shared<relay<tls_stream>>(tls_stream{std::move(socket), *tls},
+                                                   std::move(peer), settings);
+      t->start();
+      r = t;
     } else {
-      why = std::strerror(errno);
-      close(fd);
+      auto p = std::make_shared<relay<tcp::socket>>(std::move(socket), std::move(peer), settings);
+      p->start();
+      r = p;
+    }
+    relays.push_back(r);
+  }
+};
+
+frame_gateway::frame_gateway(const std::string& host, uint16_t port,
+                             std::optional<gateway_tls> tls, uint64_t max_frame_bytes,
+                             timeout_type handshake_timeout, connect_fn connect,
+                             std::shared_ptr<spdlog::logger> log)
+  : impl_(std::make_unique<impl>()) {
+  auto& d = *impl_;
+  d.settings = std::make_shared<const relay_settings>(
+    relay_settings{max_frame_bytes, handshake_timeout, std::move(connect), std::move(log)});
+  auto where = host + ":" + std::to_string(port);
+  if (tls) {
+    try {
+      using ctx = asio::ssl::context;
+      d.tls = std::make_unique<ctx>(ctx::tls_server);
+      d.tls->set_options(ctx::default_workarounds | ctx::no_sslv2 | ctx::no_sslv3 |
+                         ctx::no_tlsv1 | ctx::no_tlsv1_1);
+      d.tls->use_certificate_chain_file(tls->certificate);
+      d.tls->use_private_key_file(tls->key, ctx::pem);
+      d.tls->load_verify_file(tls->ca);
+      d.tls->set_verify_mode(asio::ssl::verify_peer | asio::ssl::verify_fail_if_no_peer_cert);
+      // What caf-openssl's peers offer when certificates are in use.
+      if (SSL_CTX_set_cipher_list(d.tls->native_handle(), "HIGH:!aNULL:!MD5") != 1)
+        throw error{errc::worker_error, "node: TLS: no usable cipher"};
+    } catch (const boost::system::system_error& e) {
+      throw error{errc::worker_error, "node: TLS: cannot load the certificate, key or CA: " +
+                                        std::string{e.what()}};
     }
   }
-  freeaddrinfo(found);
-  if (listener_ < 0)
-    throw error{errc::worker_error,
-                "node: cannot listen on " + host + ":" + std::to_string(port) + ": " + why};
-  if (pipe(wake_) != 0) {
-    close(listener_);
-    throw error{errc::worker_error, "node: cannot create the gateway's wake-up pipe"};
+  try {
+    tcp::resolver resolver{d.io};
+    auto found = resolver.resolve(host, std::to_string(port), tcp::resolver::passive);
+    std::string why = "no address";
+    for (auto& entry : found) {
+      boost::system::error_code ec;
+      d.acceptor.open(entry.endpoint().protocol(), ec);
+      if (!ec)
+        d.acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
+      if (!ec)
+        d.acceptor.bind(entry.endpoint(), ec);
+      if (!ec)
+        d.acceptor.listen(asio::socket_base::max_listen_connections, ec);
+      if (!ec)
+        break;
+      why = ec.message();
+      boost::system::error_code ignored;
+      d.acceptor.close(ignored);
+    }
+    if (!d.acceptor.is_open())
+      throw error{errc::worker_error, "node: cannot listen on " + where + ": " + why};
+  } catch (const boost::system::system_error& e) {
+    throw error{errc::worker_error, "node: cannot resolve '" + host + "': " + e.what()};
   }
-  acceptor_ = std::thread{[this] { accept_loop(); }};
+  d.accept();
+  d.thread = std::thread{[&d] { d.io.run(); }};
 }
 
 frame_gateway::~frame_gateway() {
   stop();
 }
 
+uint16_t frame_gateway::port() const {
+  boost::system::error_code ec;
+  return impl_->acceptor.local_endpoint(ec).port();
+}
+
 void frame_gateway::stop() {
-  if (stopping_.exchange(true))
+  auto& d = *impl_;
+  if (d.stopped)
     return;
-  char byte = 0;
-  [[maybe_unused]] auto n = write(wake_[1], &byte, 1);
-  if (acceptor_.joinable())
-    acceptor_.join();
-  std::vector<relay_thread> relays;
-  {
-    std::lock_guard<std::mutex> guard{mtx_};
-    for (auto fd : sockets_)
-      shutdown(fd, SHUT_RDWR);
-    relays = std::move(relays_);
-  }
-  for (auto& r : relays)
-    r.thread.join();
-  close(listener_);
-  close(wake_[0]);
-  close(wake_[1]);
-}
-
-void frame_gateway::accept_loop() {
-  for (;;) {
-    pollfd fds[2] = {{listener_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
-    if (poll(fds, 2, -1) < 0 && errno != EINTR)
-      return;
-    if (fds[1].revents != 0 || stopping_)
-      return;
-    if ((fds[0].revents & POLLIN) == 0)
-      continue;
-    sockaddr_storage from{};
-    socklen_t len = sizeof(from);
-    int client = accept(listener_, reinterpret_cast<sockaddr*>(&from), &len);
-    if (client < 0)
-      continue;
-    char name[INET6_ADDRSTRLEN] = "?";
-    uint16_t port = 0;
-    if (from.ss_family == AF_INET) {
-      auto* in = reinterpret_cast<sockaddr_in*>(&from);
-      inet_ntop(AF_INET, &in->sin_addr, name, sizeof(name));
-      port = ntohs(in->sin_port);
-    } else if (from.ss_family == AF_INET6) {
-      auto* in = reinterpret_cast<sockaddr_in6*>(&from);
-      inet_ntop(AF_INET6, &in->sin6_addr, name, sizeof(name));
-      port = ntohs(in->sin6_port);
-    }
-    auto peer = std::string{name} + ":" + std::to_string(port);
-    log_->info("connection from {}", peer);
-    std::lock_guard<std::mutex> guard{mtx_};
-    for (auto i = relays_.begin(); i != relays_.end();) {
-      if (*i->done) {
-        i->thread.join();
-        i = relays_.erase(i);
-      } else {
-        ++i;
-      }
-    }
-    auto done = std::make_shared<std::atomic<bool>>(false);
-    relays_.push_back({std::thread{[this, client, peer, done] {
-                         relay(client, peer);
-                         *done = true;
-                       }},
-                       done});
-  }
-}
-
-void frame_gateway::relay(int client, std::string peer) {
-  int server = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in target{};
-  target.sin_family = AF_INET;
-  target.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  target.sin_port = htons(target_port_);
-  if (server < 0 || connect(server, reinterpret_cast<sockaddr*>(&target), sizeof(target)) != 0) {
-    log_->error("connection from {}: cannot reach the middleman", peer);
-    if (server >= 0)
-      close(server);
-    close(client);
-    return;
-  }
-  no_delay(client);
-  no_delay(server);
-  {
-    std::lock_guard<std::mutex> guard{mtx_};
-    if (stopping_) {
-      close(server);
-      close(client);
-      return;
-    }
-    sockets_.insert(client);
-    sockets_.insert(server);
-  }
-  auto end_both = [&] {
-    shutdown(client, SHUT_RDWR);
-    shutdown(server, SHUT_RDWR);
-  };
-  // To the peer: bytes as they come.
-  std::thread downstream{[&] {
-    std::vector<char> buf(64 << 10);
-    for (;;) {
-      auto n = ::read(server, buf.data(), buf.size());
-      if (n < 0 && errno == EINTR)
-        continue;
-      if (n <= 0 || !write_full(client, buf.data(), static_cast<size_t>(n)))
-        break;
-    }
-    end_both();
-  }};
-  // From the peer: frame by frame, each payload streamed through a fixed buffer.
-  std::vector<char> buf(64 << 10);
-  char header[basp_header_size];
-  while (read_full(client, header, sizeof(header))) {
-    uint32_t net_length = 0;
-    std::memcpy(&net_length, header + payload_length_offset, sizeof(net_length));
-    uint64_t length = ntohl(net_length);
-    if (length > max_frame_bytes_) {
-      log_->warn("refused {}: a message of {} bytes, above the bound of {}", peer, length,
-                 max_frame_bytes_);
-      break;
-    }
-    if (!write_full(server, header, sizeof(header)))
-      break;
-    bool ok = true;
-    while (length > 0 && ok) {
-      auto chunk = static_cast<size_t>(std::min<uint64_t>(length, buf.size()));
-      ok = read_full(client, buf.data(), chunk) && write_full(server, buf.data(), chunk);
-      length -= chunk;
-    }
-    if (!ok)
-      break;
-  }
-  end_both();
-  downstream.join();
-  {
-    std::lock_guard<std::mutex> guard{mtx_};
-    sockets_.erase(client);
-    sockets_.erase(server);
-  }
-  close(client);
-  close(server);
-  log_->info("connection from {} closed", peer);
+  d.stopped = true;
+  asio::post(d.io, [&d] {
+    boost::system::error_code ec;
+    d.acceptor.close(ec);
+    d.backoff.cancel();
+    for (auto& weak : d.relays)
+      if (auto r = weak.lock())
+        r->close();
+    d.io.stop();
+  });
+  if (d.thread.joinable())
+    d.thread.join();
 }
 
 } // namespace troupe

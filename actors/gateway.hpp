@@ -1,60 +1,59 @@
 #pragma once
 
+#include "troupe/config.hpp"
+
 #include <spdlog/logger.h>
 
-#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
-#include <mutex>
-#include <set>
+#include <optional>
 #include <string>
-#include <thread>
-#include <vector>
 
 namespace troupe {
 
-/// The public face of a node: accepts TCP connections on `host:port` and relays each to
-/// the node's middleman on a loopback port, reading the BASP frame headers of what peers
-/// send. A frame whose payload is larger than `max_frame_bytes` closes the connection
+/// TLS ended at a node's gateway: the node's certificate chain and key, and the CA that the
+/// peers' certificates must chain to (both sides are verified, as caf-openssl does).
+struct gateway_tls {
+  std::string certificate;
+  std::string key;
+  std::string ca;
+};
+
+/// The only listening socket of a node. It accepts TCP connections on `host:port`, ends TLS
+/// when asked to, and relays each connection to the node's middleman over a private socket
+/// pair (`connect` hands the middleman one end and returns the other), so nothing reaches
+/// CAF except through it. It reads the BASP frame headers of what peers send, after
+/// decryption: a frame whose payload is larger than `max_frame_bytes` closes the connection
 /// before any of it reaches CAF (which would allocate the whole payload up front), and is
 /// logged with the peer's address. Traffic to the peers is relayed as it is.
+///
+/// All connections share one thread (Boost.Asio). A TLS handshake not finished within
+/// `handshake_timeout` closes the connection; when the process runs out of file
+/// descriptors, accepting pauses for a moment instead of spinning.
 class frame_gateway {
 public:
-  /// Binds and starts accepting. Throws `worker_error` when the address cannot be bound.
-  frame_gateway(const std::string& host, uint16_t port, uint16_t target_port,
-                uint64_t max_frame_bytes, std::shared_ptr<spdlog::logger> log);
+  /// The gateway's end of a new private connection to the middleman, or -1.
+  using connect_fn = std::function<int()>;
+
+  /// Binds and starts accepting. Throws `worker_error` when the address cannot be bound or
+  /// the TLS files cannot be loaded.
+  frame_gateway(const std::string& host, uint16_t port, std::optional<gateway_tls> tls,
+                uint64_t max_frame_bytes, timeout_type handshake_timeout, connect_fn connect,
+                std::shared_ptr<spdlog::logger> log);
   ~frame_gateway();
 
   frame_gateway(const frame_gateway&) = delete;
   frame_gateway& operator=(const frame_gateway&) = delete;
 
-  uint16_t port() const {
-    return port_;
-  }
+  uint16_t port() const;
 
-  /// Stops accepting and closes every relayed connection.
+  /// Stops accepting and closes every relayed connection; idempotent.
   void stop();
 
 private:
-  void accept_loop();
-  void relay(int client, std::string peer);
-
-  uint16_t port_ = 0;
-  uint16_t target_port_;
-  uint64_t max_frame_bytes_;
-  std::shared_ptr<spdlog::logger> log_;
-  int listener_ = -1;
-  int wake_[2] = {-1, -1};
-  std::atomic<bool> stopping_{false};
-  std::thread acceptor_;
-  std::mutex mtx_;
-  /// Open sockets (closed by stop) and the relay threads, joined once done.
-  struct relay_thread {
-    std::thread thread;
-    std::shared_ptr<std::atomic<bool>> done;
-  };
-  std::set<int> sockets_;
-  std::vector<relay_thread> relays_;
+  struct impl;
+  std::unique_ptr<impl> impl_;
 };
 
 } // namespace troupe

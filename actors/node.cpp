@@ -10,15 +10,18 @@
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
-#include <caf/openssl/all.hpp>
+#include <caf/io/basp_broker.hpp>
+#include <caf/io/network/default_multiplexer.hpp>
 
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
 #include <csignal>
+#include <sys/socket.h>
 #include <unistd.h>
 
 namespace troupe {
@@ -215,8 +218,6 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   register_messages(*d.sys_cfg);
   d.sys_cfg->load<caf::io::middleman>();
   configure_heartbeats(*d.sys_cfg, config.connection_timeout);
-  if (tls)
-    configure_tls(*d.sys_cfg, config.tls_certificate, config.tls_key, config.tls_ca);
   if (config.configure_system)
     config.configure_system(*d.sys_cfg);
   {
@@ -234,37 +235,44 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   auto host = config.host;
   auto wanted = config.port;
   auto max_bytes = config.max_message_bytes;
+  auto handshake_timeout = config.connection_timeout;
+  std::optional<gateway_tls> tls_files;
+  if (tls)
+    tls_files = gateway_tls{config.tls_certificate, config.tls_key, config.tls_ca};
   d.gate = d.sys->spawn(gate, std::move(config), d.leased);
-  if (tls) {
-    // TLS ends in caf-openssl, which checks the peer's certificate before any frame.
-    auto port = caf::openssl::publish(d.gate, wanted, host.c_str(), true);
-    caf::logger::set_current_actor_system(nullptr);
-    if (!port) {
-      auto what = "node: cannot listen with TLS on " + host + ":" + std::to_string(wanted) +
-                  ": " + render(port.error());
-      stop();
-      throw error{errc::worker_error, what};
-    }
-    d.port = *port;
-    d.log->info("node listening on {}:{} (mutual TLS)", host, d.port);
-    return;
-  }
-  // The middleman listens on loopback only; peers reach it through the gateway, which
-  // bounds the frames they send.
-  auto inner = d.sys->middleman().publish(d.gate, 0, "127.0.0.1", true);
-  // Publishing left this thread a reference to the system's logger; the system's
-  // destructor, on whatever thread stops the node, would wait for it.
-  caf::logger::set_current_actor_system(nullptr);
+  // The middleman listens nowhere: the gateway is the node's only socket, and hands it
+  // each connection it accepted (TLS ended, frames bounded) over a private socket pair, as
+  // if the middleman had accepted it for the gate.
+  auto& mm = d.sys->middleman();
+  auto basp = mm.named_broker<caf::io::basp_broker>(caf::atom("BASP"));
+  auto gate_ptr = caf::actor_cast<caf::strong_actor_ptr>(d.gate);
+  auto connect = [&mm, basp, gate_ptr]() -> int {
+    int pair[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0)
+      return -1;
+    auto theirs = pair[0];
+    mm.backend().dispatch([&mm, basp, gate_ptr, theirs] {
+      // BASP files published actors by port; with no listening port of its own, any fixed
+      // number names the gate.
+      constexpr uint16_t gate_key = 1;
+      caf::anon_send(basp, caf::publish_atom::value, mm.backend().new_scribe(theirs), gate_key,
+                     gate_ptr, std::set<std::string>{});
+    });
+    return pair[1];
+  };
   try {
-    if (!inner)
-      throw error{errc::worker_error, "node: cannot publish on loopback: " + render(inner.error())};
-    d.gateway = std::make_unique<frame_gateway>(host, wanted, *inner, max_bytes, d.log);
+    d.gateway = std::make_unique<frame_gateway>(host, wanted, std::move(tls_files), max_bytes,
+                                                handshake_timeout, connect, d.log);
   } catch (...) {
+    caf::logger::set_current_actor_system(nullptr);
     stop();
     throw;
   }
+  // Spawning left this thread a reference to the system's logger; the system's destructor,
+  // on whatever thread stops the node, would wait for it.
+  caf::logger::set_current_actor_system(nullptr);
   d.port = d.gateway->port();
-  d.log->info("node listening on {}:{}", host, d.port);
+  d.log->info("node listening on {}:{}{}", host, d.port, tls ? " (mutual TLS)" : "");
 }
 
 node::~node() {

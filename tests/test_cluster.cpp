@@ -16,13 +16,18 @@
 
 #include <doctest/doctest.h>
 
+#include <openssl/ssl.h>
+
+#include <array>
+#include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
+#include <thread>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
-#include <thread>
 
 using namespace troupe;
 using namespace std::chrono_literals;
@@ -53,6 +58,42 @@ int64_t rss_kib(pid_t pid) {
     if (line.rfind("VmRSS:", 0) == 0)
       return std::stoll(line.substr(6));
   return -1;
+}
+
+/// The TCP ports process `pid` listens on (its sockets in LISTEN state, from /proc).
+std::set<uint16_t> listening_ports(pid_t pid) {
+  std::set<std::string> inodes;
+  auto fds = "/proc/" + std::to_string(pid) + "/fd";
+  for (auto& entry : std::filesystem::directory_iterator(fds)) {
+    std::error_code ec;
+    auto target = std::filesystem::read_symlink(entry.path(), ec).string();
+    if (!ec && target.rfind("socket:[", 0) == 0)
+      inodes.insert(target.substr(8, target.size() - 9));
+  }
+  std::set<uint16_t> ports;
+  for (auto table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in{table};
+    std::string line;
+    std::getline(in, line); // the column names
+    while (std::getline(in, line)) {
+      std::istringstream fields{line};
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
+        timeout >> inode;
+      if (state == "0A" && inodes.count(inode) > 0)
+        ports.insert(static_cast<uint16_t>(std::stoul(local.substr(local.find(':') + 1),
+                                                      nullptr, 16)));
+    }
+  }
+  return ports;
+}
+
+/// A BASP header announcing a payload of 4 GiB - 1.
+std::array<unsigned char, 32> huge_frame_header() {
+  std::array<unsigned char, 32> header{};
+  header[0] = 1; // any operation: the length is read first
+  header[4] = header[5] = header[6] = header[7] = 0xff;
+  return header;
 }
 
 executor_config mixed_config(int32_t local, const std::vector<node_address>& nodes) {
@@ -313,28 +354,34 @@ TEST_CASE("an oversized message is refused without the node allocating it") {
   small.kwargs["pad"] = std::string(512 << 10, 'x');
   CHECK(legit->collective_rpc_as<int32_t>("rank", small) == std::vector<int32_t>{0, 1});
 
-  // A raw peer announcing a 4 GiB frame: the connection is closed and nothing is allocated.
-  auto before = rss_kib(n.pid());
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(n.port());
-  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  unsigned char header[32] = {};
-  header[0] = 1; // any operation: the length is read first
-  header[4] = header[5] = header[6] = header[7] = 0xff;
-  REQUIRE(send(fd, header, sizeof(header), MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof(header)));
-  char byte;
-  ssize_t got = 0;
-  do {
-    got = recv(fd, &byte, 1, 0);
-  } while (got > 0); // the node's own handshake may come first; then the close
-  CHECK(got == 0);
-  close(fd);
-  auto after = rss_kib(n.pid());
-  MESSAGE("node RSS " << before << " KiB before, " << after << " KiB after the 4 GiB frame");
-  CHECK(after < before + 64 * 1024);
+  // The gateway is the node's only listening socket: the middleman listens nowhere.
+  auto ports = listening_ports(n.pid());
+  CHECK(ports == std::set<uint16_t>{n.port()});
+  // On every port the node listens on, a raw peer announcing a 4 GiB frame is cut off and
+  // nothing is allocated.
+  for (auto port : ports) {
+    auto before = rss_kib(n.pid());
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(port);
+    REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+    auto header = huge_frame_header();
+    REQUIRE(send(fd, header.data(), header.size(), MSG_NOSIGNAL) ==
+            static_cast<ssize_t>(header.size()));
+    char byte;
+    ssize_t got = 0;
+    do {
+      got = recv(fd, &byte, 1, 0);
+    } while (got > 0); // the node's own handshake may come first; then the close
+    CHECK(got == 0);
+    close(fd);
+    auto after = rss_kib(n.pid());
+    MESSAGE("port " << port << ": node RSS " << before << " KiB before, " << after
+                    << " KiB after the 4 GiB frame");
+    CHECK(after < before + 64 * 1024);
+  }
 
   // The legitimate executor is unaffected; its own oversized message costs it the node.
   CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
@@ -434,6 +481,65 @@ TEST_CASE("mutual TLS: only executors with a certificate of the node's CA get wo
   executor exec{config_with("executor", "ca"), test_factory()};
   CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
   CHECK(exec.workers()[1].pid == n.pid());
+}
+
+TEST_CASE("under TLS the size bound holds after decryption, before anything is allocated") {
+  test_pki pki;
+  child_process n{TROUPE_NODE_HOST,
+                  {"-", "1", "1000", "1048576", pki.pem("node"), pki.key("node"), pki.pem("ca")}};
+  CHECK(listening_ports(n.pid()) == std::set<uint16_t>{n.port()});
+  // A peer with a certificate of the node's CA completes the handshake, then announces a
+  // 4 GiB frame inside the encrypted stream.
+  auto ctx = SSL_CTX_new(TLS_client_method());
+  REQUIRE(ctx);
+  REQUIRE(SSL_CTX_use_certificate_chain_file(ctx, pki.pem("executor").c_str()) == 1);
+  REQUIRE(SSL_CTX_use_PrivateKey_file(ctx, pki.key("executor").c_str(), SSL_FILETYPE_PEM) == 1);
+  REQUIRE(SSL_CTX_load_verify_locations(ctx, pki.pem("ca").c_str(), nullptr) == 1);
+  SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER, nullptr);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(n.port());
+  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  auto ssl = SSL_new(ctx);
+  SSL_set_fd(ssl, fd);
+  REQUIRE(SSL_connect(ssl) == 1);
+  auto before = rss_kib(n.pid());
+  auto header = huge_frame_header();
+  REQUIRE(SSL_write(ssl, header.data(), static_cast<int>(header.size())) ==
+          static_cast<int>(header.size()));
+  char byte;
+  int got = 0;
+  do {
+    got = SSL_read(ssl, &byte, 1);
+  } while (got > 0); // the node's own handshake comes first; then the close
+  auto after = rss_kib(n.pid());
+  SSL_free(ssl);
+  close(fd);
+  SSL_CTX_free(ctx);
+  MESSAGE("TLS: node RSS " << before << " KiB before, " << after << " KiB after the 4 GiB frame");
+  CHECK(after < before + 64 * 1024);
+  // A peer that never starts its TLS handshake is closed after the connection timeout (1 s).
+  int idle = socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(connect(idle, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  auto start = clock_type::now();
+  timeval wait{5, 0};
+  setsockopt(idle, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
+  CHECK(recv(idle, &byte, 1, 0) == 0);
+  auto took = seconds_since(start);
+  close(idle);
+  MESSAGE("a peer silent before TLS was closed after " << took << " s");
+  CHECK(took >= 0.9);
+  CHECK(took < 2.0);
+  // The node still serves an executor with a certificate of its CA.
+  auto cfg = mixed_config(1, {{"127.0.0.1", n.port(), 1}});
+  cfg.node_secret.clear();
+  cfg.tls_certificate = pki.pem("executor");
+  cfg.tls_key = pki.key("executor");
+  cfg.tls_ca = pki.pem("ca");
+  executor exec{cfg, test_factory()};
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 }
 
 TEST_CASE("SIGTERM stops a node cleanly") {

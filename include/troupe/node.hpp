@@ -34,7 +34,9 @@ struct node_config {
   /// (give one when `host` is 0.0.0.0).
   std::string collective_host;
   /// The largest message a peer may send (a BASP frame's payload); a larger one closes
-  /// the connection before the node reads it.
+  /// the connection before the node reads it, with or without TLS (the bound is checked
+  /// after decryption). The node listens on `host:port` only: its middleman has no port of
+  /// its own, so nothing bypasses the bound.
   uint64_t max_message_bytes = uint64_t{64} << 20;
   /// The devices the node hosts workers on, one worker each: `device_kind` "cpu" (N of
   /// them: `cpu:N`) or "cuda" (`cuda:0,1` gives indices 0 and 1). Empty indices with
@@ -45,10 +47,10 @@ struct node_config {
   /// The shared secret an executor proves before anything else is served. Required
   /// unless TLS is set up; with both, executors need both.
   std::string secret;
-  /// Mutual TLS (caf-openssl): this node's certificate and key, and the CA that executors'
-  /// certificates must be signed by (PEM files; all three or none). Peers without such a
-  /// certificate cannot connect. Under TLS the node's middleman listens on `host` itself,
-  /// so `max_message_bytes` is not enforced (the frames are encrypted).
+  /// Mutual TLS: this node's certificate and key, and the CA that executors' certificates
+  /// must be signed by (PEM files; all three or none). Peers without such a certificate
+  /// cannot connect; executors connect with caf-openssl. A peer that has not finished its
+  /// TLS handshake within `connection_timeout` is closed.
   std::string tls_certificate;
   std::string tls_key;
   std::string tls_ca;
@@ -70,7 +72,8 @@ struct node_config {
 class node {
 public:
   /// Starts listening. Throws `troupe::error`: `invalid_argument` without a secret or TLS,
-  /// with part of the TLS files, no worker kind or no device; `worker_error` when the address cannot be bound.
+  /// with part of the TLS files, no worker kind or no device; `worker_error` when the
+  /// address cannot be bound or the TLS files cannot be loaded.
   explicit node(node_config config);
   /// Stops the node (see `stop`).
   ~node();
