@@ -1,4 +1,5 @@
-// `troupe generate`: text from a model, for a few prompts, on CPU workers.
+// `troupe generate`: text from a model, for a few prompts, on the executor's workers
+// (CPU or GPU, local or leased from nodes).
 
 #include "cli/commands.hpp"
 
