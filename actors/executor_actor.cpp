@@ -3,16 +3,14 @@
 
 #include "actors/executor_actor.hpp"
 
-#include "actors/remoting.hpp"
-
 #include "actors/log.hpp"
+#include "actors/node_auth.hpp"
+#include "actors/remoting.hpp"
 #include "actors/sleep_state.hpp"
 #include "messages/messages.hpp"
 #include "troupe/errors.hpp"
 
 #include <caf/all.hpp>
-
-#include <unistd.h>
 
 #include <chrono>
 #include <functional>
@@ -68,8 +66,6 @@ struct supervisor_state {
   caf::error loop_error;
   /// The loop `loop_error` came from.
   int64_t loop_error_id = 0;
-  /// Staged saves so far (names each one's staging folders).
-  int64_t saves = 0;
   /// Callers of stop_remote_worker_execution_loop waiting for the tasks to end.
   std::vector<caf::response_promise> stop_waiters;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
@@ -470,7 +466,9 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
     [=](save_state_atom, sharded_state_request req) {
       auto rp = self->make_response_promise();
       auto& st = self->state;
-      auto token = std::to_string(getpid()) + "-" + std::to_string(++st.saves);
+      // Names this save's staging folders; random, so that executors sharing a folder
+      // never mix their parts.
+      auto token = random_challenge().substr(0, 16);
       auto finish = [=](bool commit, std::function<void(gather_result)> then) {
         start_gather(self, "save_sharded_state", all_ranks(self),
                      caf::make_message(call_atom::value, std::string{"finish_sharded_state"},

@@ -7,6 +7,8 @@
 
 #include <openssl/ssl.h>
 
+#include <arpa/inet.h>
+
 #include <array>
 #include <cerrno>
 #include <cstring>
@@ -74,6 +76,8 @@ public:
       client_.async_handshake(asio::ssl::stream_base::server,
                               [self](const boost::system::error_code& ec) {
                                 self->deadline_.cancel();
+                                if (self->closed_)
+                                  return;
                                 if (ec) {
                                   self->settings_->log->warn("refused {}: TLS handshake failed: {}",
                                                             self->peer_, ec.message());

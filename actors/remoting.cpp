@@ -5,7 +5,6 @@
 #include <caf/openssl/manager.hpp>
 #include <caf/timespan.hpp>
 
-#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
