@@ -12,6 +12,8 @@
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
+#include <caf/io/basp_broker.hpp>
+#include <caf/io/network/default_multiplexer.hpp>
 #include <caf/openssl/all.hpp>
 
 #include <atomic>
@@ -145,17 +147,25 @@ struct executor::impl {
     caf::error err;
     auto why = [&] { return err == caf::sec::request_timeout ? late : render(err); };
     auto fail = [&](caf::error& e) { err = std::move(e); };
-    // Connecting through the middleman's actor, so that the deadline bounds it
-    // (remote_actor waits as long as TCP's connect does).
-    auto manager = cfg.tls_certificate.empty() ? sys->middleman().actor_handle()
-                                               : sys->openssl_manager().actor_handle();
     caf::actor gate;
-    self->request(manager, left(), caf::connect_atom::value, n.host, n.port)
-      .receive(
-        [&](caf::node_id&, caf::strong_actor_ptr& ptr, std::set<std::string>&) {
-          gate = caf::actor_cast<caf::actor>(std::move(ptr));
-        },
-        fail);
+    auto take_gate = [&](caf::node_id&, caf::strong_actor_ptr& ptr, std::set<std::string>&) {
+      gate = caf::actor_cast<caf::actor>(std::move(ptr));
+    };
+    if (cfg.tls_certificate.empty()) {
+      // The connection proves the secret before any BASP byte; then the middleman takes
+      // it over as if it had connected itself.
+      left();
+      auto fd = dial_node(n.host, n.port, cfg.node_secret, deadline);
+      auto& mm = sys->middleman();
+      auto basp = mm.named_broker<caf::io::basp_broker>(caf::atom("BASP"));
+      self->request(basp, left(), caf::connect_atom::value, mm.backend().new_scribe(fd), n.port)
+        .receive(take_gate, fail);
+    } else {
+      // Through the TLS manager's actor, so that the deadline bounds the connection.
+      self->request(sys->openssl_manager().actor_handle(), left(), caf::connect_atom::value,
+                    n.host, n.port)
+        .receive(take_gate, fail);
+    }
     if (err || !gate)
       throw error{errc::worker_died,
                   "cannot reach " + where + ": " + (err ? why() : "it published nothing")};

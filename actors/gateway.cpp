@@ -1,5 +1,6 @@
 #include "actors/gateway.hpp"
 
+#include "actors/node_auth.hpp"
 #include "troupe/errors.hpp"
 
 #include <boost/asio.hpp>
@@ -35,8 +36,7 @@ constexpr auto accept_backoff = std::chrono::milliseconds(100);
 
 /// What every relay of a gateway needs.
 struct relay_settings {
-  uint64_t max_frame_bytes = 0;
-  timeout_type handshake_timeout{0};
+  gateway_options options;
   frame_gateway::connect_fn connect;
   std::shared_ptr<spdlog::logger> log;
 };
@@ -44,6 +44,8 @@ struct relay_settings {
 struct relay_base {
   virtual ~relay_base() = default;
   virtual void close() = 0;
+  /// Whether the peer proved itself (and the connection goes on to the middleman).
+  bool proved = false;
 };
 
 /// One peer's connection and its private connection to the middleman. Upstream (peer to
@@ -61,21 +63,22 @@ public:
       settings_(std::move(settings)) {
   }
 
-  /// Starts relaying; a TLS stream first completes its handshake within the deadline.
+  /// Starts the connection: the TLS handshake or the connection handshake, within the
+  /// deadline, then the relay.
   void start() {
+    auto self = this->shared_from_this();
+    deadline_.expires_after(settings_->options.handshake_timeout);
+    deadline_.async_wait([self](const boost::system::error_code& ec) {
+      if (!ec) {
+        self->settings_->log->warn("closed {}: it did not prove itself within {} ms",
+                                   self->peer_,
+                                   self->settings_->options.handshake_timeout.count() / 1000);
+        self->close();
+      }
+    });
     if constexpr (std::is_same_v<Stream, tls_stream>) {
-      auto self = this->shared_from_this();
-      deadline_.expires_after(settings_->handshake_timeout);
-      deadline_.async_wait([self](const boost::system::error_code& ec) {
-        if (!ec) {
-          self->settings_->log->warn("closed {}: no TLS handshake within {} ms", self->peer_,
-                                    self->settings_->handshake_timeout.count() / 1000);
-          self->close();
-        }
-      });
       client_.async_handshake(asio::ssl::stream_base::server,
                               [self](const boost::system::error_code& ec) {
-                                self->deadline_.cancel();
                                 if (self->closed_)
                                   return;
                                 if (ec) {
@@ -84,10 +87,11 @@ public:
                                   self->close();
                                   return;
                                 }
-                                self->relay_to_middleman();
+                                // The certificates were the proof.
+                                self->proven();
                               });
     } else {
-      relay_to_middleman();
+      greet();
     }
   }
 
@@ -103,6 +107,55 @@ public:
   }
 
 private:
+  /// The connection handshake (`actors/node_auth.hpp`): greeting, the peer's answer, the
+  /// verdict.
+  void greet() {
+    auto self = this->shared_from_this();
+    challenge_ = random_challenge();
+    line_ = connection_greeting(challenge_);
+    asio::async_write(client_, asio::buffer(line_), [self](const boost::system::error_code& ec,
+                                                           size_t) {
+      if (ec)
+        return self->close();
+      self->line_.assign(answer_size, '\0');
+      asio::async_read(self->client_, asio::buffer(self->line_),
+                       [self](const boost::system::error_code& ec, size_t) {
+                         if (ec)
+                           return self->close();
+                         self->judge();
+                       });
+    });
+  }
+
+  void judge() {
+    auto& secret = settings_->options.secret;
+    bool well_formed = line_[64] == ' ' && line_.back() == '\n';
+    auto peer_challenge = line_.substr(0, 64);
+    auto proof = line_.substr(65, 64);
+    auto self = this->shared_from_this();
+    if (!well_formed || !same_proof(proof, peer_proof(secret, challenge_, peer_challenge))) {
+      settings_->log->warn("refused {}: {}", peer_, well_formed ? "wrong secret"
+                                                                : "not a troupe handshake");
+      line_ = "no wrong secret\n";
+      asio::async_write(client_, asio::buffer(line_),
+                        [self](const boost::system::error_code&, size_t) { self->close(); });
+      return;
+    }
+    line_ = "ok " + node_proof(secret, challenge_, peer_challenge) + "\n";
+    asio::async_write(client_, asio::buffer(line_),
+                      [self](const boost::system::error_code& ec, size_t) {
+                        if (ec)
+                          return self->close();
+                        self->proven();
+                      });
+  }
+
+  void proven() {
+    deadline_.cancel();
+    proved = true;
+    relay_to_middleman();
+  }
+
   void relay_to_middleman() {
     int fd = settings_->connect();
     if (fd < 0) {
@@ -117,6 +170,8 @@ private:
       close();
       return;
     }
+    up_.resize(64 << 10);
+    down_.resize(64 << 10);
     read_header();
     read_downstream();
   }
@@ -131,10 +186,10 @@ private:
                        std::memcpy(&net_length, self->header_.data() + payload_length_offset,
                                    sizeof net_length);
                        uint64_t length = ntohl(net_length);
-                       if (length > self->settings_->max_frame_bytes) {
+                       if (length > self->settings_->options.max_frame_bytes) {
                          self->settings_->log->warn(
                            "refused {}: a message of {} bytes, above the bound of {}", self->peer_,
-                           length, self->settings_->max_frame_bytes);
+                           length, self->settings_->options.max_frame_bytes);
                          return self->close();
                        }
                        self->remaining_ = length;
@@ -190,8 +245,12 @@ private:
   std::array<char, basp_header_size> header_{};
   uint64_t remaining_ = 0;
   bool closed_ = false;
-  std::vector<char> up_ = std::vector<char>(64 << 10);
-  std::vector<char> down_ = std::vector<char>(64 << 10);
+  std::string challenge_;
+  /// The handshake's line in flight.
+  std::string line_;
+  /// The relay's buffers, made once the peer proved itself.
+  std::vector<char> up_;
+  std::vector<char> down_;
 };
 
 bool out_of_descriptors(const boost::system::error_code& ec) {
@@ -207,7 +266,8 @@ struct frame_gateway::impl {
   asio::steady_timer backoff{io};
   std::unique_ptr<asio::ssl::context> tls;
   std::shared_ptr<const relay_settings> settings;
-  /// The relays alive, to close at stop; expired ones are dropped as new ones come.
+  /// The relays alive, oldest first, to close at stop and to find the oldest still proving
+  /// itself; expired ones are dropped as new ones come.
   std::list<std::weak_ptr<relay_base>> relays;
   std::thread thread;
   bool stopped = false;
@@ -243,6 +303,7 @@ struct frame_gateway::impl {
     socket.set_option(tcp::no_delay(true), ec);
     settings->log->info("connection from {}", peer);
     relays.remove_if([](const std::weak_ptr<relay_base>& r) { return r.expired(); });
+    make_room();
     std::shared_ptr<relay_base> r;
     if (tls) {
       auto t = std::make_shared<relay<tls_stream>>(tls_stream{std::move(socket), *tls},
@@ -256,16 +317,35 @@ struct frame_gateway::impl {
     }
     relays.push_back(r);
   }
+
+  /// Keeps fewer than max_pending connections proving themselves: a flood of peers that
+  /// never finish only pushes each other out, while one that does finish goes on.
+  void make_room() {
+    size_t pending = 0;
+    for (auto& weak : relays)
+      if (auto r = weak.lock(); r && !r->proved)
+        ++pending;
+    for (auto i = relays.begin(); pending >= settings->options.max_pending && i != relays.end();
+         ++i)
+      if (auto r = i->lock(); r && !r->proved) {
+        settings->log->warn("{} connections are proving themselves: closing the oldest", pending);
+        r->close();
+        --pending;
+      }
+  }
 };
 
-frame_gateway::frame_gateway(const std::string& host, uint16_t port,
-                             std::optional<gateway_tls> tls, uint64_t max_frame_bytes,
-                             timeout_type handshake_timeout, connect_fn connect,
+frame_gateway::frame_gateway(gateway_options options, connect_fn connect,
                              std::shared_ptr<spdlog::logger> log)
   : impl_(std::make_unique<impl>()) {
   auto& d = *impl_;
+  auto host = options.host;
+  auto port = options.port;
+  auto tls = options.tls;
+  if (!tls && options.secret.empty())
+    throw error{errc::invalid_argument, "node: a gateway needs a secret or TLS"};
   d.settings = std::make_shared<const relay_settings>(
-    relay_settings{max_frame_bytes, handshake_timeout, std::move(connect), std::move(log)});
+    relay_settings{std::move(options), std::move(connect), std::move(log)});
   auto where = host + ":" + std::to_string(port);
   if (tls) {
     try {

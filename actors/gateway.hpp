@@ -20,17 +20,37 @@ struct gateway_tls {
   std::string ca;
 };
 
-/// The only listening socket of a node. It accepts TCP connections on `host:port`, ends TLS
-/// when asked to, and relays each connection to the node's middleman over a private socket
-/// pair (`connect` hands the middleman one end and returns the other), so nothing reaches
-/// CAF except through it. It reads the BASP frame headers of what peers send, after
-/// decryption: a frame whose payload is larger than `max_frame_bytes` closes the connection
-/// before any of it reaches CAF (which would allocate the whole payload up front), and is
-/// logged with the peer's address. Traffic to the peers is relayed as it is.
+/// How a node's gateway listens and whom it lets through.
+struct gateway_options {
+  std::string host;
+  uint16_t port = 0;
+  /// End TLS here (both certificates verified); none: plain TCP.
+  std::optional<gateway_tls> tls;
+  /// Without TLS: the shared secret every connection proves before any byte reaches CAF
+  /// (`actors/node_auth.hpp`, the connection handshake). Under TLS the certificates are
+  /// the connection's proof.
+  std::string secret;
+  /// The largest BASP payload a peer may announce.
+  uint64_t max_frame_bytes = uint64_t{64} << 20;
+  /// A connection that has not proved itself (TLS handshake, secret) within this is closed.
+  timeout_type handshake_timeout = std::chrono::seconds(3);
+  /// Connections still proving themselves at once; a new one beyond this closes the oldest.
+  size_t max_pending = 256;
+};
+
+/// The only listening socket of a node. It accepts TCP connections, ends TLS or checks the
+/// connection handshake, and relays each connection that proved itself to the node's
+/// middleman over a private socket pair (`connect` hands the middleman one end and returns
+/// the other): nothing reaches CAF, not even a BASP handshake, from a peer that has not
+/// proved the secret or a certificate of the node's CA. It reads the BASP frame headers of
+/// what peers send, after decryption: a frame whose payload is larger than
+/// `max_frame_bytes` closes the connection before any of it reaches CAF (which would
+/// allocate the whole payload up front), and is logged with the peer's address. Traffic
+/// to the peers is relayed as it is.
 ///
-/// All connections share one thread (Boost.Asio). A TLS handshake not finished within
-/// `handshake_timeout` closes the connection; when the process runs out of file
-/// descriptors, accepting pauses for a moment instead of spinning.
+/// All connections share one thread (Boost.Asio), and one still proving itself holds only
+/// its socket and a few hundred bytes. When the process runs out of file descriptors,
+/// accepting pauses for a moment instead of spinning.
 class frame_gateway {
 public:
   /// The gateway's end of a new private connection to the middleman, or -1.
@@ -38,8 +58,7 @@ public:
 
   /// Binds and starts accepting. Throws `worker_error` when the address cannot be bound or
   /// the TLS files cannot be loaded.
-  frame_gateway(const std::string& host, uint16_t port, std::optional<gateway_tls> tls,
-                uint64_t max_frame_bytes, timeout_type handshake_timeout, connect_fn connect,
+  frame_gateway(gateway_options options, connect_fn connect,
                 std::shared_ptr<spdlog::logger> log);
   ~frame_gateway();
 

@@ -232,13 +232,16 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
     d.sys = std::make_unique<caf::actor_system>(*d.sys_cfg);
     pthread_sigmask(SIG_SETMASK, &previous, nullptr);
   }
-  auto host = config.host;
-  auto wanted = config.port;
-  auto max_bytes = config.max_message_bytes;
-  auto handshake_timeout = config.connection_timeout;
-  std::optional<gateway_tls> tls_files;
+  gateway_options listen;
+  listen.host = config.host;
+  listen.port = config.port;
+  listen.max_frame_bytes = config.max_message_bytes;
+  listen.handshake_timeout = config.connection_timeout;
   if (tls)
-    tls_files = gateway_tls{config.tls_certificate, config.tls_key, config.tls_ca};
+    listen.tls = gateway_tls{config.tls_certificate, config.tls_key, config.tls_ca};
+  else
+    listen.secret = config.secret; // under TLS the gate checks it, behind the certificates
+  auto host = config.host;
   d.gate = d.sys->spawn(gate, std::move(config), d.leased);
   // The middleman listens nowhere: the gateway is the node's only socket, and hands it
   // each connection it accepted (TLS ended, frames bounded) over a private socket pair, as
@@ -261,8 +264,7 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
     return pair[1];
   };
   try {
-    d.gateway = std::make_unique<frame_gateway>(host, wanted, std::move(tls_files), max_bytes,
-                                                handshake_timeout, connect, d.log);
+    d.gateway = std::make_unique<frame_gateway>(std::move(listen), connect, d.log);
   } catch (...) {
     caf::logger::set_current_actor_system(nullptr);
     stop();

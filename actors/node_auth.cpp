@@ -50,4 +50,32 @@ bool same_proof(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
+namespace {
+
+const std::string greeting_prefix{"trp1\0\0\0\0", 8};
+
+} // namespace
+
+std::string connection_greeting(const std::string& challenge) {
+  return greeting_prefix + challenge + "\n";
+}
+
+std::string challenge_of_greeting(const std::string& greeting) {
+  const auto& prefix = greeting_prefix;
+  if (greeting.size() != greeting_size || greeting.compare(0, prefix.size(), prefix) != 0 ||
+      greeting.back() != '\n')
+    return {};
+  return greeting.substr(prefix.size(), 64);
+}
+
+std::string peer_proof(const std::string& secret, const std::string& node_challenge,
+                       const std::string& peer_challenge) {
+  return secret_proof(secret, node_challenge, "peer:" + peer_challenge);
+}
+
+std::string node_proof(const std::string& secret, const std::string& node_challenge,
+                       const std::string& peer_challenge) {
+  return secret_proof(secret, peer_challenge, "node:" + node_challenge);
+}
+
 } // namespace troupe

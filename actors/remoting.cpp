@@ -1,5 +1,6 @@
 #include "actors/remoting.hpp"
 
+#include "actors/node_auth.hpp"
 #include "troupe/errors.hpp"
 
 #include <caf/openssl/manager.hpp>
@@ -10,6 +11,8 @@
 #include <filesystem>
 
 #include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -86,6 +89,115 @@ std::string why_connection_lost(const std::string& host, uint16_t port, bool tls
     return "connection closed by the peer, which is still up (its log says why)";
   // Accepted by the kernel, then closed before a word: the process's sockets are closing.
   return "connection lost; its port closes connections at once: its process is exiting";
+}
+
+namespace {
+
+/// Milliseconds left before `deadline`, at least 0.
+int ms_left(std::chrono::steady_clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+    deadline - std::chrono::steady_clock::now());
+  return static_cast<int>(std::max<int64_t>(left.count(), 0));
+}
+
+/// Waits for `events` on `fd` until `deadline`; false when it passed.
+bool wait_for(int fd, short events, std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    int ready = poll(&p, 1, ms_left(deadline));
+    if (ready > 0)
+      return true;
+    if (ready == 0 || errno != EINTR)
+      return false;
+  }
+}
+
+} // namespace
+
+int dial_node(const std::string& host, uint16_t port, const std::string& secret,
+              std::chrono::steady_clock::time_point deadline) {
+  auto where = "node " + host + ":" + std::to_string(port);
+  auto late = [&] { return error{errc::worker_died, "cannot reach " + where + ": no answer in time"}; };
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found)
+    throw error{errc::worker_died, "cannot reach " + where + ": the host does not resolve"};
+  int fd = socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    freeaddrinfo(found);
+    throw error{errc::worker_died, "cannot reach " + where + ": " + std::strerror(errno)};
+  }
+  auto fail = [&](error e) {
+    close(fd);
+    throw std::move(e);
+  };
+  int connected = connect(fd, found->ai_addr, found->ai_addrlen);
+  freeaddrinfo(found);
+  int err = connected == 0 ? 0 : errno;
+  if (err == EINPROGRESS) {
+    if (!wait_for(fd, POLLOUT, deadline))
+      fail(late());
+    socklen_t len = sizeof err;
+    getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+  }
+  if (err != 0)
+    fail(error{errc::worker_died, "cannot reach " + where + ": " + std::strerror(err)});
+  // Reads exactly `size` bytes, or up to a newline when `line`.
+  auto read_some = [&](size_t size, bool line) {
+    std::string got;
+    while (got.size() < size) {
+      char c;
+      auto n = recv(fd, &c, 1, 0);
+      if (n == 1) {
+        got.push_back(c);
+        if (line && c == '\n')
+          break;
+      } else if (n == 0) {
+        break;
+      } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (!wait_for(fd, POLLIN, deadline))
+          fail(late());
+      } else if (errno != EINTR) {
+        break;
+      }
+    }
+    return got;
+  };
+  auto write_all = [&](const std::string& data) {
+    size_t sent = 0;
+    while (sent < data.size()) {
+      auto n = send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
+      if (n > 0)
+        sent += static_cast<size_t>(n);
+      else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        if (!wait_for(fd, POLLOUT, deadline))
+          fail(late());
+      } else if (n < 0 && errno != EINTR)
+        fail(error{errc::worker_died, where + ": connection lost during the handshake"});
+    }
+  };
+  auto node_challenge = challenge_of_greeting(read_some(greeting_size, false));
+  if (node_challenge.empty())
+    fail(error{errc::invalid_argument,
+               where + " does not speak troupe's connection handshake (not a troupe node, or "
+                       "one that wants TLS: give the TLS certificate, key and CA)"});
+  auto challenge = random_challenge();
+  write_all(challenge + " " + peer_proof(secret, node_challenge, challenge) + "\n");
+  auto verdict = read_some(max_verdict_size, true);
+  if (verdict.rfind("no ", 0) == 0)
+    fail(error{errc::invalid_argument,
+               where + " refused the connection: " +
+                 verdict.substr(3, verdict.size() - 4)});
+  if (verdict.size() != 3 + 64 + 1 || verdict.rfind("ok ", 0) != 0 ||
+      !same_proof(verdict.substr(3, 64), node_proof(secret, node_challenge, challenge)))
+    fail(error{errc::invalid_argument,
+               where + " did not prove the secret: it is not the node meant, or its secret "
+                       "differs"});
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  return fd;
 }
 
 void configure_tls(caf::actor_system_config& cfg, const std::string& certificate,

@@ -4,6 +4,7 @@
 
 #include <caf/actor_system_config.hpp>
 
+#include <chrono>
 #include <string>
 
 namespace troupe {
@@ -22,6 +23,15 @@ bool wants_tls(const std::string& certificate, const std::string& key, const std
 /// timeout), it is up and closed the connection itself, or it cannot be reached at all.
 /// `tls`: the peer speaks TLS, so it never speaks first and the last two look alike.
 std::string why_connection_lost(const std::string& host, uint16_t port, bool tls);
+
+/// Connects to the node at `host`:`port` and goes through its connection handshake
+/// (`actors/node_auth.hpp`), both sides proving `secret`, before `deadline`. Returns the
+/// connected socket, ready for BASP. Throws `troupe::error`: `worker_died` when the node
+/// cannot be reached or does not answer in time, `invalid_argument` naming what failed
+/// when it refuses the proof (wrong secret), does not prove the secret itself, or does not
+/// speak the handshake (not a node, or one that wants TLS).
+int dial_node(const std::string& host, uint16_t port, const std::string& secret,
+              std::chrono::steady_clock::time_point deadline);
 
 /// Loads caf-openssl with the certificate, key and CA (the middleman must be loaded).
 void configure_tls(caf::actor_system_config& cfg, const std::string& certificate,

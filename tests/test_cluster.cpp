@@ -7,12 +7,15 @@
 #include "messages/messages.hpp"
 #include "tests/child_process.hpp"
 #include "tests/generation.hpp"
+#include "tests/skip.hpp"
 #include "tests/test_worker.hpp"
 #include "troupe/executor.hpp"
 #include "troupe/model_worker.hpp"
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
+#include <caf/io/basp_broker.hpp>
+#include <caf/io/network/default_multiplexer.hpp>
 
 #include <doctest/doctest.h>
 
@@ -20,6 +23,7 @@
 
 #include <array>
 #include <filesystem>
+#include <optional>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -27,6 +31,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 
 using namespace troupe;
@@ -57,6 +62,16 @@ int64_t rss_kib(pid_t pid) {
   while (std::getline(status, line))
     if (line.rfind("VmRSS:", 0) == 0)
       return std::stoll(line.substr(6));
+  return -1;
+}
+
+/// A number of /proc/<pid>/status (e.g. "Threads:").
+int64_t proc_status(pid_t pid, const std::string& key) {
+  std::ifstream status{"/proc/" + std::to_string(pid) + "/status"};
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind(key, 0) == 0)
+      return std::stoll(line.substr(key.size()));
   return -1;
 }
 
@@ -94,6 +109,48 @@ std::array<unsigned char, 32> huge_frame_header() {
   header[0] = 1; // any operation: the length is read first
   header[4] = header[5] = header[6] = header[7] = 0xff;
   return header;
+}
+
+/// The node's gate, reached as an executor reaches it: the connection handshake with the
+/// secret, then BASP over that connection. Null when the node refuses.
+std::optional<caf::actor> connect_with_proof(caf::actor_system& sys, caf::scoped_actor& self,
+                                             uint16_t port,
+                                             const std::string& with_secret = secret) {
+  auto fd = dial_node("127.0.0.1", port, with_secret, clock_type::now() + 5s);
+  auto& mm = sys.middleman();
+  auto basp = mm.named_broker<caf::io::basp_broker>(caf::atom("BASP"));
+  std::optional<caf::actor> gate;
+  self->request(basp, 5s, caf::connect_atom::value, mm.backend().new_scribe(fd), port)
+    .receive([&](caf::node_id&, caf::strong_actor_ptr& ptr,
+                 std::set<std::string>&) { gate = caf::actor_cast<caf::actor>(ptr); },
+             [](caf::error&) {});
+  return gate;
+}
+
+/// Connects to `port` on loopback; the socket, or -1.
+int connect_to(uint16_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(port);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/// Everything `fd` receives until the peer closes it (or 5 s pass).
+std::string read_until_closed(int fd) {
+  timeval wait{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
+  std::string got;
+  char buf[512];
+  ssize_t n = 0;
+  while ((n = recv(fd, buf, sizeof buf, 0)) > 0)
+    got.append(buf, static_cast<size_t>(n));
+  return got;
 }
 
 executor_config mixed_config(int32_t local, const std::vector<node_address>& nodes) {
@@ -283,16 +340,17 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
   CHECK_THROWS_WITH_AS(executor(mixed_config(0, {{"127.0.0.1", n.port(), 1}}), test_factory()),
                        doctest::Contains("another executor holds the workers"), error);
 
-  // A peer that skips the handshake: hello, lease and a forged proof are all refused.
+  // Behind the connection's proof, the gate checks the secret again (as it does for TLS
+  // peers): a peer that skips the gate's own handshake gets nothing there either.
   {
     caf::actor_system_config cfg;
     register_messages(cfg);
     cfg.load<caf::io::middleman>();
     configure_heartbeats(cfg, 1s); // stays connected while it waits below
     caf::actor_system sys{cfg};
-    auto gate = sys.middleman().remote_actor("127.0.0.1", n.port());
-    REQUIRE(gate);
     caf::scoped_actor self{sys};
+    auto gate = connect_with_proof(sys, self, n.port());
+    REQUIRE(gate);
     caf::error err;
     auto holder = sys.spawn([]() -> caf::behavior { return {[](caf::ok_atom) {}}; });
     self->request(*gate, 5s, lease_atom::value, std::string{"test"}, caf::settings{}, int32_t{1},
@@ -343,6 +401,102 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
   // The node gives each of its workers a device of its own.
   CHECK(next->workers()[0].device == "cpu:0");
   CHECK(next->workers()[1].device == "cpu:1");
+}
+
+TEST_CASE("nothing from a peer without the secret reaches an actor, during a lease too") {
+  node_process n{1, 1000};
+  auto legit = std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}),
+                                          test_factory());
+  // A plain CAF client (no proof): the node's first bytes are no BASP handshake, so it never
+  // gets a handle on the gate, let alone a way to send it an exit message.
+  {
+    caf::actor_system_config cfg;
+    register_messages(cfg);
+    cfg.load<caf::io::middleman>();
+    caf::actor_system sys{cfg};
+    auto gate = sys.middleman().remote_actor("127.0.0.1", n.port());
+    CHECK(!gate);
+  }
+  // Raw peers: BASP bytes instead of the answer (a spoofed message would start so), and a
+  // proof made with another secret. Each is refused and closed; nothing is relayed.
+  {
+    int fd = connect_to(n.port());
+    REQUIRE(fd >= 0);
+    std::string basp(answer_size, '\0');
+    basp[0] = 3; // a routed message's header, with whatever follows
+    REQUIRE(send(fd, basp.data(), basp.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(basp.size()));
+    auto got = read_until_closed(fd);
+    close(fd);
+    CHECK(got.size() == greeting_size + std::string{"no wrong secret\n"}.size());
+    CHECK(got.substr(greeting_size) == "no wrong secret\n");
+  }
+  {
+    int fd = connect_to(n.port());
+    REQUIRE(fd >= 0);
+    std::string greeting(greeting_size, '\0');
+    REQUIRE(recv(fd, greeting.data(), greeting.size(), MSG_WAITALL) ==
+            static_cast<ssize_t>(greeting_size));
+    auto challenge = random_challenge();
+    auto answer = challenge + " " + peer_proof("guess", challenge_of_greeting(greeting), challenge) +
+                  "\n";
+    REQUIRE(send(fd, answer.data(), answer.size(), MSG_NOSIGNAL) ==
+            static_cast<ssize_t>(answer.size()));
+    CHECK(read_until_closed(fd) == "no wrong secret\n");
+    close(fd);
+  }
+  // The lease and the node are untouched: the executor works, and after it the next one.
+  CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  legit.reset();
+  auto start = clock_type::now();
+  std::unique_ptr<executor> next;
+  while (!next) {
+    try {
+      next = std::make_unique<executor>(mixed_config(0, {{"127.0.0.1", n.port(), 1}}),
+                                        test_factory());
+    } catch (const error& e) {
+      REQUIRE_MESSAGE(seconds_since(start) < 2.0, std::string{e.what()});
+      std::this_thread::sleep_for(50ms);
+    }
+  }
+  CHECK(next->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0});
+}
+
+TEST_CASE("1000 idle connections cost no thread and little memory, and an executor gets through") {
+  rlimit files{};
+  getrlimit(RLIMIT_NOFILE, &files);
+  if (files.rlim_max < 1100)
+    return testing::skip("1000 connections need 1100 file descriptors; the hard limit is " +
+                         std::to_string(files.rlim_max));
+  files.rlim_cur = std::max<rlim_t>(files.rlim_cur, 1100);
+  setrlimit(RLIMIT_NOFILE, &files);
+  node_process n{1, 1000};
+  auto threads = [&] { return proc_status(n.pid(), "Threads:"); };
+  auto threads_before = threads();
+  auto rss_before = rss_kib(n.pid());
+  std::vector<int> idle;
+  for (int i = 0; i < 1000; ++i) {
+    int fd = connect_to(n.port());
+    REQUIRE(fd >= 0);
+    idle.push_back(fd);
+  }
+  std::this_thread::sleep_for(200ms); // let the node accept them all
+  auto threads_after = threads();
+  auto rss_after = rss_kib(n.pid());
+  MESSAGE("node with 1000 idle connections: " << threads_before << " -> " << threads_after
+                                              << " threads, RSS " << rss_before << " -> "
+                                              << rss_after << " KiB");
+  // No thread per connection (the node's runtime may start one or two of its own lazily).
+  CHECK(threads_after <= threads_before + 2);
+  CHECK(rss_after < rss_before + 16 * 1024);
+  // While they are open, an executor leases in its normal time.
+  auto start = clock_type::now();
+  executor exec{mixed_config(0, {{"127.0.0.1", n.port(), 1}}), test_factory()};
+  auto took = seconds_since(start);
+  MESSAGE("an executor leased past them in " << took << " s");
+  CHECK(took < 1.0);
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0});
+  for (auto fd : idle)
+    close(fd);
 }
 
 TEST_CASE("an oversized message is refused without the node allocating it") {
@@ -476,7 +630,7 @@ TEST_CASE("mutual TLS: only executors with a certificate of the node's CA get wo
         == errc::worker_died);
   auto plain = mixed_config(1, {{"127.0.0.1", n.port(), 1}});
   plain.startup_timeout = 5s;
-  CHECK(code_of([&] { executor(plain, test_factory()); }) == errc::worker_died);
+  CHECK_THROWS_WITH_AS(executor(plain, test_factory()), doctest::Contains("wants TLS"), error);
   // The node's own CA: workers, and calls across the TLS connection.
   executor exec{config_with("executor", "ca"), test_factory()};
   CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
