@@ -41,6 +41,29 @@ using gate_clock = std::chrono::steady_clock;
 /// Handshakes under way at once; more are refused rather than remembered.
 constexpr size_t max_pending_handshakes = 1024;
 
+/// The current lease: the executor's holder actor and the workers it has. It lives apart
+/// from the gate's state, so that what releases it when the gate goes, however it goes
+/// (a kill cannot be trapped), never touches the state CAF has destroyed by then.
+struct node_lease {
+  caf::actor holder;
+  std::vector<caf::actor> workers;
+  std::shared_ptr<std::atomic<int32_t>> leased;
+
+  /// Stops the workers (their memory is freed) and forgets the holder.
+  void release(caf::actor_system& sys, spdlog::logger& log, const std::string& why) {
+    if (workers.empty() && !holder)
+      return;
+    log.info("releasing {} worker(s): {}", workers.size(), why);
+    for (auto& w : workers) {
+      caf::anon_send_exit(w, caf::exit_reason::user_shutdown);
+      sys.registry().erase(w.id());
+    }
+    workers.clear();
+    holder = nullptr;
+    leased->store(0);
+  }
+};
+
 /// The node's only published actor: authenticates executors and leases workers to one.
 struct gate_state {
   node_config cfg;
@@ -50,10 +73,7 @@ struct gate_state {
   /// Peers that proved the secret, and when; forgotten when their lease ends, or after the
   /// connection timeout when they never lease.
   std::map<caf::node_id, gate_clock::time_point> authenticated;
-  /// The current lease: the executor's holder actor and the workers it has.
-  caf::actor holder;
-  std::vector<caf::actor> workers;
-  std::shared_ptr<std::atomic<int32_t>> leased;
+  std::shared_ptr<node_lease> lease;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.node");
 
   static inline const char* name = "troupe.node";
@@ -74,27 +94,18 @@ void forget_stale(gate_self* self) {
   for (auto i = st.challenges.begin(); i != st.challenges.end();)
     i = i->second.second < oldest ? st.challenges.erase(i) : std::next(i);
   for (auto i = st.authenticated.begin(); i != st.authenticated.end();)
-    i = i->second < oldest && (!st.holder || i->first != st.holder.node())
+    i = i->second < oldest && (!st.lease->holder || i->first != st.lease->holder.node())
           ? st.authenticated.erase(i)
           : std::next(i);
 }
 
 void release(gate_self* self, const std::string& why) {
   auto& st = self->state;
-  if (st.workers.empty() && !st.holder)
-    return;
-  if (st.holder)
-    st.authenticated.erase(st.holder.node());
-  st.log->info("releasing {} worker(s): {}", st.workers.size(), why);
-  for (auto& w : st.workers) {
-    self->send_exit(w, caf::exit_reason::user_shutdown);
-    self->home_system().registry().erase(w.id());
+  if (st.lease->holder) {
+    st.authenticated.erase(st.lease->holder.node());
+    self->demonitor(st.lease->holder);
   }
-  if (st.holder)
-    self->demonitor(st.holder);
-  st.workers.clear();
-  st.holder = nullptr;
-  st.leased->store(0);
+  st.lease->release(self->home_system(), *st.log, why);
 }
 
 caf::error refused(gate_self* self, const std::string& why) {
@@ -104,12 +115,24 @@ caf::error refused(gate_self* self, const std::string& why) {
 
 caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<std::atomic<int32_t>> leased) {
   self->state.cfg = std::move(cfg);
-  self->state.leased = std::move(leased);
+  auto lease = std::make_shared<node_lease>();
+  lease->leased = std::move(leased);
+  self->state.lease = lease;
   self->set_down_handler([=](caf::down_msg& msg) {
-    if (self->state.holder && msg.source == self->state.holder.address())
+    if (self->state.lease->holder && msg.source == self->state.lease->holder.address())
       release(self, "its executor is gone (" + render(msg.reason) + ")");
   });
-  self->attach_functor([=](const caf::error&) { release(self, "the node stops"); });
+  // Only the node stops the gate (with a kill, which no handler sees); an exit message from
+  // anyone else is logged and changes nothing.
+  self->set_exit_handler([=](caf::exit_msg& msg) {
+    self->state.log->warn("ignored an exit message ({}) from {}", render(msg.reason),
+                          msg.source ? to_string(msg.source.node()) : std::string{"anonymous"});
+  });
+  auto& sys = self->home_system();
+  auto log = self->state.log;
+  self->attach_functor([lease, &sys, log](const caf::error& reason) {
+    lease->release(sys, *log, "the node stops (" + render(reason) + ")");
+  });
   return {
     [=](hello_atom) -> caf::result<std::string> {
       auto& sender = self->current_sender();
@@ -149,7 +172,7 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<std::atomic
       forget_stale(self);
       if (!sender || (!st.cfg.secret.empty() && st.authenticated.count(sender->node()) == 0))
         return refused(self, "a lease before authentication");
-      if (st.holder)
+      if (st.lease->holder)
         return refused(self, "a lease while another executor holds the workers");
       auto factory = st.cfg.kinds.find(kind);
       if (factory == st.cfg.kinds.end()) {
@@ -165,16 +188,16 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<std::atomic
         return refused(self, "a lease without a holder");
       auto make = factory->second;
       for (int32_t i = 0; i < count; ++i)
-        st.workers.push_back(spawn_leased_worker(
+        st.lease->workers.push_back(spawn_leased_worker(
           self->home_system(), [make, options](int32_t rank) { return make(rank, options); },
           sender->node(),
           {st.cfg.device_kind, st.cfg.device_indices[static_cast<size_t>(i)],
            st.cfg.collective_host}));
-      st.holder = holder;
+      st.lease->holder = holder;
       self->monitor(holder);
-      st.leased->store(count);
+      st.lease->leased->store(count);
       st.log->info("leased {} '{}' worker(s) to {}", count, kind, to_string(sender->node()));
-      return st.workers;
+      return st.lease->workers;
     },
   };
 }
@@ -310,8 +333,8 @@ void node::stop() {
   if (d.gateway)
     d.gateway->stop();
   if (d.gate) {
-    // The gate stops the workers as it exits.
-    caf::anon_send_exit(d.gate, caf::exit_reason::user_shutdown);
+    // The gate stops the workers as it exits; it ignores exit messages it can trap.
+    caf::anon_send_exit(d.gate, caf::exit_reason::kill);
     d.sys->registry().erase(d.gate.id());
     d.gate = nullptr;
   }

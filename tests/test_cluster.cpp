@@ -696,10 +696,40 @@ TEST_CASE("under TLS the size bound holds after decryption, before anything is a
   CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 }
 
-TEST_CASE("SIGTERM stops a node cleanly") {
+TEST_CASE("SIGTERM stops a node cleanly, with or without a lease") {
+  {
+    node_process n;
+    n.signal(SIGTERM);
+    CHECK(n.wait_exit() == 0);
+  }
   node_process n;
-  n.signal(SIGTERM);
+  executor exec{mixed_config(1, {{"127.0.0.1", n.port(), 1}}), test_factory()};
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  n.signal(SIGTERM); // the gate goes with a lease: its workers are released, nothing crashes
   CHECK(n.wait_exit() == 0);
+  CHECK(code_of([&] { exec.collective_rpc("rank"); }) == errc::worker_died);
+}
+
+TEST_CASE("the gate ignores exit messages, even from a peer that proved the secret") {
+  node_process n{1, 1000};
+  auto legit = std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}),
+                                          test_factory());
+  {
+    caf::actor_system_config cfg;
+    register_messages(cfg);
+    cfg.load<caf::io::middleman>();
+    caf::actor_system sys{cfg};
+    caf::scoped_actor self{sys};
+    auto gate = connect_with_proof(sys, self, n.port());
+    REQUIRE(gate);
+    caf::anon_send_exit(*gate, caf::exit_reason::user_shutdown);
+    self->send_exit(*gate, caf::exit_reason::unhandled_exception);
+    std::string challenge;
+    self->request(*gate, 5s, hello_atom::value)
+      .receive([&](std::string& c) { challenge = c; }, [](caf::error&) {});
+    CHECK(challenge.size() == 64); // still answering
+  }
+  CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 }
 
 TEST_CASE("a node that does not answer fails the start within the startup deadline") {
