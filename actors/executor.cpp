@@ -7,6 +7,7 @@
 #include "actors/log.hpp"
 #include "actors/node_auth.hpp"
 #include "actors/remoting.hpp"
+#include "actors/teardown.hpp"
 #include "actors/worker_actor.hpp"
 #include "messages/messages.hpp"
 
@@ -319,25 +320,12 @@ struct executor::impl {
     if (left > 0)
       log->error("shutdown: {} actor(s) still busy after {} s; abandoning them", left,
                  shutdown_grace.count());
-    // Destroying the system waits for every actor. A thread owns it (and its config, which
-    // it reads to the end); if that takes too long, the thread is left to finish on its own
-    // rather than hang the host.
-    auto done = std::make_shared<std::promise<void>>();
-    auto finished = done->get_future();
-    std::thread reaper{[done, sys = std::move(sys), sys_cfg = std::move(sys_cfg)]() mutable {
-      sys.reset();
-      sys_cfg.reset();
-      done->set_value();
-    }};
+    // Destroying the system waits for every actor; rather than hang the host, a system
+    // that takes too long is left behind.
     auto wait = left > 0 ? std::chrono::seconds(0) : shutdown_grace;
-    if (finished.wait_for(wait) == std::future_status::ready) {
-      reaper.join();
-    } else {
-      if (left == 0)
-        log->error("shutdown: the actor system did not stop within {} s; leaving it behind",
-                   shutdown_grace.count());
-      reaper.detach();
-    }
+    if (!destroy_within(sys, sys_cfg, wait) && left == 0)
+      log->error("shutdown: the actor system did not stop within {} s; leaving it behind",
+                 shutdown_grace.count());
   }
 };
 
@@ -356,6 +344,8 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
   auto tls = wants_tls(cfg.tls_certificate, cfg.tls_key, cfg.tls_ca);
   if (!cfg.nodes.empty() && cfg.node_secret.empty() && !tls)
     throw error{errc::invalid_argument, "worker nodes need node_secret or TLS certificates"};
+  if (!cfg.nodes.empty() && !cfg.node_secret.empty())
+    check_secret(cfg.node_secret, "node_secret");
   if (cfg.node_timeout <= timeout_type::zero())
     throw error{errc::invalid_argument, "node_timeout must be positive"};
   if (remote_count > cfg.tensor_parallel_size)

@@ -4,6 +4,7 @@
 #include "actors/log.hpp"
 #include "actors/node_auth.hpp"
 #include "actors/remoting.hpp"
+#include "actors/teardown.hpp"
 #include "actors/worker_actor.hpp"
 #include "messages/messages.hpp"
 #include "troupe/errors.hpp"
@@ -38,30 +39,52 @@ extern "C" void on_stop_signal(int) {
 
 using gate_clock = std::chrono::steady_clock;
 
+/// How long a stop waits for the workers and then for the actor system.
+constexpr std::chrono::milliseconds stop_grace{5000};
+
 /// Handshakes under way at once; more are refused rather than remembered.
 constexpr size_t max_pending_handshakes = 1024;
 
 /// The current lease: the executor's holder actor and the workers it has. It lives apart
 /// from the gate's state, so that what releases it when the gate goes, however it goes
-/// (a kill cannot be trapped), never touches the state CAF has destroyed by then.
+/// (a kill cannot be trapped), never touches the state CAF has destroyed by then; the node
+/// reads the workers from it when it stops.
 struct node_lease {
   caf::actor holder;
-  std::vector<caf::actor> workers;
-  std::shared_ptr<std::atomic<int32_t>> leased;
+  std::atomic<int32_t> leased{0};
+  /// The gate: leased workers take exit messages only from their own node and their
+  /// executor's, so the release names the gate as their source even once it is gone.
+  caf::actor_addr gate;
+
+  void add(caf::actor worker) {
+    std::lock_guard<std::mutex> guard{mtx_};
+    workers_.push_back(std::move(worker));
+    leased = static_cast<int32_t>(workers_.size());
+  }
+
+  std::vector<caf::actor> workers() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    return workers_;
+  }
 
   /// Stops the workers (their memory is freed) and forgets the holder.
   void release(caf::actor_system& sys, spdlog::logger& log, const std::string& why) {
-    if (workers.empty() && !holder)
+    std::lock_guard<std::mutex> guard{mtx_};
+    if (workers_.empty() && !holder)
       return;
-    log.info("releasing {} worker(s): {}", workers.size(), why);
-    for (auto& w : workers) {
-      caf::anon_send_exit(w, caf::exit_reason::user_shutdown);
+    log.info("releasing {} worker(s): {}", workers_.size(), why);
+    for (auto& w : workers_) {
+      caf::anon_send(w, caf::exit_msg{gate, caf::exit_reason::user_shutdown});
       sys.registry().erase(w.id());
     }
-    workers.clear();
+    workers_.clear();
     holder = nullptr;
-    leased->store(0);
+    leased = 0;
   }
+
+private:
+  std::mutex mtx_;
+  std::vector<caf::actor> workers_;
 };
 
 /// The node's only published actor: authenticates executors and leases workers to one.
@@ -113,10 +136,9 @@ caf::error refused(gate_self* self, const std::string& why) {
   return caf::make_error(errc::invalid_argument, "node: " + why);
 }
 
-caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<std::atomic<int32_t>> leased) {
+caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease> lease) {
   self->state.cfg = std::move(cfg);
-  auto lease = std::make_shared<node_lease>();
-  lease->leased = std::move(leased);
+  lease->gate = self->address();
   self->state.lease = lease;
   self->set_down_handler([=](caf::down_msg& msg) {
     if (self->state.lease->holder && msg.source == self->state.lease->holder.address())
@@ -188,16 +210,15 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<std::atomic
         return refused(self, "a lease without a holder");
       auto make = factory->second;
       for (int32_t i = 0; i < count; ++i)
-        st.lease->workers.push_back(spawn_leased_worker(
+        st.lease->add(spawn_leased_worker(
           self->home_system(), [make, options](int32_t rank) { return make(rank, options); },
           sender->node(),
           {st.cfg.device_kind, st.cfg.device_indices[static_cast<size_t>(i)],
            st.cfg.collective_host}));
       st.lease->holder = holder;
       self->monitor(holder);
-      st.lease->leased->store(count);
       st.log->info("leased {} '{}' worker(s) to {}", count, kind, to_string(sender->node()));
-      return st.lease->workers;
+      return st.lease->workers();
     },
   };
 }
@@ -209,7 +230,7 @@ struct node::impl {
   std::unique_ptr<caf::actor_system> sys;
   caf::actor gate;
   uint16_t port = 0;
-  std::shared_ptr<std::atomic<int32_t>> leased = std::make_shared<std::atomic<int32_t>>(0);
+  std::shared_ptr<node_lease> lease = std::make_shared<node_lease>();
   std::mutex mtx;
   /// Held for the whole of a stop.
   std::mutex stop_mtx;
@@ -226,6 +247,8 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   if (config.secret.empty() && !tls)
     throw error{errc::invalid_argument,
                 "a node needs a shared secret (--secret-file) or TLS certificates (--tls-*)"};
+  if (!config.secret.empty())
+    check_secret(config.secret, "the node's secret");
   if (config.kinds.empty())
     throw error{errc::invalid_argument, "a node needs at least one worker kind"};
   if (config.device_indices.empty())
@@ -265,7 +288,7 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   else
     listen.secret = config.secret; // under TLS the gate checks it, behind the certificates
   auto host = config.host;
-  d.gate = d.sys->spawn(gate, std::move(config), d.leased);
+  d.gate = d.sys->spawn(gate, std::move(config), d.lease);
   // The middleman listens nowhere: the gateway is the node's only socket, and hands it
   // each connection it accepted (TLS ended, frames bounded) over a private socket pair, as
   // if the middleman had accepted it for the gate.
@@ -314,7 +337,7 @@ uint16_t node::port() const {
 }
 
 int32_t node::leased_workers() const {
-  return impl_->leased->load();
+  return impl_->lease->leased.load();
 }
 
 void node::wait() {
@@ -333,16 +356,35 @@ void node::stop() {
   if (d.gateway)
     d.gateway->stop();
   if (d.gate) {
-    // The gate stops the workers as it exits; it ignores exit messages it can trap.
-    caf::anon_send_exit(d.gate, caf::exit_reason::kill);
+    auto workers = d.lease->workers();
+    {
+      caf::scoped_actor self{*d.sys};
+      for (auto& w : workers)
+        self->monitor(w);
+      // The gate stops the workers as it goes; it ignores exit messages it can trap.
+      self->send_exit(d.gate, caf::exit_reason::kill);
+      auto deadline = std::chrono::steady_clock::now() + stop_grace;
+      for (size_t down = 0; down < workers.size();) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0)
+          break;
+        self->receive([&](caf::down_msg&) { ++down; }, caf::after(left) >> [&] {});
+      }
+    }
+    // A worker's last messages to its executor may put it back in the registry (where
+    // remote peers' proxies keep actors); once it is down, nothing needs it there.
+    for (auto& w : workers)
+      d.sys->registry().erase(w.id());
     d.sys->registry().erase(d.gate.id());
     d.gate = nullptr;
   }
   // Sending from this thread left it a reference to the system's logger, which the
   // system's destructor would wait for.
   caf::logger::set_current_actor_system(nullptr);
-  d.sys.reset();
-  d.sys_cfg.reset();
+  if (!destroy_within(d.sys, d.sys_cfg, stop_grace))
+    d.log->error("stop: the actor system did not stop within {} ms; leaving it behind",
+                 stop_grace.count());
   {
     std::lock_guard<std::mutex> guard{d.mtx};
     d.stopped = true;

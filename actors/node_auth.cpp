@@ -22,6 +22,15 @@ std::string hex(const unsigned char* data, size_t size) {
 
 } // namespace
 
+void check_secret(const std::string& secret, const std::string& what) {
+  if (secret.size() < min_secret_bytes)
+    throw error{errc::invalid_argument,
+                what + " has " + std::to_string(secret.size()) + " bytes; it needs at least " +
+                  std::to_string(min_secret_bytes) + " (a shorter one can be found by trying "
+                  "candidates against one overheard handshake): e.g. head -c 32 /dev/urandom | "
+                  "od -An -tx1 | tr -d ' \\n'"};
+}
+
 std::string random_challenge() {
   unsigned char bytes[32];
   if (RAND_bytes(bytes, sizeof(bytes)) != 1)

@@ -4,6 +4,14 @@
 
 namespace troupe {
 
+/// The fewest bytes a shared secret may have.
+constexpr size_t min_secret_bytes = 16;
+
+/// Throws `invalid_argument` naming `what` unless `secret` has at least `min_secret_bytes`:
+/// anyone who overhears one handshake can try candidate secrets against it offline, so a
+/// short one would soon be found.
+void check_secret(const std::string& secret, const std::string& what);
+
 /// A fresh random challenge (64 hex digits).
 std::string random_challenge();
 

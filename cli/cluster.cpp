@@ -3,6 +3,7 @@
 
 #include "cli/commands.hpp"
 
+#include "actors/node_auth.hpp"
 #include "troupe/errors.hpp"
 #include "troupe/model_worker.hpp"
 #include "troupe/node.hpp"
@@ -61,8 +62,7 @@ std::string read_secret(const std::string& path) {
   auto secret = text.str();
   while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r'))
     secret.pop_back();
-  if (secret.empty())
-    throw error{errc::invalid_argument, "--secret-file: '" + path + "' is empty"};
+  check_secret(secret, "--secret-file '" + path + "'");
   return secret;
 }
 
@@ -74,11 +74,16 @@ void apply_node_options(const node_options& o, executor_config& cfg) {
     n.host = host;
     n.port = port;
     if (slash != std::string::npos) {
+      auto count = spec.substr(slash + 1);
+      size_t used = 0;
       try {
-        n.workers = std::stoi(spec.substr(slash + 1));
+        n.workers = std::stoi(count, &used);
       } catch (const std::exception&) {
-        n.workers = 0;
+        used = 0;
       }
+      if (used == 0 || used != count.size())
+        throw error{errc::invalid_argument,
+                    "--nodes: in '" + spec + "', '" + count + "' is not a number of workers"};
       if (n.workers < 1)
         throw error{errc::invalid_argument, "--nodes: '" + spec + "' asks for no workers"};
     }

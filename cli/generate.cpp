@@ -3,6 +3,7 @@
 
 #include "cli/commands.hpp"
 
+#include "model/sampler.hpp"
 #include "troupe/llm.hpp"
 
 #include <nlohmann/json.hpp>
@@ -18,7 +19,17 @@ namespace troupe::cli {
 
 namespace {
 
+/// A count or size that may be 0 (the default) but not negative.
+const CLI::Validator not_negative{[](std::string& text) {
+                                    return !text.empty() && text[0] == '-'
+                                             ? "must be 0 or more, got " + text
+                                             : std::string{};
+                                  },
+                                  "NONNEGATIVE"};
+
 std::vector<int32_t> parse_ids(const std::string& text) {
+  if (text.empty())
+    throw error{errc::invalid_argument, "--prompt-token-ids: an empty list (give ids as 1,2,3)"};
   std::vector<int32_t> ids;
   std::stringstream in{text};
   for (std::string part; std::getline(in, part, ',');) {
@@ -168,6 +179,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
                 "Print JSON: per prompt the text, the token ids and their logprobs");
   sub->add_option("--kv-cache-memory", o->kv_cache_memory,
                   "Bytes of KV cache per worker (0: --kv-cache-memory-fraction of free memory)")
+    ->check(not_negative)
     ->capture_default_str();
   sub->add_option("--kv-cache-memory-fraction", o->kv_fraction,
                   "Share of free memory for the KV cache when --kv-cache-memory is 0")
@@ -177,6 +189,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     ->check(CLI::Range(0, 1 << 20))
     ->capture_default_str();
   sub->add_option("--max-model-len", o->max_model_len, "Longest prompt plus output (0: the model's)")
+    ->check(not_negative)
     ->capture_default_str();
   sub->add_option("--lora", o->loras,
                   "A PEFT LoRA adapter directory as NAME=PATH (repeatable); one alone serves "
@@ -202,6 +215,18 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
   cmd->run = [o] {
     if (o->prompts.empty() && o->prompt_ids.empty())
       throw error{errc::invalid_argument, "give at least one --prompt or --prompt-token-ids"};
+    // Everything the command line can get wrong is refused before the model loads.
+    sampling_params sp;
+    sp.temperature = o->temperature;
+    sp.top_p = o->top_p;
+    sp.top_k = o->top_k;
+    sp.seed = o->seed;
+    sp.max_tokens = o->max_tokens;
+    sp.logprobs = o->logprobs;
+    check_sampling(sp);
+    std::vector<std::vector<int32_t>> id_prompts;
+    for (auto& ids : o->prompt_ids)
+      id_prompts.push_back(parse_ids(ids));
     llm_config cfg;
     cfg.model = o->model;
     cfg.tensor_parallel_size = o->tp;
@@ -238,18 +263,11 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
                   << total << (done == total ? "\n" : "") << std::flush;
       };
     llm model{cfg};
-    sampling_params sp;
-    sp.temperature = o->temperature;
-    sp.top_p = o->top_p;
-    sp.top_k = o->top_k;
-    sp.seed = o->seed;
-    sp.max_tokens = o->max_tokens;
-    sp.logprobs = o->logprobs;
     std::vector<generation_request> reqs;
     for (auto& p : o->prompts)
       reqs.push_back({o->chat ? model.chat_prompt(p) : p, {}, sp, o->stop});
-    for (auto& ids : o->prompt_ids)
-      reqs.push_back({ids, parse_ids(ids), sp, o->stop});
+    for (size_t i = 0; i < id_prompts.size(); ++i)
+      reqs.push_back({o->prompt_ids[i], id_prompts[i], sp, o->stop});
     for (size_t i = 0; i < reqs.size(); ++i) {
       reqs[i].lora = loras[i];
       reqs[i].prompt_adapter = prompt_adapter;

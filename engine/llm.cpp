@@ -18,6 +18,9 @@ struct llm::impl {
   llm_config cfg;
   model_config model;
   std::optional<tokenizer> tok;
+  /// Why the model's tokenizer could not be loaded (empty when it was, or there is none):
+  /// only text prompts need it, so it is reported when one comes.
+  std::string tokenizer_problem;
   std::unique_ptr<troupe::executor> exec;
   cache_blocks blocks;
   int64_t next_seq = 0;
@@ -58,7 +61,11 @@ llm::llm(llm_config config) : impl_(std::make_unique<impl>()) {
   auto& d = *impl_;
   d.cfg = std::move(config);
   d.model = checkpoint::config_of(d.cfg.model);
-  d.tok = load_tokenizer(d.cfg.model);
+  try {
+    d.tok = load_tokenizer(d.cfg.model);
+  } catch (const error& e) {
+    d.tokenizer_problem = e.what();
+  }
   executor_config ec;
   ec.tensor_parallel_size = d.cfg.tensor_parallel_size;
   ec.device_kind = d.cfg.device;
@@ -218,7 +225,10 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
     } else {
       if (!d.tok)
         throw error{errc::invalid_argument,
-                    "the model has no tokenizer: give prompt token ids instead of text"};
+                    (d.tokenizer_problem.empty()
+                       ? std::string{"the model has no tokenizer"}
+                       : "the model's tokenizer cannot be used (" + d.tokenizer_problem + ")") +
+                      ": give prompt token ids instead of text"};
       out.prompt_token_ids = d.tok->encode(req.prompt);
     }
     engine_request r;

@@ -74,6 +74,14 @@ bool checkpoint::is_gguf(const std::string& path) {
 }
 
 model_config checkpoint::config_of(const std::string& path) {
+  // A FIFO or a device would block the first read for ever.
+  std::error_code ec;
+  auto status = std::filesystem::status(path, ec);
+  if (!std::filesystem::exists(status))
+    throw error{errc::invalid_argument, "model '" + path + "': no such file or directory"};
+  if (!std::filesystem::is_directory(status) && !std::filesystem::is_regular_file(status))
+    throw error{errc::invalid_argument,
+                "model '" + path + "': neither a directory nor a regular file"};
   return is_gguf(path) ? gguf_config(path) : load_model_config(path);
 }
 

@@ -90,7 +90,8 @@ uint16_t float_to_bf16(float f) {
 void to_float(dtype from, const void* src, float* dst, std::size_t count) {
   switch (from) {
     case dtype::f32:
-      std::memcpy(dst, src, count * sizeof(float));
+      if (count > 0) // memcpy's pointers must be valid even for 0 bytes
+        std::memcpy(dst, src, count * sizeof(float));
       return;
     case dtype::f16: {
       auto p = static_cast<const uint16_t*>(src);
@@ -110,7 +111,8 @@ void to_float(dtype from, const void* src, float* dst, std::size_t count) {
 void from_float(dtype to, const float* src, void* dst, std::size_t count) {
   switch (to) {
     case dtype::f32:
-      std::memcpy(dst, src, count * sizeof(float));
+      if (count > 0)
+        std::memcpy(dst, src, count * sizeof(float));
       return;
     case dtype::f16: {
       auto p = static_cast<uint16_t*>(dst);

@@ -21,6 +21,16 @@ size_t checked_bytes(int64_t per_block, int64_t blocks, const char* what) {
   return static_cast<size_t>(bytes);
 }
 
+/// The host swap space, zeroed; the bytes it wanted when they cannot be had.
+std::vector<float> swap_space(size_t bytes) {
+  try {
+    return std::vector<float>(bytes / sizeof(float));
+  } catch (const std::bad_alloc&) {
+    throw error{errc::memory_error, "KV cache: cannot allocate " + std::to_string(bytes) +
+                                      " bytes of host memory for the swap space (swap_space)"};
+  }
+}
+
 } // namespace
 
 kv_cache::kv_cache(device& dev, int64_t layers, int64_t kv_heads, int64_t head_dim,
@@ -37,9 +47,8 @@ kv_cache::kv_cache(device& dev, int64_t layers, int64_t kv_heads, int64_t head_d
                                  device_blocks, "device"),
                    memory_tag::kv_cache),
     base_(device_memory_.as<float>()),
-    swap_(checked_bytes(bytes_per_block(layers, kv_heads, head_dim, block_size), swap_blocks,
-                        "swap")
-          / sizeof(float)) {
+    swap_(swap_space(checked_bytes(bytes_per_block(layers, kv_heads, head_dim, block_size),
+                                   swap_blocks, "swap"))) {
 }
 
 void kv_cache::validate(int64_t layers, int64_t kv_heads, int64_t head_dim, int64_t block_size,

@@ -16,7 +16,8 @@ mapped_file::mapped_file(const std::string& path, const char* kind, std::size_t 
   auto fail = [&](const std::string& what) {
     throw error{errc::invalid_argument, std::string{kind} + " '" + path + "': " + what};
   };
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking, so that a FIFO or a device is refused below instead of waiting forever.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0)
     fail(std::strerror(errno));
   struct stat st;
@@ -24,6 +25,10 @@ mapped_file::mapped_file(const std::string& path, const char* kind, std::size_t 
     auto err = errno;
     ::close(fd);
     fail(std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail("not a regular file");
   }
   size_ = static_cast<std::size_t>(st.st_size);
   if (size_ < min_size) {

@@ -333,8 +333,11 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
   CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 
   auto wrong = mixed_config(0, {{"127.0.0.1", n.port(), 1}});
-  wrong.node_secret = "guess";
+  wrong.node_secret = "a guess long enough to be tried";
   CHECK_THROWS_WITH_AS(executor(wrong, test_factory()), doctest::Contains("wrong secret"), error);
+  // A secret too short to hold up against a guess offline is refused before any connection.
+  wrong.node_secret = "guess";
+  CHECK_THROWS_WITH_AS(executor(wrong, test_factory()), doctest::Contains("at least 16"), error);
 
   // Right secret, but the node's workers are leased: refused, nothing spawned.
   CHECK_THROWS_WITH_AS(executor(mixed_config(0, {{"127.0.0.1", n.port(), 1}}), test_factory()),
