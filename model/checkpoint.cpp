@@ -93,7 +93,8 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
   for (auto& t : file.tensors()) {
     auto name = t.name == "rope_freqs.weight" ? t.name : hf_tensor_name(t.name);
     if (name.empty())
-      continue;
+      throw error{errc::invalid_argument, "model '" + path + "': tensor '" + t.name +
+                                            "' has no place in a Llama-family model"};
     auto values = file.read(t);
     bool is_q = name.find("self_attn.q_proj.weight") != std::string::npos;
     bool is_k = name.find("self_attn.k_proj.weight") != std::string::npos;

@@ -4,6 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
+
 #include <algorithm>
 #include <fstream>
 #include <sstream>
@@ -65,6 +67,25 @@ void validate_model_config(const model_config& c, const std::string& origin) {
     bad_config(origin, "head_dim must be even for rotary embeddings");
   if (!(c.rms_norm_eps > 0) || !(c.rope_theta > 0))
     bad_config(origin, "rms_norm_eps and rope_theta must be positive");
+  if (c.rope_scaling.enabled) {
+    // llama3's scaling divides by the factor and by high_freq_factor - low_freq_factor.
+    auto& r = c.rope_scaling;
+    if (!(r.factor > 0) || !std::isfinite(r.factor))
+      bad_config(origin, "rope_scaling.factor must be positive, got " + std::to_string(r.factor));
+    if (!(r.low_freq_factor > 0) || !(r.high_freq_factor > r.low_freq_factor) ||
+        !std::isfinite(r.high_freq_factor))
+      bad_config(origin, "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got " +
+                           std::to_string(r.low_freq_factor) + " and " +
+                           std::to_string(r.high_freq_factor));
+    if (r.original_max_position_embeddings <= 0)
+      bad_config(origin, "rope_scaling.original_max_position_embeddings must be positive, got " +
+                           std::to_string(r.original_max_position_embeddings));
+  }
+  for (auto [key, id] : {std::pair{"bos_token_id", c.bos_token_id},
+                         std::pair{"eos_token_id", c.eos_token_id}})
+    if (id != -1 && (id < 0 || id >= c.vocab_size))
+      bad_config(origin, std::string{key} + " " + std::to_string(id) +
+                           " is outside the vocabulary of " + std::to_string(c.vocab_size));
 }
 
 int64_t model_config::num_parameters() const {

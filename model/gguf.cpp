@@ -193,12 +193,22 @@ gguf_file::gguf_file(const std::string& path) : path_(path), file_(path, "GGUF f
       tensors_.push_back(std::move(t));
     }
     uint64_t alignment = 32;
-    if (auto a = find<int64_t>("general.alignment"); a && *a > 0)
+    if (auto a = find<int64_t>("general.alignment")) {
+      if (*a <= 0 || *a > (int64_t{1} << 20))
+        bad(path, "general.alignment " + std::to_string(*a) + " is not a usable alignment");
       alignment = static_cast<uint64_t>(*a);
+    }
     data_start_ = (c.pos + alignment - 1) / alignment * alignment;
-    for (auto& t : tensors_)
-      if (data_start_ + t.offset > file_.size() || t.bytes > file_.size() - data_start_ - t.offset)
+    if (data_start_ > file_.size() && !tensors_.empty())
+      bad(path, "the tensor data would start past the end of the file (truncated?)");
+    for (auto& t : tensors_) {
+      // Compared without adding to the offset, which may be anything up to 2^64.
+      if (t.offset > file_.size() - data_start_ || t.bytes > file_.size() - data_start_ - t.offset)
         bad(path, "tensor '" + t.name + "': its data lies past the end of the file (truncated?)");
+      if (t.offset % alignment != 0)
+        bad(path, "tensor '" + t.name + "': offset " + std::to_string(t.offset) +
+                    " is not a multiple of general.alignment " + std::to_string(alignment));
+    }
   }
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <filesystem>
 
 namespace troupe {
@@ -168,6 +169,23 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       }
     }
   }
+  // A tensor the config has no place for means the config and the weights disagree (more
+  // layers than num_hidden_layers, another architecture): refused, as vLLM does, rather
+  // than silently run a smaller model. Buffers transformers once saved, and an output head
+  // next to tied embeddings, are ignored as vLLM ignores them.
+  std::set<std::string> wanted{"rope_freqs.weight"};
+  for (auto& j : jobs)
+    wanted.insert(j.name);
+  for (auto& name : ckpt.names()) {
+    auto ignored = name.find("rotary_emb.inv_freq") != std::string::npos ||
+                   (cfg_.tie_word_embeddings && name == "lm_head.weight");
+    if (wanted.count(name) == 0 && !ignored)
+      throw error{errc::invalid_argument,
+                  "model '" + ckpt.directory() + "': tensor '" + name +
+                    "' has no place in the model its config describes (" +
+                    std::to_string(cfg_.num_hidden_layers) + " layers" +
+                    (cfg_.attention_bias ? ", with" : ", without") + " attention biases)"};
+  }
   inv_freq_ = base_inv_freq_;
   if (ckpt.contains("rope_freqs.weight")) {
     auto& t = ckpt.at("rope_freqs.weight");
@@ -223,6 +241,15 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       read_rows(t, j.start, j.count, staging.data());
     else
       read_cols(t, j.start, j.count, staging.data());
+    // A NaN or an infinity in a weight turns every logit into NaN (token 0 at every step);
+    // the values pass through here once anyway.
+    auto bad = std::find_if(staging.begin(), staging.end(),
+                            [](float x) { return !std::isfinite(x); });
+    if (bad != staging.end())
+      throw error{errc::invalid_argument,
+                  "model '" + ckpt.directory() + "': tensor '" + j.name + "' holds " +
+                    (std::isnan(*bad) ? "NaN" : "an infinity") + " (element " +
+                    std::to_string(bad - staging.begin()) + " of this rank's part)"};
     upload(j.slot->ptr, staging, j.type);
     if (progress)
       progress(n + 1, jobs.size());

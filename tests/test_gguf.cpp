@@ -189,5 +189,27 @@ TEST_CASE("hostile GGUF headers are refused without crashing") {
             gguf_string("llama.vocab_size") + raw(uint32_t{4}) + raw(uint32_t{16});
   write(gguf_bytes(0, 6, md));
   CHECK_THROWS_WITH_AS(checkpoint::gguf_config(path), doctest::Contains("attention heads"), error);
+  // One F32 tensor of 8 values at `offset`, with 64 bytes of data after the header's padding.
+  auto one_tensor = [&](uint64_t offset) {
+    auto bytes = gguf_bytes(1, 0, gguf_string("blk.0.attn_q.weight") + raw(uint32_t{1}) +
+                                    raw(uint64_t{8}) + raw(uint32_t{0}) + raw(offset));
+    bytes.resize((bytes.size() + 31) / 32 * 32 + 64, '\0');
+    return bytes;
+  };
+  write(one_tensor(0));
+  CHECK(error_of(path).empty());
+  // An offset that wraps around when added to the data's start.
+  write(one_tensor(~uint64_t{0} - 15));
+  CHECK(error_of(path).find("past the end of the file") != std::string::npos);
+  // An offset the format's alignment (32 by default) does not allow.
+  write(one_tensor(4));
+  CHECK(error_of(path).find("is not a multiple of general.alignment 32") != std::string::npos);
+  // A tensor no Llama-family model has.
+  auto mystery = gguf_bytes(1, 0, gguf_string("mystery.weight") + raw(uint32_t{1}) +
+                                    raw(uint64_t{8}) + raw(uint32_t{0}) + raw(uint64_t{0}));
+  mystery.resize((mystery.size() + 31) / 32 * 32 + 64, '\0');
+  write(mystery);
+  CHECK_THROWS_WITH_AS(checkpoint::from_gguf(path, load_model_config(TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa")),
+                       doctest::Contains("tensor 'mystery.weight' has no place"), error);
   std::filesystem::remove(path);
 }

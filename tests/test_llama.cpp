@@ -8,6 +8,7 @@
 #include "model/config.hpp"
 #include "model/llama.hpp"
 #include "model/make_model.hpp"
+#include "model/safetensors.hpp"
 #include "tests/generation.hpp"
 #include "tests/model_runner.hpp"
 #include "troupe/errors.hpp"
@@ -194,6 +195,59 @@ TEST_CASE("configs and checkpoints that do not fit are errors naming the file") 
   auto odd = load_model_config(fixtures + "/llama-odd-heads");
   CHECK_THROWS_WITH_AS(llama_model(odd, dev, 0, 4), doctest::Contains("cannot be split 4 ways"),
                        error);
+}
+
+TEST_CASE("configs and weights that would compute garbage are refused, naming the key or tensor") {
+  auto config_text = [](const std::string& extra) {
+    auto j = nlohmann::json::parse(std::ifstream{fixtures + "/llama-gqa/config.json"});
+    j.update(nlohmann::json::parse(extra));
+    return j.dump();
+  };
+  // llama3 rope scaling that divides by zero.
+  CHECK_THROWS_WITH_AS(
+    parse_model_config(config_text(R"({"rope_parameters":{"rope_type":"llama3","factor":0,
+      "rope_theta":10000}})"), "c.json"),
+    doctest::Contains("rope_scaling.factor must be positive"), error);
+  CHECK_THROWS_WITH_AS(
+    parse_model_config(config_text(R"({"rope_parameters":{"rope_type":"llama3","factor":8,
+      "low_freq_factor":2,"high_freq_factor":2,"rope_theta":10000}})"), "c.json"),
+    doctest::Contains("low_freq_factor < high_freq_factor"), error);
+  // Special tokens outside the vocabulary (256 tokens).
+  CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"eos_token_id":256})"), "c.json"),
+                       doctest::Contains("eos_token_id 256 is outside the vocabulary of 256"),
+                       error);
+  CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"bos_token_id":-7})"), "c.json"),
+                       doctest::Contains("bos_token_id -7 is outside"), error);
+  cpu_device dev{0};
+  checkpoint ckpt{fixtures + "/llama-gqa"};
+  // A config with fewer layers than the weights: the file's extra layer has no place.
+  auto fewer = load_model_config(fixtures + "/llama-gqa");
+  fewer.num_hidden_layers = 1;
+  llama_model short_model{fewer, dev, 0, 1};
+  CHECK_THROWS_WITH_AS(short_model.load(ckpt), doctest::Contains("model.layers.1."), error);
+  // A NaN or an infinity in a weight.
+  auto dir = std::filesystem::temp_directory_path() / ("troupe-nan-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(fixtures + "/llama-gqa/config.json", dir / "config.json");
+  {
+    safetensors_file source{fixtures + "/llama-gqa/model.safetensors"};
+    std::vector<std::vector<char>> copies;
+    safetensors_writer out;
+    for (auto& t : source.tensors()) {
+      copies.emplace_back(reinterpret_cast<const char*>(t.data),
+                          reinterpret_cast<const char*>(t.data) + t.bytes);
+      if (t.name == "model.layers.1.mlp.down_proj.weight")
+        reinterpret_cast<float*>(copies.back().data())[5] = std::nanf("");
+      out.add(t.name, t.type, t.shape, copies.back().data(), copies.back().size());
+    }
+    out.write((dir / "model.safetensors").string());
+  }
+  auto cfg = load_model_config(fixtures + "/llama-gqa");
+  llama_model nan_model{cfg, dev, 0, 1};
+  CHECK_THROWS_WITH_AS(nan_model.load(checkpoint{dir.string()}),
+                       doctest::Contains("tensor 'model.layers.1.mlp.down_proj.weight' holds NaN"),
+                       error);
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("make-model writes a sharded checkpoint that loads and runs") {
