@@ -311,6 +311,33 @@ void start_loop(supervisor_self* self) {
     st.loop = g;
 }
 
+/// Where rank `rank` runs, for messages: its host and process, and its node if leased.
+std::string where_rank(supervisor_self* self, const worker_info& info) {
+  auto text = "rank " + std::to_string(info.rank) + " on " + info.hostname + " (pid " +
+              std::to_string(info.pid);
+  auto& place = self->state.places[static_cast<size_t>(info.rank)];
+  if (!place.host.empty())
+    text += ", " + place.kind + " " + place.host + ":" + std::to_string(place.port);
+  return text + ")";
+}
+
+/// An `inconsistent_workers` error when two ranks loaded different models (one host has
+/// another version of the files at the same path): they would compute garbage together.
+caf::error different_models(supervisor_self* self, const std::vector<worker_info>& infos) {
+  for (auto& info : infos) {
+    auto& first = infos.front();
+    if (first.model_fingerprint.empty() || info.model_fingerprint.empty() ||
+        info.model_fingerprint == first.model_fingerprint)
+      continue;
+    return caf::make_error(errc::inconsistent_workers,
+                           where_rank(self, first) + " and " + where_rank(self, info) +
+                             " loaded different models from '" + first.model + "' and '" +
+                             info.model + "': their configs or files differ (names, shapes, "
+                             "types or bytes of the tensors); every host needs the same files");
+  }
+  return {};
+}
+
 void on_worker_down(supervisor_self* self, const caf::down_msg& msg) {
   auto& st = self->state;
   int32_t rank = -1;
@@ -407,6 +434,10 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
                                   return;
                                 }
                                 infos.push_back(info.get_as<worker_info>(0));
+                              }
+                              if (auto err = different_models(self, infos)) {
+                                rp.deliver(std::move(err));
+                                return;
                               }
                               rp.deliver(std::move(infos));
                             },

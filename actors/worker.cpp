@@ -242,7 +242,11 @@ worker_info worker::info() const {
   result.device = device_ ? device_->name() : std::string{"unbound"};
   result.hostname = hostname();
   result.pid = getpid();
+  describe_model(result);
   return result;
+}
+
+void worker::describe_model(worker_info&) const {
 }
 
 // -- the method registry --------------------------------------------------------

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -142,6 +143,32 @@ std::vector<std::string> checkpoint::names() const {
   for (auto& kvp : index_)
     result.push_back(kvp.first);
   return result;
+}
+
+std::string checkpoint::fingerprint(const std::string& config_text, bool tensors) const {
+  uint64_t hash = 14695981039346656037ull; // FNV-1a
+  auto mix = [&](const void* data, size_t size) {
+    auto p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < size; ++i)
+      hash = (hash ^ p[i]) * 1099511628211ull;
+  };
+  mix(config_text.data(), config_text.size());
+  for (auto& [name, t] : index_) {
+    if (!tensors)
+      break;
+    mix(name.data(), name.size());
+    mix(&t->type, sizeof t->type);
+    for (auto d : t->shape)
+      mix(&d, sizeof d);
+    constexpr size_t samples = 16;
+    constexpr size_t word = 8;
+    if (t->bytes >= word)
+      for (size_t i = 0; i < samples; ++i)
+        mix(t->data + (t->bytes - word) * i / (samples - 1), word);
+  }
+  char text[17];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(hash));
+  return text;
 }
 
 } // namespace troupe

@@ -43,6 +43,12 @@ public:
   /// Every tensor name, sorted.
   std::vector<std::string> names() const;
 
+  /// What identifies a model, cheaply (16 hex digits): a hash of `config_text` and, with
+  /// `tensors`, of every tensor's name, type and shape and 16 words sampled evenly from its
+  /// bytes. Two ranks that opened different files at the same path (another version of the
+  /// model on one host) differ.
+  std::string fingerprint(const std::string& config_text, bool tensors = true) const;
+
   const std::string& directory() const {
     return directory_;
   }

@@ -72,6 +72,9 @@ struct model_worker::state {
   /// One float of device memory for the ranks' agreement on a step's adapters.
   device_buffer flag;
   bool presharded = false;
+  /// `checkpoint::fingerprint` of the config and the files loaded; of the config alone for a
+  /// sharded state (each rank's files differ by design).
+  std::string fingerprint;
 };
 
 model_worker::model_worker(model_worker_options options)
@@ -120,8 +123,9 @@ void model_worker::load_model() {
   st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size,
                                            weight_type);
   st.model->capture_decode_steps(!options_.enforce_eager);
-  st.model->load(open_checkpoint(), rank() == 0 ? options_.progress : load_progress{},
-                 presharded);
+  auto ckpt = open_checkpoint();
+  st.model->load(ckpt, rank() == 0 ? options_.progress : load_progress{}, presharded);
+  st.fingerprint = ckpt.fingerprint(to_config_json(st.config), !presharded);
   if (st.reduce)
     st.model->set_all_reduce(st.reduce);
 }
@@ -574,6 +578,11 @@ void model_worker::save_sharded_state(const sharded_state_request& request) {
       fs::remove(path); // nothing partial stays behind
     throw;
   }
+}
+
+void model_worker::describe_model(worker_info& info) const {
+  info.model = options_.model_path;
+  info.model_fingerprint = state_->fingerprint;
 }
 
 worker_factory model_worker_factory(model_worker_options options) {

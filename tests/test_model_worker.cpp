@@ -415,6 +415,53 @@ TEST_CASE("prefill and decode in the same step give the outputs they give apart"
   CHECK(std::fabs(out.outputs[1].samples[0].logprob - b_alone.logprob) < 1e-5f);
 }
 
+TEST_CASE("ranks that loaded different files are refused before the first step, naming both") {
+  // Rank 1 finds another version of the model: same shapes, one weight changed.
+  auto other = fs::temp_directory_path() / ("troupe-other-model-" + std::to_string(getpid()));
+  fs::create_directories(other);
+  fs::copy_file(fixtures + "/llama-gqa/config.json", other / "config.json");
+  {
+    safetensors_file source{fixtures + "/llama-gqa/model.safetensors"};
+    std::vector<std::vector<char>> copies;
+    safetensors_writer out;
+    for (auto& t : source.tensors()) {
+      copies.emplace_back(reinterpret_cast<const char*>(t.data),
+                          reinterpret_cast<const char*>(t.data) + t.bytes);
+      if (t.name == "model.norm.weight")
+        reinterpret_cast<float*>(copies.back().data())[0] += 1.0f;
+      out.add(t.name, t.type, t.shape, copies.back().data(), copies.back().size());
+    }
+    out.write((other / "model.safetensors").string());
+  }
+  executor_config cfg;
+  cfg.tensor_parallel_size = 2;
+  cfg.block_size = block_size;
+  model_worker_options opts;
+  opts.kv_cache_memory_bytes = 1 << 20;
+  auto factory = [&](int32_t rank) {
+    auto o = opts;
+    o.model_path = rank == 0 ? fixtures + "/llama-gqa" : other.string();
+    return std::make_unique<model_worker>(o);
+  };
+  try {
+    executor exec{cfg, factory};
+    FAIL("the executor started");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::inconsistent_workers);
+    std::string what = e.what();
+    CHECK_MESSAGE(what.find("loaded different models from '" + fixtures + "/llama-gqa' and '" +
+                            other.string() + "'") != std::string::npos,
+                  what);
+    CHECK_MESSAGE(what.find("rank 1 on ") != std::string::npos, what);
+  }
+  // The same files on both ranks start, as a sharded state does (each rank's own files).
+  opts.model_path = fixtures + "/llama-gqa";
+  executor same{cfg, model_worker_factory(opts)};
+  CHECK(same.workers()[0].model_fingerprint == same.workers()[1].model_fingerprint);
+  CHECK(!same.workers()[0].model_fingerprint.empty());
+  fs::remove_all(other);
+}
+
 TEST_CASE("weight loading reports its progress through the callback") {
   executor_config cfg;
   model_worker_options opts;

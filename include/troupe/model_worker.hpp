@@ -89,6 +89,7 @@ public:
   void initialize_cache(const cache_blocks& blocks) override;
   std::vector<sampler_output> execute_model(const execute_model_request& request) override;
   void save_sharded_state(const sharded_state_request& request) override;
+  void describe_model(worker_info& info) const override;
   bool add_lora(const lora_request& request) override;
   bool remove_lora(int64_t lora_id) override;
   bool pin_lora(int64_t lora_id) override;

@@ -306,12 +306,17 @@ struct worker_info {
   std::string device;
   std::string hostname;
   int64_t pid = 0;
+  /// The model the worker loaded (`model_worker_options::model_path`) and a fingerprint of
+  /// its files and config; empty for workers without a model. The executor refuses to start
+  /// when ranks loaded different files.
+  std::string model;
+  std::string model_fingerprint;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, worker_info& x) {
   return f(caf::meta::type_name("worker_info"), x.rank, x.world_size, x.device, x.hostname,
-           x.pid);
+           x.pid, x.model, x.model_fingerprint);
 }
 
 /// Answer of a worker's health check.

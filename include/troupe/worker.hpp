@@ -153,8 +153,12 @@ public:
   /// Reports whether the worker can serve; the default checks that the device is bound.
   virtual worker_health check_health();
 
-  /// Rank, device, host and process of this worker.
+  /// Rank, device, host and process of this worker, and what `describe_model` adds.
   worker_info info() const;
+
+  /// Fills `info.model` and `info.model_fingerprint` (see `worker_info`); the default leaves
+  /// them empty.
+  virtual void describe_model(worker_info& info) const;
 
   // -- the method registry ------------------------------------------------------
 
