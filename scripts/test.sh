@@ -3,17 +3,34 @@
 # the model cache (once), configures a Release build in build/, builds with two jobs and
 # runs the CPU test suite. Its exit code is the verdict. Tests that cannot run here end as
 # skipped, and their reasons are listed last.
+#
+#   bash scripts/test.sh              the Release build in build/
+#   bash scripts/test.sh --sanitize   AddressSanitizer + UndefinedBehaviorSanitizer, CPU only,
+#                                     in build-sanitize/ (findings in CAF's own headers are
+#                                     suppressed by scripts/sanitize.supp, nothing else)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+build=build
+flags=(-DCMAKE_BUILD_TYPE=Release)
+if [ "${1:-}" = "--sanitize" ]; then
+  build=build-sanitize
+  flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DTROUPE_WITH_CUDA=OFF
+         "-DCMAKE_CXX_FLAGS=-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
+         "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined"
+         "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=address,undefined")
+  export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
+  export UBSAN_OPTIONS="print_stacktrace=1:suppressions=$PWD/scripts/sanitize.supp"
+fi
 
 bash scripts/setup-deps.sh
 if ! bash scripts/fetch-smollm2.sh > /dev/null; then
   echo "test: SmolLM2-135M-Instruct could not be fetched: the tests of the real model will be" \
        "SKIPPED"
 fi
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DTROUPE_BUILD_TESTS=ON
-cmake --build build -j2
-cd build
+cmake -S . -B "$build" -DTROUPE_BUILD_TESTS=ON "${flags[@]}"
+cmake --build "$build" -j2
+cd "$build"
 status=0
 ctest -LE gpu --output-on-failure --timeout 600 || status=$?
 # ctest names skipped tests without the reason; each printed "skipped: <reason>".
