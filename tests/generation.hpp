@@ -2,6 +2,7 @@
 
 // Helpers of the tests that generate with real models.
 
+#include "model/safetensors.hpp"
 #include "tests/skip.hpp"
 #include "troupe/executor.hpp"
 
@@ -12,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -61,6 +63,28 @@ inline std::filesystem::path smollm2_or_skip() {
     return path;
   skip(path.string() + " is not in the model cache (scripts/fetch-smollm2.sh fetches it)");
   return {};
+}
+
+/// Copies the model in directory `from` (config.json + model.safetensors, float32) to
+/// `to`, with `change` applied to the values of tensor `name`: another version of the same
+/// model, or a broken one.
+inline void copy_model_changing(const std::string& from, const std::filesystem::path& to,
+                                const std::string& name,
+                                const std::function<void(float*)>& change) {
+  std::filesystem::create_directories(to);
+  std::filesystem::copy_file(from + "/config.json", to / "config.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  safetensors_file source{from + "/model.safetensors"};
+  std::vector<std::vector<char>> copies;
+  safetensors_writer out;
+  for (auto& t : source.tensors()) {
+    copies.emplace_back(reinterpret_cast<const char*>(t.data),
+                        reinterpret_cast<const char*>(t.data) + t.bytes);
+    if (t.name == name)
+      change(reinterpret_cast<float*>(copies.back().data()));
+    out.add(t.name, t.type, t.shape, copies.back().data(), copies.back().size());
+  }
+  out.write((to / "model.safetensors").string());
 }
 
 /// `steps` greedy tokens after `prompt`, one sequence stepping through the executor with

@@ -111,6 +111,21 @@ std::array<unsigned char, 32> huge_frame_header() {
   return header;
 }
 
+/// An actor system of a peer of the nodes (a test's own client), with troupe's messages and
+/// the middleman.
+struct client_system {
+  caf::actor_system_config cfg;
+  std::unique_ptr<caf::actor_system> sys;
+
+  explicit client_system(bool heartbeats = false) {
+    register_messages(cfg);
+    cfg.load<caf::io::middleman>();
+    if (heartbeats)
+      configure_heartbeats(cfg, 1s); // stays connected while a test waits
+    sys = std::make_unique<caf::actor_system>(cfg);
+  }
+};
+
 /// The node's gate, reached as an executor reaches it: the connection handshake with the
 /// secret, then BASP over that connection. Null when the node refuses.
 std::optional<caf::actor> connect_with_proof(caf::actor_system& sys, caf::scoped_actor& self,
@@ -346,11 +361,8 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
   // Behind the connection's proof, the gate checks the secret again (as it does for TLS
   // peers): a peer that skips the gate's own handshake gets nothing there either.
   {
-    caf::actor_system_config cfg;
-    register_messages(cfg);
-    cfg.load<caf::io::middleman>();
-    configure_heartbeats(cfg, 1s); // stays connected while it waits below
-    caf::actor_system sys{cfg};
+    client_system client{true};
+    auto& sys = *client.sys;
     caf::scoped_actor self{sys};
     auto gate = connect_with_proof(sys, self, n.port());
     REQUIRE(gate);
@@ -413,11 +425,8 @@ TEST_CASE("nothing from a peer without the secret reaches an actor, during a lea
   // A plain CAF client (no proof): the node's first bytes are no BASP handshake, so it never
   // gets a handle on the gate, let alone a way to send it an exit message.
   {
-    caf::actor_system_config cfg;
-    register_messages(cfg);
-    cfg.load<caf::io::middleman>();
-    caf::actor_system sys{cfg};
-    auto gate = sys.middleman().remote_actor("127.0.0.1", n.port());
+    client_system client;
+    auto gate = client.sys->middleman().remote_actor("127.0.0.1", n.port());
     CHECK(!gate);
   }
   // Raw peers: BASP bytes instead of the answer (a spoofed message would start so), and a
@@ -718,10 +727,8 @@ TEST_CASE("the gate ignores exit messages, even from a peer that proved the secr
   auto legit = std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}),
                                           test_factory());
   {
-    caf::actor_system_config cfg;
-    register_messages(cfg);
-    cfg.load<caf::io::middleman>();
-    caf::actor_system sys{cfg};
+    client_system client;
+    auto& sys = *client.sys;
     caf::scoped_actor self{sys};
     auto gate = connect_with_proof(sys, self, n.port());
     REQUIRE(gate);

@@ -8,7 +8,6 @@
 #include "model/config.hpp"
 #include "model/llama.hpp"
 #include "model/make_model.hpp"
-#include "model/safetensors.hpp"
 #include "tests/generation.hpp"
 #include "tests/model_runner.hpp"
 #include "troupe/errors.hpp"
@@ -227,21 +226,8 @@ TEST_CASE("configs and weights that would compute garbage are refused, naming th
   CHECK_THROWS_WITH_AS(short_model.load(ckpt), doctest::Contains("model.layers.1."), error);
   // A NaN or an infinity in a weight.
   auto dir = std::filesystem::temp_directory_path() / ("troupe-nan-" + std::to_string(getpid()));
-  std::filesystem::create_directories(dir);
-  std::filesystem::copy_file(fixtures + "/llama-gqa/config.json", dir / "config.json");
-  {
-    safetensors_file source{fixtures + "/llama-gqa/model.safetensors"};
-    std::vector<std::vector<char>> copies;
-    safetensors_writer out;
-    for (auto& t : source.tensors()) {
-      copies.emplace_back(reinterpret_cast<const char*>(t.data),
-                          reinterpret_cast<const char*>(t.data) + t.bytes);
-      if (t.name == "model.layers.1.mlp.down_proj.weight")
-        reinterpret_cast<float*>(copies.back().data())[5] = std::nanf("");
-      out.add(t.name, t.type, t.shape, copies.back().data(), copies.back().size());
-    }
-    out.write((dir / "model.safetensors").string());
-  }
+  testing::copy_model_changing(fixtures + "/llama-gqa", dir, "model.layers.1.mlp.down_proj.weight",
+                               [](float* w) { w[5] = std::nanf(""); });
   auto cfg = load_model_config(fixtures + "/llama-gqa");
   llama_model nan_model{cfg, dev, 0, 1};
   CHECK_THROWS_WITH_AS(nan_model.load(checkpoint{dir.string()}),

@@ -3,6 +3,7 @@
 // sharded state is written as vLLM names it, sampling is deterministic for a seed.
 
 #include "model/safetensors.hpp"
+#include "tests/generation.hpp"
 #include "troupe/executor.hpp"
 #include "troupe/model_worker.hpp"
 
@@ -418,21 +419,8 @@ TEST_CASE("prefill and decode in the same step give the outputs they give apart"
 TEST_CASE("ranks that loaded different files are refused before the first step, naming both") {
   // Rank 1 finds another version of the model: same shapes, one weight changed.
   auto other = fs::temp_directory_path() / ("troupe-other-model-" + std::to_string(getpid()));
-  fs::create_directories(other);
-  fs::copy_file(fixtures + "/llama-gqa/config.json", other / "config.json");
-  {
-    safetensors_file source{fixtures + "/llama-gqa/model.safetensors"};
-    std::vector<std::vector<char>> copies;
-    safetensors_writer out;
-    for (auto& t : source.tensors()) {
-      copies.emplace_back(reinterpret_cast<const char*>(t.data),
-                          reinterpret_cast<const char*>(t.data) + t.bytes);
-      if (t.name == "model.norm.weight")
-        reinterpret_cast<float*>(copies.back().data())[0] += 1.0f;
-      out.add(t.name, t.type, t.shape, copies.back().data(), copies.back().size());
-    }
-    out.write((other / "model.safetensors").string());
-  }
+  testing::copy_model_changing(fixtures + "/llama-gqa", other, "model.norm.weight",
+                               [](float* w) { w[0] += 1.0f; });
   executor_config cfg;
   cfg.tensor_parallel_size = 2;
   cfg.block_size = block_size;
