@@ -149,7 +149,9 @@ TEST_CASE("SmolLM2-135M on the GPU: the CPU's greedy tokens, logits within bf16 
   double worst_bf16 = 0;
   size_t same_bf16 = 0;
   size_t count = 0;
-  for (auto& run : read_json(fixtures + "/smollm2-reference.json")["runs"]) {
+  // Kept in a variable: a range over a temporary's member outlives the temporary.
+  auto reference = read_json(fixtures + "/smollm2-reference.json");
+  for (auto& run : reference["runs"]) {
     auto ids = run["token_ids"].get<std::vector<int32_t>>();
     auto want_tokens = run["greedy"].get<std::vector<int32_t>>();
     auto steps = static_cast<int>(want_tokens.size());

@@ -112,7 +112,9 @@ TEST_CASE("SmolLM2's GGUF tokenizer gives the token ids of transformers") {
   CHECK(tok.vocab_size() == 49152);
   CHECK(tok.eos_id() == 2);
   CHECK(!tok.chat_template().empty());
-  for (auto& run : read_json(fixtures + "/smollm2-reference.json")["runs"]) {
+  // Kept in a variable: a range over a temporary's member outlives the temporary.
+  auto reference = read_json(fixtures + "/smollm2-reference.json");
+  for (auto& run : reference["runs"]) {
     auto text = run["text"].get<std::string>();
     CHECK_MESSAGE(tok.encode(text) == run["token_ids"].get<std::vector<int32_t>>(), text);
     CHECK(tok.decode(run["greedy"].get<std::vector<int32_t>>()) ==
