@@ -20,7 +20,6 @@
 #include <atomic>
 #include <mutex>
 #include <shared_mutex>
-#include <thread>
 
 namespace troupe {
 

@@ -17,7 +17,6 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
-#include <optional>
 #include <set>
 #include <thread>
 
