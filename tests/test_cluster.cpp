@@ -187,6 +187,21 @@ double seconds_since(clock_type::time_point start) {
   return std::chrono::duration<double>(clock_type::now() - start).count();
 }
 
+/// An executor with `workers` of the node at `port` (and no local ones), retried until the
+/// node has released its previous lease; fails the test after `seconds`.
+std::unique_ptr<executor> lease_again(uint16_t port, int32_t workers, double seconds) {
+  auto start = clock_type::now();
+  for (;;) {
+    try {
+      return std::make_unique<executor>(mixed_config(0, {{"127.0.0.1", port, workers}}),
+                                        test_factory());
+    } catch (const error& e) {
+      REQUIRE_MESSAGE(seconds_since(start) < seconds, std::string{e.what()});
+      std::this_thread::sleep_for(50ms);
+    }
+  }
+}
+
 /// The framework's calls, their results rendered as text (pids and devices left out: they
 /// differ by placement).
 std::vector<std::string> run_suite(executor& exec) {
@@ -401,17 +416,7 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
 
   // Once it is gone, the node serves the next executor.
   legit.reset();
-  auto start = clock_type::now();
-  std::unique_ptr<executor> next;
-  while (!next) {
-    try {
-      next = std::make_unique<executor>(mixed_config(0, {{"127.0.0.1", n.port(), 2}}),
-                                        test_factory());
-    } catch (const error& e) {
-      REQUIRE_MESSAGE(seconds_since(start) < 5.0, e.what());
-      std::this_thread::sleep_for(50ms);
-    }
-  }
+  auto next = lease_again(n.port(), 2, 5.0);
   CHECK(next->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
   // The node gives each of its workers a device of its own.
   CHECK(next->workers()[0].device == "cpu:0");
@@ -459,17 +464,7 @@ TEST_CASE("nothing from a peer without the secret reaches an actor, during a lea
   // The lease and the node are untouched: the executor works, and after it the next one.
   CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
   legit.reset();
-  auto start = clock_type::now();
-  std::unique_ptr<executor> next;
-  while (!next) {
-    try {
-      next = std::make_unique<executor>(mixed_config(0, {{"127.0.0.1", n.port(), 1}}),
-                                        test_factory());
-    } catch (const error& e) {
-      REQUIRE_MESSAGE(seconds_since(start) < 2.0, std::string{e.what()});
-      std::this_thread::sleep_for(50ms);
-    }
-  }
+  auto next = lease_again(n.port(), 1, 2.0);
   CHECK(next->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0});
 }
 
