@@ -46,9 +46,12 @@ struct reply {
   static auto handler(Out& out) {
     return [&out](T& x) { out = std::move(x); };
   }
-  template <class P>
-  static auto async_handler(P p) {
-    return [p](T& x) { p->set_value(std::move(x)); };
+  template <class P, class F>
+  static auto async_handler(P p, F after) {
+    return [p, after](T& x) {
+      p->set_value(std::move(x));
+      after();
+    };
   }
 };
 
@@ -58,9 +61,12 @@ struct reply<void> {
   static auto handler(Out& out) {
     return [&out] { out = true; };
   }
-  template <class P>
-  static auto async_handler(P p) {
-    return [p] { p->set_value(); };
+  template <class P, class F>
+  static auto async_handler(P p, F after) {
+    return [p, after] {
+      p->set_value();
+      after();
+    };
   }
 };
 
@@ -118,8 +124,18 @@ struct executor::impl {
     using value_type = std::conditional_t<std::is_void<T>::value, bool, T>;
     value_type out{};
     caf::error err;
-    self->request(supervisor, facade_timeout(t), std::forward<Ts>(xs)...)
-      .receive(reply<T>::handler(out), [&](caf::error& e) { err = std::move(e); });
+    // The deadline is the receive's, not the request's: a CAF 0.17 request timeout would
+    // keep this short-lived actor alive in the actor clock until it fired.
+    auto handle = self->request(supervisor, caf::infinite, std::forward<Ts>(xs)...);
+    auto on_error = [&](caf::error& e) { err = std::move(e); };
+    caf::blocking_actor::accept_one_cond once;
+    if (t == wait_forever)
+      self->varargs_receive(once, handle.id(), reply<T>::handler(out), on_error);
+    else
+      self->varargs_receive(once, handle.id(), reply<T>::handler(out), on_error,
+                            caf::after(facade_timeout(t)) >> [&] {
+                              err = caf::sec::request_timeout;
+                            });
     if (err)
       throw translate(err);
     if constexpr (!std::is_void<T>::value)
@@ -196,7 +212,7 @@ struct executor::impl {
 
   /// Sends a request to the supervisor from a short-lived actor; the future gets the reply.
   template <class T, class... Ts>
-  std::future<T> ask_async(timeout_type t, Ts... xs) {
+  std::future<T> ask_async(Ts... xs) {
     auto p = std::make_shared<std::promise<T>>();
     auto fut = p->get_future();
     std::shared_lock<std::shared_mutex> guard{lifecycle};
@@ -205,15 +221,30 @@ struct executor::impl {
       return fut;
     }
     auto target = supervisor;
-    auto timeout = facade_timeout(t);
     auto closed = shut;
+    // Watches the supervisor instead of a request timeout: a CAF 0.17 request timeout keeps
+    // its actor alive in the actor clock until it fires, and the supervisor answers every
+    // call by its own deadline.
     sys->spawn([=](caf::event_based_actor* self) {
-      self->request(target, timeout, xs...)
-        .then(reply<T>::async_handler(p), [p, closed](caf::error& e) {
-          auto ex = (*closed && e == caf::sec::request_receiver_down)
-                      ? error{errc::shut_down, "executor is shut down"}
-                      : error::from(e);
-          p->set_exception(std::make_exception_ptr(ex));
+      auto fail = [p, closed](const caf::error& e) {
+        auto ex = (*closed && e == caf::sec::request_receiver_down)
+                    ? error{errc::shut_down, "executor is shut down"}
+                    : error::from(e);
+        p->set_exception(std::make_exception_ptr(ex));
+      };
+      self->monitor(target);
+      self->set_down_handler([=](caf::scheduled_actor* me, caf::down_msg&) {
+        fail(caf::sec::request_receiver_down);
+        me->quit();
+      });
+      auto end = [=] {
+        self->demonitor(target);
+        self->quit();
+      };
+      self->request(target, caf::infinite, xs...)
+        .then(reply<T>::async_handler(p, end), [=](caf::error& e) {
+          fail(e);
+          end();
         });
     });
     return fut;
@@ -237,14 +268,12 @@ struct executor::impl {
 
   /// A method whose answer is true when every worker said true.
   std::future<bool> all_true(const char* method, caf::message args) {
-    return ask_async<bool>(cfg.rpc_timeout, all_true_atom::value, std::string{method},
-                           std::move(args));
+    return ask_async<bool>(all_true_atom::value, std::string{method}, std::move(args));
   }
 
   /// A method whose answer is a set every worker must agree on.
   std::future<std::vector<int64_t>> same_set(const char* method) {
-    return ask_async<std::vector<int64_t>>(cfg.rpc_timeout, same_set_atom::value,
-                                           std::string{method});
+    return ask_async<std::vector<int64_t>>(same_set_atom::value, std::string{method});
   }
 
   rpc_options options(const rpc_call_options& opts) const {
@@ -504,16 +533,15 @@ std::vector<caf::message> executor::apply_model(std::function<caf::message(troup
 std::future<std::vector<caf::message>>
 executor::collective_rpc_async(const std::string& method, const rpc_call_options& opts) {
   auto& d = *impl_;
-  return d.ask_async<std::vector<caf::message>>(d.call_timeout(opts), rpc_atom::value, method,
-                                                opts.args, opts.kwargs, d.options(opts));
+  return d.ask_async<std::vector<caf::message>>(rpc_atom::value, method, opts.args, opts.kwargs,
+                                                d.options(opts));
 }
 
 std::future<std::vector<caf::message>>
 executor::collective_rpc_async(worker_method fn, const rpc_call_options& opts) {
   auto& d = *impl_;
   return d.ask_async<std::vector<caf::message>>(
-    d.call_timeout(opts), rpc_atom::value,
-    local_call{"callable", std::move(fn), opts.args, opts.kwargs, nullptr},
+    rpc_atom::value, local_call{"callable", std::move(fn), opts.args, opts.kwargs, nullptr},
     d.options(opts));
 }
 
@@ -524,7 +552,7 @@ cache_blocks executor::determine_num_available_blocks() {
 }
 
 std::future<cache_blocks> executor::determine_num_available_blocks_async() {
-  return impl_->ask_async<cache_blocks>(impl_->cfg.rpc_timeout, blocks_atom::value);
+  return impl_->ask_async<cache_blocks>(blocks_atom::value);
 }
 
 void executor::initialize_cache(const cache_blocks& blocks) {
@@ -532,7 +560,7 @@ void executor::initialize_cache(const cache_blocks& blocks) {
 }
 
 std::future<void> executor::initialize_cache_async(const cache_blocks& blocks) {
-  return impl_->ask_async<void>(impl_->cfg.rpc_timeout, init_cache_atom::value, blocks);
+  return impl_->ask_async<void>(init_cache_atom::value, blocks);
 }
 
 std::vector<sampler_output> executor::execute_model(const execute_model_request& request) {
@@ -542,8 +570,7 @@ std::vector<sampler_output> executor::execute_model(const execute_model_request&
 
 std::future<std::vector<sampler_output>>
 executor::execute_model_async(const execute_model_request& request) {
-  return impl_->ask_async<std::vector<sampler_output>>(impl_->cfg.rpc_timeout,
-                                                       execute_atom::value, request);
+  return impl_->ask_async<std::vector<sampler_output>>(execute_atom::value, request);
 }
 
 void executor::stop_remote_worker_execution_loop() {
@@ -551,7 +578,7 @@ void executor::stop_remote_worker_execution_loop() {
 }
 
 std::future<void> executor::stop_remote_worker_execution_loop_async() {
-  return impl_->ask_async<void>(impl_->cfg.rpc_timeout, stop_loop_atom::value);
+  return impl_->ask_async<void>(stop_loop_atom::value);
 }
 
 // -- adapters ---------------------------------------------------------------------
@@ -677,8 +704,7 @@ std::future<void> executor::save_sharded_state_async(const std::string& path,
                                                      const std::string& pattern,
                                                      int64_t max_size) {
   auto& d = *impl_;
-  return d.ask_async<void>(twice(d.cfg.rpc_timeout), save_state_atom::value,
-                           sharded_state(path, pattern, max_size));
+  return d.ask_async<void>(save_state_atom::value, sharded_state(path, pattern, max_size));
 }
 
 std::vector<worker_health> executor::worker_healths() {
@@ -690,8 +716,7 @@ void executor::check_health() {
 }
 
 std::future<void> executor::check_health_async() {
-  auto f = impl_->ask_async<std::vector<worker_health>>(impl_->cfg.rpc_timeout,
-                                                        health_atom::value);
+  auto f = impl_->ask_async<std::vector<worker_health>>(health_atom::value);
   return std::async(std::launch::deferred, [f = std::move(f)]() mutable { f.get(); });
 }
 
@@ -702,7 +727,7 @@ void executor::sleep(int32_t level) {
 }
 
 std::future<void> executor::sleep_async(int32_t level) {
-  return impl_->ask_async<void>(impl_->cfg.rpc_timeout, sleep_atom::value, level);
+  return impl_->ask_async<void>(sleep_atom::value, level);
 }
 
 void executor::wake_up(const std::vector<std::string>& tags) {
@@ -710,7 +735,7 @@ void executor::wake_up(const std::vector<std::string>& tags) {
 }
 
 std::future<void> executor::wake_up_async(const std::vector<std::string>& tags) {
-  return impl_->ask_async<void>(impl_->cfg.rpc_timeout, wake_atom::value, tags);
+  return impl_->ask_async<void>(wake_atom::value, tags);
 }
 
 sleep_status executor::sleep_state() {

@@ -40,6 +40,8 @@ struct gather {
   size_t in_flight = 0;
   size_t remaining = 0;
   std::vector<caf::message> results;
+  /// Which of `ranks` replied (a reply may be an empty message).
+  std::vector<bool> answered;
   std::function<void(gather_result)> done;
   bool finished = false;
 };
@@ -54,6 +56,9 @@ struct supervisor_state {
   caf::error failure;
   uint64_t next_id = 1;
   std::unordered_map<uint64_t, gather_ptr> pending;
+  /// The deadline timer in flight that fires first, if any (see `arm_deadline`).
+  bool timer_armed = false;
+  clock_type::time_point timer_at;
   troupe::sleep_state sleep;
   /// A sleep or wake_up is being carried out on the workers.
   bool transition = false;
@@ -115,35 +120,70 @@ caf::error rank_error(const gather& g, int32_t rank, const caf::error& err) {
                          g.label + ": rank " + std::to_string(rank) + ": " + render(err));
 }
 
+/// The first rank of `g` that has not replied: the one a missed deadline is blamed on.
+int32_t first_silent_rank(const gather& g) {
+  for (size_t i = 0; i < g.ranks.size(); ++i)
+    if (!g.answered[i])
+      return g.ranks[i];
+  return g.ranks.front();
+}
+
+/// Makes sure a deadline check reaches the supervisor by `at`. The deadlines of calls are
+/// the supervisor's own, checked by one timer for all of them: a CAF 0.17 request timeout
+/// stays in the actor clock, holding a reference to its sender, until it fires, even when
+/// the reply came long before, so one per request grows memory with the call rate.
+void arm_deadline(supervisor_self* self, clock_type::time_point at) {
+  auto& st = self->state;
+  if (st.timer_armed && st.timer_at <= at)
+    return;
+  st.timer_armed = true;
+  st.timer_at = at;
+  auto in = std::max(at - clock_type::now(), clock_type::duration::zero());
+  self->delayed_send(self, in, deadline_atom::value,
+                     static_cast<int64_t>(at.time_since_epoch().count()));
+}
+
+/// The timer set for `at` fired: fails the calls whose deadline passed, naming the first
+/// rank that did not answer, and arms the timer for the next deadline.
+void check_deadlines(supervisor_self* self, int64_t at) {
+  auto& st = self->state;
+  if (st.timer_armed && st.timer_at.time_since_epoch().count() == at)
+    st.timer_armed = false;
+  auto now = clock_type::now();
+  std::vector<gather_ptr> expired;
+  for (auto& entry : st.pending) {
+    auto& g = entry.second;
+    if (!g->forever && g->deadline <= now)
+      expired.push_back(g);
+  }
+  for (auto& g : expired)
+    finish(self, g, rank_error(*g, first_silent_rank(*g), caf::sec::request_timeout));
+  for (auto& entry : st.pending)
+    if (!entry.second->forever)
+      arm_deadline(self, entry.second->deadline);
+}
+
 void send_next(supervisor_self* self, const gather_ptr& g) {
   while (!g->finished && g->next < g->ranks.size()
          && (g->max_concurrent == 0 || g->in_flight < g->max_concurrent)) {
     auto index = g->next++;
-    auto rank = g->ranks[index];
-    caf::duration timeout = caf::infinite;
-    if (!g->forever) {
-      auto left = g->deadline - clock_type::now();
-      if (left <= clock_type::duration::zero()) {
-        finish(self, g, rank_error(*g, rank, caf::sec::request_timeout));
-        return;
-      }
-      timeout = caf::duration{std::chrono::duration_cast<std::chrono::microseconds>(left)};
-    }
     ++g->in_flight;
     auto& request = g->per_rank.empty() ? g->request : g->per_rank[index];
-    self->request(self->state.workers[rank], timeout, request)
+    // No CAF timeout on the request: the gather's deadline covers it (see arm_deadline).
+    self->request(self->state.workers[g->ranks[index]], caf::infinite, request)
       .then(
         [=](caf::ok_atom, caf::message& result) {
           if (g->finished)
             return;
           --g->in_flight;
+          g->answered[index] = true;
           g->results[index] = std::move(result);
           if (--g->remaining == 0)
             finish(self, g, std::move(g->results));
           else
             send_next(self, g);
         },
-        [=](caf::error& err) { finish(self, g, rank_error(*g, rank, err)); });
+        [=](caf::error& err) { finish(self, g, rank_error(*g, g->ranks[index], err)); });
   }
 }
 
@@ -167,6 +207,7 @@ gather_ptr start_gather(supervisor_self* self, std::string label, std::vector<in
   g->max_concurrent = max_concurrent;
   g->remaining = g->ranks.size();
   g->results.resize(g->ranks.size());
+  g->answered.resize(g->ranks.size());
   g->done = std::move(done);
   if (st.failure) {
     g->finished = true;
@@ -179,6 +220,8 @@ gather_ptr start_gather(supervisor_self* self, std::string label, std::vector<in
     return g;
   }
   st.pending.emplace(g->id, g);
+  if (!g->forever)
+    arm_deadline(self, g->deadline);
   send_next(self, g);
   return g;
 }
@@ -747,6 +790,7 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
       return names;
     },
     // check_health: every report in rank order, or an error naming the unhealthy ranks.
+    [=](deadline_atom, int64_t at) { check_deadlines(self, at); },
     [=](health_atom) {
       auto rp = self->make_response_promise();
       const std::string method = "check_health";

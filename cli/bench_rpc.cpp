@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <fstream>
 #include <iostream>
 #include <mutex>
 #include <numeric>
@@ -53,7 +54,17 @@ struct stats {
   double p99_us = 0;
   double mean_us = 0;
   double calls_per_s = 0;
+  /// Resident set size of the process when the mode ended: flat over a long run, or a leak.
+  int64_t rss_bytes = 0;
 };
+
+int64_t rss_now() {
+  std::ifstream statm{"/proc/self/statm"};
+  int64_t size = 0;
+  int64_t resident = 0;
+  statm >> size >> resident;
+  return resident * sysconf(_SC_PAGESIZE);
+}
 
 stats summarize(std::vector<double> us, double wall_s) {
   stats s;
@@ -81,7 +92,9 @@ stats measure(executor& exec, int iterations) {
     samples.push_back(std::chrono::duration<double, std::micro>(clock_type::now() - start).count());
   }
   std::chrono::duration<double> wall = clock_type::now() - wall_start;
-  return summarize(std::move(samples), wall.count());
+  auto s = summarize(std::move(samples), wall.count());
+  s.rss_bytes = rss_now();
+  return s;
 }
 
 /// Round trip between two threads through a mutex and condition variable: the least a
@@ -125,7 +138,10 @@ std::string to_json(const stats& s, int workers, const std::string& mode) {
   out.precision(1);
   out << std::fixed << "{\"workers\":" << workers << ",\"mode\":\"" << mode
       << "\",\"p50_us\":" << s.p50_us << ",\"p99_us\":" << s.p99_us
-      << ",\"mean_us\":" << s.mean_us << ",\"calls_per_s\":" << s.calls_per_s << "}";
+      << ",\"mean_us\":" << s.mean_us << ",\"calls_per_s\":" << s.calls_per_s;
+  if (s.rss_bytes > 0)
+    out << ",\"rss_bytes\":" << s.rss_bytes;
+  out << "}";
   return out.str();
 }
 
@@ -244,6 +260,8 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                 << opts->iterations << " calls per mode\n"
                 << "  idle: p50 " << idle.p50_us << " us, p99 " << idle.p99_us << " us\n"
                 << "  busy: p50 " << busy.p50_us << " us, p99 " << busy.p99_us << " us\n"
+                << "  resident memory: " << idle.rss_bytes / (1 << 20) << " MiB after idle, "
+                << busy.rss_bytes / (1 << 20) << " MiB after busy\n"
                 << "  floor (thread wake-up round trip): p50 " << floor.p50_us << " us\n"
                 << "  floor (loopback TCP round trip): p50 " << tcp_floor.p50_us << " us\n";
       if (remote > 0)

@@ -393,6 +393,32 @@ TEST_CASE("the async API returns futures for every call") {
   CHECK(callable.get()[1].get_as<int32_t>(0) == 1);
 }
 
+TEST_CASE("a long run of calls leaves memory flat: nothing per call outlives the call") {
+  executor exec{config(2), test_factory()};
+  auto calls = [&](int n) {
+    for (int i = 0; i < n; ++i)
+      exec.collective_rpc("rank");
+    // A few async calls in flight at a time: a burst of thousands would measure the burst.
+    std::vector<std::future<std::vector<caf::message>>> async;
+    for (int i = 0; i < n / 2; ++i) {
+      async.push_back(exec.collective_rpc_async("rank"));
+      if (async.size() == 8 || i + 1 == n / 2) {
+        for (auto& f : async)
+          f.get();
+        async.clear();
+      }
+    }
+  };
+  calls(2000); // warm-up: the allocator's arenas and CAF's caches reach their size
+  auto before = troupe::testing::rss_bytes();
+  const int n = 10000;
+  calls(n);
+  auto grown = troupe::testing::rss_bytes() - before;
+  INFO("RSS grew by " << grown << " bytes over " << n + n / 2 << " calls");
+  // Under 64 bytes a call: not even one small allocation per call may stay behind.
+  CHECK(grown < 64 * (n + n / 2));
+}
+
 TEST_CASE("bad configurations are refused with the reason") {
   auto cfg = config(0);
   CHECK(code_of([&] { executor exec(cfg, test_factory()); }) == errc::invalid_argument);
