@@ -423,6 +423,8 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
           places.push_back({"node", n.host, n.port});
         }
     } catch (...) {
+      // A handle held here would keep its detached worker's thread, and so stop, waiting.
+      workers.clear();
       d.stop();
       throw;
     }
@@ -433,6 +435,7 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     if (!handle) {
       auto what = "cannot reach remote worker " + rw.host + ":" + std::to_string(rw.port) + ": " +
                   render(handle.error());
+      workers.clear();
       d.stop();
       throw error{errc::worker_died, what};
     }
