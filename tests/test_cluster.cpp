@@ -2,6 +2,7 @@
 // the same results as all-local runs, generation across processes, failures noticed
 // (kill -9, SIGSTOP) within the heartbeat timeout, and peers without the secret refused.
 
+#include "actors/log.hpp"
 #include "actors/node_auth.hpp"
 #include "actors/remoting.hpp"
 #include "messages/messages.hpp"
@@ -18,6 +19,7 @@
 #include <caf/io/network/default_multiplexer.hpp>
 
 #include <doctest/doctest.h>
+#include <spdlog/sinks/ostream_sink.h>
 
 #include <openssl/ssl.h>
 
@@ -421,6 +423,21 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
   // The node gives each of its workers a device of its own.
   CHECK(next->workers()[0].device == "cpu:0");
   CHECK(next->workers()[1].device == "cpu:1");
+}
+
+TEST_CASE("a start refused by a node stops at once, its local workers included") {
+  node_process n{1};
+  auto cfg = mixed_config(1, {{"127.0.0.1", n.port(), 1}});
+  cfg.node_secret = "a guess long enough to be tried";
+  std::ostringstream logged;
+  auto log = troupe::get_logger("troupe.executor");
+  log->sinks().push_back(std::make_shared<spdlog::sinks::ostream_sink_mt>(logged));
+  CHECK_THROWS_WITH_AS(executor(cfg, test_factory()), doctest::Contains("wrong secret"), error);
+  log->sinks().pop_back();
+  // Nothing was left running for the shutdown to wait on and then abandon.
+  INFO(logged.str());
+  CHECK(logged.str().find("did not stop") == std::string::npos);
+  CHECK(logged.str().find("still busy") == std::string::npos);
 }
 
 TEST_CASE("nothing from a peer without the secret reaches an actor, during a lease too") {
