@@ -12,12 +12,12 @@ captured_calls::~captured_calls() = default;
 
 backend::~backend() = default;
 
-std::unique_ptr<backend> make_backend(device& dev) {
+std::unique_ptr<backend> make_backend(device& dev, int cpu_threads) {
 #ifdef TROUPE_WITH_CUDA
   if (auto gpu = dynamic_cast<cuda_device*>(&dev))
     return make_cuda_backend(*gpu);
 #endif
-  return make_cpu_backend();
+  return make_cpu_backend(cpu_threads);
 }
 
 } // namespace troupe

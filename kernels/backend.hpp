@@ -150,7 +150,7 @@ public:
 };
 
 /// The backend of `dev`: CUDA kernels and cuBLAS for a `cuda_device`, the CPU kernels for
-/// the rest.
-std::unique_ptr<backend> make_backend(device& dev);
+/// the rest, on `cpu_threads` threads (the caller's included).
+std::unique_ptr<backend> make_backend(device& dev, int cpu_threads = 1);
 
 } // namespace troupe

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -87,39 +88,40 @@ model_config checkpoint::config_of(const std::string& path) {
 }
 
 checkpoint checkpoint::from_gguf(const std::string& path, const model_config& config) {
-  gguf_file file{path};
+  auto file = std::make_shared<gguf_file>(path);
   checkpoint result;
   result.directory_ = path;
+  result.gguf_ = file;
   bool interleaved_rope = config.architecture == "LlamaForCausalLM";
-  for (auto& t : file.tensors()) {
+  for (auto& t : file->tensors()) {
     auto name = t.name == "rope_freqs.weight" ? t.name : hf_tensor_name(t.name);
     if (name.empty())
       throw error{errc::invalid_argument, "model '" + path + "': tensor '" + t.name +
                                             "' has no place in a Llama-family model"};
-    auto values = file.read(t);
+    auto view = std::make_unique<tensor_view>();
+    view->name = name;
+    view->type = file->stored_type(t);
+    view->shape = t.shape;
+    view->data = file->data(t);
+    view->bytes = t.bytes;
     bool is_q = name.find("self_attn.q_proj.weight") != std::string::npos;
     bool is_k = name.find("self_attn.k_proj.weight") != std::string::npos;
     if (interleaved_rope && (is_q || is_k) && t.shape.size() == 2) {
-      // Within each head, GGUF row 2i + j is Hugging Face row j * head_dim / 2 + i.
+      // Within each head, GGUF row 2i + j is Hugging Face row j * head_dim / 2 + i. Rows
+      // move whole, in the stored type.
       auto heads = is_q ? config.num_attention_heads : config.num_key_value_heads;
       auto rows = t.shape[0];
-      auto cols = t.shape[1];
+      auto row = t.bytes / static_cast<uint64_t>(rows);
       auto head_dim = rows / heads;
-      std::vector<float> hf(values.size());
+      std::vector<std::byte> hf(t.bytes);
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t i = 0; i < head_dim / 2; ++i)
           for (int64_t j = 0; j < 2; ++j)
-            std::copy_n(&values[static_cast<size_t>((h * head_dim + 2 * i + j) * cols)], cols,
-                        &hf[static_cast<size_t>((h * head_dim + j * head_dim / 2 + i) * cols)]);
-      values = std::move(hf);
+            std::memcpy(&hf[static_cast<size_t>(h * head_dim + j * head_dim / 2 + i) * row],
+                        view->data + static_cast<size_t>(h * head_dim + 2 * i + j) * row, row);
+      result.owned_.push_back(std::move(hf));
+      view->data = result.owned_.back().data();
     }
-    result.owned_.push_back(std::move(values));
-    auto view = std::make_unique<tensor_view>();
-    view->name = name;
-    view->type = dtype::f32;
-    view->shape = t.shape;
-    view->data = reinterpret_cast<const std::byte*>(result.owned_.back().data());
-    view->bytes = result.owned_.back().size() * sizeof(float);
     result.index_[name] = view.get();
     result.views_.push_back(std::move(view));
   }

@@ -10,6 +10,8 @@
 
 namespace troupe {
 
+class gguf_file;
+
 /// The weights of a Hugging Face model directory: `model.safetensors`, or the shards listed
 /// by `model.safetensors.index.json`, all memory-mapped. Throws `troupe::error`
 /// (`invalid_argument`) naming the file for a missing or broken file.
@@ -20,9 +22,9 @@ public:
   /// The given safetensors files of `directory` (e.g. one rank's sharded state).
   checkpoint(const std::string& directory, const std::vector<std::string>& files);
 
-  /// The weights of a GGUF file, dequantized to float32 under their Hugging Face names;
-  /// the q and k rows of a llama file go back from llama.cpp's interleaved rotary layout to
-  /// Hugging Face's. `config` is `gguf_config(path)`.
+  /// The weights of a GGUF file, in the types the file stores them in, under their Hugging
+  /// Face names; the q and k rows of a llama file go back from llama.cpp's interleaved
+  /// rotary layout to Hugging Face's. `config` is `gguf_config(path)`.
   static checkpoint from_gguf(const std::string& path, const model_config& config);
 
   /// The model shape a GGUF file describes.
@@ -60,8 +62,10 @@ private:
   checkpoint() = default;
 
   std::vector<std::unique_ptr<safetensors_file>> files_;
-  /// Tensors converted at load (GGUF); `index_` points into `views_`.
-  std::vector<std::vector<float>> owned_;
+  /// The GGUF file the views point into, when it is one.
+  std::shared_ptr<const gguf_file> gguf_;
+  /// Tensors rearranged at load (GGUF's q and k rows); `index_` points into `views_`.
+  std::vector<std::vector<std::byte>> owned_;
   std::vector<std::unique_ptr<tensor_view>> views_;
   std::map<std::string, const tensor_view*> index_;
 };

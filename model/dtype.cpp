@@ -1,13 +1,105 @@
 #include "model/dtype.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 namespace troupe {
 
-std::size_t element_size(dtype t) {
-  return t == dtype::f32 ? 4 : 2;
+std::size_t block_bytes(dtype t) {
+  switch (t) {
+    case dtype::f32:
+      return 4;
+    case dtype::f16:
+    case dtype::bf16:
+      return 2;
+    case dtype::q8_0:
+      return 34;
+    case dtype::q4_0:
+      return 18;
+    case dtype::q4_1:
+      return 20;
+  }
+  return 0;
 }
+
+namespace {
+
+float half_at(const unsigned char* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return half_to_float(h);
+}
+
+void put_half(unsigned char* p, float f) {
+  auto h = float_to_half(f);
+  std::memcpy(p, &h, sizeof h);
+}
+
+/// Dequantizes one block of 32 elements.
+void dequantize_block(dtype t, const unsigned char* block, float* out) {
+  float d = half_at(block);
+  if (t == dtype::q8_0) {
+    auto q = reinterpret_cast<const int8_t*>(block + 2);
+    for (int i = 0; i < 32; ++i)
+      out[i] = d * static_cast<float>(q[i]);
+    return;
+  }
+  // Low nibbles are elements 0..15, high nibbles 16..31; Q4_0 centres them on 8.
+  bool with_min = t == dtype::q4_1;
+  float m = with_min ? half_at(block + 2) : 0.0f;
+  const unsigned char* qs = block + (with_min ? 4 : 2);
+  int centre = with_min ? 0 : 8;
+  for (int i = 0; i < 16; ++i) {
+    out[i] = d * static_cast<float>((qs[i] & 0x0f) - centre) + m;
+    out[i + 16] = d * static_cast<float>((qs[i] >> 4) - centre) + m;
+  }
+}
+
+/// Quantizes one block of 32 elements from its own range.
+void quantize_block(dtype t, const float* x, unsigned char* block) {
+  if (t == dtype::q8_0) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i)
+      amax = std::max(amax, std::fabs(x[i]));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    put_half(block, d);
+    auto q = reinterpret_cast<int8_t*>(block + 2);
+    for (int i = 0; i < 32; ++i)
+      q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));
+    return;
+  }
+  unsigned char* qs;
+  float d;
+  float lowest = 0.0f;
+  if (t == dtype::q4_0) {
+    // The element of largest magnitude maps to -8, so that its sign gets the extra level.
+    float extreme = 0.0f;
+    for (int i = 0; i < 32; ++i)
+      if (std::fabs(x[i]) > std::fabs(extreme))
+        extreme = x[i];
+    d = extreme / -8.0f;
+    put_half(block, d);
+    qs = block + 2;
+  } else {
+    lowest = *std::min_element(x, x + 32);
+    float highest = *std::max_element(x, x + 32);
+    d = (highest - lowest) / 15.0f;
+    put_half(block, d);
+    put_half(block + 2, lowest);
+    qs = block + 4;
+  }
+  float id = d != 0.0f ? 1.0f / d : 0.0f;
+  float offset = t == dtype::q4_0 ? 8.5f : 0.5f;
+  auto level = [&](float v) {
+    return std::clamp(static_cast<int>((v - lowest) * id + offset), 0, 15);
+  };
+  for (int i = 0; i < 16; ++i)
+    qs[i] = static_cast<unsigned char>(level(x[i]) | (level(x[i + 16]) << 4));
+}
+
+} // namespace
 
 const char* safetensors_name(dtype t) {
   switch (t) {
@@ -17,8 +109,9 @@ const char* safetensors_name(dtype t) {
       return "F16";
     case dtype::bf16:
       return "BF16";
+    default:
+      return "?";
   }
-  return "?";
 }
 
 std::optional<dtype> parse_safetensors_dtype(std::string_view name) {
@@ -105,6 +198,14 @@ void to_float(dtype from, const void* src, float* dst, std::size_t count) {
         dst[i] = bf16_to_float(p[i]);
       return;
     }
+    case dtype::q8_0:
+    case dtype::q4_0:
+    case dtype::q4_1: {
+      auto p = static_cast<const unsigned char*>(src);
+      for (std::size_t b = 0; b < count / 32; ++b)
+        dequantize_block(from, p + b * block_bytes(from), dst + b * 32);
+      return;
+    }
   }
 }
 
@@ -126,6 +227,14 @@ void from_float(dtype to, const float* src, void* dst, std::size_t count) {
         p[i] = float_to_bf16(src[i]);
       return;
     }
+    case dtype::q8_0:
+    case dtype::q4_0:
+    case dtype::q4_1: {
+      auto p = static_cast<unsigned char*>(dst);
+      for (std::size_t b = 0; b < count / 32; ++b)
+        quantize_block(to, src + b * 32, p + b * block_bytes(to));
+      return;
+    }
   }
 }
 
@@ -144,6 +253,12 @@ const char* dtype_name(dtype t) {
       return "float16";
     case dtype::bf16:
       return "bfloat16";
+    case dtype::q8_0:
+      return "Q8_0";
+    case dtype::q4_0:
+      return "Q4_0";
+    case dtype::q4_1:
+      return "Q4_1";
   }
   return "unknown";
 }

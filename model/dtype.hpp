@@ -9,13 +9,31 @@
 
 namespace troupe {
 
-/// Element types of checkpoint tensors.
-enum class dtype : uint8_t { f32, f16, bf16 };
+/// Element types of checkpoint tensors: floats, and GGUF's block formats, which store
+/// blocks of 32 elements along a row, each with its own float16 scale (Q8_0: 32 int8;
+/// Q4_0: 32 nibbles centred on 8; Q4_1: 32 nibbles and a float16 minimum).
+enum class dtype : uint8_t { f32, f16, bf16, q8_0, q4_0, q4_1 };
 
-/// Bytes per element.
-std::size_t element_size(dtype t);
+/// Whether `t` is one of the block formats.
+inline bool is_quantized(dtype t) {
+  return t == dtype::q8_0 || t == dtype::q4_0 || t == dtype::q4_1;
+}
 
-/// The safetensors name: `"F32"`, `"F16"`, `"BF16"`.
+/// Elements per block: 32 for the block formats, 1 for the others.
+inline int64_t block_elements(dtype t) {
+  return is_quantized(t) ? 32 : 1;
+}
+
+/// Bytes of one block (of one element for the float types).
+std::size_t block_bytes(dtype t);
+
+/// Bytes that `count` elements of type `t` take; for a block format `count` must be a
+/// multiple of 32.
+inline std::size_t storage_bytes(dtype t, std::size_t count) {
+  return count / static_cast<std::size_t>(block_elements(t)) * block_bytes(t);
+}
+
+/// The safetensors name: `"F32"`, `"F16"`, `"BF16"` (the block formats have none: `"?"`).
 const char* safetensors_name(dtype t);
 
 /// Parses a safetensors dtype name; `std::nullopt` for a type troupe does not load.
@@ -38,18 +56,21 @@ uint16_t float_to_half(float f);
 /// float to bfloat16, rounding to nearest even.
 uint16_t float_to_bf16(float f);
 
-/// Converts `count` elements of type `from` at `src` to floats at `dst`.
+/// Converts `count` elements of type `from` at `src` to floats at `dst` (for a block
+/// format: whole blocks, `count` a multiple of 32).
 void to_float(dtype from, const void* src, float* dst, std::size_t count);
 
-/// Converts `count` floats at `src` to elements of type `to` at `dst` (rounding to nearest
-/// even).
+/// Converts `count` floats at `src` to elements of type `to` at `dst`: float types round to
+/// nearest even, block formats quantize each block of 32 from its own range as llama.cpp's
+/// reference quantizers do.
 void from_float(dtype to, const float* src, void* dst, std::size_t count);
 
 /// The dtype named `"float32"`, `"float16"` or `"bfloat16"` (as Hugging Face's
 /// `torch_dtype` and vLLM's `dtype` spell them); `std::nullopt` otherwise.
 std::optional<dtype> parse_dtype_name(std::string_view name);
 
-/// `"float32"`, `"float16"` or `"bfloat16"`.
+/// `"float32"`, `"float16"`, `"bfloat16"`, or GGUF's names of the block formats (`"Q8_0"`,
+/// `"Q4_0"`, `"Q4_1"`).
 const char* dtype_name(dtype t);
 
 } // namespace troupe

@@ -187,9 +187,11 @@ gguf_file::gguf_file(const std::string& path) : path_(path), file_(path, "GGUF f
       if (t.bytes == 0 && count > 0)
         bad(path, "tensor '" + t.name + "' has ggml type " + std::to_string(t.type) +
                     ", which troupe does not read (F32, F16, BF16, Q8_0, Q4_0, Q4_1)");
-      if ((t.type == q8_0 || t.type == q4_0 || t.type == q4_1) && count % 32 != 0)
-        bad(path, "tensor '" + t.name + "' is quantized in blocks of 32 but has " +
-                    std::to_string(count) + " elements");
+      // Blocks run along rows, as llama.cpp lays them out: a row is whole blocks.
+      if ((t.type == q8_0 || t.type == q4_0 || t.type == q4_1) && !t.shape.empty() &&
+          t.shape.back() % 32 != 0)
+        bad(path, "tensor '" + t.name + "' is quantized in blocks of 32 but its rows have " +
+                    std::to_string(t.shape.back()) + " elements");
       tensors_.push_back(std::move(t));
     }
     uint64_t alignment = 32;
@@ -214,63 +216,35 @@ gguf_file::gguf_file(const std::string& path) : path_(path), file_(path, "GGUF f
 
 gguf_file::~gguf_file() = default;
 
+dtype gguf_file::stored_type(const tensor_info& t) const {
+  switch (t.type) {
+    case f32:
+      return dtype::f32;
+    case f16:
+      return dtype::f16;
+    case bf16:
+      return dtype::bf16;
+    case q8_0:
+      return dtype::q8_0;
+    case q4_0:
+      return dtype::q4_0;
+    case q4_1:
+      return dtype::q4_1;
+    default:
+      bad(path_, "tensor '" + t.name + "' has type " + type_name(t.type));
+  }
+}
+
+const std::byte* gguf_file::data(const tensor_info& t) const {
+  return reinterpret_cast<const std::byte*>(file_.data()) + data_start_ + t.offset;
+}
+
 std::vector<float> gguf_file::read(const tensor_info& t) const {
   uint64_t count = 1;
   for (auto d : t.shape)
     count *= static_cast<uint64_t>(d);
   std::vector<float> out(count);
-  auto src = reinterpret_cast<const uint8_t*>(file_.data()) + data_start_ + t.offset;
-  auto f16_at = [](const uint8_t* p) {
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-    return half_to_float(h);
-  };
-  switch (t.type) {
-    case f32:
-      to_float(dtype::f32, src, out.data(), count);
-      break;
-    case f16:
-      to_float(dtype::f16, src, out.data(), count);
-      break;
-    case bf16:
-      to_float(dtype::bf16, src, out.data(), count);
-      break;
-    case q8_0:
-      for (uint64_t b = 0; b < count / 32; ++b) {
-        auto block = src + b * 34;
-        float d = f16_at(block);
-        auto q = reinterpret_cast<const int8_t*>(block + 2);
-        for (int i = 0; i < 32; ++i)
-          out[b * 32 + i] = d * q[i];
-      }
-      break;
-    case q4_0:
-    case q4_1: {
-      bool with_min = t.type == q4_1;
-      auto block_bytes = with_min ? 20 : 18;
-      for (uint64_t b = 0; b < count / 32; ++b) {
-        auto block = src + b * block_bytes;
-        float d = f16_at(block);
-        float m = with_min ? f16_at(block + 2) : 0.0f;
-        auto qs = block + (with_min ? 4 : 2);
-        // Low nibbles are elements 0..15, high nibbles 16..31; Q4_0 centres them on 8.
-        for (int i = 0; i < 16; ++i) {
-          int lo = qs[i] & 0x0f;
-          int hi = qs[i] >> 4;
-          if (with_min) {
-            out[b * 32 + i] = d * lo + m;
-            out[b * 32 + i + 16] = d * hi + m;
-          } else {
-            out[b * 32 + i] = d * (lo - 8);
-            out[b * 32 + i + 16] = d * (hi - 8);
-          }
-        }
-      }
-      break;
-    }
-    default:
-      bad(path_, "tensor '" + t.name + "' has type " + type_name(t.type));
-  }
+  to_float(stored_type(t), data(t), out.data(), count);
   return out;
 }
 

@@ -13,7 +13,7 @@
 namespace troupe {
 
 /// A GGUF file (llama.cpp's format, version 2 or 3), memory-mapped. Tensors of type F32,
-/// F16, BF16, Q8_0, Q4_0 and Q4_1 are dequantized to float32 when read. Every problem
+/// F16, BF16, Q8_0, Q4_0 and Q4_1 can be read as stored or as float32. Every problem
 /// (bad magic, truncated file, unknown tensor type, data outside the file) throws
 /// `troupe::error` (`invalid_argument`) naming the file and, where there is one, the tensor.
 class gguf_file {
@@ -57,6 +57,12 @@ public:
 
   /// The tensor's values as float32.
   std::vector<float> read(const tensor_info& t) const;
+
+  /// The type the file stores the tensor in.
+  dtype stored_type(const tensor_info& t) const;
+
+  /// The tensor's bytes as stored, inside the mapping (valid while this object lives).
+  const std::byte* data(const tensor_info& t) const;
 
   /// The model shape from the metadata (architectures llama and qwen2).
   model_config config() const;

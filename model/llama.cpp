@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <set>
+#include <thread>
 #include <filesystem>
 
 namespace troupe {
@@ -22,11 +24,35 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
+/// The CPU threads of one rank: the ranks of a host share its cores.
+int threads_per_rank(int32_t world) {
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, world));
+}
+
+/// Bytes of one row of a 2-D tensor (of one element of a 1-D one).
+size_t row_bytes(const tensor_view& t) {
+  return t.shape.size() == 2 ? storage_bytes(t.type, static_cast<size_t>(t.shape[1]))
+                             : storage_bytes(t.type, 1);
+}
+
 /// Copies rows [row0, row0 + rows) of a 2-D (or 1-D: elements) tensor as float32.
 void read_rows(const tensor_view& t, int64_t row0, int64_t rows, float* dst) {
   int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
-  auto offset = static_cast<size_t>(row0 * cols) * element_size(t.type);
-  to_float(t.type, t.data + offset, dst, static_cast<size_t>(rows * cols));
+  if (cols == 1 && is_quantized(t.type)) {
+    // A vector in a block format converts in whole blocks only: all of it, then the part.
+    std::vector<float> all(static_cast<size_t>(t.numel()));
+    to_float(t.type, t.data, all.data(), all.size());
+    std::copy_n(all.data() + row0, rows, dst);
+    return;
+  }
+  to_float(t.type, t.data + static_cast<size_t>(row0) * row_bytes(t), dst,
+           static_cast<size_t>(rows * cols));
+}
+
+/// Whether columns [col0, col0 + cols) of `t` are whole blocks of its type.
+bool whole_blocks(const tensor_view& t, int64_t col0, int64_t cols) {
+  auto block = block_elements(t.type);
+  return col0 % block == 0 && cols % block == 0;
 }
 
 /// The width of a step's block tables for sequences of up to `blocks` blocks: rounded up to
@@ -49,22 +75,48 @@ size_t pack(size_t& total, size_t bytes) {
 
 /// Copies columns [col0, col0 + cols) of every row of a 2-D tensor as float32.
 void read_cols(const tensor_view& t, int64_t col0, int64_t cols, float* dst) {
-  auto esize = element_size(t.type);
+  auto stride = row_bytes(t);
+  bool direct = whole_blocks(t, col0, cols);
+  std::vector<float> row(direct ? 0 : static_cast<size_t>(t.shape[1]));
+  for (int64_t r = 0; r < t.shape[0]; ++r) {
+    auto src = t.data + static_cast<size_t>(r) * stride;
+    if (direct) {
+      to_float(t.type, src + storage_bytes(t.type, static_cast<size_t>(col0)), dst + r * cols,
+               static_cast<size_t>(cols));
+    } else {
+      // Columns that cut through blocks: the whole row, then the part.
+      to_float(t.type, src, row.data(), row.size());
+      std::copy_n(row.data() + col0, cols, dst + r * cols);
+    }
+  }
+}
+
+/// Copies a part of `t` as stored (rows, or columns that are whole blocks) to `dst`.
+void copy_stored(const tensor_view& t, bool by_cols, int64_t start, int64_t count, char* dst) {
+  auto stride = row_bytes(t);
+  if (!by_cols) {
+    std::memcpy(dst, t.data + static_cast<size_t>(start) * stride,
+                static_cast<size_t>(count) * stride);
+    return;
+  }
+  auto offset = storage_bytes(t.type, static_cast<size_t>(start));
+  auto width = storage_bytes(t.type, static_cast<size_t>(count));
   for (int64_t r = 0; r < t.shape[0]; ++r)
-    to_float(t.type, t.data + static_cast<size_t>(r * t.shape[1] + col0) * esize, dst + r * cols,
-             static_cast<size_t>(cols));
+    std::memcpy(dst + static_cast<size_t>(r) * width,
+                t.data + static_cast<size_t>(r) * stride + offset, width);
 }
 
 } // namespace
 
 llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t world,
-                         dtype weight_type)
+                         dtype weight_type, bool stored_types)
   : cfg_(std::move(cfg)),
     dev_(dev),
-    backend_(make_backend(dev)),
+    backend_(make_backend(dev, threads_per_rank(world))),
     rank_(rank),
     world_(world),
-    weight_type_(weight_type) {
+    weight_type_(weight_type),
+    stored_types_(stored_types) {
   if (!backend_->computes_in(weight_type))
     throw error{errc::unsupported, dev.name() + " does not compute with " +
                                      dtype_name(weight_type) + " weights"};
@@ -135,6 +187,8 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     int64_t start;
     int64_t count;
     dtype type;
+    /// The part is copied as the checkpoint stores it (`type` is its type).
+    bool as_stored = false;
   };
   const auto f32 = dtype::f32;
   const auto wt = weight_type_;
@@ -203,6 +257,15 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
   std::vector<size_t> offsets;
   size_t total = 0;
   for (auto& j : jobs) {
+    // A weight (not a norm or a bias) keeps the checkpoint's type when asked to, when the
+    // device computes in it and when this rank's part is whole blocks of it.
+    auto& stored = ckpt.at(j.name);
+    j.as_stored = stored_types_ && j.type == wt && stored.shape.size() == 2 &&
+                  backend_->computes_in(stored.type) &&
+                  (presharded || j.split != part::cols ||
+                   whole_blocks(stored, j.start, j.count));
+    if (j.as_stored)
+      j.type = stored.type;
     // This rank's shape; a presharded checkpoint holds exactly that.
     auto local = j.shape;
     if (j.split == part::rows)
@@ -218,7 +281,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     size_t numel = 1;
     for (auto d : local)
       numel *= static_cast<size_t>(d);
-    offsets.push_back(pack(total, numel * element_size(j.type)));
+    offsets.push_back(pack(total, storage_bytes(j.type, numel)));
     local_shapes.push_back(local);
   }
   if (weights_.size() != total) {
@@ -227,6 +290,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     weights_ = device_buffer(dev_, total, memory_tag::weights);
   }
   std::vector<float> staging;
+  std::vector<char> raw;
   for (size_t n = 0; n < jobs.size(); ++n) {
     auto& j = jobs[n];
     auto& t = ckpt.at(j.name);
@@ -250,7 +314,17 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
                   "model '" + ckpt.directory() + "': tensor '" + j.name + "' holds " +
                     (std::isnan(*bad) ? "NaN" : "an infinity") + " (element " +
                     std::to_string(bad - staging.begin()) + " of this rank's part)"};
-    upload(j.slot->ptr, staging, j.type);
+    j.slot->type = j.type;
+    if (j.as_stored) {
+      raw.resize(storage_bytes(j.type, staging.size()));
+      if (presharded || j.split == part::whole)
+        copy_stored(t, false, 0, t.shape[0], raw.data());
+      else
+        copy_stored(t, j.split == part::cols, j.start, j.count, raw.data());
+      dev_.copy(j.slot->ptr, raw.data(), raw.size());
+    } else {
+      upload(j.slot->ptr, staging, j.type);
+    }
     if (progress)
       progress(n + 1, jobs.size());
   }
@@ -283,7 +357,7 @@ llama_model::shard llama_model::shard_of(projection p) const {
 }
 
 void llama_model::upload(void* dst, const std::vector<float>& values, dtype type) const {
-  auto bytes = values.size() * element_size(type);
+  auto bytes = storage_bytes(type, values.size());
   if (type == dtype::f32) {
     dev_.copy(dst, values.data(), bytes);
     return;
@@ -457,7 +531,7 @@ std::vector<char> llama_model::download(const local_tensor& t) const {
   size_t numel = 1;
   for (auto d : t.shape)
     numel *= static_cast<size_t>(d);
-  std::vector<char> host(numel * element_size(t.type));
+  std::vector<char> host(storage_bytes(t.type, numel));
   dev_.copy(host.data(), t.data, host.size());
   return host;
 }
@@ -644,7 +718,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
 
   // The step's device work: embeddings, the layers, the head.
   auto compute = [&] {
-    be.gather_rows(d_ints + parts.ids, embed_.data(), weight_type_, x, T, H);
+    be.gather_rows(d_ints + parts.ids, embed_.data(), embed_.type, x, T, H);
     // A prompt adapter's virtual tokens take the first positions of the prompt.
     if (!adapters.prompt.empty())
       for (int64_t t = 0; t < T; ++t) {
@@ -660,10 +734,16 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
     for (size_t li = 0; li < layers_.size(); ++li) {
       auto& l = layers_[li];
       auto layer = static_cast<int64_t>(li);
-      be.gemm_nt_shared(h, weight_type_, T, H,
-                        {{l.q.data(), q, q_width},
-                         {l.k.data(), k, kv_width},
-                         {l.v.data(), v, kv_width}});
+      if (l.q.type == l.k.type && l.k.type == l.v.type) {
+        be.gemm_nt_shared(h, l.q.type, T, H,
+                          {{l.q.data(), q, q_width},
+                           {l.k.data(), k, kv_width},
+                           {l.v.data(), v, kv_width}});
+      } else {
+        be.gemm_nt(h, l.q.data(), l.q.type, q, T, q_width, H);
+        be.gemm_nt(h, l.k.data(), l.k.type, k, T, kv_width, H);
+        be.gemm_nt(h, l.v.data(), l.v.type, v, T, kv_width, H);
+      }
       apply_lora(li, projection::q, h, H, q, q_width);
       apply_lora(li, projection::k, h, H, k, kv_width);
       apply_lora(li, projection::v, h, H, v, kv_width);
@@ -675,16 +755,21 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
       be.rotary(q, local_heads_, k, local_kv_, T, D, d_cos, d_sin);
       be.write_kv(k, v, cache.keys(layer), cache.values(layer), d_ints + parts.slots, T, kv_width);
       be.paged_attention(q, attn, cache.keys(layer), cache.values(layer), layout, T, scale);
-      be.gemm_nt(attn, l.o.data(), weight_type_, h, T, H, q_width);
+      be.gemm_nt(attn, l.o.data(), l.o.type, h, T, H, q_width);
       apply_lora(li, projection::o, attn, q_width, h, H);
       reduce(h, T * H);
       be.add_rms_norm(x, h, l.post_norm.as<float>(), h, T, H, eps);
-      be.gemm_nt_shared(h, weight_type_, T, H,
-                        {{l.gate.data(), gate, local_inter_}, {l.up.data(), up, local_inter_}});
+      if (l.gate.type == l.up.type) {
+        be.gemm_nt_shared(h, l.gate.type, T, H,
+                          {{l.gate.data(), gate, local_inter_}, {l.up.data(), up, local_inter_}});
+      } else {
+        be.gemm_nt(h, l.gate.data(), l.gate.type, gate, T, local_inter_, H);
+        be.gemm_nt(h, l.up.data(), l.up.type, up, T, local_inter_, H);
+      }
       apply_lora(li, projection::gate, h, H, gate, local_inter_);
       apply_lora(li, projection::up, h, H, up, local_inter_);
       be.silu_mul(gate, up, gate, T * local_inter_);
-      be.gemm_nt(gate, l.down.data(), weight_type_, h, T, H, local_inter_);
+      be.gemm_nt(gate, l.down.data(), l.down.type, h, T, H, local_inter_);
       apply_lora(li, projection::down, gate, local_inter_, h, H);
       reduce(h, T * H);
       if (li + 1 < layers_.size())
@@ -696,7 +781,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
     be.gather_rows(d_ints + parts.samples, x, dtype::f32, last, S, H);
     be.rms_norm(last, final_norm_.as<float>(), h, S, H, eps);
     auto& head = cfg_.tie_word_embeddings ? embed_ : lm_head_;
-    be.gemm_nt(h, head.data(), weight_type_, logits, S, V, H);
+    be.gemm_nt(h, head.data(), head.type, logits, S, V, H);
   };
 
   // A decode step of one process is recorded once per shape (a CUDA graph on a GPU) and

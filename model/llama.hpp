@@ -65,14 +65,16 @@ using all_reduce_fn = std::function<void(float* data, size_t count)>;
 /// holding this rank's shard of the weights: attention heads and MLP columns split across
 /// ranks in near-even contiguous shares (column-parallel q/k/v/gate/up, row-parallel o/down
 /// followed by an all-reduce), embeddings and the output head replicated. Projections,
-/// embeddings and the output head are kept in `weight_type`; norms, biases, activations,
-/// the KV cache and the logits in float32.
+/// embeddings and the output head are kept in `weight_type`, or, with `stored_types`, in
+/// the type the checkpoint stores them in wherever the device computes in it (a GGUF
+/// file's Q4_1 stays Q4_1); norms, biases, activations, the KV cache and the logits are
+/// float32.
 class llama_model : public troupe::model {
 public:
   /// Throws `invalid_argument` when there are fewer attention heads than ranks, and
   /// `unsupported` when the device does not compute in `weight_type`.
   llama_model(model_config cfg, device& dev, int32_t rank, int32_t world,
-              dtype weight_type = dtype::f32);
+              dtype weight_type = dtype::f32, bool stored_types = false);
 
   /// Loads this rank's shard from `ckpt` into the device under `memory_tag::weights`
   /// (converting to the weight type); `presharded` when `ckpt` holds only this rank's shard
@@ -163,6 +165,7 @@ private:
   /// Where a weight lives in `weights_`.
   struct tensor_slot {
     void* ptr = nullptr;
+    dtype type = dtype::f32;
     void* data() const {
       return ptr;
     }
@@ -213,6 +216,7 @@ private:
   int32_t rank_;
   int32_t world_;
   dtype weight_type_;
+  bool stored_types_;
   /// This rank's attention heads: [head_begin_, head_begin_ + local_heads_).
   int64_t head_begin_;
   int64_t local_heads_;

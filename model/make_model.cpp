@@ -83,7 +83,7 @@ void write_random_model(const model_config& config, const std::string& directory
     int64_t numel = 1;
     for (auto d : s.shape)
       numel *= d;
-    auto bytes = static_cast<size_t>(numel) * element_size(type);
+    auto bytes = storage_bytes(type, static_cast<size_t>(numel));
     if (used > 0 && used + static_cast<int64_t>(bytes) > max_shard_bytes) {
       shards.emplace_back();
       shard_names.emplace_back();

@@ -99,9 +99,14 @@ void model_worker::load_model() {
   auto& st = *state_;
   st.config = checkpoint::config_of(options_.model_path);
   auto weight_type = dtype::f32;
+  // On the CPU, "auto" computes with the weights as the checkpoint stores them (GGUF's
+  // block formats, 16-bit floats); float32 is the exact path.
+  bool stored_types = false;
   if (options_.dtype == "auto") {
     if (on_gpu())
       weight_type = st.config.torch_dtype == "bfloat16" ? dtype::bf16 : dtype::f16;
+    else
+      stored_types = true;
   } else if (auto named = parse_dtype_name(options_.dtype)) {
     weight_type = *named;
   } else {
@@ -121,7 +126,7 @@ void model_worker::load_model() {
   }
   st.presharded = presharded;
   st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size,
-                                           weight_type);
+                                           weight_type, stored_types);
   st.model->capture_decode_steps(!options_.enforce_eager);
   auto ckpt = open_checkpoint();
   st.model->load(ckpt, rank() == 0 ? options_.progress : load_progress{}, presharded);
@@ -558,12 +563,21 @@ void model_worker::save_sharded_state(const sharded_state_request& request) {
   int64_t used = 0;
   for (auto& t : tensors) {
     host.push_back(st.model->download(t));
+    auto type = t.type;
+    if (is_quantized(type)) {
+      // safetensors has no block formats: such weights are saved as float32.
+      size_t numel = host.back().size() / block_bytes(type) * 32;
+      std::vector<char> wide(numel * sizeof(float));
+      to_float(type, host.back().data(), reinterpret_cast<float*>(wide.data()), numel);
+      host.back() = std::move(wide);
+      type = dtype::f32;
+    }
     auto bytes = static_cast<int64_t>(host.back().size());
     if (used > 0 && used + bytes > max_size) {
       parts.emplace_back();
       used = 0;
     }
-    parts.back().add(t.name, t.type, t.shape, host.back().data(), host.back().size());
+    parts.back().add(t.name, type, t.shape, host.back().data(), host.back().size());
     used += bytes;
   }
   std::vector<std::string> written;

@@ -99,7 +99,7 @@ safetensors_file::safetensors_file(const std::string& path)
         bad_tensor(path, name, "data_offsets [" + std::to_string(begin) + ", " +
                                  std::to_string(end) + "] lie outside the " +
                                  std::to_string(data_size) + " bytes of data (truncated file?)");
-      auto expected = numel * element_size(*type);
+      auto expected = storage_bytes(*type, numel);
       if (end - begin != expected)
         bad_tensor(path, name, std::to_string(end - begin) + " bytes of data, but its shape of " +
                                  dt.get<std::string>() + " needs " + std::to_string(expected));
@@ -139,10 +139,10 @@ void safetensors_writer::add(const std::string& name, dtype type, std::vector<in
                                             "' has a negative dimension"};
     numel *= static_cast<uint64_t>(d);
   }
-  if (numel * element_size(type) != bytes)
+  if (storage_bytes(type, numel) != bytes)
     throw error{errc::invalid_argument,
                 "safetensors writer: tensor '" + name + "' has " + std::to_string(bytes) +
-                  " bytes, its shape needs " + std::to_string(numel * element_size(type))};
+                  " bytes, its shape needs " + std::to_string(storage_bytes(type, numel))};
   entries_.push_back({name, type, std::move(shape), data, bytes});
 }
 

@@ -142,7 +142,7 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
   std::vector<int32_t> ids{3, 99, 0, 42, 3};
   auto dids = upload(dev, ids);
   for (auto type : {dtype::f32, dtype::f16, dtype::bf16}) {
-    std::vector<char> typed(table.size() * element_size(type));
+    std::vector<char> typed(storage_bytes(type, table.size()));
     from_float(type, table.data(), typed.data(), table.size());
     want.assign(rows * dim, 0.0f);
     cpu->gather_rows(ids.data(), typed.data(), type, want.data(), rows, dim);
@@ -208,7 +208,7 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
   CHECK(max_relative_error(download(dev, dout, want.size()), want) < 1e-5);
   for (auto type : {dtype::f16, dtype::bf16}) {
     auto rounded = [&](const std::vector<float>& v) {
-      std::vector<char> typed(v.size() * element_size(type));
+      std::vector<char> typed(storage_bytes(type, v.size()));
       from_float(type, v.data(), typed.data(), v.size());
       std::vector<float> back(v.size());
       to_float(type, typed.data(), back.data(), v.size());

@@ -1,6 +1,8 @@
 #include "kernels/cpu/cpu_backend.hpp"
 
 #include "kernels/cpu/ops.hpp"
+#include "kernels/cpu/quant.hpp"
+#include "kernels/cpu/thread_pool.hpp"
 #include "model/sampler.hpp"
 #include "troupe/errors.hpp"
 
@@ -14,18 +16,56 @@ namespace {
 
 class cpu_backend final : public backend {
 public:
-  bool computes_in(dtype t) const override {
-    return t == dtype::f32;
+  explicit cpu_backend(int threads) : pool_(std::max(1, threads)), isa_(cpu::best_isa()) {}
+
+  /// Every type: float32 through OpenBLAS, the rest with the kernels of quant.hpp.
+  bool computes_in(dtype) const override {
+    return true;
   }
 
   void gemm_nt_shared(const float* x, dtype w_type, int64_t m, int64_t k,
                       std::initializer_list<gemm_output> outputs) override {
-    if (w_type != dtype::f32)
-      throw error{errc::unsupported,
-                  std::string{"the CPU device computes with float32 weights, not "}
-                    + dtype_name(w_type)};
-    for (auto& o : outputs)
-      cpu::gemm_nt(x, static_cast<const float*>(o.w), o.y, m, o.n, k, o.accumulate);
+    if (w_type == dtype::f32) {
+      for (auto& o : outputs)
+        cpu::gemm_nt(x, static_cast<const float*>(o.w), o.y, m, o.n, k, o.accumulate);
+      return;
+    }
+    bool quantized = is_quantized(w_type);
+    if (quantized) {
+      if (k % 32 != 0)
+        throw error{errc::unsupported, std::string{dtype_name(w_type)} + " weights need rows "
+                                         "of whole blocks of 32, not " + std::to_string(k)};
+      // The activations' block sums, once for every output.
+      xsums_.resize(static_cast<size_t>(m * (k / 32)));
+      cpu::block_sums(x, m, k, xsums_.data());
+    }
+    // The outputs' rows are cut into parts, all spread over the threads in one go.
+    std::vector<gemm_output> outs{outputs};
+    const int64_t wanted = 4 * pool_.size();
+    int64_t total = 0;
+    for (auto& o : outs)
+      total += o.n;
+    const int64_t rows_per_part = std::max<int64_t>(16, (total + wanted - 1) / wanted);
+    starts_.clear();
+    int64_t parts = 0;
+    for (auto& o : outs) {
+      starts_.push_back(parts);
+      parts += (o.n + rows_per_part - 1) / rows_per_part;
+    }
+    starts_.push_back(parts);
+    pool_.run(parts, [&](int64_t p) {
+      size_t which = 0;
+      while (starts_[which + 1] <= p)
+        ++which;
+      auto& o = outs[which];
+      int64_t begin = (p - starts_[which]) * rows_per_part;
+      int64_t end = std::min(o.n, begin + rows_per_part);
+      if (quantized)
+        cpu::dot_rows_quantized(isa_, w_type, o.w, x, xsums_.data(), m, k, o.y, o.n, begin, end,
+                                o.accumulate);
+      else
+        cpu::dot_rows_half(isa_, w_type, o.w, x, m, k, o.y, o.n, begin, end, o.accumulate);
+    });
   }
 
   void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,
@@ -63,7 +103,7 @@ public:
 
   void gather_rows(const int32_t* ids, const void* table, dtype table_type, float* out,
                    int64_t rows, int64_t dim) override {
-    auto bytes = static_cast<size_t>(dim) * element_size(table_type);
+    auto bytes = storage_bytes(table_type, static_cast<size_t>(dim));
     for (int64_t r = 0; r < rows; ++r)
       to_float(table_type, static_cast<const char*>(table) + static_cast<size_t>(ids[r]) * bytes,
                out + r * dim, static_cast<size_t>(dim));
@@ -115,13 +155,18 @@ public:
   }
 
 private:
+  cpu::thread_pool pool_;
+  cpu::isa isa_;
+  std::vector<float> xsums_;
+  /// The first part of each output of a gemm_nt_shared call, and the end.
+  std::vector<int64_t> starts_;
   std::vector<float> scores_;
 };
 
 } // namespace
 
-std::unique_ptr<backend> make_cpu_backend() {
-  return std::make_unique<cpu_backend>();
+std::unique_ptr<backend> make_cpu_backend(int threads) {
+  return std::make_unique<cpu_backend>(threads);
 }
 
 } // namespace troupe

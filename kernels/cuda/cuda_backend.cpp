@@ -92,7 +92,7 @@ public:
         cuda::gemm_nt(blas_, x, static_cast<const float*>(o.w), o.y, m, o.n, k, o.accumulate);
       return;
     }
-    auto x_half = scratch(half_, static_cast<size_t>(m * k) * element_size(w_type));
+    auto x_half = scratch(half_, storage_bytes(w_type, static_cast<size_t>(m * k)));
     cuda::to_half(x, x_half, w_type, m * k, dev_.stream());
     for (auto& o : outputs)
       cuda::gemm_nt_half(blas_, x_half, o.w, w_type, o.y, m, o.n, k, o.accumulate);

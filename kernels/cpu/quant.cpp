@@ -1,0 +1,197 @@
+#include "kernels/cpu/quant.hpp"
+
+#include "troupe/errors.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if TROUPE_X86_KERNELS
+#include <cpuid.h>
+#endif
+
+namespace troupe::cpu {
+
+#if TROUPE_X86_KERNELS
+#define TROUPE_DECLARE_ISA(ns)                                                                 \
+  namespace ns {                                                                               \
+  void dot_rows_quantized(int kind, const unsigned char* w, int64_t blocks, const float* x,    \
+                          const float* xsums, const float* halves, int64_t m, float* y,        \
+                          int64_t ldy, int64_t begin, int64_t end, bool accumulate);           \
+  void dot_rows_half(bool bf16, const uint16_t* w, const float* x, int64_t m, int64_t k,       \
+                     float* y, int64_t ldy, int64_t begin, int64_t end, bool accumulate);     \
+  }
+TROUPE_DECLARE_ISA(avx2)
+TROUPE_DECLARE_ISA(avx512)
+#undef TROUPE_DECLARE_ISA
+#endif
+
+namespace {
+
+/// 0 Q8_0, 1 Q4_0, 2 Q4_1: the kernels' names for the block formats.
+int kind_of(dtype t) {
+  switch (t) {
+    case dtype::q8_0:
+      return 0;
+    case dtype::q4_0:
+      return 1;
+    case dtype::q4_1:
+      return 2;
+    default:
+      throw error{errc::unsupported, std::string{"no integer kernel for "} + dtype_name(t)};
+  }
+}
+
+float half_at(const unsigned char* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return half_to_float(h);
+}
+
+/// The portable kernel: each block dequantized, then summed as the SIMD kernels sum it
+/// (d · Σ q·x, plus the shift times Σ x).
+float portable_dot(dtype t, const unsigned char* w, int64_t blocks, const float* x,
+                   const float* xsums) {
+  const auto bytes = static_cast<int64_t>(block_bytes(t));
+  float total = 0.0f;
+  float corr = 0.0f;
+  float q[32];
+  for (int64_t b = 0; b < blocks; ++b) {
+    const unsigned char* block = w + b * bytes;
+    float d = half_at(block);
+    if (t == dtype::q8_0) {
+      auto v = reinterpret_cast<const int8_t*>(block + 2);
+      for (int i = 0; i < 32; ++i)
+        q[i] = v[i];
+    } else {
+      const unsigned char* qs = block + (t == dtype::q4_1 ? 4 : 2);
+      for (int i = 0; i < 16; ++i) {
+        q[i] = static_cast<float>(qs[i] & 0x0f);
+        q[i + 16] = static_cast<float>(qs[i] >> 4);
+      }
+      corr += (t == dtype::q4_1 ? half_at(block + 2) : -8.0f * d) * xsums[b];
+    }
+    float dot = 0.0f;
+    for (int i = 0; i < 32; ++i)
+      dot += q[i] * x[b * 32 + i];
+    total += dot * d;
+  }
+  return total + corr;
+}
+
+/// Every float16 value as a float, for the kernels' scales.
+const float* half_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t h = 0; h < 65536; ++h)
+      t[h] = half_to_float(static_cast<uint16_t>(h));
+    return t;
+  }();
+  return table.data();
+}
+
+float widen(bool bf16, uint16_t h) {
+  return bf16 ? bf16_to_float(h) : half_to_float(h);
+}
+
+isa detect() {
+#if TROUPE_X86_KERNELS
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
+    return isa::portable;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_F16C))
+    return isa::portable;
+  // libgcc checks that the OS saves the AVX-512 state before it says avx512f.
+  return __builtin_cpu_supports("avx512f") ? isa::avx512 : isa::avx2;
+#else
+  return isa::portable;
+#endif
+}
+
+} // namespace
+
+isa best_isa() {
+  static const isa chosen = [] {
+    auto best = detect();
+    if (const char* asked = std::getenv("TROUPE_CPU_ISA")) {
+      for (auto i : {isa::portable, isa::avx2, isa::avx512})
+        if (std::string{asked} == isa_name(i) && i <= best)
+          return i;
+    }
+    return best;
+  }();
+  return chosen;
+}
+
+const char* isa_name(isa i) {
+  switch (i) {
+    case isa::portable:
+      return "portable";
+    case isa::avx2:
+      return "avx2";
+    case isa::avx512:
+      return "avx512";
+  }
+  return "?";
+}
+
+void block_sums(const float* x, int64_t rows, int64_t k, float* sums) {
+  for (int64_t b = 0; b < rows * (k / 32); ++b) {
+    float total = 0.0f;
+    for (int i = 0; i < 32; ++i)
+      total += x[b * 32 + i];
+    sums[b] = total;
+  }
+}
+
+void dot_rows_quantized(isa i, dtype w_type, const void* w, const float* x, const float* xsums,
+                        int64_t m, int64_t k, float* y, int64_t ldy, int64_t begin, int64_t end,
+                        bool accumulate) {
+  const int kind = kind_of(w_type);
+  const int64_t blocks = k / 32;
+  auto bytes = static_cast<const unsigned char*>(w);
+#if TROUPE_X86_KERNELS
+  if (i == isa::avx512)
+    return avx512::dot_rows_quantized(kind, bytes, blocks, x, xsums, half_table(), m, y, ldy,
+                                      begin, end, accumulate);
+  if (i == isa::avx2)
+    return avx2::dot_rows_quantized(kind, bytes, blocks, x, xsums, half_table(), m, y, ldy,
+                                    begin, end, accumulate);
+#else
+  (void)kind;
+#endif
+  const auto stride = static_cast<int64_t>(storage_bytes(w_type, static_cast<size_t>(k)));
+  for (int64_t row = begin; row < end; ++row)
+    for (int64_t r = 0; r < m; ++r) {
+      float v = portable_dot(w_type, bytes + row * stride, blocks, x + r * k, xsums + r * blocks);
+      float& dst = y[r * ldy + row];
+      dst = accumulate ? dst + v : v;
+    }
+}
+
+void dot_rows_half(isa i, dtype w_type, const void* w, const float* x, int64_t m, int64_t k,
+                   float* y, int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
+  if (w_type != dtype::f16 && w_type != dtype::bf16)
+    throw error{errc::unsupported, std::string{"no 16-bit kernel for "} + dtype_name(w_type)};
+  const bool bf16 = w_type == dtype::bf16;
+  auto half = static_cast<const uint16_t*>(w);
+#if TROUPE_X86_KERNELS
+  if (i == isa::avx512)
+    return avx512::dot_rows_half(bf16, half, x, m, k, y, ldy, begin, end, accumulate);
+  if (i == isa::avx2)
+    return avx2::dot_rows_half(bf16, half, x, m, k, y, ldy, begin, end, accumulate);
+#endif
+  for (int64_t row = begin; row < end; ++row)
+    for (int64_t r = 0; r < m; ++r) {
+      float v = 0.0f;
+      for (int64_t j = 0; j < k; ++j)
+        v += widen(bf16, half[row * k + j]) * x[r * k + j];
+      float& dst = y[r * ldy + row];
+      dst = accumulate ? dst + v : v;
+    }
+}
+
+} // namespace troupe::cpu

@@ -1,0 +1,43 @@
+#pragma once
+
+/// @file
+/// Products of float32 activations with weights kept as stored: GGUF's block formats (Q8_0,
+/// Q4_0, Q4_1), each block widened to floats in registers and scaled once, and
+/// float16/bfloat16 widened the same way. The activations stay float32, so the result is
+/// float32's on the dequantized weights up to the order of the sums (integer products on
+/// activations rounded to 8 bits, as llama.cpp computes them, shift greedy choices that are
+/// near a tie). Each kernel has a portable version and x86 versions (AVX2 with FMA and F16C,
+/// AVX-512), chosen once from the CPU's features.
+
+#include "model/dtype.hpp"
+
+#include <cstdint>
+
+namespace troupe::cpu {
+
+/// The instruction sets the kernels come in.
+enum class isa { portable, avx2, avx512 };
+
+/// The best the CPU offers and the OS enables; `TROUPE_CPU_ISA=portable|avx2|avx512` asks
+/// for a lesser one.
+isa best_isa();
+
+/// `"portable"`, `"avx2"`, `"avx512"`.
+const char* isa_name(isa i);
+
+/// sums[r · (k/32) + b] = the sum of block b of row r of x[rows × k] (k a multiple of 32):
+/// what Q4_0's centre and Q4_1's minimum multiply.
+void block_sums(const float* x, int64_t rows, int64_t k, float* sums);
+
+/// y[r·ldy + i] (+)= row i of `w` · row r of x[m × k], for the weight rows i in
+/// [begin, end) and every r. `w` holds rows of k elements of the block format `w_type`;
+/// `xsums` are x's `block_sums`.
+void dot_rows_quantized(isa i, dtype w_type, const void* w, const float* x, const float* xsums,
+                        int64_t m, int64_t k, float* y, int64_t ldy, int64_t begin, int64_t end,
+                        bool accumulate);
+
+/// The same for float16 or bfloat16 weights (any k).
+void dot_rows_half(isa i, dtype w_type, const void* w, const float* x, int64_t m, int64_t k,
+                   float* y, int64_t ldy, int64_t begin, int64_t end, bool accumulate);
+
+} // namespace troupe::cpu

@@ -1,0 +1,181 @@
+// The CPU kernels for weights kept as stored: every instruction set against the portable
+// kernel and against float32 on the dequantized weights, on sizes with tails; the thread
+// pool; and the block formats' quantizers.
+
+#include "kernels/cpu/quant.hpp"
+#include "kernels/cpu/thread_pool.hpp"
+#include "model/dtype.hpp"
+
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace troupe;
+using troupe::cpu::isa;
+
+namespace {
+
+std::vector<float> random_floats(size_t n, unsigned seed, float scale = 1.0f) {
+  std::mt19937 gen{seed};
+  std::normal_distribution<float> dist{0.0f, scale};
+  std::vector<float> v(n);
+  for (auto& x : v)
+    x = dist(gen);
+  return v;
+}
+
+std::vector<isa> available() {
+  std::vector<isa> out;
+  for (auto i : {isa::portable, isa::avx2, isa::avx512})
+    if (i <= cpu::best_isa())
+      out.push_back(i);
+  return out;
+}
+
+/// y[r][i] = Σ_j w[i][j] · x[r][j] in double, and Σ_j |w[i][j] · x[r][j]|: float32's
+/// rounding error is relative to the latter.
+struct products {
+  std::vector<double> y;
+  std::vector<double> magnitude;
+
+  /// Whether `got` is y[at] up to float32 sums in another order.
+  bool close(size_t at, double got, double offset = 0.0) const {
+    return std::fabs(got - offset - y[at]) <= 1e-5 * magnitude[at] + 1e-30;
+  }
+};
+
+products reference(const std::vector<float>& w, const std::vector<float>& x, int64_t n,
+                   int64_t m, int64_t k) {
+  products p;
+  p.y.resize(static_cast<size_t>(m * n));
+  p.magnitude.resize(p.y.size());
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < n; ++i) {
+      double s = 0;
+      double a = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        double v = static_cast<double>(w[i * k + j]) * x[r * k + j];
+        s += v;
+        a += std::fabs(v);
+      }
+      p.y[r * n + i] = s;
+      p.magnitude[r * n + i] = a;
+    }
+  return p;
+}
+
+} // namespace
+
+TEST_CASE("block formats: quantize then dequantize stays within a step of each block") {
+  auto x = random_floats(32 * 7, 1);
+  x[5] = 0.0f;
+  std::fill(x.begin() + 64, x.begin() + 96, 0.0f); // an all-zero block
+  for (auto t : {dtype::q8_0, dtype::q4_0, dtype::q4_1}) {
+    std::vector<char> q(storage_bytes(t, x.size()));
+    from_float(t, x.data(), q.data(), x.size());
+    std::vector<float> back(x.size());
+    to_float(t, q.data(), back.data(), x.size());
+    for (size_t b = 0; b < x.size() / 32; ++b) {
+      float lo = *std::min_element(x.begin() + b * 32, x.begin() + b * 32 + 32);
+      float hi = *std::max_element(x.begin() + b * 32, x.begin() + b * 32 + 32);
+      float amax = std::max(-lo, hi);
+      // One quantization step of the block: Q8_0 amax/127, Q4_0 amax/8, Q4_1 (hi-lo)/15;
+      // the float16 scale adds a little.
+      // Q4_0 maps the extreme to -8, so the other sign reaches only +7: a whole step there.
+      float step = t == dtype::q8_0 ? amax / 127 : t == dtype::q4_0 ? amax / 8 : (hi - lo) / 15;
+      // The float16 scale (and Q4_1's float16 minimum) add up to 2^-11 of what they scale.
+      float most = (t == dtype::q4_0 ? 1.0f : 0.5f) * step + 0.07f * step + 1e-3f * amax;
+      INFO(std::string{dtype_name(t)} << " block " << b);
+      for (size_t i = b * 32; i < b * 32 + 32; ++i)
+        REQUIRE(std::fabs(back[i] - x[i]) <= most + 1e-6f);
+    }
+  }
+}
+
+TEST_CASE("block-format kernels: every instruction set gives float32's sums on the dequantized weights") {
+  // Shapes with a single block, odd row counts, and activation row counts that exercise
+  // the four-row tiles and their tails.
+  struct shape {
+    int64_t n, m, k;
+  };
+  for (auto s : {shape{1, 1, 32}, shape{7, 3, 96}, shape{33, 5, 576}, shape{64, 9, 1536}}) {
+    auto w = random_floats(static_cast<size_t>(s.n * s.k), 2, 0.05f);
+    auto x = random_floats(static_cast<size_t>(s.m * s.k), 3);
+    x[3] = 60.0f; // an outlier, as hidden states have
+    std::vector<float> sums(static_cast<size_t>(s.m * s.k / 32));
+    cpu::block_sums(x.data(), s.m, s.k, sums.data());
+    for (auto t : {dtype::q8_0, dtype::q4_0, dtype::q4_1}) {
+      std::vector<char> wq(storage_bytes(t, w.size()));
+      from_float(t, w.data(), wq.data(), w.size());
+      std::vector<float> wd(w.size());
+      to_float(t, wq.data(), wd.data(), w.size());
+      auto exact = reference(wd, x, s.n, s.m, s.k);
+      for (auto i : available()) {
+        INFO(std::string{dtype_name(t)} << " on " << std::string{cpu::isa_name(i)} << ", n "
+                                        << s.n << " m " << s.m << " k " << s.k);
+        std::vector<float> y(exact.y.size(), 1.0f);
+        // Only rows [1, n) are written when n > 1: the first must keep its value.
+        int64_t begin = s.n > 1 ? 1 : 0;
+        cpu::dot_rows_quantized(i, t, wq.data(), x.data(), sums.data(), s.m, s.k, y.data(), s.n,
+                                begin, s.n, false);
+        for (int64_t r = 0; r < s.m; ++r)
+          for (int64_t c = 0; c < s.n; ++c) {
+            auto at = static_cast<size_t>(r * s.n + c);
+            if (c < begin)
+              REQUIRE(y[at] == 1.0f);
+            else
+              REQUIRE(exact.close(at, y[at]));
+          }
+        // Accumulating adds to what is there.
+        std::vector<float> acc(exact.y.size(), 2.0f);
+        cpu::dot_rows_quantized(i, t, wq.data(), x.data(), sums.data(), s.m, s.k, acc.data(), s.n,
+                                0, s.n, true);
+        for (size_t at = 0; at < acc.size(); ++at)
+          REQUIRE(exact.close(at, acc[at], 2.0));
+      }
+    }
+  }
+}
+
+TEST_CASE("16-bit kernels: every instruction set gives float32's sums on the widened weights") {
+  struct shape {
+    int64_t n, m, k;
+  };
+  for (auto s : {shape{1, 1, 1}, shape{5, 2, 7}, shape{17, 3, 23}, shape{40, 4, 577}}) {
+    auto w = random_floats(static_cast<size_t>(s.n * s.k), 4, 0.05f);
+    auto x = random_floats(static_cast<size_t>(s.m * s.k), 5);
+    for (auto t : {dtype::f16, dtype::bf16}) {
+      std::vector<char> wh(storage_bytes(t, w.size()));
+      from_float(t, w.data(), wh.data(), w.size());
+      std::vector<float> wd(w.size());
+      to_float(t, wh.data(), wd.data(), w.size());
+      auto exact = reference(wd, x, s.n, s.m, s.k);
+      for (auto i : available()) {
+        INFO(std::string{dtype_name(t)} << " on " << std::string{cpu::isa_name(i)} << ", n "
+                                        << s.n << " k " << s.k);
+        std::vector<float> y(exact.y.size());
+        cpu::dot_rows_half(i, t, wh.data(), x.data(), s.m, s.k, y.data(), s.n, 0, s.n, false);
+        for (size_t at = 0; at < y.size(); ++at)
+          REQUIRE(exact.close(at, y[at]));
+      }
+    }
+  }
+}
+
+TEST_CASE("the thread pool runs every part once, call after call") {
+  for (int threads : {1, 2, 3}) {
+    cpu::thread_pool pool{threads};
+    CHECK(pool.size() == threads);
+    for (int call = 0; call < 200; ++call) {
+      int64_t parts = call % 17;
+      std::vector<std::atomic<int>> hits(static_cast<size_t>(parts));
+      pool.run(parts, [&](int64_t p) { hits[static_cast<size_t>(p)]++; });
+      for (auto& h : hits)
+        REQUIRE(h.load() == 1);
+    }
+  }
+}
