@@ -25,12 +25,6 @@ std::size_t block_bytes(dtype t) {
 
 namespace {
 
-float half_at(const unsigned char* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-  return half_to_float(h);
-}
-
 void put_half(unsigned char* p, float f) {
   auto h = float_to_half(f);
   std::memcpy(p, &h, sizeof h);
@@ -38,7 +32,7 @@ void put_half(unsigned char* p, float f) {
 
 /// Dequantizes one block of 32 elements.
 void dequantize_block(dtype t, const unsigned char* block, float* out) {
-  float d = half_at(block);
+  float d = load_half(block);
   if (t == dtype::q8_0) {
     auto q = reinterpret_cast<const int8_t*>(block + 2);
     for (int i = 0; i < 32; ++i)
@@ -47,7 +41,7 @@ void dequantize_block(dtype t, const unsigned char* block, float* out) {
   }
   // Low nibbles are elements 0..15, high nibbles 16..31; Q4_0 centres them on 8.
   bool with_min = t == dtype::q4_1;
-  float m = with_min ? half_at(block + 2) : 0.0f;
+  float m = with_min ? load_half(block + 2) : 0.0f;
   const unsigned char* qs = block + (with_min ? 4 : 2);
   int centre = with_min ? 0 : 8;
   for (int i = 0; i < 16; ++i) {

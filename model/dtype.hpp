@@ -42,6 +42,13 @@ std::optional<dtype> parse_safetensors_dtype(std::string_view name);
 /// IEEE half to float.
 float half_to_float(uint16_t h);
 
+/// The IEEE half at `p` (any alignment) as a float.
+inline float load_half(const void* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return half_to_float(h);
+}
+
 /// bfloat16 to float.
 inline float bf16_to_float(uint16_t b) {
   uint32_t bits = static_cast<uint32_t>(b) << 16;

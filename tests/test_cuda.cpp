@@ -12,6 +12,8 @@
 #include "tests/gpu.hpp"
 #include "troupe/errors.hpp"
 
+#include "tests/random.hpp"
+
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -25,17 +27,9 @@
 
 using namespace troupe;
 using troupe::testing::have_gpu;
+using troupe::testing::random_floats;
 
 namespace {
-
-std::vector<float> random_floats(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 gen{seed};
-  std::normal_distribution<float> dist{0.0f, scale};
-  std::vector<float> v(n);
-  for (auto& x : v)
-    x = dist(gen);
-  return v;
-}
 
 /// Device memory holding a copy of `host` (freed with the device).
 template <class T>

@@ -6,27 +6,20 @@
 #include "kernels/cpu/thread_pool.hpp"
 #include "model/dtype.hpp"
 
+#include "tests/random.hpp"
+
 #include <doctest/doctest.h>
 
 #include <atomic>
 #include <cmath>
-#include <random>
 #include <string>
 #include <vector>
 
 using namespace troupe;
 using troupe::cpu::isa;
+using troupe::testing::random_floats;
 
 namespace {
-
-std::vector<float> random_floats(size_t n, unsigned seed, float scale = 1.0f) {
-  std::mt19937 gen{seed};
-  std::normal_distribution<float> dist{0.0f, scale};
-  std::vector<float> v(n);
-  for (auto& x : v)
-    x = dist(gen);
-  return v;
-}
 
 std::vector<isa> available() {
   std::vector<isa> out;

@@ -44,12 +44,6 @@ int kind_of(dtype t) {
   }
 }
 
-float half_at(const unsigned char* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-  return half_to_float(h);
-}
-
 /// The portable kernel: each block dequantized, then summed as the SIMD kernels sum it
 /// (d · Σ q·x, plus the shift times Σ x).
 float portable_dot(dtype t, const unsigned char* w, int64_t blocks, const float* x,
@@ -60,7 +54,7 @@ float portable_dot(dtype t, const unsigned char* w, int64_t blocks, const float*
   float q[32];
   for (int64_t b = 0; b < blocks; ++b) {
     const unsigned char* block = w + b * bytes;
-    float d = half_at(block);
+    float d = load_half(block);
     if (t == dtype::q8_0) {
       auto v = reinterpret_cast<const int8_t*>(block + 2);
       for (int i = 0; i < 32; ++i)
@@ -71,7 +65,7 @@ float portable_dot(dtype t, const unsigned char* w, int64_t blocks, const float*
         q[i] = static_cast<float>(qs[i] & 0x0f);
         q[i + 16] = static_cast<float>(qs[i] >> 4);
       }
-      corr += (t == dtype::q4_1 ? half_at(block + 2) : -8.0f * d) * xsums[b];
+      corr += (t == dtype::q4_1 ? load_half(block + 2) : -8.0f * d) * xsums[b];
     }
     float dot = 0.0f;
     for (int i = 0; i < 32; ++i)
