@@ -1,6 +1,7 @@
 #include "troupe/model_worker.hpp"
 
 #include "kernels/cpu/gloo_communicator.hpp"
+#include "kernels/cpu/local_communicator.hpp"
 #include "kernels/cpu/ops.hpp"
 #ifdef TROUPE_WITH_CUDA
 #include "kernels/cuda/cuda_device.hpp"
@@ -64,6 +65,8 @@ struct model_worker::state {
   std::unique_ptr<kv_cache> cache;
   std::mt19937_64 rng{std::random_device{}()};
   std::unique_ptr<gloo_communicator> gloo;
+  /// Instead of `gloo` when every rank lives in this process.
+  std::unique_ptr<local_communicator> local;
 #ifdef TROUPE_WITH_CUDA
   std::unique_ptr<nccl_communicator> nccl;
 #endif
@@ -157,7 +160,11 @@ std::vector<std::string> model_worker::prepare_collective() {
   }
   st.gloo = std::make_unique<gloo_communicator>(rank(), context().world_size,
                                                 context().collective_host, collective_timeout);
-  return st.gloo->prepare();
+  auto addresses = st.gloo->prepare();
+  // The entry for itself, which Gloo leaves empty, names this process: ranks that all live
+  // in one process all-reduce through its memory instead.
+  addresses[static_cast<size_t>(rank())] = process_token();
+  return addresses;
 }
 
 void model_worker::connect_collective(const std::vector<std::vector<std::string>>& table) {
@@ -179,10 +186,24 @@ void model_worker::connect_collective(const std::vector<std::vector<std::string>
   } else {
     if (!st.gloo)
       throw error{errc::invalid_argument, "connect_collective before prepare_collective"};
-    st.gloo->connect(table);
-    st.reduce = [comm = st.gloo.get()](float* data, size_t count) {
-      comm->all_reduce(data, count);
-    };
+    bool one_process = true;
+    for (size_t j = 0; j < table.size(); ++j)
+      one_process = one_process && j < table[j].size() && table[j][j] == process_token();
+    if (one_process && table.size() > 1 && table[0].size() > 1) {
+      // Rank 0's address for its pair with rank 1 is fresh for each group: the meeting
+      // point of its ranks.
+      st.gloo.reset();
+      st.local = std::make_unique<local_communicator>(rank(), context().world_size, table[0][1],
+                                                      collective_timeout);
+      st.reduce = [comm = st.local.get()](float* data, size_t count) {
+        comm->all_reduce(data, count);
+      };
+    } else {
+      st.gloo->connect(table);
+      st.reduce = [comm = st.gloo.get()](float* data, size_t count) {
+        comm->all_reduce(data, count);
+      };
+    }
   }
   if (st.model)
     st.model->set_all_reduce(st.reduce);

@@ -1,0 +1,144 @@
+#include "kernels/cpu/local_communicator.hpp"
+
+#include "troupe/errors.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TROUPE_PAUSE() _mm_pause()
+#else
+#define TROUPE_PAUSE() std::this_thread::yield()
+#endif
+
+#include <unistd.h>
+
+namespace troupe {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+/// How long a rank spins at a barrier before it sleeps: the other ranks of a step arrive
+/// within microseconds when they have cores of their own.
+constexpr auto spin_for = std::chrono::microseconds(100);
+
+} // namespace
+
+const std::string& process_token() {
+  static const std::string token = [] {
+    std::random_device rd;
+    return std::to_string(getpid()) + "-" + std::to_string(rd()) + std::to_string(rd());
+  }();
+  return token;
+}
+
+struct local_communicator::group {
+  explicit group(int n) : size(n), slots(static_cast<size_t>(n)) {}
+
+  const int size;
+  /// Each rank's copy of its input; a rank writes only its own, reads all after a barrier.
+  std::vector<std::vector<float>> slots;
+
+  std::atomic<int> arrived{0};
+  std::atomic<uint64_t> generation{0};
+  std::mutex mtx;
+  std::condition_variable wake;
+  int sleeping = 0;
+  /// Ranks that joined; the group is complete at `size`.
+  int joined = 0;
+
+  /// Waits until every rank has arrived; false when `timeout` passed first.
+  bool barrier(std::chrono::milliseconds timeout) {
+    auto seen = generation.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == size) {
+      arrived.store(0, std::memory_order_relaxed);
+      generation.fetch_add(1, std::memory_order_acq_rel);
+      std::lock_guard<std::mutex> lk{mtx};
+      if (sleeping > 0)
+        wake.notify_all();
+      return true;
+    }
+    auto start = clock_type::now();
+    int polls = 0;
+    while (generation.load(std::memory_order_acquire) == seen) {
+      TROUPE_PAUSE();
+      if (++polls % 64 != 0 || clock_type::now() - start < spin_for)
+        continue;
+      std::unique_lock<std::mutex> lk{mtx};
+      ++sleeping;
+      bool passed = wake.wait_until(lk, start + timeout, [&] {
+        return generation.load(std::memory_order_acquire) != seen;
+      });
+      --sleeping;
+      if (!passed)
+        return false;
+    }
+    return true;
+  }
+};
+
+namespace {
+
+std::mutex registry_mtx;
+/// Groups being formed or in use, by key.
+std::map<std::string, std::weak_ptr<local_communicator::group>> registry;
+
+} // namespace
+
+local_communicator::local_communicator(int rank, int size, const std::string& key,
+                                       std::chrono::milliseconds timeout)
+  : rank_(rank), timeout_(timeout) {
+  {
+    std::lock_guard<std::mutex> lk{registry_mtx};
+    auto& entry = registry[key];
+    group_ = entry.lock();
+    if (!group_) {
+      group_ = std::make_shared<group>(size);
+      entry = group_;
+    }
+    if (group_->size != size)
+      throw error{errc::invalid_argument, "local collective '" + key + "': ranks disagree on "
+                                          "the group size"};
+    ++group_->joined;
+  }
+  // Every rank must be there before the first reduction (a missing one is a dead worker).
+  if (!group_->barrier(timeout_))
+    throw error{errc::worker_died, "local collective: not every rank joined within " +
+                                     std::to_string(timeout_.count()) + " ms"};
+  std::lock_guard<std::mutex> lk{registry_mtx};
+  auto i = registry.find(key);
+  if (i != registry.end() && i->second.lock() == group_)
+    registry.erase(i); // complete: a later group may reuse the key
+}
+
+local_communicator::~local_communicator() = default;
+
+void local_communicator::all_reduce(float* data, size_t count) {
+  auto& g = *group_;
+  auto& mine = g.slots[static_cast<size_t>(rank_)];
+  mine.assign(data, data + count);
+  if (!g.barrier(timeout_))
+    throw error{errc::worker_died, "all-reduce: a rank of this process did not arrive within " +
+                                     std::to_string(timeout_.count()) + " ms"};
+  // Every rank adds the same slots in the same order: identical results on every rank.
+  std::copy(g.slots[0].begin(), g.slots[0].end(), data);
+  for (size_t j = 1; j < g.slots.size(); ++j) {
+    const float* slot = g.slots[j].data();
+    for (size_t i = 0; i < count; ++i)
+      data[i] += slot[i];
+  }
+  // No rank may overwrite its slot for the next call while another still reads it.
+  if (!g.barrier(timeout_))
+    throw error{errc::worker_died, "all-reduce: a rank of this process did not arrive within " +
+                                     std::to_string(timeout_.count()) + " ms"};
+}
+
+} // namespace troupe

@@ -1,0 +1,70 @@
+// The all-reduce of ranks that share a process: sums in rank order, the same bits on every
+// rank, and a rank that does not come is reported instead of waited on.
+
+#include "kernels/cpu/local_communicator.hpp"
+#include "tests/random.hpp"
+#include "troupe/errors.hpp"
+
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace troupe;
+using namespace std::chrono_literals;
+
+TEST_CASE("ranks in one process all-reduce to the rank-order sum, the same bits on each") {
+  const int size = 3;
+  std::vector<std::vector<std::vector<float>>> results(size);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < size; ++rank)
+    ranks.emplace_back([&, rank] {
+      local_communicator comm{rank, size, "sum-test", 10s};
+      for (int call = 0; call < 50; ++call) {
+        auto data = testing::random_floats(static_cast<size_t>(1 + call * 7), call * 10 + rank);
+        comm.all_reduce(data.data(), data.size());
+        results[static_cast<size_t>(rank)].push_back(data);
+      }
+    });
+  for (auto& t : ranks)
+    t.join();
+  for (int call = 0; call < 50; ++call) {
+    auto n = static_cast<size_t>(1 + call * 7);
+    std::vector<float> want(n, 0.0f);
+    for (int rank = 0; rank < size; ++rank) {
+      auto part = testing::random_floats(n, call * 10 + rank);
+      for (size_t i = 0; i < n; ++i)
+        want[i] = rank == 0 ? part[i] : want[i] + part[i];
+    }
+    for (int rank = 0; rank < size; ++rank)
+      REQUIRE(results[static_cast<size_t>(rank)][static_cast<size_t>(call)] == want);
+  }
+}
+
+TEST_CASE("a rank that never joins or never reduces is reported as dead, not waited on") {
+  // One of two ranks never joins: the other gives up at its deadline.
+  CHECK_THROWS_AS(local_communicator(0, 2, "never-joins", 200ms), error);
+
+  // Both join; one leaves: the other's next all-reduce fails at its deadline.
+  std::atomic<bool> failed{false};
+  std::thread stays([&] {
+    local_communicator comm{0, 2, "one-leaves", 300ms};
+    std::vector<float> data(4, 1.0f);
+    comm.all_reduce(data.data(), data.size());
+    try {
+      comm.all_reduce(data.data(), data.size());
+    } catch (const error& e) {
+      failed = e.code() == errc::worker_died;
+    }
+  });
+  {
+    local_communicator comm{1, 2, "one-leaves", 300ms};
+    std::vector<float> data(4, 2.0f);
+    comm.all_reduce(data.data(), data.size());
+    CHECK(data == std::vector<float>(4, 3.0f));
+  }
+  stays.join();
+  CHECK(failed);
+}
