@@ -58,13 +58,6 @@ struct stats {
   int64_t rss_bytes = 0;
 };
 
-int64_t rss_now() {
-  std::ifstream statm{"/proc/self/statm"};
-  int64_t size = 0;
-  int64_t resident = 0;
-  statm >> size >> resident;
-  return resident * sysconf(_SC_PAGESIZE);
-}
 
 stats summarize(std::vector<double> us, double wall_s) {
   stats s;
@@ -93,7 +86,7 @@ stats measure(executor& exec, int iterations) {
   }
   std::chrono::duration<double> wall = clock_type::now() - wall_start;
   auto s = summarize(std::move(samples), wall.count());
-  s.rss_bytes = rss_now();
+  s.rss_bytes = resident_bytes();
   return s;
 }
 
@@ -187,6 +180,14 @@ stats tcp_round_trip_floor(int iterations) {
 }
 
 } // namespace
+
+int64_t resident_bytes() {
+  std::ifstream statm{"/proc/self/statm"};
+  int64_t size = 0;
+  int64_t resident = 0;
+  statm >> size >> resident;
+  return resident * sysconf(_SC_PAGESIZE);
+}
 
 std::unique_ptr<worker> make_bench_worker() {
   return std::make_unique<bench_worker>();

@@ -124,6 +124,8 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
     auto blocks_per_seq =
       (o->prompt_len + warmup_steps + o->decode_steps + block_size) / block_size;
     executor exec{cfg, model_worker_factory(mw)};
+    // What the loaded model costs this process (its local workers, their weights).
+    auto resident_after_load = resident_bytes();
     // The bytes a decode step reads at least once: every weight the workers hold.
     auto held = exec.collective_rpc([](worker& w, const caf::message&, const caf::settings&) {
       int64_t bytes = 0;
@@ -204,6 +206,7 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
       {"decode_tokens_per_s", o->batch / step_s},
       {"decode_step_ms", step_s * 1e3},
       {"weight_bytes", weight_bytes},
+      {"resident_bytes_after_load", resident_after_load},
       {"memcpy_bytes_per_s", bandwidth},
       {"bandwidth_floor_step_ms", floor_step_s * 1e3},
       {"bandwidth_bound_decode_tokens_per_s", o->batch / floor_step_s},
@@ -212,7 +215,8 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
       std::cout << "prefill " << result["prefill_tokens_per_s"].get<double>()
                 << " tokens/s, decode " << result["decode_tokens_per_s"].get<double>()
                 << " tokens/s (" << step_s * 1e3 << " ms a step; reading the weights once at "
-                << bandwidth / 1e9 << " GB/s takes " << floor_step_s * 1e3 << " ms)\n";
+                << bandwidth / 1e9 << " GB/s takes " << floor_step_s * 1e3 << " ms); "
+                << resident_after_load / (1 << 20) << " MiB resident after load\n";
     std::cout << result.dump() << std::endl;
     return 0;
   };

@@ -80,4 +80,7 @@ std::unique_ptr<worker> make_bench_worker();
 /// `troupe make-model`: a random-weight model in Hugging Face format.
 std::shared_ptr<command> add_make_model(CLI::App& app);
 
+/// Resident set size of this process in bytes (the benchmarks report it).
+int64_t resident_bytes();
+
 } // namespace troupe::cli

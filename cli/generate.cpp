@@ -99,8 +99,9 @@ void add_device_options(CLI::App& app, device_options& o) {
     ->check(CLI::IsMember({"cpu", "cuda"}))
     ->capture_default_str();
   app.add_option("--dtype", o.dtype,
-                 "The weights' element type (auto: float32 on the CPU, the checkpoint's "
-                 "bfloat16 or else float16 on a GPU)")
+                 "The weights' element type (auto: as the checkpoint stores them on the "
+                 "CPU, GGUF blocks included; the checkpoint's bfloat16 or else float16 on a "
+                 "GPU)")
     ->check(CLI::IsMember({"auto", "float32", "float16", "bfloat16"}))
     ->capture_default_str();
   app.add_option("--gpu-memory-utilization", o.gpu_memory_utilization,

@@ -26,9 +26,11 @@ struct model_worker_options {
   /// wrote them (next to a `config.json`), loaded as they are.
   std::string load_format = "auto";
   /// The element type of the weights (vLLM's `dtype`): `"float32"`, `"float16"`,
-  /// `"bfloat16"`, or `"auto"`: float32 on the CPU (which computes only in it); on a GPU
-  /// the checkpoint's bfloat16, else float16 (as vLLM's `auto`). Activations, the KV cache
-  /// and the logits are float32 either way.
+  /// `"bfloat16"`, or `"auto"`: on the CPU the type the checkpoint stores each weight in
+  /// (GGUF's Q8_0, Q4_0 and Q4_1 blocks, 16-bit or 32-bit floats), computed without
+  /// converting it; on a GPU the checkpoint's bfloat16, else float16 (as vLLM's `auto`).
+  /// Activations, the KV cache and the logits are float32 either way; `"float32"` is the
+  /// exact path.
   std::string dtype = "auto";
   /// Run every step call by call (vLLM's `enforce_eager`); otherwise a GPU records each
   /// decode shape once as a CUDA graph and replays it.
