@@ -36,7 +36,20 @@ void* reserve(std::size_t bytes) {
                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (ptr == MAP_FAILED)
     fail("mmap", bytes);
+  // Huge pages where the kernel gives them on request: a 2 MiB page faults in once where
+  // 512 small ones fault one by one (advice only: refused, nothing changes).
+  madvise(ptr, bytes, MADV_HUGEPAGE);
   return ptr;
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 // Linux 5.14
+#endif
+
+/// Backs a range with pages before it is written, in one call rather than a fault per page
+/// (an older kernel refuses the advice, and the copy faults them in as before).
+void populate(void* ptr, std::size_t bytes) {
+  madvise(ptr, bytes, MADV_POPULATE_WRITE);
 }
 
 // Returns the pages to the OS; the range stays reserved and reads back as zeros.
@@ -107,6 +120,7 @@ void cpu_device::sleep(int32_t level) {
     if (level == 1 && alloc.tag == memory_tag::weights) {
       if (alloc.backup == nullptr)
         alloc.backup = reserve(alloc.mapped);
+      populate(alloc.backup, alloc.mapped);
       std::memcpy(alloc.backup, ptr, alloc.requested);
       alloc.backup_valid = true;
     } else {
@@ -139,6 +153,7 @@ void cpu_device::wake_up(const std::vector<memory_tag>& tags) {
       if (alloc.tag != tag)
         continue;
       protect(ptr, alloc.mapped, PROT_READ | PROT_WRITE);
+      populate(ptr, alloc.mapped);
       if (alloc.backup_valid) {
         std::memcpy(ptr, alloc.backup, alloc.requested);
         alloc.backup_valid = false;
