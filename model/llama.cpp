@@ -405,12 +405,14 @@ llama_model::step_layout llama_model::layout_of(int64_t T, int64_t S, int64_t se
   return l;
 }
 
-void llama_model::reserve(int64_t tokens, int64_t seqs, int64_t max_len, int64_t block_size,
-                          int64_t max_lora_rank) {
+int64_t llama_model::reserve(int64_t tokens, int64_t seqs, int64_t max_len, int64_t block_size,
+                             int64_t max_lora_rank) {
   auto max_blocks = table_width((max_len + block_size - 1) / block_size);
   auto layout = layout_of(tokens, std::min(seqs, tokens), std::min(seqs, tokens), max_blocks,
                           max_lora_rank);
-  workspace(static_cast<size_t>(layout.total) * sizeof(float));
+  auto bytes = static_cast<size_t>(layout.total) * sizeof(float);
+  workspace(bytes);
+  return static_cast<int64_t>(bytes);
 }
 
 void llama_model::forget_captured() {

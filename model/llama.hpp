@@ -127,9 +127,10 @@ public:
   /// Grows the step workspace to what any step within these bounds needs: `tokens` tokens
   /// in at most `seqs` sequences of up to `max_len` positions in blocks of `block_size`,
   /// LoRA adapters up to `max_lora_rank`. Such steps then never grow it (a GPU's memory is
-  /// budgeted once, after this).
-  void reserve(int64_t tokens, int64_t seqs, int64_t max_len, int64_t block_size,
-               int64_t max_lora_rank);
+  /// budgeted once, after this). Returns the workspace's bytes: every activation of such a
+  /// step lives there.
+  int64_t reserve(int64_t tokens, int64_t seqs, int64_t max_len, int64_t block_size,
+                  int64_t max_lora_rank);
 
   /// `run`, then `logits`.
   std::vector<float> forward(const execute_model_request& req, kv_cache& cache,

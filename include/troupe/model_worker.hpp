@@ -112,8 +112,8 @@ private:
   /// Throws `errc::unsupported` naming `what` before a model is loaded.
   void require_model(const char* what) const;
 
-  /// Runs a step at the largest batch on a scratch cache, whose activation memory the model
-  /// keeps; returns the step's peak memory in bytes.
+  /// The peak memory in bytes of a step at the largest batch, whose activation memory the
+  /// model keeps: run on a scratch cache on a GPU, computed from the workspace on the CPU.
   int64_t profile_step_bytes();
 
   /// Whether the worker's device is a GPU.
