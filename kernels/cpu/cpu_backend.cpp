@@ -121,24 +121,26 @@ public:
   void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
                        const paged_layout& l, int64_t tokens, float scale) override {
     const auto row = l.kv_heads * l.head_dim;
-    for (int64_t t = 0; t < tokens; ++t) {
+    // One part per (query token, head), spread over the worker's threads.
+    pool_.run(tokens * l.heads, [&](int64_t part) {
+      auto t = part / l.heads;
+      auto head = part % l.heads;
       const int32_t* table = l.block_tables + l.token_seq[t] * l.max_blocks;
-      scores_.resize(static_cast<size_t>(l.positions[t]) + 1);
+      thread_local std::vector<float> scores;
+      scores.resize(static_cast<size_t>(l.positions[t]) + 1);
       auto slot = [&](int64_t p) {
         return table[p / l.block_size] * l.block_size + p % l.block_size;
       };
-      for (int64_t head = 0; head < l.heads; ++head) {
-        auto kv_head = (l.head_begin + head) / l.group_size - l.kv_offset;
-        auto at = [&](const float* cache, int64_t p) {
-          return cache + slot(p) * row + kv_head * l.head_dim;
-        };
-        auto offset = (t * l.heads + head) * l.head_dim;
-        cpu::attend(
-          q + offset, l.head_dim, l.positions[t] + int64_t{1}, scale,
-          [&](int64_t p) { return at(k_cache, p); }, [&](int64_t p) { return at(v_cache, p); },
-          scores_.data(), out + offset);
-      }
-    }
+      auto kv_head = (l.head_begin + head) / l.group_size - l.kv_offset;
+      auto at = [&](const float* cache, int64_t p) {
+        return cache + slot(p) * row + kv_head * l.head_dim;
+      };
+      auto offset = (t * l.heads + head) * l.head_dim;
+      cpu::attend(
+        q + offset, l.head_dim, l.positions[t] + int64_t{1}, scale,
+        [&](int64_t p) { return at(k_cache, p); }, [&](int64_t p) { return at(v_cache, p); },
+        scores.data(), out + offset);
+    });
   }
 
   void sample(const float* logits, int64_t rows, int64_t cols, const row_sampling* params,
@@ -160,7 +162,6 @@ private:
   std::vector<float> xsums_;
   /// The first part of each output of a gemm_nt_shared call, and the end.
   std::vector<int64_t> starts_;
-  std::vector<float> scores_;
 };
 
 } // namespace
