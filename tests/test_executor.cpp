@@ -4,6 +4,7 @@
 #include "troupe/executor.hpp"
 
 #include "tests/rss.hpp"
+#include "tests/skip.hpp"
 #include "tests/test_worker.hpp"
 
 #include <doctest/doctest.h>
@@ -394,6 +395,10 @@ TEST_CASE("the async API returns futures for every call") {
 }
 
 TEST_CASE("a long run of calls leaves memory flat: nothing per call outlives the call") {
+#if defined(__SANITIZE_ADDRESS__)
+  return testing::skip("AddressSanitizer holds freed memory in quarantine, so resident "
+                       "memory cannot show a leak here (its leak checker runs at exit)");
+#endif
   executor exec{config(2), test_factory()};
   auto calls = [&](int n) {
     for (int i = 0; i < n; ++i)
