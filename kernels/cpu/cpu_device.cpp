@@ -31,14 +31,17 @@ std::size_t round_to_pages(std::size_t bytes) {
                                     std::strerror(errno)};
 }
 
-void* reserve(std::size_t bytes) {
+/// `huge`: the range is used whole (weights), so huge pages cost nothing extra and a 2 MiB
+/// page faults in once where 512 small ones fault one by one. A sparsely used range (the KV
+/// cache, the step's workspace) keeps small pages: a huge one would make each touch cost
+/// 2 MiB. Advice only: where the kernel refuses it, nothing changes.
+void* reserve(std::size_t bytes, bool huge) {
   auto ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (ptr == MAP_FAILED)
     fail("mmap", bytes);
-  // Huge pages where the kernel gives them on request: a 2 MiB page faults in once where
-  // 512 small ones fault one by one (advice only: refused, nothing changes).
-  madvise(ptr, bytes, MADV_HUGEPAGE);
+  if (huge)
+    madvise(ptr, bytes, MADV_HUGEPAGE);
   return ptr;
 }
 
@@ -93,7 +96,7 @@ void* cpu_device::allocate(std::size_t bytes, memory_tag tag) {
     throw error{errc::sleeping, std::string{"cpu device: cannot allocate under tag '"} +
                                   to_string(tag) + "' while it sleeps"};
   auto mapped = round_to_pages(bytes == 0 ? 1 : bytes);
-  auto ptr = reserve(mapped);
+  auto ptr = reserve(mapped, tag == memory_tag::weights);
   allocations_.emplace(ptr, allocation{bytes, mapped, tag, nullptr, false});
   return ptr;
 }
@@ -119,7 +122,7 @@ void cpu_device::sleep(int32_t level) {
       continue;
     if (level == 1 && alloc.tag == memory_tag::weights) {
       if (alloc.backup == nullptr)
-        alloc.backup = reserve(alloc.mapped);
+        alloc.backup = reserve(alloc.mapped, true);
       populate(alloc.backup, alloc.mapped);
       std::memcpy(alloc.backup, ptr, alloc.requested);
       alloc.backup_valid = true;
