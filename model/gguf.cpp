@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 
 namespace troupe {
@@ -50,41 +51,23 @@ struct cursor {
   }
 };
 
-/// Bytes of `count` elements of a ggml type; 0 for a type troupe does not read.
-uint64_t type_bytes(uint32_t type, uint64_t count) {
+/// The element type of a ggml type id; nothing for a type troupe does not read.
+std::optional<dtype> dtype_of(uint32_t type) {
   switch (type) {
     case f32:
-      return count * 4;
+      return dtype::f32;
     case f16:
+      return dtype::f16;
     case bf16:
-      return count * 2;
+      return dtype::bf16;
     case q8_0:
-      return count / 32 * 34;
+      return dtype::q8_0;
     case q4_0:
-      return count / 32 * 18;
+      return dtype::q4_0;
     case q4_1:
-      return count / 32 * 20;
+      return dtype::q4_1;
     default:
-      return 0;
-  }
-}
-
-const char* type_name(uint32_t type) {
-  switch (type) {
-    case f32:
-      return "F32";
-    case f16:
-      return "F16";
-    case bf16:
-      return "BF16";
-    case q8_0:
-      return "Q8_0";
-    case q4_0:
-      return "Q4_0";
-    case q4_1:
-      return "Q4_1";
-    default:
-      return "unsupported";
+      return std::nullopt;
   }
 }
 
@@ -183,13 +166,13 @@ gguf_file::gguf_file(const std::string& path) : path_(path), file_(path, "GGUF f
       t.shape.assign(ne.rbegin(), ne.rend());
       t.type = c.get<uint32_t>();
       t.offset = c.get<uint64_t>();
-      t.bytes = type_bytes(t.type, count);
-      if (t.bytes == 0 && count > 0)
+      auto stored = dtype_of(t.type);
+      t.bytes = stored ? storage_bytes(*stored, count) : 0;
+      if (!stored && count > 0)
         bad(path, "tensor '" + t.name + "' has ggml type " + std::to_string(t.type) +
                     ", which troupe does not read (F32, F16, BF16, Q8_0, Q4_0, Q4_1)");
       // Blocks run along rows, as llama.cpp lays them out: a row is whole blocks.
-      if ((t.type == q8_0 || t.type == q4_0 || t.type == q4_1) && !t.shape.empty() &&
-          t.shape.back() % 32 != 0)
+      if (stored && is_quantized(*stored) && !t.shape.empty() && t.shape.back() % 32 != 0)
         bad(path, "tensor '" + t.name + "' is quantized in blocks of 32 but its rows have " +
                     std::to_string(t.shape.back()) + " elements");
       tensors_.push_back(std::move(t));
@@ -217,22 +200,11 @@ gguf_file::gguf_file(const std::string& path) : path_(path), file_(path, "GGUF f
 gguf_file::~gguf_file() = default;
 
 dtype gguf_file::stored_type(const tensor_info& t) const {
-  switch (t.type) {
-    case f32:
-      return dtype::f32;
-    case f16:
-      return dtype::f16;
-    case bf16:
-      return dtype::bf16;
-    case q8_0:
-      return dtype::q8_0;
-    case q4_0:
-      return dtype::q4_0;
-    case q4_1:
-      return dtype::q4_1;
-    default:
-      bad(path_, "tensor '" + t.name + "' has type " + type_name(t.type));
-  }
+  auto stored = dtype_of(t.type);
+  if (!stored)
+    bad(path_, "tensor '" + t.name + "' has ggml type " + std::to_string(t.type) +
+                 ", which troupe does not read");
+  return *stored;
 }
 
 const std::byte* gguf_file::data(const tensor_info& t) const {
