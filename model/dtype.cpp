@@ -6,6 +6,26 @@
 
 namespace troupe {
 
+float unpack_block(dtype t, const void* block, float* q, float* shift) {
+  auto bytes = static_cast<const unsigned char*>(block);
+  float d = load_half(bytes);
+  if (t == dtype::q8_0) {
+    auto v = reinterpret_cast<const int8_t*>(bytes + 2);
+    for (int i = 0; i < 32; ++i)
+      q[i] = static_cast<float>(v[i]);
+    *shift = 0.0f;
+    return d;
+  }
+  bool with_min = t == dtype::q4_1;
+  const unsigned char* qs = bytes + (with_min ? 4 : 2);
+  for (int i = 0; i < 16; ++i) {
+    q[i] = static_cast<float>(qs[i] & 0x0f);
+    q[i + 16] = static_cast<float>(qs[i] >> 4);
+  }
+  *shift = with_min ? load_half(bytes + 2) : -8.0f * d;
+  return d;
+}
+
 std::size_t block_bytes(dtype t) {
   switch (t) {
     case dtype::f32:
@@ -32,22 +52,13 @@ void put_half(unsigned char* p, float f) {
 
 /// Dequantizes one block of 32 elements.
 void dequantize_block(dtype t, const unsigned char* block, float* out) {
-  float d = load_half(block);
-  if (t == dtype::q8_0) {
-    auto q = reinterpret_cast<const int8_t*>(block + 2);
-    for (int i = 0; i < 32; ++i)
-      out[i] = d * static_cast<float>(q[i]);
-    return;
-  }
-  // Low nibbles are elements 0..15, high nibbles 16..31; Q4_0 centres them on 8.
-  bool with_min = t == dtype::q4_1;
-  float m = with_min ? load_half(block + 2) : 0.0f;
-  const unsigned char* qs = block + (with_min ? 4 : 2);
-  int centre = with_min ? 0 : 8;
-  for (int i = 0; i < 16; ++i) {
-    out[i] = d * static_cast<float>((qs[i] & 0x0f) - centre) + m;
-    out[i + 16] = d * static_cast<float>((qs[i] >> 4) - centre) + m;
-  }
+  float shift = 0.0f;
+  float d = unpack_block(t, block, out, &shift);
+  // Q4_0 centres its nibbles on 8: d · (q - 8), as llama.cpp computes it.
+  float centre = t == dtype::q4_0 ? 8.0f : 0.0f;
+  float m = t == dtype::q4_1 ? shift : 0.0f;
+  for (int i = 0; i < 32; ++i)
+    out[i] = d * (out[i] - centre) + m;
 }
 
 /// Quantizes one block of 32 elements from its own range.

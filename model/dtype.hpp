@@ -63,6 +63,12 @@ uint16_t float_to_half(float f);
 /// float to bfloat16, rounding to nearest even.
 uint16_t float_to_bf16(float f);
 
+/// The 32 integers of a block of a block format as floats, unscaled (Q8_0: -128..127; Q4:
+/// the nibbles 0..15, uncentred, low nibbles elements 0..15 and high ones 16..31), and its
+/// scale d. Element i is d · q[i] + `shift`: 0 for Q8_0, -8·d for Q4_0, the minimum for
+/// Q4_1.
+float unpack_block(dtype t, const void* block, float* q, float* shift);
+
 /// Converts `count` elements of type `from` at `src` to floats at `dst` (for a block
 /// format: whole blocks, `count` a multiple of 32).
 void to_float(dtype from, const void* src, float* dst, std::size_t count);

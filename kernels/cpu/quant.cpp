@@ -40,11 +40,11 @@ int kind_of(dtype t) {
     case dtype::q4_1:
       return 2;
     default:
-      throw error{errc::unsupported, std::string{"no integer kernel for "} + dtype_name(t)};
+      throw error{errc::unsupported, std::string{"no block-format kernel for "} + dtype_name(t)};
   }
 }
 
-/// The portable kernel: each block dequantized, then summed as the SIMD kernels sum it
+/// The portable kernel: each block unpacked, then summed as the SIMD kernels sum it
 /// (d · Σ q·x, plus the shift times Σ x).
 float portable_dot(dtype t, const unsigned char* w, int64_t blocks, const float* x,
                    const float* xsums) {
@@ -53,24 +53,13 @@ float portable_dot(dtype t, const unsigned char* w, int64_t blocks, const float*
   float corr = 0.0f;
   float q[32];
   for (int64_t b = 0; b < blocks; ++b) {
-    const unsigned char* block = w + b * bytes;
-    float d = load_half(block);
-    if (t == dtype::q8_0) {
-      auto v = reinterpret_cast<const int8_t*>(block + 2);
-      for (int i = 0; i < 32; ++i)
-        q[i] = v[i];
-    } else {
-      const unsigned char* qs = block + (t == dtype::q4_1 ? 4 : 2);
-      for (int i = 0; i < 16; ++i) {
-        q[i] = static_cast<float>(qs[i] & 0x0f);
-        q[i + 16] = static_cast<float>(qs[i] >> 4);
-      }
-      corr += (t == dtype::q4_1 ? load_half(block + 2) : -8.0f * d) * xsums[b];
-    }
+    float shift = 0.0f;
+    float d = unpack_block(t, w + b * bytes, q, &shift);
     float dot = 0.0f;
     for (int i = 0; i < 32; ++i)
       dot += q[i] * x[b * 32 + i];
     total += dot * d;
+    corr += shift * xsums[b];
   }
   return total + corr;
 }
