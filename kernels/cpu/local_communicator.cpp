@@ -1,5 +1,6 @@
 #include "kernels/cpu/local_communicator.hpp"
 
+#include "kernels/cpu/spin_wait.hpp"
 #include "troupe/errors.hpp"
 
 #include <algorithm>
@@ -8,15 +9,7 @@
 #include <map>
 #include <mutex>
 #include <random>
-#include <thread>
 #include <vector>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define TROUPE_PAUSE() _mm_pause()
-#else
-#define TROUPE_PAUSE() std::this_thread::yield()
-#endif
 
 #include <unistd.h>
 
@@ -52,8 +45,6 @@ struct local_communicator::group {
   std::mutex mtx;
   std::condition_variable wake;
   int sleeping = 0;
-  /// Ranks that joined; the group is complete at `size`.
-  int joined = 0;
 
   /// Waits until every rank has arrived; false when `timeout` passed first.
   bool barrier(std::chrono::milliseconds timeout) {
@@ -66,22 +57,9 @@ struct local_communicator::group {
         wake.notify_all();
       return true;
     }
-    auto start = clock_type::now();
-    int polls = 0;
-    while (generation.load(std::memory_order_acquire) == seen) {
-      TROUPE_PAUSE();
-      if (++polls % 64 != 0 || clock_type::now() - start < spin_for)
-        continue;
-      std::unique_lock<std::mutex> lk{mtx};
-      ++sleeping;
-      bool passed = wake.wait_until(lk, start + timeout, [&] {
-        return generation.load(std::memory_order_acquire) != seen;
-      });
-      --sleeping;
-      if (!passed)
-        return false;
-    }
-    return true;
+    return cpu::spin_then_wait(
+      [&] { return generation.load(std::memory_order_acquire) != seen; }, spin_for, mtx, wake,
+      sleeping, clock_type::now() + timeout);
   }
 };
 
@@ -107,7 +85,6 @@ local_communicator::local_communicator(int rank, int size, const std::string& ke
     if (group_->size != size)
       throw error{errc::invalid_argument, "local collective '" + key + "': ranks disagree on "
                                           "the group size"};
-    ++group_->joined;
   }
   // Every rank must be there before the first reduction (a missing one is a dead worker).
   if (!group_->barrier(timeout_))

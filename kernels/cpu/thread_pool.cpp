@@ -1,13 +1,8 @@
 #include "kernels/cpu/thread_pool.hpp"
 
-#include <chrono>
+#include "kernels/cpu/spin_wait.hpp"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define TROUPE_PAUSE() _mm_pause()
-#else
-#define TROUPE_PAUSE() std::this_thread::yield()
-#endif
+#include <chrono>
 
 namespace troupe::cpu {
 
@@ -65,23 +60,15 @@ void thread_pool::run(int64_t parts, const std::function<void(int64_t)>& part) {
   // Every helper checks in, having seen this generation, before the next call changes
   // what they read.
   while (busy_.load(std::memory_order_acquire) > 0)
-    TROUPE_PAUSE();
+    spin_pause();
 }
 
 void thread_pool::help() {
   uint64_t seen = 0;
   for (;;) {
-    auto until = std::chrono::steady_clock::now() + spin_for;
-    int polls = 0;
-    while (generation_.load(std::memory_order_acquire) == seen && !stop_) {
-      TROUPE_PAUSE();
-      if (++polls % 64 == 0 && std::chrono::steady_clock::now() > until) {
-        std::unique_lock<std::mutex> lk{mtx_};
-        ++sleeping_;
-        wake_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen || stop_; });
-        --sleeping_;
-      }
-    }
+    spin_then_wait(
+      [&] { return generation_.load(std::memory_order_acquire) != seen || stop_; }, spin_for,
+      mtx_, wake_, sleeping_);
     if (stop_)
       return;
     seen = generation_.load(std::memory_order_acquire);
