@@ -329,47 +329,45 @@ int64_t model_worker::profile_step_bytes() {
   auto seqs = std::max<int64_t>((tokens + max_len - 1) / max_len,
                                 std::min<int64_t>(std::max(1, options_.max_num_seqs), tokens));
   auto bs = context().block_size;
-  if (on_gpu()) {
-    // Everything a step allocates on a GPU stays (the model's workspace, the backend's
-    // scratch, cuBLAS's workspace): what the device lost after running the widest step is
-    // its peak.
-    int32_t blocks = 0;
-    execute_model_request req;
-    for (int64_t s = 0; s < seqs; ++s) {
-      auto len = tokens * (s + 1) / seqs - tokens * s / seqs;
-      sequence_group_metadata g;
-      g.request_id = "profile-" + std::to_string(s);
-      g.is_prompt = true;
-      sequence_data seq;
-      seq.seq_id = s;
-      seq.token_ids.assign(static_cast<size_t>(len), 0);
-      seq.num_prompt_tokens = static_cast<int32_t>(len);
-      for (int64_t b = 0; b < (len + bs - 1) / bs; ++b)
-        seq.block_table.push_back(blocks++);
-      g.seqs.push_back(seq);
-      g.token_chunk_size = static_cast<int32_t>(len);
-      req.seq_group_metadata_list.push_back(std::move(g));
-    }
-    auto before = static_cast<int64_t>(device().free_memory());
-    // The workspace at its largest (long sequences need wide block tables), then the step.
-    st.model->reserve(tokens, std::max(1, options_.max_num_seqs), context().max_model_len, bs,
-                      options_.max_lora_rank);
-    kv_cache scratch{device(), st.config.num_hidden_layers, st.model->local_kv_heads(),
-                     st.config.head_dim, bs, blocks, 0};
-    std::vector<sample_row> rows;
-    st.model->run(req, scratch, rows);
-    std::vector<int32_t> ids;
-    std::vector<float> logprobs;
-    st.model->sample(std::vector<row_sampling>(rows.size()), ids, logprobs); // waits for it
-    return std::max<int64_t>(0, before - static_cast<int64_t>(device().free_memory()));
-  }
-  // On the CPU a step's activations all live in the model's workspace, which `reserve`
-  // sizes exactly, and the logits come back to the host once more; the kernels' own scratch
-  // (block sums, a row of attention scores) is a fraction of a percent of that. Computed,
-  // not run: the widest step took seconds of start-up.
+  // A GPU's free memory before the workspace is reserved: it counts towards the step.
+  auto before = on_gpu() ? static_cast<int64_t>(device().free_memory()) : 0;
+  // The workspace at its largest (long sequences need wide block tables).
   auto workspace = st.model->reserve(tokens, std::max(1, options_.max_num_seqs),
                                      context().max_model_len, bs, options_.max_lora_rank);
-  return workspace + seqs * st.config.vocab_size * static_cast<int64_t>(sizeof(float));
+  if (!on_gpu()) {
+    // On the CPU a step's activations all live in that workspace, and the logits come back
+    // to the host once more; the kernels' own scratch (block sums, a row of attention
+    // scores) is a fraction of a percent of that. Computed, not run: the widest step took
+    // seconds of start-up.
+    return workspace + seqs * st.config.vocab_size * static_cast<int64_t>(sizeof(float));
+  }
+  // Everything a step allocates on a GPU stays (the model's workspace, the backend's
+  // scratch, cuBLAS's workspace): what the device lost once the widest step ran is its peak.
+  int32_t blocks = 0;
+  execute_model_request req;
+  for (int64_t s = 0; s < seqs; ++s) {
+    auto len = tokens * (s + 1) / seqs - tokens * s / seqs;
+    sequence_group_metadata g;
+    g.request_id = "profile-" + std::to_string(s);
+    g.is_prompt = true;
+    sequence_data seq;
+    seq.seq_id = s;
+    seq.token_ids.assign(static_cast<size_t>(len), 0);
+    seq.num_prompt_tokens = static_cast<int32_t>(len);
+    for (int64_t b = 0; b < (len + bs - 1) / bs; ++b)
+      seq.block_table.push_back(blocks++);
+    g.seqs.push_back(seq);
+    g.token_chunk_size = static_cast<int32_t>(len);
+    req.seq_group_metadata_list.push_back(std::move(g));
+  }
+  kv_cache scratch{device(), st.config.num_hidden_layers, st.model->local_kv_heads(),
+                   st.config.head_dim, bs, blocks, 0};
+  std::vector<sample_row> rows;
+  st.model->run(req, scratch, rows);
+  std::vector<int32_t> ids;
+  std::vector<float> logprobs;
+  st.model->sample(std::vector<row_sampling>(rows.size()), ids, logprobs); // waits for it
+  return std::max<int64_t>(0, before - static_cast<int64_t>(device().free_memory()));
 }
 
 cache_blocks model_worker::determine_num_available_blocks() {

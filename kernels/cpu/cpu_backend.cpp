@@ -40,15 +40,15 @@ public:
       cpu::block_sums(x, m, k, xsums_.data());
     }
     // The outputs' rows are cut into parts, all spread over the threads in one go.
-    std::vector<gemm_output> outs{outputs};
+    const gemm_output* outs = outputs.begin();
     const int64_t wanted = 4 * pool_.size();
     int64_t total = 0;
-    for (auto& o : outs)
+    for (auto& o : outputs)
       total += o.n;
     const int64_t rows_per_part = std::max<int64_t>(16, (total + wanted - 1) / wanted);
     starts_.clear();
     int64_t parts = 0;
-    for (auto& o : outs) {
+    for (auto& o : outputs) {
       starts_.push_back(parts);
       parts += (o.n + rows_per_part - 1) / rows_per_part;
     }

@@ -52,10 +52,11 @@ void* reserve(std::size_t bytes, bool huge) {
 #define MADV_POPULATE_WRITE 23 // Linux 5.14
 #endif
 
-/// Backs a range with pages before it is written, in one call rather than a fault per page
-/// (an older kernel refuses the advice, and the copy faults them in as before).
-void populate(void* ptr, std::size_t bytes) {
-  madvise(ptr, bytes, MADV_POPULATE_WRITE);
+/// Backs a range with (zeroed) pages before it is written, in one call rather than a fault
+/// per page. False where an older kernel refuses the advice: the pages then fault in as the
+/// range is written.
+bool populate(void* ptr, std::size_t bytes) {
+  return madvise(ptr, bytes, MADV_POPULATE_WRITE) == 0;
 }
 
 /// Populates `dst` and copies `bytes` from `src` into it, on several threads when there is
@@ -188,9 +189,10 @@ void cpu_device::wake_up(const std::vector<memory_tag>& tags) {
         alloc.backup_valid = false;
         release_pages(alloc.backup, alloc.mapped);
       } else {
-        // Touching every page backs the range again and gives the promised zeros.
-        populate(ptr, alloc.mapped);
-        std::memset(ptr, 0, alloc.mapped);
+        // Backing every page again gives the promised zeros (populated pages are zeroed;
+        // where the kernel cannot populate, writing them does it).
+        if (!populate(ptr, alloc.mapped))
+          std::memset(ptr, 0, alloc.mapped);
       }
     }
     state.asleep = false;
