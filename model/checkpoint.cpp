@@ -132,6 +132,15 @@ bool checkpoint::contains(const std::string& name) const {
   return index_.count(name) > 0;
 }
 
+void checkpoint::release(const tensor_view& t) const {
+  // Tensors rearranged at load live in `owned_`, not in a mapping: nothing to give back.
+  if (gguf_ && gguf_->file().contains(t.data))
+    gguf_->file().release(t.data, t.bytes);
+  for (auto& f : files_)
+    if (f->file().contains(t.data))
+      f->file().release(t.data, t.bytes);
+}
+
 const tensor_view& checkpoint::at(const std::string& name) const {
   auto i = index_.find(name);
   if (i == index_.end())
@@ -164,9 +173,12 @@ std::string checkpoint::fingerprint(const std::string& config_text, bool tensors
       mix(&d, sizeof d);
     constexpr size_t samples = 16;
     constexpr size_t word = 8;
-    if (t->bytes >= word)
+    if (t->bytes >= word) {
       for (size_t i = 0; i < samples; ++i)
         mix(t->data + (t->bytes - word) * i / (samples - 1), word);
+      // Each sample faults in the pages around it; they need not stay resident.
+      release(*t);
+    }
   }
   char text[17];
   std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(hash));

@@ -42,6 +42,10 @@ public:
   /// The tensor called `name`; throws `invalid_argument` naming the directory when absent.
   const tensor_view& at(const std::string& name) const;
 
+  /// Gives back the resident pages of `t` (a tensor of this checkpoint) where it points into
+  /// a mapped file; it stays readable (from the file). See `mapped_file::release`.
+  void release(const tensor_view& t) const;
+
   /// Every tensor name, sorted.
   std::vector<std::string> names() const;
 

@@ -64,6 +64,11 @@ public:
   /// The tensor's bytes as stored, inside the mapping (valid while this object lives).
   const std::byte* data(const tensor_info& t) const;
 
+  /// The mapping the tensors point into.
+  const mapped_file& file() const {
+    return file_;
+  }
+
   /// The model shape from the metadata (architectures llama and qwen2).
   model_config config() const;
 

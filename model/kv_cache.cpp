@@ -3,6 +3,7 @@
 #include "troupe/errors.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -21,14 +22,15 @@ size_t checked_bytes(int64_t per_block, int64_t blocks, const char* what) {
   return static_cast<size_t>(bytes);
 }
 
-/// The host swap space, zeroed; the bytes it wanted when they cannot be had.
-std::vector<float> swap_space(size_t bytes) {
-  try {
-    return std::vector<float>(bytes / sizeof(float));
-  } catch (const std::bad_alloc&) {
+/// The host swap space, zeroed; the bytes it wanted when they cannot be had. calloc, not a
+/// vector: a large calloc maps fresh zero pages without writing them, so the space costs
+/// resident memory only as blocks are swapped out.
+std::unique_ptr<float[], void (*)(void*)> swap_space(size_t bytes) {
+  auto p = static_cast<float*>(std::calloc(std::max<size_t>(bytes, 1), 1));
+  if (p == nullptr)
     throw error{errc::memory_error, "KV cache: cannot allocate " + std::to_string(bytes) +
                                       " bytes of host memory for the swap space (swap_space)"};
-  }
+  return {p, std::free};
 }
 
 } // namespace

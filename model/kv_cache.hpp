@@ -4,6 +4,7 @@
 #include "troupe/types.hpp"
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace troupe {
@@ -69,7 +70,7 @@ private:
 
   /// Start of swap block `block`'s keys (kv 0) or values (kv 1) of `layer`.
   float* swapped(int64_t block, int64_t layer, int64_t kv) {
-    return swap_.data() + ((block * layers_ + layer) * 2 + kv) * block_floats();
+    return swap_.get() + ((block * layers_ + layer) * 2 + kv) * block_floats();
   }
 
   /// Checks every move, then copies each block's keys and values of every layer.
@@ -97,7 +98,7 @@ private:
   device_buffer device_memory_;
   float* base_;
   /// Swap blocks: [swap block][layer][k|v][block floats].
-  std::vector<float> swap_;
+  std::unique_ptr<float[], void (*)(void*)> swap_;
 };
 
 } // namespace troupe

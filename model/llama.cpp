@@ -73,13 +73,15 @@ size_t pack(size_t& total, size_t bytes) {
   return at;
 }
 
-/// Copies columns [col0, col0 + cols) of every row of a 2-D tensor as float32.
-void read_cols(const tensor_view& t, int64_t col0, int64_t cols, float* dst) {
+/// Copies columns [col0, col0 + cols) of rows [row0, row0 + rows) of a 2-D tensor as
+/// float32.
+void read_cols(const tensor_view& t, int64_t row0, int64_t rows, int64_t col0, int64_t cols,
+               float* dst) {
   auto stride = row_bytes(t);
   bool direct = whole_blocks(t, col0, cols);
   std::vector<float> row(direct ? 0 : static_cast<size_t>(t.shape[1]));
-  for (int64_t r = 0; r < t.shape[0]; ++r) {
-    auto src = t.data + static_cast<size_t>(r) * stride;
+  for (int64_t r = 0; r < rows; ++r) {
+    auto src = t.data + static_cast<size_t>(row0 + r) * stride;
     if (direct) {
       to_float(t.type, src + storage_bytes(t.type, static_cast<size_t>(col0)), dst + r * cols,
                static_cast<size_t>(cols));
@@ -91,19 +93,16 @@ void read_cols(const tensor_view& t, int64_t col0, int64_t cols, float* dst) {
   }
 }
 
-/// Copies a part of `t` as stored (rows, or columns that are whole blocks) to `dst`.
-void copy_stored(const tensor_view& t, bool by_cols, int64_t start, int64_t count, char* dst) {
+/// Copies columns [col0, col0 + cols) (whole blocks) of rows [row0, row0 + rows) of `t` as
+/// stored to `dst`.
+void copy_stored_cols(const tensor_view& t, int64_t row0, int64_t rows, int64_t col0,
+                      int64_t cols, char* dst) {
   auto stride = row_bytes(t);
-  if (!by_cols) {
-    std::memcpy(dst, t.data + static_cast<size_t>(start) * stride,
-                static_cast<size_t>(count) * stride);
-    return;
-  }
-  auto offset = storage_bytes(t.type, static_cast<size_t>(start));
-  auto width = storage_bytes(t.type, static_cast<size_t>(count));
-  for (int64_t r = 0; r < t.shape[0]; ++r)
+  auto offset = storage_bytes(t.type, static_cast<size_t>(col0));
+  auto width = storage_bytes(t.type, static_cast<size_t>(cols));
+  for (int64_t r = 0; r < rows; ++r)
     std::memcpy(dst + static_cast<size_t>(r) * width,
-                t.data + static_cast<size_t>(r) * stride + offset, width);
+                t.data + static_cast<size_t>(row0 + r) * stride + offset, width);
 }
 
 } // namespace
@@ -289,42 +288,59 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     weights_.reset();
     weights_ = device_buffer(dev_, total, memory_tag::weights);
   }
+  // A band of rows at a time through bounded buffers: a float32 copy of a whole embedding
+  // would take more memory than the quantized model. Each tensor's file pages are given
+  // back once it is copied, so that the model is not resident twice.
+  constexpr int64_t staging_floats = int64_t{1} << 20;
   std::vector<float> staging;
   std::vector<char> raw;
   for (size_t n = 0; n < jobs.size(); ++n) {
     auto& j = jobs[n];
     auto& t = ckpt.at(j.name);
-    j.slot->ptr = static_cast<char*>(weights_.data()) + offsets[n];
-    int64_t floats = 1;
-    for (auto d : local_shapes[n])
-      floats *= d;
-    staging.resize(static_cast<size_t>(floats));
-    if (presharded || j.split == part::whole)
-      read_rows(t, 0, t.shape[0], staging.data());
-    else if (j.split == part::rows)
-      read_rows(t, j.start, j.count, staging.data());
-    else
-      read_cols(t, j.start, j.count, staging.data());
-    // A NaN or an infinity in a weight turns every logit into NaN (token 0 at every step);
-    // the values pass through here once anyway.
-    auto bad = std::find_if(staging.begin(), staging.end(),
-                            [](float x) { return !std::isfinite(x); });
-    if (bad != staging.end())
-      throw error{errc::invalid_argument,
-                  "model '" + ckpt.directory() + "': tensor '" + j.name + "' holds " +
-                    (std::isnan(*bad) ? "NaN" : "an infinity") + " (element " +
-                    std::to_string(bad - staging.begin()) + " of this rank's part)"};
+    auto& local = local_shapes[n];
+    auto dst = static_cast<char*>(weights_.data()) + offsets[n];
+    j.slot->ptr = dst;
     j.slot->type = j.type;
-    if (j.as_stored) {
-      raw.resize(storage_bytes(j.type, staging.size()));
-      if (presharded || j.split == part::whole)
-        copy_stored(t, false, 0, t.shape[0], raw.data());
+    // A 1-D tensor (a norm, a bias) is one band: a vector in a block format converts whole.
+    bool matrix = local.size() == 2;
+    int64_t rows = matrix ? local[0] : 1;
+    int64_t cols = matrix ? local[1] : local[0];
+    auto band = matrix ? std::max<int64_t>(1, staging_floats / cols) : 1;
+    auto dst_row = storage_bytes(j.type, static_cast<size_t>(cols));
+    // The checkpoint's first row of this rank's part (for a row split).
+    auto first = presharded || j.split != part::rows ? 0 : j.start;
+    for (int64_t r0 = 0; r0 < rows; r0 += band) {
+      auto count = std::min(band, rows - r0);
+      staging.resize(static_cast<size_t>(count * cols));
+      if (!matrix)
+        read_rows(t, first, cols, staging.data());
+      else if (presharded || j.split != part::cols)
+        read_rows(t, first + r0, count, staging.data());
       else
-        copy_stored(t, j.split == part::cols, j.start, j.count, raw.data());
-      dev_.copy(j.slot->ptr, raw.data(), raw.size());
-    } else {
-      upload(j.slot->ptr, staging, j.type);
+        read_cols(t, r0, count, j.start, j.count, staging.data());
+      // A NaN or an infinity in a weight turns every logit into NaN (token 0 at every
+      // step); the values pass through here once anyway.
+      auto bad = std::find_if(staging.begin(), staging.end(),
+                              [](float x) { return !std::isfinite(x); });
+      if (bad != staging.end())
+        throw error{errc::invalid_argument,
+                    "model '" + ckpt.directory() + "': tensor '" + j.name + "' holds " +
+                      (std::isnan(*bad) ? "NaN" : "an infinity") + " (element " +
+                      std::to_string(r0 * cols + (bad - staging.begin())) +
+                      " of this rank's part)"};
+      auto band_dst = dst + static_cast<size_t>(r0) * dst_row;
+      auto band_bytes = static_cast<size_t>(count) * dst_row;
+      if (!j.as_stored) {
+        upload(band_dst, staging.data(), staging.size(), j.type);
+      } else if (presharded || j.split != part::cols) {
+        dev_.copy(band_dst, t.data + static_cast<size_t>(first + r0) * row_bytes(t), band_bytes);
+      } else {
+        raw.resize(band_bytes);
+        copy_stored_cols(t, r0, count, j.start, j.count, raw.data());
+        dev_.copy(band_dst, raw.data(), band_bytes);
+      }
     }
+    ckpt.release(t);
     if (progress)
       progress(n + 1, jobs.size());
   }
@@ -356,14 +372,14 @@ llama_model::shard llama_model::shard_of(projection p) const {
   throw error{errc::invalid_argument, "unknown projection"};
 }
 
-void llama_model::upload(void* dst, const std::vector<float>& values, dtype type) const {
-  auto bytes = storage_bytes(type, values.size());
+void llama_model::upload(void* dst, const float* values, size_t count, dtype type) const {
+  auto bytes = storage_bytes(type, count);
   if (type == dtype::f32) {
-    dev_.copy(dst, values.data(), bytes);
+    dev_.copy(dst, values, bytes);
     return;
   }
   std::vector<char> converted(bytes);
-  from_float(type, values.data(), converted.data(), values.size());
+  from_float(type, values, converted.data(), count);
   dev_.copy(dst, converted.data(), bytes);
 }
 
@@ -487,15 +503,15 @@ lora_weights llama_model::load_lora(const std::string& path, int64_t max_rank) c
       read_rows(*f.a, 0, rank, a.data());
       read_rows(*f.b, sh.start, sh.count, b.data());
     } else {
-      read_cols(*f.a, sh.start, sh.count, a.data());
+      read_cols(*f.a, 0, f.a->shape[0], sh.start, sh.count, a.data());
       read_rows(*f.b, 0, sh.out, b.data());
     }
     for (auto& value : b)
       value *= f.scaling;
     dst.a = reinterpret_cast<const float*>(base + at.a_at);
     dst.b = reinterpret_cast<const float*>(base + at.b_at);
-    upload(base + at.a_at, a, dtype::f32);
-    upload(base + at.b_at, b, dtype::f32);
+    upload(base + at.a_at, a.data(), a.size(), dtype::f32);
+    upload(base + at.b_at, b.data(), b.size(), dtype::f32);
   }
   return out;
 }
@@ -525,7 +541,7 @@ prompt_embeddings llama_model::load_prompt_adapter(const std::string& path,
   std::vector<float> table(static_cast<size_t>(t.numel()));
   read_rows(t, 0, t.shape[0], table.data());
   out.table = device_buffer(dev_, table.size() * sizeof(float), memory_tag::weights);
-  upload(out.table.data(), table, dtype::f32);
+  upload(out.table.data(), table.data(), table.size(), dtype::f32);
   return out;
 }
 

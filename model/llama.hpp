@@ -182,8 +182,8 @@ private:
 
   void rope_tables(int32_t position, float* cos, float* sin) const;
 
-  /// Writes `values` to device memory at `dst` as elements of `type`.
-  void upload(void* dst, const std::vector<float>& values, dtype type) const;
+  /// Writes `count` floats from `values` to device memory at `dst` as elements of `type`.
+  void upload(void* dst, const float* values, size_t count, dtype type) const;
 
   /// The step's scratch memory of at least `bytes`, grown as needed.
   void* workspace(size_t bytes);

@@ -3,6 +3,7 @@
 #include "troupe/errors.hpp"
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 #include <fcntl.h>
@@ -42,6 +43,20 @@ mapped_file::mapped_file(const std::string& path, const char* kind, std::size_t 
     map_ = nullptr;
     fail(std::string{"mmap failed: "} + std::strerror(err));
   }
+}
+
+bool mapped_file::contains(const void* p) const {
+  auto at = static_cast<const std::byte*>(p);
+  return map_ != nullptr && at >= data() && at < data() + size_;
+}
+
+void mapped_file::release(const void* p, std::size_t bytes) const {
+  static const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  auto begin = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
+  auto end = (reinterpret_cast<uintptr_t>(p) + bytes) / page * page;
+  // Advice only: a failure leaves the pages resident, which is what happened before.
+  if (end > begin)
+    madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 
 mapped_file::~mapped_file() {

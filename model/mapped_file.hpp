@@ -23,6 +23,14 @@ public:
     return size_;
   }
 
+  /// Whether `p` points into the mapping.
+  bool contains(const void* p) const;
+
+  /// Gives back the pages wholly inside [p, p + bytes) (which must lie in the mapping): they
+  /// leave the process's resident memory and are read from the file again if touched. A
+  /// loader calls it once a tensor is copied, so that a model does not stay resident twice.
+  void release(const void* p, std::size_t bytes) const;
+
 private:
   void* map_ = nullptr;
   std::size_t size_ = 0;

@@ -131,8 +131,10 @@ void model_worker::load_model() {
                                            weight_type, stored_types);
   st.model->capture_decode_steps(!options_.enforce_eager);
   auto ckpt = open_checkpoint();
+  // Before the load, which gives the file's pages back as it copies them.
+  auto fingerprint = ckpt.fingerprint(to_config_json(st.config), !presharded);
   st.model->load(ckpt, rank() == 0 ? options_.progress : load_progress{}, presharded);
-  st.fingerprint = ckpt.fingerprint(to_config_json(st.config), !presharded);
+  st.fingerprint = fingerprint;
   if (st.reduce)
     st.model->set_all_reduce(st.reduce);
 }

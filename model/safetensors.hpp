@@ -51,6 +51,11 @@ public:
   /// Whether the file holds a tensor called `name`.
   bool contains(const std::string& name) const;
 
+  /// The mapping the tensors point into.
+  const mapped_file& file() const {
+    return file_;
+  }
+
   /// The `__metadata__` entries of the header.
   const std::map<std::string, std::string>& metadata() const {
     return metadata_;
