@@ -7,9 +7,7 @@
 #include "troupe/device.hpp"
 #include "troupe/errors.hpp"
 
-#ifdef TROUPE_WITH_CUDA
-#include "kernels/cuda/cuda_device.hpp"
-#endif
+#include "kernels/cuda_module.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -33,26 +31,21 @@ struct host_buffer {
   void* data = nullptr;
   bool pinned = false;
   host_buffer(device& dev, std::size_t bytes) {
-#ifdef TROUPE_WITH_CUDA
-    if (dynamic_cast<cuda_device*>(&dev) != nullptr) {
-      if (cudaMallocHost(&data, bytes) != cudaSuccess)
+    if (is_cuda(dev)) {
+      data = cuda().allocate_pinned(bytes);
+      if (data == nullptr)
         throw error{errc::memory_error, "bench sleep: no pinned host buffer"};
       pinned = true;
       return;
     }
-#endif
-    (void)dev;
     data = ::operator new(bytes);
     std::memset(data, 1, bytes); // touched: the baseline copies resident pages
   }
   ~host_buffer() {
-#ifdef TROUPE_WITH_CUDA
-    if (pinned) {
-      cudaFreeHost(data);
-      return;
-    }
-#endif
-    ::operator delete(data);
+    if (pinned)
+      cuda().free_pinned(data);
+    else
+      ::operator delete(data);
   }
 };
 

@@ -4,14 +4,13 @@
 #include "cli/commands.hpp"
 
 #include "model/checkpoint.hpp"
+#include "troupe/device.hpp"
+#include "troupe/errors.hpp"
 #include "troupe/executor.hpp"
 #include "troupe/model_worker.hpp"
 
 #include <nlohmann/json.hpp>
 
-#ifdef TROUPE_WITH_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 #include <algorithm>
 #include <chrono>
@@ -26,38 +25,33 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
-#ifdef TROUPE_WITH_CUDA
-/// The same on GPU 0: a device-to-device cudaMemcpy of 1 GiB, best of a few.
+/// The same on GPU 0: a copy of 1 GiB between two of its buffers, best of a few.
 double gpu_copy_bandwidth() {
   const size_t bytes = size_t{1} << 30;
-  void* src = nullptr;
-  void* dst = nullptr;
-  if (cudaSetDevice(0) != cudaSuccess || cudaMalloc(&src, bytes) != cudaSuccess
-      || cudaMalloc(&dst, bytes) != cudaSuccess)
+  auto dev = make_device("cuda", 0);
+  device_buffer src;
+  device_buffer dst;
+  try {
+    src = device_buffer(*dev, bytes, memory_tag::kv_cache);
+    dst = device_buffer(*dev, bytes, memory_tag::kv_cache);
+  } catch (const error&) {
     throw error{errc::memory_error, "bench step: no room on cuda:0 for the bandwidth copy"};
+  }
   double best = 0;
   for (int i = 0; i < 5; ++i) {
-    cudaDeviceSynchronize();
     auto start = clock_type::now();
-    cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice);
-    cudaDeviceSynchronize();
+    dev->copy(dst.data(), src.data(), bytes); // waits for the copy
     std::chrono::duration<double> took = clock_type::now() - start;
     best = std::max(best, 2.0 * static_cast<double>(bytes) / took.count());
   }
-  cudaFree(src);
-  cudaFree(dst);
   return best;
 }
-#endif
 
 /// Bytes per second of a large memcpy (best of a few), the bandwidth a decode step that
 /// streams every weight once can hope for.
 double memcpy_bandwidth(const std::string& device) {
-#ifdef TROUPE_WITH_CUDA
   if (device == "cuda")
     return gpu_copy_bandwidth();
-#endif
-  (void)device;
   const size_t bytes = size_t{256} << 20;
   std::vector<char> src(bytes, 1);
   std::vector<char> dst(bytes, 0);

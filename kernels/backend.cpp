@@ -1,10 +1,7 @@
 #include "kernels/backend.hpp"
 
 #include "kernels/cpu/cpu_backend.hpp"
-#ifdef TROUPE_WITH_CUDA
-#include "kernels/cuda/cuda_backend.hpp"
-#include "kernels/cuda/cuda_device.hpp"
-#endif
+#include "kernels/cuda_module.hpp"
 
 namespace troupe {
 
@@ -13,10 +10,8 @@ captured_calls::~captured_calls() = default;
 backend::~backend() = default;
 
 std::unique_ptr<backend> make_backend(device& dev, int cpu_threads) {
-#ifdef TROUPE_WITH_CUDA
-  if (auto gpu = dynamic_cast<cuda_device*>(&dev))
-    return make_cuda_backend(*gpu);
-#endif
+  if (is_cuda(dev))
+    return cuda().make_backend(dev);
   return make_cpu_backend(cpu_threads);
 }
 

@@ -1,9 +1,7 @@
 #include "troupe/device.hpp"
 
 #include "kernels/cpu/cpu_device.hpp"
-#ifdef TROUPE_WITH_CUDA
-#include "kernels/cuda/cuda_device.hpp"
-#endif
+#include "kernels/cuda_module.hpp"
 #include "troupe/errors.hpp"
 
 namespace troupe {
@@ -13,15 +11,10 @@ device::~device() = default;
 std::unique_ptr<device> make_device(const std::string& kind, int32_t index) {
   if (kind == "cpu")
     return std::make_unique<cpu_device>(index);
-#ifdef TROUPE_WITH_CUDA
   if (kind == "cuda")
-    return std::make_unique<cuda_device>(index);
-  const char* kinds = "\"cpu\" or \"cuda\"";
-#else
-  const char* kinds = "\"cpu\"; CUDA is not built in";
-#endif
+    return cuda().make_device(index);
   throw error{errc::invalid_argument,
-              "device kind '" + kind + "' is not supported by this build (" + kinds + ")"};
+              "device kind '" + kind + "' is not known (\"cpu\" or \"cuda\")"};
 }
 
 } // namespace troupe

@@ -3,10 +3,7 @@
 #include "kernels/cpu/gloo_communicator.hpp"
 #include "kernels/cpu/local_communicator.hpp"
 #include "kernels/cpu/ops.hpp"
-#ifdef TROUPE_WITH_CUDA
-#include "kernels/cuda/cuda_device.hpp"
-#include "kernels/cuda/nccl_communicator.hpp"
-#endif
+#include "kernels/cuda_module.hpp"
 #include "model/adapter_slots.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config.hpp"
@@ -63,12 +60,11 @@ struct model_worker::state {
   adapter_slots<prompt_adapter_request, prompt_embeddings> prompt_adapters;
   std::unique_ptr<kv_cache> cache;
   std::mt19937_64 rng{std::random_device{}()};
+  /// Gloo between `prepare_collective` and `connect_collective` (it opens its pairs first).
   std::unique_ptr<gloo_communicator> gloo;
-  /// Instead of `gloo` when every rank lives in this process.
-  std::unique_ptr<local_communicator> local;
-#ifdef TROUPE_WITH_CUDA
-  std::unique_ptr<nccl_communicator> nccl;
-#endif
+  /// The connected group: NCCL on GPUs; on the CPU, memory when every rank lives in this
+  /// process, else Gloo.
+  std::unique_ptr<communicator> group;
   /// Sums device memory over the ranks once the collective is connected.
   all_reduce_fn reduce;
   /// One float of device memory for the ranks' agreement on a step's adapters.
@@ -153,11 +149,9 @@ constexpr auto collective_timeout = std::chrono::seconds(60);
 std::vector<std::string> model_worker::prepare_collective() {
   auto& st = *state_;
   if (on_gpu()) {
-#ifdef TROUPE_WITH_CUDA
     if (rank() == 0)
-      return {nccl_communicator::make_id()};
+      return {cuda().make_collective_id()};
     return {};
-#endif
   }
   st.gloo = std::make_unique<gloo_communicator>(rank(), context().world_size,
                                                 context().collective_host, collective_timeout);
@@ -171,19 +165,13 @@ std::vector<std::string> model_worker::prepare_collective() {
 void model_worker::connect_collective(const std::vector<std::vector<std::string>>& table) {
   auto& st = *state_;
   if (on_gpu()) {
-#ifdef TROUPE_WITH_CUDA
     if (table.empty() || table[0].size() != 1)
       throw error{errc::invalid_argument,
                   "connect_collective: rank 0's entry must hold the NCCL unique id"};
     // Every rank joins at once (the executor calls them together); NCCL's init returns
     // only when all have.
-    st.nccl = std::make_unique<nccl_communicator>(rank(), context().world_size, table[0][0],
-                                                  collective_timeout);
-    auto stream = dynamic_cast<cuda_device&>(device()).stream();
-    st.reduce = [comm = st.nccl.get(), stream](float* data, size_t count) {
-      comm->all_reduce(data, count, stream);
-    };
-#endif
+    st.group = cuda().join_collective(device(), rank(), context().world_size, table[0][0],
+                                      collective_timeout);
   } else {
     if (!st.gloo)
       throw error{errc::invalid_argument, "connect_collective before prepare_collective"};
@@ -194,18 +182,16 @@ void model_worker::connect_collective(const std::vector<std::vector<std::string>
       // Rank 0's address for its pair with rank 1 is fresh for each group: the meeting
       // point of its ranks.
       st.gloo.reset();
-      st.local = std::make_unique<local_communicator>(rank(), context().world_size, table[0][1],
-                                                      collective_timeout);
-      st.reduce = [comm = st.local.get()](float* data, size_t count) {
-        comm->all_reduce(data, count);
-      };
+      st.group = std::make_unique<local_communicator>(rank(), context().world_size,
+                                                      table[0][1], collective_timeout);
     } else {
       st.gloo->connect(table);
-      st.reduce = [comm = st.gloo.get()](float* data, size_t count) {
-        comm->all_reduce(data, count);
-      };
+      st.group = std::move(st.gloo);
     }
   }
+  st.reduce = [comm = st.group.get()](float* data, size_t count) {
+    comm->all_reduce(data, count);
+  };
   if (st.model)
     st.model->set_all_reduce(st.reduce);
 }

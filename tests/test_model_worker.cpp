@@ -4,6 +4,7 @@
 
 #include "model/safetensors.hpp"
 #include "tests/generation.hpp"
+#include "tests/rss.hpp"
 #include "troupe/executor.hpp"
 #include "troupe/model_worker.hpp"
 
@@ -137,6 +138,31 @@ TEST_CASE("uneven splits: 3 heads over 2 and 3 ranks give the same greedy tokens
 TEST_CASE("more ranks than attention heads are refused at start with the reason") {
   CHECK_THROWS_WITH_AS(make_executor("llama-odd-heads", 4 << 20, 1 << 20, 4),
                        doctest::Contains("3 attention heads cannot be split 4 ways"), error);
+}
+
+TEST_CASE("a CPU run maps no CUDA library and keeps its swap space unwritten until used") {
+#if defined(__SANITIZE_ADDRESS__)
+  return testing::skip("under AddressSanitizer memory comes from its own allocator, whose "
+                       "resident pages are not the product's");
+#else
+  auto before = testing::rss_bytes();
+  int64_t swap = int64_t{256} << 20;
+  auto exec = make_executor("llama-gqa", 4 << 20, swap);
+  exec.initialize_cache(exec.determine_num_available_blocks());
+  auto grown = testing::rss_bytes() - before;
+  INFO("resident memory grew by " << grown << " bytes at start");
+  // The tiny model, its cache and the workers' threads take a few MiB; a written swap space
+  // would take all of its 256 MiB.
+  CHECK(grown < swap / 4);
+  std::ifstream maps{"/proc/self/maps"};
+  std::string line;
+  std::string cuda;
+  while (std::getline(maps, line))
+    for (auto lib : {"libcublas", "libcudart", "libnccl", "libtroupe_cuda"})
+      if (line.find(lib) != std::string::npos)
+        cuda += line + "\n";
+  CHECK_MESSAGE(cuda.empty(), "mapped: " << cuda);
+#endif
 }
 
 TEST_CASE("a bad dtype, device or gpu_memory_utilization is refused at start, naming it") {

@@ -1,5 +1,7 @@
 #pragma once
 
+#include "kernels/communicator.hpp"
+
 #include <chrono>
 #include <cstddef>
 #include <memory>
@@ -12,12 +14,12 @@ namespace troupe {
 /// rounds that the executor runs with collective_rpc: `prepare` opens one pair per peer and
 /// returns their addresses; `connect` takes every rank's addresses and connects the pairs
 /// (every rank at once). Failures (a peer gone, a timeout) throw `troupe::error`.
-class gloo_communicator {
+class gloo_communicator final : public communicator {
 public:
   /// A group of `size` ranks, this one `rank`, listening on `host`.
   gloo_communicator(int rank, int size, const std::string& host,
                     std::chrono::milliseconds timeout);
-  ~gloo_communicator();
+  ~gloo_communicator() override;
 
   /// The address of this rank's pair for each peer (empty for itself).
   std::vector<std::string> prepare();
@@ -26,7 +28,7 @@ public:
   void connect(const std::vector<std::vector<std::string>>& table);
 
   /// Sums `count` floats over the group, in place.
-  void all_reduce(float* data, size_t count);
+  void all_reduce(float* data, size_t count) override;
 
   int rank() const {
     return rank_;

@@ -4,6 +4,8 @@
 /// The CPU collective of a tensor-parallel group whose ranks all live in one process: an
 /// all-reduce through shared memory, with no socket in the way.
 
+#include "kernels/communicator.hpp"
+
 #include <chrono>
 #include <cstddef>
 #include <memory>
@@ -19,17 +21,17 @@ const std::string& process_token();
 /// order on every rank, so every rank gets the same bits whatever the timing. A rank that
 /// does not arrive within `timeout` makes the others throw `troupe::error` (`worker_died`)
 /// instead of waiting for ever.
-class local_communicator {
+class local_communicator final : public communicator {
 public:
   local_communicator(int rank, int size, const std::string& key,
                      std::chrono::milliseconds timeout);
-  ~local_communicator();
+  ~local_communicator() override;
 
   local_communicator(const local_communicator&) = delete;
   local_communicator& operator=(const local_communicator&) = delete;
 
   /// Sums `count` floats over the group, in place.
-  void all_reduce(float* data, size_t count);
+  void all_reduce(float* data, size_t count) override;
 
   /// What the ranks of a group share (defined with the communicator).
   struct group;
