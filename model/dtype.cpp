@@ -39,6 +39,12 @@ std::size_t block_bytes(dtype t) {
       return 18;
     case dtype::q4_1:
       return 20;
+    case dtype::q4_k:
+      return 144; // d, dmin, 12 bytes of scales and minimums, 128 of nibbles
+    case dtype::q5_k:
+      return 176; // as Q4_K, and 32 bytes of fifth bits
+    case dtype::q6_k:
+      return 210; // 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d
   }
   return 0;
 }
@@ -102,6 +108,139 @@ void quantize_block(dtype t, const float* x, unsigned char* block) {
   };
   for (int i = 0; i < 16; ++i)
     qs[i] = static_cast<unsigned char>(level(x[i]) | (level(x[i + 16]) << 4));
+}
+
+
+// The k-quants' layouts (llama.cpp's block_q4_K, block_q5_K, block_q6_K).
+
+void put_k_scale_min(unsigned char* scales, const int* sc, const int* m) {
+  for (int j = 0; j < 4; ++j) {
+    scales[j] = static_cast<unsigned char>(sc[j] | ((sc[j + 4] >> 4) << 6));
+    scales[j + 4] = static_cast<unsigned char>(m[j] | ((m[j + 4] >> 4) << 6));
+    scales[j + 8] = static_cast<unsigned char>((sc[j + 4] & 0x0f) | ((m[j + 4] & 0x0f) << 4));
+  }
+}
+
+/// The value of element i (0..255) of a Q4_K or Q5_K super-block, 0..15 or 0..31: in
+/// chunks of 64, the low nibbles of 32 bytes are the first sub-block, the high nibbles the
+/// second; Q5_K's fifth bit of chunk c is bit 2c (first) or 2c + 1 (second) of qh[i % 32].
+int k_value(dtype t, const unsigned char* block, int i) {
+  int chunk = i / 64, second = (i / 32) % 2, l = i % 32;
+  const unsigned char* qs = block + (t == dtype::q5_k ? 48 : 16);
+  int q = (qs[chunk * 32 + l] >> (4 * second)) & 0x0f;
+  if (t == dtype::q5_k)
+    q |= ((block[16 + l] >> (2 * chunk + second)) & 1) << 4;
+  return q;
+}
+
+/// Q6_K's element i (0..255), -32..31, and its sub-block (of 16) index: in halves of 128,
+/// element l + 32·k (l < 32) takes nibble k / 2 of ql[l + 32·(k % 2)] and bits 2k, 2k + 1
+/// of qh[l].
+int q6_value(const unsigned char* block, int i) {
+  int half = i / 128, k = (i % 128) / 32, l = i % 32;
+  const unsigned char* ql = block + 64 * half;
+  const unsigned char* qh = block + 128 + 32 * half;
+  int low = (ql[l + 32 * (k % 2)] >> (4 * (k / 2))) & 0x0f;
+  int high = (qh[l] >> (2 * k)) & 3;
+  return (low | (high << 4)) - 32;
+}
+
+void dequantize_k(dtype t, const unsigned char* block, float* out) {
+  if (t == dtype::q6_k) {
+    float d = load_half(block + 208);
+    auto scales = reinterpret_cast<const int8_t*>(block + 192);
+    for (int i = 0; i < 256; ++i)
+      out[i] = d * static_cast<float>(scales[i / 16]) * static_cast<float>(q6_value(block, i));
+    return;
+  }
+  float d = load_half(block);
+  float dmin = load_half(block + 2);
+  for (int j = 0; j < 8; ++j) {
+    int sc = 0, m = 0;
+    k_scale_min(block + 4, j, &sc, &m);
+    float scale = d * static_cast<float>(sc);
+    float shift = dmin * static_cast<float>(m);
+    for (int i = 32 * j; i < 32 * j + 32; ++i)
+      out[i] = scale * static_cast<float>(k_value(t, block, i)) - shift;
+  }
+}
+
+/// A 6-bit (Q6_K: 8-bit signed) quantization of `values` scaled by their largest.
+int round_scale(float value, float d, int most) {
+  return d > 0.0f ? std::clamp(static_cast<int>(std::nearbyint(value / d)), 0, most) : 0;
+}
+
+void quantize_k(dtype t, const float* x, unsigned char* block) {
+  std::memset(block, 0, block_bytes(t));
+  if (t == dtype::q6_k) {
+    // Each sub-block of 16 maps its element of largest magnitude to -32 (the extra level
+    // on that side), as Q4_0 does.
+    float sub[16];
+    float amax = 0.0f;
+    for (int g = 0; g < 16; ++g) {
+      float extreme = 0.0f;
+      for (int i = 16 * g; i < 16 * g + 16; ++i)
+        if (std::fabs(x[i]) > std::fabs(extreme))
+          extreme = x[i];
+      sub[g] = extreme / -32.0f;
+      amax = std::max(amax, std::fabs(sub[g]));
+    }
+    float d = amax / 127.0f;
+    put_half(block + 208, d);
+    d = load_half(block + 208);
+    auto scales = reinterpret_cast<int8_t*>(block + 192);
+    for (int g = 0; g < 16; ++g) {
+      int sc = d > 0.0f ? std::clamp(static_cast<int>(std::nearbyint(sub[g] / d)), -127, 127) : 0;
+      scales[g] = static_cast<int8_t>(sc);
+      float step = d * static_cast<float>(sc);
+      for (int i = 16 * g; i < 16 * g + 16; ++i) {
+        int q = step != 0.0f ? std::clamp(static_cast<int>(std::nearbyint(x[i] / step)), -32, 31)
+                             : 0;
+        q += 32;
+        int half = i / 128, k = (i % 128) / 32, l = i % 32;
+        block[64 * half + l + 32 * (k % 2)] |= static_cast<unsigned char>((q & 0x0f) << (4 * (k / 2)));
+        block[128 + 32 * half + l] |= static_cast<unsigned char>((q >> 4) << (2 * k));
+      }
+    }
+    return;
+  }
+  // Q4_K, Q5_K: each sub-block of 32 spans [min(0, lowest), highest] in `levels` steps;
+  // the super-block's d and dmin scale the 6-bit steps and minimums.
+  const int levels = t == dtype::q5_k ? 31 : 15;
+  float step[8], low[8];
+  float most_step = 0.0f, most_low = 0.0f;
+  for (int j = 0; j < 8; ++j) {
+    float lo = std::min(0.0f, *std::min_element(x + 32 * j, x + 32 * j + 32));
+    float hi = *std::max_element(x + 32 * j, x + 32 * j + 32);
+    step[j] = (hi - lo) / static_cast<float>(levels);
+    low[j] = -lo;
+    most_step = std::max(most_step, step[j]);
+    most_low = std::max(most_low, low[j]);
+  }
+  put_half(block, most_step / 63.0f);
+  put_half(block + 2, most_low / 63.0f);
+  float d = load_half(block);
+  float dmin = load_half(block + 2);
+  int sc[8], m[8];
+  for (int j = 0; j < 8; ++j) {
+    // Rounding up keeps the sub-block's range inside the levels.
+    sc[j] = d > 0.0f ? std::clamp(static_cast<int>(std::ceil(step[j] / d)), 0, 63) : 0;
+    m[j] = round_scale(low[j], dmin, 63);
+  }
+  put_k_scale_min(block + 4, sc, m);
+  unsigned char* qs = block + (t == dtype::q5_k ? 48 : 16);
+  for (int i = 0; i < 256; ++i) {
+    int j = i / 32;
+    float scale = d * static_cast<float>(sc[j]);
+    float shift = dmin * static_cast<float>(m[j]);
+    int q = scale > 0.0f
+              ? std::clamp(static_cast<int>(std::nearbyint((x[i] + shift) / scale)), 0, levels)
+              : 0;
+    int chunk = i / 64, second = j % 2, l = i % 32;
+    qs[chunk * 32 + l] |= static_cast<unsigned char>((q & 0x0f) << (4 * second));
+    if (t == dtype::q5_k)
+      block[16 + l] |= static_cast<unsigned char>((q >> 4) << (2 * chunk + second));
+  }
 }
 
 } // namespace
@@ -211,6 +350,14 @@ void to_float(dtype from, const void* src, float* dst, std::size_t count) {
         dequantize_block(from, p + b * block_bytes(from), dst + b * 32);
       return;
     }
+    case dtype::q4_k:
+    case dtype::q5_k:
+    case dtype::q6_k: {
+      auto p = static_cast<const unsigned char*>(src);
+      for (std::size_t b = 0; b < count / 256; ++b)
+        dequantize_k(from, p + b * block_bytes(from), dst + b * 256);
+      return;
+    }
   }
 }
 
@@ -240,6 +387,14 @@ void from_float(dtype to, const float* src, void* dst, std::size_t count) {
         quantize_block(to, src + b * 32, p + b * block_bytes(to));
       return;
     }
+    case dtype::q4_k:
+    case dtype::q5_k:
+    case dtype::q6_k: {
+      auto p = static_cast<unsigned char*>(dst);
+      for (std::size_t b = 0; b < count / 256; ++b)
+        quantize_k(to, src + b * 256, p + b * block_bytes(to));
+      return;
+    }
   }
 }
 
@@ -264,6 +419,12 @@ const char* dtype_name(dtype t) {
       return "Q4_0";
     case dtype::q4_1:
       return "Q4_1";
+    case dtype::q4_k:
+      return "Q4_K";
+    case dtype::q5_k:
+      return "Q5_K";
+    case dtype::q6_k:
+      return "Q6_K";
   }
   return "unknown";
 }

@@ -557,7 +557,7 @@ void model_worker::save_sharded_state(const sharded_state_request& request) {
     auto type = t.type;
     if (is_quantized(type)) {
       // safetensors has no block formats: such weights are saved as float32.
-      size_t numel = host.back().size() / block_bytes(type) * 32;
+      size_t numel = host.back().size() / block_bytes(type) * static_cast<size_t>(block_elements(type));
       std::vector<char> wide(numel * sizeof(float));
       to_float(type, host.back().data(), reinterpret_cast<float*>(wide.data()), numel);
       host.back() = std::move(wide);

@@ -1,6 +1,7 @@
 // GGUF loading against transformers reading the same files: llama-gqa written by
 // scripts/make-reference-fixtures.py as F32, F16, Q8_0, Q4_0 and Q4_1, with llama.cpp's
-// interleaved q/k rows.
+// interleaved q/k rows; and a llama with rows of 256 that llama.cpp quantized to its
+// k-quant mixes (scripts/make-kquant-fixtures.py).
 
 #include "kernels/cpu/cpu_device.hpp"
 #include "model/checkpoint.hpp"
@@ -15,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <set>
 #include <filesystem>
 #include <fstream>
 
@@ -26,6 +28,8 @@ namespace {
 
 const std::string dir = TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa-gguf";
 const char* types[] = {"F32", "F16", "Q8_0", "Q4_0", "Q4_1"};
+const std::string k_dir = TROUPE_SOURCE_DIR "/tests/fixtures/llama-k-gguf";
+const char* k_mixes[] = {"q4_k_m", "q5_k_m", "q6_k"};
 
 std::string file_of(const std::string& type) {
   std::string lower = type;
@@ -34,9 +38,48 @@ std::string file_of(const std::string& type) {
   return dir + "/llama-gqa-" + lower + ".gguf";
 }
 
-nlohmann::json reference() {
-  std::ifstream in{dir + "/reference.json"};
+nlohmann::json reference(const std::string& from = dir) {
+  std::ifstream in{from + "/reference.json"};
   return nlohmann::json::parse(in);
+}
+
+/// The largest difference from `want` relative to its largest magnitude.
+double relative_error(const std::vector<float>& got, const std::vector<float>& want) {
+  double diff = 0;
+  double scale = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff = std::max(diff, static_cast<double>(std::fabs(got[i] - want[i])));
+    scale = std::max(scale, static_cast<double>(std::fabs(want[i])));
+  }
+  return diff / scale;
+}
+
+/// The last position's logits of one prefill of `prompt`.
+std::vector<float> prefill_logits(llama_model& model, device& dev, const model_config& cfg,
+                                  const std::vector<int32_t>& prompt) {
+  kv_cache cache{dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 16, 4, 0};
+  execute_model_request req;
+  req.seq_group_metadata_list.push_back(
+    {"r", true, {{0, prompt, static_cast<int32_t>(prompt.size()), 0, {0, 1, 2, 3}}}, {},
+     static_cast<int32_t>(prompt.size()), true, 0, 0});
+  std::vector<sample_row> rows;
+  return model.forward(req, cache, rows);
+}
+
+/// Greedy generation through an executor on `path` (dtype auto: the stored types).
+void check_greedy_runs(const std::string& path, const nlohmann::json& runs) {
+  executor_config cfg;
+  cfg.block_size = 4;
+  model_worker_options opts;
+  opts.model_path = path;
+  opts.kv_cache_memory_bytes = 4 << 20;
+  executor exec{cfg, model_worker_factory(opts)};
+  exec.initialize_cache(exec.determine_num_available_blocks());
+  for (auto& run : runs) {
+    auto generated =
+      testing::greedy_tokens(exec, run["token_ids"].get<std::vector<int32_t>>(), 32);
+    CHECK_MESSAGE(generated == run["greedy"].get<std::vector<int32_t>>(), path);
+  }
 }
 
 std::string error_of(const std::string& path) {
@@ -77,43 +120,50 @@ TEST_CASE("prefill logits of every tensor type match transformers on the same fi
       if (stored)
         CHECK(model.tensors()[0].type == ckpt.at(model.tensors()[0].name).type);
       for (auto& run : ref[type]) {
-        kv_cache cache{dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 16, 4, 0};
-        auto prompt = run["token_ids"].get<std::vector<int32_t>>();
-        execute_model_request req;
-        req.seq_group_metadata_list.push_back(
-          {"r", true, {{0, prompt, static_cast<int32_t>(prompt.size()), 0, {0, 1, 2, 3}}}, {},
-           static_cast<int32_t>(prompt.size()), true, 0, 0});
-        std::vector<sample_row> rows;
-        auto logits = model.forward(req, cache, rows);
-        auto want = run["last_logits"].get<std::vector<float>>();
-        double diff = 0;
-        double scale = 0;
-        for (size_t i = 0; i < want.size(); ++i) {
-          diff = std::max(diff, static_cast<double>(std::fabs(logits[i] - want[i])));
-          scale = std::max(scale, static_cast<double>(std::fabs(want[i])));
-        }
+        auto logits = prefill_logits(model, dev, cfg, run["token_ids"].get<std::vector<int32_t>>());
+        auto error = relative_error(logits, run["last_logits"].get<std::vector<float>>());
         // The kernels for stored types sum the same dequantized values in another order.
-        CHECK_MESSAGE(diff / scale < 1e-4, "relative error " << diff / scale);
+        CHECK_MESSAGE(error < 1e-4, "relative error " << error);
       }
     }
 }
 
+TEST_CASE("llama.cpp's k-quant files (Q4_K, Q5_K, Q6_K): transformers' logits and greedy "
+          "tokens, as stored and as float32") {
+  auto ref = reference(k_dir);
+  for (auto mix : k_mixes) {
+    auto path = k_dir + "/llama-k-" + mix + ".gguf";
+    auto cfg = checkpoint::gguf_config(path);
+    auto ckpt = checkpoint::from_gguf(path, cfg);
+    // The file holds the k-quants its name says (llama.cpp's mixes add Q6_K).
+    std::set<std::string> held;
+    for (auto& name : ckpt.names())
+      held.insert(dtype_name(ckpt.at(name).type));
+    for (auto& type : ref[mix]["tensor_types"])
+      if (type != "F32")
+        CHECK_MESSAGE(held.count(type.get<std::string>()) == 1, mix << " lacks " << type);
+    for (bool stored : {false, true}) {
+      INFO(std::string{mix} << (stored ? " as stored" : " as float32"));
+      cpu_device dev{0};
+      llama_model model{cfg, dev, 0, 1, dtype::f32, stored};
+      model.load(ckpt);
+      if (stored)
+        for (auto& t : model.tensors())
+          CHECK(t.type == ckpt.at(t.name).type);
+      for (auto& run : ref[mix]["runs"]) {
+        auto logits = prefill_logits(model, dev, cfg, run["token_ids"].get<std::vector<int32_t>>());
+        auto error = relative_error(logits, run["last_logits"].get<std::vector<float>>());
+        CHECK_MESSAGE(error < 1e-4, "relative error " << error);
+      }
+    }
+    check_greedy_runs(path, ref[mix]["runs"]);
+  }
+}
+
 TEST_CASE("greedy generation from a GGUF file through the executor matches transformers") {
   auto ref = reference();
-  for (auto type : types) { // dtype auto: computed in the stored types
-    executor_config cfg;
-    cfg.block_size = 4;
-    model_worker_options opts;
-    opts.model_path = file_of(type);
-    opts.kv_cache_memory_bytes = 4 << 20;
-    executor exec{cfg, model_worker_factory(opts)};
-    exec.initialize_cache(exec.determine_num_available_blocks());
-    for (auto& run : ref[type]) {
-      auto generated =
-        testing::greedy_tokens(exec, run["token_ids"].get<std::vector<int32_t>>(), 32);
-      CHECK_MESSAGE(generated == run["greedy"].get<std::vector<int32_t>>(), type);
-    }
-  }
+  for (auto type : types) // dtype auto: computed in the stored types
+    check_greedy_runs(file_of(type), ref[type]);
 }
 
 TEST_CASE("broken GGUF files are errors naming the file and the tensor") {

@@ -10,6 +10,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <string>
@@ -89,19 +90,48 @@ TEST_CASE("block formats: quantize then dequantize stays within a step of each b
   }
 }
 
+TEST_CASE("k-quants: quantize then dequantize stays within a step of each sub-block") {
+  auto x = random_floats(256 * 3, 7);
+  std::fill(x.begin() + 256, x.begin() + 288, 0.0f);   // an all-zero sub-block
+  std::fill(x.begin() + 288, x.begin() + 320, -0.25f); // a constant negative one
+  for (auto t : {dtype::q4_k, dtype::q5_k, dtype::q6_k}) {
+    std::vector<char> q(storage_bytes(t, x.size()));
+    CHECK(q.size() == x.size() / 256 * block_bytes(t));
+    from_float(t, x.data(), q.data(), x.size());
+    std::vector<float> back(x.size());
+    to_float(t, q.data(), back.data(), x.size());
+    for (size_t b = 0; b < x.size() / 256; ++b) {
+      float amax = 0.0f;
+      for (size_t i = b * 256; i < b * 256 + 256; ++i)
+        amax = std::max(amax, std::fabs(x[i]));
+      // Sub-block ranges span at most 2·amax in 15 (Q4_K), 31 (Q5_K) or 32 (Q6_K, each
+      // side) levels; their 6-bit (8-bit) scales round up to 1/63 (1/127) of the largest,
+      // which widens a step by at most that much.
+      float step = t == dtype::q4_k ? 2 * amax / 15 : t == dtype::q5_k ? 2 * amax / 31 : amax / 32;
+      float most = step * (0.5f + 0.1f) + 2 * amax / 63;
+      INFO(std::string{dtype_name(t)} << " super-block " << b);
+      for (size_t i = b * 256; i < b * 256 + 256; ++i)
+        REQUIRE(std::fabs(back[i] - x[i]) <= most);
+    }
+  }
+}
+
 TEST_CASE("block-format kernels: every instruction set gives float32's sums on the dequantized weights") {
   // Shapes with a single block, odd row counts, and activation row counts that exercise
   // the four-row tiles and their tails.
   struct shape {
     int64_t n, m, k;
   };
-  for (auto s : {shape{1, 1, 32}, shape{7, 3, 96}, shape{33, 5, 576}, shape{64, 9, 1536}}) {
+  for (auto s : {shape{1, 1, 32}, shape{7, 3, 96}, shape{33, 5, 576}, shape{64, 9, 1536},
+                 shape{1, 1, 256}, shape{5, 2, 512}, shape{19, 13, 768}}) {
     auto w = random_floats(static_cast<size_t>(s.n * s.k), 2, 0.05f);
     auto x = random_floats(static_cast<size_t>(s.m * s.k), 3);
     x[3] = 60.0f; // an outlier, as hidden states have
     std::vector<float> sums(static_cast<size_t>(s.m * s.k / 32));
     cpu::block_sums(x.data(), s.m, s.k, sums.data());
-    for (auto t : {dtype::q8_0, dtype::q4_0, dtype::q4_1}) {
+    for (auto t : {dtype::q8_0, dtype::q4_0, dtype::q4_1, dtype::q4_k, dtype::q5_k, dtype::q6_k}) {
+      if (s.k % block_elements(t) != 0)
+        continue;
       std::vector<char> wq(storage_bytes(t, w.size()));
       from_float(t, w.data(), wq.data(), w.size());
       std::vector<float> wd(w.size());

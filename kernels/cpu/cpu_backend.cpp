@@ -32,9 +32,11 @@ public:
     }
     bool quantized = is_quantized(w_type);
     if (quantized) {
-      if (k % 32 != 0)
+      if (k % block_elements(w_type) != 0)
         throw error{errc::unsupported, std::string{dtype_name(w_type)} + " weights need rows "
-                                         "of whole blocks of 32, not " + std::to_string(k)};
+                                         "of whole blocks of " +
+                                         std::to_string(block_elements(w_type)) + ", not " +
+                                         std::to_string(k)};
       // The activations' block sums, once for every output.
       xsums_.resize(static_cast<size_t>(m * (k / 32)));
       cpu::block_sums(x, m, k, xsums_.data());

@@ -30,7 +30,8 @@ TROUPE_DECLARE_ISA(avx512)
 
 namespace {
 
-/// 0 Q8_0, 1 Q4_0, 2 Q4_1: the kernels' names for the block formats.
+/// 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q5_K, 5 Q6_K: the kernels' names for the block
+/// formats.
 int kind_of(dtype t) {
   switch (t) {
     case dtype::q8_0:
@@ -39,17 +40,34 @@ int kind_of(dtype t) {
       return 1;
     case dtype::q4_1:
       return 2;
+    case dtype::q4_k:
+      return 3;
+    case dtype::q5_k:
+      return 4;
+    case dtype::q6_k:
+      return 5;
     default:
       throw error{errc::unsupported, std::string{"no block-format kernel for "} + dtype_name(t)};
   }
 }
 
 /// The portable kernel: each block unpacked, then summed as the SIMD kernels sum it
-/// (d · Σ q·x, plus the shift times Σ x).
+/// (d · Σ q·x, plus the shift times Σ x; a k-quant's super-block dequantized, then Σ w·x).
 float portable_dot(dtype t, const unsigned char* w, int64_t blocks, const float* x,
                    const float* xsums) {
   const auto bytes = static_cast<int64_t>(block_bytes(t));
   float total = 0.0f;
+  if (is_k_quant(t)) {
+    float wv[256];
+    for (int64_t b = 0; b < blocks / 8; ++b) {
+      to_float(t, w + b * bytes, wv, 256);
+      float dot = 0.0f;
+      for (int i = 0; i < 256; ++i)
+        dot += wv[i] * x[b * 256 + i];
+      total += dot;
+    }
+    return total;
+  }
   float corr = 0.0f;
   float q[32];
   for (int64_t b = 0; b < blocks; ++b) {

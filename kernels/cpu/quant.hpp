@@ -2,7 +2,8 @@
 
 /// @file
 /// Products of float32 activations with weights kept as stored: GGUF's block formats (Q8_0,
-/// Q4_0, Q4_1), each block widened to floats in registers and scaled once, and
+/// Q4_0, Q4_1 widened to floats in registers and scaled once a block; the k-quants Q4_K,
+/// Q5_K, Q6_K dequantized a super-block at a time into a buffer the row tile reuses), and
 /// float16/bfloat16 widened the same way. The activations stay float32, so the result is
 /// float32's on the dequantized weights up to the order of the sums (integer products on
 /// activations rounded to 8 bits, as llama.cpp computes them, shift greedy choices that are
@@ -30,8 +31,8 @@ const char* isa_name(isa i);
 void block_sums(const float* x, int64_t rows, int64_t k, float* sums);
 
 /// y[r·ldy + i] (+)= row i of `w` · row r of x[m × k], for the weight rows i in
-/// [begin, end) and every r. `w` holds rows of k elements of the block format `w_type`;
-/// `xsums` are x's `block_sums`.
+/// [begin, end) and every r. `w` holds rows of k elements of the block format `w_type` (k
+/// a multiple of its `block_elements`); `xsums` are x's `block_sums`.
 void dot_rows_quantized(isa i, dtype w_type, const void* w, const float* x, const float* xsums,
                         int64_t m, int64_t k, float* y, int64_t ldy, int64_t begin, int64_t end,
                         bool accumulate);
