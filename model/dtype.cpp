@@ -16,13 +16,19 @@ float unpack_block(dtype t, const void* block, float* q, float* shift) {
     *shift = 0.0f;
     return d;
   }
-  bool with_min = t == dtype::q4_1;
-  const unsigned char* qs = bytes + (with_min ? 4 : 2);
-  for (int i = 0; i < 16; ++i) {
-    q[i] = static_cast<float>(qs[i] & 0x0f);
-    q[i + 16] = static_cast<float>(qs[i] >> 4);
+  bool with_min = t == dtype::q4_1 || t == dtype::q5_1;
+  bool five = t == dtype::q5_0 || t == dtype::q5_1;
+  const unsigned char* after = bytes + (with_min ? 4 : 2);
+  uint32_t high = 0;
+  if (five) {
+    std::memcpy(&high, after, sizeof high);
+    after += sizeof high;
   }
-  *shift = with_min ? load_half(bytes + 2) : -8.0f * d;
+  for (int i = 0; i < 16; ++i) {
+    q[i] = static_cast<float>((after[i] & 0x0f) | (((high >> i) & 1) << 4));
+    q[i + 16] = static_cast<float>((after[i] >> 4) | (((high >> (i + 16)) & 1) << 4));
+  }
+  *shift = with_min ? load_half(bytes + 2) : (five ? -16.0f : -8.0f) * d;
   return d;
 }
 
@@ -39,6 +45,10 @@ std::size_t block_bytes(dtype t) {
       return 18;
     case dtype::q4_1:
       return 20;
+    case dtype::q5_0:
+      return 22;
+    case dtype::q5_1:
+      return 24;
     case dtype::q4_k:
       return 144; // d, dmin, 12 bytes of scales and minimums, 128 of nibbles
     case dtype::q5_k:
@@ -60,9 +70,9 @@ void put_half(unsigned char* p, float f) {
 void dequantize_block(dtype t, const unsigned char* block, float* out) {
   float shift = 0.0f;
   float d = unpack_block(t, block, out, &shift);
-  // Q4_0 centres its nibbles on 8: d · (q - 8), as llama.cpp computes it.
-  float centre = t == dtype::q4_0 ? 8.0f : 0.0f;
-  float m = t == dtype::q4_1 ? shift : 0.0f;
+  // Q4_0 and Q5_0 centre their values: d · (q - 8), d · (q - 16), as llama.cpp computes it.
+  float centre = t == dtype::q4_0 ? 8.0f : t == dtype::q5_0 ? 16.0f : 0.0f;
+  float m = t == dtype::q4_1 || t == dtype::q5_1 ? shift : 0.0f;
   for (int i = 0; i < 32; ++i)
     out[i] = d * (out[i] - centre) + m;
 }
@@ -81,35 +91,44 @@ void quantize_block(dtype t, const float* x, unsigned char* block) {
       q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));
     return;
   }
-  unsigned char* qs;
+  const bool with_min = t == dtype::q4_1 || t == dtype::q5_1;
+  const bool five = t == dtype::q5_0 || t == dtype::q5_1;
+  const int levels = five ? 32 : 16;
   float d;
   float lowest = 0.0f;
-  if (t == dtype::q4_0) {
-    // The element of largest magnitude maps to -8, so that its sign gets the extra level.
+  if (!with_min) {
+    // The element of largest magnitude maps to the lowest level, so that its sign gets the
+    // extra one.
     float extreme = 0.0f;
     for (int i = 0; i < 32; ++i)
       if (std::fabs(x[i]) > std::fabs(extreme))
         extreme = x[i];
-    d = extreme / -8.0f;
+    d = extreme / static_cast<float>(-levels / 2);
     put_half(block, d);
-    qs = block + 2;
   } else {
     lowest = *std::min_element(x, x + 32);
     float highest = *std::max_element(x, x + 32);
-    d = (highest - lowest) / 15.0f;
+    d = (highest - lowest) / static_cast<float>(levels - 1);
     put_half(block, d);
     put_half(block + 2, lowest);
-    qs = block + 4;
   }
+  unsigned char* qs = block + (with_min ? 4 : 2) + (five ? 4 : 0);
   float id = d != 0.0f ? 1.0f / d : 0.0f;
-  float offset = t == dtype::q4_0 ? 8.5f : 0.5f;
+  float offset = with_min ? 0.5f : static_cast<float>(levels / 2) + 0.5f;
   auto level = [&](float v) {
-    return std::clamp(static_cast<int>((v - lowest) * id + offset), 0, 15);
+    return std::clamp(static_cast<int>((v - lowest) * id + offset), 0, levels - 1);
   };
-  for (int i = 0; i < 16; ++i)
-    qs[i] = static_cast<unsigned char>(level(x[i]) | (level(x[i + 16]) << 4));
+  uint32_t high = 0;
+  for (int i = 0; i < 16; ++i) {
+    int a = level(x[i]);
+    int b = level(x[i + 16]);
+    qs[i] = static_cast<unsigned char>((a & 0x0f) | ((b & 0x0f) << 4));
+    high |= static_cast<uint32_t>(a >> 4) << i;
+    high |= static_cast<uint32_t>(b >> 4) << (i + 16);
+  }
+  if (five)
+    std::memcpy(block + (with_min ? 4 : 2), &high, sizeof high);
 }
-
 
 // The k-quants' layouts (llama.cpp's block_q4_K, block_q5_K, block_q6_K).
 
@@ -344,7 +363,9 @@ void to_float(dtype from, const void* src, float* dst, std::size_t count) {
     }
     case dtype::q8_0:
     case dtype::q4_0:
-    case dtype::q4_1: {
+    case dtype::q4_1:
+    case dtype::q5_0:
+    case dtype::q5_1: {
       auto p = static_cast<const unsigned char*>(src);
       for (std::size_t b = 0; b < count / 32; ++b)
         dequantize_block(from, p + b * block_bytes(from), dst + b * 32);
@@ -381,7 +402,9 @@ void from_float(dtype to, const float* src, void* dst, std::size_t count) {
     }
     case dtype::q8_0:
     case dtype::q4_0:
-    case dtype::q4_1: {
+    case dtype::q4_1:
+    case dtype::q5_0:
+    case dtype::q5_1: {
       auto p = static_cast<unsigned char*>(dst);
       for (std::size_t b = 0; b < count / 32; ++b)
         quantize_block(to, src + b * 32, p + b * block_bytes(to));
@@ -419,6 +442,10 @@ const char* dtype_name(dtype t) {
       return "Q4_0";
     case dtype::q4_1:
       return "Q4_1";
+    case dtype::q5_0:
+      return "Q5_0";
+    case dtype::q5_1:
+      return "Q5_1";
     case dtype::q4_k:
       return "Q4_K";
     case dtype::q5_k:

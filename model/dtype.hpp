@@ -11,11 +11,12 @@ namespace troupe {
 
 /// Element types of checkpoint tensors: floats, and GGUF's block formats, which store
 /// blocks along a row. Blocks of 32 elements with a float16 scale: Q8_0 (32 int8), Q4_0
-/// (32 nibbles centred on 8), Q4_1 (32 nibbles and a float16 minimum). Super-blocks of
+/// (32 nibbles centred on 8), Q4_1 (32 nibbles and a float16 minimum), Q5_0 and Q5_1 (as
+/// Q4_0 and Q4_1 with a fifth bit per element, Q5_0 centred on 16). Super-blocks of
 /// 256 (llama.cpp's k-quants), with a float16 scale and 6- or 8-bit scales of their
 /// sub-blocks: Q4_K and Q5_K (8 sub-blocks of 32 with a scale and a minimum; 4- or 5-bit
 /// values), Q6_K (16 sub-blocks of 16 with a signed scale; 6-bit values centred on 32).
-enum class dtype : uint8_t { f32, f16, bf16, q8_0, q4_0, q4_1, q4_k, q5_k, q6_k };
+enum class dtype : uint8_t { f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k };
 
 /// Whether `t` is a k-quant (super-blocks of 256).
 inline bool is_k_quant(dtype t) {
@@ -24,7 +25,8 @@ inline bool is_k_quant(dtype t) {
 
 /// Whether `t` is one of the block formats.
 inline bool is_quantized(dtype t) {
-  return t == dtype::q8_0 || t == dtype::q4_0 || t == dtype::q4_1 || is_k_quant(t);
+  return t == dtype::q8_0 || t == dtype::q4_0 || t == dtype::q4_1 || t == dtype::q5_0 ||
+         t == dtype::q5_1 || is_k_quant(t);
 }
 
 /// Elements per block: 32 or 256 for the block formats, 1 for the others.
@@ -71,10 +73,11 @@ uint16_t float_to_half(float f);
 /// float to bfloat16, rounding to nearest even.
 uint16_t float_to_bf16(float f);
 
-/// The 32 integers of a block of Q8_0, Q4_0 or Q4_1 as floats, unscaled (Q8_0: -128..127;
-/// Q4: the nibbles 0..15, uncentred, low nibbles elements 0..15 and high ones 16..31), and
-/// its scale d. Element i is d · q[i] + `shift`: 0 for Q8_0, -8·d for Q4_0, the minimum for
-/// Q4_1.
+/// The 32 integers of a block of Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 as floats, unscaled (Q8_0:
+/// -128..127; Q4: the nibbles 0..15, uncentred, low nibbles elements 0..15 and high ones
+/// 16..31; Q5: those nibbles plus 16 where bit i of the block's 32-bit word is set), and its
+/// scale d. Element i is d · q[i] + `shift`: 0 for Q8_0, -8·d for Q4_0, -16·d for Q5_0,
+/// the minimum for Q4_1 and Q5_1.
 float unpack_block(dtype t, const void* block, float* q, float* shift);
 
 /// The 6-bit scale and minimum of sub-block j (0..7) of a Q4_K or Q5_K super-block, from
@@ -105,7 +108,7 @@ void from_float(dtype to, const float* src, void* dst, std::size_t count);
 std::optional<dtype> parse_dtype_name(std::string_view name);
 
 /// `"float32"`, `"float16"`, `"bfloat16"`, or GGUF's names of the block formats (`"Q8_0"`,
-/// `"Q4_0"`, `"Q4_1"`, `"Q4_K"`, `"Q5_K"`, `"Q6_K"`).
+/// `"Q4_0"`, `"Q4_1"`, `"Q5_0"`, `"Q5_1"`, `"Q4_K"`, `"Q5_K"`, `"Q6_K"`).
 const char* dtype_name(dtype t);
 
 } // namespace troupe

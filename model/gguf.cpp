@@ -18,7 +18,8 @@ namespace {
 
 // ggml tensor types troupe reads, and the bytes of one block of each.
 enum ggml_type : uint32_t {
-  f32 = 0, f16 = 1, q4_0 = 2, q4_1 = 3, q8_0 = 8, q4_k = 12, q5_k = 13, q6_k = 14, bf16 = 30
+  f32 = 0, f16 = 1, q4_0 = 2, q4_1 = 3, q5_0 = 6, q5_1 = 7, q8_0 = 8, q4_k = 12, q5_k = 13,
+  q6_k = 14, bf16 = 30
 };
 
 [[noreturn]] void bad(const std::string& path, const std::string& what) {
@@ -68,6 +69,10 @@ std::optional<dtype> dtype_of(uint32_t type) {
       return dtype::q4_0;
     case q4_1:
       return dtype::q4_1;
+    case q5_0:
+      return dtype::q5_0;
+    case q5_1:
+      return dtype::q5_1;
     case q4_k:
       return dtype::q4_k;
     case q5_k:
@@ -178,8 +183,8 @@ gguf_file::gguf_file(const std::string& path) : path_(path), file_(path, "GGUF f
       t.bytes = stored ? storage_bytes(*stored, count) : 0;
       if (!stored && count > 0)
         bad(path, "tensor '" + t.name + "' has ggml type " + std::to_string(t.type) +
-                    ", which troupe does not read (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, "
-                    "Q5_K, Q6_K)");
+                    ", which troupe does not read (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, "
+                    "Q5_1, Q4_K, Q5_K, Q6_K)");
       // Blocks run along rows, as llama.cpp lays them out: a row is whole blocks.
       if (stored && is_quantized(*stored) && !t.shape.empty()
           && t.shape.back() % block_elements(*stored) != 0)

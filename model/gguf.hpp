@@ -13,7 +13,8 @@
 namespace troupe {
 
 /// A GGUF file (llama.cpp's format, version 2 or 3), memory-mapped. Tensors of type F32,
-/// F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K can be read as stored or as float32. Every problem
+/// F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K can be read as stored or
+/// as float32. Every problem
 /// (bad magic, truncated file, unknown tensor type, data outside the file) throws
 /// `troupe::error` (`invalid_argument`) naming the file and, where there is one, the tensor.
 class gguf_file {

@@ -89,7 +89,7 @@ from fixture_lib import write_gguf
 gguf_dir = out / "llama-gqa-gguf"
 gguf_dir.mkdir(exist_ok=True)
 gguf_reference = {}
-for qname in ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]:
+for qname in ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]:
     qtype = getattr(gguf.GGMLQuantizationType, qname)
     path = gguf_dir / f"llama-gqa-{qname.lower()}.gguf"
     write_gguf(out / "llama-gqa", path, qtype)

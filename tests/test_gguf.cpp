@@ -1,6 +1,6 @@
 // GGUF loading against transformers reading the same files: llama-gqa written by
-// scripts/make-reference-fixtures.py as F32, F16, Q8_0, Q4_0 and Q4_1, with llama.cpp's
-// interleaved q/k rows; and a llama with rows of 256 that llama.cpp quantized to its
+// scripts/make-reference-fixtures.py as F32, F16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, with
+// llama.cpp's interleaved q/k rows; and a llama with rows of 256 that llama.cpp quantized to its
 // k-quant mixes (scripts/make-kquant-fixtures.py).
 
 #include "kernels/cpu/cpu_device.hpp"
@@ -27,7 +27,7 @@ using namespace troupe;
 namespace {
 
 const std::string dir = TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa-gguf";
-const char* types[] = {"F32", "F16", "Q8_0", "Q4_0", "Q4_1"};
+const char* types[] = {"F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"};
 const std::string k_dir = TROUPE_SOURCE_DIR "/tests/fixtures/llama-k-gguf";
 const char* k_mixes[] = {"q4_k_m", "q5_k_m", "q6_k"};
 

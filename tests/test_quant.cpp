@@ -68,7 +68,7 @@ TEST_CASE("block formats: quantize then dequantize stays within a step of each b
   auto x = random_floats(32 * 7, 1);
   x[5] = 0.0f;
   std::fill(x.begin() + 64, x.begin() + 96, 0.0f); // an all-zero block
-  for (auto t : {dtype::q8_0, dtype::q4_0, dtype::q4_1}) {
+  for (auto t : {dtype::q8_0, dtype::q4_0, dtype::q4_1, dtype::q5_0, dtype::q5_1}) {
     std::vector<char> q(storage_bytes(t, x.size()));
     from_float(t, x.data(), q.data(), x.size());
     std::vector<float> back(x.size());
@@ -77,12 +77,18 @@ TEST_CASE("block formats: quantize then dequantize stays within a step of each b
       float lo = *std::min_element(x.begin() + b * 32, x.begin() + b * 32 + 32);
       float hi = *std::max_element(x.begin() + b * 32, x.begin() + b * 32 + 32);
       float amax = std::max(-lo, hi);
-      // One quantization step of the block: Q8_0 amax/127, Q4_0 amax/8, Q4_1 (hi-lo)/15;
-      // the float16 scale adds a little.
-      // Q4_0 maps the extreme to -8, so the other sign reaches only +7: a whole step there.
-      float step = t == dtype::q8_0 ? amax / 127 : t == dtype::q4_0 ? amax / 8 : (hi - lo) / 15;
-      // The float16 scale (and Q4_1's float16 minimum) add up to 2^-11 of what they scale.
-      float most = (t == dtype::q4_0 ? 1.0f : 0.5f) * step + 0.07f * step + 1e-3f * amax;
+      // One quantization step of the block: Q8_0 amax/127, Q4_0 amax/8, Q5_0 amax/16, Q4_1
+      // (hi-lo)/15, Q5_1 (hi-lo)/31; the float16 scale adds a little.
+      float step = t == dtype::q8_0   ? amax / 127
+                   : t == dtype::q4_0 ? amax / 8
+                   : t == dtype::q5_0 ? amax / 16
+                   : t == dtype::q4_1 ? (hi - lo) / 15
+                                      : (hi - lo) / 31;
+      // Q4_0 and Q5_0 map the extreme to the lowest level, so the other sign falls a level
+      // short: a whole step there.
+      bool centred = t == dtype::q4_0 || t == dtype::q5_0;
+      // The float16 scale (and the float16 minimum) add up to 2^-11 of what they scale.
+      float most = (centred ? 1.0f : 0.5f) * step + 0.07f * step + 1e-3f * amax;
       INFO(std::string{dtype_name(t)} << " block " << b);
       for (size_t i = b * 32; i < b * 32 + 32; ++i)
         REQUIRE(std::fabs(back[i] - x[i]) <= most + 1e-6f);
@@ -129,7 +135,8 @@ TEST_CASE("block-format kernels: every instruction set gives float32's sums on t
     x[3] = 60.0f; // an outlier, as hidden states have
     std::vector<float> sums(static_cast<size_t>(s.m * s.k / 32));
     cpu::block_sums(x.data(), s.m, s.k, sums.data());
-    for (auto t : {dtype::q8_0, dtype::q4_0, dtype::q4_1, dtype::q4_k, dtype::q5_k, dtype::q6_k}) {
+    for (auto t : {dtype::q8_0, dtype::q4_0, dtype::q4_1, dtype::q5_0, dtype::q5_1, dtype::q4_k,
+                   dtype::q5_k, dtype::q6_k}) {
       if (s.k % block_elements(t) != 0)
         continue;
       std::vector<char> wq(storage_bytes(t, w.size()));

@@ -19,7 +19,8 @@ class checkpoint;
 /// What a model worker loads and how much memory it may use.
 struct model_worker_options {
   /// Hugging Face model directory (`config.json` + `*.safetensors`), or a `.gguf` file
-  /// (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K tensors; see `dtype`).
+  /// (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors; see
+  /// `dtype`).
   std::string model_path;
   /// `"auto"`: the Hugging Face checkpoint, split for this rank at load. `"sharded_state"`:
   /// this rank's `model-rank-{rank}-part-{part}.safetensors` files as `save_sharded_state`
@@ -27,7 +28,7 @@ struct model_worker_options {
   std::string load_format = "auto";
   /// The element type of the weights (vLLM's `dtype`): `"float32"`, `"float16"`,
   /// `"bfloat16"`, or `"auto"`: on the CPU the type the checkpoint stores each weight in
-  /// (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks, 16-bit or 32-bit floats),
+  /// (GGUF's block formats, 16-bit or 32-bit floats),
   /// computed without converting it; on a GPU the checkpoint's bfloat16, else float16 (as
   /// vLLM's `auto`).
   /// Activations, the KV cache and the logits are float32 either way; `"float32"` is the

@@ -30,8 +30,8 @@ TROUPE_DECLARE_ISA(avx512)
 
 namespace {
 
-/// 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q5_K, 5 Q6_K: the kernels' names for the block
-/// formats.
+/// 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6 Q5_K, 7 Q6_K: the kernels' names for
+/// the block formats.
 int kind_of(dtype t) {
   switch (t) {
     case dtype::q8_0:
@@ -40,12 +40,16 @@ int kind_of(dtype t) {
       return 1;
     case dtype::q4_1:
       return 2;
-    case dtype::q4_k:
+    case dtype::q5_0:
       return 3;
-    case dtype::q5_k:
+    case dtype::q5_1:
       return 4;
-    case dtype::q6_k:
+    case dtype::q4_k:
       return 5;
+    case dtype::q5_k:
+      return 6;
+    case dtype::q6_k:
+      return 7;
     default:
       throw error{errc::unsupported, std::string{"no block-format kernel for "} + dtype_name(t)};
   }

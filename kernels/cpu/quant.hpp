@@ -2,9 +2,9 @@
 
 /// @file
 /// Products of float32 activations with weights kept as stored: GGUF's block formats (Q8_0,
-/// Q4_0, Q4_1 widened to floats in registers and scaled once a block; the k-quants Q4_K,
-/// Q5_K, Q6_K dequantized a super-block at a time into a buffer the row tile reuses), and
-/// float16/bfloat16 widened the same way. The activations stay float32, so the result is
+/// Q4_0, Q4_1, Q5_0, Q5_1 widened to floats in registers and scaled once a block; the
+/// k-quants Q4_K, Q5_K, Q6_K dequantized a super-block at a time into a buffer the row
+/// tile reuses), and float16/bfloat16 widened the same way. The activations stay float32, so the result is
 /// float32's on the dequantized weights up to the order of the sums (integer products on
 /// activations rounded to 8 bits, as llama.cpp computes them, shift greedy choices that are
 /// near a tie). Each kernel has a portable version and x86 versions (AVX2 with FMA and F16C,
@@ -27,7 +27,7 @@ isa best_isa();
 const char* isa_name(isa i);
 
 /// sums[r · (k/32) + b] = the sum of block b of row r of x[rows × k] (k a multiple of 32):
-/// what Q4_0's centre and Q4_1's minimum multiply.
+/// what Q4_0's and Q5_0's centres and Q4_1's and Q5_1's minimums multiply.
 void block_sums(const float* x, int64_t rows, int64_t k, float* sums);
 
 /// y[r·ldy + i] (+)= row i of `w` · row r of x[m × k], for the weight rows i in
