@@ -1,7 +1,8 @@
 // The CPU kernels for weights kept as stored: every instruction set against the portable
 // kernel and against float32 on the dequantized weights, on sizes with tails; the thread
-// pool; and the block formats' quantizers.
+// pool; the block formats' quantizers; and attention.
 
+#include "kernels/cpu/ops.hpp"
 #include "kernels/cpu/quant.hpp"
 #include "kernels/cpu/thread_pool.hpp"
 #include "model/dtype.hpp"
@@ -206,6 +207,37 @@ TEST_CASE("the thread pool runs every part once, call after call") {
       pool.run(parts, [&](int64_t p) { hits[static_cast<size_t>(p)]++; });
       for (auto& h : hits)
         REQUIRE(h.load() == 1);
+    }
+  }
+}
+
+TEST_CASE("attention: every instruction set gives the portable attention's outputs") {
+  // Head sizes with and without a vector tail; positions scattered as a paged cache has
+  // them (offsets into one buffer, out of order).
+  for (int64_t head_dim : {64, 24, 7}) {
+    for (int64_t len : {1, 5, 130}) {
+      const int64_t row = 3 * head_dim;
+      auto keys = random_floats(static_cast<size_t>(len * row), 8);
+      auto values = random_floats(static_cast<size_t>(len * row), 9);
+      auto query = random_floats(static_cast<size_t>(head_dim), 10);
+      std::vector<int64_t> offsets(static_cast<size_t>(len));
+      for (int64_t p = 0; p < len; ++p)
+        offsets[static_cast<size_t>(p)] = ((p * 7) % len) * row + head_dim;
+      std::vector<float> scores(static_cast<size_t>(len));
+      std::vector<float> want(static_cast<size_t>(head_dim));
+      auto at = [&](const std::vector<float>& cache) {
+        return [&](int64_t p) { return cache.data() + offsets[static_cast<size_t>(p)]; };
+      };
+      cpu::attend(query.data(), head_dim, len, 0.125f, at(keys), at(values), scores.data(),
+                  want.data());
+      for (auto i : available()) {
+        INFO(std::string{cpu::isa_name(i)} << ", head_dim " << head_dim << " len " << len);
+        std::vector<float> got(static_cast<size_t>(head_dim), -1.0f);
+        cpu::attend(i, query.data(), head_dim, len, 0.125f, keys.data(), values.data(),
+                    offsets.data(), scores.data(), got.data());
+        for (size_t d = 0; d < got.size(); ++d)
+          REQUIRE(std::fabs(got[d] - want[d]) <= 1e-5f * (1.0f + std::fabs(want[d])));
+      }
     }
   }
 }

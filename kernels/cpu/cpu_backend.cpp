@@ -128,20 +128,19 @@ public:
       auto t = part / l.heads;
       auto head = part % l.heads;
       const int32_t* table = l.block_tables + l.token_seq[t] * l.max_blocks;
+      const auto len = l.positions[t] + int64_t{1};
       thread_local std::vector<float> scores;
-      scores.resize(static_cast<size_t>(l.positions[t]) + 1);
-      auto slot = [&](int64_t p) {
-        return table[p / l.block_size] * l.block_size + p % l.block_size;
-      };
+      thread_local std::vector<int64_t> offsets;
+      scores.resize(static_cast<size_t>(len));
+      offsets.resize(static_cast<size_t>(len));
       auto kv_head = (l.head_begin + head) / l.group_size - l.kv_offset;
-      auto at = [&](const float* cache, int64_t p) {
-        return cache + slot(p) * row + kv_head * l.head_dim;
-      };
+      for (int64_t p = 0; p < len; ++p) {
+        auto slot = int64_t{table[p / l.block_size]} * l.block_size + p % l.block_size;
+        offsets[static_cast<size_t>(p)] = slot * row + kv_head * l.head_dim;
+      }
       auto offset = (t * l.heads + head) * l.head_dim;
-      cpu::attend(
-        q + offset, l.head_dim, l.positions[t] + int64_t{1}, scale,
-        [&](int64_t p) { return at(k_cache, p); }, [&](int64_t p) { return at(v_cache, p); },
-        scores.data(), out + offset);
+      cpu::attend(isa_, q + offset, l.head_dim, len, scale, k_cache, v_cache, offsets.data(),
+                  scores.data(), out + offset);
     });
   }
 

@@ -1,5 +1,7 @@
 #include "kernels/cpu/quant.hpp"
 
+#include "kernels/cpu/ops.hpp"
+
 #include "troupe/errors.hpp"
 
 #include <algorithm>
@@ -22,6 +24,9 @@ namespace troupe::cpu {
                           int64_t ldy, int64_t begin, int64_t end, bool accumulate);           \
   void dot_rows_half(bool bf16, const uint16_t* w, const float* x, int64_t m, int64_t k,       \
                      float* y, int64_t ldy, int64_t begin, int64_t end, bool accumulate);     \
+  void attend(const float* query, int64_t head_dim, int64_t len, float scale,                 \
+              const float* keys, const float* values, const int64_t* offsets, float* scores,   \
+              float* out);                                                                     \
   }
 TROUPE_DECLARE_ISA(avx2)
 TROUPE_DECLARE_ISA(avx512)
@@ -197,6 +202,22 @@ void dot_rows_half(isa i, dtype w_type, const void* w, const float* x, int64_t m
       float& dst = y[r * ldy + row];
       dst = accumulate ? dst + v : v;
     }
+}
+
+void attend(isa i, const float* query, int64_t head_dim, int64_t len, float scale,
+            const float* keys, const float* values, const int64_t* offsets, float* scores,
+            float* out) {
+#if TROUPE_X86_KERNELS
+  if (i == isa::avx512)
+    return avx512::attend(query, head_dim, len, scale, keys, values, offsets, scores, out);
+  if (i == isa::avx2)
+    return avx2::attend(query, head_dim, len, scale, keys, values, offsets, scores, out);
+#else
+  (void)i;
+#endif
+  cpu::attend(
+    query, head_dim, len, scale, [&](int64_t p) { return keys + offsets[p]; },
+    [&](int64_t p) { return values + offsets[p]; }, scores, out);
 }
 
 } // namespace troupe::cpu

@@ -41,4 +41,12 @@ void dot_rows_quantized(isa i, dtype w_type, const void* w, const float* x, cons
 void dot_rows_half(isa i, dtype w_type, const void* w, const float* x, int64_t m, int64_t k,
                    float* y, int64_t ldy, int64_t begin, int64_t end, bool accumulate);
 
+/// Attention of one query row (head_dim floats) over `len` cached positions: the key and
+/// value of position p start at keys + offsets[p] and values + offsets[p]. The scores
+/// (scaled, then softmax weights) go to `scores` (room for `len`); the weighted sum of the
+/// values to `out`. The portable version is `cpu::attend` (ops.hpp).
+void attend(isa i, const float* query, int64_t head_dim, int64_t len, float scale,
+            const float* keys, const float* values, const int64_t* offsets, float* scores,
+            float* out);
+
 } // namespace troupe::cpu
