@@ -21,9 +21,11 @@ void check_sampling(const sampling_params& params) {
 
 float log_partition(const float* logits, int64_t vocab) {
   float max_logit = *std::max_element(logits, logits + vocab);
+  // Each term in float (within an ulp: a step's whole vocabulary goes through here), the
+  // sum in double.
   double sum = 0;
   for (int64_t i = 0; i < vocab; ++i)
-    sum += std::exp(static_cast<double>(logits[i] - max_logit));
+    sum += std::exp(logits[i] - max_logit);
   return static_cast<float>(max_logit + std::log(sum));
 }
 

@@ -146,7 +146,8 @@ public:
 
   void sample(const float* logits, int64_t rows, int64_t cols, const row_sampling* params,
               int32_t* ids, float* logprobs) override {
-    for (int64_t r = 0; r < rows; ++r) {
+    // A row each: a batch's rows are independent (each draws with its own uniform).
+    pool_.run(rows, [&](int64_t r) {
       const float* row = logits + r * cols;
       auto& p = params[r];
       auto chosen = p.temperature < row_sampling::greedy_below
@@ -154,7 +155,7 @@ public:
                       : choose_token(row, cols, p.temperature, p.top_k, p.top_p, p.u);
       ids[r] = static_cast<int32_t>(chosen);
       logprobs[r] = row[chosen] - log_partition(row, cols); // as sample_token reports it
-    }
+    });
   }
 
 private:
