@@ -176,7 +176,8 @@ TEST_CASE("16-bit kernels: every instruction set gives float32's sums on the wid
   struct shape {
     int64_t n, m, k;
   };
-  for (auto s : {shape{1, 1, 1}, shape{5, 2, 7}, shape{17, 3, 23}, shape{40, 4, 577}}) {
+  for (auto s : {shape{1, 1, 1}, shape{5, 2, 7}, shape{17, 3, 23}, shape{40, 4, 577},
+                 shape{9, 1, 100}, shape{13, 9, 40}}) {
     auto w = random_floats(static_cast<size_t>(s.n * s.k), 4, 0.05f);
     auto x = random_floats(static_cast<size_t>(s.m * s.k), 5);
     for (auto t : {dtype::f16, dtype::bf16}) {
