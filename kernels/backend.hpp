@@ -83,12 +83,18 @@ public:
   /// Whether the GEMMs take weights of type `t`.
   virtual bool computes_in(dtype t) const = 0;
 
-  /// One of several GEMMs that share their input: y[m×n] = x · wᵀ (+ y when `accumulate`).
+  /// One of several GEMMs that share their input: y[m×n] = x · wᵀ (+ y when `accumulate`),
+  /// y's rows `ldy` floats apart (0: n, contiguous).
   struct gemm_output {
     const void* w;
     float* y;
     int64_t n;
     bool accumulate = false;
+    int64_t ldy = 0;
+
+    int64_t row_stride() const {
+      return ldy > 0 ? ldy : n;
+    }
   };
 
   /// y_i[m×n_i] = x[m×k] · w_iᵀ for every output, weights all of type `w_type` (q/k/v, or
@@ -102,6 +108,9 @@ public:
                int64_t k, bool accumulate = false) {
     gemm_nt_shared(x, w_type, m, k, {gemm_output{w, y, n, accumulate}});
   }
+
+  /// y[0..n) = 0.
+  virtual void zero(float* y, int64_t n) = 0;
 
   /// y = x / rms(x) · weight, per row of `rows` × `dim`.
   virtual void rms_norm(const float* x, const float* weight, float* y, int64_t rows,

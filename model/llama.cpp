@@ -134,6 +134,8 @@ llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t wo
   local_kv_ = (head_begin_ + local_heads_ + group - 1) / group - kv_offset_;
   inter_begin_ = share(cfg_.intermediate_size, rank);
   local_inter_ = share(cfg_.intermediate_size, rank + 1) - inter_begin_;
+  vocab_begin_ = share(cfg_.vocab_size, rank);
+  local_vocab_ = share(cfg_.vocab_size, rank + 1) - vocab_begin_;
   // Rotary frequencies, with the llama3 rescaling of long wavelengths.
   auto half = cfg_.head_dim / 2;
   for (int64_t i = 0; i < half; ++i) {
@@ -799,7 +801,19 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
     be.gather_rows(d_ints + parts.samples, x, dtype::f32, last, S, H);
     be.rms_norm(last, final_norm_.as<float>(), h, S, H, eps);
     auto& head = cfg_.tie_word_embeddings ? embed_ : lm_head_;
-    be.gemm_nt(h, head.data(), head.type, logits, S, V, H);
+    if (world_ == 1) {
+      be.gemm_nt(h, head.data(), head.type, logits, S, V, H);
+    } else {
+      // The head split by vocabulary, as vLLM's: each rank writes its share of every row
+      // into zeros, and the sum over the ranks gives each rank the logits (every entry from
+      // one rank, so the values one rank alone computes).
+      be.zero(logits, S * V);
+      auto rows = static_cast<const char*>(head.data())
+                  + storage_bytes(head.type, static_cast<size_t>(vocab_begin_ * H));
+      be.gemm_nt_shared(h, head.type, S, H,
+                        {backend::gemm_output{rows, logits + vocab_begin_, local_vocab_, false, V}});
+      reduce(logits, S * V);
+    }
   };
 
   // A decode step of one process is recorded once per shape (a CUDA graph on a GPU) and

@@ -227,6 +227,9 @@ private:
   /// This rank's columns of the MLP: [inter_begin_, inter_begin_ + local_inter_).
   int64_t inter_begin_;
   int64_t local_inter_;
+  /// This rank's rows of the output head: [vocab_begin_, vocab_begin_ + local_vocab_).
+  int64_t vocab_begin_;
+  int64_t local_vocab_;
   /// Rotary frequencies from the config, and as used (divided by a checkpoint's
   /// `rope_freqs.weight` factors when it has them, as llama.cpp stores llama3 scaling).
   std::vector<double> base_inv_freq_;

@@ -27,7 +27,8 @@ public:
                       std::initializer_list<gemm_output> outputs) override {
     if (w_type == dtype::f32) {
       for (auto& o : outputs)
-        cpu::gemm_nt(x, static_cast<const float*>(o.w), o.y, m, o.n, k, o.accumulate);
+        cpu::gemm_nt(x, static_cast<const float*>(o.w), o.y, m, o.n, k, o.accumulate,
+                     o.row_stride());
       return;
     }
     bool quantized = is_quantized(w_type);
@@ -63,11 +64,16 @@ public:
       int64_t begin = (p - starts_[which]) * rows_per_part;
       int64_t end = std::min(o.n, begin + rows_per_part);
       if (quantized)
-        cpu::dot_rows_quantized(isa_, w_type, o.w, x, xsums_.data(), m, k, o.y, o.n, begin, end,
-                                o.accumulate);
+        cpu::dot_rows_quantized(isa_, w_type, o.w, x, xsums_.data(), m, k, o.y, o.row_stride(),
+                                begin, end, o.accumulate);
       else
-        cpu::dot_rows_half(isa_, w_type, o.w, x, m, k, o.y, o.n, begin, end, o.accumulate);
+        cpu::dot_rows_half(isa_, w_type, o.w, x, m, k, o.y, o.row_stride(), begin, end,
+                           o.accumulate);
     });
+  }
+
+  void zero(float* y, int64_t n) override {
+    std::fill(y, y + n, 0.0f);
   }
 
   void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,

@@ -11,12 +11,13 @@ void set_gemm_threads(int threads) {
 }
 
 void gemm_nt(const float* x, const float* w, float* y, int64_t m, int64_t n, int64_t k,
-             bool accumulate) {
+             bool accumulate, int64_t ldy) {
   if (m == 0 || n == 0)
     return;
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(m),
               static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, x, static_cast<blasint>(k),
-              w, static_cast<blasint>(k), accumulate ? 1.0f : 0.0f, y, static_cast<blasint>(n));
+              w, static_cast<blasint>(k), accumulate ? 1.0f : 0.0f, y,
+              static_cast<blasint>(ldy > 0 ? ldy : n));
 }
 
 void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,

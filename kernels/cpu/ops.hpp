@@ -15,10 +15,10 @@ namespace troupe::cpu {
 /// Threads OpenBLAS may use for one GEMM (process-wide).
 void set_gemm_threads(int threads);
 
-/// y[m×n] = x[m×k] · w[n×k]ᵀ (+ y when `accumulate`). `w` is a weight in the
-/// Hugging Face layout [out_features, in_features].
+/// y[m×n] = x[m×k] · w[n×k]ᵀ (+ y when `accumulate`), y's rows `ldy` apart (0: n). `w` is a
+/// weight in the Hugging Face layout [out_features, in_features].
 void gemm_nt(const float* x, const float* w, float* y, int64_t m, int64_t n, int64_t k,
-             bool accumulate = false);
+             bool accumulate = false, int64_t ldy = 0);
 
 /// y[i] = x[i] / rms(x) · weight, per row of `rows` × `dim`.
 void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,

@@ -89,13 +89,20 @@ public:
                       std::initializer_list<gemm_output> outputs) override {
     if (w_type == dtype::f32) {
       for (auto& o : outputs)
-        cuda::gemm_nt(blas_, x, static_cast<const float*>(o.w), o.y, m, o.n, k, o.accumulate);
+        cuda::gemm_nt(blas_, x, static_cast<const float*>(o.w), o.y, m, o.n, k, o.accumulate,
+                      o.row_stride());
       return;
     }
     auto x_half = scratch(half_, storage_bytes(w_type, static_cast<size_t>(m * k)));
     cuda::to_half(x, x_half, w_type, m * k, dev_.stream());
     for (auto& o : outputs)
-      cuda::gemm_nt_half(blas_, x_half, o.w, w_type, o.y, m, o.n, k, o.accumulate);
+      cuda::gemm_nt_half(blas_, x_half, o.w, w_type, o.y, m, o.n, k, o.accumulate,
+                         o.row_stride());
+  }
+
+  void zero(float* y, int64_t n) override {
+    TROUPE_CUDA_CHECK(cudaMemsetAsync(y, 0, static_cast<size_t>(n) * sizeof(float),
+                                      dev_.stream()));
   }
 
   void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,

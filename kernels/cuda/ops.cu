@@ -507,7 +507,7 @@ void to_half(const float* x, void* y, dtype type, int64_t n, cudaStream_t stream
 }
 
 void gemm_nt(cublasHandle_t handle, const float* x, const float* w, float* y, int64_t m,
-             int64_t n, int64_t k, bool accumulate) {
+             int64_t n, int64_t k, bool accumulate, int64_t ldy) {
   if (m == 0 || n == 0)
     return;
   // Row-major y = x · wᵀ is column-major yᵀ = w · xᵀ: w is a column-major k×n matrix used
@@ -517,11 +517,11 @@ void gemm_nt(cublasHandle_t handle, const float* x, const float* w, float* y, in
   TROUPE_CUDA_CHECK(cublasSgemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
                                 static_cast<int>(m), static_cast<int>(k), &alpha, w,
                                 static_cast<int>(k), x, static_cast<int>(k), &beta, y,
-                                static_cast<int>(n)));
+                                static_cast<int>(ldy > 0 ? ldy : n)));
 }
 
 void gemm_nt_half(cublasHandle_t handle, const void* x, const void* w, dtype type, float* y,
-                  int64_t m, int64_t n, int64_t k, bool accumulate) {
+                  int64_t m, int64_t n, int64_t k, bool accumulate, int64_t ldy) {
   if (type != dtype::bf16 && type != dtype::f16)
     throw error{errc::invalid_argument, "gemm_nt_half: inputs must be float16 or bfloat16"};
   if (m == 0 || n == 0)
@@ -533,7 +533,8 @@ void gemm_nt_half(cublasHandle_t handle, const void* x, const void* w, dtype typ
   TROUPE_CUDA_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
                                  static_cast<int>(m), static_cast<int>(k), &alpha, w, in_type,
                                  static_cast<int>(k), x, in_type, static_cast<int>(k), &beta, y,
-                                 CUDA_R_32F, static_cast<int>(n), CUBLAS_COMPUTE_32F,
+                                 CUDA_R_32F, static_cast<int>(ldy > 0 ? ldy : n),
+                                 CUBLAS_COMPUTE_32F,
                                  CUBLAS_GEMM_DEFAULT));
 }
 

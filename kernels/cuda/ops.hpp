@@ -68,13 +68,14 @@ void paged_attention(const float* q, float* out, const float* k_cache, const flo
                      const paged_layout& layout, int64_t tokens, float scale,
                      cudaStream_t stream);
 
-/// y[m×n] = x[m×k] · w[n×k]ᵀ (+ y when `accumulate`), through cuBLAS on `handle`'s stream.
+/// y[m×n] = x[m×k] · w[n×k]ᵀ (+ y when `accumulate`), y's rows `ldy` apart (0: n), through
+/// cuBLAS on `handle`'s stream.
 void gemm_nt(cublasHandle_t handle, const float* x, const float* w, float* y, int64_t m,
-             int64_t n, int64_t k, bool accumulate = false);
+             int64_t n, int64_t k, bool accumulate = false, int64_t ldy = 0);
 
 /// The same with x and w in `type` (f16 or bf16) and y in float32, accumulating in float32
 /// (cublasGemmEx).
 void gemm_nt_half(cublasHandle_t handle, const void* x, const void* w, dtype type, float* y,
-                  int64_t m, int64_t n, int64_t k, bool accumulate = false);
+                  int64_t m, int64_t n, int64_t k, bool accumulate = false, int64_t ldy = 0);
 
 } // namespace troupe::cuda
