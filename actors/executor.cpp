@@ -387,10 +387,7 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     throw error{errc::invalid_argument, "rpc_timeout and startup_timeout must be positive"};
   d.cfg = std::move(cfg);
   register_messages(*d.sys_cfg);
-  if (d.cfg.scheduler_threads > 0)
-    d.sys_cfg->set("scheduler.max-threads", d.cfg.scheduler_threads);
-  if (d.cfg.scheduler_poll_attempts > 0)
-    d.sys_cfg->set("work-stealing.aggressive-poll-attempts", d.cfg.scheduler_poll_attempts);
+  configure_scheduler(*d.sys_cfg, d.cfg.scheduler_threads, d.cfg.scheduler_poll_attempts);
   if (!d.cfg.remote_workers.empty() || !d.cfg.nodes.empty()) {
     d.sys_cfg->load<caf::io::middleman>();
     configure_heartbeats(*d.sys_cfg, d.cfg.node_timeout);

@@ -261,6 +261,7 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   if (config.connection_timeout <= timeout_type::zero())
     throw error{errc::invalid_argument, "connection_timeout must be positive"};
   register_messages(*d.sys_cfg);
+  configure_scheduler(*d.sys_cfg, 0, 0);
   d.sys_cfg->load<caf::io::middleman>();
   configure_heartbeats(*d.sys_cfg, config.connection_timeout);
   if (config.configure_system)

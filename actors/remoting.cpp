@@ -19,6 +19,14 @@
 
 namespace troupe {
 
+void configure_scheduler(caf::actor_system_config& cfg, size_t threads, size_t poll_attempts) {
+  if (threads > 0)
+    cfg.set("scheduler.max-threads", threads);
+  if (poll_attempts > 0)
+    cfg.set("work-stealing.aggressive-poll-attempts", poll_attempts);
+  cfg.set("work-stealing.moderate-poll-attempts", size_t{0});
+}
+
 void configure_heartbeats(caf::actor_system_config& cfg, timeout_type timeout) {
   auto span = std::chrono::duration_cast<caf::timespan>(timeout);
   cfg.set("middleman.heartbeat-interval", span / 4);

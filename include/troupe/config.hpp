@@ -78,8 +78,8 @@ struct executor_config {
   /// Threads of CAF's scheduler for the supervisor and other event-based actors; 0 keeps
   /// CAF's default (one per core).
   size_t scheduler_threads = 0;
-  /// How many times an idle scheduler thread polls for work before it starts sleeping
-  /// between polls; 0 keeps CAF's default (100). The supervisor runs on the scheduler, so
+  /// How many times an idle scheduler thread polls for work before it waits for the next
+  /// message; 0 keeps CAF's default (100). The supervisor runs on the scheduler, so
   /// every call pays for waking it: large values (say 100000) cut a call's latency several
   /// times on machines where waking an idle core is slow, at the price of a scheduler
   /// thread spinning for a while after each call.
