@@ -125,12 +125,12 @@ TEST_CASE("k-quants: quantize then dequantize stays within a step of each sub-bl
 
 TEST_CASE("block-format kernels: every instruction set gives float32's sums on the dequantized weights") {
   // Shapes with a single block, odd row counts, and activation row counts that exercise
-  // the four-row tiles and their tails.
+  // every tile (12, 8 and 4 rows) and their tails.
   struct shape {
     int64_t n, m, k;
   };
   for (auto s : {shape{1, 1, 32}, shape{7, 3, 96}, shape{33, 5, 576}, shape{64, 9, 1536},
-                 shape{1, 1, 256}, shape{5, 2, 512}, shape{19, 13, 768}}) {
+                 shape{1, 1, 256}, shape{5, 2, 512}, shape{19, 13, 768}, shape{7, 30, 96}}) {
     auto w = random_floats(static_cast<size_t>(s.n * s.k), 2, 0.05f);
     auto x = random_floats(static_cast<size_t>(s.m * s.k), 3);
     x[3] = 60.0f; // an outlier, as hidden states have
@@ -240,5 +240,25 @@ TEST_CASE("attention: every instruction set gives the portable attention's outpu
           REQUIRE(std::fabs(got[d] - want[d]) <= 1e-5f * (1.0f + std::fabs(want[d])));
       }
     }
+  }
+}
+
+TEST_CASE("silu: every instruction set gives the portable values, over the whole range") {
+  auto gate = random_floats(1000, 11);
+  for (size_t i = 0; i < gate.size(); ++i)
+    gate[i] *= 40.0f; // well past where e^-x under- and overflows float
+  gate[0] = -100.0f;
+  gate[1] = 100.0f;
+  gate[2] = 0.0f;
+  auto up = random_floats(gate.size(), 12);
+  std::vector<float> want(gate.size());
+  cpu::silu_mul(gate.data(), up.data(), want.data(), static_cast<int64_t>(gate.size()));
+  for (auto i : available()) {
+    INFO(std::string{cpu::isa_name(i)});
+    std::vector<float> got(gate.size());
+    // An odd count leaves a tail to the portable loop.
+    cpu::silu_mul(i, gate.data(), up.data(), got.data(), static_cast<int64_t>(gate.size()) - 3);
+    for (size_t j = 0; j + 3 < got.size(); ++j)
+      REQUIRE(std::fabs(got[j] - want[j]) <= 4e-7f * std::fabs(want[j]) + 1e-30f);
   }
 }

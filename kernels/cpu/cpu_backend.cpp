@@ -106,7 +106,12 @@ public:
   }
 
   void silu_mul(const float* gate, const float* up, float* out, int64_t n) override {
-    cpu::silu_mul(gate, up, out, n);
+    // Split over the threads: a batch's MLP is wide.
+    const int64_t chunk = 4096;
+    pool_.run((n + chunk - 1) / chunk, [&](int64_t part) {
+      auto begin = part * chunk;
+      cpu::silu_mul(isa_, gate + begin, up + begin, out + begin, std::min(chunk, n - begin));
+    });
   }
 
   void gather_rows(const int32_t* ids, const void* table, dtype table_type, float* out,

@@ -27,6 +27,7 @@ namespace troupe::cpu {
   void attend(const float* query, int64_t head_dim, int64_t len, float scale,                 \
               const float* keys, const float* values, const int64_t* offsets, float* scores,   \
               float* out);                                                                     \
+  void silu_mul(const float* gate, const float* up, float* out, int64_t n);                   \
   }
 TROUPE_DECLARE_ISA(avx2)
 TROUPE_DECLARE_ISA(avx512)
@@ -218,6 +219,18 @@ void attend(isa i, const float* query, int64_t head_dim, int64_t len, float scal
   cpu::attend(
     query, head_dim, len, scale, [&](int64_t p) { return keys + offsets[p]; },
     [&](int64_t p) { return values + offsets[p]; }, scores, out);
+}
+
+void silu_mul(isa i, const float* gate, const float* up, float* out, int64_t n) {
+#if TROUPE_X86_KERNELS
+  if (i == isa::avx512)
+    return avx512::silu_mul(gate, up, out, n);
+  if (i == isa::avx2)
+    return avx2::silu_mul(gate, up, out, n);
+#else
+  (void)i;
+#endif
+  cpu::silu_mul(gate, up, out, n);
 }
 
 } // namespace troupe::cpu

@@ -49,4 +49,7 @@ void attend(isa i, const float* query, int64_t head_dim, int64_t len, float scal
             const float* keys, const float* values, const int64_t* offsets, float* scores,
             float* out);
 
+/// out[i] = silu(gate[i]) · up[i] (the portable version is `cpu::silu_mul`, ops.hpp).
+void silu_mul(isa i, const float* gate, const float* up, float* out, int64_t n);
+
 } // namespace troupe::cpu
