@@ -90,7 +90,7 @@ TEST_CASE("level-1 sleep releases the pages and wake restores weights bit for bi
   auto awake = rss_bytes();
   CHECK(awake - before < static_cast<int64_t>(n / 10));
   CHECK(usage_of(dev, memory_tag::weights, &memory_usage::backup_bytes) == 0);
-  // A second cycle reuses the backup range and gives the same bytes.
+  // A second cycle gives the same bytes.
   dev.sleep(1);
   dev.wake_up({});
   CHECK(same_as_fill(w, n, 7));

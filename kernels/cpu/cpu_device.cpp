@@ -8,7 +8,6 @@
 #include <fstream>
 #include <iterator>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <sys/mman.h>
@@ -59,29 +58,26 @@ bool populate(void* ptr, std::size_t bytes) {
   return madvise(ptr, bytes, MADV_POPULATE_WRITE) == 0;
 }
 
-/// Populates `dst` and copies `bytes` from `src` into it, on several threads when there is
-/// enough to copy: one core's page filling and copying falls well short of the memory's
-/// bandwidth. Chunks are whole huge pages, so no two threads fault in the same one.
-void fill_from(void* dst, const void* src, std::size_t bytes, std::size_t mapped) {
-  constexpr std::size_t chunk_unit = std::size_t{2} << 20;
-  auto cores = static_cast<std::size_t>(std::max(1u, std::thread::hardware_concurrency()));
-  auto threads = std::min<std::size_t>({cores, 8, mapped / (32 * chunk_unit) + 1});
-  auto part = (mapped / threads + chunk_unit - 1) / chunk_unit * chunk_unit;
-  auto work = [&](std::size_t i) {
-    auto begin = std::min(mapped, i * part);
-    auto end = std::min(mapped, begin + part);
-    populate(static_cast<char*>(dst) + begin, end - begin);
-    auto copy_end = std::min(bytes, end);
-    if (copy_end > begin)
-      std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,
-                  copy_end - begin);
-  };
-  std::vector<std::thread> helpers;
-  for (std::size_t i = 1; i < threads; ++i)
-    helpers.emplace_back(work, i);
-  work(0);
-  for (auto& t : helpers)
-    t.join();
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4 // Linux 5.7
+#endif
+
+/// Moves the pages of [ptr, ptr + bytes) to a new range and returns it; the old range stays
+/// mapped, with no pages. Nothing is copied or zeroed: only page tables change.
+void* move_pages(void* ptr, std::size_t bytes) {
+  // The new address is passed (as no hint) although the kernel takes it only with
+  // MREMAP_FIXED: glibc reads it for MREMAP_DONTUNMAP too, and would pass whatever the
+  // register held.
+  auto moved = mremap(ptr, bytes, bytes, MREMAP_MAYMOVE | MREMAP_DONTUNMAP, nullptr);
+  if (moved == MAP_FAILED)
+    fail("mremap(MREMAP_DONTUNMAP, Linux 5.7 or later)", bytes);
+  return moved;
+}
+
+/// Moves the pages of `from` back over `to`, replacing what is mapped there; `from` goes.
+void move_back(void* from, void* to, std::size_t bytes) {
+  if (mremap(from, bytes, bytes, MREMAP_MAYMOVE | MREMAP_FIXED, to) == MAP_FAILED)
+    fail("mremap", bytes);
 }
 
 // Returns the pages to the OS; the range stays reserved and reads back as zeros.
@@ -145,18 +141,28 @@ void cpu_device::sleep(int32_t level) {
     throw error{errc::invalid_argument,
                 "sleep level must be 1 or 2, got " + std::to_string(level)};
   // First every backup (the step that can fail for want of memory), then the releases, so
-  // that a failure leaves all memory as it was.
-  for (auto& [ptr, alloc] : allocations_) {
-    if (tags_[index_of(alloc.tag)].asleep)
-      continue;
-    if (level == 1 && alloc.tag == memory_tag::weights) {
-      if (alloc.backup == nullptr)
-        alloc.backup = reserve(alloc.mapped, true);
-      fill_from(alloc.backup, ptr, alloc.requested, alloc.mapped);
-      alloc.backup_valid = true;
-    } else {
+  // that a failure leaves all memory as it was. The host backup of memory that is host
+  // memory already is the weights' own pages, moved out of the device's range: a copy
+  // would fill fresh pages with the same bytes.
+  std::vector<std::pair<void*, allocation*>> moved;
+  try {
+    for (auto& [ptr, alloc] : allocations_) {
+      if (tags_[index_of(alloc.tag)].asleep)
+        continue;
       alloc.backup_valid = false;
+      if (level != 1 || alloc.tag != memory_tag::weights)
+        continue;
+      alloc.backup = move_pages(ptr, alloc.mapped);
+      alloc.backup_valid = true;
+      moved.emplace_back(ptr, &alloc);
     }
+  } catch (...) {
+    for (auto& [ptr, alloc] : moved) {
+      move_back(alloc->backup, ptr, alloc->mapped);
+      alloc->backup = nullptr;
+      alloc->backup_valid = false;
+    }
+    throw;
   }
   for (auto& [ptr, alloc] : allocations_) {
     if (tags_[index_of(alloc.tag)].asleep)
@@ -185,9 +191,9 @@ void cpu_device::wake_up(const std::vector<memory_tag>& tags) {
         continue;
       protect(ptr, alloc.mapped, PROT_READ | PROT_WRITE);
       if (alloc.backup_valid) {
-        fill_from(ptr, alloc.backup, alloc.requested, alloc.mapped);
+        move_back(alloc.backup, ptr, alloc.mapped);
+        alloc.backup = nullptr;
         alloc.backup_valid = false;
-        release_pages(alloc.backup, alloc.mapped);
       } else {
         // Backing every page again gives the promised zeros (populated pages are zeroed;
         // where the kernel cannot populate, writing them does it).

@@ -13,10 +13,10 @@ namespace troupe {
 /// Each allocation reserves its own page-aligned address range with `mmap`. Sleeping
 /// releases the pages with `madvise(MADV_DONTNEED)` and makes the range inaccessible
 /// (`PROT_NONE`), so the addresses stay reserved and a stray access faults instead of
-/// silently allocating. A level-1 sleep first copies each `weights` allocation to a host
-/// backup range that is reserved once, on the first sleep, and reused by every later cycle;
-/// its pages are released again once the wake-up has restored them, so an awake device does
-/// not hold the weights twice.
+/// silently allocating. A level-1 sleep first moves the pages of each `weights` allocation
+/// to a host backup range (`mremap`: the backup of host memory in host memory needs no
+/// copy), and the wake-up moves them back to the same addresses, so an awake device does
+/// not hold the weights twice. Needs Linux 5.7 or later (`MREMAP_DONTUNMAP`).
 class cpu_device final : public device {
 public:
   explicit cpu_device(int32_t index);
@@ -39,7 +39,8 @@ private:
     /// Length of the mapping (a multiple of the page size).
     std::size_t mapped = 0;
     memory_tag tag = memory_tag::weights;
-    /// Host backup range, reserved on the first level-1 sleep; nullptr before.
+    /// Host backup range: the weights' own pages, moved there by a level-1 sleep and back by
+    /// the wake-up (which unmaps it); nullptr while awake.
     void* backup = nullptr;
     /// Whether `backup` holds the data to restore on wake-up.
     bool backup_valid = false;
