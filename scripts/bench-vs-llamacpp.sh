@@ -150,7 +150,7 @@ rows = [
 ]
 print(f"{'':38} {'troupe':>10} {'llama.cpp':>10} {'ratio':>7}")
 for name, ours, theirs in rows:
-    print(f"{name:38} {ours:10.1f} {theirs:10.1f} {ours / theirs:7.2f}")
+    print(f"{name:38} {ours:10.2f} {theirs:10.2f} {ours / theirs:7.2f}")
 print(f"{'TP 2 step time / TP 1 step time':38} "
       f"{tp1['decode_tokens_per_s'] / tp2['decode_tokens_per_s']:10.2f}")
 PY
