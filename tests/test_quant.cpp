@@ -6,6 +6,7 @@
 #include "kernels/cpu/quant.hpp"
 #include "kernels/cpu/thread_pool.hpp"
 #include "model/dtype.hpp"
+#include "model/sampler.hpp"
 
 #include "tests/random.hpp"
 
@@ -260,5 +261,17 @@ TEST_CASE("silu: every instruction set gives the portable values, over the whole
     cpu::silu_mul(i, gate.data(), up.data(), got.data(), static_cast<int64_t>(gate.size()) - 3);
     for (size_t j = 0; j + 3 < got.size(); ++j)
       REQUIRE(std::fabs(got[j] - want[j]) <= 4e-7f * std::fabs(want[j]) + 1e-30f);
+  }
+}
+
+TEST_CASE("log-partition: every instruction set gives the portable value") {
+  for (int64_t n : {1, 17, 1000, 49152}) {
+    auto logits = random_floats(static_cast<size_t>(n), 13, 8.0f);
+    auto want = log_partition(logits.data(), n);
+    for (auto i : available()) {
+      INFO(std::string{cpu::isa_name(i)} << ", n " << n);
+      auto got = cpu::log_partition(i, logits.data(), n);
+      REQUIRE(std::fabs(got - want) <= 1e-6f * std::max(1.0f, std::fabs(want)));
+    }
   }
 }

@@ -165,7 +165,8 @@ public:
                       ? std::max_element(row, row + cols) - row // the first of equal maxima
                       : choose_token(row, cols, p.temperature, p.top_k, p.top_p, p.u);
       ids[r] = static_cast<int32_t>(chosen);
-      logprobs[r] = row[chosen] - log_partition(row, cols); // as sample_token reports it
+      // As sample_token reports it, on the vector unit.
+      logprobs[r] = row[chosen] - cpu::log_partition(isa_, row, cols);
     });
   }
 

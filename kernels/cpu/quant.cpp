@@ -1,6 +1,7 @@
 #include "kernels/cpu/quant.hpp"
 
 #include "kernels/cpu/ops.hpp"
+#include "model/sampler.hpp"
 
 #include "troupe/errors.hpp"
 
@@ -28,6 +29,7 @@ namespace troupe::cpu {
               const float* keys, const float* values, const int64_t* offsets, float* scores,   \
               float* out);                                                                     \
   void silu_mul(const float* gate, const float* up, float* out, int64_t n);                   \
+  float log_partition(const float* x, int64_t n);                                              \
   }
 TROUPE_DECLARE_ISA(avx2)
 TROUPE_DECLARE_ISA(avx512)
@@ -219,6 +221,18 @@ void attend(isa i, const float* query, int64_t head_dim, int64_t len, float scal
   cpu::attend(
     query, head_dim, len, scale, [&](int64_t p) { return keys + offsets[p]; },
     [&](int64_t p) { return values + offsets[p]; }, scores, out);
+}
+
+float log_partition(isa i, const float* logits, int64_t n) {
+#if TROUPE_X86_KERNELS
+  if (i == isa::avx512)
+    return avx512::log_partition(logits, n);
+  if (i == isa::avx2)
+    return avx2::log_partition(logits, n);
+#else
+  (void)i;
+#endif
+  return troupe::log_partition(logits, n);
 }
 
 void silu_mul(isa i, const float* gate, const float* up, float* out, int64_t n) {

@@ -49,6 +49,10 @@ void attend(isa i, const float* query, int64_t head_dim, int64_t len, float scal
             const float* keys, const float* values, const int64_t* offsets, float* scores,
             float* out);
 
+/// log Σ exp(logits[i]) over n logits, as `troupe::log_partition` (model/sampler.hpp, the
+/// portable version) computes it up to float rounding of each term.
+float log_partition(isa i, const float* logits, int64_t n);
+
 /// out[i] = silu(gate[i]) · up[i] (the portable version is `cpu::silu_mul`, ops.hpp).
 void silu_mul(isa i, const float* gate, const float* up, float* out, int64_t n);
 
