@@ -213,7 +213,7 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
   sc.max_prompt_adapters = d.cfg.max_prompt_adapters;
   auto virtual_tokens = load_adapters(requests);
   scheduler sched{sc, d.cfg.block_size, d.blocks.num_device_blocks, d.blocks.num_swap_blocks,
-                  d.model.eos_token_id};
+                  d.model.eos_token_ids};
   std::vector<generation_output> outputs(requests.size());
   std::map<int64_t, size_t> index;
   for (size_t i = 0; i < requests.size(); ++i) {

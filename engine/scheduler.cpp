@@ -8,8 +8,10 @@
 namespace troupe {
 
 scheduler::scheduler(scheduler_config config, int32_t block_size, int64_t device_blocks,
-                     int64_t swap_blocks, int32_t eos_token_id)
-  : config_(config), blocks_(block_size, device_blocks, swap_blocks), eos_(eos_token_id) {
+                     int64_t swap_blocks, std::vector<int32_t> eos_token_ids)
+  : config_(config),
+    blocks_(block_size, device_blocks, swap_blocks),
+    eos_(std::move(eos_token_ids)) {
   if (config_.max_num_batched_tokens <= 0 || config_.max_num_seqs <= 0
       || config_.max_model_len <= 0)
     throw error{errc::invalid_argument, "scheduler limits must be positive"};
@@ -190,9 +192,10 @@ void scheduler::update(const sampler_output& output) {
     r.output.push_back(sample.output_token);
     r.logprobs.push_back(sample.logprob);
     auto& sp = r.sampling;
-    bool stop = (!sp.ignore_eos && sample.output_token == eos_)
-                || std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(),
-                             sample.output_token) != sp.stop_token_ids.end();
+    auto among = [&](const std::vector<int32_t>& ids) {
+      return std::find(ids.begin(), ids.end(), sample.output_token) != ids.end();
+    };
+    bool stop = (!sp.ignore_eos && among(eos_)) || among(sp.stop_token_ids);
     bool length = static_cast<int64_t>(r.output.size()) >= sp.max_tokens
                   || r.length() >= config_.max_model_len;
     if (stop || length) {

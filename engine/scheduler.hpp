@@ -60,8 +60,10 @@ struct engine_request {
 /// later). Requests whose prompt can never fit are finished with reason "abort".
 class scheduler {
 public:
+  /// A sampled token among `eos_token_ids` finishes its request ("stop") unless the
+  /// request ignores end-of-sequence; its `stop_token_ids` always do.
   scheduler(scheduler_config config, int32_t block_size, int64_t device_blocks,
-            int64_t swap_blocks, int32_t eos_token_id);
+            int64_t swap_blocks, std::vector<int32_t> eos_token_ids);
 
   /// Queues a request. Throws `invalid_argument` for an empty prompt.
   void add(engine_request request);
@@ -101,7 +103,7 @@ private:
 
   scheduler_config config_;
   block_manager blocks_;
-  int32_t eos_;
+  std::vector<int32_t> eos_;
   std::map<int64_t, engine_request> requests_;
   std::deque<int64_t> waiting_;
   std::vector<int64_t> running_;

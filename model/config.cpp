@@ -4,10 +4,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include <cmath>
-
 #include <algorithm>
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 namespace troupe {
@@ -30,16 +30,33 @@ int64_t positive_int(const json& j, const char* key, const std::string& origin) 
   return j[key].get<int64_t>();
 }
 
-/// `eos_token_id` may be a list (several end tokens); the first one is taken.
-int32_t token_id(const json& j, const char* key) {
-  if (!j.contains(key))
-    return -1;
-  auto& v = j[key];
-  if (v.is_number_integer())
-    return v.get<int32_t>();
-  if (v.is_array() && !v.empty() && v[0].is_number_integer())
-    return v[0].get<int32_t>();
-  return -1;
+/// Token ids under `key`: one, or a list (Llama 3's several end tokens); none when absent
+/// or null. Anything else is refused, naming the key.
+std::vector<int32_t> token_ids(const json& j, const char* key, const std::string& origin) {
+  std::vector<int32_t> ids;
+  if (!j.contains(key) || j[key].is_null())
+    return ids;
+  auto take = [&](const json& v) {
+    if (!v.is_number_integer() || v.get<int64_t>() < std::numeric_limits<int32_t>::min() ||
+        v.get<int64_t>() > std::numeric_limits<int32_t>::max())
+      bad_config(origin, std::string{key} + " must be token ids, got " + v.dump());
+    // -1 is "none"; other ids outside the vocabulary are refused by the validation.
+    auto id = v.get<int32_t>();
+    if (id != -1 && std::find(ids.begin(), ids.end(), id) == ids.end())
+      ids.push_back(id);
+  };
+  if (j[key].is_array()) {
+    for (auto& v : j[key])
+      take(v);
+  } else {
+    take(j[key]);
+  }
+  return ids;
+}
+
+int32_t token_id(const json& j, const char* key, const std::string& origin) {
+  auto ids = token_ids(j, key, origin);
+  return ids.empty() ? -1 : ids.front();
 }
 
 } // namespace
@@ -81,11 +98,14 @@ void validate_model_config(const model_config& c, const std::string& origin) {
       bad_config(origin, "rope_scaling.original_max_position_embeddings must be positive, got " +
                            std::to_string(r.original_max_position_embeddings));
   }
-  for (auto [key, id] : {std::pair{"bos_token_id", c.bos_token_id},
-                         std::pair{"eos_token_id", c.eos_token_id}})
+  auto in_vocabulary = [&](const char* key, int32_t id) {
     if (id != -1 && (id < 0 || id >= c.vocab_size))
       bad_config(origin, std::string{key} + " " + std::to_string(id) +
                            " is outside the vocabulary of " + std::to_string(c.vocab_size));
+  };
+  in_vocabulary("bos_token_id", c.bos_token_id);
+  for (auto id : c.eos_token_ids)
+    in_vocabulary("eos_token_id", id);
 }
 
 int64_t model_config::num_parameters() const {
@@ -185,8 +205,8 @@ model_config parse_model_config(const std::string& json_text, const std::string&
       c.torch_dtype = j[key].get<std::string>();
       break;
     }
-  c.bos_token_id = token_id(j, "bos_token_id");
-  c.eos_token_id = token_id(j, "eos_token_id");
+  c.bos_token_id = token_id(j, "bos_token_id", origin);
+  c.eos_token_ids = token_ids(j, "eos_token_id", origin);
   validate_model_config(c, origin);
   return c;
 }
@@ -198,7 +218,23 @@ model_config load_model_config(const std::string& directory) {
     throw error{errc::invalid_argument, "cannot read model config '" + path + "'"};
   std::stringstream text;
   text << in.rdbuf();
-  return parse_model_config(text.str(), path);
+  auto c = parse_model_config(text.str(), path);
+  // generation_config.json's end tokens end sequences too (as vLLM adds them to a
+  // request's stop tokens): Llama 3 Instruct lists its end of turn there.
+  auto generation = directory + "/generation_config.json";
+  std::ifstream gen{generation};
+  if (gen) {
+    std::stringstream gen_text;
+    gen_text << gen.rdbuf();
+    auto j = json::parse(gen_text.str(), nullptr, false);
+    if (j.is_discarded() || !j.is_object())
+      bad_config(generation, "not a JSON object");
+    for (auto id : token_ids(j, "eos_token_id", generation))
+      if (std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), id) == c.eos_token_ids.end())
+        c.eos_token_ids.push_back(id);
+    validate_model_config(c, generation);
+  }
+  return c;
 }
 
 std::string to_config_json(const model_config& c) {
@@ -230,8 +266,10 @@ std::string to_config_json(const model_config& c) {
   j["hidden_act"] = "silu";
   if (c.bos_token_id >= 0)
     j["bos_token_id"] = c.bos_token_id;
-  if (c.eos_token_id >= 0)
-    j["eos_token_id"] = c.eos_token_id;
+  if (c.eos_token_ids.size() == 1)
+    j["eos_token_id"] = c.eos_token_ids.front();
+  else if (!c.eos_token_ids.empty())
+    j["eos_token_id"] = c.eos_token_ids;
   j["torch_dtype"] = c.torch_dtype;
   return j.dump(2);
 }

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace troupe {
 
@@ -33,7 +34,10 @@ struct model_config {
   /// q, k and v projections carry a bias (Qwen2).
   bool attention_bias = false;
   int32_t bos_token_id = -1;
-  int32_t eos_token_id = -1;
+  /// Every token that ends a sequence: config.json's `eos_token_id` (one or a list) and
+  /// generation_config.json's next to it, or a GGUF file's end-of-sequence and end-of-turn
+  /// tokens; first come first, no repeats.
+  std::vector<int32_t> eos_token_ids;
   /// The element type the checkpoint was saved in (`torch_dtype`): `"float32"`,
   /// `"float16"`, `"bfloat16"`.
   std::string torch_dtype = "float32";

@@ -296,7 +296,12 @@ model_config gguf_file::config() const {
     return v ? static_cast<int32_t>(*v) : -1;
   };
   c.bos_token_id = token("tokenizer.ggml.bos_token_id");
-  c.eos_token_id = token("tokenizer.ggml.eos_token_id");
+  // End of sequence, and llama.cpp's end of turn and end of message where the file has them.
+  for (auto key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                   "tokenizer.ggml.eom_token_id"})
+    if (auto id = token(key); id >= 0 &&
+        std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), id) == c.eos_token_ids.end())
+      c.eos_token_ids.push_back(id);
   validate_model_config(c, path_);
   return c;
 }

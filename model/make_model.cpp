@@ -142,7 +142,7 @@ model_config smollm2_135m_config() {
   c.rms_norm_eps = 1e-5;
   c.tie_word_embeddings = true;
   c.bos_token_id = 1;
-  c.eos_token_id = 2;
+  c.eos_token_ids = {2};
   return c;
 }
 

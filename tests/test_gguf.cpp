@@ -103,7 +103,7 @@ TEST_CASE("the metadata gives the model's shape") {
   CHECK(c.intermediate_size == 160);
   CHECK(c.vocab_size == 256);
   CHECK(!c.tie_word_embeddings);
-  CHECK(c.eos_token_id == 2);
+  CHECK(c.eos_token_ids == std::vector<int32_t>{2});
 }
 
 TEST_CASE("prefill logits of every tensor type match transformers on the same file, "

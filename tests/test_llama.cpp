@@ -215,6 +215,15 @@ TEST_CASE("configs and weights that would compute garbage are refused, naming th
   CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"eos_token_id":256})"), "c.json"),
                        doctest::Contains("eos_token_id 256 is outside the vocabulary of 256"),
                        error);
+  // End tokens come as one or as a list (Llama 3), all kept, each once.
+  CHECK(parse_model_config(config_text(R"({"eos_token_id":[2, 7, 2]})"), "c.json").eos_token_ids ==
+        std::vector<int32_t>{2, 7});
+  CHECK(parse_model_config(config_text(R"({"eos_token_id":null})"), "c.json").eos_token_ids.empty());
+  CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"eos_token_id":[2, 300]})"), "c.json"),
+                       doctest::Contains("eos_token_id 300 is outside the vocabulary of 256"),
+                       error);
+  CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"eos_token_id":"2"})"), "c.json"),
+                       doctest::Contains("eos_token_id must be token ids"), error);
   CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"bos_token_id":-7})"), "c.json"),
                        doctest::Contains("bos_token_id -7 is outside"), error);
   cpu_device dev{0};

@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <unistd.h>
+
 using namespace troupe;
 using troupe::testing::greedy;
 using troupe::testing::read_json;
@@ -45,6 +47,37 @@ TEST_CASE("a batch of token-id prompts gives transformers' greedy tokens") {
   std::vector<generation_request> too_long{{"", std::vector<int32_t>(600, 5), greedy(4), {}}};
   CHECK_THROWS_WITH_AS(model.generate(too_long), doctest::Contains("600 tokens"), error);
   CHECK_THROWS_AS(model.chat_prompt("hi"), error);
+}
+
+TEST_CASE("every end token of config.json and generation_config.json ends a sequence") {
+  // llama-gqa as Llama 3 Instruct ships its ends: a list in config.json, and more in
+  // generation_config.json (the end of a turn).
+  namespace fs = std::filesystem;
+  auto ref = read_json(fixtures + "/llama-gqa/reference.json")["prompts"][0];
+  auto run = ref["greedy"].get<std::vector<int32_t>>(); // 16, 247, 209, 139, 57, ...
+  auto dir = fs::temp_directory_path() / ("troupe-eos-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  fs::copy_file(fixtures + "/llama-gqa/model.safetensors", dir / "model.safetensors",
+                fs::copy_options::overwrite_existing);
+  auto config = read_json(fixtures + "/llama-gqa/config.json");
+  config["eos_token_id"] = {2, run[4]};
+  std::ofstream{dir / "config.json"} << config.dump();
+  std::ofstream{dir / "generation_config.json"} << nlohmann::json{{"eos_token_id", {run[2], 2}}}.dump();
+  llm_config cfg;
+  cfg.model = dir.string();
+  cfg.kv_cache_memory_bytes = 2 << 20;
+  cfg.block_size = 4;
+  llm model{cfg};
+  auto sp = greedy(32);
+  sp.ignore_eos = false;
+  auto prompt = ref["token_ids"].get<std::vector<int32_t>>();
+  auto out = model.generate({{"", prompt, sp, {}}})[0];
+  // The run reaches generation_config's end first, then config.json's second one.
+  CHECK(out.token_ids == std::vector<int32_t>(run.begin(), run.begin() + 3));
+  CHECK(out.finish_reason == "stop");
+  sp.ignore_eos = true;
+  CHECK(model.generate({{"", prompt, sp, {}}})[0].token_ids == run);
+  fs::remove_all(dir);
 }
 
 TEST_CASE("SmolLM2: chat prompts and generation as transformers does them") {
