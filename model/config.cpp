@@ -185,15 +185,23 @@ model_config parse_model_config(const std::string& json_text, const std::string&
       bad_config(origin, "rope type " + type + " is not supported (default, llama3)");
     }
   }
-  if (j.value("use_sliding_window", false))
-    bad_config(origin, "sliding-window attention is not supported");
+  // A config with a `use_sliding_window` switch (Qwen2) slides only when it is on: real
+  // Qwen2 checkpoints ship it off next to a 4096 window and 32K-128K positions. Mistral's
+  // window has no switch.
+  bool window = true;
+  if (j.contains("use_sliding_window")) {
+    auto& on = j["use_sliding_window"];
+    window = on.is_boolean() && on.get<bool>();
+    if (window)
+      bad_config(origin, "sliding-window attention is not supported");
+  }
   if (j.value("mlp_bias", false))
     bad_config(origin, "mlp_bias is not supported");
   if (c.architecture != "Qwen2ForCausalLM" && j.value("attention_bias", false))
     bad_config(origin, "attention_bias (which also biases o_proj) is not supported");
   // Mistral's sliding window: within it attention is full, so sequences are kept inside it
   // instead of approximating beyond.
-  if (j.contains("sliding_window") && j["sliding_window"].is_number_integer()
+  if (window && j.contains("sliding_window") && j["sliding_window"].is_number_integer()
       && j["sliding_window"].get<int64_t>() > 0)
     c.max_position_embeddings =
       std::min(c.max_position_embeddings, j["sliding_window"].get<int64_t>());

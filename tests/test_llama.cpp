@@ -215,6 +215,16 @@ TEST_CASE("configs and weights that would compute garbage are refused, naming th
   CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"eos_token_id":256})"), "c.json"),
                        doctest::Contains("eos_token_id 256 is outside the vocabulary of 256"),
                        error);
+  // Qwen2 ships use_sliding_window false next to a window: attention is full, and the
+  // positions are all of max_position_embeddings. Mistral's window (no switch) caps them.
+  CHECK(parse_model_config(config_text(R"({"architectures":["Qwen2ForCausalLM"],
+      "model_type":"qwen2","use_sliding_window":false,"sliding_window":128,
+      "max_position_embeddings":512})"), "c.json").max_position_embeddings == 512);
+  CHECK(parse_model_config(config_text(R"({"architectures":["MistralForCausalLM"],
+      "model_type":"mistral","sliding_window":128,"max_position_embeddings":512})"),
+                           "c.json").max_position_embeddings == 128);
+  CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"use_sliding_window":true,
+      "sliding_window":128})"), "c.json"), doctest::Contains("sliding-window attention"), error);
   // End tokens come as one or as a list (Llama 3), all kept, each once.
   CHECK(parse_model_config(config_text(R"({"eos_token_id":[2, 7, 2]})"), "c.json").eos_token_ids ==
         std::vector<int32_t>{2, 7});
