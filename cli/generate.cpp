@@ -279,6 +279,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
       for (size_t i = 0; i < outputs.size(); ++i) {
         auto& out = outputs[i];
         all.push_back({{"prompt", i < o->prompts.size() ? o->prompts[i] : out.prompt},
+                       {"prompt_token_ids", out.prompt_token_ids},
                        {"text", out.text},
                        {"token_ids", out.token_ids},
                        {"logprobs", out.logprobs},

@@ -80,16 +80,47 @@ size_t sequence_length(unsigned char c) {
   return 0;
 }
 
+/// The length of the well-formed UTF-8 character at text[i] (Unicode's table 3-7: no
+/// overlong forms, no surrogates, nothing past U+10FFFF); 0 when there is none, with the
+/// length of the maximal ill-formed subpart there (what one U+FFFD stands for) in `bad`.
+size_t utf8_char(std::string_view text, size_t i, size_t* bad) {
+  auto c = static_cast<unsigned char>(text[i]);
+  if (c < 0x80)
+    return 1;
+  size_t n = 0;
+  unsigned char low = 0x80; // the second byte's range; later ones are 80..BF
+  unsigned char high = 0xbf;
+  if (c >= 0xc2 && c <= 0xdf) {
+    n = 2;
+  } else if (c >= 0xe0 && c <= 0xef) {
+    n = 3;
+    low = c == 0xe0 ? 0xa0 : 0x80;
+    high = c == 0xed ? 0x9f : 0xbf;
+  } else if (c >= 0xf0 && c <= 0xf4) {
+    n = 4;
+    low = c == 0xf0 ? 0x90 : 0x80;
+    high = c == 0xf4 ? 0x8f : 0xbf;
+  } else {
+    *bad = 1;
+    return 0;
+  }
+  for (size_t k = 1; k < n; ++k) {
+    auto b = i + k < text.size() ? static_cast<unsigned char>(text[i + k]) : 0;
+    if (i + k >= text.size() || b < (k == 1 ? low : 0x80) || b > (k == 1 ? high : 0xbf)) {
+      *bad = k;
+      return 0;
+    }
+  }
+  return n;
+}
+
 void check_utf8(std::string_view text) {
   for (size_t i = 0; i < text.size();) {
-    auto n = sequence_length(static_cast<unsigned char>(text[i]));
-    if (n == 0 || i + n > text.size())
+    size_t bad = 0;
+    auto n = utf8_char(text, i, &bad);
+    if (n == 0)
       throw error{errc::invalid_argument,
-                  "tokenizer: text is not valid UTF-8 at byte " + std::to_string(i)};
-    for (size_t k = 1; k < n; ++k)
-      if ((static_cast<unsigned char>(text[i + k]) >> 6) != 0x2)
-        throw error{errc::invalid_argument,
-                    "tokenizer: text is not valid UTF-8 at byte " + std::to_string(i + k)};
+                  "tokenizer: text is not valid UTF-8 at byte " + std::to_string(i + bad - 1)};
     i += n;
   }
 }
@@ -273,6 +304,22 @@ std::vector<int32_t> tokenizer::encode(std::string_view text, bool parse_special
   return out;
 }
 
+std::string valid_utf8(std::string_view bytes) {
+  std::string out;
+  out.reserve(bytes.size());
+  for (size_t i = 0; i < bytes.size();) {
+    size_t bad = 0;
+    if (auto n = utf8_char(bytes, i, &bad)) {
+      out.append(bytes.substr(i, n));
+      i += n;
+    } else {
+      out += "\xef\xbf\xbd"; // U+FFFD
+      i += bad;
+    }
+  }
+  return out;
+}
+
 std::string tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special) const {
   std::string out;
   for (auto id : ids) {
@@ -298,7 +345,9 @@ std::string tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special
       i += n;
     }
   }
-  return out;
+  // Ids that end inside a character (an emoji over two tokens, a cut-off generation) give
+  // bytes that are not UTF-8: as transformers, each broken sequence becomes U+FFFD.
+  return valid_utf8(out);
 }
 
 } // namespace troupe

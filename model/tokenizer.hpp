@@ -9,6 +9,11 @@
 
 namespace troupe {
 
+/// `bytes` with each ill-formed UTF-8 sequence (its maximal ill-formed subpart: a cut-off
+/// character, a stray continuation byte, an overlong form, a surrogate) replaced by U+FFFD,
+/// as Python's and Rust's lossy decoders (and so transformers) do.
+std::string valid_utf8(std::string_view bytes);
+
 /// A byte-level BPE tokenizer (GPT-2 style, as SmolLM2, Llama 3 and Qwen2 use), read from a
 /// Hugging Face `tokenizer.json` or from a GGUF file's `tokenizer.ggml.*` metadata.
 /// Encoding splits out special tokens, pre-tokenizes with GPT-2's pattern, maps bytes to
@@ -28,7 +33,8 @@ public:
   /// `parse_special`.
   std::vector<int32_t> encode(std::string_view text, bool parse_special = true) const;
 
-  /// Text of `ids`; special tokens are left out when `skip_special`.
+  /// Text of `ids`, always valid UTF-8 (see `valid_utf8`); special tokens are left out
+  /// when `skip_special`.
   std::string decode(const std::vector<int32_t>& ids, bool skip_special = false) const;
 
   /// The id of a token's text, or -1.

@@ -121,3 +121,23 @@ TEST_CASE("SmolLM2's GGUF tokenizer gives the token ids of transformers") {
           run["continuation"].get<std::string>());
   }
 }
+
+TEST_CASE("broken UTF-8 decodes as transformers decodes it: one U+FFFD per broken sequence") {
+  auto ref = read_json(fixtures + "/utf8-decode.json"); // scripts/make-utf8-fixture.py
+  for (auto& c : ref["bytes"]) {
+    auto hex = c["hex"].get<std::string>();
+    std::string bytes;
+    for (size_t i = 0; i + 1 < hex.size(); i += 2)
+      bytes.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+    CHECK_MESSAGE(valid_utf8(bytes) == c["text"].get<std::string>(), hex);
+  }
+  // Ids cut inside a character (an emoji over two tokens, as a generation can stop): the
+  // text is still valid UTF-8, so it can go into JSON.
+  auto tok = tokenizer::from_json(fixtures + "/tiny-tokenizer/tokenizer.json");
+  for (auto& c : ref["tokens"]) {
+    auto ids = c["ids"].get<std::vector<int32_t>>();
+    auto text = tok.decode(ids);
+    CHECK_MESSAGE(text == c["text"].get<std::string>(), nlohmann::json(ids).dump());
+    CHECK_NOTHROW((void)nlohmann::json(text).dump());
+  }
+}
