@@ -70,8 +70,9 @@ llm::llm(llm_config config) : impl_(std::make_unique<impl>()) {
   ec.tensor_parallel_size = d.cfg.tensor_parallel_size;
   ec.device_kind = d.cfg.device;
   ec.block_size = d.cfg.block_size;
-  auto max_len = d.cfg.max_model_len > 0 ? std::min<int64_t>(d.cfg.max_model_len, d.model.max_position_embeddings)
-                                         : d.model.max_position_embeddings;
+  auto max_len = d.cfg.max_model_len > 0
+                   ? std::min<int64_t>(d.cfg.max_model_len, d.model.max_sequence_length())
+                   : d.model.max_sequence_length();
   ec.max_model_len = static_cast<int32_t>(max_len);
   ec.rpc_timeout = std::chrono::minutes(10);
   model_worker_options mw;

@@ -84,20 +84,28 @@ void validate_model_config(const model_config& c, const std::string& origin) {
     bad_config(origin, "head_dim must be even for rotary embeddings");
   if (!(c.rms_norm_eps > 0) || !(c.rope_theta > 0))
     bad_config(origin, "rms_norm_eps and rope_theta must be positive");
-  if (c.rope_scaling.enabled) {
-    // llama3's scaling divides by the factor and by high_freq_factor - low_freq_factor.
-    auto& r = c.rope_scaling;
+  using rope = rope_scaling_config::kind;
+  auto& r = c.rope_scaling;
+  if (r.type != rope::none) {
+    // Every scaling divides by its factor; llama3 also by high_freq_factor - low_freq_factor.
     if (!(r.factor > 0) || !std::isfinite(r.factor))
       bad_config(origin, "rope_scaling.factor must be positive, got " + std::to_string(r.factor));
-    if (!(r.low_freq_factor > 0) || !(r.high_freq_factor > r.low_freq_factor) ||
-        !std::isfinite(r.high_freq_factor))
-      bad_config(origin, "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got " +
-                           std::to_string(r.low_freq_factor) + " and " +
-                           std::to_string(r.high_freq_factor));
-    if (r.original_max_position_embeddings <= 0)
-      bad_config(origin, "rope_scaling.original_max_position_embeddings must be positive, got " +
-                           std::to_string(r.original_max_position_embeddings));
+    if ((r.type == rope::yarn || r.type == rope::dynamic) && r.factor < 1)
+      bad_config(origin, "rope_scaling.factor must be at least 1, got " + std::to_string(r.factor));
   }
+  if (r.type == rope::llama3 &&
+      (!(r.low_freq_factor > 0) || !(r.high_freq_factor > r.low_freq_factor) ||
+       !std::isfinite(r.high_freq_factor)))
+    bad_config(origin, "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got " +
+                         std::to_string(r.low_freq_factor) + " and " +
+                         std::to_string(r.high_freq_factor));
+  if ((r.type == rope::llama3 || r.type == rope::yarn) && r.original_max_position_embeddings <= 0)
+    bad_config(origin, "rope_scaling.original_max_position_embeddings must be positive, got " +
+                         std::to_string(r.original_max_position_embeddings));
+  if (r.type == rope::yarn &&
+      (!(r.beta_fast > r.beta_slow) || !(r.beta_slow > 0) || !(r.attention_factor > 0)))
+    bad_config(origin, "rope_scaling needs beta_fast > beta_slow > 0 and a positive "
+                       "attention_factor");
   auto in_vocabulary = [&](const char* key, int32_t id) {
     if (id != -1 && (id < 0 || id >= c.vocab_size))
       bad_config(origin, std::string{key} + " " + std::to_string(id) +
@@ -106,6 +114,23 @@ void validate_model_config(const model_config& c, const std::string& origin) {
   in_vocabulary("bos_token_id", c.bos_token_id);
   for (auto id : c.eos_token_ids)
     in_vocabulary("eos_token_id", id);
+}
+
+int64_t model_config::max_sequence_length() const {
+  using rope = rope_scaling_config::kind;
+  auto scaled = [](int64_t length, double factor) {
+    return static_cast<int64_t>(static_cast<double>(length) * factor);
+  };
+  switch (rope_scaling.type) {
+    case rope::linear:
+    case rope::dynamic:
+      return std::max(max_position_embeddings, scaled(max_position_embeddings, rope_scaling.factor));
+    case rope::yarn:
+      return std::max(max_position_embeddings,
+                      scaled(rope_scaling.original_max_position_embeddings, rope_scaling.factor));
+    default:
+      return max_position_embeddings;
+  }
 }
 
 int64_t model_config::num_parameters() const {
@@ -174,15 +199,42 @@ model_config parse_model_config(const std::string& json_text, const std::string&
   if (rope) {
     auto& rs = *rope;
     auto type = rs.value("rope_type", rs.value("type", std::string{}));
+    auto& r = c.rope_scaling;
+    auto number = [&](const char* key, double fallback) {
+      return rs.contains(key) && rs[key].is_number() ? rs[key].get<double>() : fallback;
+    };
+    r.factor = number("factor", 1.0);
+    r.original_max_position_embeddings = static_cast<int64_t>(
+      number("original_max_position_embeddings", type == "llama3" ? 8192.0 : 0.0));
     if (type == "llama3") {
-      c.rope_scaling.enabled = true;
-      c.rope_scaling.factor = rs.value("factor", 8.0);
-      c.rope_scaling.low_freq_factor = rs.value("low_freq_factor", 1.0);
-      c.rope_scaling.high_freq_factor = rs.value("high_freq_factor", 4.0);
-      c.rope_scaling.original_max_position_embeddings =
-        rs.value("original_max_position_embeddings", int64_t{8192});
+      r.type = rope_scaling_config::kind::llama3;
+      r.factor = number("factor", 8.0);
+      r.low_freq_factor = number("low_freq_factor", 1.0);
+      r.high_freq_factor = number("high_freq_factor", 4.0);
+    } else if (type == "linear") {
+      r.type = rope_scaling_config::kind::linear;
+    } else if (type == "dynamic") {
+      r.type = rope_scaling_config::kind::dynamic;
+    } else if (type == "yarn") {
+      r.type = rope_scaling_config::kind::yarn;
+      if (r.original_max_position_embeddings <= 0)
+        r.original_max_position_embeddings = c.max_position_embeddings;
+      // beta_fast and beta_slow of 0 or absent take the paper's 32 and 1, as transformers.
+      r.beta_fast = number("beta_fast", 0.0) > 0 ? number("beta_fast", 0.0) : 32.0;
+      r.beta_slow = number("beta_slow", 0.0) > 0 ? number("beta_slow", 0.0) : 1.0;
+      r.truncate = rs.value("truncate", true);
+      auto mscale = [](double scale, double m) {
+        return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+      };
+      auto m = number("mscale", 0.0);
+      auto m_all = number("mscale_all_dim", 0.0);
+      r.attention_factor = rs.contains("attention_factor") && rs["attention_factor"].is_number()
+                             ? rs["attention_factor"].get<double>()
+                           : m > 0 && m_all > 0 ? mscale(r.factor, m) / mscale(r.factor, m_all)
+                                                : mscale(r.factor, 1.0);
     } else if (!type.empty() && type != "default") {
-      bad_config(origin, "rope type " + type + " is not supported (default, llama3)");
+      bad_config(origin, "rope type " + type +
+                           " is not supported (default, linear, dynamic, yarn, llama3)");
     }
   }
   // A config with a `use_sliding_window` switch (Qwen2) slides only when it is on: real
@@ -246,6 +298,7 @@ model_config load_model_config(const std::string& directory) {
 }
 
 std::string to_config_json(const model_config& c) {
+  using rope = rope_scaling_config::kind;
   json j;
   j["architectures"] = {c.architecture};
   j["model_type"] = c.architecture == "Qwen2ForCausalLM"     ? "qwen2"
@@ -261,13 +314,33 @@ std::string to_config_json(const model_config& c) {
   j["max_position_embeddings"] = c.max_position_embeddings;
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_theta"] = c.rope_theta;
-  if (c.rope_scaling.enabled)
-    j["rope_scaling"] = {{"rope_type", "llama3"},
-                         {"factor", c.rope_scaling.factor},
-                         {"low_freq_factor", c.rope_scaling.low_freq_factor},
-                         {"high_freq_factor", c.rope_scaling.high_freq_factor},
-                         {"original_max_position_embeddings",
-                          c.rope_scaling.original_max_position_embeddings}};
+  switch (c.rope_scaling.type) {
+    case rope::none:
+      break;
+    case rope::linear:
+    case rope::dynamic:
+      j["rope_scaling"] = {{"rope_type", c.rope_scaling.type == rope::linear ? "linear" : "dynamic"},
+                           {"factor", c.rope_scaling.factor}};
+      break;
+    case rope::yarn:
+      j["rope_scaling"] = {{"rope_type", "yarn"},
+                           {"factor", c.rope_scaling.factor},
+                           {"original_max_position_embeddings",
+                            c.rope_scaling.original_max_position_embeddings},
+                           {"beta_fast", c.rope_scaling.beta_fast},
+                           {"beta_slow", c.rope_scaling.beta_slow},
+                           {"attention_factor", c.rope_scaling.attention_factor},
+                           {"truncate", c.rope_scaling.truncate}};
+      break;
+    case rope::llama3:
+      j["rope_scaling"] = {{"rope_type", "llama3"},
+                           {"factor", c.rope_scaling.factor},
+                           {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                           {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                           {"original_max_position_embeddings",
+                            c.rope_scaling.original_max_position_embeddings}};
+      break;
+  }
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   if (c.architecture != "Qwen2ForCausalLM")
     j["attention_bias"] = c.attention_bias;

@@ -6,13 +6,35 @@
 
 namespace troupe {
 
-/// The llama3 rope scaling of Hugging Face's `rope_scaling` (`rope_type: "llama3"`).
-struct llama3_rope_scaling {
-  bool enabled = false;
-  double factor = 8.0;
+/// Hugging Face's `rope_scaling` (`rope_parameters` since transformers 5): how the rotary
+/// frequencies stretch past the length a model was trained for.
+struct rope_scaling_config {
+  enum class kind {
+    none,
+    /// Every frequency divided by `factor` (positions interpolated).
+    linear,
+    /// NTK-aware: a step of a sequence longer than max_position_embeddings raises the
+    /// rotary base with its length, as transformers does it for that step.
+    dynamic,
+    /// YaRN: frequencies interpolated below a band of wavelengths, kept above it, blended
+    /// within (`beta_fast`, `beta_slow` rotations); cos and sin scaled by
+    /// `attention_factor`.
+    yarn,
+    /// Llama 3.1: long wavelengths divided by `factor`, short ones kept, smoothed between.
+    llama3,
+  };
+  kind type = kind::none;
+  double factor = 1.0;
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
-  int64_t original_max_position_embeddings = 8192;
+  int64_t original_max_position_embeddings = 0;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  /// YaRN's scale of cos and sin (from `factor`, or `mscale` / `mscale_all_dim`, when the
+  /// config does not give it).
+  double attention_factor = 1.0;
+  /// YaRN rounds its band of dimensions outwards (transformers' `truncate`).
+  bool truncate = true;
 };
 
 /// The shape of a Llama-family decoder, read from a Hugging Face `config.json`.
@@ -29,7 +51,7 @@ struct model_config {
   int64_t max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
-  llama3_rope_scaling rope_scaling;
+  rope_scaling_config rope_scaling;
   bool tie_word_embeddings = false;
   /// q, k and v projections carry a bias (Qwen2).
   bool attention_bias = false;
@@ -44,6 +66,11 @@ struct model_config {
 
   /// Parameters of the whole model (all ranks together).
   int64_t num_parameters() const;
+
+  /// The longest sequence the model runs, as vLLM derives it: max_position_embeddings,
+  /// times the factor of linear or dynamic rope scaling; YaRN's original length times its
+  /// factor.
+  int64_t max_sequence_length() const;
 };
 
 /// Reads `config.json` of a Hugging Face model directory. Throws `troupe::error`

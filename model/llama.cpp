@@ -136,12 +136,46 @@ llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t wo
   local_inter_ = share(cfg_.intermediate_size, rank + 1) - inter_begin_;
   vocab_begin_ = share(cfg_.vocab_size, rank);
   local_vocab_ = share(cfg_.vocab_size, rank + 1) - vocab_begin_;
-  // Rotary frequencies, with the llama3 rescaling of long wavelengths.
-  auto half = cfg_.head_dim / 2;
+  base_inv_freq_ = rotary_frequencies(cfg_.rope_theta);
+  inv_freq_ = base_inv_freq_;
+}
+
+std::vector<double> llama_model::rotary_frequencies(double theta) const {
+  using rope = rope_scaling_config::kind;
+  const auto& rs = cfg_.rope_scaling;
+  const auto dim = static_cast<double>(cfg_.head_dim);
+  const auto half = cfg_.head_dim / 2;
+  // YaRN's band of dimensions between beta_fast and beta_slow rotations over the original
+  // length: extrapolated below it, interpolated above, blended linearly within.
+  double yarn_low = 0;
+  double yarn_high = 0;
+  if (rs.type == rope::yarn) {
+    auto dim_of = [&](double rotations) {
+      return dim * std::log(static_cast<double>(rs.original_max_position_embeddings) /
+                            (rotations * 2 * M_PI)) /
+             (2 * std::log(theta));
+    };
+    yarn_low = dim_of(rs.beta_fast);
+    yarn_high = dim_of(rs.beta_slow);
+    if (rs.truncate) {
+      yarn_low = std::floor(yarn_low);
+      yarn_high = std::ceil(yarn_high);
+    }
+    yarn_low = std::max(yarn_low, 0.0);
+    yarn_high = std::min(yarn_high, dim - 1);
+    if (yarn_low == yarn_high)
+      yarn_high += 0.001;
+  }
+  std::vector<double> freqs;
   for (int64_t i = 0; i < half; ++i) {
-    double f = 1.0 / std::pow(cfg_.rope_theta, static_cast<double>(2 * i) / cfg_.head_dim);
-    if (cfg_.rope_scaling.enabled) {
-      auto& rs = cfg_.rope_scaling;
+    double f = 1.0 / std::pow(theta, static_cast<double>(2 * i) / dim);
+    if (rs.type == rope::linear) {
+      f /= rs.factor;
+    } else if (rs.type == rope::yarn) {
+      double ramp = std::clamp((static_cast<double>(i) - yarn_low) / (yarn_high - yarn_low), 0.0, 1.0);
+      double extrapolated = 1.0 - ramp;
+      f = f / rs.factor * (1.0 - extrapolated) + f * extrapolated;
+    } else if (rs.type == rope::llama3) {
       double old_len = static_cast<double>(rs.original_max_position_embeddings);
       double low_wavelen = old_len / rs.low_freq_factor;
       double high_wavelen = old_len / rs.high_freq_factor;
@@ -154,9 +188,9 @@ llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t wo
         f = (1.0 - smooth) * f / rs.factor + smooth * f;
       }
     }
-    base_inv_freq_.push_back(f);
+    freqs.push_back(f);
   }
-  inv_freq_ = base_inv_freq_;
+  return freqs;
 }
 
 std::string llama_model::architecture() const {
@@ -242,6 +276,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
                     (cfg_.attention_bias ? ", with" : ", without") + " attention biases)"};
   }
   inv_freq_ = base_inv_freq_;
+  dynamic_freqs_.clear();
   if (ckpt.contains("rope_freqs.weight")) {
     auto& t = ckpt.at("rope_freqs.weight");
     if (t.shape != std::vector<int64_t>{static_cast<int64_t>(inv_freq_.size())})
@@ -556,12 +591,41 @@ std::vector<char> llama_model::download(const local_tensor& t) const {
   return host;
 }
 
-void llama_model::rope_tables(int32_t position, float* cos, float* sin) const {
-  for (size_t i = 0; i < inv_freq_.size(); ++i) {
-    double angle = position * inv_freq_[i];
-    cos[i] = static_cast<float>(std::cos(angle));
-    sin[i] = static_cast<float>(std::sin(angle));
+void llama_model::rope_tables(int32_t position, const std::vector<double>& freqs, float* cos,
+                              float* sin) const {
+  // YaRN scales both (transformers' attention_scaling); the others by 1.
+  const double scale = cfg_.rope_scaling.type == rope_scaling_config::kind::yarn
+                         ? cfg_.rope_scaling.attention_factor
+                         : 1.0;
+  for (size_t i = 0; i < freqs.size(); ++i) {
+    double angle = position * freqs[i];
+    cos[i] = static_cast<float>(std::cos(angle) * scale);
+    sin[i] = static_cast<float>(std::sin(angle) * scale);
   }
+}
+
+const std::vector<double>& llama_model::step_frequencies(int64_t length) {
+  const auto& rs = cfg_.rope_scaling;
+  if (rs.type != rope_scaling_config::kind::dynamic || length <= cfg_.max_position_embeddings)
+    return inv_freq_;
+  // Dynamic NTK for a step that reaches `length` positions: a larger base, as transformers
+  // computes it for that step (the cache keeps the keys of earlier steps as they were).
+  auto found = dynamic_freqs_.find(length);
+  if (found != dynamic_freqs_.end())
+    return found->second;
+  if (dynamic_freqs_.size() >= 64)
+    dynamic_freqs_.clear();
+  const double dim = static_cast<double>(cfg_.head_dim);
+  double theta = cfg_.rope_theta *
+                 std::pow(rs.factor * static_cast<double>(length) /
+                            static_cast<double>(cfg_.max_position_embeddings) -
+                          (rs.factor - 1),
+                          dim / (dim - 2));
+  auto freqs = rotary_frequencies(theta);
+  // A GGUF file's rope_freqs.weight divides these as it divides the base frequencies.
+  for (size_t i = 0; i < freqs.size(); ++i)
+    freqs[i] *= inv_freq_[i] / base_inv_freq_[i];
+  return dynamic_freqs_.emplace(length, std::move(freqs)).first->second;
 }
 
 void llama_model::run(const execute_model_request& req, kv_cache& cache,
@@ -605,10 +669,10 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
         bad_request("request '" + group.request_id + "': chunk of " + std::to_string(chunk) +
                     " tokens from position " + std::to_string(start) + " does not fit its " +
                     std::to_string(seq.token_ids.size()) + " tokens");
-      if (start + chunk > cfg_.max_position_embeddings)
+      if (start + chunk > cfg_.max_sequence_length())
         bad_request("request '" + group.request_id + "' reaches position " +
-                    std::to_string(start + chunk) + ", past max_position_embeddings " +
-                    std::to_string(cfg_.max_position_embeddings));
+                    std::to_string(start + chunk) + ", past the model's " +
+                    std::to_string(cfg_.max_sequence_length()) + " positions");
       auto blocks_needed = (start + chunk + bs - 1) / bs;
       if (static_cast<int64_t>(seq.block_table.size()) < blocks_needed)
         bad_request("request '" + group.request_id + "': block table has " +
@@ -673,6 +737,11 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   for (int64_t s = 0; s < seqs; ++s)
     std::copy(tables[s], tables[s] + table_blocks[s], &ints[parts.tables + s * max_blocks]);
   std::vector<float> rope(static_cast<size_t>(2 * T * half));
+  // Each sequence's length at the end of the step (dynamic rope scaling depends on it).
+  std::vector<int64_t> step_length(tables.size(), 0);
+  for (auto& tok : tokens)
+    step_length[static_cast<size_t>(tok.seq)] =
+      std::max<int64_t>(step_length[static_cast<size_t>(tok.seq)], tok.position + int64_t{1});
   for (int64_t t = 0; t < T; ++t) {
     auto& tok = tokens[t];
     ints[parts.ids + t] = tok.id;
@@ -680,7 +749,8 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
     ints[parts.slots + t] = tables[tok.seq][tok.position / bs] * static_cast<int32_t>(bs)
                             + tok.position % static_cast<int32_t>(bs);
     ints[parts.token_seq + t] = tok.seq;
-    rope_tables(tok.position, &rope[t * half], &rope[(T + t) * half]);
+    rope_tables(tok.position, step_frequencies(step_length[static_cast<size_t>(tok.seq)]),
+                &rope[t * half], &rope[(T + t) * half]);
   }
   std::copy(sample_token_rows.begin(), sample_token_rows.end(), &ints[parts.samples]);
 

@@ -180,7 +180,16 @@ private:
     tensor_slot input_norm, q, k, v, q_bias, k_bias, v_bias, o, post_norm, gate, up, down;
   };
 
-  void rope_tables(int32_t position, float* cos, float* sin) const;
+  /// The rotary frequencies of the config's scaling for a base of `theta`.
+  std::vector<double> rotary_frequencies(double theta) const;
+
+  /// The frequencies of a step's sequence that reaches `length` positions: `inv_freq_`,
+  /// but for dynamic NTK scaling past max_position_embeddings (cached by length).
+  const std::vector<double>& step_frequencies(int64_t length);
+
+  /// cos and sin of `position` at `freqs` (YaRN scales both).
+  void rope_tables(int32_t position, const std::vector<double>& freqs, float* cos,
+                   float* sin) const;
 
   /// Writes `count` floats from `values` to device memory at `dst` as elements of `type`.
   void upload(void* dst, const float* values, size_t count, dtype type) const;
@@ -234,6 +243,8 @@ private:
   /// `rope_freqs.weight` factors when it has them, as llama.cpp stores llama3 scaling).
   std::vector<double> base_inv_freq_;
   std::vector<double> inv_freq_;
+  /// Dynamic NTK's frequencies by sequence length.
+  std::map<int64_t, std::vector<double>> dynamic_freqs_;
   /// Every weight of this rank in one allocation under `memory_tag::weights`: a GPU maps
   /// memory in 2 MiB granules, so one allocation per tensor would round each small one up.
   device_buffer weights_;

@@ -311,9 +311,9 @@ troupe::model* model_worker::get_model() {
 int64_t model_worker::profile_step_bytes() {
   auto& st = *state_;
   // max_num_batched_tokens tokens in near-even prompts, as many as max_num_seqs allows and
-  // as few as max_position_embeddings does.
+  // as few as the model's longest sequence does.
   int64_t tokens = std::max(1, options_.max_num_batched_tokens);
-  auto max_len = st.config.max_position_embeddings;
+  auto max_len = st.config.max_sequence_length();
   auto seqs = std::max<int64_t>((tokens + max_len - 1) / max_len,
                                 std::min<int64_t>(std::max(1, options_.max_num_seqs), tokens));
   auto bs = context().block_size;

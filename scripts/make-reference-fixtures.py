@@ -55,6 +55,22 @@ def tiny_models():
                                     num_attention_heads=4, num_key_value_heads=2,
                                     rope_theta=1000000.0, tie_word_embeddings=False,
                                     use_sliding_window=False, **common)
+    # The rope scalings vLLM runs besides llama3. dynamic's max_position_embeddings is
+    # short, so that generation runs past it and the base grows with the length.
+    yield "llama-rope-linear", LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "linear", "factor": 2.0}, **common)
+    yield "llama-rope-dynamic", LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+        **{**common, "max_position_embeddings": 24})
+    yield "llama-rope-yarn", LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        **common)
     yield "llama-odd-heads", LlamaConfig(hidden_size=48, intermediate_size=80,
                                          num_hidden_layers=3, num_attention_heads=3,
                                          num_key_value_heads=1, head_dim=16,

@@ -29,7 +29,9 @@ using troupe::testing::relative_error;
 namespace {
 
 const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
-const std::string models[] = {"llama-gqa", "llama3-rope-tied", "qwen2-bias", "llama-odd-heads"};
+const std::string models[] = {"llama-gqa",         "llama3-rope-tied",   "qwen2-bias",
+                               "llama-odd-heads",   "llama-rope-linear",  "llama-rope-dynamic",
+                               "llama-rope-yarn"};
 
 nlohmann::json reference(const std::string& name) {
   std::ifstream in{fixtures + "/" + name + "/reference.json"};

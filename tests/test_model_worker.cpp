@@ -124,6 +124,14 @@ TEST_CASE("a batch of prompts generates the greedy tokens of transformers") {
     check_greedy(name, 1);
 }
 
+TEST_CASE("linear, dynamic-NTK and YaRN rope scaling generate transformers' tokens at TP 1-3") {
+  // The dynamic model's max_position_embeddings is 24: its sequences run past it, where the
+  // base grows with each step's length.
+  for (auto name : {"llama-rope-linear", "llama-rope-dynamic", "llama-rope-yarn"})
+    for (int32_t tp : {1, 2, 3})
+      check_greedy(name, tp);
+}
+
 TEST_CASE("tensor parallel sizes 2 and 4 generate the same greedy tokens") {
   for (auto name : {"llama-gqa", "qwen2-bias", "llama3-rope-tied"})
     check_greedy(name, 2);

@@ -38,7 +38,8 @@ struct llm_config {
   /// Host bytes per worker for swapped-out blocks.
   int64_t swap_space_bytes = 256 << 20;
   int32_t block_size = 16;
-  /// 0 takes the model's max_position_embeddings.
+  /// 0 takes the model's longest sequence (max_position_embeddings, stretched by its rope
+  /// scaling as vLLM does).
   int32_t max_model_len = 0;
   int64_t max_num_batched_tokens = 2048;
   int32_t max_num_seqs = 64;
