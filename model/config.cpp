@@ -140,6 +140,10 @@ int64_t model_config::num_parameters() const {
                       + 3 * hidden_size * intermediate_size + 2 * hidden_size;
   if (attention_bias)
     per_layer += q + 2 * kv;
+  if (o_proj_bias)
+    per_layer += hidden_size;
+  if (mlp_bias)
+    per_layer += 2 * intermediate_size + hidden_size;
   int64_t total = num_hidden_layers * per_layer + vocab_size * hidden_size + hidden_size;
   if (!tie_word_embeddings)
     total += vocab_size * hidden_size;
@@ -247,10 +251,6 @@ model_config parse_model_config(const std::string& json_text, const std::string&
     if (window)
       bad_config(origin, "sliding-window attention is not supported");
   }
-  if (j.value("mlp_bias", false))
-    bad_config(origin, "mlp_bias is not supported");
-  if (c.architecture != "Qwen2ForCausalLM" && j.value("attention_bias", false))
-    bad_config(origin, "attention_bias (which also biases o_proj) is not supported");
   // Mistral's sliding window: within it attention is full, so sequences are kept inside it
   // instead of approximating beyond.
   if (window && j.contains("sliding_window") && j["sliding_window"].is_number_integer()
@@ -258,7 +258,11 @@ model_config parse_model_config(const std::string& json_text, const std::string&
     c.max_position_embeddings =
       std::min(c.max_position_embeddings, j["sliding_window"].get<int64_t>());
   c.tie_word_embeddings = j.value("tie_word_embeddings", false);
-  c.attention_bias = c.architecture == "Qwen2ForCausalLM";
+  // Qwen2 biases q, k and v always; Llama's attention_bias biases o_proj as well.
+  auto flag = [&](const char* key) { return j.contains(key) && j[key].is_boolean() && j[key].get<bool>(); };
+  c.o_proj_bias = c.architecture != "Qwen2ForCausalLM" && flag("attention_bias");
+  c.attention_bias = c.architecture == "Qwen2ForCausalLM" || c.o_proj_bias;
+  c.mlp_bias = flag("mlp_bias");
   // transformers 5 writes dtype, earlier versions torch_dtype.
   for (auto key : {"dtype", "torch_dtype"})
     if (j.contains(key) && j[key].is_string()) {
@@ -343,7 +347,8 @@ std::string to_config_json(const model_config& c) {
   }
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   if (c.architecture != "Qwen2ForCausalLM")
-    j["attention_bias"] = c.attention_bias;
+    j["attention_bias"] = c.o_proj_bias;
+  j["mlp_bias"] = c.mlp_bias;
   j["hidden_act"] = "silu";
   if (c.bos_token_id >= 0)
     j["bos_token_id"] = c.bos_token_id;

@@ -53,8 +53,12 @@ struct model_config {
   double rope_theta = 10000.0;
   rope_scaling_config rope_scaling;
   bool tie_word_embeddings = false;
-  /// q, k and v projections carry a bias (Qwen2).
+  /// q, k and v projections carry a bias (Qwen2, and Llama's `attention_bias`).
   bool attention_bias = false;
+  /// o_proj carries a bias too (Llama's `attention_bias`; not Qwen2).
+  bool o_proj_bias = false;
+  /// gate, up and down projections carry biases (Llama's `mlp_bias`).
+  bool mlp_bias = false;
   int32_t bos_token_id = -1;
   /// Every token that ends a sequence: config.json's `eos_token_id` (one or a list) and
   /// generation_config.json's next to it, or a GGUF file's end-of-sequence and end-of-turn

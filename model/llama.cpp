@@ -246,15 +246,17 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       auto parent = proj <= projection::o ? "self_attn." : "mlp.";
       jobs.push_back({weights[n], p + parent + module_name(proj) + ".weight", {sh.out, sh.in},
                       sh.by_rows ? part::rows : part::cols, sh.start, sh.count, wt});
-      if (proj == projection::v && cfg_.attention_bias) {
-        tensor_slot* biases[] = {&l.q_bias, &l.k_bias, &l.v_bias};
-        for (size_t b = 0; b < 3; ++b) {
-          auto biased = static_cast<projection>(b);
-          auto bias_shard = shard_of(biased);
-          jobs.push_back({biases[b], p + "self_attn." + module_name(biased) + ".bias",
-                          {bias_shard.out}, part::rows, bias_shard.start, bias_shard.count,
-                          f32});
-        }
+      // A bias of a column-parallel projection is split as its rows; one of a row-parallel
+      // projection (o, down) is whole, added once the partial sums are reduced.
+      bool biased = proj <= projection::v ? cfg_.attention_bias
+                    : proj == projection::o ? cfg_.o_proj_bias
+                                            : cfg_.mlp_bias;
+      if (biased) {
+        tensor_slot* biases[] = {&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias,
+                                 &l.gate_bias, &l.up_bias, &l.down_bias};
+        jobs.push_back({biases[n], p + parent + module_name(proj) + ".bias", {sh.out},
+                        sh.by_rows ? part::rows : part::whole, sh.by_rows ? sh.start : 0,
+                        sh.by_rows ? sh.count : 0, f32});
       }
     }
   }
@@ -848,6 +850,8 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
       be.gemm_nt(attn, l.o.data(), l.o.type, h, T, H, q_width);
       apply_lora(li, projection::o, attn, q_width, h, H);
       reduce(h, T * H);
+      if (cfg_.o_proj_bias)
+        be.add_bias(h, l.o_bias.as<float>(), T, H);
       be.add_rms_norm(x, h, l.post_norm.as<float>(), h, T, H, eps);
       if (l.gate.type == l.up.type) {
         be.gemm_nt_shared(h, l.gate.type, T, H,
@@ -858,10 +862,16 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
       }
       apply_lora(li, projection::gate, h, H, gate, local_inter_);
       apply_lora(li, projection::up, h, H, up, local_inter_);
+      if (cfg_.mlp_bias) {
+        be.add_bias(gate, l.gate_bias.as<float>(), T, local_inter_);
+        be.add_bias(up, l.up_bias.as<float>(), T, local_inter_);
+      }
       be.silu_mul(gate, up, gate, T * local_inter_);
       be.gemm_nt(gate, l.down.data(), l.down.type, h, T, H, local_inter_);
       apply_lora(li, projection::down, gate, local_inter_, h, H);
       reduce(h, T * H);
+      if (cfg_.mlp_bias)
+        be.add_bias(h, l.down_bias.as<float>(), T, H);
       if (li + 1 < layers_.size())
         be.add_rms_norm(x, h, layers_[li + 1].input_norm.as<float>(), h, T, H, eps);
       else

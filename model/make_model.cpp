@@ -40,10 +40,17 @@ std::vector<spec> tensor_specs(const model_config& c) {
       specs.push_back({p + "self_attn.v_proj.bias", {KV}, spec::zeros});
     }
     specs.push_back({p + "self_attn.o_proj.weight", {H, Q}, spec::normal});
+    if (c.o_proj_bias)
+      specs.push_back({p + "self_attn.o_proj.bias", {H}, spec::zeros});
     specs.push_back({p + "post_attention_layernorm.weight", {H}, spec::ones});
     specs.push_back({p + "mlp.gate_proj.weight", {I, H}, spec::normal});
     specs.push_back({p + "mlp.up_proj.weight", {I, H}, spec::normal});
     specs.push_back({p + "mlp.down_proj.weight", {H, I}, spec::normal});
+    if (c.mlp_bias) {
+      specs.push_back({p + "mlp.gate_proj.bias", {I}, spec::zeros});
+      specs.push_back({p + "mlp.up_proj.bias", {I}, spec::zeros});
+      specs.push_back({p + "mlp.down_proj.bias", {H}, spec::zeros});
+    }
   }
   specs.push_back({"model.norm.weight", {H}, spec::ones});
   if (!c.tie_word_embeddings)

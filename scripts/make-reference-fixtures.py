@@ -71,6 +71,11 @@ def tiny_models():
         num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
         **common)
+    # Llama's attention_bias (q, k, v and o) and mlp_bias (gate, up, down).
+    yield "llama-bias", LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
+        attention_bias=True, mlp_bias=True, **common)
     yield "llama-odd-heads", LlamaConfig(hidden_size=48, intermediate_size=80,
                                          num_hidden_layers=3, num_attention_heads=3,
                                          num_key_value_heads=1, head_dim=16,

@@ -31,7 +31,7 @@ namespace {
 const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
 const std::string models[] = {"llama-gqa",         "llama3-rope-tied",   "qwen2-bias",
                                "llama-odd-heads",   "llama-rope-linear",  "llama-rope-dynamic",
-                               "llama-rope-yarn"};
+                               "llama-rope-yarn",   "llama-bias"};
 
 nlohmann::json reference(const std::string& name) {
   std::ifstream in{fixtures + "/" + name + "/reference.json"};

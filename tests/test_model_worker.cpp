@@ -124,6 +124,11 @@ TEST_CASE("a batch of prompts generates the greedy tokens of transformers") {
     check_greedy(name, 1);
 }
 
+TEST_CASE("Llama's attention and MLP biases generate transformers' tokens at TP 1-3") {
+  for (int32_t tp : {1, 2, 3})
+    check_greedy("llama-bias", tp);
+}
+
 TEST_CASE("linear, dynamic-NTK and YaRN rope scaling generate transformers' tokens at TP 1-3") {
   // The dynamic model's max_position_embeddings is 24: its sequences run past it, where the
   // base grows with each step's length.
