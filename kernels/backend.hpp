@@ -24,8 +24,10 @@ struct paged_layout {
   const int32_t* block_tables = nullptr;
   int64_t max_blocks = 0;
   const int32_t* token_seq = nullptr;
-  /// Position of every query token: it attends to positions 0..position.
+  /// Position of every query token: it attends to positions 0..position, or to the last
+  /// `window` of them when `window` > 0 (a sliding window).
   const int32_t* positions = nullptr;
+  int64_t window = 0;
   int64_t block_size = 0;
   /// Local query heads and the kv heads they use: query head h reads kv head
   /// (head_begin + h) / group_size - kv_offset of a row of `kv_heads` heads.

@@ -243,20 +243,19 @@ model_config parse_model_config(const std::string& json_text, const std::string&
   }
   // A config with a `use_sliding_window` switch (Qwen2) slides only when it is on: real
   // Qwen2 checkpoints ship it off next to a 4096 window and 32K-128K positions. Mistral's
-  // window has no switch.
+  // window has no switch. Qwen2's, when on, slides only in the layers past
+  // max_window_layers, which troupe does not do.
   bool window = true;
   if (j.contains("use_sliding_window")) {
     auto& on = j["use_sliding_window"];
     window = on.is_boolean() && on.get<bool>();
     if (window)
-      bad_config(origin, "sliding-window attention is not supported");
+      bad_config(origin, "Qwen2's sliding-window attention (use_sliding_window) is not "
+                         "supported; Mistral's is");
   }
-  // Mistral's sliding window: within it attention is full, so sequences are kept inside it
-  // instead of approximating beyond.
   if (window && j.contains("sliding_window") && j["sliding_window"].is_number_integer()
       && j["sliding_window"].get<int64_t>() > 0)
-    c.max_position_embeddings =
-      std::min(c.max_position_embeddings, j["sliding_window"].get<int64_t>());
+    c.sliding_window = j["sliding_window"].get<int64_t>();
   c.tie_word_embeddings = j.value("tie_word_embeddings", false);
   // Qwen2 biases q, k and v always; Llama's attention_bias biases o_proj as well.
   auto flag = [&](const char* key) { return j.contains(key) && j[key].is_boolean() && j[key].get<bool>(); };
@@ -349,6 +348,8 @@ std::string to_config_json(const model_config& c) {
   if (c.architecture != "Qwen2ForCausalLM")
     j["attention_bias"] = c.o_proj_bias;
   j["mlp_bias"] = c.mlp_bias;
+  if (c.sliding_window > 0)
+    j["sliding_window"] = c.sliding_window;
   j["hidden_act"] = "silu";
   if (c.bos_token_id >= 0)
     j["bos_token_id"] = c.bos_token_id;

@@ -59,6 +59,9 @@ struct model_config {
   bool o_proj_bias = false;
   /// gate, up and down projections carry biases (Llama's `mlp_bias`).
   bool mlp_bias = false;
+  /// Each position attends to the last `sliding_window` positions, itself included
+  /// (Mistral's sliding window); 0: to all before it.
+  int64_t sliding_window = 0;
   int32_t bos_token_id = -1;
   /// Every token that ends a sequence: config.json's `eos_token_id` (one or a list) and
   /// generation_config.json's next to it, or a GGUF file's end-of-sequence and end-of-turn

@@ -805,6 +805,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   layout.head_begin = head_begin_;
   layout.group_size = cfg_.num_attention_heads / cfg_.num_key_value_heads;
   layout.kv_offset = kv_offset_;
+  layout.window = cfg_.sliding_window;
   const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   const auto eps = static_cast<float>(cfg_.rms_norm_eps);
 

@@ -34,7 +34,7 @@ print("wrote", out / "dtypes.safetensors")
 # -- tiny random-weight models and their outputs, from transformers ---------------------
 import json
 
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from fixture_lib import reference_runs
 
@@ -71,6 +71,12 @@ def tiny_models():
         num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
         **common)
+    # Mistral's sliding window, short enough that the prompts and their continuations
+    # slide past it.
+    yield "mistral-window", MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
+        sliding_window=6, **common)
     # Llama's attention_bias (q, k, v and o) and mlp_bias (gate, up, down).
     yield "llama-bias", LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -31,7 +31,7 @@ namespace {
 const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
 const std::string models[] = {"llama-gqa",         "llama3-rope-tied",   "qwen2-bias",
                                "llama-odd-heads",   "llama-rope-linear",  "llama-rope-dynamic",
-                               "llama-rope-yarn",   "llama-bias"};
+                               "llama-rope-yarn",   "llama-bias",         "mistral-window"};
 
 nlohmann::json reference(const std::string& name) {
   std::ifstream in{fixtures + "/" + name + "/reference.json"};
@@ -217,14 +217,17 @@ TEST_CASE("configs and weights that would compute garbage are refused, naming th
   CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"eos_token_id":256})"), "c.json"),
                        doctest::Contains("eos_token_id 256 is outside the vocabulary of 256"),
                        error);
-  // Qwen2 ships use_sliding_window false next to a window: attention is full, and the
-  // positions are all of max_position_embeddings. Mistral's window (no switch) caps them.
-  CHECK(parse_model_config(config_text(R"({"architectures":["Qwen2ForCausalLM"],
+  // Qwen2 ships use_sliding_window false next to a window: attention is full, over all of
+  // max_position_embeddings. Mistral's window (no switch) slides.
+  auto qwen2 = parse_model_config(config_text(R"({"architectures":["Qwen2ForCausalLM"],
       "model_type":"qwen2","use_sliding_window":false,"sliding_window":128,
-      "max_position_embeddings":512})"), "c.json").max_position_embeddings == 512);
-  CHECK(parse_model_config(config_text(R"({"architectures":["MistralForCausalLM"],
-      "model_type":"mistral","sliding_window":128,"max_position_embeddings":512})"),
-                           "c.json").max_position_embeddings == 128);
+      "max_position_embeddings":512})"), "c.json");
+  CHECK(qwen2.max_position_embeddings == 512);
+  CHECK(qwen2.sliding_window == 0);
+  auto mistral = parse_model_config(config_text(R"({"architectures":["MistralForCausalLM"],
+      "model_type":"mistral","sliding_window":128,"max_position_embeddings":512})"), "c.json");
+  CHECK(mistral.max_position_embeddings == 512);
+  CHECK(mistral.sliding_window == 128);
   CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"use_sliding_window":true,
       "sliding_window":128})"), "c.json"), doctest::Contains("sliding-window attention"), error);
   // End tokens come as one or as a list (Llama 3), all kept, each once.

@@ -129,6 +129,11 @@ TEST_CASE("Llama's attention and MLP biases generate transformers' tokens at TP 
     check_greedy("llama-bias", tp);
 }
 
+TEST_CASE("Mistral's sliding window generates transformers' tokens past the window at TP 1-3") {
+  for (int32_t tp : {1, 2, 3})
+    check_greedy("mistral-window", tp); // a window of 6; sequences of up to 41 positions
+}
+
 TEST_CASE("linear, dynamic-NTK and YaRN rope scaling generate transformers' tokens at TP 1-3") {
   // The dynamic model's max_position_embeddings is 24: its sequences run past it, where the
   // base grows with each step's length.

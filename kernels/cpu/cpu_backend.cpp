@@ -139,15 +139,17 @@ public:
       auto t = part / l.heads;
       auto head = part % l.heads;
       const int32_t* table = l.block_tables + l.token_seq[t] * l.max_blocks;
-      const auto len = l.positions[t] + int64_t{1};
+      const auto end = l.positions[t] + int64_t{1};
+      const auto first = l.window > 0 ? std::max<int64_t>(0, end - l.window) : 0;
+      const auto len = end - first;
       thread_local std::vector<float> scores;
       thread_local std::vector<int64_t> offsets;
       scores.resize(static_cast<size_t>(len));
       offsets.resize(static_cast<size_t>(len));
       auto kv_head = (l.head_begin + head) / l.group_size - l.kv_offset;
-      for (int64_t p = 0; p < len; ++p) {
+      for (int64_t p = first; p < end; ++p) {
         auto slot = int64_t{table[p / l.block_size]} * l.block_size + p % l.block_size;
-        offsets[static_cast<size_t>(p)] = slot * row + kv_head * l.head_dim;
+        offsets[static_cast<size_t>(p - first)] = slot * row + kv_head * l.head_dim;
       }
       auto offset = (t * l.heads + head) * l.head_dim;
       cpu::attend(isa_, q + offset, l.head_dim, len, scale, k_cache, v_cache, offsets.data(),

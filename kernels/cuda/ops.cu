@@ -318,6 +318,8 @@ __global__ void paged_attention_kernel(const float* q, float* out, const float* 
   int warp = threadIdx.x / 32;
   int lane = threadIdx.x % 32;
   int64_t len = static_cast<int64_t>(l.positions[token]) + 1;
+  // A sliding window starts at the window's first position.
+  int64_t first = l.window > 0 && len > l.window ? len - l.window : 0;
   int64_t row = l.kv_heads * l.head_dim;
   int64_t kv_head = (l.head_begin + head) / l.group_size - l.kv_offset;
   const float* query = q + (token * l.heads + head) * l.head_dim;
@@ -334,7 +336,7 @@ __global__ void paged_attention_kernel(const float* q, float* out, const float* 
   }
   float running_max = -INFINITY;
   float running_sum = 0.0f;
-  for (int64_t p = warp; p < len; p += attention_warps) {
+  for (int64_t p = first + warp; p < len; p += attention_warps) {
     int64_t slot = static_cast<int64_t>(table[p / l.block_size]) * l.block_size + p % l.block_size;
     const float* key = k_cache + slot * row + kv_head * l.head_dim;
     const float* value = v_cache + slot * row + kv_head * l.head_dim;
@@ -371,7 +373,7 @@ __global__ void paged_attention_kernel(const float* q, float* out, const float* 
       warp_acc[warp][d] = acc[i];
   }
   __syncthreads();
-  // Warps that saw no position (len < attention_warps) have max -inf and weigh nothing.
+  // Warps that saw no position (fewer than attention_warps) have max -inf and weigh nothing.
   float block_max = -INFINITY;
   for (int w = 0; w < attention_warps; ++w)
     block_max = fmaxf(block_max, warp_max[w]);
