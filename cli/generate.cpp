@@ -265,8 +265,11 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
       };
     llm model{cfg};
     std::vector<generation_request> reqs;
-    for (auto& p : o->prompts)
+    for (auto& p : o->prompts) {
+      // A rendered chat prompt holds the template's special tokens already.
       reqs.push_back({o->chat ? model.chat_prompt(p) : p, {}, sp, o->stop});
+      reqs.back().add_special_tokens = !o->chat;
+    }
     for (size_t i = 0; i < id_prompts.size(); ++i)
       reqs.push_back({o->prompt_ids[i], id_prompts[i], sp, o->stop});
     for (size_t i = 0; i < reqs.size(); ++i) {

@@ -230,7 +230,7 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
                        ? std::string{"the model has no tokenizer"}
                        : "the model's tokenizer cannot be used (" + d.tokenizer_problem + ")") +
                       ": give prompt token ids instead of text"};
-      out.prompt_token_ids = d.tok->encode(req.prompt);
+      out.prompt_token_ids = d.tok->encode(req.prompt, true, req.add_special_tokens);
     }
     engine_request r;
     if (req.prompt_adapter) {

@@ -5,11 +5,16 @@
 
 #include <boost/regex/icu.hpp>
 #include <nlohmann/json.hpp>
+#include <unicode/normalizer2.h>
+#include <unicode/unistr.h>
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <fstream>
+#include <functional>
 #include <limits>
+#include <map>
 
 namespace troupe {
 
@@ -55,16 +60,52 @@ const byte_map& bytes() {
   return map;
 }
 
-/// GPT-2's pre-tokenizer pattern. Boost's \p{L} means lowercase letters only, so letters
-/// and numbers are spelled out by their general categories.
-const boost::u32regex& pre_tokenizer() {
-  static const auto re = boost::make_u32regex(
-    R"('s|'t|'re|'ve|'m|'ll|'d)"
-    R"(| ?[[:Lu:][:Ll:][:Lt:][:Lm:][:Lo:]]+)"
-    R"(| ?[[:Nd:][:Nl:][:No:]]+)"
-    R"(| ?[^\s[:Lu:][:Ll:][:Lt:][:Lm:][:Lo:][:Nd:][:Nl:][:No:]]+)"
-    R"(|\s+(?!\S)|\s+)");
-  return re;
+/// GPT-2's pre-tokenizer pattern (byte-level with `use_regex`).
+constexpr const char* gpt2_pattern =
+  R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+/// A tokenizer's regex (Oniguruma's syntax, as the tokenizers library reads it) for Boost
+/// with ICU. Boost reads \p{L} as lowercase letters only, so Unicode's one-letter general
+/// categories are spelled out by their two-letter ones, inside a bracket or as one.
+boost::u32regex tokenizer_regex(const std::string& pattern, const std::string& origin) {
+  static const std::map<char, const char*> categories = {
+    {'L', "[:Lu:][:Ll:][:Lt:][:Lm:][:Lo:]"}, {'N', "[:Nd:][:Nl:][:No:]"},
+    {'M', "[:Mn:][:Mc:][:Me:]"}, {'P', "[:Pc:][:Pd:][:Ps:][:Pe:][:Pi:][:Pf:][:Po:]"},
+    {'S', "[:Sm:][:Sc:][:Sk:][:So:]"}, {'Z', "[:Zs:][:Zl:][:Zp:]"}};
+  std::string out;
+  bool in_class = false;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    char c = pattern[i];
+    if (c == '\\' && i + 1 < pattern.size()) {
+      if (pattern[i + 1] == 'p' && i + 4 < pattern.size() && pattern[i + 2] == '{') {
+        auto close = pattern.find('}', i + 3);
+        auto name = close == std::string::npos ? "" : pattern.substr(i + 3, close - i - 3);
+        std::string classes;
+        if (name.size() == 1 && categories.count(name[0]))
+          classes = categories.at(name[0]);
+        else if (name.size() == 2 && std::isupper(static_cast<unsigned char>(name[0])))
+          classes = "[:" + name + ":]";
+        else
+          bad(origin, "regex category \\p{" + name + "} is not supported");
+        out += in_class ? classes : "[" + classes + "]";
+        i = close;
+        continue;
+      }
+      out += pattern.substr(i, 2);
+      ++i;
+      continue;
+    }
+    if (c == '[' && !in_class)
+      in_class = true;
+    else if (c == ']' && in_class)
+      in_class = false;
+    out += c;
+  }
+  try {
+    return boost::make_u32regex(out);
+  } catch (const std::exception& e) {
+    bad(origin, "regex '" + pattern + "' is not supported: " + e.what());
+  }
 }
 
 /// Length of the UTF-8 sequence starting with `c`; 0 for a byte that cannot start one.
@@ -126,6 +167,204 @@ void check_utf8(std::string_view text) {
 }
 
 } // namespace
+
+struct tokenizer::pipeline {
+  /// Normal forms applied in turn (ICU's instances, owned by ICU).
+  std::vector<const icu::Normalizer2*> normalizers;
+  /// Pre-tokenizer steps, each splitting every piece the one before made.
+  struct step {
+    enum class kind { isolate, digits, prefix_space } what = kind::isolate;
+    boost::u32regex re;
+    bool individual_digits = false;
+  };
+  std::vector<step> steps;
+  /// What the template puts before and after the text's ids (add_special_tokens).
+  std::vector<int32_t> prefix;
+  std::vector<int32_t> suffix;
+
+  /// `text` cut into pieces by every step.
+  std::vector<std::string> pieces(const std::string& text) const {
+    std::vector<std::string> parts{text};
+    for (auto& s : steps) {
+      std::vector<std::string> next;
+      for (auto& part : parts)
+        split(s, part, next);
+      parts = std::move(next);
+    }
+    return parts;
+  }
+
+  std::string normalize(const std::string& text, const std::string& origin) const {
+    if (normalizers.empty())
+      return text;
+    auto u = icu::UnicodeString::fromUTF8(text);
+    for (auto* n : normalizers) {
+      UErrorCode status = U_ZERO_ERROR;
+      u = n->normalize(u, status);
+      if (U_FAILURE(status))
+        bad(origin, std::string{"normalization failed: "} + u_errorName(status));
+    }
+    std::string out;
+    u.toUTF8String(out);
+    return out;
+  }
+
+private:
+  /// The tokenizers library's `Isolated` behaviour: matches and the text between them
+  /// are pieces of their own.
+  static void split(const step& s, const std::string& part, std::vector<std::string>& out) {
+    if (part.empty())
+      return;
+    if (s.what == step::kind::prefix_space) {
+      out.push_back(part.front() == ' ' ? part : " " + part);
+      return;
+    }
+    if (s.what == step::kind::digits) {
+      size_t i = 0;
+      while (i < part.size()) {
+        bool digit = std::isdigit(static_cast<unsigned char>(part[i])) != 0;
+        size_t j = i + 1;
+        if (!digit || !s.individual_digits)
+          while (j < part.size() &&
+                 (std::isdigit(static_cast<unsigned char>(part[j])) != 0) == digit)
+            ++j;
+        out.push_back(part.substr(i, j - i));
+        i = j;
+      }
+      return;
+    }
+    size_t last = 0;
+    boost::u32regex_iterator<std::string::const_iterator> it(part.begin(), part.end(), s.re);
+    boost::u32regex_iterator<std::string::const_iterator> end;
+    for (; it != end; ++it) {
+      auto at = static_cast<size_t>(it->position());
+      if (at > last)
+        out.push_back(part.substr(last, at - last));
+      if (it->length() > 0)
+        out.push_back(it->str());
+      last = at + static_cast<size_t>(it->length());
+    }
+    if (last < part.size())
+      out.push_back(part.substr(last));
+  }
+};
+
+tokenizer::tokenizer() {
+  // GGUF files and byte-level pre-tokenizers with `use_regex`: GPT-2's pattern.
+  auto p = std::make_shared<pipeline>();
+  p->steps.push_back({pipeline::step::kind::isolate, tokenizer_regex(gpt2_pattern, "gpt2"), false});
+  pipeline_ = p;
+}
+
+namespace {
+
+/// The normal forms of a tokenizer.json normalizer; refuses other types by name.
+void read_normalizer(const nlohmann::json& n, const std::string& origin,
+                     std::vector<const icu::Normalizer2*>& out) {
+  if (n.is_null())
+    return;
+  auto type = n.value("type", std::string{});
+  UErrorCode status = U_ZERO_ERROR;
+  const icu::Normalizer2* form = nullptr;
+  if (type == "Sequence") {
+    for (auto& inner : n.value("normalizers", nlohmann::json::array()))
+      read_normalizer(inner, origin, out);
+    return;
+  }
+  if (type == "NFC")
+    form = icu::Normalizer2::getNFCInstance(status);
+  else if (type == "NFD")
+    form = icu::Normalizer2::getNFDInstance(status);
+  else if (type == "NFKC")
+    form = icu::Normalizer2::getNFKCInstance(status);
+  else if (type == "NFKD")
+    form = icu::Normalizer2::getNFKDInstance(status);
+  else
+    bad(origin, "normalizer '" + type + "' is not supported (NFC, NFD, NFKC, NFKD, Sequence)");
+  if (U_FAILURE(status) || form == nullptr)
+    bad(origin, "normalizer " + type + " is not available from ICU");
+  out.push_back(form);
+}
+
+} // namespace
+
+void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin) {
+  auto p = std::make_shared<pipeline>();
+  read_normalizer(j.value("normalizer", nlohmann::json()), origin, p->normalizers);
+  std::function<void(const nlohmann::json&)> pre = [&](const nlohmann::json& t) {
+    if (t.is_null())
+      return;
+    auto type = t.value("type", std::string{});
+    using kind = pipeline::step::kind;
+    if (type == "Sequence") {
+      for (auto& inner : t.value("pretokenizers", nlohmann::json::array()))
+        pre(inner);
+    } else if (type == "ByteLevel") {
+      if (t.value("add_prefix_space", false))
+        p->steps.push_back({kind::prefix_space, boost::u32regex(), false});
+      if (t.value("use_regex", true))
+        p->steps.push_back({kind::isolate, tokenizer_regex(gpt2_pattern, origin), false});
+    } else if (type == "Split") {
+      auto& pattern = t["pattern"];
+      auto behavior = t.value("behavior", std::string{});
+      if (behavior != "Isolated" || t.value("invert", false))
+        bad(origin, "pre-tokenizer Split with behavior '" + behavior +
+                      "' is not supported (Isolated, not inverted)");
+      std::string regex;
+      if (pattern.contains("Regex")) {
+        regex = pattern["Regex"].get<std::string>();
+      } else if (pattern.contains("String")) {
+        // A literal string: every character escaped.
+        for (char c : pattern["String"].get<std::string>()) {
+          if (std::string{"\\^$.|?*+()[]{}"}.find(c) != std::string::npos)
+            regex += '\\';
+          regex += c;
+        }
+      } else {
+        bad(origin, "pre-tokenizer Split has no Regex or String pattern");
+      }
+      p->steps.push_back({kind::isolate, tokenizer_regex(regex, origin), false});
+    } else if (type == "Digits") {
+      p->steps.push_back({kind::digits, boost::u32regex(), t.value("individual_digits", false)});
+    } else {
+      bad(origin, "pre-tokenizer '" + type +
+                    "' is not supported (ByteLevel, Split, Digits, Sequence)");
+    }
+  };
+  pre(j.value("pre_tokenizer", nlohmann::json()));
+  std::function<void(const nlohmann::json&)> post = [&](const nlohmann::json& t) {
+    if (t.is_null())
+      return;
+    auto type = t.value("type", std::string{});
+    if (type == "Sequence") {
+      for (auto& inner : t.value("processors", nlohmann::json::array()))
+        post(inner);
+    } else if (type == "TemplateProcessing") {
+      bool before = true;
+      for (auto& item : t.value("single", nlohmann::json::array())) {
+        if (item.contains("Sequence")) {
+          before = false;
+          continue;
+        }
+        auto name = item["SpecialToken"].value("id", std::string{});
+        auto& specials = t["special_tokens"];
+        if (!specials.contains(name))
+          bad(origin, "template names '" + name + "', which its special_tokens lack");
+        for (auto& id : specials[name]["ids"])
+          (before ? p->prefix : p->suffix).push_back(id.get<int32_t>());
+      }
+    } else if (type != "ByteLevel") { // byte-level post-processing moves offsets only
+      bad(origin, "post-processor '" + type +
+                    "' is not supported (TemplateProcessing, ByteLevel, Sequence)");
+    }
+  };
+  post(j.value("post_processor", nlohmann::json()));
+  auto decoder = j.value("decoder", nlohmann::json());
+  if (!decoder.is_null() && decoder.value("type", std::string{}) != "ByteLevel")
+    bad(origin, "decoder '" + decoder.value("type", std::string{}) +
+                  "' is not supported (ByteLevel)");
+  pipeline_ = p;
+}
 
 void tokenizer::add_merge(const std::string& left, const std::string& right, int32_t rank) {
   merge_ranks_.emplace(left + " " + right, rank);
@@ -190,6 +429,7 @@ tokenizer tokenizer::from_json(const std::string& path) {
     if (added.value("special", false))
       t.special_ids_.insert(id);
   }
+  t.read_pipeline(j, path);
   t.finish(path);
   return t;
 }
@@ -273,15 +513,17 @@ void tokenizer::encode_piece(const std::string& piece, std::vector<int32_t>& out
   }
 }
 
-std::vector<int32_t> tokenizer::encode(std::string_view text, bool parse_special) const {
+std::vector<int32_t> tokenizer::encode(std::string_view text, bool parse_special,
+                                       bool add_special_tokens) const {
   check_utf8(text);
   std::vector<int32_t> out;
+  if (add_special_tokens)
+    out = pipeline_->prefix;
   auto encode_plain = [&](std::string_view part) {
-    std::string s{part};
-    boost::u32regex_iterator<std::string::const_iterator> it(s.begin(), s.end(), pre_tokenizer());
-    boost::u32regex_iterator<std::string::const_iterator> end;
-    for (; it != end; ++it)
-      encode_piece(it->str(), out);
+    if (part.empty())
+      return;
+    for (auto& piece : pipeline_->pieces(pipeline_->normalize(std::string{part}, "text")))
+      encode_piece(piece, out);
   };
   size_t start = 0;
   size_t pos = 0;
@@ -301,6 +543,8 @@ std::vector<int32_t> tokenizer::encode(std::string_view text, bool parse_special
       ++pos;
   }
   encode_plain(text.substr(start));
+  if (add_special_tokens)
+    out.insert(out.end(), pipeline_->suffix.begin(), pipeline_->suffix.end());
   return out;
 }
 

@@ -1,6 +1,9 @@
 #pragma once
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <cstdint>
+#include <memory>
 #include <set>
 #include <string>
 #include <string_view>
@@ -16,8 +19,13 @@ std::string valid_utf8(std::string_view bytes);
 
 /// A byte-level BPE tokenizer (GPT-2 style, as SmolLM2, Llama 3 and Qwen2 use), read from a
 /// Hugging Face `tokenizer.json` or from a GGUF file's `tokenizer.ggml.*` metadata.
-/// Encoding splits out special tokens, pre-tokenizes with GPT-2's pattern, maps bytes to
-/// printable characters and applies the merges by rank; decoding reverses it, so any valid
+/// Encoding splits out special tokens, then runs the file's pipeline on the rest: its
+/// normalizer (NFC, NFD, NFKC, NFKD, or a sequence of them), its pre-tokenizer (byte-level
+/// with or without GPT-2's pattern, a `Split` on the file's own regex, `Digits`, or a
+/// sequence of them), maps bytes to printable characters and applies the merges by rank;
+/// with `add_special_tokens`, the post-processor's template (`TemplateProcessing`: Llama
+/// 3's `<|begin_of_text|>` first) wraps the ids. A step of another type is refused with
+/// its name. A GGUF file gets GPT-2's pattern. Decoding reverses the bytes, so any valid
 /// UTF-8 text round-trips exactly. Bad input (invalid UTF-8, an unknown id) throws
 /// `troupe::error` (`invalid_argument`).
 class tokenizer {
@@ -30,8 +38,10 @@ public:
   static tokenizer from_gguf(const std::string& path);
 
   /// Token ids of `text`; special tokens written in the text become their ids when
-  /// `parse_special`.
-  std::vector<int32_t> encode(std::string_view text, bool parse_special = true) const;
+  /// `parse_special`; the post-processor's template applies with `add_special_tokens` (as
+  /// transformers' `add_special_tokens`).
+  std::vector<int32_t> encode(std::string_view text, bool parse_special = true,
+                              bool add_special_tokens = false) const;
 
   /// Text of `ids`, always valid UTF-8 (see `valid_utf8`); special tokens are left out
   /// when `skip_special`.
@@ -58,9 +68,11 @@ public:
   }
 
 private:
-  tokenizer() = default;
+  tokenizer();
 
   void add_merge(const std::string& left, const std::string& right, int32_t rank);
+  /// Reads tokenizer.json's normalizer, pre-tokenizer, post-processor and decoder.
+  void read_pipeline(const nlohmann::json& j, const std::string& origin);
   void finish(const std::string& origin);
   void encode_piece(const std::string& piece, std::vector<int32_t>& out) const;
 
@@ -75,6 +87,9 @@ private:
   int32_t bos_ = -1;
   int32_t eos_ = -1;
   std::string chat_template_;
+  /// Normalizer, pre-tokenizer and template (defined with the tokenizer).
+  struct pipeline;
+  std::shared_ptr<const pipeline> pipeline_;
 };
 
 } // namespace troupe

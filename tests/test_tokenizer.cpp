@@ -14,6 +14,8 @@
 #include <fstream>
 #include <random>
 
+#include <unistd.h>
+
 using namespace troupe;
 using troupe::testing::read_json;
 
@@ -140,4 +142,39 @@ TEST_CASE("broken UTF-8 decodes as transformers decodes it: one U+FFFD per broke
     CHECK_MESSAGE(text == c["text"].get<std::string>(), nlohmann::json(ids).dump());
     CHECK_NOTHROW((void)nlohmann::json(text).dump());
   }
+}
+
+TEST_CASE("tokenizer.json pipelines as Qwen2 and Llama 3 ship them give the tokenizers library's ids") {
+  // scripts/make-tokenizer-fixtures.py: Qwen2's NFC and Split regex; Llama 3's Split regex
+  // and the template that puts <|begin_of_text|> first.
+  for (std::string name : {"qwen2", "llama3"}) {
+    auto dir = fixtures + "/tokenizer-pipelines/" + name;
+    auto tok = tokenizer::from_json(dir + "/tokenizer.json");
+    for (auto& sample : read_json(dir + "/reference.json")) {
+      auto text = sample["text"].get<std::string>();
+      INFO(name << ": " << text);
+      CHECK(tok.encode(text) == sample["ids"].get<std::vector<int32_t>>());
+      CHECK(tok.encode(text, true, true) ==
+            sample["ids_with_special"].get<std::vector<int32_t>>());
+    }
+  }
+}
+
+TEST_CASE("a tokenizer.json step of an unknown type is refused with its name") {
+  auto original = read_json(fixtures + "/tokenizer-pipelines/llama3/tokenizer.json");
+  auto path = (std::filesystem::temp_directory_path() /
+               ("troupe-tokenizer-" + std::to_string(::getpid()) + ".json"))
+                .string();
+  auto refused = [&](const char* key, nlohmann::json step, const std::string& name) {
+    auto j = original;
+    j[key] = std::move(step);
+    std::ofstream{path} << j.dump();
+    auto quoted = "'" + name + "'";
+    CHECK_THROWS_WITH_AS(tokenizer::from_json(path), doctest::Contains(quoted.c_str()), error);
+  };
+  refused("normalizer", {{"type", "Lowercase"}}, "Lowercase");
+  refused("pre_tokenizer", {{"type", "Metaspace"}, {"replacement", "_"}}, "Metaspace");
+  refused("post_processor", {{"type", "RobertaProcessing"}}, "RobertaProcessing");
+  refused("decoder", {{"type", "Metaspace"}}, "Metaspace");
+  std::filesystem::remove(path);
 }

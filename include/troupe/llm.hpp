@@ -77,6 +77,10 @@ struct generation_request {
   std::optional<lora_request> lora;
   /// A PEFT prompt-tuning adapter whose virtual tokens go before the prompt.
   std::optional<prompt_adapter_request> prompt_adapter;
+  /// The tokenizer's template wraps a text prompt (Llama 3's `<|begin_of_text|>` first), as
+  /// transformers' and vLLM's default; false for text that already holds it (a rendered
+  /// chat prompt).
+  bool add_special_tokens = true;
 };
 
 /// What a request produced.
