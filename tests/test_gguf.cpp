@@ -43,17 +43,6 @@ nlohmann::json reference(const std::string& from = dir) {
   return nlohmann::json::parse(in);
 }
 
-/// The largest difference from `want` relative to its largest magnitude.
-double relative_error(const std::vector<float>& got, const std::vector<float>& want) {
-  double diff = 0;
-  double scale = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff = std::max(diff, static_cast<double>(std::fabs(got[i] - want[i])));
-    scale = std::max(scale, static_cast<double>(std::fabs(want[i])));
-  }
-  return diff / scale;
-}
-
 /// The last position's logits of one prefill of `prompt`.
 std::vector<float> prefill_logits(llama_model& model, device& dev, const model_config& cfg,
                                   const std::vector<int32_t>& prompt) {
@@ -121,7 +110,8 @@ TEST_CASE("prefill logits of every tensor type match transformers on the same fi
         CHECK(model.tensors()[0].type == ckpt.at(model.tensors()[0].name).type);
       for (auto& run : ref[type]) {
         auto logits = prefill_logits(model, dev, cfg, run["token_ids"].get<std::vector<int32_t>>());
-        auto error = relative_error(logits, run["last_logits"].get<std::vector<float>>());
+        auto want = run["last_logits"].get<std::vector<float>>();
+        auto error = testing::relative_error(logits.data(), want);
         // The kernels for stored types sum the same dequantized values in another order.
         CHECK_MESSAGE(error < 1e-4, "relative error " << error);
       }
@@ -152,7 +142,8 @@ TEST_CASE("llama.cpp's k-quant files (Q4_K, Q5_K, Q6_K): transformers' logits an
           CHECK(t.type == ckpt.at(t.name).type);
       for (auto& run : ref[mix]["runs"]) {
         auto logits = prefill_logits(model, dev, cfg, run["token_ids"].get<std::vector<int32_t>>());
-        auto error = relative_error(logits, run["last_logits"].get<std::vector<float>>());
+        auto want = run["last_logits"].get<std::vector<float>>();
+        auto error = testing::relative_error(logits.data(), want);
         CHECK_MESSAGE(error < 1e-4, "relative error " << error);
       }
     }
