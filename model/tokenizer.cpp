@@ -108,6 +108,12 @@ boost::u32regex tokenizer_regex(const std::string& pattern, const std::string& o
   }
 }
 
+/// GPT-2's pattern, compiled once for every tokenizer that uses it.
+const boost::u32regex& gpt2_regex() {
+  static const auto re = tokenizer_regex(gpt2_pattern, "gpt2");
+  return re;
+}
+
 /// Length of the UTF-8 sequence starting with `c`; 0 for a byte that cannot start one.
 size_t sequence_length(unsigned char c) {
   if (c < 0x80)
@@ -161,7 +167,8 @@ void check_utf8(std::string_view text) {
     auto n = utf8_char(text, i, &bad);
     if (n == 0)
       throw error{errc::invalid_argument,
-                  "tokenizer: text is not valid UTF-8 at byte " + std::to_string(i + bad - 1)};
+                  "tokenizer: text is not valid UTF-8 in the sequence at byte " +
+                    std::to_string(i)};
     i += n;
   }
 }
@@ -250,10 +257,13 @@ private:
 };
 
 tokenizer::tokenizer() {
-  // GGUF files and byte-level pre-tokenizers with `use_regex`: GPT-2's pattern.
-  auto p = std::make_shared<pipeline>();
-  p->steps.push_back({pipeline::step::kind::isolate, tokenizer_regex(gpt2_pattern, "gpt2"), false});
-  pipeline_ = p;
+  // GGUF files: GPT-2's pattern, one pipeline for all (tokenizer.json replaces it).
+  static const auto gguf = [] {
+    auto p = std::make_shared<pipeline>();
+    p->steps.push_back({pipeline::step::kind::isolate, gpt2_regex(), false});
+    return std::shared_ptr<const pipeline>(p);
+  }();
+  pipeline_ = gguf;
 }
 
 namespace {
@@ -303,7 +313,7 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
       if (t.value("add_prefix_space", false))
         p->steps.push_back({kind::prefix_space, boost::u32regex(), false});
       if (t.value("use_regex", true))
-        p->steps.push_back({kind::isolate, tokenizer_regex(gpt2_pattern, origin), false});
+        p->steps.push_back({kind::isolate, gpt2_regex(), false});
     } else if (type == "Split") {
       auto& pattern = t["pattern"];
       auto behavior = t.value("behavior", std::string{});

@@ -122,7 +122,7 @@ void* cpu_device::allocate(std::size_t bytes, memory_tag tag) {
                                   to_string(tag) + "' while it sleeps"};
   auto mapped = round_to_pages(bytes == 0 ? 1 : bytes);
   auto ptr = reserve(mapped, tag == memory_tag::weights);
-  allocations_.emplace(ptr, allocation{bytes, mapped, tag, nullptr, false});
+  allocations_.emplace(ptr, allocation{bytes, mapped, tag, nullptr});
   return ptr;
 }
 
@@ -149,18 +149,15 @@ void cpu_device::sleep(int32_t level) {
     for (auto& [ptr, alloc] : allocations_) {
       if (tags_[index_of(alloc.tag)].asleep)
         continue;
-      alloc.backup_valid = false;
       if (level != 1 || alloc.tag != memory_tag::weights)
         continue;
       alloc.backup = move_pages(ptr, alloc.mapped);
-      alloc.backup_valid = true;
       moved.emplace_back(ptr, &alloc);
     }
   } catch (...) {
     for (auto& [ptr, alloc] : moved) {
       move_back(alloc->backup, ptr, alloc->mapped);
       alloc->backup = nullptr;
-      alloc->backup_valid = false;
     }
     throw;
   }
@@ -190,10 +187,9 @@ void cpu_device::wake_up(const std::vector<memory_tag>& tags) {
       if (alloc.tag != tag)
         continue;
       protect(ptr, alloc.mapped, PROT_READ | PROT_WRITE);
-      if (alloc.backup_valid) {
+      if (alloc.backup != nullptr) {
         move_back(alloc.backup, ptr, alloc.mapped);
         alloc.backup = nullptr;
-        alloc.backup_valid = false;
       } else {
         // Backing every page again gives the promised zeros (populated pages are zeroed;
         // where the kernel cannot populate, writing them does it).
@@ -225,7 +221,7 @@ std::vector<memory_usage> cpu_device::usage() const {
       u.allocated_bytes += static_cast<int64_t>(alloc.requested);
       if (!tags_[index_of(tag)].asleep)
         u.resident_bytes += static_cast<int64_t>(alloc.requested);
-      if (alloc.backup_valid)
+      if (alloc.backup != nullptr)
         u.backup_bytes += static_cast<int64_t>(alloc.requested);
     }
     result.push_back(u);

@@ -40,10 +40,8 @@ private:
     std::size_t mapped = 0;
     memory_tag tag = memory_tag::weights;
     /// Host backup range: the weights' own pages, moved there by a level-1 sleep and back by
-    /// the wake-up (which unmaps it); nullptr while awake.
+    /// the wake-up (which unmaps it); nullptr while awake or without a backup.
     void* backup = nullptr;
-    /// Whether `backup` holds the data to restore on wake-up.
-    bool backup_valid = false;
   };
 
   struct tag_state {
