@@ -361,22 +361,12 @@ void to_float(dtype from, const void* src, float* dst, std::size_t count) {
         dst[i] = bf16_to_float(p[i]);
       return;
     }
-    case dtype::q8_0:
-    case dtype::q4_0:
-    case dtype::q4_1:
-    case dtype::q5_0:
-    case dtype::q5_1: {
+    default: { // the block formats, a block at a time
       auto p = static_cast<const unsigned char*>(src);
-      for (std::size_t b = 0; b < count / 32; ++b)
-        dequantize_block(from, p + b * block_bytes(from), dst + b * 32);
-      return;
-    }
-    case dtype::q4_k:
-    case dtype::q5_k:
-    case dtype::q6_k: {
-      auto p = static_cast<const unsigned char*>(src);
-      for (std::size_t b = 0; b < count / 256; ++b)
-        dequantize_k(from, p + b * block_bytes(from), dst + b * 256);
+      const auto n = static_cast<std::size_t>(block_elements(from));
+      for (std::size_t b = 0; b < count / n; ++b)
+        (is_k_quant(from) ? dequantize_k : dequantize_block)(from, p + b * block_bytes(from),
+                                                             dst + b * n);
       return;
     }
   }
@@ -400,22 +390,11 @@ void from_float(dtype to, const float* src, void* dst, std::size_t count) {
         p[i] = float_to_bf16(src[i]);
       return;
     }
-    case dtype::q8_0:
-    case dtype::q4_0:
-    case dtype::q4_1:
-    case dtype::q5_0:
-    case dtype::q5_1: {
+    default: { // the block formats, a block at a time
       auto p = static_cast<unsigned char*>(dst);
-      for (std::size_t b = 0; b < count / 32; ++b)
-        quantize_block(to, src + b * 32, p + b * block_bytes(to));
-      return;
-    }
-    case dtype::q4_k:
-    case dtype::q5_k:
-    case dtype::q6_k: {
-      auto p = static_cast<unsigned char*>(dst);
-      for (std::size_t b = 0; b < count / 256; ++b)
-        quantize_k(to, src + b * 256, p + b * block_bytes(to));
+      const auto n = static_cast<std::size_t>(block_elements(to));
+      for (std::size_t b = 0; b < count / n; ++b)
+        (is_k_quant(to) ? quantize_k : quantize_block)(to, src + b * n, p + b * block_bytes(to));
       return;
     }
   }
