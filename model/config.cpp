@@ -30,8 +30,8 @@ int64_t positive_int(const json& j, const char* key, const std::string& origin) 
   return j[key].get<int64_t>();
 }
 
-/// Token ids under `key`: one, or a list (Llama 3's several end tokens); none when absent
-/// or null. Anything else is refused, naming the key.
+/// Token ids under `key`: one, or a list (Llama 3's several end tokens), -1 left out; none
+/// when absent or null. Anything else is refused, naming the key.
 std::vector<int32_t> token_ids(const json& j, const char* key, const std::string& origin) {
   std::vector<int32_t> ids;
   if (!j.contains(key) || j[key].is_null())
@@ -41,9 +41,8 @@ std::vector<int32_t> token_ids(const json& j, const char* key, const std::string
         v.get<int64_t>() > std::numeric_limits<int32_t>::max())
       bad_config(origin, std::string{key} + " must be token ids, got " + v.dump());
     // -1 is "none"; other ids outside the vocabulary are refused by the validation.
-    auto id = v.get<int32_t>();
-    if (id != -1 && std::find(ids.begin(), ids.end(), id) == ids.end())
-      ids.push_back(id);
+    if (v.get<int32_t>() != -1)
+      ids.push_back(v.get<int32_t>());
   };
   if (j[key].is_array()) {
     for (auto& v : j[key])
@@ -114,6 +113,11 @@ void validate_model_config(const model_config& c, const std::string& origin) {
   in_vocabulary("bos_token_id", c.bos_token_id);
   for (auto id : c.eos_token_ids)
     in_vocabulary("eos_token_id", id);
+}
+
+void model_config::add_eos_token(int32_t id) {
+  if (id != -1 && std::find(eos_token_ids.begin(), eos_token_ids.end(), id) == eos_token_ids.end())
+    eos_token_ids.push_back(id);
 }
 
 int64_t model_config::max_sequence_length() const {
@@ -269,7 +273,8 @@ model_config parse_model_config(const std::string& json_text, const std::string&
       break;
     }
   c.bos_token_id = token_id(j, "bos_token_id", origin);
-  c.eos_token_ids = token_ids(j, "eos_token_id", origin);
+  for (auto id : token_ids(j, "eos_token_id", origin))
+    c.add_eos_token(id);
   validate_model_config(c, origin);
   return c;
 }
@@ -293,8 +298,7 @@ model_config load_model_config(const std::string& directory) {
     if (j.is_discarded() || !j.is_object())
       bad_config(generation, "not a JSON object");
     for (auto id : token_ids(j, "eos_token_id", generation))
-      if (std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), id) == c.eos_token_ids.end())
-        c.eos_token_ids.push_back(id);
+      c.add_eos_token(id);
     validate_model_config(c, generation);
   }
   return c;

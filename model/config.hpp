@@ -74,6 +74,9 @@ struct model_config {
   /// Parameters of the whole model (all ranks together).
   int64_t num_parameters() const;
 
+  /// Adds `id` to `eos_token_ids` unless it is there already or -1 ("none").
+  void add_eos_token(int32_t id);
+
   /// The longest sequence the model runs, as vLLM derives it: max_position_embeddings,
   /// times the factor of linear or dynamic rope scaling; YaRN's original length times its
   /// factor.

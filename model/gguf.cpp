@@ -299,9 +299,7 @@ model_config gguf_file::config() const {
   // End of sequence, and llama.cpp's end of turn and end of message where the file has them.
   for (auto key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                    "tokenizer.ggml.eom_token_id"})
-    if (auto id = token(key); id >= 0 &&
-        std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), id) == c.eos_token_ids.end())
-      c.eos_token_ids.push_back(id);
+    c.add_eos_token(token(key));
   validate_model_config(c, path_);
   return c;
 }

@@ -260,7 +260,8 @@ tokenizer::tokenizer() {
   // GGUF files: GPT-2's pattern, one pipeline for all (tokenizer.json replaces it).
   static const auto gguf = [] {
     auto p = std::make_shared<pipeline>();
-    p->steps.push_back({pipeline::step::kind::isolate, gpt2_regex(), false});
+    p->steps.emplace_back();
+    p->steps.back().re = gpt2_regex();
     return std::shared_ptr<const pipeline>(p);
   }();
   pipeline_ = gguf;
@@ -301,19 +302,28 @@ void read_normalizer(const nlohmann::json& n, const std::string& origin,
 void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin) {
   auto p = std::make_shared<pipeline>();
   read_normalizer(j.value("normalizer", nlohmann::json()), origin, p->normalizers);
+  using kind = pipeline::step::kind;
+  // Steps are filled in place: a regex left default-constructed in a temporary step trips
+  // GCC's maybe-uninitialized warning inside Boost.
+  auto add_step = [&](kind what, const boost::u32regex* re, bool individual_digits) {
+    auto& s = p->steps.emplace_back();
+    s.what = what;
+    if (re != nullptr)
+      s.re = *re;
+    s.individual_digits = individual_digits;
+  };
   std::function<void(const nlohmann::json&)> pre = [&](const nlohmann::json& t) {
     if (t.is_null())
       return;
     auto type = t.value("type", std::string{});
-    using kind = pipeline::step::kind;
     if (type == "Sequence") {
       for (auto& inner : t.value("pretokenizers", nlohmann::json::array()))
         pre(inner);
     } else if (type == "ByteLevel") {
       if (t.value("add_prefix_space", false))
-        p->steps.push_back({kind::prefix_space, boost::u32regex(), false});
+        add_step(kind::prefix_space, nullptr, false);
       if (t.value("use_regex", true))
-        p->steps.push_back({kind::isolate, gpt2_regex(), false});
+        add_step(kind::isolate, &gpt2_regex(), false);
     } else if (type == "Split") {
       auto& pattern = t["pattern"];
       auto behavior = t.value("behavior", std::string{});
@@ -333,9 +343,10 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
       } else {
         bad(origin, "pre-tokenizer Split has no Regex or String pattern");
       }
-      p->steps.push_back({kind::isolate, tokenizer_regex(regex, origin), false});
+      auto re = tokenizer_regex(regex, origin);
+      add_step(kind::isolate, &re, false);
     } else if (type == "Digits") {
-      p->steps.push_back({kind::digits, boost::u32regex(), t.value("individual_digits", false)});
+      add_step(kind::digits, nullptr, t.value("individual_digits", false));
     } else {
       bad(origin, "pre-tokenizer '" + type +
                     "' is not supported (ByteLevel, Split, Digits, Sequence)");
