@@ -11,10 +11,13 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
+#include <queue>
+#include <tuple>
 
 namespace troupe {
 
@@ -173,71 +176,234 @@ void check_utf8(std::string_view text) {
   }
 }
 
+/// SentencePiece's meta space, which stands for a space in its pieces.
+constexpr const char* meta_space = "\xe2\x96\x81"; // U+2581
+
+/// The published Split patterns of the pre-tokenizers that GGUF files name in
+/// `tokenizer.ggml.pre` (as llama.cpp's converter names them).
+constexpr const char* llama3_pattern =
+  R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+constexpr const char* qwen2_pattern =
+  R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+void replace_all(std::string& s, const std::string& from, const std::string& to) {
+  if (from.empty())
+    return;
+  for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size()))
+    s.replace(at, from.size(), to);
+}
+
+/// The byte of a byte-fallback piece ("<0x41>"), or -1.
+int fallback_byte(const std::string& token) {
+  if (token.size() != 6 || token.compare(0, 3, "<0x") != 0 || token[5] != '>' ||
+      !std::isxdigit(static_cast<unsigned char>(token[3])) ||
+      !std::isxdigit(static_cast<unsigned char>(token[4])))
+    return -1;
+  return std::stoi(token.substr(3, 2), nullptr, 16);
+}
+
 } // namespace
 
+/// A tokenizer.json's steps (or a GGUF file's, written as tokenizer.json would write them).
 struct tokenizer::pipeline {
-  /// Normal forms applied in turn (ICU's instances, owned by ICU).
-  std::vector<const icu::Normalizer2*> normalizers;
-  /// Pre-tokenizer steps, each splitting every piece the one before made.
-  struct step {
-    enum class kind { isolate, digits, prefix_space } what = kind::isolate;
+  /// A normalizer step: a Unicode normal form, a prefix, or a replacement.
+  struct normalizer {
+    enum class kind { form, prepend, replace } what = kind::form;
+    const icu::Normalizer2* form = nullptr; // owned by ICU
+    std::string text;                       // prepend: the prefix; replace: a literal pattern
+    std::string content;                    // replace: what the pattern becomes
+    bool regex = false;                     // replace: `re` is the pattern
     boost::u32regex re;
-    bool individual_digits = false;
+  };
+  std::vector<normalizer> normalizers;
+
+  /// A pre-tokenizer step, splitting every piece the one before made.
+  struct step {
+    enum class kind { isolate, prefix_space, metaspace } what = kind::isolate;
+    boost::u32regex re;
+    std::string replacement; // metaspace
+    enum class prepend { always, first, never } scheme = prepend::always;
+    bool split = false; // metaspace: each replacement starts a piece
   };
   std::vector<step> steps;
+
+  /// A decoder step, over the tokens' texts in turn (tokenizers' decode chain).
+  struct decoder {
+    enum class kind { byte_level, replace, byte_fallback, fuse, strip, metaspace } what =
+      kind::byte_level;
+    std::string pattern; // replace: literal; strip: the character; metaspace: replacement
+    std::string content;
+    size_t start = 0; // strip: at most this many from the front, `stop` from the back
+    size_t stop = 0;
+    bool strip_first = false; // metaspace: the first token loses a leading space
+  };
+  std::vector<decoder> decoders;
+
   /// What the template puts before and after the text's ids (add_special_tokens).
   std::vector<int32_t> prefix;
   std::vector<int32_t> suffix;
 
-  /// `text` cut into pieces by every step.
-  std::vector<std::string> pieces(const std::string& text) const {
+  /// `text` cut into pieces by every step; `at_start` when it begins the whole input (a
+  /// Metaspace step that prepends only "first" prepends only there).
+  std::vector<std::string> pieces(const std::string& text, bool at_start) const {
     std::vector<std::string> parts{text};
     for (auto& s : steps) {
       std::vector<std::string> next;
-      for (auto& part : parts)
-        split(s, part, next);
+      for (size_t i = 0; i < parts.size(); ++i)
+        split(s, parts[i], at_start && i == 0, next);
       parts = std::move(next);
     }
     return parts;
   }
 
-  std::string normalize(const std::string& text, const std::string& origin) const {
-    if (normalizers.empty())
-      return text;
-    auto u = icu::UnicodeString::fromUTF8(text);
-    for (auto* n : normalizers) {
-      UErrorCode status = U_ZERO_ERROR;
-      u = n->normalize(u, status);
-      if (U_FAILURE(status))
-        bad(origin, std::string{"normalization failed: "} + u_errorName(status));
+  std::string normalize(std::string text, const std::string& origin) const {
+    for (auto& n : normalizers) {
+      if (n.what == normalizer::kind::prepend) {
+        if (!text.empty())
+          text = n.text + text;
+      } else if (n.what == normalizer::kind::replace) {
+        if (n.regex)
+          text = boost::u32regex_replace(text, n.re, n.content,
+                                         boost::regex_constants::format_literal);
+        else
+          replace_all(text, n.text, n.content);
+      } else {
+        auto u = icu::UnicodeString::fromUTF8(text);
+        UErrorCode status = U_ZERO_ERROR;
+        u = n.form->normalize(u, status);
+        if (U_FAILURE(status))
+          bad(origin, std::string{"normalization failed: "} + u_errorName(status));
+        text.clear();
+        u.toUTF8String(text);
+      }
+    }
+    return text;
+  }
+
+  /// The texts of `tokens` as the decoder chain gives them, joined.
+  std::string decode(std::vector<std::string> tokens) const {
+    for (auto& d : decoders) {
+      switch (d.what) {
+        case decoder::kind::byte_level: {
+          // Each character of a token stands for one byte; other characters (an added
+          // token's) stand for themselves.
+          std::string joined;
+          for (auto& token : tokens)
+            for (size_t i = 0; i < token.size();) {
+              auto n = std::max<size_t>(1, sequence_length(static_cast<unsigned char>(token[i])));
+              auto b = bytes().to_byte.find(token.substr(i, n));
+              if (b != bytes().to_byte.end())
+                joined.push_back(static_cast<char>(b->second));
+              else
+                joined += token.substr(i, n);
+              i += n;
+            }
+          tokens = {valid_utf8(joined)};
+          break;
+        }
+        case decoder::kind::replace:
+          for (auto& token : tokens)
+            replace_all(token, d.pattern, d.content);
+          break;
+        case decoder::kind::byte_fallback: {
+          // Runs of byte pieces become their bytes; a run that is not UTF-8 becomes one
+          // U+FFFD per byte, as the tokenizers library does.
+          std::vector<std::string> next;
+          std::string run;
+          size_t run_pieces = 0;
+          auto flush = [&] {
+            if (run_pieces == 0)
+              return;
+            bool ok = valid_utf8(run) == run;
+            if (ok) {
+              next.push_back(run);
+            } else {
+              for (size_t k = 0; k < run_pieces; ++k)
+                next.emplace_back("\xef\xbf\xbd");
+            }
+            run.clear();
+            run_pieces = 0;
+          };
+          for (auto& token : tokens) {
+            auto b = fallback_byte(token);
+            if (b >= 0) {
+              run.push_back(static_cast<char>(b));
+              ++run_pieces;
+            } else {
+              flush();
+              next.push_back(token);
+            }
+          }
+          flush();
+          tokens = std::move(next);
+          break;
+        }
+        case decoder::kind::fuse: {
+          std::string joined;
+          for (auto& token : tokens)
+            joined += token;
+          tokens = {joined};
+          break;
+        }
+        case decoder::kind::strip:
+          for (auto& token : tokens) {
+            size_t front = 0;
+            while (front < d.start && token.compare(front * d.pattern.size(), d.pattern.size(),
+                                                    d.pattern) == 0)
+              ++front;
+            token.erase(0, front * d.pattern.size());
+            for (size_t back = 0; back < d.stop && token.size() >= d.pattern.size() &&
+                                  token.compare(token.size() - d.pattern.size(),
+                                                d.pattern.size(), d.pattern) == 0;
+                 ++back)
+              token.resize(token.size() - d.pattern.size());
+          }
+          break;
+        case decoder::kind::metaspace:
+          for (size_t i = 0; i < tokens.size(); ++i) {
+            replace_all(tokens[i], d.pattern, " ");
+            if (i == 0 && d.strip_first && !tokens[i].empty() && tokens[i][0] == ' ')
+              tokens[i].erase(0, 1);
+          }
+          break;
+      }
     }
     std::string out;
-    u.toUTF8String(out);
-    return out;
+    for (auto& token : tokens)
+      out += token;
+    return valid_utf8(out);
   }
 
 private:
-  /// The tokenizers library's `Isolated` behaviour: matches and the text between them
-  /// are pieces of their own.
-  static void split(const step& s, const std::string& part, std::vector<std::string>& out) {
+  /// The tokenizers library's `Isolated` behaviour for a regex: matches and the text
+  /// between them are pieces of their own.
+  static void split(const step& s, const std::string& part, bool at_start,
+                    std::vector<std::string>& out) {
     if (part.empty())
       return;
     if (s.what == step::kind::prefix_space) {
       out.push_back(part.front() == ' ' ? part : " " + part);
       return;
     }
-    if (s.what == step::kind::digits) {
-      size_t i = 0;
-      while (i < part.size()) {
-        bool digit = std::isdigit(static_cast<unsigned char>(part[i])) != 0;
-        size_t j = i + 1;
-        if (!digit || !s.individual_digits)
-          while (j < part.size() &&
-                 (std::isdigit(static_cast<unsigned char>(part[j])) != 0) == digit)
-            ++j;
-        out.push_back(part.substr(i, j - i));
-        i = j;
+    if (s.what == step::kind::metaspace) {
+      auto text = part;
+      replace_all(text, " ", s.replacement);
+      bool prepend = s.scheme == step::prepend::always ||
+                     (s.scheme == step::prepend::first && at_start);
+      if (prepend && text.compare(0, s.replacement.size(), s.replacement) != 0)
+        text = s.replacement + text;
+      if (!s.split) {
+        out.push_back(text);
+        return;
       }
+      // Each replacement begins a piece (tokenizers' MergedWithNext).
+      size_t begin = 0;
+      for (size_t at = text.find(s.replacement, 1); at != std::string::npos;
+           at = text.find(s.replacement, at + 1)) {
+        out.push_back(text.substr(begin, at - begin));
+        begin = at;
+      }
+      out.push_back(text.substr(begin));
       return;
     }
     size_t last = 0;
@@ -256,107 +422,134 @@ private:
   }
 };
 
-tokenizer::tokenizer() {
-  // GGUF files: GPT-2's pattern, one pipeline for all (tokenizer.json replaces it).
-  static const auto gguf = [] {
-    auto p = std::make_shared<pipeline>();
-    p->steps.emplace_back();
-    p->steps.back().re = gpt2_regex();
-    return std::shared_ptr<const pipeline>(p);
-  }();
-  pipeline_ = gguf;
-}
-
-namespace {
-
-/// The normal forms of a tokenizer.json normalizer; refuses other types by name.
-void read_normalizer(const nlohmann::json& n, const std::string& origin,
-                     std::vector<const icu::Normalizer2*>& out) {
-  if (n.is_null())
-    return;
-  auto type = n.value("type", std::string{});
-  UErrorCode status = U_ZERO_ERROR;
-  const icu::Normalizer2* form = nullptr;
-  if (type == "Sequence") {
-    for (auto& inner : n.value("normalizers", nlohmann::json::array()))
-      read_normalizer(inner, origin, out);
-    return;
-  }
-  if (type == "NFC")
-    form = icu::Normalizer2::getNFCInstance(status);
-  else if (type == "NFD")
-    form = icu::Normalizer2::getNFDInstance(status);
-  else if (type == "NFKC")
-    form = icu::Normalizer2::getNFKCInstance(status);
-  else if (type == "NFKD")
-    form = icu::Normalizer2::getNFKDInstance(status);
-  else
-    bad(origin, "normalizer '" + type + "' is not supported (NFC, NFD, NFKC, NFKD, Sequence)");
-  if (U_FAILURE(status) || form == nullptr)
-    bad(origin, "normalizer " + type + " is not available from ICU");
-  out.push_back(form);
-}
-
-} // namespace
+tokenizer::tokenizer() = default;
 
 void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin) {
   auto p = std::make_shared<pipeline>();
-  read_normalizer(j.value("normalizer", nlohmann::json()), origin, p->normalizers);
-  using kind = pipeline::step::kind;
+  using normalizer = pipeline::normalizer;
+  using step = pipeline::step;
+  using decoder = pipeline::decoder;
+  auto type_of = [](const nlohmann::json& t) { return t.value("type", std::string{}); };
+  // A Split's or Replace's pattern: {"Regex": …} or {"String": …}.
+  auto pattern_of = [&](const nlohmann::json& t, const std::string& what, bool* regex) {
+    auto pattern = t.value("pattern", nlohmann::json::object());
+    *regex = pattern.contains("Regex");
+    if (*regex)
+      return pattern["Regex"].get<std::string>();
+    if (pattern.contains("String"))
+      return pattern["String"].get<std::string>();
+    bad(origin, what + " has no Regex or String pattern");
+  };
+
+  std::function<void(const nlohmann::json&)> norm = [&](const nlohmann::json& n) {
+    if (n.is_null())
+      return;
+    auto type = type_of(n);
+    if (type == "Sequence") {
+      for (auto& inner : n.value("normalizers", nlohmann::json::array()))
+        norm(inner);
+      return;
+    }
+    auto& s = p->normalizers.emplace_back();
+    if (type == "Prepend") {
+      s.what = normalizer::kind::prepend;
+      s.text = n.value("prepend", std::string{});
+      return;
+    }
+    if (type == "Replace") {
+      s.what = normalizer::kind::replace;
+      auto pattern = pattern_of(n, "normalizer Replace", &s.regex);
+      s.content = n.value("content", std::string{});
+      if (s.regex)
+        s.re = tokenizer_regex(pattern, origin);
+      else
+        s.text = pattern;
+      return;
+    }
+    UErrorCode status = U_ZERO_ERROR;
+    if (type == "NFC")
+      s.form = icu::Normalizer2::getNFCInstance(status);
+    else if (type == "NFD")
+      s.form = icu::Normalizer2::getNFDInstance(status);
+    else if (type == "NFKC")
+      s.form = icu::Normalizer2::getNFKCInstance(status);
+    else if (type == "NFKD")
+      s.form = icu::Normalizer2::getNFKDInstance(status);
+    else
+      bad(origin, "normalizer '" + type +
+                    "' is not supported (NFC, NFD, NFKC, NFKD, Prepend, Replace, Sequence)");
+    if (U_FAILURE(status) || s.form == nullptr)
+      bad(origin, "normalizer " + type + " is not available from ICU");
+  };
+  norm(j.value("normalizer", nlohmann::json()));
+
   // Steps are filled in place: a regex left default-constructed in a temporary step trips
   // GCC's maybe-uninitialized warning inside Boost.
-  auto add_step = [&](kind what, const boost::u32regex* re, bool individual_digits) {
+  auto isolate = [&](const boost::u32regex& re) {
     auto& s = p->steps.emplace_back();
-    s.what = what;
-    if (re != nullptr)
-      s.re = *re;
-    s.individual_digits = individual_digits;
+    s.re = re;
   };
   std::function<void(const nlohmann::json&)> pre = [&](const nlohmann::json& t) {
     if (t.is_null())
       return;
-    auto type = t.value("type", std::string{});
+    auto type = type_of(t);
     if (type == "Sequence") {
       for (auto& inner : t.value("pretokenizers", nlohmann::json::array()))
         pre(inner);
     } else if (type == "ByteLevel") {
+      byte_level_ = true;
       if (t.value("add_prefix_space", false))
-        add_step(kind::prefix_space, nullptr, false);
+        p->steps.emplace_back().what = step::kind::prefix_space;
       if (t.value("use_regex", true))
-        add_step(kind::isolate, &gpt2_regex(), false);
+        isolate(gpt2_regex());
     } else if (type == "Split") {
-      auto& pattern = t["pattern"];
       auto behavior = t.value("behavior", std::string{});
       if (behavior != "Isolated" || t.value("invert", false))
         bad(origin, "pre-tokenizer Split with behavior '" + behavior +
                       "' is not supported (Isolated, not inverted)");
-      std::string regex;
-      if (pattern.contains("Regex")) {
-        regex = pattern["Regex"].get<std::string>();
-      } else if (pattern.contains("String")) {
-        // A literal string: every character escaped.
-        for (char c : pattern["String"].get<std::string>()) {
+      bool regex = false;
+      auto pattern = pattern_of(t, "pre-tokenizer Split", &regex);
+      if (!regex) { // a literal string: every character escaped
+        std::string escaped;
+        for (char c : pattern) {
           if (std::string{"\\^$.|?*+()[]{}"}.find(c) != std::string::npos)
-            regex += '\\';
-          regex += c;
+            escaped += '\\';
+          escaped += c;
         }
-      } else {
-        bad(origin, "pre-tokenizer Split has no Regex or String pattern");
+        pattern = escaped;
       }
-      auto re = tokenizer_regex(regex, origin);
-      add_step(kind::isolate, &re, false);
+      isolate(tokenizer_regex(pattern, origin));
     } else if (type == "Digits") {
-      add_step(kind::digits, nullptr, t.value("individual_digits", false));
+      // Rust's char::is_numeric, as the tokenizers library uses: Unicode's N categories.
+      isolate(tokenizer_regex(t.value("individual_digits", false) ? "\\p{N}" : "\\p{N}+",
+                              origin));
+    } else if (type == "Metaspace") {
+      auto& s = p->steps.emplace_back();
+      s.what = step::kind::metaspace;
+      s.replacement = t.value("replacement", std::string{meta_space});
+      // Files before prepend_scheme say add_prefix_space instead.
+      auto scheme = t.value("prepend_scheme", t.value("add_prefix_space", true) ? "always"
+                                                                                 : "never");
+      if (scheme == "always")
+        s.scheme = step::prepend::always;
+      else if (scheme == "first")
+        s.scheme = step::prepend::first;
+      else if (scheme == "never")
+        s.scheme = step::prepend::never;
+      else
+        bad(origin, "Metaspace prepend_scheme '" + scheme + "' is unknown");
+      s.split = t.value("split", true);
     } else {
       bad(origin, "pre-tokenizer '" + type +
-                    "' is not supported (ByteLevel, Split, Digits, Sequence)");
+                    "' is not supported (ByteLevel, Split, Digits, Metaspace, Sequence)");
     }
   };
   pre(j.value("pre_tokenizer", nlohmann::json()));
+
   std::function<void(const nlohmann::json&)> post = [&](const nlohmann::json& t) {
     if (t.is_null())
       return;
-    auto type = t.value("type", std::string{});
+    auto type = type_of(t);
     if (type == "Sequence") {
       for (auto& inner : t.value("processors", nlohmann::json::array()))
         post(inner);
@@ -380,32 +573,89 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
     }
   };
   post(j.value("post_processor", nlohmann::json()));
-  auto decoder = j.value("decoder", nlohmann::json());
-  if (!decoder.is_null() && decoder.value("type", std::string{}) != "ByteLevel")
-    bad(origin, "decoder '" + decoder.value("type", std::string{}) +
-                  "' is not supported (ByteLevel)");
+
+  std::function<void(const nlohmann::json&)> dec = [&](const nlohmann::json& t) {
+    if (t.is_null())
+      return;
+    auto type = type_of(t);
+    if (type == "Sequence") {
+      for (auto& inner : t.value("decoders", nlohmann::json::array()))
+        dec(inner);
+      return;
+    }
+    auto& d = p->decoders.emplace_back();
+    if (type == "ByteLevel") {
+      d.what = decoder::kind::byte_level;
+    } else if (type == "Replace") {
+      d.what = decoder::kind::replace;
+      bool regex = false;
+      d.pattern = pattern_of(t, "decoder Replace", &regex);
+      if (regex)
+        bad(origin, "decoder Replace with a Regex pattern is not supported (String)");
+      d.content = t.value("content", std::string{});
+    } else if (type == "ByteFallback") {
+      d.what = decoder::kind::byte_fallback;
+    } else if (type == "Fuse") {
+      d.what = decoder::kind::fuse;
+    } else if (type == "Strip") {
+      d.what = decoder::kind::strip;
+      d.pattern = t.value("content", std::string{" "});
+      d.start = t.value("start", size_t{0});
+      d.stop = t.value("stop", size_t{0});
+    } else if (type == "Metaspace") {
+      d.what = decoder::kind::metaspace;
+      d.pattern = t.value("replacement", std::string{meta_space});
+      auto scheme = t.value("prepend_scheme", t.value("add_prefix_space", true) ? "always"
+                                                                                 : "never");
+      d.strip_first = scheme != "never";
+    } else {
+      bad(origin, "decoder '" + type +
+                    "' is not supported (ByteLevel, Replace, ByteFallback, Fuse, Strip, "
+                    "Metaspace, Sequence)");
+    }
+  };
+  dec(j.value("decoder", nlohmann::json()));
   pipeline_ = p;
 }
 
-void tokenizer::add_merge(const std::string& left, const std::string& right, int32_t rank) {
-  merge_ranks_.emplace(left + " " + right, rank);
+void tokenizer::index_vocabulary(const std::string& origin) {
+  if (id_to_token_.empty())
+    bad(origin, "has no vocabulary");
+  vocab_.clear();
+  for (size_t i = 0; i < id_to_token_.size(); ++i)
+    vocab_.emplace(id_to_token_[i], static_cast<int32_t>(i));
+  for (int b = 0; b < 256; ++b) {
+    char name[8];
+    std::snprintf(name, sizeof name, "<0x%02X>", b);
+    byte_ids_[static_cast<size_t>(b)] = token_id(name);
+  }
+}
+
+void tokenizer::add_merge(const std::string& left, const std::string& right, int32_t rank,
+                          const std::string& origin) {
+  auto l = token_id(left);
+  auto r = token_id(right);
+  auto merged = token_id(left + right);
+  if (l < 0 || r < 0 || merged < 0)
+    bad(origin, "merge '" + left + " " + right + "' names a token the vocabulary lacks");
+  merges_.emplace(pair_key(l, r), merge{rank, merged});
 }
 
 void tokenizer::finish(const std::string& origin) {
-  if (id_to_token_.empty())
-    bad(origin, "has no vocabulary");
-  for (size_t i = 0; i < id_to_token_.size(); ++i)
-    vocab_.emplace(id_to_token_[i], static_cast<int32_t>(i));
-  for (int id : special_ids_)
-    specials_.emplace_back(id_to_token_[static_cast<size_t>(id)], id);
-  std::sort(specials_.begin(), specials_.end(),
+  for (auto id : added_ids_)
+    added_.emplace_back(id_to_token_[static_cast<size_t>(id)], id);
+  std::sort(added_.begin(), added_.end(),
             [](auto& a, auto& b) { return a.first.size() > b.first.size(); });
-  // Every printable ASCII byte must be a token on its own, or it is not byte-level BPE.
-  // (Bytes that valid UTF-8 never contains may be missing.)
-  for (int b = 33; b < 127; ++b)
-    if (vocab_.count(bytes().to_text[static_cast<size_t>(b)]) == 0)
-      bad(origin, "is not byte-level BPE: no token for the byte '" +
-                    std::string(1, static_cast<char>(b)) + "'");
+  for (size_t i = 0; i < added_.size(); ++i)
+    if (!added_[i].first.empty())
+      added_by_byte_[static_cast<unsigned char>(added_[i].first[0])].push_back(i);
+  // Byte-level BPE needs every printable ASCII byte as a token of its own. (Bytes that
+  // valid UTF-8 never contains may be missing.)
+  if (byte_level_)
+    for (int b = 33; b < 127; ++b)
+      if (token_id(bytes().to_text[static_cast<size_t>(b)]) < 0)
+        bad(origin, "is not byte-level BPE: no token for the byte '" +
+                      std::string(1, static_cast<char>(b)) + "'");
 }
 
 tokenizer tokenizer::from_json(const std::string& path) {
@@ -416,8 +666,12 @@ tokenizer tokenizer::from_json(const std::string& path) {
   if (j.is_discarded() || !j.contains("model"))
     bad(path, "is not a tokenizer.json");
   auto& model = j["model"];
-  if (model.value("type", std::string{}) != "BPE" || !model.contains("vocab"))
-    bad(path, "model is not BPE");
+  auto type = model.value("type", std::string{});
+  if (type != "BPE" || !model.contains("vocab"))
+    bad(path, "model '" + type + "' is not supported (BPE)");
+  for (auto* key : {"continuing_subword_prefix", "end_of_word_suffix"})
+    if (model.contains(key) && !model[key].is_null())
+      bad(path, std::string{"BPE with a "} + key + " is not supported");
   tokenizer t;
   auto& vocab = model["vocab"];
   t.id_to_token_.resize(vocab.size());
@@ -427,6 +681,18 @@ tokenizer tokenizer::from_json(const std::string& path) {
       bad(path, "token '" + text + "' has id " + std::to_string(i) + " outside the vocabulary");
     t.id_to_token_[static_cast<size_t>(i)] = text;
   }
+  for (auto& added : j.value("added_tokens", nlohmann::json::array())) {
+    auto id = added.value("id", -1);
+    if (id < 0)
+      continue;
+    if (static_cast<size_t>(id) >= t.id_to_token_.size())
+      t.id_to_token_.resize(static_cast<size_t>(id) + 1);
+    t.id_to_token_[static_cast<size_t>(id)] = added.value("content", std::string{});
+    t.added_ids_.insert(id);
+    if (added.value("special", false))
+      t.special_ids_.insert(id);
+  }
+  t.index_vocabulary(path);
   int32_t rank = 0;
   for (auto& m : model.value("merges", nlohmann::json::array())) {
     if (m.is_string()) {
@@ -434,21 +700,21 @@ tokenizer tokenizer::from_json(const std::string& path) {
       auto space = s.find(' ');
       if (space == std::string::npos)
         bad(path, "merge '" + s + "' has no space");
-      t.add_merge(s.substr(0, space), s.substr(space + 1), rank++);
+      t.add_merge(s.substr(0, space), s.substr(space + 1), rank++, path);
     } else if (m.is_array() && m.size() == 2) {
-      t.add_merge(m[0].get<std::string>(), m[1].get<std::string>(), rank++);
+      t.add_merge(m[0].get<std::string>(), m[1].get<std::string>(), rank++, path);
+    } else {
+      bad(path, "merge " + m.dump() + " is neither \"left right\" nor [left, right]");
     }
   }
-  for (auto& added : j.value("added_tokens", nlohmann::json::array())) {
-    auto id = added.value("id", -1);
-    auto content = added.value("content", std::string{});
-    if (id < 0)
-      continue;
-    if (static_cast<size_t>(id) >= t.id_to_token_.size())
-      t.id_to_token_.resize(static_cast<size_t>(id) + 1);
-    t.id_to_token_[static_cast<size_t>(id)] = content;
-    if (added.value("special", false))
-      t.special_ids_.insert(id);
+  t.byte_fallback_ = model.value("byte_fallback", false);
+  t.ignore_merges_ = model.value("ignore_merges", false);
+  t.fuse_unk_ = model.value("fuse_unk", false);
+  auto unk = model.value("unk_token", nlohmann::json());
+  if (unk.is_string()) {
+    t.unk_ = t.token_id(unk.get<std::string>());
+    if (t.unk_ < 0)
+      bad(path, "unk_token '" + unk.get<std::string>() + "' is not in the vocabulary");
   }
   t.read_pipeline(j, path);
   t.finish(path);
@@ -465,30 +731,127 @@ tokenizer tokenizer::from_gguf(const std::string& path) {
     auto v = file.find<int64_t>(key);
     return v ? static_cast<int32_t>(*v) : -1;
   };
-  if (string_of("tokenizer.ggml.model") != "gpt2")
-    bad(path, "tokenizer model '" + string_of("tokenizer.ggml.model") +
-                "' is not byte-level BPE (gpt2)");
+  auto flag = [&](const char* key, bool otherwise) {
+    auto v = file.find<bool>(key);
+    return v ? *v : otherwise;
+  };
+  auto kind = string_of("tokenizer.ggml.model");
+  if (kind != "gpt2" && kind != "llama")
+    bad(path, "tokenizer model '" + kind +
+                "' is not supported (gpt2: byte-level BPE; llama: SentencePiece BPE)");
   auto tokens = file.find<std::vector<std::string>>("tokenizer.ggml.tokens");
   if (tokens == nullptr)
     bad(path, "has no tokenizer.ggml.tokens");
   tokenizer t;
   t.id_to_token_ = *tokens;
-  if (auto merges = file.find<std::vector<std::string>>("tokenizer.ggml.merges")) {
-    int32_t rank = 0;
-    for (auto& m : *merges) {
-      auto space = m.find(' ');
-      if (space != std::string::npos)
-        t.add_merge(m.substr(0, space), m.substr(space + 1), rank++);
-    }
+  // Token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+  std::vector<double> types(tokens->size(), 1.0);
+  if (auto v = file.find<std::vector<double>>("tokenizer.ggml.token_type"))
+    std::copy_n(v->begin(), std::min(v->size(), types.size()), types.begin());
+  for (size_t i = 0; i < types.size(); ++i) {
+    auto id = static_cast<int32_t>(i);
+    if (types[i] == 2.0 || types[i] == 3.0 || types[i] == 4.0)
+      t.added_ids_.insert(id);
+    if (types[i] == 2.0 || types[i] == 3.0)
+      t.special_ids_.insert(id);
   }
-  // Token type 3 is a control token: special.
-  if (auto types = file.find<std::vector<double>>("tokenizer.ggml.token_type"))
-    for (size_t i = 0; i < types->size() && i < t.id_to_token_.size(); ++i)
-      if ((*types)[i] == 3.0)
-        t.special_ids_.insert(static_cast<int32_t>(i));
+  t.index_vocabulary(path);
   t.bos_ = id_of("tokenizer.ggml.bos_token_id");
   t.eos_ = id_of("tokenizer.ggml.eos_token_id");
   t.chat_template_ = string_of("tokenizer.chat_template");
+  // The pipeline as tokenizer.json would write it.
+  nlohmann::json j;
+  if (kind == "gpt2") {
+    if (auto merges = file.find<std::vector<std::string>>("tokenizer.ggml.merges")) {
+      int32_t rank = 0;
+      for (auto& m : *merges) {
+        auto space = m.find(' ');
+        if (space == std::string::npos)
+          bad(path, "merge '" + m + "' has no space");
+        t.add_merge(m.substr(0, space), m.substr(space + 1), rank++, path);
+      }
+    }
+    auto split = [](const char* pattern) {
+      return nlohmann::json{{"type", "Split"},
+                            {"pattern", {{"Regex", pattern}}},
+                            {"behavior", "Isolated"}};
+    };
+    auto byte_level = [](bool use_regex) {
+      return nlohmann::json{{"type", "ByteLevel"}, {"use_regex", use_regex}};
+    };
+    auto pre = string_of("tokenizer.ggml.pre");
+    nlohmann::json steps;
+    if (pre.empty() || pre == "default" || pre == "gpt2") {
+      steps = {byte_level(true)};
+    } else if (pre == "llama3" || pre == "llama-v3" || pre == "llama-bpe") {
+      steps = {split(llama3_pattern), byte_level(false)};
+      t.ignore_merges_ = true; // Llama 3's tokenizer.json says so
+    } else if (pre == "qwen2") {
+      j["normalizer"] = {{"type", "NFC"}};
+      steps = {split(qwen2_pattern), byte_level(false)};
+    } else if (pre == "smollm" || pre == "starcoder" || pre == "refact") {
+      steps = {{{"type", "Digits"}, {"individual_digits", true}}, byte_level(true)};
+    } else {
+      bad(path, "pre-tokenizer '" + pre +
+                  "' (tokenizer.ggml.pre) is not supported (default, gpt2, llama3, llama-v3, "
+                  "llama-bpe, qwen2, smollm, starcoder, refact)");
+    }
+    j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", steps}};
+    j["decoder"] = {{"type", "ByteLevel"}};
+  } else {
+    // SentencePiece BPE: merges as transformers' converter makes them from the scores,
+    // every split of a normal piece into two normal pieces, by the piece's score.
+    auto scores = file.find<std::vector<double>>("tokenizer.ggml.scores");
+    if (scores == nullptr || scores->size() != tokens->size())
+      bad(path, "has no tokenizer.ggml.scores for its " + std::to_string(tokens->size()) +
+                  " tokens");
+    std::vector<std::tuple<double, int32_t, std::string, std::string>> ranked;
+    for (size_t i = 0; i < tokens->size(); ++i) {
+      auto& piece = (*tokens)[i];
+      if (types[i] != 1.0)
+        continue;
+      for (size_t k = 1; k < piece.size(); ++k) {
+        if ((static_cast<unsigned char>(piece[k]) & 0xc0) == 0x80)
+          continue; // inside a character
+        auto l = t.token_id(piece.substr(0, k));
+        auto r = t.token_id(piece.substr(k));
+        if (l >= 0 && r >= 0 && types[static_cast<size_t>(l)] == 1.0 &&
+            types[static_cast<size_t>(r)] == 1.0)
+          ranked.emplace_back(-(*scores)[i], static_cast<int32_t>(i), piece.substr(0, k),
+                              piece.substr(k));
+      }
+    }
+    std::sort(ranked.begin(), ranked.end());
+    int32_t rank = 0;
+    for (auto& [score, id, left, right] : ranked)
+      t.add_merge(left, right, rank++, path);
+    t.byte_fallback_ = true;
+    t.fuse_unk_ = true;
+    t.unk_ = id_of("tokenizer.ggml.unknown_token_id");
+    nlohmann::json decoders = {{{"type", "Replace"}, {"pattern", {{"String", meta_space}}},
+                                {"content", " "}},
+                               {{"type", "ByteFallback"}},
+                               {{"type", "Fuse"}}};
+    nlohmann::json normalizers = nlohmann::json::array();
+    if (flag("tokenizer.ggml.add_space_prefix", true)) {
+      normalizers.push_back({{"type", "Prepend"}, {"prepend", meta_space}});
+      decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+    }
+    normalizers.push_back(
+      {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", meta_space}});
+    j["normalizer"] = {{"type", "Sequence"}, {"normalizers", normalizers}};
+    j["decoder"] = {{"type", "Sequence"}, {"decoders", decoders}};
+  }
+  t.read_pipeline(j, path);
+  // SentencePiece vocabularies begin with <s>; byte-level ones say when they do.
+  auto add_bos = flag("tokenizer.ggml.add_bos_token", kind == "llama");
+  auto add_eos = flag("tokenizer.ggml.add_eos_token", false);
+  auto p = std::make_shared<pipeline>(*t.pipeline_);
+  if (add_bos && t.bos_ >= 0)
+    p->prefix = {t.bos_};
+  if (add_eos && t.eos_ >= 0)
+    p->suffix = {t.eos_};
+  t.pipeline_ = p;
   t.finish(path);
   return t;
 }
@@ -499,39 +862,94 @@ int32_t tokenizer::token_id(const std::string& token) const {
 }
 
 void tokenizer::encode_piece(const std::string& piece, std::vector<int32_t>& out) const {
-  // One symbol per byte, in GPT-2's printable form.
-  std::vector<std::string> symbols;
-  for (unsigned char c : piece)
-    symbols.push_back(bytes().to_text[c]);
-  auto whole = std::string{};
-  for (auto& s : symbols)
-    whole += s;
-  if (auto hit = vocab_.find(whole); hit != vocab_.end() && !special_ids_.count(hit->second)) {
-    out.push_back(hit->second);
-    return;
+  std::string text;
+  if (byte_level_) {
+    for (unsigned char c : piece)
+      text += bytes().to_text[c];
+  } else {
+    text = piece;
   }
-  // Merge the adjacent pair of lowest rank until none is left.
-  while (symbols.size() > 1) {
-    int32_t best = std::numeric_limits<int32_t>::max();
-    size_t at = 0;
-    for (size_t i = 0; i + 1 < symbols.size(); ++i) {
-      auto rank = merge_ranks_.find(symbols[i] + " " + symbols[i + 1]);
-      if (rank != merge_ranks_.end() && rank->second < best) {
-        best = rank->second;
-        at = i;
-      }
+  if (ignore_merges_)
+    if (auto id = token_id(text); id >= 0 && !special_ids_.count(id)) {
+      out.push_back(id);
+      return;
     }
-    if (best == std::numeric_limits<int32_t>::max())
-      break;
-    symbols[at] += symbols[at + 1];
-    symbols.erase(symbols.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+  // One symbol per character; a character without a token becomes its bytes' pieces
+  // (byte fallback), else the unknown token.
+  struct symbol {
+    int32_t id;
+    int32_t prev;
+    int32_t next;
+  };
+  std::vector<symbol> symbols;
+  auto push = [&](int32_t id) {
+    auto n = static_cast<int32_t>(symbols.size());
+    symbols.push_back({id, n - 1, n + 1});
+  };
+  for (size_t i = 0; i < text.size();) {
+    auto n = std::max<size_t>(1, sequence_length(static_cast<unsigned char>(text[i])));
+    auto ch = text.substr(i, n);
+    i += n;
+    if (auto id = token_id(ch); id >= 0) {
+      push(id);
+      continue;
+    }
+    if (byte_fallback_ &&
+        std::all_of(ch.begin(), ch.end(),
+                    [&](char c) { return byte_ids_[static_cast<unsigned char>(c)] >= 0; })) {
+      for (unsigned char c : ch)
+        push(byte_ids_[c]);
+      continue;
+    }
+    if (unk_ < 0)
+      throw error{errc::invalid_argument, "tokenizer: no token for '" + ch +
+                                            "' and no unknown token to stand for it"};
+    if (!(fuse_unk_ && !symbols.empty() && symbols.back().id == unk_))
+      push(unk_);
   }
-  for (auto& s : symbols) {
-    auto id = vocab_.find(s);
-    if (id == vocab_.end())
-      throw error{errc::invalid_argument, "tokenizer: no token for symbol '" + s + "'"};
-    out.push_back(id->second);
+  if (symbols.empty())
+    return;
+  symbols.back().next = -1;
+  // Merge the adjacent pair of lowest rank (leftmost first) until none is left: a heap of
+  // candidate pairs, each checked to be still current when it comes up.
+  struct candidate {
+    int32_t rank;
+    int32_t left;
+    int32_t left_id;
+    int32_t right_id;
+    bool operator>(const candidate& o) const {
+      return rank != o.rank ? rank > o.rank : left > o.left;
+    }
+  };
+  std::priority_queue<candidate, std::vector<candidate>, std::greater<>> queue;
+  auto consider = [&](int32_t left) {
+    if (left < 0 || symbols[static_cast<size_t>(left)].next < 0)
+      return;
+    auto& l = symbols[static_cast<size_t>(left)];
+    auto& r = symbols[static_cast<size_t>(l.next)];
+    auto m = merges_.find(pair_key(l.id, r.id));
+    if (m != merges_.end())
+      queue.push({m->second.rank, left, l.id, r.id});
+  };
+  for (int32_t i = 0; i + 1 < static_cast<int32_t>(symbols.size()); ++i)
+    consider(i);
+  while (!queue.empty()) {
+    auto c = queue.top();
+    queue.pop();
+    auto& l = symbols[static_cast<size_t>(c.left)];
+    if (l.id != c.left_id || l.next < 0 || symbols[static_cast<size_t>(l.next)].id != c.right_id)
+      continue; // stale: one side has merged since
+    auto& r = symbols[static_cast<size_t>(l.next)];
+    l.id = merges_.at(pair_key(c.left_id, c.right_id)).id;
+    r.id = -1; // gone
+    l.next = r.next;
+    if (l.next >= 0)
+      symbols[static_cast<size_t>(l.next)].prev = c.left;
+    consider(l.prev);
+    consider(c.left);
   }
+  for (int32_t i = 0; i >= 0; i = symbols[static_cast<size_t>(i)].next)
+    out.push_back(symbols[static_cast<size_t>(i)].id);
 }
 
 std::vector<int32_t> tokenizer::encode(std::string_view text, bool parse_special,
@@ -540,21 +958,24 @@ std::vector<int32_t> tokenizer::encode(std::string_view text, bool parse_special
   std::vector<int32_t> out;
   if (add_special_tokens)
     out = pipeline_->prefix;
-  auto encode_plain = [&](std::string_view part) {
+  auto encode_plain = [&](std::string_view part, bool at_start) {
     if (part.empty())
       return;
-    for (auto& piece : pipeline_->pieces(pipeline_->normalize(std::string{part}, "text")))
+    auto normal = pipeline_->normalize(std::string{part}, "text");
+    for (auto& piece : pipeline_->pieces(normal, at_start))
       encode_piece(piece, out);
   };
+  // Added tokens split the text first: special ones only when `parse_special`.
   size_t start = 0;
-  size_t pos = 0;
-  while (parse_special && pos < text.size()) {
+  for (size_t pos = 0; pos < text.size();) {
     bool matched = false;
-    for (auto& [special, id] : specials_) {
-      if (text.compare(pos, special.size(), special) == 0) {
-        encode_plain(text.substr(start, pos - start));
+    for (auto i : added_by_byte_[static_cast<unsigned char>(text[pos])]) {
+      auto& [added, id] = added_[i];
+      if ((parse_special || !special_ids_.count(id)) &&
+          text.compare(pos, added.size(), added) == 0) {
+        encode_plain(text.substr(start, pos - start), start == 0);
         out.push_back(id);
-        pos += special.size();
+        pos += added.size();
         start = pos;
         matched = true;
         break;
@@ -563,7 +984,7 @@ std::vector<int32_t> tokenizer::encode(std::string_view text, bool parse_special
     if (!matched)
       ++pos;
   }
-  encode_plain(text.substr(start));
+  encode_plain(text.substr(start), start == 0);
   if (add_special_tokens)
     out.insert(out.end(), pipeline_->suffix.begin(), pipeline_->suffix.end());
   return out;
@@ -586,33 +1007,19 @@ std::string valid_utf8(std::string_view bytes) {
 }
 
 std::string tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special) const {
-  std::string out;
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
   for (auto id : ids) {
     if (id < 0 || static_cast<size_t>(id) >= id_to_token_.size())
       throw error{errc::invalid_argument, "tokenizer: id " + std::to_string(id) +
                                             " is outside the vocabulary of " +
                                             std::to_string(id_to_token_.size())};
-    auto& token = id_to_token_[static_cast<size_t>(id)];
-    if (special_ids_.count(id)) {
-      if (!skip_special)
-        out += token;
-      continue;
-    }
-    // Each UTF-8 character of the token stands for one byte.
-    for (size_t i = 0; i < token.size();) {
-      auto n = std::max<size_t>(1, sequence_length(static_cast<unsigned char>(token[i])));
-      auto ch = token.substr(i, n);
-      auto b = bytes().to_byte.find(ch);
-      if (b != bytes().to_byte.end())
-        out.push_back(static_cast<char>(b->second));
-      else
-        out += ch; // an added, non-byte-level token
-      i += n;
-    }
+    if (!(skip_special && special_ids_.count(id)))
+      tokens.push_back(id_to_token_[static_cast<size_t>(id)]);
   }
   // Ids that end inside a character (an emoji over two tokens, a cut-off generation) give
   // bytes that are not UTF-8: as transformers, each broken sequence becomes U+FFFD.
-  return valid_utf8(out);
+  return pipeline_->decode(std::move(tokens));
 }
 
 } // namespace troupe

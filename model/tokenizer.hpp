@@ -2,6 +2,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <set>
@@ -17,28 +18,33 @@ namespace troupe {
 /// as Python's and Rust's lossy decoders (and so transformers) do.
 std::string valid_utf8(std::string_view bytes);
 
-/// A byte-level BPE tokenizer (GPT-2 style, as SmolLM2, Llama 3 and Qwen2 use), read from a
-/// Hugging Face `tokenizer.json` or from a GGUF file's `tokenizer.ggml.*` metadata.
-/// Encoding splits out special tokens, then runs the file's pipeline on the rest: its
-/// normalizer (NFC, NFD, NFKC, NFKD, or a sequence of them), its pre-tokenizer (byte-level
-/// with or without GPT-2's pattern, a `Split` on the file's own regex, `Digits`, or a
-/// sequence of them), maps bytes to printable characters and applies the merges by rank;
+/// A BPE tokenizer read from a Hugging Face `tokenizer.json` or from a GGUF file's
+/// `tokenizer.ggml.*` metadata: byte-level (GPT-2 style, as SmolLM2, Llama 3 and Qwen2 use)
+/// or SentencePiece-style with byte fallback (as Llama 2 and Mistral use).
+/// Encoding splits out added tokens, then runs the file's pipeline on the rest: its
+/// normalizer (NFC, NFD, NFKC, NFKD, Prepend, Replace, or a sequence of them), its
+/// pre-tokenizer (byte-level with or without GPT-2's pattern, a `Split` on the file's own
+/// regex, `Digits`, `Metaspace`, or a sequence of them) and the BPE model (merges by rank;
+/// a character without a token becomes its bytes' `<0xXX>` pieces or the unknown token);
 /// with `add_special_tokens`, the post-processor's template (`TemplateProcessing`: Llama
-/// 3's `<|begin_of_text|>` first) wraps the ids. A step of another type is refused with
-/// its name. A GGUF file gets GPT-2's pattern. Decoding reverses the bytes, so any valid
-/// UTF-8 text round-trips exactly. Bad input (invalid UTF-8, an unknown id) throws
-/// `troupe::error` (`invalid_argument`).
+/// 3's `<|begin_of_text|>` or Llama 2's `<s>` first) wraps the ids. Decoding runs the file's
+/// decoder chain (ByteLevel, or Replace, ByteFallback, Fuse, Strip, Metaspace). A GGUF file
+/// gets the pipeline its `tokenizer.ggml.model` and `tokenizer.ggml.pre` name. A step of
+/// another type is refused with its name. Any valid UTF-8 text round-trips exactly through
+/// a byte-level tokenizer. Bad input (invalid UTF-8, an unknown id) throws `troupe::error`
+/// (`invalid_argument`).
 class tokenizer {
 public:
-  /// Reads `tokenizer.json`; throws `invalid_argument` naming the file for a model that is
-  /// not byte-level BPE.
+  /// Reads `tokenizer.json`; throws `invalid_argument` naming the file and the step for a
+  /// model or step of a type it does not know.
   static tokenizer from_json(const std::string& path);
 
-  /// Reads the tokenizer of a GGUF file (`tokenizer.ggml.model` must be `gpt2`).
+  /// Reads the tokenizer of a GGUF file: `tokenizer.ggml.model` `gpt2` (byte-level, with the
+  /// pre-tokenizer `tokenizer.ggml.pre` names) or `llama` (SentencePiece pieces and scores).
   static tokenizer from_gguf(const std::string& path);
 
-  /// Token ids of `text`; special tokens written in the text become their ids when
-  /// `parse_special`; the post-processor's template applies with `add_special_tokens` (as
+  /// Token ids of `text`; added tokens written in the text become their ids (special ones
+  /// only when `parse_special`); the post-processor's template applies with `add_special_tokens` (as
   /// transformers' `add_special_tokens`).
   std::vector<int32_t> encode(std::string_view text, bool parse_special = true,
                               bool add_special_tokens = false) const;
@@ -68,9 +74,19 @@ public:
   }
 
 private:
+  /// The normalizer, pre-tokenizer, template and decoder (defined with the tokenizer).
+  struct pipeline;
+
   tokenizer();
 
-  void add_merge(const std::string& left, const std::string& right, int32_t rank);
+  static uint64_t pair_key(int32_t left, int32_t right) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) |
+           static_cast<uint32_t>(right);
+  }
+  /// Fills `vocab_` and the byte pieces' ids from `id_to_token_`.
+  void index_vocabulary(const std::string& origin);
+  void add_merge(const std::string& left, const std::string& right, int32_t rank,
+                 const std::string& origin);
   /// Reads tokenizer.json's normalizer, pre-tokenizer, post-processor and decoder.
   void read_pipeline(const nlohmann::json& j, const std::string& origin);
   void finish(const std::string& origin);
@@ -78,17 +94,32 @@ private:
 
   std::unordered_map<std::string, int32_t> vocab_;
   std::vector<std::string> id_to_token_;
-  /// Rank of the merge of two symbols, keyed by "left right" (a space never occurs inside
-  /// a byte-level symbol: it is mapped to "Ġ").
-  std::unordered_map<std::string, int32_t> merge_ranks_;
-  /// Special tokens, longest first, for splitting text.
-  std::vector<std::pair<std::string, int32_t>> specials_;
+  struct merge {
+    int32_t rank;
+    int32_t id; // of the merged token
+  };
+  /// Merges by the ids of the pair (`pair_key`).
+  std::unordered_map<uint64_t, merge> merges_;
+  /// Pieces map bytes to GPT-2's printable characters first (a ByteLevel pre-tokenizer).
+  bool byte_level_ = false;
+  /// A character without a token becomes the `<0xXX>` pieces of its bytes.
+  bool byte_fallback_ = false;
+  /// A piece that is a token is that token, whatever the merges would make of it.
+  bool ignore_merges_ = false;
+  /// Unknown characters in a row become one unknown token.
+  bool fuse_unk_ = false;
+  int32_t unk_ = -1;
+  /// The id of each byte's `<0xXX>` piece, or -1.
+  std::array<int32_t, 256> byte_ids_{};
+  /// Added tokens (special or not), which split the text before the pipeline runs.
+  std::set<int32_t> added_ids_;
   std::set<int32_t> special_ids_;
+  /// Added tokens' texts, longest first, and their indices by first byte.
+  std::vector<std::pair<std::string, int32_t>> added_;
+  std::array<std::vector<size_t>, 256> added_by_byte_;
   int32_t bos_ = -1;
   int32_t eos_ = -1;
   std::string chat_template_;
-  /// Normalizer, pre-tokenizer and template (defined with the tokenizer).
-  struct pipeline;
   std::shared_ptr<const pipeline> pipeline_;
 };
 
