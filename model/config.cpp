@@ -137,6 +137,14 @@ int64_t model_config::max_sequence_length() const {
   }
 }
 
+int64_t model_config::window_of(int64_t layer) const {
+  if (sliding_window <= 0)
+    return 0;
+  if (sliding_layers.empty())
+    return sliding_window;
+  return sliding_layers.at(static_cast<size_t>(layer)) ? sliding_window : 0;
+}
+
 int64_t model_config::num_parameters() const {
   auto q = num_attention_heads * head_dim;
   auto kv = num_key_value_heads * head_dim;
@@ -247,19 +255,36 @@ model_config parse_model_config(const std::string& json_text, const std::string&
   }
   // A config with a `use_sliding_window` switch (Qwen2) slides only when it is on: real
   // Qwen2 checkpoints ship it off next to a 4096 window and 32K-128K positions. Mistral's
-  // window has no switch. Qwen2's, when on, slides only in the layers past
-  // max_window_layers, which troupe does not do.
+  // window has no switch and slides in every layer; Qwen2's in the layers from
+  // max_window_layers on, unless `layer_types` names the sliding layers (as transformers
+  // writes it).
   bool window = true;
   if (j.contains("use_sliding_window")) {
     auto& on = j["use_sliding_window"];
     window = on.is_boolean() && on.get<bool>();
-    if (window)
-      bad_config(origin, "Qwen2's sliding-window attention (use_sliding_window) is not "
-                         "supported; Mistral's is");
   }
   if (window && j.contains("sliding_window") && j["sliding_window"].is_number_integer()
       && j["sliding_window"].get<int64_t>() > 0)
     c.sliding_window = j["sliding_window"].get<int64_t>();
+  if (j.contains("layer_types") && j["layer_types"].is_array()) {
+    for (auto& type : j["layer_types"]) {
+      auto name = type.is_string() ? type.get<std::string>() : type.dump();
+      if (name != "sliding_attention" && name != "full_attention")
+        bad_config(origin, "layer type '" + name +
+                             "' is not supported (full_attention, sliding_attention)");
+      c.sliding_layers.push_back(name == "sliding_attention");
+    }
+    if (static_cast<int64_t>(c.sliding_layers.size()) != c.num_hidden_layers)
+      bad_config(origin, "layer_types has " + std::to_string(c.sliding_layers.size()) +
+                           " entries for " + std::to_string(c.num_hidden_layers) + " layers");
+  } else if (c.sliding_window > 0 && j.contains("use_sliding_window")) {
+    // transformers' Qwen2 default is 28.
+    auto first = j.contains("max_window_layers") && j["max_window_layers"].is_number_integer()
+                   ? j["max_window_layers"].get<int64_t>()
+                   : 28;
+    for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
+      c.sliding_layers.push_back(layer >= first);
+  }
   c.tie_word_embeddings = j.value("tie_word_embeddings", false);
   // Qwen2 biases q, k and v always; Llama's attention_bias biases o_proj as well.
   auto flag = [&](const char* key) { return j.contains(key) && j[key].is_boolean() && j[key].get<bool>(); };
@@ -354,6 +379,11 @@ std::string to_config_json(const model_config& c) {
   j["mlp_bias"] = c.mlp_bias;
   if (c.sliding_window > 0)
     j["sliding_window"] = c.sliding_window;
+  if (!c.sliding_layers.empty()) {
+    auto& types = j["layer_types"] = json::array();
+    for (bool slides : c.sliding_layers)
+      types.push_back(slides ? "sliding_attention" : "full_attention");
+  }
   j["hidden_act"] = "silu";
   if (c.bos_token_id >= 0)
     j["bos_token_id"] = c.bos_token_id;

@@ -59,9 +59,13 @@ struct model_config {
   bool o_proj_bias = false;
   /// gate, up and down projections carry biases (Llama's `mlp_bias`).
   bool mlp_bias = false;
-  /// Each position attends to the last `sliding_window` positions, itself included
-  /// (Mistral's sliding window); 0: to all before it.
+  /// In a sliding layer, each position attends to the last `sliding_window` positions,
+  /// itself included (Mistral's sliding window, Qwen2's when `use_sliding_window`); 0: no
+  /// layer slides.
   int64_t sliding_window = 0;
+  /// Which layers slide (config.json's `layer_types`, or Qwen2's layers from
+  /// `max_window_layers` on); empty: every layer, when there is a window.
+  std::vector<bool> sliding_layers;
   int32_t bos_token_id = -1;
   /// Every token that ends a sequence: config.json's `eos_token_id` (one or a list) and
   /// generation_config.json's next to it, or a GGUF file's end-of-sequence and end-of-turn
@@ -81,6 +85,8 @@ struct model_config {
   /// times the factor of linear or dynamic rope scaling; YaRN's original length times its
   /// factor.
   int64_t max_sequence_length() const;
+  /// The window of layer `layer`'s attention: `sliding_window` when it slides, else 0.
+  int64_t window_of(int64_t layer) const;
 };
 
 /// Reads `config.json` of a Hugging Face model directory. Throws `troupe::error`

@@ -805,7 +805,6 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   layout.head_begin = head_begin_;
   layout.group_size = cfg_.num_attention_heads / cfg_.num_key_value_heads;
   layout.kv_offset = kv_offset_;
-  layout.window = cfg_.sliding_window;
   const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   const auto eps = static_cast<float>(cfg_.rms_norm_eps);
 
@@ -847,6 +846,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
       }
       be.rotary(q, local_heads_, k, local_kv_, T, D, d_cos, d_sin);
       be.write_kv(k, v, cache.keys(layer), cache.values(layer), d_ints + parts.slots, T, kv_width);
+      layout.window = cfg_.window_of(layer);
       be.paged_attention(q, attn, cache.keys(layer), cache.values(layer), layout, T, scale);
       be.gemm_nt(attn, l.o.data(), l.o.type, h, T, H, q_width);
       apply_lora(li, projection::o, attn, q_width, h, H);

@@ -77,6 +77,11 @@ def tiny_models():
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
         sliding_window=6, **common)
+    # Qwen2's window when on: only the layers from max_window_layers on slide.
+    yield "qwen2-window", Qwen2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
+        use_sliding_window=True, sliding_window=5, max_window_layers=1, **common)
     # Llama's attention_bias (q, k, v and o) and mlp_bias (gate, up, down).
     yield "llama-bias", LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -98,6 +103,12 @@ for name, config in tiny_models():
                 p.add_(torch.randn_like(p) * 0.1)
     directory = out / name
     model.save_pretrained(directory, safe_serialization=True)
+    if name == "qwen2-window":
+        # As published Qwen2 configs are: no layer_types, which then come from
+        # max_window_layers (transformers computes the same list on loading).
+        saved = json.loads((directory / "config.json").read_text())
+        del saved["layer_types"]
+        (directory / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
     reference = {"prompts": reference_runs(model, all_logits_of_first=True)}
     with open(directory / "reference.json", "w") as f:
         json.dump(reference, f)

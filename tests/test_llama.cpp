@@ -31,7 +31,8 @@ namespace {
 const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
 const std::string models[] = {"llama-gqa",         "llama3-rope-tied",   "qwen2-bias",
                                "llama-odd-heads",   "llama-rope-linear",  "llama-rope-dynamic",
-                               "llama-rope-yarn",   "llama-bias",         "mistral-window"};
+                               "llama-rope-yarn",   "llama-bias",         "mistral-window",
+                               "qwen2-window"};
 
 nlohmann::json reference(const std::string& name) {
   std::ifstream in{fixtures + "/" + name + "/reference.json"};
@@ -228,8 +229,23 @@ TEST_CASE("configs and weights that would compute garbage are refused, naming th
       "model_type":"mistral","sliding_window":128,"max_position_embeddings":512})"), "c.json");
   CHECK(mistral.max_position_embeddings == 512);
   CHECK(mistral.sliding_window == 128);
-  CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"use_sliding_window":true,
-      "sliding_window":128})"), "c.json"), doctest::Contains("sliding-window attention"), error);
+  CHECK(mistral.window_of(0) == 128);
+  CHECK(mistral.window_of(1) == 128);
+  // Qwen2's window, when on, slides in the layers from max_window_layers on (llama-gqa has
+  // 2 layers), or in those layer_types names.
+  auto sliding = parse_model_config(config_text(R"({"use_sliding_window":true,
+      "sliding_window":128,"max_window_layers":1})"), "c.json");
+  CHECK(sliding.window_of(0) == 0);
+  CHECK(sliding.window_of(1) == 128);
+  auto typed = parse_model_config(config_text(R"({"use_sliding_window":true,"sliding_window":128,
+      "layer_types":["sliding_attention","full_attention"]})"), "c.json");
+  CHECK(typed.window_of(0) == 128);
+  CHECK(typed.window_of(1) == 0);
+  CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"layer_types":["full_attention"]})"),
+                                          "c.json"),
+                       doctest::Contains("1 entries for 2 layers"), error);
+  CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"layer_types":["chunked_attention",
+      "full_attention"]})"), "c.json"), doctest::Contains("'chunked_attention'"), error);
   // End tokens come as one or as a list (Llama 3), all kept, each once.
   CHECK(parse_model_config(config_text(R"({"eos_token_id":[2, 7, 2]})"), "c.json").eos_token_ids ==
         std::vector<int32_t>{2, 7});

@@ -134,6 +134,11 @@ TEST_CASE("Mistral's sliding window generates transformers' tokens past the wind
     check_greedy("mistral-window", tp); // a window of 6; sequences of up to 41 positions
 }
 
+TEST_CASE("Qwen2's sliding window, in the layers from max_window_layers on, generates transformers' tokens at TP 1-3") {
+  for (int32_t tp : {1, 2, 3})
+    check_greedy("qwen2-window", tp); // layer 0 full, layers 1 and 2 a window of 5
+}
+
 TEST_CASE("linear, dynamic-NTK and YaRN rope scaling generate transformers' tokens at TP 1-3") {
   // The dynamic model's max_position_embeddings is 24: its sequences run past it, where the
   // base grows with each step's length.
