@@ -38,6 +38,9 @@ std::optional<tokenizer> load_tokenizer(const std::string& path) {
   auto json = std::filesystem::path{path} / "tokenizer.json";
   if (std::filesystem::exists(json))
     return tokenizer::from_json(json.string());
+  auto model = std::filesystem::path{path} / "tokenizer.model"; // SentencePiece's own
+  if (std::filesystem::exists(model))
+    return tokenizer::from_sentencepiece(model.string());
   return std::nullopt;
 }
 

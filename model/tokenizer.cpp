@@ -1,6 +1,7 @@
 #include "model/tokenizer.hpp"
 
 #include "model/gguf.hpp"
+#include "model/sentencepiece.hpp"
 #include "troupe/errors.hpp"
 
 #include <boost/regex/icu.hpp>
@@ -191,6 +192,25 @@ void replace_all(std::string& s, const std::string& from, const std::string& to)
     return;
   for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size()))
     s.replace(at, from.size(), to);
+}
+
+/// Calls `read(step, type)` for each step of a tokenizer.json component (normalizer,
+/// pre-tokenizer, post-processor, decoder), a `Sequence`'s steps (under `list`) in turn.
+template <class F>
+void for_each_step(const nlohmann::json& t, const char* list, const F& read) {
+  if (t.is_null())
+    return;
+  auto type = t.value("type", std::string{});
+  if (type != "Sequence")
+    return read(t, type);
+  for (auto& inner : t.value(list, nlohmann::json::array()))
+    for_each_step(inner, list, read);
+}
+
+/// A Metaspace step's prepend scheme; files before `prepend_scheme` say
+/// `add_prefix_space` instead.
+std::string prepend_scheme_of(const nlohmann::json& t) {
+  return t.value("prepend_scheme", t.value("add_prefix_space", true) ? "always" : "never");
 }
 
 /// The byte of a byte-fallback piece ("<0x41>"), or -1.
@@ -429,7 +449,6 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
   using normalizer = pipeline::normalizer;
   using step = pipeline::step;
   using decoder = pipeline::decoder;
-  auto type_of = [](const nlohmann::json& t) { return t.value("type", std::string{}); };
   // A Split's or Replace's pattern: {"Regex": …} or {"String": …}.
   auto pattern_of = [&](const nlohmann::json& t, const std::string& what, bool* regex) {
     auto pattern = t.value("pattern", nlohmann::json::object());
@@ -441,15 +460,7 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
     bad(origin, what + " has no Regex or String pattern");
   };
 
-  std::function<void(const nlohmann::json&)> norm = [&](const nlohmann::json& n) {
-    if (n.is_null())
-      return;
-    auto type = type_of(n);
-    if (type == "Sequence") {
-      for (auto& inner : n.value("normalizers", nlohmann::json::array()))
-        norm(inner);
-      return;
-    }
+  auto norm = [&](const nlohmann::json& n, const std::string& type) {
     auto& s = p->normalizers.emplace_back();
     if (type == "Prepend") {
       s.what = normalizer::kind::prepend;
@@ -481,7 +492,7 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
     if (U_FAILURE(status) || s.form == nullptr)
       bad(origin, "normalizer " + type + " is not available from ICU");
   };
-  norm(j.value("normalizer", nlohmann::json()));
+  for_each_step(j.value("normalizer", nlohmann::json()), "normalizers", norm);
 
   // Steps are filled in place: a regex left default-constructed in a temporary step trips
   // GCC's maybe-uninitialized warning inside Boost.
@@ -489,14 +500,8 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
     auto& s = p->steps.emplace_back();
     s.re = re;
   };
-  std::function<void(const nlohmann::json&)> pre = [&](const nlohmann::json& t) {
-    if (t.is_null())
-      return;
-    auto type = type_of(t);
-    if (type == "Sequence") {
-      for (auto& inner : t.value("pretokenizers", nlohmann::json::array()))
-        pre(inner);
-    } else if (type == "ByteLevel") {
+  auto pre = [&](const nlohmann::json& t, const std::string& type) {
+    if (type == "ByteLevel") {
       byte_level_ = true;
       if (t.value("add_prefix_space", false))
         p->steps.emplace_back().what = step::kind::prefix_space;
@@ -527,9 +532,7 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
       auto& s = p->steps.emplace_back();
       s.what = step::kind::metaspace;
       s.replacement = t.value("replacement", std::string{meta_space});
-      // Files before prepend_scheme say add_prefix_space instead.
-      auto scheme = t.value("prepend_scheme", t.value("add_prefix_space", true) ? "always"
-                                                                                 : "never");
+      auto scheme = prepend_scheme_of(t);
       if (scheme == "always")
         s.scheme = step::prepend::always;
       else if (scheme == "first")
@@ -544,16 +547,10 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
                     "' is not supported (ByteLevel, Split, Digits, Metaspace, Sequence)");
     }
   };
-  pre(j.value("pre_tokenizer", nlohmann::json()));
+  for_each_step(j.value("pre_tokenizer", nlohmann::json()), "pretokenizers", pre);
 
-  std::function<void(const nlohmann::json&)> post = [&](const nlohmann::json& t) {
-    if (t.is_null())
-      return;
-    auto type = type_of(t);
-    if (type == "Sequence") {
-      for (auto& inner : t.value("processors", nlohmann::json::array()))
-        post(inner);
-    } else if (type == "TemplateProcessing") {
+  auto post = [&](const nlohmann::json& t, const std::string& type) {
+    if (type == "TemplateProcessing") {
       bool before = true;
       for (auto& item : t.value("single", nlohmann::json::array())) {
         if (item.contains("Sequence")) {
@@ -572,17 +569,9 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
                     "' is not supported (TemplateProcessing, ByteLevel, Sequence)");
     }
   };
-  post(j.value("post_processor", nlohmann::json()));
+  for_each_step(j.value("post_processor", nlohmann::json()), "processors", post);
 
-  std::function<void(const nlohmann::json&)> dec = [&](const nlohmann::json& t) {
-    if (t.is_null())
-      return;
-    auto type = type_of(t);
-    if (type == "Sequence") {
-      for (auto& inner : t.value("decoders", nlohmann::json::array()))
-        dec(inner);
-      return;
-    }
+  auto dec = [&](const nlohmann::json& t, const std::string& type) {
     auto& d = p->decoders.emplace_back();
     if (type == "ByteLevel") {
       d.what = decoder::kind::byte_level;
@@ -605,16 +594,14 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
     } else if (type == "Metaspace") {
       d.what = decoder::kind::metaspace;
       d.pattern = t.value("replacement", std::string{meta_space});
-      auto scheme = t.value("prepend_scheme", t.value("add_prefix_space", true) ? "always"
-                                                                                 : "never");
-      d.strip_first = scheme != "never";
+      d.strip_first = prepend_scheme_of(t) != "never";
     } else {
       bad(origin, "decoder '" + type +
                     "' is not supported (ByteLevel, Replace, ByteFallback, Fuse, Strip, "
                     "Metaspace, Sequence)");
     }
   };
-  dec(j.value("decoder", nlohmann::json()));
+  for_each_step(j.value("decoder", nlohmann::json()), "decoders", dec);
   pipeline_ = p;
 }
 
@@ -721,6 +708,84 @@ tokenizer tokenizer::from_json(const std::string& path) {
   return t;
 }
 
+void tokenizer::read_pieces(const std::vector<std::string>& pieces,
+                            const std::vector<int>& types, const std::string& origin) {
+  using type = sentencepiece_model::piece_type;
+  id_to_token_ = pieces;
+  for (size_t i = 0; i < types.size(); ++i) {
+    auto id = static_cast<int32_t>(i);
+    if (types[i] == type::unknown || types[i] == type::control || types[i] == type::user_defined)
+      added_ids_.insert(id);
+    if (types[i] == type::unknown || types[i] == type::control)
+      special_ids_.insert(id);
+  }
+  index_vocabulary(origin);
+}
+
+nlohmann::json tokenizer::sentencepiece_pipeline(const std::vector<double>& scores,
+                                                 const std::vector<int>& types,
+                                                 bool dummy_prefix, bool trim_spaces,
+                                                 const std::string& origin) {
+  // Merges as transformers' converter makes them from the scores: every split of a normal
+  // piece into two normal pieces, by the piece's score.
+  auto normal = [&](int32_t id) {
+    return id >= 0 && types[static_cast<size_t>(id)] == sentencepiece_model::normal;
+  };
+  std::vector<std::tuple<double, int32_t, std::string, std::string>> ranked;
+  for (size_t i = 0; i < id_to_token_.size(); ++i) {
+    auto& piece = id_to_token_[i];
+    if (!normal(static_cast<int32_t>(i)))
+      continue;
+    for (size_t k = 1; k < piece.size(); ++k) {
+      if ((static_cast<unsigned char>(piece[k]) & 0xc0) == 0x80)
+        continue; // inside a character
+      auto left = piece.substr(0, k);
+      auto right = piece.substr(k);
+      if (normal(token_id(left)) && normal(token_id(right)))
+        ranked.emplace_back(-scores[i], static_cast<int32_t>(i), left, right);
+    }
+  }
+  std::sort(ranked.begin(), ranked.end());
+  int32_t rank = 0;
+  for (auto& [score, id, left, right] : ranked)
+    add_merge(left, right, rank++, origin);
+  fuse_unk_ = true;
+  // SentencePiece's own normalization: extra spaces go (leading ones and runs of spaces
+  // before escaping, trailing ones after, so that a trailing meta space in the text goes
+  // too), a space goes first, every space becomes the meta space; decoding undoes it.
+  nlohmann::json normalizers = nlohmann::json::array();
+  auto replace = [](const char* kind, const std::string& pattern, const char* content) {
+    return nlohmann::json{
+      {"type", "Replace"}, {"pattern", {{kind, pattern}}}, {"content", content}};
+  };
+  if (trim_spaces) {
+    normalizers.push_back(replace("Regex", "\\A +", ""));
+    normalizers.push_back(replace("Regex", " {2,}", " "));
+  }
+  nlohmann::json decoders = {replace("String", meta_space, " "), {{"type", "ByteFallback"}},
+                             {{"type", "Fuse"}}};
+  if (dummy_prefix) {
+    normalizers.push_back({{"type", "Prepend"}, {"prepend", meta_space}});
+    decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+  }
+  normalizers.push_back(replace("String", " ", meta_space));
+  if (trim_spaces)
+    normalizers.push_back(replace("Regex", std::string{"(?:"} + meta_space + ")+\\z", ""));
+  return {{"normalizer", {{"type", "Sequence"}, {"normalizers", normalizers}}},
+          {"decoder", {{"type", "Sequence"}, {"decoders", decoders}}}};
+}
+
+void tokenizer::set_template(bool add_bos, bool add_eos) {
+  auto p = std::make_shared<pipeline>(*pipeline_);
+  p->prefix.clear();
+  p->suffix.clear();
+  if (add_bos && bos_ >= 0)
+    p->prefix = {bos_};
+  if (add_eos && eos_ >= 0)
+    p->suffix = {eos_};
+  pipeline_ = p;
+}
+
 tokenizer tokenizer::from_gguf(const std::string& path) {
   gguf_file file{path};
   auto string_of = [&](const char* key) {
@@ -742,20 +807,13 @@ tokenizer tokenizer::from_gguf(const std::string& path) {
   auto tokens = file.find<std::vector<std::string>>("tokenizer.ggml.tokens");
   if (tokens == nullptr)
     bad(path, "has no tokenizer.ggml.tokens");
-  tokenizer t;
-  t.id_to_token_ = *tokens;
-  // Token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
-  std::vector<double> types(tokens->size(), 1.0);
+  // Token types as SentencePiece numbers them; normal when absent.
+  std::vector<int> types(tokens->size(), sentencepiece_model::normal);
   if (auto v = file.find<std::vector<double>>("tokenizer.ggml.token_type"))
-    std::copy_n(v->begin(), std::min(v->size(), types.size()), types.begin());
-  for (size_t i = 0; i < types.size(); ++i) {
-    auto id = static_cast<int32_t>(i);
-    if (types[i] == 2.0 || types[i] == 3.0 || types[i] == 4.0)
-      t.added_ids_.insert(id);
-    if (types[i] == 2.0 || types[i] == 3.0)
-      t.special_ids_.insert(id);
-  }
-  t.index_vocabulary(path);
+    for (size_t i = 0; i < std::min(v->size(), types.size()); ++i)
+      types[i] = static_cast<int>((*v)[i]);
+  tokenizer t;
+  t.read_pieces(*tokens, types, path);
   t.bos_ = id_of("tokenizer.ggml.bos_token_id");
   t.eos_ = id_of("tokenizer.ggml.eos_token_id");
   t.chat_template_ = string_of("tokenizer.chat_template");
@@ -799,59 +857,45 @@ tokenizer tokenizer::from_gguf(const std::string& path) {
     j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", steps}};
     j["decoder"] = {{"type", "ByteLevel"}};
   } else {
-    // SentencePiece BPE: merges as transformers' converter makes them from the scores,
-    // every split of a normal piece into two normal pieces, by the piece's score.
     auto scores = file.find<std::vector<double>>("tokenizer.ggml.scores");
     if (scores == nullptr || scores->size() != tokens->size())
       bad(path, "has no tokenizer.ggml.scores for its " + std::to_string(tokens->size()) +
                   " tokens");
-    std::vector<std::tuple<double, int32_t, std::string, std::string>> ranked;
-    for (size_t i = 0; i < tokens->size(); ++i) {
-      auto& piece = (*tokens)[i];
-      if (types[i] != 1.0)
-        continue;
-      for (size_t k = 1; k < piece.size(); ++k) {
-        if ((static_cast<unsigned char>(piece[k]) & 0xc0) == 0x80)
-          continue; // inside a character
-        auto l = t.token_id(piece.substr(0, k));
-        auto r = t.token_id(piece.substr(k));
-        if (l >= 0 && r >= 0 && types[static_cast<size_t>(l)] == 1.0 &&
-            types[static_cast<size_t>(r)] == 1.0)
-          ranked.emplace_back(-(*scores)[i], static_cast<int32_t>(i), piece.substr(0, k),
-                              piece.substr(k));
-      }
-    }
-    std::sort(ranked.begin(), ranked.end());
-    int32_t rank = 0;
-    for (auto& [score, id, left, right] : ranked)
-      t.add_merge(left, right, rank++, path);
-    t.byte_fallback_ = true;
-    t.fuse_unk_ = true;
+    // llama.cpp puts a space before the text as SentencePiece does, and keeps spaces.
+    j = t.sentencepiece_pipeline(*scores, types, flag("tokenizer.ggml.add_space_prefix", true),
+                                 false, path);
     t.unk_ = id_of("tokenizer.ggml.unknown_token_id");
-    nlohmann::json decoders = {{{"type", "Replace"}, {"pattern", {{"String", meta_space}}},
-                                {"content", " "}},
-                               {{"type", "ByteFallback"}},
-                               {{"type", "Fuse"}}};
-    nlohmann::json normalizers = nlohmann::json::array();
-    if (flag("tokenizer.ggml.add_space_prefix", true)) {
-      normalizers.push_back({{"type", "Prepend"}, {"prepend", meta_space}});
-      decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
-    }
-    normalizers.push_back(
-      {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", meta_space}});
-    j["normalizer"] = {{"type", "Sequence"}, {"normalizers", normalizers}};
-    j["decoder"] = {{"type", "Sequence"}, {"decoders", decoders}};
+    t.byte_fallback_ = true; // llama.cpp's, where the <0xXX> pieces exist
   }
   t.read_pipeline(j, path);
   // SentencePiece vocabularies begin with <s>; byte-level ones say when they do.
-  auto add_bos = flag("tokenizer.ggml.add_bos_token", kind == "llama");
-  auto add_eos = flag("tokenizer.ggml.add_eos_token", false);
-  auto p = std::make_shared<pipeline>(*t.pipeline_);
-  if (add_bos && t.bos_ >= 0)
-    p->prefix = {t.bos_};
-  if (add_eos && t.eos_ >= 0)
-    p->suffix = {t.eos_};
-  t.pipeline_ = p;
+  t.set_template(flag("tokenizer.ggml.add_bos_token", kind == "llama"),
+                 flag("tokenizer.ggml.add_eos_token", false));
+  t.finish(path);
+  return t;
+}
+
+tokenizer tokenizer::from_sentencepiece(const std::string& path) {
+  auto m = read_sentencepiece_model(path);
+  if (m.model_type != 2)
+    bad(path, std::string{"SentencePiece model type '"} +
+                (m.model_type == 1 ? "unigram" : m.model_type == 3 ? "word" : "char") +
+                "' is not supported (bpe)");
+  if (m.has_charsmap)
+    bad(path, "SentencePiece normalization '" + m.normalizer_name +
+                "' (a compiled character map) is not supported (identity)");
+  if (m.treat_whitespace_as_suffix || !m.escape_whitespaces)
+    bad(path, "SentencePiece models that keep spaces or put them last are not supported");
+  tokenizer t;
+  t.read_pieces(m.pieces, m.types, path);
+  t.bos_ = m.bos_id;
+  t.eos_ = m.eos_id;
+  t.unk_ = m.unk_id;
+  t.byte_fallback_ = m.byte_fallback;
+  t.read_pipeline(t.sentencepiece_pipeline(m.scores, m.types, m.add_dummy_prefix,
+                                           m.remove_extra_whitespaces, path),
+                  path);
+  t.set_template(true, false); // <s> first, as transformers' Llama tokenizer does
   t.finish(path);
   return t;
 }

@@ -43,6 +43,10 @@ public:
   /// pre-tokenizer `tokenizer.ggml.pre` names) or `llama` (SentencePiece pieces and scores).
   static tokenizer from_gguf(const std::string& path);
 
+  /// Reads a SentencePiece BPE model file (`tokenizer.model`, as Llama 2 ships it): its
+  /// pieces, scores and normalization; `<s>` starts the ids with `add_special_tokens`.
+  static tokenizer from_sentencepiece(const std::string& path);
+
   /// Token ids of `text`; added tokens written in the text become their ids (special ones
   /// only when `parse_special`); the post-processor's template applies with `add_special_tokens` (as
   /// transformers' `add_special_tokens`).
@@ -87,6 +91,17 @@ private:
   void index_vocabulary(const std::string& origin);
   void add_merge(const std::string& left, const std::string& right, int32_t rank,
                  const std::string& origin);
+  /// Takes a SentencePiece vocabulary: unknown and control pieces are special, those and
+  /// user-defined pieces split the text.
+  void read_pieces(const std::vector<std::string>& pieces, const std::vector<int>& types,
+                   const std::string& origin);
+  /// The merges of a SentencePiece BPE vocabulary from its scores, and its normalizer and
+  /// decoder as tokenizer.json would write them.
+  nlohmann::json sentencepiece_pipeline(const std::vector<double>& scores,
+                                        const std::vector<int>& types, bool dummy_prefix,
+                                        bool trim_spaces, const std::string& origin);
+  /// The template: `<s>` first and `</s>` last, as asked.
+  void set_template(bool add_bos, bool add_eos);
   /// Reads tokenizer.json's normalizer, pre-tokenizer, post-processor and decoder.
   void read_pipeline(const nlohmann::json& j, const std::string& origin);
   void finish(const std::string& origin);

@@ -14,6 +14,8 @@ from transformers (which runs the tokenizers library). CI only reads the committ
   it in tokenizer.json (normalizer "▁" prepended and spaces replaced, decoder chain of
   Replace, ByteFallback, Fuse, Strip; <s> first); its ids are checked against SentencePiece.
 - mistral: the same model in the newer layout (Metaspace pre-tokenizer, prefix only first).
+- sentencepiece: the model file itself (tokenizer.model), as is and with SentencePiece's
+  removal of extra spaces switched on, with SentencePiece's own ids and decodings.
 
 Each byte-level one is also written as a GGUF file's tokenizer with the `tokenizer.ggml.pre`
 name llama.cpp's converter gives it; llama2 is written as a SentencePiece GGUF
@@ -155,6 +157,25 @@ with tempfile.TemporaryDirectory() as tmp:
     sp = spm.SentencePieceProcessor(model_file=f"{tmp}/sp.model")
     proto = sp_pb2.ModelProto()
     proto.ParseFromString(open(f"{tmp}/sp.model", "rb").read())
+directory = out / "sentencepiece"
+directory.mkdir(exist_ok=True)
+reference = {}
+for name, trim in (("tokenizer.model", False), ("tokenizer-trim.model", True)):
+    proto.normalizer_spec.remove_extra_whitespaces = trim
+    (directory / name).write_bytes(proto.SerializeToString())
+    processor = spm.SentencePieceProcessor(model_file=str(directory / name))
+    cases = []
+    for s in samples + ["🦀", "   "]:
+        ids = processor.encode(s)
+        cases.append({"text": s, "ids": ids, "decoded": processor.decode(ids)})
+    # Ids cut inside a character: SentencePiece's own text for the broken bytes.
+    cut = processor.encode("🦀")[:-1]
+    cases.append({"text": None, "ids": cut, "decoded": processor.decode(cut)})
+    reference[name] = cases
+proto.normalizer_spec.remove_extra_whitespaces = False
+with open(directory / "reference.json", "w") as f:
+    json.dump(reference, f, ensure_ascii=False, indent=1)
+print("wrote", directory)
 pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
 vocab = {piece: i for i, (piece, _, _) in enumerate(pieces)}
 # Merges as transformers' converter makes them: every split of a normal piece into two

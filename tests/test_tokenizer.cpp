@@ -203,6 +203,31 @@ TEST_CASE("SentencePiece BPE with byte fallback, as Llama 2 and Mistral ship it"
   CHECK(gguf.decode(ids) == text.substr(0, text.size() - 1) + " ");
 }
 
+TEST_CASE("a SentencePiece model file (tokenizer.model) encodes and decodes as SentencePiece") {
+  // The fixture's model as is (Llama 2's settings: spaces kept) and with SentencePiece's
+  // removal of extra spaces; SentencePiece never reads special tokens from the text.
+  auto dir = fixtures + "/tokenizer-pipelines/sentencepiece/";
+  auto reference = read_json(dir + "reference.json");
+  for (std::string name : {"tokenizer.model", "tokenizer-trim.model"}) {
+    auto tok = tokenizer::from_sentencepiece(dir + name);
+    CHECK(tok.bos_id() == 1);
+    CHECK(tok.eos_id() == 2);
+    for (auto& c : reference[name]) {
+      INFO(name << ": " << c["text"].dump());
+      auto ids = c["ids"].get<std::vector<int32_t>>();
+      if (c["text"].is_string())
+        CHECK(tok.encode(c["text"].get<std::string>(), false) == ids);
+      CHECK(tok.decode(ids) == c["decoded"].get<std::string>());
+    }
+    CHECK(tok.encode("a", false, true).front() == 1); // <s> first
+  }
+  // A file that is not a SentencePiece model is named in the error.
+  CHECK_THROWS_WITH_AS(tokenizer::from_sentencepiece(fixtures + "/llama-gqa/config.json"),
+                       doctest::Contains("llama-gqa/config.json' is not well-formed"), error);
+  CHECK_THROWS_WITH_AS(tokenizer::from_sentencepiece(dir + "missing.model"),
+                       doctest::Contains("cannot be read"), error);
+}
+
 TEST_CASE("the project's GGUF fixtures, with placeholder SentencePiece vocabularies, load") {
   // Their pieces are <t0>, <t1>, …: no text can be encoded, but the tokenizer loads, so
   // prompts of token ids work, and ids decode to the pieces.
