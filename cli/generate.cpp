@@ -3,7 +3,7 @@
 
 #include "cli/commands.hpp"
 
-#include "model/sampler.hpp"
+#include "kernels/sampler.hpp"
 #include "troupe/llm.hpp"
 
 #include <nlohmann/json.hpp>

@@ -6,7 +6,7 @@
 /// Every pointer is memory of the backend's device; tensors are row-major, activations
 /// float32, weights [out, in] in the element type given.
 
-#include "model/dtype.hpp"
+#include "kernels/dtype.hpp"
 #include "troupe/device.hpp"
 
 #include <cstdint>

@@ -4,7 +4,7 @@
 
 #include "model/gguf.hpp"
 
-#include "model/dtype.hpp"
+#include "kernels/dtype.hpp"
 #include "troupe/errors.hpp"
 
 #include <cmath>

@@ -4,7 +4,7 @@
 #include "model/adapters.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config.hpp"
-#include "model/dtype.hpp"
+#include "kernels/dtype.hpp"
 #include "model/kv_cache.hpp"
 #include "troupe/device.hpp"
 #include "troupe/types.hpp"

@@ -1,7 +1,7 @@
 #pragma once
 
 #include "model/config.hpp"
-#include "model/dtype.hpp"
+#include "kernels/dtype.hpp"
 
 #include <cstdint>
 #include <string>

@@ -10,7 +10,7 @@
 #include "model/kv_cache.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
-#include "model/sampler.hpp"
+#include "kernels/sampler.hpp"
 #include "troupe/errors.hpp"
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 #pragma once
 
-#include "model/dtype.hpp"
+#include "kernels/dtype.hpp"
 #include "model/mapped_file.hpp"
 
 #include <cstddef>

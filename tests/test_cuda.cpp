@@ -8,7 +8,7 @@
 #include "kernels/cuda/cuda_device.hpp"
 #include "kernels/cuda/nccl_communicator.hpp"
 #include "kernels/cuda/ops.hpp"
-#include "model/dtype.hpp"
+#include "kernels/dtype.hpp"
 #include "tests/gpu.hpp"
 #include "troupe/errors.hpp"
 

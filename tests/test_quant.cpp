@@ -5,8 +5,8 @@
 #include "kernels/cpu/ops.hpp"
 #include "kernels/cpu/quant.hpp"
 #include "kernels/cpu/thread_pool.hpp"
-#include "model/dtype.hpp"
-#include "model/sampler.hpp"
+#include "kernels/dtype.hpp"
+#include "kernels/sampler.hpp"
 
 #include "tests/random.hpp"
 

@@ -2,7 +2,7 @@
 // package (tests/fixtures, made by scripts/make-reference-fixtures.py), and every way a
 // file can be broken.
 
-#include "model/dtype.hpp"
+#include "kernels/dtype.hpp"
 #include "model/safetensors.hpp"
 #include "troupe/errors.hpp"
 

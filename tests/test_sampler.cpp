@@ -1,6 +1,6 @@
 // The sampler on its own: greedy, temperature, top-k, top-p, seeds and logprobs.
 
-#include "model/sampler.hpp"
+#include "kernels/sampler.hpp"
 #include "troupe/errors.hpp"
 
 #include <doctest/doctest.h>

@@ -3,7 +3,7 @@
 #include "kernels/cpu/ops.hpp"
 #include "kernels/cpu/quant.hpp"
 #include "kernels/cpu/thread_pool.hpp"
-#include "model/sampler.hpp"
+#include "kernels/sampler.hpp"
 #include "troupe/errors.hpp"
 
 #include <algorithm>

@@ -1,7 +1,7 @@
 #include "kernels/cpu/quant.hpp"
 
 #include "kernels/cpu/ops.hpp"
-#include "model/sampler.hpp"
+#include "kernels/sampler.hpp"
 
 #include "troupe/errors.hpp"
 

@@ -10,7 +10,7 @@
 /// near a tie). Each kernel has a portable version and x86 versions (AVX2 with FMA and F16C,
 /// AVX-512), chosen once from the CPU's features.
 
-#include "model/dtype.hpp"
+#include "kernels/dtype.hpp"
 
 #include <cstdint>
 

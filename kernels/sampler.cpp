@@ -1,4 +1,4 @@
-#include "model/sampler.hpp"
+#include "kernels/sampler.hpp"
 
 #include "kernels/backend.hpp"
 #include "troupe/errors.hpp"

@@ -1,4 +1,4 @@
-#include "model/dtype.hpp"
+#include "kernels/dtype.hpp"
 
 #include <algorithm>
 #include <cmath>

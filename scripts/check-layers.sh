@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Checks the layer table of DESIGN.md: each folder includes only the folders below it.
+#   include/troupe  the public API: nothing private
+#   messages        include/
+#   kernels         include/
+#   actors          messages/, include/, and of kernels/ the device interface only
+#   model           kernels/, include/
+#   engine          include/, and of model/ the loaders (config, checkpoint, adapters, tokenizer)
+#   cli, tests, examples: anything
+# Prints each upward include as file:line and exits 1 when there is one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# folder | the include prefixes it may use besides its own folder
+rules=(
+  "include/troupe|troupe/"
+  "messages|troupe/"
+  "kernels|troupe/"
+  "actors|messages/ troupe/ kernels/device.hpp"
+  "model|kernels/ troupe/"
+  "engine|troupe/ model/config.hpp model/checkpoint.hpp model/adapters.hpp model/tokenizer.hpp"
+)
+
+status=0
+for rule in "${rules[@]}"; do
+  folder=${rule%%|*}
+  allowed="${folder#include/}/ ${rule#*|}"
+  while IFS= read -r hit; do
+    [[ -z $hit ]] && continue
+    target=$(sed -E 's/.*#include "([^"]+)".*/\1/' <<<"${hit#*:*:}")
+    ok=0
+    for prefix in $allowed; do
+      [[ $target == "$prefix"* ]] && ok=1 && break
+    done
+    if ((ok == 0)); then
+      echo "upward include: ${hit%%:#*} includes \"$target\" (${folder}/ may include: $allowed)"
+      status=1
+    fi
+  done < <(find "$folder" -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.cpp' -o -name '*.cu' \
+             -o -name '*.cuh' -o -name '*.inc' \) -print0 | sort -z |
+             xargs -0 -r grep -Hn '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' || true)
+done
+if ((status == 0)); then
+  echo "layers: every include points down"
+fi
+exit $status
