@@ -1,16 +1,13 @@
 #include "troupe/model_worker.hpp"
 
-#include "kernels/cpu/gloo_communicator.hpp"
-#include "kernels/cpu/local_communicator.hpp"
-#include "kernels/cpu/ops.hpp"
-#include "kernels/cuda_module.hpp"
+#include "kernels/platform.hpp"
+#include "kernels/sampler.hpp"
 #include "model/adapter_slots.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config.hpp"
 #include "model/kv_cache.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
-#include "kernels/sampler.hpp"
 #include "troupe/errors.hpp"
 
 #include <algorithm>
@@ -18,7 +15,6 @@
 #include <limits>
 #include <random>
 #include <set>
-#include <thread>
 
 namespace troupe {
 
@@ -60,8 +56,8 @@ struct model_worker::state {
   adapter_slots<prompt_adapter_request, prompt_embeddings> prompt_adapters;
   std::unique_ptr<kv_cache> cache;
   std::mt19937_64 rng{std::random_device{}()};
-  /// Gloo between `prepare_collective` and `connect_collective` (it opens its pairs first).
-  std::unique_ptr<gloo_communicator> gloo;
+  /// This rank's side of the group between `prepare_collective` and `connect_collective`.
+  std::unique_ptr<collective_bootstrap> bootstrap;
   /// The connected group: NCCL on GPUs; on the CPU, memory when every rank lives in this
   /// process, else Gloo.
   std::unique_ptr<communicator> group;
@@ -100,21 +96,18 @@ void model_worker::load_model() {
   // On the CPU, "auto" computes with the weights as the checkpoint stores them (GGUF's
   // block formats, 16-bit floats); float32 is the exact path.
   bool stored_types = false;
+  auto& kind = platform_of(device());
   if (options_.dtype == "auto") {
-    if (on_gpu())
-      weight_type = st.config.torch_dtype == "bfloat16" ? dtype::bf16 : dtype::f16;
-    else
-      stored_types = true;
+    auto chosen = kind.auto_weight_type(st.config.torch_dtype);
+    stored_types = !chosen;
+    weight_type = chosen.value_or(dtype::f32);
   } else if (auto named = parse_dtype_name(options_.dtype)) {
     weight_type = *named;
   } else {
     throw error{errc::invalid_argument, "dtype '" + options_.dtype +
                                           "' is not known (auto, float32, float16, bfloat16)"};
   }
-  // Workers of one process share the cores: each GEMM gets its share of them.
-  if (!on_gpu())
-    cpu::set_gemm_threads(static_cast<int>(std::thread::hardware_concurrency())
-                          / std::max(1, context().world_size));
+  kind.share(context().world_size);
   bool presharded = false;
   if (options_.load_format == "sharded_state") {
     presharded = true;
@@ -135,8 +128,8 @@ void model_worker::load_model() {
     st.model->set_all_reduce(st.reduce);
 }
 
-bool model_worker::on_gpu() const {
-  return context().device_kind == "cuda";
+bool model_worker::measures_memory() {
+  return platform_of(device()).measures_memory();
 }
 
 namespace {
@@ -148,47 +141,18 @@ constexpr auto collective_timeout = std::chrono::seconds(60);
 
 std::vector<std::string> model_worker::prepare_collective() {
   auto& st = *state_;
-  if (on_gpu()) {
-    if (rank() == 0)
-      return {cuda().make_collective_id()};
-    return {};
-  }
-  st.gloo = std::make_unique<gloo_communicator>(rank(), context().world_size,
-                                                context().collective_host, collective_timeout);
-  auto addresses = st.gloo->prepare();
-  // The entry for itself, which Gloo leaves empty, names this process: ranks that all live
-  // in one process all-reduce through its memory instead.
-  addresses[static_cast<size_t>(rank())] = process_token();
-  return addresses;
+  st.bootstrap = platform_of(device()).collective(device(), rank(), context().world_size,
+                                                  context().collective_host,
+                                                  collective_timeout);
+  return st.bootstrap->prepare();
 }
 
 void model_worker::connect_collective(const std::vector<std::vector<std::string>>& table) {
   auto& st = *state_;
-  if (on_gpu()) {
-    if (table.empty() || table[0].size() != 1)
-      throw error{errc::invalid_argument,
-                  "connect_collective: rank 0's entry must hold the NCCL unique id"};
-    // Every rank joins at once (the executor calls them together); NCCL's init returns
-    // only when all have.
-    st.group = cuda().join_collective(device(), rank(), context().world_size, table[0][0],
-                                      collective_timeout);
-  } else {
-    if (!st.gloo)
-      throw error{errc::invalid_argument, "connect_collective before prepare_collective"};
-    bool one_process = true;
-    for (size_t j = 0; j < table.size(); ++j)
-      one_process = one_process && j < table[j].size() && table[j][j] == process_token();
-    if (one_process && table.size() > 1 && table[0].size() > 1) {
-      // Rank 0's address for its pair with rank 1 is fresh for each group: the meeting
-      // point of its ranks.
-      st.gloo.reset();
-      st.group = std::make_unique<local_communicator>(rank(), context().world_size,
-                                                      table[0][1], collective_timeout);
-    } else {
-      st.gloo->connect(table);
-      st.group = std::move(st.gloo);
-    }
-  }
+  if (!st.bootstrap)
+    throw error{errc::invalid_argument, "connect_collective before prepare_collective"};
+  st.group = st.bootstrap->connect(table);
+  st.bootstrap.reset();
   st.reduce = [comm = st.group.get()](float* data, size_t count) {
     comm->all_reduce(data, count);
   };
@@ -318,11 +282,11 @@ int64_t model_worker::profile_step_bytes() {
                                 std::min<int64_t>(std::max(1, options_.max_num_seqs), tokens));
   auto bs = context().block_size;
   // A GPU's free memory before the workspace is reserved: it counts towards the step.
-  auto before = on_gpu() ? static_cast<int64_t>(device().free_memory()) : 0;
+  auto before = measures_memory() ? static_cast<int64_t>(device().free_memory()) : 0;
   // The workspace at its largest (long sequences need wide block tables).
   auto workspace = st.model->reserve(tokens, std::max(1, options_.max_num_seqs),
                                      context().max_model_len, bs, options_.max_lora_rank);
-  if (!on_gpu()) {
+  if (!measures_memory()) {
     // On the CPU a step's activations all live in that workspace, and the logits come back
     // to the host once more; the kernels' own scratch (block sums, a row of attention
     // scores) is a fraction of a percent of that. Computed, not run: the widest step took
@@ -366,7 +330,7 @@ cache_blocks model_worker::determine_num_available_blocks() {
                                                st.model->local_kv_heads(), st.config.head_dim,
                                                context().block_size);
   int64_t budget = options_.kv_cache_memory_bytes;
-  if (budget <= 0 && on_gpu()) {
+  if (budget <= 0 && measures_memory()) {
     auto step = profile_step_bytes();
     auto total = static_cast<double>(device().total_memory());
     auto used = total - static_cast<double>(device().free_memory());

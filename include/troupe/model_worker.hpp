@@ -118,8 +118,9 @@ private:
   /// model keeps: run on a scratch cache on a GPU, computed from the workspace on the CPU.
   int64_t profile_step_bytes();
 
-  /// Whether the worker's device is a GPU.
-  bool on_gpu() const;
+  /// Whether the device's memory is measured rather than computed (a GPU's; see
+  /// `platform::measures_memory`).
+  bool measures_memory();
 
   /// The weights to load, opened for one load.
   checkpoint open_checkpoint() const;
