@@ -723,11 +723,20 @@ std::future<void> executor::check_health_async() {
 // -- sleep and wake -------------------------------------------------------------------
 
 void executor::sleep(int32_t level) {
-  impl_->ask<void>(impl_->cfg.rpc_timeout, sleep_atom::value, level);
+  impl_->ask<void>(impl_->cfg.rpc_timeout, sleep_atom::value,
+                   sleep_request{to_sleep_level(level)});
 }
 
 std::future<void> executor::sleep_async(int32_t level) {
-  return impl_->ask_async<void>(sleep_atom::value, level);
+  sleep_request request;
+  try {
+    request.level = to_sleep_level(level);
+  } catch (...) {
+    std::promise<void> refused;
+    refused.set_exception(std::current_exception());
+    return refused.get_future();
+  }
+  return impl_->ask_async<void>(sleep_atom::value, request);
 }
 
 void executor::wake_up(const std::vector<std::string>& tags) {

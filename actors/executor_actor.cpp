@@ -700,22 +700,18 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
                    });
       return rp;
     },
-    [=](sleep_atom, int32_t level) {
+    [=](sleep_atom, sleep_request asked) {
+      auto level = asked.level;
       auto rp = self->make_response_promise();
       auto& st = self->state;
       if (refuse_if_failed(self, rp))
         return rp;
-      if (level != 1 && level != 2) {
-        rp.deliver(caf::make_error(errc::invalid_argument,
-                                   "sleep level must be 1 or 2, got " + std::to_string(level)));
-        return rp;
-      }
       if (st.transition) {
         rp.deliver(caf::make_error(errc::invalid_argument,
                                    std::string{"another sleep or wake_up is in progress"}));
         return rp;
       }
-      auto verdict = st.sleep.check_sleep(level);
+      auto verdict = st.sleep.check_sleep();
       if (!verdict.proceed) {
         st.log->warn("{}", verdict.warning);
         rp.deliver(caf::unit);
@@ -724,7 +720,7 @@ caf::behavior supervisor(supervisor_self* self, executor_config cfg,
       st.transition = true;
       auto start = clock_type::now();
       auto request = caf::make_message(call_atom::value, std::string{"sleep"},
-                                       caf::make_message(sleep_request{level}), caf::settings{});
+                                       caf::make_message(asked), caf::settings{});
       start_gather(self, "sleep", all_ranks(self), std::move(request), st.cfg.rpc_timeout, 0,
                    [=](gather_result res) mutable {
                      auto& st = self->state;

@@ -25,7 +25,7 @@ std::string describe(const std::vector<memory_tag>& tags) {
   return result + "}";
 }
 
-sleep_state::decision sleep_state::check_sleep(int32_t) const {
+sleep_state::decision sleep_state::check_sleep() const {
   decision d;
   if (is_sleeping()) {
     d.warning = "Executor is already sleeping (tags " + describe(sleeping_tags()) +
@@ -37,7 +37,7 @@ sleep_state::decision sleep_state::check_sleep(int32_t) const {
   return d;
 }
 
-void sleep_state::commit_sleep(int32_t level) {
+void sleep_state::commit_sleep(sleep_level level) {
   state_ = asleep{level};
 }
 
@@ -82,7 +82,7 @@ void sleep_state::commit_wake(const std::vector<memory_tag>& tags) {
   if (left.empty())
     state_ = awake{};
   else
-    state_ = partly_awake{level(), left};
+    state_ = partly_awake{static_cast<sleep_level>(level()), left};
 }
 
 bool sleep_state::is_sleeping() const {
@@ -106,8 +106,8 @@ std::vector<memory_tag> sleep_state::sleeping_tags() const {
 int32_t sleep_state::level() const {
   return std::visit(overload{
                       [](const awake&) { return int32_t{0}; },
-                      [](const asleep& s) { return s.level; },
-                      [](const partly_awake& s) { return s.level; },
+                      [](const asleep& s) { return static_cast<int32_t>(s.level); },
+                      [](const partly_awake& s) { return static_cast<int32_t>(s.level); },
                     },
                     state_);
 }

@@ -22,10 +22,10 @@ class sleep_state {
 public:
   struct awake {};
   struct asleep {
-    int32_t level = 1;
+    sleep_level level = sleep_level::offload_weights;
   };
   struct partly_awake {
-    int32_t level = 1;
+    sleep_level level = sleep_level::offload_weights;
     std::set<memory_tag> sleeping;
   };
   using state = std::variant<awake, asleep, partly_awake>;
@@ -38,11 +38,11 @@ public:
     std::vector<memory_tag> tags;
   };
 
-  /// May the executor fall asleep at `level`? (The level itself is checked by the caller.)
-  decision check_sleep(int32_t level) const;
+  /// May the executor fall asleep?
+  decision check_sleep() const;
 
   /// Records that every worker fell asleep at `level`.
-  void commit_sleep(int32_t level);
+  void commit_sleep(sleep_level level);
 
   /// May the executor wake `tag_names` (all sleeping tags when empty)?
   decision check_wake(const std::vector<std::string>& tag_names) const;

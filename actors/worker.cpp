@@ -164,7 +164,7 @@ void worker::save_sharded_state(const sharded_state_request&) {
 
 // -- memory -------------------------------------------------------------------
 
-void worker::sleep(int32_t level) {
+void worker::sleep(sleep_level level) {
   device().sleep(level);
 }
 
@@ -352,12 +352,8 @@ void worker::register_builtins() {
   };
   m["sleep"] = [](worker& w, const caf::message& args, const caf::settings& kwargs) {
     // vLLM passes the level as a keyword; typed callers pass a sleep_request.
-    if (auto level = caf::get_if<int64_t>(&kwargs, "level")) {
-      if (*level != 1 && *level != 2)
-        throw error{errc::invalid_argument,
-                    "sleep level must be 1 or 2, got " + std::to_string(*level)};
-      w.sleep(static_cast<int32_t>(*level));
-    }
+    if (auto level = caf::get_if<int64_t>(&kwargs, "level"))
+      w.sleep(to_sleep_level(*level));
     else
       w.sleep(arg<sleep_request>(args, 0, "sleep", "sleep_request").level);
     return caf::message{};

@@ -86,7 +86,7 @@ std::shared_ptr<command> add_bench_sleep(CLI::App& bench) {
       best_up = std::min(best_up, seconds_of(start));
       auto awake_free = dev->free_memory();
       start = clock_type::now();
-      dev->sleep(1);
+      dev->sleep(sleep_level::offload_weights);
       best_sleep = std::min(best_sleep, seconds_of(start));
       returned = static_cast<double>(dev->free_memory()) - static_cast<double>(awake_free);
       start = clock_type::now();

@@ -1,6 +1,14 @@
 #include "troupe/types.hpp"
 
+#include "troupe/errors.hpp"
+
 namespace troupe {
+
+sleep_level to_sleep_level(int64_t level) {
+  if (level != 1 && level != 2)
+    throw error{errc::invalid_argument, "sleep level must be 1 or 2, got " + std::to_string(level)};
+  return static_cast<sleep_level>(level);
+}
 
 const char* to_string(memory_tag tag) {
   switch (tag) {

@@ -70,7 +70,7 @@ TEST_CASE("level-1 sleep releases the pages and wake restores weights bit for bi
   fill(w, n, 7);
   std::memset(kv, 0xab, n);
   auto before = rss_bytes();
-  dev.sleep(1);
+  dev.sleep(sleep_level::offload_weights);
   auto asleep = rss_bytes();
   CHECK(dev.sleeping_tags().size() == 2);
   CHECK(usage_of(dev, memory_tag::weights, &memory_usage::resident_bytes) == 0);
@@ -91,7 +91,7 @@ TEST_CASE("level-1 sleep releases the pages and wake restores weights bit for bi
   CHECK(awake - before < static_cast<int64_t>(n / 10));
   CHECK(usage_of(dev, memory_tag::weights, &memory_usage::backup_bytes) == 0);
   // A second cycle gives the same bytes.
-  dev.sleep(1);
+  dev.sleep(sleep_level::offload_weights);
   dev.wake_up({});
   CHECK(same_as_fill(w, n, 7));
 }
@@ -104,7 +104,7 @@ TEST_CASE("level-2 sleep releases everything with no backup and weights come bac
   fill(w, n, 3);
   std::memset(kv, 0x11, n);
   auto before = rss_bytes();
-  dev.sleep(2);
+  dev.sleep(sleep_level::discard);
   auto asleep = rss_bytes();
   MESSAGE("RSS " << before / mib << " MiB awake, " << asleep / mib << " MiB asleep");
   CHECK(testing::resident_bytes(w, n) == 0);
@@ -121,8 +121,8 @@ TEST_CASE("level-2 sleep releases everything with no backup and weights come bac
 TEST_CASE("the pool refuses what it cannot do with the reason") {
   cpu_device dev{1};
   auto w = dev.allocate(4096, memory_tag::weights);
-  CHECK_THROWS_WITH_AS(dev.sleep(3), doctest::Contains("sleep level must be 1 or 2"), error);
-  dev.sleep(1);
+  CHECK_THROWS_WITH_AS(to_sleep_level(3), doctest::Contains("sleep level must be 1 or 2"), error);
+  dev.sleep(sleep_level::offload_weights);
   try {
     dev.allocate(10, memory_tag::kv_cache);
     FAIL("allocating under a sleeping tag must fail");
@@ -130,7 +130,7 @@ TEST_CASE("the pool refuses what it cannot do with the reason") {
     CHECK(e.code() == errc::sleeping);
   }
   // Sleeping again leaves the sleeping tags as they are; waking an awake tag does nothing.
-  dev.sleep(2);
+  dev.sleep(sleep_level::discard);
   dev.wake_up({memory_tag::weights});
   dev.wake_up({memory_tag::weights});
   CHECK(dev.sleeping_tags() == std::vector<memory_tag>{memory_tag::kv_cache});

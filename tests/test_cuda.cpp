@@ -241,7 +241,7 @@ TEST_CASE("sleep gives the memory back to the GPU and wake-up restores the weigh
   dev.copy(kv, pattern.data(), pattern.size() * sizeof(float));
   for (int cycle = 0; cycle < 2; ++cycle) {
     auto awake = dev.free_memory();
-    dev.sleep(1);
+    dev.sleep(sleep_level::offload_weights);
     auto asleep = dev.free_memory();
     auto returned = static_cast<double>(asleep - awake) / (weight_bytes + kv_bytes);
     MESSAGE("cycle " << cycle << ": " << returned * 100 << " % of weight and KV bytes returned");
@@ -253,7 +253,6 @@ TEST_CASE("sleep gives the memory back to the GPU and wake-up restores the weigh
                                 pattern.end()));
     CHECK(download(dev, static_cast<float*>(kv), 16) == std::vector<float>(16, 0.0f));
   }
-  CHECK_THROWS_AS(dev.sleep(3), error);
   dev.deallocate(weights);
   dev.deallocate(kv);
 }

@@ -475,7 +475,7 @@ TEST_CASE("a step during a sleep or on a sleeping worker is refused instead of c
   busy.get();
   // A raw collective_rpc("sleep") bypasses the executor's state: the worker still refuses.
   exec.wake_up();
-  exec.collective_rpc("sleep", {caf::make_message(sleep_request{2}), {}, {}, {}});
+  exec.collective_rpc("sleep", {caf::make_message(sleep_request{sleep_level::discard}), {}, {}, {}});
   CHECK(code_of([&] { exec.collective_rpc("execute_model", {caf::make_message(one_step(1)), {}, {}, {}}); })
         == errc::sleeping);
   exec.collective_rpc("wake_up", {caf::make_message(wake_request{}), {}, {}, {}});

@@ -71,7 +71,7 @@ std::vector<caf::message> every_type() {
     caf::make_message(lora_request{"sql", 3, "/adapters/sql"}),
     caf::make_message(prompt_adapter_request{"pa", 2, "/adapters/pa", 8}),
     caf::make_message(cache_blocks{1000, 64}),
-    caf::make_message(sleep_request{2}),
+    caf::make_message(sleep_request{sleep_level::discard}),
     caf::make_message(wake_request{{memory_tag::weights, memory_tag::kv_cache}}),
     caf::make_message(sharded_state_request{"/tmp/x", "p-{rank}-{part}", 1 << 20}),
     caf::make_message(memory_usage{memory_tag::weights, 10, 5, 1}),

@@ -9,9 +9,9 @@ using namespace troupe;
 TEST_CASE("sleep then wake everything returns to awake") {
   sleep_state s;
   CHECK(!s.is_sleeping());
-  auto d = s.check_sleep(1);
+  auto d = s.check_sleep();
   REQUIRE(d.proceed);
-  s.commit_sleep(1);
+  s.commit_sleep(sleep_level::offload_weights);
   CHECK(s.is_sleeping());
   CHECK(std::holds_alternative<sleep_state::asleep>(s.current()));
   CHECK(s.level() == 1);
@@ -25,7 +25,7 @@ TEST_CASE("sleep then wake everything returns to awake") {
 
 TEST_CASE("waking one tag leaves the executor partly awake") {
   sleep_state s;
-  s.commit_sleep(2);
+  s.commit_sleep(sleep_level::discard);
   auto w = s.check_wake({"weights"});
   REQUIRE(w.proceed);
   s.commit_wake(w.tags);
@@ -48,8 +48,8 @@ TEST_CASE("sleeping twice waking when awake and unknown tags are refused with a 
   auto wake_awake = s.check_wake({});
   CHECK(!wake_awake.proceed);
   CHECK(wake_awake.warning.find("not sleeping") != std::string::npos);
-  s.commit_sleep(1);
-  auto twice = s.check_sleep(1);
+  s.commit_sleep(sleep_level::offload_weights);
+  auto twice = s.check_sleep();
   CHECK(!twice.proceed);
   CHECK(twice.warning.find("already sleeping") != std::string::npos);
   auto unknown = s.check_wake({"activations"});

@@ -142,7 +142,7 @@ public:
     out.write(weights_.as<char>(), static_cast<std::streamsize>(weights_.size()));
   }
 
-  void sleep(int32_t level) override {
+  void sleep(sleep_level level) override {
     if (fail_next_sleep_) {
       fail_next_sleep_ = false;
       throw std::runtime_error("sleep failed on purpose");

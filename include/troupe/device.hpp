@@ -15,8 +15,9 @@ namespace troupe {
 
 /// One compute device, owned by one worker and used from the worker's thread only.
 ///
-/// Every allocation carries a memory tag. `sleep(1)` copies the `weights` allocations to a
-/// host backup and releases the memory of every tag; `sleep(2)` releases it with no backup.
+/// Every allocation carries a memory tag. `sleep(offload_weights)` copies the `weights`
+/// allocations to a host backup and releases the memory of every tag; `sleep(discard)`
+/// releases it with no backup.
 /// `wake_up(tags)` backs the memory of the given tags again at the same addresses, restores
 /// the weights backup (if any) and zeroes everything else. Pointers stay valid across a
 /// sleep cycle; touching memory of a sleeping tag is a bug.
@@ -34,9 +35,9 @@ public:
   /// Frees memory from `allocate`; `nullptr` is ignored.
   virtual void deallocate(void* ptr) noexcept = 0;
 
-  /// Releases the memory of every awake tag; level 1 first backs up `weights`. Tags that
-  /// already sleep are left as they are. Throws `invalid_argument` for other levels.
-  virtual void sleep(int32_t level) = 0;
+  /// Releases the memory of every awake tag; `offload_weights` first backs up `weights`.
+  /// Tags that already sleep are left as they are.
+  virtual void sleep(sleep_level level) = 0;
 
   /// Wakes the given tags (all sleeping tags when empty). Awake tags are left as they are.
   virtual void wake_up(const std::vector<memory_tag>& tags) = 0;

@@ -35,8 +35,20 @@ const char* to_string(memory_tag tag);
 /// Parses a tag name; `std::nullopt` for an unknown name.
 std::optional<memory_tag> parse_memory_tag(std::string_view name);
 
+/// How deep a sleep goes (vLLM's levels).
+enum class sleep_level : int32_t {
+  /// Level 1: the weights are backed up to host memory, the KV cache is discarded.
+  offload_weights = 1,
+  /// Level 2: both are discarded (the weights are reloaded or replaced after waking).
+  discard = 2,
+};
+
+/// The level of vLLM's number (1 or 2); throws `invalid_argument` ("sleep level must be 1
+/// or 2, got N") for any other. Every number from outside passes here, once.
+sleep_level to_sleep_level(int64_t level);
+
 // CAF 0.17 serialises enums by their underlying value; an inspect() overload for an enum
-// is ambiguous there, so memory_tag has none.
+// is ambiguous there, so memory_tag and sleep_level have none.
 
 // -- sampling -----------------------------------------------------------------
 
@@ -245,9 +257,9 @@ typename Inspector::result_type inspect(Inspector& f, cache_blocks& x) {
   return f(caf::meta::type_name("cache_blocks"), x.num_device_blocks, x.num_swap_blocks);
 }
 
-/// Arguments of `sleep`: level 1 backs weights up to host memory, level 2 discards them.
+/// Arguments of `sleep`.
 struct sleep_request {
-  int32_t level = 1;
+  sleep_level level = sleep_level::offload_weights;
 };
 
 template <class Inspector>

@@ -131,8 +131,9 @@ public:
 
   // -- memory -------------------------------------------------------------------
 
-  /// Releases device memory: level 1 keeps a host copy of the weights, level 2 does not.
-  virtual void sleep(int32_t level);
+  /// Releases device memory: `offload_weights` keeps a host copy of the weights, `discard`
+  /// does not.
+  virtual void sleep(sleep_level level);
 
   /// Maps memory of the given tags back (all when empty).
   virtual void wake_up(const std::vector<memory_tag>& tags);

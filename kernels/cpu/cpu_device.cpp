@@ -91,142 +91,56 @@ void protect(void* ptr, std::size_t bytes, int prot) {
     fail("mprotect", bytes);
 }
 
-void check_tag(memory_tag tag) {
-  if (static_cast<size_t>(tag) >= std::size(all_memory_tags))
-    throw error{errc::invalid_argument,
-                "unknown memory tag " + std::to_string(static_cast<int>(tag))};
-}
-
 } // namespace
 
-cpu_device::cpu_device(int32_t index) : index_(index) {
-  // nop
-}
+cpu_device::cpu_device(int32_t index) : index_(index) {}
 
 cpu_device::~cpu_device() {
-  for (auto& [ptr, alloc] : allocations_) {
-    munmap(ptr, alloc.mapped);
-    if (alloc.backup != nullptr)
-      munmap(alloc.backup, alloc.mapped);
-  }
+  free_all();
 }
 
 std::string cpu_device::name() const {
   return "cpu:" + std::to_string(index_);
 }
 
-void* cpu_device::allocate(std::size_t bytes, memory_tag tag) {
-  check_tag(tag);
-  if (tags_[index_of(tag)].asleep)
-    throw error{errc::sleeping, std::string{"cpu device: cannot allocate under tag '"} +
-                                  to_string(tag) + "' while it sleeps"};
-  auto mapped = round_to_pages(bytes == 0 ? 1 : bytes);
-  auto ptr = reserve(mapped, tag == memory_tag::weights);
-  allocations_.emplace(ptr, allocation{bytes, mapped, tag, nullptr});
-  return ptr;
+void* cpu_device::map_new(region& r) {
+  r.mapped = round_to_pages(r.requested == 0 ? 1 : r.requested);
+  return reserve(r.mapped, r.tag == memory_tag::weights);
 }
 
-void cpu_device::deallocate(void* ptr) noexcept {
-  auto i = allocations_.find(ptr);
-  if (i == allocations_.end())
-    return;
-  munmap(ptr, i->second.mapped);
-  if (i->second.backup != nullptr)
-    munmap(i->second.backup, i->second.mapped);
-  allocations_.erase(i);
+void cpu_device::free_region(void* ptr, region& r) noexcept {
+  munmap(ptr, r.mapped);
+  if (r.backup != nullptr)
+    munmap(r.backup, r.mapped);
 }
 
-void cpu_device::sleep(int32_t level) {
-  if (level != 1 && level != 2)
-    throw error{errc::invalid_argument,
-                "sleep level must be 1 or 2, got " + std::to_string(level)};
-  // First every backup (the step that can fail for want of memory), then the releases, so
-  // that a failure leaves all memory as it was. The host backup of memory that is host
-  // memory already is the weights' own pages, moved out of the device's range: a copy
-  // would fill fresh pages with the same bytes.
-  std::vector<std::pair<void*, allocation*>> moved;
-  try {
-    for (auto& [ptr, alloc] : allocations_) {
-      if (tags_[index_of(alloc.tag)].asleep)
-        continue;
-      if (level != 1 || alloc.tag != memory_tag::weights)
-        continue;
-      alloc.backup = move_pages(ptr, alloc.mapped);
-      moved.emplace_back(ptr, &alloc);
-    }
-  } catch (...) {
-    for (auto& [ptr, alloc] : moved) {
-      move_back(alloc->backup, ptr, alloc->mapped);
-      alloc->backup = nullptr;
-    }
-    throw;
-  }
-  for (auto& [ptr, alloc] : allocations_) {
-    if (tags_[index_of(alloc.tag)].asleep)
-      continue;
-    release_pages(ptr, alloc.mapped);
-    protect(ptr, alloc.mapped, PROT_NONE);
-  }
-  for (auto& state : tags_) {
-    if (!state.asleep) {
-      state.asleep = true;
-      state.level = level;
-    }
-  }
+// The host backup of memory that is host memory already is the weights' own pages, moved
+// out of the device's range: a copy would fill fresh pages with the same bytes.
+void cpu_device::back_up(void* ptr, region& r) {
+  r.backup = move_pages(ptr, r.mapped);
+  r.backed_up = true;
 }
 
-void cpu_device::wake_up(const std::vector<memory_tag>& tags) {
-  for (auto tag : tags)
-    check_tag(tag);
-  auto wanted = tags.empty() ? sleeping_tags() : tags;
-  for (auto tag : wanted) {
-    auto& state = tags_[index_of(tag)];
-    if (!state.asleep)
-      continue;
-    for (auto& [ptr, alloc] : allocations_) {
-      if (alloc.tag != tag)
-        continue;
-      protect(ptr, alloc.mapped, PROT_READ | PROT_WRITE);
-      if (alloc.backup != nullptr) {
-        move_back(alloc.backup, ptr, alloc.mapped);
-        alloc.backup = nullptr;
-      } else {
-        // Backing every page again gives the promised zeros (populated pages are zeroed;
-        // where the kernel cannot populate, writing them does it).
-        if (!populate(ptr, alloc.mapped))
-          std::memset(ptr, 0, alloc.mapped);
-      }
-    }
-    state.asleep = false;
-    state.level = 0;
-  }
+void cpu_device::undo_backup(void* ptr, region& r) {
+  move_back(r.backup, ptr, r.mapped);
+  r.backup = nullptr;
+  r.backed_up = false;
 }
 
-std::vector<memory_tag> cpu_device::sleeping_tags() const {
-  std::vector<memory_tag> result;
-  for (auto tag : all_memory_tags)
-    if (tags_[index_of(tag)].asleep)
-      result.push_back(tag);
-  return result;
+void cpu_device::release(void* ptr, region& r) {
+  release_pages(ptr, r.mapped);
+  protect(ptr, r.mapped, PROT_NONE);
 }
 
-std::vector<memory_usage> cpu_device::usage() const {
-  std::vector<memory_usage> result;
-  for (auto tag : all_memory_tags) {
-    memory_usage u;
-    u.tag = tag;
-    for (auto& [ptr, alloc] : allocations_) {
-      if (alloc.tag != tag)
-        continue;
-      u.allocated_bytes += static_cast<int64_t>(alloc.requested);
-      if (!tags_[index_of(tag)].asleep)
-        u.resident_bytes += static_cast<int64_t>(alloc.requested);
-      if (alloc.backup != nullptr)
-        u.backup_bytes += static_cast<int64_t>(alloc.requested);
-    }
-    result.push_back(u);
+void cpu_device::restore(void* ptr, region& r) {
+  protect(ptr, r.mapped, PROT_READ | PROT_WRITE);
+  if (r.backed_up) {
+    undo_backup(ptr, r);
+  } else if (!populate(ptr, r.mapped)) {
+    // Backing every page again gives the promised zeros (populated pages are zeroed; where
+    // the kernel cannot populate, writing them does it).
+    std::memset(ptr, 0, r.mapped);
   }
-  return result;
 }
 
 void cpu_device::copy(void* dst, const void* src, std::size_t bytes) {

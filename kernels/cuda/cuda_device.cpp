@@ -54,12 +54,6 @@ CUdeviceptr address(void* ptr) {
   return reinterpret_cast<CUdeviceptr>(ptr);
 }
 
-void check_tag(memory_tag tag) {
-  if (static_cast<size_t>(tag) > 1)
-    throw error{errc::invalid_argument,
-                "unknown memory tag " + std::to_string(static_cast<int>(tag))};
-}
-
 } // namespace
 
 int cuda_device::count() {
@@ -84,8 +78,7 @@ cuda_device::cuda_device(int32_t index) : index_(index) {
 cuda_device::~cuda_device() {
   if (stream_ != nullptr)
     cudaStreamSynchronize(stream_);
-  for (auto& [ptr, a] : allocations_)
-    free_allocation(ptr, a);
+  free_all();
   if (stream_ != nullptr)
     cudaStreamDestroy(stream_);
 }
@@ -94,152 +87,90 @@ std::string cuda_device::name() const {
   return "cuda:" + std::to_string(index_);
 }
 
-void cuda_device::free_allocation(void* ptr, allocation& a) noexcept {
-  if (a.handle != 0) {
-    driver().unmap(address(ptr), a.mapped);
-    driver().release(a.handle);
+void cuda_device::free_region(void* ptr, region& r) noexcept {
+  cudaStreamSynchronize(stream_); // kernels may still use it
+  if (r.handle != 0) {
+    driver().unmap(address(ptr), r.mapped);
+    driver().release(r.handle);
   }
-  driver().address_free(address(ptr), a.mapped);
-  if (a.backup != nullptr)
-    cudaFreeHost(a.backup);
+  driver().address_free(address(ptr), r.mapped);
+  if (r.backup != nullptr)
+    cudaFreeHost(r.backup);
 }
 
-void cuda_device::map(void* ptr, allocation& a) {
+void cuda_device::map(void* ptr, region& r) {
   auto& api = driver();
-  TROUPE_CUDA_CHECK(api.create(&a.handle, a.mapped, &prop_, 0));
+  CUmemGenericAllocationHandle handle = 0;
+  TROUPE_CUDA_CHECK(api.create(&handle, r.mapped, &prop_, 0));
   try {
-    TROUPE_CUDA_CHECK(api.map(address(ptr), a.mapped, 0, a.handle, 0));
+    TROUPE_CUDA_CHECK(api.map(address(ptr), r.mapped, 0, handle, 0));
   } catch (...) {
-    api.release(a.handle);
-    a.handle = 0;
+    api.release(handle);
     throw;
   }
+  r.handle = handle;
   CUmemAccessDesc access{};
   access.location = prop_.location;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  TROUPE_CUDA_CHECK(api.set_access(address(ptr), a.mapped, &access, 1));
+  TROUPE_CUDA_CHECK(api.set_access(address(ptr), r.mapped, &access, 1));
 }
 
-void cuda_device::unmap(void* ptr, allocation& a) {
-  auto& api = driver();
-  TROUPE_CUDA_CHECK(api.unmap(address(ptr), a.mapped));
-  TROUPE_CUDA_CHECK(api.release(a.handle));
-  a.handle = 0;
-}
-
-void* cuda_device::allocate(std::size_t bytes, memory_tag tag) {
-  check_tag(tag);
-  if (asleep_[static_cast<size_t>(tag)])
-    throw error{errc::sleeping, std::string{"cuda device: cannot allocate under tag '"} +
-                                  to_string(tag) + "' while it sleeps"};
-  allocation a;
-  a.requested = bytes;
-  a.tag = tag;
-  a.mapped = ((bytes == 0 ? 1 : bytes) + granularity_ - 1) / granularity_ * granularity_;
+void* cuda_device::map_new(region& r) {
+  r.mapped = ((r.requested == 0 ? 1 : r.requested) + granularity_ - 1) / granularity_ *
+             granularity_;
   CUdeviceptr base = 0;
-  TROUPE_CUDA_CHECK(driver().address_reserve(&base, a.mapped, granularity_, 0, 0));
+  TROUPE_CUDA_CHECK(driver().address_reserve(&base, r.mapped, granularity_, 0, 0));
   auto ptr = reinterpret_cast<void*>(base);
   try {
-    map(ptr, a);
-    TROUPE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, a.mapped, stream_));
+    map(ptr, r);
+    TROUPE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, r.mapped, stream_));
     TROUPE_CUDA_CHECK(cudaStreamSynchronize(stream_));
   } catch (...) {
-    if (a.handle != 0) {
-      driver().unmap(base, a.mapped);
-      driver().release(a.handle);
+    if (r.handle != 0) {
+      driver().unmap(base, r.mapped);
+      driver().release(r.handle);
+      r.handle = 0;
     }
-    driver().address_free(base, a.mapped);
+    driver().address_free(base, r.mapped);
     throw;
   }
-  allocations_.emplace(ptr, a);
   return ptr;
 }
 
-void cuda_device::deallocate(void* ptr) noexcept {
-  auto i = allocations_.find(ptr);
-  if (i == allocations_.end())
+void cuda_device::back_up(void* ptr, region& r) {
+  if (r.backup == nullptr)
+    TROUPE_CUDA_CHECK(cudaMallocHost(&r.backup, r.requested == 0 ? 1 : r.requested));
+  TROUPE_CUDA_CHECK(cudaMemcpyAsync(r.backup, ptr, r.requested, cudaMemcpyDeviceToHost, stream_));
+  r.backed_up = true;
+}
+
+void cuda_device::undo_backup(void*, region& r) {
+  r.backed_up = false; // the memory was never released; the pinned buffer stays
+}
+
+void cuda_device::release(void* ptr, region& r) {
+  if (r.handle == 0)
     return;
-  cudaStreamSynchronize(stream_); // kernels may still use it
-  free_allocation(ptr, i->second);
-  allocations_.erase(i);
+  auto& api = driver();
+  TROUPE_CUDA_CHECK(api.unmap(address(ptr), r.mapped));
+  TROUPE_CUDA_CHECK(api.release(r.handle));
+  r.handle = 0;
 }
 
-void cuda_device::sleep(int32_t level) {
-  if (level != 1 && level != 2)
-    throw error{errc::invalid_argument,
-                "sleep level must be 1 or 2, got " + std::to_string(level)};
+void cuda_device::restore(void* ptr, region& r) {
+  if (r.handle != 0)
+    return;
+  map(ptr, r);
+  if (r.backed_up) {
+    TROUPE_CUDA_CHECK(cudaMemcpyAsync(ptr, r.backup, r.requested, cudaMemcpyHostToDevice, stream_));
+    r.backed_up = false; // the pinned buffer stays for the next sleep
+  } else {
+    TROUPE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, r.mapped, stream_));
+  }
+}
+
+void cuda_device::settle() {
   TROUPE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  // Backups first (they can fail for want of pinned memory), then the releases, so that a
-  // failure leaves the device as it was.
-  for (auto& [ptr, a] : allocations_) {
-    if (asleep_[static_cast<size_t>(a.tag)])
-      continue;
-    if (level == 1 && a.tag == memory_tag::weights) {
-      if (a.backup == nullptr)
-        TROUPE_CUDA_CHECK(cudaMallocHost(&a.backup, a.requested == 0 ? 1 : a.requested));
-      TROUPE_CUDA_CHECK(
-        cudaMemcpyAsync(a.backup, ptr, a.requested, cudaMemcpyDeviceToHost, stream_));
-      a.backup_valid = true;
-    } else {
-      a.backup_valid = false;
-    }
-  }
-  TROUPE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  for (auto& [ptr, a] : allocations_)
-    if (!asleep_[static_cast<size_t>(a.tag)] && a.handle != 0)
-      unmap(ptr, a);
-  asleep_.fill(true);
-}
-
-void cuda_device::wake_up(const std::vector<memory_tag>& tags) {
-  for (auto tag : tags)
-    check_tag(tag);
-  auto wanted = tags.empty() ? sleeping_tags() : tags;
-  for (auto tag : wanted) {
-    if (!asleep_[static_cast<size_t>(tag)])
-      continue;
-    for (auto& [ptr, a] : allocations_) {
-      if (a.tag != tag || a.handle != 0)
-        continue;
-      map(ptr, a);
-      if (a.backup_valid) {
-        TROUPE_CUDA_CHECK(
-          cudaMemcpyAsync(ptr, a.backup, a.requested, cudaMemcpyHostToDevice, stream_));
-        a.backup_valid = false; // the pinned buffer stays for the next sleep
-      } else {
-        TROUPE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, a.mapped, stream_));
-      }
-    }
-    TROUPE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    asleep_[static_cast<size_t>(tag)] = false;
-  }
-}
-
-std::vector<memory_tag> cuda_device::sleeping_tags() const {
-  std::vector<memory_tag> out;
-  for (auto tag : {memory_tag::weights, memory_tag::kv_cache})
-    if (asleep_[static_cast<size_t>(tag)])
-      out.push_back(tag);
-  return out;
-}
-
-std::vector<memory_usage> cuda_device::usage() const {
-  std::vector<memory_usage> out;
-  for (auto tag : {memory_tag::weights, memory_tag::kv_cache}) {
-    memory_usage u;
-    u.tag = tag;
-    for (auto& [ptr, a] : allocations_) {
-      if (a.tag != tag)
-        continue;
-      u.allocated_bytes += static_cast<int64_t>(a.requested);
-      if (a.handle != 0)
-        u.resident_bytes += static_cast<int64_t>(a.requested);
-      if (a.backup_valid)
-        u.backup_bytes += static_cast<int64_t>(a.requested);
-    }
-    out.push_back(u);
-  }
-  return out;
 }
 
 void cuda_device::copy(void* dst, const void* src, std::size_t bytes) {

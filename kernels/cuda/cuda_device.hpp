@@ -1,11 +1,9 @@
 #pragma once
 
-#include "troupe/device.hpp"
+#include "kernels/tagged_pool.hpp"
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
-#include <unordered_map>
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -22,7 +20,7 @@ namespace troupe {
 /// host backup, allocated on the first sleep and reused by every later one. The driver API
 /// is reached through the runtime's entry points, so the library loads on machines without
 /// a GPU driver. Owned and used by one worker thread, with one stream.
-class cuda_device final : public device {
+class cuda_device final : public tagged_pool {
 public:
   /// Binds the calling thread to GPU `index`. Throws `troupe::error` when there is no such
   /// device or its driver lacks virtual memory management.
@@ -30,12 +28,6 @@ public:
   ~cuda_device() override;
 
   std::string name() const override;
-  void* allocate(std::size_t bytes, memory_tag tag) override;
-  void deallocate(void* ptr) noexcept override;
-  void sleep(int32_t level) override;
-  void wake_up(const std::vector<memory_tag>& tags) override;
-  std::vector<memory_tag> sleeping_tags() const override;
-  std::vector<memory_usage> usage() const override;
   /// Copies between any two addresses (device or host), on the stream, and waits.
   void copy(void* dst, const void* src, std::size_t bytes) override;
   std::size_t free_memory() const override;
@@ -50,31 +42,22 @@ public:
   static int count();
 
 private:
-  struct allocation {
-    std::size_t requested = 0;
-    /// Mapped length (a multiple of the allocation granularity).
-    std::size_t mapped = 0;
-    memory_tag tag = memory_tag::weights;
-    /// Physical memory; 0 while the tag sleeps.
-    CUmemGenericAllocationHandle handle = 0;
-    /// Pinned host backup, allocated on the first level-1 sleep; nullptr before.
-    void* backup = nullptr;
-    bool backup_valid = false;
-  };
+  void* map_new(region& r) override;
+  void free_region(void* ptr, region& r) noexcept override;
+  /// Copies to a pinned host buffer, allocated on the first sleep and kept for later ones.
+  void back_up(void* ptr, region& r) override;
+  void undo_backup(void* ptr, region& r) override;
+  void release(void* ptr, region& r) override;
+  void restore(void* ptr, region& r) override;
+  void settle() override;
 
-  /// Creates physical memory for `a` and maps it at `ptr`.
-  void map(void* ptr, allocation& a);
-  /// Unmaps and releases the physical memory of `a`.
-  void unmap(void* ptr, allocation& a);
-  /// Gives back everything of `a`: physical memory, address range, backup.
-  static void free_allocation(void* ptr, allocation& a) noexcept;
+  /// Creates physical memory for `r` and maps it at `ptr`.
+  void map(void* ptr, region& r);
 
   int32_t index_;
   cudaStream_t stream_ = nullptr;
   std::size_t granularity_ = 0;
   CUmemAllocationProp prop_{};
-  std::unordered_map<void*, allocation> allocations_;
-  std::array<bool, 2> asleep_{};
 };
 
 } // namespace troupe
