@@ -13,10 +13,6 @@ namespace troupe {
 
 namespace {
 
-[[noreturn]] void bad_request(const std::string& what) {
-  throw error{errc::invalid_argument, what};
-}
-
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i)
@@ -53,16 +49,6 @@ void read_rows(const tensor_view& t, int64_t row0, int64_t rows, float* dst) {
 bool whole_blocks(const tensor_view& t, int64_t col0, int64_t cols) {
   auto block = block_elements(t.type);
   return col0 % block == 0 && cols % block == 0;
-}
-
-/// The width of a step's block tables for sequences of up to `blocks` blocks: rounded up to
-/// a power of two, so that decode steps keep one layout (and one captured graph) while
-/// their sequences grow.
-int64_t table_width(int64_t blocks) {
-  int64_t width = 1;
-  while (width < blocks)
-    width *= 2;
-  return width;
 }
 
 /// Places a tensor of `bytes` at the end of an allocation of `total` bytes (256-byte aligned,
@@ -323,7 +309,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     local_shapes.push_back(local);
   }
   if (weights_.size() != total) {
-    forget_captured();
+    graphs_.clear();
     weights_.reset();
     weights_ = device_buffer(dev_, total, memory_tag::weights);
   }
@@ -470,17 +456,11 @@ int64_t llama_model::reserve(int64_t tokens, int64_t seqs, int64_t max_len, int6
   return static_cast<int64_t>(bytes);
 }
 
-void llama_model::forget_captured() {
-  captured_.clear();
-  seen_.clear();
-  uncapturable_.clear();
-}
-
 void* llama_model::workspace(size_t bytes) {
   // Grown to what a step needs (the profiled largest step sizes it once). Captured steps
   // name the old memory: they go.
   if (workspace_.size() < bytes) {
-    forget_captured();
+    graphs_.clear();
     workspace_.reset();
     workspace_ = device_buffer(dev_, bytes, memory_tag::kv_cache);
   }
@@ -632,6 +612,15 @@ const std::vector<double>& llama_model::step_frequencies(int64_t length) {
 
 void llama_model::run(const execute_model_request& req, kv_cache& cache,
                       std::vector<sample_row>& rows, const step_adapters& adapters) {
+  rows.clear();
+  logits_ = nullptr;
+  logit_rows_ = 0;
+  auto batch = prepare_batch(req, cfg_, cache.block_size(), cache.device_blocks(), adapters);
+  rows = batch.rows;
+  forward(batch, cache);
+}
+
+void llama_model::forward(const step_batch& batch, kv_cache& cache) {
   const auto H = cfg_.hidden_size;
   const auto D = cfg_.head_dim;
   const auto V = cfg_.vocab_size;
@@ -639,111 +628,27 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   const auto q_width = local_heads_ * D;
   const auto kv_width = local_kv_ * D;
   const auto half = D / 2;
-
-  // The tokens of the step, and where each one lives.
-  struct token {
-    int32_t id;
-    int32_t position;
-    int32_t seq; // index into `tables`
-    size_t group;
-  };
-  // Each sequence's block table, as far as the step reaches.
-  std::vector<const int32_t*> tables;
-  std::vector<int64_t> table_blocks;
-  const auto groups = req.seq_group_metadata_list.size();
-  if ((!adapters.lora.empty() && adapters.lora.size() != groups)
-      || (!adapters.prompt.empty() && adapters.prompt.size() != groups))
-    bad_request("adapters given for " + std::to_string(adapters.lora.size()) + " and " +
-                std::to_string(adapters.prompt.size()) + " groups of " + std::to_string(groups));
-  std::vector<token> tokens;
-  std::vector<int32_t> sample_token_rows;
-  bool decode_only = true;
-  rows.clear();
+  auto& tokens = batch.tokens;
+  auto& tables = batch.tables;
+  auto& adapters = batch.adapters;
+  const auto T = static_cast<int64_t>(tokens.size());
+  const auto S = static_cast<int64_t>(batch.sample_tokens.size());
   logits_ = nullptr;
   logit_rows_ = 0;
-  for (size_t g = 0; g < req.seq_group_metadata_list.size(); ++g) {
-    auto& group = req.seq_group_metadata_list[g];
-    for (size_t s = 0; s < group.seqs.size(); ++s) {
-      auto& seq = group.seqs[s];
-      int64_t start = seq.num_computed_tokens;
-      int64_t chunk = group.token_chunk_size;
-      if (start < 0 || chunk <= 0 || start + chunk > static_cast<int64_t>(seq.token_ids.size()))
-        bad_request("request '" + group.request_id + "': chunk of " + std::to_string(chunk) +
-                    " tokens from position " + std::to_string(start) + " does not fit its " +
-                    std::to_string(seq.token_ids.size()) + " tokens");
-      if (start + chunk > cfg_.max_sequence_length())
-        bad_request("request '" + group.request_id + "' reaches position " +
-                    std::to_string(start + chunk) + ", past the model's " +
-                    std::to_string(cfg_.max_sequence_length()) + " positions");
-      auto blocks_needed = (start + chunk + bs - 1) / bs;
-      if (static_cast<int64_t>(seq.block_table.size()) < blocks_needed)
-        bad_request("request '" + group.request_id + "': block table has " +
-                    std::to_string(seq.block_table.size()) + " blocks, " +
-                    std::to_string(blocks_needed) + " needed");
-      for (int64_t b = 0; b < blocks_needed; ++b)
-        if (seq.block_table[b] < 0 || seq.block_table[b] >= cache.device_blocks())
-          bad_request("request '" + group.request_id + "': block " +
-                      std::to_string(seq.block_table[b]) + " is not a device block");
-      decode_only = decode_only && chunk == 1;
-      auto seq_index = static_cast<int32_t>(tables.size());
-      tables.push_back(seq.block_table.data());
-      table_blocks.push_back(blocks_needed);
-      for (int64_t p = start; p < start + chunk; ++p) {
-        auto id = seq.token_ids[static_cast<size_t>(p)];
-        if (id < 0 || id >= V)
-          bad_request("request '" + group.request_id + "': token " + std::to_string(id) +
-                      " is outside the vocabulary of " + std::to_string(V));
-        tokens.push_back({id, static_cast<int32_t>(p), seq_index, g});
-      }
-      if (group.do_sample) {
-        sample_token_rows.push_back(static_cast<int32_t>(tokens.size()) - 1);
-        rows.push_back({g, s});
-      }
-    }
-  }
-  const auto T = static_cast<int64_t>(tokens.size());
-  const auto S = static_cast<int64_t>(sample_token_rows.size());
   if (T == 0)
     return;
-
-  // Runs of consecutive tokens computed with the same LoRA adapter.
-  struct lora_run {
-    int64_t begin;
-    int64_t count;
-    const lora_weights* weights;
-  };
-  std::vector<lora_run> lora_runs;
-  int64_t max_lora_rank = 0;
-  if (!adapters.lora.empty()) {
-    for (int64_t t = 0; t < T; ++t) {
-      auto* w = adapters.lora[tokens[t].group];
-      if (w == nullptr)
-        continue;
-      max_lora_rank = std::max(max_lora_rank, w->rank);
-      if (!lora_runs.empty() && lora_runs.back().weights == w
-          && lora_runs.back().begin + lora_runs.back().count == t)
-        ++lora_runs.back().count;
-      else
-        lora_runs.push_back({t, 1, w});
-    }
-  }
 
   // The step's metadata, made on the host and copied to the device in two copies: token
   // ids, positions, cache slots, each token's sequence, the sequences' block tables and the
   // sampled rows (int32), and the rotary tables (float).
   const auto seqs = static_cast<int64_t>(tables.size());
-  const auto max_blocks =
-    table_width(*std::max_element(table_blocks.begin(), table_blocks.end()));
-  auto parts = layout_of(T, S, seqs, max_blocks, max_lora_rank);
+  const auto max_blocks = batch.max_blocks();
+  auto parts = layout_of(T, S, seqs, max_blocks, batch.max_lora_rank);
   std::vector<int32_t> ints(static_cast<size_t>(parts.int_count));
   for (int64_t s = 0; s < seqs; ++s)
-    std::copy(tables[s], tables[s] + table_blocks[s], &ints[parts.tables + s * max_blocks]);
+    std::copy(tables[s], tables[s] + batch.table_blocks[s], &ints[parts.tables + s * max_blocks]);
   std::vector<float> rope(static_cast<size_t>(2 * T * half));
-  // Each sequence's length at the end of the step (dynamic rope scaling depends on it).
-  std::vector<int64_t> step_length(tables.size(), 0);
-  for (auto& tok : tokens)
-    step_length[static_cast<size_t>(tok.seq)] =
-      std::max<int64_t>(step_length[static_cast<size_t>(tok.seq)], tok.position + int64_t{1});
+  auto step_length = batch.lengths();
   for (int64_t t = 0; t < T; ++t) {
     auto& tok = tokens[t];
     ints[parts.ids + t] = tok.id;
@@ -754,7 +659,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
     rope_tables(tok.position, step_frequencies(step_length[static_cast<size_t>(tok.seq)]),
                 &rope[t * half], &rope[(T + t) * half]);
   }
-  std::copy(sample_token_rows.begin(), sample_token_rows.end(), &ints[parts.samples]);
+  std::copy(batch.sample_tokens.begin(), batch.sample_tokens.end(), &ints[parts.samples]);
 
   auto base = static_cast<float*>(workspace(static_cast<size_t>(parts.total) * sizeof(float)));
   auto at = [&](int64_t offset) { return base + offset; };
@@ -780,7 +685,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   // y[T×out] += B·(A·x[T×in]) for the tokens of each run whose adapter adapts `proj`.
   auto apply_lora = [&](size_t layer, projection proj, const float* in, int64_t in_width,
                         float* out, int64_t out_width) {
-    for (auto& run : lora_runs) {
+    for (auto& run : batch.lora_runs) {
       auto& f = run.weights->layers[layer][static_cast<size_t>(proj)];
       if (f.rank == 0)
         continue;
@@ -897,41 +802,18 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
     }
   };
 
-  // A decode step of one process is recorded once per shape (a CUDA graph on a GPU) and
-  // then replayed at the cost of one launch; the first sighting runs as it is, so that
-  // scratch memory has grown before it is recorded. Steps with adapters, all-reduces or
-  // prompts run call by call.
-  bool replayable = capture_ && world_ == 1 && decode_only && T <= 512 && lora_runs.empty()
-                    && adapters.prompt.empty();
-  if (!replayable) {
+  // A decode step of one process is recorded once per shape and then replayed; steps with
+  // adapters, all-reduces or prompts run call by call.
+  bool replayable = graphs_.enabled() && world_ == 1 && batch.decode_only &&
+                    T <= step_graphs::max_tokens && batch.lora_runs.empty() &&
+                    adapters.prompt.empty();
+  if (replayable)
+    graphs_.run(*backend_,
+                {T, S, seqs, max_blocks, cache.keys(0), cache.device_blocks(), cache.block_size(),
+                 backend_->scratch_epoch()},
+                compute);
+  else
     compute();
-  } else {
-    step_shape shape{T,
-                     S,
-                     seqs,
-                     max_blocks,
-                     cache.keys(0),
-                     cache.device_blocks(),
-                     cache.block_size(),
-                     backend_->scratch_epoch()};
-    auto found = captured_.find(shape);
-    if (found == captured_.end() && seen_.count(shape) > 0 && uncapturable_.count(shape) == 0) {
-      if (captured_.size() >= 64)
-        forget_captured();
-      if (auto calls = backend_->capture(compute))
-        found = captured_.emplace(shape, std::move(calls)).first;
-      else
-        uncapturable_.insert(shape);
-    }
-    if (found != captured_.end()) {
-      found->second->replay();
-    } else {
-      if (seen_.size() >= 256 || uncapturable_.size() >= 256)
-        forget_captured();
-      seen_.insert(shape);
-      compute();
-    }
-  }
   logits_ = logits;
   logit_rows_ = S;
   sampling_ = reinterpret_cast<row_sampling*>(at(parts.sampling));
@@ -963,9 +845,9 @@ void llama_model::sample(const std::vector<row_sampling>& params, std::vector<in
   dev_.copy(logprobs.data(), sampled_logprobs_, logprobs.size() * sizeof(float));
 }
 
-std::vector<float> llama_model::forward(const execute_model_request& req, kv_cache& cache,
-                                        std::vector<sample_row>& rows,
-                                        const step_adapters& adapters) {
+std::vector<float> llama_model::run_logits(const execute_model_request& req, kv_cache& cache,
+                                           std::vector<sample_row>& rows,
+                                           const step_adapters& adapters) {
   run(req, cache, rows, adapters);
   return logits();
 }

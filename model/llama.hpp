@@ -6,24 +6,18 @@
 #include "model/config.hpp"
 #include "kernels/dtype.hpp"
 #include "model/kv_cache.hpp"
+#include "model/step_batch.hpp"
+#include "model/step_graphs.hpp"
 #include "troupe/device.hpp"
 #include "troupe/types.hpp"
 #include "troupe/worker.hpp"
 
 #include <functional>
 #include <map>
-#include <set>
 #include <string>
-#include <tuple>
 #include <vector>
 
 namespace troupe {
-
-/// Where a row of logits comes from: the sequence that samples from it.
-struct sample_row {
-  size_t group = 0;
-  size_t seq = 0;
-};
 
 /// A LoRA adapter as one rank applies it: per layer and projection, y += B·(A·x) with the
 /// scaling folded into B. Column-parallel projections (q/k/v/gate/up) hold all of A and
@@ -46,13 +40,6 @@ struct lora_weights {
 struct prompt_embeddings {
   int64_t num_virtual_tokens = 0;
   device_buffer table; // [num_virtual_tokens, hidden_size]
-};
-
-/// The adapters of one step, per sequence group of the request (null: none). Empty
-/// vectors mean no group uses any.
-struct step_adapters {
-  std::vector<const lora_weights*> lora;
-  std::vector<const prompt_embeddings*> prompt;
 };
 
 /// Reports weight loading: tensors done and in all.
@@ -99,8 +86,7 @@ public:
   /// Whether decode steps are recorded and replayed (CUDA graphs on a GPU; on by default).
   /// vLLM's `enforce_eager` turns it off.
   void capture_decode_steps(bool on) {
-    capture_ = on;
-    forget_captured();
+    graphs_.enable(on);
   }
 
   /// Used after each row-parallel layer when the model is split; identity by default.
@@ -115,6 +101,9 @@ public:
   /// vocabulary, block table too short, chunk past the tokens).
   void run(const execute_model_request& req, kv_cache& cache, std::vector<sample_row>& rows,
            const step_adapters& adapters = {});
+
+  /// Runs a prepared batch (`prepare_batch`): the device part of `run`.
+  void forward(const step_batch& batch, kv_cache& cache);
 
   /// The logits of the last `run` (rows × vocab), copied to the host.
   std::vector<float> logits() const;
@@ -133,8 +122,8 @@ public:
                   int64_t max_lora_rank);
 
   /// `run`, then `logits`.
-  std::vector<float> forward(const execute_model_request& req, kv_cache& cache,
-                             std::vector<sample_row>& rows, const step_adapters& adapters = {});
+  std::vector<float> run_logits(const execute_model_request& req, kv_cache& cache,
+                                std::vector<sample_row>& rows, const step_adapters& adapters = {});
 
   /// This rank's part of the PEFT LoRA adapter in directory `path`. Throws
   /// `invalid_argument` naming the adapter for a rank above `max_rank`, a factor whose shape
@@ -257,28 +246,7 @@ private:
   all_reduce_fn all_reduce_;
   /// Activations and step metadata, under `memory_tag::kv_cache` (it sleeps with the cache).
   device_buffer workspace_;
-  /// What a recorded step depends on: its sizes, the cache (where and how its layers lie)
-  /// and the backend's scratch.
-  struct step_shape {
-    int64_t tokens, samples, seqs, max_blocks;
-    const float* cache;
-    int64_t cache_blocks, block_size;
-    uint64_t scratch_epoch;
-    bool operator<(const step_shape& o) const {
-      return std::tie(tokens, samples, seqs, max_blocks, cache, cache_blocks, block_size,
-                      scratch_epoch)
-             < std::tie(o.tokens, o.samples, o.seqs, o.max_blocks, o.cache, o.cache_blocks,
-                        o.block_size, o.scratch_epoch);
-    }
-  };
-  /// Drops every recorded step (the memory they name moved).
-  void forget_captured();
-
-  bool capture_ = true;
-  std::map<step_shape, std::unique_ptr<captured_calls>> captured_;
-  /// Shapes run once (recorded on the next sighting), and shapes that could not be recorded.
-  std::set<step_shape> seen_;
-  std::set<step_shape> uncapturable_;
+  step_graphs graphs_;
   /// Where the last `run` left its logits, and how many rows.
   const float* logits_ = nullptr;
   int64_t logit_rows_ = 0;

@@ -40,7 +40,7 @@ struct model_runner {
     g.token_chunk_size = chunk;
     req.seq_group_metadata_list.push_back(g);
     std::vector<sample_row> rows;
-    auto logits = model.forward(req, cache, rows);
+    auto logits = model.run_logits(req, cache, rows);
     seq.num_computed_tokens += chunk;
     return logits;
   }

@@ -69,7 +69,7 @@ std::vector<float> prefill_logits(llama_model& model, kv_cache& cache,
   g.token_chunk_size = static_cast<int32_t>(prompt.size());
   req.seq_group_metadata_list.push_back(g);
   std::vector<sample_row> rows;
-  return model.forward(req, cache, rows, with);
+  return model.run_logits(req, cache, rows, with);
 }
 
 std::unique_ptr<llm> make_llm(int32_t tp, int32_t max_loras) {

@@ -52,7 +52,7 @@ std::vector<float> prefill_logits(llama_model& model, device& dev, const model_c
     {"r", true, {{0, prompt, static_cast<int32_t>(prompt.size()), 0, {0, 1, 2, 3}}}, {},
      static_cast<int32_t>(prompt.size()), true, 0, 0});
   std::vector<sample_row> rows;
-  return model.forward(req, cache, rows);
+  return model.run_logits(req, cache, rows);
 }
 
 /// Greedy generation through an executor on `path` (dtype auto: the stored types).

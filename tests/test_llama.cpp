@@ -304,7 +304,7 @@ TEST_CASE("make-model writes a sharded checkpoint that loads and runs") {
   execute_model_request req;
   req.seq_group_metadata_list.push_back({"r", true, {{0, {1, 2, 3}, 3, 0, {0}}}, {}, 3, true, 0, 0});
   std::vector<sample_row> rows;
-  auto logits = model.forward(req, cache, rows);
+  auto logits = model.run_logits(req, cache, rows);
   CHECK(logits.size() == 100);
   CHECK(std::isfinite(logits[0]));
   std::filesystem::remove_all(dir);
