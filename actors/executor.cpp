@@ -357,34 +357,56 @@ struct executor::impl {
   }
 };
 
-executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl) {
-  auto& d = *impl_;
-  if (cfg.tensor_parallel_size < 1)
-    throw error{errc::invalid_argument, "tensor_parallel_size must be at least 1, got " +
-                                          std::to_string(cfg.tensor_parallel_size)};
-  auto remote_count = static_cast<int32_t>(cfg.remote_workers.size());
-  for (auto& n : cfg.nodes) {
+namespace {
+
+int32_t remote_count(const executor_config& cfg) {
+  auto count = static_cast<int32_t>(cfg.remote_workers.size());
+  for (auto& n : cfg.nodes)
+    count += n.workers;
+  return count;
+}
+
+} // namespace
+
+void executor_config::validate() const {
+  auto positive = [](const char* name, int64_t v) {
+    if (v < 1)
+      throw error{errc::invalid_argument,
+                  std::string{name} + " must be at least 1, got " + std::to_string(v)};
+  };
+  positive("tensor_parallel_size", tensor_parallel_size);
+  positive("block_size", block_size);
+  positive("max_model_len", max_model_len);
+  if (device_kind != "cpu" && device_kind != "cuda")
+    throw error{errc::invalid_argument,
+                "device kind '" + device_kind + "' is not known (\"cpu\" or \"cuda\")"};
+  for (auto& n : nodes)
     if (n.workers < 1)
       throw error{errc::invalid_argument, "node " + n.host + ":" + std::to_string(n.port) +
                                             ": workers must be at least 1"};
-    remote_count += n.workers;
-  }
-  auto tls = wants_tls(cfg.tls_certificate, cfg.tls_key, cfg.tls_ca);
-  if (!cfg.nodes.empty() && cfg.node_secret.empty() && !tls)
+  auto tls = wants_tls(tls_certificate, tls_key, tls_ca);
+  if (!nodes.empty() && node_secret.empty() && !tls)
     throw error{errc::invalid_argument, "worker nodes need node_secret or TLS certificates"};
-  if (!cfg.nodes.empty() && !cfg.node_secret.empty())
-    check_secret(cfg.node_secret, "node_secret");
-  if (cfg.node_timeout <= timeout_type::zero())
+  if (!nodes.empty() && !node_secret.empty())
+    check_secret(node_secret, "node_secret");
+  if (node_timeout <= timeout_type::zero())
     throw error{errc::invalid_argument, "node_timeout must be positive"};
-  if (remote_count > cfg.tensor_parallel_size)
+  if (remote_count(*this) > tensor_parallel_size)
     throw error{errc::invalid_argument,
-                std::to_string(remote_count) + " remote workers do not fit tensor_parallel_size " +
-                  std::to_string(cfg.tensor_parallel_size)};
-  auto local_count = cfg.tensor_parallel_size - remote_count;
+                std::to_string(remote_count(*this)) +
+                  " remote workers do not fit tensor_parallel_size " +
+                  std::to_string(tensor_parallel_size)};
+  if (rpc_timeout <= timeout_type::zero() || startup_timeout <= timeout_type::zero())
+    throw error{errc::invalid_argument, "rpc_timeout and startup_timeout must be positive"};
+}
+
+executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl) {
+  auto& d = *impl_;
+  cfg.validate();
+  auto tls = wants_tls(cfg.tls_certificate, cfg.tls_key, cfg.tls_ca);
+  auto local_count = cfg.tensor_parallel_size - remote_count(cfg);
   if (local_count > 0 && !factory)
     throw error{errc::invalid_argument, "local workers need a worker factory"};
-  if (cfg.rpc_timeout <= timeout_type::zero() || cfg.startup_timeout <= timeout_type::zero())
-    throw error{errc::invalid_argument, "rpc_timeout and startup_timeout must be positive"};
   d.cfg = std::move(cfg);
   register_messages(*d.sys_cfg);
   configure_scheduler(*d.sys_cfg, d.cfg.scheduler_threads, d.cfg.scheduler_poll_attempts);

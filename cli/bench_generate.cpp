@@ -46,10 +46,10 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
   add_device_options(*sub, o->device);
   cmd->run = [o] {
     llm_config cfg;
-    cfg.model = o->model;
-    cfg.tensor_parallel_size = o->tp;
-    apply_device_options(o->device, cfg);
-    cfg.max_model_len = o->input_len + o->output_len + 1;
+    cfg.worker.model_path = o->model;
+    cfg.executor.tensor_parallel_size = o->tp;
+    apply_device_options(o->device, cfg.executor, cfg.worker);
+    cfg.executor.max_model_len = o->input_len + o->output_len + 1;
     llm model{cfg};
     auto vocab = checkpoint::config_of(o->model).vocab_size;
     std::mt19937 rng{0};

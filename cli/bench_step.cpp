@@ -100,19 +100,16 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
   cmd->run = [o] {
     const int block_size = 16;
     executor_config cfg;
+    model_worker_options mw;
     cfg.tensor_parallel_size = o->tp;
-    cfg.device_kind = o->device.device;
+    apply_device_options(o->device, cfg, mw);
     cfg.block_size = block_size;
     // Two decode steps before the measured ones: the first runs call by call, the second
     // records the step's CUDA graph (on a GPU).
     const int warmup_steps = 2;
     cfg.max_model_len = o->prompt_len + warmup_steps + o->decode_steps + 1;
     cfg.rpc_timeout = std::chrono::minutes(10);
-    model_worker_options mw;
     mw.model_path = o->model;
-    mw.dtype = o->device.dtype;
-    mw.gpu_memory_utilization = o->device.gpu_memory_utilization;
-    mw.enforce_eager = o->device.enforce_eager;
     mw.max_num_seqs = o->batch;
     mw.max_num_batched_tokens = o->batch * o->prompt_len;
     auto blocks_per_seq =

@@ -71,8 +71,9 @@ struct device_options {
 /// Adds --device, --dtype, --gpu-memory-utilization and --enforce-eager to `app`.
 void add_device_options(CLI::App& app, device_options& o);
 
-/// Puts the device options into an `llm_config`.
-void apply_device_options(const device_options& o, llm_config& cfg);
+/// Puts the device options into the executor's and the workers' configuration.
+void apply_device_options(const device_options& o, executor_config& executor,
+                          model_worker_options& worker);
 
 /// The worker of `troupe bench rpc` (methods "noop" and "spin").
 std::unique_ptr<worker> make_bench_worker();

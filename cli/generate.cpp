@@ -112,11 +112,12 @@ void add_device_options(CLI::App& app, device_options& o) {
                "Run every step call by call, without CUDA graphs");
 }
 
-void apply_device_options(const device_options& o, llm_config& cfg) {
-  cfg.device = o.device;
-  cfg.dtype = o.dtype;
-  cfg.gpu_memory_utilization = o.gpu_memory_utilization;
-  cfg.enforce_eager = o.enforce_eager;
+void apply_device_options(const device_options& o, executor_config& executor,
+                          model_worker_options& worker) {
+  executor.device_kind = o.device;
+  worker.dtype = o.dtype;
+  worker.gpu_memory_utilization = o.gpu_memory_utilization;
+  worker.enforce_eager = o.enforce_eager;
 }
 
 std::shared_ptr<command> add_generate(CLI::App& app) {
@@ -229,34 +230,27 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     for (auto& ids : o->prompt_ids)
       id_prompts.push_back(parse_ids(ids));
     llm_config cfg;
-    cfg.model = o->model;
-    cfg.tensor_parallel_size = o->tp;
-    apply_device_options(o->device, cfg);
-    cfg.kv_cache_memory_bytes = o->kv_cache_memory;
-    cfg.kv_cache_memory_fraction = o->kv_fraction;
-    cfg.swap_space_bytes = o->swap_space_mib << 20;
-    cfg.max_model_len = o->max_model_len;
+    cfg.worker.model_path = o->model;
+    cfg.executor.tensor_parallel_size = o->tp;
+    apply_device_options(o->device, cfg.executor, cfg.worker);
+    cfg.worker.kv_cache_memory_bytes = o->kv_cache_memory;
+    cfg.worker.kv_cache_memory_fraction = o->kv_fraction;
+    cfg.worker.swap_space_bytes = o->swap_space_mib << 20;
+    cfg.executor.max_model_len = o->max_model_len;
     auto loras = prompt_loras(o->loras, o->prompt_loras, o->prompts.size() + o->prompt_ids.size());
-    cfg.max_loras = o->max_loras > 0 ? o->max_loras
-                                     : std::max(1, static_cast<int>(o->loras.size()));
-    cfg.max_lora_rank = o->max_lora_rank;
-    cfg.max_prompt_adapter_token = o->max_prompt_adapter_token;
+    cfg.worker.max_loras = o->max_loras > 0 ? o->max_loras
+                                            : std::max(1, static_cast<int>(o->loras.size()));
+    cfg.worker.max_lora_rank = o->max_lora_rank;
+    cfg.worker.max_prompt_adapter_token = o->max_prompt_adapter_token;
     std::optional<prompt_adapter_request> prompt_adapter;
     if (!o->prompt_adapter.empty()) {
       auto [name, path] = name_and_path("--prompt-adapter", o->prompt_adapter);
       prompt_adapter = prompt_adapter_request{name, 1, path, 0};
     }
-    executor_config placement;
-    apply_node_options(o->nodes, placement);
-    cfg.nodes = placement.nodes;
-    cfg.node_secret = placement.node_secret;
-    cfg.node_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(placement.node_timeout);
-    cfg.tls_certificate = placement.tls_certificate;
-    cfg.tls_key = placement.tls_key;
-    cfg.tls_ca = placement.tls_ca;
+    apply_node_options(o->nodes, cfg.executor);
     bool bar = isatty(STDERR_FILENO) != 0 && !o->json;
     if (bar)
-      cfg.progress = [](size_t done, size_t total) {
+      cfg.worker.progress = [](size_t done, size_t total) {
         int width = 40;
         auto filled = static_cast<int>(width * done / std::max<size_t>(total, 1));
         std::cerr << "\rloading weights [" << std::string(static_cast<size_t>(filled), '#')

@@ -60,48 +60,42 @@ std::string unescape(const std::string& s) {
 
 } // namespace
 
+llm_config::llm_config() {
+  executor.max_model_len = 0;
+  executor.rpc_timeout = std::chrono::minutes(10);
+  worker.swap_space_bytes = 256 << 20;
+}
+
+void llm_config::validate() const {
+  worker.validate();
+  scheduler.validate();
+  auto ec = executor;
+  if (ec.max_model_len == 0)
+    ec.max_model_len = 1; // the model's, known once it is read
+  ec.validate();
+}
+
 llm::llm(llm_config config) : impl_(std::make_unique<impl>()) {
   auto& d = *impl_;
+  // The workers profile the largest step the scheduler sends.
+  config.worker.max_num_batched_tokens = config.scheduler.max_num_batched_tokens;
+  config.worker.max_num_seqs = config.scheduler.max_num_seqs;
+  config.validate();
   d.cfg = std::move(config);
-  d.model = checkpoint::config_of(d.cfg.model);
+  auto& path = d.cfg.worker.model_path;
+  d.model = checkpoint::config_of(path);
   try {
-    d.tok = load_tokenizer(d.cfg.model);
+    d.tok = load_tokenizer(path);
   } catch (const error& e) {
     d.tokenizer_problem = e.what();
   }
-  executor_config ec;
-  ec.tensor_parallel_size = d.cfg.tensor_parallel_size;
-  ec.device_kind = d.cfg.device;
-  ec.block_size = d.cfg.block_size;
-  auto max_len = d.cfg.max_model_len > 0
-                   ? std::min<int64_t>(d.cfg.max_model_len, d.model.max_sequence_length())
-                   : d.model.max_sequence_length();
-  ec.max_model_len = static_cast<int32_t>(max_len);
-  ec.rpc_timeout = std::chrono::minutes(10);
-  model_worker_options mw;
-  mw.model_path = d.cfg.model;
-  mw.kv_cache_memory_bytes = d.cfg.kv_cache_memory_bytes;
-  mw.kv_cache_memory_fraction = d.cfg.kv_cache_memory_fraction;
-  mw.dtype = d.cfg.dtype;
-  mw.enforce_eager = d.cfg.enforce_eager;
-  mw.gpu_memory_utilization = d.cfg.gpu_memory_utilization;
-  mw.swap_space_bytes = d.cfg.swap_space_bytes;
-  mw.max_num_batched_tokens = static_cast<int32_t>(d.cfg.max_num_batched_tokens);
-  mw.max_num_seqs = d.cfg.max_num_seqs;
-  mw.max_loras = d.cfg.max_loras;
-  mw.max_lora_rank = d.cfg.max_lora_rank;
-  mw.max_prompt_adapters = d.cfg.max_prompt_adapters;
-  mw.max_prompt_adapter_token = d.cfg.max_prompt_adapter_token;
-  mw.progress = d.cfg.progress;
-  ec.nodes = d.cfg.nodes;
-  ec.node_secret = d.cfg.node_secret;
-  ec.node_timeout = d.cfg.node_timeout;
-  ec.tls_certificate = d.cfg.tls_certificate;
-  ec.tls_key = d.cfg.tls_key;
-  ec.tls_ca = d.cfg.tls_ca;
+  auto ec = d.cfg.executor;
+  auto longest = d.model.max_sequence_length();
+  ec.max_model_len = static_cast<int32_t>(
+    ec.max_model_len > 0 ? std::min<int64_t>(ec.max_model_len, longest) : longest);
   ec.node_worker_kind = "model";
-  ec.node_worker_options = to_settings(mw);
-  d.exec = std::make_unique<troupe::executor>(ec, model_worker_factory(mw));
+  ec.node_worker_options = to_settings(d.cfg.worker);
+  d.exec = std::make_unique<troupe::executor>(ec, model_worker_factory(d.cfg.worker));
   d.blocks = d.exec->determine_num_available_blocks();
   d.exec->initialize_cache(d.blocks);
 }
@@ -209,15 +203,13 @@ std::map<int64_t, int64_t> llm::load_adapters(const std::vector<generation_reque
 
 std::vector<generation_output> llm::generate(const std::vector<generation_request>& requests) {
   auto& d = *impl_;
-  scheduler_config sc;
-  sc.max_num_batched_tokens = d.cfg.max_num_batched_tokens;
-  sc.max_num_seqs = d.cfg.max_num_seqs;
-  sc.max_model_len = d.exec->config().max_model_len;
-  sc.max_loras = d.cfg.max_loras;
-  sc.max_prompt_adapters = d.cfg.max_prompt_adapters;
+  scheduler_limits limits;
+  limits.max_model_len = d.exec->config().max_model_len;
+  limits.max_loras = d.cfg.worker.max_loras;
+  limits.max_prompt_adapters = d.cfg.worker.max_prompt_adapters;
   auto virtual_tokens = load_adapters(requests);
-  scheduler sched{sc, d.cfg.block_size, d.blocks.num_device_blocks, d.blocks.num_swap_blocks,
-                  d.model.eos_token_ids};
+  scheduler sched{d.cfg.scheduler, limits, d.exec->config().block_size,
+                  d.blocks.num_device_blocks, d.blocks.num_swap_blocks, d.model.eos_token_ids};
   std::vector<generation_output> outputs(requests.size());
   std::map<int64_t, size_t> index;
   for (size_t i = 0; i < requests.size(); ++i) {
@@ -243,11 +235,11 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
       r.prompt_adapter_id = req.prompt_adapter->prompt_adapter_id;
     }
     r.prompt.insert(r.prompt.end(), out.prompt_token_ids.begin(), out.prompt_token_ids.end());
-    if (static_cast<int64_t>(r.prompt.size()) >= sc.max_model_len)
+    if (static_cast<int64_t>(r.prompt.size()) >= limits.max_model_len)
       throw error{errc::invalid_argument,
                   "prompt " + std::to_string(i) + " has " + std::to_string(r.prompt.size()) +
                     " tokens" + (req.prompt_adapter ? " with its virtual tokens" : "") +
-                    "; the model allows " + std::to_string(sc.max_model_len) +
+                    "; the model allows " + std::to_string(limits.max_model_len) +
                     " with the output"};
     r.request_id = "req-" + std::to_string(i);
     r.seq_id = d.next_seq++;

@@ -7,14 +7,23 @@
 
 namespace troupe {
 
-scheduler::scheduler(scheduler_config config, int32_t block_size, int64_t device_blocks,
-                     int64_t swap_blocks, std::vector<int32_t> eos_token_ids)
+void scheduler_config::validate() const {
+  if (max_num_batched_tokens < 1 || max_num_seqs < 1)
+    throw error{errc::invalid_argument,
+                "max_num_batched_tokens and max_num_seqs must be at least 1, got " +
+                  std::to_string(max_num_batched_tokens) + " and " + std::to_string(max_num_seqs)};
+}
+
+scheduler::scheduler(scheduler_config config, scheduler_limits limits, int32_t block_size,
+                     int64_t device_blocks, int64_t swap_blocks,
+                     std::vector<int32_t> eos_token_ids)
   : config_(config),
+    limits_(limits),
     blocks_(block_size, device_blocks, swap_blocks),
     eos_(std::move(eos_token_ids)) {
-  if (config_.max_num_batched_tokens <= 0 || config_.max_num_seqs <= 0
-      || config_.max_model_len <= 0)
-    throw error{errc::invalid_argument, "scheduler limits must be positive"};
+  config_.validate();
+  if (limits_.max_model_len <= 0)
+    throw error{errc::invalid_argument, "max_model_len must be positive"};
 }
 
 void scheduler::add(engine_request request) {
@@ -138,8 +147,8 @@ execute_model_request scheduler::schedule() {
         in_use.insert(r.*id);
     }
   };
-  adapter_limit limits[] = {{&engine_request::lora_int_id, config_.max_loras, {}},
-                            {&engine_request::prompt_adapter_id, config_.max_prompt_adapters, {}}};
+  adapter_limit limits[] = {{&engine_request::lora_int_id, limits_.max_loras, {}},
+                            {&engine_request::prompt_adapter_id, limits_.max_prompt_adapters, {}}};
   for (auto& ids : {std::vector<int64_t>(running_.begin(), running_.end()),
                     std::vector<int64_t>(swapped_.begin(), swapped_.end())})
     for (auto seq : ids)
@@ -150,7 +159,7 @@ execute_model_request scheduler::schedule() {
     auto seq = waiting_[i];
     auto& r = requests_.at(seq);
     auto tokens = r.length();
-    if (tokens > config_.max_model_len || tokens > config_.max_num_batched_tokens
+    if (tokens > limits_.max_model_len || tokens > config_.max_num_batched_tokens
         || blocks_.can_allocate(tokens) == block_manager::allocation::never) {
       waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
       r.finished = true;
@@ -197,7 +206,7 @@ void scheduler::update(const sampler_output& output) {
     };
     bool stop = (!sp.ignore_eos && among(eos_)) || among(sp.stop_token_ids);
     bool length = static_cast<int64_t>(r.output.size()) >= sp.max_tokens
-                  || r.length() >= config_.max_model_len;
+                  || r.length() >= limits_.max_model_len;
     if (stop || length) {
       r.finished = true;
       r.finish_reason = stop ? "stop" : "length";

@@ -1,6 +1,7 @@
 #pragma once
 
 #include "engine/block_manager.hpp"
+#include "troupe/llm.hpp"
 #include "troupe/types.hpp"
 
 #include <cstdint>
@@ -12,17 +13,11 @@
 
 namespace troupe {
 
-/// Limits of one scheduling step (vLLM's scheduler config).
-struct scheduler_config {
-  /// Tokens computed in one step, prompts and decodes together.
-  int64_t max_num_batched_tokens = 2048;
-  /// Sequences in one step.
-  int64_t max_num_seqs = 64;
+/// What the engine adds to the scheduler's configuration: the model's length, and the
+/// adapter slots of the workers.
+struct scheduler_limits {
   /// Longest prompt plus output a request may have.
   int64_t max_model_len = 2048;
-  /// How a running sequence gives way when blocks run out: by swapping its blocks out
-  /// (when swap space allows) or by dropping them and computing the prompt again.
-  bool preempt_by_swap = true;
   /// Distinct LoRA adapters among the running requests (vLLM's `max_loras`); a waiting
   /// request with another adapter waits while the limit is reached. 0: no limit.
   int64_t max_loras = 0;
@@ -62,8 +57,9 @@ class scheduler {
 public:
   /// A sampled token among `eos_token_ids` finishes its request ("stop") unless the
   /// request ignores end-of-sequence; its `stop_token_ids` always do.
-  scheduler(scheduler_config config, int32_t block_size, int64_t device_blocks,
-            int64_t swap_blocks, std::vector<int32_t> eos_token_ids);
+  /// Throws `invalid_argument` when a limit is not positive.
+  scheduler(scheduler_config config, scheduler_limits limits, int32_t block_size,
+            int64_t device_blocks, int64_t swap_blocks, std::vector<int32_t> eos_token_ids);
 
   /// Queues a request. Throws `invalid_argument` for an empty prompt.
   void add(engine_request request);
@@ -102,6 +98,7 @@ private:
                     execute_model_request& step);
 
   scheduler_config config_;
+  scheduler_limits limits_;
   block_manager blocks_;
   std::vector<int32_t> eos_;
   std::map<int64_t, engine_request> requests_;

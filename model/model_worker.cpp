@@ -71,16 +71,33 @@ struct model_worker::state {
   std::string fingerprint;
 };
 
+void model_worker_options::validate() const {
+  auto bad = [](const std::string& what) {
+    throw error{errc::invalid_argument, "model_worker: " + what};
+  };
+  if (dtype != "auto" && !parse_dtype_name(dtype))
+    bad("dtype '" + dtype + "' is not known (auto, float32, float16, bfloat16)");
+  if (load_format != "auto" && load_format != "sharded_state")
+    bad("load format '" + load_format + "' is not known (auto, sharded_state)");
+  if (max_loras < 1 || max_lora_rank < 1 || max_prompt_adapters < 1 ||
+      max_prompt_adapter_token < 0)
+    bad("max_loras, max_lora_rank and max_prompt_adapters must be at least 1, "
+        "max_prompt_adapter_token not negative");
+  if (max_num_batched_tokens < 1 || max_num_seqs < 1)
+    bad("max_num_batched_tokens and max_num_seqs must be at least 1");
+  auto fraction = [&](const char* name, double v) {
+    if (!(v > 0.0 && v <= 1.0))
+      bad(std::string{name} + " must be in (0, 1], got " + std::to_string(v));
+  };
+  fraction("gpu_memory_utilization", gpu_memory_utilization);
+  fraction("kv_cache_memory_fraction", kv_cache_memory_fraction);
+  if (kv_cache_memory_bytes < 0 || swap_space_bytes < 0)
+    bad("kv_cache_memory_bytes and swap_space_bytes must not be negative");
+}
+
 model_worker::model_worker(model_worker_options options)
   : options_(std::move(options)), state_(std::make_unique<state>(options_)) {
-  if (options_.max_loras < 1 || options_.max_lora_rank < 1 || options_.max_prompt_adapters < 1
-      || options_.max_prompt_adapter_token < 0)
-    throw error{errc::invalid_argument,
-                "model_worker: max_loras, max_lora_rank and max_prompt_adapters must be at "
-                "least 1, max_prompt_adapter_token not negative"};
-  if (!(options_.gpu_memory_utilization > 0.0 && options_.gpu_memory_utilization <= 1.0))
-    throw error{errc::invalid_argument, "model_worker: gpu_memory_utilization must be in (0, 1], "
-                                        "got " + std::to_string(options_.gpu_memory_utilization)};
+  options_.validate();
   register_method("reload_weights", [](worker& w, const caf::message&, const caf::settings&) {
     static_cast<model_worker&>(w).reload_weights();
     return caf::message{};
@@ -101,20 +118,11 @@ void model_worker::load_model() {
     auto chosen = kind.auto_weight_type(st.config.torch_dtype);
     stored_types = !chosen;
     weight_type = chosen.value_or(dtype::f32);
-  } else if (auto named = parse_dtype_name(options_.dtype)) {
-    weight_type = *named;
   } else {
-    throw error{errc::invalid_argument, "dtype '" + options_.dtype +
-                                          "' is not known (auto, float32, float16, bfloat16)"};
+    weight_type = *parse_dtype_name(options_.dtype); // validate() checked the name
   }
   kind.share(context().world_size);
-  bool presharded = false;
-  if (options_.load_format == "sharded_state") {
-    presharded = true;
-  } else if (options_.load_format != "auto") {
-    throw error{errc::invalid_argument, "load format '" + options_.load_format +
-                                          "' is not known (auto, sharded_state)"};
-  }
+  bool presharded = options_.load_format == "sharded_state";
   st.presharded = presharded;
   st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size,
                                            weight_type, stored_types);

@@ -74,11 +74,11 @@ std::vector<float> prefill_logits(llama_model& model, kv_cache& cache,
 
 std::unique_ptr<llm> make_llm(int32_t tp, int32_t max_loras) {
   llm_config cfg;
-  cfg.model = base_model;
-  cfg.tensor_parallel_size = tp;
-  cfg.kv_cache_memory_bytes = 2 << 20;
-  cfg.block_size = 4;
-  cfg.max_loras = max_loras;
+  cfg.worker.model_path = base_model;
+  cfg.executor.tensor_parallel_size = tp;
+  cfg.worker.kv_cache_memory_bytes = 2 << 20;
+  cfg.executor.block_size = 4;
+  cfg.worker.max_loras = max_loras;
   return std::make_unique<llm>(cfg);
 }
 

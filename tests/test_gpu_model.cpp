@@ -283,11 +283,11 @@ std::vector<std::vector<int32_t>> generated(const std::string& name, const std::
                                             bool eager,
                                             const std::vector<generation_request>& requests) {
   llm_config cfg;
-  cfg.model = fixtures + "/" + name;
-  cfg.device = device;
-  cfg.dtype = "float32";
-  cfg.enforce_eager = eager;
-  cfg.kv_cache_memory_bytes = 16 << 20;
+  cfg.worker.model_path = fixtures + "/" + name;
+  cfg.executor.device_kind = device;
+  cfg.worker.dtype = "float32";
+  cfg.worker.enforce_eager = eager;
+  cfg.worker.kv_cache_memory_bytes = 16 << 20;
   llm model{cfg};
   std::vector<std::vector<int32_t>> out;
   for (auto& o : model.generate(requests))

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include <unistd.h>
 
@@ -25,9 +26,9 @@ const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
 
 TEST_CASE("a batch of token-id prompts gives transformers' greedy tokens") {
   llm_config cfg;
-  cfg.model = fixtures + "/qwen2-bias";
-  cfg.kv_cache_memory_bytes = 2 << 20;
-  cfg.block_size = 4;
+  cfg.worker.model_path = fixtures + "/qwen2-bias";
+  cfg.worker.kv_cache_memory_bytes = 2 << 20;
+  cfg.executor.block_size = 4;
   llm model{cfg};
   CHECK(!model.has_tokenizer());
   auto ref = read_json(fixtures + "/qwen2-bias/reference.json");
@@ -49,6 +50,29 @@ TEST_CASE("a batch of token-id prompts gives transformers' greedy tokens") {
   CHECK_THROWS_AS(model.chat_prompt("hi"), error);
 }
 
+TEST_CASE("a configuration out of range is refused naming the field, before anything loads") {
+  auto refused = [](const std::function<void(llm_config&)>& change, const char* what) {
+    llm_config cfg;
+    cfg.worker.model_path = "/nonexistent/model"; // never reached
+    change(cfg);
+    CHECK_THROWS_WITH_AS(llm{cfg}, doctest::Contains(what), error);
+  };
+  refused([](llm_config& c) { c.scheduler.max_num_seqs = 0; },
+          "max_num_batched_tokens and max_num_seqs must be at least 1");
+  refused([](llm_config& c) { c.worker.dtype = "float8"; }, "dtype 'float8' is not known");
+  refused([](llm_config& c) { c.worker.kv_cache_memory_fraction = 1.5; },
+          "kv_cache_memory_fraction must be in (0, 1]");
+  refused([](llm_config& c) { c.executor.tensor_parallel_size = 0; },
+          "tensor_parallel_size must be at least 1");
+  refused([](llm_config& c) { c.executor.device_kind = "tpu"; }, "device kind 'tpu'");
+  refused([](llm_config& c) { c.executor.nodes.push_back({"127.0.0.1", 1, 1}); },
+          "worker nodes need node_secret or TLS");
+  llm_config fine;
+  fine.worker.model_path = "x";
+  CHECK_NOTHROW(fine.validate());
+  CHECK(fine.executor.max_model_len == 0); // the model's own, filled in by the engine
+}
+
 TEST_CASE("every end token of config.json and generation_config.json ends a sequence") {
   // llama-gqa as Llama 3 Instruct ships its ends: a list in config.json, and more in
   // generation_config.json (the end of a turn).
@@ -64,9 +88,9 @@ TEST_CASE("every end token of config.json and generation_config.json ends a sequ
   std::ofstream{dir / "config.json"} << config.dump();
   std::ofstream{dir / "generation_config.json"} << nlohmann::json{{"eos_token_id", {run[2], 2}}}.dump();
   llm_config cfg;
-  cfg.model = dir.string();
-  cfg.kv_cache_memory_bytes = 2 << 20;
-  cfg.block_size = 4;
+  cfg.worker.model_path = dir.string();
+  cfg.worker.kv_cache_memory_bytes = 2 << 20;
+  cfg.executor.block_size = 4;
   llm model{cfg};
   auto sp = greedy(32);
   sp.ignore_eos = false;
@@ -85,9 +109,9 @@ TEST_CASE("SmolLM2: chat prompts and generation as transformers does them") {
   if (path.empty())
     return;
   llm_config cfg;
-  cfg.model = path.string();
-  cfg.kv_cache_memory_bytes = 32 << 20;
-  cfg.max_model_len = 512;
+  cfg.worker.model_path = path.string();
+  cfg.worker.kv_cache_memory_bytes = 32 << 20;
+  cfg.executor.max_model_len = 512;
   llm model{cfg};
   auto ref = read_json(fixtures + "/smollm2-reference.json")["runs"];
   CHECK(model.chat_prompt("What is the capital of France?") == ref[0]["text"].get<std::string>());

@@ -44,7 +44,7 @@ std::vector<engine_request> requests(int n) {
 
 outcome run(executor& exec, const std::vector<engine_request>& reqs, int64_t device_blocks,
             int64_t swap_blocks, scheduler_config cfg) {
-  scheduler sched{cfg, block_size, device_blocks, swap_blocks, {2}};
+  scheduler sched{cfg, {}, block_size, device_blocks, swap_blocks, {2}};
   for (auto& r : reqs)
     sched.add(r);
   int steps = 0;
@@ -133,15 +133,15 @@ TEST_CASE("stop tokens, end of sequence and impossible prompts finish requests")
   huge.prompt.assign(500, 7); // more blocks than the cache has
   auto aborted = run(*exec, {huge}, 32, 0, {});
   CHECK(aborted.reasons["req-1"] == "abort");
-  scheduler sched{{}, block_size, 32, 0, {2}};
+  scheduler sched{{}, {}, block_size, 32, 0, {2}};
   engine_request empty;
   CHECK_THROWS_AS(sched.add(empty), error);
 }
 
 TEST_CASE("a step holds at most max_loras distinct adapters and passed-over requests keep their turn") {
-  scheduler_config cfg;
-  cfg.max_loras = 2;
-  scheduler sched{cfg, block_size, 64, 0, {2}};
+  scheduler_limits limits;
+  limits.max_loras = 2;
+  scheduler sched{{}, limits, block_size, 64, 0, {2}};
   auto reqs = requests(5);
   int64_t adapter_of[] = {1, 2, 3, 0, 1}; // request 2 must wait for a slot; 3 and 4 need none
   for (size_t i = 0; i < reqs.size(); ++i) {

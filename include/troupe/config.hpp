@@ -86,6 +86,11 @@ struct executor_config {
   size_t scheduler_poll_attempts = 0;
   /// Lets the host add settings or message types to the executor's actor system.
   std::function<void(caf::actor_system_config&)> configure_system;
+
+  /// Throws `troupe::error` (`invalid_argument`) naming the first field that is out of
+  /// range: sizes and timeouts that are not positive, a node without workers, more remote
+  /// workers than ranks, nodes without a secret or TLS, half a TLS set-up.
+  void validate() const;
 };
 
 } // namespace troupe

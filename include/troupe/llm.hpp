@@ -5,6 +5,7 @@
 /// executor of model workers with a continuous-batching scheduler.
 
 #include "troupe/executor.hpp"
+#include "troupe/model_worker.hpp"
 #include "troupe/types.hpp"
 
 #include <chrono>
@@ -18,50 +19,45 @@
 
 namespace troupe {
 
-/// How to run the model.
-struct llm_config {
-  /// Hugging Face model directory or GGUF file.
-  std::string model;
-  int32_t tensor_parallel_size = 1;
-  /// The device of each local worker: `"cpu"` or `"cuda"` (worker i on GPU i).
-  std::string device = "cpu";
-  /// The weights' element type (`model_worker_options::dtype`).
-  std::string dtype = "auto";
-  /// No CUDA graphs (`model_worker_options::enforce_eager`).
-  bool enforce_eager = false;
-  /// Bytes for the KV cache per worker; 0 sizes it from the device's memory:
-  /// `kv_cache_memory_fraction` of the free memory on the CPU, `gpu_memory_utilization` of
-  /// a GPU (see `model_worker_options`).
-  int64_t kv_cache_memory_bytes = 0;
-  double kv_cache_memory_fraction = 0.5;
-  double gpu_memory_utilization = 0.9;
-  /// Host bytes per worker for swapped-out blocks.
-  int64_t swap_space_bytes = 256 << 20;
-  int32_t block_size = 16;
-  /// 0 takes the model's longest sequence (max_position_embeddings, stretched by its rope
-  /// scaling as vLLM does).
-  int32_t max_model_len = 0;
-  int64_t max_num_batched_tokens = 2048;
+/// How the engine batches requests into steps (the part of vLLM's `SchedulerConfig` that
+/// `troupe::llm` reads).
+struct scheduler_config {
+  /// Tokens computed in one step, prompts and decodes together.
+  int32_t max_num_batched_tokens = 2048;
+  /// Sequences in one step.
   int32_t max_num_seqs = 64;
-  /// LoRA adapters loaded at once, and so used in one step (vLLM's `max_loras`).
-  int32_t max_loras = 1;
-  /// The highest LoRA rank accepted.
-  int32_t max_lora_rank = 16;
-  /// Prompt adapters loaded at once.
-  int32_t max_prompt_adapters = 1;
-  /// The most virtual tokens of a prompt adapter; 0 for no limit.
-  int32_t max_prompt_adapter_token = 0;
-  /// Worker nodes (`troupe node`) hosting the last ranks, the secret they expect, and how
-  /// long a silent one may stay. The model path must name the model on the nodes too.
-  std::vector<node_address> nodes;
-  std::string node_secret;
-  std::chrono::milliseconds node_timeout{3000};
-  /// Mutual TLS with the nodes (see `executor_config`).
-  std::string tls_certificate;
-  std::string tls_key;
-  std::string tls_ca;
-  /// Weight loading progress (tensors done, in all).
-  std::function<void(size_t, size_t)> progress;
+  /// How a running sequence gives way when blocks run out: by swapping its blocks out
+  /// (when swap space allows) or by dropping them and computing the prompt again.
+  bool preempt_by_swap = true;
+
+  /// Throws `troupe::error` (`invalid_argument`) naming a limit below 1.
+  void validate() const;
+};
+
+/// How to run the model: the workers' model options, the executor's, the scheduler's.
+/// Each part keeps its own meaning (see its type); the engine fills in what they share:
+/// the workers profile the largest step the scheduler sends
+/// (`worker.max_num_batched_tokens` and `max_num_seqs` come from `scheduler`), and the
+/// nodes are asked for model workers with `worker`'s options.
+struct llm_config {
+  /// The model (`worker.model_path`: a Hugging Face directory or a GGUF file) and how each
+  /// worker holds it: dtype, KV-cache and swap sizes, adapter slots, load progress.
+  model_worker_options worker;
+  /// How many workers and where: `tensor_parallel_size`, `device_kind`, `nodes` and their
+  /// secret or TLS, `block_size`, timeouts. `max_model_len` 0 (the engine's default) takes
+  /// the model's longest sequence (max_position_embeddings stretched by its rope scaling,
+  /// as vLLM does); a larger value is cut to it.
+  executor_config executor;
+  scheduler_config scheduler;
+
+  /// The engine's defaults where they differ from the parts': the model's own length, ten
+  /// minutes for a call (a step of a long prompt on a CPU may take minutes), and 256 MiB
+  /// of swap space per worker.
+  llm_config();
+
+  /// Every part's `validate()`: throws `troupe::error` (`invalid_argument`) naming the
+  /// first field out of range.
+  void validate() const;
 };
 
 /// One prompt: text (tokenized with the model's tokenizer) or token ids, and how to sample.

@@ -62,6 +62,11 @@ struct model_worker_options {
   int32_t max_prompt_adapter_token = 0;
   /// Weight loading progress of rank 0: tensors done and in all.
   std::function<void(size_t done, size_t total)> progress;
+
+  /// Throws `troupe::error` (`invalid_argument`) naming the first field out of range: an
+  /// unknown dtype or load format, a memory fraction outside (0, 1], a negative size, a
+  /// limit below 1.
+  void validate() const;
 };
 
 /// Runs the model of `options.model_path`, this rank's shard of it, on the worker's device
