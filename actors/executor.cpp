@@ -55,15 +55,16 @@ struct reply {
   }
 };
 
+/// Calls with nothing to return are answered `ok_atom`.
 template <>
 struct reply<void> {
   template <class Out>
   static auto handler(Out& out) {
-    return [&out] { out = true; };
+    return [&out](caf::ok_atom) { out = true; };
   }
   template <class P, class F>
   static auto async_handler(P p, F after) {
-    return [p, after] {
+    return [p, after](caf::ok_atom) {
       p->set_value();
       after();
     };
@@ -90,10 +91,10 @@ struct executor::impl {
   // On the heap: a system abandoned by shutdown keeps using its config.
   std::unique_ptr<caf::actor_system_config> sys_cfg = std::make_unique<caf::actor_system_config>();
   std::unique_ptr<caf::actor_system> sys;
-  caf::actor supervisor;
+  supervisor_actor supervisor;
   /// Watched by the nodes that leased workers to this executor.
   caf::actor lease_holder;
-  std::vector<caf::actor> local_workers;
+  std::vector<worker_actor> local_workers;
   std::vector<worker_info> infos;
   /// Shared with the helpers of async calls, which may outlive the facade.
   std::shared_ptr<std::atomic<bool>> shut = std::make_shared<std::atomic<bool>>(false);
@@ -238,7 +239,7 @@ struct executor::impl {
         me->quit();
       });
       auto end = [=] {
-        self->demonitor(target);
+        self->demonitor(target.address());
         self->quit();
       };
       self->request(target, caf::infinite, xs...)
@@ -422,7 +423,7 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
   // The constructing thread, too, keeps a reference to the system's logger (see
   // logger_release).
   caf::logger::set_current_actor_system(nullptr);
-  std::vector<caf::actor> workers;
+  std::vector<worker_actor> workers;
   std::vector<worker_place> places;
   for (int32_t i = 0; i < local_count; ++i) {
     workers.push_back(spawn_worker(*d.sys, factory));
@@ -438,7 +439,7 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     try {
       for (auto& n : d.cfg.nodes)
         for (auto& w : d.lease(n, deadline)) {
-          workers.push_back(std::move(w));
+          workers.push_back(caf::actor_cast<worker_actor>(std::move(w)));
           places.push_back({"node", n.host, n.port});
         }
     } catch (...) {
@@ -449,7 +450,8 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     }
   }
   for (auto& rw : d.cfg.remote_workers) {
-    auto handle = d.sys->middleman().remote_actor(rw.host, rw.port);
+    // Checks the published actor's interface on connect.
+    auto handle = d.sys->middleman().remote_actor<worker_actor>(rw.host, rw.port);
     caf::logger::set_current_actor_system(nullptr); // see logger_release
     if (!handle) {
       auto what = "cannot reach remote worker " + rw.host + ":" + std::to_string(rw.port) + ": " +

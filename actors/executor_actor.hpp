@@ -1,5 +1,6 @@
 #pragma once
 
+#include "messages/protocols.hpp"
 #include "troupe/config.hpp"
 
 #include <caf/actor.hpp>
@@ -18,12 +19,12 @@ struct worker_place {
   uint16_t port = 0;
 };
 
-/// Spawns the supervisor: it monitors `workers` (rank order, local or remote; `places` says
-/// where each runs), scatters
-/// and gathers every collective call, runs the distributed execution loop and keeps the
-/// sleep/wake state machine. Its message interface is private to the facade
-/// (`actors/executor.cpp`); the handlers are documented there.
-caf::actor spawn_supervisor(caf::actor_system& sys, const executor_config& cfg,
-                            std::vector<caf::actor> workers, std::vector<worker_place> places);
+/// Spawns the supervisor (interface `supervisor_actor`, messages/protocols.hpp): it
+/// monitors `workers` (rank order, local or remote; `places` says where each runs),
+/// scatters and gathers every collective call, runs the distributed execution loop and
+/// keeps the sleep/wake state machine.
+supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config& cfg,
+                                  std::vector<worker_actor> workers,
+                                  std::vector<worker_place> places);
 
 } // namespace troupe

@@ -209,11 +209,11 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
         return refused(self, "a lease without a holder");
       auto make = factory->second;
       for (int32_t i = 0; i < count; ++i)
-        st.lease->add(spawn_leased_worker(
+        st.lease->add(caf::actor_cast<caf::actor>(spawn_leased_worker(
           self->home_system(), [make, options](int32_t rank) { return make(rank, options); },
           sender->node(),
           {st.cfg.device_kind, st.cfg.device_indices[static_cast<size_t>(i)],
-           st.cfg.collective_host}));
+           st.cfg.collective_host})));
       st.lease->holder = holder;
       self->monitor(holder);
       st.log->info("leased {} '{}' worker(s) to {}", count, kind, to_string(sender->node()));

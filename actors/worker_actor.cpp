@@ -1,7 +1,7 @@
 #include "actors/worker_actor.hpp"
 
 #include "actors/log.hpp"
-#include "messages/messages.hpp"
+#include "messages/protocols.hpp"
 #include "troupe/errors.hpp"
 
 #include <caf/all.hpp>
@@ -12,15 +12,13 @@ namespace troupe {
 
 namespace {
 
-constexpr const char* loop_method = "start_worker_execution_loop";
-
 struct worker_actor_state {
   worker_factory factory;
   std::unique_ptr<worker> obj;
-  std::vector<caf::actor> peers;
+  std::vector<worker_actor> peers;
   int32_t rank = -1;
   /// The parallel worker task of vLLM: answered when the execution loop stops.
-  caf::response_promise loop_task;
+  caf::typed_response_promise<caf::ok_atom, caf::message> loop_task;
   /// Id of the running loop; 0 when none runs.
   int64_t loop_id = 0;
   /// The highest loop id this worker has heard of (started or stopped).
@@ -39,7 +37,7 @@ struct worker_actor_state {
   static inline const char* name = "troupe.worker";
 };
 
-using worker_self = caf::stateful_actor<worker_actor_state>;
+using worker_self = worker_actor::stateful_pointer<worker_actor_state>;
 
 caf::error not_initialised() {
   return caf::make_error(errc::unsupported, std::string{"worker actor is not initialised"});
@@ -47,7 +45,7 @@ caf::error not_initialised() {
 
 /// Runs `f` on the worker object and wraps its result or exception into the reply.
 template <class F>
-caf::result<caf::ok_atom, caf::message> guarded(worker_self* self, const std::string& method,
+caf::result<caf::ok_atom, caf::message> guarded(worker_self self, const std::string& method,
                                                 F&& f) {
   auto& st = self->state;
   if (!st.obj)
@@ -62,7 +60,7 @@ caf::result<caf::ok_atom, caf::message> guarded(worker_self* self, const std::st
 }
 
 /// Whether the current message comes from a node this worker does not serve; logs it.
-bool refused(worker_self* self) {
+bool refused(worker_self self) {
   auto& st = self->state;
   if (st.allowed.empty())
     return false;
@@ -79,7 +77,7 @@ caf::error refusal() {
                          std::string{"this worker serves only the executor that leased it"});
 }
 
-void end_loop(worker_self* self, caf::error err) {
+void end_loop(worker_self self, caf::error err) {
   auto& st = self->state;
   if (st.loop_id == 0)
     return;
@@ -89,12 +87,12 @@ void end_loop(worker_self* self, caf::error err) {
   else
     st.loop_task.deliver(caf::ok_atom::value, caf::make_message(st.loop_steps));
   // A delivered promise still holds the requester; let it go.
-  st.loop_task = caf::response_promise{};
+  st.loop_task = {};
 }
 
-caf::behavior worker_actor(worker_self* self, worker_factory factory,
-                           std::optional<caf::node_id> owner,
-                           std::optional<node_placement> placement) {
+worker_actor::behavior_type worker_behavior(worker_self self, worker_factory factory,
+                                            std::optional<caf::node_id> owner,
+                                            std::optional<node_placement> placement) {
   self->state.factory = std::move(factory);
   self->state.placement = std::move(placement);
   if (owner) {
@@ -123,7 +121,8 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory,
         return caf::make_error(errc::invalid_argument,
                                "rank " + std::to_string(st.rank) + ": worker already initialised");
       st.rank = ctx.rank;
-      st.peers = std::move(peers);
+      for (auto& peer : peers)
+        st.peers.push_back(caf::actor_cast<worker_actor>(peer));
       if (st.placement) {
         ctx.device_kind = st.placement->device_kind;
         ctx.device_index = st.placement->device_index;
@@ -146,18 +145,20 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory,
     },
     [=](call_atom, const std::string& method, const caf::message& args,
         const caf::settings& kwargs) -> caf::result<caf::ok_atom, caf::message> {
+      if (refused(self))
+        return refusal();
+      return guarded(self, method, [&](worker& w) { return w.call(method, args, kwargs); });
+    },
+    [=](loop_atom, int64_t id) -> caf::result<caf::ok_atom, caf::message> {
       auto& st = self->state;
       if (refused(self))
         return refusal();
-      if (method != loop_method)
-        return guarded(self, method,
-                       [&](worker& w) { return w.call(method, args, kwargs); });
       if (!st.obj)
         return not_initialised();
-      if (!args.match_elements<int64_t>() || args.get_as<int64_t>(0) <= 0)
+      if (id <= 0)
         return caf::make_error(errc::bad_arguments,
-                               std::string{"start_worker_execution_loop needs a loop id > 0"});
-      auto id = args.get_as<int64_t>(0);
+                               std::string{"an execution loop needs an id > 0, got "} +
+                                 std::to_string(id));
       st.newest_loop = std::max(st.newest_loop, id);
       if (st.early_stops.erase(id) > 0)
         return {caf::ok_atom::value, caf::make_message(int64_t{0})};
@@ -168,7 +169,7 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory,
                                          std::to_string(id)));
       st.loop_id = id;
       st.loop_steps = 0;
-      st.loop_task = self->make_response_promise();
+      st.loop_task = self->make_response_promise<caf::ok_atom, caf::message>();
       return st.loop_task;
     },
     [=](call_atom, const local_call& call) -> caf::result<caf::ok_atom, caf::message> {
@@ -235,14 +236,14 @@ caf::behavior worker_actor(worker_self* self, worker_factory factory,
 
 } // namespace
 
-caf::actor spawn_worker(caf::actor_system& sys, worker_factory factory) {
-  return sys.spawn<caf::detached>(worker_actor, std::move(factory),
+worker_actor spawn_worker(caf::actor_system& sys, worker_factory factory) {
+  return sys.spawn<caf::detached>(worker_behavior, std::move(factory),
                                   std::optional<caf::node_id>{}, std::optional<node_placement>{});
 }
 
-caf::actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory,
-                               caf::node_id owner, node_placement placement) {
-  return sys.spawn<caf::detached>(worker_actor, std::move(factory),
+worker_actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory,
+                                 caf::node_id owner, node_placement placement) {
+  return sys.spawn<caf::detached>(worker_behavior, std::move(factory),
                                   std::optional<caf::node_id>{std::move(owner)},
                                   std::optional<node_placement>{std::move(placement)});
 }

@@ -105,6 +105,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, lease_atom, "t_lease")
   CAF_ADD_ATOM(troupe, troupe, save_state_atom, "t_savestat")
   CAF_ADD_ATOM(troupe, troupe, deadline_atom, "t_deadline")
+  CAF_ADD_ATOM(troupe, troupe, loop_atom, "t_loop")
 
 CAF_END_TYPE_ID_BLOCK(troupe)
 

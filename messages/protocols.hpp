@@ -1,0 +1,70 @@
+#pragma once
+
+/// @file
+/// The actors' interfaces as typed handles: a message the receiver does not handle is a
+/// compile error at the sender.
+
+#include "messages/messages.hpp"
+
+#include <caf/replies_to.hpp>
+#include <caf/typed_actor.hpp>
+
+#include <string>
+#include <vector>
+
+namespace troupe {
+
+/// A worker actor (`actors/worker_actor`): hosts one worker object on its own thread.
+/// Every request is answered `(ok_atom, result)` or with an error naming the rank.
+using worker_actor = caf::typed_actor<
+  /// Creates the worker object, binds the device, loads the model; replies `worker_info`.
+  /// The driver (rank 0) gets the other ranks as peers, for the execution loop.
+  caf::replies_to<init_atom, worker_context, std::vector<caf::actor>>::with<caf::ok_atom,
+                                                                            caf::message>,
+  /// A registered method with its arguments.
+  caf::replies_to<call_atom, std::string, caf::message, caf::settings>::with<caf::ok_atom,
+                                                                             caf::message>,
+  /// An in-process callable (never serialised).
+  caf::replies_to<call_atom, local_call>::with<caf::ok_atom, caf::message>,
+  /// Joins execution loop `id` (a peer): answered when the loop stops, with its steps.
+  caf::replies_to<loop_atom, int64_t>::with<caf::ok_atom, caf::message>,
+  /// A driver step: handed on to the peers, then computed; replies the sampler outputs.
+  caf::replies_to<execute_atom, execute_model_request>::with<caf::ok_atom, caf::message>,
+  /// The driver tells every peer to leave loop `id`.
+  caf::replies_to<execute_atom, stop_loop_atom, int64_t>::with<caf::ok_atom, caf::message>,
+  /// From the driver to a peer in the loop: a step, or the end of loop `id`.
+  caf::reacts_to<step_atom, execute_model_request>,
+  caf::reacts_to<step_atom, stop_loop_atom, int64_t>>;
+
+/// The supervisor of an executor (`actors/executor_actor`), as the facade
+/// (`actors/executor.cpp`) talks to it.
+using supervisor_actor = caf::typed_actor<
+  /// Starts every worker; their infos in rank order.
+  caf::replies_to<init_atom>::with<std::vector<worker_info>>,
+  /// collective_rpc with a method name, or with an in-process callable: every reply in
+  /// rank order.
+  caf::replies_to<rpc_atom, std::string, caf::message, caf::settings,
+                  rpc_options>::with<std::vector<caf::message>>,
+  caf::replies_to<rpc_atom, local_call, rpc_options>::with<std::vector<caf::message>>,
+  /// determine_num_available_blocks: the least of every worker's.
+  caf::replies_to<blocks_atom>::with<cache_blocks>,
+  caf::replies_to<init_cache_atom, cache_blocks>::with<caf::ok_atom>,
+  /// save_sharded_state, all ranks or none.
+  caf::replies_to<save_state_atom, sharded_state_request>::with<caf::ok_atom>,
+  /// add/remove/pin of an adapter (method, its argument): whether every worker said yes.
+  caf::replies_to<all_true_atom, std::string, caf::message>::with<bool>,
+  /// list_loras / list_prompt_adapters (method): the set every worker holds.
+  caf::replies_to<same_set_atom, std::string>::with<std::vector<int64_t>>,
+  caf::replies_to<execute_atom, execute_model_request>::with<std::vector<sampler_output>>,
+  /// stop_remote_worker_execution_loop.
+  caf::replies_to<stop_loop_atom>::with<caf::ok_atom>,
+  caf::replies_to<sleep_atom, sleep_request>::with<caf::ok_atom>,
+  /// wake_up of tags by name (all sleeping ones when empty).
+  caf::replies_to<wake_atom, std::vector<std::string>>::with<caf::ok_atom>,
+  /// The sleeping tags by name; empty when awake.
+  caf::replies_to<sleep_state_atom>::with<std::vector<std::string>>,
+  caf::replies_to<health_atom>::with<std::vector<worker_health>>,
+  /// The supervisor's own deadline timer (see `executor_actor.cpp`).
+  caf::reacts_to<deadline_atom, int64_t>>;
+
+} // namespace troupe
