@@ -620,29 +620,19 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   forward(batch, cache);
 }
 
-void llama_model::forward(const step_batch& batch, kv_cache& cache) {
-  const auto H = cfg_.hidden_size;
-  const auto D = cfg_.head_dim;
-  const auto V = cfg_.vocab_size;
+llama_model::step_buffers llama_model::upload_step(const step_batch& batch,
+                                                   const kv_cache& cache) {
+  const auto half = cfg_.head_dim / 2;
   const auto bs = cache.block_size();
-  const auto q_width = local_heads_ * D;
-  const auto kv_width = local_kv_ * D;
-  const auto half = D / 2;
   auto& tokens = batch.tokens;
   auto& tables = batch.tables;
-  auto& adapters = batch.adapters;
   const auto T = static_cast<int64_t>(tokens.size());
   const auto S = static_cast<int64_t>(batch.sample_tokens.size());
-  logits_ = nullptr;
-  logit_rows_ = 0;
-  if (T == 0)
-    return;
-
+  const auto seqs = static_cast<int64_t>(tables.size());
+  const auto max_blocks = batch.max_blocks();
   // The step's metadata, made on the host and copied to the device in two copies: token
   // ids, positions, cache slots, each token's sequence, the sequences' block tables and the
   // sampled rows (int32), and the rotary tables (float).
-  const auto seqs = static_cast<int64_t>(tables.size());
-  const auto max_blocks = batch.max_blocks();
   auto parts = layout_of(T, S, seqs, max_blocks, batch.max_lora_rank);
   std::vector<int32_t> ints(static_cast<size_t>(parts.int_count));
   for (int64_t s = 0; s < seqs; ++s)
@@ -653,8 +643,8 @@ void llama_model::forward(const step_batch& batch, kv_cache& cache) {
     auto& tok = tokens[t];
     ints[parts.ids + t] = tok.id;
     ints[parts.positions + t] = tok.position;
-    ints[parts.slots + t] = tables[tok.seq][tok.position / bs] * static_cast<int32_t>(bs)
-                            + tok.position % static_cast<int32_t>(bs);
+    ints[parts.slots + t] = tables[tok.seq][tok.position / bs] * static_cast<int32_t>(bs) +
+                            tok.position % static_cast<int32_t>(bs);
     ints[parts.token_seq + t] = tok.seq;
     rope_tables(tok.position, step_frequencies(step_length[static_cast<size_t>(tok.seq)]),
                 &rope[t * half], &rope[(T + t) * half]);
@@ -662,144 +652,183 @@ void llama_model::forward(const step_batch& batch, kv_cache& cache) {
   std::copy(batch.sample_tokens.begin(), batch.sample_tokens.end(), &ints[parts.samples]);
 
   auto base = static_cast<float*>(workspace(static_cast<size_t>(parts.total) * sizeof(float)));
-  auto at = [&](int64_t offset) { return base + offset; };
-  auto int_at = [&](int64_t offset) { return reinterpret_cast<int32_t*>(at(offset)); };
-  dev_.copy(at(parts.ints), ints.data(), ints.size() * sizeof(int32_t));
-  dev_.copy(at(parts.rope), rope.data(), rope.size() * sizeof(float));
-  auto d_ints = int_at(parts.ints);
-  const float* d_cos = at(parts.rope);
-  const float* d_sin = d_cos + T * half;
-  auto x = at(parts.x);
-  auto h = at(parts.h);
-  auto q = at(parts.q);
-  auto k = at(parts.k);
-  auto v = at(parts.v);
-  auto attn = at(parts.attn);
-  auto gate = at(parts.gate);
-  auto up = at(parts.up);
-  auto mid = at(parts.mid);
-  auto& be = *backend_;
+  dev_.copy(base + parts.ints, ints.data(), ints.size() * sizeof(int32_t));
+  dev_.copy(base + parts.rope, rope.data(), rope.size() * sizeof(float));
+  step_buffers b;
+  b.tokens = T;
+  b.samples = S;
+  b.ints = reinterpret_cast<int32_t*>(base + parts.ints);
+  b.cos = base + parts.rope;
+  b.sin = b.cos + T * half;
+  for (auto [buffer, offset] :
+       {std::pair{&b.x, parts.x}, {&b.h, parts.h}, {&b.q, parts.q}, {&b.k, parts.k},
+        {&b.v, parts.v}, {&b.attn, parts.attn}, {&b.gate, parts.gate}, {&b.up, parts.up},
+        {&b.mid, parts.mid}, {&b.last, parts.last}, {&b.logits, parts.logits}})
+    *buffer = base + offset;
+  b.layout.block_tables = b.ints + parts.tables;
+  b.layout.max_blocks = max_blocks;
+  b.layout.token_seq = b.ints + parts.token_seq;
+  b.layout.positions = b.ints + parts.positions;
+  b.layout.block_size = bs;
+  b.layout.heads = local_heads_;
+  b.layout.kv_heads = local_kv_;
+  b.layout.head_dim = cfg_.head_dim;
+  b.layout.head_begin = head_begin_;
+  b.layout.group_size = cfg_.num_attention_heads / cfg_.num_key_value_heads;
+  b.layout.kv_offset = kv_offset_;
+  b.slots = b.ints + parts.slots;
+  b.sample_rows = b.ints + parts.samples;
+  sampling_ = reinterpret_cast<row_sampling*>(base + parts.sampling);
+  sampled_ids_ = reinterpret_cast<int32_t*>(base + parts.sampled_ids);
+  sampled_logprobs_ = base + parts.sampled_logprobs;
+  return b;
+}
 
-  auto last = at(parts.last);
-  auto logits = at(parts.logits);
+void llama_model::reduce(float* data, int64_t count) {
+  if (all_reduce_ && world_ > 1)
+    all_reduce_(data, static_cast<size_t>(count));
+}
+
+void llama_model::apply_lora(const step_batch& batch, const step_buffers& b, size_t layer,
+                             projection proj, const float* in, int64_t in_width, float* out,
+                             int64_t out_width) {
   // y[T×out] += B·(A·x[T×in]) for the tokens of each run whose adapter adapts `proj`.
-  auto apply_lora = [&](size_t layer, projection proj, const float* in, int64_t in_width,
-                        float* out, int64_t out_width) {
-    for (auto& run : batch.lora_runs) {
-      auto& f = run.weights->layers[layer][static_cast<size_t>(proj)];
-      if (f.rank == 0)
-        continue;
-      be.gemm_nt(in + run.begin * in_width, f.a, dtype::f32, mid, run.count, f.rank, in_width);
-      be.gemm_nt(mid, f.b, dtype::f32, out + run.begin * out_width, run.count, out_width, f.rank,
-                 true);
-    }
-  };
-  auto reduce = [&](float* buf, int64_t count) {
-    if (all_reduce_ && world_ > 1)
-      all_reduce_(buf, static_cast<size_t>(count));
-  };
-  paged_layout layout;
-  layout.block_tables = d_ints + parts.tables;
-  layout.max_blocks = max_blocks;
-  layout.token_seq = d_ints + parts.token_seq;
-  layout.positions = d_ints + parts.positions;
-  layout.block_size = bs;
-  layout.heads = local_heads_;
-  layout.kv_heads = local_kv_;
-  layout.head_dim = D;
-  layout.head_begin = head_begin_;
-  layout.group_size = cfg_.num_attention_heads / cfg_.num_key_value_heads;
-  layout.kv_offset = kv_offset_;
-  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  for (auto& run : batch.lora_runs) {
+    auto& f = run.weights->layers[layer][static_cast<size_t>(proj)];
+    if (f.rank == 0)
+      continue;
+    backend_->gemm_nt(in + run.begin * in_width, f.a, dtype::f32, b.mid, run.count, f.rank,
+                      in_width);
+    backend_->gemm_nt(b.mid, f.b, dtype::f32, out + run.begin * out_width, run.count, out_width,
+                      f.rank, true);
+  }
+}
+
+void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b,
+                            kv_cache& cache) {
+  auto& be = *backend_;
+  auto& l = layers_[li];
+  const auto layer = static_cast<int64_t>(li);
+  const auto T = b.tokens;
+  const auto H = cfg_.hidden_size;
+  const auto q_width = local_heads_ * cfg_.head_dim;
+  const auto kv_width = local_kv_ * cfg_.head_dim;
+  if (l.q.type == l.k.type && l.k.type == l.v.type) {
+    be.gemm_nt_shared(b.h, l.q.type, T, H,
+                      {{l.q.data(), b.q, q_width}, {l.k.data(), b.k, kv_width},
+                       {l.v.data(), b.v, kv_width}});
+  } else {
+    be.gemm_nt(b.h, l.q.data(), l.q.type, b.q, T, q_width, H);
+    be.gemm_nt(b.h, l.k.data(), l.k.type, b.k, T, kv_width, H);
+    be.gemm_nt(b.h, l.v.data(), l.v.type, b.v, T, kv_width, H);
+  }
+  apply_lora(batch, b, li, projection::q, b.h, H, b.q, q_width);
+  apply_lora(batch, b, li, projection::k, b.h, H, b.k, kv_width);
+  apply_lora(batch, b, li, projection::v, b.h, H, b.v, kv_width);
+  if (cfg_.attention_bias) {
+    be.add_bias(b.q, l.q_bias.as<float>(), T, q_width);
+    be.add_bias(b.k, l.k_bias.as<float>(), T, kv_width);
+    be.add_bias(b.v, l.v_bias.as<float>(), T, kv_width);
+  }
+  be.rotary(b.q, local_heads_, b.k, local_kv_, T, cfg_.head_dim, b.cos, b.sin);
+  be.write_kv(b.k, b.v, cache.keys(layer), cache.values(layer), b.slots, T, kv_width);
+  b.layout.window = cfg_.window_of(layer);
+  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(cfg_.head_dim)));
+  be.paged_attention(b.q, b.attn, cache.keys(layer), cache.values(layer), b.layout, T, scale);
+  be.gemm_nt(b.attn, l.o.data(), l.o.type, b.h, T, H, q_width);
+  apply_lora(batch, b, li, projection::o, b.attn, q_width, b.h, H);
+  reduce(b.h, T * H);
+  if (cfg_.o_proj_bias)
+    be.add_bias(b.h, l.o_bias.as<float>(), T, H);
+}
+
+void llama_model::mlp(size_t li, const step_batch& batch, const step_buffers& b) {
+  auto& be = *backend_;
+  auto& l = layers_[li];
+  const auto T = b.tokens;
+  const auto H = cfg_.hidden_size;
+  if (l.gate.type == l.up.type) {
+    be.gemm_nt_shared(b.h, l.gate.type, T, H,
+                      {{l.gate.data(), b.gate, local_inter_}, {l.up.data(), b.up, local_inter_}});
+  } else {
+    be.gemm_nt(b.h, l.gate.data(), l.gate.type, b.gate, T, local_inter_, H);
+    be.gemm_nt(b.h, l.up.data(), l.up.type, b.up, T, local_inter_, H);
+  }
+  apply_lora(batch, b, li, projection::gate, b.h, H, b.gate, local_inter_);
+  apply_lora(batch, b, li, projection::up, b.h, H, b.up, local_inter_);
+  if (cfg_.mlp_bias) {
+    be.add_bias(b.gate, l.gate_bias.as<float>(), T, local_inter_);
+    be.add_bias(b.up, l.up_bias.as<float>(), T, local_inter_);
+  }
+  be.silu_mul(b.gate, b.up, b.gate, T * local_inter_);
+  be.gemm_nt(b.gate, l.down.data(), l.down.type, b.h, T, H, local_inter_);
+  apply_lora(batch, b, li, projection::down, b.gate, local_inter_, b.h, H);
+  reduce(b.h, T * H);
+  if (cfg_.mlp_bias)
+    be.add_bias(b.h, l.down_bias.as<float>(), T, H);
+}
+
+void llama_model::output_head(const step_buffers& b) {
+  auto& be = *backend_;
+  const auto H = cfg_.hidden_size;
+  const auto V = cfg_.vocab_size;
+  const auto S = b.samples;
   const auto eps = static_cast<float>(cfg_.rms_norm_eps);
+  be.gather_rows(b.sample_rows, b.x, dtype::f32, b.last, S, H);
+  be.rms_norm(b.last, final_norm_.as<float>(), b.h, S, H, eps);
+  auto& head = cfg_.tie_word_embeddings ? embed_ : lm_head_;
+  if (world_ == 1) {
+    be.gemm_nt(b.h, head.data(), head.type, b.logits, S, V, H);
+    return;
+  }
+  // The head split by vocabulary, as vLLM's: each rank writes its share of every row into
+  // zeros, and the sum over the ranks gives each rank the logits (every entry from one
+  // rank, so the values one rank alone computes).
+  be.zero(b.logits, S * V);
+  auto rows = static_cast<const char*>(head.data()) +
+              storage_bytes(head.type, static_cast<size_t>(vocab_begin_ * H));
+  be.gemm_nt_shared(b.h, head.type, S, H,
+                    {backend::gemm_output{rows, b.logits + vocab_begin_, local_vocab_, false, V}});
+  reduce(b.logits, S * V);
+}
+
+void llama_model::forward(const step_batch& batch, kv_cache& cache) {
+  logits_ = nullptr;
+  logit_rows_ = 0;
+  if (batch.tokens.empty())
+    return;
+  auto b = upload_step(batch, cache);
+  const auto T = b.tokens;
+  const auto H = cfg_.hidden_size;
+  const auto eps = static_cast<float>(cfg_.rms_norm_eps);
+  auto& be = *backend_;
+  auto& adapters = batch.adapters;
 
   // The step's device work: embeddings, the layers, the head.
   auto compute = [&] {
-    be.gather_rows(d_ints + parts.ids, embed_.data(), embed_.type, x, T, H);
+    be.gather_rows(b.ints, embed_.data(), embed_.type, b.x, T, H);
     // A prompt adapter's virtual tokens take the first positions of the prompt.
     if (!adapters.prompt.empty())
       for (int64_t t = 0; t < T; ++t) {
-        auto* virtual_tokens = adapters.prompt[tokens[t].group];
-        if (virtual_tokens && tokens[t].position < virtual_tokens->num_virtual_tokens)
-          dev_.copy(x + t * H, virtual_tokens->table.as<float>() + tokens[t].position * H,
+        auto& tok = batch.tokens[static_cast<size_t>(t)];
+        auto* virtual_tokens = adapters.prompt[tok.group];
+        if (virtual_tokens && tok.position < virtual_tokens->num_virtual_tokens)
+          dev_.copy(b.x + t * H, virtual_tokens->table.as<float>() + tok.position * H,
                     static_cast<size_t>(H) * sizeof(float));
       }
-
     // The residual adds are fused with the norm that follows them: the input norm of the
     // next layer, or the post-attention norm.
-    be.rms_norm(x, layers_.front().input_norm.as<float>(), h, T, H, eps);
+    be.rms_norm(b.x, layers_.front().input_norm.as<float>(), b.h, T, H, eps);
     for (size_t li = 0; li < layers_.size(); ++li) {
-      auto& l = layers_[li];
-      auto layer = static_cast<int64_t>(li);
-      if (l.q.type == l.k.type && l.k.type == l.v.type) {
-        be.gemm_nt_shared(h, l.q.type, T, H,
-                          {{l.q.data(), q, q_width},
-                           {l.k.data(), k, kv_width},
-                           {l.v.data(), v, kv_width}});
-      } else {
-        be.gemm_nt(h, l.q.data(), l.q.type, q, T, q_width, H);
-        be.gemm_nt(h, l.k.data(), l.k.type, k, T, kv_width, H);
-        be.gemm_nt(h, l.v.data(), l.v.type, v, T, kv_width, H);
-      }
-      apply_lora(li, projection::q, h, H, q, q_width);
-      apply_lora(li, projection::k, h, H, k, kv_width);
-      apply_lora(li, projection::v, h, H, v, kv_width);
-      if (cfg_.attention_bias) {
-        be.add_bias(q, l.q_bias.as<float>(), T, q_width);
-        be.add_bias(k, l.k_bias.as<float>(), T, kv_width);
-        be.add_bias(v, l.v_bias.as<float>(), T, kv_width);
-      }
-      be.rotary(q, local_heads_, k, local_kv_, T, D, d_cos, d_sin);
-      be.write_kv(k, v, cache.keys(layer), cache.values(layer), d_ints + parts.slots, T, kv_width);
-      layout.window = cfg_.window_of(layer);
-      be.paged_attention(q, attn, cache.keys(layer), cache.values(layer), layout, T, scale);
-      be.gemm_nt(attn, l.o.data(), l.o.type, h, T, H, q_width);
-      apply_lora(li, projection::o, attn, q_width, h, H);
-      reduce(h, T * H);
-      if (cfg_.o_proj_bias)
-        be.add_bias(h, l.o_bias.as<float>(), T, H);
-      be.add_rms_norm(x, h, l.post_norm.as<float>(), h, T, H, eps);
-      if (l.gate.type == l.up.type) {
-        be.gemm_nt_shared(h, l.gate.type, T, H,
-                          {{l.gate.data(), gate, local_inter_}, {l.up.data(), up, local_inter_}});
-      } else {
-        be.gemm_nt(h, l.gate.data(), l.gate.type, gate, T, local_inter_, H);
-        be.gemm_nt(h, l.up.data(), l.up.type, up, T, local_inter_, H);
-      }
-      apply_lora(li, projection::gate, h, H, gate, local_inter_);
-      apply_lora(li, projection::up, h, H, up, local_inter_);
-      if (cfg_.mlp_bias) {
-        be.add_bias(gate, l.gate_bias.as<float>(), T, local_inter_);
-        be.add_bias(up, l.up_bias.as<float>(), T, local_inter_);
-      }
-      be.silu_mul(gate, up, gate, T * local_inter_);
-      be.gemm_nt(gate, l.down.data(), l.down.type, h, T, H, local_inter_);
-      apply_lora(li, projection::down, gate, local_inter_, h, H);
-      reduce(h, T * H);
-      if (cfg_.mlp_bias)
-        be.add_bias(h, l.down_bias.as<float>(), T, H);
+      attention(li, batch, b, cache);
+      be.add_rms_norm(b.x, b.h, layers_[li].post_norm.as<float>(), b.h, T, H, eps);
+      mlp(li, batch, b);
       if (li + 1 < layers_.size())
-        be.add_rms_norm(x, h, layers_[li + 1].input_norm.as<float>(), h, T, H, eps);
+        be.add_rms_norm(b.x, b.h, layers_[li + 1].input_norm.as<float>(), b.h, T, H, eps);
       else
-        be.add(x, h, T * H);
+        be.add(b.x, b.h, T * H);
     }
-
-    be.gather_rows(d_ints + parts.samples, x, dtype::f32, last, S, H);
-    be.rms_norm(last, final_norm_.as<float>(), h, S, H, eps);
-    auto& head = cfg_.tie_word_embeddings ? embed_ : lm_head_;
-    if (world_ == 1) {
-      be.gemm_nt(h, head.data(), head.type, logits, S, V, H);
-    } else {
-      // The head split by vocabulary, as vLLM's: each rank writes its share of every row
-      // into zeros, and the sum over the ranks gives each rank the logits (every entry from
-      // one rank, so the values one rank alone computes).
-      be.zero(logits, S * V);
-      auto rows = static_cast<const char*>(head.data())
-                  + storage_bytes(head.type, static_cast<size_t>(vocab_begin_ * H));
-      be.gemm_nt_shared(h, head.type, S, H,
-                        {backend::gemm_output{rows, logits + vocab_begin_, local_vocab_, false, V}});
-      reduce(logits, S * V);
-    }
+    output_head(b);
   };
 
   // A decode step of one process is recorded once per shape and then replayed; steps with
@@ -808,17 +837,15 @@ void llama_model::forward(const step_batch& batch, kv_cache& cache) {
                     T <= step_graphs::max_tokens && batch.lora_runs.empty() &&
                     adapters.prompt.empty();
   if (replayable)
-    graphs_.run(*backend_,
-                {T, S, seqs, max_blocks, cache.keys(0), cache.device_blocks(), cache.block_size(),
+    graphs_.run(be,
+                {T, b.samples, static_cast<int64_t>(batch.tables.size()), b.layout.max_blocks,
+                 cache.keys(0), cache.device_blocks(), cache.block_size(),
                  backend_->scratch_epoch()},
                 compute);
   else
     compute();
-  logits_ = logits;
-  logit_rows_ = S;
-  sampling_ = reinterpret_cast<row_sampling*>(at(parts.sampling));
-  sampled_ids_ = int_at(parts.sampled_ids);
-  sampled_logprobs_ = at(parts.sampled_logprobs);
+  logits_ = b.logits;
+  logit_rows_ = b.samples;
 }
 
 std::vector<float> llama_model::logits() const {

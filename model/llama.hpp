@@ -199,6 +199,35 @@ private:
   step_layout layout_of(int64_t tokens, int64_t samples, int64_t seqs, int64_t max_blocks,
                         int64_t max_lora_rank) const;
 
+  /// A step's buffers on the device (views into the workspace) and its attention layout.
+  struct step_buffers {
+    int64_t tokens = 0;
+    int64_t samples = 0;
+    /// Token ids first; the other int32 metadata at the layout's offsets.
+    const int32_t* ints = nullptr;
+    const int32_t* slots = nullptr;
+    const int32_t* sample_rows = nullptr;
+    const float* cos = nullptr;
+    const float* sin = nullptr;
+    float *x = nullptr, *h = nullptr, *q = nullptr, *k = nullptr, *v = nullptr,
+          *attn = nullptr, *gate = nullptr, *up = nullptr, *mid = nullptr, *last = nullptr,
+          *logits = nullptr;
+    paged_layout layout;
+  };
+  /// Writes the step's metadata (ids, positions, cache slots, block tables, rotary tables)
+  /// to the device and lays out its buffers.
+  step_buffers upload_step(const step_batch& batch, const kv_cache& cache);
+  /// The halves of a layer, each ending with its row-parallel all-reduce (into `b.h`).
+  void attention(size_t layer, const step_batch& batch, step_buffers& b, kv_cache& cache);
+  void mlp(size_t layer, const step_batch& batch, const step_buffers& b);
+  /// The final norm of the sampled rows and the logits.
+  void output_head(const step_buffers& b);
+  /// Adds each LoRA run's B·(A·in) to `out` for projection `proj` of `layer`.
+  void apply_lora(const step_batch& batch, const step_buffers& b, size_t layer, projection proj,
+                  const float* in, int64_t in_width, float* out, int64_t out_width);
+  /// Sums `data` over the ranks (nothing with one rank).
+  void reduce(float* data, int64_t count);
+
   /// How a projection's weight [out, in] is split: this rank's rows (column-parallel) or
   /// columns (row-parallel) [start, start + count).
   struct shard {
