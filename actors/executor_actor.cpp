@@ -876,7 +876,7 @@ supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config&
                                   std::vector<worker_actor> workers,
                                   std::vector<worker_place> places) {
   places.resize(workers.size());
-  return sys.spawn(supervisor, cfg, std::move(workers), std::move(places));
+  return sys.spawn<caf::detached>(supervisor, cfg, std::move(workers), std::move(places));
 }
 
 } // namespace troupe

@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <mutex>
 #include <numeric>
 #include <sstream>
@@ -126,6 +127,78 @@ stats thread_wakeup_floor(int iterations) {
   return summarize(std::move(samples), wall.count());
 }
 
+/// Scatter-gather from this thread to `n` threads, each waiting on its own mutex and
+/// condition variable (a mailbox), each replying through the caller's: the floor of a
+/// collective call to `n` workers on this machine.
+stats scatter_gather_floor(int n, int iterations) {
+  struct mailbox {
+    std::mutex mtx;
+    std::condition_variable cv;
+    int64_t asked = 0; // the call number to answer; -1: stop
+  };
+  std::vector<mailbox> boxes(static_cast<size_t>(n));
+  std::mutex reply_mtx;
+  std::condition_variable reply_cv;
+  int replies = 0;
+  std::vector<std::thread> threads;
+  for (auto& box : boxes)
+    threads.emplace_back([&box, &reply_mtx, &reply_cv, &replies] {
+      int64_t seen = 0;
+      for (;;) {
+        std::unique_lock<std::mutex> lk{box.mtx};
+        box.cv.wait(lk, [&] { return box.asked != seen; });
+        if (box.asked < 0)
+          return;
+        seen = box.asked;
+        lk.unlock();
+        std::lock_guard<std::mutex> reply{reply_mtx};
+        ++replies;
+        reply_cv.notify_one();
+      }
+    });
+  std::vector<double> samples;
+  auto wall_start = clock_type::now();
+  for (int i = 1; i <= iterations; ++i) {
+    auto start = clock_type::now();
+    for (auto& box : boxes) {
+      std::lock_guard<std::mutex> lk{box.mtx};
+      box.asked = i;
+      box.cv.notify_one();
+    }
+    std::unique_lock<std::mutex> lk{reply_mtx};
+    reply_cv.wait(lk, [&] { return replies == n; });
+    replies = 0;
+    samples.push_back(std::chrono::duration<double, std::micro>(clock_type::now() - start).count());
+  }
+  std::chrono::duration<double> wall = clock_type::now() - wall_start;
+  for (auto& box : boxes) {
+    std::lock_guard<std::mutex> lk{box.mtx};
+    box.asked = -1;
+    box.cv.notify_one();
+  }
+  for (auto& t : threads)
+    t.join();
+  return summarize(std::move(samples), wall.count());
+}
+
+/// CPU seconds this process used (user and system), from /proc/self/stat.
+double cpu_seconds() {
+  std::ifstream stat{"/proc/self/stat"};
+  std::string text{std::istreambuf_iterator<char>(stat), std::istreambuf_iterator<char>()};
+  // Fields after the command name (which may hold spaces) start after its ')'.
+  std::istringstream rest{text.substr(text.rfind(')') + 2)};
+  std::string field;
+  double utime = 0;
+  double stime = 0;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {
+    if (i == 14)
+      utime = std::stod(field);
+    if (i == 15)
+      stime = std::stod(field);
+  }
+  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
 std::string to_json(const stats& s, int workers, const std::string& mode) {
   std::ostringstream out;
   out.precision(1);
@@ -198,6 +271,7 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     int workers = 4;
     int iterations = 2000;
     int busy_spin_us = 50;
+    int idle_seconds = 10;
     size_t scheduler_threads = 0;
     size_t poll_attempts = 0;
     bool json = false;
@@ -225,6 +299,11 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     ->add_option("--scheduler-poll-attempts", opts->poll_attempts,
                  "Polls of an idle scheduler thread before it sleeps (0: CAF's default)")
     ->capture_default_str();
+  cmd->app
+    ->add_option("--idle-seconds", opts->idle_seconds,
+                 "How long the idle executor's CPU use is measured")
+    ->check(CLI::Range(1, 3600))
+    ->capture_default_str();
   cmd->app->add_flag("--json", opts->json, "Print only JSON (the last line is the result array)");
   add_node_options(*cmd->app, opts->nodes);
   cmd->run = [opts] {
@@ -240,6 +319,7 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
       remote += n.workers;
 
     auto floor = thread_wakeup_floor(opts->iterations);
+    auto gather_floor = scatter_gather_floor(opts->workers, opts->iterations);
     auto tcp_floor = tcp_round_trip_floor(opts->iterations);
     auto idle = measure(exec, opts->iterations);
 
@@ -254,6 +334,13 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     auto busy = measure(exec, opts->iterations);
     stop = true;
     load.join();
+    // An idle executor should cost nothing: the CPU it uses while nobody calls.
+    exec.collective_rpc("noop");
+    auto cpu_before = cpu_seconds();
+    auto idle_start = clock_type::now();
+    std::this_thread::sleep_for(std::chrono::seconds(opts->idle_seconds));
+    std::chrono::duration<double> idle_wall = clock_type::now() - idle_start;
+    auto idle_cpu_share = (cpu_seconds() - cpu_before) / idle_wall.count();
     exec.shutdown();
 
     if (!opts->json) {
@@ -264,12 +351,20 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                 << "  resident memory: " << idle.rss_bytes / (1 << 20) << " MiB after idle, "
                 << busy.rss_bytes / (1 << 20) << " MiB after busy\n"
                 << "  floor (thread wake-up round trip): p50 " << floor.p50_us << " us\n"
+                << "  floor (scatter-gather to " << opts->workers << " threads): p50 "
+                << gather_floor.p50_us << " us; idle p50 / floor "
+                << idle.p50_us / gather_floor.p50_us << "\n"
+                << "  idle executor: " << idle_cpu_share * 100 << " % of a core over "
+                << opts->idle_seconds << " s\n"
                 << "  floor (loopback TCP round trip): p50 " << tcp_floor.p50_us << " us\n";
       if (remote > 0)
         std::cout << "  " << remote << " of the workers on " << cfg.nodes.size() << " node(s)\n";
     }
     std::cout << "{\"floor\":" << to_json(floor, 0, "thread_wakeup_round_trip")
-              << ",\"tcp_floor\":" << to_json(tcp_floor, 0, "loopback_tcp_round_trip") << "}\n";
+              << ",\"gather_floor\":"
+              << to_json(gather_floor, opts->workers, "thread_scatter_gather")
+              << ",\"tcp_floor\":" << to_json(tcp_floor, 0, "loopback_tcp_round_trip")
+              << ",\"idle_cpu_share\":" << idle_cpu_share << "}\n";
     auto mode = [&](const char* m) { return remote > 0 ? std::string{m} + "_nodes" : std::string{m}; };
     std::cout << "[" << to_json(idle, opts->workers, mode("idle")) << ","
               << to_json(busy, opts->workers, mode("busy")) << "]" << std::endl;
