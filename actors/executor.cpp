@@ -115,13 +115,40 @@ struct executor::impl {
       throw error{errc::shut_down, "executor is shut down"};
   }
 
+  /// Blocking actors that have asked the supervisor before and whose mailbox is empty:
+  /// spawning one per call costs more than the call's messages.
+  std::mutex callers_mtx;
+  std::vector<std::unique_ptr<caf::scoped_actor>> callers;
+
+  std::unique_ptr<caf::scoped_actor> take_caller() {
+    {
+      std::lock_guard<std::mutex> lk{callers_mtx};
+      if (!callers.empty()) {
+        auto caller = std::move(callers.back());
+        callers.pop_back();
+        return caller;
+      }
+    }
+    return std::make_unique<caf::scoped_actor>(*sys);
+  }
+
+  /// Keeps `caller` for the next call; one that gave up on a reply is dropped instead (the
+  /// late reply would sit in its mailbox).
+  void return_caller(std::unique_ptr<caf::scoped_actor> caller, bool clean) {
+    if (!clean)
+      return;
+    std::lock_guard<std::mutex> lk{callers_mtx};
+    callers.push_back(std::move(caller));
+  }
+
   /// Sends a request to the supervisor and blocks for the reply.
   template <class T, class... Ts>
   T ask(timeout_type t, Ts&&... xs) {
     std::shared_lock<std::shared_mutex> guard{lifecycle};
     check_open();
     logger_release release;
-    caf::scoped_actor self{*sys};
+    auto caller = take_caller();
+    auto& self = *caller;
     using value_type = std::conditional_t<std::is_void<T>::value, bool, T>;
     value_type out{};
     caf::error err;
@@ -137,6 +164,7 @@ struct executor::impl {
                             caf::after(facade_timeout(t)) >> [&] {
                               err = caf::sec::request_timeout;
                             });
+    return_caller(std::move(caller), err != caf::sec::request_timeout);
     if (err)
       throw translate(err);
     if constexpr (!std::is_void<T>::value)
@@ -306,6 +334,11 @@ struct executor::impl {
     std::unique_lock<std::shared_mutex> guard{lifecycle};
     if (!sys)
       return;
+    {
+      logger_release release;
+      std::lock_guard<std::mutex> lk{callers_mtx};
+      callers.clear();
+    }
     size_t left = 0;
     {
       logger_release release;
