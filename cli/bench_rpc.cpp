@@ -14,6 +14,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <iterator>
 #include <mutex>
@@ -32,9 +33,14 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
-/// The worker of the benchmark: a no-op and a busy loop, nothing else.
+/// The worker of the benchmark: a no-op, a busy loop, and a model step that computes
+/// nothing (one empty output), so that `execute_model` measures the executor's path alone.
 class bench_worker : public worker {
 public:
+  std::vector<sampler_output> execute_model(const execute_model_request&) override {
+    return {sampler_output{}};
+  }
+
   bench_worker() {
     register_method("noop", [](worker&, const caf::message&, const caf::settings&) {
       return caf::message{};
@@ -73,16 +79,16 @@ stats summarize(std::vector<double> us, double wall_s) {
   return s;
 }
 
-stats measure(executor& exec, int iterations) {
+stats measure(const std::function<void()>& call, int iterations) {
   std::vector<double> samples;
   samples.reserve(iterations);
   // Warm-up: first calls pay for thread start-up and allocation.
   for (int i = 0; i < std::min(iterations, 100); ++i)
-    exec.collective_rpc("noop");
+    call();
   auto wall_start = clock_type::now();
   for (int i = 0; i < iterations; ++i) {
     auto start = clock_type::now();
-    exec.collective_rpc("noop");
+    call();
     samples.push_back(std::chrono::duration<double, std::micro>(clock_type::now() - start).count());
   }
   std::chrono::duration<double> wall = clock_type::now() - wall_start;
@@ -272,6 +278,7 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     int iterations = 2000;
     int busy_spin_us = 50;
     int idle_seconds = 10;
+    std::string method = "noop";
     size_t scheduler_threads = 0;
     size_t poll_attempts = 0;
     bool json = false;
@@ -304,6 +311,12 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                  "How long the idle executor's CPU use is measured")
     ->check(CLI::Range(1, 3600))
     ->capture_default_str();
+  cmd->app
+    ->add_option("--method", opts->method,
+                 "noop: collective_rpc of a no-op; execute_model: a step through the driver "
+                 "and the execution loop, with workers that compute nothing")
+    ->check(CLI::IsMember({"noop", "execute_model"}))
+    ->capture_default_str();
   cmd->app->add_flag("--json", opts->json, "Print only JSON (the last line is the result array)");
   add_node_options(*cmd->app, opts->nodes);
   cmd->run = [opts] {
@@ -321,7 +334,22 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     auto floor = thread_wakeup_floor(opts->iterations);
     auto gather_floor = scatter_gather_floor(opts->workers, opts->iterations);
     auto tcp_floor = tcp_round_trip_floor(opts->iterations);
-    auto idle = measure(exec, opts->iterations);
+    // One sequence of one token: the smallest step there is.
+    execute_model_request step;
+    {
+      sequence_group_metadata g;
+      g.request_id = "bench";
+      g.token_chunk_size = 1;
+      sequence_data s;
+      s.token_ids = {1};
+      s.block_table = {0};
+      g.seqs.push_back(s);
+      step.seq_group_metadata_list.push_back(g);
+    }
+    std::function<void()> call = [&] { exec.collective_rpc("noop"); };
+    if (opts->method == "execute_model")
+      call = [&] { exec.execute_model(step); };
+    auto idle = measure(call, opts->iterations);
 
     // Busy: a second caller keeps every worker running short calls back to back.
     std::atomic<bool> stop{false};
@@ -331,9 +359,11 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
       while (!stop)
         exec.collective_rpc("spin", spin);
     });
-    auto busy = measure(exec, opts->iterations);
+    auto busy = measure(call, opts->iterations);
     stop = true;
     load.join();
+    if (opts->method == "execute_model")
+      exec.stop_remote_worker_execution_loop();
     // An idle executor should cost nothing: the CPU it uses while nobody calls.
     exec.collective_rpc("noop");
     auto cpu_before = cpu_seconds();
@@ -344,7 +374,8 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     exec.shutdown();
 
     if (!opts->json) {
-      std::cout << "collective_rpc(\"noop\") over " << opts->workers << " worker(s), "
+      std::cout << (opts->method == "noop" ? "collective_rpc(\"noop\")" : "execute_model")
+                << " over " << opts->workers << " worker(s), "
                 << opts->iterations << " calls per mode\n"
                 << "  idle: p50 " << idle.p50_us << " us, p99 " << idle.p99_us << " us\n"
                 << "  busy: p50 " << busy.p50_us << " us, p99 " << busy.p99_us << " us\n"
@@ -365,7 +396,10 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
               << to_json(gather_floor, opts->workers, "thread_scatter_gather")
               << ",\"tcp_floor\":" << to_json(tcp_floor, 0, "loopback_tcp_round_trip")
               << ",\"idle_cpu_share\":" << idle_cpu_share << "}\n";
-    auto mode = [&](const char* m) { return remote > 0 ? std::string{m} + "_nodes" : std::string{m}; };
+    auto mode = [&](const char* m) {
+      auto name = opts->method == "noop" ? std::string{m} : opts->method + "_" + m;
+      return remote > 0 ? name + "_nodes" : name;
+    };
     std::cout << "[" << to_json(idle, opts->workers, mode("idle")) << ","
               << to_json(busy, opts->workers, mode("busy")) << "]" << std::endl;
     return 0;
