@@ -576,8 +576,9 @@ struct supervisor_state {
                      return;
                    }
                    try {
-                     rp.deliver(result_as<std::vector<sampler_output>>((*res)[0], 0,
-                                                                       "execute_model"));
+                     auto& reply = (*res)[0];
+                     (void)result_as<std::vector<sampler_output>>(reply, 0, "execute_model");
+                     rp.deliver(std::move(reply.get_mutable_as<std::vector<sampler_output>>(0)));
                    } catch (const error& e) {
                      rp.deliver(caf::make_error(e.code(), std::string{e.what()}));
                    }

@@ -355,7 +355,9 @@ void worker::register_builtins() {
     if (auto level = caf::get_if<int64_t>(&kwargs, "level"))
       w.sleep(to_sleep_level(*level));
     else
-      w.sleep(arg<sleep_request>(args, 0, "sleep", "sleep_request").level);
+      // A level from the wire is checked like a number from anywhere else.
+      w.sleep(to_sleep_level(
+        static_cast<int64_t>(arg<sleep_request>(args, 0, "sleep", "sleep_request").level)));
     return caf::message{};
   };
   m["wake_up"] = [](worker& w, const caf::message& args, const caf::settings& kwargs) {

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -197,14 +198,30 @@ void replace_all(std::string& s, const std::string& from, const std::string& to)
 /// Calls `read(step, type)` for each step of a tokenizer.json component (normalizer,
 /// pre-tokenizer, post-processor, decoder), a `Sequence`'s steps (under `list`) in turn.
 template <class F>
-void for_each_step(const nlohmann::json& t, const char* list, const F& read) {
+void for_each_step(const nlohmann::json& t, const char* list, const F& read, int depth = 0) {
   if (t.is_null())
     return;
   auto type = t.value("type", std::string{});
   if (type != "Sequence")
     return read(t, type);
+  if (depth > 16)
+    throw error{errc::invalid_argument, std::string{"tokenizer: "} + list +
+                                          " nest Sequences more than 16 deep"};
   for (auto& inner : t.value(list, nlohmann::json::array()))
-    for_each_step(inner, list, read);
+    for_each_step(inner, list, read, depth + 1);
+}
+
+/// Runs `read`, turning what a malformed file makes the JSON library or the standard
+/// library throw into a `troupe::error` naming the file.
+template <class F>
+auto reading(const std::string& path, F&& read) {
+  try {
+    return read();
+  } catch (const error&) {
+    throw;
+  } catch (const std::exception& e) {
+    bad(path, std::string{"is malformed: "} + e.what());
+  }
 }
 
 /// A Metaspace step's prepend scheme; files before `prepend_scheme` say
@@ -557,12 +574,17 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
           before = false;
           continue;
         }
-        auto name = item["SpecialToken"].value("id", std::string{});
-        auto& specials = t["special_tokens"];
+        auto name = item.at("SpecialToken").value("id", std::string{});
+        auto specials = t.value("special_tokens", nlohmann::json::object());
         if (!specials.contains(name))
           bad(origin, "template names '" + name + "', which its special_tokens lack");
-        for (auto& id : specials[name]["ids"])
-          (before ? p->prefix : p->suffix).push_back(id.get<int32_t>());
+        for (auto& id : specials[name].value("ids", nlohmann::json::array())) {
+          auto value = id.get<int64_t>();
+          if (value < 0 || value >= static_cast<int64_t>(id_to_token_.size()))
+            bad(origin, "template token '" + name + "' has id " + std::to_string(value) +
+                          " outside the vocabulary");
+          (before ? p->prefix : p->suffix).push_back(static_cast<int32_t>(value));
+        }
       }
     } else if (type != "ByteLevel") { // byte-level post-processing moves offsets only
       bad(origin, "post-processor '" + type +
@@ -589,6 +611,8 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
     } else if (type == "Strip") {
       d.what = decoder::kind::strip;
       d.pattern = t.value("content", std::string{" "});
+      if (d.pattern.empty())
+        bad(origin, "decoder Strip has no content to strip");
       d.start = t.value("start", size_t{0});
       d.stop = t.value("stop", size_t{0});
     } else if (type == "Metaspace") {
@@ -646,6 +670,10 @@ void tokenizer::finish(const std::string& origin) {
 }
 
 tokenizer tokenizer::from_json(const std::string& path) {
+  return reading(path, [&] { return read_json(path); });
+}
+
+tokenizer tokenizer::read_json(const std::string& path) {
   std::ifstream in{path};
   if (!in)
     bad(path, "cannot be read");
@@ -669,9 +697,11 @@ tokenizer tokenizer::from_json(const std::string& path) {
     t.id_to_token_[static_cast<size_t>(i)] = text;
   }
   for (auto& added : j.value("added_tokens", nlohmann::json::array())) {
-    auto id = added.value("id", -1);
+    auto id = added.value("id", int64_t{-1});
     if (id < 0)
       continue;
+    if (id >= (int64_t{1} << 24))
+      bad(path, "added token id " + std::to_string(id) + " is beyond any vocabulary");
     if (static_cast<size_t>(id) >= t.id_to_token_.size())
       t.id_to_token_.resize(static_cast<size_t>(id) + 1);
     t.id_to_token_[static_cast<size_t>(id)] = added.value("content", std::string{});
@@ -727,14 +757,19 @@ nlohmann::json tokenizer::sentencepiece_pipeline(const std::vector<double>& scor
                                                  bool dummy_prefix, bool trim_spaces,
                                                  const std::string& origin) {
   // Merges as transformers' converter makes them from the scores: every split of a normal
-  // piece into two normal pieces, by the piece's score.
+  // piece into two normal pieces, by the piece's score. (Pieces longer than 256 bytes are
+  // not split: SentencePiece makes none longer than 16 characters, and splitting is
+  // quadratic in the length.)
+  for (size_t i = 0; i < scores.size(); ++i)
+    if (!std::isfinite(scores[i]))
+      bad(origin, "piece " + std::to_string(i) + " has a score that is not a finite number");
   auto normal = [&](int32_t id) {
     return id >= 0 && types[static_cast<size_t>(id)] == sentencepiece_model::normal;
   };
   std::vector<std::tuple<double, int32_t, std::string, std::string>> ranked;
   for (size_t i = 0; i < id_to_token_.size(); ++i) {
     auto& piece = id_to_token_[i];
-    if (!normal(static_cast<int32_t>(i)))
+    if (!normal(static_cast<int32_t>(i)) || piece.size() > 256)
       continue;
     for (size_t k = 1; k < piece.size(); ++k) {
       if ((static_cast<unsigned char>(piece[k]) & 0xc0) == 0x80)
@@ -787,14 +822,24 @@ void tokenizer::set_template(bool add_bos, bool add_eos) {
 }
 
 tokenizer tokenizer::from_gguf(const std::string& path) {
+  return reading(path, [&] { return read_gguf(path); });
+}
+
+tokenizer tokenizer::read_gguf(const std::string& path) {
   gguf_file file{path};
   auto string_of = [&](const char* key) {
     auto s = file.find<std::string>(key);
     return s ? *s : std::string{};
   };
+  auto tokens = file.find<std::vector<std::string>>("tokenizer.ggml.tokens");
+  // A special token's id, checked against the vocabulary; -1 when absent.
   auto id_of = [&](const char* key) {
     auto v = file.find<int64_t>(key);
-    return v ? static_cast<int32_t>(*v) : -1;
+    if (v == nullptr)
+      return int32_t{-1};
+    if (*v < 0 || tokens == nullptr || *v >= static_cast<int64_t>(tokens->size()))
+      bad(path, std::string{key} + " " + std::to_string(*v) + " is outside the vocabulary");
+    return static_cast<int32_t>(*v);
   };
   auto flag = [&](const char* key, bool otherwise) {
     auto v = file.find<bool>(key);
@@ -804,7 +849,6 @@ tokenizer tokenizer::from_gguf(const std::string& path) {
   if (kind != "gpt2" && kind != "llama")
     bad(path, "tokenizer model '" + kind +
                 "' is not supported (gpt2: byte-level BPE; llama: SentencePiece BPE)");
-  auto tokens = file.find<std::vector<std::string>>("tokenizer.ggml.tokens");
   if (tokens == nullptr)
     bad(path, "has no tokenizer.ggml.tokens");
   // Token types as SentencePiece numbers them; normal when absent.
@@ -876,6 +920,10 @@ tokenizer tokenizer::from_gguf(const std::string& path) {
 }
 
 tokenizer tokenizer::from_sentencepiece(const std::string& path) {
+  return reading(path, [&] { return read_sentencepiece(path); });
+}
+
+tokenizer tokenizer::read_sentencepiece(const std::string& path) {
   auto m = read_sentencepiece_model(path);
   if (m.model_type != 2)
     bad(path, std::string{"SentencePiece model type '"} +

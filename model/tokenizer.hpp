@@ -87,6 +87,11 @@ private:
     return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) |
            static_cast<uint32_t>(right);
   }
+  /// The readers behind `from_json` and `from_gguf` (which turn library exceptions into
+  /// `troupe::error`s naming the file).
+  static tokenizer read_json(const std::string& path);
+  static tokenizer read_gguf(const std::string& path);
+  static tokenizer read_sentencepiece(const std::string& path);
   /// Fills `vocab_` and the byte pieces' ids from `id_to_token_`.
   void index_vocabulary(const std::string& origin);
   void add_merge(const std::string& left, const std::string& right, int32_t rank,

@@ -284,6 +284,13 @@ TEST_CASE("invalid sleep and wake requests warn or fail and change nothing") {
   executor exec{config(2), test_factory()};
   CHECK(code_of([&] { exec.sleep(0); }) == errc::invalid_argument);
   CHECK(code_of([&] { exec.sleep(3); }) == errc::invalid_argument);
+  // A level that arrives as a message (from a peer that does not check it) is checked too.
+  CHECK(code_of([&] {
+          exec.collective_rpc("sleep",
+                              {caf::make_message(sleep_request{static_cast<sleep_level>(3)}),
+                               {}, {}, {}});
+        }) == errc::invalid_argument);
+  CHECK(!exec.is_sleeping());
   exec.wake_up(); // awake: a warning, nothing else
   CHECK(!exec.is_sleeping());
   exec.sleep(1);

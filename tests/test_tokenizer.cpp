@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 
 #include <unistd.h>
@@ -226,6 +227,53 @@ TEST_CASE("a SentencePiece model file (tokenizer.model) encodes and decodes as S
                        doctest::Contains("llama-gqa/config.json' is not well-formed"), error);
   CHECK_THROWS_WITH_AS(tokenizer::from_sentencepiece(dir + "missing.model"),
                        doctest::Contains("cannot be read"), error);
+}
+
+TEST_CASE("a malformed or hostile tokenizer file is an error naming it, never a crash") {
+  auto original = read_json(fixtures + "/tokenizer-pipelines/llama3/tokenizer.json");
+  auto path = (std::filesystem::temp_directory_path() /
+               ("troupe-hostile-" + std::to_string(::getpid()) + ".json"))
+                .string();
+  auto refused = [&](const std::function<void(nlohmann::json&)>& change, const char* what) {
+    auto j = original;
+    change(j);
+    std::ofstream{path} << j.dump();
+    CHECK_THROWS_WITH_AS(tokenizer::from_json(path), doctest::Contains(what), error);
+  };
+  refused([](nlohmann::json& j) { j["post_processor"]["processors"][1]["single"][0] = 5; },
+          "is malformed");
+  refused([](nlohmann::json& j) { j["added_tokens"][0]["id"] = int64_t{1} << 31; },
+          "beyond any vocabulary");
+  refused([](nlohmann::json& j) { j["model"]["merges"][0] = 7; }, "is neither");
+  refused(
+    [](nlohmann::json& j) {
+      j["decoder"] = {{"type", "Strip"}, {"content", ""}, {"start", 1000000000}, {"stop", 0}};
+    },
+    "decoder Strip has no content");
+  refused(
+    [](nlohmann::json& j) {
+      nlohmann::json nested = {{"type", "NFC"}};
+      for (int i = 0; i < 40; ++i)
+        nested = {{"type", "Sequence"}, {"normalizers", {nested}}};
+      j["normalizer"] = nested;
+    },
+    "more than 16 deep");
+  std::filesystem::remove(path);
+
+  // A SentencePiece model whose one piece scores NaN (protobuf written by hand: piece "a"
+  // with score NaN, a BPE trainer spec with <unk> at 0 and no <s> or </s>).
+  auto bytes = [](auto& literal) { return std::string(literal, sizeof literal - 1); };
+  auto piece = bytes("\x0a\x01" "a" "\x15\x00\x00\xc0\x7f" "\x18\x01");
+  auto minus_one = bytes("\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01");
+  auto spec = bytes("\x18\x02" "\xc0\x02\x00" "\xc8\x02") + minus_one + bytes("\xd0\x02") +
+              minus_one;
+  auto model = bytes("\x0a") + std::string(1, static_cast<char>(piece.size())) + piece +
+               bytes("\x12") + std::string(1, static_cast<char>(spec.size())) + spec;
+  auto sp_path = path + ".model";
+  std::ofstream{sp_path, std::ios::binary} << model;
+  CHECK_THROWS_WITH_AS(tokenizer::from_sentencepiece(sp_path),
+                       doctest::Contains("not a finite number"), error);
+  std::filesystem::remove(sp_path);
 }
 
 TEST_CASE("the project's GGUF fixtures, with placeholder SentencePiece vocabularies, load") {

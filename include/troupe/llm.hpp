@@ -52,7 +52,9 @@ struct llm_config {
 
   /// The engine's defaults where they differ from the parts': the model's own length, ten
   /// minutes for a call (a step of a long prompt on a CPU may take minutes), and 256 MiB
-  /// of swap space per worker.
+  /// of swap space per worker. Set fields one by one: assigning a whole
+  /// `executor_config{}` or `model_worker_options{}` brings back those types' own defaults
+  /// (a max_model_len of 2048, 60 s, no swap).
   llm_config();
 
   /// Every part's `validate()`: throws `troupe::error` (`invalid_argument`) naming the
