@@ -284,6 +284,14 @@ struct supervisor_state {
     return w.node() == self->node();
   }
 
+  /// The current request, answered at once with `err`.
+  template <class... Ts>
+  promise<Ts...> refuse(caf::error err) {
+    auto rp = self->template make_response_promise<Ts...>();
+    rp.deliver(std::move(err));
+    return rp;
+  }
+
   /// A promise for the current request, already failed when the executor is.
   template <class... Ts>
   promise<Ts...> respond(bool* refused) {
@@ -395,14 +403,11 @@ struct supervisor_state {
     for (size_t rank = 0; rank < workers.size(); ++rank)
       if (!is_local(workers[rank]))
         remote += (remote.empty() ? "" : ", ") + std::to_string(rank);
-    if (!remote.empty()) {
-      auto rp = self->template make_response_promise<std::vector<caf::message>>();
-      rp.deliver(caf::make_error(errc::remote_callable,
-                                 "callable '" + call.label + "' cannot run on rank(s) " + remote +
-                                   ": they live in another process and callables are never "
-                                   "serialised; register a named method instead"));
-      return rp;
-    }
+    if (!remote.empty())
+      return refuse<std::vector<caf::message>>(caf::make_error(
+        errc::remote_callable, "callable '" + call.label + "' cannot run on rank(s) " + remote +
+                                 ": they live in another process and callables are never "
+                                 "serialised; register a named method instead"));
     auto label = "collective_rpc callable '" + call.label + "'";
     return collective(std::move(label), asking(call_atom::value, std::move(call)), opts);
   }
@@ -424,15 +429,12 @@ struct supervisor_state {
   }
 
   promise<caf::ok_atom> initialize_cache(cache_blocks blocks) {
-    if (blocks.num_device_blocks <= 0 || blocks.num_swap_blocks < 0) {
-      auto rp = self->template make_response_promise<caf::ok_atom>();
-      rp.deliver(caf::make_error(
+    if (blocks.num_device_blocks <= 0 || blocks.num_swap_blocks < 0)
+      return refuse<caf::ok_atom>(caf::make_error(
         errc::invalid_argument,
         "initialize_cache needs num_device_blocks > 0 and num_swap_blocks >= 0, got " +
           std::to_string(blocks.num_device_blocks) + " and " +
           std::to_string(blocks.num_swap_blocks)));
-      return rp;
-    }
     log->info("# device blocks: {}, # CPU blocks: {}", blocks.num_device_blocks,
               blocks.num_swap_blocks);
     auto concurrency =
@@ -486,13 +488,10 @@ struct supervisor_state {
       id = args.get_as<lora_request>(0).lora_int_id;
     else if (args.match_elements<prompt_adapter_request>())
       id = args.get_as<prompt_adapter_request>(0).prompt_adapter_id;
-    if (id <= 0) {
-      auto rp = self->template make_response_promise<bool>();
-      auto what =
-        method.find("prompt_adapter") != std::string::npos ? "prompt_adapter_id" : "lora_id";
-      rp.deliver(invalid_id(what, id));
-      return rp;
-    }
+    if (id <= 0)
+      return refuse<bool>(invalid_id(
+        method.find("prompt_adapter") != std::string::npos ? "prompt_adapter_id" : "lora_id",
+        id));
     return call_all<bool>(method, std::move(args), [method](std::vector<caf::message>& results) {
       bool all = true;
       for (size_t rank = 0; rank < results.size(); ++rank)

@@ -642,6 +642,13 @@ void tokenizer::index_vocabulary(const std::string& origin) {
   }
 }
 
+void tokenizer::add_merge(const std::string& pair, int32_t rank, const std::string& origin) {
+  auto space = pair.find(' ');
+  if (space == std::string::npos)
+    bad(origin, "merge '" + pair + "' has no space");
+  add_merge(pair.substr(0, space), pair.substr(space + 1), rank, origin);
+}
+
 void tokenizer::add_merge(const std::string& left, const std::string& right, int32_t rank,
                           const std::string& origin) {
   auto l = token_id(left);
@@ -713,11 +720,7 @@ tokenizer tokenizer::read_json(const std::string& path) {
   int32_t rank = 0;
   for (auto& m : model.value("merges", nlohmann::json::array())) {
     if (m.is_string()) {
-      auto s = m.get<std::string>();
-      auto space = s.find(' ');
-      if (space == std::string::npos)
-        bad(path, "merge '" + s + "' has no space");
-      t.add_merge(s.substr(0, space), s.substr(space + 1), rank++, path);
+      t.add_merge(m.get<std::string>(), rank++, path);
     } else if (m.is_array() && m.size() == 2) {
       t.add_merge(m[0].get<std::string>(), m[1].get<std::string>(), rank++, path);
     } else {
@@ -866,12 +869,8 @@ tokenizer tokenizer::read_gguf(const std::string& path) {
   if (kind == "gpt2") {
     if (auto merges = file.find<std::vector<std::string>>("tokenizer.ggml.merges")) {
       int32_t rank = 0;
-      for (auto& m : *merges) {
-        auto space = m.find(' ');
-        if (space == std::string::npos)
-          bad(path, "merge '" + m + "' has no space");
-        t.add_merge(m.substr(0, space), m.substr(space + 1), rank++, path);
-      }
+      for (auto& m : *merges)
+        t.add_merge(m, rank++, path);
     }
     auto split = [](const char* pattern) {
       return nlohmann::json{{"type", "Split"},

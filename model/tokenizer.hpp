@@ -96,6 +96,8 @@ private:
   void index_vocabulary(const std::string& origin);
   void add_merge(const std::string& left, const std::string& right, int32_t rank,
                  const std::string& origin);
+  /// A merge written as "left right" (tokenizer.json's older form, GGUF's).
+  void add_merge(const std::string& pair, int32_t rank, const std::string& origin);
   /// Takes a SentencePiece vocabulary: unknown and control pieces are special, those and
   /// user-defined pieces split the text.
   void read_pieces(const std::vector<std::string>& pieces, const std::vector<int>& types,
