@@ -18,6 +18,9 @@
 #include <caf/openssl/all.hpp>
 
 #include <atomic>
+#include <future>
+#include <unordered_map>
+#include <utility>
 #include <mutex>
 #include <shared_mutex>
 
@@ -39,6 +42,33 @@ int64_t to_us(timeout_type t) {
   return t == wait_forever ? wait_forever.count() : t.count();
 }
 
+/// The promise behind the future of an async call. One that is dropped unanswered (its
+/// call never reached the supervisor: the executor shut down) fails with `shut_down`
+/// instead of leaving the future broken.
+template <class T>
+class async_slot {
+public:
+  std::future<T> future() {
+    return p_.get_future();
+  }
+  template <class... Us>
+  void set(Us&&... xs) {
+    if (!std::exchange(done_, true))
+      p_.set_value(std::forward<Us>(xs)...);
+  }
+  void fail(const error& e) {
+    if (!std::exchange(done_, true))
+      p_.set_exception(std::make_exception_ptr(e));
+  }
+  ~async_slot() {
+    fail(error{errc::shut_down, "executor is shut down"});
+  }
+
+private:
+  std::promise<T> p_;
+  bool done_ = false;
+};
+
 /// Handler type that receives a reply of type T (nothing for void).
 template <class T>
 struct reply {
@@ -47,9 +77,9 @@ struct reply {
     return [&out](T& x) { out = std::move(x); };
   }
   template <class P, class F>
-  static auto async_handler(P p, F after) {
-    return [p, after](T& x) {
-      p->set_value(std::move(x));
+  static auto async_handler(P slot, F after) {
+    return [slot, after](T& x) {
+      slot->set(std::move(x));
       after();
     };
   }
@@ -63,13 +93,35 @@ struct reply<void> {
     return [&out](caf::ok_atom) { out = true; };
   }
   template <class P, class F>
-  static auto async_handler(P p, F after) {
-    return [p, after](caf::ok_atom) {
-      p->set_value();
+  static auto async_handler(P slot, F after) {
+    return [slot, after](caf::ok_atom) {
+      slot->set();
       after();
     };
   }
 };
+
+/// The async calls the supervisor has not answered yet, touched only by the async caller
+/// actor: a CAF 0.17 response handler never runs when the receiver dies, so the caller
+/// watches the supervisor and fails these when it goes.
+struct pending_calls {
+  uint64_t next = 0;
+  std::unordered_map<uint64_t, std::function<void(const caf::error&)>> fail;
+};
+
+/// Makes the requests of async calls, in the order the calls were made, and fails those in
+/// flight when the supervisor goes down.
+caf::behavior async_caller(caf::event_based_actor* self, caf::actor supervisor,
+                           std::shared_ptr<pending_calls> pending) {
+  self->monitor(supervisor);
+  self->set_down_handler([pending](caf::down_msg&) {
+    auto fail = std::move(pending->fail);
+    pending->fail.clear();
+    for (auto& [id, f] : fail)
+      f(caf::sec::request_receiver_down);
+  });
+  return {[self](async_call& call) { call.request(self); }};
+}
 
 /// Creating a scoped_actor leaves a reference to the system's logger in a thread-local of
 /// the calling thread, and ~actor_system waits until every such reference is gone. Declared
@@ -92,6 +144,9 @@ struct executor::impl {
   std::unique_ptr<caf::actor_system_config> sys_cfg = std::make_unique<caf::actor_system_config>();
   std::unique_ptr<caf::actor_system> sys;
   supervisor_actor supervisor;
+  /// Makes the requests of async calls (`ask_async`).
+  caf::actor async_caller_actor;
+  std::shared_ptr<pending_calls> pending = std::make_shared<pending_calls>();
   /// Watched by the nodes that leased workers to this executor.
   caf::actor lease_holder;
   std::vector<worker_actor> local_workers;
@@ -239,43 +294,36 @@ struct executor::impl {
     return leased;
   }
 
-  /// Sends a request to the supervisor from a short-lived actor; the future gets the reply.
+  /// Sends a request to the supervisor through the async caller; the future gets the reply.
+  /// Calls made one after another (from one thread, or ordered by the host) reach the
+  /// supervisor in that order, which lets a caller queue the next step behind the current.
   template <class T, class... Ts>
   std::future<T> ask_async(Ts... xs) {
-    auto p = std::make_shared<std::promise<T>>();
-    auto fut = p->get_future();
+    auto slot = std::make_shared<async_slot<T>>();
+    auto fut = slot->future();
     std::shared_lock<std::shared_mutex> guard{lifecycle};
-    if (*shut) {
-      p->set_exception(std::make_exception_ptr(error{errc::shut_down, "executor is shut down"}));
-      return fut;
-    }
+    if (*shut)
+      return fut; // the slot fails with shut_down
     auto target = supervisor;
     auto closed = shut;
-    // Watches the supervisor instead of a request timeout: a CAF 0.17 request timeout keeps
-    // its actor alive in the actor clock until it fires, and the supervisor answers every
-    // call by its own deadline.
-    sys->spawn([=](caf::event_based_actor* self) {
-      auto fail = [p, closed](const caf::error& e) {
-        auto ex = (*closed && e == caf::sec::request_receiver_down)
-                    ? error{errc::shut_down, "executor is shut down"}
-                    : error::from(e);
-        p->set_exception(std::make_exception_ptr(ex));
+    auto calls = pending;
+    // No request timeout: a CAF 0.17 one keeps its entry in the actor clock until it
+    // fires, and the supervisor answers every call by its own deadline.
+    caf::anon_send(async_caller_actor, async_call{[=](caf::event_based_actor* self) mutable {
+      auto id = calls->next++;
+      auto fail = [slot, closed](const caf::error& e) {
+        slot->fail((*closed && e == caf::sec::request_receiver_down)
+                     ? error{errc::shut_down, "executor is shut down"}
+                     : error::from(e));
       };
-      self->monitor(target);
-      self->set_down_handler([=](caf::scheduled_actor* me, caf::down_msg&) {
-        fail(caf::sec::request_receiver_down);
-        me->quit();
-      });
-      auto end = [=] {
-        self->demonitor(target.address());
-        self->quit();
-      };
-      self->request(target, caf::infinite, xs...)
-        .then(reply<T>::async_handler(p, end), [=](caf::error& e) {
+      calls->fail.emplace(id, fail);
+      auto done = [calls, id] { calls->fail.erase(id); };
+      self->request(target, caf::infinite, std::move(xs)...)
+        .then(reply<T>::async_handler(slot, done), [fail, done](caf::error& e) {
           fail(e);
-          end();
+          done();
         });
-    });
+    }});
     return fut;
   }
 
@@ -351,6 +399,11 @@ struct executor::impl {
         self->monitor(supervisor);
         ++left;
       }
+      if (async_caller_actor) {
+        self->monitor(async_caller_actor);
+        self->send_exit(async_caller_actor, caf::exit_reason::user_shutdown);
+        ++left;
+      }
       // The supervisor stops the workers; this covers a supervisor that is already gone.
       for (auto& w : local_workers)
         self->send_exit(w, caf::exit_reason::user_shutdown);
@@ -377,6 +430,7 @@ struct executor::impl {
     if (lease_holder)
       sys->registry().erase(lease_holder.id());
     supervisor = nullptr;
+    async_caller_actor = nullptr;
     lease_holder = nullptr;
     local_workers.clear();
     if (left > 0)
@@ -497,6 +551,8 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     places.push_back({"worker host", rw.host, rw.port});
   }
   d.supervisor = spawn_supervisor(*d.sys, d.cfg, std::move(workers), std::move(places));
+  d.async_caller_actor = d.sys->spawn(async_caller, caf::actor_cast<caf::actor>(d.supervisor),
+                                      d.pending);
   try {
     d.infos = d.ask<std::vector<worker_info>>(d.cfg.startup_timeout, init_atom::value);
   } catch (...) {

@@ -10,6 +10,7 @@
 
 #include <caf/allowed_unsafe_message_type.hpp>
 #include <caf/atom.hpp>
+#include <caf/fwd.hpp>
 #include <caf/type_id.hpp>
 
 #include <functional>
@@ -39,6 +40,13 @@ struct local_call {
   std::shared_ptr<guard_type> guard;
 };
 
+/// A call of the facade's async API, handed to the executor's async caller actor, which
+/// makes the request to the supervisor: calls made one after another reach the supervisor
+/// in that order. Never leaves the process.
+struct async_call {
+  std::function<void(caf::event_based_actor*)> request;
+};
+
 /// Deadline and fan-out of one collective call (executor-internal).
 struct rpc_options {
   /// Microseconds; `wait_forever.count()` for no deadline.
@@ -55,6 +63,7 @@ typename Inspector::result_type inspect(Inspector& f, rpc_options& x) {
 } // namespace troupe
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::local_call)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::async_call)
 
 CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
 

@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <numeric>
 #include <thread>
 
 using namespace troupe;
@@ -399,6 +400,26 @@ TEST_CASE("the async API returns futures for every call") {
   auto callable = exec.collective_rpc_async(
     [](worker& w, const caf::message&, const caf::settings&) { return caf::make_message(w.rank()); });
   CHECK(callable.get()[1].get_as<int32_t>(0) == 1);
+}
+
+TEST_CASE("async calls reach the workers in the order they were made") {
+  // The engine queues step N+1 behind step N this way; a call overtaking another would
+  // run a step before the one whose tokens it takes.
+  executor exec{config(2), test_factory()};
+  auto order = std::make_shared<std::vector<int>>();
+  std::vector<std::future<std::vector<caf::message>>> calls;
+  for (int i = 0; i < 300; ++i)
+    calls.push_back(exec.collective_rpc_async(
+      [i, order](worker& w, const caf::message&, const caf::settings&) {
+        if (w.rank() == 0)
+          order->push_back(i);
+        return caf::message{};
+      }));
+  for (auto& f : calls)
+    f.get();
+  std::vector<int> expected(300);
+  std::iota(expected.begin(), expected.end(), 0);
+  CHECK(*order == expected);
 }
 
 TEST_CASE("a long run of calls leaves memory flat: nothing per call outlives the call") {
