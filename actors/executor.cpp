@@ -19,7 +19,6 @@
 
 #include <atomic>
 #include <future>
-#include <unordered_map>
 #include <utility>
 #include <mutex>
 #include <shared_mutex>
@@ -76,12 +75,9 @@ struct reply {
   static auto handler(Out& out) {
     return [&out](T& x) { out = std::move(x); };
   }
-  template <class P, class F>
-  static auto async_handler(P slot, F after) {
-    return [slot, after](T& x) {
-      slot->set(std::move(x));
-      after();
-    };
+  template <class P>
+  static auto async_handler(P slot) {
+    return [slot](T& x) { slot->set(std::move(x)); };
   }
 };
 
@@ -92,36 +88,11 @@ struct reply<void> {
   static auto handler(Out& out) {
     return [&out](caf::ok_atom) { out = true; };
   }
-  template <class P, class F>
-  static auto async_handler(P slot, F after) {
-    return [slot, after](caf::ok_atom) {
-      slot->set();
-      after();
-    };
+  template <class P>
+  static auto async_handler(P slot) {
+    return [slot](caf::ok_atom) { slot->set(); };
   }
 };
-
-/// The async calls the supervisor has not answered yet, touched only by the async caller
-/// actor: a CAF 0.17 response handler never runs when the receiver dies, so the caller
-/// watches the supervisor and fails these when it goes.
-struct pending_calls {
-  uint64_t next = 0;
-  std::unordered_map<uint64_t, std::function<void(const caf::error&)>> fail;
-};
-
-/// Makes the requests of async calls, in the order the calls were made, and fails those in
-/// flight when the supervisor goes down.
-caf::behavior async_caller(caf::event_based_actor* self, caf::actor supervisor,
-                           std::shared_ptr<pending_calls> pending) {
-  self->monitor(supervisor);
-  self->set_down_handler([pending](caf::down_msg&) {
-    auto fail = std::move(pending->fail);
-    pending->fail.clear();
-    for (auto& [id, f] : fail)
-      f(caf::sec::request_receiver_down);
-  });
-  return {[self](async_call& call) { call.request(self); }};
-}
 
 /// Creating a scoped_actor leaves a reference to the system's logger in a thread-local of
 /// the calling thread, and ~actor_system waits until every such reference is gone. Declared
@@ -144,9 +115,6 @@ struct executor::impl {
   std::unique_ptr<caf::actor_system_config> sys_cfg = std::make_unique<caf::actor_system_config>();
   std::unique_ptr<caf::actor_system> sys;
   supervisor_actor supervisor;
-  /// Makes the requests of async calls (`ask_async`).
-  caf::actor async_caller_actor;
-  std::shared_ptr<pending_calls> pending = std::make_shared<pending_calls>();
   /// Watched by the nodes that leased workers to this executor.
   caf::actor lease_holder;
   std::vector<worker_actor> local_workers;
@@ -294,9 +262,11 @@ struct executor::impl {
     return leased;
   }
 
-  /// Sends a request to the supervisor through the async caller; the future gets the reply.
-  /// Calls made one after another (from one thread, or ordered by the host) reach the
-  /// supervisor in that order, which lets a caller queue the next step behind the current.
+  /// Hands a call to the supervisor, which makes its request to itself; the future gets
+  /// the reply. Calls made one after another (from one thread, or ordered by the host)
+  /// reach the supervisor in that order, which lets a caller queue the next step behind
+  /// the one in flight. A call that the supervisor never answers (it shut down) fails
+  /// with `shut_down` when the supervisor drops it.
   template <class T, class... Ts>
   std::future<T> ask_async(Ts... xs) {
     auto slot = std::make_shared<async_slot<T>>();
@@ -304,25 +274,16 @@ struct executor::impl {
     std::shared_lock<std::shared_mutex> guard{lifecycle};
     if (*shut)
       return fut; // the slot fails with shut_down
-    auto target = supervisor;
     auto closed = shut;
-    auto calls = pending;
-    // No request timeout: a CAF 0.17 one keeps its entry in the actor clock until it
-    // fires, and the supervisor answers every call by its own deadline.
-    caf::anon_send(async_caller_actor, async_call{[=](caf::event_based_actor* self) mutable {
-      auto id = calls->next++;
+    caf::anon_send(supervisor, async_call{[=](supervisor_access& access) mutable {
       auto fail = [slot, closed](const caf::error& e) {
         slot->fail((*closed && e == caf::sec::request_receiver_down)
                      ? error{errc::shut_down, "executor is shut down"}
                      : error::from(e));
       };
-      calls->fail.emplace(id, fail);
-      auto done = [calls, id] { calls->fail.erase(id); };
-      self->request(target, caf::infinite, std::move(xs)...)
-        .then(reply<T>::async_handler(slot, done), [fail, done](caf::error& e) {
-          fail(e);
-          done();
-        });
+      auto me = caf::actor_cast<supervisor_actor>(access.self);
+      access.self->request(me, caf::infinite, std::move(xs)...)
+        .then(reply<T>::async_handler(slot), [fail](caf::error& e) { fail(e); });
     }});
     return fut;
   }
@@ -399,11 +360,6 @@ struct executor::impl {
         self->monitor(supervisor);
         ++left;
       }
-      if (async_caller_actor) {
-        self->monitor(async_caller_actor);
-        self->send_exit(async_caller_actor, caf::exit_reason::user_shutdown);
-        ++left;
-      }
       // The supervisor stops the workers; this covers a supervisor that is already gone.
       for (auto& w : local_workers)
         self->send_exit(w, caf::exit_reason::user_shutdown);
@@ -430,7 +386,6 @@ struct executor::impl {
     if (lease_holder)
       sys->registry().erase(lease_holder.id());
     supervisor = nullptr;
-    async_caller_actor = nullptr;
     lease_holder = nullptr;
     local_workers.clear();
     if (left > 0)
@@ -551,8 +506,6 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     places.push_back({"worker host", rw.host, rw.port});
   }
   d.supervisor = spawn_supervisor(*d.sys, d.cfg, std::move(workers), std::move(places));
-  d.async_caller_actor = d.sys->spawn(async_caller, caf::actor_cast<caf::actor>(d.supervisor),
-                                      d.pending);
   try {
     d.infos = d.ask<std::vector<worker_info>>(d.cfg.startup_timeout, init_atom::value);
   } catch (...) {

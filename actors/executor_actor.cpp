@@ -867,6 +867,10 @@ supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config
     [self](sleep_state_atom) { return self->state.sleeping_tag_names(); },
     [self](health_atom) { return self->state.check_health(); },
     [self](deadline_atom, int64_t at) { self->state.check_deadlines(at); },
+    [self](async_call& call) {
+      supervisor_access access{self};
+      call.request(access);
+    },
   };
 }
 

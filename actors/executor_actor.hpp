@@ -19,6 +19,12 @@ struct worker_place {
   uint16_t port = 0;
 };
 
+/// What an `async_call` runs with: the supervisor, on its own thread, to make the call's
+/// request to itself.
+struct supervisor_access {
+  supervisor_actor::pointer self;
+};
+
 /// Spawns the supervisor (interface `supervisor_actor`, messages/protocols.hpp): it
 /// monitors `workers` (rank order, local or remote; `places` says where each runs),
 /// scatters and gathers every collective call, runs the distributed execution loop and

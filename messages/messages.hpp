@@ -10,7 +10,6 @@
 
 #include <caf/allowed_unsafe_message_type.hpp>
 #include <caf/atom.hpp>
-#include <caf/fwd.hpp>
 #include <caf/type_id.hpp>
 
 #include <functional>
@@ -40,11 +39,16 @@ struct local_call {
   std::shared_ptr<guard_type> guard;
 };
 
-/// A call of the facade's async API, handed to the executor's async caller actor, which
-/// makes the request to the supervisor: calls made one after another reach the supervisor
-/// in that order. Never leaves the process.
+/// What an `async_call` gets to make its request with; defined by the supervisor
+/// (`actors/executor_actor.hpp`).
+struct supervisor_access;
+
+/// A call of the facade's async API. The host thread sends it to the supervisor itself,
+/// which makes the call's request to itself and hands the reply to the caller's future:
+/// calls made one after another keep their order, and cost no hop more than a blocking
+/// call. Never leaves the process.
 struct async_call {
-  std::function<void(caf::event_based_actor*)> request;
+  std::function<void(supervisor_access&)> request;
 };
 
 /// Deadline and fan-out of one collective call (executor-internal).

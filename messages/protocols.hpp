@@ -65,6 +65,8 @@ using supervisor_actor = caf::typed_actor<
   caf::replies_to<sleep_state_atom>::with<std::vector<std::string>>,
   caf::replies_to<health_atom>::with<std::vector<worker_health>>,
   /// The supervisor's own deadline timer (see `executor_actor.cpp`).
-  caf::reacts_to<deadline_atom, int64_t>>;
+  caf::reacts_to<deadline_atom, int64_t>,
+  /// A call of the facade's async API (see `async_call`).
+  caf::reacts_to<async_call>>;
 
 } // namespace troupe
