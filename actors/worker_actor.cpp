@@ -6,7 +6,9 @@
 
 #include <caf/all.hpp>
 
+#include <algorithm>
 #include <set>
+#include <unordered_map>
 
 namespace troupe {
 
@@ -27,6 +29,8 @@ struct worker_actor_state {
   /// ends as soon as it starts.
   std::set<int64_t> early_stops;
   int64_t loop_steps = 0;
+  /// The driver's samples of its last step, by sequence: what a `pending_token` stands for.
+  std::unordered_map<int64_t, int32_t> last_samples;
   /// Nodes whose messages a node-hosted worker serves: the executor's that leased it, and
   /// those of its peers once init names them. Empty: any sender (in-process workers).
   std::set<caf::node_id> allowed;
@@ -75,6 +79,39 @@ bool refused(worker_self self) {
 caf::error refusal() {
   return caf::make_error(errc::invalid_argument,
                          std::string{"this worker serves only the executor that leased it"});
+}
+
+/// Puts the driver's last samples in for the pending tokens of `req`; an error names a
+/// sequence whose token cannot be known.
+caf::error fill_pending_tokens(execute_model_request& req,
+                               const std::unordered_map<int64_t, int32_t>& last) {
+  for (auto& g : req.seq_group_metadata_list)
+    for (auto& seq : g.seqs) {
+      auto& ids = seq.token_ids;
+      auto pending = std::find(ids.begin(), ids.end(), pending_token);
+      if (pending == ids.end())
+        continue;
+      auto seq_name = "sequence " + std::to_string(seq.seq_id) + " of '" + g.request_id + "'";
+      if (pending + 1 != ids.end())
+        return caf::make_error(errc::invalid_argument,
+                               seq_name + " has a pending token before its last");
+      auto sample = last.find(seq.seq_id);
+      if (sample == last.end())
+        return caf::make_error(errc::invalid_argument,
+                               seq_name + " has a pending last token, but the driver's "
+                                          "previous step sampled none for it");
+      *pending = sample->second;
+    }
+  return caf::none;
+}
+
+void remember_samples(std::unordered_map<int64_t, int32_t>& last,
+                      const std::vector<sampler_output>& outputs) {
+  last.clear();
+  for (auto& out : outputs)
+    for (auto& group : out.outputs)
+      for (auto& sample : group.samples)
+        last[sample.parent_seq_id] = sample.output_token;
 }
 
 void end_loop(worker_self self, caf::error err) {
@@ -186,15 +223,24 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
                             [&](worker& ref) { return call.fn(ref, call.args, call.kwargs); });
       });
     },
-    [=](execute_atom,
-        const execute_model_request& req) -> caf::result<caf::ok_atom, caf::message> {
+    [=](execute_atom, execute_model_request& req) -> caf::result<caf::ok_atom, caf::message> {
       if (refused(self))
         return refusal();
-      for (auto& peer : self->state.peers)
+      auto& st = self->state;
+      // The peers get the step with its tokens filled in.
+      if (auto err = fill_pending_tokens(req, st.last_samples)) {
+        st.last_samples.clear();
+        return err;
+      }
+      for (auto& peer : st.peers)
         self->send(peer, step_atom::value, req);
+      st.last_samples.clear();
       return guarded(self, "execute_model", [&](worker& w) {
-        return w.call_local("execute_model",
-                            [&](worker& ref) { return caf::make_message(ref.run_step(req)); });
+        return w.call_local("execute_model", [&](worker& ref) {
+          auto out = ref.run_step(req);
+          remember_samples(st.last_samples, out);
+          return caf::make_message(std::move(out));
+        });
       });
     },
     [=](execute_atom, stop_loop_atom, int64_t loop_id) -> caf::result<caf::ok_atom, caf::message> {

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <iostream>
+#include <memory>
 #include <random>
 
 namespace troupe::cli {
@@ -22,6 +23,8 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
     int input_len = 64;
     int output_len = 32;
     int tp = 1;
+    std::string async_scheduling = "off";
+    int rounds = 3;
     bool json = false;
     device_options device;
   };
@@ -42,15 +45,18 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
   sub->add_option("--tensor-parallel-size", o->tp, "Worker actors")
     ->check(CLI::Range(1, 64))
     ->capture_default_str();
-  sub->add_flag("--json", o->json, "Print only the JSON result");
+  sub->add_option("--async-scheduling", o->async_scheduling,
+                  "Send each step before the one in flight returns (on), wait for it (off), "
+                  "or both, one after the other, with the ratio")
+    ->check(CLI::IsMember({"on", "off", "both"}))
+    ->capture_default_str();
+  sub->add_option("--rounds", o->rounds,
+                  "With --async-scheduling both: runs of each, alternating; the medians count")
+    ->check(CLI::Range(1, 100))
+    ->capture_default_str();
+  sub->add_flag("--json", o->json, "Print only the JSON result (the last line)");
   add_device_options(*sub, o->device);
   cmd->run = [o] {
-    llm_config cfg;
-    cfg.worker.model_path = o->model;
-    cfg.executor.tensor_parallel_size = o->tp;
-    apply_device_options(o->device, cfg.executor, cfg.worker);
-    cfg.executor.max_model_len = o->input_len + o->output_len + 1;
-    llm model{cfg};
     auto vocab = checkpoint::config_of(o->model).vocab_size;
     std::mt19937 rng{0};
     std::vector<generation_request> reqs;
@@ -63,44 +69,85 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
       r.sampling.ignore_eos = true; // every request produces output_len tokens
       reqs.push_back(std::move(r));
     }
-    auto start = std::chrono::steady_clock::now();
-    auto outs = model.generate(reqs);
-    std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
-    size_t tokens = 0;
-    std::vector<double> tpot_ms;
-    for (auto& out : outs) {
-      tokens += out.token_ids.size();
-      if (out.token_ids.size() > 1)
-        tpot_ms.push_back((out.finished_seconds - out.first_token_seconds) * 1e3
-                          / static_cast<double>(out.token_ids.size() - 1));
+    auto make = [&](bool async_scheduling) {
+      llm_config cfg;
+      cfg.worker.model_path = o->model;
+      cfg.executor.tensor_parallel_size = o->tp;
+      cfg.scheduler.async_scheduling = async_scheduling;
+      apply_device_options(o->device, cfg.executor, cfg.worker);
+      cfg.executor.max_model_len = o->input_len + o->output_len + 1;
+      return std::make_unique<llm>(cfg);
+    };
+    auto run = [&](llm& model, bool async_scheduling) {
+      auto start = std::chrono::steady_clock::now();
+      auto outs = model.generate(reqs);
+      std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+      size_t tokens = 0;
+      std::vector<double> tpot_ms;
+      for (auto& out : outs) {
+        tokens += out.token_ids.size();
+        if (out.token_ids.size() > 1)
+          tpot_ms.push_back((out.finished_seconds - out.first_token_seconds) * 1e3
+                            / static_cast<double>(out.token_ids.size() - 1));
+      }
+      std::sort(tpot_ms.begin(), tpot_ms.end());
+      auto at = [&](double q) {
+        return tpot_ms.empty() ? 0.0
+                               : tpot_ms[std::min(tpot_ms.size() - 1,
+                                                  static_cast<size_t>(q * tpot_ms.size()))];
+      };
+      nlohmann::json result = {
+        {"model", o->model},
+        {"num_prompts", o->num_prompts},
+        {"input_len", o->input_len},
+        {"output_len", o->output_len},
+        {"tensor_parallel_size", o->tp},
+        {"async_scheduling", async_scheduling},
+        {"device", o->device.device},
+        {"dtype", o->device.dtype},
+        {"enforce_eager", o->device.enforce_eager},
+        {"elapsed_s", took.count()},
+        {"requests_per_s", o->num_prompts / took.count()},
+        {"output_tokens_per_s", static_cast<double>(tokens) / took.count()},
+        {"tpot_p50_ms", at(0.5)},
+        {"tpot_p99_ms", at(0.99)},
+      };
+      if (!o->json)
+        std::cout << o->num_prompts << " requests in " << took.count() << " s"
+                  << (async_scheduling ? " (asynchronous scheduling)" : "") << ": "
+                  << result["requests_per_s"].get<double>() << " requests/s, "
+                  << result["output_tokens_per_s"].get<double>() << " output tokens/s, "
+                  << "time per output token p50 " << at(0.5) << " ms, p99 " << at(0.99)
+                  << " ms\n";
+      return result;
+    };
+    if (o->async_scheduling != "both") {
+      bool on = o->async_scheduling == "on";
+      std::cout << run(*make(on), on).dump() << std::endl;
+      return 0;
     }
-    std::sort(tpot_ms.begin(), tpot_ms.end());
-    auto at = [&](double q) {
-      return tpot_ms.empty() ? 0.0
-                             : tpot_ms[std::min(tpot_ms.size() - 1,
-                                                static_cast<size_t>(q * tpot_ms.size()))];
+    // Both engines stay loaded and take turns, so that drift on a shared machine hits both.
+    auto off_model = make(false);
+    auto on_model = make(true);
+    std::vector<nlohmann::json> offs, ons;
+    for (int i = 0; i < o->rounds; ++i) {
+      offs.push_back(run(*off_model, false));
+      ons.push_back(run(*on_model, true));
+    }
+    auto median = [](std::vector<nlohmann::json> runs) {
+      std::sort(runs.begin(), runs.end(), [](const nlohmann::json& a, const nlohmann::json& b) {
+        return a["output_tokens_per_s"].get<double>() < b["output_tokens_per_s"].get<double>();
+      });
+      return runs[runs.size() / 2];
     };
-    nlohmann::json result = {
-      {"model", o->model},
-      {"num_prompts", o->num_prompts},
-      {"input_len", o->input_len},
-      {"output_len", o->output_len},
-      {"tensor_parallel_size", o->tp},
-      {"device", o->device.device},
-      {"dtype", o->device.dtype},
-      {"enforce_eager", o->device.enforce_eager},
-      {"elapsed_s", took.count()},
-      {"requests_per_s", o->num_prompts / took.count()},
-      {"output_tokens_per_s", static_cast<double>(tokens) / took.count()},
-      {"tpot_p50_ms", at(0.5)},
-      {"tpot_p99_ms", at(0.99)},
-    };
+    auto off = median(offs);
+    auto on = median(ons);
+    auto ratio = on["output_tokens_per_s"].get<double>() / off["output_tokens_per_s"].get<double>();
     if (!o->json)
-      std::cout << o->num_prompts << " requests in " << took.count() << " s: "
-                << result["requests_per_s"].get<double>() << " requests/s, "
-                << result["output_tokens_per_s"].get<double>() << " output tokens/s, "
-                << "time per output token p50 " << at(0.5) << " ms, p99 " << at(0.99) << " ms\n";
-    std::cout << result.dump() << std::endl;
+      std::cout << "asynchronous scheduling: " << ratio << "x the output tokens/s (medians of "
+                << o->rounds << " runs each)\n";
+    nlohmann::json both = {{"off", off}, {"on", on}, {"on_over_off_tokens_per_s", ratio}};
+    std::cout << both.dump() << std::endl;
     return 0;
   };
   return cmd;

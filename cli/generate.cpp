@@ -138,6 +138,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     int64_t kv_cache_memory = 0;
     double kv_fraction = 0.5;
     int64_t swap_space_mib = 256;
+    bool async_scheduling = false;
     int max_model_len = 0;
     std::vector<std::string> loras;
     std::vector<std::string> prompt_loras;
@@ -187,6 +188,8 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
                   "Share of free memory for the KV cache when --kv-cache-memory is 0")
     ->check(CLI::Range(0.01, 0.95))
     ->capture_default_str();
+  sub->add_flag("--async-scheduling", o->async_scheduling,
+                "Send the next step while one runs when it needs none of its tokens");
   sub->add_option("--swap-space", o->swap_space_mib, "MiB of host memory per worker for swapped blocks")
     ->check(CLI::Range(0, 1 << 20))
     ->capture_default_str();
@@ -236,6 +239,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     cfg.worker.kv_cache_memory_bytes = o->kv_cache_memory;
     cfg.worker.kv_cache_memory_fraction = o->kv_fraction;
     cfg.worker.swap_space_bytes = o->swap_space_mib << 20;
+    cfg.scheduler.async_scheduling = o->async_scheduling;
     cfg.executor.max_model_len = o->max_model_len;
     auto loras = prompt_loras(o->loras, o->prompt_loras, o->prompts.size() + o->prompt_ids.size());
     cfg.worker.max_loras = o->max_loras > 0 ? o->max_loras

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -273,23 +274,19 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
       }
     }
   };
-  while (sched.has_unfinished()) {
-    auto step = sched.schedule();
-    auto result = d.exec->execute_model(step);
-    if (!step.seq_group_metadata_list.empty()) {
+  // What a step's result changes: the requests' tokens, their first-token times, and the
+  // requests whose text now holds a stop string.
+  auto apply = [&](const std::vector<sampler_output>& result, bool samples) {
+    if (samples) {
       if (result.empty())
         throw error{errc::worker_error, "execute_model returned no output for a step"};
       sched.update(result[0]);
-    } else if (step.blocks_to_swap_in.empty() && step.blocks_to_swap_out.empty()
-               && step.blocks_to_copy.empty()) {
-      throw error{errc::worker_error, "the scheduler can make no progress"};
     }
     for (auto& [seq, r] : sched.unfinished()) {
       auto& out = outputs[index.at(seq)];
       if (out.first_token_seconds == 0 && !r.output.empty())
         out.first_token_seconds = since_start();
     }
-    // Stop strings: finish a request once its text contains one.
     if (d.tok) {
       std::vector<int64_t> stopped;
       for (auto& [seq, r] : sched.unfinished()) {
@@ -307,6 +304,39 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
         sched.finish(seq, "stop");
     }
     collect();
+  };
+  // With asynchronous scheduling, the step after the one in flight is sent before the
+  // engine waits for the latter, so the workers run it right after. A step with nothing to
+  // overlap takes the blocking call, which costs fewer hops.
+  struct in_flight {
+    std::future<std::vector<sampler_output>> result;
+    bool samples = false;
+  };
+  std::deque<in_flight> steps;
+  auto send = [&](const execute_model_request& step) {
+    steps.push_back({d.exec->execute_model_async(step), !step.seq_group_metadata_list.empty()});
+  };
+  bool overlap = d.cfg.scheduler.async_scheduling;
+  while (sched.has_unfinished() || !steps.empty()) {
+    if (steps.empty()) {
+      auto step = sched.schedule();
+      bool samples = !step.seq_group_metadata_list.empty();
+      if (!samples && step.blocks_to_swap_in.empty() && step.blocks_to_swap_out.empty()
+          && step.blocks_to_copy.empty())
+        throw error{errc::worker_error, "the scheduler can make no progress"};
+      auto ahead = overlap ? sched.schedule_ahead() : std::nullopt;
+      if (!ahead) {
+        apply(d.exec->execute_model(step), samples);
+        continue;
+      }
+      send(step);
+      send(*ahead);
+    } else if (auto ahead = sched.schedule_ahead()) {
+      send(*ahead);
+    }
+    auto done = std::move(steps.front());
+    steps.pop_front();
+    apply(done.result.get(), done.samples);
   }
   collect();
   d.exec->stop_remote_worker_execution_loop();

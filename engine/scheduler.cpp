@@ -41,7 +41,7 @@ bool scheduler::has_unfinished() const {
   return !requests_.empty();
 }
 
-void scheduler::append_group(const engine_request& r, int64_t chunk, bool is_prompt,
+void scheduler::append_group(engine_request& r, int64_t chunk, bool is_prompt,
                              execute_model_request& step) {
   sequence_group_metadata g;
   g.request_id = r.request_id;
@@ -52,6 +52,13 @@ void scheduler::append_group(const engine_request& r, int64_t chunk, bool is_pro
   seq.token_ids.insert(seq.token_ids.end(), r.output.begin(), r.output.end());
   seq.num_prompt_tokens = static_cast<int32_t>(r.prompt.size());
   seq.num_computed_tokens = static_cast<int32_t>(r.num_computed);
+  if (r.pending > 0) {
+    // A step ahead: the step in flight computes the last known token and samples the one
+    // this step computes.
+    seq.token_ids.push_back(pending_token);
+    seq.num_computed_tokens = static_cast<int32_t>(r.length());
+  }
+  ++r.pending;
   seq.block_table = blocks_.block_table(r.seq_id);
   g.seqs.push_back(std::move(seq));
   g.sampling = r.sampling;
@@ -76,7 +83,15 @@ void scheduler::preempt(int64_t seq) {
   waiting_.push_front(seq);
 }
 
+bool scheduler::at_length_limit(const engine_request& r) const {
+  return static_cast<int64_t>(r.output.size()) + r.pending >= r.sampling.max_tokens
+         || r.length() + r.pending >= limits_.max_model_len;
+}
+
 execute_model_request scheduler::schedule() {
+  if (!in_flight_.empty())
+    throw error{errc::invalid_argument,
+                "scheduler: schedule() while a step is in flight; update() it first"};
   execute_model_request step;
   scheduled_.clear();
   int64_t budget = config_.max_num_batched_tokens;
@@ -183,20 +198,65 @@ execute_model_request scheduler::schedule() {
       l.take(r);
     budget -= tokens;
   }
+  if (!scheduled_.empty())
+    in_flight_.push_back(std::move(scheduled_));
+  scheduled_.clear();
+  return step;
+}
+
+std::optional<execute_model_request> scheduler::schedule_ahead() {
+  if (in_flight_.size() != 1 || !waiting_.empty() || !swapped_.empty())
+    return std::nullopt;
+  auto& flying = in_flight_.front();
+  std::vector<int64_t> seqs;
+  int64_t new_blocks = 0;
+  for (auto seq : running_) {
+    if (std::find(flying.begin(), flying.end(), seq) == flying.end())
+      return std::nullopt; // left out of the step in flight: the host decides
+    auto& r = requests_.at(seq);
+    if (at_length_limit(r))
+      continue;
+    seqs.push_back(seq);
+    auto have = static_cast<int64_t>(blocks_.block_table(seq).size()) * blocks_.block_size();
+    if (have < r.length() + r.pending)
+      ++new_blocks;
+  }
+  if (seqs.empty() || static_cast<int64_t>(seqs.size()) > config_.max_num_seqs
+      || static_cast<int64_t>(seqs.size()) > config_.max_num_batched_tokens
+      || new_blocks > blocks_.free_device_blocks())
+    return std::nullopt;
+  execute_model_request step;
+  scheduled_.clear();
+  for (auto seq : seqs) {
+    auto& r = requests_.at(seq);
+    blocks_.append_slot(seq, r.length() + r.pending, step.blocks_to_copy);
+    append_group(r, 1, false, step);
+  }
+  ++steps_ahead_;
+  in_flight_.push_back(std::move(scheduled_));
+  scheduled_.clear();
   return step;
 }
 
 void scheduler::update(const sampler_output& output) {
-  if (output.outputs.size() != scheduled_.size())
+  if (in_flight_.empty())
+    throw error{errc::invalid_argument, "scheduler: an output, but no step is in flight"};
+  auto seqs = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  if (output.outputs.size() != seqs.size())
     throw error{errc::invalid_argument, "scheduler: " + std::to_string(output.outputs.size()) +
-                                          " outputs for " + std::to_string(scheduled_.size()) +
+                                          " outputs for " + std::to_string(seqs.size()) +
                                           " scheduled sequences"};
-  for (size_t i = 0; i < scheduled_.size(); ++i) {
-    auto seq = scheduled_[i];
-    auto& r = requests_.at(seq);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    auto seq = seqs[i];
+    auto found = requests_.find(seq);
+    if (found == requests_.end())
+      continue; // finished after this step was sent
+    auto& r = found->second;
     if (output.outputs[i].samples.empty())
       throw error{errc::invalid_argument, "scheduler: no sample for '" + r.request_id + "'"};
     auto& sample = output.outputs[i].samples[0];
+    --r.pending;
     r.num_computed = r.length();
     r.output.push_back(sample.output_token);
     r.logprobs.push_back(sample.logprob);
@@ -210,13 +270,13 @@ void scheduler::update(const sampler_output& output) {
     if (stop || length) {
       r.finished = true;
       r.finish_reason = stop ? "stop" : "length";
+      r.pending = 0;
       blocks_.free(seq);
       running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
       finished_.push_back(std::move(r));
       requests_.erase(seq);
     }
   }
-  scheduled_.clear();
 }
 
 void scheduler::finish(int64_t seq, const std::string& reason) {
@@ -232,6 +292,7 @@ void scheduler::finish(int64_t seq, const std::string& reason) {
   swapped_.erase(std::remove(swapped_.begin(), swapped_.end(), seq), swapped_.end());
   r.finished = true;
   r.finish_reason = reason;
+  r.pending = 0;
   finished_.push_back(std::move(r));
   requests_.erase(i);
 }

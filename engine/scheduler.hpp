@@ -8,6 +8,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,8 @@ struct engine_request {
   std::vector<float> logprobs;
   /// Tokens whose keys and values are in the cache.
   int64_t num_computed = 0;
+  /// Tokens of steps in flight not yet in `output` (0 or 1).
+  int64_t pending = 0;
   bool finished = false;
   /// Why it finished: "length", "stop" (EOS or a stop token) or "abort" (too long).
   std::string finish_reason;
@@ -68,12 +71,26 @@ public:
   bool has_unfinished() const;
 
   /// The next step: the request for the executor (with its block moves). Empty when
-  /// nothing can run.
+  /// nothing can run. Only when no step is in flight (every step scheduled was updated).
   execute_model_request schedule();
 
-  /// Applies the sampled tokens of the step `schedule` returned; finishes requests that hit
-  /// a stop condition and frees their blocks.
+  /// The step after the one in flight, made before its tokens are known (asynchronous
+  /// scheduling): each running request decodes one more token, whose input is the one the
+  /// step in flight samples (`pending_token`). None when the host's view is needed first:
+  /// no step or more than one is in flight, requests wait or are swapped out, or a request
+  /// needs a block when none is free. A request that the step in flight surely ends (its
+  /// length) is left out.
+  std::optional<execute_model_request> schedule_ahead();
+
+  /// Applies the sampled tokens of the oldest step in flight (scheduled and not yet
+  /// updated); finishes requests that hit a stop condition and frees their blocks. The
+  /// outputs of requests finished since that step was scheduled are dropped.
   void update(const sampler_output& output);
+
+  /// Steps scheduled and not yet updated.
+  size_t in_flight() const {
+    return in_flight_.size();
+  }
 
   /// Finishes an unfinished request now (e.g. a stop string appeared), freeing its blocks.
   void finish(int64_t seq, const std::string& reason);
@@ -91,11 +108,19 @@ public:
     return preemptions_;
   }
 
+  /// Steps made by `schedule_ahead` so far (for tests and metrics).
+  int64_t steps_ahead() const {
+    return steps_ahead_;
+  }
+
 private:
   void preempt(int64_t seq);
   bool admit(engine_request& r, int64_t& budget, execute_model_request& step);
-  void append_group(const engine_request& r, int64_t chunk, bool is_prompt,
+  void append_group(engine_request& r, int64_t chunk, bool is_prompt,
                     execute_model_request& step);
+  /// Whether `r`'s tokens so far (known and pending) reach its max_tokens or the model's
+  /// length.
+  bool at_length_limit(const engine_request& r) const;
 
   scheduler_config config_;
   scheduler_limits limits_;
@@ -105,10 +130,13 @@ private:
   std::deque<int64_t> waiting_;
   std::vector<int64_t> running_;
   std::deque<int64_t> swapped_;
-  /// Sequences in the step last scheduled, in request order.
+  /// The sequences of each step in flight, oldest first, in request order; `scheduled_`
+  /// collects those of the step being made.
+  std::deque<std::vector<int64_t>> in_flight_;
   std::vector<int64_t> scheduled_;
   std::vector<engine_request> finished_;
   int64_t preemptions_ = 0;
+  int64_t steps_ahead_ = 0;
 };
 
 } // namespace troupe

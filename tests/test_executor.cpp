@@ -157,6 +157,38 @@ TEST_CASE("the execution loop: first step starts it steps reach every rank throu
   CHECK(steps_per_rank(exec) == std::vector<int64_t>{4, 4, 4});
 }
 
+TEST_CASE("a pending token is the driver's last sample, on every rank") {
+  executor exec{config(2), test_factory()};
+  auto ahead = [](std::vector<int32_t> tokens, int64_t seq_id) {
+    execute_model_request req;
+    sequence_group_metadata g;
+    g.request_id = "r";
+    g.seqs.push_back({seq_id, tokens, 2, static_cast<int32_t>(tokens.size() - 1), {0}});
+    g.token_chunk_size = 1;
+    req.seq_group_metadata_list.push_back(g);
+    return req;
+  };
+  // Nothing sampled yet for the sequence: refused, naming it, before any rank runs it.
+  auto what = what_of([&] { exec.execute_model(ahead({5, 5, pending_token}, 0)); });
+  CHECK(what.find("sequence 0 of 'r'") != std::string::npos);
+  CHECK(steps_per_rank(exec) == std::vector<int64_t>{0, 0});
+  // Sent together, as an engine does: the second step takes the first one's token (10).
+  auto first = exec.execute_model_async(one_step(5));
+  auto second = exec.execute_model_async(ahead({5, 5, pending_token}, 0));
+  CHECK(first.get()[0].outputs[0].samples[0].output_token == 10);
+  CHECK(second.get()[0].outputs[0].samples[0].output_token == 20);
+  exec.stop_remote_worker_execution_loop();
+  for (auto& tokens : exec.collective_rpc_as<std::vector<int32_t>>("last_tokens"))
+    CHECK(tokens == std::vector<int32_t>{5, 5, 10});
+  // Only the last token may be pending, and only for a sequence the last step sampled.
+  CHECK(what_of([&] { exec.execute_model(ahead({5, pending_token, 5}, 0)); })
+          .find("before its last") != std::string::npos);
+  exec.execute_model(one_step(5));
+  CHECK(what_of([&] { exec.execute_model(ahead({5, pending_token}, 9)); })
+          .find("sequence 9") != std::string::npos);
+  exec.stop_remote_worker_execution_loop();
+}
+
 TEST_CASE("a peer that fails inside the loop is reported by the next step naming its rank") {
   executor exec{config(2), test_factory()};
   exec.execute_model(one_step(1));

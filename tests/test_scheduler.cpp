@@ -8,6 +8,8 @@
 
 #include <doctest/doctest.h>
 
+#include <deque>
+#include <future>
 #include <map>
 #include <memory>
 
@@ -24,6 +26,7 @@ struct outcome {
   std::map<std::string, std::vector<int32_t>> tokens;
   std::map<std::string, std::string> reasons;
   int64_t preemptions = 0;
+  int64_t steps_ahead = 0;
 };
 
 std::vector<engine_request> requests(int n) {
@@ -42,20 +45,31 @@ std::vector<engine_request> requests(int n) {
   return out;
 }
 
+/// Runs the requests to the end. `ahead`: as the engine does with asynchronous
+/// scheduling, the step after the one in flight is sent before waiting for the latter.
 outcome run(executor& exec, const std::vector<engine_request>& reqs, int64_t device_blocks,
-            int64_t swap_blocks, scheduler_config cfg) {
+            int64_t swap_blocks, scheduler_config cfg, bool ahead = false) {
   scheduler sched{cfg, {}, block_size, device_blocks, swap_blocks, {2}};
   for (auto& r : reqs)
     sched.add(r);
   int steps = 0;
-  while (sched.has_unfinished()) {
-    auto step = sched.schedule();
+  std::deque<std::pair<std::future<std::vector<sampler_output>>, bool>> flying;
+  auto send = [&](const execute_model_request& step) {
     REQUIRE_MESSAGE(++steps < 2000, "the scheduler makes no progress");
-    auto out = exec.execute_model(step);
-    if (!step.seq_group_metadata_list.empty()) {
+    flying.emplace_back(exec.execute_model_async(step), !step.seq_group_metadata_list.empty());
+  };
+  while (sched.has_unfinished() || !flying.empty()) {
+    if (flying.empty())
+      send(sched.schedule());
+    if (ahead && flying.size() == 1)
+      if (auto next = sched.schedule_ahead())
+        send(*next);
+    auto out = flying.front().first.get();
+    if (flying.front().second) {
       REQUIRE(out.size() == 1);
       sched.update(out[0]);
     }
+    flying.pop_front();
   }
   outcome o;
   for (auto& r : sched.take_finished()) {
@@ -63,6 +77,7 @@ outcome run(executor& exec, const std::vector<engine_request>& reqs, int64_t dev
     o.reasons[r.request_id] = r.finish_reason;
   }
   o.preemptions = sched.preemptions();
+  o.steps_ahead = sched.steps_ahead();
   return o;
 }
 
@@ -95,6 +110,11 @@ TEST_CASE("concurrent requests give the outputs they give one at a time") {
     CHECK(together.reasons[r.request_id] == "length");
   }
   CHECK(together.preemptions == 0);
+  CHECK(together.steps_ahead == 0);
+  auto pipelined = run(*exec, reqs, 128, 0, {}, true);
+  CHECK(pipelined.steps_ahead > 0);
+  CHECK(pipelined.tokens == alone.tokens);
+  CHECK(pipelined.reasons == together.reasons);
   exec->stop_remote_worker_execution_loop();
 
   SUBCASE("a cache too small for the batch preempts by swapping, outputs unchanged") {
@@ -102,12 +122,19 @@ TEST_CASE("concurrent requests give the outputs they give one at a time") {
     auto swapped = run(*small, reqs, 16, 32, {});
     CHECK(swapped.preemptions > 0);
     CHECK(swapped.tokens == alone.tokens);
+    auto pipelined = run(*small, reqs, 16, 32, {}, true);
+    CHECK(pipelined.preemptions > 0);
+    CHECK(pipelined.steps_ahead > 0);
+    CHECK(pipelined.tokens == alone.tokens);
   }
   SUBCASE("and by recomputing when there is no swap space") {
     auto small = make_executor(16, 0);
     auto recomputed = run(*small, reqs, 16, 0, {});
     CHECK(recomputed.preemptions > 0);
     CHECK(recomputed.tokens == alone.tokens);
+    auto pipelined = run(*small, reqs, 16, 0, {}, true);
+    CHECK(pipelined.steps_ahead > 0);
+    CHECK(pipelined.tokens == alone.tokens);
   }
   SUBCASE("a small token budget and sequence limit spread the work over more steps") {
     scheduler_config tight;
@@ -115,6 +142,7 @@ TEST_CASE("concurrent requests give the outputs they give one at a time") {
     tight.max_num_seqs = 3;
     auto limited = run(*exec, reqs, 128, 0, tight);
     CHECK(limited.tokens == alone.tokens);
+    CHECK(run(*exec, reqs, 128, 0, tight, true).tokens == alone.tokens);
   }
 }
 
@@ -129,6 +157,11 @@ TEST_CASE("stop tokens, end of sequence and impossible prompts finish requests")
   auto stopped = run(*exec, {stopping}, 32, 0, {});
   CHECK(stopped.tokens["req-0"].size() == 2);
   CHECK(stopped.reasons["req-0"] == "stop");
+  // Stopped while the step after was in flight: that step's token is dropped.
+  auto stopped_ahead = run(*exec, {stopping}, 32, 0, {}, true);
+  CHECK(stopped_ahead.steps_ahead > 0);
+  CHECK(stopped_ahead.tokens["req-0"] == stopped.tokens["req-0"]);
+  CHECK(stopped_ahead.reasons["req-0"] == "stop");
   auto huge = reqs[1];
   huge.prompt.assign(500, 7); // more blocks than the cache has
   auto aborted = run(*exec, {huge}, 32, 0, {});
@@ -173,4 +206,67 @@ TEST_CASE("a step holds at most max_loras distinct adapters and passed-over requ
   sample_all(sched.schedule()); // req-1 and req-4 finish; adapter 3 gets a slot
   auto fourth = sched.schedule();
   CHECK(adapters_of(fourth) == std::vector<std::string>{"req-2:3"});
+}
+
+TEST_CASE("a step ahead decodes the running requests with their last token pending") {
+  scheduler sched{{}, {}, block_size, 8, 0, {2}};
+  auto reqs = requests(3);
+  reqs[0].sampling.max_tokens = 1; // ends with the first step's token: not in the next
+  reqs[1].sampling.max_tokens = 5;
+  reqs[1].prompt = {5, 6, 7, 8}; // a full block: the step ahead needs a new one
+  sched.add(reqs[0]);
+  sched.add(reqs[1]);
+  CHECK_FALSE(sched.schedule_ahead()); // nothing in flight
+  auto first = sched.schedule();
+  REQUIRE(first.seq_group_metadata_list.size() == 2);
+  CHECK(sched.in_flight() == 1);
+  CHECK_THROWS_AS(sched.schedule(), error);
+  auto ahead = sched.schedule_ahead();
+  REQUIRE(ahead);
+  REQUIRE(ahead->seq_group_metadata_list.size() == 1);
+  auto& g = ahead->seq_group_metadata_list[0];
+  CHECK(g.request_id == "req-1");
+  CHECK_FALSE(g.is_prompt);
+  CHECK(g.token_chunk_size == 1);
+  CHECK(g.seqs[0].token_ids == std::vector<int32_t>{5, 6, 7, 8, pending_token});
+  CHECK(g.seqs[0].num_computed_tokens == 4);
+  CHECK(g.seqs[0].block_table.size() == 2);
+  CHECK_FALSE(sched.schedule_ahead()); // one step ahead at most
+  auto sample = [](const execute_model_request& step, std::vector<int32_t> tokens) {
+    sampler_output out;
+    for (size_t i = 0; i < step.seq_group_metadata_list.size(); ++i) {
+      sequence_output s;
+      s.output_token = tokens[i];
+      out.outputs.push_back({step.seq_group_metadata_list[i].request_id, {s}});
+    }
+    return out;
+  };
+  sched.update(sample(first, {40, 41}));
+  auto done = sched.take_finished();
+  REQUIRE(done.size() == 1);
+  CHECK(done[0].output == std::vector<int32_t>{40});
+  // The next step ahead carries the token now known and the one still pending.
+  auto third = sched.schedule_ahead();
+  REQUIRE(third);
+  CHECK(third->seq_group_metadata_list[0].seqs[0].token_ids ==
+        std::vector<int32_t>{5, 6, 7, 8, 41, pending_token});
+  CHECK(third->seq_group_metadata_list[0].seqs[0].num_computed_tokens == 5);
+  // A request that ends while steps after it are in flight: their tokens are dropped.
+  sched.finish(1, "stop");
+  sched.update(sample(*ahead, {42}));
+  sched.update(sample(*third, {43}));
+  done = sched.take_finished();
+  REQUIRE(done.size() == 1);
+  CHECK(done[0].output == std::vector<int32_t>{41});
+  CHECK_FALSE(sched.has_unfinished());
+  CHECK_THROWS_AS(sched.update(sample(first, {1, 2})), error); // nothing in flight
+
+  // Waiting requests need the host's view of the blocks: no step ahead.
+  scheduler_config one_seq;
+  one_seq.max_num_seqs = 1;
+  scheduler narrow{one_seq, {}, block_size, 8, 0, {2}};
+  narrow.add(reqs[1]);
+  narrow.add(reqs[2]);
+  narrow.schedule();
+  CHECK_FALSE(narrow.schedule_ahead());
 }

@@ -92,6 +92,7 @@ public:
       std::this_thread::sleep_for(std::chrono::milliseconds(step_delay_ms_));
     ++steps_;
     sampler_output out;
+    last_tokens_.clear();
     for (auto& group : req.seq_group_metadata_list) {
       sequence_group_output g;
       g.request_id = group.request_id;
@@ -99,6 +100,7 @@ public:
         int64_t sum = 0;
         for (auto t : seq.token_ids)
           sum += t;
+        last_tokens_.insert(last_tokens_.end(), seq.token_ids.begin(), seq.token_ids.end());
         g.samples.push_back({seq.seq_id, static_cast<int32_t>(sum % 32000), -0.5f, {}});
       }
       out.outputs.push_back(std::move(g));
@@ -213,6 +215,9 @@ private:
     register_method("steps", [](worker& w, const caf::message&, const caf::settings&) {
       return caf::make_message(static_cast<test_worker&>(w).steps_);
     });
+    register_method("last_tokens", [](worker& w, const caf::message&, const caf::settings&) {
+      return caf::make_message(static_cast<test_worker&>(w).last_tokens_);
+    });
     register_method("slow_steps", [](worker& w, const caf::message& args, const caf::settings&) {
       static_cast<test_worker&>(w).step_delay_ms_ = int_arg(args, 0, 0);
       return caf::message{};
@@ -268,6 +273,8 @@ private:
   std::set<int64_t> loras_;
   std::set<int64_t> adapters_;
   int64_t steps_ = 0;
+  /// The tokens of the last step's sequences, one after another.
+  std::vector<int32_t> last_tokens_;
   bool fail_next_step_ = false;
   int32_t step_delay_ms_ = 0;
   bool fail_next_sleep_ = false;

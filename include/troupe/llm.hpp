@@ -29,6 +29,16 @@ struct scheduler_config {
   /// How a running sequence gives way when blocks run out: by swapping its blocks out
   /// (when swap space allows) or by dropping them and computing the prompt again.
   bool preempt_by_swap = true;
+  /// Asynchronous scheduling (vLLM's `async_scheduling`, opt-in there too): while a step
+  /// runs, the engine schedules and sends the next one when it needs none of the running
+  /// step's tokens on the host: every running request decodes once more, and the driver
+  /// passes on the token it sampled. The workers then go from step to step without waiting
+  /// for the host. The tokens are the same either way; a request that ends in a step is
+  /// dropped from the step already sent after it. It pays where the host has a core to
+  /// itself (a GPU's workers mostly wait for the device); on a CPU whose cores all run the
+  /// model, the host's work competes with the step (`troupe bench generate
+  /// --async-scheduling both` measures both).
+  bool async_scheduling = false;
 
   /// Throws `troupe::error` (`invalid_argument`) naming a limit below 1.
   void validate() const;

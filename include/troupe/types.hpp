@@ -80,6 +80,13 @@ typename Inspector::result_type inspect(Inspector& f, sampling_params& x) {
 
 // -- execute-model request ----------------------------------------------------
 
+/// A sequence's last token in `sequence_data::token_ids` when the host does not know it
+/// yet: the token that the driver sampled for that sequence in the step before. An engine
+/// that schedules step N+1 while step N runs (asynchronous scheduling) sends it, and the
+/// driver puts the token in before the step reaches any rank. Only the last token may be
+/// pending, and only for a sequence that the previous step sampled.
+constexpr int32_t pending_token = -1;
+
 /// One sequence of a group: its tokens so far and where its KV cache lives.
 /// The tokens computed in this step sit at positions
 /// `[num_computed_tokens, num_computed_tokens + token_chunk_size)` of `token_ids`.
