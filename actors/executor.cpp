@@ -31,12 +31,6 @@ namespace {
 /// and reports it with context.
 constexpr auto facade_grace = std::chrono::seconds(5);
 
-caf::duration facade_timeout(timeout_type t) {
-  if (t == wait_forever)
-    return caf::infinite;
-  return caf::duration{t + facade_grace};
-}
-
 int64_t to_us(timeout_type t) {
   return t == wait_forever ? wait_forever.count() : t.count();
 }
@@ -71,10 +65,6 @@ private:
 /// Handler type that receives a reply of type T (nothing for void).
 template <class T>
 struct reply {
-  template <class Out>
-  static auto handler(Out& out) {
-    return [&out](T& x) { out = std::move(x); };
-  }
   template <class P>
   static auto async_handler(P slot) {
     return [slot](T& x) { slot->set(std::move(x)); };
@@ -84,10 +74,6 @@ struct reply {
 /// Calls with nothing to return are answered `ok_atom`.
 template <>
 struct reply<void> {
-  template <class Out>
-  static auto handler(Out& out) {
-    return [&out](caf::ok_atom) { out = true; };
-  }
   template <class P>
   static auto async_handler(P slot) {
     return [slot](caf::ok_atom) { slot->set(); };
@@ -138,60 +124,18 @@ struct executor::impl {
       throw error{errc::shut_down, "executor is shut down"};
   }
 
-  /// Blocking actors that have asked the supervisor before and whose mailbox is empty:
-  /// spawning one per call costs more than the call's messages.
-  std::mutex callers_mtx;
-  std::vector<std::unique_ptr<caf::scoped_actor>> callers;
-
-  std::unique_ptr<caf::scoped_actor> take_caller() {
-    {
-      std::lock_guard<std::mutex> lk{callers_mtx};
-      if (!callers.empty()) {
-        auto caller = std::move(callers.back());
-        callers.pop_back();
-        return caller;
-      }
-    }
-    return std::make_unique<caf::scoped_actor>(*sys);
-  }
-
-  /// Keeps `caller` for the next call; one that gave up on a reply is dropped instead (the
-  /// late reply would sit in its mailbox).
-  void return_caller(std::unique_ptr<caf::scoped_actor> caller, bool clean) {
-    if (!clean)
-      return;
-    std::lock_guard<std::mutex> lk{callers_mtx};
-    callers.push_back(std::move(caller));
-  }
-
-  /// Sends a request to the supervisor and blocks for the reply.
+  /// Sends a request to the supervisor and blocks for the reply (see `send`). The facade
+  /// waits a grace longer than the deadline, which the supervisor enforces and reports.
   template <class T, class... Ts>
   T ask(timeout_type t, Ts&&... xs) {
     std::shared_lock<std::shared_mutex> guard{lifecycle};
     check_open();
-    logger_release release;
-    auto caller = take_caller();
-    auto& self = *caller;
-    using value_type = std::conditional_t<std::is_void<T>::value, bool, T>;
-    value_type out{};
-    caf::error err;
-    // The deadline is the receive's, not the request's: a CAF 0.17 request timeout would
-    // keep this short-lived actor alive in the actor clock until it fired.
-    auto handle = self->request(supervisor, caf::infinite, std::forward<Ts>(xs)...);
-    auto on_error = [&](caf::error& e) { err = std::move(e); };
-    caf::blocking_actor::accept_one_cond once;
-    if (t == wait_forever)
-      self->varargs_receive(once, handle.id(), reply<T>::handler(out), on_error);
-    else
-      self->varargs_receive(once, handle.id(), reply<T>::handler(out), on_error,
-                            caf::after(facade_timeout(t)) >> [&] {
-                              err = caf::sec::request_timeout;
-                            });
-    return_caller(std::move(caller), err != caf::sec::request_timeout);
-    if (err)
-      throw translate(err);
-    if constexpr (!std::is_void<T>::value)
-      return out;
+    auto fut = send<T>(std::forward<Ts>(xs)...);
+    // Past a year a deadline is as good as none (and the clock arithmetic would overflow).
+    bool bounded = t != wait_forever && t < std::chrono::hours(24 * 365);
+    if (bounded && fut.wait_for(t + facade_grace) == std::future_status::timeout)
+      throw translate(caf::sec::request_timeout);
+    return fut.get();
   }
 
   /// Proves the secret to node `n` and leases its workers, all before `deadline`. Throws
@@ -262,18 +206,15 @@ struct executor::impl {
     return leased;
   }
 
-  /// Hands a call to the supervisor, which makes its request to itself; the future gets
-  /// the reply. Calls made one after another (from one thread, or ordered by the host)
-  /// reach the supervisor in that order, which lets a caller queue the next step behind
-  /// the one in flight. A call that the supervisor never answers (it shut down) fails
-  /// with `shut_down` when the supervisor drops it.
+  /// Hands a call to the supervisor, which makes its request to itself and fills the
+  /// future with the reply. Calls made one after another (from one thread, or ordered by
+  /// the host) reach the supervisor in that order, which lets a caller queue the next step
+  /// behind the one in flight. A call that the supervisor drops unanswered (it shut down)
+  /// fails with `shut_down`. The caller holds `lifecycle` and has checked `shut`.
   template <class T, class... Ts>
-  std::future<T> ask_async(Ts... xs) {
+  std::future<T> send(Ts... xs) {
     auto slot = std::make_shared<async_slot<T>>();
     auto fut = slot->future();
-    std::shared_lock<std::shared_mutex> guard{lifecycle};
-    if (*shut)
-      return fut; // the slot fails with shut_down
     auto closed = shut;
     caf::anon_send(supervisor, async_call{[=](supervisor_access& access) mutable {
       auto fail = [slot, closed](const caf::error& e) {
@@ -286,6 +227,17 @@ struct executor::impl {
         .then(reply<T>::async_handler(slot), [fail](caf::error& e) { fail(e); });
     }});
     return fut;
+  }
+
+  /// `send` for the async API: a closed executor's future fails with `shut_down`.
+  template <class T, class... Ts>
+  std::future<T> ask_async(Ts... xs) {
+    std::shared_lock<std::shared_mutex> guard{lifecycle};
+    if (*shut) {
+      async_slot<T> closed;
+      return closed.future(); // fails with shut_down as `closed` goes
+    }
+    return send<T>(std::move(xs)...);
   }
 
   /// Runs a callable on every worker and waits. If the call fails (deadline, an error of
@@ -343,11 +295,6 @@ struct executor::impl {
     std::unique_lock<std::shared_mutex> guard{lifecycle};
     if (!sys)
       return;
-    {
-      logger_release release;
-      std::lock_guard<std::mutex> lk{callers_mtx};
-      callers.clear();
-    }
     size_t left = 0;
     {
       logger_release release;
