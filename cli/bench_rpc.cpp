@@ -133,58 +133,110 @@ stats thread_wakeup_floor(int iterations) {
   return summarize(std::move(samples), wall.count());
 }
 
-/// Scatter-gather from this thread to `n` threads, each waiting on its own mutex and
-/// condition variable (a mailbox), each replying through the caller's: the floor of a
-/// collective call to `n` workers on this machine.
-stats scatter_gather_floor(int n, int iterations) {
+/// `n` threads, each waiting on its own mutex and condition variable (a mailbox) and
+/// replying through the caller's: `call` is a scatter-gather to all of them.
+class gather_group {
+public:
+  explicit gather_group(int n) : boxes_(static_cast<size_t>(n)) {
+    for (auto& box : boxes_)
+      threads_.emplace_back([this, &box] {
+        int64_t seen = 0;
+        for (;;) {
+          std::unique_lock<std::mutex> lk{box.mtx};
+          box.cv.wait(lk, [&] { return box.asked != seen; });
+          if (box.asked < 0)
+            return;
+          seen = box.asked;
+          lk.unlock();
+          std::lock_guard<std::mutex> reply{reply_mtx_};
+          ++replies_;
+          reply_cv_.notify_one();
+        }
+      });
+  }
+
+  ~gather_group() {
+    for (auto& box : boxes_) {
+      std::lock_guard<std::mutex> lk{box.mtx};
+      box.asked = -1;
+      box.cv.notify_one();
+    }
+    for (auto& t : threads_)
+      t.join();
+  }
+
+  void call() {
+    ++calls_;
+    for (auto& box : boxes_) {
+      std::lock_guard<std::mutex> lk{box.mtx};
+      box.asked = calls_;
+      box.cv.notify_one();
+    }
+    std::unique_lock<std::mutex> lk{reply_mtx_};
+    reply_cv_.wait(lk, [&] { return replies_ == static_cast<int>(boxes_.size()); });
+    replies_ = 0;
+  }
+
+private:
   struct mailbox {
     std::mutex mtx;
     std::condition_variable cv;
     int64_t asked = 0; // the call number to answer; -1: stop
   };
-  std::vector<mailbox> boxes(static_cast<size_t>(n));
-  std::mutex reply_mtx;
-  std::condition_variable reply_cv;
-  int replies = 0;
-  std::vector<std::thread> threads;
-  for (auto& box : boxes)
-    threads.emplace_back([&box, &reply_mtx, &reply_cv, &replies] {
-      int64_t seen = 0;
-      for (;;) {
-        std::unique_lock<std::mutex> lk{box.mtx};
-        box.cv.wait(lk, [&] { return box.asked != seen; });
-        if (box.asked < 0)
-          return;
-        seen = box.asked;
-        lk.unlock();
-        std::lock_guard<std::mutex> reply{reply_mtx};
-        ++replies;
-        reply_cv.notify_one();
-      }
-    });
-  std::vector<double> samples;
-  auto wall_start = clock_type::now();
-  for (int i = 1; i <= iterations; ++i) {
-    auto start = clock_type::now();
-    for (auto& box : boxes) {
-      std::lock_guard<std::mutex> lk{box.mtx};
-      box.asked = i;
-      box.cv.notify_one();
+  std::vector<mailbox> boxes_;
+  std::mutex reply_mtx_;
+  std::condition_variable reply_cv_;
+  int replies_ = 0;
+  int64_t calls_ = 0;
+  std::vector<std::thread> threads_;
+};
+
+/// Scatter-gather from this thread to `n` threads: the floor of a collective call to `n`
+/// workers on this machine.
+stats scatter_gather_floor(int n, int iterations) {
+  gather_group group{n};
+  auto s = measure([&] { group.call(); }, iterations);
+  s.rss_bytes = 0; // not the executor's
+  return s;
+}
+
+/// The same scatter-gather made by a middle thread on behalf of this one, which hands it
+/// the call and waits for its answer: the floor of any design with a supervisor thread
+/// between the caller and the workers (two hand-offs more than `scatter_gather_floor`).
+stats relayed_gather_floor(int n, int iterations) {
+  gather_group group{n};
+  std::mutex mtx;
+  std::condition_variable cv;
+  int turn = 0; // 0: the caller's, 1: the middle's, -1: stop
+  std::thread middle([&] {
+    std::unique_lock<std::mutex> lk{mtx};
+    for (;;) {
+      cv.wait(lk, [&] { return turn != 0; });
+      if (turn < 0)
+        return;
+      lk.unlock();
+      group.call();
+      lk.lock();
+      turn = 0;
+      cv.notify_all();
     }
-    std::unique_lock<std::mutex> lk{reply_mtx};
-    reply_cv.wait(lk, [&] { return replies == n; });
-    replies = 0;
-    samples.push_back(std::chrono::duration<double, std::micro>(clock_type::now() - start).count());
+  });
+  auto s = measure(
+    [&] {
+      std::unique_lock<std::mutex> lk{mtx};
+      turn = 1;
+      cv.notify_all();
+      cv.wait(lk, [&] { return turn == 0; });
+    },
+    iterations);
+  {
+    std::lock_guard<std::mutex> lk{mtx};
+    turn = -1;
   }
-  std::chrono::duration<double> wall = clock_type::now() - wall_start;
-  for (auto& box : boxes) {
-    std::lock_guard<std::mutex> lk{box.mtx};
-    box.asked = -1;
-    box.cv.notify_one();
-  }
-  for (auto& t : threads)
-    t.join();
-  return summarize(std::move(samples), wall.count());
+  cv.notify_all();
+  middle.join();
+  s.rss_bytes = 0;
+  return s;
 }
 
 /// CPU seconds this process used (user and system), from /proc/self/stat.
@@ -333,6 +385,7 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
 
     auto floor = thread_wakeup_floor(opts->iterations);
     auto gather_floor = scatter_gather_floor(opts->workers, opts->iterations);
+    auto relayed_floor = relayed_gather_floor(opts->workers, opts->iterations);
     auto tcp_floor = tcp_round_trip_floor(opts->iterations);
     // One sequence of one token: the smallest step there is.
     execute_model_request step;
@@ -385,6 +438,8 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                 << "  floor (scatter-gather to " << opts->workers << " threads): p50 "
                 << gather_floor.p50_us << " us; idle p50 / floor "
                 << idle.p50_us / gather_floor.p50_us << "\n"
+                << "  floor (the same through a middle thread): p50 " << relayed_floor.p50_us
+                << " us; idle p50 / floor " << idle.p50_us / relayed_floor.p50_us << "\n"
                 << "  idle executor: " << idle_cpu_share * 100 << " % of a core over "
                 << opts->idle_seconds << " s\n"
                 << "  floor (loopback TCP round trip): p50 " << tcp_floor.p50_us << " us\n";
@@ -394,6 +449,8 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     std::cout << "{\"floor\":" << to_json(floor, 0, "thread_wakeup_round_trip")
               << ",\"gather_floor\":"
               << to_json(gather_floor, opts->workers, "thread_scatter_gather")
+              << ",\"relayed_gather_floor\":"
+              << to_json(relayed_floor, opts->workers, "thread_relayed_scatter_gather")
               << ",\"tcp_floor\":" << to_json(tcp_floor, 0, "loopback_tcp_round_trip")
               << ",\"idle_cpu_share\":" << idle_cpu_share << "}\n";
     auto mode = [&](const char* m) {
