@@ -104,6 +104,8 @@ struct executor::impl {
   /// Watched by the nodes that leased workers to this executor.
   caf::actor lease_holder;
   std::vector<worker_actor> local_workers;
+  /// Workers leased from nodes, which release them when the lease holder goes.
+  std::vector<worker_actor> leased_workers;
   std::vector<worker_info> infos;
   /// Shared with the helpers of async calls, which may outlive the facade.
   std::shared_ptr<std::atomic<bool>> shut = std::make_shared<std::atomic<bool>>(false);
@@ -307,6 +309,13 @@ struct executor::impl {
         self->monitor(supervisor);
         ++left;
       }
+      // Waiting for the nodes to release their workers lets the middleman finish with
+      // those connections before the system is destroyed; destroyed earlier, it now and
+      // then kept a reference to the supervisor and waited for it forever.
+      for (auto& w : leased_workers) {
+        self->monitor(w);
+        ++left;
+      }
       // The supervisor stops the workers; this covers a supervisor that is already gone.
       for (auto& w : local_workers)
         self->send_exit(w, caf::exit_reason::user_shutdown);
@@ -335,6 +344,7 @@ struct executor::impl {
     supervisor = nullptr;
     lease_holder = nullptr;
     local_workers.clear();
+    leased_workers.clear();
     if (left > 0)
       log->error("shutdown: {} actor(s) still busy after {} s; abandoning them", left,
                  shutdown_grace.count());
@@ -429,6 +439,7 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
       for (auto& n : d.cfg.nodes)
         for (auto& w : d.lease(n, deadline)) {
           workers.push_back(caf::actor_cast<worker_actor>(std::move(w)));
+          d.leased_workers.push_back(workers.back());
           places.push_back({"node", n.host, n.port});
         }
     } catch (...) {
