@@ -398,6 +398,11 @@ void executor_config::validate() const {
                   std::to_string(tensor_parallel_size)};
   if (rpc_timeout <= timeout_type::zero() || startup_timeout <= timeout_type::zero())
     throw error{errc::invalid_argument, "rpc_timeout and startup_timeout must be positive"};
+  if (restart.max_restarts < 0)
+    throw error{errc::invalid_argument, "restart.max_restarts must be 0 or more, got " +
+                                          std::to_string(restart.max_restarts)};
+  if (restart.max_restarts > 0 && restart.window <= timeout_type::zero())
+    throw error{errc::invalid_argument, "restart.window must be positive"};
 }
 
 executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl) {
@@ -463,35 +468,15 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     workers.push_back(*handle);
     places.push_back({"worker host", rw.host, rw.port});
   }
-  d.supervisor = spawn_supervisor(*d.sys, d.cfg, std::move(workers), std::move(places));
+  d.supervisor =
+    spawn_supervisor(*d.sys, d.cfg, std::move(workers), std::move(places), std::move(factory));
   try {
     d.infos = d.ask<std::vector<worker_info>>(d.cfg.startup_timeout, init_atom::value);
   } catch (...) {
     d.stop();
     throw;
   }
-  if (d.infos.size() > 1)
-    connect_collective();
   d.log->info("executor ready: {} worker(s), driver on {}", d.infos.size(), d.infos[0].device);
-}
-
-void executor::connect_collective() {
-  auto& d = *impl_;
-  rpc_call_options opts;
-  opts.timeout = d.cfg.startup_timeout;
-  try {
-    auto table = collective_rpc_as<std::vector<std::string>>("prepare_collective", opts);
-    bool needed = false;
-    for (auto& row : table)
-      needed = needed || !row.empty();
-    if (!needed)
-      return;
-    opts.args = caf::make_message(std::move(table));
-    collective_rpc("connect_collective", opts);
-  } catch (...) {
-    d.stop();
-    throw;
-  }
 }
 
 executor::~executor() {

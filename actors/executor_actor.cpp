@@ -8,13 +8,18 @@
 #include "actors/node_auth.hpp"
 #include "actors/remoting.hpp"
 #include "actors/sleep_state.hpp"
+#include "actors/worker_actor.hpp"
 #include "troupe/errors.hpp"
 
 #include <caf/all.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 
 namespace troupe {
@@ -65,6 +70,10 @@ struct gather {
   std::vector<bool> answered;
   std::function<void(gather_result)> done;
   bool finished = false;
+  /// Under a restart policy, an error saying that a worker is gone, held until `settle_at`
+  /// for the death to be reported: the call then fails with `worker_replaced`.
+  caf::error held;
+  clock_type::time_point settle_at;
 };
 
 using gather_ptr = std::shared_ptr<gather>;
@@ -74,7 +83,12 @@ using promise = caf::typed_response_promise<Ts...>;
 
 std::string ms_text(timeout_type t) {
   auto ms = std::chrono::duration<double, std::milli>(t).count();
-  return std::to_string(ms) + " ms";
+  auto whole = static_cast<int64_t>(ms);
+  if (static_cast<double>(whole) == ms)
+    return std::to_string(whole) + " ms";
+  char text[64];
+  std::snprintf(text, sizeof text, "%.3f ms", ms);
+  return text;
 }
 
 /// The deadline of a call; the facade has already refused zero and negative ones.
@@ -145,6 +159,30 @@ struct supervisor_state {
   int64_t loop_error_id = 0;
   /// Callers of stop_remote_worker_execution_loop waiting for the tasks to end.
   std::vector<promise<caf::ok_atom>> stop_waiters;
+
+  // What a replacement needs (`executor_config::restart`).
+  /// Spawns the replacement of a worker of this process.
+  worker_factory factory;
+  /// Each rank's init context.
+  std::vector<worker_context> contexts;
+  /// The blocks of the last initialize_cache.
+  std::optional<cache_blocks> cache;
+  /// An adapter call that every worker accepted; replayed in order on a replacement.
+  struct adapter_call {
+    std::string method;
+    caf::message args;
+    /// "lora" or "prompt_adapter", and the adapter's id: a removal drops the entries.
+    std::string kind;
+    int64_t id = 0;
+  };
+  std::vector<adapter_call> adapter_calls;
+  /// When the replacements within the restart window happened.
+  std::deque<clock_type::time_point> restarts;
+  /// Replacements so far, by rank (reported by check_health).
+  std::vector<int32_t> rank_restarts;
+  /// A worker is being replaced: calls that arrive wait in `waiting_calls`.
+  bool recovering = false;
+  std::vector<async_call> waiting_calls;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
 
   static inline const char* name = "troupe.executor";
@@ -210,9 +248,28 @@ struct supervisor_state {
             st->send_next(g);
         },
         [st, g, index](caf::error& err) {
-          st->finish(g, rank_error(*g, g->ranks[index], err));
+          auto why = rank_error(*g, g->ranks[index], err);
+          if (st->cfg.restart.max_restarts > 0 && why.category() == caf::atom("troupe")
+              && why.code() == static_cast<uint8_t>(errc::worker_died))
+            st->hold(g, std::move(why));
+          else
+            st->finish(g, std::move(why));
         });
     }
+  }
+
+  /// How long a call that a worker's death failed waits for that death to be reported.
+  static constexpr auto settle_time = std::chrono::seconds(1);
+
+  /// Keeps `g` pending with `why` for `settle_time`: a worker reported that a peer is gone
+  /// (a collective it left), or a request found its worker gone, and the death that will
+  /// follow decides how the call fails.
+  void hold(const gather_ptr& g, caf::error why) {
+    if (g->finished || g->held)
+      return;
+    g->held = std::move(why);
+    g->settle_at = clock_type::now() + settle_time;
+    arm_deadline(g->settle_at);
   }
 
   void finish(const gather_ptr& g, gather_result result) {
@@ -226,11 +283,16 @@ struct supervisor_state {
   /// Fails every pending call with `why`, which every later call also gets.
   void fail_all(caf::error why) {
     failure = std::move(why);
+    fail_pending(failure);
+  }
+
+  /// Fails every pending call with `why`.
+  void fail_pending(const caf::error& why) {
     auto calls = std::move(pending);
     pending.clear();
     for (auto& [id, g] : calls) {
       g->finished = true;
-      g->done(failure);
+      g->done(why);
     }
   }
 
@@ -256,14 +318,24 @@ struct supervisor_state {
       timer_armed = false;
     auto now = clock_type::now();
     std::vector<gather_ptr> expired;
-    for (auto& entry : pending)
-      if (!entry.second->forever && entry.second->deadline <= now)
-        expired.push_back(entry.second);
+    std::vector<gather_ptr> settled;
+    for (auto& entry : pending) {
+      auto& g = entry.second;
+      if (g->held && g->settle_at <= now)
+        settled.push_back(g);
+      else if (!g->forever && g->deadline <= now)
+        expired.push_back(g);
+    }
+    for (auto& g : settled)
+      finish(g, g->held);
     for (auto& g : expired)
       finish(g, rank_error(*g, first_silent_rank(*g), caf::sec::request_timeout));
-    for (auto& entry : pending)
+    for (auto& entry : pending) {
+      if (entry.second->held)
+        arm_deadline(entry.second->settle_at);
       if (!entry.second->forever)
         arm_deadline(entry.second->deadline);
+    }
   }
 
   std::vector<int32_t> all_ranks() const {
@@ -331,12 +403,29 @@ struct supervisor_state {
 
   // -- the handlers -----------------------------------------------------------------
 
-  /// Starts every worker: device, model, rank and peers.
+  /// The handles of ranks 1.. for the driver.
+  std::vector<caf::actor> driver_peers() const {
+    std::vector<caf::actor> peers;
+    for (size_t i = 1; i < workers.size(); ++i)
+      peers.push_back(caf::actor_cast<caf::actor>(workers[i]));
+    return peers;
+  }
+
+  /// The init request of `rank`.
+  ask_fn init_request(int32_t rank) const {
+    return asking(init_atom::value, contexts[static_cast<size_t>(rank)],
+                  rank == 0 ? driver_peers() : std::vector<caf::actor>{});
+  }
+
+  /// Starts every worker (device, model, rank and peers), then forms their tensor-parallel
+  /// group.
   promise<std::vector<worker_info>> init_workers() {
     auto rp = self->template make_response_promise<std::vector<worker_info>>();
     auto world = static_cast<int32_t>(workers.size());
     std::vector<ask_fn> requests;
     int32_t local_index = 0;
+    contexts.clear();
+    rank_restarts.assign(workers.size(), 0);
     for (int32_t rank = 0; rank < world; ++rank) {
       worker_context ctx;
       ctx.rank = rank;
@@ -347,12 +436,11 @@ struct supervisor_state {
       ctx.max_model_len = cfg.max_model_len;
       ctx.profile_dir = cfg.profile_dir;
       ctx.collective_host = cfg.collective_host;
-      std::vector<caf::actor> peers;
-      if (rank == 0)
-        for (size_t i = 1; i < workers.size(); ++i)
-          peers.push_back(caf::actor_cast<caf::actor>(workers[i]));
-      requests.push_back(asking(init_atom::value, ctx, std::move(peers)));
+      contexts.push_back(ctx);
     }
+    for (int32_t rank = 0; rank < world; ++rank)
+      requests.push_back(init_request(rank));
+    auto* st = this;
     start_gather("init", all_ranks(), nullptr, cfg.startup_timeout, 0,
                  [=](gather_result res) mutable {
                    if (!res) {
@@ -375,10 +463,50 @@ struct supervisor_state {
                      rp.deliver(std::move(err));
                      return;
                    }
-                   rp.deliver(std::move(infos));
+                   st->form_collective([rp, infos](caf::error err) mutable {
+                     if (err)
+                       rp.deliver(std::move(err));
+                     else
+                       rp.deliver(std::move(infos));
+                   });
                  },
                  std::move(requests));
     return rp;
+  }
+
+  /// Forms the workers' tensor-parallel group: each rank prepares its side, then every rank
+  /// connects with the table of all (skipped when no rank needs one).
+  void form_collective(std::function<void(caf::error)> then) {
+    if (workers.size() < 2) {
+      then(caf::none);
+      return;
+    }
+    auto* st = this;
+    const std::string prepare = "prepare_collective";
+    start_gather(prepare, all_ranks(), calling(prepare), cfg.startup_timeout, 0,
+                 [st, then, prepare](gather_result res) {
+                   if (!res)
+                     return then(res.error());
+                   std::vector<std::vector<std::string>> table;
+                   bool needed = false;
+                   try {
+                     for (size_t rank = 0; rank < res->size(); ++rank) {
+                       table.push_back(
+                         result_as<std::vector<std::string>>((*res)[rank], rank, prepare));
+                       needed = needed || !table.back().empty();
+                     }
+                   } catch (const error& e) {
+                     return then(caf::make_error(e.code(), std::string{e.what()}));
+                   }
+                   if (!needed)
+                     return then(caf::none);
+                   st->start_gather("connect_collective", st->all_ranks(),
+                                    calling("connect_collective",
+                                            caf::make_message(std::move(table))),
+                                    st->cfg.startup_timeout, 0, [then](gather_result done) {
+                                      then(done ? caf::none : done.error());
+                                    });
+                 });
   }
 
   /// collective_rpc: every reply, in rank order.
@@ -441,6 +569,7 @@ struct supervisor_state {
       static_cast<double>(blocks.num_device_blocks) * cfg.block_size / cfg.max_model_len;
     log->info("Maximum concurrency for {} tokens per request: {:.2f}x", cfg.max_model_len,
               concurrency);
+    cache = blocks;
     return call_all_ok("initialize_cache", caf::make_message(blocks));
   }
 
@@ -492,12 +621,29 @@ struct supervisor_state {
       return refuse<bool>(invalid_id(
         method.find("prompt_adapter") != std::string::npos ? "prompt_adapter_id" : "lora_id",
         id));
-    return call_all<bool>(method, std::move(args), [method](std::vector<caf::message>& results) {
+    auto* st = this;
+    return call_all<bool>(method, args, [st, method, args, id](std::vector<caf::message>& results) {
       bool all = true;
       for (size_t rank = 0; rank < results.size(); ++rank)
         all = result_as<bool>(results[rank], rank, method) && all;
+      if (all)
+        st->note_adapter_call(method, args, id);
       return all;
     });
+  }
+
+  /// Keeps what a replacement must repeat to hold the adapters the others hold.
+  void note_adapter_call(const std::string& method, const caf::message& args, int64_t id) {
+    auto kind = method.substr(method.find('_') + 1);
+    if (method.rfind("remove_", 0) == 0) {
+      adapter_calls.erase(std::remove_if(adapter_calls.begin(), adapter_calls.end(),
+                                         [&](const adapter_call& c) {
+                                           return c.kind == kind && c.id == id;
+                                         }),
+                          adapter_calls.end());
+      return;
+    }
+    adapter_calls.push_back({method, args, kind, id});
   }
 
   /// list_loras / list_prompt_adapters: every worker must hold the same set.
@@ -524,12 +670,15 @@ struct supervisor_state {
   /// check_health: every report in rank order, or an error naming the unhealthy ranks.
   promise<std::vector<worker_health>> check_health() {
     const std::string method = "check_health";
+    auto* st = this;
     return call_all<std::vector<worker_health>>(
-      method, {}, [method](std::vector<caf::message>& results) {
+      method, {}, [st, method](std::vector<caf::message>& results) {
         std::vector<worker_health> reports;
         std::string unhealthy;
         for (size_t rank = 0; rank < results.size(); ++rank) {
           reports.push_back(result_as<worker_health>(results[rank], rank, method));
+          if (rank < st->rank_restarts.size())
+            reports.back().restarts = st->rank_restarts[rank];
           if (!reports.back().healthy)
             unhealthy += (unhealthy.empty() ? "rank " : "; rank ") + std::to_string(rank) +
                          ": " + reports.back().detail;
@@ -807,8 +956,126 @@ struct supervisor_state {
       if (msg.reason == caf::exit_reason::remote_link_unreachable)
         why = why_connection_lost(place.host, place.port, !cfg.tls_certificate.empty());
     }
-    fail_all(caf::make_error(errc::worker_died, what + " went down: " + why));
+    auto cause = what + " went down: " + why;
+    if (cfg.restart.max_restarts > 0) {
+      auto refusal = cannot_replace(rank);
+      if (refusal.empty()) {
+        replace(rank, cause);
+        return;
+      }
+      cause += "; not replaced: " + refusal;
+    }
+    fail_all(caf::make_error(errc::worker_died, cause));
     log->error("{}", render(failure));
+  }
+
+  // -- replacing a worker -------------------------------------------------------------
+
+  /// Why a dead `rank` cannot be replaced under the restart policy; empty when it can.
+  std::string cannot_replace(int32_t rank) {
+    if (!factory || !is_local(workers[static_cast<size_t>(rank)]))
+      return "only workers of this process are replaced";
+    if (recovering)
+      return "it died while another worker was being replaced";
+    if (transition || sleep.is_sleeping())
+      return "memory sleeps or a sleep or wake_up is in progress";
+    auto now = clock_type::now();
+    while (!restarts.empty() && now - restarts.front() >= cfg.restart.window)
+      restarts.pop_front();
+    if (static_cast<int32_t>(restarts.size()) >= cfg.restart.max_restarts)
+      return std::to_string(restarts.size()) + " replacement(s) within the last " +
+             ms_text(cfg.restart.window) + " already (max_restarts " +
+             std::to_string(cfg.restart.max_restarts) + ")";
+    return {};
+  }
+
+  using step_fn = std::function<void(std::function<void(caf::error)>)>;
+
+  /// Runs `steps` one after another; `done` gets the first error, or none.
+  void run_steps(std::shared_ptr<std::vector<step_fn>> steps, size_t i,
+                 std::function<void(caf::error)> done) {
+    if (i == steps->size()) {
+      done(caf::none);
+      return;
+    }
+    auto* st = this;
+    (*steps)[i]([st, steps, i, done](caf::error err) {
+      if (err)
+        done(std::move(err));
+      else
+        st->run_steps(steps, i + 1, done);
+    });
+  }
+
+  /// A gather of `ask` on `ranks` as a step of a replacement.
+  step_fn gather_step(std::string label, std::vector<int32_t> ranks, ask_fn ask) {
+    auto* st = this;
+    return [st, label, ranks, ask](std::function<void(caf::error)> next) {
+      st->start_gather("replacement: " + label, ranks, ask, st->cfg.startup_timeout, 0,
+                       [next](gather_result res) { next(res ? caf::none : res.error()); });
+    };
+  }
+
+  /// Replaces the dead `rank` with a new worker of this process and brings it to the
+  /// others' state: model, the driver's peers, the tensor-parallel group (re-formed by all
+  /// ranks), KV-cache blocks, adapters. The calls in flight fail with `worker_replaced`;
+  /// calls that arrive meanwhile wait and run once it is done.
+  void replace(int32_t rank, const std::string& cause) {
+    recovering = true;
+    auto started = clock_type::now();
+    restarts.push_back(started);
+    log->warn("{}; replacing it", cause);
+    auto lost = caf::make_error(errc::worker_replaced,
+                                cause + "; the call's work is lost, a replacement is starting");
+    fail_pending(lost);
+    // The execution loop ended with the death; the survivors leave it.
+    if (loop)
+      tell_peers_to_leave(loop_id);
+    loop.reset();
+    loop_error = caf::error{};
+    wake_stop_waiters(lost);
+    auto fresh = spawn_worker(self->system(), factory);
+    self->monitor(fresh);
+    workers[static_cast<size_t>(rank)] = fresh;
+    auto steps = std::make_shared<std::vector<step_fn>>();
+    steps->push_back(gather_step("init", {rank}, init_request(rank)));
+    if (rank != 0)
+      steps->push_back(gather_step("the driver's peers", {0}, asking(peers_atom::value, driver_peers())));
+    auto* st = this;
+    steps->push_back([st](std::function<void(caf::error)> next) { st->form_collective(next); });
+    if (cache)
+      steps->push_back(
+        gather_step("initialize_cache", {rank}, calling("initialize_cache", caf::make_message(*cache))));
+    for (auto& call : adapter_calls)
+      steps->push_back(gather_step(call.method, {rank}, calling(call.method, call.args)));
+    run_steps(steps, 0, [st, rank, cause, started](caf::error err) {
+      st->recovering = false;
+      if (err) {
+        if (!st->failure)
+          st->fail_all(caf::make_error(errc::worker_died,
+                                       cause + "; its replacement failed: " + render(err)));
+        st->log->error("{}", render(st->failure));
+      } else {
+        ++st->rank_restarts[static_cast<size_t>(rank)];
+        auto ms = std::chrono::duration<double, std::milli>(clock_type::now() - started).count();
+        st->log->warn("rank {} replaced in {:.1f} ms (replacement {} of this rank) after: {}",
+                      rank, ms, st->rank_restarts[static_cast<size_t>(rank)], cause);
+      }
+      auto calls = std::move(st->waiting_calls);
+      st->waiting_calls.clear();
+      for (auto& call : calls)
+        st->run_call(std::move(call));
+    });
+  }
+
+  /// A call of the facade: made now, or once the replacement in progress is done.
+  void run_call(async_call call) {
+    if (recovering) {
+      waiting_calls.push_back(std::move(call));
+      return;
+    }
+    supervisor_access access{self};
+    call.request(access);
   }
 
   /// Shutdown: fail what is pending, stop every local worker, then stop; later calls find
@@ -827,10 +1094,12 @@ struct supervisor_state {
 
 supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config cfg,
                                            std::vector<worker_actor> workers,
-                                           std::vector<worker_place> places) {
+                                           std::vector<worker_place> places,
+                                           worker_factory factory) {
   auto& st = self->state;
   st.self = self;
   st.cfg = std::move(cfg);
+  st.factory = std::move(factory);
   st.workers = std::move(workers);
   st.places = std::move(places);
   for (auto& w : st.workers)
@@ -867,10 +1136,7 @@ supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config
     [self](sleep_state_atom) { return self->state.sleeping_tag_names(); },
     [self](health_atom) { return self->state.check_health(); },
     [self](deadline_atom, int64_t at) { self->state.check_deadlines(at); },
-    [self](async_call& call) {
-      supervisor_access access{self};
-      call.request(access);
-    },
+    [self](async_call& call) { self->state.run_call(std::move(call)); },
   };
 }
 
@@ -878,9 +1144,10 @@ supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config
 
 supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config& cfg,
                                   std::vector<worker_actor> workers,
-                                  std::vector<worker_place> places) {
+                                  std::vector<worker_place> places, worker_factory factory) {
   places.resize(workers.size());
-  return sys.spawn<caf::detached>(supervisor, cfg, std::move(workers), std::move(places));
+  return sys.spawn<caf::detached>(supervisor, cfg, std::move(workers), std::move(places),
+                                  std::move(factory));
 }
 
 } // namespace troupe

@@ -28,9 +28,10 @@ struct supervisor_access {
 /// Spawns the supervisor (interface `supervisor_actor`, messages/protocols.hpp): it
 /// monitors `workers` (rank order, local or remote; `places` says where each runs),
 /// scatters and gathers every collective call, runs the distributed execution loop and
-/// keeps the sleep/wake state machine.
+/// keeps the sleep/wake state machine. Under `cfg.restart` it replaces a dead worker of
+/// this process with one that `factory` makes.
 supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config& cfg,
                                   std::vector<worker_actor> workers,
-                                  std::vector<worker_place> places);
+                                  std::vector<worker_place> places, worker_factory factory);
 
 } // namespace troupe

@@ -47,6 +47,29 @@ caf::error not_initialised() {
   return caf::make_error(errc::unsupported, std::string{"worker actor is not initialised"});
 }
 
+/// Whether the exception being handled is a `worker_fault`: the worker cannot go on.
+bool fault_in_flight() {
+  try {
+    throw;
+  } catch (const worker_fault&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+/// The error of the exception being handled, logged; a worker that threw `worker_fault`
+/// stops with it after this message, without answering it: the executor learns of the
+/// death from its monitor, which fails (or, under a restart policy, repeats) the call.
+caf::error failed(worker_self self, const std::string& method) {
+  auto& st = self->state;
+  auto err = worker_failure(st.rank, method);
+  st.log->warn("{}", render(err));
+  if (fault_in_flight())
+    self->quit(err);
+  return err;
+}
+
 /// Runs `f` on the worker object and wraps its result or exception into the reply.
 template <class F>
 caf::result<caf::ok_atom, caf::message> guarded(worker_self self, const std::string& method,
@@ -57,8 +80,10 @@ caf::result<caf::ok_atom, caf::message> guarded(worker_self self, const std::str
   try {
     return {caf::ok_atom::value, f(*st.obj)};
   } catch (...) {
-    auto err = worker_failure(st.rank, method);
-    st.log->warn("{}", render(err));
+    bool fault = fault_in_flight();
+    auto err = failed(self, method);
+    if (fault)
+      return caf::delegated<caf::ok_atom, caf::message>{}; // no answer: its death fails the call
     return err;
   }
 }
@@ -261,10 +286,23 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
         });
         ++st.loop_steps;
       } catch (...) {
-        auto err = worker_failure(st.rank, "execute_model (execution loop)");
-        st.log->warn("{}", render(err));
-        end_loop(self, std::move(err));
+        bool fault = fault_in_flight();
+        auto err = failed(self, "execute_model (execution loop)");
+        if (!fault) // a worker that stops leaves its loop by dying
+          end_loop(self, std::move(err));
       }
+    },
+    [=](peers_atom, std::vector<caf::actor> peers) -> caf::result<caf::ok_atom, caf::message> {
+      auto& st = self->state;
+      if (refused(self))
+        return refusal();
+      st.peers.clear();
+      for (auto& peer : peers) {
+        if (!st.allowed.empty())
+          st.allowed.insert(peer.node());
+        st.peers.push_back(caf::actor_cast<worker_actor>(peer));
+      }
+      return {caf::ok_atom::value, caf::message{}};
     },
     [=](step_atom, stop_loop_atom, int64_t loop_id) {
       auto& st = self->state;

@@ -76,7 +76,9 @@ void llm_config::validate() const {
   ec.validate();
 }
 
-llm::llm(llm_config config) : impl_(std::make_unique<impl>()) {
+llm::llm(llm_config config) : llm(std::move(config), nullptr) {}
+
+llm::llm(llm_config config, worker_factory factory) : impl_(std::make_unique<impl>()) {
   auto& d = *impl_;
   // The workers profile the largest step the scheduler sends.
   config.worker.max_num_batched_tokens = config.scheduler.max_num_batched_tokens;
@@ -96,7 +98,9 @@ llm::llm(llm_config config) : impl_(std::make_unique<impl>()) {
     ec.max_model_len > 0 ? std::min<int64_t>(ec.max_model_len, longest) : longest);
   ec.node_worker_kind = "model";
   ec.node_worker_options = to_settings(d.cfg.worker);
-  d.exec = std::make_unique<troupe::executor>(ec, model_worker_factory(d.cfg.worker));
+  if (!factory)
+    factory = model_worker_factory(d.cfg.worker);
+  d.exec = std::make_unique<troupe::executor>(ec, std::move(factory));
   d.blocks = d.exec->determine_num_available_blocks();
   d.exec->initialize_cache(d.blocks);
 }
@@ -318,28 +322,43 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
   };
   bool overlap = d.cfg.scheduler.async_scheduling;
   while (sched.has_unfinished() || !steps.empty()) {
-    if (steps.empty()) {
-      auto step = sched.schedule();
-      bool samples = !step.seq_group_metadata_list.empty();
-      if (!samples && step.blocks_to_swap_in.empty() && step.blocks_to_swap_out.empty()
-          && step.blocks_to_copy.empty())
-        throw error{errc::worker_error, "the scheduler can make no progress"};
-      auto ahead = overlap ? sched.schedule_ahead() : std::nullopt;
-      if (!ahead) {
-        apply(d.exec->execute_model(step), samples);
-        continue;
+    try {
+      if (steps.empty()) {
+        auto step = sched.schedule();
+        bool samples = !step.seq_group_metadata_list.empty();
+        if (!samples && step.blocks_to_swap_in.empty() && step.blocks_to_swap_out.empty()
+            && step.blocks_to_copy.empty())
+          throw error{errc::worker_error, "the scheduler can make no progress"};
+        auto ahead = overlap ? sched.schedule_ahead() : std::nullopt;
+        if (!ahead) {
+          apply(d.exec->execute_model(step), samples);
+          continue;
+        }
+        send(step);
+        send(*ahead);
+      } else if (auto ahead = sched.schedule_ahead()) {
+        send(*ahead);
       }
-      send(step);
-      send(*ahead);
-    } else if (auto ahead = sched.schedule_ahead()) {
-      send(*ahead);
+      auto done = std::move(steps.front());
+      steps.pop_front();
+      apply(done.result.get(), done.samples);
+    } catch (const error& e) {
+      if (e.code() != errc::worker_replaced)
+        throw;
+      // A worker died and the executor replaced it: the steps in flight and every KV cache
+      // are gone. Each request is computed again from its prompt and the tokens it has,
+      // which gives the same tokens under greedy or seeded sampling.
+      steps.clear();
+      sched.recompute_all();
     }
-    auto done = std::move(steps.front());
-    steps.pop_front();
-    apply(done.result.get(), done.samples);
   }
   collect();
-  d.exec->stop_remote_worker_execution_loop();
+  try {
+    d.exec->stop_remote_worker_execution_loop();
+  } catch (const error& e) {
+    if (e.code() != errc::worker_replaced)
+      throw; // a replaced worker ended the loop already
+  }
   std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
   d.tokens_per_second = took.count() > 0 ? static_cast<double>(generated) / took.count() : 0;
   return outputs;

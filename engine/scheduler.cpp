@@ -279,6 +279,27 @@ void scheduler::update(const sampler_output& output) {
   }
 }
 
+void scheduler::recompute_all() {
+  in_flight_.clear();
+  scheduled_.clear();
+  std::vector<int64_t> again(running_.begin(), running_.end());
+  again.insert(again.end(), swapped_.begin(), swapped_.end());
+  running_.clear();
+  swapped_.clear();
+  for (auto seq : again) {
+    if (blocks_.contains(seq))
+      blocks_.free(seq);
+    auto& r = requests_.at(seq);
+    r.num_computed = 0;
+    r.pending = 0;
+  }
+  waiting_.insert(waiting_.begin(), again.begin(), again.end());
+  for (auto seq : waiting_) {
+    requests_.at(seq).pending = 0;
+    requests_.at(seq).num_computed = 0;
+  }
+}
+
 void scheduler::finish(int64_t seq, const std::string& reason) {
   auto i = requests_.find(seq);
   if (i == requests_.end())

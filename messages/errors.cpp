@@ -49,6 +49,8 @@ const char* to_string(errc code) {
       return "bad_arguments";
     case errc::memory_error:
       return "memory_error";
+    case errc::worker_replaced:
+      return "worker_replaced";
   }
   return "unknown";
 }

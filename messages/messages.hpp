@@ -119,6 +119,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, save_state_atom, "t_savestat")
   CAF_ADD_ATOM(troupe, troupe, deadline_atom, "t_deadline")
   CAF_ADD_ATOM(troupe, troupe, loop_atom, "t_loop")
+  CAF_ADD_ATOM(troupe, troupe, peers_atom, "t_peers")
 
 CAF_END_TYPE_ID_BLOCK(troupe)
 

@@ -34,7 +34,9 @@ using worker_actor = caf::typed_actor<
   caf::replies_to<execute_atom, stop_loop_atom, int64_t>::with<caf::ok_atom, caf::message>,
   /// From the driver to a peer in the loop: a step, or the end of loop `id`.
   caf::reacts_to<step_atom, execute_model_request>,
-  caf::reacts_to<step_atom, stop_loop_atom, int64_t>>;
+  caf::reacts_to<step_atom, stop_loop_atom, int64_t>,
+  /// The driver's new peers, after one was replaced.
+  caf::replies_to<peers_atom, std::vector<caf::actor>>::with<caf::ok_atom, caf::message>>;
 
 /// The supervisor of an executor (`actors/executor_actor`), as the facade
 /// (`actors/executor.cpp`) talks to it.

@@ -556,3 +556,60 @@ TEST_CASE("malformed sleep and wake arguments are errors") {
   none_at_once.max_concurrent_workers = 0;
   CHECK(code_of([&] { exec.collective_rpc("rank", none_at_once); }) == errc::invalid_argument);
 }
+
+namespace {
+
+/// Makes the worker of `rank` die as a broken device would: it throws `worker_fault`.
+std::vector<caf::message> kill_rank(executor& exec, int32_t rank) {
+  return exec.collective_rpc([rank](worker& w, const caf::message&, const caf::settings&) {
+    if (w.rank() == rank)
+      throw worker_fault{"injected fault"};
+    return caf::message{};
+  });
+}
+
+} // namespace
+
+TEST_CASE("without a restart policy a dead worker fails the executor for good") {
+  executor exec{config(2), test_factory()};
+  CHECK(code_of([&] { kill_rank(exec, 1); }) == errc::worker_died);
+  auto what = what_of([&] { exec.collective_rpc("rank"); });
+  CHECK(what.find("rank 1 went down") != std::string::npos);
+  CHECK(what.find("injected fault") != std::string::npos);
+}
+
+TEST_CASE("under a restart policy a dead worker is replaced and brought to the others' state") {
+  auto cfg = config(3);
+  cfg.restart.max_restarts = 2;
+  executor exec{cfg, test_factory()};
+  exec.initialize_cache({10, 1});
+  CHECK(exec.add_lora({"a", 4, "/a"}));
+  CHECK(exec.add_lora({"b", 5, "/b"}));
+  CHECK(exec.pin_lora(4));
+  CHECK(exec.remove_lora(5));
+  exec.execute_model(one_step(3));
+  for (int32_t rank : {2, 0}) {
+    CAPTURE(rank);
+    // The call during which the worker died reports it; its work is lost.
+    auto what = what_of([&] { kill_rank(exec, rank); });
+    CHECK(what.find("worker_replaced") != std::string::npos);
+    CHECK(what.find("rank " + std::to_string(rank) + " went down") != std::string::npos);
+    // Later calls reach the replacement, which holds what the others hold.
+    auto ranks = exec.collective_rpc_as<int32_t>("rank");
+    CHECK(ranks == std::vector<int32_t>{0, 1, 2});
+    CHECK(exec.list_loras() == std::vector<int64_t>{4});
+    CHECK(exec.execute_model(one_step(5))[0].outputs[0].samples[0].output_token == 10);
+    exec.stop_remote_worker_execution_loop();
+  }
+  exec.check_health();
+  auto health = exec.worker_healths();
+  REQUIRE(health.size() == 3);
+  CHECK(health[0].restarts == 1);
+  CHECK(health[1].restarts == 0);
+  CHECK(health[2].restarts == 1);
+  // A third death within the window is one too many: the executor fails for good.
+  auto what = what_of([&] { kill_rank(exec, 1); });
+  CHECK(what.find("worker_died") != std::string::npos);
+  CHECK(what.find("2 replacement(s) within the last") != std::string::npos);
+  CHECK(code_of([&] { exec.collective_rpc("rank"); }) == errc::worker_died);
+}

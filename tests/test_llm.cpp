@@ -3,14 +3,17 @@
 
 #include "tests/generation.hpp"
 #include "troupe/llm.hpp"
+#include "troupe/model_worker.hpp"
 
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
 
 #include <unistd.h>
 
@@ -145,4 +148,85 @@ TEST_CASE("SmolLM2: chat prompts and generation as transformers does them") {
   auto cut = model.generate({{"The capital of France is", {}, greedy(20), {"."}}});
   CHECK(cut[0].text == " Paris");
   CHECK(cut[0].finish_reason == "stop");
+}
+
+namespace {
+
+/// A model worker that dies, as one whose device is lost, at its `at`-th step on `rank`,
+/// while `faults` lasts (shared with its replacements).
+class faulty_model_worker : public model_worker {
+public:
+  faulty_model_worker(model_worker_options options, int32_t rank, int at,
+                      std::shared_ptr<std::atomic<int>> faults)
+    : model_worker(std::move(options)), fail_rank_(rank), at_(at), faults_(std::move(faults)) {}
+
+  std::vector<sampler_output> execute_model(const execute_model_request& request) override {
+    if (rank() == fail_rank_ && ++steps_ == at_) {
+      auto left = faults_->load();
+      while (left > 0 && !faults_->compare_exchange_weak(left, left - 1)) {
+      }
+      if (left > 0)
+        throw worker_fault{"injected fault at step " + std::to_string(at_)};
+    }
+    return model_worker::execute_model(request);
+  }
+
+private:
+  int32_t fail_rank_;
+  int at_;
+  int steps_ = 0;
+  std::shared_ptr<std::atomic<int>> faults_;
+};
+
+} // namespace
+
+TEST_CASE("a worker that dies mid-generation is replaced and the outputs stay transformers'") {
+  auto ref = read_json(fixtures + "/qwen2-bias/reference.json");
+  std::vector<generation_request> reqs;
+  for (auto& p : ref["prompts"])
+    reqs.push_back({"", p["token_ids"].get<std::vector<int32_t>>(), greedy(32), {}});
+  llm_config cfg;
+  cfg.worker.model_path = fixtures + "/qwen2-bias";
+  cfg.worker.kv_cache_memory_bytes = 2 << 20;
+  cfg.executor.block_size = 4;
+  cfg.executor.tensor_parallel_size = 2;
+  cfg.executor.restart.max_restarts = 2;
+  struct fault {
+    int32_t rank;
+    int at;
+    bool async_scheduling;
+  };
+  for (auto f : {fault{1, 5, false}, fault{0, 9, false}, fault{1, 6, true}}) {
+    CAPTURE(f.rank);
+    CAPTURE(f.at);
+    CAPTURE(f.async_scheduling);
+    auto run = cfg;
+    run.scheduler.async_scheduling = f.async_scheduling;
+    auto faults = std::make_shared<std::atomic<int>>(1);
+    auto options = run.worker;
+    options.max_num_batched_tokens = run.scheduler.max_num_batched_tokens;
+    options.max_num_seqs = run.scheduler.max_num_seqs;
+    llm model{run, [=](int32_t) {
+                return std::make_unique<faulty_model_worker>(options, f.rank, f.at, faults);
+              }};
+    auto outs = model.generate(reqs);
+    CHECK(faults->load() == 0); // the fault happened
+    REQUIRE(outs.size() == reqs.size());
+    for (size_t i = 0; i < outs.size(); ++i)
+      CHECK(outs[i].token_ids == ref["prompts"][i]["greedy"].get<std::vector<int32_t>>());
+    model.executor().check_health();
+    CHECK(model.executor().worker_healths()[static_cast<size_t>(f.rank)].restarts == 1);
+  }
+  SUBCASE("a death beyond max_restarts fails the generation with worker_died") {
+    auto run = cfg;
+    run.executor.restart.max_restarts = 1;
+    auto faults = std::make_shared<std::atomic<int>>(2); // the replacement dies too
+    auto options = run.worker;
+    options.max_num_batched_tokens = run.scheduler.max_num_batched_tokens;
+    options.max_num_seqs = run.scheduler.max_num_seqs;
+    llm model{run, [=](int32_t) {
+                return std::make_unique<faulty_model_worker>(options, 1, 3, faults);
+              }};
+    CHECK_THROWS_WITH_AS(model.generate(reqs), doctest::Contains("not replaced"), error);
+  }
 }

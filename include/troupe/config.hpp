@@ -33,6 +33,20 @@ struct node_address {
   int32_t workers = 1;
 };
 
+/// What the supervisor does when a worker dies, after Erlang/OTP's restart intensity.
+/// With `max_restarts` 0 (the default) a death fails the executor, as in vLLM: every
+/// pending and later call fails with `worker_died`. Otherwise a worker of this process
+/// that dies is replaced: a new one is spawned for its rank and brought to the others'
+/// state (model, tensor-parallel group, KV-cache blocks, adapters), the calls in flight
+/// fail with `worker_replaced` and calls made meanwhile wait for it. A death beyond
+/// `max_restarts` within `window`, a replacement that fails, a worker on a node or in
+/// another process, and a death while memory sleeps still fail the executor.
+struct restart_policy {
+  /// Replacements allowed within `window`.
+  int32_t max_restarts = 0;
+  timeout_type window = std::chrono::seconds(60);
+};
+
 /// Everything an executor needs to start (the counterpart of the parts of vLLM's
 /// `VllmConfig` that the executor layer reads).
 struct executor_config {
@@ -64,8 +78,10 @@ struct executor_config {
   /// Deadline of calls that do not name one. Finite by default: no call waits forever
   /// unless `wait_forever` is given.
   timeout_type rpc_timeout = std::chrono::seconds(60);
-  /// Deadline for starting the workers (device init and model load).
+  /// Deadline for starting the workers (device init and model load), and for replacing one.
   timeout_type startup_timeout = std::chrono::seconds(300);
+  /// Whether and how often a dead worker is replaced.
+  restart_policy restart;
   /// Tokens per KV-cache block (vLLM's `cache_config.block_size`).
   int32_t block_size = 16;
   /// Longest sequence the model serves (vLLM's `model_config.max_model_len`).

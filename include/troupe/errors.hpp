@@ -42,6 +42,10 @@ enum class errc : uint8_t {
   bad_arguments,
   /// A memory operation of the device (reserve, release, restore) failed.
   memory_error,
+  /// A worker died during the call and the executor is replacing it
+  /// (`executor_config::restart`): the call's work is lost (a step's tokens and KV cache),
+  /// and calls made after it wait for the replacement.
+  worker_replaced,
 };
 
 /// Name of an error code, e.g. `"timeout"`.
@@ -72,6 +76,14 @@ public:
 
 private:
   errc code_;
+};
+
+/// Thrown by a worker that cannot go on (its device is lost, its state is corrupt): its
+/// actor stops with this error instead of answering, so the executor treats it as the
+/// worker's death (fails the executor, or replaces the worker under a restart policy).
+class worker_fault : public error {
+public:
+  explicit worker_fault(const std::string& what) : error(errc::worker_died, what) {}
 };
 
 /// Converts a CAF error of any category to the closest troupe code (`request_timeout` →

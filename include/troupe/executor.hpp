@@ -231,9 +231,6 @@ private:
     return out;
   }
 
-  /// Bootstraps the workers' tensor-parallel collective (two collective_rpc rounds).
-  void connect_collective();
-
   struct impl;
   std::unique_ptr<impl> impl_;
 };

@@ -111,6 +111,9 @@ struct generation_output {
 class llm {
 public:
   explicit llm(llm_config config);
+  /// The same with the workers `factory` makes: model workers for `config.worker`, or
+  /// subclasses of them (to instrument a worker, or to test what a fault does).
+  llm(llm_config config, worker_factory factory);
   ~llm();
 
   /// Generates for every request, batched; outputs in request order. Throws

@@ -347,12 +347,14 @@ struct worker_health {
   std::vector<memory_usage> memory;
   /// Tags that sleep on this worker.
   std::vector<memory_tag> sleeping_tags;
+  /// How many times the executor replaced the worker of this rank (`restart_policy`).
+  int32_t restarts = 0;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, worker_health& x) {
   return f(caf::meta::type_name("worker_health"), x.rank, x.healthy, x.detail, x.memory,
-           x.sleeping_tags);
+           x.sleeping_tags, x.restarts);
 }
 
 } // namespace troupe

@@ -45,9 +45,20 @@ struct local_communicator::group {
   std::mutex mtx;
   std::condition_variable wake;
   int sleeping = 0;
+  /// A rank's communicator was destroyed (its worker died or re-formed its group): the
+  /// others stop waiting for it.
+  std::atomic<bool> abandoned{false};
 
-  /// Waits until every rank has arrived; false when `timeout` passed first.
+  void abandon() {
+    abandoned.store(true, std::memory_order_release);
+    std::lock_guard<std::mutex> lk{mtx};
+    wake.notify_all();
+  }
+
+  /// Waits until every rank has arrived; false when `timeout` passed first or a rank left.
   bool barrier(std::chrono::milliseconds timeout) {
+    if (abandoned.load(std::memory_order_acquire))
+      return false;
     auto seen = generation.load(std::memory_order_acquire);
     if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == size) {
       arrived.store(0, std::memory_order_relaxed);
@@ -57,9 +68,11 @@ struct local_communicator::group {
         wake.notify_all();
       return true;
     }
-    return cpu::spin_then_wait(
-      [&] { return generation.load(std::memory_order_acquire) != seen; }, spin_for, mtx, wake,
-      sleeping, clock_type::now() + timeout);
+    auto passed = [&] { return generation.load(std::memory_order_acquire) != seen; };
+    auto left = [&] { return abandoned.load(std::memory_order_acquire); };
+    cpu::spin_then_wait([&] { return passed() || left(); }, spin_for, mtx, wake, sleeping,
+                        clock_type::now() + timeout);
+    return passed();
   }
 };
 
@@ -96,15 +109,17 @@ local_communicator::local_communicator(int rank, int size, const std::string& ke
     registry.erase(i); // complete: a later group may reuse the key
 }
 
-local_communicator::~local_communicator() = default;
+local_communicator::~local_communicator() {
+  group_->abandon();
+}
 
 void local_communicator::all_reduce(float* data, size_t count) {
   auto& g = *group_;
   auto& mine = g.slots[static_cast<size_t>(rank_)];
   mine.assign(data, data + count);
   if (!g.barrier(timeout_))
-    throw error{errc::worker_died, "all-reduce: a rank of this process did not arrive within " +
-                                     std::to_string(timeout_.count()) + " ms"};
+    throw error{errc::worker_died, "all-reduce: a rank of this process left the group or did "
+                                   "not arrive within " + std::to_string(timeout_.count()) + " ms"};
   // Every rank adds the same slots in the same order: identical results on every rank.
   std::copy(g.slots[0].begin(), g.slots[0].end(), data);
   for (size_t j = 1; j < g.slots.size(); ++j) {
@@ -114,8 +129,8 @@ void local_communicator::all_reduce(float* data, size_t count) {
   }
   // No rank may overwrite its slot for the next call while another still reads it.
   if (!g.barrier(timeout_))
-    throw error{errc::worker_died, "all-reduce: a rank of this process did not arrive within " +
-                                     std::to_string(timeout_.count()) + " ms"};
+    throw error{errc::worker_died, "all-reduce: a rank of this process left the group or did "
+                                   "not arrive within " + std::to_string(timeout_.count()) + " ms"};
 }
 
 } // namespace troupe
