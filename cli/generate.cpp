@@ -139,6 +139,8 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     double kv_fraction = 0.5;
     int64_t swap_space_mib = 256;
     bool async_scheduling = false;
+    int max_restarts = 0;
+    double restart_window_s = 60;
     int max_model_len = 0;
     std::vector<std::string> loras;
     std::vector<std::string> prompt_loras;
@@ -187,6 +189,14 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
   sub->add_option("--kv-cache-memory-fraction", o->kv_fraction,
                   "Share of free memory for the KV cache when --kv-cache-memory is 0")
     ->check(CLI::Range(0.01, 0.95))
+    ->capture_default_str();
+  sub->add_option("--max-restarts", o->max_restarts,
+                  "Replace a worker of this process that dies, up to this many times within "
+                  "--restart-window (0: a death ends the run)")
+    ->check(CLI::Range(0, 1000000))
+    ->capture_default_str();
+  sub->add_option("--restart-window", o->restart_window_s, "Seconds that --max-restarts counts over")
+    ->check(CLI::PositiveNumber)
     ->capture_default_str();
   sub->add_flag("--async-scheduling", o->async_scheduling,
                 "Send the next step while one runs when it needs none of its tokens");
@@ -240,6 +250,9 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     cfg.worker.kv_cache_memory_fraction = o->kv_fraction;
     cfg.worker.swap_space_bytes = o->swap_space_mib << 20;
     cfg.scheduler.async_scheduling = o->async_scheduling;
+    cfg.executor.restart.max_restarts = o->max_restarts;
+    cfg.executor.restart.window = std::chrono::duration_cast<timeout_type>(
+      std::chrono::duration<double>(o->restart_window_s));
     cfg.executor.max_model_len = o->max_model_len;
     auto loras = prompt_loras(o->loras, o->prompt_loras, o->prompts.size() + o->prompt_ids.size());
     cfg.worker.max_loras = o->max_loras > 0 ? o->max_loras

@@ -45,9 +45,10 @@ TEST_CASE("ranks in one process all-reduce to the rank-order sum, the same bits 
 
 TEST_CASE("a rank that never joins or never reduces is reported as dead, not waited on") {
   // One of two ranks never joins: the other gives up at its deadline.
-  CHECK_THROWS_AS(local_communicator(0, 2, "never-joins", 200ms), error);
+  CHECK_THROWS_WITH_AS(local_communicator(0, 2, "never-joins", 200ms),
+                       doctest::Contains("did not arrive within 200 ms"), error);
 
-  // Both join; one leaves: the other's next all-reduce fails at its deadline.
+  // Both join; one leaves: the other's next all-reduce fails (at once: see below).
   std::atomic<bool> failed{false};
   std::thread stays([&] {
     local_communicator comm{0, 2, "one-leaves", 300ms};
@@ -67,4 +68,26 @@ TEST_CASE("a rank that never joins or never reduces is reported as dead, not wai
   }
   stays.join();
   CHECK(failed);
+}
+
+TEST_CASE("a rank whose communicator goes (its worker died) fails the others' wait at once") {
+  std::atomic<int> joined{0};
+  std::string what;
+  std::thread survivor([&] {
+    local_communicator comm{0, 2, "leave-test", 60s};
+    ++joined;
+    std::vector<float> data(4, 1.0f);
+    try {
+      comm.all_reduce(data.data(), data.size()); // the other rank never comes: it leaves
+    } catch (const error& e) {
+      what = e.what();
+    }
+  });
+  {
+    local_communicator leaving{1, 2, "leave-test", 60s};
+    while (joined == 0)
+      std::this_thread::yield();
+  } // destroyed without reducing, as when its worker dies
+  survivor.join(); // long before the 60 s timeout
+  CHECK(what == "all-reduce: a rank of this process left the group (its worker died)");
 }

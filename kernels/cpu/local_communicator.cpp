@@ -55,8 +55,19 @@ struct local_communicator::group {
     wake.notify_all();
   }
 
-  /// Waits until every rank has arrived; false when `timeout` passed first or a rank left.
-  bool barrier(std::chrono::milliseconds timeout) {
+  /// Waits until every rank has arrived; throws `worker_died` when a rank left the group
+  /// or `timeout` passed first.
+  void barrier(std::chrono::milliseconds timeout, const char* what) {
+    if (!arrive(timeout))
+      throw error{errc::worker_died,
+                  std::string{what} + ": " +
+                    (abandoned.load(std::memory_order_acquire)
+                       ? std::string{"a rank of this process left the group (its worker died)"}
+                       : "a rank of this process did not arrive within " +
+                           std::to_string(timeout.count()) + " ms")};
+  }
+
+  bool arrive(std::chrono::milliseconds timeout) {
     if (abandoned.load(std::memory_order_acquire))
       return false;
     auto seen = generation.load(std::memory_order_acquire);
@@ -100,9 +111,7 @@ local_communicator::local_communicator(int rank, int size, const std::string& ke
                                           "the group size"};
   }
   // Every rank must be there before the first reduction (a missing one is a dead worker).
-  if (!group_->barrier(timeout_))
-    throw error{errc::worker_died, "local collective: not every rank joined within " +
-                                     std::to_string(timeout_.count()) + " ms"};
+  group_->barrier(timeout_, "local collective: joining");
   std::lock_guard<std::mutex> lk{registry_mtx};
   auto i = registry.find(key);
   if (i != registry.end() && i->second.lock() == group_)
@@ -117,9 +126,7 @@ void local_communicator::all_reduce(float* data, size_t count) {
   auto& g = *group_;
   auto& mine = g.slots[static_cast<size_t>(rank_)];
   mine.assign(data, data + count);
-  if (!g.barrier(timeout_))
-    throw error{errc::worker_died, "all-reduce: a rank of this process left the group or did "
-                                   "not arrive within " + std::to_string(timeout_.count()) + " ms"};
+  g.barrier(timeout_, "all-reduce");
   // Every rank adds the same slots in the same order: identical results on every rank.
   std::copy(g.slots[0].begin(), g.slots[0].end(), data);
   for (size_t j = 1; j < g.slots.size(); ++j) {
@@ -128,9 +135,7 @@ void local_communicator::all_reduce(float* data, size_t count) {
       data[i] += slot[i];
   }
   // No rank may overwrite its slot for the next call while another still reads it.
-  if (!g.barrier(timeout_))
-    throw error{errc::worker_died, "all-reduce: a rank of this process left the group or did "
-                                   "not arrive within " + std::to_string(timeout_.count()) + " ms"};
+  g.barrier(timeout_, "all-reduce");
 }
 
 } // namespace troupe
