@@ -977,8 +977,8 @@ struct supervisor_state {
       return "only workers of this process are replaced";
     if (recovering)
       return "it died while another worker was being replaced";
-    if (transition || sleep.is_sleeping())
-      return "memory sleeps or a sleep or wake_up is in progress";
+    if (transition)
+      return "a sleep or wake_up was in progress";
     auto now = clock_type::now();
     while (!restarts.empty() && now - restarts.front() >= cfg.restart.window)
       restarts.pop_front();
@@ -1048,6 +1048,19 @@ struct supervisor_state {
         gather_step("initialize_cache", {rank}, calling("initialize_cache", caf::make_message(*cache))));
     for (auto& call : adapter_calls)
       steps->push_back(gather_step(call.method, {rank}, calling(call.method, call.args)));
+    // The same sleep as the others: asleep at their level, with the tags they woke awake.
+    if (sleep.is_sleeping()) {
+      sleep_request asleep{to_sleep_level(sleep.level())};
+      steps->push_back(gather_step("sleep", {rank}, calling("sleep", caf::make_message(asleep))));
+      auto sleeping = sleep.sleeping_tags();
+      wake_request woken;
+      for (auto tag : all_memory_tags)
+        if (std::find(sleeping.begin(), sleeping.end(), tag) == sleeping.end())
+          woken.tags.push_back(tag);
+      if (!woken.tags.empty())
+        steps->push_back(
+          gather_step("wake_up", {rank}, calling("wake_up", caf::make_message(woken))));
+    }
     run_steps(steps, 0, [st, rank, cause, started](caf::error err) {
       st->recovering = false;
       if (err) {

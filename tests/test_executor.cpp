@@ -613,3 +613,26 @@ TEST_CASE("under a restart policy a dead worker is replaced and brought to the o
   CHECK(what.find("2 replacement(s) within the last") != std::string::npos);
   CHECK(code_of([&] { exec.collective_rpc("rank"); }) == errc::worker_died);
 }
+
+TEST_CASE("a worker replaced while the others sleep falls asleep as they are") {
+  auto cfg = config(2);
+  cfg.restart.max_restarts = 1;
+  executor exec{cfg, test_factory()};
+  exec.initialize_cache({10, 1});
+  auto before = exec.collective_rpc_as<int64_t>("checksum");
+  exec.sleep(1);
+  CHECK(code_of([&] { kill_rank(exec, 1); }) == errc::worker_replaced);
+  CHECK(exec.is_sleeping());
+  auto health = exec.worker_healths();
+  REQUIRE(health.size() == 2);
+  CHECK(health[1].restarts == 1);
+  CHECK(health[1].sleeping_tags == health[0].sleeping_tags);
+  CHECK(health[1].sleeping_tags.size() == 2);
+  // Its memory is released as the others' is.
+  auto resident = exec.collective_rpc_as<int64_t>("resident_bytes");
+  CHECK(resident[1] == resident[0]);
+  exec.wake_up();
+  CHECK(exec.collective_rpc_as<int64_t>("checksum") == before);
+  CHECK(exec.execute_model(one_step(5))[0].outputs[0].samples[0].output_token == 10);
+  exec.stop_remote_worker_execution_loop();
+}

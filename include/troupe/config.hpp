@@ -40,7 +40,8 @@ struct node_address {
 /// state (model, tensor-parallel group, KV-cache blocks, adapters), the calls in flight
 /// fail with `worker_replaced` and calls made meanwhile wait for it. A death beyond
 /// `max_restarts` within `window`, a replacement that fails, a worker on a node or in
-/// another process, and a death while memory sleeps still fail the executor.
+/// another process, and a death during a sleep or wake_up still fail the executor. A
+/// replacement made while the others sleep falls asleep as they are.
 struct restart_policy {
   /// Replacements allowed within `window`.
   int32_t max_restarts = 0;
