@@ -132,7 +132,7 @@ struct executor::impl {
   T ask(timeout_type t, Ts&&... xs) {
     std::shared_lock<std::shared_mutex> guard{lifecycle};
     check_open();
-    auto fut = send<T>(std::forward<Ts>(xs)...);
+    auto fut = send<T>(t, std::forward<Ts>(xs)...);
     // Past a year a deadline is as good as none (and the clock arithmetic would overflow).
     bool bounded = t != wait_forever && t < std::chrono::hours(24 * 365);
     if (bounded && fut.wait_for(t + facade_grace) == std::future_status::timeout)
@@ -212,22 +212,27 @@ struct executor::impl {
   /// future with the reply. Calls made one after another (from one thread, or ordered by
   /// the host) reach the supervisor in that order, which lets a caller queue the next step
   /// behind the one in flight. A call that the supervisor drops unanswered (it shut down)
-  /// fails with `shut_down`. The caller holds `lifecycle` and has checked `shut`.
+  /// fails with `shut_down`; one that waits for a replacement longer than `timeout` fails
+  /// with `timeout`. The caller holds `lifecycle` and has checked `shut`.
   template <class T, class... Ts>
-  std::future<T> send(Ts... xs) {
+  std::future<T> send(timeout_type timeout, Ts... xs) {
     auto slot = std::make_shared<async_slot<T>>();
     auto fut = slot->future();
     auto closed = shut;
-    caf::anon_send(supervisor, async_call{[=](supervisor_access& access) mutable {
-      auto fail = [slot, closed](const caf::error& e) {
-        slot->fail((*closed && e == caf::sec::request_receiver_down)
-                     ? error{errc::shut_down, "executor is shut down"}
-                     : error::from(e));
-      };
+    auto fail = [slot, closed](const caf::error& e) {
+      slot->fail((*closed && e == caf::sec::request_receiver_down)
+                   ? error{errc::shut_down, "executor is shut down"}
+                   : error::from(e));
+    };
+    async_call call;
+    call.request = [=](supervisor_access& access) mutable {
       auto me = caf::actor_cast<supervisor_actor>(access.self);
       access.self->request(me, caf::infinite, std::move(xs)...)
         .then(reply<T>::async_handler(slot), [fail](caf::error& e) { fail(e); });
-    }});
+    };
+    call.fail = fail;
+    call.timeout = timeout;
+    caf::anon_send(supervisor, std::move(call));
     return fut;
   }
 
@@ -239,7 +244,7 @@ struct executor::impl {
       async_slot<T> closed;
       return closed.future(); // fails with shut_down as `closed` goes
     }
-    return send<T>(std::move(xs)...);
+    return send<T>(cfg.rpc_timeout, std::move(xs)...);
   }
 
   /// Runs a callable on every worker and waits. If the call fails (deadline, an error of

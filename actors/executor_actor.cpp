@@ -180,9 +180,16 @@ struct supervisor_state {
   std::deque<clock_type::time_point> restarts;
   /// Replacements so far, by rank (reported by check_health).
   std::vector<int32_t> rank_restarts;
-  /// A worker is being replaced: calls that arrive wait in `waiting_calls`.
+  /// A worker is being replaced (`replacing` names it): calls that arrive wait in
+  /// `waiting_calls` until it is done or their time is up.
   bool recovering = false;
-  std::vector<async_call> waiting_calls;
+  std::string replacing;
+  struct waiting_call {
+    async_call call;
+    bool forever = false;
+    clock_type::time_point until;
+  };
+  std::vector<waiting_call> waiting_calls;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
 
   static inline const char* name = "troupe.executor";
@@ -328,6 +335,21 @@ struct supervisor_state {
     }
     for (auto& g : settled)
       finish(g, g->held);
+    // Calls that waited for a replacement as long as they may.
+    auto late = std::stable_partition(waiting_calls.begin(), waiting_calls.end(),
+                                      [&](const waiting_call& w) {
+                                        return w.forever || w.until > now;
+                                      });
+    std::vector<waiting_call> gone(std::make_move_iterator(late),
+                                   std::make_move_iterator(waiting_calls.end()));
+    waiting_calls.erase(late, waiting_calls.end());
+    for (auto& w : gone)
+      w.call.fail(caf::make_error(errc::timeout, "waited " + ms_text(w.call.timeout) +
+                                                   " for the replacement of " + replacing +
+                                                   ", which is still in progress"));
+    for (auto& w : waiting_calls)
+      if (!w.forever)
+        arm_deadline(w.until);
     for (auto& g : expired)
       finish(g, rank_error(*g, first_silent_rank(*g), caf::sec::request_timeout));
     for (auto& entry : pending) {
@@ -1022,6 +1044,7 @@ struct supervisor_state {
   /// calls that arrive meanwhile wait and run once it is done.
   void replace(int32_t rank, const std::string& cause) {
     recovering = true;
+    replacing = "rank " + std::to_string(rank);
     auto started = clock_type::now();
     restarts.push_back(started);
     log->warn("{}; replacing it", cause);
@@ -1076,15 +1099,21 @@ struct supervisor_state {
       }
       auto calls = std::move(st->waiting_calls);
       st->waiting_calls.clear();
-      for (auto& call : calls)
-        st->run_call(std::move(call));
+      for (auto& w : calls)
+        st->run_call(std::move(w.call));
     });
   }
 
   /// A call of the facade: made now, or once the replacement in progress is done.
   void run_call(async_call call) {
     if (recovering) {
-      waiting_calls.push_back(std::move(call));
+      waiting_call w{std::move(call), false, {}};
+      w.forever = w.call.timeout == wait_forever;
+      if (!w.forever) {
+        w.until = clock_type::now() + w.call.timeout;
+        arm_deadline(w.until);
+      }
+      waiting_calls.push_back(std::move(w));
       return;
     }
     supervisor_access access{self};

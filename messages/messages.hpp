@@ -5,6 +5,7 @@
 /// type-id block that registers every type that crosses an actor-system boundary.
 /// The block is append-only: new entries go at its end.
 
+#include "troupe/config.hpp"
 #include "troupe/types.hpp"
 #include "troupe/worker.hpp"
 
@@ -49,6 +50,10 @@ struct supervisor_access;
 /// call. Never leaves the process.
 struct async_call {
   std::function<void(supervisor_access&)> request;
+  /// Fails the call without making it (it waited past `timeout` for a replacement).
+  std::function<void(const caf::error&)> fail;
+  /// How long the call may wait before it is made; `wait_forever` for no limit.
+  timeout_type timeout = wait_forever;
 };
 
 /// Deadline and fan-out of one collective call (executor-internal).

@@ -9,6 +9,7 @@
 
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <numeric>
@@ -635,4 +636,26 @@ TEST_CASE("a worker replaced while the others sleep falls asleep as they are") {
   CHECK(exec.collective_rpc_as<int64_t>("checksum") == before);
   CHECK(exec.execute_model(one_step(5))[0].outputs[0].samples[0].output_token == 10);
   exec.stop_remote_worker_execution_loop();
+}
+
+TEST_CASE("calls made while a worker is replaced wait for it, within their deadline") {
+  auto cfg = config(2);
+  cfg.restart.max_restarts = 1;
+  auto made = std::make_shared<std::atomic<int>>(0);
+  auto base = test_factory();
+  // The replacement (the third worker made) takes half a second to start.
+  executor exec{cfg, [=](int32_t rank) {
+                  if (++*made > 2)
+                    std::this_thread::sleep_for(500ms);
+                  return base(rank);
+                }};
+  CHECK(code_of([&] { kill_rank(exec, 1); }) == errc::worker_replaced);
+  rpc_call_options hurried;
+  hurried.timeout = 100ms;
+  auto patient = exec.collective_rpc_async("rank");
+  auto what = what_of([&] { exec.collective_rpc("rank", hurried); });
+  CHECK(what.find("timeout") != std::string::npos);
+  CHECK(what.find("for the replacement of rank 1") != std::string::npos);
+  REQUIRE(patient.get().size() == 2);
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 }
