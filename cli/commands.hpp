@@ -31,6 +31,10 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench);
 /// `troupe bench generate`: offline request throughput and time per output token.
 std::shared_ptr<command> add_bench_generate(CLI::App& bench);
 
+/// `troupe bench recovery`: time from a worker's death to the next step, under a restart
+/// policy.
+std::shared_ptr<command> add_bench_recovery(CLI::App& bench);
+
 /// `troupe bench sleep`: level-1 sleep and wake bandwidth of a device against plain copies.
 std::shared_ptr<command> add_bench_sleep(CLI::App& bench);
 

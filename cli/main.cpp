@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   auto run_step = troupe::cli::add_bench_step(*bench);
   auto run_generate = troupe::cli::add_bench_generate(*bench);
   auto run_sleep = troupe::cli::add_bench_sleep(*bench);
+  auto run_recovery = troupe::cli::add_bench_recovery(*bench);
   auto make_model = troupe::cli::add_make_model(app);
   auto generate = troupe::cli::add_generate(app);
   auto node = troupe::cli::add_node(app);
@@ -24,7 +25,8 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
-    for (auto& cmd : {generate, node, run_rpc, run_step, run_generate, run_sleep, make_model})
+    for (auto& cmd : {generate, node, run_rpc, run_step, run_generate, run_sleep, run_recovery,
+                      make_model})
       if (*cmd)
         return cmd->run();
   } catch (const std::exception& e) {

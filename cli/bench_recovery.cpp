@@ -1,0 +1,182 @@
+// `troupe bench recovery`: what a worker's death costs under a restart policy. A model
+// worker of one rank throws `worker_fault` at a chosen step of a batch generation; the
+// executor replaces it and the engine computes its requests again. Prints the cold start of
+// the same executor, the time from the death to the first step after it, and whether the
+// outputs equal an undisturbed run's.
+
+#include "cli/commands.hpp"
+
+#include "model/checkpoint.hpp"
+#include "troupe/errors.hpp"
+#include "troupe/llm.hpp"
+#include "troupe/model_worker.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <iostream>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <vector>
+
+namespace troupe::cli {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+/// When the fault struck and when each driver step ended, shared by a worker and its
+/// replacement.
+struct fault_log {
+  std::atomic<bool> armed{true};
+  std::mutex mtx;
+  clock_type::time_point death;
+  std::vector<clock_type::time_point> driver_steps;
+};
+
+/// A model worker that dies at its `at`-th step on `rank`, once.
+class dying_model_worker : public model_worker {
+public:
+  dying_model_worker(model_worker_options options, int32_t rank, int at,
+                     std::shared_ptr<fault_log> log)
+    : model_worker(std::move(options)), fail_rank_(rank), at_(at), log_(std::move(log)) {}
+
+  std::vector<sampler_output> execute_model(const execute_model_request& request) override {
+    if (rank() == fail_rank_ && ++steps_ == at_ && log_->armed.exchange(false)) {
+      std::lock_guard<std::mutex> lk{log_->mtx};
+      log_->death = clock_type::now();
+      throw worker_fault{"bench recovery: fault injected at step " + std::to_string(at_)};
+    }
+    auto out = model_worker::execute_model(request);
+    if (rank() == 0) {
+      std::lock_guard<std::mutex> lk{log_->mtx};
+      log_->driver_steps.push_back(clock_type::now());
+    }
+    return out;
+  }
+
+private:
+  int32_t fail_rank_;
+  int at_;
+  int steps_ = 0;
+  std::shared_ptr<fault_log> log_;
+};
+
+} // namespace
+
+std::shared_ptr<command> add_bench_recovery(CLI::App& bench) {
+  struct options {
+    std::string model;
+    int tp = 2;
+    int rank = 1;
+    int at = 8;
+    int num_prompts = 4;
+    int input_len = 32;
+    int output_len = 32;
+    bool json = false;
+    device_options device;
+  };
+  auto o = std::make_shared<options>();
+  auto cmd = std::make_shared<command>();
+  auto* sub = bench.add_subcommand("recovery", "Time from a worker's death to the next step");
+  cmd->app = sub;
+  sub->add_option("--model", o->model, "Hugging Face model directory or GGUF file")->required();
+  sub->add_option("--tensor-parallel-size", o->tp, "Worker actors")
+    ->check(CLI::Range(1, 64))
+    ->capture_default_str();
+  sub->add_option("--rank", o->rank, "The rank whose worker dies")
+    ->check(CLI::Range(0, 63))
+    ->capture_default_str();
+  sub->add_option("--at-step", o->at, "The step of that worker at which it dies")
+    ->check(CLI::Range(1, 1000000))
+    ->capture_default_str();
+  sub->add_option("--num-prompts", o->num_prompts, "Requests")
+    ->check(CLI::Range(1, 100000))
+    ->capture_default_str();
+  sub->add_option("--input-len", o->input_len, "Prompt tokens per request")
+    ->check(CLI::Range(1, 100000))
+    ->capture_default_str();
+  sub->add_option("--output-len", o->output_len, "Generated tokens per request")
+    ->check(CLI::Range(2, 100000))
+    ->capture_default_str();
+  sub->add_flag("--json", o->json, "Print only the JSON result");
+  add_device_options(*sub, o->device);
+  cmd->run = [o] {
+    if (o->rank >= o->tp)
+      throw error{errc::invalid_argument, "--rank " + std::to_string(o->rank) +
+                                            " is not below --tensor-parallel-size " +
+                                            std::to_string(o->tp)};
+    auto vocab = checkpoint::config_of(o->model).vocab_size;
+    std::mt19937 rng{0};
+    std::vector<generation_request> reqs;
+    for (int i = 0; i < o->num_prompts; ++i) {
+      generation_request r;
+      for (int t = 0; t < o->input_len; ++t)
+        r.prompt_token_ids.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
+      r.sampling.temperature = 0.0f;
+      r.sampling.max_tokens = o->output_len;
+      r.sampling.ignore_eos = true;
+      reqs.push_back(std::move(r));
+    }
+    llm_config cfg;
+    cfg.worker.model_path = o->model;
+    cfg.executor.tensor_parallel_size = o->tp;
+    cfg.executor.restart.max_restarts = 1;
+    apply_device_options(o->device, cfg.executor, cfg.worker);
+    cfg.executor.max_model_len = o->input_len + o->output_len + 1;
+    auto worker_options = cfg.worker;
+    worker_options.max_num_batched_tokens = cfg.scheduler.max_num_batched_tokens;
+    worker_options.max_num_seqs = cfg.scheduler.max_num_seqs;
+    auto log = std::make_shared<fault_log>();
+    auto rank = static_cast<int32_t>(o->rank);
+    auto at = o->at;
+    auto start = clock_type::now();
+    llm model{cfg, [=](int32_t) {
+                return std::make_unique<dying_model_worker>(worker_options, rank, at, log);
+              }};
+    std::chrono::duration<double> cold_start = clock_type::now() - start;
+    auto disturbed = model.generate(reqs);
+    if (log->armed)
+      throw error{errc::invalid_argument, "the run ended before step " + std::to_string(at) +
+                                            " of rank " + std::to_string(rank) +
+                                            ": nothing died (ask for a smaller --at-step)"};
+    double recovery_ms = -1;
+    {
+      std::lock_guard<std::mutex> lk{log->mtx};
+      for (auto t : log->driver_steps)
+        if (t > log->death) {
+          recovery_ms = std::chrono::duration<double, std::milli>(t - log->death).count();
+          break;
+        }
+    }
+    auto undisturbed = model.generate(reqs);
+    bool equal = true;
+    for (size_t i = 0; i < reqs.size(); ++i)
+      equal = equal && disturbed[i].token_ids == undisturbed[i].token_ids;
+    nlohmann::json result = {
+      {"model", o->model},
+      {"tensor_parallel_size", o->tp},
+      {"device", o->device.device},
+      {"fault_rank", o->rank},
+      {"fault_step", o->at},
+      {"num_prompts", o->num_prompts},
+      {"input_len", o->input_len},
+      {"output_len", o->output_len},
+      {"cold_start_s", cold_start.count()},
+      {"death_to_next_step_ms", recovery_ms},
+      {"outputs_equal_undisturbed", equal},
+    };
+    if (!o->json)
+      std::cout << "rank " << o->rank << " died at its step " << o->at << "; the next step ended "
+                << recovery_ms << " ms later (a cold start of the executor took "
+                << cold_start.count() << " s); outputs "
+                << (equal ? "equal" : "DIFFER FROM") << " an undisturbed run's\n";
+    std::cout << result.dump() << std::endl;
+    return equal ? 0 : 1;
+  };
+  return cmd;
+}
+
+} // namespace troupe::cli
