@@ -476,7 +476,10 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
   d.supervisor =
     spawn_supervisor(*d.sys, d.cfg, std::move(workers), std::move(places), std::move(factory));
   try {
-    d.infos = d.ask<std::vector<worker_info>>(d.cfg.startup_timeout, init_atom::value);
+    // Three steps, each within startup_timeout: init, and the collective's two rounds.
+    auto startup = d.cfg.startup_timeout < std::chrono::hours(24 * 365) ? 3 * d.cfg.startup_timeout
+                                                                         : wait_forever;
+    d.infos = d.ask<std::vector<worker_info>>(startup, init_atom::value);
   } catch (...) {
     d.stop();
     throw;

@@ -184,6 +184,11 @@ struct supervisor_state {
   /// `waiting_calls` until it is done or their time is up.
   bool recovering = false;
   std::string replacing;
+  std::string replacing_cause;
+  clock_type::time_point replacing_started;
+  /// A worker was replaced while no step was in flight: the next execute_model fails with
+  /// `worker_replaced`, so that the engine learns that the KV cache is gone.
+  bool kv_lost = false;
   struct waiting_call {
     async_call call;
     bool forever = false;
@@ -274,6 +279,12 @@ struct supervisor_state {
   void hold(const gather_ptr& g, caf::error why) {
     if (g->finished || g->held)
       return;
+    if (recovering) { // the death is known: the worker is being replaced
+      finish(g, caf::make_error(errc::worker_replaced,
+                                replacing_cause + "; the call's work is lost, a replacement is "
+                                                  "starting"));
+      return;
+    }
     g->held = std::move(why);
     g->settle_at = clock_type::now() + settle_time;
     arm_deadline(g->settle_at);
@@ -665,6 +676,12 @@ struct supervisor_state {
                           adapter_calls.end());
       return;
     }
+    // Adding or pinning again what the log already holds changes nothing.
+    for (auto& c : adapter_calls)
+      if (c.method == method && c.id == id) {
+        c.args = args;
+        return;
+      }
     adapter_calls.push_back({method, args, kind, id});
   }
 
@@ -733,6 +750,13 @@ struct supervisor_state {
       auto err = std::move(loop_error);
       loop_error = caf::error{};
       rp.deliver(err);
+      return rp;
+    }
+    if (kv_lost) {
+      kv_lost = false;
+      rp.deliver(caf::make_error(errc::worker_replaced,
+                                 replacing_cause + "; it was replaced and the KV cache went "
+                                                   "with it: compute the requests again"));
       return rp;
     }
     start_loop();
@@ -995,6 +1019,8 @@ struct supervisor_state {
 
   /// Why a dead `rank` cannot be replaced under the restart policy; empty when it can.
   std::string cannot_replace(int32_t rank) {
+    if (contexts.size() != workers.size())
+      return "it died before the executor had started";
     if (!factory || !is_local(workers[static_cast<size_t>(rank)]))
       return "only workers of this process are replaced";
     if (recovering)
@@ -1045,11 +1071,18 @@ struct supervisor_state {
   void replace(int32_t rank, const std::string& cause) {
     recovering = true;
     replacing = "rank " + std::to_string(rank);
-    auto started = clock_type::now();
-    restarts.push_back(started);
+    replacing_cause = cause;
+    replacing_started = clock_type::now();
+    restarts.push_back(replacing_started);
     log->warn("{}; replacing it", cause);
     auto lost = caf::make_error(errc::worker_replaced,
                                 cause + "; the call's work is lost, a replacement is starting");
+    // A step in flight tells the engine that the KV cache is gone; without one, the next
+    // step does.
+    kv_lost = true;
+    for (auto& entry : pending)
+      if (entry.second->label == "execute_model")
+        kv_lost = false;
     fail_pending(lost);
     // The execution loop ended with the death; the survivors leave it.
     if (loop)
@@ -1057,7 +1090,23 @@ struct supervisor_state {
     loop.reset();
     loop_error = caf::error{};
     wake_stop_waiters(lost);
-    auto fresh = spawn_worker(self->system(), factory);
+    // Requests already in the mailbox run first (and fail: their rank is gone); calls made
+    // from now on wait for the replacement.
+    self->send(self, replace_atom::value, rank);
+  }
+
+  /// Spawns the replacement of `rank` and brings it to the others' state.
+  void start_replacement(int32_t rank) {
+    if (!recovering || failure)
+      return; // not asked for, or the executor failed meanwhile
+    worker_actor fresh;
+    try {
+      fresh = spawn_worker(self->system(), factory);
+    } catch (const std::exception& e) {
+      end_replacement(rank, caf::make_error(errc::worker_died, std::string{"cannot spawn: "} +
+                                                                 e.what()));
+      return;
+    }
     self->monitor(fresh);
     workers[static_cast<size_t>(rank)] = fresh;
     auto steps = std::make_shared<std::vector<step_fn>>();
@@ -1084,24 +1133,27 @@ struct supervisor_state {
         steps->push_back(
           gather_step("wake_up", {rank}, calling("wake_up", caf::make_message(woken))));
     }
-    run_steps(steps, 0, [st, rank, cause, started](caf::error err) {
-      st->recovering = false;
-      if (err) {
-        if (!st->failure)
-          st->fail_all(caf::make_error(errc::worker_died,
-                                       cause + "; its replacement failed: " + render(err)));
-        st->log->error("{}", render(st->failure));
-      } else {
-        ++st->rank_restarts[static_cast<size_t>(rank)];
-        auto ms = std::chrono::duration<double, std::milli>(clock_type::now() - started).count();
-        st->log->warn("rank {} replaced in {:.1f} ms (replacement {} of this rank) after: {}",
-                      rank, ms, st->rank_restarts[static_cast<size_t>(rank)], cause);
-      }
-      auto calls = std::move(st->waiting_calls);
-      st->waiting_calls.clear();
-      for (auto& w : calls)
-        st->run_call(std::move(w.call));
-    });
+    run_steps(steps, 0, [st, rank](caf::error err) { st->end_replacement(rank, std::move(err)); });
+  }
+
+  void end_replacement(int32_t rank, caf::error err) {
+    recovering = false;
+    if (err) {
+      if (!failure)
+        fail_all(caf::make_error(errc::worker_died,
+                                 replacing_cause + "; its replacement failed: " + render(err)));
+      log->error("{}", render(failure));
+    } else {
+      ++rank_restarts[static_cast<size_t>(rank)];
+      auto ms =
+        std::chrono::duration<double, std::milli>(clock_type::now() - replacing_started).count();
+      log->warn("rank {} replaced in {:.1f} ms (replacement {} of this rank) after: {}", rank, ms,
+                rank_restarts[static_cast<size_t>(rank)], replacing_cause);
+    }
+    auto calls = std::move(waiting_calls);
+    waiting_calls.clear();
+    for (auto& w : calls)
+      run_call(std::move(w.call));
   }
 
   /// A call of the facade: made now, or once the replacement in progress is done.
@@ -1179,6 +1231,7 @@ supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config
     [self](health_atom) { return self->state.check_health(); },
     [self](deadline_atom, int64_t at) { self->state.check_deadlines(at); },
     [self](async_call& call) { self->state.run_call(std::move(call)); },
+    [self](replace_atom, int32_t rank) { self->state.start_replacement(rank); },
   };
 }
 

@@ -110,22 +110,19 @@ caf::error refusal() {
 /// sequence whose token cannot be known.
 caf::error fill_pending_tokens(execute_model_request& req,
                                const std::unordered_map<int64_t, int32_t>& last) {
+  // Only a last token may be pending; one elsewhere is refused by the model as a token
+  // outside the vocabulary.
   for (auto& g : req.seq_group_metadata_list)
     for (auto& seq : g.seqs) {
-      auto& ids = seq.token_ids;
-      auto pending = std::find(ids.begin(), ids.end(), pending_token);
-      if (pending == ids.end())
+      if (seq.token_ids.empty() || seq.token_ids.back() != pending_token)
         continue;
-      auto seq_name = "sequence " + std::to_string(seq.seq_id) + " of '" + g.request_id + "'";
-      if (pending + 1 != ids.end())
-        return caf::make_error(errc::invalid_argument,
-                               seq_name + " has a pending token before its last");
       auto sample = last.find(seq.seq_id);
       if (sample == last.end())
         return caf::make_error(errc::invalid_argument,
-                               seq_name + " has a pending last token, but the driver's "
-                                          "previous step sampled none for it");
-      *pending = sample->second;
+                               "sequence " + std::to_string(seq.seq_id) + " of '" +
+                                 g.request_id + "' has a pending last token, but the driver's "
+                                 "previous step sampled none for it");
+      seq.token_ids.back() = sample->second;
     }
   return caf::none;
 }

@@ -327,8 +327,11 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
         auto step = sched.schedule();
         bool samples = !step.seq_group_metadata_list.empty();
         if (!samples && step.blocks_to_swap_in.empty() && step.blocks_to_swap_out.empty()
-            && step.blocks_to_copy.empty())
+            && step.blocks_to_copy.empty()) {
+          if (!sched.has_unfinished())
+            continue; // it finished what could never run ("abort")
           throw error{errc::worker_error, "the scheduler can make no progress"};
+        }
         auto ahead = overlap ? sched.schedule_ahead() : std::nullopt;
         if (!ahead) {
           apply(d.exec->execute_model(step), samples);

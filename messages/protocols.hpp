@@ -69,6 +69,9 @@ using supervisor_actor = caf::typed_actor<
   /// The supervisor's own deadline timer (see `executor_actor.cpp`).
   caf::reacts_to<deadline_atom, int64_t>,
   /// A call of the facade's async API (see `async_call`).
-  caf::reacts_to<async_call>>;
+  caf::reacts_to<async_call>,
+  /// The supervisor's own: replace the dead worker of `rank` (after the requests that were
+  /// already in its mailbox).
+  caf::reacts_to<replace_atom, int32_t>>;
 
 } // namespace troupe
