@@ -104,6 +104,8 @@ struct executor::impl {
   /// Watched by the nodes that leased workers to this executor.
   caf::actor lease_holder;
   std::vector<worker_actor> local_workers;
+  /// Workers the supervisor spawned to replace dead ones.
+  std::shared_ptr<replacement_list> replacements = std::make_shared<replacement_list>();
   /// Workers leased from nodes, which release them when the lease holder goes.
   std::vector<worker_actor> leased_workers;
   std::vector<worker_info> infos;
@@ -338,6 +340,14 @@ struct executor::impl {
                         >> [&] { timed_out = true; });
       }
     }
+    {
+      // The supervisor is gone (or abandoned): it replaces no more workers, and stopped
+      // those it made.
+      std::lock_guard<std::mutex> lk{replacements->mtx};
+      for (auto& w : replacements->workers)
+        local_workers.push_back(w);
+      replacements->workers.clear();
+    }
     // Actors that remote nodes have seen stay in the registry for as long as those nodes
     // keep a proxy; drop them so that destroying the system does not wait for the peers.
     for (auto& w : local_workers)
@@ -474,7 +484,8 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     places.push_back({"worker host", rw.host, rw.port});
   }
   d.supervisor =
-    spawn_supervisor(*d.sys, d.cfg, std::move(workers), std::move(places), std::move(factory));
+    spawn_supervisor(*d.sys, d.cfg, std::move(workers), std::move(places), std::move(factory),
+                     d.replacements);
   try {
     // Three steps, each within startup_timeout: init, and the collective's two rounds.
     auto startup = d.cfg.startup_timeout < std::chrono::hours(24 * 365) ? 3 * d.cfg.startup_timeout

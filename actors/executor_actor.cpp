@@ -163,6 +163,7 @@ struct supervisor_state {
   // What a replacement needs (`executor_config::restart`).
   /// Spawns the replacement of a worker of this process.
   worker_factory factory;
+  std::shared_ptr<replacement_list> replacements;
   /// Each rank's init context.
   std::vector<worker_context> contexts;
   /// The blocks of the last initialize_cache.
@@ -1109,6 +1110,10 @@ struct supervisor_state {
     }
     self->monitor(fresh);
     workers[static_cast<size_t>(rank)] = fresh;
+    {
+      std::lock_guard<std::mutex> lk{replacements->mtx};
+      replacements->workers.push_back(fresh);
+    }
     auto steps = std::make_shared<std::vector<step_fn>>();
     steps->push_back(gather_step("init", {rank}, init_request(rank)));
     if (rank != 0)
@@ -1189,11 +1194,13 @@ struct supervisor_state {
 supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config cfg,
                                            std::vector<worker_actor> workers,
                                            std::vector<worker_place> places,
-                                           worker_factory factory) {
+                                           worker_factory factory,
+                                           std::shared_ptr<replacement_list> replacements) {
   auto& st = self->state;
   st.self = self;
   st.cfg = std::move(cfg);
   st.factory = std::move(factory);
+  st.replacements = std::move(replacements);
   st.workers = std::move(workers);
   st.places = std::move(places);
   for (auto& w : st.workers)
@@ -1239,10 +1246,11 @@ supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config
 
 supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config& cfg,
                                   std::vector<worker_actor> workers,
-                                  std::vector<worker_place> places, worker_factory factory) {
+                                  std::vector<worker_place> places, worker_factory factory,
+                                  std::shared_ptr<replacement_list> replacements) {
   places.resize(workers.size());
   return sys.spawn<caf::detached>(supervisor, cfg, std::move(workers), std::move(places),
-                                  std::move(factory));
+                                  std::move(factory), std::move(replacements));
 }
 
 } // namespace troupe

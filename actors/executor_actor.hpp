@@ -6,6 +6,8 @@
 #include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
 
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -25,13 +27,22 @@ struct supervisor_access {
   supervisor_actor::pointer self;
 };
 
+/// The workers a supervisor spawned to replace dead ones, for the facade's shutdown (which
+/// stops them and drops them from the registry as it does the first ones). The supervisor
+/// adds to it; the facade reads it once the supervisor is gone.
+struct replacement_list {
+  std::mutex mtx;
+  std::vector<worker_actor> workers;
+};
+
 /// Spawns the supervisor (interface `supervisor_actor`, messages/protocols.hpp): it
 /// monitors `workers` (rank order, local or remote; `places` says where each runs),
 /// scatters and gathers every collective call, runs the distributed execution loop and
 /// keeps the sleep/wake state machine. Under `cfg.restart` it replaces a dead worker of
-/// this process with one that `factory` makes.
+/// this process with one that `factory` makes, and lists it in `replacements`.
 supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config& cfg,
                                   std::vector<worker_actor> workers,
-                                  std::vector<worker_place> places, worker_factory factory);
+                                  std::vector<worker_place> places, worker_factory factory,
+                                  std::shared_ptr<replacement_list> replacements);
 
 } // namespace troupe
