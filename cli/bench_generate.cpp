@@ -16,12 +16,39 @@
 
 namespace troupe::cli {
 
+void add_workload_options(CLI::App& app, workload_options& o) {
+  app.add_option("--num-prompts", o.num_prompts, "Requests")
+    ->check(CLI::Range(1, 100000))
+    ->capture_default_str();
+  app.add_option("--input-len", o.input_len, "Prompt tokens per request")
+    ->check(CLI::Range(1, 100000))
+    ->capture_default_str();
+  app.add_option("--output-len", o.output_len, "Generated tokens per request")
+    ->check(CLI::Range(2, 100000))
+    ->capture_default_str();
+}
+
+std::vector<generation_request> make_workload(const workload_options& o,
+                                              const std::string& model) {
+  auto vocab = checkpoint::config_of(model).vocab_size;
+  std::mt19937 rng{0};
+  std::vector<generation_request> reqs;
+  for (int i = 0; i < o.num_prompts; ++i) {
+    generation_request r;
+    for (int t = 0; t < o.input_len; ++t)
+      r.prompt_token_ids.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
+    r.sampling.temperature = 0.0f;
+    r.sampling.max_tokens = o.output_len;
+    r.sampling.ignore_eos = true; // every request produces output_len tokens
+    reqs.push_back(std::move(r));
+  }
+  return reqs;
+}
+
 std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
   struct options {
     std::string model;
-    int num_prompts = 16;
-    int input_len = 64;
-    int output_len = 32;
+    workload_options work;
     int tp = 1;
     std::string async_scheduling = "off";
     int rounds = 3;
@@ -33,15 +60,7 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
   auto* sub = bench.add_subcommand("generate", "Request throughput and time per output token");
   cmd->app = sub;
   sub->add_option("--model", o->model, "Hugging Face model directory or GGUF file")->required();
-  sub->add_option("--num-prompts", o->num_prompts, "Requests")
-    ->check(CLI::Range(1, 100000))
-    ->capture_default_str();
-  sub->add_option("--input-len", o->input_len, "Prompt tokens per request")
-    ->check(CLI::Range(1, 100000))
-    ->capture_default_str();
-  sub->add_option("--output-len", o->output_len, "Generated tokens per request")
-    ->check(CLI::Range(2, 100000))
-    ->capture_default_str();
+  add_workload_options(*sub, o->work);
   sub->add_option("--tensor-parallel-size", o->tp, "Worker actors")
     ->check(CLI::Range(1, 64))
     ->capture_default_str();
@@ -57,25 +76,14 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
   sub->add_flag("--json", o->json, "Print only the JSON result (the last line)");
   add_device_options(*sub, o->device);
   cmd->run = [o] {
-    auto vocab = checkpoint::config_of(o->model).vocab_size;
-    std::mt19937 rng{0};
-    std::vector<generation_request> reqs;
-    for (int i = 0; i < o->num_prompts; ++i) {
-      generation_request r;
-      for (int t = 0; t < o->input_len; ++t)
-        r.prompt_token_ids.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
-      r.sampling.temperature = 0.0f;
-      r.sampling.max_tokens = o->output_len;
-      r.sampling.ignore_eos = true; // every request produces output_len tokens
-      reqs.push_back(std::move(r));
-    }
+    auto reqs = make_workload(o->work, o->model);
     auto make = [&](bool async_scheduling) {
       llm_config cfg;
       cfg.worker.model_path = o->model;
       cfg.executor.tensor_parallel_size = o->tp;
       cfg.scheduler.async_scheduling = async_scheduling;
       apply_device_options(o->device, cfg.executor, cfg.worker);
-      cfg.executor.max_model_len = o->input_len + o->output_len + 1;
+      cfg.executor.max_model_len = o->work.input_len + o->work.output_len + 1;
       return std::make_unique<llm>(cfg);
     };
     auto run = [&](llm& model, bool async_scheduling) {
@@ -98,22 +106,22 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
       };
       nlohmann::json result = {
         {"model", o->model},
-        {"num_prompts", o->num_prompts},
-        {"input_len", o->input_len},
-        {"output_len", o->output_len},
+        {"num_prompts", o->work.num_prompts},
+        {"input_len", o->work.input_len},
+        {"output_len", o->work.output_len},
         {"tensor_parallel_size", o->tp},
         {"async_scheduling", async_scheduling},
         {"device", o->device.device},
         {"dtype", o->device.dtype},
         {"enforce_eager", o->device.enforce_eager},
         {"elapsed_s", took.count()},
-        {"requests_per_s", o->num_prompts / took.count()},
+        {"requests_per_s", o->work.num_prompts / took.count()},
         {"output_tokens_per_s", static_cast<double>(tokens) / took.count()},
         {"tpot_p50_ms", at(0.5)},
         {"tpot_p99_ms", at(0.99)},
       };
       if (!o->json)
-        std::cout << o->num_prompts << " requests in " << took.count() << " s"
+        std::cout << o->work.num_prompts << " requests in " << took.count() << " s"
                   << (async_scheduling ? " (asynchronous scheduling)" : "") << ": "
                   << result["requests_per_s"].get<double>() << " requests/s, "
                   << result["output_tokens_per_s"].get<double>() << " output tokens/s, "

@@ -6,7 +6,6 @@
 
 #include "cli/commands.hpp"
 
-#include "model/checkpoint.hpp"
 #include "troupe/errors.hpp"
 #include "troupe/llm.hpp"
 #include "troupe/model_worker.hpp"
@@ -18,7 +17,6 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
-#include <random>
 #include <vector>
 
 namespace troupe::cli {
@@ -72,9 +70,7 @@ std::shared_ptr<command> add_bench_recovery(CLI::App& bench) {
     int tp = 2;
     int rank = 1;
     int at = 8;
-    int num_prompts = 4;
-    int input_len = 32;
-    int output_len = 32;
+    workload_options work{4, 32, 32};
     bool json = false;
     device_options device;
   };
@@ -92,15 +88,7 @@ std::shared_ptr<command> add_bench_recovery(CLI::App& bench) {
   sub->add_option("--at-step", o->at, "The step of that worker at which it dies")
     ->check(CLI::Range(1, 1000000))
     ->capture_default_str();
-  sub->add_option("--num-prompts", o->num_prompts, "Requests")
-    ->check(CLI::Range(1, 100000))
-    ->capture_default_str();
-  sub->add_option("--input-len", o->input_len, "Prompt tokens per request")
-    ->check(CLI::Range(1, 100000))
-    ->capture_default_str();
-  sub->add_option("--output-len", o->output_len, "Generated tokens per request")
-    ->check(CLI::Range(2, 100000))
-    ->capture_default_str();
+  add_workload_options(*sub, o->work);
   sub->add_flag("--json", o->json, "Print only the JSON result");
   add_device_options(*sub, o->device);
   cmd->run = [o] {
@@ -108,24 +96,13 @@ std::shared_ptr<command> add_bench_recovery(CLI::App& bench) {
       throw error{errc::invalid_argument, "--rank " + std::to_string(o->rank) +
                                             " is not below --tensor-parallel-size " +
                                             std::to_string(o->tp)};
-    auto vocab = checkpoint::config_of(o->model).vocab_size;
-    std::mt19937 rng{0};
-    std::vector<generation_request> reqs;
-    for (int i = 0; i < o->num_prompts; ++i) {
-      generation_request r;
-      for (int t = 0; t < o->input_len; ++t)
-        r.prompt_token_ids.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
-      r.sampling.temperature = 0.0f;
-      r.sampling.max_tokens = o->output_len;
-      r.sampling.ignore_eos = true;
-      reqs.push_back(std::move(r));
-    }
+    auto reqs = make_workload(o->work, o->model);
     llm_config cfg;
     cfg.worker.model_path = o->model;
     cfg.executor.tensor_parallel_size = o->tp;
     cfg.executor.restart.max_restarts = 1;
     apply_device_options(o->device, cfg.executor, cfg.worker);
-    cfg.executor.max_model_len = o->input_len + o->output_len + 1;
+    cfg.executor.max_model_len = o->work.input_len + o->work.output_len + 1;
     auto worker_options = cfg.worker;
     worker_options.max_num_batched_tokens = cfg.scheduler.max_num_batched_tokens;
     worker_options.max_num_seqs = cfg.scheduler.max_num_seqs;
@@ -161,9 +138,9 @@ std::shared_ptr<command> add_bench_recovery(CLI::App& bench) {
       {"device", o->device.device},
       {"fault_rank", o->rank},
       {"fault_step", o->at},
-      {"num_prompts", o->num_prompts},
-      {"input_len", o->input_len},
-      {"output_len", o->output_len},
+      {"num_prompts", o->work.num_prompts},
+      {"input_len", o->work.input_len},
+      {"output_len", o->work.output_len},
       {"cold_start_s", cold_start.count()},
       {"death_to_next_step_ms", recovery_ms},
       {"outputs_equal_undisturbed", equal},

@@ -79,6 +79,20 @@ void add_device_options(CLI::App& app, device_options& o);
 void apply_device_options(const device_options& o, executor_config& executor,
                           model_worker_options& worker);
 
+/// The batch a generation benchmark runs: random prompts of `input_len` tokens, each
+/// generating exactly `output_len` greedily (vLLM's benchmark_throughput).
+struct workload_options {
+  int num_prompts = 16;
+  int input_len = 64;
+  int output_len = 32;
+};
+
+/// Adds --num-prompts, --input-len and --output-len to `app`.
+void add_workload_options(CLI::App& app, workload_options& o);
+
+/// The requests of `o` for `model` (seeded: the same every run).
+std::vector<generation_request> make_workload(const workload_options& o, const std::string& model);
+
 /// The worker of `troupe bench rpc` (methods "noop" and "spin").
 std::unique_ptr<worker> make_bench_worker();
 
