@@ -19,9 +19,9 @@
 
 #include <atomic>
 #include <future>
-#include <utility>
 #include <mutex>
 #include <shared_mutex>
+#include <utility>
 
 namespace troupe {
 
@@ -30,6 +30,18 @@ namespace {
 /// The facade waits a little longer than the supervisor, which enforces the real deadline
 /// and reports it with context.
 constexpr auto facade_grace = std::chrono::seconds(5);
+
+/// The exception for a call's error: a supervisor gone after shutdown means `shut_down`.
+error translated(const caf::error& err, bool shut) {
+  if (shut && err == caf::sec::request_receiver_down)
+    return error{errc::shut_down, "executor is shut down"};
+  return error::from(err);
+}
+
+/// A deadline for a call made of `n` steps, each bounded by `t`.
+timeout_type times(timeout_type t, int64_t n) {
+  return t >= wait_forever / n ? wait_forever : n * t;
+}
 
 int64_t to_us(timeout_type t) {
   return t == wait_forever ? wait_forever.count() : t.count();
@@ -118,9 +130,7 @@ struct executor::impl {
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
 
   error translate(const caf::error& err) const {
-    if (*shut && err == caf::sec::request_receiver_down)
-      return error{errc::shut_down, "executor is shut down"};
-    return error::from(err);
+    return translated(err, *shut);
   }
 
   void check_open() const {
@@ -221,11 +231,7 @@ struct executor::impl {
     auto slot = std::make_shared<async_slot<T>>();
     auto fut = slot->future();
     auto closed = shut;
-    auto fail = [slot, closed](const caf::error& e) {
-      slot->fail((*closed && e == caf::sec::request_receiver_down)
-                   ? error{errc::shut_down, "executor is shut down"}
-                   : error::from(e));
-    };
+    auto fail = [slot, closed](const caf::error& e) { slot->fail(translated(e, *closed)); };
     async_call call;
     call.request = [=](supervisor_access& access) mutable {
       auto me = caf::actor_cast<supervisor_actor>(access.self);
@@ -488,9 +494,7 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
                      d.replacements);
   try {
     // Three steps, each within startup_timeout: init, and the collective's two rounds.
-    auto startup = d.cfg.startup_timeout < std::chrono::hours(24 * 365) ? 3 * d.cfg.startup_timeout
-                                                                         : wait_forever;
-    d.infos = d.ask<std::vector<worker_info>>(startup, init_atom::value);
+    d.infos = d.ask<std::vector<worker_info>>(times(d.cfg.startup_timeout, 3), init_atom::value);
   } catch (...) {
     d.stop();
     throw;
@@ -714,17 +718,13 @@ sharded_state_request sharded_state(const std::string& path, const std::string& 
   return {path, pattern, max_size};
 }
 
-/// A staged save is two collective calls, each bounded by `t`.
-timeout_type twice(timeout_type t) {
-  return t >= wait_forever / 2 ? wait_forever : 2 * t;
-}
-
 } // namespace
 
 void executor::save_sharded_state(const std::string& path, const std::string& pattern,
                                   int64_t max_size) {
   auto& d = *impl_;
-  d.ask<void>(twice(d.cfg.rpc_timeout), save_state_atom::value,
+  // A staged save is two collective calls.
+  d.ask<void>(times(d.cfg.rpc_timeout, 2), save_state_atom::value,
               sharded_state(path, pattern, max_size));
 }
 

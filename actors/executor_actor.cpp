@@ -181,10 +181,10 @@ struct supervisor_state {
   std::deque<clock_type::time_point> restarts;
   /// Replacements so far, by rank (reported by check_health).
   std::vector<int32_t> rank_restarts;
-  /// A worker is being replaced (`replacing` names it): calls that arrive wait in
-  /// `waiting_calls` until it is done or their time is up.
+  /// A worker is being replaced (rank `replacing`, dead of `replacing_cause`): calls that
+  /// arrive wait in `waiting_calls` until it is done or their time is up.
   bool recovering = false;
-  std::string replacing;
+  int32_t replacing = -1;
   std::string replacing_cause;
   clock_type::time_point replacing_started;
   /// A worker was replaced while no step was in flight: the next execute_model fails with
@@ -192,7 +192,7 @@ struct supervisor_state {
   bool kv_lost = false;
   struct waiting_call {
     async_call call;
-    bool forever = false;
+    /// `time_point::max()` when the call may wait for ever.
     clock_type::time_point until;
   };
   std::vector<waiting_call> waiting_calls;
@@ -262,8 +262,7 @@ struct supervisor_state {
         },
         [st, g, index](caf::error& err) {
           auto why = rank_error(*g, g->ranks[index], err);
-          if (st->cfg.restart.max_restarts > 0 && why.category() == caf::atom("troupe")
-              && why.code() == static_cast<uint8_t>(errc::worker_died))
+          if (st->cfg.restart.max_restarts > 0 && to_errc(why) == errc::worker_died)
             st->hold(g, std::move(why));
           else
             st->finish(g, std::move(why));
@@ -281,9 +280,7 @@ struct supervisor_state {
     if (g->finished || g->held)
       return;
     if (recovering) { // the death is known: the worker is being replaced
-      finish(g, caf::make_error(errc::worker_replaced,
-                                replacing_cause + "; the call's work is lost, a replacement is "
-                                                  "starting"));
+      finish(g, work_lost());
       return;
     }
     g->held = std::move(why);
@@ -303,6 +300,13 @@ struct supervisor_state {
   void fail_all(caf::error why) {
     failure = std::move(why);
     fail_pending(failure);
+  }
+
+  /// What a call in flight at the death of the worker being replaced fails with.
+  caf::error work_lost() const {
+    return caf::make_error(errc::worker_replaced,
+                           replacing_cause + "; the call's work is lost, a replacement is "
+                                             "starting");
   }
 
   /// Fails every pending call with `why`.
@@ -349,18 +353,17 @@ struct supervisor_state {
       finish(g, g->held);
     // Calls that waited for a replacement as long as they may.
     auto late = std::stable_partition(waiting_calls.begin(), waiting_calls.end(),
-                                      [&](const waiting_call& w) {
-                                        return w.forever || w.until > now;
-                                      });
+                                      [&](const waiting_call& w) { return w.until > now; });
     std::vector<waiting_call> gone(std::make_move_iterator(late),
                                    std::make_move_iterator(waiting_calls.end()));
     waiting_calls.erase(late, waiting_calls.end());
     for (auto& w : gone)
       w.call.fail(caf::make_error(errc::timeout, "waited " + ms_text(w.call.timeout) +
-                                                   " for the replacement of " + replacing +
+                                                   " for the replacement of rank " +
+                                                   std::to_string(replacing) +
                                                    ", which is still in progress"));
     for (auto& w : waiting_calls)
-      if (!w.forever)
+      if (w.until != clock_type::time_point::max())
         arm_deadline(w.until);
     for (auto& g : expired)
       finish(g, rank_error(*g, first_silent_rank(*g), caf::sec::request_timeout));
@@ -1071,13 +1074,12 @@ struct supervisor_state {
   /// calls that arrive meanwhile wait and run once it is done.
   void replace(int32_t rank, const std::string& cause) {
     recovering = true;
-    replacing = "rank " + std::to_string(rank);
+    replacing = rank;
     replacing_cause = cause;
     replacing_started = clock_type::now();
     restarts.push_back(replacing_started);
     log->warn("{}; replacing it", cause);
-    auto lost = caf::make_error(errc::worker_replaced,
-                                cause + "; the call's work is lost, a replacement is starting");
+    auto lost = work_lost();
     // A step in flight tells the engine that the KV cache is gone; without one, the next
     // step does.
     kv_lost = true;
@@ -1164,13 +1166,12 @@ struct supervisor_state {
   /// A call of the facade: made now, or once the replacement in progress is done.
   void run_call(async_call call) {
     if (recovering) {
-      waiting_call w{std::move(call), false, {}};
-      w.forever = w.call.timeout == wait_forever;
-      if (!w.forever) {
-        w.until = clock_type::now() + w.call.timeout;
-        arm_deadline(w.until);
+      auto until = clock_type::time_point::max();
+      if (call.timeout != wait_forever) {
+        until = clock_type::now() + call.timeout;
+        arm_deadline(until);
       }
-      waiting_calls.push_back(std::move(w));
+      waiting_calls.push_back({std::move(call), until});
       return;
     }
     supervisor_access access{self};

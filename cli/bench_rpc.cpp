@@ -97,42 +97,6 @@ stats measure(const std::function<void()>& call, int iterations) {
   return s;
 }
 
-/// Round trip between two threads through a mutex and condition variable: the least a
-/// cross-thread request and reply can cost here.
-stats thread_wakeup_floor(int iterations) {
-  std::mutex mtx;
-  std::condition_variable cv;
-  int turn = 0; // 0: main's turn, 1: partner's turn, -1: stop
-  std::thread partner([&] {
-    std::unique_lock<std::mutex> lk{mtx};
-    for (;;) {
-      cv.wait(lk, [&] { return turn != 0; });
-      if (turn < 0)
-        return;
-      turn = 0;
-      cv.notify_all();
-    }
-  });
-  std::vector<double> samples;
-  auto wall_start = clock_type::now();
-  for (int i = 0; i < iterations; ++i) {
-    auto start = clock_type::now();
-    std::unique_lock<std::mutex> lk{mtx};
-    turn = 1;
-    cv.notify_all();
-    cv.wait(lk, [&] { return turn == 0; });
-    samples.push_back(std::chrono::duration<double, std::micro>(clock_type::now() - start).count());
-  }
-  {
-    std::lock_guard<std::mutex> lk{mtx};
-    turn = -1;
-  }
-  cv.notify_all();
-  partner.join();
-  std::chrono::duration<double> wall = clock_type::now() - wall_start;
-  return summarize(std::move(samples), wall.count());
-}
-
 /// `n` threads, each waiting on its own mutex and condition variable (a mailbox) and
 /// replying through the caller's: `call` is a scatter-gather to all of them.
 class gather_group {
@@ -383,7 +347,9 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     for (auto& n : cfg.nodes)
       remote += n.workers;
 
-    auto floor = thread_wakeup_floor(opts->iterations);
+    // A hand-off to a middle thread that has no workers to ask: one thread wake-up round
+    // trip, the least a cross-thread request and reply can cost here.
+    auto floor = relayed_gather_floor(0, opts->iterations);
     auto gather_floor = scatter_gather_floor(opts->workers, opts->iterations);
     auto relayed_floor = relayed_gather_floor(opts->workers, opts->iterations);
     auto tcp_floor = tcp_round_trip_floor(opts->iterations);

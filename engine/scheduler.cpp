@@ -293,11 +293,8 @@ void scheduler::recompute_all() {
     r.num_computed = 0;
     r.pending = 0;
   }
+  // Waiting requests hold no cache and no step in flight already.
   waiting_.insert(waiting_.begin(), again.begin(), again.end());
-  for (auto seq : waiting_) {
-    requests_.at(seq).pending = 0;
-    requests_.at(seq).num_computed = 0;
-  }
 }
 
 void scheduler::finish(int64_t seq, const std::string& reason) {
