@@ -4,6 +4,7 @@
 #include "troupe/executor.hpp"
 
 #include "actors/executor_actor.hpp"
+#include "actors/lease.hpp"
 #include "actors/log.hpp"
 #include "actors/node_auth.hpp"
 #include "actors/remoting.hpp"
@@ -13,9 +14,6 @@
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
-#include <caf/io/basp_broker.hpp>
-#include <caf/io/network/default_multiplexer.hpp>
-#include <caf/openssl/all.hpp>
 
 #include <atomic>
 #include <future>
@@ -152,74 +150,6 @@ struct executor::impl {
     return fut.get();
   }
 
-  /// Proves the secret to node `n` and leases its workers, all before `deadline`. Throws
-  /// `worker_died` when the node cannot be reached or does not answer in time,
-  /// `invalid_argument` when it refuses.
-  std::vector<caf::actor> lease(const node_address& n,
-                                std::chrono::steady_clock::time_point deadline) {
-    auto where = "node " + n.host + ":" + std::to_string(n.port);
-    logger_release release;
-    caf::scoped_actor self{*sys};
-    auto late = "no answer within the startup_timeout of " +
-                std::to_string(cfg.startup_timeout.count() / 1000) + " ms";
-    // Each step gets what is left of the deadline; none starts once it has passed.
-    auto left = [&] {
-      auto rest = std::chrono::duration_cast<std::chrono::microseconds>(
-        deadline - std::chrono::steady_clock::now());
-      if (rest <= std::chrono::microseconds::zero())
-        throw error{errc::worker_died, "cannot reach " + where + ": " + late};
-      return caf::duration{rest};
-    };
-    caf::error err;
-    auto why = [&] { return err == caf::sec::request_timeout ? late : render(err); };
-    auto fail = [&](caf::error& e) { err = std::move(e); };
-    caf::actor gate;
-    auto take_gate = [&](caf::node_id&, caf::strong_actor_ptr& ptr, std::set<std::string>&) {
-      gate = caf::actor_cast<caf::actor>(std::move(ptr));
-    };
-    if (cfg.tls_certificate.empty()) {
-      // The connection proves the secret before any BASP byte; then the middleman takes
-      // it over as if it had connected itself.
-      left();
-      auto fd = dial_node(n.host, n.port, cfg.node_secret, deadline);
-      auto& mm = sys->middleman();
-      auto basp = mm.named_broker<caf::io::basp_broker>(caf::atom("BASP"));
-      self->request(basp, left(), caf::connect_atom::value, mm.backend().new_scribe(fd), n.port)
-        .receive(take_gate, fail);
-    } else {
-      // Through the TLS manager's actor, so that the deadline bounds the connection.
-      self->request(sys->openssl_manager().actor_handle(), left(), caf::connect_atom::value,
-                    n.host, n.port)
-        .receive(take_gate, fail);
-    }
-    if (err || !gate)
-      throw error{errc::worker_died,
-                  "cannot reach " + where + ": " + (err ? why() : "it published nothing")};
-    auto checked = [&] {
-      if (!err)
-        return;
-      auto code = err.category() == caf::atom("troupe") ? static_cast<errc>(err.code())
-                                                         : errc::worker_died;
-      throw error{code == errc::timeout ? errc::worker_died : code, where + ": " + why()};
-    };
-    if (!cfg.node_secret.empty()) {
-      std::string challenge;
-      self->request(gate, left(), hello_atom::value)
-        .receive([&](std::string& c) { challenge = std::move(c); }, fail);
-      checked();
-      auto proof = secret_proof(cfg.node_secret, challenge, to_string(sys->node()));
-      self->request(gate, left(), auth_atom::value, proof).receive([](caf::ok_atom) {}, fail);
-      checked();
-    }
-    std::vector<caf::actor> leased;
-    self
-      ->request(gate, left(), lease_atom::value, cfg.node_worker_kind, cfg.node_worker_options,
-                n.workers, lease_holder)
-      .receive([&](std::vector<caf::actor>& ws) { leased = std::move(ws); }, fail);
-    checked();
-    return leased;
-  }
-
   /// Hands a call to the supervisor, which makes its request to itself and fills the
   /// future with the reply. Calls made one after another (from one thread, or ordered by
   /// the host) reach the supervisor in that order, which lets a caller queue the next step
@@ -325,7 +255,12 @@ struct executor::impl {
       // Waiting for the nodes to release their workers lets the middleman finish with
       // those connections before the system is destroyed; destroyed earlier, it now and
       // then kept a reference to the supervisor and waited for it forever.
-      for (auto& w : leased_workers) {
+      std::vector<worker_actor> leased = leased_workers;
+      {
+        std::lock_guard<std::mutex> lk{replacements->mtx};
+        leased.insert(leased.end(), replacements->leased.begin(), replacements->leased.end());
+      }
+      for (auto& w : leased) {
         self->monitor(w);
         ++left;
       }
@@ -353,6 +288,7 @@ struct executor::impl {
       for (auto& w : replacements->workers)
         local_workers.push_back(w);
       replacements->workers.clear();
+      replacements->leased.clear();
     }
     // Actors that remote nodes have seen stay in the registry for as long as those nodes
     // keep a proxy; drop them so that destroying the system does not wait for the peers.
@@ -406,9 +342,10 @@ void executor_config::validate() const {
       throw error{errc::invalid_argument, "node " + n.host + ":" + std::to_string(n.port) +
                                             ": workers must be at least 1"};
   auto tls = wants_tls(tls_certificate, tls_key, tls_ca);
-  if (!nodes.empty() && node_secret.empty() && !tls)
+  bool any_node = !nodes.empty() || !spare_nodes.empty();
+  if (any_node && node_secret.empty() && !tls)
     throw error{errc::invalid_argument, "worker nodes need node_secret or TLS certificates"};
-  if (!nodes.empty() && !node_secret.empty())
+  if (any_node && !node_secret.empty())
     check_secret(node_secret, "node_secret");
   if (node_timeout <= timeout_type::zero())
     throw error{errc::invalid_argument, "node_timeout must be positive"};
@@ -436,7 +373,7 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
   d.cfg = std::move(cfg);
   register_messages(*d.sys_cfg);
   configure_scheduler(*d.sys_cfg, d.cfg.scheduler_threads, d.cfg.scheduler_poll_attempts);
-  if (!d.cfg.remote_workers.empty() || !d.cfg.nodes.empty()) {
+  if (!d.cfg.remote_workers.empty() || !d.cfg.nodes.empty() || !d.cfg.spare_nodes.empty()) {
     d.sys_cfg->load<caf::io::middleman>();
     configure_heartbeats(*d.sys_cfg, d.cfg.node_timeout);
     if (tls)
@@ -462,8 +399,10 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     // startup_timeout bounds the connections and handshakes with every node together.
     auto deadline = std::chrono::steady_clock::now() + d.cfg.startup_timeout;
     try {
+      logger_release release;
+      caf::scoped_actor self{*d.sys};
       for (auto& n : d.cfg.nodes)
-        for (auto& w : d.lease(n, deadline)) {
+        for (auto& w : lease_workers(self.ptr(), d.cfg, n, n.workers, d.lease_holder, deadline)) {
           workers.push_back(caf::actor_cast<worker_actor>(std::move(w)));
           d.leased_workers.push_back(workers.back());
           places.push_back({"node", n.host, n.port});
@@ -491,7 +430,7 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
   }
   d.supervisor =
     spawn_supervisor(*d.sys, d.cfg, std::move(workers), std::move(places), std::move(factory),
-                     d.replacements);
+                     d.lease_holder, d.replacements);
   try {
     // Three steps, each within startup_timeout: init, and the collective's two rounds.
     d.infos = d.ask<std::vector<worker_info>>(times(d.cfg.startup_timeout, 3), init_atom::value);

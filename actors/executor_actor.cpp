@@ -4,6 +4,8 @@
 
 #include "actors/executor_actor.hpp"
 
+#include "actors/lease.hpp"
+
 #include "actors/log.hpp"
 #include "actors/node_auth.hpp"
 #include "actors/remoting.hpp"
@@ -133,6 +135,31 @@ caf::error invalid_id(const char* what, int64_t id) {
                                                    std::to_string(id));
 }
 
+/// A helper of the supervisor: answers one `lease_atom` with a worker leased from the first
+/// of `candidates` that gives one, and which (the first is asked for at most
+/// `cfg.node_timeout`: a node that is back answers at once, a stopped one never), or an
+/// error naming what each said. Everything ends by `deadline`.
+void lease_one(caf::blocking_actor* self, executor_config cfg,
+               std::vector<node_address> candidates, caf::actor holder,
+               clock_type::time_point deadline) {
+  self->receive([&](lease_atom) -> caf::result<caf::actor, int32_t> {
+    std::string refusals;
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      auto until = i == 0 ? std::min(deadline, clock_type::now() + cfg.node_timeout) : deadline;
+      try {
+        auto leased = lease_workers(self, cfg, candidates[i], 1, holder, until);
+        if (leased.size() == 1)
+          return {leased[0], static_cast<int32_t>(i)};
+        refusals += (refusals.empty() ? "" : "; ") + node_name(candidates[i]) + ": gave " +
+                    std::to_string(leased.size()) + " workers for 1";
+      } catch (const error& e) {
+        refusals += (refusals.empty() ? "" : "; ") + std::string{e.what()};
+      }
+    }
+    return caf::make_error(errc::worker_died, "no node gave a replacement (" + refusals + ")");
+  });
+}
+
 struct supervisor_state {
   supervisor_self self = nullptr;
   executor_config cfg;
@@ -163,6 +190,9 @@ struct supervisor_state {
   // What a replacement needs (`executor_config::restart`).
   /// Spawns the replacement of a worker of this process.
   worker_factory factory;
+  /// What the nodes watch for a lease's end: a replacement leased from a node is held by
+  /// it too.
+  caf::actor lease_holder;
   std::shared_ptr<replacement_list> replacements;
   /// Each rank's init context.
   std::vector<worker_context> contexts;
@@ -186,6 +216,8 @@ struct supervisor_state {
   bool recovering = false;
   int32_t replacing = -1;
   std::string replacing_cause;
+  /// Where the replacement runs ("this process", "node HOST:PORT"), for the log.
+  std::string replacing_where;
   clock_type::time_point replacing_started;
   /// A worker was replaced while no step was in flight: the next execute_model fails with
   /// `worker_replaced`, so that the engine learns that the KV cache is gone.
@@ -440,10 +472,10 @@ struct supervisor_state {
 
   // -- the handlers -----------------------------------------------------------------
 
-  /// The handles of ranks 1.. for the driver.
-  std::vector<caf::actor> driver_peers() const {
+  /// The handles of ranks `first`..: 1 for the driver's peers, 0 for the whole group.
+  std::vector<caf::actor> handles(size_t first) const {
     std::vector<caf::actor> peers;
-    for (size_t i = 1; i < workers.size(); ++i)
+    for (size_t i = first; i < workers.size(); ++i)
       peers.push_back(caf::actor_cast<caf::actor>(workers[i]));
     return peers;
   }
@@ -451,7 +483,7 @@ struct supervisor_state {
   /// The init request of `rank`.
   ask_fn init_request(int32_t rank) const {
     return asking(init_atom::value, contexts[static_cast<size_t>(rank)],
-                  rank == 0 ? driver_peers() : std::vector<caf::actor>{});
+                  rank == 0 ? handles(1) : std::vector<caf::actor>{});
   }
 
   /// Starts every worker (device, model, rank and peers), then forms their tensor-parallel
@@ -511,13 +543,24 @@ struct supervisor_state {
     return rp;
   }
 
-  /// Forms the workers' tensor-parallel group: each rank prepares its side, then every rank
-  /// connects with the table of all (skipped when no rank needs one).
+  /// Forms the workers' tensor-parallel group: each rank learns the members (whose deaths
+  /// abort its collective) and prepares its side, then every rank connects with the table of
+  /// all (skipped when no rank needs one).
   void form_collective(std::function<void(caf::error)> then) {
     if (workers.size() < 2) {
       then(caf::none);
       return;
     }
+    auto* st = this;
+    start_gather("group", all_ranks(), asking(group_atom::value, handles(0)),
+                 cfg.startup_timeout, 0, [st, then](gather_result res) {
+                   if (!res)
+                     return then(res.error());
+                   st->prepare_collective(then);
+                 });
+  }
+
+  void prepare_collective(std::function<void(caf::error)> then) {
     auto* st = this;
     const std::string prepare = "prepare_collective";
     start_gather(prepare, all_ranks(), calling(prepare), cfg.startup_timeout, 0,
@@ -1025,8 +1068,11 @@ struct supervisor_state {
   std::string cannot_replace(int32_t rank) {
     if (contexts.size() != workers.size())
       return "it died before the executor had started";
-    if (!factory || !is_local(workers[static_cast<size_t>(rank)]))
-      return "only workers of this process are replaced";
+    bool local = is_local(workers[static_cast<size_t>(rank)]);
+    if (local && !factory)
+      return "no worker factory to make a worker of this process";
+    if (!local && places[static_cast<size_t>(rank)].kind != "node")
+      return "only workers of this process or leased from a node are replaced";
     if (recovering)
       return "it died while another worker was being replaced";
     if (transition)
@@ -1098,10 +1144,14 @@ struct supervisor_state {
     self->send(self, replace_atom::value, rank);
   }
 
-  /// Spawns the replacement of `rank` and brings it to the others' state.
+  /// Spawns (or leases) the replacement of `rank` and brings it to the others' state.
   void start_replacement(int32_t rank) {
     if (!recovering || failure)
       return; // not asked for, or the executor failed meanwhile
+    if (!is_local(workers[static_cast<size_t>(rank)])) {
+      lease_replacement(rank);
+      return;
+    }
     worker_actor fresh;
     try {
       fresh = spawn_worker(self->system(), factory);
@@ -1110,16 +1160,55 @@ struct supervisor_state {
                                                                  e.what()));
       return;
     }
-    self->monitor(fresh);
-    workers[static_cast<size_t>(rank)] = fresh;
     {
       std::lock_guard<std::mutex> lk{replacements->mtx};
       replacements->workers.push_back(fresh);
     }
+    replacing_where = "this process";
+    bring_up(rank, fresh);
+  }
+
+  /// Leases the replacement of `rank`, which a node gave: from that node if it is back,
+  /// else from the first spare node that gives one. A helper does it on a thread of its
+  /// own, as connecting blocks; this actor goes on meanwhile.
+  void lease_replacement(int32_t rank) {
+    auto& dead = places[static_cast<size_t>(rank)];
+    std::vector<node_address> candidates{{dead.host, dead.port, 1}};
+    for (auto& n : cfg.spare_nodes)
+      if (n.host != dead.host || n.port != dead.port)
+        candidates.push_back({n.host, n.port, 1});
+    auto helper = self->spawn<caf::detached>(lease_one, cfg, candidates, lease_holder,
+                                             clock_type::now() + cfg.startup_timeout);
+    auto* st = this;
+    self->request(helper, caf::infinite, lease_atom::value)
+      .then(
+        [st, rank, candidates](caf::actor& leased, int32_t which) {
+          if (!st->recovering || st->failure)
+            return; // the lease ends with the holder
+          auto fresh = caf::actor_cast<worker_actor>(leased);
+          auto& n = candidates[static_cast<size_t>(which)];
+          st->places[static_cast<size_t>(rank)] = {"node", n.host, n.port};
+          st->replacing_where = node_name(n);
+          {
+            std::lock_guard<std::mutex> lk{st->replacements->mtx};
+            st->replacements->leased.push_back(fresh);
+          }
+          st->bring_up(rank, fresh);
+        },
+        [st, rank](caf::error& err) {
+          if (st->recovering && !st->failure)
+            st->end_replacement(rank, std::move(err));
+        });
+  }
+
+  /// Puts `fresh` in the place of the dead `rank` and brings it to the others' state.
+  void bring_up(int32_t rank, worker_actor fresh) {
+    self->monitor(fresh);
+    workers[static_cast<size_t>(rank)] = fresh;
     auto steps = std::make_shared<std::vector<step_fn>>();
     steps->push_back(gather_step("init", {rank}, init_request(rank)));
     if (rank != 0)
-      steps->push_back(gather_step("the driver's peers", {0}, asking(peers_atom::value, driver_peers())));
+      steps->push_back(gather_step("the driver's peers", {0}, asking(peers_atom::value, handles(1))));
     auto* st = this;
     steps->push_back([st](std::function<void(caf::error)> next) { st->form_collective(next); });
     if (cache)
@@ -1154,8 +1243,9 @@ struct supervisor_state {
       ++rank_restarts[static_cast<size_t>(rank)];
       auto ms =
         std::chrono::duration<double, std::milli>(clock_type::now() - replacing_started).count();
-      log->warn("rank {} replaced in {:.1f} ms (replacement {} of this rank) after: {}", rank, ms,
-                rank_restarts[static_cast<size_t>(rank)], replacing_cause);
+      log->warn("rank {} replaced in {:.1f} ms, on {} (replacement {} of this rank) after: {}",
+                rank, ms, replacing_where, rank_restarts[static_cast<size_t>(rank)],
+                replacing_cause);
     }
     auto calls = std::move(waiting_calls);
     waiting_calls.clear();
@@ -1195,12 +1285,13 @@ struct supervisor_state {
 supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config cfg,
                                            std::vector<worker_actor> workers,
                                            std::vector<worker_place> places,
-                                           worker_factory factory,
+                                           worker_factory factory, caf::actor lease_holder,
                                            std::shared_ptr<replacement_list> replacements) {
   auto& st = self->state;
   st.self = self;
   st.cfg = std::move(cfg);
   st.factory = std::move(factory);
+  st.lease_holder = std::move(lease_holder);
   st.replacements = std::move(replacements);
   st.workers = std::move(workers);
   st.places = std::move(places);
@@ -1248,10 +1339,12 @@ supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config
 supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config& cfg,
                                   std::vector<worker_actor> workers,
                                   std::vector<worker_place> places, worker_factory factory,
+                                  caf::actor lease_holder,
                                   std::shared_ptr<replacement_list> replacements) {
   places.resize(workers.size());
   return sys.spawn<caf::detached>(supervisor, cfg, std::move(workers), std::move(places),
-                                  std::move(factory), std::move(replacements));
+                                  std::move(factory), std::move(lease_holder),
+                                  std::move(replacements));
 }
 
 } // namespace troupe

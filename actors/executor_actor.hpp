@@ -27,22 +27,27 @@ struct supervisor_access {
   supervisor_actor::pointer self;
 };
 
-/// The workers a supervisor spawned to replace dead ones, for the facade's shutdown (which
-/// stops them and drops them from the registry as it does the first ones). The supervisor
-/// adds to it; the facade reads it once the supervisor is gone.
+/// The workers a supervisor spawned or leased to replace dead ones, for the facade's
+/// shutdown (which handles them as it does the first ones). The supervisor adds to it; the
+/// facade reads it as it stops.
 struct replacement_list {
   std::mutex mtx;
+  /// Spawned in this process.
   std::vector<worker_actor> workers;
+  /// Leased from nodes (held by the lease holder).
+  std::vector<worker_actor> leased;
 };
 
 /// Spawns the supervisor (interface `supervisor_actor`, messages/protocols.hpp): it
 /// monitors `workers` (rank order, local or remote; `places` says where each runs),
 /// scatters and gathers every collective call, runs the distributed execution loop and
 /// keeps the sleep/wake state machine. Under `cfg.restart` it replaces a dead worker of
-/// this process with one that `factory` makes, and lists it in `replacements`.
+/// this process with one that `factory` makes, and one leased from a node with one leased
+/// for `lease_holder` (`restart_policy`), and lists it in `replacements`.
 supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config& cfg,
                                   std::vector<worker_actor> workers,
                                   std::vector<worker_place> places, worker_factory factory,
+                                  caf::actor lease_holder,
                                   std::shared_ptr<replacement_list> replacements);
 
 } // namespace troupe

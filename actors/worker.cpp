@@ -103,6 +103,10 @@ void worker::connect_collective(const std::vector<std::vector<std::string>>&) {
   // Nothing to connect for a worker without a collective.
 }
 
+void worker::abort_collective(const std::string&) noexcept {
+  // No collective to abort.
+}
+
 cache_blocks worker::determine_num_available_blocks() {
   unsupported("determine_num_available_blocks");
 }

@@ -7,6 +7,7 @@
 #include <caf/all.hpp>
 
 #include <algorithm>
+#include <mutex>
 #include <set>
 #include <unordered_map>
 
@@ -14,9 +15,37 @@ namespace troupe {
 
 namespace {
 
+/// What the death of a group member reaches, from whichever thread reports it: the
+/// worker object while it lives.
+struct collective_watch {
+  std::mutex mtx;
+  worker* obj = nullptr;
+
+  void abort(const std::string& why) {
+    std::lock_guard<std::mutex> lk{mtx};
+    if (obj != nullptr)
+      obj->abort_collective(why);
+  }
+
+  void set(worker* w) {
+    std::lock_guard<std::mutex> lk{mtx};
+    obj = w;
+  }
+};
+
 struct worker_actor_state {
+  worker_actor_state() = default;
+  worker_actor_state(const worker_actor_state&) = delete;
+  worker_actor_state& operator=(const worker_actor_state&) = delete;
+  ~worker_actor_state() {
+    watch->set(nullptr); // before `obj` goes
+  }
+
   worker_factory factory;
   std::unique_ptr<worker> obj;
+  std::shared_ptr<collective_watch> watch = std::make_shared<collective_watch>();
+  /// Group members whose death aborts this worker's collective.
+  std::set<caf::actor_addr> watched;
   std::vector<worker_actor> peers;
   int32_t rank = -1;
   /// The parallel worker task of vLLM: answered when the execution loop stops.
@@ -198,6 +227,7 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
         st.obj.reset();
         return worker_failure(ctx.rank, "init");
       }
+      st.watch->set(st.obj.get());
       auto info = st.obj->info();
       st.log->debug("rank {} ready on {} (pid {})", info.rank, info.device, info.pid);
       return {caf::ok_atom::value, caf::make_message(std::move(info))};
@@ -298,6 +328,25 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
         if (!st.allowed.empty())
           st.allowed.insert(peer.node());
         st.peers.push_back(caf::actor_cast<worker_actor>(peer));
+      }
+      return {caf::ok_atom::value, caf::message{}};
+    },
+    [=](group_atom, std::vector<caf::actor> members) -> caf::result<caf::ok_atom, caf::message> {
+      auto& st = self->state;
+      if (refused(self))
+        return refusal();
+      for (size_t rank = 0; rank < members.size(); ++rank) {
+        auto& member = members[rank];
+        if (!member || member.address() == self->address() ||
+            !st.watched.insert(member.address()).second)
+          continue;
+        // Runs on the thread that learns of the death (the member's own, or the network's
+        // for a member on another node), while this worker may wait in a reduction.
+        std::weak_ptr<collective_watch> watch = st.watch;
+        member->attach_functor([watch, rank](const caf::error& reason) {
+          if (auto w = watch.lock())
+            w->abort("rank " + std::to_string(rank) + " went down (" + render(reason) + ")");
+        });
       }
       return {caf::ok_atom::value, caf::message{}};
     },

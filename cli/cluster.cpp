@@ -42,6 +42,11 @@ void add_node_options(CLI::App& app, node_options& o) {
                  "Worker nodes (troupe node) as HOST:PORT or HOST:PORT/WORKERS, comma-separated; "
                  "their workers take the last ranks")
     ->delimiter(',');
+  app.add_option("--spare-nodes", o.spare_nodes,
+                 "Nodes held in reserve (HOST:PORT, comma-separated): a worker lost on a node "
+                 "is replaced from one of these when its own node does not take it back "
+                 "(with --max-restarts)")
+    ->delimiter(',');
   app.add_option("--secret-file", o.secret_file, "File holding the nodes' shared secret");
   app.add_option("--tls-cert", o.tls_certificate,
                  "Mutual TLS with the nodes: this side's certificate (PEM)");
@@ -67,6 +72,10 @@ std::string read_secret(const std::string& path) {
 }
 
 void apply_node_options(const node_options& o, executor_config& cfg) {
+  for (auto& spec : o.spare_nodes) {
+    auto [host, port] = host_and_port("--spare-nodes", spec);
+    cfg.spare_nodes.push_back({host, port, 1});
+  }
   for (auto& spec : o.nodes) {
     node_address n;
     auto slash = spec.find('/');
@@ -92,9 +101,10 @@ void apply_node_options(const node_options& o, executor_config& cfg) {
   cfg.tls_certificate = o.tls_certificate;
   cfg.tls_key = o.tls_key;
   cfg.tls_ca = o.tls_ca;
-  if (!cfg.nodes.empty()) {
+  if (!cfg.nodes.empty() || !cfg.spare_nodes.empty()) {
     if (o.secret_file.empty() && o.tls_certificate.empty())
-      throw error{errc::invalid_argument, "--nodes needs --secret-file or --tls-cert/--tls-key/--tls-ca"};
+      throw error{errc::invalid_argument, std::string{cfg.nodes.empty() ? "--spare-nodes" : "--nodes"} +
+                                            " needs --secret-file or --tls-cert/--tls-key/--tls-ca"};
     if (!o.secret_file.empty())
       cfg.node_secret = read_secret(o.secret_file);
   }

@@ -47,6 +47,7 @@ std::shared_ptr<command> add_node(CLI::App& app);
 /// Where the workers of an executor live, from the command line.
 struct node_options {
   std::vector<std::string> nodes;
+  std::vector<std::string> spare_nodes;
   std::string secret_file;
   std::string tls_certificate;
   std::string tls_key;
@@ -54,7 +55,7 @@ struct node_options {
   int timeout_ms = 3000;
 };
 
-/// Adds --nodes, --secret-file, --tls-cert/--tls-key/--tls-ca and --node-timeout-ms to `app`.
+/// Adds --nodes, --spare-nodes, --secret-file, --tls-cert/--tls-key/--tls-ca and --node-timeout-ms to `app`.
 void add_node_options(CLI::App& app, node_options& o);
 
 /// Puts the nodes, the secret and the timeout into `cfg`; throws `invalid_argument` for a

@@ -126,6 +126,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, loop_atom, "t_loop")
   CAF_ADD_ATOM(troupe, troupe, peers_atom, "t_peers")
   CAF_ADD_ATOM(troupe, troupe, replace_atom, "t_replace")
+  CAF_ADD_ATOM(troupe, troupe, group_atom, "t_group")
 
 CAF_END_TYPE_ID_BLOCK(troupe)
 

@@ -36,7 +36,11 @@ using worker_actor = caf::typed_actor<
   caf::reacts_to<step_atom, execute_model_request>,
   caf::reacts_to<step_atom, stop_loop_atom, int64_t>,
   /// The driver's new peers, after one was replaced.
-  caf::replies_to<peers_atom, std::vector<caf::actor>>::with<caf::ok_atom, caf::message>>;
+  caf::replies_to<peers_atom, std::vector<caf::actor>>::with<caf::ok_atom, caf::message>,
+  /// Every member of the tensor-parallel group, in rank order: a member that goes down
+  /// aborts this worker's collective (`worker::abort_collective`), so that a reduction
+  /// waiting for it fails at once instead of at the collective's timeout.
+  caf::replies_to<group_atom, std::vector<caf::actor>>::with<caf::ok_atom, caf::message>>;
 
 /// The supervisor of an executor (`actors/executor_actor`), as the facade
 /// (`actors/executor.cpp`) talks to it.

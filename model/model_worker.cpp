@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <limits>
+#include <mutex>
 #include <random>
 #include <set>
 
@@ -61,6 +62,8 @@ struct model_worker::state {
   /// The connected group: NCCL on GPUs; on the CPU, memory when every rank lives in this
   /// process, else Gloo.
   std::unique_ptr<communicator> group;
+  /// Guards `group` against `abort_collective` from another thread while it is replaced.
+  std::mutex group_mtx;
   /// Sums device memory over the ranks once the collective is connected.
   all_reduce_fn reduce;
   /// One float of device memory for the ranks' agreement on a step's adapters.
@@ -159,13 +162,25 @@ void model_worker::connect_collective(const std::vector<std::vector<std::string>
   auto& st = *state_;
   if (!st.bootstrap)
     throw error{errc::invalid_argument, "connect_collective before prepare_collective"};
-  st.group = st.bootstrap->connect(table);
+  auto group = st.bootstrap->connect(table);
   st.bootstrap.reset();
+  {
+    std::lock_guard<std::mutex> lk{st.group_mtx};
+    std::swap(st.group, group);
+  }
+  group.reset(); // the previous group, outside the lock
   st.reduce = [comm = st.group.get()](float* data, size_t count) {
     comm->all_reduce(data, count);
   };
   if (st.model)
     st.model->set_all_reduce(st.reduce);
+}
+
+void model_worker::abort_collective(const std::string& why) noexcept {
+  auto& st = *state_;
+  std::lock_guard<std::mutex> lk{st.group_mtx};
+  if (st.group)
+    st.group->abort(why);
 }
 
 void model_worker::require_awake(const char* what) {

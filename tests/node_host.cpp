@@ -1,18 +1,58 @@
 // Test helper: a worker node (troupe::node) on 127.0.0.1 with the test and model worker
-// kinds. Usage: node_host SECRET DEVICES [TIMEOUT_MS [MAX_MESSAGE_BYTES [CERT KEY CA]]]
-// (SECRET "-" for none). Prints its port, then runs until
-// stdin closes or SIGTERM/SIGINT arrives.
+// kinds. Usage: node_host [--fault=kill@N|stop@N] SECRET DEVICES [TIMEOUT_MS
+// [MAX_MESSAGE_BYTES [CERT KEY CA]]] (SECRET "-" for none). Prints its port, then runs until
+// stdin closes or SIGTERM/SIGINT arrives. With --fault the process kills (SIGKILL) or stops
+// (SIGSTOP) itself as its model workers start their N-th step: a node lost mid-step, at a
+// step the test chooses.
 
 #include "tests/test_worker.hpp"
 #include "troupe/model_worker.hpp"
 #include "troupe/node.hpp"
 
+#include <atomic>
+#include <csignal>
 #include <cstdlib>
 #include <iostream>
 #include <string>
 #include <thread>
+#include <vector>
+
+namespace {
+
+/// The signal a --fault sends and the step it comes at (0: none).
+int fault_signal = 0;
+int fault_step = 0;
+std::atomic<int> steps{0};
+
+/// A model worker that brings its node down at the chosen step.
+class faulty_node_worker : public troupe::model_worker {
+public:
+  using model_worker::model_worker;
+
+  std::vector<troupe::sampler_output>
+  execute_model(const troupe::execute_model_request& request) override {
+    if (fault_step > 0 && ++steps == fault_step)
+      raise(fault_signal);
+    return model_worker::execute_model(request);
+  }
+};
+
+} // namespace
 
 int main(int argc, char** argv) {
+  std::string fault = argc > 1 ? argv[1] : "";
+  if (fault.rfind("--fault=", 0) == 0) {
+    auto at = fault.find('@');
+    auto what = fault.substr(8, at == std::string::npos ? std::string::npos : at - 8);
+    fault_signal = what == "kill" ? SIGKILL : what == "stop" ? SIGSTOP : 0;
+    fault_step = at == std::string::npos ? 0 : std::atoi(fault.c_str() + at + 1);
+    if (fault_signal == 0 || fault_step < 1) {
+      std::cerr << "node_host: --fault=kill@N or --fault=stop@N (N >= 1), not " << fault << "\n";
+      return 2;
+    }
+    --argc;
+    ++argv;
+  }
   if (argc < 3) {
     std::cerr << "usage: node_host SECRET DEVICES [TIMEOUT_MS [MAX_MESSAGE_BYTES]]\n";
     return 2;
@@ -33,7 +73,9 @@ int main(int argc, char** argv) {
   cfg.kinds["test"] = [](int32_t rank, const caf::settings&) {
     return troupe::testing::test_factory()(rank);
   };
-  cfg.kinds["model"] = troupe::model_worker_kind();
+  cfg.kinds["model"] = [](int32_t, const caf::settings& settings) -> std::unique_ptr<troupe::worker> {
+    return std::make_unique<faulty_node_worker>(troupe::model_worker_options_from(settings));
+  };
   troupe::node n{cfg};
   n.stop_on_signals();
   std::cout << n.port() << std::endl;

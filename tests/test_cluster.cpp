@@ -11,6 +11,7 @@
 #include "tests/skip.hpp"
 #include "tests/test_worker.hpp"
 #include "troupe/executor.hpp"
+#include "troupe/llm.hpp"
 #include "troupe/model_worker.hpp"
 
 #include <caf/all.hpp>
@@ -23,6 +24,7 @@
 
 #include <openssl/ssl.h>
 
+#include <algorithm>
 #include <array>
 #include <filesystem>
 #include <optional>
@@ -54,6 +56,15 @@ struct node_process : child_process {
                         uint64_t max_message_bytes = 64 << 20)
     : child_process(TROUPE_NODE_HOST, {secret, std::to_string(devices), std::to_string(timeout_ms),
                                        std::to_string(max_message_bytes)}) {
+  }
+};
+
+/// A node with one worker slot that kills (`how` "kill") or stops ("stop") itself as its
+/// worker starts step `at` (tests/node_host.cpp's --fault).
+struct faulty_node : child_process {
+  faulty_node(const std::string& how, int at)
+    : child_process(TROUPE_NODE_HOST,
+                    {"--fault=" + how + "@" + std::to_string(at), secret, "1", "1000"}) {
   }
 };
 
@@ -777,4 +788,134 @@ TEST_CASE("a node that does not answer fails the start within the startup deadli
   CHECK(took >= 1.0);
   CHECK(took < 1.25); // the deadline, not the deadline plus a grace period
   ::close(fd);
+}
+
+// -- recovery: a worker lost on a node is replaced from a spare node ---------------------
+
+namespace {
+
+/// An llm of the llama-gqa fixture over 3 ranks: 0 and 1 here, 2 leased from the node on
+/// `port`, with the nodes on `spares` in reserve and up to `max_restarts` replacements.
+llm_config recovering_llm(uint16_t port, const std::vector<uint16_t>& spares,
+                          int32_t max_restarts) {
+  llm_config cfg;
+  cfg.worker.model_path = TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa";
+  cfg.worker.kv_cache_memory_bytes = 2 << 20;
+  cfg.executor.block_size = 4;
+  cfg.executor.tensor_parallel_size = 3;
+  cfg.executor.nodes = {{"127.0.0.1", port, 1}};
+  for (auto spare : spares)
+    cfg.executor.spare_nodes.push_back({"127.0.0.1", spare, 1});
+  cfg.executor.node_secret = secret;
+  cfg.executor.node_timeout = 1s;
+  cfg.executor.startup_timeout = 30s;
+  cfg.executor.restart.max_restarts = max_restarts;
+  return cfg;
+}
+
+/// The fixture's prompts, each for 32 greedy tokens, and transformers' tokens for them.
+std::pair<std::vector<generation_request>, std::vector<std::vector<int32_t>>> fixture_prompts() {
+  auto ref = testing::read_json(TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa/reference.json");
+  std::vector<generation_request> reqs;
+  std::vector<std::vector<int32_t>> want;
+  for (auto& p : ref["prompts"]) {
+    reqs.push_back({"", p["token_ids"].get<std::vector<int32_t>>(), testing::greedy(32), {}});
+    want.push_back(p["greedy"].get<std::vector<int32_t>>());
+  }
+  return {reqs, want};
+}
+
+/// Captures what the executor and the workers of this process log, while it lives.
+struct captured_log {
+  captured_log() {
+    for (auto name : {"troupe.executor", "troupe.worker"})
+      get_logger(name)->sinks().push_back(sink);
+  }
+  ~captured_log() {
+    for (auto name : {"troupe.executor", "troupe.worker"}) {
+      auto& sinks = get_logger(name)->sinks();
+      sinks.erase(std::remove(sinks.begin(), sinks.end(), sink), sinks.end());
+    }
+  }
+  std::string text() const {
+    return out.str();
+  }
+  /// How often `what` occurs.
+  size_t count(const std::string& what) const {
+    auto all = text();
+    size_t n = 0;
+    for (auto at = all.find(what); at != std::string::npos; at = all.find(what, at + 1))
+      ++n;
+    return n;
+  }
+
+  std::ostringstream out;
+  std::shared_ptr<spdlog::sinks::ostream_sink_mt> sink =
+    std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
+};
+
+} // namespace
+
+TEST_CASE("a node killed mid-generation is replaced from a spare and the tokens stay "
+          "transformers'") {
+  faulty_node dying{"kill", 6};
+  node_process spare{1};
+  auto [reqs, want] = fixture_prompts();
+  captured_log log;
+  llm model{recovering_llm(dying.port(), {spare.port()}, 1)};
+  auto outs = model.generate(reqs);
+  REQUIRE(outs.size() == want.size());
+  for (size_t i = 0; i < outs.size(); ++i)
+    CHECK(outs[i].token_ids == want[i]);
+  INFO(log.text());
+  auto healths = model.executor().worker_healths();
+  CHECK(healths[2].restarts == 1);
+  // One recovery, onto the spare, after the first node's death.
+  CHECK(log.count("rank 2 replaced in") == 1);
+  CHECK(log.count("on node 127.0.0.1:" + std::to_string(spare.port()) + " (replacement 1") == 1);
+  CHECK(log.count("rank 2 on node 127.0.0.1:" + std::to_string(dying.port()) + " went down") >= 1);
+  CHECK(model.executor().workers().size() == 3);
+}
+
+TEST_CASE("a node stopped mid-step (SIGSTOP) is noticed by heartbeat, the survivors' step is "
+          "aborted, and a spare takes its place") {
+  faulty_node stopped{"stop", 6};
+  node_process spare{1};
+  auto [reqs, want] = fixture_prompts();
+  captured_log log;
+  llm model{recovering_llm(stopped.port(), {spare.port()}, 1)};
+  auto outs = model.generate(reqs);
+  REQUIRE(outs.size() == want.size());
+  for (size_t i = 0; i < outs.size(); ++i)
+    CHECK(outs[i].token_ids == want[i]);
+  INFO(log.text());
+  CHECK(model.executor().worker_healths()[2].restarts == 1);
+  CHECK(log.count("no heartbeat within the timeout") >= 1);
+  // Ranks 0 and 1 waited in a reduction for rank 2; its death ended the wait (instead of
+  // the collective's 60 s timeout).
+  CHECK(log.count("all_reduce aborted: rank 2 went down") >= 1);
+  CHECK(log.count("on node 127.0.0.1:" + std::to_string(spare.port()) + " (replacement 1") == 1);
+  stopped.signal(SIGCONT);
+}
+
+TEST_CASE("a second death beyond max_restarts fails the generation with worker_died naming "
+          "the node, and nothing hangs") {
+  faulty_node first{"kill", 6};
+  faulty_node second{"kill", 8}; // the spare dies too, after the first recovery
+  auto [reqs, want] = fixture_prompts();
+  captured_log log;
+  llm model{recovering_llm(first.port(), {second.port()}, 1)};
+  try {
+    model.generate(reqs);
+    FAIL("the generation survived two deaths with max_restarts 1");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::worker_died);
+    std::string what = e.what();
+    INFO(what);
+    CHECK(what.find("rank 2 on node 127.0.0.1:" + std::to_string(second.port())) !=
+          std::string::npos);
+    CHECK(what.find("not replaced: 1 replacement(s) within the last") != std::string::npos);
+  }
+  CHECK(log.count("rank 2 replaced in") == 1);
+  CHECK(code_of([&] { model.executor().check_health(); }) == errc::worker_died);
 }

@@ -35,13 +35,16 @@ struct node_address {
 
 /// What the supervisor does when a worker dies, after Erlang/OTP's restart intensity.
 /// With `max_restarts` 0 (the default) a death fails the executor, as in vLLM: every
-/// pending and later call fails with `worker_died`. Otherwise a worker of this process
-/// that dies is replaced: a new one is spawned for its rank and brought to the others'
-/// state (model, tensor-parallel group, KV-cache blocks, adapters), the calls in flight
-/// fail with `worker_replaced` and calls made meanwhile wait for it. A death beyond
-/// `max_restarts` within `window`, a replacement that fails, a worker on a node or in
-/// another process, and a death during a sleep or wake_up still fail the executor. A
-/// replacement made while the others sleep falls asleep as they are.
+/// pending and later call fails with `worker_died`. Otherwise a dead worker is replaced and
+/// the replacement brought to the others' state (model, tensor-parallel group, KV-cache
+/// blocks, adapters, sleep); the calls in flight fail with `worker_replaced` and calls made
+/// meanwhile wait for it. A worker of this process is spawned anew; one leased from a node
+/// is leased again: from its own node if it is back (asked for at most `node_timeout`),
+/// else from `executor_config::spare_nodes` in order, within `startup_timeout`. A death
+/// beyond `max_restarts` within `window`, a replacement that fails or is not to be had, a
+/// worker published on its own (`remote_workers`), and a death during a sleep or wake_up
+/// still fail the executor. A replacement made while the others sleep falls asleep as
+/// they are.
 struct restart_policy {
   /// Replacements allowed within `window`.
   int32_t max_restarts = 0;
@@ -59,6 +62,10 @@ struct executor_config {
   /// Worker nodes to lease workers from: their workers take the ranks after the local
   /// ones, node by node in this order. Local workers are the ones the nodes do not give.
   std::vector<node_address> nodes;
+  /// Nodes held in reserve under a restart policy: none is leased at startup; a worker lost
+  /// on a node is replaced by one leased from the first of these that gives one (their
+  /// `workers` is not used: a replacement is one worker).
+  std::vector<node_address> spare_nodes;
   /// The shared secret the nodes expect (may be empty when they use TLS only).
   std::string node_secret;
   /// Mutual TLS with the nodes (caf-openssl): this executor's certificate and key and the

@@ -93,6 +93,9 @@ public:
   /// GPU rank 0 makes the NCCL unique id, which `connect_collective` hands to every rank.
   std::vector<std::string> prepare_collective() override;
   void connect_collective(const std::vector<std::vector<std::string>>& table) override;
+  /// Aborts the connected group (Gloo's pairs fail, the in-process group is left, NCCL's
+  /// communicator aborts).
+  void abort_collective(const std::string& why) noexcept override;
   troupe::model* get_model() override;
   cache_blocks determine_num_available_blocks() override;
   void initialize_cache(const cache_blocks& blocks) override;

@@ -100,6 +100,12 @@ public:
   /// Second round, on every rank at once: `table[j][i]` is rank j's address for rank i.
   virtual void connect_collective(const std::vector<std::vector<std::string>>& table);
 
+  /// Called from another thread, while any method may run, when a member of the group is
+  /// known to be gone: makes a reduction this worker waits in (or its next) fail at once
+  /// with `worker_died` naming `why`. The executor forms the group anew before the next
+  /// step. The default (a worker without a collective) does nothing.
+  virtual void abort_collective(const std::string& why) noexcept;
+
   // -- KV cache and steps ------------------------------------------------------
 
   /// Blocks that fit in the device and in swap space.

@@ -30,6 +30,9 @@ public:
   /// Sums `count` floats over the group, in place.
   void all_reduce(float* data, size_t count) override;
 
+  /// Fails every pair with `why`, which wakes a reduction waiting on them.
+  void abort(const std::string& why) noexcept override;
+
   int rank() const {
     return rank_;
   }
@@ -38,6 +41,8 @@ public:
   }
 
 private:
+  void reduce(float* data, size_t count);
+
   struct impl;
   int rank_;
   int size_;

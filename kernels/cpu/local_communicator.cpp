@@ -48,11 +48,19 @@ struct local_communicator::group {
   /// A rank's communicator was destroyed (its worker died or re-formed its group): the
   /// others stop waiting for it.
   std::atomic<bool> abandoned{false};
+  /// Why, under `mtx`: the first reason given.
+  std::string why;
 
-  void abandon() {
-    abandoned.store(true, std::memory_order_release);
+  void abandon(const std::string& reason) {
     std::lock_guard<std::mutex> lk{mtx};
+    if (!abandoned.exchange(true, std::memory_order_acq_rel))
+      why = reason;
     wake.notify_all();
+  }
+
+  std::string abandoned_why() {
+    std::lock_guard<std::mutex> lk{mtx};
+    return why;
   }
 
   /// Waits until every rank has arrived; throws `worker_died` when a rank left the group
@@ -62,7 +70,7 @@ struct local_communicator::group {
       throw error{errc::worker_died,
                   std::string{what} + ": " +
                     (abandoned.load(std::memory_order_acquire)
-                       ? std::string{"a rank of this process left the group (its worker died)"}
+                       ? abandoned_why()
                        : "a rank of this process did not arrive within " +
                            std::to_string(timeout.count()) + " ms")};
   }
@@ -119,7 +127,16 @@ local_communicator::local_communicator(int rank, int size, const std::string& ke
 }
 
 local_communicator::~local_communicator() {
-  group_->abandon();
+  group_->abandon("a rank of this process left the group (its worker died)");
+}
+
+void local_communicator::abort(const std::string& why) noexcept {
+  try {
+    group_->abandon(why);
+  } catch (...) {
+    // Only the reason's copy can throw; the flag is what wakes the ranks.
+    group_->abandoned.store(true, std::memory_order_release);
+  }
 }
 
 void local_communicator::all_reduce(float* data, size_t count) {

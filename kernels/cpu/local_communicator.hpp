@@ -33,6 +33,9 @@ public:
   /// Sums `count` floats over the group, in place.
   void all_reduce(float* data, size_t count) override;
 
+  /// Leaves the group, as a destroyed rank does: every rank's wait fails.
+  void abort(const std::string& why) noexcept override;
+
   /// What the ranks of a group share (defined with the communicator).
   struct group;
 

@@ -21,6 +21,10 @@ public:
     comm_.all_reduce(data, count, stream_);
   }
 
+  void abort(const std::string& why) noexcept override {
+    comm_.request_abort(why);
+  }
+
 private:
   nccl_communicator comm_;
   cudaStream_t stream_;

@@ -70,6 +70,12 @@ void nccl_communicator::wait(const char* what, Done done) {
     }
     if (state == ncclSuccess && done())
       return;
+    if (abort_requested_.load()) {
+      abort();
+      std::lock_guard<std::mutex> lk{why_mtx_};
+      throw error{errc::worker_died, "NCCL rank " + std::to_string(rank_) + ": " + what +
+                                       " aborted: " + why_};
+    }
     if (std::chrono::steady_clock::now() > deadline) {
       abort();
       throw error{errc::worker_died, "NCCL rank " + std::to_string(rank_) + " of " +
@@ -94,6 +100,16 @@ void nccl_communicator::all_reduce(float* data, std::size_t count, cudaStream_t 
     TROUPE_CUDA_CHECK(e);
     return true;
   });
+}
+
+void nccl_communicator::request_abort(const std::string& why) noexcept {
+  try {
+    std::lock_guard<std::mutex> lk{why_mtx_};
+    why_ = why;
+  } catch (...) {
+    // The flag alone still aborts; only the reason is lost.
+  }
+  abort_requested_.store(true);
 }
 
 void nccl_communicator::abort() noexcept {

@@ -3,8 +3,10 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <mutex>
 #include <string>
 
 namespace troupe {
@@ -35,6 +37,10 @@ public:
   /// Aborts the communicator: pending and later calls fail.
   void abort() noexcept;
 
+  /// From any thread: the all-reduce this rank waits for, or its next one, aborts the
+  /// communicator and throws `worker_died` naming `why`.
+  void request_abort(const std::string& why) noexcept;
+
 private:
   /// Polls until the communicator's pending work is done, `done()` holds, or the deadline.
   template <class Done>
@@ -44,6 +50,9 @@ private:
   int rank_;
   int world_;
   std::chrono::milliseconds timeout_;
+  std::atomic<bool> abort_requested_{false};
+  std::mutex why_mtx_;
+  std::string why_;
 };
 
 } // namespace troupe

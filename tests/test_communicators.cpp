@@ -1,6 +1,8 @@
-// The all-reduce of ranks that share a process: sums in rank order, the same bits on every
-// rank, and a rank that does not come is reported instead of waited on.
+// The CPU collectives. In one process: sums in rank order, the same bits on every rank, and
+// a rank that does not come is reported instead of waited on. Both kinds, Gloo over TCP
+// too: an abort (a member is known to be dead) ends a wait at once.
 
+#include "kernels/cpu/gloo_communicator.hpp"
 #include "kernels/cpu/local_communicator.hpp"
 #include "tests/random.hpp"
 #include "troupe/errors.hpp"
@@ -90,4 +92,64 @@ TEST_CASE("a rank whose communicator goes (its worker died) fails the others' wa
   } // destroyed without reducing, as when its worker dies
   survivor.join(); // long before the 60 s timeout
   CHECK(what == "all-reduce: a rank of this process left the group (its worker died)");
+}
+
+TEST_CASE("abort ends a wait in the in-process group at once, naming why") {
+  std::atomic<int> joined{0};
+  std::string what;
+  local_communicator* waiting = nullptr;
+  std::thread survivor([&] {
+    local_communicator comm{0, 2, "abort-test", 60s};
+    waiting = &comm;
+    ++joined;
+    std::vector<float> data(4, 1.0f);
+    try {
+      comm.all_reduce(data.data(), data.size()); // rank 1 is alive but never reduces
+    } catch (const error& e) {
+      CHECK(e.code() == errc::worker_died);
+      what = e.what();
+    }
+    ++joined;
+  });
+  local_communicator silent{1, 2, "abort-test", 60s};
+  while (joined == 0)
+    std::this_thread::yield();
+  std::this_thread::sleep_for(100ms); // let rank 0 wait
+  waiting->abort("rank 1 went down (test)");
+  survivor.join(); // long before the 60 s timeout
+  CHECK(what == "all-reduce: rank 1 went down (test)");
+}
+
+TEST_CASE("abort ends a Gloo reduction that waits for a silent peer, naming why") {
+  gloo_communicator a{0, 2, "127.0.0.1", 60s}, b{1, 2, "127.0.0.1", 60s};
+  std::vector<std::vector<std::string>> table{a.prepare(), b.prepare()};
+  std::thread connecting([&] { b.connect(table); });
+  a.connect(table);
+  connecting.join();
+  std::vector<float> x(8, 1.0f), y(8, 2.0f);
+  std::thread reducing([&] { b.all_reduce(y.data(), y.size()); });
+  a.all_reduce(x.data(), x.size());
+  reducing.join();
+  CHECK(x == std::vector<float>(8, 3.0f));
+  CHECK(y == std::vector<float>(8, 3.0f));
+
+  std::string what;
+  std::atomic<bool> done{false};
+  std::thread survivor([&] {
+    try {
+      a.all_reduce(x.data(), x.size()); // b never reduces again
+    } catch (const error& e) {
+      CHECK(e.code() == errc::worker_died);
+      what = e.what();
+    }
+    done = true;
+  });
+  std::this_thread::sleep_for(200ms);
+  CHECK_FALSE(done.load()); // waiting for b
+  a.abort("rank 1 went down (test)");
+  survivor.join(); // long before the 60 s timeout
+  CHECK(what == "gloo all_reduce aborted: rank 1 went down (test)");
+  // The group is done for every rank: b's next reduction fails too.
+  CHECK_THROWS_AS(b.all_reduce(y.data(), y.size()), error);
+  CHECK_THROWS_AS(a.all_reduce(x.data(), x.size()), error);
 }

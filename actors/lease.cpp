@@ -1,0 +1,91 @@
+#include "actors/lease.hpp"
+
+#include "actors/node_auth.hpp"
+#include "actors/remoting.hpp"
+#include "messages/messages.hpp"
+#include "troupe/errors.hpp"
+
+#include <caf/all.hpp>
+#include <caf/io/all.hpp>
+#include <caf/io/basp_broker.hpp>
+#include <caf/io/network/default_multiplexer.hpp>
+#include <caf/openssl/all.hpp>
+
+#include <set>
+
+namespace troupe {
+
+std::string node_name(const node_address& n) {
+  return "node " + n.host + ":" + std::to_string(n.port);
+}
+
+std::vector<caf::actor> lease_workers(caf::blocking_actor* self, const executor_config& cfg,
+                                      const node_address& n, int32_t count,
+                                      const caf::actor& holder,
+                                      std::chrono::steady_clock::time_point deadline) {
+  auto where = node_name(n);
+  auto& sys = self->system();
+  auto late = "no answer within " +
+              std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(
+                               deadline - std::chrono::steady_clock::now())
+                               .count()) +
+              " ms";
+  // Each step gets what is left of the deadline; none starts once it has passed.
+  auto left = [&] {
+    auto rest = std::chrono::duration_cast<std::chrono::microseconds>(
+      deadline - std::chrono::steady_clock::now());
+    if (rest <= std::chrono::microseconds::zero())
+      throw error{errc::worker_died, "cannot reach " + where + ": " + late};
+    return caf::duration{rest};
+  };
+  caf::error err;
+  auto why = [&] { return err == caf::sec::request_timeout ? late : render(err); };
+  auto fail = [&](caf::error& e) { err = std::move(e); };
+  caf::actor gate;
+  auto take_gate = [&](caf::node_id&, caf::strong_actor_ptr& ptr, std::set<std::string>&) {
+    gate = caf::actor_cast<caf::actor>(std::move(ptr));
+  };
+  if (cfg.tls_certificate.empty()) {
+    // The connection proves the secret before any BASP byte; then the middleman takes
+    // it over as if it had connected itself.
+    left();
+    auto fd = dial_node(n.host, n.port, cfg.node_secret, deadline);
+    auto& mm = sys.middleman();
+    auto basp = mm.named_broker<caf::io::basp_broker>(caf::atom("BASP"));
+    self->request(basp, left(), caf::connect_atom::value, mm.backend().new_scribe(fd), n.port)
+      .receive(take_gate, fail);
+  } else {
+    // Through the TLS manager's actor, so that the deadline bounds the connection.
+    self->request(sys.openssl_manager().actor_handle(), left(), caf::connect_atom::value, n.host,
+                  n.port)
+      .receive(take_gate, fail);
+  }
+  if (err || !gate)
+    throw error{errc::worker_died,
+                "cannot reach " + where + ": " + (err ? why() : "it published nothing")};
+  auto checked = [&] {
+    if (!err)
+      return;
+    auto code = err.category() == caf::atom("troupe") ? static_cast<errc>(err.code())
+                                                       : errc::worker_died;
+    throw error{code == errc::timeout ? errc::worker_died : code, where + ": " + why()};
+  };
+  if (!cfg.node_secret.empty()) {
+    std::string challenge;
+    self->request(gate, left(), hello_atom::value)
+      .receive([&](std::string& c) { challenge = std::move(c); }, fail);
+    checked();
+    auto proof = secret_proof(cfg.node_secret, challenge, to_string(sys.node()));
+    self->request(gate, left(), auth_atom::value, proof).receive([](caf::ok_atom) {}, fail);
+    checked();
+  }
+  std::vector<caf::actor> leased;
+  self
+    ->request(gate, left(), lease_atom::value, cfg.node_worker_kind, cfg.node_worker_options,
+              count, holder)
+    .receive([&](std::vector<caf::actor>& ws) { leased = std::move(ws); }, fail);
+  checked();
+  return leased;
+}
+
+} // namespace troupe
