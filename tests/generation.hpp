@@ -4,7 +4,9 @@
 
 #include "model/safetensors.hpp"
 #include "tests/skip.hpp"
+#include "troupe/errors.hpp"
 #include "troupe/executor.hpp"
+#include "troupe/worker.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -111,6 +113,15 @@ inline std::vector<int32_t> greedy_tokens(executor& exec, const std::vector<int3
     g.is_prompt = false;
   }
   return generated;
+}
+
+/// Makes the worker of `rank` die as a broken device would: it throws `worker_fault`.
+inline std::vector<caf::message> kill_rank(executor& exec, int32_t rank) {
+  return exec.collective_rpc([rank](worker& w, const caf::message&, const caf::settings&) {
+    if (w.rank() == rank)
+      throw worker_fault{"injected fault"};
+    return caf::message{};
+  });
 }
 
 } // namespace troupe::testing

@@ -398,3 +398,43 @@ TEST_CASE("a reload that fails for one adapter leaves no adapter with discarded 
   CHECK(exec->list_loras() == std::vector<int64_t>{2}); // the broken one is unloaded
   CHECK(first_token(*exec, prompt_of(ref, 1), 2) == greedy_of(ref, "lora-qv", 1)[0]);
 }
+
+TEST_CASE("adapters added before a worker's death are applied after its replacement, with "
+          "peft's tokens") {
+  auto ref = reference();
+  llm_config cfg;
+  cfg.worker.model_path = base_model;
+  cfg.worker.kv_cache_memory_bytes = 2 << 20;
+  cfg.worker.max_loras = 2;
+  cfg.executor.tensor_parallel_size = 2;
+  cfg.executor.block_size = 4;
+  cfg.executor.restart.max_restarts = 1;
+  llm model{cfg};
+  auto& exec = model.executor();
+  CHECK(exec.add_lora(lora("lora-all", 1)));
+  CHECK(exec.add_lora(lora("lora-qv", 2)));
+  CHECK(exec.pin_lora(1));
+  CHECK(exec.remove_lora(2));
+  CHECK(exec.add_prompt_adapter(prompt_tuning(7)));
+  CHECK_THROWS_WITH_AS(troupe::testing::kill_rank(exec, 1), doctest::Contains("worker_replaced"),
+                       error);
+  // Every rank, the replacement included, holds what the others hold (a disagreement
+  // would be an error).
+  CHECK(exec.list_loras() == std::vector<int64_t>{1});
+  CHECK(exec.list_prompt_adapters() == std::vector<int64_t>{7});
+  CHECK(exec.worker_healths()[1].restarts == 1);
+  std::vector<generation_request> reqs;
+  for (size_t i = 0; i < ref["prompts"].size(); ++i) {
+    generation_request with_lora{"", prompt_of(ref, i), greedy(16), {}};
+    with_lora.lora = lora("lora-all", 1);
+    reqs.push_back(with_lora);
+    generation_request with_prompt{"", prompt_of(ref, i), greedy(16), {}};
+    with_prompt.prompt_adapter = prompt_tuning(7);
+    reqs.push_back(with_prompt);
+  }
+  auto outs = model.generate(reqs);
+  for (size_t i = 0; i < ref["prompts"].size(); ++i) {
+    CHECK(outs[2 * i].token_ids == greedy_of(ref, "lora-all", i));
+    CHECK(outs[2 * i + 1].token_ids == greedy_of(ref, "prompt-tuning", i));
+  }
+}

@@ -3,6 +3,7 @@
 
 #include "troupe/executor.hpp"
 
+#include "tests/generation.hpp"
 #include "tests/rss.hpp"
 #include "tests/skip.hpp"
 #include "tests/test_worker.hpp"
@@ -18,6 +19,7 @@
 using namespace troupe;
 using namespace std::chrono_literals;
 using troupe::testing::code_of;
+using troupe::testing::kill_rank;
 using troupe::testing::test_factory;
 using troupe::testing::what_of;
 
@@ -555,19 +557,6 @@ TEST_CASE("malformed sleep and wake arguments are errors") {
   none_at_once.max_concurrent_workers = 0;
   CHECK(code_of([&] { exec.collective_rpc("rank", none_at_once); }) == errc::invalid_argument);
 }
-
-namespace {
-
-/// Makes the worker of `rank` die as a broken device would: it throws `worker_fault`.
-std::vector<caf::message> kill_rank(executor& exec, int32_t rank) {
-  return exec.collective_rpc([rank](worker& w, const caf::message&, const caf::settings&) {
-    if (w.rank() == rank)
-      throw worker_fault{"injected fault"};
-    return caf::message{};
-  });
-}
-
-} // namespace
 
 TEST_CASE("without a restart policy a dead worker fails the executor for good") {
   executor exec{config(2), test_factory()};

@@ -230,3 +230,45 @@ TEST_CASE("a worker that dies mid-generation is replaced and the outputs stay tr
     CHECK_THROWS_WITH_AS(model.generate(reqs), doctest::Contains("not replaced"), error);
   }
 }
+
+TEST_CASE("a worker replaced while the model sleeps (level 1) sleeps too, and wake_up gives "
+          "bit-identical outputs") {
+  auto ref = read_json(fixtures + "/qwen2-bias/reference.json");
+  std::vector<generation_request> reqs;
+  for (auto& p : ref["prompts"])
+    reqs.push_back({"", p["token_ids"].get<std::vector<int32_t>>(), greedy(16), {}});
+  llm_config cfg;
+  cfg.worker.model_path = fixtures + "/qwen2-bias";
+  cfg.worker.kv_cache_memory_bytes = 2 << 20;
+  cfg.executor.block_size = 4;
+  cfg.executor.tensor_parallel_size = 2;
+  cfg.executor.restart.max_restarts = 1;
+  llm model{cfg};
+  auto before = model.generate(reqs);
+  auto& exec = model.executor();
+  exec.sleep(1);
+  CHECK_THROWS_WITH_AS(troupe::testing::kill_rank(exec, 1), doctest::Contains("worker_replaced"),
+                       error);
+  CHECK(exec.is_sleeping());
+  auto health = exec.worker_healths();
+  REQUIRE(health.size() == 2);
+  CHECK(health[1].restarts == 1);
+  CHECK(health[1].sleeping_tags == health[0].sleeping_tags);
+  // The replacement's memory is released as the others' is: none of it resident.
+  REQUIRE(health[1].memory.size() == health[0].memory.size());
+  for (size_t i = 0; i < health[1].memory.size(); ++i) {
+    CAPTURE(i);
+    CHECK(health[1].memory[i].allocated_bytes > 0);
+    CHECK(health[1].memory[i].resident_bytes == 0);
+    CHECK(health[1].memory[i].resident_bytes == health[0].memory[i].resident_bytes);
+  }
+  exec.wake_up();
+  auto after = model.generate(reqs);
+  REQUIRE(after.size() == before.size());
+  for (size_t i = 0; i < after.size(); ++i) {
+    CHECK(after[i].token_ids == before[i].token_ids);
+    CHECK(after[i].logprobs == before[i].logprobs);
+    CHECK(after[i].token_ids == std::vector<int32_t>(ref["prompts"][i]["greedy"].begin(),
+                                                     ref["prompts"][i]["greedy"].begin() + 16));
+  }
+}
