@@ -58,7 +58,11 @@ void scheduler::append_group(engine_request& r, int64_t chunk, bool is_prompt,
     seq.token_ids.push_back(pending_token);
     seq.num_computed_tokens = static_cast<int32_t>(r.length());
   }
-  ++r.pending;
+  g.do_sample = !is_prompt || r.num_computed + chunk >= r.length();
+  if (g.do_sample)
+    ++r.pending;
+  else
+    r.chunk = chunk;
   seq.block_table = blocks_.block_table(r.seq_id);
   g.seqs.push_back(std::move(seq));
   g.sampling = r.sampling;
@@ -72,7 +76,8 @@ void scheduler::append_group(engine_request& r, int64_t chunk, bool is_prompt,
 void scheduler::preempt(int64_t seq) {
   ++preemptions_;
   running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
-  if (config_.preempt_by_swap && blocks_.can_swap_out({seq})) {
+  // A chunked prefill under way starts over rather than come back as a decode.
+  if (config_.preempt_by_swap && !prefilling(requests_.at(seq)) && blocks_.can_swap_out({seq})) {
     // schedule() asks the block manager for the moves and puts them in the step.
     swapped_.push_back(seq);
     return;
@@ -80,6 +85,7 @@ void scheduler::preempt(int64_t seq) {
   // Recompute: drop the cache and start over from the prompt and the tokens so far.
   blocks_.free(seq);
   requests_.at(seq).num_computed = 0;
+  requests_.at(seq).chunk = 0;
   waiting_.push_front(seq);
 }
 
@@ -125,6 +131,12 @@ execute_model_request scheduler::schedule() {
       continue;
     if (budget < 1 || static_cast<int64_t>(scheduled_.size()) >= config_.max_num_seqs)
       continue;
+    if (prefilling(r)) { // its blocks were allocated whole; the next chunk
+      auto chunk = std::min(budget, r.length() - r.num_computed);
+      append_group(r, chunk, true, step);
+      budget -= chunk;
+      continue;
+    }
     blocks_.append_slot(seq, r.length(), step.blocks_to_copy);
     append_group(r, 1, false, step);
     budget -= 1;
@@ -174,7 +186,7 @@ execute_model_request scheduler::schedule() {
     auto seq = waiting_[i];
     auto& r = requests_.at(seq);
     auto tokens = r.length();
-    if (tokens > limits_.max_model_len || tokens > config_.max_num_batched_tokens
+    if (tokens > limits_.max_model_len
         || blocks_.can_allocate(tokens) == block_manager::allocation::never) {
       waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
       r.finished = true;
@@ -187,16 +199,21 @@ execute_model_request scheduler::schedule() {
       ++i;
       continue;
     }
-    if (tokens > budget || blocks_.can_allocate(tokens) != block_manager::allocation::ok)
+    // One that fits a step waits for a step with room for all of it; a longer one starts
+    // its chunks with what this step has left.
+    bool chunked = tokens > config_.max_num_batched_tokens;
+    auto chunk = std::min(tokens, budget);
+    if ((!chunked && tokens > budget) || chunk < 1
+        || blocks_.can_allocate(tokens) != block_manager::allocation::ok)
       break;
     waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
     blocks_.allocate(seq, tokens);
     r.num_computed = 0;
-    append_group(r, tokens, true, step);
+    append_group(r, chunk, true, step);
     running_.push_back(seq);
     for (auto& l : limits)
       l.take(r);
-    budget -= tokens;
+    budget -= chunk;
   }
   if (!scheduled_.empty())
     in_flight_.push_back(std::move(scheduled_));
@@ -214,6 +231,8 @@ std::optional<execute_model_request> scheduler::schedule_ahead() {
     if (std::find(flying.begin(), flying.end(), seq) == flying.end())
       return std::nullopt; // left out of the step in flight: the host decides
     auto& r = requests_.at(seq);
+    if (r.chunk > 0)
+      return std::nullopt; // a prefill chunk in flight: its next chunk is the host's to make
     if (at_length_limit(r))
       continue;
     seqs.push_back(seq);
@@ -253,6 +272,11 @@ void scheduler::update(const sampler_output& output) {
     if (found == requests_.end())
       continue; // finished after this step was sent
     auto& r = found->second;
+    if (r.chunk > 0) { // a prefill chunk that samples nothing
+      r.num_computed += r.chunk;
+      r.chunk = 0;
+      continue;
+    }
     if (output.outputs[i].samples.empty())
       throw error{errc::invalid_argument, "scheduler: no sample for '" + r.request_id + "'"};
     auto& sample = output.outputs[i].samples[0];
@@ -292,6 +316,7 @@ void scheduler::recompute_all() {
     auto& r = requests_.at(seq);
     r.num_computed = 0;
     r.pending = 0;
+    r.chunk = 0;
   }
   // Waiting requests hold no cache and no step in flight already.
   waiting_.insert(waiting_.begin(), again.begin(), again.end());

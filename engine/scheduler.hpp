@@ -42,8 +42,12 @@ struct engine_request {
   int64_t num_computed = 0;
   /// Tokens of steps in flight not yet in `output` (0 or 1).
   int64_t pending = 0;
+  /// Tokens of a prefill chunk in flight that samples nothing: a prompt (or a recomputed
+  /// request) longer than a step's token budget is computed over several steps.
+  int64_t chunk = 0;
   bool finished = false;
-  /// Why it finished: "length", "stop" (EOS or a stop token) or "abort" (too long).
+  /// Why it finished: "length", "stop" (EOS or a stop token) or "abort" (it can never fit
+  /// in the model's length or the cache).
   std::string finish_reason;
 
   int64_t length() const {
@@ -55,7 +59,10 @@ struct engine_request {
 /// running requests and admits waiting prompts while the token budget, the sequence limit
 /// and the free blocks allow, so prefills and decodes share a step. When a running request
 /// cannot grow, the most recently admitted one is preempted (swapped out, or recomputed
-/// later). Requests whose prompt can never fit are finished with reason "abort".
+/// later). A request longer than `max_num_batched_tokens` (a long prompt, or a request
+/// recomputed with its tokens so far) is prefilled in chunks, one per step, sampling only
+/// after the last. Requests that can never fit the model's length or the cache are
+/// finished with reason "abort".
 class scheduler {
 public:
   /// A sampled token among `eos_token_ids` finishes its request ("stop") unless the
@@ -120,9 +127,15 @@ public:
 
 private:
   void preempt(int64_t seq);
-  bool admit(engine_request& r, int64_t& budget, execute_model_request& step);
+  /// Adds `r`'s group to `step` computing `chunk` tokens; it samples unless `is_prompt` and
+  /// the chunk leaves part of the request uncomputed.
   void append_group(engine_request& r, int64_t chunk, bool is_prompt,
                     execute_model_request& step);
+  /// Whether running request `r` has more than its last token to compute (a chunked prefill
+  /// under way).
+  static bool prefilling(const engine_request& r) {
+    return r.num_computed + 1 < r.length();
+  }
   /// Whether `r`'s tokens so far (known and pending) reach its max_tokens or the model's
   /// length.
   bool at_length_limit(const engine_request& r) const;

@@ -195,13 +195,18 @@ TEST_CASE("a worker that dies mid-generation is replaced and the outputs stay tr
     int32_t rank;
     int at;
     bool async_scheduling;
+    /// A small one makes the recomputed requests (prompt and tokens so far) go in chunks.
+    int32_t max_num_batched_tokens;
   };
-  for (auto f : {fault{1, 5, false}, fault{0, 9, false}, fault{1, 6, true}}) {
+  for (auto f : {fault{1, 5, false, 2048}, fault{0, 9, false, 2048}, fault{1, 6, true, 2048},
+                 fault{1, 12, false, 12}}) {
     CAPTURE(f.rank);
     CAPTURE(f.at);
     CAPTURE(f.async_scheduling);
+    CAPTURE(f.max_num_batched_tokens);
     auto run = cfg;
     run.scheduler.async_scheduling = f.async_scheduling;
+    run.scheduler.max_num_batched_tokens = f.max_num_batched_tokens;
     auto faults = std::make_shared<std::atomic<int>>(1);
     auto options = run.worker;
     options.max_num_batched_tokens = run.scheduler.max_num_batched_tokens;

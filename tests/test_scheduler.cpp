@@ -136,6 +136,20 @@ TEST_CASE("concurrent requests give the outputs they give one at a time") {
     CHECK(pipelined.steps_ahead > 0);
     CHECK(pipelined.tokens == alone.tokens);
   }
+  SUBCASE("prompts longer than the token budget are prefilled in chunks, outputs unchanged") {
+    scheduler_config chunks;
+    chunks.max_num_batched_tokens = 5; // the prompts have 3 to 13 tokens
+    auto chunked = run(*exec, reqs, 128, 0, chunks);
+    CHECK(chunked.tokens == alone.tokens);
+    CHECK(chunked.reasons == together.reasons);
+    CHECK(run(*exec, reqs, 128, 0, chunks, true).tokens == alone.tokens);
+    // Recomputed requests (prompt and tokens so far) go in chunks too.
+    auto small = make_executor(8, 0);
+    auto recomputed = run(*small, reqs, 8, 0, chunks);
+    CHECK(recomputed.preemptions > 0);
+    CHECK(recomputed.tokens == alone.tokens);
+    CHECK(run(*small, reqs, 8, 0, chunks, true).tokens == alone.tokens);
+  }
   SUBCASE("a small token budget and sequence limit spread the work over more steps") {
     scheduler_config tight;
     tight.max_num_batched_tokens = 24;
