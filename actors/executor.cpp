@@ -165,7 +165,7 @@ struct executor::impl {
     async_call call;
     call.request = [=](supervisor_access& access) mutable {
       auto me = caf::actor_cast<supervisor_actor>(access.self);
-      access.self->request(me, caf::infinite, std::move(xs)...)
+      access.self->request(me, access.left, std::move(xs)...)
         .then(reply<T>::async_handler(slot), [fail](caf::error& e) { fail(e); });
     };
     call.fail = fail;
@@ -174,15 +174,22 @@ struct executor::impl {
     return fut;
   }
 
-  /// `send` for the async API: a closed executor's future fails with `shut_down`.
+  /// `send` for the async API, for a call whose deadline is `t`: a closed executor's
+  /// future fails with `shut_down`.
   template <class T, class... Ts>
-  std::future<T> ask_async(Ts... xs) {
+  std::future<T> ask_async_within(timeout_type t, Ts... xs) {
     std::shared_lock<std::shared_mutex> guard{lifecycle};
     if (*shut) {
       async_slot<T> closed;
       return closed.future(); // fails with shut_down as `closed` goes
     }
-    return send<T>(cfg.rpc_timeout, std::move(xs)...);
+    return send<T>(t, std::move(xs)...);
+  }
+
+  /// `ask_async_within` the default deadline.
+  template <class T, class... Ts>
+  std::future<T> ask_async(Ts... xs) {
+    return ask_async_within<T>(cfg.rpc_timeout, std::move(xs)...);
   }
 
   /// Runs a callable on every worker and waits. If the call fails (deadline, an error of
@@ -504,16 +511,17 @@ std::vector<caf::message> executor::apply_model(std::function<caf::message(troup
 std::future<std::vector<caf::message>>
 executor::collective_rpc_async(const std::string& method, const rpc_call_options& opts) {
   auto& d = *impl_;
-  return d.ask_async<std::vector<caf::message>>(rpc_atom::value, method, opts.args, opts.kwargs,
-                                                d.options(opts));
+  return d.ask_async_within<std::vector<caf::message>>(d.call_timeout(opts), rpc_atom::value,
+                                                       method, opts.args, opts.kwargs,
+                                                       d.options(opts));
 }
 
 std::future<std::vector<caf::message>>
 executor::collective_rpc_async(worker_method fn, const rpc_call_options& opts) {
   auto& d = *impl_;
-  return d.ask_async<std::vector<caf::message>>(
-    rpc_atom::value, local_call{"callable", std::move(fn), opts.args, opts.kwargs, nullptr},
-    d.options(opts));
+  return d.ask_async_within<std::vector<caf::message>>(
+    d.call_timeout(opts), rpc_atom::value,
+    local_call{"callable", std::move(fn), opts.args, opts.kwargs, nullptr}, d.options(opts));
 }
 
 // -- KV cache and steps -----------------------------------------------------------

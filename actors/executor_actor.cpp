@@ -1250,21 +1250,26 @@ struct supervisor_state {
     auto calls = std::move(waiting_calls);
     waiting_calls.clear();
     for (auto& w : calls)
-      run_call(std::move(w.call));
+      run_call(std::move(w.call), w.until);
   }
 
-  /// A call of the facade: made now, or once the replacement in progress is done.
-  void run_call(async_call call) {
+  /// A call of the facade: made now, or once the replacement in progress is done. `until`:
+  /// its deadline, once it has waited (it then gets only what is left of it).
+  void run_call(async_call call,
+                std::optional<clock_type::time_point> until = std::nullopt) {
     if (recovering) {
-      auto until = clock_type::time_point::max();
-      if (call.timeout != wait_forever) {
-        until = clock_type::now() + call.timeout;
-        arm_deadline(until);
+      auto at = until.value_or(clock_type::time_point::max());
+      if (!until && call.timeout != wait_forever) {
+        at = clock_type::now() + call.timeout;
+        arm_deadline(at);
       }
-      waiting_calls.push_back({std::move(call), until});
+      waiting_calls.push_back({std::move(call), at});
       return;
     }
     supervisor_access access{self};
+    if (until && *until != clock_type::time_point::max())
+      access.left = caf::duration{std::chrono::duration_cast<std::chrono::microseconds>(
+        std::max(*until - clock_type::now(), clock_type::duration{std::chrono::microseconds(1)}))};
     call.request(access);
   }
 

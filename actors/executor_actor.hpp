@@ -25,6 +25,9 @@ struct worker_place {
 /// request to itself.
 struct supervisor_access {
   supervisor_actor::pointer self;
+  /// What is left of the call's deadline: infinite for a call made as it arrives (its
+  /// request carries its deadline), what remains for one that waited for a replacement.
+  caf::duration left = caf::infinite;
 };
 
 /// The workers a supervisor spawned or leased to replace dead ones, for the facade's

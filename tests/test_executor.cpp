@@ -630,7 +630,7 @@ TEST_CASE("a worker replaced while the others sleep falls asleep as they are") {
 
 TEST_CASE("calls made while a worker is replaced wait for it, within their deadline") {
   auto cfg = config(2);
-  cfg.restart.max_restarts = 1;
+  cfg.restart.max_restarts = 2;
   auto made = std::make_shared<std::atomic<int>>(0);
   auto base = test_factory();
   // The replacement (the third worker made) takes two seconds to start.
@@ -647,5 +647,17 @@ TEST_CASE("calls made while a worker is replaced wait for it, within their deadl
   CHECK(what.find("timeout") != std::string::npos);
   CHECK(what.find("for the replacement of rank 1") != std::string::npos);
   REQUIRE(patient.get().size() == 2);
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+
+  // A call that waited keeps its deadline, not a fresh one: made about a second into the
+  // next two-second replacement with 1.5 s to run, it has about half a second left for a
+  // method that takes 0.8 s.
+  CHECK(code_of([&] { kill_rank(exec, 1); }) == errc::worker_replaced);
+  std::this_thread::sleep_for(1s);
+  rpc_call_options slow;
+  slow.timeout = 1500ms;
+  slow.args = caf::make_message(int32_t{800});
+  auto late = exec.collective_rpc_async("sleep_ms", slow);
+  CHECK(code_of([&] { late.get(); }) == errc::timeout);
   CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 }
