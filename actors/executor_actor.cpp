@@ -22,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <unordered_map>
 
 namespace troupe {
@@ -216,7 +217,7 @@ struct supervisor_state {
   bool recovering = false;
   int32_t replacing = -1;
   std::string replacing_cause;
-  /// Where the replacement runs ("this process", "node HOST:PORT"), for the log.
+  /// Where the replacement runs ("in this process", "on node HOST:PORT"), for the log.
   std::string replacing_where;
   clock_type::time_point replacing_started;
   /// A worker was replaced while no step was in flight: the next execute_model fails with
@@ -732,6 +733,50 @@ struct supervisor_state {
     adapter_calls.push_back({method, args, kind, id});
   }
 
+  /// The last step of a replacement: an adapter call (`kind` "lora" or "prompt_adapter")
+  /// in flight at the death may have reached some ranks and not others. Its caller was told
+  /// `worker_replaced` (its work may be lost), so every rank keeps just the adapters all of
+  /// them hold, and the log forgets the others.
+  void reconcile_adapters(const std::string& kind, std::function<void(caf::error)> next) {
+    auto list = "list_" + kind + "s";
+    auto* st = this;
+    start_gather("replacement: " + list, all_ranks(), calling(list), cfg.startup_timeout, 0,
+                 [st, kind, list, next](gather_result res) {
+                   if (!res)
+                     return next(res.error());
+                   std::vector<std::set<int64_t>> held;
+                   try {
+                     for (size_t rank = 0; rank < res->size(); ++rank) {
+                       auto ids = result_as<std::vector<int64_t>>((*res)[rank], rank, list);
+                       held.emplace_back(ids.begin(), ids.end());
+                     }
+                   } catch (const error& e) {
+                     return next(caf::make_error(e.code(), std::string{e.what()}));
+                   }
+                   auto common = held[0];
+                   for (auto& ids : held)
+                     for (auto i = common.begin(); i != common.end();)
+                       i = ids.count(*i) > 0 ? std::next(i) : common.erase(i);
+                   auto remove = "remove_" + kind;
+                   auto steps = std::make_shared<std::vector<step_fn>>();
+                   std::set<int64_t> partial;
+                   for (size_t rank = 0; rank < held.size(); ++rank)
+                     for (auto id : held[rank])
+                       if (common.count(id) == 0) {
+                         partial.insert(id);
+                         steps->push_back(st->gather_step(remove, {static_cast<int32_t>(rank)},
+                                                          calling(remove, caf::make_message(id))));
+                       }
+                   for (auto id : partial) {
+                     st->note_adapter_call(remove, {}, id);
+                     st->log->warn("{} {} was held by some ranks only after the replacement (a "
+                                   "call was in flight); removed from all",
+                                   kind, id);
+                   }
+                   st->run_steps(steps, 0, next);
+                 });
+  }
+
   /// list_loras / list_prompt_adapters: every worker must hold the same set.
   promise<std::vector<int64_t>> same_set(std::string method) {
     return call_all<std::vector<int64_t>>(method, {}, [method](std::vector<caf::message>& results) {
@@ -1164,7 +1209,7 @@ struct supervisor_state {
       std::lock_guard<std::mutex> lk{replacements->mtx};
       replacements->workers.push_back(fresh);
     }
-    replacing_where = "this process";
+    replacing_where = "in this process";
     bring_up(rank, fresh);
   }
 
@@ -1188,7 +1233,7 @@ struct supervisor_state {
           auto fresh = caf::actor_cast<worker_actor>(leased);
           auto& n = candidates[static_cast<size_t>(which)];
           st->places[static_cast<size_t>(rank)] = {"node", n.host, n.port};
-          st->replacing_where = node_name(n);
+          st->replacing_where = "on " + node_name(n);
           {
             std::lock_guard<std::mutex> lk{st->replacements->mtx};
             st->replacements->leased.push_back(fresh);
@@ -1216,6 +1261,9 @@ struct supervisor_state {
         gather_step("initialize_cache", {rank}, calling("initialize_cache", caf::make_message(*cache))));
     for (auto& call : adapter_calls)
       steps->push_back(gather_step(call.method, {rank}, calling(call.method, call.args)));
+    for (std::string kind : {"lora", "prompt_adapter"})
+      steps->push_back(
+        [st, kind](std::function<void(caf::error)> next) { st->reconcile_adapters(kind, next); });
     // The same sleep as the others: asleep at their level, with the tags they woke awake.
     if (sleep.is_sleeping()) {
       sleep_request asleep{to_sleep_level(sleep.level())};
@@ -1243,7 +1291,7 @@ struct supervisor_state {
       ++rank_restarts[static_cast<size_t>(rank)];
       auto ms =
         std::chrono::duration<double, std::milli>(clock_type::now() - replacing_started).count();
-      log->warn("rank {} replaced in {:.1f} ms, on {} (replacement {} of this rank) after: {}",
+      log->warn("rank {} replaced in {:.1f} ms, {} (replacement {} of this rank) after: {}",
                 rank, ms, replacing_where, rank_restarts[static_cast<size_t>(rank)],
                 replacing_cause);
     }

@@ -604,6 +604,29 @@ TEST_CASE("under a restart policy a dead worker is replaced and brought to the o
   CHECK(code_of([&] { exec.collective_rpc("rank"); }) == errc::worker_died);
 }
 
+TEST_CASE("an adapter call in flight at a death leaves every rank with the same adapters") {
+  auto cfg = config(3);
+  cfg.restart.max_restarts = 1;
+  executor exec{cfg, test_factory()};
+  CHECK(exec.add_lora({"kept", 4, "/kept"}));
+  // Rank 1 dies a moment after the call, with add_lora already in its mailbox: ranks 0
+  // and 2 add the adapter, rank 1 never does.
+  auto dying = exec.collective_rpc_async([](worker& w, const caf::message&, const caf::settings&) {
+    if (w.rank() == 1) {
+      std::this_thread::sleep_for(200ms);
+      throw worker_fault{"injected fault"};
+    }
+    return caf::message{};
+  });
+  auto adding = exec.add_lora_async({"partial", 9, "/partial"});
+  CHECK(code_of([&] { dying.get(); }) == errc::worker_replaced);
+  CHECK(code_of([&] { adding.get(); }) == errc::worker_replaced);
+  // Not "ranks disagree": the adapter only some ranks held is gone from all.
+  CHECK(exec.list_loras() == std::vector<int64_t>{4});
+  CHECK(exec.add_lora({"partial", 9, "/partial"}));
+  CHECK(exec.list_loras() == std::vector<int64_t>{4, 9});
+}
+
 TEST_CASE("a worker replaced while the others sleep falls asleep as they are") {
   auto cfg = config(2);
   cfg.restart.max_restarts = 1;
