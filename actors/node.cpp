@@ -14,6 +14,7 @@
 #include <caf/io/basp_broker.hpp>
 #include <caf/io/network/default_multiplexer.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -55,10 +56,35 @@ struct node_lease {
   /// executor's, so the release names the gate as their source even once it is gone.
   caf::actor_addr gate;
 
-  void add(caf::actor worker) {
+  /// Adds a worker that owns device slot `slot`.
+  void add(caf::actor worker, int32_t slot) {
     std::lock_guard<std::mutex> guard{mtx_};
     workers_.push_back(std::move(worker));
+    slots_.push_back(slot);
     leased = static_cast<int32_t>(workers_.size());
+  }
+
+  /// Forgets a worker that went down, which frees its slot; false when it is not leased.
+  bool remove(const caf::actor_addr& worker) {
+    std::lock_guard<std::mutex> guard{mtx_};
+    for (size_t i = 0; i < workers_.size(); ++i)
+      if (workers_[i].address() == worker) {
+        workers_.erase(workers_.begin() + static_cast<std::ptrdiff_t>(i));
+        slots_.erase(slots_.begin() + static_cast<std::ptrdiff_t>(i));
+        leased = static_cast<int32_t>(workers_.size());
+        return true;
+      }
+    return false;
+  }
+
+  /// The device slots of `devices` that no leased worker owns, in order.
+  std::vector<int32_t> free_slots(int32_t devices) {
+    std::lock_guard<std::mutex> guard{mtx_};
+    std::vector<int32_t> free;
+    for (int32_t slot = 0; slot < devices; ++slot)
+      if (std::find(slots_.begin(), slots_.end(), slot) == slots_.end())
+        free.push_back(slot);
+    return free;
   }
 
   std::vector<caf::actor> workers() {
@@ -77,6 +103,7 @@ struct node_lease {
       sys.registry().erase(w.id());
     }
     workers_.clear();
+    slots_.clear();
     holder = nullptr;
     leased = 0;
   }
@@ -84,6 +111,8 @@ struct node_lease {
 private:
   std::mutex mtx_;
   std::vector<caf::actor> workers_;
+  /// The device slot (index into node_config::device_indices) of each worker.
+  std::vector<int32_t> slots_;
 };
 
 /// The node's only published actor: authenticates executors and leases workers to one.
@@ -140,8 +169,12 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
   lease->gate = self->address();
   self->state.lease = lease;
   self->set_down_handler([=](caf::down_msg& msg) {
-    if (self->state.lease->holder && msg.source == self->state.lease->holder.address())
+    auto& st = self->state;
+    if (st.lease->holder && msg.source == st.lease->holder.address())
       release(self, "its executor is gone (" + render(msg.reason) + ")");
+    else if (st.lease->remove(msg.source))
+      st.log->warn("a leased worker went down ({}); its device is free for its executor",
+                   render(msg.reason));
   });
   // Only the node stops the gate (with a kill, which no handler sees); an exit message from
   // anyone else is logged and changes nothing.
@@ -193,7 +226,9 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
       forget_stale(self);
       if (!sender || (!st.cfg.secret.empty() && st.authenticated.count(sender->node()) == 0))
         return refused(self, "a lease before authentication");
-      if (st.lease->holder)
+      // The executor that holds the lease may lease more (a replacement for a worker
+      // that died) while devices are free.
+      if (st.lease->holder && st.lease->holder != holder)
         return refused(self, "a lease while another executor holds the workers");
       auto factory = st.cfg.kinds.find(kind);
       if (factory == st.cfg.kinds.end()) {
@@ -202,22 +237,31 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
           known += (known.empty() ? "" : ", ") + name;
         return refused(self, "no worker kind '" + kind + "' (this node has: " + known + ")");
       }
-      if (count < 1 || count > st.cfg.devices)
+      auto free = st.lease->free_slots(st.cfg.devices);
+      if (count < 1 || count > static_cast<int32_t>(free.size()))
         return refused(self, std::to_string(count) + " workers asked, the node has " +
+                               std::to_string(free.size()) + " free of " +
                                std::to_string(st.cfg.devices) + " devices");
       if (!holder)
         return refused(self, "a lease without a holder");
       auto make = factory->second;
-      for (int32_t i = 0; i < count; ++i)
-        st.lease->add(caf::actor_cast<caf::actor>(spawn_leased_worker(
+      std::vector<caf::actor> leased;
+      for (int32_t i = 0; i < count; ++i) {
+        auto slot = free[static_cast<size_t>(i)];
+        leased.push_back(caf::actor_cast<caf::actor>(spawn_leased_worker(
           self->home_system(), [make, options](int32_t rank) { return make(rank, options); },
           sender->node(),
-          {st.cfg.device_kind, st.cfg.device_indices[static_cast<size_t>(i)],
+          {st.cfg.device_kind, st.cfg.device_indices[static_cast<size_t>(slot)],
            st.cfg.collective_host})));
-      st.lease->holder = holder;
-      self->monitor(holder);
+        self->monitor(leased.back());
+        st.lease->add(leased.back(), slot);
+      }
+      if (!st.lease->holder) {
+        st.lease->holder = holder;
+        self->monitor(holder);
+      }
       st.log->info("leased {} '{}' worker(s) to {}", count, kind, to_string(sender->node()));
-      return st.lease->workers();
+      return leased;
     },
   };
 }

@@ -898,6 +898,23 @@ TEST_CASE("a node stopped mid-step (SIGSTOP) is noticed by heartbeat, the surviv
   stopped.signal(SIGCONT);
 }
 
+TEST_CASE("a node worker that dies while its node lives is leased again from that node") {
+  node_process n{1};
+  auto cfg = mixed_config(1, {{"127.0.0.1", n.port(), 1}});
+  cfg.restart.max_restarts = 1;
+  captured_log log;
+  executor exec{cfg, test_factory()};
+  rpc_call_options on_rank_1;
+  on_rank_1.args = caf::make_message(int32_t{1});
+  CHECK(code_of([&] { exec.collective_rpc("die_on", on_rank_1); }) == errc::worker_replaced);
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  INFO(log.text());
+  CHECK(exec.worker_healths()[1].restarts == 1);
+  // The node's one device was freed by the death and leased to the same executor again.
+  CHECK(log.count("rank 1 replaced in") == 1);
+  CHECK(log.count("on node 127.0.0.1:" + std::to_string(n.port()) + " (replacement 1") == 1);
+}
+
 TEST_CASE("a second death beyond max_restarts fails the generation with worker_died naming "
           "the node, and nothing hangs") {
   faulty_node first{"kill", 6};

@@ -189,6 +189,11 @@ private:
         throw std::runtime_error("failed on purpose");
       return caf::make_message(w.rank());
     });
+    register_method("die_on", [](worker& w, const caf::message& args, const caf::settings&) {
+      if (w.rank() == int_arg(args, 0, 0))
+        throw worker_fault{"died on purpose"};
+      return caf::make_message(w.rank());
+    });
     register_method("checksum", [](worker& w, const caf::message&, const caf::settings&) {
       return caf::make_message(static_cast<int64_t>(static_cast<test_worker&>(w).checksum()));
     });

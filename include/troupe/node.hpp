@@ -66,7 +66,9 @@ struct node_config {
 /// A running node. One executor at a time leases its workers: the executor proves the
 /// shared secret (an HMAC-SHA256 of a fresh challenge, so the secret never travels), then
 /// asks for workers of a registered kind. Leased workers serve only that executor and its
-/// other workers; every other peer is refused and logged. When the executor goes away
+/// other workers; every other peer is refused and logged. A leased worker that dies frees
+/// its device, and the executor holding the lease may lease again while devices are free
+/// (to replace the worker). When the executor goes away
 /// (it shuts down, dies, or its connection times out) the workers are stopped, their
 /// memory released, and the node waits for the next executor.
 class node {
