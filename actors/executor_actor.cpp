@@ -137,16 +137,16 @@ caf::error invalid_id(const char* what, int64_t id) {
 }
 
 /// A helper of the supervisor: answers one `lease_atom` with a worker leased from the first
-/// of `candidates` that gives one, and which (the first is asked for at most
-/// `cfg.node_timeout`: a node that is back answers at once, a stopped one never), or an
-/// error naming what each said. Everything ends by `deadline`.
+/// of `candidates` that gives one, and which, or an error naming what each said. Each is
+/// asked for at most `cfg.node_timeout` (a lease only spawns an actor: a node that is up
+/// answers at once, a stopped one never); everything ends by `deadline`.
 void lease_one(caf::blocking_actor* self, executor_config cfg,
                std::vector<node_address> candidates, caf::actor holder,
                clock_type::time_point deadline) {
   self->receive([&](lease_atom) -> caf::result<caf::actor, int32_t> {
     std::string refusals;
     for (size_t i = 0; i < candidates.size(); ++i) {
-      auto until = i == 0 ? std::min(deadline, clock_type::now() + cfg.node_timeout) : deadline;
+      auto until = std::min(deadline, clock_type::now() + cfg.node_timeout);
       try {
         auto leased = lease_workers(self, cfg, candidates[i], 1, holder, until);
         if (leased.size() == 1)
@@ -1214,14 +1214,20 @@ struct supervisor_state {
   }
 
   /// Leases the replacement of `rank`, which a node gave: from that node if it is back,
-  /// else from the first spare node that gives one. A helper does it on a thread of its
-  /// own, as connecting blocks; this actor goes on meanwhile.
+  /// else from the first spare node that gives one, else from another of the executor's
+  /// nodes with a free device. A helper does it on a thread of its own, as connecting
+  /// blocks; this actor goes on meanwhile.
   void lease_replacement(int32_t rank) {
     auto& dead = places[static_cast<size_t>(rank)];
     std::vector<node_address> candidates{{dead.host, dead.port, 1}};
-    for (auto& n : cfg.spare_nodes)
-      if (n.host != dead.host || n.port != dead.port)
-        candidates.push_back({n.host, n.port, 1});
+    for (auto* list : {&cfg.spare_nodes, &cfg.nodes})
+      for (auto& n : *list) {
+        bool known = false;
+        for (auto& c : candidates)
+          known = known || (c.host == n.host && c.port == n.port);
+        if (!known)
+          candidates.push_back({n.host, n.port, 1});
+      }
     auto helper = self->spawn<caf::detached>(lease_one, cfg, candidates, lease_holder,
                                              clock_type::now() + cfg.startup_timeout);
     auto* st = this;

@@ -197,14 +197,18 @@ TEST_CASE("a worker that dies mid-generation is replaced and the outputs stay tr
     bool async_scheduling;
     /// A small one makes the recomputed requests (prompt and tokens so far) go in chunks.
     int32_t max_num_batched_tokens;
+    int32_t tensor_parallel_size;
   };
-  for (auto f : {fault{1, 5, false, 2048}, fault{0, 9, false, 2048}, fault{1, 6, true, 2048},
-                 fault{1, 12, false, 12}}) {
+  for (auto f : {fault{1, 5, false, 2048, 2}, fault{0, 9, false, 2048, 2},
+                 fault{1, 6, true, 2048, 2}, fault{1, 12, false, 12, 2},
+                 fault{2, 7, false, 2048, 3}}) {
     CAPTURE(f.rank);
     CAPTURE(f.at);
     CAPTURE(f.async_scheduling);
     CAPTURE(f.max_num_batched_tokens);
+    CAPTURE(f.tensor_parallel_size);
     auto run = cfg;
+    run.executor.tensor_parallel_size = f.tensor_parallel_size;
     run.scheduler.async_scheduling = f.async_scheduling;
     run.scheduler.max_num_batched_tokens = f.max_num_batched_tokens;
     auto faults = std::make_shared<std::atomic<int>>(1);

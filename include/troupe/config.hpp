@@ -39,8 +39,9 @@ struct node_address {
 /// the replacement brought to the others' state (model, tensor-parallel group, KV-cache
 /// blocks, adapters, sleep); the calls in flight fail with `worker_replaced` and calls made
 /// meanwhile wait for it. A worker of this process is spawned anew; one leased from a node
-/// is leased again: from its own node if it is back (asked for at most `node_timeout`),
-/// else from `executor_config::spare_nodes` in order, within `startup_timeout`. A death
+/// is leased again: from its own node if it is back, else from `executor_config::spare_nodes`
+/// in order, else from another of `nodes` with a free device (each asked for at most
+/// `node_timeout`, all within `startup_timeout`). A death
 /// beyond `max_restarts` within `window`, a replacement that fails or is not to be had, a
 /// worker published on its own (`remote_workers`), and a death during a sleep or wake_up
 /// still fail the executor. A replacement made while the others sleep falls asleep as
