@@ -81,6 +81,18 @@ struct reply {
   }
 };
 
+/// A call whose answer, of type H, only says that it succeeded: its future is `void`.
+template <class H>
+struct discarded {};
+
+template <class H>
+struct reply<discarded<H>> {
+  template <class P>
+  static auto async_handler(P slot) {
+    return [slot](H&) { slot->set(); };
+  }
+};
+
 /// Calls with nothing to return are answered `ok_atom`.
 template <>
 struct reply<void> {
@@ -156,7 +168,7 @@ struct executor::impl {
   /// behind the one in flight. A call that the supervisor drops unanswered (it shut down)
   /// fails with `shut_down`; one that waits for a replacement longer than `timeout` fails
   /// with `timeout`. The caller holds `lifecycle` and has checked `shut`.
-  template <class T, class... Ts>
+  template <class T, class Reply = T, class... Ts>
   std::future<T> send(timeout_type timeout, Ts... xs) {
     auto slot = std::make_shared<async_slot<T>>();
     auto fut = slot->future();
@@ -166,7 +178,7 @@ struct executor::impl {
     call.request = [=](supervisor_access& access) mutable {
       auto me = caf::actor_cast<supervisor_actor>(access.self);
       access.self->request(me, access.left, std::move(xs)...)
-        .then(reply<T>::async_handler(slot), [fail](caf::error& e) { fail(e); });
+        .then(reply<Reply>::async_handler(slot), [fail](caf::error& e) { fail(e); });
     };
     call.fail = fail;
     call.timeout = timeout;
@@ -176,20 +188,20 @@ struct executor::impl {
 
   /// `send` for the async API, for a call whose deadline is `t`: a closed executor's
   /// future fails with `shut_down`.
-  template <class T, class... Ts>
+  template <class T, class Reply = T, class... Ts>
   std::future<T> ask_async_within(timeout_type t, Ts... xs) {
     std::shared_lock<std::shared_mutex> guard{lifecycle};
     if (*shut) {
       async_slot<T> closed;
       return closed.future(); // fails with shut_down as `closed` goes
     }
-    return send<T>(t, std::move(xs)...);
+    return send<T, Reply>(t, std::move(xs)...);
   }
 
   /// `ask_async_within` the default deadline.
-  template <class T, class... Ts>
+  template <class T, class Reply = T, class... Ts>
   std::future<T> ask_async(Ts... xs) {
-    return ask_async_within<T>(cfg.rpc_timeout, std::move(xs)...);
+    return ask_async_within<T, Reply>(cfg.rpc_timeout, std::move(xs)...);
   }
 
   /// Runs a callable on every worker and waits. If the call fails (deadline, an error of
@@ -635,8 +647,10 @@ void executor::start_profile() {
 }
 
 std::future<void> executor::start_profile_async() {
-  return std::async(std::launch::deferred,
-                    [f = collective_rpc_async("start_profile")]() mutable { f.get(); });
+  auto& d = *impl_;
+  return d.ask_async<void, discarded<std::vector<caf::message>>>(
+    rpc_atom::value, std::string{"start_profile"}, caf::message{}, caf::settings{},
+    d.options({}));
 }
 
 void executor::stop_profile() {
@@ -691,8 +705,7 @@ void executor::check_health() {
 }
 
 std::future<void> executor::check_health_async() {
-  auto f = impl_->ask_async<std::vector<worker_health>>(health_atom::value);
-  return std::async(std::launch::deferred, [f = std::move(f)]() mutable { f.get(); });
+  return impl_->ask_async<void, discarded<std::vector<worker_health>>>(health_atom::value);
 }
 
 // -- sleep and wake -------------------------------------------------------------------

@@ -41,6 +41,9 @@ std::shared_ptr<command> add_bench_sleep(CLI::App& bench);
 /// `troupe generate`: text from a model.
 std::shared_ptr<command> add_generate(CLI::App& app);
 
+/// `troupe serve`.
+std::shared_ptr<command> add_serve(CLI::App& app);
+
 /// `troupe node`: a worker node with the worker kinds "model" and "bench".
 std::shared_ptr<command> add_node(CLI::App& app);
 
@@ -79,6 +82,34 @@ void add_device_options(CLI::App& app, device_options& o);
 /// Puts the device options into the executor's and the workers' configuration.
 void apply_device_options(const device_options& o, executor_config& executor,
                           model_worker_options& worker);
+
+/// How `generate` and `serve` run the model: the model, its split, memory, scheduling,
+/// recovery, adapters, nodes and device (the flags the two share).
+struct engine_options {
+  std::string model;
+  int tp = 1;
+  int64_t kv_cache_memory = 0;
+  double kv_fraction = 0.5;
+  int64_t swap_space_mib = 256;
+  bool async_scheduling = false;
+  int max_num_seqs = 0;
+  int max_num_batched_tokens = 0;
+  int max_restarts = 0;
+  double restart_window_s = 60;
+  int max_model_len = 0;
+  int max_loras = 0;
+  int max_lora_rank = 16;
+  int max_prompt_adapter_token = 0;
+  node_options nodes;
+  device_options device;
+};
+
+/// Adds the flags of `engine_options` to `app`.
+void add_engine_options(CLI::App& app, engine_options& o);
+
+/// The model's configuration from the flags; `loras` adapters come with it (for the
+/// default of --max-loras). Throws `invalid_argument` for a malformed node.
+llm_config engine_config(const engine_options& o, size_t loras);
 
 /// The batch a generation benchmark runs: random prompts of `input_len` tokens, each
 /// generating exactly `output_len` greedily (vLLM's benchmark_throughput).

@@ -120,12 +120,86 @@ void apply_device_options(const device_options& o, executor_config& executor,
   worker.enforce_eager = o.enforce_eager;
 }
 
+void add_engine_options(CLI::App& app, engine_options& o) {
+  app.add_option("--model", o.model, "Hugging Face model directory or GGUF file")->required();
+  app.add_option("--tensor-parallel-size", o.tp, "Worker actors the model is split over")
+    ->check(CLI::Range(1, 64))
+    ->capture_default_str();
+  app.add_option("--kv-cache-memory", o.kv_cache_memory,
+                 "Bytes of KV cache per worker (0: --kv-cache-memory-fraction of free memory)")
+    ->check(not_negative)
+    ->capture_default_str();
+  app.add_option("--kv-cache-memory-fraction", o.kv_fraction,
+                 "Share of free memory for the KV cache when --kv-cache-memory is 0")
+    ->check(CLI::Range(0.01, 0.95))
+    ->capture_default_str();
+  app.add_option("--swap-space", o.swap_space_mib, "MiB of host memory per worker for swapped blocks")
+    ->check(CLI::Range(0, 1 << 20))
+    ->capture_default_str();
+  app.add_option("--max-num-seqs", o.max_num_seqs, "Requests in one step (0: the engine's 256)")
+    ->check(CLI::Range(0, 1 << 20))
+    ->capture_default_str();
+  app.add_option("--max-num-batched-tokens", o.max_num_batched_tokens,
+                 "Tokens in one step; longer prompts go in chunks (0: the engine's 2048)")
+    ->check(CLI::Range(0, 1 << 24))
+    ->capture_default_str();
+  app.add_flag("--async-scheduling", o.async_scheduling,
+               "Send the next step while one runs when it needs none of its tokens");
+  app.add_option("--max-restarts", o.max_restarts,
+                 "Replace a worker that dies, up to this many times within --restart-window "
+                 "(0: a death ends the run)")
+    ->check(CLI::Range(0, 1000000))
+    ->capture_default_str();
+  app.add_option("--restart-window", o.restart_window_s, "Seconds that --max-restarts counts over")
+    ->check(CLI::PositiveNumber)
+    ->capture_default_str();
+  app.add_option("--max-model-len", o.max_model_len, "Longest prompt plus output (0: the model's)")
+    ->check(not_negative)
+    ->capture_default_str();
+  app.add_option("--max-loras", o.max_loras,
+                 "LoRA adapters loaded at once (0: as many as --lora gives)")
+    ->check(CLI::Range(0, 1024))
+    ->capture_default_str();
+  app.add_option("--max-lora-rank", o.max_lora_rank, "The highest LoRA rank accepted")
+    ->check(CLI::Range(1, 1 << 16))
+    ->capture_default_str();
+  app.add_option("--max-prompt-adapter-token", o.max_prompt_adapter_token,
+                 "The most virtual tokens a prompt adapter may have (0: no limit)")
+    ->check(CLI::Range(0, 1 << 20))
+    ->capture_default_str();
+  add_node_options(app, o.nodes);
+  add_device_options(app, o.device);
+}
+
+llm_config engine_config(const engine_options& o, size_t loras) {
+  llm_config cfg;
+  cfg.worker.model_path = o.model;
+  cfg.executor.tensor_parallel_size = o.tp;
+  apply_device_options(o.device, cfg.executor, cfg.worker);
+  cfg.worker.kv_cache_memory_bytes = o.kv_cache_memory;
+  cfg.worker.kv_cache_memory_fraction = o.kv_fraction;
+  cfg.worker.swap_space_bytes = o.swap_space_mib << 20;
+  cfg.scheduler.async_scheduling = o.async_scheduling;
+  if (o.max_num_seqs > 0)
+    cfg.scheduler.max_num_seqs = o.max_num_seqs;
+  if (o.max_num_batched_tokens > 0)
+    cfg.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
+  cfg.executor.restart.max_restarts = o.max_restarts;
+  cfg.executor.restart.window = std::chrono::duration_cast<timeout_type>(
+    std::chrono::duration<double>(o.restart_window_s));
+  cfg.executor.max_model_len = o.max_model_len;
+  cfg.worker.max_loras = o.max_loras > 0 ? o.max_loras : std::max(1, static_cast<int>(loras));
+  cfg.worker.max_lora_rank = o.max_lora_rank;
+  cfg.worker.max_prompt_adapter_token = o.max_prompt_adapter_token;
+  apply_node_options(o.nodes, cfg.executor);
+  return cfg;
+}
+
 std::shared_ptr<command> add_generate(CLI::App& app) {
   struct options {
-    std::string model;
+    engine_options engine;
     std::vector<std::string> prompts;
     std::vector<std::string> prompt_ids;
-    int tp = 1;
     int max_tokens = 64;
     float temperature = 0.0f;
     float top_p = 1.0f;
@@ -135,33 +209,17 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     std::vector<std::string> stop;
     bool chat = false;
     bool json = false;
-    int64_t kv_cache_memory = 0;
-    double kv_fraction = 0.5;
-    int64_t swap_space_mib = 256;
-    bool async_scheduling = false;
-    int max_restarts = 0;
-    double restart_window_s = 60;
-    int max_model_len = 0;
     std::vector<std::string> loras;
     std::vector<std::string> prompt_loras;
-    int max_loras = 0;
-    int max_lora_rank = 16;
     std::string prompt_adapter;
-    int max_prompt_adapter_token = 0;
-    node_options nodes;
-    device_options device;
   };
   auto o = std::make_shared<options>();
   auto cmd = std::make_shared<command>();
   auto* sub = app.add_subcommand("generate", "Generate text from a model for one or more prompts");
   cmd->app = sub;
-  sub->add_option("--model", o->model, "Hugging Face model directory or GGUF file")->required();
   sub->add_option("--prompt", o->prompts, "A prompt (repeat for a batch)");
   sub->add_option("--prompt-token-ids", o->prompt_ids,
                   "A prompt as comma-separated token ids, bypassing the tokenizer (repeatable)");
-  sub->add_option("--tensor-parallel-size", o->tp, "Worker actors the model is split over")
-    ->check(CLI::Range(1, 64))
-    ->capture_default_str();
   sub->add_option("--max-tokens", o->max_tokens, "Tokens to generate per prompt")
     ->check(CLI::Range(1, 1 << 20))
     ->capture_default_str();
@@ -182,51 +240,15 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
   sub->add_flag("--chat", o->chat, "Wrap each prompt in the model's chat template");
   sub->add_flag("--json", o->json,
                 "Print JSON: per prompt the text, the token ids and their logprobs");
-  sub->add_option("--kv-cache-memory", o->kv_cache_memory,
-                  "Bytes of KV cache per worker (0: --kv-cache-memory-fraction of free memory)")
-    ->check(not_negative)
-    ->capture_default_str();
-  sub->add_option("--kv-cache-memory-fraction", o->kv_fraction,
-                  "Share of free memory for the KV cache when --kv-cache-memory is 0")
-    ->check(CLI::Range(0.01, 0.95))
-    ->capture_default_str();
-  sub->add_option("--max-restarts", o->max_restarts,
-                  "Replace a worker of this process that dies, up to this many times within "
-                  "--restart-window (0: a death ends the run)")
-    ->check(CLI::Range(0, 1000000))
-    ->capture_default_str();
-  sub->add_option("--restart-window", o->restart_window_s, "Seconds that --max-restarts counts over")
-    ->check(CLI::PositiveNumber)
-    ->capture_default_str();
-  sub->add_flag("--async-scheduling", o->async_scheduling,
-                "Send the next step while one runs when it needs none of its tokens");
-  sub->add_option("--swap-space", o->swap_space_mib, "MiB of host memory per worker for swapped blocks")
-    ->check(CLI::Range(0, 1 << 20))
-    ->capture_default_str();
-  sub->add_option("--max-model-len", o->max_model_len, "Longest prompt plus output (0: the model's)")
-    ->check(not_negative)
-    ->capture_default_str();
   sub->add_option("--lora", o->loras,
                   "A PEFT LoRA adapter directory as NAME=PATH (repeatable); one alone serves "
                   "every prompt");
   sub->add_option("--prompt-lora", o->prompt_loras,
                   "The --lora NAME of each prompt in order, text prompts first ('none' for the "
                   "base model; repeatable)");
-  sub->add_option("--max-loras", o->max_loras,
-                  "LoRA adapters loaded at once (0: as many as --lora gives)")
-    ->check(CLI::Range(0, 1024))
-    ->capture_default_str();
-  sub->add_option("--max-lora-rank", o->max_lora_rank, "The highest LoRA rank accepted")
-    ->check(CLI::Range(1, 1 << 16))
-    ->capture_default_str();
   sub->add_option("--prompt-adapter", o->prompt_adapter,
                   "A PEFT prompt-tuning adapter directory as NAME=PATH, for every prompt");
-  sub->add_option("--max-prompt-adapter-token", o->max_prompt_adapter_token,
-                  "The most virtual tokens a prompt adapter may have (0: no limit)")
-    ->check(CLI::Range(0, 1 << 20))
-    ->capture_default_str();
-  add_node_options(*sub, o->nodes);
-  add_device_options(*sub, o->device);
+  add_engine_options(*sub, o->engine);
   cmd->run = [o] {
     if (o->prompts.empty() && o->prompt_ids.empty())
       throw error{errc::invalid_argument, "give at least one --prompt or --prompt-token-ids"};
@@ -242,29 +264,13 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     std::vector<std::vector<int32_t>> id_prompts;
     for (auto& ids : o->prompt_ids)
       id_prompts.push_back(parse_ids(ids));
-    llm_config cfg;
-    cfg.worker.model_path = o->model;
-    cfg.executor.tensor_parallel_size = o->tp;
-    apply_device_options(o->device, cfg.executor, cfg.worker);
-    cfg.worker.kv_cache_memory_bytes = o->kv_cache_memory;
-    cfg.worker.kv_cache_memory_fraction = o->kv_fraction;
-    cfg.worker.swap_space_bytes = o->swap_space_mib << 20;
-    cfg.scheduler.async_scheduling = o->async_scheduling;
-    cfg.executor.restart.max_restarts = o->max_restarts;
-    cfg.executor.restart.window = std::chrono::duration_cast<timeout_type>(
-      std::chrono::duration<double>(o->restart_window_s));
-    cfg.executor.max_model_len = o->max_model_len;
     auto loras = prompt_loras(o->loras, o->prompt_loras, o->prompts.size() + o->prompt_ids.size());
-    cfg.worker.max_loras = o->max_loras > 0 ? o->max_loras
-                                            : std::max(1, static_cast<int>(o->loras.size()));
-    cfg.worker.max_lora_rank = o->max_lora_rank;
-    cfg.worker.max_prompt_adapter_token = o->max_prompt_adapter_token;
+    auto cfg = engine_config(o->engine, o->loras.size());
     std::optional<prompt_adapter_request> prompt_adapter;
     if (!o->prompt_adapter.empty()) {
       auto [name, path] = name_and_path("--prompt-adapter", o->prompt_adapter);
       prompt_adapter = prompt_adapter_request{name, 1, path, 0};
     }
-    apply_node_options(o->nodes, cfg.executor);
     bool bar = isatty(STDERR_FILENO) != 0 && !o->json;
     if (bar)
       cfg.worker.progress = [](size_t done, size_t total) {

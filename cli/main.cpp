@@ -19,13 +19,14 @@ int main(int argc, char** argv) {
   auto make_model = troupe::cli::add_make_model(app);
   auto generate = troupe::cli::add_generate(app);
   auto node = troupe::cli::add_node(app);
+  auto serve = troupe::cli::add_serve(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   try {
-    for (auto& cmd : {generate, node, run_rpc, run_step, run_generate, run_sleep, run_recovery,
+    for (auto& cmd : {generate, serve, node, run_rpc, run_step, run_generate, run_sleep, run_recovery,
                       make_model})
       if (*cmd)
         return cmd->run();

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <deque>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <optional>
 
@@ -29,7 +30,131 @@ struct llm::impl {
   std::map<int64_t, std::string> lora_paths;
   std::map<int64_t, std::string> prompt_adapter_paths;
   double tokens_per_second = 0;
+
+  // The online engine: one scheduler for the life of the model.
+  std::unique_ptr<scheduler> sched;
+  /// An unfinished request as its caller sees it: what it has been sent so far.
+  struct live_request {
+    generation_output out;
+    std::vector<std::string> stop;
+    std::chrono::steady_clock::time_point arrived;
+    /// The text sent in updates so far.
+    std::string sent;
+  };
+  std::map<int64_t, live_request> live;
+  struct in_flight {
+    std::future<std::vector<sampler_output>> result;
+    bool samples = false;
+  };
+  /// Steps sent and not yet applied (asynchronous scheduling keeps up to two).
+  std::deque<in_flight> steps;
+  engine_stats counts;
+
+  void apply(const std::vector<sampler_output>& result, bool samples,
+             std::vector<generation_update>& updates);
+  void report(int64_t seq, const engine_request& r, bool finished,
+              std::vector<generation_update>& updates);
 };
+
+namespace {
+
+/// Whether `text` ends in U+FFFD, what the tokenizer decodes a character whose bytes have
+/// not all come to.
+bool ends_incomplete(const std::string& text) {
+  return text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0;
+}
+
+} // namespace
+
+void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
+                       std::vector<generation_update>& updates) {
+  auto& l = live.at(seq);
+  auto& out = l.out;
+  auto since = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - l.arrived).count();
+  };
+  generation_update u;
+  u.request_id = seq;
+  for (size_t i = out.token_ids.size(); i < r.output.size(); ++i) {
+    u.token_ids.push_back(r.output[i]);
+    u.logprobs.push_back(r.logprobs[i]);
+    u.top_logprobs.push_back(r.top_logprobs[i]);
+  }
+  if (u.token_ids.empty() && !finished)
+    return;
+  counts.generation_tokens += static_cast<int64_t>(u.token_ids.size());
+  out.token_ids = r.output;
+  out.logprobs = r.logprobs;
+  out.top_logprobs = r.top_logprobs;
+  if (out.first_token_seconds == 0 && !out.token_ids.empty())
+    out.first_token_seconds = since();
+  std::string text = tok ? tok->decode(out.token_ids, true) : std::string{};
+  if (finished) {
+    // A stop string ends the text and is cut off it.
+    for (auto& stop : l.stop) {
+      auto at = stop.empty() ? std::string::npos : text.find(stop);
+      if (at != std::string::npos)
+        text.resize(at);
+    }
+    out.text = text;
+  } else {
+    // Held back: an incomplete character, and what may be the start of a stop string.
+    size_t longest = 0;
+    for (auto& stop : l.stop)
+      longest = std::max(longest, stop.size());
+    size_t keep = ends_incomplete(text) ? text.size() - 3 : text.size();
+    size_t hold = longest > 0 ? longest - 1 : 0;
+    keep = keep > hold ? keep - hold : 0;
+    // Whole characters only.
+    while (keep > 0 && keep < text.size() && (static_cast<unsigned char>(text[keep]) & 0xC0) == 0x80)
+      --keep;
+    text.resize(keep);
+  }
+  if (text.size() > l.sent.size() && text.compare(0, l.sent.size(), l.sent) == 0) {
+    u.text = text.substr(l.sent.size());
+    l.sent = text;
+  }
+  if (finished) {
+    out.finish_reason = r.finish_reason;
+    out.finished_seconds = since();
+    if (out.first_token_seconds == 0)
+      out.first_token_seconds = out.finished_seconds;
+    u.finished = true;
+    u.output = out;
+    live.erase(seq);
+  }
+  updates.push_back(std::move(u));
+}
+
+void llm::impl::apply(const std::vector<sampler_output>& result, bool samples,
+                      std::vector<generation_update>& updates) {
+  if (samples) {
+    if (result.empty())
+      throw error{errc::worker_error, "execute_model returned no output for a step"};
+    sched->update(result[0]);
+  }
+  // Requests whose text now holds a stop string end here.
+  if (tok) {
+    std::vector<int64_t> stopped;
+    for (auto& [seq, r] : sched->unfinished()) {
+      auto& stops = live.at(seq).stop;
+      if (stops.empty() || r.output.empty())
+        continue;
+      auto text = tok->decode(r.output, true);
+      for (auto& stop : stops)
+        if (!stop.empty() && text.find(stop) != std::string::npos) {
+          stopped.push_back(seq);
+          break;
+        }
+    }
+    for (auto seq : stopped)
+      sched->finish(seq, "stop");
+  }
+  for (auto& [seq, r] : sched->unfinished())
+    report(seq, r, false, updates);
+  for (auto& r : sched->take_finished())
+    report(r.seq_id, r, true, updates);
+}
 
 namespace {
 
@@ -103,12 +228,27 @@ llm::llm(llm_config config, worker_factory factory) : impl_(std::make_unique<imp
   d.exec = std::make_unique<troupe::executor>(ec, std::move(factory));
   d.blocks = d.exec->determine_num_available_blocks();
   d.exec->initialize_cache(d.blocks);
+  scheduler_limits limits;
+  limits.max_model_len = d.exec->config().max_model_len;
+  limits.max_loras = d.cfg.worker.max_loras;
+  limits.max_prompt_adapters = d.cfg.worker.max_prompt_adapters;
+  d.sched = std::make_unique<scheduler>(d.cfg.scheduler, limits, d.exec->config().block_size,
+                                        d.blocks.num_device_blocks, d.blocks.num_swap_blocks,
+                                        d.model.eos_token_ids);
 }
 
 llm::~llm() = default;
 
 bool llm::has_tokenizer() const {
   return impl_->tok.has_value();
+}
+
+std::string llm::decode(const std::vector<int32_t>& token_ids) const {
+  return impl_->tok ? impl_->tok->decode(token_ids, true) : std::string{};
+}
+
+int64_t llm::max_model_len() const {
+  return impl_->exec->config().max_model_len;
 }
 
 double llm::last_tokens_per_second() const {
@@ -119,8 +259,22 @@ troupe::executor& llm::executor() {
   return *impl_->exec;
 }
 
+const llm_config& llm::config() const {
+  return impl_->cfg;
+}
+
 std::string llm::chat_prompt(const std::string& user_message) const {
+  return chat_prompt(std::vector<chat_message>{{"user", user_message}});
+}
+
+std::string llm::chat_prompt(const std::vector<chat_message>& messages) const {
   auto& d = *impl_;
+  if (messages.empty())
+    throw error{errc::invalid_argument, "a chat needs at least one message"};
+  for (auto& m : messages)
+    if (m.role != "system" && m.role != "user" && m.role != "assistant")
+      throw error{errc::invalid_argument, "chat message role '" + m.role +
+                                            "' is not system, user or assistant"};
   std::string tmpl = d.tok ? d.tok->chat_template() : std::string{};
   if (tmpl.find("<|im_start|>") == std::string::npos)
     throw error{errc::unsupported, "the model has no ChatML chat template (the only kind "
@@ -132,10 +286,13 @@ std::string llm::chat_prompt(const std::string& user_message) const {
   if (test != std::string::npos) {
     auto open = tmpl.find("{{ '", test);
     auto close = open == std::string::npos ? std::string::npos : tmpl.find("' }}", open);
-    if (close != std::string::npos)
+    if (close != std::string::npos && messages[0].role != "system")
       system = unescape(tmpl.substr(open + 4, close - open - 4));
   }
-  return system + "<|im_start|>user\n" + user_message + "<|im_end|>\n<|im_start|>assistant\n";
+  auto prompt = system;
+  for (auto& m : messages)
+    prompt += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+  return prompt + "<|im_start|>assistant\n";
 }
 
 std::vector<generation_output> llm::generate(const std::vector<std::string>& prompts,
@@ -206,156 +363,163 @@ std::map<int64_t, int64_t> llm::load_adapters(const std::vector<generation_reque
   return virtual_tokens;
 }
 
+int64_t llm::add_request(const generation_request& req) {
+  auto& d = *impl_;
+  auto max_model_len = d.exec->config().max_model_len;
+  auto virtual_tokens = load_adapters({req});
+  impl::live_request l;
+  l.arrived = std::chrono::steady_clock::now();
+  l.stop = req.stop;
+  auto& out = l.out;
+  out.prompt = req.prompt;
+  if (!req.prompt_token_ids.empty()) {
+    out.prompt_token_ids = req.prompt_token_ids;
+  } else {
+    if (!d.tok)
+      throw error{errc::invalid_argument,
+                  (d.tokenizer_problem.empty()
+                     ? std::string{"the model has no tokenizer"}
+                     : "the model's tokenizer cannot be used (" + d.tokenizer_problem + ")") +
+                    ": give prompt token ids instead of text"};
+    out.prompt_token_ids = d.tok->encode(req.prompt, true, req.add_special_tokens);
+  }
+  engine_request r;
+  if (req.prompt_adapter) {
+    // Placeholders for the adapter's virtual tokens; the workers embed them.
+    r.prompt.assign(static_cast<size_t>(virtual_tokens.at(req.prompt_adapter->prompt_adapter_id)),
+                    0);
+    r.prompt_adapter_id = req.prompt_adapter->prompt_adapter_id;
+  }
+  r.prompt.insert(r.prompt.end(), out.prompt_token_ids.begin(), out.prompt_token_ids.end());
+  if (static_cast<int64_t>(r.prompt.size()) >= max_model_len)
+    throw error{errc::invalid_argument,
+                "the prompt has " + std::to_string(r.prompt.size()) + " tokens" +
+                  (req.prompt_adapter ? " with its virtual tokens" : "") +
+                  "; the model allows " + std::to_string(max_model_len) + " with the output"};
+  if (req.sampling.max_tokens < 1)
+    throw error{errc::invalid_argument, "max_tokens must be at least 1, got " +
+                                          std::to_string(req.sampling.max_tokens)};
+  r.seq_id = d.next_seq++;
+  r.request_id = "req-" + std::to_string(r.seq_id);
+  r.lora_int_id = req.lora ? req.lora->lora_int_id : 0;
+  r.sampling = req.sampling;
+  auto id = r.seq_id;
+  d.counts.prompt_tokens += static_cast<int64_t>(r.prompt.size());
+  d.sched->add(std::move(r));
+  d.live.emplace(id, std::move(l));
+  return id;
+}
+
+void llm::abort_request(int64_t id) {
+  auto& d = *impl_;
+  if (d.live.count(id) > 0 && d.sched->unfinished().count(id) > 0)
+    d.sched->finish(id, "abort");
+}
+
+bool llm::has_unfinished_requests() const {
+  return !impl_->live.empty() || !impl_->steps.empty();
+}
+
+std::vector<generation_update> llm::step() {
+  auto& d = *impl_;
+  auto& sched = *d.sched;
+  std::vector<generation_update> updates;
+  auto send = [&](const execute_model_request& step) {
+    d.steps.push_back({d.exec->execute_model_async(step), !step.seq_group_metadata_list.empty()});
+  };
+  auto count = [&](const execute_model_request& step) {
+    ++d.counts.steps;
+    d.counts.last_step_requests = static_cast<int64_t>(step.seq_group_metadata_list.size());
+    d.counts.max_step_requests = std::max(d.counts.max_step_requests, d.counts.last_step_requests);
+  };
+  try {
+    if (d.steps.empty()) {
+      if (!sched.has_unfinished()) {
+        d.apply({}, false, updates); // requests aborted since the last step
+        return updates;
+      }
+      auto step = sched.schedule();
+      bool samples = !step.seq_group_metadata_list.empty();
+      if (!samples && step.blocks_to_swap_in.empty() && step.blocks_to_swap_out.empty() &&
+          step.blocks_to_copy.empty()) {
+        if (sched.has_unfinished())
+          throw error{errc::worker_error, "the scheduler can make no progress"};
+        d.apply({}, false, updates); // it finished what could never run ("abort")
+        return updates;
+      }
+      count(step);
+      // With asynchronous scheduling, the step after this one is sent before the engine
+      // waits, so the workers run it right after. A step with nothing to overlap takes the
+      // blocking call, which costs fewer hops.
+      auto ahead = d.cfg.scheduler.async_scheduling ? sched.schedule_ahead() : std::nullopt;
+      if (!ahead) {
+        d.apply(d.exec->execute_model(step), samples, updates);
+        return updates;
+      }
+      send(step);
+      count(*ahead);
+      send(*ahead);
+    } else if (auto ahead = sched.schedule_ahead()) {
+      count(*ahead);
+      send(*ahead);
+    }
+    auto done = std::move(d.steps.front());
+    d.steps.pop_front();
+    d.apply(done.result.get(), done.samples, updates);
+  } catch (const error& e) {
+    if (e.code() != errc::worker_replaced)
+      throw;
+    // A worker died and the executor replaced it: the steps in flight and every KV cache
+    // are gone. Each request is computed again from its prompt and the tokens it has,
+    // which gives the same tokens under greedy or seeded sampling.
+    d.steps.clear();
+    sched.recompute_all();
+  }
+  return updates;
+}
+
+engine_stats llm::stats() const {
+  auto& d = *impl_;
+  auto s = d.counts;
+  s.running = static_cast<int64_t>(d.sched->num_running());
+  s.waiting = static_cast<int64_t>(d.sched->num_waiting());
+  s.swapped = static_cast<int64_t>(d.sched->num_swapped());
+  auto all = d.sched->device_blocks();
+  s.kv_cache_usage = all > 0 ? static_cast<double>(d.sched->used_device_blocks()) /
+                                 static_cast<double>(all)
+                             : 0.0;
+  s.preemptions = d.sched->preemptions();
+  return s;
+}
+
 std::vector<generation_output> llm::generate(const std::vector<generation_request>& requests) {
   auto& d = *impl_;
-  scheduler_limits limits;
-  limits.max_model_len = d.exec->config().max_model_len;
-  limits.max_loras = d.cfg.worker.max_loras;
-  limits.max_prompt_adapters = d.cfg.worker.max_prompt_adapters;
-  auto virtual_tokens = load_adapters(requests);
-  scheduler sched{d.cfg.scheduler, limits, d.exec->config().block_size,
-                  d.blocks.num_device_blocks, d.blocks.num_swap_blocks, d.model.eos_token_ids};
-  std::vector<generation_output> outputs(requests.size());
+  if (has_unfinished_requests())
+    throw error{errc::invalid_argument,
+                "generate while requests added with add_request are unfinished"};
+  // Every request is checked (and its adapters loaded) before any is queued.
+  load_adapters(requests);
   std::map<int64_t, size_t> index;
   for (size_t i = 0; i < requests.size(); ++i) {
-    auto& req = requests[i];
-    auto& out = outputs[i];
-    out.prompt = req.prompt;
-    if (!req.prompt_token_ids.empty()) {
-      out.prompt_token_ids = req.prompt_token_ids;
-    } else {
-      if (!d.tok)
-        throw error{errc::invalid_argument,
-                    (d.tokenizer_problem.empty()
-                       ? std::string{"the model has no tokenizer"}
-                       : "the model's tokenizer cannot be used (" + d.tokenizer_problem + ")") +
-                      ": give prompt token ids instead of text"};
-      out.prompt_token_ids = d.tok->encode(req.prompt, true, req.add_special_tokens);
+    try {
+      index[add_request(requests[i])] = i;
+    } catch (const error& e) {
+      for (auto& queued : index)
+        abort_request(queued.first);
+      while (has_unfinished_requests())
+        step();
+      throw error{e.code(), "prompt " + std::to_string(i) + ": " + e.what()};
     }
-    engine_request r;
-    if (req.prompt_adapter) {
-      // Placeholders for the adapter's virtual tokens; the workers embed them.
-      r.prompt.assign(static_cast<size_t>(virtual_tokens.at(req.prompt_adapter->prompt_adapter_id)),
-                      0);
-      r.prompt_adapter_id = req.prompt_adapter->prompt_adapter_id;
-    }
-    r.prompt.insert(r.prompt.end(), out.prompt_token_ids.begin(), out.prompt_token_ids.end());
-    if (static_cast<int64_t>(r.prompt.size()) >= limits.max_model_len)
-      throw error{errc::invalid_argument,
-                  "prompt " + std::to_string(i) + " has " + std::to_string(r.prompt.size()) +
-                    " tokens" + (req.prompt_adapter ? " with its virtual tokens" : "") +
-                    "; the model allows " + std::to_string(limits.max_model_len) +
-                    " with the output"};
-    r.request_id = "req-" + std::to_string(i);
-    r.seq_id = d.next_seq++;
-    r.lora_int_id = req.lora ? req.lora->lora_int_id : 0;
-    r.sampling = req.sampling;
-    index[r.seq_id] = i;
-    sched.add(std::move(r));
   }
   auto start = std::chrono::steady_clock::now();
-  auto since_start = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  };
+  std::vector<generation_output> outputs(requests.size());
   size_t generated = 0;
-  auto collect = [&] {
-    for (auto& r : sched.take_finished()) {
-      auto& out = outputs[index.at(r.seq_id)];
-      out.finished_seconds = since_start();
-      if (out.first_token_seconds == 0)
-        out.first_token_seconds = out.finished_seconds;
-      out.token_ids = r.output;
-      out.logprobs = r.logprobs;
-      out.finish_reason = r.finish_reason;
-      generated += r.output.size();
-      if (d.tok)
-        out.text = d.tok->decode(r.output, true);
-      // A stop string ends the text and is cut off it.
-      for (auto& stop : requests[index.at(r.seq_id)].stop) {
-        auto at = stop.empty() ? std::string::npos : out.text.find(stop);
-        if (at != std::string::npos)
-          out.text.resize(at);
+  while (has_unfinished_requests())
+    for (auto& u : step())
+      if (u.finished) {
+        generated += u.output->token_ids.size();
+        outputs[index.at(u.request_id)] = std::move(*u.output);
       }
-    }
-  };
-  // What a step's result changes: the requests' tokens, their first-token times, and the
-  // requests whose text now holds a stop string.
-  auto apply = [&](const std::vector<sampler_output>& result, bool samples) {
-    if (samples) {
-      if (result.empty())
-        throw error{errc::worker_error, "execute_model returned no output for a step"};
-      sched.update(result[0]);
-    }
-    for (auto& [seq, r] : sched.unfinished()) {
-      auto& out = outputs[index.at(seq)];
-      if (out.first_token_seconds == 0 && !r.output.empty())
-        out.first_token_seconds = since_start();
-    }
-    if (d.tok) {
-      std::vector<int64_t> stopped;
-      for (auto& [seq, r] : sched.unfinished()) {
-        auto& stops = requests[index.at(seq)].stop;
-        if (stops.empty() || r.output.empty())
-          continue;
-        auto text = d.tok->decode(r.output, true);
-        for (auto& stop : stops)
-          if (!stop.empty() && text.find(stop) != std::string::npos) {
-            stopped.push_back(seq);
-            break;
-          }
-      }
-      for (auto seq : stopped)
-        sched.finish(seq, "stop");
-    }
-    collect();
-  };
-  // With asynchronous scheduling, the step after the one in flight is sent before the
-  // engine waits for the latter, so the workers run it right after. A step with nothing to
-  // overlap takes the blocking call, which costs fewer hops.
-  struct in_flight {
-    std::future<std::vector<sampler_output>> result;
-    bool samples = false;
-  };
-  std::deque<in_flight> steps;
-  auto send = [&](const execute_model_request& step) {
-    steps.push_back({d.exec->execute_model_async(step), !step.seq_group_metadata_list.empty()});
-  };
-  bool overlap = d.cfg.scheduler.async_scheduling;
-  while (sched.has_unfinished() || !steps.empty()) {
-    try {
-      if (steps.empty()) {
-        auto step = sched.schedule();
-        bool samples = !step.seq_group_metadata_list.empty();
-        if (!samples && step.blocks_to_swap_in.empty() && step.blocks_to_swap_out.empty()
-            && step.blocks_to_copy.empty()) {
-          if (!sched.has_unfinished())
-            continue; // it finished what could never run ("abort")
-          throw error{errc::worker_error, "the scheduler can make no progress"};
-        }
-        auto ahead = overlap ? sched.schedule_ahead() : std::nullopt;
-        if (!ahead) {
-          apply(d.exec->execute_model(step), samples);
-          continue;
-        }
-        send(step);
-        send(*ahead);
-      } else if (auto ahead = sched.schedule_ahead()) {
-        send(*ahead);
-      }
-      auto done = std::move(steps.front());
-      steps.pop_front();
-      apply(done.result.get(), done.samples);
-    } catch (const error& e) {
-      if (e.code() != errc::worker_replaced)
-        throw;
-      // A worker died and the executor replaced it: the steps in flight and every KV cache
-      // are gone. Each request is computed again from its prompt and the tokens it has,
-      // which gives the same tokens under greedy or seeded sampling.
-      steps.clear();
-      sched.recompute_all();
-    }
-  }
-  collect();
   try {
     d.exec->stop_remote_worker_execution_loop();
   } catch (const error& e) {

@@ -284,6 +284,7 @@ void scheduler::update(const sampler_output& output) {
     r.num_computed = r.length();
     r.output.push_back(sample.output_token);
     r.logprobs.push_back(sample.logprob);
+    r.top_logprobs.push_back(sample.top_logprobs);
     auto& sp = r.sampling;
     auto among = [&](const std::vector<int32_t>& ids) {
       return std::find(ids.begin(), ids.end(), sample.output_token) != ids.end();

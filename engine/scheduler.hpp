@@ -38,6 +38,8 @@ struct engine_request {
   /// Generated so far, with the logprob of each token.
   std::vector<int32_t> output;
   std::vector<float> logprobs;
+  /// The most likely tokens at each step (`sampling.logprobs` of them).
+  std::vector<std::vector<token_logprob>> top_logprobs;
   /// Tokens whose keys and values are in the cache.
   int64_t num_computed = 0;
   /// Tokens of steps in flight not yet in `output` (0 or 1).
@@ -114,6 +116,24 @@ public:
 
   /// Takes the finished requests out of the scheduler.
   std::vector<engine_request> take_finished();
+
+  /// Requests running (in the batch), waiting for their first step or for a recomputation,
+  /// and swapped out; the device blocks in use and in all (for metrics).
+  size_t num_running() const {
+    return running_.size();
+  }
+  size_t num_waiting() const {
+    return waiting_.size();
+  }
+  size_t num_swapped() const {
+    return swapped_.size();
+  }
+  int64_t used_device_blocks() const {
+    return blocks_.device_blocks() - blocks_.free_device_blocks();
+  }
+  int64_t device_blocks() const {
+    return blocks_.device_blocks();
+  }
 
   /// Preemptions so far (for tests and metrics).
   int64_t preemptions() const {

@@ -6,6 +6,7 @@
 #   actors          messages/, include/, and of kernels/ the device interface only
 #   model           kernels/, include/
 #   engine          include/, and of model/ the loaders (config, checkpoint, adapters, tokenizer)
+#   server          include/
 #   cli, tests, examples: anything
 # Prints each upward include as file:line and exits 1 when there is one.
 set -euo pipefail
@@ -19,6 +20,7 @@ rules=(
   "actors|messages/ troupe/ kernels/device.hpp"
   "model|kernels/ troupe/"
   "engine|troupe/ model/config.hpp model/checkpoint.hpp model/adapters.hpp model/tokenizer.hpp"
+  "server|troupe/"
 )
 
 status=0

@@ -16,6 +16,7 @@ packages=(
   nlohmann-json3-dev
   libcli11-dev
   libssl-dev openssl    # HMAC-SHA256 of the node handshake; test certificates
+  curl                  # the HTTP client of the server tests
 )
 
 missing=()

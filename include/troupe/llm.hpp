@@ -91,6 +91,13 @@ struct generation_request {
   bool add_special_tokens = true;
 };
 
+/// One message of a chat.
+struct chat_message {
+  /// "system", "user" or "assistant".
+  std::string role;
+  std::string content;
+};
+
 /// What a request produced.
 struct generation_output {
   std::string prompt;
@@ -100,11 +107,50 @@ struct generation_output {
   std::vector<int32_t> token_ids;
   /// Logprob of each generated token.
   std::vector<float> logprobs;
-  /// "length", "stop" or "abort" (the prompt can never fit).
+  /// The `sampling.logprobs` most likely tokens at each step, most likely first.
+  std::vector<std::vector<token_logprob>> top_logprobs;
+  /// "length", "stop" or "abort" (the prompt can never fit, or `abort_request`).
   std::string finish_reason;
-  /// Seconds from the start of `generate` to the first generated token and to the end.
+  /// Seconds from the request's arrival (`add_request`, or the start of `generate`) to
+  /// the first generated token and to the end.
   double first_token_seconds = 0;
   double finished_seconds = 0;
+};
+
+/// What one engine step did to a request (`llm::step`).
+struct generation_update {
+  int64_t request_id = 0;
+  /// Tokens sampled for it in the step (one, none for a prefill chunk, or more when steps
+  /// overlap), with their logprobs.
+  std::vector<int32_t> token_ids;
+  std::vector<float> logprobs;
+  std::vector<std::vector<token_logprob>> top_logprobs;
+  /// The text they add. Text that may still change is held back: a character whose bytes
+  /// have not all come, or what may be the start of a stop string. Empty without a
+  /// tokenizer.
+  std::string text;
+  /// The request is done; `output` holds all of it (its text cut at a stop string).
+  bool finished = false;
+  std::optional<generation_output> output;
+};
+
+/// The engine's counts, for metrics (`llm::stats`).
+struct engine_stats {
+  /// Requests in the running batch, waiting for their first step (or a recomputation),
+  /// and swapped out.
+  int64_t running = 0;
+  int64_t waiting = 0;
+  int64_t swapped = 0;
+  /// Fraction of the device's KV-cache blocks in use.
+  double kv_cache_usage = 0;
+  /// Tokens so far: prompts added, tokens generated.
+  int64_t prompt_tokens = 0;
+  int64_t generation_tokens = 0;
+  /// Steps run, the requests in the last one and the most in any one.
+  int64_t steps = 0;
+  int64_t last_step_requests = 0;
+  int64_t max_step_requests = 0;
+  int64_t preemptions = 0;
 };
 
 /// A model ready to generate. Throws `troupe::error` when the model cannot be loaded.
@@ -125,17 +171,53 @@ public:
   std::vector<generation_output> generate(const std::vector<std::string>& prompts,
                                           const sampling_params& sampling);
 
+  // -- online use (vLLM's LLMEngine): requests join and leave between steps ------------
+  // One thread drives these (and `generate`, which is built on them).
+
+  /// Queues a request for the steps to come and returns its id. Throws `invalid_argument`
+  /// as `generate` does (nothing is queued then), or for a bad adapter.
+  int64_t add_request(const generation_request& request);
+
+  /// Ends a request now with finish_reason "abort" and frees its KV-cache blocks; its last
+  /// update comes from the next `step`. Unknown or finished ids are ignored.
+  void abort_request(int64_t id);
+
+  /// Whether any request is unfinished (or a step is in flight).
+  bool has_unfinished_requests() const;
+
+  /// Runs one step (with asynchronous scheduling: sends the next and waits for the oldest
+  /// in flight) and returns what it did to each request it changed. A worker replaced
+  /// under the restart policy costs the step: the requests are computed again, and the
+  /// tokens stay those of an undisturbed run. Other executor errors are thrown.
+  std::vector<generation_update> step();
+
+  /// Counts for metrics.
+  engine_stats stats() const;
+
   /// The prompt for one user message in the model's chat format (ChatML templates).
   /// Throws `unsupported` when the model has no chat template troupe can render.
   std::string chat_prompt(const std::string& user_message) const;
 
+  /// The prompt for a conversation, ending where the assistant speaks next. Throws
+  /// `unsupported` as above, `invalid_argument` for an unknown role or no message.
+  std::string chat_prompt(const std::vector<chat_message>& messages) const;
+
   /// Whether the model came with a tokenizer.
   bool has_tokenizer() const;
+
+  /// The text of `token_ids` (special tokens skipped); empty without a tokenizer.
+  std::string decode(const std::vector<int32_t>& token_ids) const;
+
+  /// The model's longest sequence, prompt and output together.
+  int64_t max_model_len() const;
 
   /// Generated tokens per second of the last `generate` (output tokens over wall time).
   double last_tokens_per_second() const;
 
   troupe::executor& executor();
+
+  /// The configuration it runs with (as given, before the engine filled in defaults).
+  const llm_config& config() const;
 
 private:
   /// Adds the adapters `requests` name that the workers have not loaded; returns the

@@ -1,0 +1,96 @@
+// `troupe serve`: the OpenAI-compatible HTTP server (troupe/server.hpp) over a model.
+
+#include "cli/commands.hpp"
+
+#include "troupe/errors.hpp"
+#include "troupe/server.hpp"
+
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+namespace troupe::cli {
+
+std::shared_ptr<command> add_serve(CLI::App& app) {
+  struct options {
+    engine_options engine;
+    std::string host = "127.0.0.1";
+    int port = 8000;
+    std::string api_key;
+    std::string api_key_file;
+    std::string served_model_name;
+    std::vector<std::string> loras;
+    bool enable_admin_api = false;
+    int max_waiting = 256;
+    double drain_timeout_s = 30;
+  };
+  auto o = std::make_shared<options>();
+  auto cmd = std::make_shared<command>();
+  auto* sub = app.add_subcommand(
+    "serve", "Serve a model over HTTP with OpenAI's API (completions, chat, streaming)");
+  cmd->app = sub;
+  sub->add_option("--host", o->host, "Address to listen on")->capture_default_str();
+  sub->add_option("--port", o->port, "Port to listen on (0 picks one)")
+    ->check(CLI::Range(0, 65535))
+    ->capture_default_str();
+  auto* key = sub->add_option("--api-key", o->api_key,
+                              "Requests must carry 'Authorization: Bearer KEY'");
+  sub->add_option("--api-key-file", o->api_key_file, "A file holding the API key")
+    ->excludes(key);
+  sub->add_option("--served-model-name", o->served_model_name,
+                  "The model's name in requests (default: --model)");
+  sub->add_option("--lora", o->loras,
+                  "A PEFT LoRA adapter served as model NAME, as NAME=PATH (repeatable)");
+  sub->add_flag("--enable-admin-api", o->enable_admin_api,
+                "Serve /sleep, /wake_up, /v1/load_lora_adapter, /v1/unload_lora_adapter and "
+                "/collective_rpc");
+  sub->add_option("--max-waiting-requests", o->max_waiting,
+                  "Requests that may wait beyond --max-num-seqs; more get 429")
+    ->check(CLI::Range(0, 1 << 20))
+    ->capture_default_str();
+  sub->add_option("--drain-timeout", o->drain_timeout_s,
+                  "Seconds SIGINT/SIGTERM let running requests finish before aborting them")
+    ->check(CLI::NonNegativeNumber)
+    ->capture_default_str();
+  add_engine_options(*sub, o->engine);
+  cmd->run = [o] {
+    server_config sc;
+    sc.host = o->host;
+    sc.port = static_cast<uint16_t>(o->port);
+    sc.api_key = o->api_key;
+    if (!o->api_key_file.empty()) {
+      std::ifstream in{o->api_key_file};
+      if (!in)
+        throw error{errc::invalid_argument, "--api-key-file: cannot read '" + o->api_key_file + "'"};
+      std::stringstream text;
+      text << in.rdbuf();
+      sc.api_key = text.str();
+      while (!sc.api_key.empty() && (sc.api_key.back() == '\n' || sc.api_key.back() == '\r'))
+        sc.api_key.pop_back();
+      if (sc.api_key.empty())
+        throw error{errc::invalid_argument, "--api-key-file: '" + o->api_key_file + "' is empty"};
+    }
+    sc.served_model_name = o->served_model_name.empty() ? o->engine.model : o->served_model_name;
+    for (auto& spec : o->loras) {
+      auto eq = spec.find('=');
+      if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size())
+        throw error{errc::invalid_argument, "--lora: '" + spec + "' is not NAME=PATH"};
+      if (!sc.loras.emplace(spec.substr(0, eq), spec.substr(eq + 1)).second)
+        throw error{errc::invalid_argument, "--lora: '" + spec.substr(0, eq) + "' is given twice"};
+    }
+    sc.enable_admin_api = o->enable_admin_api;
+    sc.max_waiting_requests = o->max_waiting;
+    sc.drain_timeout = std::chrono::milliseconds(static_cast<int64_t>(o->drain_timeout_s * 1000));
+    llm model{engine_config(o->engine, sc.loras.size())};
+    server s{model, sc};
+    s.drain_on_signals();
+    std::cout << "troupe serve: " << sc.served_model_name << " on http://" << sc.host << ":"
+              << s.port() << std::endl;
+    s.wait();
+    std::cerr << "troupe serve: drained and stopped" << std::endl;
+    return 0;
+  };
+  return cmd;
+}
+
+} // namespace troupe::cli

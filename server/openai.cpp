@@ -1,0 +1,295 @@
+#include "server/openai.hpp"
+
+namespace troupe {
+
+using nlohmann::json;
+
+std::string http_error::body() const {
+  json e = {{"message", what()}, {"type", type}, {"code", status}};
+  e["param"] = param.empty() ? json(nullptr) : json(param);
+  return json{{"error", e}}.dump();
+}
+
+namespace {
+
+[[noreturn]] void bad(const std::string& message, const std::string& param = {}) {
+  throw http_error{400, "invalid_request_error", message, param};
+}
+
+/// `body[key]` as a T when present and not null; refuses another type.
+template <class T>
+std::optional<T> field(const json& body, const char* key, const char* what) {
+  auto at = body.find(key);
+  if (at == body.end() || at->is_null())
+    return std::nullopt;
+  bool ok = false;
+  if constexpr (std::is_same_v<T, bool>)
+    ok = at->is_boolean();
+  else if constexpr (std::is_integral_v<T>)
+    ok = at->is_number_integer();
+  else if constexpr (std::is_floating_point_v<T>)
+    ok = at->is_number();
+  else if constexpr (std::is_same_v<T, std::string>)
+    ok = at->is_string();
+  else
+    ok = true;
+  if (!ok)
+    bad(std::string{"'"} + key + "' must be " + what, key);
+  return at->get<T>();
+}
+
+std::vector<int32_t> token_ids(const json& array, const char* key) {
+  std::vector<int32_t> ids;
+  for (auto& t : array) {
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+      bad(std::string{"'"} + key + "' holds a token id that is not a non-negative integer", key);
+    ids.push_back(t.get<int32_t>());
+  }
+  if (ids.empty())
+    bad(std::string{"'"} + key + "' is empty", key);
+  return ids;
+}
+
+} // namespace
+
+openai_request parse_openai_request(const std::string& text, bool chat) {
+  json body;
+  try {
+    body = json::parse(text);
+  } catch (const json::exception& e) {
+    bad(std::string{"the body is not JSON: "} + e.what());
+  }
+  if (!body.is_object())
+    bad("the body must be a JSON object");
+  openai_request req;
+  req.chat = chat;
+  req.model = field<std::string>(body, "model", "a string").value_or("");
+  auto& g = req.generation;
+  auto& sp = g.sampling;
+  if (chat) {
+    auto messages = body.find("messages");
+    if (messages == body.end() || !messages->is_array() || messages->empty())
+      bad("'messages' must be a non-empty array", "messages");
+    for (auto& m : *messages) {
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+        bad("each message needs a string 'role'", "messages");
+      chat_message cm{m["role"].get<std::string>(), {}};
+      auto& content = m["content"];
+      if (content.is_string()) {
+        cm.content = content.get<std::string>();
+      } else if (content.is_array()) { // parts: only text ones
+        for (auto& part : content) {
+          if (!part.is_object() || part.value("type", "") != "text" || !part["text"].is_string())
+            bad("only text message parts are supported", "messages");
+          cm.content += part["text"].get<std::string>();
+        }
+      } else if (!content.is_null()) {
+        bad("a message's 'content' must be a string or an array of text parts", "messages");
+      }
+      req.messages.push_back(std::move(cm));
+    }
+    req.logprobs = field<bool>(body, "logprobs", "a boolean").value_or(false);
+    req.top_logprobs = field<int32_t>(body, "top_logprobs", "an integer").value_or(0);
+    if (auto max = field<int32_t>(body, "max_completion_tokens", "an integer"))
+      sp.max_tokens = *max;
+    else if (auto max = field<int32_t>(body, "max_tokens", "an integer"))
+      sp.max_tokens = *max;
+    else
+      sp.max_tokens = -1; // to the model's length (the server fills it in)
+  } else {
+    auto prompt = body.find("prompt");
+    if (prompt == body.end())
+      bad("'prompt' is required", "prompt");
+    if (prompt->is_string()) {
+      g.prompt = prompt->get<std::string>();
+    } else if (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_number()) {
+      g.prompt_token_ids = token_ids(*prompt, "prompt");
+    } else if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_string()) {
+      g.prompt = (*prompt)[0].get<std::string>();
+    } else if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_array()) {
+      g.prompt_token_ids = token_ids((*prompt)[0], "prompt");
+    } else {
+      bad("'prompt' must be a string, an array of token ids, or one of those in an array "
+          "(one prompt per request)",
+          "prompt");
+    }
+    if (auto n = field<int32_t>(body, "logprobs", "an integer")) {
+      if (*n < 0)
+        bad("'logprobs' must be 0 or more", "logprobs");
+      req.logprobs = true;
+      req.top_logprobs = *n;
+    }
+    sp.max_tokens = field<int32_t>(body, "max_tokens", "an integer").value_or(16);
+    if (field<bool>(body, "echo", "a boolean").value_or(false))
+      bad("'echo' is not supported", "echo");
+  }
+  if (req.top_logprobs < 0 || req.top_logprobs > 20)
+    bad("'top_logprobs' must be between 0 and 20", "top_logprobs");
+  sp.logprobs = req.logprobs ? req.top_logprobs : 0;
+  if (sp.max_tokens == 0 || sp.max_tokens < -1)
+    bad("'max_tokens' must be at least 1", "max_tokens");
+  sp.temperature = field<float>(body, "temperature", "a number").value_or(1.0f);
+  if (sp.temperature < 0)
+    bad("'temperature' must be 0 or more", "temperature");
+  sp.top_p = field<float>(body, "top_p", "a number").value_or(1.0f);
+  if (!(sp.top_p > 0 && sp.top_p <= 1))
+    bad("'top_p' must be in (0, 1]", "top_p");
+  sp.top_k = field<int32_t>(body, "top_k", "an integer").value_or(-1);
+  if (sp.top_k == 0 || sp.top_k < -1)
+    bad("'top_k' must be -1 (off) or at least 1", "top_k");
+  sp.seed = field<int64_t>(body, "seed", "an integer").value_or(-1);
+  sp.ignore_eos = field<bool>(body, "ignore_eos", "a boolean").value_or(false);
+  if (auto n = field<int32_t>(body, "n", "an integer"); n && *n != 1)
+    bad("'n' must be 1: one choice per request", "n");
+  if (auto ids = body.find("stop_token_ids"); ids != body.end() && !ids->is_null()) {
+    if (!ids->is_array())
+      bad("'stop_token_ids' must be an array of token ids", "stop_token_ids");
+    sp.stop_token_ids = token_ids(*ids, "stop_token_ids");
+  }
+  if (auto stop = body.find("stop"); stop != body.end() && !stop->is_null()) {
+    if (stop->is_string()) {
+      g.stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      for (auto& s : *stop) {
+        if (!s.is_string())
+          bad("'stop' must be a string or an array of strings", "stop");
+        g.stop.push_back(s.get<std::string>());
+      }
+    } else {
+      bad("'stop' must be a string or an array of strings", "stop");
+    }
+  }
+  req.stream = field<bool>(body, "stream", "a boolean").value_or(false);
+  if (auto opts = body.find("stream_options"); opts != body.end() && !opts->is_null()) {
+    if (!opts->is_object())
+      bad("'stream_options' must be an object", "stream_options");
+    req.include_usage = field<bool>(*opts, "include_usage", "a boolean").value_or(false);
+  }
+  return req;
+}
+
+openai_response::openai_response(const openai_request& req, std::string id, int64_t created,
+                                 const llm& model)
+  : req_(req), id_(std::move(id)), created_(created), model_(model) {
+}
+
+json openai_response::envelope(bool streaming) const {
+  return {{"id", id_},
+          {"object", req_.chat ? (streaming ? "chat.completion.chunk" : "chat.completion")
+                               : "text_completion"},
+          {"created", created_},
+          {"model", req_.model}};
+}
+
+json openai_response::usage(const generation_output& out) const {
+  auto prompt = static_cast<int64_t>(out.prompt_token_ids.size());
+  auto completion = static_cast<int64_t>(out.token_ids.size());
+  return {{"prompt_tokens", prompt},
+          {"completion_tokens", completion},
+          {"total_tokens", prompt + completion}};
+}
+
+json openai_response::logprobs_of(const std::vector<int32_t>& ids,
+                                  const std::vector<float>& logprobs,
+                                  const std::vector<std::vector<token_logprob>>& top,
+                                  size_t text_offset) const {
+  auto text = [&](int32_t id) { return model_.decode({id}); };
+  if (req_.chat) {
+    json content = json::array();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto t = text(ids[i]);
+      json alternatives = json::array();
+      if (i < top.size())
+        for (auto& alt : top[i]) {
+          auto a = text(alt.token);
+          alternatives.push_back({{"token", a},
+                                  {"logprob", alt.logprob},
+                                  {"bytes", std::vector<int>(a.begin(), a.end())}});
+        }
+      content.push_back({{"token", t},
+                         {"logprob", logprobs[i]},
+                         {"bytes", std::vector<int>(t.begin(), t.end())},
+                         {"top_logprobs", alternatives}});
+    }
+    return {{"content", content}};
+  }
+  json tokens = json::array(), token_logprobs = json::array(), tops = json::array(),
+       offsets = json::array();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto t = text(ids[i]);
+    tokens.push_back(t);
+    token_logprobs.push_back(logprobs[i]);
+    json alternatives = json::object();
+    if (i < top.size())
+      for (auto& alt : top[i])
+        alternatives[text(alt.token)] = alt.logprob;
+    tops.push_back(alternatives);
+    offsets.push_back(text_offset);
+    text_offset += t.size();
+  }
+  return {{"tokens", tokens},
+          {"token_logprobs", token_logprobs},
+          {"top_logprobs", tops},
+          {"text_offset", offsets}};
+}
+
+std::string openai_response::complete(const generation_output& out) const {
+  auto body = envelope(false);
+  json choice = {{"index", 0}, {"finish_reason", out.finish_reason}};
+  choice["logprobs"] =
+    req_.logprobs ? logprobs_of(out.token_ids, out.logprobs, out.top_logprobs, 0) : json(nullptr);
+  if (req_.chat)
+    choice["message"] = {{"role", "assistant"}, {"content", out.text}};
+  else
+    choice["text"] = out.text;
+  choice["token_ids"] = out.token_ids; // vLLM's extension: what a model without text gave
+  body["choices"] = json::array({choice});
+  body["usage"] = usage(out);
+  return body.dump();
+}
+
+std::string openai_response::chunk(const generation_update& u) {
+  std::string events;
+  auto event = [&](const json& j) { events += "data: " + j.dump() + "\n\n"; };
+  if (req_.chat && !role_sent_) {
+    role_sent_ = true;
+    auto first = envelope(true);
+    first["choices"] = json::array(
+      {{{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
+        {"finish_reason", nullptr}}});
+    event(first);
+  }
+  auto& text = u.text;
+  text_sent_ += text.size();
+  if (text.empty() && u.token_ids.empty() && !u.finished)
+    return events;
+  auto body = envelope(true);
+  json choice = {{"index", 0}};
+  if (req_.chat)
+    choice["delta"] = text.empty() ? json::object() : json{{"content", text}};
+  else
+    choice["text"] = text;
+  choice["logprobs"] =
+    req_.logprobs ? logprobs_of(u.token_ids, u.logprobs, u.top_logprobs, text_sent_ - text.size())
+                  : json(nullptr);
+  choice["token_ids"] = u.token_ids;
+  choice["finish_reason"] = u.finished ? json(u.output->finish_reason) : json(nullptr);
+  body["choices"] = json::array({choice});
+  if (req_.include_usage)
+    body["usage"] = nullptr;
+  event(body);
+  return events;
+}
+
+std::string openai_response::end(const generation_output& out) const {
+  std::string events;
+  if (req_.include_usage) {
+    auto body = envelope(true);
+    body["choices"] = json::array();
+    body["usage"] = usage(out);
+    events += "data: " + body.dump() + "\n\n";
+  }
+  return events + "data: [DONE]\n\n";
+}
+
+} // namespace troupe

@@ -1,0 +1,78 @@
+#pragma once
+
+/// @file
+/// OpenAI's request and response shapes for completions and chat completions.
+
+#include "troupe/llm.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <stdexcept>
+#include <string>
+
+namespace troupe {
+
+/// A request the server refuses: the HTTP status and OpenAI's error object.
+struct http_error : std::runtime_error {
+  http_error(int status, std::string type, const std::string& message, std::string param = {})
+    : std::runtime_error(message), status(status), type(std::move(type)), param(std::move(param)) {
+  }
+  int status;
+  std::string type;
+  std::string param;
+
+  /// `{"error": {"message", "type", "param", "code"}}`.
+  std::string body() const;
+};
+
+/// A completion or chat completion request.
+struct openai_request {
+  bool chat = false;
+  std::string model;
+  /// The prompt (text or token ids; a chat's messages rendered by the server) and how to
+  /// sample; `lora` is set by the server from `model`.
+  generation_request generation;
+  std::vector<chat_message> messages;
+  bool stream = false;
+  bool include_usage = false;
+  /// Whether the response carries logprobs, and how many alternatives at each token.
+  bool logprobs = false;
+  int32_t top_logprobs = 0;
+};
+
+/// Parses a request body. Throws `http_error` (400) naming the field for bad JSON, a field
+/// of the wrong type or out of range, or what the engine does not do (`n` > 1).
+openai_request parse_openai_request(const std::string& body, bool chat);
+
+/// What a finished or streaming request sends, given its id and creation time.
+class openai_response {
+public:
+  openai_response(const openai_request& req, std::string id, int64_t created,
+                  const llm& model);
+
+  /// The whole response of a request that did not stream.
+  std::string complete(const generation_output& out) const;
+
+  /// The server-sent event of an update (empty when it adds nothing to say); the first of
+  /// a chat names the assistant's role.
+  std::string chunk(const generation_update& update);
+
+  /// The last events: the usage chunk when asked for, then `[DONE]`.
+  std::string end(const generation_output& out) const;
+
+private:
+  nlohmann::json logprobs_of(const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
+                             const std::vector<std::vector<token_logprob>>& top,
+                             size_t text_offset) const;
+  nlohmann::json usage(const generation_output& out) const;
+  nlohmann::json envelope(bool streaming) const;
+
+  const openai_request& req_;
+  std::string id_;
+  int64_t created_;
+  const llm& model_;
+  bool role_sent_ = false;
+  size_t text_sent_ = 0;
+};
+
+} // namespace troupe

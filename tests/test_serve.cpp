@@ -1,0 +1,347 @@
+// The OpenAI-compatible server (troupe::server) on loopback, driven by curl: greedy tokens
+// as transformers gives them, streaming and not, errors as OpenAI's error objects, the
+// API key, /metrics against the requests sent, 64 concurrent streams in one batch, and
+// clients that disconnect leaving no KV-cache blocks behind.
+
+#include "tests/generation.hpp"
+#include "tests/skip.hpp"
+#include "troupe/llm.hpp"
+#include "troupe/server.hpp"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <sstream>
+#include <thread>
+
+using namespace troupe;
+using namespace std::chrono_literals;
+using nlohmann::json;
+using troupe::testing::greedy;
+using troupe::testing::read_json;
+
+namespace {
+
+const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
+
+struct reply {
+  int status = 0;
+  std::string body;
+};
+
+/// Runs curl with `args` (shell words) and returns the HTTP status and the body.
+reply curl(const std::string& args) {
+  auto command = "curl -s -N -w '\\n%{http_code}' " + args + " 2>/dev/null";
+  reply r;
+  FILE* p = popen(command.c_str(), "r");
+  REQUIRE(p != nullptr);
+  char buf[4096];
+  size_t n = 0;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0)
+    r.body.append(buf, n);
+  pclose(p);
+  auto nl = r.body.rfind('\n');
+  if (nl != std::string::npos) {
+    r.status = std::atoi(r.body.c_str() + nl + 1);
+    r.body.resize(nl);
+  }
+  return r;
+}
+
+/// A JSON body in single quotes for the shell.
+std::string quoted(const json& j) {
+  std::string s = j.dump(), out = "'";
+  for (char c : s)
+    out += c == '\'' ? std::string{"'\\''"} : std::string(1, c);
+  return out + "'";
+}
+
+std::string url(const server& s, const std::string& path) {
+  return "http://127.0.0.1:" + std::to_string(s.port()) + path;
+}
+
+reply post(const server& s, const std::string& path, const json& body,
+           const std::string& extra = "") {
+  return curl(extra + " -H 'Content-Type: application/json' -d " + quoted(body) + " " +
+              url(s, path));
+}
+
+/// The `data:` events of a server-sent stream, parsed; the last is "[DONE]" as a string.
+std::vector<json> events(const std::string& stream) {
+  std::vector<json> out;
+  std::istringstream in{stream};
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("data: ", 0) != 0)
+      continue;
+    auto data = line.substr(6);
+    out.push_back(data == "[DONE]" ? json("[DONE]") : json::parse(data));
+  }
+  return out;
+}
+
+/// The token ids a stream carried, in order, and its finish reason.
+std::pair<std::vector<int32_t>, std::string> streamed(const std::vector<json>& evs) {
+  std::vector<int32_t> ids;
+  std::string reason;
+  for (auto& e : evs) {
+    if (!e.is_object() || e["choices"].empty())
+      continue;
+    auto& c = e["choices"][0];
+    for (auto& t : c["token_ids"])
+      ids.push_back(t.get<int32_t>());
+    if (!c["finish_reason"].is_null())
+      reason = c["finish_reason"].get<std::string>();
+  }
+  return {ids, reason};
+}
+
+/// The value of a sample of the exposition (`name{labels} value`), summed over the series
+/// whose labels hold `with`.
+double metric(const std::string& text, const std::string& name, const std::string& with = "") {
+  double sum = 0;
+  std::istringstream in{text};
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#')
+      continue;
+    auto brace = line.find('{');
+    auto space = line.rfind(' ');
+    REQUIRE_MESSAGE(space != std::string::npos, "malformed sample: " << line);
+    auto series = line.substr(0, brace == std::string::npos ? space : brace);
+    if (series != name || line.find(with) == std::string::npos)
+      continue;
+    sum += std::stod(line.substr(space + 1));
+  }
+  return sum;
+}
+
+llm_config tiny(int32_t max_num_seqs = 256) {
+  llm_config cfg;
+  cfg.worker.model_path = fixtures + "/llama-gqa";
+  cfg.worker.kv_cache_memory_bytes = 4 << 20;
+  cfg.executor.block_size = 4;
+  cfg.scheduler.max_num_seqs = max_num_seqs;
+  return cfg;
+}
+
+server_config on_any_port() {
+  server_config sc;
+  sc.port = 0;
+  sc.served_model_name = "tiny";
+  return sc;
+}
+
+} // namespace
+
+TEST_CASE("greedy completions through the server are transformers' tokens, streamed or not") {
+  llm model{tiny()};
+  server s{model, on_any_port()};
+  auto ref = read_json(fixtures + "/llama-gqa/reference.json");
+  for (auto& p : ref["prompts"]) {
+    auto want = p["greedy"].get<std::vector<int32_t>>();
+    json body = {{"model", "tiny"},
+                 {"prompt", p["token_ids"]},
+                 {"max_tokens", static_cast<int>(want.size())},
+                 {"temperature", 0},
+                 {"ignore_eos", true}};
+    auto r = post(s, "/v1/completions", body);
+    REQUIRE_MESSAGE(r.status == 200, r.body);
+    auto j = json::parse(r.body);
+    CHECK(j["object"] == "text_completion");
+    CHECK(j["model"] == "tiny");
+    CHECK(j["choices"][0]["token_ids"].get<std::vector<int32_t>>() == want);
+    CHECK(j["choices"][0]["finish_reason"] == "length");
+    CHECK(j["usage"]["prompt_tokens"] == p["token_ids"].size());
+    CHECK(j["usage"]["completion_tokens"] == want.size());
+
+    body["stream"] = true;
+    body["stream_options"] = {{"include_usage", true}};
+    auto st = post(s, "/v1/completions", body);
+    REQUIRE(st.status == 200);
+    auto evs = events(st.body);
+    REQUIRE(evs.size() >= 3);
+    CHECK(evs.back() == "[DONE]");
+    auto [ids, reason] = streamed(evs);
+    CHECK(ids == want);
+    CHECK(reason == "length");
+    auto& usage = evs[evs.size() - 2];
+    CHECK(usage["choices"].empty());
+    CHECK(usage["usage"]["completion_tokens"] == want.size());
+  }
+}
+
+TEST_CASE("bad requests get OpenAI's error objects with the right status, and the key is checked") {
+  llm model{tiny()};
+  auto sc = on_any_port();
+  sc.api_key = "a key long enough";
+  server s{model, sc};
+  const std::string key = "-H 'Authorization: Bearer a key long enough'";
+  json ok = {{"prompt", {1, 2, 3}}, {"max_tokens", 2}};
+  CHECK(post(s, "/v1/completions", ok).status == 401);
+  CHECK(post(s, "/v1/completions", ok, "-H 'Authorization: Bearer a key long enougH'").status ==
+        401);
+  CHECK(post(s, "/v1/completions", ok, key).status == 200);
+  // Open without the key.
+  CHECK(curl(url(s, "/health")).status == 200);
+  CHECK(curl(url(s, "/metrics")).status == 200);
+  struct bad {
+    json body;
+    int status;
+    const char* param;
+  };
+  for (auto& b : {bad{{{"prompt", {1, 2}}, {"max_tokens", "many"}}, 400, "max_tokens"},
+                  bad{{{"prompt", {1, 2}}, {"temperature", -1}}, 400, "temperature"},
+                  bad{{{"prompt", {1, -2}}}, 400, "prompt"},
+                  bad{{{"max_tokens", 2}}, 400, "prompt"},
+                  bad{{{"prompt", {1, 2}}, {"n", 2}}, 400, "n"},
+                  bad{{{"prompt", {1, 2}}, {"model", "nope"}}, 404, "model"},
+                  bad{{{"prompt", std::vector<int>(600, 1)}}, 400, ""}}) {
+    CAPTURE(b.body.dump());
+    auto r = post(s, "/v1/completions", b.body, key);
+    CHECK(r.status == b.status);
+    auto e = json::parse(r.body);
+    REQUIRE(e.contains("error"));
+    CHECK(e["error"]["message"].is_string());
+    CHECK(e["error"]["code"] == b.status);
+    if (*b.param)
+      CHECK(e["error"]["param"] == b.param);
+  }
+  auto r = curl(key + " -H 'Content-Type: application/json' -d '{not json' " +
+                url(s, "/v1/completions"));
+  CHECK(r.status == 400);
+  CHECK(json::parse(r.body)["error"]["type"] == "invalid_request_error");
+  CHECK(curl(key + " " + url(s, "/v1/nothing")).status == 404);
+  CHECK(curl(key + " " + url(s, "/v1/completions")).status == 405); // a GET
+  // Admin endpoints are off unless asked for.
+  CHECK(curl(key + " -X POST " + url(s, "/sleep?level=1")).status == 404);
+  auto models = json::parse(curl(key + " " + url(s, "/v1/models")).body);
+  CHECK(models["data"][0]["id"] == "tiny");
+}
+
+TEST_CASE("64 concurrent streams share steps and get their own tokens; clients that leave "
+          "free their blocks") {
+  llm model{tiny()};
+  server s{model, on_any_port()};
+  // Each prompt's tokens alone, for comparison.
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 4; ++i)
+    prompts.push_back({static_cast<int32_t>(3 + i), static_cast<int32_t>(40 + 7 * i), 9});
+  std::vector<std::vector<int32_t>> alone;
+  for (auto& p : prompts) {
+    auto r = post(s, "/v1/completions",
+                  {{"prompt", p}, {"max_tokens", 64}, {"temperature", 0}, {"ignore_eos", true}});
+    REQUIRE(r.status == 200);
+    alone.push_back(json::parse(r.body)["choices"][0]["token_ids"].get<std::vector<int32_t>>());
+  }
+  const int clients = 64;
+  std::vector<std::thread> threads;
+  std::vector<std::vector<int32_t>> got(clients);
+  std::vector<std::string> reasons(clients);
+  for (int c = 0; c < clients; ++c)
+    threads.emplace_back([&, c] {
+      auto r = post(s, "/v1/completions",
+                    {{"prompt", prompts[c % 4]},
+                     {"max_tokens", 64},
+                     {"temperature", 0},
+                     {"ignore_eos", true},
+                     {"stream", true}});
+      auto [ids, reason] = streamed(events(r.body));
+      got[c] = ids;
+      reasons[c] = reason;
+    });
+  for (auto& t : threads)
+    t.join();
+  for (int c = 0; c < clients; ++c) {
+    CAPTURE(c);
+    CHECK(got[c] == alone[c % 4]);
+    CHECK(reasons[c] == "length");
+  }
+  auto text = curl(url(s, "/metrics")).body;
+  INFO(text);
+  CHECK(metric(text, "troupe:step_requests_max") >= 16);
+  CHECK(metric(text, "vllm:request_success_total", "finished_reason=\"length\"") == clients + 4);
+  CHECK(metric(text, "vllm:generation_tokens_total") == (clients + 4) * 64);
+  CHECK(metric(text, "vllm:time_to_first_token_seconds_count") == clients + 4);
+  CHECK(metric(text, "vllm:e2e_request_latency_seconds_count") == clients + 4);
+
+  // 20 clients that hang up after the first event (head exits; curl's next write fails
+  // and it closes the connection): their requests are aborted and their blocks freed.
+  threads.clear();
+  for (int c = 0; c < 20; ++c)
+    threads.emplace_back([&, c] {
+      auto command = "curl -s -N -H 'Content-Type: application/json' -d " +
+                     quoted({{"prompt", prompts[c % 4]},
+                             {"max_tokens", 500},
+                             {"temperature", 0},
+                             {"ignore_eos", true},
+                             {"stream", true}}) +
+                     " " + url(s, "/v1/completions") + " 2>/dev/null | head -n 1 > /dev/null";
+      CHECK(std::system(command.c_str()) == 0);
+    });
+  for (auto& t : threads)
+    t.join();
+  double running = 1, usage = 1;
+  for (int i = 0; i < 200 && (running > 0 || usage > 0); ++i) {
+    std::this_thread::sleep_for(50ms);
+    text = curl(url(s, "/metrics")).body;
+    running = metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting");
+    usage = metric(text, "vllm:kv_cache_usage_perc");
+  }
+  INFO(text);
+  CHECK(running == 0);
+  CHECK(usage == 0);
+  CHECK(metric(text, "vllm:request_success_total", "finished_reason=\"abort\"") == 20);
+}
+
+TEST_CASE("chat completions of SmolLM2 through the server are troupe generate's") {
+  auto path = troupe::testing::smollm2_or_skip();
+  if (path.empty())
+    return;
+  llm_config cfg;
+  cfg.worker.model_path = path.string();
+  cfg.worker.kv_cache_memory_bytes = 16 << 20;
+  cfg.executor.max_model_len = 512;
+  llm model{cfg};
+  auto question = "What is the capital of France?";
+  generation_request chat{model.chat_prompt(question), {}, greedy(24), {}};
+  chat.add_special_tokens = false; // the template holds them, as the server knows
+  auto want = model.generate({chat})[0];
+  server s{model, on_any_port()};
+  json body = {{"model", "tiny"},
+               {"messages", {{{"role", "user"}, {"content", question}}}},
+               {"max_tokens", 24},
+               {"temperature", 0},
+               {"ignore_eos", true}};
+  auto r = post(s, "/v1/chat/completions", body);
+  REQUIRE_MESSAGE(r.status == 200, r.body);
+  auto j = json::parse(r.body);
+  CHECK(j["object"] == "chat.completion");
+  CHECK(j["choices"][0]["message"]["role"] == "assistant");
+  CHECK(j["choices"][0]["message"]["content"] == want.text);
+  CHECK(j["choices"][0]["token_ids"].get<std::vector<int32_t>>() == want.token_ids);
+  body["stream"] = true;
+  auto evs = events(post(s, "/v1/chat/completions", body).body);
+  std::string text;
+  for (auto& e : evs)
+    if (e.is_object() && !e["choices"].empty() && e["choices"][0]["delta"].contains("content"))
+      text += e["choices"][0]["delta"]["content"].get<std::string>();
+  CHECK(evs.front()["choices"][0]["delta"]["role"] == "assistant");
+  CHECK(text == want.text);
+  // A text completion with a stop string: cut there, streamed or not.
+  json cut = {{"model", "tiny"}, {"prompt", "The capital of France is"}, {"max_tokens", 20},
+              {"temperature", 0}, {"stop", "."}};
+  auto plain = json::parse(post(s, "/v1/completions", cut).body);
+  CHECK(plain["choices"][0]["text"] == " Paris");
+  CHECK(plain["choices"][0]["finish_reason"] == "stop");
+  cut["stream"] = true;
+  std::string streamed_text;
+  for (auto& e : events(post(s, "/v1/completions", cut).body))
+    if (e.is_object() && !e["choices"].empty())
+      streamed_text += e["choices"][0]["text"].get<std::string>();
+  CHECK(streamed_text == " Paris");
+}
