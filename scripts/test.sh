@@ -36,6 +36,10 @@ if ! bash scripts/fetch-smollm2.sh > /dev/null; then
   echo "test: SmolLM2-135M-Instruct could not be fetched: the tests of the real model will be" \
        "SKIPPED"
 fi
+if ! bash scripts/setup-python-clients.sh "$build/pyclients" > /dev/null 2>&1; then
+  echo "test: the openai and prometheus_client packages could not be installed: the" \
+       "server's Python client test will be SKIPPED"
+fi
 cmake -S . -B "$build" -DTROUPE_BUILD_TESTS=ON "${flags[@]}"
 cmake --build "$build" -j2
 cd "$build"

@@ -72,8 +72,9 @@ std::string server_metrics::render() const {
     head(name, "gauge", help);
     out << name << '{' << label_ << "} " << v << '\n';
   };
-  auto counter = [&](const char* name, const char* help, int64_t v) {
-    head(name, "counter", help);
+  // A counter's family is named with its _total (as prometheus_client writes it).
+  auto counter = [&](const std::string& name, const char* help, int64_t v) {
+    head((name + "_total").c_str(), "counter", help);
     out << name << "_total{" << label_ << "} " << v << '\n';
   };
   auto hist = [&](const char* name, const char* help, const histogram& h) {
@@ -98,7 +99,7 @@ std::string server_metrics::render() const {
   counter("vllm:prompt_tokens", "Prompt tokens taken.", stats_.prompt_tokens);
   counter("vllm:generation_tokens", "Tokens generated.", stats_.generation_tokens);
   counter("vllm:num_preemptions", "Requests preempted.", stats_.preemptions);
-  head("vllm:request_success", "counter", "Requests finished, by why.");
+  head("vllm:request_success_total", "counter", "Requests finished, by why.");
   for (auto& [reason, n] : finished_)
     out << "vllm:request_success_total{" << label_ << ",finished_reason=\"" << escaped(reason)
         << "\"} " << n << '\n';

@@ -1,0 +1,90 @@
+"""troupe serve through the official openai client: greedy completions equal transformers'
+tokens (streamed or not), chat of a model without a template fails cleanly, a wrong key or
+model raises the client's own errors, and /metrics parses with prometheus_client and agrees
+with the requests sent. Arguments: the troupe binary, the source tree."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+troupe, source = sys.argv[1], sys.argv[2]
+fixture = os.path.join(source, "tests", "fixtures", "llama-gqa")
+key = "a key long enough for the test"
+server = subprocess.Popen(
+    [troupe, "serve", "--model", fixture, "--kv-cache-memory", "4000000", "--port", "0",
+     "--served-model-name", "tiny", "--api-key", key],
+    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+try:
+    port = None
+    for line in server.stdout:
+        if "on http://127.0.0.1:" in line:
+            port = int(line.rsplit(":", 1)[1])
+            break
+    assert port, "the server did not start"
+    base = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    ref = json.load(open(os.path.join(fixture, "reference.json")))
+    sent = tokens = 0
+    for p in ref["prompts"]:
+        want = p["greedy"]
+        c = client.completions.create(model="tiny", prompt=p["token_ids"], max_tokens=len(want),
+                                      temperature=0, extra_body={"ignore_eos": True})
+        sent += 1
+        tokens += len(want)
+        assert c.choices[0].model_extra["token_ids"] == want, (c.choices[0], want)
+        assert c.choices[0].finish_reason == "length"
+        assert c.usage.completion_tokens == len(want)
+        ids, usage = [], None
+        for chunk in client.completions.create(model="tiny", prompt=p["token_ids"],
+                                               max_tokens=len(want), temperature=0, stream=True,
+                                               stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                ids += chunk.choices[0].model_extra["token_ids"]
+            if chunk.usage:
+                usage = chunk.usage
+        sent += 1
+        tokens += len(want)
+        assert ids == want, (ids, want)
+        assert usage.completion_tokens == len(want)
+
+    try:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        raise AssertionError("a chat of a model without a chat template succeeded")
+    except openai.BadRequestError as e:
+        assert "chat template" in str(e), e
+    try:
+        client.completions.create(model="another", prompt=[1, 2])
+        raise AssertionError("an unknown model was served")
+    except openai.NotFoundError:
+        pass
+    try:
+        openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).completions.create(
+            model="tiny", prompt=[1, 2])
+        raise AssertionError("a wrong key was let in")
+    except openai.AuthenticationError:
+        pass
+
+    text = urllib.request.urlopen(base + "/metrics").read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    def value(family, sample, **labels):
+        return sum(s.value for s in families[family].samples
+                   if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+    assert value("vllm:request_success", "vllm:request_success_total",
+                 finished_reason="length") == sent, text
+    assert value("vllm:generation_tokens", "vllm:generation_tokens_total") == tokens, text
+    assert value("vllm:time_to_first_token_seconds",
+                 "vllm:time_to_first_token_seconds_count") == sent, text
+    assert value("vllm:num_requests_running", "vllm:num_requests_running") == 0
+    print(f"openai client: {sent} completions with transformers' tokens; metrics agree")
+finally:
+    server.terminate()
+    assert server.wait(timeout=60) == 0, "the server did not drain and exit 0"
