@@ -28,6 +28,13 @@ void add_workload_options(CLI::App& app, workload_options& o) {
     ->capture_default_str();
 }
 
+double quantile(std::vector<double> values, double q) {
+  if (values.empty())
+    return 0.0;
+  std::sort(values.begin(), values.end());
+  return values[std::min(values.size() - 1, static_cast<size_t>(q * values.size()))];
+}
+
 std::vector<generation_request> make_workload(const workload_options& o,
                                               const std::string& model) {
   auto vocab = checkpoint::config_of(model).vocab_size;
@@ -98,12 +105,7 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
           tpot_ms.push_back((out.finished_seconds - out.first_token_seconds) * 1e3
                             / static_cast<double>(out.token_ids.size() - 1));
       }
-      std::sort(tpot_ms.begin(), tpot_ms.end());
-      auto at = [&](double q) {
-        return tpot_ms.empty() ? 0.0
-                               : tpot_ms[std::min(tpot_ms.size() - 1,
-                                                  static_cast<size_t>(q * tpot_ms.size()))];
-      };
+      auto at = [&](double q) { return quantile(tpot_ms, q); };
       nlohmann::json result = {
         {"model", o->model},
         {"num_prompts", o->work.num_prompts},

@@ -44,6 +44,12 @@ std::shared_ptr<command> add_generate(CLI::App& app);
 /// `troupe serve`.
 std::shared_ptr<command> add_serve(CLI::App& app);
 
+/// `troupe bench serve`.
+std::shared_ptr<command> add_bench_serve(CLI::App& bench);
+
+/// The `q` quantile (0..1) of `values` (unsorted), by the nearest rank; 0 when empty.
+double quantile(std::vector<double> values, double q);
+
 /// `troupe node`: a worker node with the worker kinds "model" and "bench".
 std::shared_ptr<command> add_node(CLI::App& app);
 

@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   auto run_generate = troupe::cli::add_bench_generate(*bench);
   auto run_sleep = troupe::cli::add_bench_sleep(*bench);
   auto run_recovery = troupe::cli::add_bench_recovery(*bench);
+  auto run_serve = troupe::cli::add_bench_serve(*bench);
   auto make_model = troupe::cli::add_make_model(app);
   auto generate = troupe::cli::add_generate(app);
   auto node = troupe::cli::add_node(app);
@@ -27,7 +28,7 @@ int main(int argc, char** argv) {
   }
   try {
     for (auto& cmd : {generate, serve, node, run_rpc, run_step, run_generate, run_sleep, run_recovery,
-                      make_model})
+                      run_serve, make_model})
       if (*cmd)
         return cmd->run();
   } catch (const std::exception& e) {
