@@ -58,15 +58,22 @@ void add_node_options(CLI::App& app, node_options& o) {
     ->capture_default_str();
 }
 
-std::string read_secret(const std::string& path) {
+std::string read_text_file(const std::string& flag, const std::string& path) {
   std::ifstream in{path};
   if (!in)
-    throw error{errc::invalid_argument, "--secret-file: cannot read '" + path + "'"};
+    throw error{errc::invalid_argument, flag + ": cannot read '" + path + "'"};
   std::stringstream text;
   text << in.rdbuf();
-  auto secret = text.str();
-  while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r'))
-    secret.pop_back();
+  auto contents = text.str();
+  while (!contents.empty() && (contents.back() == '\n' || contents.back() == '\r'))
+    contents.pop_back();
+  if (contents.empty())
+    throw error{errc::invalid_argument, flag + ": '" + path + "' is empty"};
+  return contents;
+}
+
+std::string read_secret(const std::string& path) {
+  auto secret = read_text_file("--secret-file", path);
   check_secret(secret, "--secret-file '" + path + "'");
   return secret;
 }

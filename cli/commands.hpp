@@ -44,6 +44,14 @@ std::shared_ptr<command> add_generate(CLI::App& app);
 /// `troupe serve`.
 std::shared_ptr<command> add_serve(CLI::App& app);
 
+/// "NAME=PATH" of --lora and --prompt-adapter (`flag` names the option in the error).
+std::pair<std::string, std::string> name_and_path(const std::string& flag,
+                                                  const std::string& text);
+
+/// The contents of a file, without a trailing newline; throws `invalid_argument` naming
+/// `flag` when it cannot be read or is empty.
+std::string read_text_file(const std::string& flag, const std::string& path);
+
 /// `troupe bench serve`.
 std::shared_ptr<command> add_bench_serve(CLI::App& bench);
 

@@ -46,14 +46,6 @@ std::vector<int32_t> parse_ids(const std::string& text) {
   return ids;
 }
 
-/// "NAME=PATH" of --lora and --prompt-adapter.
-std::pair<std::string, std::string> name_and_path(const std::string& flag,
-                                                  const std::string& text) {
-  auto eq = text.find('=');
-  if (eq == 0 || eq == std::string::npos || eq + 1 == text.size())
-    throw error{errc::invalid_argument, flag + ": '" + text + "' is not NAME=PATH"};
-  return {text.substr(0, eq), text.substr(eq + 1)};
-}
 
 /// The LoRA adapter of each prompt (none where empty): --prompt-lora names them in prompt
 /// order; without it a single --lora serves every prompt.
@@ -93,6 +85,15 @@ std::vector<std::optional<lora_request>> prompt_loras(const std::vector<std::str
 }
 
 } // namespace
+
+/// "NAME=PATH" of --lora and --prompt-adapter.
+std::pair<std::string, std::string> name_and_path(const std::string& flag,
+                                                  const std::string& text) {
+  auto eq = text.find('=');
+  if (eq == 0 || eq == std::string::npos || eq + 1 == text.size())
+    throw error{errc::invalid_argument, flag + ": '" + text + "' is not NAME=PATH"};
+  return {text.substr(0, eq), text.substr(eq + 1)};
+}
 
 void add_device_options(CLI::App& app, device_options& o) {
   app.add_option("--device", o.device, "What the local workers compute on (worker i on GPU i)")

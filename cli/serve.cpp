@@ -5,9 +5,7 @@
 #include "troupe/errors.hpp"
 #include "troupe/server.hpp"
 
-#include <fstream>
 #include <iostream>
-#include <sstream>
 
 namespace troupe::cli {
 
@@ -58,25 +56,13 @@ std::shared_ptr<command> add_serve(CLI::App& app) {
     sc.host = o->host;
     sc.port = static_cast<uint16_t>(o->port);
     sc.api_key = o->api_key;
-    if (!o->api_key_file.empty()) {
-      std::ifstream in{o->api_key_file};
-      if (!in)
-        throw error{errc::invalid_argument, "--api-key-file: cannot read '" + o->api_key_file + "'"};
-      std::stringstream text;
-      text << in.rdbuf();
-      sc.api_key = text.str();
-      while (!sc.api_key.empty() && (sc.api_key.back() == '\n' || sc.api_key.back() == '\r'))
-        sc.api_key.pop_back();
-      if (sc.api_key.empty())
-        throw error{errc::invalid_argument, "--api-key-file: '" + o->api_key_file + "' is empty"};
-    }
+    if (!o->api_key_file.empty())
+      sc.api_key = read_text_file("--api-key-file", o->api_key_file);
     sc.served_model_name = o->served_model_name.empty() ? o->engine.model : o->served_model_name;
     for (auto& spec : o->loras) {
-      auto eq = spec.find('=');
-      if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size())
-        throw error{errc::invalid_argument, "--lora: '" + spec + "' is not NAME=PATH"};
-      if (!sc.loras.emplace(spec.substr(0, eq), spec.substr(eq + 1)).second)
-        throw error{errc::invalid_argument, "--lora: '" + spec.substr(0, eq) + "' is given twice"};
+      auto [name, path] = name_and_path("--lora", spec);
+      if (!sc.loras.emplace(name, path).second)
+        throw error{errc::invalid_argument, "--lora: '" + name + "' is given twice"};
     }
     sc.enable_admin_api = o->enable_admin_api;
     sc.max_waiting_requests = o->max_waiting;
