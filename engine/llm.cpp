@@ -467,13 +467,15 @@ std::vector<generation_update> llm::step() {
     d.steps.pop_front();
     d.apply(done.result.get(), done.samples, updates);
   } catch (const error& e) {
-    if (e.code() != errc::worker_replaced)
-      throw;
-    // A worker died and the executor replaced it: the steps in flight and every KV cache
-    // are gone. Each request is computed again from its prompt and the tokens it has,
-    // which gives the same tokens under greedy or seeded sampling.
+    // The steps in flight are lost either way, and with them what the caches hold: each
+    // request is computed again from its prompt and the tokens it has, which gives the
+    // same tokens under greedy or seeded sampling.
     d.steps.clear();
     sched.recompute_all();
+    // A worker died and the executor replaced it: the engine goes on. Other errors (the
+    // workers sleep, the executor failed) are the caller's; the requests stay queued.
+    if (e.code() != errc::worker_replaced)
+      throw;
   }
   return updates;
 }

@@ -206,7 +206,10 @@ private:
           for (auto& u : model_.step())
             dispatch(u);
         } catch (const error& e) {
-          fail_all(e);
+          if (e.code() == errc::worker_died || e.code() == errc::shut_down)
+            fail_all(e);
+          else
+            fail_requests(from_engine(e));
         }
       }
       metrics_.engine(model_.stats());
@@ -234,6 +237,21 @@ private:
                         std::chrono::duration<double>(now - sink->arrived).count());
       sinks_.erase(at);
       --active_;
+    }
+  }
+
+  /// A step failed and the engine can go on (the workers sleep, say): the requests in the
+  /// engine get the error and are aborted there.
+  void fail_requests(const http_error& why) {
+    for (auto& [id, sink] : sinks_) {
+      model_.abort_request(id);
+      sink->fail(why);
+      --active_;
+    }
+    sinks_.clear();
+    try {
+      model_.step(); // hands out the aborted requests, computing nothing
+    } catch (const error&) {
     }
   }
 
@@ -289,6 +307,8 @@ struct server_core {
   std::atomic<int64_t> next_request{1};
   uint16_t port = 0;
   std::atomic<bool> draining{false};
+  /// Put to sleep through /sleep (generations get 503 until /wake_up).
+  std::atomic<bool> asleep{false};
   std::mutex state_mtx;
   std::condition_variable stopped_cv;
   bool stopped = false;
@@ -576,18 +596,22 @@ private:
           throw http_error{400, "invalid_request_error", "level must be 1 or 2", "level"};
         }
       }
-      return on_engine([level](llm& m) -> json {
+      auto* srv = &srv_;
+      return on_engine([srv, level](llm& m) -> json {
         if (m.has_unfinished_requests())
           throw http_error{409, "invalid_request_error",
                            "requests are running; sleep when the server is idle"};
         m.executor().sleep(level);
+        srv->asleep = true;
         return json::object();
       });
     }
     if (path == "/wake_up") {
       auto tags = param("tags");
-      return on_engine([tags](llm& m) -> json {
+      auto* srv = &srv_;
+      return on_engine([srv, tags](llm& m) -> json {
         m.executor().wake_up(tags);
+        srv->asleep = m.executor().is_sleeping();
         return json::object();
       });
     }
@@ -647,6 +671,8 @@ private:
   }
 
   void generate(openai_request req) {
+    if (srv_.asleep)
+      throw http_error{503, "server_error", "the model sleeps; POST /wake_up"};
     auto& g = req.generation;
     if (req.model.empty())
       req.model = srv_.cfg.served_model_name;

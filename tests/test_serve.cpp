@@ -345,3 +345,83 @@ TEST_CASE("chat completions of SmolLM2 through the server are troupe generate's"
       streamed_text += e["choices"][0]["text"].get<std::string>();
   CHECK(streamed_text == " Paris");
 }
+
+TEST_CASE("beyond the running and waiting bounds a request gets 429, and nothing is lost") {
+  llm model{tiny(2)};
+  auto sc = on_any_port();
+  sc.max_waiting_requests = 1; // 2 running + 1 waiting
+  server s{model, sc};
+  json slow = {{"prompt", {1, 2, 3}}, {"max_tokens", 500}, {"temperature", 0},
+               {"ignore_eos", true}, {"stream", true}};
+  std::vector<std::thread> held;
+  std::vector<std::vector<int32_t>> got(3);
+  for (int c = 0; c < 3; ++c)
+    held.emplace_back([&, c] { got[c] = streamed(events(post(s, "/v1/completions", slow).body)).first; });
+  // Once all three are in the engine, a fourth is refused at once.
+  std::string text;
+  for (int i = 0; i < 400; ++i) {
+    text = curl(url(s, "/metrics")).body;
+    if (metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting") == 3)
+      break;
+    std::this_thread::sleep_for(5ms);
+  }
+  auto refused = post(s, "/v1/completions", {{"prompt", {1, 2}}, {"max_tokens", 2}});
+  CHECK(refused.status == 429);
+  CHECK(json::parse(refused.body)["error"]["type"] == "rate_limit_error");
+  for (auto& t : held)
+    t.join();
+  for (auto& ids : got)
+    CHECK(ids.size() == 500);
+  // Room again.
+  CHECK(post(s, "/v1/completions", {{"prompt", {1, 2}}, {"max_tokens", 2}}).status == 200);
+}
+
+TEST_CASE("the admin endpoints: sleep and wake, LoRA adapters by name, collective_rpc") {
+  llm_config cfg = tiny();
+  cfg.worker.max_loras = 2;
+  llm model{cfg};
+  auto sc = on_any_port();
+  sc.enable_admin_api = true;
+  sc.loras = {{"sql", fixtures + "/llama-gqa-adapters/lora-all"}};
+  server s{model, sc};
+  auto ref = read_json(fixtures + "/llama-gqa-adapters/reference.json");
+  auto models = json::parse(curl(url(s, "/v1/models")).body);
+  REQUIRE(models["data"].size() == 2);
+  CHECK(models["data"][1]["id"] == "sql");
+  CHECK(models["data"][1]["parent"] == "tiny");
+  auto prompt = ref["prompts"][0];
+  auto with_lora = [&](const std::string& name) {
+    auto r = post(s, "/v1/completions",
+                  {{"model", name}, {"prompt", prompt}, {"max_tokens", 16}, {"temperature", 0},
+                   {"ignore_eos", true}});
+    REQUIRE_MESSAGE(r.status == 200, r.body);
+    return json::parse(r.body)["choices"][0]["token_ids"].get<std::vector<int32_t>>();
+  };
+  CHECK(with_lora("sql") == ref["adapters"]["lora-all"][0]["greedy"].get<std::vector<int32_t>>());
+  // Loaded and unloaded by name.
+  CHECK(post(s, "/v1/load_lora_adapter",
+             {{"lora_name", "qv"}, {"lora_path", fixtures + "/llama-gqa-adapters/lora-qv"}})
+          .status == 200);
+  CHECK(with_lora("qv") == ref["adapters"]["lora-qv"][0]["greedy"].get<std::vector<int32_t>>());
+  CHECK(post(s, "/v1/unload_lora_adapter", {{"lora_name", "qv"}}).status == 200);
+  CHECK(post(s, "/v1/completions", {{"model", "qv"}, {"prompt", prompt}}).status == 404);
+  CHECK(post(s, "/v1/unload_lora_adapter", {{"lora_name", "qv"}}).status == 404);
+  // Sleep: /health says 503 and a completion fails cleanly; wake_up brings it back.
+  auto plain = post(s, "/v1/completions", {{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0}});
+  CHECK(curl("-X POST " + url(s, "/sleep?level=1")).status == 200);
+  CHECK(json::parse(curl(url(s, "/is_sleeping")).body)["is_sleeping"] == true);
+  CHECK(curl(url(s, "/health")).status == 503);
+  auto asleep = post(s, "/v1/completions", {{"prompt", prompt}, {"max_tokens", 8}});
+  CHECK(asleep.status == 503);
+  CHECK(curl("-X POST " + url(s, "/wake_up")).status == 200);
+  CHECK(json::parse(curl(url(s, "/is_sleeping")).body)["is_sleeping"] == false);
+  CHECK(curl(url(s, "/health")).status == 200);
+  auto again = post(s, "/v1/completions", {{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0}});
+  CHECK(json::parse(again.body)["choices"][0]["token_ids"] ==
+        json::parse(plain.body)["choices"][0]["token_ids"]);
+  // collective_rpc of a named method; a wrong one is the worker's error.
+  auto rpc = post(s, "/collective_rpc", {{"method", "check_health"}});
+  CHECK(rpc.status == 200);
+  CHECK(json::parse(rpc.body)["results"].size() == 1);
+  CHECK(post(s, "/collective_rpc", {{"method", "no_such_method"}}).status >= 400);
+}

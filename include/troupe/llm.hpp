@@ -188,7 +188,8 @@ public:
   /// Runs one step (with asynchronous scheduling: sends the next and waits for the oldest
   /// in flight) and returns what it did to each request it changed. A worker replaced
   /// under the restart policy costs the step: the requests are computed again, and the
-  /// tokens stay those of an undisturbed run. Other executor errors are thrown.
+  /// tokens stay those of an undisturbed run. Other executor errors are thrown; the
+  /// requests stay queued (to be computed again, or aborted by the caller).
   std::vector<generation_update> step();
 
   /// Counts for metrics.
