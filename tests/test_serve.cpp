@@ -139,39 +139,44 @@ server_config on_any_port() {
 } // namespace
 
 TEST_CASE("greedy completions through the server are transformers' tokens, streamed or not") {
-  llm model{tiny()};
-  server s{model, on_any_port()};
-  auto ref = read_json(fixtures + "/llama-gqa/reference.json");
-  for (auto& p : ref["prompts"]) {
-    auto want = p["greedy"].get<std::vector<int32_t>>();
-    json body = {{"model", "tiny"},
-                 {"prompt", p["token_ids"]},
-                 {"max_tokens", static_cast<int>(want.size())},
-                 {"temperature", 0},
-                 {"ignore_eos", true}};
-    auto r = post(s, "/v1/completions", body);
-    REQUIRE_MESSAGE(r.status == 200, r.body);
-    auto j = json::parse(r.body);
-    CHECK(j["object"] == "text_completion");
-    CHECK(j["model"] == "tiny");
-    CHECK(j["choices"][0]["token_ids"].get<std::vector<int32_t>>() == want);
-    CHECK(j["choices"][0]["finish_reason"] == "length");
-    CHECK(j["usage"]["prompt_tokens"] == p["token_ids"].size());
-    CHECK(j["usage"]["completion_tokens"] == want.size());
+  for (auto name : {"llama-gqa", "qwen2-bias", "llama3-rope-tied", "mistral-window"}) {
+    CAPTURE(name);
+    auto cfg = tiny();
+    cfg.worker.model_path = fixtures + "/" + name;
+    llm model{cfg};
+    server s{model, on_any_port()};
+    auto ref = read_json(fixtures + "/" + name + "/reference.json");
+    for (auto& p : ref["prompts"]) {
+      auto want = p["greedy"].get<std::vector<int32_t>>();
+      json body = {{"model", "tiny"},
+                   {"prompt", p["token_ids"]},
+                   {"max_tokens", static_cast<int>(want.size())},
+                   {"temperature", 0},
+                   {"ignore_eos", true}};
+      auto r = post(s, "/v1/completions", body);
+      REQUIRE_MESSAGE(r.status == 200, r.body);
+      auto j = json::parse(r.body);
+      CHECK(j["object"] == "text_completion");
+      CHECK(j["model"] == "tiny");
+      CHECK(j["choices"][0]["token_ids"].get<std::vector<int32_t>>() == want);
+      CHECK(j["choices"][0]["finish_reason"] == "length");
+      CHECK(j["usage"]["prompt_tokens"] == p["token_ids"].size());
+      CHECK(j["usage"]["completion_tokens"] == want.size());
 
-    body["stream"] = true;
-    body["stream_options"] = {{"include_usage", true}};
-    auto st = post(s, "/v1/completions", body);
-    REQUIRE(st.status == 200);
-    auto evs = events(st.body);
-    REQUIRE(evs.size() >= 3);
-    CHECK(evs.back() == "[DONE]");
-    auto [ids, reason] = streamed(evs);
-    CHECK(ids == want);
-    CHECK(reason == "length");
-    auto& usage = evs[evs.size() - 2];
-    CHECK(usage["choices"].empty());
-    CHECK(usage["usage"]["completion_tokens"] == want.size());
+      body["stream"] = true;
+      body["stream_options"] = {{"include_usage", true}};
+      auto st = post(s, "/v1/completions", body);
+      REQUIRE(st.status == 200);
+      auto evs = events(st.body);
+      REQUIRE(evs.size() >= 3);
+      CHECK(evs.back() == "[DONE]");
+      auto [ids, reason] = streamed(evs);
+      CHECK(ids == want);
+      CHECK(reason == "length");
+      auto& usage = evs[evs.size() - 2];
+      CHECK(usage["choices"].empty());
+      CHECK(usage["usage"]["completion_tokens"] == want.size());
+    }
   }
 }
 
