@@ -58,10 +58,13 @@ struct llm::impl {
 
 namespace {
 
-/// Whether `text` ends in U+FFFD, what the tokenizer decodes a character whose bytes have
-/// not all come to.
-bool ends_incomplete(const std::string& text) {
-  return text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0;
+/// The length of `text` without its trailing U+FFFD: what the tokenizer decodes the bytes
+/// of a character that have come so far to (one for each, with byte fallback).
+size_t without_incomplete(const std::string& text) {
+  auto keep = text.size();
+  while (keep >= 3 && text.compare(keep - 3, 3, "\xEF\xBF\xBD") == 0)
+    keep -= 3;
+  return keep;
 }
 
 } // namespace
@@ -88,7 +91,14 @@ void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
   out.top_logprobs = r.top_logprobs;
   if (out.first_token_seconds == 0 && !out.token_ids.empty())
     out.first_token_seconds = since();
-  std::string text = tok ? tok->decode(out.token_ids, true) : std::string{};
+  std::string text;
+  try {
+    text = tok ? tok->decode(out.token_ids, true) : std::string{};
+  } catch (const std::exception&) {
+    // A token the tokenizer does not know (a model whose vocabulary is larger): the
+    // tokens still count, the text stays as it was.
+    text = l.sent;
+  }
   if (finished) {
     // A stop string ends the text and is cut off it.
     for (auto& stop : l.stop) {
@@ -102,7 +112,7 @@ void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
     size_t longest = 0;
     for (auto& stop : l.stop)
       longest = std::max(longest, stop.size());
-    size_t keep = ends_incomplete(text) ? text.size() - 3 : text.size();
+    size_t keep = without_incomplete(text);
     size_t hold = longest > 0 ? longest - 1 : 0;
     keep = keep > hold ? keep - hold : 0;
     // Whole characters only.

@@ -4,10 +4,14 @@ namespace troupe {
 
 using nlohmann::json;
 
+std::string dumped(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
 std::string http_error::body() const {
   json e = {{"message", what()}, {"type", type}, {"code", status}};
   e["param"] = param.empty() ? json(nullptr) : json(param);
-  return json{{"error", e}}.dump();
+  return dumped(json{{"error", e}});
 }
 
 namespace {
@@ -36,6 +40,14 @@ std::optional<T> field(const json& body, const char* key, const char* what) {
   if (!ok)
     bad(std::string{"'"} + key + "' must be " + what, key);
   return at->get<T>();
+}
+
+/// The UTF-8 bytes of a token's text, as OpenAI lists them (0..255).
+std::vector<int> bytes_of(const std::string& text) {
+  std::vector<int> bytes;
+  for (unsigned char c : text)
+    bytes.push_back(c);
+  return bytes;
 }
 
 std::vector<int32_t> token_ids(const json& array, const char* key) {
@@ -204,11 +216,11 @@ json openai_response::logprobs_of(const std::vector<int32_t>& ids,
           auto a = text(alt.token);
           alternatives.push_back({{"token", a},
                                   {"logprob", alt.logprob},
-                                  {"bytes", std::vector<int>(a.begin(), a.end())}});
+                                  {"bytes", bytes_of(a)}});
         }
       content.push_back({{"token", t},
                          {"logprob", logprobs[i]},
-                         {"bytes", std::vector<int>(t.begin(), t.end())},
+                         {"bytes", bytes_of(t)},
                          {"top_logprobs", alternatives}});
     }
     return {{"content", content}};
@@ -245,12 +257,12 @@ std::string openai_response::complete(const generation_output& out) const {
   choice["token_ids"] = out.token_ids; // vLLM's extension: what a model without text gave
   body["choices"] = json::array({choice});
   body["usage"] = usage(out);
-  return body.dump();
+  return dumped(body);
 }
 
 std::string openai_response::chunk(const generation_update& u) {
   std::string events;
-  auto event = [&](const json& j) { events += "data: " + j.dump() + "\n\n"; };
+  auto event = [&](const json& j) { events += "data: " + dumped(j) + "\n\n"; };
   if (req_.chat && !role_sent_) {
     role_sent_ = true;
     auto first = envelope(true);
@@ -287,7 +299,7 @@ std::string openai_response::end(const generation_output& out) const {
     auto body = envelope(true);
     body["choices"] = json::array();
     body["usage"] = usage(out);
-    events += "data: " + body.dump() + "\n\n";
+    events += "data: " + dumped(body) + "\n\n";
   }
   return events + "data: [DONE]\n\n";
 }

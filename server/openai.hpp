@@ -12,6 +12,10 @@
 
 namespace troupe {
 
+/// `j` as JSON text; bytes that are not UTF-8 (a client's raw path, a token's partial
+/// character) become U+FFFD instead of an exception.
+std::string dumped(const nlohmann::json& j);
+
 /// A request the server refuses: the HTTP status and OpenAI's error object.
 struct http_error : std::runtime_error {
   http_error(int status, std::string type, const std::string& message, std::string param = {})

@@ -23,6 +23,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <utility>
 
 namespace troupe {
 
@@ -34,6 +35,9 @@ namespace http = beast::http;
 using tcp = net::ip::tcp;
 using clock_type = std::chrono::steady_clock;
 using nlohmann::json;
+
+/// Bytes of a next request a connection may send while its generation runs.
+constexpr size_t watch_limit = 64 << 10;
 
 const char* reason_of(int status) {
   switch (status) {
@@ -51,14 +55,15 @@ const char* reason_of(int status) {
 }
 
 std::string head(int status, const std::string& type, bool keep_alive,
-                 std::optional<size_t> length) {
+                 std::optional<size_t> length, bool chunked = true) {
   std::string h = "HTTP/1.1 " + std::to_string(status) + " " + reason_of(status) +
                   "\r\nServer: troupe\r\nContent-Type: " + type + "\r\n";
   h += keep_alive ? "Connection: keep-alive\r\n" : "Connection: close\r\n";
   if (length)
     h += "Content-Length: " + std::to_string(*length) + "\r\n\r\n";
   else
-    h += "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n";
+    h += chunked ? "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 : "Cache-Control: no-cache\r\n\r\n";
   return h;
 }
 
@@ -145,12 +150,20 @@ public:
         --active_;
         return;
       }
+      if (failed_) { // the engine failed after the request came
+        --active_;
+        sink->fail({503, "server_error", "the engine failed: " + failure()});
+        return;
+      }
       try {
         sink->id = m.add_request(g);
         sinks_[sink->id] = sink;
       } catch (const error& e) {
         --active_;
         sink->fail(from_engine(e));
+      } catch (const std::exception& e) {
+        --active_;
+        sink->fail({500, "server_error", e.what()});
       }
     });
   }
@@ -199,8 +212,14 @@ private:
           break;
         todo.swap(commands_);
       }
-      for (auto& c : todo)
-        c(model_);
+      for (auto& c : todo) {
+        try {
+          c(model_);
+        } catch (const std::exception& e) {
+          // Commands answer their own errors; this is a bug's last stop, not the thread's.
+          std::cerr << "troupe serve: a command failed: " << e.what() << std::endl;
+        }
+      }
       if (!failed_ && model_.has_unfinished_requests()) {
         try {
           for (auto& u : model_.step())
@@ -210,6 +229,8 @@ private:
             fail_all(e);
           else
             fail_requests(from_engine(e));
+        } catch (const std::exception& e) {
+          fail_requests({500, "server_error", e.what()});
         }
       }
       metrics_.engine(model_.stats());
@@ -251,7 +272,7 @@ private:
     sinks_.clear();
     try {
       model_.step(); // hands out the aborted requests, computing nothing
-    } catch (const error&) {
+    } catch (const std::exception&) {
     }
   }
 
@@ -403,7 +424,8 @@ private:
       return;
     }
     auto req = parser_->release();
-    keep_alive_ = req.keep_alive();
+    keep_alive_ = req.keep_alive() && !srv_.draining;
+    http10_ = req.version() == 10;
     try {
       route(req);
     } catch (const http_error& e) {
@@ -454,7 +476,7 @@ private:
     }
     if (path == "/v1/models") {
       only(http::verb::get);
-      return respond(200, models().dump());
+      return respond(200, dumped(models()));
     }
     if (path == "/v1/completions" || path == "/v1/chat/completions") {
       only(http::verb::post);
@@ -534,11 +556,14 @@ private:
       int status = 200;
       std::string body;
       try {
-        body = f(model).dump();
+        body = dumped(f(model));
       } catch (const error& e) {
         auto he = from_engine(e);
         status = he.status;
         body = he.body();
+      } catch (const std::exception& e) {
+        status = 500;
+        body = http_error{500, "server_error", e.what()}.body();
       }
       net::post(self->strand_, [self, status, body] { self->respond(status, body); });
     });
@@ -550,7 +575,7 @@ private:
       int status = 200;
       std::string body;
       try {
-        body = f(m).dump();
+        body = dumped(f(m));
       } catch (const http_error& e) {
         status = e.status;
         body = e.body();
@@ -558,6 +583,9 @@ private:
         auto he = from_engine(e);
         status = he.status;
         body = he.body();
+      } catch (const std::exception& e) {
+        status = 500;
+        body = http_error{500, "server_error", e.what()}.body();
       }
       net::post(self->strand_, [self, status, body] { self->respond(status, body); });
     });
@@ -671,6 +699,8 @@ private:
   }
 
   void generate(openai_request req) {
+    if (srv_.draining)
+      throw http_error{503, "server_error", "the server is shutting down"};
     if (srv_.asleep)
       throw http_error{503, "server_error", "the model sleeps; POST /wake_up"};
     auto& g = req.generation;
@@ -701,7 +731,9 @@ private:
     srv_.engine->submit(req_->generation, sink_); // may throw 429 / 503
     if (req_->stream) {
       streaming_ = true;
-      write(head(200, "text/event-stream", keep_alive_, std::nullopt));
+      if (http10_) // no chunked transfer in HTTP/1.0: the body ends with the connection
+        keep_alive_ = false;
+      write(head(200, "text/event-stream", keep_alive_, std::nullopt, !http10_));
     }
     watch();
   }
@@ -714,9 +746,10 @@ private:
       if (u.finished)
         events += response_->end(*u.output);
       if (!events.empty())
-        write(chunked(events));
+        write(frame(events));
       if (u.finished) {
-        write(chunked(""));
+        if (!http10_)
+          write(chunked(""));
         done_generating();
       }
     } else if (u.finished) {
@@ -730,13 +763,19 @@ private:
     if (!sink_ || closed_)
       return;
     if (streaming_) { // the status line went out: the error is the stream's last event
-      write(chunked("data: " + e.body() + "\n\ndata: [DONE]\n\n"));
-      write(chunked(""));
+      write(frame("data: " + e.body() + "\n\ndata: [DONE]\n\n"));
+      if (!http10_)
+        write(chunked(""));
       done_generating();
     } else {
       done_generating();
       respond(e.status, e.body());
     }
+  }
+
+  /// Stream data as the response's framing has it: a chunk, or raw bytes for HTTP/1.0.
+  std::string frame(const std::string& data) const {
+    return http10_ ? data : chunked(data);
   }
 
   void done_generating() {
@@ -757,17 +796,23 @@ private:
       buffer_.prepare(4096),
       net::bind_executor(strand_, [self = shared_from_this()](beast::error_code ec, size_t n) {
         self->watching_ = false;
-        if (ec) {
+        if (ec && ec != net::error::operation_aborted) {
           if (self->sink_)
             self->srv_.engine->abort(self->sink_);
           self->sink_.reset();
           self->close();
           return;
         }
-        self->buffer_.commit(n);
-        if (self->sink_ || self->writing_)
-          self->watch();
-        else if (self->keep_alive_)
+        if (!ec)
+          self->buffer_.commit(n);
+        // Watching goes on while the generation does (a client that pipelines more than a
+        // bound is no longer watched); the next request is read once the response is out.
+        if (self->sink_ && !ec) {
+          if (self->buffer_.size() < watch_limit)
+            self->watch();
+          return;
+        }
+        if (std::exchange(self->read_after_watch_, false))
           self->read();
       }));
   }
@@ -789,8 +834,14 @@ private:
       close();
       return;
     }
-    if (!watching_)
+    if (!watching_) {
       read();
+      return;
+    }
+    // The watch read hands over to the parser (bytes it got stay in the buffer).
+    read_after_watch_ = true;
+    beast::error_code ignored;
+    socket_.cancel(ignored);
   }
 
   void write(std::string data) {
@@ -845,6 +896,9 @@ private:
   bool keep_alive_ = true;
   bool closed_ = false;
   bool streaming_ = false;
+  bool http10_ = false;
+  /// The response ended while a watch read was outstanding: it reads the next request.
+  bool read_after_watch_ = false;
   std::unique_ptr<openai_request> req_;
   std::unique_ptr<openai_response> response_;
   std::shared_ptr<sink> sink_;

@@ -18,6 +18,11 @@
 #include <sstream>
 #include <thread>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 using namespace troupe;
 using namespace std::chrono_literals;
 using nlohmann::json;
@@ -118,6 +123,28 @@ double metric(const std::string& text, const std::string& name, const std::strin
     sum += std::stod(line.substr(space + 1));
   }
   return sum;
+}
+
+/// Sends `bytes` on one new connection to `port` and returns all it gets until the server
+/// closes it (or two seconds of silence).
+std::string raw_exchange(uint16_t port, const std::string& bytes) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_port = htons(port);
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+  timeval wait{2, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
+  REQUIRE(send(fd, bytes.data(), bytes.size(), 0) == static_cast<ssize_t>(bytes.size()));
+  std::string got;
+  char buf[4096];
+  ssize_t n = 0;
+  while ((n = recv(fd, buf, sizeof buf, 0)) > 0)
+    got.append(buf, static_cast<size_t>(n));
+  close(fd);
+  return got;
 }
 
 llm_config tiny(int32_t max_num_seqs = 256) {
@@ -429,4 +456,30 @@ TEST_CASE("the admin endpoints: sleep and wake, LoRA adapters by name, collectiv
   CHECK(rpc.status == 200);
   CHECK(json::parse(rpc.body)["results"].size() == 1);
   CHECK(post(s, "/collective_rpc", {{"method", "no_such_method"}}).status >= 400);
+}
+
+TEST_CASE("pipelined requests on one connection are all answered, in order; odd bytes in "
+          "a path get a 404, not a crash") {
+  llm model{tiny()};
+  server s{model, on_any_port()};
+  auto request = [](const std::string& body, bool last) {
+    return "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           "Content-Length: " + std::to_string(body.size()) + "\r\n" +
+           (last ? "Connection: close\r\n" : "") + "\r\n" + body;
+  };
+  std::string first = json{{"prompt", {1, 2, 3}}, {"max_tokens", 4}, {"temperature", 0},
+                           {"ignore_eos", true}, {"stream", true}}.dump();
+  std::string second = json{{"prompt", {4, 5}}, {"max_tokens", 3}, {"temperature", 0},
+                            {"ignore_eos", true}}.dump();
+  // Both in one write: the second is in the buffer while the first streams.
+  auto got = raw_exchange(s.port(), request(first, false) + request(second, true));
+  auto at = got.find("HTTP/1.1 200", 1);
+  REQUIRE_MESSAGE(at != std::string::npos, got);
+  CHECK(got.rfind("HTTP/1.1 200", 0) == 0);
+  CHECK(got.find("data: [DONE]") < at);
+  CHECK(got.find("\"completion_tokens\":3", at) != std::string::npos);
+  // A raw byte that is not UTF-8 in the path.
+  auto odd = raw_exchange(s.port(), "GET /\xff\xfe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  CHECK(odd.rfind("HTTP/1.1 404", 0) == 0);
+  CHECK(curl(url(s, "/health")).status == 200); // still serving
 }
