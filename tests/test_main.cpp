@@ -1,7 +1,9 @@
-// The main of every doctest suite. Beyond doctest's own verdict it enforces two rules:
+// The main of every doctest suite. Beyond doctest's own verdict it enforces three rules:
 // a test case that calls testing::skip ends as skipped (exit code 77, ctest's
-// SKIP_RETURN_CODE, when nothing failed), and a test case that finishes without a single
-// assertion and without a skip fails the run: it would pass while checking nothing.
+// SKIP_RETURN_CODE, when nothing failed); a test case that finishes without a single
+// assertion and without a skip fails the run: it would pass while checking nothing; and a
+// run asked for named test cases that runs none fails (ctest passes each name as a filter,
+// and a name CMake cuts, at a ';' say, would match nothing and pass).
 
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -15,6 +17,7 @@
 namespace {
 
 struct run_outcome {
+  int ran = 0;
   bool current_skipped = false;
   int skipped = 0;
   std::vector<std::string> without_assertions;
@@ -30,6 +33,7 @@ struct assertion_watch : doctest::IReporter {
   }
   void test_case_start(const doctest::TestCaseData& tc) override {
     current = &tc;
+    ++outcome.ran;
     outcome.current_skipped = false;
   }
   void test_case_end(const doctest::CurrentTestCaseStats& stats) override {
@@ -75,6 +79,14 @@ int main(int argc, char** argv) {
   int result = context.run();
   if (context.shouldExit() || result != 0)
     return result;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    bool filtered = arg.rfind("--test-case=", 0) == 0 || arg.rfind("-tc=", 0) == 0;
+    if (filtered && outcome.ran == 0) {
+      std::printf("FAILED: no test case matches %s\n", arg.c_str());
+      return 1;
+    }
+  }
   if (!outcome.without_assertions.empty()) {
     for (auto& name : outcome.without_assertions)
       std::printf("FAILED: test case \"%s\" made no assertion: it would pass checking nothing\n",

@@ -255,8 +255,8 @@ TEST_CASE("bad requests get OpenAI's error objects with the right status, and th
   CHECK(models["data"][0]["id"] == "tiny");
 }
 
-TEST_CASE("64 concurrent streams share steps and get their own tokens; clients that leave "
-          "free their blocks") {
+TEST_CASE("64 concurrent streams share steps and get their own tokens, and clients that "
+          "leave free their blocks") {
   llm model{tiny()};
   server s{model, on_any_port()};
   // Each prompt's tokens alone, for comparison.
@@ -458,8 +458,8 @@ TEST_CASE("the admin endpoints: sleep and wake, LoRA adapters by name, collectiv
   CHECK(post(s, "/collective_rpc", {{"method", "no_such_method"}}).status >= 400);
 }
 
-TEST_CASE("pipelined requests on one connection are all answered, in order; odd bytes in "
-          "a path get a 404, not a crash") {
+TEST_CASE("pipelined requests on one connection are all answered in order, and odd bytes "
+          "in a path get a 404, not a crash") {
   llm model{tiny()};
   server s{model, on_any_port()};
   auto request = [](const std::string& body, bool last) {
