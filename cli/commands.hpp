@@ -114,6 +114,7 @@ struct engine_options {
   int max_loras = 0;
   int max_lora_rank = 16;
   int max_prompt_adapter_token = 0;
+  std::string chat_template;
   node_options nodes;
   device_options device;
 };

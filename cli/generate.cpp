@@ -168,6 +168,8 @@ void add_engine_options(CLI::App& app, engine_options& o) {
                  "The most virtual tokens a prompt adapter may have (0: no limit)")
     ->check(CLI::Range(0, 1 << 20))
     ->capture_default_str();
+  app.add_option("--chat-template", o.chat_template,
+                 "A file holding a chat template to use instead of the model's (ChatML only)");
   add_node_options(app, o.nodes);
   add_device_options(app, o.device);
 }
@@ -193,6 +195,8 @@ llm_config engine_config(const engine_options& o, size_t loras) {
   cfg.worker.max_lora_rank = o.max_lora_rank;
   cfg.worker.max_prompt_adapter_token = o.max_prompt_adapter_token;
   apply_node_options(o.nodes, cfg.executor);
+  if (!o.chat_template.empty())
+    cfg.chat_template = read_text_file("--chat-template", o.chat_template);
   return cfg;
 }
 

@@ -285,7 +285,9 @@ std::string llm::chat_prompt(const std::vector<chat_message>& messages) const {
     if (m.role != "system" && m.role != "user" && m.role != "assistant")
       throw error{errc::invalid_argument, "chat message role '" + m.role +
                                             "' is not system, user or assistant"};
-  std::string tmpl = d.tok ? d.tok->chat_template() : std::string{};
+  std::string tmpl = !d.cfg.chat_template.empty() ? d.cfg.chat_template
+                     : d.tok                      ? d.tok->chat_template()
+                                                  : std::string{};
   if (tmpl.find("<|im_start|>") == std::string::npos)
     throw error{errc::unsupported, "the model has no ChatML chat template (the only kind "
                                    "troupe renders)"};

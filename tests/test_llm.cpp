@@ -281,3 +281,31 @@ TEST_CASE("a worker replaced while the model sleeps (level 1) sleeps too, and wa
                                                      ref["prompts"][i]["greedy"].begin() + 16));
   }
 }
+
+TEST_CASE("a chat template given in the config renders conversations, and others are refused") {
+  llm_config cfg;
+  cfg.worker.model_path = fixtures + "/llama-gqa"; // no tokenizer, no template of its own
+  cfg.worker.kv_cache_memory_bytes = 1 << 20;
+  {
+    llm plain{cfg};
+    CHECK_THROWS_WITH_AS(plain.chat_prompt("hi"), doctest::Contains("no ChatML chat template"),
+                         error);
+  }
+  // ChatML with a default system message, as SmolLM2's and Qwen's templates have.
+  cfg.chat_template = "{% for message in messages %}{% if loop.first and "
+                      "messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nBe brief."
+                      "<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
+                      "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}";
+  llm model{cfg};
+  CHECK(model.chat_prompt("hi") ==
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\n");
+  CHECK(model.chat_prompt({{"system", "Be long."}, {"user", "hi"}, {"assistant", "Hello!"},
+                           {"user", "more"}}) ==
+        "<|im_start|>system\nBe long.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n"
+        "<|im_start|>assistant\n");
+  CHECK_THROWS_WITH_AS(model.chat_prompt({{"robot", "hi"}}), doctest::Contains("role 'robot'"),
+                       error);
+  CHECK_THROWS_AS(model.chat_prompt(std::vector<chat_message>{}), error);
+}

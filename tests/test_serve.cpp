@@ -343,6 +343,9 @@ TEST_CASE("chat completions of SmolLM2 through the server are troupe generate's"
   generation_request chat{model.chat_prompt(question), {}, greedy(24), {}};
   chat.add_special_tokens = false; // the template holds them, as the server knows
   auto want = model.generate({chat})[0];
+  generation_request scored{"The capital of France is", {}, greedy(5), {}};
+  scored.sampling.logprobs = 2;
+  auto scored_want = model.generate({scored})[0];
   server s{model, on_any_port()};
   json body = {{"model", "tiny"},
                {"messages", {{{"role", "user"}, {"content", question}}}},
@@ -376,6 +379,21 @@ TEST_CASE("chat completions of SmolLM2 through the server are troupe generate's"
     if (e.is_object() && !e["choices"].empty())
       streamed_text += e["choices"][0]["text"].get<std::string>();
   CHECK(streamed_text == " Paris");
+  // Logprobs of the sampled tokens and the two most likely, as generate computes them.
+  auto lp = json::parse(post(s, "/v1/completions",
+                             {{"prompt", "The capital of France is"}, {"max_tokens", 5},
+                              {"temperature", 0}, {"ignore_eos", true}, {"logprobs", 2}})
+                          .body)["choices"][0]["logprobs"];
+  REQUIRE(lp["token_logprobs"].size() == 5);
+  for (size_t i = 0; i < 5; ++i) {
+    CAPTURE(i);
+    CHECK(lp["token_logprobs"][i].get<float>() == doctest::Approx(scored_want.logprobs[i]));
+    CHECK(lp["tokens"][i] == model.decode({scored_want.token_ids[i]}));
+    CHECK(lp["top_logprobs"][i].size() <= 2);
+    // Greedy: the sampled token is the most likely one.
+    CHECK(lp["top_logprobs"][i][lp["tokens"][i].get<std::string>()].get<float>() ==
+          doctest::Approx(scored_want.logprobs[i]));
+  }
 }
 
 TEST_CASE("beyond the running and waiting bounds a request gets 429, and nothing is lost") {

@@ -59,6 +59,9 @@ struct llm_config {
   /// as vLLM does); a larger value is cut to it.
   executor_config executor;
   scheduler_config scheduler;
+  /// A chat template (Jinja text, as in tokenizer_config.json) used instead of the model's;
+  /// empty keeps the model's. Only ChatML templates are rendered.
+  std::string chat_template;
 
   /// The engine's defaults where they differ from the parts': the model's own length, ten
   /// minutes for a call (a step of a long prompt on a CPU may take minutes), and 256 MiB
