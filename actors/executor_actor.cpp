@@ -21,6 +21,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <atomic>
 #include <optional>
 #include <set>
 #include <unordered_map>
@@ -139,13 +140,14 @@ caf::error invalid_id(const char* what, int64_t id) {
 /// A helper of the supervisor: answers one `lease_atom` with a worker leased from the first
 /// of `candidates` that gives one, and which, or an error naming what each said. Each is
 /// asked for at most `cfg.node_timeout` (a lease only spawns an actor: a node that is up
-/// answers at once, a stopped one never); everything ends by `deadline`.
+/// answers at once, a stopped one never); everything ends by `deadline`, and no candidate
+/// is asked once `cancelled` is set (the supervisor is gone).
 void lease_one(caf::blocking_actor* self, executor_config cfg,
                std::vector<node_address> candidates, caf::actor holder,
-               clock_type::time_point deadline) {
+               clock_type::time_point deadline, std::shared_ptr<std::atomic<bool>> cancelled) {
   self->receive([&](lease_atom) -> caf::result<caf::actor, int32_t> {
     std::string refusals;
-    for (size_t i = 0; i < candidates.size(); ++i) {
+    for (size_t i = 0; i < candidates.size() && !*cancelled; ++i) {
       auto until = std::min(deadline, clock_type::now() + cfg.node_timeout);
       try {
         auto leased = lease_workers(self, cfg, candidates[i], 1, holder, until);
@@ -194,6 +196,8 @@ struct supervisor_state {
   /// What the nodes watch for a lease's end: a replacement leased from a node is held by
   /// it too.
   caf::actor lease_holder;
+  /// Set as the supervisor stops: a lease helper asks no further node.
+  std::shared_ptr<std::atomic<bool>> leases_cancelled = std::make_shared<std::atomic<bool>>(false);
   std::shared_ptr<replacement_list> replacements;
   /// Each rank's init context.
   std::vector<worker_context> contexts;
@@ -1229,7 +1233,8 @@ struct supervisor_state {
           candidates.push_back({n.host, n.port, 1});
       }
     auto helper = self->spawn<caf::detached>(lease_one, cfg, candidates, lease_holder,
-                                             clock_type::now() + cfg.startup_timeout);
+                                             clock_type::now() + cfg.startup_timeout,
+                                             leases_cancelled);
     auto* st = this;
     self->request(helper, caf::infinite, lease_atom::value)
       .then(
@@ -1330,6 +1335,7 @@ struct supervisor_state {
   /// Shutdown: fail what is pending, stop every local worker, then stop; later calls find
   /// the supervisor gone.
   void on_exit(const caf::exit_msg& msg) {
+    *leases_cancelled = true;
     fail_all(failure ? failure
                      : caf::make_error(errc::shut_down, std::string{"executor is shut down"}));
     for (auto& w : workers) {
