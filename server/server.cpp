@@ -38,6 +38,8 @@ using nlohmann::json;
 
 /// Bytes of a next request a connection may send while its generation runs.
 constexpr size_t watch_limit = 64 << 10;
+/// Bytes a connection may have waiting to be sent (a client that does not read).
+constexpr size_t write_limit = 16 << 20;
 
 const char* reason_of(int status) {
   switch (status) {
@@ -847,6 +849,15 @@ private:
   void write(std::string data) {
     if (closed_)
       return;
+    queued_bytes_ += data.size();
+    if (queued_bytes_ > write_limit && sink_) {
+      // A client that reads far slower than its tokens come: its request ends rather than
+      // the server's memory growing without bound (nobody else waits on it either way).
+      srv_.engine->abort(sink_);
+      sink_.reset();
+      close();
+      return;
+    }
     writes_.push_back(std::move(data));
     if (!writing_)
       write_next();
@@ -857,6 +868,7 @@ private:
     net::async_write(socket_, net::buffer(writes_.front()),
                      net::bind_executor(strand_, [self = shared_from_this()](
                                                    beast::error_code ec, size_t) {
+                       self->queued_bytes_ -= self->writes_.front().size();
                        self->writes_.pop_front();
                        if (ec) {
                          // The client is gone: its generation stops.
@@ -891,6 +903,7 @@ private:
   std::optional<http::request_parser<http::string_body>> parser_;
   std::deque<std::string> writes_;
   bool writing_ = false;
+  size_t queued_bytes_ = 0;
   bool watching_ = false;
   bool response_done_ = false;
   bool keep_alive_ = true;

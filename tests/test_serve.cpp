@@ -501,3 +501,24 @@ TEST_CASE("pipelined requests on one connection are all answered in order, and o
   CHECK(odd.rfind("HTTP/1.1 404", 0) == 0);
   CHECK(curl(url(s, "/health")).status == 200); // still serving
 }
+
+TEST_CASE("a client that reads slowly holds up no other stream") {
+  llm model{tiny()};
+  server s{model, on_any_port()};
+  json slow = {{"prompt", {1, 2, 3}}, {"max_tokens", 500}, {"temperature", 0},
+               {"ignore_eos", true}, {"stream", true}};
+  // Reads 2 KB a second of a stream of about 100 KB, and gives up after 3 s.
+  std::thread crawler([&] {
+    curl("--limit-rate 2k --max-time 3 -H 'Content-Type: application/json' -d " + quoted(slow) +
+         " " + url(s, "/v1/completions"));
+  });
+  std::this_thread::sleep_for(300ms);
+  auto quick = post(s, "/v1/completions",
+                    {{"prompt", {4, 5}}, {"max_tokens", 50}, {"temperature", 0},
+                     {"ignore_eos", true}, {"stream", true}});
+  auto [ids, reason] = streamed(events(quick.body));
+  CHECK(quick.status == 200);
+  CHECK(ids.size() == 50);
+  CHECK(reason == "length");
+  crawler.join();
+}
