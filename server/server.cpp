@@ -551,46 +551,36 @@ private:
     });
   }
 
-  /// Runs `f` on the helper thread and answers with its JSON.
-  void on_helper(std::function<json(llm&)> f) {
-    auto& model = srv_.model;
-    srv_.run_helper([self = shared_from_this(), &model, f] {
-      int status = 200;
-      std::string body;
-      try {
-        body = dumped(f(model));
-      } catch (const error& e) {
-        auto he = from_engine(e);
-        status = he.status;
-        body = he.body();
-      } catch (const std::exception& e) {
-        status = 500;
-        body = http_error{500, "server_error", e.what()}.body();
-      }
-      net::post(self->strand_, [self, status, body] { self->respond(status, body); });
-    });
+  /// Runs `f` (on the thread that calls this) and answers with its JSON, or with the error
+  /// it throws.
+  void answer(const std::function<json(llm&)>& f, llm& m) {
+    int status = 200;
+    std::string body;
+    try {
+      body = dumped(f(m));
+    } catch (const http_error& e) {
+      status = e.status;
+      body = e.body();
+    } catch (const error& e) {
+      auto he = from_engine(e);
+      status = he.status;
+      body = he.body();
+    } catch (const std::exception& e) {
+      status = 500;
+      body = http_error{500, "server_error", e.what()}.body();
+    }
+    net::post(strand_, [self = shared_from_this(), status, body] { self->respond(status, body); });
   }
 
-  /// Runs `f` on the engine's thread, between steps, and answers with its JSON.
+  /// Answers with `f` run on the helper thread.
+  void on_helper(std::function<json(llm&)> f) {
+    auto& model = srv_.model;
+    srv_.run_helper([self = shared_from_this(), &model, f] { self->answer(f, model); });
+  }
+
+  /// Answers with `f` run on the engine's thread, between steps.
   void on_engine(std::function<json(llm&)> f) {
-    srv_.engine->post([self = shared_from_this(), f](llm& m) {
-      int status = 200;
-      std::string body;
-      try {
-        body = dumped(f(m));
-      } catch (const http_error& e) {
-        status = e.status;
-        body = e.body();
-      } catch (const error& e) {
-        auto he = from_engine(e);
-        status = he.status;
-        body = he.body();
-      } catch (const std::exception& e) {
-        status = 500;
-        body = http_error{500, "server_error", e.what()}.body();
-      }
-      net::post(self->strand_, [self, status, body] { self->respond(status, body); });
-    });
+    srv_.engine->post([self = shared_from_this(), f](llm& m) { self->answer(f, m); });
   }
 
   void admin_call(const std::string& path, const std::string& query, const std::string& text) {
