@@ -52,7 +52,11 @@ struct llm::impl {
 
   void apply(const std::vector<sampler_output>& result, bool samples,
              std::vector<generation_update>& updates);
-  void report(int64_t seq, const engine_request& r, bool finished,
+  /// The text of `r`'s tokens; what was sent when the tokenizer cannot decode them (a
+  /// token it does not know, in a model whose vocabulary is larger).
+  std::string text_of(int64_t seq, const engine_request& r) const;
+  /// The update of `r`, whose tokens decode to `text`.
+  void report(int64_t seq, const engine_request& r, bool finished, std::string text,
               std::vector<generation_update>& updates);
 };
 
@@ -69,7 +73,17 @@ size_t without_incomplete(const std::string& text) {
 
 } // namespace
 
-void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
+std::string llm::impl::text_of(int64_t seq, const engine_request& r) const {
+  if (!tok)
+    return {};
+  try {
+    return tok->decode(r.output, true);
+  } catch (const std::exception&) {
+    return live.at(seq).sent;
+  }
+}
+
+void llm::impl::report(int64_t seq, const engine_request& r, bool finished, std::string text,
                        std::vector<generation_update>& updates) {
   auto& l = live.at(seq);
   auto& out = l.out;
@@ -83,22 +97,12 @@ void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
     u.logprobs.push_back(r.logprobs[i]);
     u.top_logprobs.push_back(r.top_logprobs[i]);
   }
-  if (u.token_ids.empty() && !finished)
-    return;
   counts.generation_tokens += static_cast<int64_t>(u.token_ids.size());
   out.token_ids = r.output;
   out.logprobs = r.logprobs;
   out.top_logprobs = r.top_logprobs;
   if (out.first_token_seconds == 0 && !out.token_ids.empty())
     out.first_token_seconds = since();
-  std::string text;
-  try {
-    text = tok ? tok->decode(out.token_ids, true) : std::string{};
-  } catch (const std::exception&) {
-    // A token the tokenizer does not know (a model whose vocabulary is larger): the
-    // tokens still count, the text stays as it was.
-    text = l.sent;
-  }
   if (finished) {
     // A stop string ends the text and is cut off it.
     for (auto& stop : l.stop) {
@@ -143,27 +147,26 @@ void llm::impl::apply(const std::vector<sampler_output>& result, bool samples,
       throw error{errc::worker_error, "execute_model returned no output for a step"};
     sched->update(result[0]);
   }
-  // Requests whose text now holds a stop string end here.
-  if (tok) {
-    std::vector<int64_t> stopped;
-    for (auto& [seq, r] : sched->unfinished()) {
-      auto& stops = live.at(seq).stop;
-      if (stops.empty() || r.output.empty())
-        continue;
-      auto text = tok->decode(r.output, true);
-      for (auto& stop : stops)
-        if (!stop.empty() && text.find(stop) != std::string::npos) {
-          stopped.push_back(seq);
-          break;
-        }
-    }
-    for (auto seq : stopped)
-      sched->finish(seq, "stop");
+  // Each request with new tokens is decoded once: a request whose text now holds a stop
+  // string ends here, the others report what they add.
+  std::vector<int64_t> stopped;
+  for (auto& [seq, r] : sched->unfinished()) {
+    auto& l = live.at(seq);
+    if (r.output.size() == l.out.token_ids.size())
+      continue; // nothing new (waiting, swapped, a prefill chunk)
+    auto text = text_of(seq, r);
+    bool stops = false;
+    for (auto& stop : l.stop)
+      stops = stops || (!stop.empty() && text.find(stop) != std::string::npos);
+    if (stops)
+      stopped.push_back(seq);
+    else
+      report(seq, r, false, std::move(text), updates);
   }
-  for (auto& [seq, r] : sched->unfinished())
-    report(seq, r, false, updates);
+  for (auto seq : stopped)
+    sched->finish(seq, "stop");
   for (auto& r : sched->take_finished())
-    report(r.seq_id, r, true, updates);
+    report(r.seq_id, r, true, text_of(r.seq_id, r), updates);
 }
 
 namespace {
@@ -376,9 +379,12 @@ std::map<int64_t, int64_t> llm::load_adapters(const std::vector<generation_reque
 }
 
 int64_t llm::add_request(const generation_request& req) {
+  return queue(req, load_adapters({req}));
+}
+
+int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_t>& virtual_tokens) {
   auto& d = *impl_;
   auto max_model_len = d.exec->config().max_model_len;
-  auto virtual_tokens = load_adapters({req});
   impl::live_request l;
   l.arrived = std::chrono::steady_clock::now();
   l.stop = req.stop;
@@ -511,12 +517,12 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
   if (has_unfinished_requests())
     throw error{errc::invalid_argument,
                 "generate while requests added with add_request are unfinished"};
-  // Every request is checked (and its adapters loaded) before any is queued.
-  load_adapters(requests);
+  // Every request's adapters are checked and loaded before any is queued.
+  auto virtual_tokens = load_adapters(requests);
   std::map<int64_t, size_t> index;
   for (size_t i = 0; i < requests.size(); ++i) {
     try {
-      index[add_request(requests[i])] = i;
+      index[queue(requests[i], virtual_tokens)] = i;
     } catch (const error& e) {
       for (auto& queued : index)
         abort_request(queued.first);

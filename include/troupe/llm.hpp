@@ -228,6 +228,10 @@ private:
   /// virtual tokens of each prompt adapter, by id.
   std::map<int64_t, int64_t> load_adapters(const std::vector<generation_request>& requests);
 
+  /// `add_request` once its adapters are loaded (`virtual_tokens`: of each prompt adapter).
+  int64_t queue(const generation_request& request,
+                const std::map<int64_t, int64_t>& virtual_tokens);
+
   struct impl;
   std::unique_ptr<impl> impl_;
 };
