@@ -64,7 +64,7 @@ std::vector<int32_t> token_ids(const json& array, const char* key) {
 
 } // namespace
 
-openai_request parse_openai_request(const std::string& text, bool chat) {
+json parse_json_object(const std::string& text) {
   json body;
   try {
     body = json::parse(text);
@@ -73,6 +73,11 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
   }
   if (!body.is_object())
     bad("the body must be a JSON object");
+  return body;
+}
+
+openai_request parse_openai_request(const std::string& text, bool chat) {
+  auto body = parse_json_object(text);
   openai_request req;
   req.chat = chat;
   req.model = field<std::string>(body, "model", "a string").value_or("");

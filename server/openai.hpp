@@ -29,6 +29,10 @@ struct http_error : std::runtime_error {
   std::string body() const;
 };
 
+/// A request body that must be a JSON object; throws `http_error` (400) naming what is
+/// wrong.
+nlohmann::json parse_json_object(const std::string& body);
+
 /// A completion or chat completion request.
 struct openai_request {
   bool chat = false;

@@ -521,35 +521,23 @@ private:
   /// or does not answer within two seconds (a worker being replaced).
   void health() {
     if (srv_.engine->failed())
-      return respond(503, http_error{503, "server_error",
-                                     "the engine failed: " + srv_.engine->failure()}
-                            .body());
-    auto& model = srv_.model;
-    srv_.run_helper([self = shared_from_this(), &model] {
-      int status = 200;
-      std::string body = "{}";
+      throw http_error{503, "server_error", "the engine failed: " + srv_.engine->failure()};
+    on_helper([](llm& m) -> json {
+      auto unhealthy = [](const std::string& why) { return http_error{503, "server_error", why}; };
       try {
-        if (model.executor().is_sleeping()) {
-          status = 503;
-          body = http_error{503, "server_error", "the model sleeps; POST /wake_up"}.body();
-        } else {
-          auto check = model.executor().check_health_async();
-          if (check.wait_for(std::chrono::seconds(2)) != std::future_status::ready) {
-            status = 503;
-            body = http_error{503, "server_error",
-                              "the workers did not answer within 2 s (busy or recovering)"}
-                     .body();
-          } else {
-            check.get();
-          }
-        }
+        if (m.executor().is_sleeping())
+          throw unhealthy("the model sleeps; POST /wake_up");
+        auto check = m.executor().check_health_async();
+        if (check.wait_for(std::chrono::seconds(2)) != std::future_status::ready)
+          throw unhealthy("the workers did not answer within 2 s (busy or recovering)");
+        check.get();
       } catch (const error& e) {
-        status = 503;
-        body = http_error{503, "server_error", e.what()}.body();
+        throw unhealthy(e.what());
       }
-      net::post(self->strand_, [self, status, body] { self->respond(status, body); });
+      return json::object();
     });
   }
+
 
   /// Runs `f` (on the thread that calls this) and answers with its JSON, or with the error
   /// it throws.
@@ -584,14 +572,7 @@ private:
   }
 
   void admin_call(const std::string& path, const std::string& query, const std::string& text) {
-    json body = json::object();
-    if (!text.empty()) {
-      try {
-        body = json::parse(text);
-      } catch (const json::exception& e) {
-        throw http_error{400, "invalid_request_error", std::string{"the body is not JSON: "} + e.what()};
-      }
-    }
+    auto body = text.empty() ? json::object() : parse_json_object(text);
     auto param = [&](const std::string& key) -> std::vector<std::string> {
       std::vector<std::string> values;
       size_t at = 0;
