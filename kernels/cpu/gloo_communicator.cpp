@@ -118,11 +118,11 @@ auto guarded(const char* what, F&& f) {
 struct gloo_communicator::impl {
   std::shared_ptr<bootstrapped_context> context;
   std::chrono::milliseconds timeout;
-  /// Guards `connected` and `aborted`, so that an abort never meets pairs being made.
+  /// Guards what follows, so that an abort never meets pairs being made.
   std::mutex mtx;
-  bool connected = false;
   /// Where this rank's pairs listen, and where its peers' pairs with it do: a pair's
-  /// socket ends at one or the other (accepted here, or connected there).
+  /// socket ends at one or the other (accepted here, or connected there). Empty until the
+  /// group is connected.
   std::vector<sockaddr_storage> mine;
   std::vector<sockaddr_storage> peers;
   std::atomic<bool> aborted{false};
@@ -187,7 +187,6 @@ void gloo_communicator::connect(const std::vector<std::vector<std::string>>& tab
     return 0;
   });
   std::lock_guard<std::mutex> lk{impl_->mtx};
-  impl_->connected = true;
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_)
       continue;
@@ -217,8 +216,8 @@ void gloo_communicator::abort(const std::string& why) noexcept {
   if (impl_->aborted.exchange(true))
     return;
   impl_->why = why;
-  if (!impl_->connected)
-    return; // the next reduction fails on the flag
+  if (impl_->mine.empty() && impl_->peers.empty())
+    return; // not connected: the next reduction fails on the flag
   // Gloo has no abort a reduction can see, but its pairs fail the operations waiting on
   // them when their connection closes, as when a peer is killed: so close them.
   try {
