@@ -137,6 +137,11 @@ caf::error invalid_id(const char* what, int64_t id) {
                                                    std::to_string(id));
 }
 
+/// "node HOST:PORT" or "worker host HOST:PORT": where a remote worker runs.
+std::string place_name(const worker_place& place) {
+  return place.kind + " " + place.host + ":" + std::to_string(place.port);
+}
+
 /// A helper of the supervisor: answers one `lease_atom` with a worker leased from the first
 /// of `candidates` that gives one, and which, or an error naming what each said. Each is
 /// asked for at most `cfg.node_timeout` (a lease only spawns an actor: a node that is up
@@ -221,8 +226,6 @@ struct supervisor_state {
   bool recovering = false;
   int32_t replacing = -1;
   std::string replacing_cause;
-  /// Where the replacement runs ("in this process", "on node HOST:PORT"), for the log.
-  std::string replacing_where;
   clock_type::time_point replacing_started;
   /// A worker was replaced while no step was in flight: the next execute_model fails with
   /// `worker_replaced`, so that the engine learns that the KV cache is gone.
@@ -1061,7 +1064,7 @@ struct supervisor_state {
                 std::to_string(info.pid);
     auto& place = places[static_cast<size_t>(info.rank)];
     if (!place.host.empty())
-      text += ", " + place.kind + " " + place.host + ":" + std::to_string(place.port);
+      text += ", " + place_name(place);
     return text + ")";
   }
 
@@ -1093,7 +1096,7 @@ struct supervisor_state {
     auto why = render(msg.reason);
     auto& place = places[static_cast<size_t>(rank)];
     if (!place.host.empty()) {
-      what += " on " + place.kind + " " + place.host + ":" + std::to_string(place.port);
+      what += " on " + place_name(place);
       // CAF says only that the connection is gone; asking the peer's port again tells how.
       if (msg.reason == caf::exit_reason::remote_link_unreachable)
         why = why_connection_lost(place.host, place.port, !cfg.tls_certificate.empty());
@@ -1213,7 +1216,6 @@ struct supervisor_state {
       std::lock_guard<std::mutex> lk{replacements->mtx};
       replacements->workers.push_back(fresh);
     }
-    replacing_where = "in this process";
     bring_up(rank, fresh);
   }
 
@@ -1244,7 +1246,6 @@ struct supervisor_state {
           auto fresh = caf::actor_cast<worker_actor>(leased);
           auto& n = candidates[static_cast<size_t>(which)];
           st->places[static_cast<size_t>(rank)] = {"node", n.host, n.port};
-          st->replacing_where = "on " + node_name(n);
           {
             std::lock_guard<std::mutex> lk{st->replacements->mtx};
             st->replacements->leased.push_back(fresh);
@@ -1302,9 +1303,10 @@ struct supervisor_state {
       ++rank_restarts[static_cast<size_t>(rank)];
       auto ms =
         std::chrono::duration<double, std::milli>(clock_type::now() - replacing_started).count();
+      auto& place = places[static_cast<size_t>(rank)];
       log->warn("rank {} replaced in {:.1f} ms, {} (replacement {} of this rank) after: {}",
-                rank, ms, replacing_where, rank_restarts[static_cast<size_t>(rank)],
-                replacing_cause);
+                rank, ms, place.host.empty() ? "in this process" : "on " + place_name(place),
+                rank_restarts[static_cast<size_t>(rank)], replacing_cause);
     }
     auto calls = std::move(waiting_calls);
     waiting_calls.clear();
