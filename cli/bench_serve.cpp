@@ -17,7 +17,6 @@
 #include <iostream>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <thread>
 
 namespace troupe::cli {
@@ -84,30 +83,13 @@ stream_times stream_completion(uint16_t port, const std::string& body) {
   return t;
 }
 
-std::vector<int> concurrency_levels(const std::string& list) {
-  std::vector<int> levels;
-  std::stringstream in{list};
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    int c = 0;
-    try {
-      c = std::stoi(item);
-    } catch (const std::exception&) {
-    }
-    if (c < 1)
-      throw error{errc::invalid_argument, "--concurrency: '" + item + "' is not a count"};
-    levels.push_back(c);
-  }
-  return levels;
-}
-
 } // namespace
 
 std::shared_ptr<command> add_bench_serve(CLI::App& bench) {
   struct options {
     engine_options engine;
     workload_options work{0, 64, 64};
-    std::string concurrency = "1,8,32";
+    std::vector<int> concurrency{1, 8, 32};
     bool json = false;
   };
   auto o = std::make_shared<options>();
@@ -117,12 +99,14 @@ std::shared_ptr<command> add_bench_serve(CLI::App& bench) {
   cmd->app = sub;
   sub->add_option("--concurrency", o->concurrency,
                   "Clients at once, comma-separated levels (each a run)")
+    ->delimiter(',')
+    ->check(CLI::Range(1, 4096))
     ->capture_default_str();
   add_workload_options(*sub, o->work);
   sub->add_flag("--json", o->json, "Print only the JSON results, one line per level");
   add_engine_options(*sub, o->engine);
   cmd->run = [o] {
-    auto levels = concurrency_levels(o->concurrency);
+    auto& levels = o->concurrency;
     auto cfg = engine_config(o->engine, 0);
     int max_level = *std::max_element(levels.begin(), levels.end());
     cfg.scheduler.max_num_seqs = std::max(cfg.scheduler.max_num_seqs, max_level);
