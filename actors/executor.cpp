@@ -154,7 +154,20 @@ struct executor::impl {
   T ask(timeout_type t, Ts&&... xs) {
     std::shared_lock<std::shared_mutex> guard{lifecycle};
     check_open();
-    auto fut = send<T>(t, std::forward<Ts>(xs)...);
+    return wait_for(t, send<T>(t, std::forward<Ts>(xs)...));
+  }
+
+  /// `ask` for a call made through `supervisor_access` (see `send_direct`).
+  template <class T, class Make>
+  T ask_direct(timeout_type t, Make make) {
+    std::shared_lock<std::shared_mutex> guard{lifecycle};
+    check_open();
+    return wait_for(t, send_direct<T>(t, std::move(make)));
+  }
+
+  /// The answer of a call whose deadline is `t`.
+  template <class T>
+  T wait_for(timeout_type t, std::future<T> fut) {
     // Past a year a deadline is as good as none (and the clock arithmetic would overflow).
     bool bounded = t != wait_forever && t < std::chrono::hours(24 * 365);
     if (bounded && fut.wait_for(t + facade_grace) == std::future_status::timeout)
@@ -177,13 +190,65 @@ struct executor::impl {
     async_call call;
     call.request = [=](supervisor_access& access) mutable {
       auto me = caf::actor_cast<supervisor_actor>(access.self);
-      access.self->request(me, access.left, std::move(xs)...)
+      access.self->request(me, access.request_timeout(), std::move(xs)...)
         .then(reply<Reply>::async_handler(slot), [fail](caf::error& e) { fail(e); });
     };
     call.fail = fail;
     call.timeout = timeout;
-    caf::anon_send(supervisor, std::move(call));
+    hand_to_supervisor(*sys, supervisor, std::move(call));
     return fut;
+  }
+
+  /// `send` for a call that `make(access, reply)` makes through `supervisor_access`: its
+  /// answer reaches the future straight from the thread that finishes the call, usually
+  /// the last worker to reply, without a hop through the supervisor.
+  template <class T, class Make>
+  std::future<T> send_direct(timeout_type timeout, Make make) {
+    auto slot = std::make_shared<async_slot<T>>();
+    auto fut = slot->future();
+    auto closed = shut;
+    async_call call;
+    call.request = [slot, closed, make = std::move(make)](supervisor_access& access) mutable {
+      make(access, [slot, closed](caf::expected<T> res) {
+        if (!res)
+          slot->fail(translated(res.error(), *closed));
+        else if constexpr (std::is_void_v<T>)
+          slot->set();
+        else
+          slot->set(std::move(*res));
+      });
+    };
+    call.fail = [slot, closed](const caf::error& e) { slot->fail(translated(e, *closed)); };
+    call.timeout = timeout;
+    hand_to_supervisor(*sys, supervisor, std::move(call));
+    return fut;
+  }
+
+  /// `send_direct` for the async API: a closed executor's future fails with `shut_down`.
+  template <class T, class Make>
+  std::future<T> ask_async_direct(timeout_type t, Make make) {
+    std::shared_lock<std::shared_mutex> guard{lifecycle};
+    if (*shut) {
+      async_slot<T> closed;
+      return closed.future(); // fails with shut_down as `closed` goes
+    }
+    return send_direct<T>(t, std::move(make));
+  }
+
+  /// collective_rpc of a named method, made through `send_direct`.
+  auto rpc_of(const std::string& method, const rpc_call_options& opts) {
+    return [method, args = opts.args, kwargs = opts.kwargs, o = options(opts)](
+             supervisor_access& access, reply_to<std::vector<caf::message>> reply) {
+      access.collective_rpc(method, args, kwargs, o, std::move(reply));
+    };
+  }
+
+  /// execute_model, made through `send_direct`.
+  auto step_of(const execute_model_request& request) {
+    return [request, t = cfg.rpc_timeout](supervisor_access& access,
+                                          reply_to<std::vector<sampler_output>> reply) mutable {
+      access.execute_model(std::move(request), t, std::move(reply));
+    };
   }
 
   /// `send` for the async API, for a call whose deadline is `t`: a closed executor's
@@ -494,8 +559,7 @@ caf::actor_system& executor::system() {
 std::vector<caf::message> executor::collective_rpc(const std::string& method,
                                                    const rpc_call_options& opts) {
   auto& d = *impl_;
-  return d.ask<std::vector<caf::message>>(d.call_timeout(opts), rpc_atom::value, method,
-                                          opts.args, opts.kwargs, d.options(opts));
+  return d.ask_direct<std::vector<caf::message>>(d.call_timeout(opts), d.rpc_of(method, opts));
 }
 
 std::vector<caf::message> executor::collective_rpc(worker_method fn,
@@ -523,9 +587,8 @@ std::vector<caf::message> executor::apply_model(std::function<caf::message(troup
 std::future<std::vector<caf::message>>
 executor::collective_rpc_async(const std::string& method, const rpc_call_options& opts) {
   auto& d = *impl_;
-  return d.ask_async_within<std::vector<caf::message>>(d.call_timeout(opts), rpc_atom::value,
-                                                       method, opts.args, opts.kwargs,
-                                                       d.options(opts));
+  return d.ask_async_direct<std::vector<caf::message>>(d.call_timeout(opts),
+                                                       d.rpc_of(method, opts));
 }
 
 std::future<std::vector<caf::message>>
@@ -555,13 +618,14 @@ std::future<void> executor::initialize_cache_async(const cache_blocks& blocks) {
 }
 
 std::vector<sampler_output> executor::execute_model(const execute_model_request& request) {
-  return impl_->ask<std::vector<sampler_output>>(impl_->cfg.rpc_timeout, execute_atom::value,
-                                                 request);
+  auto& d = *impl_;
+  return d.ask_direct<std::vector<sampler_output>>(d.cfg.rpc_timeout, d.step_of(request));
 }
 
 std::future<std::vector<sampler_output>>
 executor::execute_model_async(const execute_model_request& request) {
-  return impl_->ask_async<std::vector<sampler_output>>(execute_atom::value, request);
+  auto& d = *impl_;
+  return d.ask_async_direct<std::vector<sampler_output>>(d.cfg.rpc_timeout, d.step_of(request));
 }
 
 void executor::stop_remote_worker_execution_loop() {
@@ -648,9 +712,13 @@ void executor::start_profile() {
 
 std::future<void> executor::start_profile_async() {
   auto& d = *impl_;
-  return d.ask_async<void, discarded<std::vector<caf::message>>>(
-    rpc_atom::value, std::string{"start_profile"}, caf::message{}, caf::settings{},
-    d.options({}));
+  return d.ask_async_direct<void>(
+    d.cfg.rpc_timeout, [rpc = d.rpc_of("start_profile", {})](supervisor_access& access,
+                                                             reply_to<void> reply) mutable {
+      rpc(access, [reply](caf::expected<std::vector<caf::message>> res) {
+        reply(res ? caf::expected<void>{} : caf::expected<void>{res.error()});
+      });
+    });
 }
 
 void executor::stop_profile() {

@@ -8,6 +8,7 @@
 
 #include "actors/log.hpp"
 #include "actors/node_auth.hpp"
+#include "actors/reply_sink.hpp"
 #include "actors/remoting.hpp"
 #include "actors/sleep_state.hpp"
 #include "actors/worker_actor.hpp"
@@ -31,8 +32,6 @@ namespace troupe {
 namespace {
 
 using clock_type = std::chrono::steady_clock;
-using gather_result = caf::expected<std::vector<caf::message>>;
-struct supervisor_state;
 using supervisor_self = supervisor_actor::stateful_pointer<supervisor_state>;
 
 /// How a gather asks one worker: sends it the request, then hands on its reply or error.
@@ -54,6 +53,17 @@ ask_fn calling(std::string method, caf::message args = {}, caf::settings kwargs 
   return asking(call_atom::value, std::move(method), std::move(args), std::move(kwargs));
 }
 
+/// The request `xs...` as a message for a direct gather (see `reply_sink`), checked against
+/// the worker's interface as `asking` is.
+template <class... Ts>
+caf::message worker_request(Ts&&... xs) {
+  using token =
+    caf::detail::type_list<typename caf::detail::implicit_conversions<std::decay_t<Ts>>::type...>;
+  static_assert(caf::response_type_unbox<caf::signatures_of_t<worker_actor>, token>::valid,
+                "a worker does not accept this request");
+  return caf::make_message(std::forward<Ts>(xs)...);
+}
+
 /// One collective call in flight: the request, who still owes a reply, what came back.
 struct gather {
   uint64_t id = 0;
@@ -62,6 +72,13 @@ struct gather {
   ask_fn ask;
   /// When set, the request for `ranks[i]` (instead of `ask` for all).
   std::vector<ask_fn> per_rank;
+  /// A direct gather's: the request sent to every rank, and what its sink shares. Its
+  /// replies go to the sink, which finishes the call on the last worker's thread; the
+  /// supervisor still watches its deadline and reports its errors.
+  caf::message request;
+  std::shared_ptr<direct_reply> direct;
+  /// The supervisor took the direct gather from its sink (see `claim`).
+  bool claimed = false;
   bool forever = false;
   clock_type::time_point deadline;
   timeout_type timeout{0};
@@ -117,7 +134,7 @@ caf::error rank_error(const gather& g, int32_t rank, const caf::error& err) {
 /// The first rank of `g` that has not replied: the one a missed deadline is blamed on.
 int32_t first_silent_rank(const gather& g) {
   for (size_t i = 0; i < g.ranks.size(); ++i)
-    if (!g.answered[i])
+    if (g.direct ? !g.direct->answered(i) : !g.answered[i])
       return g.ranks[i];
   return g.ranks.front();
 }
@@ -167,6 +184,8 @@ void lease_one(caf::blocking_actor* self, executor_config cfg,
     return caf::make_error(errc::worker_died, "no node gave a replacement (" + refusals + ")");
   });
 }
+
+} // namespace
 
 struct supervisor_state {
   supervisor_self self = nullptr;
@@ -236,6 +255,8 @@ struct supervisor_state {
     clock_type::time_point until;
   };
   std::vector<waiting_call> waiting_calls;
+  /// Where the workers' replies of direct gathers go.
+  std::unique_ptr<reply_sink> sink;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
 
   static inline const char* name = "troupe.executor";
@@ -248,6 +269,25 @@ struct supervisor_state {
                           timeout_type timeout, size_t max_concurrent,
                           std::function<void(gather_result)> done,
                           std::vector<ask_fn> per_rank = {}) {
+    return launch(std::move(label), std::move(ranks), std::move(ask), timeout, max_concurrent,
+                  std::move(done), std::move(per_rank), {});
+  }
+
+  /// Scatters `request` to `ranks`, whose replies go to the sink: `done` is called once,
+  /// from the last worker's thread with every reply, or from the supervisor's with the
+  /// first error. Its success must therefore touch no state of the supervisor.
+  gather_ptr start_direct_gather(std::string label, std::vector<int32_t> ranks,
+                                 caf::message request, timeout_type timeout,
+                                 std::function<void(gather_result)> done) {
+    return launch(std::move(label), std::move(ranks), nullptr, timeout, 0, std::move(done), {},
+                  std::move(request));
+  }
+
+  gather_ptr launch(std::string label, std::vector<int32_t> ranks, ask_fn ask,
+                    timeout_type timeout, size_t max_concurrent,
+                    std::function<void(gather_result)> done, std::vector<ask_fn> per_rank,
+                    caf::message request) {
+    sweep();
     auto g = std::make_shared<gather>();
     g->id = next_id++;
     g->label = std::move(label);
@@ -260,17 +300,22 @@ struct supervisor_state {
       g->deadline = clock_type::now() + timeout;
     g->max_concurrent = max_concurrent;
     g->remaining = g->ranks.size();
-    g->results.resize(g->ranks.size());
-    g->answered.resize(g->ranks.size());
-    g->done = std::move(done);
+    if (request.empty()) {
+      g->results.resize(g->ranks.size());
+      g->answered.resize(g->ranks.size());
+      g->done = std::move(done);
+    } else {
+      g->request = std::move(request);
+      g->direct = std::make_shared<direct_reply>(g->id, g->ranks.size(), std::move(done));
+    }
     if (failure) {
       g->finished = true;
-      g->done(failure);
+      conclude(*g, failure);
       return g;
     }
     if (g->ranks.empty()) {
       g->finished = true;
-      g->done(std::vector<caf::message>{});
+      conclude(*g, std::vector<caf::message>{});
       return g;
     }
     pending.emplace(g->id, g);
@@ -281,6 +326,14 @@ struct supervisor_state {
   }
 
   void send_next(const gather_ptr& g) {
+    if (g->direct) {
+      for (size_t index = 0; index < g->ranks.size(); ++index)
+        sink->ask(g->direct, index,
+                  caf::actor_cast<caf::actor>(workers[static_cast<size_t>(g->ranks[index])]),
+                  g->request, self->context());
+      g->next = g->in_flight = g->ranks.size();
+      return;
+    }
     while (!g->finished && g->next < g->ranks.size() &&
            (g->max_concurrent == 0 || g->in_flight < g->max_concurrent)) {
       auto index = g->next++;
@@ -300,13 +353,56 @@ struct supervisor_state {
           else
             st->send_next(g);
         },
-        [st, g, index](caf::error& err) {
-          auto why = rank_error(*g, g->ranks[index], err);
-          if (st->cfg.restart.max_restarts > 0 && to_errc(why) == errc::worker_died)
-            st->hold(g, std::move(why));
-          else
-            st->finish(g, std::move(why));
-        });
+        [st, g, index](caf::error& err) { st->rank_failed(g, index, err); });
+    }
+  }
+
+  /// Rank `ranks[index]` of `g` answered `err`.
+  void rank_failed(const gather_ptr& g, size_t index, const caf::error& err) {
+    auto why = rank_error(*g, g->ranks[index], err);
+    if (cfg.restart.max_restarts > 0 && to_errc(why) == errc::worker_died)
+      hold(g, std::move(why));
+    else
+      finish(g, std::move(why));
+  }
+
+  /// The sink passed on the error of a direct gather's rank.
+  void direct_failed(uint64_t id, uint64_t index, const caf::error& err) {
+    auto i = pending.find(id);
+    if (i == pending.end() || i->second->direct->taken())
+      return;
+    auto g = i->second;
+    rank_failed(g, static_cast<size_t>(index), err);
+  }
+
+  /// Hands `g` its result: to `done`, or, for a direct gather, to the sink's `done` unless
+  /// the sink already finished it.
+  void conclude(gather& g, gather_result result) {
+    if (!g.direct)
+      g.done(std::move(result));
+    else if (claim(g))
+      g.direct->done(std::move(result));
+  }
+
+  /// Whether the supervisor has `g` to finish: always, unless it is a direct gather that
+  /// its last worker finished already. A claimed gather is the supervisor's for good.
+  static bool claim(gather& g) {
+    if (g.direct && !g.claimed)
+      g.claimed = g.direct->take();
+    return !g.direct || g.claimed;
+  }
+
+  /// Drops the direct gathers that their last worker finished.
+  void sweep() {
+    for (auto i = pending.begin(); i != pending.end();) {
+      auto& g = *i->second;
+      if (g.direct && !g.claimed && g.direct->taken()) {
+        g.finished = true;
+        sink->forget(*g.direct);
+        i = pending.erase(i);
+      } else {
+        ++i;
+      }
     }
   }
 
@@ -333,7 +429,9 @@ struct supervisor_state {
       return;
     g->finished = true;
     pending.erase(g->id);
-    g->done(std::move(result));
+    if (g->direct)
+      sink->forget(*g->direct);
+    conclude(*g, std::move(result));
   }
 
   /// Fails every pending call with `why`, which every later call also gets.
@@ -355,7 +453,9 @@ struct supervisor_state {
     pending.clear();
     for (auto& [id, g] : calls) {
       g->finished = true;
-      g->done(why);
+      if (g->direct)
+        sink->forget(*g->direct);
+      conclude(*g, why);
     }
   }
 
@@ -379,6 +479,7 @@ struct supervisor_state {
   void check_deadlines(int64_t at) {
     if (timer_armed && timer_at.time_since_epoch().count() == at)
       timer_armed = false;
+    sweep();
     auto now = clock_type::now();
     std::vector<gather_ptr> expired;
     std::vector<gather_ptr> settled;
@@ -595,6 +696,22 @@ struct supervisor_state {
                                       then(done ? caf::none : done.error());
                                     });
                  });
+  }
+
+  /// collective_rpc of a named method, answered through `reply` (see `start_direct_gather`).
+  void collective(const std::string& method, caf::message args, caf::settings kwargs,
+                  const rpc_options& opts, timeout_type timeout,
+                  reply_to<std::vector<caf::message>> reply) {
+    auto label = "collective_rpc '" + method + "'";
+    auto done = [reply](gather_result res) { reply(std::move(res)); };
+    if (opts.max_concurrent_workers > 0)
+      start_gather(std::move(label), all_ranks(), calling(method, args, kwargs), timeout,
+                   static_cast<size_t>(opts.max_concurrent_workers), std::move(done));
+    else
+      start_direct_gather(std::move(label), all_ranks(),
+                          worker_request(call_atom::value, method, std::move(args),
+                                         std::move(kwargs)),
+                          timeout, std::move(done));
   }
 
   /// collective_rpc: every reply, in rank order.
@@ -829,54 +946,48 @@ struct supervisor_state {
 
   // -- the execution loop -------------------------------------------------------------
 
-  promise<std::vector<sampler_output>> execute_model(execute_model_request req) {
-    bool refused = false;
-    auto rp = respond<std::vector<sampler_output>>(&refused);
-    if (refused)
-      return rp;
-    if (transition) {
-      rp.deliver(caf::make_error(errc::sleeping, std::string{"execute_model while a sleep or "
-                                                             "wake_up is in progress"}));
-      return rp;
-    }
-    if (sleep.is_sleeping()) {
-      rp.deliver(caf::make_error(errc::sleeping, "execute_model while tags " +
-                                                   describe(sleep.sleeping_tags()) +
-                                                   " sleep; call wake_up first"));
-      return rp;
-    }
+  /// execute_model through the driver, answered through `reply`: from the driver's thread
+  /// with its output, or from the supervisor's with an error. Starts the execution loop.
+  void execute_model(execute_model_request req, reply_to<std::vector<sampler_output>> reply,
+                     timeout_type timeout) {
+    if (failure)
+      return reply(failure);
+    if (transition)
+      return reply(caf::make_error(errc::sleeping, std::string{"execute_model while a sleep or "
+                                                               "wake_up is in progress"}));
+    if (sleep.is_sleeping())
+      return reply(caf::make_error(errc::sleeping, "execute_model while tags " +
+                                                     describe(sleep.sleeping_tags()) +
+                                                     " sleep; call wake_up first"));
     if (loop_error) {
       auto err = std::move(loop_error);
       loop_error = caf::error{};
-      rp.deliver(err);
-      return rp;
+      return reply(err);
     }
     if (kv_lost) {
       kv_lost = false;
-      rp.deliver(caf::make_error(errc::worker_replaced,
-                                 replacing_cause + "; it was replaced and the KV cache went "
-                                                   "with it: compute the requests again"));
-      return rp;
+      return reply(caf::make_error(errc::worker_replaced,
+                                   replacing_cause + "; it was replaced and the KV cache went "
+                                                     "with it: compute the requests again"));
     }
     start_loop();
     auto id = loop_id;
     auto* st = this;
-    start_gather("execute_model", {0}, asking(execute_atom::value, std::move(req)),
-                 cfg.rpc_timeout, 0, [=](gather_result res) mutable {
-                   if (!res) {
-                     st->abandon_loop(id);
-                     rp.deliver(res.error());
-                     return;
-                   }
-                   try {
-                     auto& reply = (*res)[0];
-                     (void)result_as<std::vector<sampler_output>>(reply, 0, "execute_model");
-                     rp.deliver(std::move(reply.get_mutable_as<std::vector<sampler_output>>(0)));
-                   } catch (const error& e) {
-                     rp.deliver(caf::make_error(e.code(), std::string{e.what()}));
-                   }
-                 });
-    return rp;
+    start_direct_gather(
+      "execute_model", {0}, worker_request(execute_atom::value, std::move(req)), timeout,
+      [reply, id, st](gather_result res) {
+        if (!res) { // on the supervisor's thread
+          st->abandon_loop(id);
+          return reply(res.error());
+        }
+        try {
+          auto& out = (*res)[0];
+          (void)result_as<std::vector<sampler_output>>(out, 0, "execute_model");
+          reply(std::move(out.get_mutable_as<std::vector<sampler_output>>(0)));
+        } catch (const error& e) {
+          reply(caf::make_error(e.code(), std::string{e.what()}));
+        }
+      });
   }
 
   /// stop_remote_worker_execution_loop: answered when the loop's tasks have ended.
@@ -1182,8 +1293,8 @@ struct supervisor_state {
     // step does.
     kv_lost = true;
     for (auto& entry : pending)
-      if (entry.second->label == "execute_model")
-        kv_lost = false;
+      if (entry.second->label == "execute_model" && claim(*entry.second))
+        kv_lost = false; // and the step fails below
     fail_pending(lost);
     // The execution loop ended with the death; the survivors leave it.
     if (loop)
@@ -1327,10 +1438,10 @@ struct supervisor_state {
       waiting_calls.push_back({std::move(call), at});
       return;
     }
-    supervisor_access access{self};
+    supervisor_access access{self, this};
     if (until && *until != clock_type::time_point::max())
-      access.left = caf::duration{std::chrono::duration_cast<std::chrono::microseconds>(
-        std::max(*until - clock_type::now(), clock_type::duration{std::chrono::microseconds(1)}))};
+      access.left = std::max(std::chrono::duration_cast<timeout_type>(*until - clock_type::now()),
+                             timeout_type{1});
     call.request(access);
   }
 
@@ -1349,6 +1460,20 @@ struct supervisor_state {
   }
 };
 
+void supervisor_access::collective_rpc(const std::string& method, caf::message args,
+                                       caf::settings kwargs, const rpc_options& opts,
+                                       reply_to<std::vector<caf::message>> reply) {
+  state->collective(method, std::move(args), std::move(kwargs), opts,
+                    within(from_us(opts.timeout_us)), std::move(reply));
+}
+
+void supervisor_access::execute_model(execute_model_request req, timeout_type timeout,
+                                      reply_to<std::vector<sampler_output>> reply) {
+  state->execute_model(std::move(req), std::move(reply), within(timeout));
+}
+
+namespace {
+
 supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config cfg,
                                            std::vector<worker_actor> workers,
                                            std::vector<worker_place> places,
@@ -1362,17 +1487,13 @@ supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config
   st.replacements = std::move(replacements);
   st.workers = std::move(workers);
   st.places = std::move(places);
+  st.sink = std::make_unique<reply_sink>(self->system(), caf::actor_cast<caf::actor>(self));
   for (auto& w : st.workers)
     self->monitor(w);
   self->set_down_handler([self](caf::down_msg& msg) { self->state.on_worker_down(msg); });
   self->set_exit_handler([self](caf::exit_msg& msg) { self->state.on_exit(msg); });
   return {
     [self](init_atom) { return self->state.init_workers(); },
-    [self](rpc_atom, std::string method, caf::message args, caf::settings kwargs,
-           rpc_options opts) {
-      auto label = "collective_rpc '" + method + "'";
-      return self->state.collective(label, calling(method, args, kwargs), opts);
-    },
     [self](rpc_atom, local_call call, rpc_options opts) {
       return self->state.collective_callable(std::move(call), opts);
     },
@@ -1385,9 +1506,6 @@ supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config
       return self->state.all_true(std::move(method), std::move(args));
     },
     [self](same_set_atom, std::string method) { return self->state.same_set(std::move(method)); },
-    [self](execute_atom, execute_model_request req) {
-      return self->state.execute_model(std::move(req));
-    },
     [self](stop_loop_atom) { return self->state.stop_loop(); },
     [self](sleep_atom, sleep_request req) { return self->state.fall_asleep(req); },
     [self](wake_atom, std::vector<std::string> tags) {
@@ -1398,6 +1516,9 @@ supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config
     [self](deadline_atom, int64_t at) { self->state.check_deadlines(at); },
     [self](async_call& call) { self->state.run_call(std::move(call)); },
     [self](replace_atom, int32_t rank) { self->state.start_replacement(rank); },
+    [self](reply_error_atom, uint64_t id, uint64_t index, caf::error& err) {
+      self->state.direct_failed(id, index, err);
+    },
   };
 }
 
@@ -1409,9 +1530,68 @@ supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config&
                                   caf::actor lease_holder,
                                   std::shared_ptr<replacement_list> replacements) {
   places.resize(workers.size());
-  return sys.spawn<caf::detached>(supervisor, cfg, std::move(workers), std::move(places),
+  // Scheduled, not detached: a caller may run it (`hand_to_supervisor`).
+  return sys.spawn(supervisor, cfg, std::move(workers), std::move(places),
                                   std::move(factory), std::move(lease_holder),
                                   std::move(replacements));
+}
+
+namespace {
+
+/// The execution unit of a host thread that hands a message to the supervisor: the first
+/// actor it is asked to schedule is the supervisor its own message woke, which it keeps to
+/// run itself; any other (woken by what the supervisor sends meanwhile) goes to CAF's
+/// scheduler.
+class caller_unit : public caf::execution_unit {
+public:
+  explicit caller_unit(caf::actor_system& sys) : caf::execution_unit(&sys) {
+  }
+
+  void exec_later(caf::resumable* job) override {
+    if (job_ == nullptr && !running_) {
+      job_ = job;
+      return;
+    }
+    system().scheduler().enqueue(job);
+  }
+
+  /// Runs the kept actor until its mailbox is empty or it handled `limit` messages; then
+  /// the scheduler has it.
+  void run(size_t limit) {
+    if (job_ == nullptr)
+      return;
+    running_ = true;
+    switch (job_->resume(this, limit)) {
+      case caf::resumable::resume_later:
+        system().scheduler().enqueue(job_); // keeps the reference the enqueue added
+        break;
+      case caf::resumable::done:
+      case caf::resumable::awaiting_message:
+      case caf::resumable::shutdown_execution_unit:
+        intrusive_ptr_release(job_);
+        break;
+    }
+    job_ = nullptr;
+  }
+
+private:
+  caf::resumable* job_ = nullptr;
+  bool running_ = false;
+};
+
+/// How many messages a caller handles for the supervisor before the scheduler takes over:
+/// its call and what came in meanwhile, never a long backlog.
+constexpr size_t caller_throughput = 16;
+
+} // namespace
+
+void hand_to_supervisor(caf::actor_system& sys, const supervisor_actor& supervisor,
+                        async_call call) {
+  caller_unit unit{sys};
+  auto dest = caf::actor_cast<caf::strong_actor_ptr>(supervisor);
+  dest->enqueue(caf::make_mailbox_element(nullptr, caf::make_message_id(), {}, std::move(call)),
+                &unit);
+  unit.run(caller_throughput);
 }
 
 } // namespace troupe

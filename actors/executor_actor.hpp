@@ -6,6 +6,8 @@
 #include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
 
+#include <algorithm>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -21,13 +23,41 @@ struct worker_place {
   uint16_t port = 0;
 };
 
-/// What an `async_call` runs with: the supervisor, on its own thread, to make the call's
-/// request to itself.
+struct supervisor_state;
+
+/// Where the answer of a call made through `supervisor_access` goes: called once, from
+/// whichever thread finishes the call (the worker that replied last, or the supervisor's
+/// with an error).
+template <class T>
+using reply_to = std::function<void(caf::expected<T>)>;
+
+/// What an `async_call` runs with, in the supervisor's place (on whichever thread runs it):
+/// to make the call's request to the supervisor itself, or one of the calls below.
 struct supervisor_access {
   supervisor_actor::pointer self;
-  /// What is left of the call's deadline: infinite for a call made as it arrives (its
-  /// request carries its deadline), what remains for one that waited for a replacement.
-  caf::duration left = caf::infinite;
+  supervisor_state* state;
+  /// What is left of the call's deadline: `wait_forever` for a call made as it arrives
+  /// (its request carries its deadline), what remains for one that waited for a
+  /// replacement.
+  timeout_type left = wait_forever;
+
+  /// `left` as the timeout of a request to the supervisor.
+  caf::duration request_timeout() const {
+    return left == wait_forever ? caf::duration{caf::infinite} : caf::duration{left};
+  }
+
+  /// The shorter of `timeout` and `left`.
+  timeout_type within(timeout_type timeout) const {
+    return std::min(timeout, left);
+  }
+
+  /// collective_rpc of the named `method`, with `opts.timeout_us` or what is `left`.
+  void collective_rpc(const std::string& method, caf::message args, caf::settings kwargs,
+                      const rpc_options& opts, reply_to<std::vector<caf::message>> reply);
+
+  /// execute_model through the driver, within `timeout` or what is `left`.
+  void execute_model(execute_model_request req, timeout_type timeout,
+                     reply_to<std::vector<sampler_output>> reply);
 };
 
 /// The workers a supervisor spawned or leased to replace dead ones, for the facade's
@@ -52,5 +82,12 @@ supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config&
                                   std::vector<worker_place> places, worker_factory factory,
                                   caf::actor lease_holder,
                                   std::shared_ptr<replacement_list> replacements);
+
+/// Hands `call` to the supervisor. When the supervisor is idle, the calling thread runs it
+/// (up to a few messages) instead of waking a scheduler thread for it: the caller would
+/// only wait meanwhile, and on a small machine each thread wake-up is the largest cost of
+/// a call. A supervisor that is busy gets the call in its mailbox, as any message.
+void hand_to_supervisor(caf::actor_system& sys, const supervisor_actor& supervisor,
+                        async_call call);
 
 } // namespace troupe

@@ -44,10 +44,11 @@ struct local_call {
 /// (`actors/executor_actor.hpp`).
 struct supervisor_access;
 
-/// A call of the facade's async API. The host thread sends it to the supervisor itself,
-/// which makes the call's request to itself and hands the reply to the caller's future:
-/// calls made one after another keep their order, and cost no hop more than a blocking
-/// call. Never leaves the process.
+/// A call of the facade. The host thread hands it to the supervisor (and runs the
+/// supervisor itself when it is idle, see `hand_to_supervisor`), which makes the call: as
+/// a request to itself, or through `supervisor_access`, whose replies go from the workers
+/// straight to the caller's future. Calls made one after another keep their order, and an
+/// async call costs no hop more than a blocking one. Never leaves the process.
 struct async_call {
   std::function<void(supervisor_access&)> request;
   /// Fails the call without making it (it waited past `timeout` for a replacement).
@@ -127,6 +128,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, peers_atom, "t_peers")
   CAF_ADD_ATOM(troupe, troupe, replace_atom, "t_replace")
   CAF_ADD_ATOM(troupe, troupe, group_atom, "t_group")
+  CAF_ADD_ATOM(troupe, troupe, reply_error_atom, "t_rerror")
 
 CAF_END_TYPE_ID_BLOCK(troupe)
 

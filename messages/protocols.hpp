@@ -47,10 +47,9 @@ using worker_actor = caf::typed_actor<
 using supervisor_actor = caf::typed_actor<
   /// Starts every worker; their infos in rank order.
   caf::replies_to<init_atom>::with<std::vector<worker_info>>,
-  /// collective_rpc with a method name, or with an in-process callable: every reply in
-  /// rank order.
-  caf::replies_to<rpc_atom, std::string, caf::message, caf::settings,
-                  rpc_options>::with<std::vector<caf::message>>,
+  /// collective_rpc with an in-process callable: every reply in rank order. (Named
+  /// methods and execute_model are made through `supervisor_access`: their replies go
+  /// straight to the caller.)
   caf::replies_to<rpc_atom, local_call, rpc_options>::with<std::vector<caf::message>>,
   /// determine_num_available_blocks: the least of every worker's.
   caf::replies_to<blocks_atom>::with<cache_blocks>,
@@ -61,7 +60,6 @@ using supervisor_actor = caf::typed_actor<
   caf::replies_to<all_true_atom, std::string, caf::message>::with<bool>,
   /// list_loras / list_prompt_adapters (method): the set every worker holds.
   caf::replies_to<same_set_atom, std::string>::with<std::vector<int64_t>>,
-  caf::replies_to<execute_atom, execute_model_request>::with<std::vector<sampler_output>>,
   /// stop_remote_worker_execution_loop.
   caf::replies_to<stop_loop_atom>::with<caf::ok_atom>,
   caf::replies_to<sleep_atom, sleep_request>::with<caf::ok_atom>,
@@ -76,6 +74,9 @@ using supervisor_actor = caf::typed_actor<
   caf::reacts_to<async_call>,
   /// The supervisor's own: replace the dead worker of `rank` (after the requests that were
   /// already in its mailbox).
-  caf::reacts_to<replace_atom, int32_t>>;
+  caf::reacts_to<replace_atom, int32_t>,
+  /// A worker's error in a call whose replies go to a sink (actors/reply_sink.hpp): the
+  /// gather's id, the index of the rank in it, the error.
+  caf::reacts_to<reply_error_atom, uint64_t, uint64_t, caf::error>>;
 
 } // namespace troupe

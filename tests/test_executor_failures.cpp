@@ -65,6 +65,24 @@ TEST_CASE("a timeout fires near its deadline and names the late rank") {
   CHECK(took < 2.5); // well before the workers finish
 }
 
+TEST_CASE("a reply that comes after its call timed out is dropped, not taken for the next call's") {
+  executor exec{config(2), test_factory()};
+  auto late = sleep_ms(400);
+  late.timeout = 100ms;
+  try {
+    exec.collective_rpc("sleep_ms", late);
+    FAIL("the call must time out");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::timeout);
+  }
+  // Queued behind the sleeping call on each worker: the sleep's replies come first.
+  rpc_call_options opts;
+  opts.kwargs["name"] = std::string{"next"};
+  CHECK(exec.collective_rpc_as<std::string>("kwarg", opts) ==
+        std::vector<std::string>{"next", "next"});
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+}
+
 TEST_CASE("the default deadline comes from the config and waiting forever must be asked for") {
   auto cfg = config(1);
   cfg.rpc_timeout = 150ms;
