@@ -459,7 +459,7 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
   configure_scheduler(*d.sys_cfg, d.cfg.scheduler_threads, d.cfg.scheduler_poll_attempts);
   if (!d.cfg.remote_workers.empty() || !d.cfg.nodes.empty() || !d.cfg.spare_nodes.empty()) {
     d.sys_cfg->load<caf::io::middleman>();
-    configure_heartbeats(*d.sys_cfg, d.cfg.node_timeout);
+    configure_middleman(*d.sys_cfg, d.cfg.node_timeout);
     if (tls)
       configure_tls(*d.sys_cfg, d.cfg.tls_certificate, d.cfg.tls_key, d.cfg.tls_ca);
   }

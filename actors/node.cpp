@@ -307,7 +307,7 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   register_messages(*d.sys_cfg);
   configure_scheduler(*d.sys_cfg, 0, 0);
   d.sys_cfg->load<caf::io::middleman>();
-  configure_heartbeats(*d.sys_cfg, config.connection_timeout);
+  configure_middleman(*d.sys_cfg, config.connection_timeout);
   if (config.configure_system)
     config.configure_system(*d.sys_cfg);
   {

@@ -31,10 +31,14 @@ void configure_scheduler(caf::actor_system_config& cfg, size_t threads, size_t p
   cfg.set("work-stealing.relaxed-sleep-duration", caf::timespan{std::chrono::seconds(1)});
 }
 
-void configure_heartbeats(caf::actor_system_config& cfg, timeout_type timeout) {
+void configure_middleman(caf::actor_system_config& cfg, timeout_type timeout) {
   auto span = std::chrono::duration_cast<caf::timespan>(timeout);
   cfg.set("middleman.heartbeat-interval", span / 4);
   cfg.set("middleman.connection-timeout", span);
+  // CAF hands each message read from a connection to a worker thread to deserialize and
+  // deliver: a thread wake-up more on every remote call, each way. troupe's messages are
+  // small, so the middleman's thread delivers them itself.
+  cfg.set("middleman.workers", size_t{0});
 }
 
 bool wants_tls(const std::string& certificate, const std::string& key, const std::string& ca) {

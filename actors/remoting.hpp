@@ -17,9 +17,10 @@ namespace troupe {
 /// stall their collectives (SmolLM2 decode 76 -> 132 tok/s on 2 cores without it).
 void configure_scheduler(caf::actor_system_config& cfg, size_t threads, size_t poll_attempts);
 
-/// Turns on BASP heartbeats (every quarter of `timeout`) and drops connections silent for
-/// `timeout`, so that a peer that is cut off or stopped is noticed.
-void configure_heartbeats(caf::actor_system_config& cfg, timeout_type timeout);
+/// Sets up the middleman: BASP heartbeats every quarter of `timeout`, connections silent
+/// for `timeout` dropped (so that a peer that is cut off or stopped is noticed), and
+/// messages from the network delivered by the middleman's own thread.
+void configure_middleman(caf::actor_system_config& cfg, timeout_type timeout);
 
 /// Whether TLS is asked for: false when all three files are empty, true when all three are
 /// given; throws `invalid_argument` for part of them.

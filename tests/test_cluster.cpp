@@ -134,7 +134,7 @@ struct client_system {
     register_messages(cfg);
     cfg.load<caf::io::middleman>();
     if (heartbeats)
-      configure_heartbeats(cfg, 1s); // stays connected while a test waits
+      configure_middleman(cfg, 1s); // stays connected while a test waits
     sys = std::make_unique<caf::actor_system>(cfg);
   }
 };
