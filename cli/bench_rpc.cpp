@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <fstream>
 #include <functional>
+#include <iomanip>
 #include <iostream>
 #include <iterator>
 #include <mutex>
@@ -63,6 +64,10 @@ struct stats {
   double calls_per_s = 0;
   /// Resident set size of the process when the mode ended: flat over a long run, or a leak.
   int64_t rss_bytes = 0;
+  /// Busy mode: the share of the time the workers spent in the second caller's calls. Near
+  /// 1 when they were kept busy; near 0 when the measured calls starved that caller, so
+  /// that they met idle workers.
+  double load_share = -1;
 };
 
 
@@ -229,6 +234,8 @@ std::string to_json(const stats& s, int workers, const std::string& mode) {
       << ",\"mean_us\":" << s.mean_us << ",\"calls_per_s\":" << s.calls_per_s;
   if (s.rss_bytes > 0)
     out << ",\"rss_bytes\":" << s.rss_bytes;
+  if (s.load_share >= 0)
+    out << ",\"load_share\":" << std::setprecision(2) << s.load_share;
   out << "}";
   return out.str();
 }
@@ -372,13 +379,19 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
 
     // Busy: a second caller keeps every worker running short calls back to back.
     std::atomic<bool> stop{false};
+    std::atomic<int64_t> spins{0};
     std::thread load([&] {
       rpc_call_options spin;
       spin.args = caf::make_message(static_cast<int32_t>(opts->busy_spin_us));
-      while (!stop)
+      while (!stop) {
         exec.collective_rpc("spin", spin);
+        ++spins;
+      }
     });
+    auto busy_start = clock_type::now();
     auto busy = measure(call, opts->iterations);
+    std::chrono::duration<double, std::micro> busy_wall = clock_type::now() - busy_start;
+    busy.load_share = static_cast<double>(spins) * opts->busy_spin_us / busy_wall.count();
     stop = true;
     load.join();
     if (opts->method == "execute_model")
@@ -397,7 +410,8 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                 << " over " << opts->workers << " worker(s), "
                 << opts->iterations << " calls per mode\n"
                 << "  idle: p50 " << idle.p50_us << " us, p99 " << idle.p99_us << " us\n"
-                << "  busy: p50 " << busy.p50_us << " us, p99 " << busy.p99_us << " us\n"
+                << "  busy: p50 " << busy.p50_us << " us, p99 " << busy.p99_us
+                << " us (workers busy " << busy.load_share * 100 << " % of the time)\n"
                 << "  resident memory: " << idle.rss_bytes / (1 << 20) << " MiB after idle, "
                 << busy.rss_bytes / (1 << 20) << " MiB after busy\n"
                 << "  floor (thread wake-up round trip): p50 " << floor.p50_us << " us\n"
