@@ -207,18 +207,30 @@ struct executor::impl {
     auto slot = std::make_shared<async_slot<T>>();
     auto fut = slot->future();
     auto closed = shut;
-    async_call call;
-    call.request = [slot, closed, make = std::move(make)](supervisor_access& access) mutable {
-      make(access, [slot, closed](caf::expected<T> res) {
-        if (!res)
-          slot->fail(translated(res.error(), *closed));
-        else if constexpr (std::is_void_v<T>)
-          slot->set();
-        else
-          slot->set(std::move(*res));
-      });
+    reply_to<T> reply = [slot, closed](caf::expected<T> res) {
+      if (!res)
+        slot->fail(translated(res.error(), *closed));
+      else if constexpr (std::is_void_v<T>)
+        slot->set();
+      else
+        slot->set(std::move(*res));
     };
-    call.fail = [slot, closed](const caf::error& e) { slot->fail(translated(e, *closed)); };
+    auto fail = [slot, closed](const caf::error& e) { slot->fail(translated(e, *closed)); };
+    async_call call;
+    call.request = [make = std::move(make), reply, fail](supervisor_access& access) mutable {
+      // Made behind what the supervisor's mailbox holds, as the requests to itself of the
+      // calls before it are: calls from one thread reach the workers in order.
+      async_call made;
+      made.admitted = true;
+      made.request = [make = std::move(make), reply, left = access.left](
+                       supervisor_access& now) mutable {
+        now.left = left;
+        make(now, reply);
+      };
+      made.fail = fail;
+      access.self->send(caf::actor_cast<supervisor_actor>(access.self), std::move(made));
+    };
+    call.fail = fail;
     call.timeout = timeout;
     hand_to_supervisor(*sys, supervisor, std::move(call));
     return fut;
@@ -227,12 +239,18 @@ struct executor::impl {
   /// `send_direct` for the async API: a closed executor's future fails with `shut_down`.
   template <class T, class Make>
   std::future<T> ask_async_direct(timeout_type t, Make make) {
+    return if_open<T>([&] { return send_direct<T>(t, std::move(make)); });
+  }
+
+  /// What `send` gives, or for a closed executor a future that fails with `shut_down`.
+  template <class T, class Send>
+  std::future<T> if_open(Send send) {
     std::shared_lock<std::shared_mutex> guard{lifecycle};
     if (*shut) {
       async_slot<T> closed;
       return closed.future(); // fails with shut_down as `closed` goes
     }
-    return send_direct<T>(t, std::move(make));
+    return send();
   }
 
   /// collective_rpc of a named method, made through `send_direct`.
@@ -255,12 +273,7 @@ struct executor::impl {
   /// future fails with `shut_down`.
   template <class T, class Reply = T, class... Ts>
   std::future<T> ask_async_within(timeout_type t, Ts... xs) {
-    std::shared_lock<std::shared_mutex> guard{lifecycle};
-    if (*shut) {
-      async_slot<T> closed;
-      return closed.future(); // fails with shut_down as `closed` goes
-    }
-    return send<T, Reply>(t, std::move(xs)...);
+    return if_open<T>([&] { return send<T, Reply>(t, std::move(xs)...); });
   }
 
   /// `ask_async_within` the default deadline.

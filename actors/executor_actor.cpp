@@ -327,11 +327,13 @@ struct supervisor_state {
 
   void send_next(const gather_ptr& g) {
     if (g->direct) {
+      // The last rank gets the gather's own copy: a worker that finds the message unshared
+      // takes its contents instead of copying them (a step's request, every step).
       for (size_t index = 0; index < g->ranks.size(); ++index)
         sink->ask(g->direct, index,
                   caf::actor_cast<caf::actor>(workers[static_cast<size_t>(g->ranks[index])]),
-                  g->request, self->context());
-      g->next = g->in_flight = g->ranks.size();
+                  index + 1 < g->ranks.size() ? g->request : std::move(g->request),
+                  self->context());
       return;
     }
     while (!g->finished && g->next < g->ranks.size() &&
@@ -1429,7 +1431,7 @@ struct supervisor_state {
   /// its deadline, once it has waited (it then gets only what is left of it).
   void run_call(async_call call,
                 std::optional<clock_type::time_point> until = std::nullopt) {
-    if (recovering) {
+    if (recovering && !call.admitted) {
       auto at = until.value_or(clock_type::time_point::max());
       if (!until && call.timeout != wait_forever) {
         at = clock_type::now() + call.timeout;
@@ -1591,7 +1593,12 @@ void hand_to_supervisor(caf::actor_system& sys, const supervisor_actor& supervis
   auto dest = caf::actor_cast<caf::strong_actor_ptr>(supervisor);
   dest->enqueue(caf::make_mailbox_element(nullptr, caf::make_message_id(), {}, std::move(call)),
                 &unit);
+  // An actor spawned while this thread runs the supervisor (a replacement worker) leaves a
+  // reference to the system's logger in this thread, and ~actor_system waits for it.
+  bool had_logger = caf::logger::current_logger() != nullptr;
   unit.run(caller_throughput);
+  if (!had_logger)
+    caf::logger::set_current_actor_system(nullptr);
 }
 
 } // namespace troupe

@@ -389,9 +389,11 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
       }
     });
     auto busy_start = clock_type::now();
+    auto spins_before = spins.load();
     auto busy = measure(call, opts->iterations);
     std::chrono::duration<double, std::micro> busy_wall = clock_type::now() - busy_start;
-    busy.load_share = static_cast<double>(spins) * opts->busy_spin_us / busy_wall.count();
+    busy.load_share =
+      static_cast<double>(spins - spins_before) * opts->busy_spin_us / busy_wall.count();
     stop = true;
     load.join();
     if (opts->method == "execute_model")

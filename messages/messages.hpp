@@ -55,6 +55,9 @@ struct async_call {
   std::function<void(const caf::error&)> fail;
   /// How long the call may wait before it is made; `wait_forever` for no limit.
   timeout_type timeout = wait_forever;
+  /// Set on a call the supervisor sent itself to make it behind what its mailbox already
+  /// holds: it runs as it comes (see `send_direct` in actors/executor.cpp).
+  bool admitted = false;
 };
 
 /// Deadline and fan-out of one collective call (executor-internal).

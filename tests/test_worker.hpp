@@ -152,6 +152,11 @@ public:
     worker::sleep(level);
   }
 
+  /// Records that call `i` ran here, for tests of the order in which calls arrive.
+  void note(int32_t i) {
+    notes_.push_back(i);
+  }
+
   uint64_t checksum() const {
     return fnv1a(weights_.as<unsigned char>(), weights_.size());
   }
@@ -258,6 +263,19 @@ private:
     register_method("kwarg", [](worker&, const caf::message&, const caf::settings& kwargs) {
       return caf::make_message(caf::get_or(kwargs, "name", std::string{"missing"}));
     });
+    // The kwarg "name", then '@' and the rank.
+    register_method("kwarg_at", [](worker& w, const caf::message&, const caf::settings& kwargs) {
+      return caf::make_message(caf::get_or(kwargs, "name", std::string{"missing"}) + "@" +
+                               std::to_string(w.rank()));
+    });
+    // Notes its argument (see `note`); "notes" returns what was noted, in order.
+    register_method("note", [](worker& w, const caf::message& args, const caf::settings&) {
+      static_cast<test_worker&>(w).note(int_arg(args, 0, -1));
+      return caf::message{};
+    });
+    register_method("notes", [](worker& w, const caf::message&, const caf::settings&) {
+      return caf::make_message(static_cast<test_worker&>(w).notes_);
+    });
     // Holds the call for 50 ms and records how many calls overlap across workers.
     register_method("track", [](worker& w, const caf::message&, const caf::settings&) {
       auto now = ++concurrency_probe::current();
@@ -284,6 +302,7 @@ private:
   int32_t step_delay_ms_ = 0;
   bool fail_next_sleep_ = false;
   std::string save_dir_;
+  std::vector<int32_t> notes_;
 };
 
 /// The code of the troupe::error that `f` throws; errc::none when it throws nothing.

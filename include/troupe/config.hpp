@@ -104,10 +104,10 @@ struct executor_config {
   /// CAF's default (one per core).
   size_t scheduler_threads = 0;
   /// How many times an idle scheduler thread polls for work before it waits for the next
-  /// message; 0 keeps CAF's default (100). The supervisor and the workers have threads of
-  /// their own; the scheduler runs the helpers of async calls and the network, whose
-  /// latency large values (say 100000) cut, at the price of a scheduler thread spinning for
-  /// a while after each message.
+  /// message; 0 keeps CAF's default (100). The workers have threads of their own; the
+  /// scheduler runs the supervisor when no caller does (replies to calls that are not
+  /// direct, deaths, deadlines), whose latency large values (say 100000) cut, at the price
+  /// of a scheduler thread spinning for a while after each message.
   size_t scheduler_poll_attempts = 0;
   /// Lets the host add settings or message types to the executor's actor system.
   std::function<void(caf::actor_system_config&)> configure_system;
