@@ -1,6 +1,7 @@
 // `troupe bench rpc`: latency of collective_rpc on a no-op method from the blocking facade,
-// with idle workers and with workers kept busy by a second caller; plus the floor set by a
-// bare thread-to-thread wake-up on this machine.
+// with idle workers and with workers kept busy by a second caller; plus the floors set by
+// bare thread wake-ups on this machine, the scatter-gather one measured in turns with the
+// executor's calls.
 
 #include "cli/commands.hpp"
 
@@ -22,6 +23,7 @@
 #include <numeric>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -160,13 +162,32 @@ private:
   std::vector<std::thread> threads_;
 };
 
-/// Scatter-gather from this thread to `n` threads: the floor of a collective call to `n`
-/// workers on this machine.
-stats scatter_gather_floor(int n, int iterations) {
-  gather_group group{n};
-  auto s = measure([&] { group.call(); }, iterations);
-  s.rss_bytes = 0; // not the executor's
-  return s;
+/// `a` and `b` measured in turns, `chunk` calls of each at a time: on a machine whose
+/// speed drifts (a shared VM), both meet the same conditions, so their ratio holds where
+/// two measurements one after the other would not.
+std::pair<stats, stats> measure_in_turns(const std::function<void()>& a,
+                                         const std::function<void()>& b, int iterations,
+                                         int chunk = 50) {
+  for (int i = 0; i < std::min(iterations, 100); ++i) { // warm-up
+    a();
+    b();
+  }
+  std::vector<double> samples[2];
+  std::chrono::duration<double> wall[2]{};
+  const std::function<void()>* calls[2] = {&a, &b};
+  for (int done = 0; done < iterations; done += chunk)
+    for (int k = 0; k < 2; ++k) {
+      auto chunk_start = clock_type::now();
+      for (int i = done; i < std::min(done + chunk, iterations); ++i) {
+        auto start = clock_type::now();
+        (*calls[k])();
+        samples[k].push_back(
+          std::chrono::duration<double, std::micro>(clock_type::now() - start).count());
+      }
+      wall[k] += clock_type::now() - chunk_start;
+    }
+  return {summarize(std::move(samples[0]), wall[0].count()),
+          summarize(std::move(samples[1]), wall[1].count())};
 }
 
 /// The same scatter-gather made by a middle thread on behalf of this one, which hands it
@@ -357,7 +378,6 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     // A hand-off to a middle thread that has no workers to ask: one thread wake-up round
     // trip, the least a cross-thread request and reply can cost here.
     auto floor = relayed_gather_floor(0, opts->iterations);
-    auto gather_floor = scatter_gather_floor(opts->workers, opts->iterations);
     auto relayed_floor = relayed_gather_floor(opts->workers, opts->iterations);
     auto tcp_floor = tcp_round_trip_floor(opts->iterations);
     // One sequence of one token: the smallest step there is.
@@ -375,7 +395,15 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     std::function<void()> call = [&] { exec.collective_rpc("noop"); };
     if (opts->method == "execute_model")
       call = [&] { exec.execute_model(step); };
-    auto idle = measure(call, opts->iterations);
+    // The floor of the same scatter-gather, measured in turns with the executor's calls.
+    stats idle;
+    stats gather_floor;
+    {
+      gather_group group{opts->workers};
+      std::tie(idle, gather_floor) =
+        measure_in_turns(call, [&] { group.call(); }, opts->iterations);
+    }
+    idle.rss_bytes = resident_bytes();
 
     // Busy: a second caller keeps every worker running short calls back to back.
     std::atomic<bool> stop{false};
