@@ -21,6 +21,8 @@
 #include <shared_mutex>
 #include <utility>
 
+#include <sched.h>
+
 namespace troupe {
 
 namespace {
@@ -170,6 +172,13 @@ struct executor::impl {
   T wait_for(timeout_type t, std::future<T> fut) {
     // Past a year a deadline is as good as none (and the clock arithmetic would overflow).
     bool bounded = t != wait_forever && t < std::chrono::hours(24 * 365);
+    // A reply that comes within `linger` finds this thread awake.
+    if (cfg.linger > timeout_type::zero()) {
+      auto until = std::chrono::steady_clock::now() + cfg.linger;
+      while (fut.wait_for(timeout_type::zero()) != std::future_status::ready &&
+             std::chrono::steady_clock::now() < until)
+        sched_yield();
+    }
     if (bounded && fut.wait_for(t + facade_grace) == std::future_status::timeout)
       throw translate(caf::sec::request_timeout);
     return fut.get();
@@ -451,6 +460,9 @@ void executor_config::validate() const {
                 std::to_string(remote_count(*this)) +
                   " remote workers do not fit tensor_parallel_size " +
                   std::to_string(tensor_parallel_size)};
+  if (linger < timeout_type::zero() || linger > std::chrono::seconds(1))
+    throw error{errc::invalid_argument, "linger must be between 0 and 1 s, got " +
+                                          std::to_string(linger.count()) + " us"};
   if (rpc_timeout <= timeout_type::zero() || startup_timeout <= timeout_type::zero())
     throw error{errc::invalid_argument, "rpc_timeout and startup_timeout must be positive"};
   if (restart.max_restarts < 0)

@@ -616,6 +616,7 @@ struct supervisor_state {
       ctx.max_model_len = cfg.max_model_len;
       ctx.profile_dir = cfg.profile_dir;
       ctx.collective_host = cfg.collective_host;
+      ctx.linger_us = cfg.linger.count();
       contexts.push_back(ctx);
     }
     for (int32_t rank = 0; rank < world; ++rank)

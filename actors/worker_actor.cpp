@@ -7,9 +7,12 @@
 #include <caf/all.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <mutex>
 #include <set>
 #include <unordered_map>
+
+#include <sched.h>
 
 namespace troupe {
 
@@ -65,12 +68,30 @@ struct worker_actor_state {
   std::set<caf::node_id> allowed;
   /// The device and collective address its node chose (leased workers only).
   std::optional<node_placement> placement;
+  /// How long it waits for the next message after a call (`worker_context::linger_us`).
+  std::chrono::microseconds linger{0};
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.worker");
 
   static inline const char* name = "troupe.worker";
 };
 
 using worker_self = worker_actor::stateful_pointer<worker_actor_state>;
+
+/// Has the worker wait for the next message once this call is answered (see
+/// `executor_config::linger`): a message to itself, handled after the reply left.
+void linger_after(worker_self self) {
+  if (self->state.linger.count() > 0)
+    self->send(self, linger_atom::value);
+}
+
+/// Waits until a message arrives or the linger time is up. A message that arrives meanwhile
+/// finds the thread awake (its sender wakes nobody); the thread yields its core to any
+/// other thread that is ready to run.
+void linger(worker_self self) {
+  auto until = std::chrono::steady_clock::now() + self->state.linger;
+  while (self->mailbox().empty() && std::chrono::steady_clock::now() < until)
+    sched_yield();
+}
 
 caf::error not_initialised() {
   return caf::make_error(errc::unsupported, std::string{"worker actor is not initialised"});
@@ -209,6 +230,7 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
         return caf::make_error(errc::invalid_argument,
                                "rank " + std::to_string(st.rank) + ": worker already initialised");
       st.rank = ctx.rank;
+      st.linger = std::chrono::microseconds(std::clamp<int64_t>(ctx.linger_us, 0, 1000000));
       for (auto& peer : peers)
         st.peers.push_back(caf::actor_cast<worker_actor>(peer));
       if (st.placement) {
@@ -236,6 +258,7 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
         const caf::settings& kwargs) -> caf::result<caf::ok_atom, caf::message> {
       if (refused(self))
         return refusal();
+      linger_after(self);
       return guarded(self, method, [&](worker& w) { return w.call(method, args, kwargs); });
     },
     [=](loop_atom, int64_t id) -> caf::result<caf::ok_atom, caf::message> {
@@ -278,6 +301,7 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
     [=](execute_atom, execute_model_request& req) -> caf::result<caf::ok_atom, caf::message> {
       if (refused(self))
         return refusal();
+      linger_after(self);
       auto& st = self->state;
       // The peers get the step with its tokens filled in.
       if (auto err = fill_pending_tokens(req, st.last_samples)) {
@@ -319,6 +343,7 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
           end_loop(self, std::move(err));
       }
     },
+    [=](linger_atom) { linger(self); },
     [=](peers_atom, std::vector<caf::actor> peers) -> caf::result<caf::ok_atom, caf::message> {
       auto& st = self->state;
       if (refused(self))

@@ -325,6 +325,7 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     std::string method = "noop";
     size_t scheduler_threads = 0;
     size_t poll_attempts = 0;
+    int64_t linger_us = executor_config{}.linger.count();
     bool json = false;
     node_options nodes;
   };
@@ -351,6 +352,12 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                  "Polls of an idle scheduler thread before it sleeps (0: CAF's default)")
     ->capture_default_str();
   cmd->app
+    ->add_option("--linger-us", opts->linger_us,
+                 "How long workers and the caller stay awake around a call before they sleep "
+                 "(0: at once)")
+    ->check(CLI::Range(int64_t{0}, int64_t{1000000}))
+    ->capture_default_str();
+  cmd->app
     ->add_option("--idle-seconds", opts->idle_seconds,
                  "How long the idle executor's CPU use is measured")
     ->check(CLI::Range(1, 3600))
@@ -370,6 +377,7 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     cfg.node_worker_kind = "bench";
     cfg.scheduler_threads = opts->scheduler_threads;
     cfg.scheduler_poll_attempts = opts->poll_attempts;
+    cfg.linger = std::chrono::microseconds(opts->linger_us);
     executor exec{cfg, [](int32_t) { return make_bench_worker(); }};
     int32_t remote = 0;
     for (auto& n : cfg.nodes)

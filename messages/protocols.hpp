@@ -40,7 +40,10 @@ using worker_actor = caf::typed_actor<
   /// Every member of the tensor-parallel group, in rank order: a member that goes down
   /// aborts this worker's collective (`worker::abort_collective`), so that a reduction
   /// waiting for it fails at once instead of at the collective's timeout.
-  caf::replies_to<group_atom, std::vector<caf::actor>>::with<caf::ok_atom, caf::message>>;
+  caf::replies_to<group_atom, std::vector<caf::actor>>::with<caf::ok_atom, caf::message>,
+  /// A worker's own, after a call: waits a little for the next message before its thread
+  /// sleeps.
+  caf::reacts_to<linger_atom>>;
 
 /// The supervisor of an executor (`actors/executor_actor`), as the facade
 /// (`actors/executor.cpp`) talks to it.

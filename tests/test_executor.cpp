@@ -561,6 +561,25 @@ TEST_CASE("bad configurations are refused with the reason") {
   auto failing = [](int32_t) -> std::unique_ptr<worker> { throw std::runtime_error("no device today"); };
   auto what = what_of([&] { executor exec(config(2), failing); });
   CHECK(what.find("no device today") != std::string::npos);
+  for (auto linger : {-1us, 1000001us}) {
+    auto bad = config(1);
+    bad.linger = linger;
+    CHECK(what_of([&] { executor exec(bad, test_factory()); }).find("linger") != std::string::npos);
+  }
+}
+
+TEST_CASE("calls give the same answers whether threads linger or sleep at once") {
+  for (auto linger : {0us, 30us, 2000us}) {
+    auto cfg = config(3);
+    cfg.linger = linger;
+    executor exec{cfg, test_factory()};
+    for (int i = 0; i < 50; ++i) {
+      CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1, 2});
+      auto out = exec.execute_model(one_step(i + 1));
+      REQUIRE(out.size() == 1);
+      CHECK(out[0].outputs[0].samples[0].output_token == 2 * (i + 1));
+    }
+  }
 }
 
 TEST_CASE("a peer failing a step with three workers leaves the next loop clean") {

@@ -34,12 +34,16 @@ struct worker_context {
   std::string profile_dir;
   /// Address this worker's tensor-parallel collective listens on.
   std::string collective_host = "127.0.0.1";
+  /// Microseconds the worker waits for the next message after a call before its thread
+  /// sleeps (`executor_config::linger`).
+  int64_t linger_us = 0;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, worker_context& x) {
   return f(caf::meta::type_name("worker_context"), x.rank, x.world_size, x.device_kind,
-           x.device_index, x.block_size, x.max_model_len, x.profile_dir, x.collective_host);
+           x.device_index, x.block_size, x.max_model_len, x.profile_dir, x.collective_host,
+           x.linger_us);
 }
 
 /// A model a worker runs, as `apply_model` hands it to a function. Concrete models derive
