@@ -270,6 +270,21 @@ struct executor::impl {
     };
   }
 
+  /// collective_rpc of a named method whose future says only that it succeeded; `seen`
+  /// (when given) gets the replies first, on whichever thread finishes the call.
+  std::future<void> rpc_done_async(const std::string& method,
+                                   std::function<void(const std::vector<caf::message>&)> seen) {
+    return ask_async_direct<void>(
+      cfg.rpc_timeout, [rpc = rpc_of(method, {}), seen](supervisor_access& access,
+                                                       reply_to<void> reply) mutable {
+        rpc(access, [reply, seen](caf::expected<std::vector<caf::message>> res) {
+          if (res && seen)
+            seen(*res);
+          reply(res ? caf::expected<void>{} : caf::expected<void>{res.error()});
+        });
+      });
+  }
+
   /// execute_model, made through `send_direct`.
   auto step_of(const execute_model_request& request) {
     return [request, t = cfg.rpc_timeout](supervisor_access& access,
@@ -736,14 +751,7 @@ void executor::start_profile() {
 }
 
 std::future<void> executor::start_profile_async() {
-  auto& d = *impl_;
-  return d.ask_async_direct<void>(
-    d.cfg.rpc_timeout, [rpc = d.rpc_of("start_profile", {})](supervisor_access& access,
-                                                             reply_to<void> reply) mutable {
-      rpc(access, [reply](caf::expected<std::vector<caf::message>> res) {
-        reply(res ? caf::expected<void>{} : caf::expected<void>{res.error()});
-      });
-    });
+  return impl_->rpc_done_async("start_profile", nullptr);
 }
 
 void executor::stop_profile() {
@@ -751,10 +759,9 @@ void executor::stop_profile() {
 }
 
 std::future<void> executor::stop_profile_async() {
-  auto summaries = collective_rpc_async("stop_profile");
   auto log = impl_->log;
-  return std::async(std::launch::deferred, [f = std::move(summaries), log]() mutable {
-    for (auto& msg : f.get())
+  return impl_->rpc_done_async("stop_profile", [log](const std::vector<caf::message>& replies) {
+    for (auto& msg : replies)
       if (msg.match_elements<std::string>())
         log->info("profile: {}", msg.get_as<std::string>(0));
   });

@@ -350,7 +350,11 @@ TEST_CASE("profiling writes one trace per worker and stopping without starting i
   exec.start_profile();
   CHECK(code_of([&] { exec.start_profile(); }) == errc::invalid_argument);
   exec.collective_rpc("rank");
-  exec.stop_profile();
+  // A future that can be waited on with a deadline (not a deferred one, whose wait_for
+  // returns at once without waiting).
+  auto stopped = exec.stop_profile_async();
+  REQUIRE(stopped.wait_for(20s) == std::future_status::ready);
+  stopped.get();
   size_t traces = 0;
   for (auto& entry : std::filesystem::directory_iterator(dir))
     traces += entry.path().string().find(".trace.json") != std::string::npos;
