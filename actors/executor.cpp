@@ -184,6 +184,8 @@ struct executor::impl {
     return fut.get();
   }
 
+  using fail_fn = std::function<void(const caf::error&)>;
+
   /// Hands a call to the supervisor, which makes its request to itself and fills the
   /// future with the reply. Calls made one after another (from one thread, or ordered by
   /// the host) reach the supervisor in that order, which lets a caller queue the next step
@@ -192,20 +194,13 @@ struct executor::impl {
   /// with `timeout`. The caller holds `lifecycle` and has checked `shut`.
   template <class T, class Reply = T, class... Ts>
   std::future<T> send(timeout_type timeout, Ts... xs) {
-    auto slot = std::make_shared<async_slot<T>>();
-    auto fut = slot->future();
-    auto closed = shut;
-    auto fail = [slot, closed](const caf::error& e) { slot->fail(translated(e, *closed)); };
-    async_call call;
-    call.request = [=](supervisor_access& access) mutable {
-      auto me = caf::actor_cast<supervisor_actor>(access.self);
-      access.self->request(me, access.request_timeout(), std::move(xs)...)
-        .then(reply<Reply>::async_handler(slot), [fail](caf::error& e) { fail(e); });
-    };
-    call.fail = fail;
-    call.timeout = timeout;
-    hand_to_supervisor(*sys, supervisor, std::move(call));
-    return fut;
+    return hand_over<T>(timeout, [&](std::shared_ptr<async_slot<T>> slot, fail_fn fail) {
+      return [=](supervisor_access& access) mutable {
+        auto me = caf::actor_cast<supervisor_actor>(access.self);
+        access.self->request(me, access.request_timeout(), std::move(xs)...)
+          .then(reply<Reply>::async_handler(slot), [fail](caf::error& e) { fail(e); });
+      };
+    });
   }
 
   /// `send` for a call that `make(access, reply)` makes through `supervisor_access`: its
@@ -213,32 +208,42 @@ struct executor::impl {
   /// the last worker to reply, without a hop through the supervisor.
   template <class T, class Make>
   std::future<T> send_direct(timeout_type timeout, Make make) {
+    return hand_over<T>(timeout, [&](std::shared_ptr<async_slot<T>> slot, fail_fn fail) {
+      auto closed = shut;
+      reply_to<T> reply = [slot, closed](caf::expected<T> res) {
+        if (!res)
+          slot->fail(translated(res.error(), *closed));
+        else if constexpr (std::is_void_v<T>)
+          slot->set();
+        else
+          slot->set(std::move(*res));
+      };
+      return [make = std::move(make), reply, fail](supervisor_access& access) mutable {
+        // Made behind what the supervisor's mailbox holds, as the requests to itself of
+        // the calls before it are: calls from one thread reach the workers in order.
+        async_call made;
+        made.admitted = true;
+        made.request = [make = std::move(make), reply, left = access.left](
+                         supervisor_access& now) mutable {
+          now.left = left;
+          make(now, reply);
+        };
+        made.fail = fail;
+        access.self->send(caf::actor_cast<supervisor_actor>(access.self), std::move(made));
+      };
+    });
+  }
+
+  /// Hands the supervisor a call whose request `make_request(slot, fail)` makes; the
+  /// future is the slot's. `fail` fails the slot with a translated error.
+  template <class T, class MakeRequest>
+  std::future<T> hand_over(timeout_type timeout, MakeRequest make_request) {
     auto slot = std::make_shared<async_slot<T>>();
     auto fut = slot->future();
     auto closed = shut;
-    reply_to<T> reply = [slot, closed](caf::expected<T> res) {
-      if (!res)
-        slot->fail(translated(res.error(), *closed));
-      else if constexpr (std::is_void_v<T>)
-        slot->set();
-      else
-        slot->set(std::move(*res));
-    };
-    auto fail = [slot, closed](const caf::error& e) { slot->fail(translated(e, *closed)); };
+    fail_fn fail = [slot, closed](const caf::error& e) { slot->fail(translated(e, *closed)); };
     async_call call;
-    call.request = [make = std::move(make), reply, fail](supervisor_access& access) mutable {
-      // Made behind what the supervisor's mailbox holds, as the requests to itself of the
-      // calls before it are: calls from one thread reach the workers in order.
-      async_call made;
-      made.admitted = true;
-      made.request = [make = std::move(make), reply, left = access.left](
-                       supervisor_access& now) mutable {
-        now.left = left;
-        make(now, reply);
-      };
-      made.fail = fail;
-      access.self->send(caf::actor_cast<supervisor_actor>(access.self), std::move(made));
-    };
+    call.request = make_request(slot, fail);
     call.fail = fail;
     call.timeout = timeout;
     hand_to_supervisor(*sys, supervisor, std::move(call));
