@@ -378,11 +378,14 @@ struct supervisor_state {
   }
 
   /// Hands `g` its result: to `done`, or, for a direct gather, to the sink's `done` unless
-  /// the sink already finished it.
+  /// the sink already finished it (the sink then forgets the replies still owed).
   void conclude(gather& g, gather_result result) {
-    if (!g.direct)
+    if (!g.direct) {
       g.done(std::move(result));
-    else if (claim(g))
+      return;
+    }
+    sink->forget(*g.direct);
+    if (claim(g))
       g.direct->done(std::move(result));
   }
 
@@ -431,8 +434,6 @@ struct supervisor_state {
       return;
     g->finished = true;
     pending.erase(g->id);
-    if (g->direct)
-      sink->forget(*g->direct);
     conclude(*g, std::move(result));
   }
 
@@ -455,8 +456,6 @@ struct supervisor_state {
     pending.clear();
     for (auto& [id, g] : calls) {
       g->finished = true;
-      if (g->direct)
-        sink->forget(*g->direct);
       conclude(*g, why);
     }
   }
@@ -706,15 +705,14 @@ struct supervisor_state {
                   const rpc_options& opts, timeout_type timeout,
                   reply_to<std::vector<caf::message>> reply) {
     auto label = "collective_rpc '" + method + "'";
-    auto done = [reply](gather_result res) { reply(std::move(res)); };
     if (opts.max_concurrent_workers > 0)
       start_gather(std::move(label), all_ranks(), calling(method, args, kwargs), timeout,
-                   static_cast<size_t>(opts.max_concurrent_workers), std::move(done));
+                   static_cast<size_t>(opts.max_concurrent_workers), std::move(reply));
     else
       start_direct_gather(std::move(label), all_ranks(),
                           worker_request(call_atom::value, method, std::move(args),
                                          std::move(kwargs)),
-                          timeout, std::move(done));
+                          timeout, std::move(reply));
   }
 
   /// collective_rpc: every reply, in rank order.
