@@ -5,6 +5,7 @@
 
 #include "actors/executor_actor.hpp"
 #include "actors/lease.hpp"
+#include "actors/linger.hpp"
 #include "actors/log.hpp"
 #include "actors/node_auth.hpp"
 #include "actors/remoting.hpp"
@@ -20,8 +21,6 @@
 #include <mutex>
 #include <shared_mutex>
 #include <utility>
-
-#include <sched.h>
 
 namespace troupe {
 
@@ -173,12 +172,9 @@ struct executor::impl {
     // Past a year a deadline is as good as none (and the clock arithmetic would overflow).
     bool bounded = t != wait_forever && t < std::chrono::hours(24 * 365);
     // A reply that comes within `linger` finds this thread awake.
-    if (cfg.linger > timeout_type::zero()) {
-      auto until = std::chrono::steady_clock::now() + cfg.linger;
-      while (fut.wait_for(timeout_type::zero()) != std::future_status::ready &&
-             std::chrono::steady_clock::now() < until)
-        sched_yield();
-    }
+    if (cfg.linger > timeout_type::zero())
+      linger_for(cfg.linger,
+                 [&] { return fut.wait_for(timeout_type::zero()) == std::future_status::ready; });
     if (bounded && fut.wait_for(t + facade_grace) == std::future_status::timeout)
       throw translate(caf::sec::request_timeout);
     return fut.get();

@@ -401,9 +401,8 @@ struct supervisor_state {
   void sweep() {
     for (auto i = pending.begin(); i != pending.end();) {
       auto& g = *i->second;
-      if (g.direct && !g.claimed && g.direct->taken()) {
+      if (g.direct && !g.claimed && g.direct->taken()) { // every reply came: no key is left
         g.finished = true;
-        sink->forget(*g.direct);
         i = pending.erase(i);
       } else {
         ++i;

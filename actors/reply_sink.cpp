@@ -80,10 +80,9 @@ void reply_sink::receive(caf::mailbox_element& reply) {
   if (msg.match_elements<caf::ok_atom, caf::message>()) {
     call.results_[from.index] = std::move(msg.get_mutable_as<caf::message>(1));
     call.answered_[from.index].store(true, std::memory_order_release);
-    if (call.remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1 && call.take()) {
-      forget(call);
+    // Each reply dropped its own key above: the last leaves none to forget.
+    if (call.remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1 && call.take())
       call.done(std::move(call.results_));
-    }
     return;
   }
   auto err = msg.match_elements<caf::error>()

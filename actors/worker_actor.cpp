@@ -1,5 +1,6 @@
 #include "actors/worker_actor.hpp"
 
+#include "actors/linger.hpp"
 #include "actors/log.hpp"
 #include "messages/protocols.hpp"
 #include "troupe/errors.hpp"
@@ -11,8 +12,6 @@
 #include <mutex>
 #include <set>
 #include <unordered_map>
-
-#include <sched.h>
 
 namespace troupe {
 
@@ -88,9 +87,7 @@ void linger_after(worker_self self) {
 /// finds the thread awake (its sender wakes nobody); the thread yields its core to any
 /// other thread that is ready to run.
 void linger(worker_self self) {
-  auto until = std::chrono::steady_clock::now() + self->state.linger;
-  while (self->mailbox().empty() && std::chrono::steady_clock::now() < until)
-    sched_yield();
+  linger_for(self->state.linger, [&] { return !self->mailbox().empty(); });
 }
 
 caf::error not_initialised() {
