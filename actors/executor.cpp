@@ -120,6 +120,9 @@ struct logger_release {
 
 struct executor::impl {
   executor_config cfg;
+  /// How long a blocking caller stays awake for its reply: `linger`, or `network_linger`
+  /// when some workers are across a network, whose replies take longer.
+  timeout_type caller_linger{0};
   // On the heap: a system abandoned by shutdown keeps using its config.
   std::unique_ptr<caf::actor_system_config> sys_cfg = std::make_unique<caf::actor_system_config>();
   std::unique_ptr<caf::actor_system> sys;
@@ -171,9 +174,9 @@ struct executor::impl {
   T wait_for(timeout_type t, std::future<T> fut) {
     // Past a year a deadline is as good as none (and the clock arithmetic would overflow).
     bool bounded = t != wait_forever && t < std::chrono::hours(24 * 365);
-    // A reply that comes within `linger` finds this thread awake.
-    if (cfg.linger > timeout_type::zero())
-      linger_for(cfg.linger,
+    // A reply that comes within `caller_linger` finds this thread awake.
+    if (caller_linger > timeout_type::zero())
+      linger_for(caller_linger,
                  [&] { return fut.wait_for(timeout_type::zero()) == std::future_status::ready; });
     if (bounded && fut.wait_for(t + facade_grace) == std::future_status::timeout)
       throw translate(caf::sec::request_timeout);
@@ -476,9 +479,8 @@ void executor_config::validate() const {
                 std::to_string(remote_count(*this)) +
                   " remote workers do not fit tensor_parallel_size " +
                   std::to_string(tensor_parallel_size)};
-  if (linger < timeout_type::zero() || linger > std::chrono::seconds(1))
-    throw error{errc::invalid_argument, "linger must be between 0 and 1 s, got " +
-                                          std::to_string(linger.count()) + " us"};
+  check_linger(linger, "linger");
+  check_linger(network_linger, "network_linger");
   if (rpc_timeout <= timeout_type::zero() || startup_timeout <= timeout_type::zero())
     throw error{errc::invalid_argument, "rpc_timeout and startup_timeout must be positive"};
   if (restart.max_restarts < 0)
@@ -498,9 +500,10 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
   d.cfg = std::move(cfg);
   register_messages(*d.sys_cfg);
   configure_scheduler(*d.sys_cfg, d.cfg.scheduler_threads, d.cfg.scheduler_poll_attempts);
+  d.caller_linger = d.cfg.linger;
   if (!d.cfg.remote_workers.empty() || !d.cfg.nodes.empty() || !d.cfg.spare_nodes.empty()) {
-    d.sys_cfg->load<caf::io::middleman>();
-    configure_middleman(*d.sys_cfg, d.cfg.node_timeout);
+    d.caller_linger = std::max(d.cfg.linger, d.cfg.network_linger);
+    load_middleman(*d.sys_cfg, d.cfg.node_timeout, d.cfg.network_linger);
     if (tls)
       configure_tls(*d.sys_cfg, d.cfg.tls_certificate, d.cfg.tls_key, d.cfg.tls_ca);
   }

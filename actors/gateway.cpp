@@ -1,5 +1,6 @@
 #include "actors/gateway.hpp"
 
+#include "actors/linger.hpp"
 #include "actors/node_auth.hpp"
 #include "troupe/errors.hpp"
 
@@ -271,6 +272,19 @@ struct frame_gateway::impl {
   std::list<std::weak_ptr<relay_base>> relays;
   std::thread thread;
   bool stopped = false;
+  timeout_type linger{0};
+
+  // `io.run()`, except that after each event the thread polls for the next for `linger`:
+  // a call relayed to a node crosses this thread twice, and waking it costs more than a
+  // poll.
+  void run() {
+    for (;;) {
+      if (linger > timeout_type::zero() && linger_for(linger, [&] { return io.poll() > 0; }))
+        continue;
+      if (io.run_one() == 0)
+        return; // stopped
+    }
+  }
 
   void accept() {
     acceptor.async_accept([this](const boost::system::error_code& ec, tcp::socket socket) {
@@ -342,6 +356,7 @@ frame_gateway::frame_gateway(gateway_options options, connect_fn connect,
   auto host = options.host;
   auto port = options.port;
   auto tls = options.tls;
+  d.linger = options.linger;
   if (!tls && options.secret.empty())
     throw error{errc::invalid_argument, "node: a gateway needs a secret or TLS"};
   d.settings = std::make_shared<const relay_settings>(
@@ -390,7 +405,7 @@ frame_gateway::frame_gateway(gateway_options options, connect_fn connect,
     throw error{errc::worker_error, "node: cannot resolve '" + host + "': " + e.what()};
   }
   d.accept();
-  d.thread = std::thread{[&d] { d.io.run(); }};
+  d.thread = std::thread{[&d] { d.run(); }};
 }
 
 frame_gateway::~frame_gateway() {

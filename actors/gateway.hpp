@@ -36,6 +36,9 @@ struct gateway_options {
   timeout_type handshake_timeout = std::chrono::seconds(3);
   /// Connections still proving themselves at once; a new one beyond this closes the oldest.
   size_t max_pending = 256;
+  /// After each event the thread polls for the next one this long before it sleeps
+  /// (`node_config::linger`).
+  timeout_type linger{0};
 };
 
 /// The only listening socket of a node. It accepts TCP connections, ends TLS or checks the

@@ -1,8 +1,10 @@
 #pragma once
 
 #include "troupe/config.hpp"
+#include "troupe/errors.hpp"
 
 #include <chrono>
+#include <string>
 
 #include <sched.h>
 
@@ -19,6 +21,13 @@ bool linger_for(timeout_type time, Arrived arrived) {
     got = arrived();
   }
   return got;
+}
+
+/// Throws `invalid_argument` naming `field` unless `linger` is between 0 and 1 s.
+inline void check_linger(timeout_type linger, const char* field) {
+  if (linger < timeout_type::zero() || linger > std::chrono::seconds(1))
+    throw error{errc::invalid_argument, std::string{field} + " must be between 0 and 1 s, got " +
+                                          std::to_string(linger.count()) + " us"};
 }
 
 } // namespace troupe

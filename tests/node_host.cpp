@@ -1,5 +1,5 @@
 // Test helper: a worker node (troupe::node) on 127.0.0.1 with the test and model worker
-// kinds. Usage: node_host [--fault=kill@N|stop@N] SECRET DEVICES [TIMEOUT_MS
+// kinds. Usage: node_host [--fault=kill@N|stop@N] [--linger-us=N] SECRET DEVICES [TIMEOUT_MS
 // [MAX_MESSAGE_BYTES [CERT KEY CA]]] (SECRET "-" for none). Prints its port, then runs until
 // stdin closes or SIGTERM/SIGINT arrives. With --fault the process kills (SIGKILL) or stops
 // (SIGSTOP) itself as its model workers start their N-th step: a node lost mid-step, at a
@@ -40,24 +40,29 @@ public:
 } // namespace
 
 int main(int argc, char** argv) {
-  std::string fault = argc > 1 ? argv[1] : "";
-  if (fault.rfind("--fault=", 0) == 0) {
-    auto at = fault.find('@');
-    auto what = fault.substr(8, at == std::string::npos ? std::string::npos : at - 8);
+  troupe::node_config cfg;
+  for (; argc > 1 && std::string{argv[1]}.rfind("--", 0) == 0; --argc, ++argv) {
+    std::string flag = argv[1];
+    if (flag.rfind("--linger-us=", 0) == 0) {
+      cfg.linger = std::chrono::microseconds(std::atoll(flag.c_str() + 12));
+      continue;
+    }
+    auto at = flag.find('@');
+    auto what = flag.rfind("--fault=", 0) == 0
+                  ? flag.substr(8, at == std::string::npos ? std::string::npos : at - 8)
+                  : std::string{};
     fault_signal = what == "kill" ? SIGKILL : what == "stop" ? SIGSTOP : 0;
-    fault_step = at == std::string::npos ? 0 : std::atoi(fault.c_str() + at + 1);
+    fault_step = at == std::string::npos ? 0 : std::atoi(flag.c_str() + at + 1);
     if (fault_signal == 0 || fault_step < 1) {
-      std::cerr << "node_host: --fault=kill@N or --fault=stop@N (N >= 1), not " << fault << "\n";
+      std::cerr << "node_host: --fault=kill@N, --fault=stop@N (N >= 1) or --linger-us=N, not "
+                << flag << "\n";
       return 2;
     }
-    --argc;
-    ++argv;
   }
   if (argc < 3) {
     std::cerr << "usage: node_host SECRET DEVICES [TIMEOUT_MS [MAX_MESSAGE_BYTES]]\n";
     return 2;
   }
-  troupe::node_config cfg;
   if (std::string{argv[1]} != "-")
     cfg.secret = argv[1];
   cfg.devices = std::stoi(argv[2]);

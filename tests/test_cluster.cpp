@@ -13,6 +13,7 @@
 #include "troupe/executor.hpp"
 #include "troupe/llm.hpp"
 #include "troupe/model_worker.hpp"
+#include "troupe/node.hpp"
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
@@ -42,6 +43,7 @@ using namespace troupe;
 using namespace std::chrono_literals;
 using troupe::testing::child_process;
 using troupe::testing::code_of;
+using troupe::testing::one_step;
 using troupe::testing::test_factory;
 using troupe::testing::what_of;
 using clock_type = std::chrono::steady_clock;
@@ -132,9 +134,10 @@ struct client_system {
 
   explicit client_system(bool heartbeats = false) {
     register_messages(cfg);
-    cfg.load<caf::io::middleman>();
     if (heartbeats)
-      configure_middleman(cfg, 1s); // stays connected while a test waits
+      load_middleman(cfg, 1s, 0s); // stays connected while a test waits
+    else
+      cfg.load<caf::io::middleman>();
     sys = std::make_unique<caf::actor_system>(cfg);
   }
 };
@@ -200,19 +203,24 @@ double seconds_since(clock_type::time_point start) {
   return std::chrono::duration<double>(clock_type::now() - start).count();
 }
 
-/// An executor with `workers` of the node at `port` (and no local ones), retried until the
-/// node has released its previous lease; fails the test after `seconds`.
-std::unique_ptr<executor> lease_again(uint16_t port, int32_t workers, double seconds) {
+/// An executor of `cfg`, retried until its nodes have released their previous leases;
+/// fails the test after `seconds`.
+std::unique_ptr<executor> lease_again_with(const executor_config& cfg, double seconds) {
   auto start = clock_type::now();
   for (;;) {
     try {
-      return std::make_unique<executor>(mixed_config(0, {{"127.0.0.1", port, workers}}),
-                                        test_factory());
+      return std::make_unique<executor>(cfg, test_factory());
     } catch (const error& e) {
       REQUIRE_MESSAGE(seconds_since(start) < seconds, std::string{e.what()});
       std::this_thread::sleep_for(50ms);
     }
   }
+}
+
+/// An executor with `workers` of the node at `port` (and no local ones), as
+/// `lease_again_with`.
+std::unique_ptr<executor> lease_again(uint16_t port, int32_t workers, double seconds) {
+  return lease_again_with(mixed_config(0, {{"127.0.0.1", port, workers}}), seconds);
 }
 
 /// The framework's calls, their results rendered as text (pids and devices left out: they
@@ -294,6 +302,39 @@ TEST_CASE("two nodes and local workers give the results of an all-local executor
   CHECK(code_of([&] { exec->collective_rpc([](worker&, const caf::message&, const caf::settings&) {
     return caf::message{};
   }); }) == errc::remote_callable);
+}
+
+TEST_CASE("calls to nodes give the same answers whether network threads linger or sleep") {
+  // One node sleeps at once (CAF's own loop), the other lingers; so does the executor's
+  // side, or not.
+  child_process sleeper{TROUPE_NODE_HOST, {"--linger-us=0", secret, "1", "1000"}};
+  node_process lingerer{1};
+  for (auto linger : {0us, 100us, 2000us}) {
+    auto cfg = mixed_config(1, {{"127.0.0.1", sleeper.port(), 1},
+                                {"127.0.0.1", lingerer.port(), 1}});
+    cfg.network_linger = linger;
+    auto exec = lease_again_with(cfg, 10);
+    for (int i = 0; i < 50; ++i) {
+      CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1, 2});
+      auto out = exec->execute_model(one_step(i + 1));
+      REQUIRE(out.size() == 1);
+      CHECK(out[0].outputs[0].samples[0].output_token == 2 * (i + 1));
+    }
+  }
+}
+
+TEST_CASE("linger out of range is refused by a node and by an executor's network side") {
+  node_config cfg;
+  cfg.secret = secret;
+  cfg.kinds["test"] = [](int32_t rank, const caf::settings&) { return test_factory()(rank); };
+  for (auto linger : {-1us, 1000001us}) {
+    cfg.linger = linger;
+    CHECK(what_of([&] { node n{cfg}; }).find("linger") != std::string::npos);
+    auto bad = mixed_config(1, {{"127.0.0.1", 1, 1}});
+    bad.network_linger = linger;
+    CHECK(what_of([&] { executor exec(bad, test_factory()); }).find("network_linger") !=
+          std::string::npos);
+  }
 }
 
 TEST_CASE("a model split across processes generates transformers' greedy tokens") {

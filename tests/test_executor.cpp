@@ -20,6 +20,7 @@ using namespace troupe;
 using namespace std::chrono_literals;
 using troupe::testing::code_of;
 using troupe::testing::kill_rank;
+using troupe::testing::one_step;
 using troupe::testing::test_factory;
 using troupe::testing::what_of;
 
@@ -32,16 +33,6 @@ executor_config config(int32_t workers) {
   cfg.block_size = 16;
   cfg.max_model_len = 256;
   return cfg;
-}
-
-execute_model_request one_step(int32_t token) {
-  execute_model_request req;
-  sequence_group_metadata g;
-  g.request_id = "r";
-  g.seqs.push_back({0, {token, token}, 2, 0, {0}});
-  g.token_chunk_size = 2;
-  req.seq_group_metadata_list.push_back(g);
-  return req;
 }
 
 std::vector<int64_t> steps_per_rank(executor& exec) {

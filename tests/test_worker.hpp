@@ -327,6 +327,17 @@ std::string what_of(F&& f) {
   return {};
 }
 
+/// A step of one sequence whose prompt is `token` twice: the test worker samples 2 × token.
+inline execute_model_request one_step(int32_t token) {
+  execute_model_request req;
+  sequence_group_metadata g;
+  g.request_id = "r";
+  g.seqs.push_back({0, {token, token}, 2, 0, {0}});
+  g.token_chunk_size = 2;
+  req.seq_group_metadata_list.push_back(g);
+  return req;
+}
+
 inline worker_factory test_factory(size_t weights_bytes = 1 << 20) {
   return [weights_bytes](int32_t) { return std::make_unique<test_worker>(weights_bytes); };
 }
