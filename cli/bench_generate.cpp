@@ -58,9 +58,11 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
     workload_options work;
     int tp = 1;
     std::string async_scheduling = "off";
+    std::vector<int64_t> linger_us{executor_config{}.linger.count()};
     int rounds = 3;
     bool json = false;
     device_options device;
+    node_options nodes;
   };
   auto o = std::make_shared<options>();
   auto cmd = std::make_shared<command>();
@@ -73,27 +75,46 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
     ->capture_default_str();
   sub->add_option("--async-scheduling", o->async_scheduling,
                   "Send each step before the one in flight returns (on), wait for it (off), "
-                  "or both, one after the other, with the ratio")
+                  "or both, in turns, with the ratio")
     ->check(CLI::IsMember({"on", "off", "both"}))
     ->capture_default_str();
+  sub->add_option("--linger-us", o->linger_us,
+                  "How long the executor's threads stay awake around a step "
+                  "(executor_config::linger); several values, comma-separated, take turns")
+    ->delimiter(',')
+    ->check(CLI::Range(int64_t{0}, int64_t{1000000}))
+    ->capture_default_str();
   sub->add_option("--rounds", o->rounds,
-                  "With --async-scheduling both: runs of each, alternating; the medians count")
+                  "With more than one setting (--async-scheduling both, several --linger-us): "
+                  "runs of each, in turns; the medians count")
     ->check(CLI::Range(1, 100))
     ->capture_default_str();
   sub->add_flag("--json", o->json, "Print only the JSON result (the last line)");
   add_device_options(*sub, o->device);
+  add_node_options(*sub, o->nodes);
   cmd->run = [o] {
     auto reqs = make_workload(o->work, o->model);
-    auto make = [&](bool async_scheduling) {
+    struct setting {
+      bool async_scheduling;
+      int64_t linger_us;
+    };
+    std::vector<setting> settings;
+    for (auto on : {false, true})
+      if (o->async_scheduling == "both" || (o->async_scheduling == "on") == on)
+        for (auto linger : o->linger_us)
+          settings.push_back({on, linger});
+    auto make = [&](const setting& s) {
       llm_config cfg;
       cfg.worker.model_path = o->model;
       cfg.executor.tensor_parallel_size = o->tp;
-      cfg.scheduler.async_scheduling = async_scheduling;
+      cfg.executor.linger = std::chrono::microseconds(s.linger_us);
+      cfg.scheduler.async_scheduling = s.async_scheduling;
       apply_device_options(o->device, cfg.executor, cfg.worker);
+      apply_node_options(o->nodes, cfg.executor);
       cfg.executor.max_model_len = o->work.input_len + o->work.output_len + 1;
       return std::make_unique<llm>(cfg);
     };
-    auto run = [&](llm& model, bool async_scheduling) {
+    auto run = [&](llm& model, const setting& s) {
       auto start = std::chrono::steady_clock::now();
       auto outs = model.generate(reqs);
       std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
@@ -112,7 +133,9 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
         {"input_len", o->work.input_len},
         {"output_len", o->work.output_len},
         {"tensor_parallel_size", o->tp},
-        {"async_scheduling", async_scheduling},
+        {"async_scheduling", s.async_scheduling},
+        {"linger_us", s.linger_us},
+        {"nodes", o->nodes.nodes.size()},
         {"device", o->device.device},
         {"dtype", o->device.dtype},
         {"enforce_eager", o->device.enforce_eager},
@@ -124,40 +147,47 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
       };
       if (!o->json)
         std::cout << o->work.num_prompts << " requests in " << took.count() << " s"
-                  << (async_scheduling ? " (asynchronous scheduling)" : "") << ": "
-                  << result["requests_per_s"].get<double>() << " requests/s, "
-                  << result["output_tokens_per_s"].get<double>() << " output tokens/s, "
-                  << "time per output token p50 " << at(0.5) << " ms, p99 " << at(0.99)
-                  << " ms\n";
+                  << (s.async_scheduling ? " (asynchronous scheduling)" : "") << ", linger "
+                  << s.linger_us << " us: " << result["requests_per_s"].get<double>()
+                  << " requests/s, " << result["output_tokens_per_s"].get<double>()
+                  << " output tokens/s, time per output token p50 " << at(0.5) << " ms, p99 "
+                  << at(0.99) << " ms\n";
       return result;
     };
-    if (o->async_scheduling != "both") {
-      bool on = o->async_scheduling == "on";
-      std::cout << run(*make(on), on).dump() << std::endl;
+    if (settings.size() == 1) {
+      std::cout << run(*make(settings[0]), settings[0]).dump() << std::endl;
       return 0;
     }
-    // Both engines stay loaded and take turns, so that drift on a shared machine hits both.
-    auto off_model = make(false);
-    auto on_model = make(true);
-    std::vector<nlohmann::json> offs, ons;
-    for (int i = 0; i < o->rounds; ++i) {
-      offs.push_back(run(*off_model, false));
-      ons.push_back(run(*on_model, true));
-    }
-    auto median = [](std::vector<nlohmann::json> runs) {
-      std::sort(runs.begin(), runs.end(), [](const nlohmann::json& a, const nlohmann::json& b) {
-        return a["output_tokens_per_s"].get<double>() < b["output_tokens_per_s"].get<double>();
-      });
-      return runs[runs.size() / 2];
+    // Every engine stays loaded and they take turns, so that drift on a shared machine
+    // hits all of them.
+    std::vector<std::unique_ptr<llm>> models;
+    for (auto& s : settings)
+      models.push_back(make(s));
+    std::vector<std::vector<nlohmann::json>> runs(settings.size());
+    for (int i = 0; i < o->rounds; ++i)
+      for (size_t k = 0; k < settings.size(); ++k)
+        runs[k].push_back(run(*models[k], settings[k]));
+    auto tokens_per_s = [](const nlohmann::json& r) {
+      return r["output_tokens_per_s"].get<double>();
     };
-    auto off = median(offs);
-    auto on = median(ons);
-    auto ratio = on["output_tokens_per_s"].get<double>() / off["output_tokens_per_s"].get<double>();
+    nlohmann::json medians = nlohmann::json::array();
+    for (auto& each : runs) {
+      std::sort(each.begin(), each.end(), [&](const nlohmann::json& a, const nlohmann::json& b) {
+        return tokens_per_s(a) < tokens_per_s(b);
+      });
+      auto median = each[each.size() / 2];
+      auto first = medians.empty() ? tokens_per_s(median) : tokens_per_s(medians[0]);
+      median["over_first_tokens_per_s"] = tokens_per_s(median) / first;
+      medians.push_back(median);
+    }
     if (!o->json)
-      std::cout << "asynchronous scheduling: " << ratio << "x the output tokens/s (medians of "
-                << o->rounds << " runs each)\n";
-    nlohmann::json both = {{"off", off}, {"on", on}, {"on_over_off_tokens_per_s", ratio}};
-    std::cout << both.dump() << std::endl;
+      for (auto& m : medians)
+        std::cout << "median of " << o->rounds
+                  << (m["async_scheduling"].get<bool>() ? ", asynchronous scheduling" : "")
+                  << ", linger " << m["linger_us"].get<int64_t>() << " us: " << tokens_per_s(m)
+                  << " output tokens/s, " << m["over_first_tokens_per_s"].get<double>()
+                  << "x the first\n";
+    std::cout << nlohmann::json{{"medians", medians}}.dump() << std::endl;
     return 0;
   };
   return cmd;
