@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <fstream>
 #include <functional>
 #include <iomanip>
@@ -36,6 +37,13 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
+/// Busy for `us` microseconds: a thread that is running, not sleeping.
+void spin_for(int us) {
+  auto until = clock_type::now() + std::chrono::microseconds(us);
+  while (clock_type::now() < until) {
+  }
+}
+
 /// The worker of the benchmark: a no-op, a busy loop, and a model step that computes
 /// nothing (one empty output), so that `execute_model` measures the executor's path alone.
 class bench_worker : public worker {
@@ -49,11 +57,7 @@ public:
       return caf::message{};
     });
     register_method("spin", [](worker&, const caf::message& args, const caf::settings&) {
-      auto us = args.match_elements<int32_t>() ? args.get_as<int32_t>(0) : 50;
-      auto until = clock_type::now() + std::chrono::microseconds(us);
-      while (clock_type::now() < until) {
-        // Busy on purpose: the point is a worker thread that is running, not sleeping.
-      }
+      spin_for(args.match_elements<int32_t>() ? args.get_as<int32_t>(0) : 50);
       return caf::message{};
     });
   }
@@ -104,24 +108,27 @@ stats measure(const std::function<void()>& call, int iterations) {
   return s;
 }
 
-/// `n` threads, each waiting on its own mutex and condition variable (a mailbox) and
-/// replying through the caller's: `call` is a scatter-gather to all of them.
+/// `n` threads, each waiting on its own mutex and condition variable (a mailbox of calls,
+/// answered in order) and replying through the caller's: `call` is a scatter-gather to all
+/// of them. Callers on several threads may call at once, as the executor's may.
 class gather_group {
 public:
   explicit gather_group(int n) : boxes_(static_cast<size_t>(n)) {
     for (auto& box : boxes_)
-      threads_.emplace_back([this, &box] {
-        int64_t seen = 0;
+      threads_.emplace_back([&box] {
         for (;;) {
           std::unique_lock<std::mutex> lk{box.mtx};
-          box.cv.wait(lk, [&] { return box.asked != seen; });
-          if (box.asked < 0)
+          box.cv.wait(lk, [&] { return box.stop || !box.calls.empty(); });
+          if (box.stop)
             return;
-          seen = box.asked;
+          auto job = box.calls.front();
+          box.calls.pop_front();
           lk.unlock();
-          std::lock_guard<std::mutex> reply{reply_mtx_};
-          ++replies_;
-          reply_cv_.notify_one();
+          spin_for(job.spin_us);
+          // Under the lock: the caller's state lives on its stack until it saw the reply.
+          std::lock_guard<std::mutex> reply{job.from->mtx};
+          if (--job.from->left == 0)
+            job.from->cv.notify_one();
         }
       });
   }
@@ -129,38 +136,67 @@ public:
   ~gather_group() {
     for (auto& box : boxes_) {
       std::lock_guard<std::mutex> lk{box.mtx};
-      box.asked = -1;
+      box.stop = true;
       box.cv.notify_one();
     }
     for (auto& t : threads_)
       t.join();
   }
 
-  void call() {
-    ++calls_;
+  /// Asks every thread to spin for `spin_us` (0: to answer at once) and waits for all.
+  void call(int spin_us = 0) {
+    caller me;
+    me.left = static_cast<int>(boxes_.size());
     for (auto& box : boxes_) {
       std::lock_guard<std::mutex> lk{box.mtx};
-      box.asked = calls_;
+      box.calls.push_back({&me, spin_us});
       box.cv.notify_one();
     }
-    std::unique_lock<std::mutex> lk{reply_mtx_};
-    reply_cv_.wait(lk, [&] { return replies_ == static_cast<int>(boxes_.size()); });
-    replies_ = 0;
+    std::unique_lock<std::mutex> lk{me.mtx};
+    me.cv.wait(lk, [&] { return me.left == 0; });
   }
 
 private:
+  struct caller {
+    std::mutex mtx;
+    std::condition_variable cv;
+    int left = 0;
+  };
+  struct job {
+    caller* from;
+    int spin_us;
+  };
   struct mailbox {
     std::mutex mtx;
     std::condition_variable cv;
-    int64_t asked = 0; // the call number to answer; -1: stop
+    std::deque<job> calls;
+    bool stop = false;
   };
   std::vector<mailbox> boxes_;
-  std::mutex reply_mtx_;
-  std::condition_variable reply_cv_;
-  int replies_ = 0;
-  int64_t calls_ = 0;
   std::vector<std::thread> threads_;
 };
+
+/// `call` measured while a second caller keeps the same workers busy with calls of
+/// `spin_us` back to back (`load` makes one such call); `load_share` as in `stats`.
+stats measure_busy(const std::function<void()>& call, const std::function<void()>& load,
+                   int spin_us, int iterations) {
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> loads{0};
+  std::thread loader([&] {
+    while (!stop) {
+      load();
+      ++loads;
+    }
+  });
+  auto start = clock_type::now();
+  auto before = loads.load();
+  auto s = measure(call, iterations);
+  std::chrono::duration<double, std::micro> wall = clock_type::now() - start;
+  s.load_share = static_cast<double>(loads - before) * spin_us / wall.count();
+  stop = true;
+  loader.join();
+  return s;
+}
 
 /// `a` and `b` measured in turns, `chunk` calls of each at a time: on a machine whose
 /// speed drifts (a shared VM), both meet the same conditions, so their ratio holds where
@@ -416,25 +452,20 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     }
     idle.rss_bytes = resident_bytes();
 
-    // Busy: a second caller keeps every worker running short calls back to back.
-    std::atomic<bool> stop{false};
-    std::atomic<int64_t> spins{0};
-    std::thread load([&] {
-      rpc_call_options spin;
-      spin.args = caf::make_message(static_cast<int32_t>(opts->busy_spin_us));
-      while (!stop) {
-        exec.collective_rpc("spin", spin);
-        ++spins;
-      }
-    });
-    auto busy_start = clock_type::now();
-    auto spins_before = spins.load();
-    auto busy = measure(call, opts->iterations);
-    std::chrono::duration<double, std::micro> busy_wall = clock_type::now() - busy_start;
-    busy.load_share =
-      static_cast<double>(spins - spins_before) * opts->busy_spin_us / busy_wall.count();
-    stop = true;
-    load.join();
+    // Busy: a second caller keeps every worker running short calls back to back; then the
+    // same for the floor's threads.
+    rpc_call_options spin;
+    spin.args = caf::make_message(static_cast<int32_t>(opts->busy_spin_us));
+    auto busy = measure_busy(
+      call, [&] { exec.collective_rpc("spin", spin); }, opts->busy_spin_us, opts->iterations);
+    stats busy_floor;
+    {
+      gather_group group{opts->workers};
+      busy_floor = measure_busy([&] { group.call(); },
+                                [&] { group.call(opts->busy_spin_us); }, opts->busy_spin_us,
+                                opts->iterations);
+      busy_floor.rss_bytes = 0;
+    }
     if (opts->method == "execute_model")
       exec.stop_remote_worker_execution_loop();
     // An idle executor should cost nothing: the CPU it uses while nobody calls.
@@ -452,13 +483,18 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                 << opts->iterations << " calls per mode\n"
                 << "  idle: p50 " << idle.p50_us << " us, p99 " << idle.p99_us << " us\n"
                 << "  busy: p50 " << busy.p50_us << " us, p99 " << busy.p99_us
-                << " us (workers busy " << busy.load_share * 100 << " % of the time)\n"
+                << " us (workers busy " << busy.load_share * 100 << " % of the time); busy p50 / idle p50 "
+                << busy.p50_us / idle.p50_us << "\n"
                 << "  resident memory: " << idle.rss_bytes / (1 << 20) << " MiB after idle, "
                 << busy.rss_bytes / (1 << 20) << " MiB after busy\n"
                 << "  floor (thread wake-up round trip): p50 " << floor.p50_us << " us\n"
                 << "  floor (scatter-gather to " << opts->workers << " threads): p50 "
                 << gather_floor.p50_us << " us; idle p50 / floor "
                 << idle.p50_us / gather_floor.p50_us << "\n"
+                << "  floor busy (the same threads kept busy the same way): p50 "
+                << busy_floor.p50_us << " us (busy " << busy_floor.load_share * 100
+                << " % of the time); busy p50 / floor busy p50 " << busy.p50_us / busy_floor.p50_us
+                << "\n"
                 << "  floor (the same through a middle thread): p50 " << relayed_floor.p50_us
                 << " us; idle p50 / floor " << idle.p50_us / relayed_floor.p50_us << "\n"
                 << "  idle executor: " << idle_cpu_share * 100 << " % of a core over "
@@ -470,6 +506,8 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     std::cout << "{\"floor\":" << to_json(floor, 0, "thread_wakeup_round_trip")
               << ",\"gather_floor\":"
               << to_json(gather_floor, opts->workers, "thread_scatter_gather")
+              << ",\"busy_gather_floor\":"
+              << to_json(busy_floor, opts->workers, "thread_scatter_gather_busy")
               << ",\"relayed_gather_floor\":"
               << to_json(relayed_floor, opts->workers, "thread_relayed_scatter_gather")
               << ",\"tcp_floor\":" << to_json(tcp_floor, 0, "loopback_tcp_round_trip")
