@@ -37,7 +37,7 @@ struct gateway_options {
   /// Connections still proving themselves at once; a new one beyond this closes the oldest.
   size_t max_pending = 256;
   /// After each event the thread polls for the next one this long before it sleeps
-  /// (`node_config::linger`).
+  /// (`node_config::network_linger`).
   timeout_type linger{0};
 };
 

@@ -305,10 +305,10 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
     config.collective_host = config.host;
   if (config.connection_timeout <= timeout_type::zero())
     throw error{errc::invalid_argument, "connection_timeout must be positive"};
-  check_linger(config.linger, "linger");
+  check_linger(config.network_linger, "network_linger");
   register_messages(*d.sys_cfg);
   configure_scheduler(*d.sys_cfg, 0, 0);
-  load_middleman(*d.sys_cfg, config.connection_timeout, config.linger);
+  load_middleman(*d.sys_cfg, config.connection_timeout, config.network_linger);
   if (config.configure_system)
     config.configure_system(*d.sys_cfg);
   {
@@ -328,7 +328,7 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   listen.port = config.port;
   listen.max_frame_bytes = config.max_message_bytes;
   listen.handshake_timeout = config.connection_timeout;
-  listen.linger = config.linger;
+  listen.linger = config.network_linger;
   if (tls)
     listen.tls = gateway_tls{config.tls_certificate, config.tls_key, config.tls_ca};
   else

@@ -58,7 +58,7 @@ void add_node_options(CLI::App& app, node_options& o) {
     ->capture_default_str();
   app.add_option("--network-linger-us", o.network_linger_us,
                  "How long the thread that talks to the nodes polls for the next message "
-                 "before it sleeps (0: at once)")
+                 "before it sleeps, and a blocking caller for its reply (0: at once)")
     ->check(CLI::Range(int64_t{0}, int64_t{1000000}))
     ->capture_default_str();
 }
@@ -135,7 +135,7 @@ std::shared_ptr<command> add_node(CLI::App& app) {
     std::string collective_host;
     int timeout_ms = 3000;
     uint64_t max_message_bytes = uint64_t{64} << 20;
-    int64_t linger_us = node_config{}.linger.count();
+    int64_t network_linger_us = node_config{}.network_linger.count();
   };
   auto o = std::make_shared<options>();
   auto cmd = std::make_shared<command>();
@@ -165,14 +165,14 @@ std::shared_ptr<command> add_node(CLI::App& app) {
                   "The largest message a peer may send; a larger one closes its connection")
     ->check(CLI::Range(uint64_t{1} << 10, uint64_t{1} << 32))
     ->capture_default_str();
-  sub->add_option("--linger-us", o->linger_us,
+  sub->add_option("--network-linger-us", o->network_linger_us,
                   "How long the node's network threads poll for the next message before "
                   "they sleep (0: at once)")
     ->check(CLI::Range(int64_t{0}, int64_t{1000000}))
     ->capture_default_str();
   cmd->run = [o] {
     node_config cfg;
-    cfg.linger = std::chrono::microseconds(o->linger_us);
+    cfg.network_linger = std::chrono::microseconds(o->network_linger_us);
     cfg.max_message_bytes = o->max_message_bytes;
     auto [host, port] = host_and_port("--listen", o->listen);
     cfg.host = host;

@@ -1,5 +1,5 @@
 // Test helper: a worker node (troupe::node) on 127.0.0.1 with the test and model worker
-// kinds. Usage: node_host [--fault=kill@N|stop@N] [--linger-us=N] SECRET DEVICES [TIMEOUT_MS
+// kinds. Usage: node_host [--fault=kill@N|stop@N] [--network-linger-us=N] SECRET DEVICES [TIMEOUT_MS
 // [MAX_MESSAGE_BYTES [CERT KEY CA]]] (SECRET "-" for none). Prints its port, then runs until
 // stdin closes or SIGTERM/SIGINT arrives. With --fault the process kills (SIGKILL) or stops
 // (SIGSTOP) itself as its model workers start their N-th step: a node lost mid-step, at a
@@ -43,8 +43,8 @@ int main(int argc, char** argv) {
   troupe::node_config cfg;
   for (; argc > 1 && std::string{argv[1]}.rfind("--", 0) == 0; --argc, ++argv) {
     std::string flag = argv[1];
-    if (flag.rfind("--linger-us=", 0) == 0) {
-      cfg.linger = std::chrono::microseconds(std::atoll(flag.c_str() + 12));
+    if (flag.rfind("--network-linger-us=", 0) == 0) {
+      cfg.network_linger = std::chrono::microseconds(std::atoll(flag.c_str() + 20));
       continue;
     }
     auto at = flag.find('@');
@@ -54,13 +54,14 @@ int main(int argc, char** argv) {
     fault_signal = what == "kill" ? SIGKILL : what == "stop" ? SIGSTOP : 0;
     fault_step = at == std::string::npos ? 0 : std::atoi(flag.c_str() + at + 1);
     if (fault_signal == 0 || fault_step < 1) {
-      std::cerr << "node_host: --fault=kill@N, --fault=stop@N (N >= 1) or --linger-us=N, not "
+      std::cerr << "node_host: --fault=kill@N, --fault=stop@N (N >= 1) or --network-linger-us=N, not "
                 << flag << "\n";
       return 2;
     }
   }
   if (argc < 3) {
-    std::cerr << "usage: node_host SECRET DEVICES [TIMEOUT_MS [MAX_MESSAGE_BYTES]]\n";
+    std::cerr << "usage: node_host [--fault=kill@N|stop@N] [--network-linger-us=N] SECRET "
+                 "DEVICES [TIMEOUT_MS [MAX_MESSAGE_BYTES [CERT KEY CA]]]\n";
     return 2;
   }
   if (std::string{argv[1]} != "-")

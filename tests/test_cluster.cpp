@@ -307,7 +307,7 @@ TEST_CASE("two nodes and local workers give the results of an all-local executor
 TEST_CASE("calls to nodes give the same answers whether network threads linger or sleep") {
   // One node sleeps at once (CAF's own loop), the other lingers; so does the executor's
   // side, or not.
-  child_process sleeper{TROUPE_NODE_HOST, {"--linger-us=0", secret, "1", "1000"}};
+  child_process sleeper{TROUPE_NODE_HOST, {"--network-linger-us=0", secret, "1", "1000"}};
   node_process lingerer{1};
   for (auto linger : {0us, 100us, 2000us}) {
     auto cfg = mixed_config(1, {{"127.0.0.1", sleeper.port(), 1},
@@ -328,8 +328,8 @@ TEST_CASE("linger out of range is refused by a node and by an executor's network
   cfg.secret = secret;
   cfg.kinds["test"] = [](int32_t rank, const caf::settings&) { return test_factory()(rank); };
   for (auto linger : {-1us, 1000001us}) {
-    cfg.linger = linger;
-    CHECK(what_of([&] { node n{cfg}; }).find("linger") != std::string::npos);
+    cfg.network_linger = linger;
+    CHECK(what_of([&] { node n{cfg}; }).find("network_linger") != std::string::npos);
     auto bad = mixed_config(1, {{"127.0.0.1", 1, 1}});
     bad.network_linger = linger;
     CHECK(what_of([&] { executor exec(bad, test_factory()); }).find("network_linger") !=

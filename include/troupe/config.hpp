@@ -119,7 +119,7 @@ struct executor_config {
   /// The same for the thread that talks to nodes and remote workers (CAF's middleman),
   /// after each message it sends or receives. It is longer than `linger` because a reply
   /// that crosses a network takes longer to come: on a small VM's loopback, a call to a
-  /// node took 45-100 µs with 100 here (and the node's own `node_config::linger` as long),
+  /// node took 45-100 µs with 100 here (and the node's own `node_config::network_linger` as long),
   /// 120-190 µs with 30 and 300 µs with 0. A blocking caller of an executor with such
   /// workers waits for its reply this long too. 0 turns it off; at most 1 s.
   timeout_type network_linger = std::chrono::microseconds(100);

@@ -60,10 +60,10 @@ struct node_config {
   /// it): an executor that disappears releases the node's workers.
   timeout_type connection_timeout = std::chrono::seconds(3);
   /// How long the node's network threads (its gateway's and its middleman's) poll for the
-  /// next message after one before they sleep, as `executor_config::network_linger` (the
-  /// workers linger as the executor's `executor_config::linger` says). 0 turns it off;
-  /// at most 1 s.
-  timeout_type linger = std::chrono::microseconds(100);
+  /// next message after one before they sleep, as `executor_config::network_linger` does
+  /// for the executor's (the workers linger as the executor's `executor_config::linger`
+  /// says). 0 turns it off; at most 1 s.
+  timeout_type network_linger = std::chrono::microseconds(100);
   /// Lets the host add settings to the node's actor system.
   std::function<void(caf::actor_system_config&)> configure_system;
 };
