@@ -483,8 +483,8 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                 << opts->iterations << " calls per mode\n"
                 << "  idle: p50 " << idle.p50_us << " us, p99 " << idle.p99_us << " us\n"
                 << "  busy: p50 " << busy.p50_us << " us, p99 " << busy.p99_us
-                << " us (workers busy " << busy.load_share * 100 << " % of the time); busy p50 / idle p50 "
-                << busy.p50_us / idle.p50_us << "\n"
+                << " us (workers busy " << busy.load_share * 100
+                << " % of the time); busy p50 / idle p50 " << busy.p50_us / idle.p50_us << "\n"
                 << "  resident memory: " << idle.rss_bytes / (1 << 20) << " MiB after idle, "
                 << busy.rss_bytes / (1 << 20) << " MiB after busy\n"
                 << "  floor (thread wake-up round trip): p50 " << floor.p50_us << " us\n"
@@ -493,8 +493,8 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                 << idle.p50_us / gather_floor.p50_us << "\n"
                 << "  floor busy (the same threads kept busy the same way): p50 "
                 << busy_floor.p50_us << " us (busy " << busy_floor.load_share * 100
-                << " % of the time); busy p50 / floor busy p50 " << busy.p50_us / busy_floor.p50_us
-                << "\n"
+                << " % of the time); busy p50 / floor busy p50 "
+                << busy.p50_us / busy_floor.p50_us << "\n"
                 << "  floor (the same through a middle thread): p50 " << relayed_floor.p50_us
                 << " us; idle p50 / floor " << idle.p50_us / relayed_floor.p50_us << "\n"
                 << "  idle executor: " << idle_cpu_share * 100 << " % of a core over "

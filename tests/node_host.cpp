@@ -1,9 +1,9 @@
 // Test helper: a worker node (troupe::node) on 127.0.0.1 with the test and model worker
-// kinds. Usage: node_host [--fault=kill@N|stop@N] [--network-linger-us=N] SECRET DEVICES [TIMEOUT_MS
-// [MAX_MESSAGE_BYTES [CERT KEY CA]]] (SECRET "-" for none). Prints its port, then runs until
-// stdin closes or SIGTERM/SIGINT arrives. With --fault the process kills (SIGKILL) or stops
-// (SIGSTOP) itself as its model workers start their N-th step: a node lost mid-step, at a
-// step the test chooses.
+// kinds. Usage: node_host [--fault=kill@N|stop@N] [--network-linger-us=N] SECRET DEVICES
+// [TIMEOUT_MS [MAX_MESSAGE_BYTES [CERT KEY CA]]] (SECRET "-" for none). Prints its port,
+// then runs until stdin closes or SIGTERM/SIGINT arrives. With --fault the process kills
+// (SIGKILL) or stops (SIGSTOP) itself as its model workers start their N-th step: a node
+// lost mid-step, at a step the test chooses.
 
 #include "tests/test_worker.hpp"
 #include "troupe/model_worker.hpp"
@@ -54,7 +54,8 @@ int main(int argc, char** argv) {
     fault_signal = what == "kill" ? SIGKILL : what == "stop" ? SIGSTOP : 0;
     fault_step = at == std::string::npos ? 0 : std::atoi(flag.c_str() + at + 1);
     if (fault_signal == 0 || fault_step < 1) {
-      std::cerr << "node_host: --fault=kill@N, --fault=stop@N (N >= 1) or --network-linger-us=N, not "
+      std::cerr << "node_host: --fault=kill@N, --fault=stop@N (N >= 1) or "
+                   "--network-linger-us=N, not "
                 << flag << "\n";
       return 2;
     }
