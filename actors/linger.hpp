@@ -23,9 +23,9 @@ bool linger_for(timeout_type time, Arrived arrived) {
   return got;
 }
 
-/// Throws `invalid_argument` naming `field` unless `linger` is between 0 and 1 s.
+/// Throws `invalid_argument` naming `field` unless `linger` is between 0 and `max_linger`.
 inline void check_linger(timeout_type linger, const char* field) {
-  if (linger < timeout_type::zero() || linger > std::chrono::seconds(1))
+  if (linger < timeout_type::zero() || linger > max_linger)
     throw error{errc::invalid_argument, std::string{field} + " must be between 0 and 1 s, got " +
                                           std::to_string(linger.count()) + " us"};
 }

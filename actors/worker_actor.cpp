@@ -227,7 +227,7 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
         return caf::make_error(errc::invalid_argument,
                                "rank " + std::to_string(st.rank) + ": worker already initialised");
       st.rank = ctx.rank;
-      st.linger = std::chrono::microseconds(std::clamp<int64_t>(ctx.linger_us, 0, 1000000));
+      st.linger = std::clamp(timeout_type{ctx.linger_us}, timeout_type::zero(), max_linger);
       for (auto& peer : peers)
         st.peers.push_back(caf::actor_cast<worker_actor>(peer));
       if (st.placement) {

@@ -82,7 +82,7 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
                   "How long the executor's threads stay awake around a step "
                   "(executor_config::linger); several values, comma-separated, take turns")
     ->delimiter(',')
-    ->check(CLI::Range(int64_t{0}, int64_t{1000000}))
+    ->check(CLI::Range(int64_t{0}, max_linger.count()))
     ->capture_default_str();
   sub->add_option("--rounds", o->rounds,
                   "With more than one setting (--async-scheduling both, several --linger-us): "

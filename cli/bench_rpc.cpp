@@ -394,7 +394,7 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     ->add_option("--linger-us", opts->linger_us,
                  "How long workers and the caller stay awake around a call before they sleep "
                  "(0: at once)")
-    ->check(CLI::Range(int64_t{0}, int64_t{1000000}))
+    ->check(CLI::Range(int64_t{0}, max_linger.count()))
     ->capture_default_str();
   cmd->app
     ->add_option("--idle-seconds", opts->idle_seconds,

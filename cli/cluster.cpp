@@ -59,7 +59,7 @@ void add_node_options(CLI::App& app, node_options& o) {
   app.add_option("--network-linger-us", o.network_linger_us,
                  "How long the thread that talks to the nodes polls for the next message "
                  "before it sleeps, and a blocking caller for its reply (0: at once)")
-    ->check(CLI::Range(int64_t{0}, int64_t{1000000}))
+    ->check(CLI::Range(int64_t{0}, max_linger.count()))
     ->capture_default_str();
 }
 
@@ -168,7 +168,7 @@ std::shared_ptr<command> add_node(CLI::App& app) {
   sub->add_option("--network-linger-us", o->network_linger_us,
                   "How long the node's network threads poll for the next message before "
                   "they sleep (0: at once)")
-    ->check(CLI::Range(int64_t{0}, int64_t{1000000}))
+    ->check(CLI::Range(int64_t{0}, max_linger.count()))
     ->capture_default_str();
   cmd->run = [o] {
     node_config cfg;

@@ -19,6 +19,10 @@ using timeout_type = std::chrono::microseconds;
 /// Asks a call to wait without a deadline (it still fails at once when a worker dies).
 inline constexpr timeout_type wait_forever = timeout_type::max();
 
+/// The longest `executor_config::linger`, `executor_config::network_linger` and
+/// `node_config::network_linger` accepted.
+inline constexpr timeout_type max_linger = std::chrono::seconds(1);
+
 /// A worker actor published by another actor system (`troupe::publish_worker`), reached
 /// through CAF's middleman.
 struct remote_worker {
