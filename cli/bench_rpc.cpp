@@ -90,19 +90,25 @@ stats summarize(std::vector<double> us, double wall_s) {
   return s;
 }
 
+/// Makes `n` calls, adding each one's time in µs to `samples`; returns the time of all.
+std::chrono::duration<double> time_calls(const std::function<void()>& call, int n,
+                                         std::vector<double>& samples) {
+  auto wall_start = clock_type::now();
+  for (int i = 0; i < n; ++i) {
+    auto start = clock_type::now();
+    call();
+    samples.push_back(std::chrono::duration<double, std::micro>(clock_type::now() - start).count());
+  }
+  return clock_type::now() - wall_start;
+}
+
 stats measure(const std::function<void()>& call, int iterations) {
   std::vector<double> samples;
   samples.reserve(iterations);
   // Warm-up: first calls pay for thread start-up and allocation.
   for (int i = 0; i < std::min(iterations, 100); ++i)
     call();
-  auto wall_start = clock_type::now();
-  for (int i = 0; i < iterations; ++i) {
-    auto start = clock_type::now();
-    call();
-    samples.push_back(std::chrono::duration<double, std::micro>(clock_type::now() - start).count());
-  }
-  std::chrono::duration<double> wall = clock_type::now() - wall_start;
+  auto wall = time_calls(call, iterations, samples);
   auto s = summarize(std::move(samples), wall.count());
   s.rss_bytes = resident_bytes();
   return s;
@@ -216,14 +222,7 @@ std::pair<stats, stats> measure_in_turns(const std::function<void()>& a,
   for (int done = 0; done < iterations; done += chunk)
     for (int k = 0; k < 2; ++k) {
       (*calls[k])();
-      auto chunk_start = clock_type::now();
-      for (int i = done; i < std::min(done + chunk, iterations); ++i) {
-        auto start = clock_type::now();
-        (*calls[k])();
-        samples[k].push_back(
-          std::chrono::duration<double, std::micro>(clock_type::now() - start).count());
-      }
-      wall[k] += clock_type::now() - chunk_start;
+      wall[k] += time_calls(*calls[k], std::min(chunk, iterations - done), samples[k]);
     }
   return {summarize(std::move(samples[0]), wall[0].count()),
           summarize(std::move(samples[1]), wall[1].count())};
