@@ -8,6 +8,7 @@
 #include "actors/linger.hpp"
 #include "actors/log.hpp"
 #include "actors/node_auth.hpp"
+#include "actors/node_link.hpp"
 #include "actors/remoting.hpp"
 #include "actors/teardown.hpp"
 #include "actors/worker_actor.hpp"
@@ -18,6 +19,7 @@
 
 #include <atomic>
 #include <future>
+#include <optional>
 #include <mutex>
 #include <shared_mutex>
 #include <utility>
@@ -132,6 +134,8 @@ struct executor::impl {
   std::vector<worker_actor> local_workers;
   /// Workers the supervisor spawned to replace dead ones.
   std::shared_ptr<replacement_list> replacements = std::make_shared<replacement_list>();
+  /// The call links to the nodes, which a blocking caller reads while it waits.
+  std::shared_ptr<link_set> links = std::make_shared<link_set>();
   /// Workers leased from nodes, which release them when the lease holder goes.
   std::vector<worker_actor> leased_workers;
   std::vector<worker_info> infos;
@@ -158,7 +162,8 @@ struct executor::impl {
   T ask(timeout_type t, Ts&&... xs) {
     std::shared_lock<std::shared_mutex> guard{lifecycle};
     check_open();
-    return wait_for(t, send<T>(t, std::forward<Ts>(xs)...));
+    auto reading = read_links();
+    return wait_for(t, send<T>(t, std::forward<Ts>(xs)...), std::move(reading));
   }
 
   /// `ask` for a call made through `supervisor_access` (see `send_direct`).
@@ -166,18 +171,34 @@ struct executor::impl {
   T ask_direct(timeout_type t, Make make) {
     std::shared_lock<std::shared_mutex> guard{lifecycle};
     check_open();
-    return wait_for(t, send_direct<T>(t, std::move(make)));
+    auto reading = read_links();
+    return wait_for(t, send_direct<T>(t, std::move(make)), std::move(reading));
+  }
+
+  /// With call links, a caller reads them itself while it lingers for its reply, which
+  /// then reaches it without a hand-off from the link's thread; it says so before its
+  /// request goes, so that the link's thread is not woken for the reply.
+  std::optional<link_set::helping> read_links() {
+    if (cfg.nodes.empty() || caller_linger <= timeout_type::zero())
+      return std::nullopt;
+    return links->help();
   }
 
   /// The answer of a call whose deadline is `t`.
   template <class T>
-  T wait_for(timeout_type t, std::future<T> fut) {
+  T wait_for(timeout_type t, std::future<T> fut, std::optional<link_set::helping> reading) {
     // Past a year a deadline is as good as none (and the clock arithmetic would overflow).
     bool bounded = t != wait_forever && t < std::chrono::hours(24 * 365);
     // A reply that comes within `caller_linger` finds this thread awake.
-    if (caller_linger > timeout_type::zero())
-      linger_for(caller_linger,
-                 [&] { return fut.wait_for(timeout_type::zero()) == std::future_status::ready; });
+    auto ready = [&] { return fut.wait_for(timeout_type::zero()) == std::future_status::ready; };
+    if (!reading)
+      linger_for(caller_linger, ready);
+    else
+      linger_for(caller_linger, [&] {
+        links->pump();
+        return ready();
+      });
+    reading.reset();
     if (bounded && fut.wait_for(t + facade_grace) == std::future_status::timeout)
       throw translate(caf::sec::request_timeout);
     return fut.get();
@@ -529,12 +550,14 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     try {
       logger_release release;
       caf::scoped_actor self{*d.sys};
-      for (auto& n : d.cfg.nodes)
-        for (auto& w : lease_workers(self.ptr(), d.cfg, n, n.workers, d.lease_holder, deadline)) {
+      for (auto& n : d.cfg.nodes) {
+        auto grant = lease_workers(self.ptr(), d.cfg, n, n.workers, d.lease_holder, deadline);
+        for (auto& w : grant.workers) {
           workers.push_back(caf::actor_cast<worker_actor>(std::move(w)));
           d.leased_workers.push_back(workers.back());
-          places.push_back({"node", n.host, n.port});
+          places.push_back({"node", n.host, n.port, grant.link});
         }
+      }
     } catch (...) {
       // A handle held here would keep its detached worker's thread, and so stop, waiting.
       workers.clear();
@@ -554,11 +577,11 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
       throw error{errc::worker_died, what};
     }
     workers.push_back(*handle);
-    places.push_back({"worker host", rw.host, rw.port});
+    places.push_back({"worker host", rw.host, rw.port, nullptr});
   }
   d.supervisor =
     spawn_supervisor(*d.sys, d.cfg, std::move(workers), std::move(places), std::move(factory),
-                     d.lease_holder, d.replacements);
+                     d.lease_holder, d.replacements, d.links);
   try {
     // Three steps, each within startup_timeout: init, and the collective's two rounds.
     d.infos = d.ask<std::vector<worker_info>>(times(d.cfg.startup_timeout, 3), init_atom::value);

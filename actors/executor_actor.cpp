@@ -8,6 +8,7 @@
 
 #include "actors/log.hpp"
 #include "actors/node_auth.hpp"
+#include "actors/node_link.hpp"
 #include "actors/reply_sink.hpp"
 #include "actors/remoting.hpp"
 #include "actors/sleep_state.hpp"
@@ -21,6 +22,7 @@
 #include <cstdio>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <atomic>
 #include <optional>
@@ -164,17 +166,22 @@ std::string place_name(const worker_place& place) {
 /// asked for at most `cfg.node_timeout` (a lease only spawns an actor: a node that is up
 /// answers at once, a stopped one never); everything ends by `deadline`, and no candidate
 /// is asked once `cancelled` is set (the supervisor is gone).
+/// The call link to the worker leased, if any, is left in `link` before the reply.
 void lease_one(caf::blocking_actor* self, executor_config cfg,
                std::vector<node_address> candidates, caf::actor holder,
-               clock_type::time_point deadline, std::shared_ptr<std::atomic<bool>> cancelled) {
+               clock_type::time_point deadline, std::shared_ptr<std::atomic<bool>> cancelled,
+               std::shared_ptr<std::shared_ptr<node_link>> link) {
   self->receive([&](lease_atom) -> caf::result<caf::actor, int32_t> {
     std::string refusals;
     for (size_t i = 0; i < candidates.size() && !*cancelled; ++i) {
       auto until = std::min(deadline, clock_type::now() + cfg.node_timeout);
       try {
-        auto leased = lease_workers(self, cfg, candidates[i], 1, holder, until);
-        if (leased.size() == 1)
+        auto grant = lease_workers(self, cfg, candidates[i], 1, holder, until);
+        auto& leased = grant.workers;
+        if (leased.size() == 1) {
+          *link = std::move(grant.link);
           return {leased[0], static_cast<int32_t>(i)};
+        }
         refusals += (refusals.empty() ? "" : "; ") + node_name(candidates[i]) + ": gave " +
                     std::to_string(leased.size()) + " workers for 1";
       } catch (const error& e) {
@@ -257,9 +264,20 @@ struct supervisor_state {
   std::vector<waiting_call> waiting_calls;
   /// Where the workers' replies of direct gathers go.
   std::unique_ptr<reply_sink> sink;
+  /// The call links, which blocking callers read too.
+  std::shared_ptr<link_set> links;
+  /// Deaths of workers held for their call link (see `wait_for_link`): true once handled.
+  std::map<caf::actor_addr, bool> link_downs;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
 
   static inline const char* name = "troupe.executor";
+
+  ~supervisor_state() {
+    // The links' readers hand replies to the sink, which goes first.
+    for (auto& place : places)
+      if (place.link)
+        place.link->close();
+  }
 
   // -- scatter-gather ---------------------------------------------------------------
 
@@ -329,11 +347,12 @@ struct supervisor_state {
     if (g->direct) {
       // The last rank gets the gather's own copy: a worker that finds the message unshared
       // takes its contents instead of copying them (a step's request, every step).
-      for (size_t index = 0; index < g->ranks.size(); ++index)
-        sink->ask(g->direct, index,
-                  caf::actor_cast<caf::actor>(workers[static_cast<size_t>(g->ranks[index])]),
+      for (size_t index = 0; index < g->ranks.size(); ++index) {
+        auto rank = static_cast<size_t>(g->ranks[index]);
+        sink->ask(g->direct, index, caf::actor_cast<caf::actor>(workers[rank]),
                   index + 1 < g->ranks.size() ? g->request : std::move(g->request),
-                  self->context());
+                  self->context(), places[rank].link.get());
+      }
       return;
     }
     while (!g->finished && g->next < g->ranks.size() &&
@@ -1196,7 +1215,54 @@ struct supervisor_state {
     return {};
   }
 
+  /// Starts the reader of a call link (a link started already stays as it is): its replies
+  /// go to the sink.
+  void start_link(const std::shared_ptr<node_link>& link) {
+    if (!link)
+      return;
+    auto* replies = sink.get();
+    links->add(
+      link, self->system(),
+      [replies](uint64_t key, caf::message reply) { replies->deliver(key, std::move(reply)); },
+      [replies, log = log, name = link->name()](std::vector<uint64_t> keys, const std::string& why) {
+        if (!keys.empty() || why != "closed")
+          log->warn("the call link to {} closed ({}); calls go over BASP", name, why);
+        replies->lost(keys);
+      });
+  }
+
+  /// How long a death waits for its worker's call link at most (see `wait_for_link`): a node
+  /// that is stopped or hung never answers the ping.
+  static constexpr auto link_flush_time = std::chrono::milliseconds(100);
+
+  /// Whether the death in `msg` waits for the call link of its worker first. A worker that
+  /// replied and then died wrote its reply to the link before BASP carried its death: the
+  /// death is handled once the link has handed on what came before it (a ping answered,
+  /// or the link closed), or after `link_flush_time` at the latest.
+  bool wait_for_link(const caf::down_msg& msg) {
+    auto seen = link_downs.find(msg.source);
+    if (seen != link_downs.end()) {
+      if (seen->second)
+        return true; // handled already: this is its second notice
+      seen->second = true;
+      return false;
+    }
+    std::shared_ptr<node_link> link;
+    for (size_t i = 0; i < workers.size(); ++i)
+      if (workers[i].address() == msg.source)
+        link = places[i].link;
+    if (!link || !link->owes(msg.source.id()))
+      return false;
+    link_downs.emplace(msg.source, false);
+    auto me = caf::actor_cast<caf::actor>(self);
+    link->flush([me, msg] { caf::anon_send(me, msg); });
+    caf::delayed_anon_send(me, link_flush_time, msg);
+    return true;
+  }
+
   void on_worker_down(const caf::down_msg& msg) {
+    if (wait_for_link(msg))
+      return;
     int32_t rank = -1;
     for (size_t i = 0; i < workers.size(); ++i)
       if (workers[i].address() == msg.source)
@@ -1345,18 +1411,20 @@ struct supervisor_state {
         if (!known)
           candidates.push_back({n.host, n.port, 1});
       }
+    auto link = std::make_shared<std::shared_ptr<node_link>>();
     auto helper = self->spawn<caf::detached>(lease_one, cfg, candidates, lease_holder,
                                              clock_type::now() + cfg.startup_timeout,
-                                             leases_cancelled);
+                                             leases_cancelled, link);
     auto* st = this;
     self->request(helper, caf::infinite, lease_atom::value)
       .then(
-        [st, rank, candidates](caf::actor& leased, int32_t which) {
+        [st, rank, candidates, link](caf::actor& leased, int32_t which) {
           if (!st->recovering || st->failure)
             return; // the lease ends with the holder
           auto fresh = caf::actor_cast<worker_actor>(leased);
           auto& n = candidates[static_cast<size_t>(which)];
-          st->places[static_cast<size_t>(rank)] = {"node", n.host, n.port};
+          st->places[static_cast<size_t>(rank)] = {"node", n.host, n.port, *link};
+          st->start_link(*link);
           {
             std::lock_guard<std::mutex> lk{st->replacements->mtx};
             st->replacements->leased.push_back(fresh);
@@ -1478,8 +1546,10 @@ supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config
                                            std::vector<worker_actor> workers,
                                            std::vector<worker_place> places,
                                            worker_factory factory, caf::actor lease_holder,
-                                           std::shared_ptr<replacement_list> replacements) {
+                                           std::shared_ptr<replacement_list> replacements,
+                                           std::shared_ptr<link_set> links) {
   auto& st = self->state;
+  st.links = std::move(links);
   st.self = self;
   st.cfg = std::move(cfg);
   st.factory = std::move(factory);
@@ -1488,6 +1558,8 @@ supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config
   st.workers = std::move(workers);
   st.places = std::move(places);
   st.sink = std::make_unique<reply_sink>(self->system(), caf::actor_cast<caf::actor>(self));
+  for (auto& place : st.places)
+    st.start_link(place.link);
   for (auto& w : st.workers)
     self->monitor(w);
   self->set_down_handler([self](caf::down_msg& msg) { self->state.on_worker_down(msg); });
@@ -1528,12 +1600,13 @@ supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config&
                                   std::vector<worker_actor> workers,
                                   std::vector<worker_place> places, worker_factory factory,
                                   caf::actor lease_holder,
-                                  std::shared_ptr<replacement_list> replacements) {
+                                  std::shared_ptr<replacement_list> replacements,
+                                  std::shared_ptr<link_set> links) {
   places.resize(workers.size());
   // Scheduled, not detached: a caller may run it (`hand_to_supervisor`).
   return sys.spawn(supervisor, cfg, std::move(workers), std::move(places),
                                   std::move(factory), std::move(lease_holder),
-                                  std::move(replacements));
+                                  std::move(replacements), std::move(links));
 }
 
 namespace {

@@ -15,12 +15,17 @@
 
 namespace troupe {
 
+class link_set;
+class node_link;
+
 /// Where a worker runs, for the report of its death: `host` is empty for a worker of this
 /// process, else the `kind` of peer ("node", "worker host") at `host`:`port`.
 struct worker_place {
   std::string kind;
   std::string host;
   uint16_t port = 0;
+  /// The call link to the worker's node, if any (`actors/node_link.hpp`).
+  std::shared_ptr<node_link> link;
 };
 
 struct supervisor_state;
@@ -76,12 +81,14 @@ struct replacement_list {
 /// scatters and gathers every collective call, runs the distributed execution loop and
 /// keeps the sleep/wake state machine. Under `cfg.restart` it replaces a dead worker of
 /// this process with one that `factory` makes, and one leased from a node with one leased
-/// for `lease_holder` (`restart_policy`), and lists it in `replacements`.
+/// for `lease_holder` (`restart_policy`), and lists it in `replacements`. It reads the
+/// call links of `places` and adds them to `links`.
 supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config& cfg,
                                   std::vector<worker_actor> workers,
                                   std::vector<worker_place> places, worker_factory factory,
                                   caf::actor lease_holder,
-                                  std::shared_ptr<replacement_list> replacements);
+                                  std::shared_ptr<replacement_list> replacements,
+                                  std::shared_ptr<link_set> links);
 
 /// Hands `call` to the supervisor. When the supervisor is idle, the calling thread runs it
 /// (up to a few messages) instead of waking a scheduler thread for it: the caller would

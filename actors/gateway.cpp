@@ -13,6 +13,7 @@
 
 #include <array>
 #include <cerrno>
+#include <fcntl.h>
 #include <cstring>
 #include <list>
 #include <thread>
@@ -39,6 +40,7 @@ constexpr auto accept_backoff = std::chrono::milliseconds(100);
 struct relay_settings {
   gateway_options options;
   frame_gateway::connect_fn connect;
+  frame_gateway::link_fn link;
   std::shared_ptr<spdlog::logger> log;
 };
 
@@ -130,11 +132,15 @@ private:
 
   void judge() {
     auto& secret = settings_->options.secret;
-    bool well_formed = line_[64] == ' ' && line_.back() == '\n';
+    // " ": a connection for BASP; "+": a call link, with a proof of its own.
+    bool link = line_[64] == '+' && settings_->link;
+    bool well_formed = (line_[64] == ' ' || link) && line_.back() == '\n';
     auto peer_challenge = line_.substr(0, 64);
     auto proof = line_.substr(65, 64);
+    auto expected = link ? link_proof(secret, challenge_, peer_challenge)
+                         : peer_proof(secret, challenge_, peer_challenge);
     auto self = this->shared_from_this();
-    if (!well_formed || !same_proof(proof, peer_proof(secret, challenge_, peer_challenge))) {
+    if (!well_formed || !same_proof(proof, expected)) {
       settings_->log->warn("refused {}: {}", peer_, well_formed ? "wrong secret"
                                                                 : "not a troupe handshake");
       line_ = "no wrong secret\n";
@@ -144,11 +150,28 @@ private:
     }
     line_ = "ok " + node_proof(secret, challenge_, peer_challenge) + "\n";
     asio::async_write(client_, asio::buffer(line_),
-                      [self](const boost::system::error_code& ec, size_t) {
+                      [self, link](const boost::system::error_code& ec, size_t) {
                         if (ec)
                           return self->close();
-                        self->proven();
+                        if (link)
+                          self->hand_over();
+                        else
+                          self->proven();
                       });
+  }
+
+  /// Gives a proven link's socket to the node: it carries no BASP, so nothing is relayed.
+  void hand_over() {
+    deadline_.cancel();
+    proved = true;
+    if constexpr (std::is_same_v<Stream, tcp::socket>) {
+      int fd = ::fcntl(client_.native_handle(), F_DUPFD_CLOEXEC, 0);
+      closed_ = true;
+      boost::system::error_code ec;
+      client_.close(ec);
+      if (fd >= 0)
+        settings_->link(fd, peer_);
+    }
   }
 
   void proven() {
@@ -349,7 +372,7 @@ struct frame_gateway::impl {
   }
 };
 
-frame_gateway::frame_gateway(gateway_options options, connect_fn connect,
+frame_gateway::frame_gateway(gateway_options options, connect_fn connect, link_fn link,
                              std::shared_ptr<spdlog::logger> log)
   : impl_(std::make_unique<impl>()) {
   auto& d = *impl_;
@@ -360,7 +383,7 @@ frame_gateway::frame_gateway(gateway_options options, connect_fn connect,
   if (!tls && options.secret.empty())
     throw error{errc::invalid_argument, "node: a gateway needs a secret or TLS"};
   d.settings = std::make_shared<const relay_settings>(
-    relay_settings{std::move(options), std::move(connect), std::move(log)});
+    relay_settings{std::move(options), std::move(connect), std::move(link), std::move(log)});
   auto where = host + ":" + std::to_string(port);
   if (tls) {
     try {

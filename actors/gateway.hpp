@@ -42,8 +42,8 @@ struct gateway_options {
 };
 
 /// The only listening socket of a node. It accepts TCP connections, ends TLS or checks the
-/// connection handshake, and relays each connection that proved itself to the node's
-/// middleman over a private socket pair (`connect` hands the middleman one end and returns
+/// connection handshake, hands a call link that proved the secret to `link`, and relays
+/// each other connection that proved itself to the node's middleman over a private socket pair (`connect` hands the middleman one end and returns
 /// the other): nothing reaches CAF, not even a BASP handshake, from a peer that has not
 /// proved the secret or a certificate of the node's CA. It reads the BASP frame headers of
 /// what peers send, after decryption: a frame whose payload is larger than
@@ -58,10 +58,13 @@ class frame_gateway {
 public:
   /// The gateway's end of a new private connection to the middleman, or -1.
   using connect_fn = std::function<int()>;
+  /// Takes a call link (`actors/node_link.hpp`) that proved the secret: its socket and the
+  /// peer's address. Called on the gateway's thread.
+  using link_fn = std::function<void(int fd, std::string peer)>;
 
   /// Binds and starts accepting. Throws `worker_error` when the address cannot be bound or
-  /// the TLS files cannot be loaded.
-  frame_gateway(gateway_options options, connect_fn connect,
+  /// the TLS files cannot be loaded. Without `link`, links are refused.
+  frame_gateway(gateway_options options, connect_fn connect, link_fn link,
                 std::shared_ptr<spdlog::logger> log);
   ~frame_gateway();
 

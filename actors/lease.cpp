@@ -1,6 +1,8 @@
 #include "actors/lease.hpp"
 
+#include "actors/log.hpp"
 #include "actors/node_auth.hpp"
+#include "actors/node_link.hpp"
 #include "actors/remoting.hpp"
 #include "messages/messages.hpp"
 #include "troupe/errors.hpp"
@@ -19,7 +21,7 @@ std::string node_name(const node_address& n) {
   return "node " + n.host + ":" + std::to_string(n.port);
 }
 
-std::vector<caf::actor> lease_workers(caf::blocking_actor* self, const executor_config& cfg,
+node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
                                       const node_address& n, int32_t count,
                                       const caf::actor& holder,
                                       std::chrono::steady_clock::time_point deadline) {
@@ -79,13 +81,29 @@ std::vector<caf::actor> lease_workers(caf::blocking_actor* self, const executor_
     self->request(gate, left(), auth_atom::value, proof).receive([](caf::ok_atom) {}, fail);
     checked();
   }
-  std::vector<caf::actor> leased;
+  node_grant grant;
+  std::string token;
   self
     ->request(gate, left(), lease_atom::value, cfg.node_worker_kind, cfg.node_worker_options,
               count, holder)
-    .receive([&](std::vector<caf::actor>& ws) { leased = std::move(ws); }, fail);
+    .receive(
+      [&](std::vector<caf::actor>& ws, std::string& t) {
+        grant.workers = std::move(ws);
+        token = std::move(t);
+      },
+      fail);
   checked();
-  return leased;
+  if (cfg.node_links && cfg.tls_certificate.empty()) {
+    try {
+      grant.link = node_link::open(n.host, n.port, cfg.node_secret, token, cfg.network_linger,
+                                   deadline);
+    } catch (const error& e) {
+      // The workers are leased and BASP reaches them: the calls go that way.
+      get_logger("troupe.executor")
+        ->warn("{}: no call link ({}); calls to its workers go over BASP", where, e.what());
+    }
+  }
+  return grant;
 }
 
 } // namespace troupe

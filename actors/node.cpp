@@ -4,6 +4,7 @@
 #include "actors/linger.hpp"
 #include "actors/log.hpp"
 #include "actors/node_auth.hpp"
+#include "actors/node_link.hpp"
 #include "actors/remoting.hpp"
 #include "actors/teardown.hpp"
 #include "actors/worker_actor.hpp"
@@ -93,6 +94,30 @@ struct node_lease {
     return workers_;
   }
 
+  /// Gives the lease to `holder` with a fresh token, which its call links present.
+  std::string hold(caf::actor h) {
+    std::lock_guard<std::mutex> guard{mtx_};
+    holder = std::move(h);
+    token_ = random_challenge();
+    return token_;
+  }
+
+  std::string token() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    return token_;
+  }
+
+  /// The leased worker with actor id `id`, while `token` is the lease's; else none.
+  caf::actor find(const std::string& token, uint64_t id) {
+    std::lock_guard<std::mutex> guard{mtx_};
+    if (token_.empty() || !same_proof(token, token_))
+      return nullptr;
+    for (auto& w : workers_)
+      if (w.id() == id)
+        return w;
+    return nullptr;
+  }
+
   /// Stops the workers (their memory is freed) and forgets the holder.
   void release(caf::actor_system& sys, spdlog::logger& log, const std::string& why) {
     std::lock_guard<std::mutex> guard{mtx_};
@@ -106,6 +131,7 @@ struct node_lease {
     workers_.clear();
     slots_.clear();
     holder = nullptr;
+    token_.clear();
     leased = 0;
   }
 
@@ -114,6 +140,8 @@ private:
   std::vector<caf::actor> workers_;
   /// The device slot (index into node_config::device_indices) of each worker.
   std::vector<int32_t> slots_;
+  /// What the holder's call links present; empty while nobody holds the lease.
+  std::string token_;
 };
 
 /// The node's only published actor: authenticates executors and leases workers to one.
@@ -220,7 +248,7 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
       return caf::ok_atom::value;
     },
     [=](lease_atom, const std::string& kind, const caf::settings& options, int32_t count,
-        caf::actor holder) -> caf::result<std::vector<caf::actor>> {
+        caf::actor holder) -> caf::result<std::vector<caf::actor>, std::string> {
       auto& st = self->state;
       auto& sender = self->current_sender();
       // Without a secret the node runs TLS only: its peers proved their certificates.
@@ -258,11 +286,11 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
         st.lease->add(leased.back(), slot);
       }
       if (!st.lease->holder) {
-        st.lease->holder = holder;
+        st.lease->hold(holder);
         self->monitor(holder);
       }
       st.log->info("leased {} '{}' worker(s) to {}", count, kind, to_string(sender->node()));
-      return leased;
+      return {std::move(leased), st.lease->token()};
     },
   };
 }
@@ -281,6 +309,9 @@ struct node::impl {
   std::condition_variable stopped_cv;
   std::thread watcher;
   std::unique_ptr<frame_gateway> gateway;
+  /// The call links of the lease holder (and links that have closed, dropped as new come).
+  std::mutex links_mtx;
+  std::vector<std::unique_ptr<link_server>> links;
   bool stopped = false;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.node");
 };
@@ -355,8 +386,22 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
     });
     return pair[1];
   };
+  auto* node_impl = &d;
+  auto max_payload = listen.max_frame_bytes;
+  auto link_linger = listen.linger;
+  auto link = [node_impl, max_payload, link_linger](int fd, std::string peer) {
+    auto& n = *node_impl;
+    auto lease = n.lease;
+    auto find = [lease](const std::string& token, uint64_t id) { return lease->find(token, id); };
+    std::lock_guard<std::mutex> lk{n.links_mtx};
+    n.links.erase(std::remove_if(n.links.begin(), n.links.end(),
+                                 [](const std::unique_ptr<link_server>& l) { return l->done(); }),
+                  n.links.end());
+    n.links.push_back(std::make_unique<link_server>(*n.sys, fd, std::move(peer), find,
+                                                    link_linger, max_payload, n.log));
+  };
   try {
-    d.gateway = std::make_unique<frame_gateway>(std::move(listen), connect, d.log);
+    d.gateway = std::make_unique<frame_gateway>(std::move(listen), connect, link, d.log);
   } catch (...) {
     caf::logger::set_current_actor_system(nullptr);
     stop();
@@ -401,6 +446,11 @@ void node::stop() {
   }
   if (d.gateway)
     d.gateway->stop();
+  {
+    // No new link comes once the gateway has stopped.
+    std::lock_guard<std::mutex> lk{d.links_mtx};
+    d.links.clear();
+  }
   if (d.gate) {
     auto workers = d.lease->workers();
     {

@@ -82,6 +82,11 @@ std::string peer_proof(const std::string& secret, const std::string& node_challe
   return secret_proof(secret, node_challenge, "peer:" + peer_challenge);
 }
 
+std::string link_proof(const std::string& secret, const std::string& node_challenge,
+                       const std::string& peer_challenge) {
+  return secret_proof(secret, node_challenge, "link:" + peer_challenge);
+}
+
 std::string node_proof(const std::string& secret, const std::string& node_challenge,
                        const std::string& peer_challenge) {
   return secret_proof(secret, peer_challenge, "node:" + node_challenge);

@@ -33,6 +33,7 @@ bool same_proof(const std::string& a, const std::string& b);
 //
 //   node -> peer: greeting  "trp1" + 4 zero bytes + node challenge (64 hex) + "\n"
 //   peer -> node: answer    peer challenge (64 hex) + " " + peer proof (64 hex) + "\n"
+//                           (a call link, `actors/node_link.hpp`: "+" and the link proof)
 //   node -> peer: verdict   "ok " + node proof (64 hex) + "\n", or "no " + reason + "\n"
 
 /// Bytes of the greeting and of the answer. A BASP client that reads the greeting as a
@@ -52,6 +53,10 @@ std::string challenge_of_greeting(const std::string& greeting);
 /// What proves the secret for a connection: the peer's proof binds both challenges, and so
 /// does the node's, with the roles apart so neither can be replayed as the other.
 std::string peer_proof(const std::string& secret, const std::string& node_challenge,
+                       const std::string& peer_challenge);
+/// The peer's proof for a call link: bound to the kind, so that a BASP connection's proof
+/// does not open a link, nor a link's a BASP connection.
+std::string link_proof(const std::string& secret, const std::string& node_challenge,
                        const std::string& peer_challenge);
 std::string node_proof(const std::string& secret, const std::string& node_challenge,
                        const std::string& peer_challenge);

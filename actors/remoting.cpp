@@ -176,7 +176,7 @@ bool wait_for(int fd, short events, std::chrono::steady_clock::time_point deadli
 } // namespace
 
 int dial_node(const std::string& host, uint16_t port, const std::string& secret,
-              std::chrono::steady_clock::time_point deadline) {
+              std::chrono::steady_clock::time_point deadline, bool link) {
   auto where = "node " + host + ":" + std::to_string(port);
   auto late = [&] { return error{errc::worker_died, "cannot reach " + where + ": no answer in time"}; };
   addrinfo hints{};
@@ -245,7 +245,8 @@ int dial_node(const std::string& host, uint16_t port, const std::string& secret,
                where + " does not speak troupe's connection handshake (not a troupe node, or "
                        "one that wants TLS: give the TLS certificate, key and CA)"});
   auto challenge = random_challenge();
-  write_all(challenge + " " + peer_proof(secret, node_challenge, challenge) + "\n");
+  write_all(link ? challenge + "+" + link_proof(secret, node_challenge, challenge) + "\n"
+                 : challenge + " " + peer_proof(secret, node_challenge, challenge) + "\n");
   auto verdict = read_some(max_verdict_size, true);
   if (verdict.rfind("no ", 0) == 0)
     fail(error{errc::invalid_argument,

@@ -41,9 +41,10 @@ std::string why_connection_lost(const std::string& host, uint16_t port, bool tls
 /// connected socket, ready for BASP. Throws `troupe::error`: `worker_died` when the node
 /// cannot be reached or does not answer in time, `invalid_argument` naming what failed
 /// when it refuses the proof (wrong secret), does not prove the secret itself, or does not
-/// speak the handshake (not a node, or one that wants TLS).
+/// speak the handshake (not a node, or one that wants TLS). `link`: the connection is a
+/// call link (`actors/node_link.hpp`) rather than one for BASP.
 int dial_node(const std::string& host, uint16_t port, const std::string& secret,
-              std::chrono::steady_clock::time_point deadline);
+              std::chrono::steady_clock::time_point deadline, bool link = false);
 
 /// Loads caf-openssl with the certificate, key and CA (the middleman must be loaded).
 void configure_tls(caf::actor_system_config& cfg, const std::string& certificate,

@@ -439,7 +439,7 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
     auto holder = sys.spawn([]() -> caf::behavior { return {[](caf::ok_atom) {}}; });
     self->request(*gate, 5s, lease_atom::value, std::string{"test"}, caf::settings{}, int32_t{1},
                   holder)
-      .receive([](std::vector<caf::actor>&) {}, [&](caf::error& e) { err = e; });
+      .receive([](std::vector<caf::actor>&, std::string&) {}, [&](caf::error& e) { err = e; });
     CHECK(render(err).find("a lease before authentication") != std::string::npos);
     err = caf::error{};
     self->request(*gate, 5s, auth_atom::value, std::string(64, '0'))

@@ -127,6 +127,11 @@ struct executor_config {
   /// 120-190 µs with 30 and 300 µs with 0. A blocking caller of an executor with such
   /// workers waits for its reply this long too. 0 turns it off; at most 1 s.
   timeout_type network_linger = std::chrono::microseconds(100);
+  /// Whether the requests of `collective_rpc` (of a named method) and `execute_model` go to
+  /// the workers of a node over a connection of their own (a call link), which skips the
+  /// middleman's and the node's gateway threads, rather than over BASP with everything else.
+  /// Links need the shared secret: under TLS calls go over BASP.
+  bool node_links = true;
   /// Lets the host add settings or message types to the executor's actor system.
   std::function<void(caf::actor_system_config&)> configure_system;
 

@@ -1,0 +1,569 @@
+#include "actors/node_link.hpp"
+
+#include "actors/remoting.hpp"
+#include "messages/messages.hpp"
+#include "troupe/errors.hpp"
+
+#include <caf/actor_companion.hpp>
+#include <caf/all.hpp>
+#include <caf/binary_deserializer.hpp>
+#include <caf/binary_serializer.hpp>
+#include <caf/scoped_execution_unit.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/eventfd.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+namespace troupe {
+
+namespace {
+
+constexpr size_t header_size = 24;
+
+void put_u64(char* at, uint64_t x) {
+  for (int i = 0; i < 8; ++i)
+    at[i] = static_cast<char>((x >> (8 * i)) & 0xff);
+}
+
+uint64_t get_u64(const char* at) {
+  uint64_t x = 0;
+  for (int i = 0; i < 8; ++i)
+    x |= uint64_t{static_cast<unsigned char>(at[i])} << (8 * i);
+  return x;
+}
+
+/// The message id under which a request keyed `key` travels (see `reply_sink::ask`).
+caf::message_id request_id(uint64_t key) {
+  auto mid = caf::make_message_id(caf::message_priority::normal);
+  return caf::message_id{mid.integer_value() | key};
+}
+
+caf::actor_companion* companion(const caf::strong_actor_ptr& ptr) {
+  return static_cast<caf::actor_companion*>(caf::actor_cast<caf::abstract_actor*>(ptr));
+}
+
+void end_companion(const caf::strong_actor_ptr& ptr) {
+  auto* c = companion(ptr);
+  c->on_enqueue(nullptr);
+  caf::scoped_execution_unit host{&c->home_system()};
+  c->cleanup(caf::exit_reason::user_shutdown, &host);
+}
+
+} // namespace
+
+// -- link_socket ----------------------------------------------------------------------
+
+link_socket::link_socket(int fd, timeout_type linger, uint64_t max_payload)
+  : fd_(fd), linger_(linger), max_payload_(max_payload), ahead_(16 << 10) {
+  // Blocking writes; reads poll with MSG_DONTWAIT while they linger.
+  int flags = fcntl(fd_, F_GETFL, 0);
+  if (flags >= 0)
+    fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);
+}
+
+link_socket::~link_socket() {
+  ::close(fd_);
+}
+
+bool link_socket::write(kind type, uint64_t key, uint64_t target,
+                        const std::vector<char>& payload) {
+  char header[header_size] = {};
+  auto length = static_cast<uint32_t>(payload.size());
+  for (int i = 0; i < 4; ++i)
+    header[i] = static_cast<char>((length >> (8 * i)) & 0xff);
+  header[4] = static_cast<char>(type);
+  put_u64(header + 8, key);
+  put_u64(header + 16, target);
+  iovec parts[2] = {{header, header_size},
+                    {const_cast<char*>(payload.data()), payload.size()}};
+  msghdr msg{};
+  msg.msg_iov = parts;
+  msg.msg_iovlen = payload.empty() ? 1 : 2;
+  std::lock_guard<std::mutex> lk{write_mtx_};
+  size_t left = header_size + payload.size();
+  while (left > 0) {
+    if (shut_.load(std::memory_order_acquire))
+      return false;
+    auto n = sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR)
+        continue;
+      return false;
+    }
+    left -= static_cast<size_t>(n);
+    // Skips what went out of the parts.
+    auto sent = static_cast<size_t>(n);
+    while (sent > 0 && msg.msg_iovlen > 0) {
+      auto& part = msg.msg_iov[0];
+      if (sent >= part.iov_len) {
+        sent -= part.iov_len;
+        ++msg.msg_iov;
+        --msg.msg_iovlen;
+      } else {
+        part.iov_base = static_cast<char*>(part.iov_base) + sent;
+        part.iov_len -= sent;
+        sent = 0;
+      }
+    }
+  }
+  return true;
+}
+
+bool link_socket::fill(char* data, size_t size, std::string& why) {
+  size_t got = 0;
+  while (got < size) {
+    if (ahead_begin_ < ahead_end_) {
+      auto n = std::min(size - got, ahead_end_ - ahead_begin_);
+      std::memcpy(data + got, ahead_.data() + ahead_begin_, n);
+      ahead_begin_ += n;
+      got += n;
+      continue;
+    }
+    // A large rest goes straight to its place; a small one comes with what follows it.
+    bool direct = size - got >= ahead_.size();
+    auto n = direct ? recv(fd_, data + got, size - got, 0) : recv(fd_, ahead_.data(), ahead_.size(), 0);
+    if (n > 0) {
+      if (direct) {
+        got += static_cast<size_t>(n);
+      } else {
+        ahead_begin_ = 0;
+        ahead_end_ = static_cast<size_t>(n);
+      }
+    } else if (n == 0) {
+      why = is_shut() ? "closed" : "the peer closed the connection";
+      return false;
+    } else if (errno != EINTR) {
+      why = std::string{"the connection broke: "} + std::strerror(errno);
+      return false;
+    }
+  }
+  return true;
+}
+
+bool link_socket::arrived() const {
+  pollfd p{fd_, POLLIN, 0};
+  return ::poll(&p, 1, 0) > 0;
+}
+
+bool link_socket::block(int timeout_ms, int also) {
+  pollfd p[2] = {{fd_, POLLIN, 0}, {also, POLLIN, 0}};
+  while (::poll(p, 2, timeout_ms) < 0 && errno == EINTR) {
+  }
+  return p[0].revents != 0 && !is_shut();
+}
+
+bool link_socket::read(frame& out, std::string& why) {
+  char header[header_size];
+  if (!fill(header, header_size, why))
+    return false;
+  uint32_t length = 0;
+  for (int i = 0; i < 4; ++i)
+    length |= uint32_t{static_cast<unsigned char>(header[i])} << (8 * i);
+  auto type = static_cast<uint8_t>(header[4]);
+  if (type < hello || type > pong || header[5] != 0 || header[6] != 0 || header[7] != 0) {
+    why = "not a link frame";
+    return false;
+  }
+  if (length > max_payload_) {
+    why = "a frame of " + std::to_string(length) + " bytes, above the bound of " +
+          std::to_string(max_payload_);
+    return false;
+  }
+  out.type = static_cast<kind>(type);
+  out.key = get_u64(header + 8);
+  out.target = get_u64(header + 16);
+  out.payload.resize(length);
+  return length == 0 || fill(out.payload.data(), length, why);
+}
+
+void link_socket::shut() {
+  shut_.store(true, std::memory_order_release);
+  ::shutdown(fd_, SHUT_RDWR);
+}
+
+std::vector<char> serialize_message(caf::actor_system& sys, const caf::message& msg,
+                                    std::string& why) {
+  std::vector<char> buf;
+  caf::binary_serializer sink{sys, buf};
+  auto copy = msg;
+  if (auto err = sink(copy)) {
+    why = "cannot serialise (" + to_string(msg) + "): " + sys.render(err);
+    buf.clear();
+  }
+  return buf;
+}
+
+// -- node_link --------------------------------------------------------------------------
+
+node_link::node_link(std::unique_ptr<link_socket> socket, std::string name)
+  : name_(std::move(name)), socket_(std::move(socket)) {
+}
+
+std::shared_ptr<node_link> node_link::open(const std::string& host, uint16_t port,
+                                           const std::string& secret, const std::string& token,
+                                           timeout_type linger,
+                                           std::chrono::steady_clock::time_point deadline) {
+  auto fd = dial_node(host, port, secret, deadline, true);
+  std::shared_ptr<node_link> link{
+    new node_link(std::make_unique<link_socket>(fd, linger, std::numeric_limits<uint32_t>::max()),
+                  "node " + host + ":" + std::to_string(port))};
+  // The hello goes now: a node that refuses the token closes the link, and the calls then
+  // go over BASP.
+  if (!link->socket_->write(link_socket::hello, 0, 0, std::vector<char>(token.begin(), token.end())))
+    throw error{errc::worker_died, link->name_ + ": the link closed during its hello"};
+  return link;
+}
+
+node_link::~node_link() {
+  close();
+}
+
+void node_link::start(caf::actor_system& sys, std::shared_ptr<std::atomic<int>> helpers,
+                      reply_fn on_reply, lost_fn on_lost) {
+  if (thread_.joinable())
+    return;
+  sys_ = &sys;
+  helpers_ = std::move(helpers);
+  on_reply_ = std::move(on_reply);
+  on_lost_ = std::move(on_lost);
+  thread_ = std::thread{[this] { run(); }};
+}
+
+bool node_link::send(uint64_t worker, uint64_t key, const std::vector<char>& payload) {
+  {
+    std::lock_guard<std::mutex> lk{mtx_};
+    if (closed_)
+      return false;
+    owed_.emplace(key, worker);
+    call_reader();
+  }
+  // A failed write breaks the link: its reader then hands the key to on_lost.
+  if (!socket_->write(link_socket::request, key, worker, payload))
+    socket_->shut();
+  return true;
+}
+
+bool node_link::owes(uint64_t worker) {
+  std::lock_guard<std::mutex> lk{mtx_};
+  for (auto& [key, to] : owed_)
+    if (to == worker)
+      return true;
+  return false;
+}
+
+void node_link::flush(std::function<void()> then) {
+  uint64_t ping = 0;
+  {
+    std::lock_guard<std::mutex> lk{mtx_};
+    if (!closed_) {
+      ping = next_ping_++;
+      flushes_.emplace(ping, std::move(then));
+      call_reader();
+    }
+  }
+  if (ping == 0)
+    then();
+  else if (!socket_->write(link_socket::ping, ping, 0, {}))
+    socket_->shut(); // its reader runs `then` as it closes
+}
+
+bool node_link::pump() {
+  std::unique_lock<std::mutex> reading{read_mtx_, std::try_to_lock};
+  if (!reading || broken_ || !socket_->readable())
+    return false;
+  bool any = false;
+  while (!broken_ && socket_->readable())
+    any = take() || any;
+  return any;
+}
+
+void node_link::helpers_left() {
+  std::lock_guard<std::mutex> lk{mtx_};
+  call_reader();
+}
+
+bool node_link::reader_needed() const {
+  return (!owed_.empty() || !flushes_.empty()) && (!helpers_ || helpers_->load() == 0);
+}
+
+void node_link::call_reader() {
+  if (reader_asleep_ && reader_needed())
+    wake_.notify_one();
+}
+
+bool node_link::take() {
+  link_socket::frame f;
+  std::string why;
+  if (!socket_->read(f, why)) {
+    fail(why);
+    return false;
+  }
+  if (f.type == link_socket::pong) {
+    std::function<void()> then;
+    {
+      std::lock_guard<std::mutex> lk{mtx_};
+      auto i = flushes_.find(f.key);
+      if (i != flushes_.end()) {
+        then = std::move(i->second);
+        flushes_.erase(i);
+      }
+    }
+    if (then)
+      then();
+    return true;
+  }
+  if (f.type != link_socket::reply) {
+    fail("the node sent a frame that is not a reply");
+    return false;
+  }
+  caf::message reply;
+  caf::binary_deserializer source{*sys_, f.payload};
+  if (auto err = source(reply))
+    reply = caf::make_message(caf::make_error(
+      errc::worker_error, "a reply that does not deserialise here: " + sys_->render(err)));
+  {
+    std::lock_guard<std::mutex> lk{mtx_};
+    owed_.erase(f.key);
+  }
+  on_reply_(f.key, std::move(reply));
+  return true;
+}
+
+void node_link::fail(const std::string& why) {
+  why_ = why;
+  broken_ = true;
+  socket_->shut();
+  std::lock_guard<std::mutex> lk{mtx_};
+  wake_.notify_one(); // the reader reports it
+}
+
+void node_link::run() {
+  // Between replies the link's thread sleeps on `wake_`: it reads only while something is
+  // owed and no caller reads for it, so that a blocking call costs no hand-off.
+  auto alone = [this] { return !helpers_ || helpers_->load() == 0; };
+  while (!broken_) {
+    {
+      std::unique_lock<std::mutex> lk{mtx_};
+      reader_asleep_ = true;
+      wake_.wait(lk, [&] { return broken_ || reader_needed(); });
+      reader_asleep_ = false;
+    }
+    if (broken_)
+      break;
+    // A short timeout: a caller that starts to read meanwhile takes the replies, and this
+    // thread goes back to sleep rather than wait here for data that may not come.
+    if (!socket_->wait(std::chrono::milliseconds(10), alone)) {
+      if (socket_->is_shut()) {
+        std::lock_guard<std::mutex> reading{read_mtx_};
+        if (!broken_)
+          fail("closed");
+      }
+      continue;
+    }
+    // A caller may have read the frames meanwhile (see `pump`); none stays read ahead
+    // while this thread waits on the socket.
+    std::lock_guard<std::mutex> reading{read_mtx_};
+    while (!broken_ && socket_->readable())
+      take();
+  }
+  lost(why_);
+}
+
+void node_link::lost(const std::string& why) {
+  std::vector<uint64_t> keys;
+  std::map<uint64_t, std::function<void()>> flushes;
+  {
+    std::lock_guard<std::mutex> lk{mtx_};
+    closed_ = true;
+    for (auto& entry : owed_)
+      keys.push_back(entry.first);
+    owed_.clear();
+    flushes.swap(flushes_);
+  }
+  socket_->shut();
+  if (on_lost_)
+    on_lost_(std::move(keys), why);
+  for (auto& entry : flushes)
+    entry.second();
+}
+
+void node_link::close() {
+  {
+    std::lock_guard<std::mutex> reading{read_mtx_};
+    if (!broken_)
+      fail("closed");
+  }
+  if (thread_.joinable())
+    thread_.join();
+  std::lock_guard<std::mutex> lk{mtx_};
+  closed_ = true;
+}
+
+// -- link_set ---------------------------------------------------------------------------
+
+void link_set::add(const std::shared_ptr<node_link>& link, caf::actor_system& sys,
+                   node_link::reply_fn on_reply, node_link::lost_fn on_lost) {
+  link->start(sys, helpers_, std::move(on_reply), std::move(on_lost));
+  std::lock_guard<std::mutex> lk{mtx_};
+  for (auto& weak : links_)
+    if (weak.lock() == link)
+      return;
+  links_.erase(std::remove_if(links_.begin(), links_.end(),
+                              [](const std::weak_ptr<node_link>& l) { return l.expired(); }),
+               links_.end());
+  links_.push_back(link);
+}
+
+link_set::helping::~helping() {
+  if (set_)
+    set_->leave();
+}
+
+link_set::helping link_set::help() {
+  helpers_->fetch_add(1);
+  return helping{this};
+}
+
+void link_set::leave() {
+  if (helpers_->fetch_sub(1) != 1)
+    return;
+  // The last caller reading stopped: the links' threads read what is still owed.
+  std::lock_guard<std::mutex> lk{mtx_};
+  for (auto& weak : links_)
+    if (auto link = weak.lock())
+      link->helpers_left();
+}
+
+bool link_set::pump() {
+  bool any = false;
+  std::lock_guard<std::mutex> lk{mtx_};
+  for (auto& weak : links_)
+    if (auto link = weak.lock())
+      any = link->pump() || any;
+  return any;
+}
+
+// -- link_server ------------------------------------------------------------------------
+
+link_server::link_server(caf::actor_system& sys, int fd, std::string peer, find_fn find,
+                         timeout_type linger, uint64_t max_payload,
+                         std::shared_ptr<spdlog::logger> log)
+  : sys_(sys),
+    peer_(std::move(peer)),
+    find_(std::move(find)),
+    log_(std::move(log)),
+    socket_(std::make_shared<link_socket>(fd, linger, max_payload)),
+    replies_(caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>())) {
+  // A worker's reply is written by the worker's own thread, in the order it replies.
+  companion(replies_)->on_enqueue([this, socket = socket_](caf::mailbox_element_ptr reply) {
+    if (!reply->mid.is_response())
+      return;
+    auto key = reply->mid.request_id().integer_value();
+    std::string why;
+    auto bytes = serialize_message(sys_, reply->move_content_to_message(), why);
+    if (!why.empty())
+      bytes = serialize_message(
+        sys_, caf::make_message(caf::make_error(errc::worker_error, "the reply " + why)), why);
+    socket->write(link_socket::reply, key, 0, bytes);
+    if (in_flight_.fetch_sub(1) == 1) {
+      uint64_t one = 1;
+      [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof one);
+    }
+  });
+  wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  thread_ = std::thread{[this] { run(); }};
+}
+
+link_server::~link_server() {
+  stop();
+  if (wake_fd_ >= 0)
+    ::close(wake_fd_);
+}
+
+void link_server::stop() {
+  socket_->shut();
+  if (thread_.joinable())
+    thread_.join();
+  if (replies_) {
+    end_companion(replies_);
+    replies_ = nullptr;
+  }
+}
+
+bool link_server::next() {
+  for (;;) {
+    if (socket_->readable())
+      return true;
+    if (socket_->is_shut())
+      return false;
+    // While a worker has a request, the next one comes after its reply at the earliest:
+    // this thread sleeps (the worker has the core) until the reply is written, then
+    // lingers for the next.
+    auto idle = [this] { return in_flight_.load() == 0; };
+    if (socket_->wait(std::chrono::milliseconds(-1), idle, wake_fd_))
+      return true;
+    uint64_t replies;
+    [[maybe_unused]] auto n = ::read(wake_fd_, &replies, sizeof replies);
+  }
+}
+
+void link_server::run() {
+  link_socket::frame f;
+  std::string why;
+  std::string token;
+  if (!socket_->wait() || !socket_->read(f, why) || f.type != link_socket::hello) {
+    log_->warn("link from {} closed before its hello: {}", peer_, why.empty() ? "not a hello" : why);
+    socket_->shut();
+    done_ = true;
+    return;
+  }
+  token.assign(f.payload.begin(), f.payload.end());
+  log_->info("link from {} opened", peer_);
+  // The workers met so far: the lease is asked again only for one not among them, and at
+  // every request whether the token still holds it.
+  while (next() && socket_->read(f, why)) {
+    if (f.type == link_socket::ping) {
+      socket_->write(link_socket::pong, f.key, 0, {});
+      continue;
+    }
+    if (f.type != link_socket::request) {
+      why = "a frame that is not a request";
+      break;
+    }
+    auto worker = find_(token, f.target);
+    if (!worker) {
+      why = "a request for actor " + std::to_string(f.target) +
+            ", not a worker leased to the link's executor (or the lease has ended)";
+      break;
+    }
+    caf::message request;
+    caf::binary_deserializer source{sys_, f.payload};
+    if (auto err = source(request)) {
+      std::string ignored;
+      socket_->write(link_socket::reply, f.key, 0,
+                     serialize_message(sys_,
+                                       caf::make_message(caf::make_error(
+                                         errc::bad_arguments,
+                                         "the request does not deserialise on the node: " +
+                                           sys_.render(err))),
+                                       ignored));
+      continue;
+    }
+    in_flight_.fetch_add(1);
+    caf::actor_cast<caf::abstract_actor*>(worker)->enqueue(
+      caf::make_mailbox_element(replies_, request_id(f.key), {}, std::move(request)), nullptr);
+  }
+  log_->info("link from {} closed: {}", peer_, why);
+  socket_->shut();
+  done_ = true;
+}
+
+} // namespace troupe

@@ -1,0 +1,296 @@
+#pragma once
+
+/// @file
+/// The call link: a second connection from an executor to a node, beside BASP, that carries
+/// the requests of direct gathers (`collective_rpc` of a named method, `execute_model`) to
+/// the node's leased workers and their replies back. On BASP such a call crosses the
+/// middleman's thread and the gateway's on each side; on the link the supervisor writes the
+/// request to the socket, the node's link thread puts it in the worker's mailbox, and the
+/// worker writes its reply to the socket itself.
+///
+/// A link proves the node's secret as a BASP connection does (`actors/node_auth.hpp`, with
+/// the kind "link"), then presents the lease's token, which the node gave only to the
+/// executor holding its lease (over the BASP connection that proved the secret). Nodes
+/// under TLS have no links: their calls go over BASP.
+///
+/// Frames, both ways: a 24-byte header (payload length u32, kind u8, 3 zero bytes, key u64,
+/// target u64; integers little-endian) and the payload. A request's target is the worker's
+/// actor id and its payload the request as CAF serialises a message; a reply's payload is
+/// the worker's reply as a message. A ping is answered by a pong with the same key once
+/// everything before it has been read.
+
+#include "actors/linger.hpp"
+#include "troupe/config.hpp"
+
+#include <caf/actor.hpp>
+#include <caf/actor_system.hpp>
+#include <caf/message.hpp>
+
+#include <spdlog/logger.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace troupe {
+
+/// One end of a link's socket: whole frames in, whole frames out. Any thread writes; one at
+/// a time reads.
+class link_socket {
+public:
+  enum kind : uint8_t { hello = 1, request = 2, reply = 3, ping = 4, pong = 5 };
+
+  struct frame {
+    kind type = hello;
+    uint64_t key = 0;
+    uint64_t target = 0;
+    std::vector<char> payload;
+  };
+
+  /// Takes `fd`, a connected stream socket; `linger`: how long `wait` polls before it
+  /// sleeps; frames whose payload is larger than `max_payload` are refused.
+  link_socket(int fd, timeout_type linger, uint64_t max_payload);
+  ~link_socket();
+
+  link_socket(const link_socket&) = delete;
+  link_socket& operator=(const link_socket&) = delete;
+
+  /// Writes one frame, whole; false once the socket is closed or broken.
+  bool write(kind type, uint64_t key, uint64_t target, const std::vector<char>& payload);
+
+  /// Waits until bytes come to the socket, or `also` (another descriptor, or -1) is
+  /// readable: polls for `linger` while `keep()` holds (a thread that sleeps takes tens of
+  /// microseconds to wake here), then sleeps in `poll` for at most `limit` (negative: no
+  /// limit). True when bytes wait or the peer closed; false otherwise (the limit, `also`,
+  /// or `shut`).
+  template <class Keep>
+  bool wait(std::chrono::milliseconds limit, Keep keep, int also = -1) {
+    if (linger_ > timeout_type::zero() && keep() &&
+        linger_for(linger_, [&] { return arrived() || !keep(); }) && arrived())
+      return !is_shut();
+    return block(static_cast<int>(limit.count()), also);
+  }
+
+  /// `wait` without a limit, lingering every time.
+  bool wait() {
+    return wait(std::chrono::milliseconds(-1), [] { return true; });
+  }
+
+  /// Whether a frame can be read without waiting for its first byte: bytes read ahead or
+  /// bytes on the socket. The reader's own.
+  bool readable() const {
+    return ahead_begin_ < ahead_end_ || arrived();
+  }
+
+  /// Reads the next frame, waiting for all of it; false when the peer closed, the socket
+  /// broke, `shut` was called, or the frame is not one (unknown kind, payload above the
+  /// bound): `why` says which.
+  bool read(frame& out, std::string& why);
+
+  /// Ends both directions: a thread waiting or reading returns false.
+  void shut();
+
+  bool is_shut() const {
+    return shut_.load(std::memory_order_acquire);
+  }
+
+private:
+  /// Whether bytes wait on the socket itself.
+  bool arrived() const;
+  bool block(int timeout_ms, int also);
+  bool fill(char* data, size_t size, std::string& why);
+
+  int fd_;
+  timeout_type linger_;
+  uint64_t max_payload_;
+  std::mutex write_mtx_;
+  std::atomic<bool> shut_{false};
+  /// What one `recv` brought beyond the frame being read: a frame and the next's header
+  /// usually come in one call.
+  std::vector<char> ahead_;
+  size_t ahead_begin_ = 0;
+  size_t ahead_end_ = 0;
+};
+
+/// A message as CAF serialises it; empty with `why` set when it cannot be.
+std::vector<char> serialize_message(caf::actor_system& sys, const caf::message& msg,
+                                    std::string& why);
+
+/// The executor's end of the link to one node.
+class node_link : public std::enable_shared_from_this<node_link> {
+public:
+  using reply_fn = std::function<void(uint64_t key, caf::message reply)>;
+  /// The keys still owed when the link closed, and why it closed.
+  using lost_fn = std::function<void(std::vector<uint64_t> keys, const std::string& why)>;
+
+  /// Dials the node at `host`:`port`, proves `secret` and presents `token`, all before
+  /// `deadline`; its reader polls for `linger` before it sleeps. Throws `troupe::error`
+  /// (as `dial_node`).
+  static std::shared_ptr<node_link> open(const std::string& host, uint16_t port,
+                                         const std::string& secret, const std::string& token,
+                                         timeout_type linger,
+                                         std::chrono::steady_clock::time_point deadline);
+  ~node_link();
+
+  node_link(const node_link&) = delete;
+  node_link& operator=(const node_link&) = delete;
+
+  /// Starts the thread that reads replies: `on_reply` for each, `on_lost` once when the
+  /// link closes. Both run on that thread, or on a caller's (`pump`). While `helpers` is
+  /// above 0, callers read and the thread does not. Once only: later calls do nothing.
+  void start(caf::actor_system& sys, std::shared_ptr<std::atomic<int>> helpers,
+             reply_fn on_reply, lost_fn on_lost);
+
+  /// Sends `request` (serialised as `payload`) to the worker with actor id `worker`, its
+  /// reply to come back under `key`; false when the link is closed (nothing was sent).
+  bool send(uint64_t worker, uint64_t key, const std::vector<char>& payload);
+
+  /// Reads the replies that have come, if no other thread is reading, and hands them on
+  /// from this thread; true when it handed on any. A caller that waits for its reply
+  /// calls this as it lingers: the reply then reaches it without a hand-off from the
+  /// link's thread.
+  bool pump();
+
+  /// The last caller that read stopped: the link's thread reads what is still owed.
+  void helpers_left();
+
+  /// Whether a request to `worker` awaits its reply.
+  bool owes(uint64_t worker);
+
+  /// Runs `then` (on the link's thread) once every reply that the node wrote before it
+  /// reads this has been handed on; at once when the link is closed.
+  void flush(std::function<void()> then);
+
+  /// Closes the link and waits for its thread; the keys still owed go to `on_lost`, and
+  /// later sends return false.
+  void close();
+
+  /// "node HOST:PORT".
+  const std::string& name() const {
+    return name_;
+  }
+
+private:
+  node_link(std::unique_ptr<link_socket> socket, std::string name);
+  void run();
+  /// Reads one frame and hands it on; false when the link broke. Holds `read_mtx_`.
+  bool take();
+  /// Marks the link broken; its thread reports the keys owed. Holds `read_mtx_`.
+  void fail(const std::string& why);
+  /// Whether the link's thread has something to read that no caller reads. Holds `mtx_`.
+  bool reader_needed() const;
+  /// Wakes the link's thread if it sleeps and is needed. Holds `mtx_`.
+  void call_reader();
+  void lost(const std::string& why);
+
+  std::string name_;
+  std::unique_ptr<link_socket> socket_;
+  caf::actor_system* sys_ = nullptr;
+  reply_fn on_reply_;
+  lost_fn on_lost_;
+  std::thread thread_;
+  /// Held by whoever reads: the link's thread or a caller (`pump`).
+  std::mutex read_mtx_;
+  /// Callers that read the links while they wait (`link_set::help`).
+  std::shared_ptr<std::atomic<int>> helpers_;
+  std::atomic<bool> broken_{false};
+  std::string why_;
+  std::mutex mtx_;
+  std::condition_variable wake_;
+  bool reader_asleep_ = false;
+  bool closed_ = false;
+  /// The worker each owed key went to.
+  std::unordered_map<uint64_t, uint64_t> owed_;
+  std::map<uint64_t, std::function<void()>> flushes_;
+  uint64_t next_ping_ = 1;
+};
+
+/// The call links of one executor, shared by the supervisor (which adds them) and the
+/// blocking facade (whose callers read them while they wait: `node_link::pump`).
+class link_set {
+public:
+  /// While one lives, its caller reads the links (`pump`) and their threads do not.
+  class helping {
+  public:
+    explicit helping(link_set* set) : set_(set) {}
+    helping(helping&& other) noexcept : set_(std::exchange(other.set_, nullptr)) {}
+    helping(const helping&) = delete;
+    helping& operator=(const helping&) = delete;
+    helping& operator=(helping&&) = delete;
+    ~helping();
+
+  private:
+    link_set* set_;
+  };
+
+  /// Starts `link`'s thread (see `node_link::start`) and lists it.
+  void add(const std::shared_ptr<node_link>& link, caf::actor_system& sys,
+           node_link::reply_fn on_reply, node_link::lost_fn on_lost);
+
+  /// Taken by a blocking caller from before its request goes until it stops waiting.
+  helping help();
+
+  /// `pump` on every link alive; true when any handed on a reply.
+  bool pump();
+
+private:
+  void leave();
+
+  std::mutex mtx_;
+  std::vector<std::weak_ptr<node_link>> links_;
+  std::shared_ptr<std::atomic<int>> helpers_ = std::make_shared<std::atomic<int>>(0);
+};
+
+/// The node's end of one link: a thread that reads its requests, checks each against the
+/// lease, and puts it in the worker's mailbox with a sender that writes the reply back.
+class link_server {
+public:
+  /// The leased worker with actor id `id` while `token` is the lease's token; a null
+  /// actor otherwise.
+  using find_fn = std::function<caf::actor(const std::string& token, uint64_t id)>;
+
+  /// Serves `fd` (a connection that proved the node's secret) from `peer`.
+  link_server(caf::actor_system& sys, int fd, std::string peer, find_fn find,
+              timeout_type linger, uint64_t max_payload, std::shared_ptr<spdlog::logger> log);
+  ~link_server();
+
+  link_server(const link_server&) = delete;
+  link_server& operator=(const link_server&) = delete;
+
+  /// Closes the connection and waits for the thread.
+  void stop();
+
+  /// Whether the connection has closed.
+  bool done() const {
+    return done_.load(std::memory_order_acquire);
+  }
+
+private:
+  void run();
+  /// Waits for the next frame; false once the link is shut.
+  bool next();
+
+  caf::actor_system& sys_;
+  std::string peer_;
+  find_fn find_;
+  std::shared_ptr<spdlog::logger> log_;
+  std::shared_ptr<link_socket> socket_;
+  caf::strong_actor_ptr replies_;
+  /// Requests with the workers, and the eventfd that the reply ending them signals.
+  std::atomic<int> in_flight_{0};
+  int wake_fd_ = -1;
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
+} // namespace troupe
