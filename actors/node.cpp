@@ -310,8 +310,10 @@ struct node::impl {
   std::thread watcher;
   std::unique_ptr<frame_gateway> gateway;
   /// The call links of the lease holder (and links that have closed, dropped as new come).
-  std::mutex links_mtx;
+  mutable std::mutex links_mtx;
   std::vector<std::unique_ptr<link_server>> links;
+  std::shared_ptr<std::atomic<uint64_t>> linked_requests =
+    std::make_shared<std::atomic<uint64_t>>(0);
   bool stopped = false;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.node");
 };
@@ -398,7 +400,8 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
                                  [](const std::unique_ptr<link_server>& l) { return l->done(); }),
                   n.links.end());
     n.links.push_back(std::make_unique<link_server>(*n.sys, fd, std::move(peer), find,
-                                                    link_linger, max_payload, n.log));
+                                                    link_linger, max_payload,
+                                                    n.linked_requests, n.log));
   };
   try {
     d.gateway = std::make_unique<frame_gateway>(std::move(listen), connect, link, d.log);
@@ -429,6 +432,18 @@ uint16_t node::port() const {
 
 int32_t node::leased_workers() const {
   return impl_->lease->leased.load();
+}
+
+int32_t node::call_links() const {
+  auto& d = *impl_;
+  std::lock_guard<std::mutex> lk{d.links_mtx};
+  return static_cast<int32_t>(
+    std::count_if(d.links.begin(), d.links.end(),
+                  [](const std::unique_ptr<link_server>& l) { return l->opened() && !l->done(); }));
+}
+
+uint64_t node::linked_requests() const {
+  return impl_->linked_requests->load();
 }
 
 void node::wait() {

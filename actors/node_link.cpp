@@ -455,13 +455,15 @@ bool link_set::pump() {
 
 link_server::link_server(caf::actor_system& sys, int fd, std::string peer, find_fn find,
                          timeout_type linger, uint64_t max_payload,
+                         std::shared_ptr<std::atomic<uint64_t>> requests,
                          std::shared_ptr<spdlog::logger> log)
   : sys_(sys),
     peer_(std::move(peer)),
     find_(std::move(find)),
     log_(std::move(log)),
     socket_(std::make_shared<link_socket>(fd, linger, max_payload)),
-    replies_(caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>())) {
+    replies_(caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>())),
+    requests_(std::move(requests)) {
   // A worker's reply is written by the worker's own thread, in the order it replies.
   companion(replies_)->on_enqueue([this, socket = socket_](caf::mailbox_element_ptr reply) {
     if (!reply->mid.is_response())
@@ -526,6 +528,7 @@ void link_server::run() {
     return;
   }
   token.assign(f.payload.begin(), f.payload.end());
+  opened_ = true;
   log_->info("link from {} opened", peer_);
   // The workers met so far: the lease is asked again only for one not among them, and at
   // every request whether the token still holds it.
@@ -558,6 +561,7 @@ void link_server::run() {
       continue;
     }
     in_flight_.fetch_add(1);
+    requests_->fetch_add(1, std::memory_order_relaxed);
     caf::actor_cast<caf::abstract_actor*>(worker)->enqueue(
       caf::make_mailbox_element(replies_, request_id(f.key), {}, std::move(request)), nullptr);
   }

@@ -259,9 +259,12 @@ public:
   /// actor otherwise.
   using find_fn = std::function<caf::actor(const std::string& token, uint64_t id)>;
 
-  /// Serves `fd` (a connection that proved the node's secret) from `peer`.
+  /// Serves `fd` (a connection that proved the node's secret) from `peer`; counts the
+  /// requests it hands to workers in `requests`.
   link_server(caf::actor_system& sys, int fd, std::string peer, find_fn find,
-              timeout_type linger, uint64_t max_payload, std::shared_ptr<spdlog::logger> log);
+              timeout_type linger, uint64_t max_payload,
+              std::shared_ptr<std::atomic<uint64_t>> requests,
+              std::shared_ptr<spdlog::logger> log);
   ~link_server();
 
   link_server(const link_server&) = delete;
@@ -273,6 +276,11 @@ public:
   /// Whether the connection has closed.
   bool done() const {
     return done_.load(std::memory_order_acquire);
+  }
+
+  /// Whether the link presented a token (it may not be the lease's).
+  bool opened() const {
+    return opened_.load(std::memory_order_acquire);
   }
 
 private:
@@ -289,6 +297,8 @@ private:
   /// Requests with the workers, and the eventfd that the reply ending them signals.
   std::atomic<int> in_flight_{0};
   int wake_fd_ = -1;
+  std::shared_ptr<std::atomic<uint64_t>> requests_;
+  std::atomic<bool> opened_{false};
   std::atomic<bool> done_{false};
   std::thread thread_;
 };

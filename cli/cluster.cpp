@@ -61,6 +61,11 @@ void add_node_options(CLI::App& app, node_options& o) {
                  "before it sleeps, and a blocking caller for its reply (0: at once)")
     ->check(CLI::Range(int64_t{0}, max_linger.count()))
     ->capture_default_str();
+  app.add_option("--node-links", o.node_links,
+                 "Whether collective_rpc and execute_model reach the nodes' workers over "
+                 "connections of their own (call links) rather than over BASP; nodes under "
+                 "TLS have none")
+    ->capture_default_str();
 }
 
 std::string read_text_file(const std::string& flag, const std::string& path) {
@@ -122,6 +127,7 @@ void apply_node_options(const node_options& o, executor_config& cfg) {
   }
   cfg.node_timeout = std::chrono::milliseconds(o.timeout_ms);
   cfg.network_linger = std::chrono::microseconds(o.network_linger_us);
+  cfg.node_links = o.node_links;
 }
 
 std::shared_ptr<command> add_node(CLI::App& app) {

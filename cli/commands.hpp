@@ -71,10 +71,11 @@ struct node_options {
   std::string tls_ca;
   int timeout_ms = 3000;
   int64_t network_linger_us = executor_config{}.network_linger.count();
+  bool node_links = executor_config{}.node_links;
 };
 
 /// Adds --nodes, --spare-nodes, --secret-file, --tls-cert/--tls-key/--tls-ca,
-/// --node-timeout-ms and --network-linger-us to `app`.
+/// --node-timeout-ms, --network-linger-us and --node-links to `app`.
 void add_node_options(CLI::App& app, node_options& o);
 
 /// Puts the nodes, the secret and the timeout into `cfg`; throws `invalid_argument` for a

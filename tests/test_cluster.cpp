@@ -4,6 +4,7 @@
 
 #include "actors/log.hpp"
 #include "actors/node_auth.hpp"
+#include "actors/node_link.hpp"
 #include "actors/remoting.hpp"
 #include "messages/messages.hpp"
 #include "tests/child_process.hpp"
@@ -28,8 +29,9 @@
 #include <algorithm>
 #include <array>
 #include <filesystem>
-#include <optional>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -475,6 +477,93 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
   // The node gives each of its workers a device of its own.
   CHECK(next->workers()[0].device == "cpu:0");
   CHECK(next->workers()[1].device == "cpu:1");
+}
+
+TEST_CASE("calls go to a node's workers over a call link, and give the answers they give "
+          "over BASP") {
+  node_config ncfg;
+  ncfg.secret = secret;
+  ncfg.devices = 2;
+  ncfg.connection_timeout = 1s;
+  ncfg.kinds["test"] = [](int32_t rank, const caf::settings&) { return test_factory()(rank); };
+  node n{ncfg};
+  auto eventually = [](auto holds) {
+    for (auto until = clock_type::now() + 5s; !holds() && clock_type::now() < until;)
+      std::this_thread::sleep_for(10ms);
+    return holds();
+  };
+  std::map<bool, std::vector<std::string>> answers;
+  for (bool links : {true, false}) {
+    CAPTURE(links);
+    auto cfg = mixed_config(1, {{"127.0.0.1", n.port(), 2}});
+    cfg.node_links = links;
+    auto exec = lease_again_with(cfg, 10);
+    CHECK(eventually([&] { return n.call_links() == (links ? 1 : 0); }));
+    auto before = n.linked_requests();
+    answers[links] = run_suite(*exec);
+    // The suite's seven named collective_rpc reach both of the node's workers (its steps
+    // go to the local driver, which passes them on to its peers).
+    if (links)
+      CHECK(n.linked_requests() >= before + 14);
+    else
+      CHECK(n.linked_requests() == before);
+    exec.reset();
+    // The link ends with its executor.
+    CHECK(eventually([&] { return n.call_links() == 0; }));
+  }
+  REQUIRE(answers[true].size() == answers[false].size());
+  for (size_t i = 0; i < answers[true].size(); ++i)
+    CHECK(answers[true][i] == answers[false][i]);
+}
+
+TEST_CASE("a call link without the secret or the lease's token reaches no worker") {
+  node_process n{2, 1000, 1 << 20};
+  auto legit = lease_again(n.port(), 2, 10);
+  auto steps = [&] { return legit->collective_rpc_as<int64_t>("steps"); };
+  CHECK(steps() == std::vector<int64_t>{0, 0});
+
+  // Without the secret the handshake refuses the link; a BASP connection's proof does not
+  // open a link either (the gateway expects the link's proof for a link).
+  CHECK(code_of([&] {
+          close(dial_node("127.0.0.1", n.port(), "a guess long enough to be tried",
+                          clock_type::now() + 5s, true));
+        }) == errc::invalid_argument);
+
+  // With the secret but not the lease's token, a step for any actor of the node closes the
+  // link before it is delivered.
+  client_system client;
+  auto step = caf::make_message(execute_atom::value, one_step(1));
+  std::string why;
+  auto payload = serialize_message(*client.sys, step, why);
+  REQUIRE(why.empty());
+  for (uint64_t actor = 1; actor <= 64; ++actor) {
+    int fd = dial_node("127.0.0.1", n.port(), secret, clock_type::now() + 5s, true);
+    link_socket link{fd, 0us, 1 << 20};
+    std::string token(64, 'f');
+    REQUIRE(link.write(link_socket::hello, 0, 0, std::vector<char>(token.begin(), token.end())));
+    link.write(link_socket::request, actor, actor, payload);
+    link_socket::frame f;
+    CHECK_FALSE(link.read(f, why));
+  }
+  CHECK(steps() == std::vector<int64_t>{0, 0});
+
+  // Frames that are not frames, and one announcing 4 GiB, close the link; the node
+  // allocates nothing for them.
+  auto before = rss_kib(n.pid());
+  for (bool huge : {false, true}) {
+    int fd = dial_node("127.0.0.1", n.port(), secret, clock_type::now() + 5s, true);
+    std::string bytes = huge ? std::string("\xff\xff\xff\xff\x01\0\0\0", 8) + std::string(16, '\0')
+                             : std::string(24, '\x7f');
+    REQUIRE(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size()));
+    CHECK(read_until_closed(fd).empty());
+    close(fd);
+  }
+  CHECK(rss_kib(n.pid()) < before + 64 * 1024);
+
+  // The legitimate executor's calls still go over its own link.
+  CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  legit->execute_model(one_step(1));
+  CHECK(steps() == std::vector<int64_t>{1, 1});
 }
 
 TEST_CASE("a start refused by a node stops at once, its local workers included") {

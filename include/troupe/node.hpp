@@ -94,6 +94,13 @@ public:
   /// Workers leased to an executor right now.
   int32_t leased_workers() const;
 
+  /// Call links open right now (`executor_config::node_links`): connections of the lease
+  /// holder that carry its calls to the workers.
+  int32_t call_links() const;
+
+  /// Requests that call links have handed to workers since the node started.
+  uint64_t linked_requests() const;
+
   /// Blocks until the node is stopped (by `stop` from another thread, or a signal).
   void wait();
 
