@@ -148,6 +148,19 @@ bool link_socket::fill(char* data, size_t size, std::string& why) {
   return true;
 }
 
+bool link_socket::readable() {
+  if (ahead_begin_ < ahead_end_)
+    return true;
+  auto n = recv(fd_, ahead_.data(), ahead_.size(), MSG_DONTWAIT);
+  if (n > 0) {
+    ahead_begin_ = 0;
+    ahead_end_ = static_cast<size_t>(n);
+    return true;
+  }
+  // The end of the stream, or an error: the next read reports it.
+  return n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
 bool link_socket::arrived() const {
   pollfd p{fd_, POLLIN, 0};
   return ::poll(&p, 1, 0) > 0;
@@ -461,6 +474,7 @@ link_server::link_server(caf::actor_system& sys, int fd, std::string peer, find_
     peer_(std::move(peer)),
     find_(std::move(find)),
     log_(std::move(log)),
+    linger_(linger),
     socket_(std::make_shared<link_socket>(fd, linger, max_payload)),
     replies_(caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>())),
     requests_(std::move(requests)) {
@@ -501,16 +515,19 @@ void link_server::stop() {
 }
 
 bool link_server::next() {
+  auto idle = [this] { return in_flight_.load() == 0; };
   for (;;) {
     if (socket_->readable())
       return true;
     if (socket_->is_shut())
       return false;
-    // While a worker has a request, the next one comes after its reply at the earliest:
-    // this thread sleeps (the worker has the core) until the reply is written, then
-    // lingers for the next.
-    auto idle = [this] { return in_flight_.load() == 0; };
-    if (socket_->wait(std::chrono::milliseconds(-1), idle, wake_fd_))
+    // While a worker has a request, the next comes after its reply at the earliest. A reply
+    // that computes little comes within microseconds: this thread waits for it awake, for
+    // `linger_`, since waking it would cost tens of microseconds here; past that it sleeps
+    // (the worker computes) until the reply is written, then lingers for the next request.
+    if (!idle() && linger_for(linger_, [&] { return idle() || socket_->readable(); }))
+      continue;
+    if (socket_->wait(std::chrono::milliseconds(-1), idle, wake_fd_, true))
       return true;
     uint64_t replies;
     [[maybe_unused]] auto n = ::read(wake_fd_, &replies, sizeof replies);

@@ -72,25 +72,25 @@ public:
   /// readable: polls for `linger` while `keep()` holds (a thread that sleeps takes tens of
   /// microseconds to wake here), then sleeps in `poll` for at most `limit` (negative: no
   /// limit). True when bytes wait or the peer closed; false otherwise (the limit, `also`,
-  /// or `shut`).
+  /// or `shut`). `reader`: the caller is the reader, whose polls read ahead what came;
+  /// else any thread may wait.
   template <class Keep>
-  bool wait(std::chrono::milliseconds limit, Keep keep, int also = -1) {
+  bool wait(std::chrono::milliseconds limit, Keep keep, int also = -1, bool reader = false) {
+    auto came = [&] { return reader ? readable() : arrived(); };
     if (linger_ > timeout_type::zero() && keep() &&
-        linger_for(linger_, [&] { return arrived() || !keep(); }) && arrived())
+        linger_for(linger_, [&] { return came() || !keep(); }) && came())
       return !is_shut();
-    return block(static_cast<int>(limit.count()), also);
+    return block(static_cast<int>(limit.count()), also) || (reader && readable());
   }
 
-  /// `wait` without a limit, lingering every time.
+  /// `wait` by the reader, without a limit, lingering every time.
   bool wait() {
-    return wait(std::chrono::milliseconds(-1), [] { return true; });
+    return wait(std::chrono::milliseconds(-1), [] { return true; }, -1, true);
   }
 
-  /// Whether a frame can be read without waiting for its first byte: bytes read ahead or
-  /// bytes on the socket. The reader's own.
-  bool readable() const {
-    return ahead_begin_ < ahead_end_ || arrived();
-  }
+  /// Whether a frame can be read without waiting for its first byte (or the peer closed):
+  /// bytes read ahead, or bytes that a read without waiting brings. The reader's own.
+  bool readable();
 
   /// Reads the next frame, waiting for all of it; false when the peer closed, the socket
   /// broke, `shut` was called, or the frame is not one (unknown kind, payload above the
@@ -105,7 +105,7 @@ public:
   }
 
 private:
-  /// Whether bytes wait on the socket itself.
+  /// Whether bytes wait on the socket itself; any thread.
   bool arrived() const;
   bool block(int timeout_ms, int also);
   bool fill(char* data, size_t size, std::string& why);
@@ -292,6 +292,7 @@ private:
   std::string peer_;
   find_fn find_;
   std::shared_ptr<spdlog::logger> log_;
+  timeout_type linger_;
   std::shared_ptr<link_socket> socket_;
   caf::strong_actor_ptr replies_;
   /// Requests with the workers, and the eventfd that the reply ending them signals.
