@@ -266,6 +266,8 @@ struct supervisor_state {
   std::unique_ptr<reply_sink> sink;
   /// The call links, which blocking callers read too.
   std::shared_ptr<link_set> links;
+  /// Per rank, the stub that stands for a worker with a call link (`use_link`), or null.
+  std::vector<caf::strong_actor_ptr> stubs;
   /// Deaths of workers held for their call link (see `wait_for_link`): true once handled.
   std::map<caf::actor_addr, bool> link_downs;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
@@ -274,6 +276,9 @@ struct supervisor_state {
 
   ~supervisor_state() {
     // The links' readers hand replies to the sink, which goes first.
+    for (auto& stub : stubs)
+      if (stub)
+        end_link_stub(stub);
     for (auto& place : places)
       if (place.link)
         place.link->close();
@@ -349,9 +354,9 @@ struct supervisor_state {
       // takes its contents instead of copying them (a step's request, every step).
       for (size_t index = 0; index < g->ranks.size(); ++index) {
         auto rank = static_cast<size_t>(g->ranks[index]);
-        sink->ask(g->direct, index, caf::actor_cast<caf::actor>(workers[rank]),
+        sink->ask(g->direct, index, caf::actor_cast<caf::actor>(target(rank)),
                   index + 1 < g->ranks.size() ? g->request : std::move(g->request),
-                  self->context(), places[rank].link.get());
+                  self->context());
       }
       return;
     }
@@ -362,7 +367,7 @@ struct supervisor_state {
       auto& ask = g->per_rank.empty() ? g->ask : g->per_rank[index];
       auto* st = this;
       ask(
-        self, workers[static_cast<size_t>(g->ranks[index])],
+        self, target(static_cast<size_t>(g->ranks[index])),
         [st, g, index](caf::ok_atom, caf::message& result) {
           if (g->finished)
             return;
@@ -1053,7 +1058,7 @@ struct supervisor_state {
 
   void tell_peers_to_leave(int64_t id) {
     for (auto rank : peer_ranks())
-      self->send(workers[static_cast<size_t>(rank)], step_atom::value, stop_loop_atom::value, id);
+      self->send(target(static_cast<size_t>(rank)), step_atom::value, stop_loop_atom::value, id);
   }
 
   void wake_stop_waiters(const caf::error& err) {
@@ -1215,20 +1220,30 @@ struct supervisor_state {
     return {};
   }
 
-  /// Starts the reader of a call link (a link started already stays as it is): its replies
-  /// go to the sink.
-  void start_link(const std::shared_ptr<node_link>& link) {
+  /// Messages that go to a node's worker over BASP even when it has a call link: those
+  /// that carry actor handles, which only BASP resolves. They start workers, peers and
+  /// groups, when no call is in flight (calls wait for a replacement).
+  static bool carries_handles(const caf::message& msg) {
+    return msg.match_element<init_atom>(0) || msg.match_element<peers_atom>(0) ||
+           msg.match_element<group_atom>(0);
+  }
+
+  /// Where `rank`'s messages go: the stub of its call link, if it has one, else the worker.
+  worker_actor target(size_t rank) const {
+    return stubs[rank] ? caf::actor_cast<worker_actor>(stubs[rank]) : workers[rank];
+  }
+
+  /// Puts `rank`'s messages on its call link, if it has one (its reader starts once).
+  void use_link(size_t rank) {
+    if (stubs[rank])
+      end_link_stub(stubs[rank]);
+    stubs[rank] = nullptr;
+    auto& link = places[rank].link;
     if (!link)
       return;
-    auto* replies = sink.get();
-    links->add(
-      link, self->system(),
-      [replies](uint64_t key, caf::message reply) { replies->deliver(key, std::move(reply)); },
-      [replies, log = log, name = link->name()](std::vector<uint64_t> keys, const std::string& why) {
-        if (!keys.empty() || why != "closed")
-          log->warn("the call link to {} closed ({}); calls go over BASP", name, why);
-        replies->lost(keys);
-      });
+    links->add(link, self->system());
+    stubs[rank] = make_link_stub(self->system(), link, caf::actor_cast<caf::actor>(workers[rank]),
+                                 carries_handles);
   }
 
   /// How long a death waits for its worker's call link at most (see `wait_for_link`): a node
@@ -1424,7 +1439,6 @@ struct supervisor_state {
           auto fresh = caf::actor_cast<worker_actor>(leased);
           auto& n = candidates[static_cast<size_t>(which)];
           st->places[static_cast<size_t>(rank)] = {"node", n.host, n.port, *link};
-          st->start_link(*link);
           {
             std::lock_guard<std::mutex> lk{st->replacements->mtx};
             st->replacements->leased.push_back(fresh);
@@ -1441,6 +1455,7 @@ struct supervisor_state {
   void bring_up(int32_t rank, worker_actor fresh) {
     self->monitor(fresh);
     workers[static_cast<size_t>(rank)] = fresh;
+    use_link(static_cast<size_t>(rank));
     auto steps = std::make_shared<std::vector<step_fn>>();
     steps->push_back(gather_step("init", {rank}, init_request(rank)));
     if (rank != 0)
@@ -1558,8 +1573,9 @@ supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config
   st.workers = std::move(workers);
   st.places = std::move(places);
   st.sink = std::make_unique<reply_sink>(self->system(), caf::actor_cast<caf::actor>(self));
-  for (auto& place : st.places)
-    st.start_link(place.link);
+  st.stubs.resize(st.workers.size());
+  for (size_t rank = 0; rank < st.workers.size(); ++rank)
+    st.use_link(rank);
   for (auto& w : st.workers)
     self->monitor(w);
   self->set_down_handler([self](caf::down_msg& msg) { self->state.on_worker_down(msg); });

@@ -1,5 +1,6 @@
 #include "actors/node_link.hpp"
 
+#include "actors/log.hpp"
 #include "actors/remoting.hpp"
 #include "messages/messages.hpp"
 #include "troupe/errors.hpp"
@@ -239,26 +240,35 @@ node_link::~node_link() {
   close();
 }
 
-void node_link::start(caf::actor_system& sys, std::shared_ptr<std::atomic<int>> helpers,
-                      reply_fn on_reply, lost_fn on_lost) {
+void node_link::start(caf::actor_system& sys, std::shared_ptr<std::atomic<int>> helpers) {
   if (thread_.joinable())
     return;
   sys_ = &sys;
   helpers_ = std::move(helpers);
-  on_reply_ = std::move(on_reply);
-  on_lost_ = std::move(on_lost);
   thread_ = std::thread{[this] { run(); }};
 }
 
-bool node_link::send(uint64_t worker, uint64_t key, const std::vector<char>& payload) {
+bool node_link::forward(uint64_t worker, const caf::mailbox_element& element,
+                        const caf::message& content) {
+  if (!element.stages.empty())
+    return false; // a forwarding chain: BASP carries it
+  std::string why;
+  auto payload = serialize_message(*sys_, content, why);
+  if (!why.empty())
+    return false;
+  uint64_t key = 0;
   {
     std::lock_guard<std::mutex> lk{mtx_};
     if (closed_)
       return false;
-    owed_.emplace(key, worker);
+    // A message that expects no response travels under key 0.
+    if (element.mid.is_request()) {
+      key = next_key_++;
+      routes_.emplace(key, route{element.sender, element.mid, worker});
+    }
     call_reader();
   }
-  // A failed write breaks the link: its reader then hands the key to on_lost.
+  // A failed write breaks the link: its reader then fails what is owed.
   if (!socket_->write(link_socket::request, key, worker, payload))
     socket_->shut();
   return true;
@@ -266,8 +276,8 @@ bool node_link::send(uint64_t worker, uint64_t key, const std::vector<char>& pay
 
 bool node_link::owes(uint64_t worker) {
   std::lock_guard<std::mutex> lk{mtx_};
-  for (auto& [key, to] : owed_)
-    if (to == worker)
+  for (auto& entry : routes_)
+    if (entry.second.worker == worker)
       return true;
   return false;
 }
@@ -304,7 +314,7 @@ void node_link::helpers_left() {
 }
 
 bool node_link::reader_needed() const {
-  return (!owed_.empty() || !flushes_.empty()) && (!helpers_ || helpers_->load() == 0);
+  return (!routes_.empty() || !flushes_.empty()) && (!helpers_ || helpers_->load() == 0);
 }
 
 void node_link::call_reader() {
@@ -342,11 +352,20 @@ bool node_link::take() {
   if (auto err = source(reply))
     reply = caf::make_message(caf::make_error(
       errc::worker_error, "a reply that does not deserialise here: " + sys_->render(err)));
+  route to;
   {
     std::lock_guard<std::mutex> lk{mtx_};
-    owed_.erase(f.key);
+    auto i = routes_.find(f.key);
+    if (i == routes_.end()) {
+      fail("the node answered a request it was not sent");
+      return false;
+    }
+    to = std::move(i->second);
+    routes_.erase(i);
   }
-  on_reply_(f.key, std::move(reply));
+  if (to.sender)
+    to.sender->enqueue(caf::make_mailbox_element(nullptr, to.mid.response_id(), {}, std::move(reply)),
+                       nullptr);
   return true;
 }
 
@@ -391,19 +410,27 @@ void node_link::run() {
 }
 
 void node_link::lost(const std::string& why) {
-  std::vector<uint64_t> keys;
+  std::unordered_map<uint64_t, route> owed;
   std::map<uint64_t, std::function<void()>> flushes;
   {
     std::lock_guard<std::mutex> lk{mtx_};
     closed_ = true;
-    for (auto& entry : owed_)
-      keys.push_back(entry.first);
-    owed_.clear();
+    owed.swap(routes_);
     flushes.swap(flushes_);
   }
   socket_->shut();
-  if (on_lost_)
-    on_lost_(std::move(keys), why);
+  if (!owed.empty() || why != "closed")
+    get_logger("troupe.executor")
+      ->warn("the call link to {} closed ({}); {} request(s) on it fail, later calls go over "
+             "BASP",
+             name_, why, owed.size());
+  // As BASP answers a request whose receiver is gone.
+  for (auto& entry : owed)
+    if (entry.second.sender)
+      entry.second.sender->enqueue(
+        caf::make_mailbox_element(nullptr, entry.second.mid.response_id(), {},
+                                  caf::make_error(caf::sec::request_receiver_down)),
+        nullptr);
   for (auto& entry : flushes)
     entry.second();
 }
@@ -422,9 +449,8 @@ void node_link::close() {
 
 // -- link_set ---------------------------------------------------------------------------
 
-void link_set::add(const std::shared_ptr<node_link>& link, caf::actor_system& sys,
-                   node_link::reply_fn on_reply, node_link::lost_fn on_lost) {
-  link->start(sys, helpers_, std::move(on_reply), std::move(on_lost));
+void link_set::add(const std::shared_ptr<node_link>& link, caf::actor_system& sys) {
+  link->start(sys, helpers_);
   std::lock_guard<std::mutex> lk{mtx_};
   for (auto& weak : links_)
     if (weak.lock() == link)
@@ -462,6 +488,27 @@ bool link_set::pump() {
     if (auto link = weak.lock())
       any = link->pump() || any;
   return any;
+}
+
+// -- link stubs -------------------------------------------------------------------------
+
+caf::strong_actor_ptr make_link_stub(caf::actor_system& sys, std::shared_ptr<node_link> link,
+                                     caf::actor worker,
+                                     std::function<bool(const caf::message&)> by_proxy) {
+  auto stub = caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>());
+  auto id = worker.id();
+  // Runs on the sender's thread, as an enqueue to the worker's proxy would.
+  companion(stub)->on_enqueue([link = std::move(link), worker = std::move(worker), id,
+                               by_proxy = std::move(by_proxy)](caf::mailbox_element_ptr x) {
+    auto content = x->copy_content_to_message();
+    if (by_proxy(content) || !link->forward(id, *x, content))
+      caf::actor_cast<caf::abstract_actor*>(worker)->enqueue(std::move(x), nullptr);
+  });
+  return stub;
+}
+
+void end_link_stub(const caf::strong_actor_ptr& stub) {
+  end_companion(stub);
 }
 
 // -- link_server ------------------------------------------------------------------------
@@ -577,10 +624,14 @@ void link_server::run() {
                                        ignored));
       continue;
     }
-    in_flight_.fetch_add(1);
     requests_->fetch_add(1, std::memory_order_relaxed);
+    // Key 0: a message that expects no response.
+    if (f.key != 0)
+      in_flight_.fetch_add(1);
     caf::actor_cast<caf::abstract_actor*>(worker)->enqueue(
-      caf::make_mailbox_element(replies_, request_id(f.key), {}, std::move(request)), nullptr);
+      caf::make_mailbox_element(replies_, f.key != 0 ? request_id(f.key) : caf::make_message_id(),
+                                {}, std::move(request)),
+      nullptr);
   }
   log_->info("link from {} closed: {}", peer_, why);
   socket_->shut();

@@ -24,6 +24,7 @@
 
 #include <caf/actor.hpp>
 #include <caf/actor_system.hpp>
+#include <caf/mailbox_element.hpp>
 #include <caf/message.hpp>
 
 #include <spdlog/logger.h>
@@ -126,13 +127,11 @@ private:
 std::vector<char> serialize_message(caf::actor_system& sys, const caf::message& msg,
                                     std::string& why);
 
-/// The executor's end of the link to one node.
-class node_link : public std::enable_shared_from_this<node_link> {
+/// The executor's end of the link to one node: it carries what this process sends to the
+/// node's workers (through their stubs, `make_link_stub`), in order, and routes each reply
+/// to its request's sender.
+class node_link {
 public:
-  using reply_fn = std::function<void(uint64_t key, caf::message reply)>;
-  /// The keys still owed when the link closed, and why it closed.
-  using lost_fn = std::function<void(std::vector<uint64_t> keys, const std::string& why)>;
-
   /// Dials the node at `host`:`port`, proves `secret` and presents `token`, all before
   /// `deadline`; its reader polls for `linger` before it sleeps. Throws `troupe::error`
   /// (as `dial_node`).
@@ -145,15 +144,17 @@ public:
   node_link(const node_link&) = delete;
   node_link& operator=(const node_link&) = delete;
 
-  /// Starts the thread that reads replies: `on_reply` for each, `on_lost` once when the
-  /// link closes. Both run on that thread, or on a caller's (`pump`). While `helpers` is
-  /// above 0, callers read and the thread does not. Once only: later calls do nothing.
-  void start(caf::actor_system& sys, std::shared_ptr<std::atomic<int>> helpers,
-             reply_fn on_reply, lost_fn on_lost);
+  /// Starts the thread that reads replies. While `helpers` is above 0, callers read them
+  /// (`pump`) and the thread does not. Once only: later calls do nothing.
+  void start(caf::actor_system& sys, std::shared_ptr<std::atomic<int>> helpers);
 
-  /// Sends `request` (serialised as `payload`) to the worker with actor id `worker`, its
-  /// reply to come back under `key`; false when the link is closed (nothing was sent).
-  bool send(uint64_t worker, uint64_t key, const std::vector<char>& payload);
+  /// Sends `content`, that of `element`, to the worker with actor id `worker`. The response to
+  /// a request goes to its sender, from whichever thread reads it: an error
+  /// (`request_receiver_down`) when the link closes first. False, with nothing sent, when
+  /// the link is closed or the content cannot be sent this way (the caller then sends it
+  /// over BASP).
+  bool forward(uint64_t worker, const caf::mailbox_element& element,
+               const caf::message& content);
 
   /// Reads the replies that have come, if no other thread is reading, and hands them on
   /// from this thread; true when it handed on any. A caller that waits for its reply
@@ -171,8 +172,8 @@ public:
   /// reads this has been handed on; at once when the link is closed.
   void flush(std::function<void()> then);
 
-  /// Closes the link and waits for its thread; the keys still owed go to `on_lost`, and
-  /// later sends return false.
+  /// Closes the link and waits for its thread; the requests still owed fail, and later
+  /// `forward`s return false.
   void close();
 
   /// "node HOST:PORT".
@@ -196,8 +197,6 @@ private:
   std::string name_;
   std::unique_ptr<link_socket> socket_;
   caf::actor_system* sys_ = nullptr;
-  reply_fn on_reply_;
-  lost_fn on_lost_;
   std::thread thread_;
   /// Held by whoever reads: the link's thread or a caller (`pump`).
   std::mutex read_mtx_;
@@ -209,8 +208,14 @@ private:
   std::condition_variable wake_;
   bool reader_asleep_ = false;
   bool closed_ = false;
-  /// The worker each owed key went to.
-  std::unordered_map<uint64_t, uint64_t> owed_;
+  /// Where the response to each request still owed goes.
+  struct route {
+    caf::strong_actor_ptr sender;
+    caf::message_id mid;
+    uint64_t worker = 0;
+  };
+  std::unordered_map<uint64_t, route> routes_;
+  uint64_t next_key_ = 1;
   std::map<uint64_t, std::function<void()>> flushes_;
   uint64_t next_ping_ = 1;
 };
@@ -234,8 +239,7 @@ public:
   };
 
   /// Starts `link`'s thread (see `node_link::start`) and lists it.
-  void add(const std::shared_ptr<node_link>& link, caf::actor_system& sys,
-           node_link::reply_fn on_reply, node_link::lost_fn on_lost);
+  void add(const std::shared_ptr<node_link>& link, caf::actor_system& sys);
 
   /// Taken by a blocking caller from before its request goes until it stops waiting.
   helping help();
@@ -250,6 +254,17 @@ private:
   std::vector<std::weak_ptr<node_link>> links_;
   std::shared_ptr<std::atomic<int>> helpers_ = std::make_shared<std::atomic<int>>(0);
 };
+
+/// An actor of this process that stands for `worker`, a worker on the node of `link`:
+/// what is sent to it goes over the link, in the order sent; once the link is closed, and
+/// for messages that `by_proxy` picks (those carrying actor handles, which only BASP
+/// resolves), to `worker` itself.
+caf::strong_actor_ptr make_link_stub(caf::actor_system& sys, std::shared_ptr<node_link> link,
+                                     caf::actor worker,
+                                     std::function<bool(const caf::message&)> by_proxy);
+
+/// Stops a stub; what is sent to it afterwards is dropped.
+void end_link_stub(const caf::strong_actor_ptr& stub);
 
 /// The node's end of one link: a thread that reads its requests, checks each against the
 /// lease, and puts it in the worker's mailbox with a sender that writes the reply back.

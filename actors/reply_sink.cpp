@@ -1,6 +1,5 @@
 #include "actors/reply_sink.hpp"
 
-#include "actors/node_link.hpp"
 #include "messages/messages.hpp"
 
 #include <caf/actor_companion.hpp>
@@ -31,9 +30,7 @@ caf::actor_companion* companion(const caf::strong_actor_ptr& ptr) {
 reply_sink::reply_sink(caf::actor_system& sys, const caf::actor& supervisor)
   : supervisor_(supervisor.address()),
     self_(caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>())) {
-  companion(self_)->on_enqueue([this](caf::mailbox_element_ptr reply) {
-    deliver(reply->mid.request_id().integer_value(), reply->move_content_to_message());
-  });
+  companion(self_)->on_enqueue([this](caf::mailbox_element_ptr reply) { receive(*reply); });
 }
 
 reply_sink::~reply_sink() {
@@ -47,21 +44,13 @@ reply_sink::~reply_sink() {
 }
 
 void reply_sink::ask(const std::shared_ptr<direct_reply>& call, size_t index,
-                     const caf::actor& worker, caf::message request, caf::execution_unit* host,
-                     node_link* link) {
+                     const caf::actor& worker, caf::message request, caf::execution_unit* host) {
   uint64_t key = 0;
   {
     std::lock_guard<std::mutex> lk{mtx_};
     key = next_key_++;
     expected_.emplace(key, expected_reply{call, index});
     call->keys_.push_back(key);
-  }
-  if (link) {
-    std::string why;
-    auto bytes = serialize_message(worker->home_system(), request, why);
-    // What does not serialise goes as a message, and its worker's node says why not.
-    if (why.empty() && link->send(worker.id(), key, bytes))
-      return;
   }
   auto mid = caf::make_message_id(caf::message_priority::normal);
   mid = caf::message_id{mid.integer_value() | key};
@@ -76,22 +65,18 @@ void reply_sink::forget(direct_reply& call) {
   call.keys_.clear();
 }
 
-void reply_sink::lost(const std::vector<uint64_t>& keys) {
-  for (auto key : keys)
-    deliver(key, caf::make_message(caf::make_error(caf::sec::request_receiver_down)));
-}
-
-void reply_sink::deliver(uint64_t key, caf::message msg) {
+void reply_sink::receive(caf::mailbox_element& reply) {
   expected_reply from;
   {
     std::lock_guard<std::mutex> lk{mtx_};
-    auto i = expected_.find(key);
+    auto i = expected_.find(reply.mid.request_id().integer_value());
     if (i == expected_.end())
       return; // the call is finished: a late reply
     from = std::move(i->second);
     expected_.erase(i);
   }
   auto& call = *from.call;
+  auto msg = reply.move_content_to_message();
   if (msg.match_elements<caf::ok_atom, caf::message>()) {
     call.results_[from.index] = std::move(msg.get_mutable_as<caf::message>(1));
     call.answered_[from.index].store(true, std::memory_order_release);

@@ -19,8 +19,6 @@
 
 namespace troupe {
 
-class node_link;
-
 using gather_result = caf::expected<std::vector<caf::message>>;
 
 /// What the sink and the supervisor share of one call: the replies so far, and who
@@ -70,22 +68,15 @@ public:
   reply_sink& operator=(const reply_sink&) = delete;
 
   /// Sends `request` to `worker` for rank index `index` of `call`, as a request whose
-  /// reply comes here: over `link` when there is one and it is open (the reply comes back
-  /// through `deliver`), else as a message. `host` is the sender's execution unit.
+  /// reply comes here. `host` is the sender's execution unit.
   void ask(const std::shared_ptr<direct_reply>& call, size_t index, const caf::actor& worker,
-           caf::message request, caf::execution_unit* host, node_link* link = nullptr);
+           caf::message request, caf::execution_unit* host);
 
   /// Drops what `call` still expects: it is finished, and late replies are ignored.
   void forget(direct_reply& call);
 
-  /// The reply to the request sent under `key` (over a link).
-  void deliver(uint64_t key, caf::message reply);
-
-  /// The requests sent under `keys` over a link that closed: each fails as a request to a
-  /// worker that is down does.
-  void lost(const std::vector<uint64_t>& keys);
-
 private:
+  void receive(caf::mailbox_element& reply);
 
   struct expected_reply {
     std::shared_ptr<direct_reply> call;

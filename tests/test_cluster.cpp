@@ -31,6 +31,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -514,6 +515,28 @@ TEST_CASE("calls go to a node's workers over a call link, and give the answers t
   REQUIRE(answers[true].size() == answers[false].size());
   for (size_t i = 0; i < answers[true].size(); ++i)
     CHECK(answers[true][i] == answers[false][i]);
+}
+
+TEST_CASE("calls to a node's workers keep their order, over its call link or over BASP") {
+  // Named calls go over the link as the sink's requests; those with max_concurrent_workers
+  // (here as many as there are workers, so that all go at once) as the supervisor's own.
+  // Made without waiting, each must reach every worker in the order made.
+  node_process n{2};
+  auto exec = lease_again_with(mixed_config(1, {{"127.0.0.1", n.port(), 2}}), 10);
+  std::vector<std::future<std::vector<caf::message>>> calls;
+  for (int32_t i = 0; i < 300; ++i) {
+    rpc_call_options opts;
+    opts.args = caf::make_message(i);
+    if (i % 3 == 0)
+      opts.max_concurrent_workers = 3;
+    calls.push_back(exec->collective_rpc_async("note", opts));
+  }
+  for (auto& f : calls)
+    REQUIRE(f.wait_for(20s) == std::future_status::ready);
+  std::vector<int32_t> expected(300);
+  std::iota(expected.begin(), expected.end(), 0);
+  for (auto& notes : exec->collective_rpc_as<std::vector<int32_t>>("notes"))
+    CHECK(notes == expected);
 }
 
 TEST_CASE("a call link without the secret or the lease's token reaches no worker") {
