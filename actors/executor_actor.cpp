@@ -1284,6 +1284,9 @@ struct supervisor_state {
         rank = static_cast<int32_t>(i);
     if (rank < 0 || failure)
       return;
+    // Nothing more comes from it over its link.
+    if (auto& link = places[static_cast<size_t>(rank)].link)
+      link->forget(msg.source.id());
     auto what = "rank " + std::to_string(rank);
     auto why = render(msg.reason);
     auto& place = places[static_cast<size_t>(rank)];

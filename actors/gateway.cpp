@@ -166,11 +166,14 @@ private:
     proved = true;
     if constexpr (std::is_same_v<Stream, tcp::socket>) {
       int fd = ::fcntl(client_.native_handle(), F_DUPFD_CLOEXEC, 0);
-      closed_ = true;
-      boost::system::error_code ec;
-      client_.close(ec);
+      if (fd < 0)
+        settings_->log->error("link from {}: cannot take its socket: {}", peer_,
+                              std::strerror(errno));
+      close();
       if (fd >= 0)
         settings_->link(fd, peer_);
+    } else {
+      close(); // links come only through the secret's handshake, never under TLS
     }
   }
 

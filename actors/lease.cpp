@@ -96,7 +96,7 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
   if (cfg.node_links && cfg.tls_certificate.empty()) {
     try {
       grant.link = node_link::open(n.host, n.port, cfg.node_secret, token, cfg.network_linger,
-                                   deadline);
+                                   cfg.node_timeout, deadline);
     } catch (const error& e) {
       // The workers are leased and BASP reaches them: the calls go that way.
       get_logger("troupe.executor")

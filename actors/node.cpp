@@ -107,15 +107,16 @@ struct node_lease {
     return token_;
   }
 
-  /// The leased worker with actor id `id`, while `token` is the lease's; else none.
-  caf::actor find(const std::string& token, uint64_t id) {
+  /// Whether `token` is the lease's, and if so the leased worker with actor id `id`.
+  link_server::lookup find(const std::string& token, uint64_t id) {
     std::lock_guard<std::mutex> guard{mtx_};
-    if (token_.empty() || !same_proof(token, token_))
-      return nullptr;
-    for (auto& w : workers_)
-      if (w.id() == id)
-        return w;
-    return nullptr;
+    link_server::lookup found;
+    found.holds = !token_.empty() && same_proof(token, token_);
+    if (found.holds)
+      for (auto& w : workers_)
+        if (w.id() == id)
+          found.worker = w;
+    return found;
   }
 
   /// Stops the workers (their memory is freed) and forgets the holder.
@@ -273,6 +274,10 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
                                std::to_string(st.cfg.devices) + " devices");
       if (!holder)
         return refused(self, "a lease without a holder");
+      // The holder's end releases the workers, and its call links get the lease's token:
+      // it must be the asking executor's own actor.
+      if (holder.node() != sender->node())
+        return refused(self, "a lease for a holder in another process");
       auto make = factory->second;
       std::vector<caf::actor> leased;
       for (int32_t i = 0; i < count; ++i) {
@@ -391,7 +396,8 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   auto* node_impl = &d;
   auto max_payload = listen.max_frame_bytes;
   auto link_linger = listen.linger;
-  auto link = [node_impl, max_payload, link_linger](int fd, std::string peer) {
+  auto link_timeout = listen.handshake_timeout;
+  auto link = [node_impl, max_payload, link_linger, link_timeout](int fd, std::string peer) {
     auto& n = *node_impl;
     auto lease = n.lease;
     auto find = [lease](const std::string& token, uint64_t id) { return lease->find(token, id); };
@@ -400,7 +406,7 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
                                  [](const std::unique_ptr<link_server>& l) { return l->done(); }),
                   n.links.end());
     n.links.push_back(std::make_unique<link_server>(*n.sys, fd, std::move(peer), find,
-                                                    link_linger, max_payload,
+                                                    link_linger, max_payload, link_timeout,
                                                     n.linked_requests, n.log));
   };
   try {

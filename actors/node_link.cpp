@@ -62,12 +62,16 @@ void end_companion(const caf::strong_actor_ptr& ptr) {
 
 // -- link_socket ----------------------------------------------------------------------
 
-link_socket::link_socket(int fd, timeout_type linger, uint64_t max_payload)
+link_socket::link_socket(int fd, timeout_type linger, uint64_t max_payload, timeout_type stall)
   : fd_(fd), linger_(linger), max_payload_(max_payload), ahead_(16 << 10) {
-  // Blocking writes; reads poll with MSG_DONTWAIT while they linger.
+  // Blocking reads and writes, each bounded by `stall`; waits for a frame poll instead.
   int flags = fcntl(fd_, F_GETFL, 0);
   if (flags >= 0)
     fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);
+  auto us = std::chrono::duration_cast<std::chrono::microseconds>(stall).count();
+  timeval limit{static_cast<time_t>(us / 1000000), static_cast<suseconds_t>(us % 1000000)};
+  setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
+  setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
 }
 
 link_socket::~link_socket() {
@@ -140,6 +144,9 @@ bool link_socket::fill(char* data, size_t size, std::string& why) {
       }
     } else if (n == 0) {
       why = is_shut() ? "closed" : "the peer closed the connection";
+      return false;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      why = "the rest of a frame did not come in time";
       return false;
     } else if (errno != EINTR) {
       why = std::string{"the connection broke: "} + std::strerror(errno);
@@ -223,17 +230,24 @@ node_link::node_link(std::unique_ptr<link_socket> socket, std::string name)
 
 std::shared_ptr<node_link> node_link::open(const std::string& host, uint16_t port,
                                            const std::string& secret, const std::string& token,
-                                           timeout_type linger,
+                                           timeout_type linger, timeout_type stall,
                                            std::chrono::steady_clock::time_point deadline) {
   auto fd = dial_node(host, port, secret, deadline, true);
-  std::shared_ptr<node_link> link{
-    new node_link(std::make_unique<link_socket>(fd, linger, std::numeric_limits<uint32_t>::max()),
-                  "node " + host + ":" + std::to_string(port))};
-  // The hello goes now: a node that refuses the token closes the link, and the calls then
-  // go over BASP.
-  if (!link->socket_->write(link_socket::hello, 0, 0, std::vector<char>(token.begin(), token.end())))
-    throw error{errc::worker_died, link->name_ + ": the link closed during its hello"};
-  return link;
+  auto name = "node " + host + ":" + std::to_string(port);
+  // Replies are bounded by the node's own bound on what it reads, which it proved to know
+  // the secret to set; this one only keeps a length from being absurd.
+  auto socket = std::make_unique<link_socket>(fd, linger, uint64_t{1} << 32, stall);
+  link_socket::frame ack;
+  std::string why;
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+    deadline - std::chrono::steady_clock::now());
+  if (!socket->write(link_socket::hello, 0, 0, std::vector<char>(token.begin(), token.end())) ||
+      !socket->wait(std::max(left, std::chrono::milliseconds(1)), [] { return false; }, -1, true))
+    throw error{errc::worker_died, name + ": no answer to the call link's hello in time"};
+  if (!socket->read(ack, why) || ack.type != link_socket::hello)
+    throw error{errc::invalid_argument, name + " refused the call link (" +
+                                          (why.empty() ? "not a hello" : why) + ")"};
+  return std::shared_ptr<node_link>{new node_link(std::move(socket), std::move(name))};
 }
 
 node_link::~node_link() {
@@ -282,6 +296,34 @@ bool node_link::owes(uint64_t worker) {
   return false;
 }
 
+namespace {
+
+/// Answers a request whose worker is gone, as BASP does.
+void answer_down(const caf::strong_actor_ptr& sender, caf::message_id mid) {
+  if (sender)
+    sender->enqueue(caf::make_mailbox_element(nullptr, mid.response_id(), {},
+                                              caf::make_error(caf::sec::request_receiver_down)),
+                    nullptr);
+}
+
+} // namespace
+
+void node_link::forget(uint64_t worker) {
+  std::vector<route> dropped;
+  {
+    std::lock_guard<std::mutex> lk{mtx_};
+    for (auto i = routes_.begin(); i != routes_.end();)
+      if (i->second.worker == worker) {
+        dropped.push_back(std::move(i->second));
+        i = routes_.erase(i);
+      } else {
+        ++i;
+      }
+  }
+  for (auto& r : dropped)
+    answer_down(r.sender, r.mid);
+}
+
 void node_link::flush(std::function<void()> then) {
   uint64_t ping = 0;
   {
@@ -323,50 +365,55 @@ void node_link::call_reader() {
 }
 
 bool node_link::take() {
-  link_socket::frame f;
-  std::string why;
-  if (!socket_->read(f, why)) {
-    fail(why);
-    return false;
-  }
-  if (f.type == link_socket::pong) {
-    std::function<void()> then;
-    {
-      std::lock_guard<std::mutex> lk{mtx_};
-      auto i = flushes_.find(f.key);
-      if (i != flushes_.end()) {
-        then = std::move(i->second);
-        flushes_.erase(i);
-      }
-    }
-    if (then)
-      then();
-    return true;
-  }
-  if (f.type != link_socket::reply) {
-    fail("the node sent a frame that is not a reply");
-    return false;
-  }
-  caf::message reply;
-  caf::binary_deserializer source{*sys_, f.payload};
-  if (auto err = source(reply))
-    reply = caf::make_message(caf::make_error(
-      errc::worker_error, "a reply that does not deserialise here: " + sys_->render(err)));
-  route to;
-  {
-    std::lock_guard<std::mutex> lk{mtx_};
-    auto i = routes_.find(f.key);
-    if (i == routes_.end()) {
-      fail("the node answered a request it was not sent");
+  try {
+    link_socket::frame f;
+    std::string why;
+    if (!socket_->read(f, why)) {
+      fail(why);
       return false;
     }
-    to = std::move(i->second);
-    routes_.erase(i);
+    if (f.type == link_socket::pong) {
+      std::function<void()> then;
+      {
+        std::lock_guard<std::mutex> lk{mtx_};
+        auto i = flushes_.find(f.key);
+        if (i != flushes_.end()) {
+          then = std::move(i->second);
+          flushes_.erase(i);
+        }
+      }
+      if (then)
+        then();
+      return true;
+    }
+    if (f.type != link_socket::reply) {
+      fail("the node sent a frame that is not a reply");
+      return false;
+    }
+    caf::message reply;
+    caf::binary_deserializer source{*sys_, f.payload};
+    if (auto err = source(reply))
+      reply = caf::make_message(caf::make_error(
+        errc::worker_error, "a reply that does not deserialise here: " + sys_->render(err)));
+    route to;
+    {
+      std::lock_guard<std::mutex> lk{mtx_};
+      auto i = routes_.find(f.key);
+      if (i == routes_.end())
+        return true; // forgotten: its worker died, and its request failed
+      to = i->second;
+    }
+    if (to.sender)
+      to.sender->enqueue(
+        caf::make_mailbox_element(nullptr, to.mid.response_id(), {}, std::move(reply)), nullptr);
+    // Owed until handed on: a death handled meanwhile waits for it (see `owes`).
+    std::lock_guard<std::mutex> lk{mtx_};
+    routes_.erase(f.key);
+    return true;
+  } catch (const std::exception& e) {
+    fail(std::string{"reading a reply failed: "} + e.what());
+    return false;
   }
-  if (to.sender)
-    to.sender->enqueue(caf::make_mailbox_element(nullptr, to.mid.response_id(), {}, std::move(reply)),
-                       nullptr);
-  return true;
 }
 
 void node_link::fail(const std::string& why) {
@@ -381,6 +428,9 @@ void node_link::run() {
   // Between replies the link's thread sleeps on `wake_`: it reads only while something is
   // owed and no caller reads for it, so that a blocking call costs no hand-off.
   auto alone = [this] { return !helpers_ || helpers_->load() == 0; };
+  // Whether the last wait ran out: a reply that never comes (its worker died, until the
+  // death is handled) then costs no more lingering.
+  bool waited = false;
   while (!broken_) {
     {
       std::unique_lock<std::mutex> lk{mtx_};
@@ -392,7 +442,9 @@ void node_link::run() {
       break;
     // A short timeout: a caller that starts to read meanwhile takes the replies, and this
     // thread goes back to sleep rather than wait here for data that may not come.
-    if (!socket_->wait(std::chrono::milliseconds(10), alone)) {
+    auto fresh = !waited;
+    waited = true;
+    if (!socket_->wait(std::chrono::milliseconds(10), [&] { return fresh && alone(); })) {
       if (socket_->is_shut()) {
         std::lock_guard<std::mutex> reading{read_mtx_};
         if (!broken_)
@@ -405,6 +457,7 @@ void node_link::run() {
     std::lock_guard<std::mutex> reading{read_mtx_};
     while (!broken_ && socket_->readable())
       take();
+    waited = false;
   }
   lost(why_);
 }
@@ -424,18 +477,15 @@ void node_link::lost(const std::string& why) {
       ->warn("the call link to {} closed ({}); {} request(s) on it fail, later calls go over "
              "BASP",
              name_, why, owed.size());
-  // As BASP answers a request whose receiver is gone.
   for (auto& entry : owed)
-    if (entry.second.sender)
-      entry.second.sender->enqueue(
-        caf::make_mailbox_element(nullptr, entry.second.mid.response_id(), {},
-                                  caf::make_error(caf::sec::request_receiver_down)),
-        nullptr);
+    answer_down(entry.second.sender, entry.second.mid);
   for (auto& entry : flushes)
     entry.second();
 }
 
 void node_link::close() {
+  // Shut first: a reader stalled mid-frame returns and lets go of the lock.
+  socket_->shut();
   {
     std::lock_guard<std::mutex> reading{read_mtx_};
     if (!broken_)
@@ -483,7 +533,9 @@ void link_set::leave() {
 
 bool link_set::pump() {
   bool any = false;
-  std::lock_guard<std::mutex> lk{mtx_};
+  std::unique_lock<std::mutex> lk{mtx_, std::try_to_lock};
+  if (!lk)
+    return false; // another caller reads
   for (auto& weak : links_)
     if (auto link = weak.lock())
       any = link->pump() || any;
@@ -514,7 +566,7 @@ void end_link_stub(const caf::strong_actor_ptr& stub) {
 // -- link_server ------------------------------------------------------------------------
 
 link_server::link_server(caf::actor_system& sys, int fd, std::string peer, find_fn find,
-                         timeout_type linger, uint64_t max_payload,
+                         timeout_type linger, uint64_t max_payload, timeout_type timeout,
                          std::shared_ptr<std::atomic<uint64_t>> requests,
                          std::shared_ptr<spdlog::logger> log)
   : sys_(sys),
@@ -522,7 +574,9 @@ link_server::link_server(caf::actor_system& sys, int fd, std::string peer, find_
     find_(std::move(find)),
     log_(std::move(log)),
     linger_(linger),
-    socket_(std::make_shared<link_socket>(fd, linger, max_payload)),
+    timeout_(timeout),
+    max_payload_(max_payload),
+    socket_(std::make_shared<link_socket>(fd, linger, max_payload, timeout)),
     replies_(caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>())),
     requests_(std::move(requests)) {
   // A worker's reply is written by the worker's own thread, in the order it replies.
@@ -584,18 +638,28 @@ bool link_server::next() {
 void link_server::run() {
   link_socket::frame f;
   std::string why;
-  std::string token;
-  if (!socket_->wait() || !socket_->read(f, why) || f.type != link_socket::hello) {
-    log_->warn("link from {} closed before its hello: {}", peer_, why.empty() ? "not a hello" : why);
+  // The hello: the lease's token (64 hex digits), within the connection timeout.
+  socket_->bound(64);
+  auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(timeout_);
+  if (!socket_->wait(limit, [] { return false; }, -1, true) || !socket_->read(f, why) ||
+      f.type != link_socket::hello) {
+    log_->warn("refused a link from {}: {}", peer_,
+               why.empty() ? "no hello in time" : why);
     socket_->shut();
     done_ = true;
     return;
   }
-  token.assign(f.payload.begin(), f.payload.end());
+  std::string token(f.payload.begin(), f.payload.end());
+  if (!find_(token, 0).holds) {
+    log_->warn("refused a link from {}: not the token of the lease", peer_);
+    socket_->shut();
+    done_ = true;
+    return;
+  }
+  socket_->bound(max_payload_);
+  socket_->write(link_socket::hello, 0, 0, {});
   opened_ = true;
   log_->info("link from {} opened", peer_);
-  // The workers met so far: the lease is asked again only for one not among them, and at
-  // every request whether the token still holds it.
   while (next() && socket_->read(f, why)) {
     if (f.type == link_socket::ping) {
       socket_->write(link_socket::pong, f.key, 0, {});
@@ -605,33 +669,49 @@ void link_server::run() {
       why = "a frame that is not a request";
       break;
     }
-    auto worker = find_(token, f.target);
-    if (!worker) {
-      why = "a request for actor " + std::to_string(f.target) +
-            ", not a worker leased to the link's executor (or the lease has ended)";
+    // Keys are counters; one with high bits would set flags of CAF's message id.
+    if ((f.key >> 48) != 0) {
+      why = "a request key out of range";
       break;
+    }
+    auto found = find_(token, f.target);
+    if (!found.holds) {
+      why = "the lease has ended";
+      break;
+    }
+    std::string ignored;
+    if (!found.worker) {
+      // Dead or released since: answered as BASP answers a request to an actor that is
+      // gone; the link goes on for the others.
+      if (f.key != 0)
+        socket_->write(link_socket::reply, f.key, 0,
+                       serialize_message(
+                         sys_, caf::make_message(caf::make_error(caf::sec::request_receiver_down)),
+                         ignored));
+      continue;
     }
     caf::message request;
     caf::binary_deserializer source{sys_, f.payload};
     if (auto err = source(request)) {
-      std::string ignored;
-      socket_->write(link_socket::reply, f.key, 0,
-                     serialize_message(sys_,
-                                       caf::make_message(caf::make_error(
-                                         errc::bad_arguments,
-                                         "the request does not deserialise on the node: " +
-                                           sys_.render(err))),
-                                       ignored));
+      if (f.key != 0)
+        socket_->write(link_socket::reply, f.key, 0,
+                       serialize_message(sys_,
+                                         caf::make_message(caf::make_error(
+                                           errc::bad_arguments,
+                                           "the request does not deserialise on the node: " +
+                                             sys_.render(err))),
+                                         ignored));
       continue;
     }
     requests_->fetch_add(1, std::memory_order_relaxed);
     // Key 0: a message that expects no response.
     if (f.key != 0)
       in_flight_.fetch_add(1);
-    caf::actor_cast<caf::abstract_actor*>(worker)->enqueue(
-      caf::make_mailbox_element(replies_, f.key != 0 ? request_id(f.key) : caf::make_message_id(),
-                                {}, std::move(request)),
-      nullptr);
+    caf::actor_cast<caf::abstract_actor*>(found.worker)
+      ->enqueue(caf::make_mailbox_element(replies_,
+                                          f.key != 0 ? request_id(f.key) : caf::make_message_id(),
+                                          {}, std::move(request)),
+                nullptr);
   }
   log_->info("link from {} closed: {}", peer_, why);
   socket_->shut();

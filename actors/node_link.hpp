@@ -59,8 +59,15 @@ public:
   };
 
   /// Takes `fd`, a connected stream socket; `linger`: how long `wait` polls before it
-  /// sleeps; frames whose payload is larger than `max_payload` are refused.
-  link_socket(int fd, timeout_type linger, uint64_t max_payload);
+  /// sleeps; frames whose payload is larger than `max_payload` are refused. A read of the
+  /// rest of a frame, and a write, that make no progress for `stall` fail (a peer stopped
+  /// mid-frame, or one that reads nothing, never holds a thread for good).
+  link_socket(int fd, timeout_type linger, uint64_t max_payload, timeout_type stall);
+
+  /// Changes the bound on payloads (the hello's is small).
+  void bound(uint64_t max_payload) {
+    max_payload_ = max_payload;
+  }
   ~link_socket();
 
   link_socket(const link_socket&) = delete;
@@ -132,12 +139,13 @@ std::vector<char> serialize_message(caf::actor_system& sys, const caf::message& 
 /// to its request's sender.
 class node_link {
 public:
-  /// Dials the node at `host`:`port`, proves `secret` and presents `token`, all before
-  /// `deadline`; its reader polls for `linger` before it sleeps. Throws `troupe::error`
-  /// (as `dial_node`).
+  /// Dials the node at `host`:`port`, proves `secret`, presents `token` and has the node
+  /// accept it, all before `deadline`; its reader polls for `linger` before it sleeps, and
+  /// a frame or write stalled for `stall` breaks the link. Throws `troupe::error` (as
+  /// `dial_node`; `invalid_argument` when the node refuses the token).
   static std::shared_ptr<node_link> open(const std::string& host, uint16_t port,
                                          const std::string& secret, const std::string& token,
-                                         timeout_type linger,
+                                         timeout_type linger, timeout_type stall,
                                          std::chrono::steady_clock::time_point deadline);
   ~node_link();
 
@@ -167,6 +175,9 @@ public:
 
   /// Whether a request to `worker` awaits its reply.
   bool owes(uint64_t worker);
+
+  /// Fails what `worker` still owes (it is dead), as `close` does.
+  void forget(uint64_t worker);
 
   /// Runs `then` (on the link's thread) once every reply that the node wrote before it
   /// reads this has been handed on; at once when the link is closed.
@@ -270,14 +281,19 @@ void end_link_stub(const caf::strong_actor_ptr& stub);
 /// lease, and puts it in the worker's mailbox with a sender that writes the reply back.
 class link_server {
 public:
-  /// The leased worker with actor id `id` while `token` is the lease's token; a null
-  /// actor otherwise.
-  using find_fn = std::function<caf::actor(const std::string& token, uint64_t id)>;
+  /// What the lease says of a request for actor `id` under `token`.
+  struct lookup {
+    /// `token` is the current lease's.
+    bool holds = false;
+    /// The leased worker with that id; none when it died or was released.
+    caf::actor worker;
+  };
+  using find_fn = std::function<lookup(const std::string& token, uint64_t id)>;
 
-  /// Serves `fd` (a connection that proved the node's secret) from `peer`; counts the
-  /// requests it hands to workers in `requests`.
+  /// Serves `fd` (a connection that proved the node's secret) from `peer`, whose hello
+  /// must come within `timeout`; counts the requests it hands to workers in `requests`.
   link_server(caf::actor_system& sys, int fd, std::string peer, find_fn find,
-              timeout_type linger, uint64_t max_payload,
+              timeout_type linger, uint64_t max_payload, timeout_type timeout,
               std::shared_ptr<std::atomic<uint64_t>> requests,
               std::shared_ptr<spdlog::logger> log);
   ~link_server();
@@ -293,7 +309,7 @@ public:
     return done_.load(std::memory_order_acquire);
   }
 
-  /// Whether the link presented a token (it may not be the lease's).
+  /// Whether the link presented the lease's token.
   bool opened() const {
     return opened_.load(std::memory_order_acquire);
   }
@@ -308,6 +324,8 @@ private:
   find_fn find_;
   std::shared_ptr<spdlog::logger> log_;
   timeout_type linger_;
+  timeout_type timeout_;
+  uint64_t max_payload_;
   std::shared_ptr<link_socket> socket_;
   caf::strong_actor_ptr replies_;
   /// Requests with the workers, and the eventfd that the reply ending them signals.

@@ -552,22 +552,26 @@ TEST_CASE("a call link without the secret or the lease's token reaches no worker
                           clock_type::now() + 5s, true));
         }) == errc::invalid_argument);
 
-  // With the secret but not the lease's token, a step for any actor of the node closes the
-  // link before it is delivered.
+  // With the secret but not the lease's token, the node closes the link at its hello: a
+  // step sent behind it, for any actor of the node, reaches none.
   client_system client;
   auto step = caf::make_message(execute_atom::value, one_step(1));
   std::string why;
   auto payload = serialize_message(*client.sys, step, why);
   REQUIRE(why.empty());
-  for (uint64_t actor = 1; actor <= 64; ++actor) {
+  for (uint64_t actor = 1; actor <= 16; ++actor) {
     int fd = dial_node("127.0.0.1", n.port(), secret, clock_type::now() + 5s, true);
-    link_socket link{fd, 0us, 1 << 20};
+    link_socket link{fd, 0us, 1 << 20, 5s};
     std::string token(64, 'f');
     REQUIRE(link.write(link_socket::hello, 0, 0, std::vector<char>(token.begin(), token.end())));
     link.write(link_socket::request, actor, actor, payload);
     link_socket::frame f;
     CHECK_FALSE(link.read(f, why));
   }
+  CHECK(code_of([&] {
+          node_link::open("127.0.0.1", n.port(), secret, std::string(64, '0'), 0us, 5s,
+                          clock_type::now() + 5s);
+        }) == errc::invalid_argument);
   CHECK(steps() == std::vector<int64_t>{0, 0});
 
   // Frames that are not frames, and one announcing 4 GiB, close the link; the node
