@@ -19,8 +19,8 @@
 
 #include <atomic>
 #include <future>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <utility>
 

@@ -42,18 +42,18 @@ struct gateway_options {
 };
 
 /// The only listening socket of a node. It accepts TCP connections, ends TLS or checks the
-/// connection handshake, hands a call link that proved the secret to `link`, and relays
-/// each other connection that proved itself to the node's middleman over a private socket pair (`connect` hands the middleman one end and returns
-/// the other): nothing reaches CAF, not even a BASP handshake, from a peer that has not
-/// proved the secret or a certificate of the node's CA. It reads the BASP frame headers of
-/// what peers send, after decryption: a frame whose payload is larger than
-/// `max_frame_bytes` closes the connection before any of it reaches CAF (which would
-/// allocate the whole payload up front), and is logged with the peer's address. Traffic
-/// to the peers is relayed as it is.
+/// connection handshake, hands a call link that proved the secret to `link`, and relays each other
+/// connection that proved itself to the node's middleman over a private socket pair (`connect`
+/// hands the middleman one end and returns the other): nothing reaches CAF, not even a BASP
+/// handshake, from a peer that has not proved the secret or a certificate of the node's CA. It
+/// reads the BASP frame headers of what peers send, after decryption: a frame whose payload is
+/// larger than `max_frame_bytes` closes the connection before any of it reaches CAF (which would
+/// allocate the whole payload up front), and is logged with the peer's address. Traffic to the
+/// peers is relayed as it is.
 ///
-/// All connections share one thread (Boost.Asio), and one still proving itself holds only
-/// its socket and a few hundred bytes. When the process runs out of file descriptors,
-/// accepting pauses for a moment instead of spinning.
+/// All connections share one thread (Boost.Asio), and one still proving itself holds only its
+/// socket and a few hundred bytes. When the process runs out of file descriptors, accepting pauses
+/// for a moment instead of spinning.
 class frame_gateway {
 public:
   /// The gateway's end of a new private connection to the middleman, or -1.

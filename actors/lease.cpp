@@ -22,9 +22,8 @@ std::string node_name(const node_address& n) {
 }
 
 node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
-                                      const node_address& n, int32_t count,
-                                      const caf::actor& holder,
-                                      std::chrono::steady_clock::time_point deadline) {
+                         const node_address& n, int32_t count, const caf::actor& holder,
+                         std::chrono::steady_clock::time_point deadline) {
   auto where = node_name(n);
   auto& sys = self->system();
   auto late = "no answer within " +

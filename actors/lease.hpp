@@ -31,9 +31,8 @@ struct node_grant {
 /// actor, or a helper of the supervisor. Throws `troupe::error`: `worker_died` when the
 /// node cannot be reached or does not answer in time, `invalid_argument` when it refuses.
 node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
-                                      const node_address& n, int32_t count,
-                                      const caf::actor& holder,
-                                      std::chrono::steady_clock::time_point deadline);
+                         const node_address& n, int32_t count, const caf::actor& holder,
+                         std::chrono::steady_clock::time_point deadline);
 
 /// "node HOST:PORT", as errors and logs name a node.
 std::string node_name(const node_address& n);

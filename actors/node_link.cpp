@@ -134,7 +134,8 @@ bool link_socket::fill(char* data, size_t size, std::string& why) {
     }
     // A large rest goes straight to its place; a small one comes with what follows it.
     bool direct = size - got >= ahead_.size();
-    auto n = direct ? recv(fd_, data + got, size - got, 0) : recv(fd_, ahead_.data(), ahead_.size(), 0);
+    auto n = direct ? recv(fd_, data + got, size - got, 0)
+                    : recv(fd_, ahead_.data(), ahead_.size(), 0);
     if (n > 0) {
       if (direct) {
         got += static_cast<size_t>(n);
@@ -547,7 +548,8 @@ bool link_set::pump() {
 caf::strong_actor_ptr make_link_stub(caf::actor_system& sys, std::shared_ptr<node_link> link,
                                      caf::actor worker,
                                      std::function<bool(const caf::message&)> by_proxy) {
-  auto stub = caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>());
+  auto stub =
+    caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>());
   auto id = worker.id();
   // Runs on the sender's thread, as an enqueue to the worker's proxy would.
   companion(stub)->on_enqueue([link = std::move(link), worker = std::move(worker), id,
@@ -577,7 +579,8 @@ link_server::link_server(caf::actor_system& sys, int fd, std::string peer, find_
     timeout_(timeout),
     max_payload_(max_payload),
     socket_(std::make_shared<link_socket>(fd, linger, max_payload, timeout)),
-    replies_(caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>())),
+    replies_(
+      caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>())),
     requests_(std::move(requests)) {
   // A worker's reply is written by the worker's own thread, in the order it replies.
   companion(replies_)->on_enqueue([this, socket = socket_](caf::mailbox_element_ptr reply) {

@@ -581,7 +581,8 @@ TEST_CASE("a call link without the secret or the lease's token reaches no worker
     int fd = dial_node("127.0.0.1", n.port(), secret, clock_type::now() + 5s, true);
     std::string bytes = huge ? std::string("\xff\xff\xff\xff\x01\0\0\0", 8) + std::string(16, '\0')
                              : std::string(24, '\x7f');
-    REQUIRE(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size()));
+    REQUIRE(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) ==
+            static_cast<ssize_t>(bytes.size()));
     CHECK(read_until_closed(fd).empty());
     close(fd);
   }
