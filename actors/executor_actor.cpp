@@ -613,10 +613,21 @@ struct supervisor_state {
     return peers;
   }
 
+  /// The driver's peers: a driver of this process sends its steps to the stubs of linked
+  /// peers, so that they share the link's stream with what the supervisor sends them.
+  std::vector<caf::actor> peer_handles() const {
+    if (workers.empty() || !is_local(workers[0]))
+      return handles(1);
+    std::vector<caf::actor> peers;
+    for (size_t i = 1; i < workers.size(); ++i)
+      peers.push_back(caf::actor_cast<caf::actor>(target(i)));
+    return peers;
+  }
+
   /// The init request of `rank`.
   ask_fn init_request(int32_t rank) const {
     return asking(init_atom::value, contexts[static_cast<size_t>(rank)],
-                  rank == 0 ? handles(1) : std::vector<caf::actor>{});
+                  rank == 0 ? peer_handles() : std::vector<caf::actor>{});
   }
 
   /// Starts every worker (device, model, rank and peers), then forms their tensor-parallel
@@ -1282,11 +1293,13 @@ struct supervisor_state {
     for (size_t i = 0; i < workers.size(); ++i)
       if (workers[i].address() == msg.source)
         rank = static_cast<int32_t>(i);
-    if (rank < 0 || failure)
+    if (rank < 0)
       return;
     // Nothing more comes from it over its link.
     if (auto& link = places[static_cast<size_t>(rank)].link)
       link->forget(msg.source.id());
+    if (failure)
+      return;
     auto what = "rank " + std::to_string(rank);
     auto why = render(msg.reason);
     auto& place = places[static_cast<size_t>(rank)];
@@ -1462,7 +1475,8 @@ struct supervisor_state {
     auto steps = std::make_shared<std::vector<step_fn>>();
     steps->push_back(gather_step("init", {rank}, init_request(rank)));
     if (rank != 0)
-      steps->push_back(gather_step("the driver's peers", {0}, asking(peers_atom::value, handles(1))));
+      steps->push_back(
+        gather_step("the driver's peers", {0}, asking(peers_atom::value, peer_handles())));
     auto* st = this;
     steps->push_back([st](std::function<void(caf::error)> next) { st->form_collective(next); });
     if (cache)

@@ -101,6 +101,8 @@ bool link_socket::write(kind type, uint64_t key, uint64_t target,
     if (n < 0) {
       if (errno == EINTR)
         continue;
+      // Part of a frame may have gone: nothing may follow it.
+      shut();
       return false;
     }
     left -= static_cast<size_t>(n);
@@ -274,7 +276,7 @@ bool node_link::forward(uint64_t worker, const caf::mailbox_element& element,
   uint64_t key = 0;
   {
     std::lock_guard<std::mutex> lk{mtx_};
-    if (closed_)
+    if (closed_ || broken_ || socket_->is_shut())
       return false;
     // A message that expects no response travels under key 0.
     if (element.mid.is_request()) {
@@ -285,7 +287,7 @@ bool node_link::forward(uint64_t worker, const caf::mailbox_element& element,
   }
   // A failed write breaks the link: its reader then fails what is owed.
   if (!socket_->write(link_socket::request, key, worker, payload))
-    socket_->shut();
+    broke("a write to the node failed or stalled");
   return true;
 }
 
@@ -314,7 +316,7 @@ void node_link::forget(uint64_t worker) {
   {
     std::lock_guard<std::mutex> lk{mtx_};
     for (auto i = routes_.begin(); i != routes_.end();)
-      if (i->second.worker == worker) {
+      if (i->second.worker == worker && !i->second.delivering) {
         dropped.push_back(std::move(i->second));
         i = routes_.erase(i);
       } else {
@@ -338,7 +340,7 @@ void node_link::flush(std::function<void()> then) {
   if (ping == 0)
     then();
   else if (!socket_->write(link_socket::ping, ping, 0, {}))
-    socket_->shut(); // its reader runs `then` as it closes
+    broke("a write to the node failed or stalled"); // its reader runs `then` as it closes
 }
 
 bool node_link::pump() {
@@ -396,18 +398,20 @@ bool node_link::take() {
     if (auto err = source(reply))
       reply = caf::make_message(caf::make_error(
         errc::worker_error, "a reply that does not deserialise here: " + sys_->render(err)));
+    // Owed until handed on: a death handled meanwhile waits for it (`owes`), and `forget`
+    // leaves it to this response.
     route to;
     {
       std::lock_guard<std::mutex> lk{mtx_};
       auto i = routes_.find(f.key);
       if (i == routes_.end())
         return true; // forgotten: its worker died, and its request failed
+      i->second.delivering = true;
       to = i->second;
     }
     if (to.sender)
       to.sender->enqueue(
         caf::make_mailbox_element(nullptr, to.mid.response_id(), {}, std::move(reply)), nullptr);
-    // Owed until handed on: a death handled meanwhile waits for it (see `owes`).
     std::lock_guard<std::mutex> lk{mtx_};
     routes_.erase(f.key);
     return true;
@@ -415,6 +419,12 @@ bool node_link::take() {
     fail(std::string{"reading a reply failed: "} + e.what());
     return false;
   }
+}
+
+void node_link::broke(const std::string& why) {
+  std::lock_guard<std::mutex> reading{read_mtx_};
+  if (!broken_)
+    fail(why);
 }
 
 void node_link::fail(const std::string& why) {

@@ -197,8 +197,10 @@ private:
   void run();
   /// Reads one frame and hands it on; false when the link broke. Holds `read_mtx_`.
   bool take();
-  /// Marks the link broken; its thread reports the keys owed. Holds `read_mtx_`.
+  /// Marks the link broken; its thread fails what is owed. Holds `read_mtx_`.
   void fail(const std::string& why);
+  /// `fail`, taking `read_mtx_`.
+  void broke(const std::string& why);
   /// Whether the link's thread has something to read that no caller reads. Holds `mtx_`.
   bool reader_needed() const;
   /// Wakes the link's thread if it sleeps and is needed. Holds `mtx_`.
@@ -224,6 +226,8 @@ private:
     caf::strong_actor_ptr sender;
     caf::message_id mid;
     uint64_t worker = 0;
+    /// Its response is being handed on.
+    bool delivering = false;
   };
   std::unordered_map<uint64_t, route> routes_;
   uint64_t next_key_ = 1;
