@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -121,20 +122,27 @@ struct node_lease {
 
   /// Stops the workers (their memory is freed) and forgets the holder.
   void release(caf::actor_system& sys, spdlog::logger& log, const std::string& why) {
-    std::lock_guard<std::mutex> guard{mtx_};
-    if (workers_.empty() && !holder)
-      return;
-    log.info("releasing {} worker(s): {}", workers_.size(), why);
-    for (auto& w : workers_) {
-      caf::anon_send(w, caf::exit_msg{gate, caf::exit_reason::user_shutdown});
-      sys.registry().erase(w.id());
+    {
+      std::lock_guard<std::mutex> guard{mtx_};
+      if (workers_.empty() && !holder)
+        return;
+      log.info("releasing {} worker(s): {}", workers_.size(), why);
+      for (auto& w : workers_) {
+        caf::anon_send(w, caf::exit_msg{gate, caf::exit_reason::user_shutdown});
+        sys.registry().erase(w.id());
+      }
+      workers_.clear();
+      slots_.clear();
+      holder = nullptr;
+      token_.clear();
+      leased = 0;
     }
-    workers_.clear();
-    slots_.clear();
-    holder = nullptr;
-    token_.clear();
-    leased = 0;
+    if (ended)
+      ended();
   }
+
+  /// Called once a lease is released: its call links close.
+  std::function<void()> ended;
 
 private:
   std::mutex mtx_;
@@ -394,6 +402,11 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
     return pair[1];
   };
   auto* node_impl = &d;
+  d.lease->ended = [node_impl] {
+    std::lock_guard<std::mutex> lk{node_impl->links_mtx};
+    for (auto& l : node_impl->links)
+      l->shut();
+  };
   auto max_payload = listen.max_frame_bytes;
   auto link_linger = listen.linger;
   auto link_timeout = listen.handshake_timeout;

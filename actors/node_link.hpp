@@ -308,6 +308,11 @@ public:
   /// Closes the connection and waits for the thread.
   void stop();
 
+  /// Closes the connection; the thread ends on its own.
+  void shut() {
+    socket_->shut();
+  }
+
   /// Whether the connection has closed.
   bool done() const {
     return done_.load(std::memory_order_acquire);
