@@ -4,6 +4,7 @@
 
 #include "actors/executor_actor.hpp"
 
+#include "actors/companion.hpp"
 #include "actors/lease.hpp"
 
 #include "actors/log.hpp"
@@ -278,7 +279,7 @@ struct supervisor_state {
     // The links' readers hand replies to the sink, which goes first.
     for (auto& stub : stubs)
       if (stub)
-        end_link_stub(stub);
+        end_companion(stub);
     for (auto& place : places)
       if (place.link)
         place.link->close();
@@ -1247,7 +1248,7 @@ struct supervisor_state {
   /// Puts `rank`'s messages on its call link, if it has one (its reader starts once).
   void use_link(size_t rank) {
     if (stubs[rank])
-      end_link_stub(stubs[rank]);
+      end_companion(stubs[rank]);
     stubs[rank] = nullptr;
     auto& link = places[rank].link;
     if (!link)

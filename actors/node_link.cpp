@@ -1,15 +1,14 @@
 #include "actors/node_link.hpp"
 
+#include "actors/companion.hpp"
 #include "actors/log.hpp"
 #include "actors/remoting.hpp"
 #include "messages/messages.hpp"
 #include "troupe/errors.hpp"
 
-#include <caf/actor_companion.hpp>
 #include <caf/all.hpp>
 #include <caf/binary_deserializer.hpp>
 #include <caf/binary_serializer.hpp>
-#include <caf/scoped_execution_unit.hpp>
 
 #include <algorithm>
 #include <cerrno>
@@ -29,33 +28,19 @@ namespace {
 
 constexpr size_t header_size = 24;
 
-void put_u64(char* at, uint64_t x) {
-  for (int i = 0; i < 8; ++i)
+/// Integers in a frame's header, little-endian.
+template <class T>
+void put_le(char* at, T x) {
+  for (size_t i = 0; i < sizeof(T); ++i)
     at[i] = static_cast<char>((x >> (8 * i)) & 0xff);
 }
 
-uint64_t get_u64(const char* at) {
-  uint64_t x = 0;
-  for (int i = 0; i < 8; ++i)
-    x |= uint64_t{static_cast<unsigned char>(at[i])} << (8 * i);
+template <class T>
+T get_le(const char* at) {
+  T x = 0;
+  for (size_t i = 0; i < sizeof(T); ++i)
+    x |= static_cast<T>(static_cast<unsigned char>(at[i])) << (8 * i);
   return x;
-}
-
-/// The message id under which a request keyed `key` travels (see `reply_sink::ask`).
-caf::message_id request_id(uint64_t key) {
-  auto mid = caf::make_message_id(caf::message_priority::normal);
-  return caf::message_id{mid.integer_value() | key};
-}
-
-caf::actor_companion* companion(const caf::strong_actor_ptr& ptr) {
-  return static_cast<caf::actor_companion*>(caf::actor_cast<caf::abstract_actor*>(ptr));
-}
-
-void end_companion(const caf::strong_actor_ptr& ptr) {
-  auto* c = companion(ptr);
-  c->on_enqueue(nullptr);
-  caf::scoped_execution_unit host{&c->home_system()};
-  c->cleanup(caf::exit_reason::user_shutdown, &host);
 }
 
 } // namespace
@@ -81,12 +66,10 @@ link_socket::~link_socket() {
 bool link_socket::write(kind type, uint64_t key, uint64_t target,
                         const std::vector<char>& payload) {
   char header[header_size] = {};
-  auto length = static_cast<uint32_t>(payload.size());
-  for (int i = 0; i < 4; ++i)
-    header[i] = static_cast<char>((length >> (8 * i)) & 0xff);
+  put_le(header, static_cast<uint32_t>(payload.size()));
   header[4] = static_cast<char>(type);
-  put_u64(header + 8, key);
-  put_u64(header + 16, target);
+  put_le(header + 8, key);
+  put_le(header + 16, target);
   iovec parts[2] = {{header, header_size},
                     {const_cast<char*>(payload.data()), payload.size()}};
   msghdr msg{};
@@ -188,9 +171,7 @@ bool link_socket::read(frame& out, std::string& why) {
   char header[header_size];
   if (!fill(header, header_size, why))
     return false;
-  uint32_t length = 0;
-  for (int i = 0; i < 4; ++i)
-    length |= uint32_t{static_cast<unsigned char>(header[i])} << (8 * i);
+  auto length = get_le<uint32_t>(header);
   auto type = static_cast<uint8_t>(header[4]);
   if (type < hello || type > pong || header[5] != 0 || header[6] != 0 || header[7] != 0) {
     why = "not a link frame";
@@ -202,8 +183,8 @@ bool link_socket::read(frame& out, std::string& why) {
     return false;
   }
   out.type = static_cast<kind>(type);
-  out.key = get_u64(header + 8);
-  out.target = get_u64(header + 16);
+  out.key = get_le<uint64_t>(header + 8);
+  out.target = get_le<uint64_t>(header + 16);
   out.payload.resize(length);
   return length == 0 || fill(out.payload.data(), length, why);
 }
@@ -558,21 +539,14 @@ bool link_set::pump() {
 caf::strong_actor_ptr make_link_stub(caf::actor_system& sys, std::shared_ptr<node_link> link,
                                      caf::actor worker,
                                      std::function<bool(const caf::message&)> by_proxy) {
-  auto stub =
-    caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>());
   auto id = worker.id();
   // Runs on the sender's thread, as an enqueue to the worker's proxy would.
-  companion(stub)->on_enqueue([link = std::move(link), worker = std::move(worker), id,
+  return spawn_companion(sys, [link = std::move(link), worker = std::move(worker), id,
                                by_proxy = std::move(by_proxy)](caf::mailbox_element_ptr x) {
     auto content = x->copy_content_to_message();
     if (by_proxy(content) || !link->forward(id, *x, content))
       caf::actor_cast<caf::abstract_actor*>(worker)->enqueue(std::move(x), nullptr);
   });
-  return stub;
-}
-
-void end_link_stub(const caf::strong_actor_ptr& stub) {
-  end_companion(stub);
 }
 
 // -- link_server ------------------------------------------------------------------------
@@ -589,11 +563,9 @@ link_server::link_server(caf::actor_system& sys, int fd, std::string peer, find_
     timeout_(timeout),
     max_payload_(max_payload),
     socket_(std::make_shared<link_socket>(fd, linger, max_payload, timeout)),
-    replies_(
-      caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>())),
     requests_(std::move(requests)) {
   // A worker's reply is written by the worker's own thread, in the order it replies.
-  companion(replies_)->on_enqueue([this, socket = socket_](caf::mailbox_element_ptr reply) {
+  replies_ = spawn_companion(sys, [this, socket = socket_](caf::mailbox_element_ptr reply) {
     if (!reply->mid.is_response())
       return;
     auto key = reply->mid.request_id().integer_value();
@@ -692,39 +664,33 @@ void link_server::run() {
       why = "the lease has ended";
       break;
     }
-    std::string ignored;
+    // Answers a request (key 0 expects none) with an error.
+    auto refuse = [&](caf::error err) {
+      std::string ignored;
+      if (f.key != 0)
+        socket_->write(link_socket::reply, f.key, 0,
+                       serialize_message(sys_, caf::make_message(std::move(err)), ignored));
+    };
     if (!found.worker) {
       // Dead or released since: answered as BASP answers a request to an actor that is
       // gone; the link goes on for the others.
-      if (f.key != 0)
-        socket_->write(link_socket::reply, f.key, 0,
-                       serialize_message(
-                         sys_, caf::make_message(caf::make_error(caf::sec::request_receiver_down)),
-                         ignored));
+      refuse(caf::make_error(caf::sec::request_receiver_down));
       continue;
     }
     caf::message request;
     caf::binary_deserializer source{sys_, f.payload};
     if (auto err = source(request)) {
-      if (f.key != 0)
-        socket_->write(link_socket::reply, f.key, 0,
-                       serialize_message(sys_,
-                                         caf::make_message(caf::make_error(
-                                           errc::bad_arguments,
-                                           "the request does not deserialise on the node: " +
-                                             sys_.render(err))),
-                                         ignored));
+      refuse(caf::make_error(errc::bad_arguments,
+                             "the request does not deserialise on the node: " + sys_.render(err)));
       continue;
     }
     requests_->fetch_add(1, std::memory_order_relaxed);
     // Key 0: a message that expects no response.
     if (f.key != 0)
       in_flight_.fetch_add(1);
+    auto mid = f.key != 0 ? keyed_request_id(f.key) : caf::make_message_id();
     caf::actor_cast<caf::abstract_actor*>(found.worker)
-      ->enqueue(caf::make_mailbox_element(replies_,
-                                          f.key != 0 ? request_id(f.key) : caf::make_message_id(),
-                                          {}, std::move(request)),
-                nullptr);
+      ->enqueue(caf::make_mailbox_element(replies_, mid, {}, std::move(request)), nullptr);
   }
   log_->info("link from {} closed: {}", peer_, why);
   socket_->shut();

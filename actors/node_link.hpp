@@ -273,13 +273,10 @@ private:
 /// An actor of this process that stands for `worker`, a worker on the node of `link`:
 /// what is sent to it goes over the link, in the order sent; once the link is closed, and
 /// for messages that `by_proxy` picks (those carrying actor handles, which only BASP
-/// resolves), to `worker` itself.
+/// resolves), to `worker` itself. `end_companion` stops it.
 caf::strong_actor_ptr make_link_stub(caf::actor_system& sys, std::shared_ptr<node_link> link,
                                      caf::actor worker,
                                      std::function<bool(const caf::message&)> by_proxy);
-
-/// Stops a stub; what is sent to it afterwards is dropped.
-void end_link_stub(const caf::strong_actor_ptr& stub);
 
 /// The node's end of one link: a thread that reads its requests, checks each against the
 /// lease, and puts it in the worker's mailbox with a sender that writes the reply back.

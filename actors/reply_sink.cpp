@@ -1,10 +1,9 @@
 #include "actors/reply_sink.hpp"
 
+#include "actors/companion.hpp"
 #include "messages/messages.hpp"
 
-#include <caf/actor_companion.hpp>
 #include <caf/all.hpp>
-#include <caf/scoped_execution_unit.hpp>
 
 namespace troupe {
 
@@ -19,28 +18,14 @@ direct_reply::direct_reply(uint64_t gather_id, size_t ranks,
     answered_[i].store(false, std::memory_order_relaxed);
 }
 
-namespace {
-
-caf::actor_companion* companion(const caf::strong_actor_ptr& ptr) {
-  return static_cast<caf::actor_companion*>(caf::actor_cast<caf::abstract_actor*>(ptr));
-}
-
-} // namespace
-
 reply_sink::reply_sink(caf::actor_system& sys, const caf::actor& supervisor)
   : supervisor_(supervisor.address()),
-    self_(caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>())) {
-  companion(self_)->on_enqueue([this](caf::mailbox_element_ptr reply) { receive(*reply); });
+    self_(spawn_companion(sys, [this](caf::mailbox_element_ptr reply) { receive(*reply); })) {
 }
 
 reply_sink::~reply_sink() {
   // Replies that arrive from now on are dropped, not handed to a sink that is gone.
-  auto* c = companion(self_);
-  c->on_enqueue(nullptr);
-  // Terminated here, while its system lives: a companion that a remote worker saw stays in
-  // the system's registry, and one destroyed with the registry crashes.
-  caf::scoped_execution_unit host{&c->home_system()};
-  c->cleanup(caf::exit_reason::user_shutdown, &host);
+  end_companion(self_);
 }
 
 void reply_sink::ask(const std::shared_ptr<direct_reply>& call, size_t index,
@@ -52,10 +37,8 @@ void reply_sink::ask(const std::shared_ptr<direct_reply>& call, size_t index,
     expected_.emplace(key, expected_reply{call, index});
     call->keys_.push_back(key);
   }
-  auto mid = caf::make_message_id(caf::message_priority::normal);
-  mid = caf::message_id{mid.integer_value() | key};
   caf::actor_cast<caf::abstract_actor*>(worker)->enqueue(
-    caf::make_mailbox_element(self_, mid, {}, std::move(request)), host);
+    caf::make_mailbox_element(self_, keyed_request_id(key), {}, std::move(request)), host);
 }
 
 void reply_sink::forget(direct_reply& call) {
