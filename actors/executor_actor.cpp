@@ -276,7 +276,7 @@ struct supervisor_state {
   static inline const char* name = "troupe.executor";
 
   ~supervisor_state() {
-    // The links' readers hand replies to the sink, which goes first.
+    // The links' readers hand responses to the sink, which is destroyed first.
     for (auto& stub : stubs)
       if (stub)
         end_companion(stub);
@@ -1258,6 +1258,14 @@ struct supervisor_state {
                                  carries_handles);
   }
 
+  /// The rank of the worker at `addr`, or -1.
+  int32_t rank_of(const caf::actor_addr& addr) const {
+    for (size_t i = 0; i < workers.size(); ++i)
+      if (workers[i].address() == addr)
+        return static_cast<int32_t>(i);
+    return -1;
+  }
+
   /// How long a death waits for its worker's call link at most (see `wait_for_link`): a node
   /// that is stopped or hung never answers the ping.
   static constexpr auto link_flush_time = std::chrono::milliseconds(100);
@@ -1274,10 +1282,8 @@ struct supervisor_state {
       seen->second = true;
       return false;
     }
-    std::shared_ptr<node_link> link;
-    for (size_t i = 0; i < workers.size(); ++i)
-      if (workers[i].address() == msg.source)
-        link = places[i].link;
+    auto rank = rank_of(msg.source);
+    auto link = rank < 0 ? nullptr : places[static_cast<size_t>(rank)].link;
     if (!link || !link->owes(msg.source.id()))
       return false;
     link_downs.emplace(msg.source, false);
@@ -1290,10 +1296,7 @@ struct supervisor_state {
   void on_worker_down(const caf::down_msg& msg) {
     if (wait_for_link(msg))
       return;
-    int32_t rank = -1;
-    for (size_t i = 0; i < workers.size(); ++i)
-      if (workers[i].address() == msg.source)
-        rank = static_cast<int32_t>(i);
+    auto rank = rank_of(msg.source);
     if (rank < 0)
       return;
     // Nothing more comes from it over its link.

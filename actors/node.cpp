@@ -96,11 +96,10 @@ struct node_lease {
   }
 
   /// Gives the lease to `holder` with a fresh token, which its call links present.
-  std::string hold(caf::actor h) {
+  void hold(caf::actor h) {
     std::lock_guard<std::mutex> guard{mtx_};
     holder = std::move(h);
     token_ = random_challenge();
-    return token_;
   }
 
   std::string token() {
