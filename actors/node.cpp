@@ -143,6 +143,9 @@ struct node_lease {
   /// Called once a lease is released: its call links close.
   std::function<void()> ended;
 
+  /// The call links and the leased workers that read them.
+  std::shared_ptr<link_readers> readers = std::make_shared<link_readers>();
+
 private:
   std::mutex mtx_;
   std::vector<caf::actor> workers_;
@@ -293,7 +296,8 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
           self->home_system(), [make, options](int32_t rank) { return make(rank, options); },
           sender->node(),
           {st.cfg.device_kind, st.cfg.device_indices[static_cast<size_t>(slot)],
-           st.cfg.collective_host})));
+           st.cfg.collective_host},
+          st.lease->readers)));
         self->monitor(leased.back());
         st.lease->add(leased.back(), slot);
       }
@@ -419,7 +423,7 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
                   n.links.end());
     n.links.push_back(std::make_unique<link_server>(*n.sys, fd, std::move(peer), find,
                                                     link_linger, max_payload, link_timeout,
-                                                    n.linked_requests, n.log));
+                                                    n.linked_requests, lease->readers, n.log));
   };
   try {
     d.gateway = std::make_unique<frame_gateway>(std::move(listen), connect, link, d.log);
@@ -462,6 +466,10 @@ int32_t node::call_links() const {
 
 uint64_t node::linked_requests() const {
   return impl_->linked_requests->load();
+}
+
+uint64_t node::requests_read_by_workers() const {
+  return impl_->lease->readers->requests_read();
 }
 
 void node::wait() {

@@ -2,6 +2,7 @@
 
 #include "actors/linger.hpp"
 #include "actors/log.hpp"
+#include "actors/node_link.hpp"
 #include "messages/protocols.hpp"
 #include "troupe/errors.hpp"
 
@@ -69,6 +70,10 @@ struct worker_actor_state {
   std::optional<node_placement> placement;
   /// How long it waits for the next message after a call (`worker_context::linger_us`).
   std::chrono::microseconds linger{0};
+  /// A `linger_atom` waits in the mailbox.
+  bool linger_queued = false;
+  /// A leased worker's part in reading its node's call links as it lingers.
+  std::unique_ptr<link_readers::member> reader;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.worker");
 
   static inline const char* name = "troupe.worker";
@@ -79,15 +84,33 @@ using worker_self = worker_actor::stateful_pointer<worker_actor_state>;
 /// Has the worker wait for the next message once this call is answered (see
 /// `executor_config::linger`): a message to itself, handled after the reply left.
 void linger_after(worker_self self) {
-  if (self->state.linger.count() > 0)
+  auto& st = self->state;
+  if (st.linger.count() > 0 && !st.linger_queued) {
+    st.linger_queued = true;
     self->send(self, linger_atom::value);
+  }
 }
 
 /// Waits until a message arrives or the linger time is up. A message that arrives meanwhile
 /// finds the thread awake (its sender wakes nobody); the thread yields its core to any
-/// other thread that is ready to run.
+/// other thread that is ready to run. A leased worker reads its node's call links
+/// meanwhile, and lingers again after what came, so that it goes on reading them until a
+/// linger runs out.
 void linger(worker_self self) {
-  linger_for(self->state.linger, [&] { return !self->mailbox().empty(); });
+  auto& st = self->state;
+  st.linger_queued = false;
+  if (!st.reader) {
+    linger_for(st.linger, [&] { return !self->mailbox().empty(); });
+    return;
+  }
+  st.reader->reading(true);
+  if (linger_for(st.linger, [&] {
+        st.reader->pump();
+        return !self->mailbox().empty();
+      }))
+    linger_after(self);
+  else
+    st.reader->reading(false);
 }
 
 caf::error not_initialised() {
@@ -198,9 +221,12 @@ void end_loop(worker_self self, caf::error err) {
 
 worker_actor::behavior_type worker_behavior(worker_self self, worker_factory factory,
                                             std::optional<caf::node_id> owner,
-                                            std::optional<node_placement> placement) {
+                                            std::optional<node_placement> placement,
+                                            std::shared_ptr<link_readers> readers) {
   self->state.factory = std::move(factory);
   self->state.placement = std::move(placement);
+  if (readers)
+    self->state.reader = std::make_unique<link_readers::member>(std::move(readers));
   if (owner) {
     // Its own node (the node daemon releasing it) and its executor's.
     self->state.allowed.insert(self->node());
@@ -390,14 +416,17 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
 
 worker_actor spawn_worker(caf::actor_system& sys, worker_factory factory) {
   return sys.spawn<caf::detached>(worker_behavior, std::move(factory),
-                                  std::optional<caf::node_id>{}, std::optional<node_placement>{});
+                                  std::optional<caf::node_id>{}, std::optional<node_placement>{},
+                                  std::shared_ptr<link_readers>{});
 }
 
 worker_actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory,
-                                 caf::node_id owner, node_placement placement) {
+                                 caf::node_id owner, node_placement placement,
+                                 std::shared_ptr<link_readers> readers) {
   return sys.spawn<caf::detached>(worker_behavior, std::move(factory),
                                   std::optional<caf::node_id>{std::move(owner)},
-                                  std::optional<node_placement>{std::move(placement)});
+                                  std::optional<node_placement>{std::move(placement)},
+                                  std::move(readers));
 }
 
 caf::error worker_failure(int32_t rank, const std::string& method) {

@@ -8,10 +8,13 @@
 
 #include <caf/node_id.hpp>
 
+#include <memory>
 #include <optional>
 #include <string>
 
 namespace troupe {
+
+class link_readers;
 
 /// Spawns a detached worker actor (its own OS thread), with the interface `worker_actor`
 /// (`messages/protocols.hpp`). The worker object is created with `factory` on that thread
@@ -30,9 +33,10 @@ struct node_placement {
 /// A worker a node leased to the executor on node `owner`: it serves only messages from
 /// that node, its own node and, after init, its peers' nodes; others are refused and
 /// logged (exit messages included). Its device and collective address are the node's
-/// `placement`.
+/// `placement`. While it lingers it reads the node's call links (`readers`).
 worker_actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory,
-                                 caf::node_id owner, node_placement placement);
+                                 caf::node_id owner, node_placement placement,
+                                 std::shared_ptr<link_readers> readers);
 
 /// Turns an exception thrown inside a worker into an error reply that names the rank and
 /// the method.

@@ -46,6 +46,7 @@ using namespace troupe;
 using namespace std::chrono_literals;
 using troupe::testing::child_process;
 using troupe::testing::code_of;
+using troupe::testing::concurrency_probe;
 using troupe::testing::one_step;
 using troupe::testing::test_factory;
 using troupe::testing::what_of;
@@ -515,6 +516,71 @@ TEST_CASE("calls go to a node's workers over a call link, and give the answers t
   REQUIRE(answers[true].size() == answers[false].size());
   for (size_t i = 0; i < answers[true].size(); ++i)
     CHECK(answers[true][i] == answers[false][i]);
+}
+
+TEST_CASE("a node's workers read their requests from the call link while they linger") {
+  node_config ncfg;
+  ncfg.secret = secret;
+  ncfg.devices = 2;
+  ncfg.connection_timeout = 1s;
+  ncfg.kinds["test"] = [](int32_t rank, const caf::settings&) { return test_factory()(rank); };
+  node n{ncfg};
+  // The executor's linger travels to the node's workers: one that lingers reads the link.
+  for (auto linger : {timeout_type{0}, timeout_type{1ms}}) {
+    CAPTURE(linger.count());
+    auto cfg = mixed_config(0, {{"127.0.0.1", n.port(), 2}});
+    cfg.linger = linger;
+    auto exec = lease_again_with(cfg, 10);
+    auto before = n.requests_read_by_workers();
+    auto linked = n.linked_requests();
+    for (int i = 0; i < 100; ++i)
+      REQUIRE(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+    CHECK(n.linked_requests() >= linked + 200);
+    if (linger.count() == 0)
+      CHECK(n.requests_read_by_workers() == before);
+    else
+      CHECK(n.requests_read_by_workers() > before);
+  }
+}
+
+TEST_CASE("a request for a node's worker is read while another, which read the link, is "
+          "busy") {
+  // Rank 0 reads the link as it lingers and then holds a call; meanwhile rank 1 gets its
+  // requests, first while it lingers (it reads them itself), then once its linger ran out
+  // and it sleeps (the link's thread must read them: rank 0 reads nothing while it holds).
+  node_config ncfg;
+  ncfg.secret = secret;
+  ncfg.devices = 2;
+  ncfg.connection_timeout = 1s;
+  ncfg.kinds["test"] = [](int32_t rank, const caf::settings&) { return test_factory()(rank); };
+  node n{ncfg};
+  auto cfg = mixed_config(0, {{"127.0.0.1", n.port(), 2}});
+  cfg.linger = 200ms;
+  auto exec = lease_again_with(cfg, 10);
+  concurrency_probe::released() = false;
+  for (auto& count : concurrency_probe::served())
+    count = 0;
+  auto eventually = [](auto holds) {
+    for (auto until = clock_type::now() + 5s; !holds() && clock_type::now() < until;)
+      std::this_thread::sleep_for(1ms);
+    return holds();
+  };
+  auto& served = concurrency_probe::served();
+  REQUIRE(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  rpc_call_options hold;
+  hold.args = caf::make_message(int32_t{0});
+  auto held = exec->collective_rpc_async("hold_on", hold);
+  auto lingering = exec->collective_rpc_async("served");
+  CHECK(eventually([&] { return served[1] >= 1; }));
+  std::this_thread::sleep_for(400ms); // rank 1's linger runs out
+  auto asleep = exec->collective_rpc_async("served");
+  CHECK(eventually([&] { return served[1] >= 2; }));
+  CHECK(served[0] == 0); // still holding
+  concurrency_probe::released() = true;
+  for (auto* f : {&held, &lingering, &asleep})
+    REQUIRE(f->wait_for(20s) == std::future_status::ready);
+  CHECK(served[0] == 2);
+  CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 }
 
 TEST_CASE("calls to a node's workers keep their order, over its call link or over BASP") {

@@ -11,6 +11,7 @@
 #include <caf/make_message.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -45,6 +46,16 @@ struct concurrency_probe {
   static std::atomic<int>& peak() {
     static std::atomic<int> value{0};
     return value;
+  }
+  /// Opened by a test to let a "hold_on" call finish.
+  static std::atomic<bool>& released() {
+    static std::atomic<bool> value{false};
+    return value;
+  }
+  /// "served" calls, by rank.
+  static std::array<std::atomic<int>, 8>& served() {
+    static std::array<std::atomic<int>, 8> counts{};
+    return counts;
   }
 };
 
@@ -275,6 +286,18 @@ private:
     });
     register_method("notes", [](worker& w, const caf::message&, const caf::settings&) {
       return caf::make_message(static_cast<test_worker&>(w).notes_);
+    });
+    // The rank of the argument waits until the test releases it (20 s at most).
+    register_method("hold_on", [](worker& w, const caf::message& args, const caf::settings&) {
+      auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (w.rank() == int_arg(args, 0, 0) && !concurrency_probe::released() &&
+             std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return caf::make_message(w.rank());
+    });
+    register_method("served", [](worker& w, const caf::message&, const caf::settings&) {
+      ++concurrency_probe::served().at(static_cast<size_t>(w.rank()));
+      return caf::make_message(w.rank());
     });
     // Holds the call for 50 ms and records how many calls overlap across workers.
     register_method("track", [](worker& w, const caf::message&, const caf::settings&) {

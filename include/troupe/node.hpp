@@ -101,6 +101,11 @@ public:
   /// Requests that call links have handed to workers since the node started.
   uint64_t linked_requests() const;
 
+  /// Of those, the requests that leased workers read from the links themselves while they
+  /// lingered after a call (`executor_config::linger`), with no hand-off from a link's
+  /// thread.
+  uint64_t requests_read_by_workers() const;
+
   /// Blocks until the node is stopped (by `stop` from another thread, or a signal).
   void wait();
 
