@@ -125,9 +125,15 @@ caf::error rank_error(const gather& g, int32_t rank, const caf::error& err) {
   if (err == caf::sec::request_timeout)
     return caf::make_error(errc::timeout, g.label + ": rank " + std::to_string(rank) +
                                             " did not answer within " + ms_text(g.timeout));
-  if (err == caf::sec::request_receiver_down)
-    return caf::make_error(errc::worker_died, g.label + ": rank " + std::to_string(rank) +
-                                                " is down");
+  if (err == caf::sec::request_receiver_down) {
+    // A call link that closed under the request says why.
+    auto& how = err.context();
+    return caf::make_error(errc::worker_died,
+                           g.label + ": rank " + std::to_string(rank) + " is down" +
+                             (how.match_elements<std::string>()
+                                ? " (" + how.get_as<std::string>(0) + ")"
+                                : std::string{}));
+  }
   if (err.category() == caf::atom("troupe"))
     return err; // The worker already named its rank.
   return caf::make_error(errc::worker_error,
@@ -1275,10 +1281,14 @@ struct supervisor_state {
   /// death is handled once the link has handed on what came before it (a ping answered,
   /// or the link closed), or after `link_flush_time` at the latest.
   bool wait_for_link(const caf::down_msg& msg) {
+    // A held death comes back twice (the flush and the timer): the first is handled, the
+    // second forgets it.
     auto seen = link_downs.find(msg.source);
     if (seen != link_downs.end()) {
-      if (seen->second)
-        return true; // handled already: this is its second notice
+      if (seen->second) {
+        link_downs.erase(seen);
+        return true;
+      }
       seen->second = true;
       return false;
     }

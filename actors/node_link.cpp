@@ -282,12 +282,16 @@ bool node_link::owes(uint64_t worker) {
 
 namespace {
 
-/// Answers a request whose worker is gone, as BASP does.
-void answer_down(const caf::strong_actor_ptr& sender, caf::message_id mid) {
-  if (sender)
-    sender->enqueue(caf::make_mailbox_element(nullptr, mid.response_id(), {},
-                                              caf::make_error(caf::sec::request_receiver_down)),
-                    nullptr);
+/// Answers a request whose worker is gone, as BASP does; `why`, when given, says how (the
+/// link closed under it).
+void answer_down(const caf::strong_actor_ptr& sender, caf::message_id mid,
+                 const std::string& why = {}) {
+  if (!sender)
+    return;
+  auto err = why.empty() ? caf::make_error(caf::sec::request_receiver_down)
+                         : caf::make_error(caf::sec::request_receiver_down, why);
+  sender->enqueue(caf::make_mailbox_element(nullptr, mid.response_id(), {}, std::move(err)),
+                  nullptr);
 }
 
 } // namespace
@@ -470,7 +474,8 @@ void node_link::lost(const std::string& why) {
              "BASP",
              name_, why, owed.size());
   for (auto& entry : owed)
-    answer_down(entry.second.sender, entry.second.mid);
+    answer_down(entry.second.sender, entry.second.mid,
+                "its call link to " + name_ + " closed: " + why);
   for (auto& entry : flushes)
     entry.second();
 }
