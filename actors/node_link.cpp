@@ -19,6 +19,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -153,6 +154,35 @@ bool link_socket::readable() {
   }
   // The end of the stream, or an error: the next read reports it.
   return n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+bool link_socket::whole_frame() {
+  auto have = [this] { return ahead_end_ - ahead_begin_; };
+  auto length = [this] { return get_le<uint32_t>(ahead_.data() + ahead_begin_); };
+  if (have() < header_size || have() < header_size + length()) {
+    // What came, after what is read ahead, without waiting.
+    if (ahead_begin_ > 0) {
+      std::memmove(ahead_.data(), ahead_.data() + ahead_begin_, have());
+      ahead_end_ -= ahead_begin_;
+      ahead_begin_ = 0;
+    }
+    if (ahead_end_ < ahead_.size()) {
+      auto n = recv(fd_, ahead_.data() + ahead_end_, ahead_.size() - ahead_end_, MSG_DONTWAIT);
+      if (n > 0)
+        ahead_end_ += static_cast<size_t>(n);
+      else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+        return true; // the end of the stream, or an error: `read` reports it
+    }
+  }
+  if (have() < header_size)
+    return false;
+  // A length above the bound is read at once, to be refused.
+  if (length() > max_payload_ || have() >= header_size + length())
+    return true;
+  // A frame larger than the read-ahead: whole once the rest waits on the socket.
+  int queued = 0;
+  return ioctl(fd_, FIONREAD, &queued) == 0 && queued >= 0 &&
+         have() + static_cast<size_t>(queued) >= header_size + length();
 }
 
 bool link_socket::arrived() const {
@@ -579,8 +609,10 @@ void link_readers::count(int members, int reading) {
     members_ += members;
     reading_ += reading;
     bool quiet = members_ > 0 && reading_ == members_;
-    woke = quiet_.exchange(quiet) && !quiet;
+    woke = quiet_.exchange(quiet) != quiet;
   }
+  // Either way the links' threads change how they wait: on the socket, or on their eventfd
+  // alone while the workers read.
   if (!woke)
     return;
   std::lock_guard<std::mutex> lk{links_mtx_};
@@ -626,6 +658,9 @@ link_server::link_server(caf::actor_system& sys, int fd, std::string peer, find_
     requests_(std::move(requests)),
     readers_(std::move(readers)) {
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_fd_ < 0)
+    throw error{errc::worker_error,
+                std::string{"cannot serve a call link: eventfd: "} + std::strerror(errno)};
   // A worker's reply is written by the worker's own thread, in the order it replies.
   replies_ = spawn_companion(sys, [this, socket = socket_](caf::mailbox_element_ptr reply) {
     if (!reply->mid.is_response())
@@ -636,8 +671,9 @@ link_server::link_server(caf::actor_system& sys, int fd, std::string peer, find_
     if (!why.empty())
       bytes = serialize_message(
         sys_, caf::make_message(caf::make_error(errc::worker_error, "the reply " + why)), why);
-    socket->write(link_socket::reply, key, 0, bytes);
-    if (in_flight_.fetch_sub(1) == 1 && awaits_replies_.load())
+    // A failed write shut the link: the thread, which may sleep while workers read, ends it.
+    bool sent = socket->write(link_socket::reply, key, 0, bytes);
+    if ((in_flight_.fetch_sub(1) == 1 && awaits_replies_.load()) || !sent)
       wake();
   });
   thread_ = std::thread{[this] { run(); }};
@@ -671,11 +707,16 @@ void link_server::wake() {
 
 bool link_server::pump() {
   std::unique_lock<std::mutex> reading{read_mtx_, std::try_to_lock};
-  if (!reading || !opened() || socket_->is_shut() || !socket_->readable())
+  if (!reading || !opened() || socket_->is_shut())
     return false;
-  while (take(true) && socket_->readable()) {
-  }
-  return true;
+  // Only frames that came whole: a worker never waits on the socket for the rest of one
+  // (the thread reads a frame too large to come whole once the workers stop reading).
+  bool any = false;
+  while (socket_->whole_frame() && take(true))
+    any = true;
+  if (socket_->is_shut())
+    wake(); // a frame or a write ended the link: the thread reports it
+  return any;
 }
 
 void link_server::end(std::string why) {
@@ -715,9 +756,11 @@ bool link_server::next() {
     auto came = socket_->wait(
       std::chrono::milliseconds(-1), [&] { return idle() && !readers_->quiet(); }, wake_fd_);
     awaits_replies_ = false;
-    if (came)
+    // Once the workers read, what came is theirs.
+    if (came && !readers_->quiet())
       return true;
-    drain();
+    if (!came)
+      drain();
   }
 }
 

@@ -115,6 +115,10 @@ public:
   /// Whether bytes wait on the socket itself; any thread.
   bool arrived() const;
 
+  /// Whether a whole frame waits (read ahead, or on the socket), so that `read` takes it
+  /// without waiting. The reader's own.
+  bool whole_frame();
+
 private:
   bool block(int timeout_ms, int also);
   bool fill(char* data, size_t size, std::string& why);

@@ -94,8 +94,8 @@ void linger_after(worker_self self) {
 /// Waits until a message arrives or the linger time is up. A message that arrives meanwhile
 /// finds the thread awake (its sender wakes nobody); the thread yields its core to any
 /// other thread that is ready to run. A leased worker reads its node's call links
-/// meanwhile, and lingers again after what came, so that it goes on reading them until a
-/// linger runs out.
+/// meanwhile, and lingers again after what it read, so that it goes on reading them until
+/// a linger runs out (or a message comes otherwise).
 void linger(worker_self self) {
   auto& st = self->state;
   st.linger_queued = false;
@@ -104,10 +104,12 @@ void linger(worker_self self) {
     return;
   }
   st.reader->reading(true);
+  bool read = false;
   if (linger_for(st.linger, [&] {
-        st.reader->pump();
+        read = st.reader->pump() || read;
         return !self->mailbox().empty();
-      }))
+      }) &&
+      read)
     linger_after(self);
   else
     st.reader->reading(false);
