@@ -421,9 +421,13 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
     n.links.erase(std::remove_if(n.links.begin(), n.links.end(),
                                  [](const std::unique_ptr<link_server>& l) { return l->done(); }),
                   n.links.end());
-    n.links.push_back(std::make_unique<link_server>(*n.sys, fd, std::move(peer), find,
-                                                    link_linger, max_payload, link_timeout,
-                                                    n.linked_requests, lease->readers, n.log));
+    try {
+      n.links.push_back(std::make_unique<link_server>(*n.sys, fd, std::move(peer), find,
+                                                      link_linger, max_payload, link_timeout,
+                                                      n.linked_requests, lease->readers, n.log));
+    } catch (const std::exception& e) {
+      n.log->warn("{}", e.what()); // its executor's calls go over BASP
+    }
   };
   try {
     d.gateway = std::make_unique<frame_gateway>(std::move(listen), connect, link, d.log);
