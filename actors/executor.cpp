@@ -240,12 +240,7 @@ struct executor::impl {
       };
       return [make = std::move(make), reply, fail](supervisor_access& access) mutable {
         // Made behind what the supervisor's mailbox holds, as the requests to itself of
-        // the calls before it are: calls from one thread reach the workers in order. With
-        // nothing there, it is made at once.
-        if (access.self->mailbox().empty()) {
-          make(access, reply);
-          return;
-        }
+        // the calls before it are: calls from one thread reach the workers in order.
         async_call made;
         made.admitted = true;
         made.request = [make = std::move(make), reply, left = access.left](
@@ -418,9 +413,14 @@ struct executor::impl {
       // The supervisor stops the workers; this covers a supervisor that is already gone.
       for (auto& w : local_workers)
         self->send_exit(w, caf::exit_reason::user_shutdown);
-      // Tells the nodes to release their workers.
-      if (lease_holder)
+      // Tells the nodes to release their workers. Its end is awaited too: the nodes watch
+      // it, so the middleman hears of its end, which must come before the middleman stops
+      // (an end reported to a middleman that has stopped leaks it, with its broker).
+      if (lease_holder) {
+        self->monitor(lease_holder);
+        ++left;
         self->send_exit(lease_holder, caf::exit_reason::user_shutdown);
+      }
       auto deadline = std::chrono::steady_clock::now() + shutdown_grace;
       bool timed_out = false;
       while (left > 0 && !timed_out) {
