@@ -240,7 +240,12 @@ struct executor::impl {
       };
       return [make = std::move(make), reply, fail](supervisor_access& access) mutable {
         // Made behind what the supervisor's mailbox holds, as the requests to itself of
-        // the calls before it are: calls from one thread reach the workers in order.
+        // the calls before it are: calls from one thread reach the workers in order. With
+        // nothing there, nothing can be overtaken: it is made at once.
+        if (access.self->mailbox().empty()) {
+          make(access, reply);
+          return;
+        }
         async_call made;
         made.admitted = true;
         made.request = [make = std::move(make), reply, left = access.left](
