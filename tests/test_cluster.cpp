@@ -481,19 +481,31 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
   CHECK(next->workers()[1].device == "cpu:1");
 }
 
-TEST_CASE("calls go to a node's workers over a call link, and give the answers they give "
-          "over BASP") {
+namespace {
+
+/// A node in this process with two CPU devices and the test workers.
+node_config in_process_node() {
   node_config ncfg;
   ncfg.secret = secret;
   ncfg.devices = 2;
   ncfg.connection_timeout = 1s;
   ncfg.kinds["test"] = [](int32_t rank, const caf::settings&) { return test_factory()(rank); };
-  node n{ncfg};
-  auto eventually = [](auto holds) {
-    for (auto until = clock_type::now() + 5s; !holds() && clock_type::now() < until;)
-      std::this_thread::sleep_for(10ms);
-    return holds();
-  };
+  return ncfg;
+}
+
+/// Whether `holds()` becomes true within 5 s.
+template <class Holds>
+bool eventually(Holds holds) {
+  for (auto until = clock_type::now() + 5s; !holds() && clock_type::now() < until;)
+    std::this_thread::sleep_for(1ms);
+  return holds();
+}
+
+} // namespace
+
+TEST_CASE("calls go to a node's workers over a call link, and give the answers they give "
+          "over BASP") {
+  node n{in_process_node()};
   std::map<bool, std::vector<std::string>> answers;
   for (bool links : {true, false}) {
     CAPTURE(links);
@@ -519,12 +531,7 @@ TEST_CASE("calls go to a node's workers over a call link, and give the answers t
 }
 
 TEST_CASE("a node's workers read their requests from the call link while they linger") {
-  node_config ncfg;
-  ncfg.secret = secret;
-  ncfg.devices = 2;
-  ncfg.connection_timeout = 1s;
-  ncfg.kinds["test"] = [](int32_t rank, const caf::settings&) { return test_factory()(rank); };
-  node n{ncfg};
+  node n{in_process_node()};
   // The executor's linger travels to the node's workers: one that lingers reads the link.
   // Calls back to back find both lingering, except the first (and any after a stall of
   // the test's thread longer than the linger): the link's thread, which sleeps while every
@@ -563,23 +570,13 @@ TEST_CASE("a request for a node's worker is read while another, which read the l
   // Rank 0 reads the link as it lingers and then holds a call; meanwhile rank 1 gets its
   // requests, first while it lingers (it reads them itself), then once its linger ran out
   // and it sleeps (the link's thread must read them: rank 0 reads nothing while it holds).
-  node_config ncfg;
-  ncfg.secret = secret;
-  ncfg.devices = 2;
-  ncfg.connection_timeout = 1s;
-  ncfg.kinds["test"] = [](int32_t rank, const caf::settings&) { return test_factory()(rank); };
-  node n{ncfg};
+  node n{in_process_node()};
   auto cfg = mixed_config(0, {{"127.0.0.1", n.port(), 2}});
   cfg.linger = 200ms;
   auto exec = lease_again_with(cfg, 10);
   concurrency_probe::released() = false;
   for (auto& count : concurrency_probe::served())
     count = 0;
-  auto eventually = [](auto holds) {
-    for (auto until = clock_type::now() + 5s; !holds() && clock_type::now() < until;)
-      std::this_thread::sleep_for(1ms);
-    return holds();
-  };
   auto& served = concurrency_probe::served();
   REQUIRE(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
   rpc_call_options hold;
