@@ -493,6 +493,35 @@ node_config in_process_node() {
   return ncfg;
 }
 
+/// The descriptors of this process's TCP connections to `port` on loopback, oldest first
+/// (by descriptor): read from /proc.
+std::vector<int> connections_to(uint16_t port) {
+  std::set<std::string> inodes;
+  std::ifstream tcp{"/proc/net/tcp"};
+  std::string line;
+  std::getline(tcp, line); // the header
+  char remote[16];
+  std::snprintf(remote, sizeof remote, "0100007F:%04X", port);
+  while (std::getline(tcp, line)) {
+    std::istringstream fields{line};
+    std::string slot, local, peer, state, queues, timer, retransmits, uid, timeout, inode;
+    fields >> slot >> local >> peer >> state >> queues >> timer >> retransmits >> uid >>
+      timeout >> inode;
+    if (peer == remote && state == "01")
+      inodes.insert(inode);
+  }
+  std::vector<int> fds;
+  for (auto& entry : std::filesystem::directory_iterator{"/proc/self/fd"}) {
+    std::error_code ec;
+    auto target = std::filesystem::read_symlink(entry.path(), ec).string();
+    if (!ec && target.rfind("socket:[", 0) == 0 &&
+        inodes.count(target.substr(8, target.size() - 9)) > 0)
+      fds.push_back(std::stoi(entry.path().filename().string()));
+  }
+  std::sort(fds.begin(), fds.end());
+  return fds;
+}
+
 /// Whether `holds()` becomes true within 5 s.
 template <class Holds>
 bool eventually(Holds holds) {
@@ -563,6 +592,37 @@ TEST_CASE("a node's workers read their requests from the call link while they li
         CHECK(name == std::string(size, 'x'));
     }
   }
+}
+
+TEST_CASE("a call link that breaks under a call fails it naming the link; later calls go "
+          "over BASP") {
+  node n{in_process_node()};
+  auto exec = lease_again_with(mixed_config(0, {{"127.0.0.1", n.port(), 2}}), 10);
+  REQUIRE(eventually([&] { return n.call_links() == 1; }));
+  // The executor's connections to the node: BASP's, then the link's, opened after the lease.
+  auto fds = connections_to(n.port());
+  REQUIRE(fds.size() == 2);
+  rpc_call_options slow;
+  slow.args = caf::make_message(int32_t{500});
+  auto call = exec->collective_rpc_async("sleep_ms", slow);
+  std::this_thread::sleep_for(100ms);
+  ::shutdown(fds.back(), SHUT_RDWR);
+  REQUIRE(call.wait_for(10s) == std::future_status::ready);
+  try {
+    call.get();
+    FAIL("the call survived its link");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::worker_died);
+    CHECK_MESSAGE(std::string{e.what()}.find("its call link to node 127.0.0.1:" +
+                                             std::to_string(n.port()) + " closed") !=
+                    std::string::npos,
+                  e.what());
+  }
+  // The workers live, and what follows reaches them over BASP.
+  auto linked = n.linked_requests();
+  CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  CHECK(n.linked_requests() == linked);
+  CHECK(n.leased_workers() == 2);
 }
 
 TEST_CASE("a request for a node's worker is read while another, which read the link, is "
