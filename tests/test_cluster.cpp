@@ -594,7 +594,7 @@ TEST_CASE("a node's workers read their requests from the call link while they li
   }
 }
 
-TEST_CASE("a call link that breaks under a call fails it naming the link; later calls go "
+TEST_CASE("a call link that breaks under a call fails it naming the link, and later calls go "
           "over BASP") {
   node n{in_process_node()};
   auto exec = lease_again_with(mixed_config(0, {{"127.0.0.1", n.port(), 2}}), 10);
