@@ -419,8 +419,7 @@ struct executor::impl {
       for (auto& w : local_workers)
         self->send_exit(w, caf::exit_reason::user_shutdown);
       // Tells the nodes to release their workers. Its end is awaited too: the nodes watch
-      // it, so the middleman hears of its end, which must come before the middleman stops
-      // (an end reported to a middleman that has stopped leaks it, with its broker).
+      // it, and hear of its end through the middleman, which must still run then.
       if (lease_holder) {
         self->monitor(lease_holder);
         ++left;
