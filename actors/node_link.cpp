@@ -143,37 +143,34 @@ bool link_socket::fill(char* data, size_t size, std::string& why) {
   return true;
 }
 
-bool link_socket::readable() {
-  if (ahead_begin_ < ahead_end_)
-    return true;
-  auto n = recv(fd_, ahead_.data(), ahead_.size(), MSG_DONTWAIT);
-  if (n > 0) {
+link_socket::came link_socket::take_in() {
+  auto have = ahead_end_ - ahead_begin_;
+  if (ahead_begin_ > 0) {
+    std::memmove(ahead_.data(), ahead_.data() + ahead_begin_, have);
     ahead_begin_ = 0;
-    ahead_end_ = static_cast<size_t>(n);
-    return true;
+    ahead_end_ = have;
   }
-  // The end of the stream, or an error: the next read reports it.
-  return n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+  if (ahead_end_ == ahead_.size())
+    return came::nothing;
+  auto n = recv(fd_, ahead_.data() + ahead_end_, ahead_.size() - ahead_end_, MSG_DONTWAIT);
+  if (n > 0) {
+    ahead_end_ += static_cast<size_t>(n);
+    return came::bytes;
+  }
+  return n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) ? came::end
+                                                                               : came::nothing;
+}
+
+bool link_socket::readable() {
+  // The end of the stream, or an error, is readable too: the next read reports it.
+  return ahead_begin_ < ahead_end_ || take_in() != came::nothing;
 }
 
 bool link_socket::whole_frame() {
   auto have = [this] { return ahead_end_ - ahead_begin_; };
   auto length = [this] { return get_le<uint32_t>(ahead_.data() + ahead_begin_); };
-  if (have() < header_size || have() < header_size + length()) {
-    // What came, after what is read ahead, without waiting.
-    if (ahead_begin_ > 0) {
-      std::memmove(ahead_.data(), ahead_.data() + ahead_begin_, have());
-      ahead_end_ -= ahead_begin_;
-      ahead_begin_ = 0;
-    }
-    if (ahead_end_ < ahead_.size()) {
-      auto n = recv(fd_, ahead_.data() + ahead_end_, ahead_.size() - ahead_end_, MSG_DONTWAIT);
-      if (n > 0)
-        ahead_end_ += static_cast<size_t>(n);
-      else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
-        return true; // the end of the stream, or an error: `read` reports it
-    }
-  }
+  if ((have() < header_size || have() < header_size + length()) && take_in() == came::end)
+    return true; // `read` reports it
   if (have() < header_size)
     return false;
   // A length above the bound is read at once, to be refused.
@@ -768,23 +765,19 @@ void link_server::run() {
   link_socket::frame f;
   std::string why;
   // The hello: the lease's token (64 hex digits), within the connection timeout.
+  auto refuse = [&](const std::string& reason) {
+    log_->warn("refused a link from {}: {}", peer_, reason);
+    socket_->shut();
+    done_ = true;
+  };
   socket_->bound(64);
   auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(timeout_);
   if (!socket_->wait(limit, [] { return false; }, -1, true) || !socket_->read(f, why) ||
-      f.type != link_socket::hello) {
-    log_->warn("refused a link from {}: {}", peer_,
-               why.empty() ? "no hello in time" : why);
-    socket_->shut();
-    done_ = true;
-    return;
-  }
+      f.type != link_socket::hello)
+    return refuse(why.empty() ? "no hello in time" : why);
   token_.assign(f.payload.begin(), f.payload.end());
-  if (!find_(token_, 0).holds) {
-    log_->warn("refused a link from {}: not the token of the lease", peer_);
-    socket_->shut();
-    done_ = true;
-    return;
-  }
+  if (!find_(token_, 0).holds)
+    return refuse("not the token of the lease");
   socket_->bound(max_payload_);
   socket_->write(link_socket::hello, 0, 0, {});
   opened_ = true;

@@ -120,6 +120,10 @@ public:
   bool whole_frame();
 
 private:
+  enum class came { nothing, bytes, end };
+  /// Reads what came after what is read ahead, without waiting: bytes, nothing yet, or the
+  /// end of the stream (or an error, which the next read reports).
+  came take_in();
   bool block(int timeout_ms, int also);
   bool fill(char* data, size_t size, std::string& why);
 
