@@ -12,9 +12,11 @@
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -396,32 +398,128 @@ TEST_CASE("chat completions of SmolLM2 through the server are troupe generate's"
   }
 }
 
+namespace {
+
+/// A model worker whose steps wait while the gate is shut: requests that hold a place in
+/// the engine for as long as a test needs. A step waits at most 30 s, so a failing test
+/// ends.
+class gated_model_worker : public model_worker {
+public:
+  struct gate {
+    std::mutex mtx;
+    std::condition_variable cv;
+    bool shut = false;
+
+    void set(bool s) {
+      {
+        std::lock_guard<std::mutex> lk{mtx};
+        shut = s;
+      }
+      cv.notify_all();
+    }
+  };
+
+  gated_model_worker(model_worker_options options, std::shared_ptr<gate> g)
+    : model_worker(std::move(options)), gate_(std::move(g)) {}
+
+  std::vector<sampler_output> execute_model(const execute_model_request& request) override {
+    {
+      std::unique_lock<std::mutex> lk{gate_->mtx};
+      gate_->cv.wait_for(lk, 30s, [&] { return !gate_->shut; });
+    }
+    return model_worker::execute_model(request);
+  }
+
+private:
+  std::shared_ptr<gate> gate_;
+};
+
+/// A streamed completion sent over HTTP/1.0 (the body ends with the connection) on a socket
+/// of its own, so that the test sees when the server took it: at its status line.
+class raw_stream {
+public:
+  raw_stream(uint16_t port, const json& body) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    REQUIRE(fd_ >= 0);
+    sockaddr_in at{};
+    at.sin_family = AF_INET;
+    at.sin_port = htons(port);
+    at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(connect(fd_, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+    timeval wait{10, 0};
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
+    auto data = body.dump();
+    auto request = "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                   "Content-Length: " +
+                   std::to_string(data.size()) + "\r\n\r\n" + data;
+    REQUIRE(send(fd_, request.data(), request.size(), 0) == static_cast<ssize_t>(request.size()));
+  }
+  ~raw_stream() {
+    close(fd_);
+  }
+  raw_stream(const raw_stream&) = delete;
+  raw_stream& operator=(const raw_stream&) = delete;
+
+  /// The status line, once the server wrote it (empty when it did not within 10 s).
+  std::string status_line() {
+    while (got_.find("\r\n") == std::string::npos && take()) {
+    }
+    return got_.substr(0, got_.find("\r\n"));
+  }
+
+  /// The body, once the server closed the connection.
+  std::string body() {
+    while (take()) {
+    }
+    auto end = got_.find("\r\n\r\n");
+    return end == std::string::npos ? std::string{} : got_.substr(end + 4);
+  }
+
+private:
+  bool take() {
+    char buf[4096];
+    auto n = recv(fd_, buf, sizeof buf, 0);
+    if (n <= 0)
+      return false;
+    got_.append(buf, static_cast<size_t>(n));
+    return true;
+  }
+
+  int fd_ = -1;
+  std::string got_;
+};
+
+} // namespace
+
 TEST_CASE("beyond the running and waiting bounds a request gets 429, and nothing is lost") {
-  llm model{tiny(2)};
+  // The workers' steps wait while the gate is shut, so the three requests stay in the
+  // engine until the fourth has its answer, however slowly this machine runs.
+  auto cfg = tiny(2);
+  auto gate = std::make_shared<gated_model_worker::gate>();
+  llm model{cfg, [&](int32_t) {
+              return std::make_unique<gated_model_worker>(cfg.worker, gate);
+            }};
   auto sc = on_any_port();
   sc.max_waiting_requests = 1; // 2 running + 1 waiting
   server s{model, sc};
-  json slow = {{"prompt", {1, 2, 3}}, {"max_tokens", 500}, {"temperature", 0},
+  json held = {{"prompt", {1, 2, 3}}, {"max_tokens", 20}, {"temperature", 0},
                {"ignore_eos", true}, {"stream", true}};
-  std::vector<std::thread> held;
-  std::vector<std::vector<int32_t>> got(3);
-  for (int c = 0; c < 3; ++c)
-    held.emplace_back([&, c] { got[c] = streamed(events(post(s, "/v1/completions", slow).body)).first; });
-  // Once all three are in the engine, a fourth is refused at once.
-  std::string text;
-  for (int i = 0; i < 400; ++i) {
-    text = curl(url(s, "/metrics")).body;
-    if (metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting") == 3)
-      break;
-    std::this_thread::sleep_for(5ms);
+  gate->set(true);
+  std::vector<std::unique_ptr<raw_stream>> streams;
+  for (int c = 0; c < 3; ++c) {
+    streams.push_back(std::make_unique<raw_stream>(s.port(), held));
+    // The status line comes once the server has counted the request.
+    REQUIRE(streams.back()->status_line().find(" 200 ") != std::string::npos);
   }
   auto refused = post(s, "/v1/completions", {{"prompt", {1, 2}}, {"max_tokens", 2}});
+  gate->set(false);
   CHECK(refused.status == 429);
   CHECK(json::parse(refused.body)["error"]["type"] == "rate_limit_error");
-  for (auto& t : held)
-    t.join();
-  for (auto& ids : got)
-    CHECK(ids.size() == 500);
+  for (auto& st : streams) {
+    auto [ids, reason] = streamed(events(st->body()));
+    CHECK(ids.size() == 20);
+    CHECK(reason == "length");
+  }
   // Room again.
   CHECK(post(s, "/v1/completions", {{"prompt", {1, 2}}, {"max_tokens", 2}}).status == 200);
 }
