@@ -10,9 +10,12 @@
 #include <openssl/ssl.h>
 
 #include <arpa/inet.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
 #include <array>
 #include <cerrno>
+#include <cstddef>
 #include <fcntl.h>
 #include <cstring>
 #include <list>
@@ -46,6 +49,7 @@ struct relay_settings {
 
 struct relay_base {
   virtual ~relay_base() = default;
+  virtual void start() = 0;
   virtual void close() = 0;
   /// Whether the peer proved itself (and the connection goes on to the middleman).
   bool proved = false;
@@ -68,7 +72,7 @@ public:
 
   /// Starts the connection: the TLS handshake or the connection handshake, within the
   /// deadline, then the relay.
-  void start() {
+  void start() override {
     auto self = this->shared_from_this();
     deadline_.expires_after(settings_->options.handshake_timeout);
     deadline_.async_wait([self](const boost::system::error_code& ec) {
@@ -130,20 +134,27 @@ private:
     });
   }
 
+  static constexpr bool is_local = std::is_same_v<Stream, local_socket>;
+
   void judge() {
     auto& secret = settings_->options.secret;
-    // " ": a connection for BASP; "+": a call link, with a proof of its own.
+    // " ": a connection for BASP; "+": a call link, with a proof of its own. The local
+    // socket takes links only.
     bool link = line_[64] == '+' && settings_->link;
+    bool basp_here = line_[64] == ' ' && is_local;
     bool well_formed = (line_[64] == ' ' || link) && line_.back() == '\n';
     auto peer_challenge = line_.substr(0, 64);
     auto proof = line_.substr(65, 64);
     auto expected = link ? link_proof(secret, challenge_, peer_challenge)
                          : peer_proof(secret, challenge_, peer_challenge);
     auto self = this->shared_from_this();
-    if (!well_formed || !same_proof(proof, expected)) {
-      settings_->log->warn("refused {}: {}", peer_, well_formed ? "wrong secret"
-                                                                : "not a troupe handshake");
-      line_ = "no wrong secret\n";
+    if (basp_here || !well_formed || !same_proof(proof, expected)) {
+      settings_->log->warn("refused {}: {}", peer_,
+                           basp_here     ? "BASP on the socket for call links"
+                           : well_formed ? "wrong secret"
+                                         : "not a troupe handshake");
+      line_ = basp_here ? "no only call links here: BASP goes to the node's TCP port\n"
+                        : "no wrong secret\n";
       asio::async_write(client_, asio::buffer(line_),
                         [self](const boost::system::error_code&, size_t) { self->close(); });
       return;
@@ -164,7 +175,7 @@ private:
   void hand_over() {
     deadline_.cancel();
     proved = true;
-    if constexpr (std::is_same_v<Stream, tcp::socket>) {
+    if constexpr (!std::is_same_v<Stream, tls_stream>) {
       int fd = ::fcntl(client_.native_handle(), F_DUPFD_CLOEXEC, 0);
       if (fd < 0)
         settings_->log->error("link from {}: cannot take its socket: {}", peer_,
@@ -290,7 +301,9 @@ bool out_of_descriptors(const boost::system::error_code& ec) {
 struct frame_gateway::impl {
   asio::io_context io;
   tcp::acceptor acceptor{io};
-  asio::steady_timer backoff{io};
+  /// Call links from this host (`frame_gateway::local_address`); closed when there is none.
+  asio::local::stream_protocol::acceptor local_acceptor{io};
+  std::string local_address;
   std::unique_ptr<asio::ssl::context> tls;
   std::shared_ptr<const relay_settings> settings;
   /// The relays alive, oldest first, to close at stop and to find the oldest still proving
@@ -312,27 +325,49 @@ struct frame_gateway::impl {
     }
   }
 
-  void accept() {
-    acceptor.async_accept([this](const boost::system::error_code& ec, tcp::socket socket) {
-      if (!acceptor.is_open())
+  /// Accepts on `from` (the TCP or the local acceptor) for good, handing each connection to
+  /// `start_relay`.
+  template <class Acceptor>
+  void accept(Acceptor& from) {
+    from.async_accept([this, &from](const boost::system::error_code& ec,
+                                    typename Acceptor::protocol_type::socket socket) {
+      if (!from.is_open())
         return;
       if (ec) {
         if (out_of_descriptors(ec)) {
           // Retrying at once would spin: the error stays until a descriptor is freed.
           settings->log->warn("cannot accept a connection: {}; pausing {} ms", ec.message(),
                              accept_backoff.count());
-          backoff.expires_after(accept_backoff);
-          backoff.async_wait([this](const boost::system::error_code& e) {
-            if (!e)
-              accept();
+          auto timer = std::make_shared<asio::steady_timer>(io, accept_backoff);
+          timer->async_wait([this, &from, timer](const boost::system::error_code& e) {
+            if (!e && from.is_open())
+              accept(from);
           });
           return;
         }
-        return accept();
+        return accept(from);
       }
       start_relay(std::move(socket));
-      accept();
+      accept(from);
     });
+  }
+
+  /// A call link from this host: no TLS, and only the link's handshake.
+  void start_relay(local_socket socket) {
+    ucred cred{};
+    socklen_t size = sizeof cred;
+    auto peer = getsockopt(socket.native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &size) == 0
+                  ? "process " + std::to_string(cred.pid) + " on this host"
+                  : std::string{"a process on this host"};
+    settings->log->info("connection from {}", peer);
+    start(std::make_shared<relay<local_socket>>(std::move(socket), std::move(peer), settings));
+  }
+
+  void start(std::shared_ptr<relay_base> r) {
+    relays.remove_if([](const std::weak_ptr<relay_base>& w) { return w.expired(); });
+    make_room();
+    r->start();
+    relays.push_back(std::move(r));
   }
 
   void start_relay(tcp::socket socket) {
@@ -342,20 +377,39 @@ struct frame_gateway::impl {
                    : from.address().to_string() + ":" + std::to_string(from.port());
     socket.set_option(tcp::no_delay(true), ec);
     settings->log->info("connection from {}", peer);
-    relays.remove_if([](const std::weak_ptr<relay_base>& r) { return r.expired(); });
-    make_room();
-    std::shared_ptr<relay_base> r;
-    if (tls) {
-      auto t = std::make_shared<relay<tls_stream>>(tls_stream{std::move(socket), *tls},
-                                                   std::move(peer), settings);
-      t->start();
-      r = t;
-    } else {
-      auto p = std::make_shared<relay<tcp::socket>>(std::move(socket), std::move(peer), settings);
-      p->start();
-      r = p;
+    if (tls)
+      start(std::make_shared<relay<tls_stream>>(tls_stream{std::move(socket), *tls},
+                                                std::move(peer), settings));
+    else
+      start(std::make_shared<relay<tcp::socket>>(std::move(socket), std::move(peer), settings));
+  }
+
+  /// Listens for call links from this host on a fresh name in the abstract Unix namespace
+  /// (nothing on disk to clean up; a process in another network namespace cannot reach it).
+  /// Without it, links from this host come over TCP as others do.
+  void listen_locally() {
+    auto name = "troupe-node-" + random_challenge().substr(0, 24);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path + 1, name.data(), name.size()); // sun_path[0] == 0: abstract
+    auto size = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    boost::system::error_code ec;
+    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), size) != 0 ||
+        ::listen(fd, SOMAXCONN) != 0) {
+      settings->log->warn("no local socket for call links ({}): links from this host come "
+                          "over TCP",
+                          std::strerror(errno));
+      if (fd >= 0)
+        ::close(fd);
+      return;
     }
-    relays.push_back(r);
+    local_acceptor.assign(asio::local::stream_protocol{}, fd, ec);
+    if (ec) {
+      ::close(fd);
+      return;
+    }
+    local_address = "@" + name;
   }
 
   /// Keeps fewer than max_pending connections proving themselves: a flood of peers that
@@ -430,12 +484,20 @@ frame_gateway::frame_gateway(gateway_options options, connect_fn connect, link_f
   } catch (const boost::system::system_error& e) {
     throw error{errc::worker_error, "node: cannot resolve '" + host + "': " + e.what()};
   }
-  d.accept();
+  if (!tls && d.settings->link)
+    d.listen_locally();
+  d.accept(d.acceptor);
+  if (d.local_acceptor.is_open())
+    d.accept(d.local_acceptor);
   d.thread = std::thread{[&d] { d.run(); }};
 }
 
 frame_gateway::~frame_gateway() {
   stop();
+}
+
+const std::string& frame_gateway::local_address() const {
+  return impl_->local_address;
 }
 
 uint16_t frame_gateway::port() const {
@@ -451,7 +513,7 @@ void frame_gateway::stop() {
   asio::post(d.io, [&d] {
     boost::system::error_code ec;
     d.acceptor.close(ec);
-    d.backoff.cancel();
+    d.local_acceptor.close(ec);
     for (auto& weak : d.relays)
       if (auto r = weak.lock())
         r->close();

@@ -41,7 +41,8 @@ struct gateway_options {
   timeout_type linger{0};
 };
 
-/// The only listening socket of a node. It accepts TCP connections, ends TLS or checks the
+/// The listening sockets of a node: its TCP port and, for call links from this host, a
+/// local socket (`local_address`). It accepts TCP connections, ends TLS or checks the
 /// connection handshake, hands a call link that proved the secret to `link`, and relays each other
 /// connection that proved itself to the node's middleman over a private socket pair (`connect`
 /// hands the middleman one end and returns the other): nothing reaches CAF, not even a BASP
@@ -72,6 +73,11 @@ public:
   frame_gateway& operator=(const frame_gateway&) = delete;
 
   uint16_t port() const;
+
+  /// Where processes on this host open call links, skipping TCP: "@name", a name in the
+  /// abstract Unix namespace; empty without links, under TLS, or when it could not be made.
+  /// That socket takes call links only, which prove the secret as they do over TCP.
+  const std::string& local_address() const;
 
   /// Stops accepting and closes every relayed connection; idempotent.
   void stop();

@@ -82,20 +82,23 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
   }
   node_grant grant;
   std::string token;
+  std::string local_address;
   self
     ->request(gate, left(), lease_atom::value, cfg.node_worker_kind, cfg.node_worker_options,
               count, holder)
     .receive(
-      [&](std::vector<caf::actor>& ws, std::string& t) {
+      [&](std::vector<caf::actor>& ws, std::string& t, std::string& local) {
         grant.workers = std::move(ws);
         token = std::move(t);
+        local_address = std::move(local);
       },
       fail);
   checked();
   if (cfg.node_links && cfg.tls_certificate.empty()) {
     try {
-      grant.link = node_link::open(n.host, n.port, cfg.node_secret, token, cfg.network_linger,
-                                   cfg.node_timeout, deadline);
+      grant.link = node_link::open(n.host, n.port, cfg.node_local_links ? local_address : "",
+                                   cfg.node_secret, token, cfg.network_linger, cfg.node_timeout,
+                                   deadline);
     } catch (const error& e) {
       // The workers are leased and BASP reaches them: the calls go that way.
       get_logger("troupe.executor")

@@ -107,6 +107,18 @@ struct node_lease {
     return token_;
   }
 
+  /// Where call links from this host connect (`frame_gateway::local_address`); empty until
+  /// the gateway listens, or when it has no local socket.
+  void set_local_address(std::string address) {
+    std::lock_guard<std::mutex> guard{mtx_};
+    local_address_ = std::move(address);
+  }
+
+  std::string local_address() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    return local_address_;
+  }
+
   /// Whether `token` is the lease's, and if so the leased worker with actor id `id`.
   link_server::lookup find(const std::string& token, uint64_t id) {
     std::lock_guard<std::mutex> guard{mtx_};
@@ -153,6 +165,7 @@ private:
   std::vector<int32_t> slots_;
   /// What the holder's call links present; empty while nobody holds the lease.
   std::string token_;
+  std::string local_address_;
 };
 
 /// The node's only published actor: authenticates executors and leases workers to one.
@@ -259,7 +272,7 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
       return caf::ok_atom::value;
     },
     [=](lease_atom, const std::string& kind, const caf::settings& options, int32_t count,
-        caf::actor holder) -> caf::result<std::vector<caf::actor>, std::string> {
+        caf::actor holder) -> caf::result<std::vector<caf::actor>, std::string, std::string> {
       auto& st = self->state;
       auto& sender = self->current_sender();
       // Without a secret the node runs TLS only: its peers proved their certificates.
@@ -306,7 +319,7 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
         self->monitor(holder);
       }
       st.log->info("leased {} '{}' worker(s) to {}", count, kind, to_string(sender->node()));
-      return {std::move(leased), st.lease->token()};
+      return {std::move(leased), st.lease->token(), st.lease->local_address()};
     },
   };
 }
@@ -440,7 +453,11 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   // on whatever thread stops the node, would wait for it.
   caf::logger::set_current_actor_system(nullptr);
   d.port = d.gateway->port();
-  d.log->info("node listening on {}:{}{}", host, d.port, tls ? " (mutual TLS)" : "");
+  d.lease->set_local_address(d.gateway->local_address());
+  d.log->info("node listening on {}:{}{}{}", host, d.port, tls ? " (mutual TLS)" : "",
+              d.gateway->local_address().empty()
+                ? ""
+                : ", call links from this host at " + d.gateway->local_address());
 }
 
 node::~node() {
@@ -454,6 +471,10 @@ node::~node() {
 
 uint16_t node::port() const {
   return impl_->port;
+}
+
+std::string node::local_address() const {
+  return impl_->lease->local_address();
 }
 
 int32_t node::leased_workers() const {

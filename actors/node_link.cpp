@@ -240,11 +240,23 @@ node_link::node_link(std::unique_ptr<link_socket> socket, std::string name)
 }
 
 std::shared_ptr<node_link> node_link::open(const std::string& host, uint16_t port,
+                                           const std::string& local_address,
                                            const std::string& secret, const std::string& token,
                                            timeout_type linger, timeout_type stall,
                                            std::chrono::steady_clock::time_point deadline) {
-  auto fd = dial_node(host, port, secret, deadline, true);
   auto name = "node " + host + ":" + std::to_string(port);
+  int fd = -1;
+  if (!local_address.empty()) {
+    try {
+      fd = dial_local_link(local_address, secret, deadline);
+    } catch (const error& e) {
+      // Another host, or another network namespace: over TCP, as from anywhere else.
+      get_logger("troupe.executor")
+        ->debug("{}: no call link at {} ({}); over TCP", name, local_address, e.what());
+    }
+  }
+  if (fd < 0)
+    fd = dial_node(host, port, secret, deadline, true);
   // Replies are bounded by the node's own bound on what it reads, which it proved to know
   // the secret to set; this one only keeps a length from being absurd.
   auto socket = std::make_unique<link_socket>(fd, linger, uint64_t{1} << 32, stall);

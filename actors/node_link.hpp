@@ -148,11 +148,14 @@ std::vector<char> serialize_message(caf::actor_system& sys, const caf::message& 
 /// to its request's sender.
 class node_link {
 public:
-  /// Dials the node at `host`:`port`, proves `secret`, presents `token` and has the node
-  /// accept it, all before `deadline`; its reader polls for `linger` before it sleeps, and
-  /// a frame or write stalled for `stall` breaks the link. Throws `troupe::error` (as
-  /// `dial_node`; `invalid_argument` when the node refuses the token).
+  /// Dials the node at `host`:`port` (first at `local_address`, its local socket, when
+  /// that is given and reachable: the node is on this host), proves `secret`, presents
+  /// `token` and has the node accept it, all before `deadline`; its reader polls for
+  /// `linger` before it sleeps, and a frame or write stalled for `stall` breaks the link.
+  /// Throws `troupe::error` (as `dial_node`; `invalid_argument` when the node refuses the
+  /// token).
   static std::shared_ptr<node_link> open(const std::string& host, uint16_t port,
+                                         const std::string& local_address,
                                          const std::string& secret, const std::string& token,
                                          timeout_type linger, timeout_type stall,
                                          std::chrono::steady_clock::time_point deadline);

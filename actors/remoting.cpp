@@ -10,6 +10,7 @@
 #include <caf/timespan.hpp>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <filesystem>
 
@@ -18,6 +19,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 namespace troupe {
@@ -173,38 +175,15 @@ bool wait_for(int fd, short events, std::chrono::steady_clock::time_point deadli
   }
 }
 
-} // namespace
-
-int dial_node(const std::string& host, uint16_t port, const std::string& secret,
-              std::chrono::steady_clock::time_point deadline, bool link) {
-  auto where = "node " + host + ":" + std::to_string(port);
+/// Goes through the node's connection handshake on `fd`, a connected non-blocking socket,
+/// before `deadline`; closes `fd` and throws as `dial_node` when it fails.
+void prove_connection(int fd, const std::string& where, const std::string& secret,
+                      std::chrono::steady_clock::time_point deadline, bool link) {
   auto late = [&] { return error{errc::worker_died, "cannot reach " + where + ": no answer in time"}; };
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found)
-    throw error{errc::worker_died, "cannot reach " + where + ": the host does not resolve"};
-  int fd = socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    freeaddrinfo(found);
-    throw error{errc::worker_died, "cannot reach " + where + ": " + std::strerror(errno)};
-  }
   auto fail = [&](error e) {
     close(fd);
     throw std::move(e);
   };
-  int connected = connect(fd, found->ai_addr, found->ai_addrlen);
-  freeaddrinfo(found);
-  int err = connected == 0 ? 0 : errno;
-  if (err == EINPROGRESS) {
-    if (!wait_for(fd, POLLOUT, deadline))
-      fail(late());
-    socklen_t len = sizeof err;
-    getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-  }
-  if (err != 0)
-    fail(error{errc::worker_died, "cannot reach " + where + ": " + std::strerror(err)});
   // Reads exactly `size` bytes, or up to a newline when `line`.
   auto read_some = [&](size_t size, bool line) {
     std::string got;
@@ -257,8 +236,73 @@ int dial_node(const std::string& host, uint16_t port, const std::string& secret,
     fail(error{errc::invalid_argument,
                where + " did not prove the secret: it is not the node meant, or its secret "
                        "differs"});
+}
+
+/// Connects `fd` to `addr`, waiting until `deadline`; closes `fd` and throws `worker_died`
+/// naming `where` when it cannot.
+void connect_before(int fd, const sockaddr* addr, socklen_t size, const std::string& where,
+                    std::chrono::steady_clock::time_point deadline) {
+  int connected = connect(fd, addr, size);
+  int err = connected == 0 ? 0 : errno;
+  if (err == EINPROGRESS) {
+    if (!wait_for(fd, POLLOUT, deadline)) {
+      close(fd);
+      throw error{errc::worker_died, "cannot reach " + where + ": no answer in time"};
+    }
+    socklen_t len = sizeof err;
+    getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+  }
+  if (err != 0) {
+    close(fd);
+    throw error{errc::worker_died, "cannot reach " + where + ": " + std::strerror(err)};
+  }
+}
+
+} // namespace
+
+int dial_node(const std::string& host, uint16_t port, const std::string& secret,
+              std::chrono::steady_clock::time_point deadline, bool link) {
+  auto where = "node " + host + ":" + std::to_string(port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found)
+    throw error{errc::worker_died, "cannot reach " + where + ": the host does not resolve"};
+  int fd = socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    freeaddrinfo(found);
+    throw error{errc::worker_died, "cannot reach " + where + ": " + std::strerror(errno)};
+  }
+  try {
+    connect_before(fd, found->ai_addr, found->ai_addrlen, where, deadline);
+  } catch (...) {
+    freeaddrinfo(found);
+    throw;
+  }
+  freeaddrinfo(found);
+  prove_connection(fd, where, secret, deadline, link);
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  return fd;
+}
+
+int dial_local_link(const std::string& address, const std::string& secret,
+                    std::chrono::steady_clock::time_point deadline) {
+  auto where = "the node at " + address;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  // "@name": the abstract namespace, whose names start with a zero byte and are not
+  // terminated.
+  if (address.size() < 2 || address[0] != '@' || address.size() > sizeof addr.sun_path)
+    throw error{errc::invalid_argument, "not a local link address: '" + address + "'"};
+  std::memcpy(addr.sun_path + 1, address.data() + 1, address.size() - 1);
+  auto size = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address.size());
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    throw error{errc::worker_died, "cannot reach " + where + ": " + std::strerror(errno)};
+  connect_before(fd, reinterpret_cast<sockaddr*>(&addr), size, where, deadline);
+  prove_connection(fd, where, secret, deadline, true);
   return fd;
 }
 

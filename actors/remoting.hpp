@@ -46,6 +46,13 @@ std::string why_connection_lost(const std::string& host, uint16_t port, bool tls
 int dial_node(const std::string& host, uint16_t port, const std::string& secret,
               std::chrono::steady_clock::time_point deadline, bool link = false);
 
+/// Connects to a node's call-link socket on this host, `address` ("@name", a name in the
+/// abstract Unix namespace that the node gave with its lease), and goes through the same
+/// handshake as `dial_node` with `link`. Throws as `dial_node`; `worker_died` when nothing
+/// listens at `address` (the node is on another host, or in another network namespace).
+int dial_local_link(const std::string& address, const std::string& secret,
+                    std::chrono::steady_clock::time_point deadline);
+
 /// Loads caf-openssl with the certificate, key and CA (the middleman must be loaded).
 void configure_tls(caf::actor_system_config& cfg, const std::string& certificate,
                    const std::string& key, const std::string& ca);

@@ -66,6 +66,10 @@ void add_node_options(CLI::App& app, node_options& o) {
                  "connections of their own (call links) rather than over BASP; nodes under "
                  "TLS have none")
     ->capture_default_str();
+  app.add_option("--node-local-links", o.node_local_links,
+                 "Whether the call link to a node on this host goes over its local (Unix) "
+                 "socket rather than TCP")
+    ->capture_default_str();
 }
 
 std::string read_text_file(const std::string& flag, const std::string& path) {
@@ -128,6 +132,7 @@ void apply_node_options(const node_options& o, executor_config& cfg) {
   cfg.node_timeout = std::chrono::milliseconds(o.timeout_ms);
   cfg.network_linger = std::chrono::microseconds(o.network_linger_us);
   cfg.node_links = o.node_links;
+  cfg.node_local_links = o.node_local_links;
 }
 
 std::shared_ptr<command> add_node(CLI::App& app) {

@@ -72,6 +72,7 @@ struct node_options {
   int timeout_ms = 3000;
   int64_t network_linger_us = executor_config{}.network_linger.count();
   bool node_links = executor_config{}.node_links;
+  bool node_local_links = executor_config{}.node_local_links;
 };
 
 /// Adds --nodes, --spare-nodes, --secret-file, --tls-cert/--tls-key/--tls-ca,

@@ -41,6 +41,7 @@
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 
 using namespace troupe;
 using namespace std::chrono_literals;
@@ -522,6 +523,32 @@ std::vector<int> connections_to(uint16_t port) {
   return fds;
 }
 
+/// The descriptors of this process's connected Unix sockets at `address` ("@name"), the
+/// ends that its listener accepted, oldest first (by descriptor): read from /proc.
+std::vector<int> accepted_at(const std::string& address) {
+  std::set<std::string> inodes;
+  std::ifstream unix_sockets{"/proc/net/unix"};
+  std::string line;
+  std::getline(unix_sockets, line); // the header
+  while (std::getline(unix_sockets, line)) {
+    std::istringstream fields{line};
+    std::string slot, refs, protocol, flags, type, state, inode, path;
+    fields >> slot >> refs >> protocol >> flags >> type >> state >> inode >> path;
+    if (path == address && state == "03") // connected; the listener is "01"
+      inodes.insert(inode);
+  }
+  std::vector<int> fds;
+  for (auto& entry : std::filesystem::directory_iterator{"/proc/self/fd"}) {
+    std::error_code ec;
+    auto target = std::filesystem::read_symlink(entry.path(), ec).string();
+    if (!ec && target.rfind("socket:[", 0) == 0 &&
+        inodes.count(target.substr(8, target.size() - 9)) > 0)
+      fds.push_back(std::stoi(entry.path().filename().string()));
+  }
+  std::sort(fds.begin(), fds.end());
+  return fds;
+}
+
 /// Whether `holds()` becomes true within 5 s.
 template <class Holds>
 bool eventually(Holds holds) {
@@ -557,6 +584,37 @@ TEST_CASE("calls go to a node's workers over a call link, and give the answers t
   REQUIRE(answers[true].size() == answers[false].size());
   for (size_t i = 0; i < answers[true].size(); ++i)
     CHECK(answers[true][i] == answers[false][i]);
+}
+
+TEST_CASE("the call link to a node on this host goes over its local socket, and over TCP "
+          "when that is off or out of reach") {
+  node n{in_process_node()};
+  REQUIRE(n.local_address().rfind("@troupe-node-", 0) == 0);
+  for (bool local : {true, false}) {
+    CAPTURE(local);
+    auto cfg = mixed_config(0, {{"127.0.0.1", n.port(), 2}});
+    cfg.node_local_links = local;
+    auto exec = lease_again_with(cfg, 10);
+    REQUIRE(eventually([&] { return n.call_links() == 1; }));
+    // BASP's connection, and the link's either beside it on TCP or on the local socket.
+    CHECK(connections_to(n.port()).size() == (local ? 1u : 2u));
+    CHECK(accepted_at(n.local_address()).size() == (local ? 1u : 0u));
+    auto linked = n.linked_requests();
+    CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+    CHECK(n.linked_requests() == linked + 2);
+  }
+  // A local address that nothing answers (a node on another host, or in another network
+  // namespace): the link is dialled over TCP, where the node refuses this one's token.
+  std::ostringstream logged;
+  auto log = troupe::get_logger("troupe.node");
+  log->sinks().push_back(std::make_shared<spdlog::sinks::ostream_sink_mt>(logged));
+  CHECK(code_of([&] {
+          node_link::open("127.0.0.1", n.port(), "@troupe-node-nobody-here", secret,
+                          std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
+        }) == errc::invalid_argument);
+  log->sinks().pop_back();
+  INFO(logged.str());
+  CHECK(logged.str().find("refused a link from 127.0.0.1:") != std::string::npos);
 }
 
 TEST_CASE("a node's workers read their requests from the call link while they linger") {
@@ -597,32 +655,38 @@ TEST_CASE("a node's workers read their requests from the call link while they li
 TEST_CASE("a call link that breaks under a call fails it naming the link, and later calls go "
           "over BASP") {
   node n{in_process_node()};
-  auto exec = lease_again_with(mixed_config(0, {{"127.0.0.1", n.port(), 2}}), 10);
-  REQUIRE(eventually([&] { return n.call_links() == 1; }));
-  // The executor's connections to the node: BASP's, then the link's, opened after the lease.
-  auto fds = connections_to(n.port());
-  REQUIRE(fds.size() == 2);
-  rpc_call_options slow;
-  slow.args = caf::make_message(int32_t{500});
-  auto call = exec->collective_rpc_async("sleep_ms", slow);
-  std::this_thread::sleep_for(100ms);
-  ::shutdown(fds.back(), SHUT_RDWR);
-  REQUIRE(call.wait_for(10s) == std::future_status::ready);
-  try {
-    call.get();
-    FAIL("the call survived its link");
-  } catch (const error& e) {
-    CHECK(e.code() == errc::worker_died);
-    CHECK_MESSAGE(std::string{e.what()}.find("its call link to node 127.0.0.1:" +
-                                             std::to_string(n.port()) + " closed") !=
-                    std::string::npos,
-                  e.what());
+  for (bool local : {false, true}) {
+    CAPTURE(local);
+    auto cfg = mixed_config(0, {{"127.0.0.1", n.port(), 2}});
+    cfg.node_local_links = local;
+    auto exec = lease_again_with(cfg, 10);
+    REQUIRE(eventually([&] { return n.call_links() == 1; }));
+    // Over TCP, the executor's end: its connections to the node are BASP's, then the
+    // link's, opened after the lease. On the local socket, the node's end.
+    auto fds = local ? accepted_at(n.local_address()) : connections_to(n.port());
+    REQUIRE(fds.size() == (local ? 1u : 2u));
+    rpc_call_options slow;
+    slow.args = caf::make_message(int32_t{500});
+    auto call = exec->collective_rpc_async("sleep_ms", slow);
+    std::this_thread::sleep_for(100ms);
+    ::shutdown(fds.back(), SHUT_RDWR);
+    REQUIRE(call.wait_for(10s) == std::future_status::ready);
+    try {
+      call.get();
+      FAIL("the call survived its link");
+    } catch (const error& e) {
+      CHECK(e.code() == errc::worker_died);
+      CHECK_MESSAGE(std::string{e.what()}.find("its call link to node 127.0.0.1:" +
+                                               std::to_string(n.port()) + " closed") !=
+                      std::string::npos,
+                    e.what());
+    }
+    // The workers live, and what follows reaches them over BASP.
+    auto linked = n.linked_requests();
+    CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+    CHECK(n.linked_requests() == linked);
+    CHECK(n.leased_workers() == 2);
   }
-  // The workers live, and what follows reaches them over BASP.
-  auto linked = n.linked_requests();
-  CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
-  CHECK(n.linked_requests() == linked);
-  CHECK(n.leased_workers() == 2);
 }
 
 TEST_CASE("a request for a node's worker is read while another, which read the link, is "
@@ -707,7 +771,7 @@ TEST_CASE("a call link without the secret or the lease's token reaches no worker
     CHECK_FALSE(link.read(f, why));
   }
   CHECK(code_of([&] {
-          node_link::open("127.0.0.1", n.port(), secret, std::string(64, '0'), 0us, 5s,
+          node_link::open("127.0.0.1", n.port(), "", secret, std::string(64, '0'), 0us, 5s,
                           clock_type::now() + 5s);
         }) == errc::invalid_argument);
   CHECK(steps() == std::vector<int64_t>{0, 0});
@@ -730,6 +794,48 @@ TEST_CASE("a call link without the secret or the lease's token reaches no worker
   CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
   legit->execute_model(one_step(1));
   CHECK(steps() == std::vector<int64_t>{1, 1});
+}
+
+TEST_CASE("a node's local socket takes only call links that prove the secret and present "
+          "the lease's token") {
+  node n{in_process_node()};
+  auto legit = lease_again(n.port(), 2, 10);
+  // A wrong secret is refused at the handshake.
+  CHECK(code_of([&] {
+          close(dial_local_link(n.local_address(), "a guess long enough to be tried",
+                                clock_type::now() + 5s));
+        }) == errc::invalid_argument);
+  // A BASP connection's proof, even with the secret, is refused: that socket takes links
+  // only, and BASP goes through the TCP port.
+  {
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    auto name = n.local_address().substr(1);
+    std::memcpy(addr.sun_path + 1, name.data(), name.size());
+    REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&addr),
+                    static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size())) ==
+            0);
+    std::string greeting(greeting_size, '\0');
+    REQUIRE(recv(fd, greeting.data(), greeting.size(), MSG_WAITALL) ==
+            static_cast<ssize_t>(greeting.size()));
+    auto challenge = random_challenge();
+    auto answer = challenge + " " + peer_proof(secret, challenge_of_greeting(greeting), challenge) +
+                  "\n";
+    REQUIRE(send(fd, answer.data(), answer.size(), MSG_NOSIGNAL) ==
+            static_cast<ssize_t>(answer.size()));
+    CHECK(read_until_closed(fd).rfind("no ", 0) == 0);
+    close(fd);
+  }
+  // The secret without the lease's token: the node closes the link at its hello.
+  auto linked = n.linked_requests();
+  CHECK(code_of([&] {
+          node_link::open("127.0.0.1", n.port(), n.local_address(), secret,
+                          std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
+        }) == errc::invalid_argument);
+  // The executor's own link, on the same socket, still carries its calls.
+  CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  CHECK(n.linked_requests() == linked + 2);
 }
 
 TEST_CASE("a start refused by a node stops at once, its local workers included") {

@@ -91,6 +91,11 @@ public:
   /// The port the node listens on.
   uint16_t port() const;
 
+  /// Where executors on this host open their call links (`executor_config::node_local_links`):
+  /// "@name", a name in the abstract Unix namespace, given to an executor with its lease.
+  /// Empty under TLS or when the socket could not be made (links then come over TCP).
+  std::string local_address() const;
+
   /// Workers leased to an executor right now.
   int32_t leased_workers() const;
 
