@@ -299,31 +299,15 @@ std::string to_json(const stats& s, int workers, const std::string& mode) {
   return out.str();
 }
 
-/// Round trip of one byte over a loopback TCP connection between two threads (Nagle off):
-/// the least a call to a worker in another process can cost here.
-stats tcp_round_trip_floor(int iterations) {
-  int listener = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&addr), len) != 0
-      || listen(listener, 1) != 0
-      || getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
-    throw error{errc::worker_error, "bench rpc: cannot open a loopback socket"};
-  int one = 1;
-  std::thread echo([&] {
-    int peer = accept(listener, nullptr, nullptr);
-    setsockopt(peer, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+/// Round trip of one byte between two threads over a connected pair of sockets, `client`
+/// and `peer`, each thread blocking in its read; closes both.
+stats round_trip_floor(int client, int peer, int iterations) {
+  std::thread echo([peer] {
     char byte;
     while (read(peer, &byte, 1) == 1 && write(peer, &byte, 1) == 1) {
     }
     close(peer);
   });
-  int client = socket(AF_INET, SOCK_STREAM, 0);
-  setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  if (connect(client, reinterpret_cast<sockaddr*>(&addr), len) != 0)
-    throw error{errc::worker_error, "bench rpc: cannot connect over loopback"};
   std::vector<double> samples;
   auto wall_start = clock_type::now();
   char byte = 1;
@@ -335,9 +319,40 @@ stats tcp_round_trip_floor(int iterations) {
   }
   close(client);
   echo.join();
-  close(listener);
   std::chrono::duration<double> wall = clock_type::now() - wall_start;
   return summarize(std::move(samples), wall.count());
+}
+
+/// The round trip over a loopback TCP connection (Nagle off): the least a call to a worker
+/// in another process can cost here over TCP.
+stats tcp_round_trip_floor(int iterations) {
+  int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&addr), len) != 0
+      || listen(listener, 1) != 0
+      || getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+    throw error{errc::worker_error, "bench rpc: cannot open a loopback socket"};
+  int client = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(client, reinterpret_cast<sockaddr*>(&addr), len) != 0)
+    throw error{errc::worker_error, "bench rpc: cannot connect over loopback"};
+  int peer = accept(listener, nullptr, nullptr);
+  close(listener);
+  int one = 1;
+  setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  setsockopt(peer, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return round_trip_floor(client, peer, iterations);
+}
+
+/// The round trip over a Unix socket: the least a call to a node on this host can cost
+/// over the node's local socket (`executor_config::node_local_links`).
+stats unix_round_trip_floor(int iterations) {
+  int pair[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM, 0, pair) != 0)
+    throw error{errc::worker_error, "bench rpc: cannot open a Unix socket pair"};
+  return round_trip_floor(pair[0], pair[1], iterations);
 }
 
 } // namespace
@@ -426,6 +441,7 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     auto floor = relayed_gather_floor(0, opts->iterations);
     auto relayed_floor = relayed_gather_floor(opts->workers, opts->iterations);
     auto tcp_floor = tcp_round_trip_floor(opts->iterations);
+    auto unix_floor = unix_round_trip_floor(opts->iterations);
     // One sequence of one token: the smallest step there is.
     execute_model_request step;
     {
@@ -498,7 +514,10 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                 << " us; idle p50 / floor " << idle.p50_us / relayed_floor.p50_us << "\n"
                 << "  idle executor: " << idle_cpu_share * 100 << " % of a core over "
                 << opts->idle_seconds << " s\n"
-                << "  floor (loopback TCP round trip): p50 " << tcp_floor.p50_us << " us\n";
+                << "  floor (loopback TCP round trip): p50 " << tcp_floor.p50_us
+                << " us; idle p50 / floor " << idle.p50_us / tcp_floor.p50_us << "\n"
+                << "  floor (Unix socket round trip): p50 " << unix_floor.p50_us
+                << " us; idle p50 / floor " << idle.p50_us / unix_floor.p50_us << "\n";
       if (remote > 0)
         std::cout << "  " << remote << " of the workers on " << cfg.nodes.size() << " node(s)\n";
     }
@@ -510,6 +529,7 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
               << ",\"relayed_gather_floor\":"
               << to_json(relayed_floor, opts->workers, "thread_relayed_scatter_gather")
               << ",\"tcp_floor\":" << to_json(tcp_floor, 0, "loopback_tcp_round_trip")
+              << ",\"unix_floor\":" << to_json(unix_floor, 0, "unix_socket_round_trip")
               << ",\"idle_cpu_share\":" << idle_cpu_share << "}\n";
     auto mode = [&](const char* m) {
       auto name = opts->method == "noop" ? std::string{m} : opts->method + "_" + m;
