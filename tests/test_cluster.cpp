@@ -494,6 +494,20 @@ node_config in_process_node() {
   return ncfg;
 }
 
+/// The descriptors of this process's sockets whose inodes are `inodes`, in order.
+std::vector<int> descriptors_of(const std::set<std::string>& inodes) {
+  std::vector<int> fds;
+  for (auto& entry : std::filesystem::directory_iterator{"/proc/self/fd"}) {
+    std::error_code ec;
+    auto target = std::filesystem::read_symlink(entry.path(), ec).string();
+    if (!ec && target.rfind("socket:[", 0) == 0 &&
+        inodes.count(target.substr(8, target.size() - 9)) > 0)
+      fds.push_back(std::stoi(entry.path().filename().string()));
+  }
+  std::sort(fds.begin(), fds.end());
+  return fds;
+}
+
 /// The descriptors of this process's TCP connections to `port` on loopback, oldest first
 /// (by descriptor): read from /proc.
 std::vector<int> connections_to(uint16_t port) {
@@ -511,16 +525,7 @@ std::vector<int> connections_to(uint16_t port) {
     if (peer == remote && state == "01")
       inodes.insert(inode);
   }
-  std::vector<int> fds;
-  for (auto& entry : std::filesystem::directory_iterator{"/proc/self/fd"}) {
-    std::error_code ec;
-    auto target = std::filesystem::read_symlink(entry.path(), ec).string();
-    if (!ec && target.rfind("socket:[", 0) == 0 &&
-        inodes.count(target.substr(8, target.size() - 9)) > 0)
-      fds.push_back(std::stoi(entry.path().filename().string()));
-  }
-  std::sort(fds.begin(), fds.end());
-  return fds;
+  return descriptors_of(inodes);
 }
 
 /// The descriptors of this process's connected Unix sockets at `address` ("@name"), the
@@ -537,16 +542,7 @@ std::vector<int> accepted_at(const std::string& address) {
     if (path == address && state == "03") // connected; the listener is "01"
       inodes.insert(inode);
   }
-  std::vector<int> fds;
-  for (auto& entry : std::filesystem::directory_iterator{"/proc/self/fd"}) {
-    std::error_code ec;
-    auto target = std::filesystem::read_symlink(entry.path(), ec).string();
-    if (!ec && target.rfind("socket:[", 0) == 0 &&
-        inodes.count(target.substr(8, target.size() - 9)) > 0)
-      fds.push_back(std::stoi(entry.path().filename().string()));
-  }
-  std::sort(fds.begin(), fds.end());
-  return fds;
+  return descriptors_of(inodes);
 }
 
 /// Whether `holds()` becomes true within 5 s.

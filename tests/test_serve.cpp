@@ -127,9 +127,8 @@ double metric(const std::string& text, const std::string& name, const std::strin
   return sum;
 }
 
-/// Sends `bytes` on one new connection to `port` and returns all it gets until the server
-/// closes it (or two seconds of silence).
-std::string raw_exchange(uint16_t port, const std::string& bytes) {
+/// A new TCP connection to `port` on loopback.
+int connect_loopback(uint16_t port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   REQUIRE(fd >= 0);
   sockaddr_in at{};
@@ -137,6 +136,13 @@ std::string raw_exchange(uint16_t port, const std::string& bytes) {
   at.sin_port = htons(port);
   at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+  return fd;
+}
+
+/// Sends `bytes` on one new connection to `port` and returns all it gets until the server
+/// closes it (or two seconds of silence).
+std::string raw_exchange(uint16_t port, const std::string& bytes) {
+  int fd = connect_loopback(port);
   timeval wait{2, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
   REQUIRE(send(fd, bytes.data(), bytes.size(), 0) == static_cast<ssize_t>(bytes.size()));
@@ -438,14 +444,7 @@ private:
 /// of its own, so that the test sees when the server took it: at its status line.
 class raw_stream {
 public:
-  raw_stream(uint16_t port, const json& body) {
-    fd_ = socket(AF_INET, SOCK_STREAM, 0);
-    REQUIRE(fd_ >= 0);
-    sockaddr_in at{};
-    at.sin_family = AF_INET;
-    at.sin_port = htons(port);
-    at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(connect(fd_, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+  raw_stream(uint16_t port, const json& body) : fd_(connect_loopback(port)) {
     timeval wait{10, 0};
     setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
     auto data = body.dump();
