@@ -406,6 +406,9 @@ struct frame_gateway::impl {
     }
     local_acceptor.assign(asio::local::stream_protocol{}, fd, ec);
     if (ec) {
+      settings->log->warn("no local socket for call links ({}): links from this host come "
+                          "over TCP",
+                          ec.message());
       ::close(fd);
       return;
     }

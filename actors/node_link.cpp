@@ -247,10 +247,14 @@ std::shared_ptr<node_link> node_link::open(const std::string& host, uint16_t por
   auto name = "node " + host + ":" + std::to_string(port);
   int fd = -1;
   if (!local_address.empty()) {
+    // Half the time left at most, so that TCP still has the rest when the local socket
+    // does not answer in time.
+    auto now = std::chrono::steady_clock::now();
     try {
-      fd = dial_local_link(local_address, secret, deadline);
+      fd = dial_local_link(local_address, secret, now + (deadline - now) / 2);
     } catch (const error& e) {
-      // Another host, or another network namespace: over TCP, as from anywhere else.
+      // Nothing there (another host, or another network namespace), or a refusal or
+      // silence there: TCP, as from anywhere else, says what it has to say.
       get_logger("troupe.executor")
         ->debug("{}: no call link at {} ({}); over TCP", name, local_address, e.what());
     }

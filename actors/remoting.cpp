@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 
 #include <netdb.h>
 #include <netinet/in.h>
@@ -176,14 +177,10 @@ bool wait_for(int fd, short events, std::chrono::steady_clock::time_point deadli
 }
 
 /// Goes through the node's connection handshake on `fd`, a connected non-blocking socket,
-/// before `deadline`; closes `fd` and throws as `dial_node` when it fails.
+/// before `deadline`; throws as `dial_node` when it fails.
 void prove_connection(int fd, const std::string& where, const std::string& secret,
                       std::chrono::steady_clock::time_point deadline, bool link) {
   auto late = [&] { return error{errc::worker_died, "cannot reach " + where + ": no answer in time"}; };
-  auto fail = [&](error e) {
-    close(fd);
-    throw std::move(e);
-  };
   // Reads exactly `size` bytes, or up to a newline when `line`.
   auto read_some = [&](size_t size, bool line) {
     std::string got;
@@ -198,7 +195,7 @@ void prove_connection(int fd, const std::string& where, const std::string& secre
         break;
       } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
         if (!wait_for(fd, POLLIN, deadline))
-          fail(late());
+          throw late();
       } else if (errno != EINTR) {
         break;
       }
@@ -213,49 +210,57 @@ void prove_connection(int fd, const std::string& where, const std::string& secre
         sent += static_cast<size_t>(n);
       else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
         if (!wait_for(fd, POLLOUT, deadline))
-          fail(late());
+          throw late();
       } else if (n < 0 && errno != EINTR)
-        fail(error{errc::worker_died, where + ": connection lost during the handshake"});
+        throw error{errc::worker_died, where + ": connection lost during the handshake"};
     }
   };
   auto node_challenge = challenge_of_greeting(read_some(greeting_size, false));
   if (node_challenge.empty())
-    fail(error{errc::invalid_argument,
-               where + " does not speak troupe's connection handshake (not a troupe node, or "
-                       "one that wants TLS: give the TLS certificate, key and CA)"});
+    throw error{errc::invalid_argument,
+                where + " does not speak troupe's connection handshake (not a troupe node, or "
+                        "one that wants TLS: give the TLS certificate, key and CA)"};
   auto challenge = random_challenge();
   write_all(link ? challenge + "+" + link_proof(secret, node_challenge, challenge) + "\n"
                  : challenge + " " + peer_proof(secret, node_challenge, challenge) + "\n");
   auto verdict = read_some(max_verdict_size, true);
   if (verdict.rfind("no ", 0) == 0)
-    fail(error{errc::invalid_argument,
-               where + " refused the connection: " +
-                 verdict.substr(3, verdict.size() - 4)});
+    throw error{errc::invalid_argument,
+                where + " refused the connection: " +
+                  verdict.substr(3, verdict.size() - 4)};
   if (verdict.size() != 3 + 64 + 1 || verdict.rfind("ok ", 0) != 0 ||
       !same_proof(verdict.substr(3, 64), node_proof(secret, node_challenge, challenge)))
-    fail(error{errc::invalid_argument,
-               where + " did not prove the secret: it is not the node meant, or its secret "
-                       "differs"});
+    throw error{errc::invalid_argument,
+                where + " did not prove the secret: it is not the node meant, or its secret "
+                        "differs"};
 }
 
-/// Connects `fd` to `addr`, waiting until `deadline`; closes `fd` and throws `worker_died`
-/// naming `where` when it cannot.
+/// Connects `fd` to `addr`, waiting until `deadline`; throws `worker_died` naming `where`
+/// when it cannot.
 void connect_before(int fd, const sockaddr* addr, socklen_t size, const std::string& where,
                     std::chrono::steady_clock::time_point deadline) {
   int connected = connect(fd, addr, size);
   int err = connected == 0 ? 0 : errno;
   if (err == EINPROGRESS) {
-    if (!wait_for(fd, POLLOUT, deadline)) {
-      close(fd);
+    if (!wait_for(fd, POLLOUT, deadline))
       throw error{errc::worker_died, "cannot reach " + where + ": no answer in time"};
-    }
     socklen_t len = sizeof err;
     getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
   }
-  if (err != 0) {
-    close(fd);
+  if (err != 0)
     throw error{errc::worker_died, "cannot reach " + where + ": " + std::strerror(err)};
+}
+
+/// `fd` after `connect_and_prove(fd)`, or closed when that throws.
+template <class Steps>
+int ready_or_closed(int fd, Steps connect_and_prove) {
+  try {
+    connect_and_prove(fd);
+  } catch (...) {
+    close(fd);
+    throw;
   }
+  return fd;
 }
 
 } // namespace
@@ -274,17 +279,13 @@ int dial_node(const std::string& host, uint16_t port, const std::string& secret,
     freeaddrinfo(found);
     throw error{errc::worker_died, "cannot reach " + where + ": " + std::strerror(errno)};
   }
-  try {
-    connect_before(fd, found->ai_addr, found->ai_addrlen, where, deadline);
-  } catch (...) {
-    freeaddrinfo(found);
-    throw;
-  }
-  freeaddrinfo(found);
-  prove_connection(fd, where, secret, deadline, link);
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  return fd;
+  std::unique_ptr<addrinfo, void (*)(addrinfo*)> freed{found, freeaddrinfo};
+  return ready_or_closed(fd, [&](int s) {
+    connect_before(s, found->ai_addr, found->ai_addrlen, where, deadline);
+    prove_connection(s, where, secret, deadline, link);
+    int one = 1;
+    setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  });
 }
 
 int dial_local_link(const std::string& address, const std::string& secret,
@@ -301,9 +302,10 @@ int dial_local_link(const std::string& address, const std::string& secret,
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0)
     throw error{errc::worker_died, "cannot reach " + where + ": " + std::strerror(errno)};
-  connect_before(fd, reinterpret_cast<sockaddr*>(&addr), size, where, deadline);
-  prove_connection(fd, where, secret, deadline, true);
-  return fd;
+  return ready_or_closed(fd, [&](int s) {
+    connect_before(s, reinterpret_cast<sockaddr*>(&addr), size, where, deadline);
+    prove_connection(s, where, secret, deadline, true);
+  });
 }
 
 void configure_tls(caf::actor_system_config& cfg, const std::string& certificate,

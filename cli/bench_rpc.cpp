@@ -333,13 +333,20 @@ stats tcp_round_trip_floor(int iterations) {
   socklen_t len = sizeof(addr);
   if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&addr), len) != 0
       || listen(listener, 1) != 0
-      || getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+      || getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (listener >= 0)
+      close(listener);
     throw error{errc::worker_error, "bench rpc: cannot open a loopback socket"};
+  }
   int client = socket(AF_INET, SOCK_STREAM, 0);
-  if (connect(client, reinterpret_cast<sockaddr*>(&addr), len) != 0)
-    throw error{errc::worker_error, "bench rpc: cannot connect over loopback"};
-  int peer = accept(listener, nullptr, nullptr);
+  int peer = client >= 0 && connect(client, reinterpret_cast<sockaddr*>(&addr), len) == 0
+               ? accept(listener, nullptr, nullptr)
+               : -1;
   close(listener);
+  if (peer < 0) {
+    close(client);
+    throw error{errc::worker_error, "bench rpc: cannot connect over loopback"};
+  }
   int one = 1;
   setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   setsockopt(peer, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -514,12 +521,12 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                 << " us; idle p50 / floor " << idle.p50_us / relayed_floor.p50_us << "\n"
                 << "  idle executor: " << idle_cpu_share * 100 << " % of a core over "
                 << opts->idle_seconds << " s\n"
-                << "  floor (loopback TCP round trip): p50 " << tcp_floor.p50_us
-                << " us; idle p50 / floor " << idle.p50_us / tcp_floor.p50_us << "\n"
-                << "  floor (Unix socket round trip): p50 " << unix_floor.p50_us
-                << " us; idle p50 / floor " << idle.p50_us / unix_floor.p50_us << "\n";
+                << "  floor (loopback TCP round trip): p50 " << tcp_floor.p50_us << " us\n"
+                << "  floor (Unix socket round trip): p50 " << unix_floor.p50_us << " us\n";
       if (remote > 0)
-        std::cout << "  " << remote << " of the workers on " << cfg.nodes.size() << " node(s)\n";
+        std::cout << "  " << remote << " of the workers on " << cfg.nodes.size()
+                  << " node(s); idle p50 / TCP floor " << idle.p50_us / tcp_floor.p50_us
+                  << ", / Unix floor " << idle.p50_us / unix_floor.p50_us << "\n";
     }
     std::cout << "{\"floor\":" << to_json(floor, 0, "thread_wakeup_round_trip")
               << ",\"gather_floor\":"

@@ -601,6 +601,8 @@ TEST_CASE("the call link to a node on this host goes over its local socket, and 
   }
   // A local address that nothing answers (a node on another host, or in another network
   // namespace): the link is dialled over TCP, where the node refuses this one's token.
+  // (Nothing else logs meanwhile: the sinks are no place for two threads.)
+  REQUIRE(eventually([&] { return n.call_links() == 0 && n.leased_workers() == 0; }));
   std::ostringstream logged;
   auto log = troupe::get_logger("troupe.node");
   log->sinks().push_back(std::make_shared<spdlog::sinks::ostream_sink_mt>(logged));
@@ -796,6 +798,8 @@ TEST_CASE("a node's local socket takes only call links that prove the secret and
           "the lease's token") {
   node n{in_process_node()};
   auto legit = lease_again(n.port(), 2, 10);
+  REQUIRE(eventually([&] { return n.call_links() == 1; }));
+  CHECK(accepted_at(n.local_address()).size() == 1); // the executor's own link
   // A wrong secret is refused at the handshake.
   CHECK(code_of([&] {
           close(dial_local_link(n.local_address(), "a guess long enough to be tried",

@@ -133,8 +133,9 @@ struct executor_config {
   /// Links need the shared secret: under TLS calls go over BASP.
   bool node_links = true;
   /// Whether the call link to a node on this host goes over the node's local socket (a Unix
-  /// socket, which takes about 2 µs less a round trip than loopback TCP) rather than TCP.
-  /// A node on another host has none that this process can reach: its link is TCP.
+  /// socket: on a small VM a round trip takes about 1 µs less than over loopback TCP
+  /// between threads that block, 2 µs less between threads that poll) rather than TCP. A
+  /// node on another host has none that this process can reach: its link is TCP.
   bool node_local_links = true;
   /// Lets the host add settings or message types to the executor's actor system.
   std::function<void(caf::actor_system_config&)> configure_system;
