@@ -453,11 +453,10 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   // on whatever thread stops the node, would wait for it.
   caf::logger::set_current_actor_system(nullptr);
   d.port = d.gateway->port();
-  d.lease->set_local_address(d.gateway->local_address());
+  const auto& local = d.gateway->local_address();
+  d.lease->set_local_address(local);
   d.log->info("node listening on {}:{}{}{}", host, d.port, tls ? " (mutual TLS)" : "",
-              d.gateway->local_address().empty()
-                ? ""
-                : ", call links from this host at " + d.gateway->local_address());
+              local.empty() ? "" : ", call links from this host at " + local);
 }
 
 node::~node() {
