@@ -97,8 +97,8 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
   if (cfg.node_links && cfg.tls_certificate.empty()) {
     try {
       grant.link = node_link::open(n.host, n.port, cfg.node_local_links ? local_address : "",
-                                   cfg.node_secret, token, cfg.network_linger, cfg.node_timeout,
-                                   deadline);
+                                   cfg.node_shared_memory, cfg.node_secret, token,
+                                   cfg.network_linger, cfg.node_timeout, deadline);
     } catch (const error& e) {
       // The workers are leased and BASP reaches them: the calls go that way.
       get_logger("troupe.executor")

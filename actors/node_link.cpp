@@ -29,6 +29,10 @@ namespace {
 
 constexpr size_t header_size = 24;
 
+/// Each way, for links through shared memory: far above a step's request (a batch's
+/// tokens) yet small to keep mapped; a larger frame passes in parts.
+constexpr uint64_t ring_capacity = uint64_t{1} << 20;
+
 /// Integers in a frame's header, little-endian.
 template <class T>
 void put_le(char* at, T x) {
@@ -49,7 +53,7 @@ T get_le(const char* at) {
 // -- link_socket ----------------------------------------------------------------------
 
 link_socket::link_socket(int fd, timeout_type linger, uint64_t max_payload, timeout_type stall)
-  : fd_(fd), linger_(linger), max_payload_(max_payload), ahead_(16 << 10) {
+  : fd_(fd), stall_(stall), linger_(linger), max_payload_(max_payload), ahead_(16 << 10) {
   // Blocking reads and writes, each bounded by `stall`; waits for a frame poll instead.
   int flags = fcntl(fd_, F_GETFL, 0);
   if (flags >= 0)
@@ -64,19 +68,51 @@ link_socket::~link_socket() {
   ::close(fd_);
 }
 
-bool link_socket::write(kind type, uint64_t key, uint64_t target,
-                        const std::vector<char>& payload) {
-  char header[header_size] = {};
-  put_le(header, static_cast<uint32_t>(payload.size()));
+namespace {
+
+void put_header(char* header, link_socket::kind type, uint64_t key, uint64_t target,
+                size_t length) {
+  std::memset(header, 0, header_size);
+  put_le(header, static_cast<uint32_t>(length));
   header[4] = static_cast<char>(type);
   put_le(header + 8, key);
   put_le(header + 16, target);
+}
+
+/// Waits with growing pauses, from a few microseconds to a millisecond: for the rest of a
+/// frame, or for room in a ring, which come late only when the peer is slow.
+class backoff {
+public:
+  explicit backoff(timeout_type linger) : linger_until_(std::chrono::steady_clock::now() + linger) {}
+
+  void pause() {
+    if (std::chrono::steady_clock::now() < linger_until_) {
+      sched_yield();
+      return;
+    }
+    std::this_thread::sleep_for(pause_);
+    pause_ = std::min(pause_ * 2, std::chrono::microseconds(1000));
+  }
+
+private:
+  std::chrono::steady_clock::time_point linger_until_;
+  std::chrono::microseconds pause_{10};
+};
+
+} // namespace
+
+bool link_socket::write(kind type, uint64_t key, uint64_t target,
+                        const std::vector<char>& payload) {
+  char header[header_size];
+  put_header(header, type, key, target, payload.size());
+  std::lock_guard<std::mutex> lk{write_mtx_};
+  if (has_rings())
+    return push(header, header_size) && push(payload.data(), payload.size());
   iovec parts[2] = {{header, header_size},
                     {const_cast<char*>(payload.data()), payload.size()}};
   msghdr msg{};
   msg.msg_iov = parts;
   msg.msg_iovlen = payload.empty() ? 1 : 2;
-  std::lock_guard<std::mutex> lk{write_mtx_};
   size_t left = header_size + payload.size();
   while (left > 0) {
     if (shut_.load(std::memory_order_acquire))
@@ -108,6 +144,92 @@ bool link_socket::write(kind type, uint64_t key, uint64_t target,
   return true;
 }
 
+bool link_socket::push(const char* data, size_t size) {
+  auto* rings = rings_.load(std::memory_order_acquire);
+  auto until = std::chrono::steady_clock::now() + stall_;
+  backoff wait{linger_};
+  for (;;) {
+    auto n = rings->push(data, size);
+    data += n;
+    size -= n;
+    // A reader asleep is woken for what is there, whole or not: a frame larger than the
+    // free room comes in parts, each read to make room for the next.
+    if (n > 0 && rings->peer_needs_doorbell()) {
+      char bell = 0;
+      [[maybe_unused]] auto sent = send(fd_, &bell, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    }
+    if (size == 0)
+      return true;
+    // Part of a frame may have gone: nothing may follow it.
+    if (rings->broken() || is_shut() || peer_closed() ||
+        std::chrono::steady_clock::now() >= until) {
+      shut();
+      return false;
+    }
+    wait.pause();
+  }
+}
+
+bool link_socket::peer_closed() const {
+  if (ended_.load(std::memory_order_acquire))
+    return true;
+  pollfd p{fd_, POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) <= 0 || (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) == 0)
+    return false;
+  ended_.store(true, std::memory_order_release);
+  return true;
+}
+
+void link_socket::drain_doorbells() {
+  char bells[64];
+  for (;;) {
+    auto n = recv(fd_, bells, sizeof bells, MSG_DONTWAIT);
+    if (n > 0)
+      continue;
+    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+      ended_.store(true, std::memory_order_release);
+    if (n == 0 || errno != EINTR)
+      return;
+  }
+}
+
+ssize_t link_socket::take_from_rings(char* data, size_t size, bool wait) {
+  auto* rings = rings_.load(std::memory_order_acquire);
+  auto until = std::chrono::steady_clock::now() + stall_;
+  backoff pause{linger_};
+  for (;;) {
+    // Seen before the pull: bytes the peer wrote before it closed are read first.
+    bool closed = ended_.load(std::memory_order_acquire);
+    if (auto n = rings->pull(data, size))
+      return static_cast<ssize_t>(n);
+    if (rings->broken()) {
+      errno = EPROTO;
+      return -1;
+    }
+    if (is_shut() || closed)
+      return 0;
+    if (!wait) {
+      errno = EAGAIN;
+      return -1;
+    }
+    // Only the waits for a frame (`block`) sleep on the doorbell, so that one thread at most
+    // does and none reads a doorbell that another needs.
+    if (peer_closed())
+      continue; // pulls once more
+    if (std::chrono::steady_clock::now() >= until) {
+      errno = EAGAIN;
+      return -1;
+    }
+    pause.pause();
+  }
+}
+
+ssize_t link_socket::take_some(char* data, size_t size, bool wait) {
+  if (has_rings())
+    return take_from_rings(data, size, wait);
+  return recv(fd_, data, size, wait ? 0 : MSG_DONTWAIT);
+}
+
 bool link_socket::fill(char* data, size_t size, std::string& why) {
   size_t got = 0;
   while (got < size) {
@@ -120,8 +242,8 @@ bool link_socket::fill(char* data, size_t size, std::string& why) {
     }
     // A large rest goes straight to its place; a small one comes with what follows it.
     bool direct = size - got >= ahead_.size();
-    auto n = direct ? recv(fd_, data + got, size - got, 0)
-                    : recv(fd_, ahead_.data(), ahead_.size(), 0);
+    auto n = direct ? take_some(data + got, size - got, true)
+                    : take_some(ahead_.data(), ahead_.size(), true);
     if (n > 0) {
       if (direct) {
         got += static_cast<size_t>(n);
@@ -134,6 +256,9 @@ bool link_socket::fill(char* data, size_t size, std::string& why) {
       return false;
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
       why = "the rest of a frame did not come in time";
+      return false;
+    } else if (errno == EPROTO) {
+      why = "the peer broke the shared rings";
       return false;
     } else if (errno != EINTR) {
       why = std::string{"the connection broke: "} + std::strerror(errno);
@@ -152,7 +277,7 @@ link_socket::came link_socket::take_in() {
   }
   if (ahead_end_ == ahead_.size())
     return came::nothing;
-  auto n = recv(fd_, ahead_.data() + ahead_end_, ahead_.size() - ahead_end_, MSG_DONTWAIT);
+  auto n = take_some(ahead_.data() + ahead_end_, ahead_.size() - ahead_end_, false);
   if (n > 0) {
     ahead_end_ += static_cast<size_t>(n);
     return came::bytes;
@@ -176,22 +301,65 @@ bool link_socket::whole_frame() {
   // A length above the bound is read at once, to be refused.
   if (length() > max_payload_ || have() >= header_size + length())
     return true;
-  // A frame larger than the read-ahead: whole once the rest waits on the socket.
+  // A frame larger than the read-ahead: whole once the rest waits.
+  if (auto* rings = rings_.load(std::memory_order_acquire))
+    return have() + rings->incoming() >= header_size + length();
   int queued = 0;
   return ioctl(fd_, FIONREAD, &queued) == 0 && queued >= 0 &&
          have() + static_cast<size_t>(queued) >= header_size + length();
 }
 
 bool link_socket::arrived() const {
+  if (auto* rings = rings_.load(std::memory_order_acquire))
+    return rings->incoming() > 0 || peer_closed();
   pollfd p{fd_, POLLIN, 0};
   return ::poll(&p, 1, 0) > 0;
 }
 
 bool link_socket::block(int timeout_ms, int also) {
+  if (has_rings())
+    return block_on_rings(timeout_ms, also);
   pollfd p[2] = {{fd_, POLLIN, 0}, {also, POLLIN, 0}};
   while (::poll(p, 2, timeout_ms) < 0 && errno == EINTR) {
   }
   return p[0].revents != 0 && !is_shut();
+}
+
+bool link_socket::block_on_rings(int timeout_ms, int also) {
+  auto* rings = rings_.load(std::memory_order_acquire);
+  auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (;;) {
+    drain_doorbells();
+    if (is_shut())
+      return false;
+    rings->sleeping(true);
+    if (rings->incoming() > 0 || ended_.load(std::memory_order_acquire)) {
+      rings->sleeping(false);
+      return true;
+    }
+    int left = timeout_ms;
+    if (timeout_ms >= 0)
+      left = static_cast<int>(std::max<int64_t>(
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(
+             until - std::chrono::steady_clock::now())
+             .count()));
+    pollfd p[2] = {{fd_, POLLIN | POLLRDHUP, 0}, {also, POLLIN, 0}};
+    int n;
+    while ((n = ::poll(p, 2, left)) < 0 && errno == EINTR) {
+    }
+    rings->sleeping(false);
+    if (is_shut())
+      return false;
+    if ((p[0].revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
+      ended_.store(true, std::memory_order_release);
+      return true;
+    }
+    if (rings->incoming() > 0)
+      return true;
+    // A doorbell for bytes that a reader took meanwhile: sleep again for the time left.
+    if (n <= 0 || p[1].revents != 0 || (p[0].revents & POLLIN) == 0)
+      return false;
+  }
 }
 
 bool link_socket::read(frame& out, std::string& why) {
@@ -200,7 +368,7 @@ bool link_socket::read(frame& out, std::string& why) {
     return false;
   auto length = get_le<uint32_t>(header);
   auto type = static_cast<uint8_t>(header[4]);
-  if (type < hello || type > pong || header[5] != 0 || header[6] != 0 || header[7] != 0) {
+  if (type < hello || type > share || header[5] != 0 || header[6] != 0 || header[7] != 0) {
     why = "not a link frame";
     return false;
   }
@@ -219,6 +387,141 @@ bool link_socket::read(frame& out, std::string& why) {
 void link_socket::shut() {
   shut_.store(true, std::memory_order_release);
   ::shutdown(fd_, SHUT_RDWR);
+}
+
+bool link_socket::is_local() const {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof addr;
+  return getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0 &&
+         addr.ss_family == AF_UNIX;
+}
+
+bool link_socket::offer_rings(uint64_t capacity, std::string& why) {
+  std::unique_ptr<shared_rings> made;
+  if (!is_local()) {
+    why = "not a Unix socket";
+  } else {
+    try {
+      made = shared_rings::create(capacity);
+    } catch (const error& e) {
+      why = e.what();
+    }
+  }
+  char frame[header_size + sizeof(uint64_t)];
+  put_header(frame, share, 0, 0, made ? sizeof(uint64_t) : 0);
+  put_le(frame + header_size, capacity);
+  iovec part{frame, made ? sizeof frame : header_size};
+  msghdr msg{};
+  msg.msg_iov = &part;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  if (made) {
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    auto* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    int fd = made->fd();
+    std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  }
+  std::lock_guard<std::mutex> lk{write_mtx_};
+  // The frame is tiny: a socket that takes only part of it is one to give up on.
+  ssize_t n;
+  while ((n = sendmsg(fd_, &msg, MSG_NOSIGNAL)) < 0 && errno == EINTR) {
+  }
+  if (n != static_cast<ssize_t>(part.iov_len)) {
+    shut();
+    return false;
+  }
+  if (made) {
+    made->passed();
+    owned_rings_ = std::move(made);
+    rings_.store(owned_rings_.get(), std::memory_order_release);
+  }
+  return true;
+}
+
+bool link_socket::ask_rings(std::chrono::steady_clock::time_point deadline, std::string& why) {
+  if (!write(share, 0, 0, {})) {
+    why = "the request for shared memory could not be written";
+    return false;
+  }
+  if (ahead_begin_ != ahead_end_) {
+    why = "bytes after the hello";
+    return false;
+  }
+  // Read with the descriptor that comes with it: exactly the answer, nothing beyond.
+  char frame[header_size + sizeof(uint64_t)];
+  size_t want = header_size;
+  size_t got = 0;
+  int passed = -1;
+  auto keep = [&passed](int fd) {
+    if (passed < 0)
+      passed = fd;
+    else
+      ::close(fd);
+  };
+  while (got < want) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                  deadline - std::chrono::steady_clock::now())
+                  .count();
+    pollfd p{fd_, POLLIN, 0};
+    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) == 0) {
+      why = "no answer to the request for shared memory in time";
+      break;
+    }
+    iovec part{frame + got, want - got};
+    msghdr msg{};
+    msg.msg_iov = &part;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    auto n = recvmsg(fd_, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
+      continue;
+    if (n <= 0) {
+      why = n == 0 ? "the node closed the connection" : std::strerror(errno);
+      break;
+    }
+    for (auto* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c))
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+        for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++i) {
+          int fd;
+          std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+          keep(fd);
+        }
+    got += static_cast<size_t>(n);
+    if (got == header_size) {
+      auto length = get_le<uint32_t>(frame);
+      if (static_cast<uint8_t>(frame[4]) != share || (length != 0 && length != sizeof(uint64_t))) {
+        why = "an answer to the request for shared memory that is not one";
+        break;
+      }
+      want += length;
+    }
+  }
+  if (!why.empty() || want == header_size) {
+    // Declined (the node says why in its log), or no answer: the socket carries the frames.
+    if (passed >= 0)
+      ::close(passed);
+    return false;
+  }
+  if (passed < 0) {
+    why = "shared memory offered without its descriptor";
+    return false;
+  }
+  try {
+    auto rings = shared_rings::adopt(passed, get_le<uint64_t>(frame + header_size));
+    std::lock_guard<std::mutex> lk{write_mtx_};
+    owned_rings_ = std::move(rings);
+    rings_.store(owned_rings_.get(), std::memory_order_release);
+  } catch (const error& e) {
+    why = e.what();
+    return false;
+  }
+  return true;
 }
 
 std::vector<char> serialize_message(caf::actor_system& sys, const caf::message& msg,
@@ -241,7 +544,8 @@ node_link::node_link(std::unique_ptr<link_socket> socket, std::string name)
 
 std::shared_ptr<node_link> node_link::open(const std::string& host, uint16_t port,
                                            const std::string& local_address,
-                                           const std::string& secret, const std::string& token,
+                                           bool shared_memory, const std::string& secret,
+                                           const std::string& token,
                                            timeout_type linger, timeout_type stall,
                                            std::chrono::steady_clock::time_point deadline) {
   auto name = "node " + host + ":" + std::to_string(port);
@@ -274,6 +578,8 @@ std::shared_ptr<node_link> node_link::open(const std::string& host, uint16_t por
   if (!socket->read(ack, why) || ack.type != link_socket::hello)
     throw error{errc::invalid_argument, name + " refused the call link (" +
                                           (why.empty() ? "not a hello" : why) + ")"};
+  if (shared_memory && socket->is_local() && !socket->ask_rings(deadline, why) && !why.empty())
+    throw error{errc::worker_died, name + ": the call link's shared memory: " + why};
   return std::shared_ptr<node_link>{new node_link(std::move(socket), std::move(name))};
 }
 
@@ -822,9 +1128,31 @@ bool link_server::take(bool by_worker) {
     return false;
   }
   if (f.type == link_socket::ping) {
+    requests_seen_ = true;
     socket_->write(link_socket::pong, f.key, 0, {});
     return true;
   }
+  if (f.type == link_socket::share) {
+    // Only first, before anything is owed over the socket: the frames then move to the
+    // rings at one point in both directions.
+    if (requests_seen_ || socket_->has_rings()) {
+      end("shared memory asked for after the first request");
+      return false;
+    }
+    std::string declined;
+    if (!socket_->offer_rings(ring_capacity, declined)) {
+      end("the answer to a request for shared memory could not be written");
+      return false;
+    }
+    if (declined.empty())
+      log_->debug("link from {} goes through shared memory", peer_);
+    else
+      log_->info("link from {} stays on its socket: {}", peer_, declined);
+    // The thread may sleep on the socket alone: it waits again, on the rings' doorbell.
+    wake();
+    return true;
+  }
+  requests_seen_ = true;
   if (f.type != link_socket::request) {
     end("a frame that is not a request");
     return false;

@@ -18,8 +18,16 @@
 /// actor id and its payload the request as CAF serialises a message; a reply's payload is
 /// the worker's reply as a message. A ping is answered by a pong with the same key once
 /// everything before it has been read.
+///
+/// Over a Unix socket (a node on the same host) the executor may ask, with a `share` frame
+/// right after the hello, for shared memory: the node answers with a `share` frame whose
+/// payload is the capacity of each ring (u64) and which carries a sealed memfd
+/// (`actors/shared_rings.hpp`), or with an empty one to decline. From then on the frames
+/// go through the rings, the same bytes in the same order, and the socket only wakes a
+/// reader that sleeps (one byte, a doorbell) and tells either end that the other closed.
 
 #include "actors/linger.hpp"
+#include "actors/shared_rings.hpp"
 #include "troupe/config.hpp"
 
 #include <caf/actor.hpp>
@@ -43,13 +51,16 @@
 #include <utility>
 #include <vector>
 
+#include <sys/types.h>
+
 namespace troupe {
 
 /// One end of a link's socket: whole frames in, whole frames out. Any thread writes; one at
-/// a time reads.
+/// a time reads. Once both ends share rings (`ask_rings`, `offer_rings`) the frames go
+/// through them.
 class link_socket {
 public:
-  enum kind : uint8_t { hello = 1, request = 2, reply = 3, ping = 4, pong = 5 };
+  enum kind : uint8_t { hello = 1, request = 2, reply = 3, ping = 4, pong = 5, share = 6 };
 
   struct frame {
     kind type = hello;
@@ -108,6 +119,25 @@ public:
   /// Ends both directions: a thread waiting or reading returns false.
   void shut();
 
+  /// Whether the socket is a Unix one: its peer is on this host and can share memory.
+  bool is_local() const;
+
+  /// Whether the frames go through shared rings.
+  bool has_rings() const {
+    return rings_.load(std::memory_order_acquire) != nullptr;
+  }
+
+  /// The executor's end, right after the hello: asks the node for shared rings and, when
+  /// it gives them before `deadline`, sends and reads through them from now on. False
+  /// with `why` empty when the node declined (the frames stay on the socket); false with
+  /// `why` set when the answer did not come or is not one.
+  bool ask_rings(std::chrono::steady_clock::time_point deadline, std::string& why);
+
+  /// The node's end, for a `share` frame: makes rings of `capacity` bytes each way and
+  /// passes them, or declines (not a Unix socket, or the kernel refused: `why` says it).
+  /// The reader's own; false when the answer could not be written.
+  bool offer_rings(uint64_t capacity, std::string& why);
+
   bool is_shut() const {
     return shut_.load(std::memory_order_acquire);
   }
@@ -125,9 +155,28 @@ private:
   /// end of the stream (or an error, which the next read reports).
   came take_in();
   bool block(int timeout_ms, int also);
+  bool block_on_rings(int timeout_ms, int also);
   bool fill(char* data, size_t size, std::string& why);
+  /// Reads into `data` what came, at most `size` bytes: from the rings, or the socket.
+  /// -1 (with errno) when nothing came yet or on error, 0 at the end of the stream.
+  ssize_t take_some(char* data, size_t size, bool wait);
+  /// `take_some` from the rings: what came, else (with `wait`) waits for it up to the
+  /// stall bound.
+  ssize_t take_from_rings(char* data, size_t size, bool wait);
+  /// `write` through the rings; holds `write_mtx_`.
+  bool push(const char* data, size_t size);
+  /// Whether the peer closed its end (the rings' only sign of it); any thread.
+  bool peer_closed() const;
+  /// Reads the doorbells that came, noting an end of the stream.
+  void drain_doorbells();
 
   int fd_;
+  timeout_type stall_;
+  std::unique_ptr<shared_rings> owned_rings_;
+  /// Set once, under both the read and the write side, when the rings take over.
+  std::atomic<shared_rings*> rings_{nullptr};
+  /// With rings: the socket reached its end (the peer closed).
+  mutable std::atomic<bool> ended_{false};
   timeout_type linger_;
   uint64_t max_payload_;
   std::mutex write_mtx_;
@@ -150,12 +199,13 @@ class node_link {
 public:
   /// Dials the node at `host`:`port` (first at `local_address`, its local socket, when
   /// that is given and reachable: the node is on this host), proves `secret`, presents
-  /// `token` and has the node accept it, all before `deadline`; its reader polls for
+  /// `token` and has the node accept it, all before `deadline`; over the local socket,
+  /// with `shared_memory`, it then asks for rings in shared memory. Its reader polls for
   /// `linger` before it sleeps, and a frame or write stalled for `stall` breaks the link.
   /// Throws `troupe::error` (as `dial_node`; `invalid_argument` when the node refuses the
   /// token).
   static std::shared_ptr<node_link> open(const std::string& host, uint16_t port,
-                                         const std::string& local_address,
+                                         const std::string& local_address, bool shared_memory,
                                          const std::string& secret, const std::string& token,
                                          timeout_type linger, timeout_type stall,
                                          std::chrono::steady_clock::time_point deadline);
@@ -438,6 +488,8 @@ private:
   std::mutex read_mtx_;
   /// The lease's token, once the hello presented it.
   std::string token_;
+  /// A frame other than `share` came (under `read_mtx_`).
+  bool requests_seen_ = false;
   /// Why the link closed.
   std::string why_;
   std::atomic<bool> opened_{false};

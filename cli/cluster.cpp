@@ -70,6 +70,10 @@ void add_node_options(CLI::App& app, node_options& o) {
                  "Whether the call link to a node on this host goes over its local (Unix) "
                  "socket rather than TCP")
     ->capture_default_str();
+  app.add_option("--node-shared-memory", o.node_shared_memory,
+                 "Whether a call link over a node's local socket moves its frames to memory "
+                 "shared with the node")
+    ->capture_default_str();
 }
 
 std::string read_text_file(const std::string& flag, const std::string& path) {
@@ -133,6 +137,7 @@ void apply_node_options(const node_options& o, executor_config& cfg) {
   cfg.network_linger = std::chrono::microseconds(o.network_linger_us);
   cfg.node_links = o.node_links;
   cfg.node_local_links = o.node_local_links;
+  cfg.node_shared_memory = o.node_shared_memory;
 }
 
 std::shared_ptr<command> add_node(CLI::App& app) {

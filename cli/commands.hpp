@@ -73,10 +73,12 @@ struct node_options {
   int64_t network_linger_us = executor_config{}.network_linger.count();
   bool node_links = executor_config{}.node_links;
   bool node_local_links = executor_config{}.node_local_links;
+  bool node_shared_memory = executor_config{}.node_shared_memory;
 };
 
 /// Adds --nodes, --spare-nodes, --secret-file, --tls-cert/--tls-key/--tls-ca,
-/// --node-timeout-ms, --network-linger-us and --node-links to `app`.
+/// --node-timeout-ms, --network-linger-us, --node-links, --node-local-links and
+/// --node-shared-memory to `app`.
 void add_node_options(CLI::App& app, node_options& o);
 
 /// Puts the nodes, the secret and the timeout into `cfg`; throws `invalid_argument` for a

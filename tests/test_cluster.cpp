@@ -607,7 +607,7 @@ TEST_CASE("the call link to a node on this host goes over its local socket, and 
   auto log = troupe::get_logger("troupe.node");
   log->sinks().push_back(std::make_shared<spdlog::sinks::ostream_sink_mt>(logged));
   CHECK(code_of([&] {
-          node_link::open("127.0.0.1", n.port(), "@troupe-node-nobody-here", secret,
+          node_link::open("127.0.0.1", n.port(), "@troupe-node-nobody-here", true, secret,
                           std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
         }) == errc::invalid_argument);
   log->sinks().pop_back();
@@ -769,7 +769,7 @@ TEST_CASE("a call link without the secret or the lease's token reaches no worker
     CHECK_FALSE(link.read(f, why));
   }
   CHECK(code_of([&] {
-          node_link::open("127.0.0.1", n.port(), "", secret, std::string(64, '0'), 0us, 5s,
+          node_link::open("127.0.0.1", n.port(), "", true, secret, std::string(64, '0'), 0us, 5s,
                           clock_type::now() + 5s);
         }) == errc::invalid_argument);
   CHECK(steps() == std::vector<int64_t>{0, 0});
@@ -830,7 +830,7 @@ TEST_CASE("a node's local socket takes only call links that prove the secret and
   // The secret without the lease's token: the node closes the link at its hello.
   auto linked = n.linked_requests();
   CHECK(code_of([&] {
-          node_link::open("127.0.0.1", n.port(), n.local_address(), secret,
+          node_link::open("127.0.0.1", n.port(), n.local_address(), true, secret,
                           std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
         }) == errc::invalid_argument);
   // The executor's own link, on the same socket, still carries its calls.

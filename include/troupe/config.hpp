@@ -137,6 +137,11 @@ struct executor_config {
   /// between threads that block, 2 µs less between threads that poll) rather than TCP. A
   /// node on another host has none that this process can reach: its link is TCP.
   bool node_local_links = true;
+  /// Whether a call link over the local socket moves its frames to memory shared with the
+  /// node (two rings; the socket then only wakes a side that sleeps): on a small VM a
+  /// round trip between threads that poll takes 0.3-0.4 µs through shared memory against
+  /// 3.4 µs through a Unix socket.
+  bool node_shared_memory = true;
   /// Lets the host add settings or message types to the executor's actor system.
   std::function<void(caf::actor_system_config&)> configure_system;
 
