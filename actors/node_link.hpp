@@ -96,6 +96,9 @@ public:
   template <class Keep>
   bool wait(std::chrono::milliseconds limit, Keep keep, int also = -1, bool reader = false) {
     auto came = [&] { return reader ? readable() : arrived(); };
+    // What was read ahead comes first: no wait on the socket for it.
+    if (reader && readable())
+      return !is_shut();
     if (linger_ > timeout_type::zero() && keep() &&
         linger_for(linger_, [&] { return came() || !keep(); }) && came())
       return !is_shut();

@@ -154,6 +154,8 @@ size_t shared_rings::pull(char* data, size_t size) {
     return 0;
   }
   auto n = std::min<uint64_t>(size, have);
+  if (n == 0)
+    return 0; // no store: a reader that polls leaves the writer's cache lines alone
   auto at = read & (capacity_ - 1);
   auto first = std::min<uint64_t>(n, capacity_ - at);
   std::memcpy(data, in_data_ + at, first);

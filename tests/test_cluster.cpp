@@ -545,6 +545,40 @@ std::vector<int> accepted_at(const std::string& address) {
   return descriptors_of(inodes);
 }
 
+/// Mappings of call links' shared rings in this process (a node's and an executor's in
+/// the tests that run both), read from /proc.
+std::vector<std::pair<uintptr_t, uintptr_t>> shared_ring_mappings() {
+  std::vector<std::pair<uintptr_t, uintptr_t>> found;
+  std::ifstream maps{"/proc/self/maps"};
+  std::string line;
+  while (std::getline(maps, line))
+    if (line.find("memfd:troupe-link") != std::string::npos) {
+      auto dash = line.find('-');
+      found.emplace_back(std::stoull(line.substr(0, dash), nullptr, 16),
+                         std::stoull(line.substr(dash + 1), nullptr, 16));
+    }
+  return found;
+}
+
+/// How a call link to a node on this host goes.
+enum class link_via { tcp, unix_socket, shared_memory };
+
+const char* to_string(link_via via) {
+  switch (via) {
+    case link_via::tcp:
+      return "tcp";
+    case link_via::unix_socket:
+      return "unix socket";
+    default:
+      return "shared memory";
+  }
+}
+
+void set_link(executor_config& cfg, link_via via) {
+  cfg.node_local_links = via != link_via::tcp;
+  cfg.node_shared_memory = via == link_via::shared_memory;
+}
+
 /// Whether `holds()` becomes true within 5 s.
 template <class Holds>
 bool eventually(Holds holds) {
@@ -586,19 +620,26 @@ TEST_CASE("the call link to a node on this host goes over its local socket, and 
           "when that is off or out of reach") {
   node n{in_process_node()};
   REQUIRE(n.local_address().rfind("@troupe-node-", 0) == 0);
-  for (bool local : {true, false}) {
-    CAPTURE(local);
+  for (auto via : {link_via::shared_memory, link_via::unix_socket, link_via::tcp}) {
+    CAPTURE(to_string(via));
+    bool local = via != link_via::tcp;
     auto cfg = mixed_config(0, {{"127.0.0.1", n.port(), 2}});
-    cfg.node_local_links = local;
+    set_link(cfg, via);
     auto exec = lease_again_with(cfg, 10);
     REQUIRE(eventually([&] { return n.call_links() == 1; }));
     // BASP's connection, and the link's either beside it on TCP or on the local socket.
     CHECK(connections_to(n.port()).size() == (local ? 1u : 2u));
     CHECK(accepted_at(n.local_address()).size() == (local ? 1u : 0u));
+    // With shared memory both ends map the rings: the node's and the executor's mapping.
+    CHECK(shared_ring_mappings().size() == (via == link_via::shared_memory ? 2u : 0u));
     auto linked = n.linked_requests();
     CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
     CHECK(n.linked_requests() == linked + 2);
+    exec.reset();
+    CHECK(eventually([&] { return n.call_links() == 0; }));
   }
+  // The rings go with their link.
+  CHECK(eventually([&] { return shared_ring_mappings().empty(); }));
   // A local address that nothing answers (a node on another host, or in another network
   // namespace): the link is dialled over TCP, where the node refuses this one's token.
   // (Nothing else logs meanwhile: the sinks are no place for two threads.)
@@ -653,14 +694,16 @@ TEST_CASE("a node's workers read their requests from the call link while they li
 TEST_CASE("a call link that breaks under a call fails it naming the link, and later calls go "
           "over BASP") {
   node n{in_process_node()};
-  for (bool local : {false, true}) {
-    CAPTURE(local);
+  for (auto via : {link_via::tcp, link_via::unix_socket, link_via::shared_memory}) {
+    CAPTURE(to_string(via));
+    bool local = via != link_via::tcp;
     auto cfg = mixed_config(0, {{"127.0.0.1", n.port(), 2}});
-    cfg.node_local_links = local;
+    set_link(cfg, via);
     auto exec = lease_again_with(cfg, 10);
     REQUIRE(eventually([&] { return n.call_links() == 1; }));
     // Over TCP, the executor's end: its connections to the node are BASP's, then the
-    // link's, opened after the lease. On the local socket, the node's end.
+    // link's, opened after the lease. On the local socket, the node's end (with shared
+    // memory the socket still tells the executor that the node's end closed).
     auto fds = local ? accepted_at(n.local_address()) : connections_to(n.port());
     REQUIRE(fds.size() == (local ? 1u : 2u));
     rpc_call_options slow;
@@ -684,6 +727,42 @@ TEST_CASE("a call link that breaks under a call fails it naming the link, and la
     CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
     CHECK(n.linked_requests() == linked);
     CHECK(n.leased_workers() == 2);
+  }
+}
+
+TEST_CASE("shared rings that the executor's side breaks end that link and nothing else: the "
+          "call fails naming it, later calls go over BASP, the node serves the next link") {
+  node n{in_process_node()};
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    auto cfg = mixed_config(0, {{"127.0.0.1", n.port(), 2}});
+    auto exec = lease_again_with(cfg, 10);
+    REQUIRE(eventually([&] { return n.call_links() == 1; }));
+    CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+    auto mappings = shared_ring_mappings();
+    REQUIRE(mappings.size() == 2u);
+    if (round == 1)
+      break; // the node, after the broken link, still gives shared memory
+    // The position up to which the executor read the node's ring, set beyond anything the
+    // node wrote (through either mapping: both are this process's): the node's next reply
+    // finds it impossible.
+    auto* tail = reinterpret_cast<std::atomic<uint64_t>*>(mappings.front().first + 64);
+    tail->store(uint64_t{1} << 60);
+    try {
+      exec->collective_rpc("rank");
+      FAIL("a call went through broken rings");
+    } catch (const error& e) {
+      CHECK(e.code() == errc::worker_died);
+      CHECK_MESSAGE(std::string{e.what()}.find("its call link to node 127.0.0.1:" +
+                                               std::to_string(n.port()) + " closed") !=
+                      std::string::npos,
+                    e.what());
+    }
+    auto linked = n.linked_requests();
+    CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+    CHECK(n.linked_requests() == linked);
+    CHECK(n.leased_workers() == 2);
+    CHECK(eventually([&] { return n.call_links() == 0; }));
   }
 }
 
