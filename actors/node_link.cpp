@@ -107,7 +107,7 @@ bool link_socket::write(kind type, uint64_t key, uint64_t target,
   put_header(header, type, key, target, payload.size());
   std::lock_guard<std::mutex> lk{write_mtx_};
   if (has_rings())
-    return push(header, header_size) && push(payload.data(), payload.size());
+    return push(header, header_size) && (payload.empty() || push(payload.data(), payload.size()));
   iovec parts[2] = {{header, header_size},
                     {const_cast<char*>(payload.data()), payload.size()}};
   msghdr msg{};
@@ -146,12 +146,18 @@ bool link_socket::write(kind type, uint64_t key, uint64_t target,
 
 bool link_socket::push(const char* data, size_t size) {
   auto* rings = rings_.load(std::memory_order_acquire);
+  // As over the socket, a write that the peer's end closed fails.
+  if (is_shut() || ended_.load(std::memory_order_acquire))
+    return false;
   auto until = std::chrono::steady_clock::now() + stall_;
   backoff wait{linger_};
   for (;;) {
     auto n = rings->push(data, size);
     data += n;
     size -= n;
+    // The bound is on a stall: a reader that takes a large frame part by part is none.
+    if (n > 0)
+      until = std::chrono::steady_clock::now() + stall_;
     // A reader asleep is woken for what is there, whole or not: a frame larger than the
     // free room comes in parts, each read to make room for the next.
     if (n > 0 && rings->peer_needs_doorbell()) {
@@ -170,6 +176,17 @@ bool link_socket::push(const char* data, size_t size) {
   }
 }
 
+bool link_socket::closed_lately() const {
+  if (ended_.load(std::memory_order_acquire))
+    return true;
+  auto now = std::chrono::steady_clock::now().time_since_epoch().count();
+  auto next = next_close_check_.load(std::memory_order_relaxed);
+  if (now < next)
+    return false;
+  next_close_check_.store(now + close_check_interval.count(), std::memory_order_relaxed);
+  return peer_closed();
+}
+
 bool link_socket::peer_closed() const {
   if (ended_.load(std::memory_order_acquire))
     return true;
@@ -184,8 +201,16 @@ void link_socket::drain_doorbells() {
   char bells[64];
   for (;;) {
     auto n = recv(fd_, bells, sizeof bells, MSG_DONTWAIT);
-    if (n > 0)
+    if (n > 0) {
+      // The peer rings once for each time this end said it sleeps, at most: more is a
+      // peer that would keep the link's thread awake for nothing.
+      bells_ += static_cast<uint64_t>(n);
+      if (bells_ > sleeps_) {
+        flooded_.store(true, std::memory_order_release);
+        return;
+      }
       continue;
+    }
     if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
       ended_.store(true, std::memory_order_release);
     if (n == 0 || errno != EINTR)
@@ -206,9 +231,17 @@ ssize_t link_socket::take_from_rings(char* data, size_t size, bool wait) {
       errno = EPROTO;
       return -1;
     }
+    if (flooded_.load(std::memory_order_acquire)) {
+      errno = EPROTO;
+      return -1;
+    }
     if (is_shut() || closed)
       return 0;
     if (!wait) {
+      // Readers that poll look at the socket now and then: a peer that closed is seen
+      // within that, not only once the link's thread sleeps on the socket.
+      if (closed_lately())
+        continue; // pulls once more
       errno = EAGAIN;
       return -1;
     }
@@ -258,7 +291,7 @@ bool link_socket::fill(char* data, size_t size, std::string& why) {
       why = "the rest of a frame did not come in time";
       return false;
     } else if (errno == EPROTO) {
-      why = "the peer broke the shared rings";
+      why = "the peer broke the shared-memory protocol";
       return false;
     } else if (errno != EINTR) {
       why = std::string{"the connection broke: "} + std::strerror(errno);
@@ -311,7 +344,7 @@ bool link_socket::whole_frame() {
 
 bool link_socket::arrived() const {
   if (auto* rings = rings_.load(std::memory_order_acquire))
-    return rings->incoming() > 0 || peer_closed();
+    return rings->incoming() > 0 || closed_lately();
   pollfd p{fd_, POLLIN, 0};
   return ::poll(&p, 1, 0) > 0;
 }
@@ -332,7 +365,10 @@ bool link_socket::block_on_rings(int timeout_ms, int also) {
     drain_doorbells();
     if (is_shut())
       return false;
+    if (flooded_.load(std::memory_order_acquire))
+      return true; // the read reports it
     rings->sleeping(true);
+    ++sleeps_;
     if (rings->incoming() > 0 || ended_.load(std::memory_order_acquire)) {
       rings->sleeping(false);
       return true;

@@ -170,6 +170,10 @@ private:
   bool push(const char* data, size_t size);
   /// Whether the peer closed its end (the rings' only sign of it); any thread.
   bool peer_closed() const;
+  /// `peer_closed`, but looking at the socket at most once per `close_check_interval`:
+  /// for readers that poll the rings, for which a `poll` each time would cost more than
+  /// the rest of their loop.
+  bool closed_lately() const;
   /// Reads the doorbells that came, noting an end of the stream.
   void drain_doorbells();
 
@@ -180,6 +184,15 @@ private:
   std::atomic<shared_rings*> rings_{nullptr};
   /// With rings: the socket reached its end (the peer closed).
   mutable std::atomic<bool> ended_{false};
+  static constexpr std::chrono::steady_clock::duration close_check_interval =
+    std::chrono::microseconds(50);
+  /// When `closed_lately` next looks at the socket (steady clock ticks).
+  mutable std::atomic<int64_t> next_close_check_{0};
+  /// With rings, for the one thread that sleeps on the doorbell: how often it said so, and
+  /// the doorbells that came; more doorbells than that breaks the link (`flooded_`).
+  uint64_t sleeps_ = 0;
+  uint64_t bells_ = 0;
+  std::atomic<bool> flooded_{false};
   timeout_type linger_;
   uint64_t max_payload_;
   std::mutex write_mtx_;

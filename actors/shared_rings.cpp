@@ -145,11 +145,20 @@ size_t shared_rings::push(const char* data, size_t size) {
   return n;
 }
 
+bool shared_rings::fresh_head(uint64_t& head) const {
+  head = in_->head.load(std::memory_order_acquire);
+  auto seen = seen_head_.load(std::memory_order_relaxed);
+  while (head > seen && !seen_head_.compare_exchange_weak(seen, head, std::memory_order_relaxed)) {
+  }
+  return head >= seen;
+}
+
 size_t shared_rings::pull(char* data, size_t size) {
-  auto head = in_->head.load(std::memory_order_acquire);
+  uint64_t head;
+  bool fresh = fresh_head(head);
   auto read = read_.load(std::memory_order_relaxed);
   auto have = head - read;
-  if (have > capacity_) {
+  if (!fresh || have > capacity_) {
     broken_.store(true, std::memory_order_release);
     return 0;
   }
@@ -166,8 +175,10 @@ size_t shared_rings::pull(char* data, size_t size) {
 }
 
 size_t shared_rings::incoming() const {
-  auto have = in_->head.load(std::memory_order_acquire) - read_.load(std::memory_order_acquire);
-  return have > capacity_ ? 1 : have;
+  uint64_t head;
+  bool fresh = fresh_head(head);
+  auto have = head - read_.load(std::memory_order_acquire);
+  return !fresh || have > capacity_ ? 1 : have;
 }
 
 void shared_rings::sleeping(bool on) {

@@ -2,7 +2,7 @@
 
 /// @file
 /// Two byte rings in memory shared by two processes on one host, one each way: what a call
-/// link carries once both ends map them (`link_socket::use_rings`). A write is a copy and
+/// link carries once both ends map them (`link_socket::ask_rings`, `offer_rings`). A write is a copy and
 /// an atomic store, and a reader that polls sees it at once, where a Unix socket costs a
 /// `sendmsg` and a `recv` each way.
 ///
@@ -91,6 +91,11 @@ private:
   /// This end's positions; the copies in shared memory are for the peer to read.
   uint64_t written_ = 0;
   std::atomic<uint64_t> read_{0};
+  /// The highest incoming head seen: a head never goes back, and bytes once announced
+  /// (`incoming`) are there to pull.
+  mutable std::atomic<uint64_t> seen_head_{0};
+  /// Reads the incoming head; false when it went back.
+  bool fresh_head(uint64_t& head) const;
   std::atomic<bool> broken_{false};
 };
 

@@ -59,12 +59,15 @@ std::pair<int, int> connected_pair(bool unix_socket) {
 struct link_pair {
   std::unique_ptr<link_socket> node;
   std::unique_ptr<link_socket> executor;
+  /// The executor's descriptor, for bytes that no link socket would write.
+  int executor_fd = -1;
   /// What `ask_rings` returned, and its `why`.
   bool shared = false;
   std::string why;
 
   link_pair(bool unix_socket, uint64_t capacity, timeout_type linger = 0us) {
     auto fds = connected_pair(unix_socket);
+    executor_fd = fds.second;
     node = std::make_unique<link_socket>(fds.first, linger, 64 << 20, 5s);
     executor = std::make_unique<link_socket>(fds.second, linger, 64 << 20, 5s);
     // The node answers the request as its link's reader does.
@@ -124,7 +127,7 @@ TEST_CASE("frames go through shared rings in order, across the wrap, and larger 
       CAPTURE(i);
       link_socket::frame f;
       std::string why;
-      REQUIRE(reader.wait());
+      REQUIRE(reader.wait(5s, [] { return true; }, -1, true));
       REQUIRE_MESSAGE(reader.read(f, why), why);
       CHECK(f.type == link_socket::request);
       CHECK(f.key == i);
@@ -177,6 +180,67 @@ TEST_CASE("a reader asleep on shared rings wakes for a frame, and for the peer's
   std::string why;
   CHECK_FALSE(link.node->read(f, why));
   CHECK(why == "the peer closed the connection");
+}
+
+TEST_CASE("through shared rings a ping-pong of thousands of rounds between threads that sleep "
+          "at once loses no wake-up") {
+  // No lingering: every wait that finds nothing says it sleeps and sleeps, so each round
+  // races a writer's doorbell against a reader going to sleep.
+  link_pair link{true, 4096};
+  REQUIRE(link.shared);
+  auto pong = std::async(std::launch::async, [&] {
+    for (int i = 0; i < 3000; ++i) {
+      link_socket::frame f;
+      std::string why;
+      if (!link.node->wait(5s, [] { return false; }, -1, true) || !link.node->read(f, why) ||
+          f.key != static_cast<uint64_t>(i) ||
+          !link.node->write(link_socket::pong, f.key, 0, f.payload))
+        return i;
+    }
+    return 3000;
+  });
+  int round = 0;
+  for (; round < 3000; ++round) {
+    link_socket::frame f;
+    std::string why;
+    if (!link.executor->write(link_socket::ping, round, 0, pattern(round % 50, round)) ||
+        !link.executor->wait(5s, [] { return false; }, -1, true) ||
+        !link.executor->read(f, why) || f.key != static_cast<uint64_t>(round) ||
+        f.payload != pattern(round % 50, round))
+      break;
+  }
+  CHECK(round == 3000);
+  CHECK(pong.get() == 3000);
+}
+
+TEST_CASE("shut wakes a thread asleep on shared rings, and a peer that floods the socket "
+          "with doorbells breaks the link") {
+  {
+    link_pair link{true, 4096};
+    REQUIRE(link.shared);
+    auto waited = std::async(std::launch::async,
+                             [&] { return link.node->wait(std::chrono::milliseconds(-1),
+                                                          [] { return false; }, -1, true); });
+    std::this_thread::sleep_for(20ms);
+    link.node->shut();
+    REQUIRE(waited.wait_for(5s) == std::future_status::ready);
+    waited.get(); // woken, by the end that the next read reports
+    link_socket::frame f;
+    std::string why;
+    CHECK_FALSE(link.node->read(f, why));
+    CHECK(why == "closed");
+    CHECK_FALSE(link.node->write(link_socket::ping, 1, 0, {}));
+  }
+  link_pair link{true, 4096};
+  REQUIRE(link.shared);
+  // A doorbell for each time the node sleeps is all a peer may ring.
+  std::string bells(1000, 'x');
+  REQUIRE(send(link.executor_fd, bells.data(), bells.size(), MSG_NOSIGNAL) == 1000);
+  REQUIRE(link.node->wait(5s, [] { return false; }, -1, true));
+  link_socket::frame f;
+  std::string why;
+  CHECK_FALSE(link.node->read(f, why));
+  CHECK(why == "the peer broke the shared-memory protocol");
 }
 
 TEST_CASE("over TCP a request for shared memory is declined and the frames stay on the "
@@ -236,6 +300,13 @@ TEST_CASE("positions a peer breaks in shared rings end the link, and nothing is 
     REQUIRE(executor->push(out.data(), 10) == 10);
     node_head->store(10 + 4097);
     CHECK(node->incoming() > 0); // the reader looks, and finds
+    CHECK(node->pull(in.data(), in.size()) == 0);
+    CHECK(node->broken());
+  }
+  SUBCASE("a head moved back after it announced bytes") {
+    REQUIRE(executor->push(out.data(), 100) == 100);
+    CHECK(node->incoming() == 100);
+    node_head->store(50);
     CHECK(node->pull(in.data(), in.size()) == 0);
     CHECK(node->broken());
   }
