@@ -579,6 +579,26 @@ void set_link(executor_config& cfg, link_via via) {
   cfg.node_shared_memory = via == link_via::shared_memory;
 }
 
+/// `call` fails as a call whose link to `n` broke under it does, naming the link; the
+/// node's two workers live, and what follows reaches them over BASP.
+template <class Call>
+void link_broke_under(node& n, executor& exec, Call call) {
+  try {
+    call();
+    FAIL("the call survived its link");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::worker_died);
+    CHECK_MESSAGE(std::string{e.what()}.find("its call link to node 127.0.0.1:" +
+                                             std::to_string(n.port()) + " closed") !=
+                    std::string::npos,
+                  e.what());
+  }
+  auto linked = n.linked_requests();
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  CHECK(n.linked_requests() == linked);
+  CHECK(n.leased_workers() == 2);
+}
+
 /// Whether `holds()` becomes true within 5 s.
 template <class Holds>
 bool eventually(Holds holds) {
@@ -714,21 +734,7 @@ TEST_CASE("a call link that breaks under a call fails it naming the link, and la
     std::this_thread::sleep_for(100ms);
     ::shutdown(fds.back(), SHUT_RDWR);
     REQUIRE(call.wait_for(10s) == std::future_status::ready);
-    try {
-      call.get();
-      FAIL("the call survived its link");
-    } catch (const error& e) {
-      CHECK(e.code() == errc::worker_died);
-      CHECK_MESSAGE(std::string{e.what()}.find("its call link to node 127.0.0.1:" +
-                                               std::to_string(n.port()) + " closed") !=
-                      std::string::npos,
-                    e.what());
-    }
-    // The workers live, and what follows reaches them over BASP.
-    auto linked = n.linked_requests();
-    CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
-    CHECK(n.linked_requests() == linked);
-    CHECK(n.leased_workers() == 2);
+    link_broke_under(n, *exec, [&] { call.get(); });
   }
 }
 
@@ -750,20 +756,7 @@ TEST_CASE("shared rings that the executor's side breaks end that link and nothin
     // finds it impossible.
     auto* tail = reinterpret_cast<std::atomic<uint64_t>*>(mappings.front().first + 64);
     tail->store(uint64_t{1} << 60);
-    try {
-      exec->collective_rpc("rank");
-      FAIL("a call went through broken rings");
-    } catch (const error& e) {
-      CHECK(e.code() == errc::worker_died);
-      CHECK_MESSAGE(std::string{e.what()}.find("its call link to node 127.0.0.1:" +
-                                               std::to_string(n.port()) + " closed") !=
-                      std::string::npos,
-                    e.what());
-    }
-    auto linked = n.linked_requests();
-    CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
-    CHECK(n.linked_requests() == linked);
-    CHECK(n.leased_workers() == 2);
+    link_broke_under(n, *exec, [&] { exec->collective_rpc("rank"); });
     CHECK(eventually([&] { return n.call_links() == 0; }));
   }
 }

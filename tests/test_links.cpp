@@ -90,6 +90,14 @@ std::vector<char> pattern(size_t size, unsigned seed) {
   return bytes;
 }
 
+/// Why the next read on `end` fails, once something came: empty when it succeeds.
+std::string why_read_fails(link_socket& end) {
+  REQUIRE(end.wait(5s, [] { return false; }, -1, true));
+  link_socket::frame f;
+  std::string why;
+  return end.read(f, why) ? std::string{} : why;
+}
+
 /// The bytes of the mapping `rings` made, as a third party (another mapping of it) sees
 /// them: a peer that writes where it likes.
 char* scribbler(const shared_rings& rings) {
@@ -175,11 +183,7 @@ TEST_CASE("a reader asleep on shared rings wakes for a frame, and for the peer's
     REQUIRE_MESSAGE(link.node->read(f, why), why);
     CHECK(f.key == key);
   }
-  REQUIRE(link.node->wait(5s, [] { return false; }, -1, true));
-  link_socket::frame f;
-  std::string why;
-  CHECK_FALSE(link.node->read(f, why));
-  CHECK(why == "the peer closed the connection");
+  CHECK(why_read_fails(*link.node) == "the peer closed the connection");
 }
 
 TEST_CASE("through shared rings a ping-pong of thousands of rounds between threads that sleep "
@@ -236,11 +240,7 @@ TEST_CASE("shut wakes a thread asleep on shared rings, and a peer that floods th
   // A doorbell for each time the node sleeps is all a peer may ring.
   std::string bells(1000, 'x');
   REQUIRE(send(link.executor_fd, bells.data(), bells.size(), MSG_NOSIGNAL) == 1000);
-  REQUIRE(link.node->wait(5s, [] { return false; }, -1, true));
-  link_socket::frame f;
-  std::string why;
-  CHECK_FALSE(link.node->read(f, why));
-  CHECK(why == "the peer broke the shared-memory protocol");
+  CHECK(why_read_fails(*link.node) == "the peer broke the shared-memory protocol");
 }
 
 TEST_CASE("over TCP a request for shared memory is declined and the frames stay on the "
