@@ -393,25 +393,21 @@ struct frame_gateway::impl {
     addr.sun_family = AF_UNIX;
     std::memcpy(addr.sun_path + 1, name.data(), name.size()); // sun_path[0] == 0: abstract
     auto size = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
-    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    boost::system::error_code ec;
-    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), size) != 0 ||
-        ::listen(fd, SOMAXCONN) != 0) {
+    auto give_up = [this](int fd, const std::string& why) {
       settings->log->warn("no local socket for call links ({}): links from this host come "
                           "over TCP",
-                          std::strerror(errno));
+                          why);
       if (fd >= 0)
         ::close(fd);
-      return;
-    }
+    };
+    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), size) != 0 ||
+        ::listen(fd, SOMAXCONN) != 0)
+      return give_up(fd, std::strerror(errno));
+    boost::system::error_code ec;
     local_acceptor.assign(asio::local::stream_protocol{}, fd, ec);
-    if (ec) {
-      settings->log->warn("no local socket for call links ({}): links from this host come "
-                          "over TCP",
-                          ec.message());
-      ::close(fd);
-      return;
-    }
+    if (ec)
+      return give_up(fd, ec.message());
     local_address = "@" + name;
   }
 

@@ -106,8 +106,13 @@ bool link_socket::write(kind type, uint64_t key, uint64_t target,
   char header[header_size];
   put_header(header, type, key, target, payload.size());
   std::lock_guard<std::mutex> lk{write_mtx_};
-  if (has_rings())
-    return push(header, header_size) && (payload.empty() || push(payload.data(), payload.size()));
+  if (has_rings()) {
+    bool pushed =
+      push(header, header_size) && (payload.empty() || push(payload.data(), payload.size()));
+    // One doorbell for the frame, if its reader sleeps.
+    ring_doorbell();
+    return pushed;
+  }
   iovec parts[2] = {{header, header_size},
                     {const_cast<char*>(payload.data()), payload.size()}};
   msghdr msg{};
@@ -158,14 +163,11 @@ bool link_socket::push(const char* data, size_t size) {
     // The bound is on a stall: a reader that takes a large frame part by part is none.
     if (n > 0)
       until = std::chrono::steady_clock::now() + stall_;
-    // A reader asleep is woken for what is there, whole or not: a frame larger than the
-    // free room comes in parts, each read to make room for the next.
-    if (n > 0 && rings->peer_needs_doorbell()) {
-      char bell = 0;
-      [[maybe_unused]] auto sent = send(fd_, &bell, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
-    }
     if (size == 0)
       return true;
+    // A frame larger than the free room comes in parts: a reader asleep is woken to take
+    // what is there (this frame's first parts, or the frames before it) and make room.
+    ring_doorbell();
     // Part of a frame may have gone: nothing may follow it.
     if (rings->broken() || is_shut() || peer_closed() ||
         std::chrono::steady_clock::now() >= until) {
@@ -174,6 +176,18 @@ bool link_socket::push(const char* data, size_t size) {
     }
     wait.pause();
   }
+}
+
+void link_socket::ring_doorbell() {
+  if (rings_.load(std::memory_order_acquire)->peer_needs_doorbell()) {
+    char bell = 0;
+    [[maybe_unused]] auto sent = send(fd_, &bell, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+  }
+}
+
+void link_socket::use_rings(std::unique_ptr<shared_rings> rings) {
+  owned_rings_ = std::move(rings);
+  rings_.store(owned_rings_.get(), std::memory_order_release);
 }
 
 bool link_socket::closed_lately() const {
@@ -227,11 +241,7 @@ ssize_t link_socket::take_from_rings(char* data, size_t size, bool wait) {
     bool closed = ended_.load(std::memory_order_acquire);
     if (auto n = rings->pull(data, size))
       return static_cast<ssize_t>(n);
-    if (rings->broken()) {
-      errno = EPROTO;
-      return -1;
-    }
-    if (flooded_.load(std::memory_order_acquire)) {
+    if (rings->broken() || flooded_.load(std::memory_order_acquire)) {
       errno = EPROTO;
       return -1;
     }
@@ -472,8 +482,7 @@ bool link_socket::offer_rings(uint64_t capacity, std::string& why) {
   }
   if (made) {
     made->passed();
-    owned_rings_ = std::move(made);
-    rings_.store(owned_rings_.get(), std::memory_order_release);
+    use_rings(std::move(made));
   }
   return true;
 }
@@ -551,8 +560,7 @@ bool link_socket::ask_rings(std::chrono::steady_clock::time_point deadline, std:
   try {
     auto rings = shared_rings::adopt(passed, get_le<uint64_t>(frame + header_size));
     std::lock_guard<std::mutex> lk{write_mtx_};
-    owned_rings_ = std::move(rings);
-    rings_.store(owned_rings_.get(), std::memory_order_release);
+    use_rings(std::move(rings));
   } catch (const error& e) {
     why = e.what();
     return false;

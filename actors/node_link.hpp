@@ -166,8 +166,12 @@ private:
   /// `take_some` from the rings: what came, else (with `wait`) waits for it up to the
   /// stall bound.
   ssize_t take_from_rings(char* data, size_t size, bool wait);
-  /// `write` through the rings; holds `write_mtx_`.
+  /// `write` through the rings, without the frame's doorbell; holds `write_mtx_`.
   bool push(const char* data, size_t size);
+  /// Wakes the peer's reader if it sleeps; holds `write_mtx_`.
+  void ring_doorbell();
+  /// The frames go through `rings` from now on; holds `write_mtx_`, and the reader's side.
+  void use_rings(std::unique_ptr<shared_rings> rings);
   /// Whether the peer closed its end (the rings' only sign of it); any thread.
   bool peer_closed() const;
   /// `peer_closed`, but looking at the socket at most once per `close_check_interval`:

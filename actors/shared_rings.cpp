@@ -81,21 +81,20 @@ std::unique_ptr<shared_rings> shared_rings::create(uint64_t capacity) {
   int fd = memfd_create("troupe-link", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0)
     throw error{errc::worker_error, system_error("memfd_create")};
+  auto fail = [fd](const char* what) {
+    auto why = system_error(what);
+    ::close(fd);
+    throw error{errc::worker_error, why};
+  };
   auto size = mapped_size(capacity);
   // Sealed before the peer sees it: it cannot shrink the file under this process's mapping
   // (which would fault here) nor lift the seals.
   if (ftruncate(fd, static_cast<off_t>(size)) != 0 ||
-      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    auto why = system_error("sizing and sealing the shared rings");
-    ::close(fd);
-    throw error{errc::worker_error, why};
-  }
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
+    fail("sizing and sealing the shared rings");
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (base == MAP_FAILED) {
-    auto why = system_error("mapping the shared rings");
-    ::close(fd);
-    throw error{errc::worker_error, why};
-  }
+  if (base == MAP_FAILED)
+    fail("mapping the shared rings");
   return std::unique_ptr<shared_rings>{new shared_rings{fd, capacity, base, true}};
 }
 

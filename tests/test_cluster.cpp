@@ -574,11 +574,6 @@ const char* to_string(link_via via) {
   }
 }
 
-void set_link(executor_config& cfg, link_via via) {
-  cfg.node_local_links = via != link_via::tcp;
-  cfg.node_shared_memory = via == link_via::shared_memory;
-}
-
 /// `call` fails as a call whose link to `n` broke under it does, naming the link; the
 /// node's two workers live, and what follows reaches them over BASP.
 template <class Call>
@@ -605,6 +600,17 @@ bool eventually(Holds holds) {
   for (auto until = clock_type::now() + 5s; !holds() && clock_type::now() < until;)
     std::this_thread::sleep_for(1ms);
   return holds();
+}
+
+/// An executor that leased `n`'s two workers, once its call link to `n`, made as `via`
+/// says, is open.
+std::unique_ptr<executor> linked_executor(node& n, link_via via) {
+  auto cfg = mixed_config(0, {{"127.0.0.1", n.port(), 2}});
+  cfg.node_local_links = via != link_via::tcp;
+  cfg.node_shared_memory = via == link_via::shared_memory;
+  auto exec = lease_again_with(cfg, 10);
+  REQUIRE(eventually([&] { return n.call_links() == 1; }));
+  return exec;
 }
 
 } // namespace
@@ -643,10 +649,7 @@ TEST_CASE("the call link to a node on this host goes over its local socket, and 
   for (auto via : {link_via::shared_memory, link_via::unix_socket, link_via::tcp}) {
     CAPTURE(to_string(via));
     bool local = via != link_via::tcp;
-    auto cfg = mixed_config(0, {{"127.0.0.1", n.port(), 2}});
-    set_link(cfg, via);
-    auto exec = lease_again_with(cfg, 10);
-    REQUIRE(eventually([&] { return n.call_links() == 1; }));
+    auto exec = linked_executor(n, via);
     // BASP's connection, and the link's either beside it on TCP or on the local socket.
     CHECK(connections_to(n.port()).size() == (local ? 1u : 2u));
     CHECK(accepted_at(n.local_address()).size() == (local ? 1u : 0u));
@@ -719,10 +722,7 @@ TEST_CASE("a call link that breaks under a call fails it naming the link, and la
   for (auto via : {link_via::tcp, link_via::unix_socket, link_via::shared_memory}) {
     CAPTURE(to_string(via));
     bool local = via != link_via::tcp;
-    auto cfg = mixed_config(0, {{"127.0.0.1", n.port(), 2}});
-    set_link(cfg, via);
-    auto exec = lease_again_with(cfg, 10);
-    REQUIRE(eventually([&] { return n.call_links() == 1; }));
+    auto exec = linked_executor(n, via);
     // Over TCP, the executor's end: its connections to the node are BASP's, then the
     // link's, opened after the lease. On the local socket, the node's end (with shared
     // memory the socket still tells the executor that the node's end closed).
@@ -743,9 +743,7 @@ TEST_CASE("shared rings that the executor's side breaks end that link and nothin
   node n{in_process_node()};
   for (int round = 0; round < 2; ++round) {
     CAPTURE(round);
-    auto cfg = mixed_config(0, {{"127.0.0.1", n.port(), 2}});
-    auto exec = lease_again_with(cfg, 10);
-    REQUIRE(eventually([&] { return n.call_links() == 1; }));
+    auto exec = linked_executor(n, link_via::shared_memory);
     CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
     REQUIRE(eventually([&] { return shared_ring_mappings().size() == 2u; }));
     auto mappings = shared_ring_mappings();
