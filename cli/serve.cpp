@@ -21,6 +21,11 @@ std::shared_ptr<command> add_serve(CLI::App& app) {
     bool enable_admin_api = false;
     int max_waiting = 256;
     double drain_timeout_s = 30;
+    size_t max_connections = server_config{}.max_connections;
+    double idle_timeout_s = 30;
+    double header_timeout_s = 10;
+    double body_timeout_s = 60;
+    double send_timeout_s = 60;
   };
   auto o = std::make_shared<options>();
   auto cmd = std::make_shared<command>();
@@ -50,6 +55,21 @@ std::shared_ptr<command> add_serve(CLI::App& app) {
                   "Seconds SIGINT/SIGTERM let running requests finish before aborting them")
     ->check(CLI::NonNegativeNumber)
     ->capture_default_str();
+  sub->add_option("--max-connections", o->max_connections,
+                  "Connections open at once; more are answered 503 (keep it below the file "
+                  "descriptor limit)")
+    ->check(CLI::Range(size_t{1}, size_t{1} << 24))
+    ->capture_default_str();
+  auto seconds = [&](const char* name, double& value, const char* what) {
+    sub->add_option(name, value, what)->check(CLI::PositiveNumber)->capture_default_str();
+  };
+  seconds("--idle-timeout", o->idle_timeout_s,
+          "Seconds a connection may wait to begin a request before it is closed");
+  seconds("--header-timeout", o->header_timeout_s,
+          "Seconds a request's line and headers may take from their first byte");
+  seconds("--body-timeout", o->body_timeout_s, "Seconds a request's body may take");
+  seconds("--send-timeout", o->send_timeout_s,
+          "Seconds a write to a client may make no progress before the connection ends");
   add_engine_options(*sub, o->engine);
   cmd->run = [o] {
     server_config sc;
@@ -66,7 +86,13 @@ std::shared_ptr<command> add_serve(CLI::App& app) {
     }
     sc.enable_admin_api = o->enable_admin_api;
     sc.max_waiting_requests = o->max_waiting;
-    sc.drain_timeout = std::chrono::milliseconds(static_cast<int64_t>(o->drain_timeout_s * 1000));
+    auto ms = [](double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000)); };
+    sc.drain_timeout = ms(o->drain_timeout_s);
+    sc.max_connections = o->max_connections;
+    sc.idle_timeout = ms(o->idle_timeout_s);
+    sc.header_timeout = ms(o->header_timeout_s);
+    sc.body_timeout = ms(o->body_timeout_s);
+    sc.send_timeout = ms(o->send_timeout_s);
     llm model{engine_config(o->engine, sc.loras.size())};
     server s{model, sc};
     s.drain_on_signals();

@@ -256,6 +256,21 @@ bool llm::has_tokenizer() const {
   return impl_->tok.has_value();
 }
 
+std::vector<int32_t> llm::tokenize(const std::string& text, bool add_special_tokens) const {
+  auto& d = *impl_;
+  if (!d.tok)
+    throw error{errc::invalid_argument,
+                (d.tokenizer_problem.empty()
+                   ? std::string{"the model has no tokenizer"}
+                   : "the model's tokenizer cannot be used (" + d.tokenizer_problem + ")") +
+                  ": give prompt token ids instead of text"};
+  return d.tok->encode(text, true, add_special_tokens);
+}
+
+int64_t llm::vocab_size() const {
+  return impl_->model.vocab_size;
+}
+
 std::string llm::decode(const std::vector<int32_t>& token_ids) const {
   return impl_->tok ? impl_->tok->decode(token_ids, true) : std::string{};
 }
@@ -392,14 +407,14 @@ int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_
   out.prompt = req.prompt;
   if (!req.prompt_token_ids.empty()) {
     out.prompt_token_ids = req.prompt_token_ids;
+    auto vocab = vocab_size();
+    for (auto id : out.prompt_token_ids)
+      if (id < 0 || id >= vocab)
+        throw error{errc::invalid_argument, "prompt token id " + std::to_string(id) +
+                                              " is not in the model's vocabulary (0 to " +
+                                              std::to_string(vocab - 1) + ")"};
   } else {
-    if (!d.tok)
-      throw error{errc::invalid_argument,
-                  (d.tokenizer_problem.empty()
-                     ? std::string{"the model has no tokenizer"}
-                     : "the model's tokenizer cannot be used (" + d.tokenizer_problem + ")") +
-                    ": give prompt token ids instead of text"};
-    out.prompt_token_ids = d.tok->encode(req.prompt, true, req.add_special_tokens);
+    out.prompt_token_ids = tokenize(req.prompt, req.add_special_tokens);
   }
   engine_request r;
   if (req.prompt_adapter) {

@@ -1,12 +1,12 @@
 #include "model/adapters.hpp"
 
+#include "model/mapped_file.hpp"
 #include "troupe/errors.hpp"
 
 #include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 
 namespace troupe {
 
@@ -20,10 +20,9 @@ using json = nlohmann::json;
 
 json read_adapter_config(const std::string& path) {
   auto file = (std::filesystem::path{path} / "adapter_config.json").string();
-  std::ifstream in{file};
-  if (!in)
+  if (!std::filesystem::exists(file))
     bad_adapter(path, "no adapter_config.json");
-  auto config = json::parse(in, nullptr, false);
+  auto config = json::parse(read_small_file(file, "adapter config", 1 << 20), nullptr, false);
   if (config.is_discarded() || !config.is_object())
     bad_adapter(path, "adapter_config.json is not a JSON object");
   return config;

@@ -1,6 +1,7 @@
 #include "model/checkpoint.hpp"
 
 #include "model/gguf.hpp"
+#include "model/mapped_file.hpp"
 #include "troupe/errors.hpp"
 
 #include <nlohmann/json.hpp>
@@ -9,7 +10,6 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <set>
 
 namespace troupe {
@@ -23,8 +23,8 @@ checkpoint::checkpoint(const std::string& directory) : directory_(directory) {
   auto index_path = fs::path{directory} / "model.safetensors.index.json";
   auto single_path = fs::path{directory} / "model.safetensors";
   if (fs::exists(index_path)) {
-    std::ifstream in{index_path};
-    auto index = nlohmann::json::parse(in, nullptr, false);
+    auto index = nlohmann::json::parse(
+      read_small_file(index_path.string(), "safetensors index", 64 << 20), nullptr, false);
     if (index.is_discarded() || !index.contains("weight_map") || !index["weight_map"].is_object())
       throw error{errc::invalid_argument,
                   "'" + index_path.string() + "' has no weight_map object"};

@@ -1,14 +1,14 @@
 #include "model/config.hpp"
 
+#include "model/mapped_file.hpp"
 #include "troupe/errors.hpp"
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
+#include <filesystem>
 #include <limits>
-#include <sstream>
 
 namespace troupe {
 
@@ -306,20 +306,13 @@ model_config parse_model_config(const std::string& json_text, const std::string&
 
 model_config load_model_config(const std::string& directory) {
   auto path = directory + "/config.json";
-  std::ifstream in{path};
-  if (!in)
-    throw error{errc::invalid_argument, "cannot read model config '" + path + "'"};
-  std::stringstream text;
-  text << in.rdbuf();
-  auto c = parse_model_config(text.str(), path);
+  auto c = parse_model_config(read_small_file(path, "model config", 16 << 20), path);
   // generation_config.json's end tokens end sequences too (as vLLM adds them to a
   // request's stop tokens): Llama 3 Instruct lists its end of turn there.
   auto generation = directory + "/generation_config.json";
-  std::ifstream gen{generation};
-  if (gen) {
-    std::stringstream gen_text;
-    gen_text << gen.rdbuf();
-    auto j = json::parse(gen_text.str(), nullptr, false);
+  if (std::filesystem::exists(generation)) {
+    auto j = json::parse(read_small_file(generation, "generation config", 16 << 20), nullptr,
+                         false);
     if (j.is_discarded() || !j.is_object())
       bad_config(generation, "not a JSON object");
     for (auto id : token_ids(j, "eos_token_id", generation))

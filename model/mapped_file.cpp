@@ -13,11 +13,15 @@
 
 namespace troupe {
 
-mapped_file::mapped_file(const std::string& path, const char* kind, std::size_t min_size) {
+namespace {
+
+/// An open descriptor of the regular file at `path` and its size; throws naming the file,
+/// prefixed with `kind`. Non-blocking, so that a FIFO or a device is refused instead of
+/// waiting forever.
+int open_regular(const std::string& path, const char* kind, std::size_t& size) {
   auto fail = [&](const std::string& what) {
     throw error{errc::invalid_argument, std::string{kind} + " '" + path + "': " + what};
   };
-  // Non-blocking, so that a FIFO or a device is refused below instead of waiting forever.
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0)
     fail(std::strerror(errno));
@@ -31,7 +35,17 @@ mapped_file::mapped_file(const std::string& path, const char* kind, std::size_t 
     ::close(fd);
     fail("not a regular file");
   }
-  size_ = static_cast<std::size_t>(st.st_size);
+  size = static_cast<std::size_t>(st.st_size);
+  return fd;
+}
+
+} // namespace
+
+mapped_file::mapped_file(const std::string& path, const char* kind, std::size_t min_size) {
+  auto fail = [&](const std::string& what) {
+    throw error{errc::invalid_argument, std::string{kind} + " '" + path + "': " + what};
+  };
+  int fd = open_regular(path, kind, size_);
   if (size_ < min_size) {
     ::close(fd);
     fail("only " + std::to_string(size_) + " bytes, too short for a header");
@@ -43,6 +57,33 @@ mapped_file::mapped_file(const std::string& path, const char* kind, std::size_t 
     map_ = nullptr;
     fail(std::string{"mmap failed: "} + std::strerror(err));
   }
+}
+
+std::string read_small_file(const std::string& path, const char* kind, std::size_t max_bytes) {
+  std::size_t size = 0;
+  int fd = open_regular(path, kind, size);
+  auto fail = [&](const std::string& what) {
+    ::close(fd);
+    throw error{errc::invalid_argument, std::string{kind} + " '" + path + "': " + what};
+  };
+  if (size > max_bytes)
+    fail(std::to_string(size) + " bytes, more than the " + std::to_string(max_bytes) +
+         " such a file may have");
+  std::string text(size, '\0');
+  std::size_t got = 0;
+  while (got < size) {
+    auto n = ::read(fd, text.data() + got, size - got);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n < 0)
+      fail(std::strerror(errno));
+    if (n == 0)
+      break; // it shrank meanwhile: what is there
+    got += static_cast<std::size_t>(n);
+  }
+  text.resize(got);
+  ::close(fd);
+  return text;
 }
 
 bool mapped_file::contains(const void* p) const {

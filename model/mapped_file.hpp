@@ -36,4 +36,10 @@ private:
   std::size_t size_ = 0;
 };
 
+/// The bytes of the regular file at `path` (a JSON config, a tokenizer). Throws
+/// `troupe::error` (`invalid_argument`) naming the file, prefixed with `kind`, when it is
+/// missing, not a regular file (a FIFO would block the reader for as long as its writer
+/// likes) or larger than `max_bytes`.
+std::string read_small_file(const std::string& path, const char* kind, std::size_t max_bytes);
+
 } // namespace troupe

@@ -1,10 +1,9 @@
 #include "model/sentencepiece.hpp"
 
+#include "model/mapped_file.hpp"
 #include "troupe/errors.hpp"
 
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <string_view>
 
 namespace troupe {
@@ -116,10 +115,7 @@ private:
 } // namespace
 
 sentencepiece_model read_sentencepiece_model(const std::string& path) {
-  std::ifstream in{path, std::ios::binary};
-  if (!in)
-    throw error{errc::invalid_argument, "SentencePiece model '" + path + "' cannot be read"};
-  std::string data{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  auto data = read_small_file(path, "SentencePiece model", 1 << 30);
   sentencepiece_model m;
   // Field numbers of sentencepiece_model.proto.
   wire_reader model{data, path};

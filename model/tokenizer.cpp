@@ -2,6 +2,7 @@
 
 #include "model/gguf.hpp"
 #include "model/sentencepiece.hpp"
+#include "model/mapped_file.hpp"
 #include "troupe/errors.hpp"
 
 #include <boost/regex/icu.hpp>
@@ -14,7 +15,6 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
@@ -681,10 +681,7 @@ tokenizer tokenizer::from_json(const std::string& path) {
 }
 
 tokenizer tokenizer::read_json(const std::string& path) {
-  std::ifstream in{path};
-  if (!in)
-    bad(path, "cannot be read");
-  auto j = nlohmann::json::parse(in, nullptr, false);
+  auto j = nlohmann::json::parse(read_small_file(path, "tokenizer", 1 << 30), nullptr, false);
   if (j.is_discarded() || !j.contains("model"))
     bad(path, "is not a tokenizer.json");
   auto& model = j["model"];

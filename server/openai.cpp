@@ -1,5 +1,8 @@
 #include "server/openai.hpp"
 
+#include <cmath>
+#include <limits>
+
 namespace troupe {
 
 using nlohmann::json;
@@ -20,25 +23,35 @@ namespace {
   throw http_error{400, "invalid_request_error", message, param};
 }
 
-/// `body[key]` as a T when present and not null; refuses another type.
+/// `body[key]` as a T when present and not null; refuses another type, an integer out of
+/// T's range and a number that is not finite as a T (1e308 as a float).
 template <class T>
 std::optional<T> field(const json& body, const char* key, const char* what) {
   auto at = body.find(key);
   if (at == body.end() || at->is_null())
     return std::nullopt;
-  bool ok = false;
-  if constexpr (std::is_same_v<T, bool>)
-    ok = at->is_boolean();
-  else if constexpr (std::is_integral_v<T>)
-    ok = at->is_number_integer();
-  else if constexpr (std::is_floating_point_v<T>)
-    ok = at->is_number();
-  else if constexpr (std::is_same_v<T, std::string>)
-    ok = at->is_string();
-  else
-    ok = true;
-  if (!ok)
-    bad(std::string{"'"} + key + "' must be " + what, key);
+  auto wrong = [&] { bad(std::string{"'"} + key + "' must be " + what, key); };
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!at->is_boolean())
+      wrong();
+  } else if constexpr (std::is_integral_v<T>) {
+    if (!at->is_number_integer())
+      wrong();
+    bool fits = at->is_number_unsigned()
+                  ? at->get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
+                  : at->get<int64_t>() >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
+                      at->get<int64_t>() <= static_cast<int64_t>(std::numeric_limits<T>::max());
+    if (!fits)
+      bad(std::string{"'"} + key + "' is out of range: " + at->dump(), key);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (!at->is_number())
+      wrong();
+    if (!std::isfinite(static_cast<T>(at->get<double>())))
+      bad(std::string{"'"} + key + "' is out of range: " + at->dump(), key);
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (!at->is_string())
+      wrong();
+  }
   return at->get<T>();
 }
 
@@ -96,7 +109,8 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
         cm.content = content.get<std::string>();
       } else if (content.is_array()) { // parts: only text ones
         for (auto& part : content) {
-          if (!part.is_object() || part.value("type", "") != "text" || !part["text"].is_string())
+          if (!part.is_object() || !part.contains("type") || part["type"] != "text" ||
+              !part.contains("text") || !part["text"].is_string())
             bad("only text message parts are supported", "messages");
           cm.content += part["text"].get<std::string>();
         }
@@ -107,12 +121,9 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
     }
     req.logprobs = field<bool>(body, "logprobs", "a boolean").value_or(false);
     req.top_logprobs = field<int32_t>(body, "top_logprobs", "an integer").value_or(0);
-    if (auto max = field<int32_t>(body, "max_completion_tokens", "an integer"))
-      sp.max_tokens = *max;
-    else if (auto max = field<int32_t>(body, "max_tokens", "an integer"))
-      sp.max_tokens = *max;
-    else
-      sp.max_tokens = -1; // to the model's length (the server fills it in)
+    req.max_tokens = field<int32_t>(body, "max_completion_tokens", "an integer");
+    if (!req.max_tokens)
+      req.max_tokens = field<int32_t>(body, "max_tokens", "an integer");
   } else {
     auto prompt = body.find("prompt");
     if (prompt == body.end())
@@ -136,14 +147,14 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
       req.logprobs = true;
       req.top_logprobs = *n;
     }
-    sp.max_tokens = field<int32_t>(body, "max_tokens", "an integer").value_or(16);
+    req.max_tokens = field<int32_t>(body, "max_tokens", "an integer").value_or(16);
     if (field<bool>(body, "echo", "a boolean").value_or(false))
       bad("'echo' is not supported", "echo");
   }
   if (req.top_logprobs < 0 || req.top_logprobs > 20)
     bad("'top_logprobs' must be between 0 and 20", "top_logprobs");
   sp.logprobs = req.logprobs ? req.top_logprobs : 0;
-  if (sp.max_tokens == 0 || sp.max_tokens < -1)
+  if (req.max_tokens && *req.max_tokens < 1)
     bad("'max_tokens' must be at least 1", "max_tokens");
   sp.temperature = field<float>(body, "temperature", "a number").value_or(1.0f);
   if (sp.temperature < 0)

@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -41,6 +42,10 @@ struct openai_request {
   /// sample; `lora` is set by the server from `model`.
   generation_request generation;
   std::vector<chat_message> messages;
+  /// `max_tokens` (`max_completion_tokens`) as given: a chat without it may fill the model's
+  /// length; a completion's default is OpenAI's 16. The server checks it against the
+  /// prompt's length and sets `generation.sampling.max_tokens`.
+  std::optional<int32_t> max_tokens;
   bool stream = false;
   bool include_usage = false;
   /// Whether the response carries logprobs, and how many alternatives at each token.
@@ -49,7 +54,8 @@ struct openai_request {
 };
 
 /// Parses a request body. Throws `http_error` (400) naming the field for bad JSON, a field
-/// of the wrong type or out of range, or what the engine does not do (`n` > 1).
+/// of the wrong type or out of its type's range (an integer that does not fit, a number
+/// that is not finite as a float), or what the engine does not do (`n` > 1).
 openai_request parse_openai_request(const std::string& body, bool chat);
 
 /// What a finished or streaming request sends, given its id and creation time.

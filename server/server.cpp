@@ -4,8 +4,7 @@
 
 #include "troupe/server.hpp"
 
-#include "server/metrics.hpp"
-#include "server/openai.hpp"
+#include "server/engine_loop.hpp"
 
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
@@ -21,7 +20,6 @@
 #include <functional>
 #include <iostream>
 #include <mutex>
-#include <set>
 #include <thread>
 #include <utility>
 
@@ -36,8 +34,14 @@ using tcp = net::ip::tcp;
 using clock_type = std::chrono::steady_clock;
 using nlohmann::json;
 
+/// Bytes of a request a connection's buffer holds before the parser takes them: bounds
+/// any one line (a chunk header with an endless extension, say) and what a connection
+/// pipelines while its generation runs.
+constexpr size_t read_buffer_limit = 64 << 10;
 /// Bytes of a next request a connection may send while its generation runs.
-constexpr size_t watch_limit = 64 << 10;
+constexpr size_t watch_limit = 32 << 10;
+/// Bytes of a request's line and headers.
+constexpr uint32_t header_limit = 16 << 10;
 /// Bytes a connection may have waiting to be sent (a client that does not read).
 constexpr size_t write_limit = 16 << 20;
 
@@ -51,6 +55,7 @@ const char* reason_of(int status) {
   case 409: return "Conflict";
   case 413: return "Payload Too Large";
   case 429: return "Too Many Requests";
+  case 431: return "Request Header Fields Too Large";
   case 503: return "Service Unavailable";
   default: return "Internal Server Error";
   }
@@ -83,228 +88,54 @@ bool same_key(const std::string& given, const std::string& expected) {
   return CRYPTO_memcmp(a, b, sizeof a) == 0;
 }
 
-/// The http_error of a troupe::error from the engine or the executor.
-http_error from_engine(const error& e) {
-  switch (e.code()) {
-  case errc::invalid_argument:
-  case errc::unsupported:
-    return {400, "invalid_request_error", e.what()};
-  case errc::sleeping:
-    return {503, "server_error", e.what()};
-  default:
-    return {500, "server_error", e.what()};
-  }
-}
 
-/// Where a request's updates go (its connection), and what the engine's thread keeps of
-/// it for the metrics.
-struct request_sink {
-  virtual ~request_sink() = default;
-  virtual void update(const generation_update& u) = 0;
-  virtual void fail(const http_error& e) = 0;
-
-  int64_t id = -1; // the engine's, once added
-  std::atomic<bool> cancelled{false};
-  clock_type::time_point arrived = clock_type::now();
-  clock_type::time_point last_token;
-  double first_token = -1;
-  std::vector<double> gaps;
-};
-
-/// The engine's thread: runs commands (adds, aborts, admin calls) between steps, steps
-/// while requests are unfinished, and hands each update to its request's sink.
-class engine_loop {
+/// Threads that run jobs from one queue, in order of arrival.
+class job_threads {
 public:
-  engine_loop(llm& model, server_metrics& metrics, int64_t capacity)
-    : model_(model), metrics_(metrics), capacity_(capacity), thread_([this] { run(); }) {
+  explicit job_threads(int count) {
+    for (int i = 0; i < count; ++i)
+      threads_.emplace_back([this] { loop(); });
   }
 
-  ~engine_loop() {
+  ~job_threads() {
     {
       std::lock_guard<std::mutex> lk{mtx_};
       stop_ = true;
     }
     cv_.notify_all();
-    thread_.join();
+    for (auto& t : threads_)
+      t.join();
   }
 
-  /// Runs `f` on the engine's thread, between steps.
-  void post(std::function<void(llm&)> f) {
+  void run(std::function<void()> job) {
     {
       std::lock_guard<std::mutex> lk{mtx_};
-      commands_.push_back(std::move(f));
+      jobs_.push_back(std::move(job));
     }
-    cv_.notify_all();
-  }
-
-  /// Queues a generation; refused with 429 beyond the capacity, 503 once the engine failed.
-  void submit(generation_request g, std::shared_ptr<request_sink> sink) {
-    if (failed_)
-      throw http_error{503, "server_error", "the engine failed: " + failure()};
-    if (active_.fetch_add(1) >= capacity_) {
-      --active_;
-      throw http_error{429, "rate_limit_error",
-                       "too many requests: " + std::to_string(capacity_) +
-                         " are running or waiting; try again later"};
-    }
-    post([this, g = std::move(g), sink](llm& m) {
-      if (sink->cancelled) {
-        --active_;
-        return;
-      }
-      if (failed_) { // the engine failed after the request came
-        --active_;
-        sink->fail({503, "server_error", "the engine failed: " + failure()});
-        return;
-      }
-      try {
-        sink->id = m.add_request(g);
-        sinks_[sink->id] = sink;
-      } catch (const error& e) {
-        --active_;
-        sink->fail(from_engine(e));
-      } catch (const std::exception& e) {
-        --active_;
-        sink->fail({500, "server_error", e.what()});
-      }
-    });
-  }
-
-  /// Aborts the request of `sink` (a client gone).
-  void abort(std::shared_ptr<request_sink> sink) {
-    sink->cancelled = true;
-    post([sink](llm& m) {
-      if (sink->id >= 0)
-        m.abort_request(sink->id);
-    });
-  }
-
-  /// Aborts every request (the end of a drain).
-  void abort_all() {
-    post([this](llm& m) {
-      for (auto& [id, sink] : sinks_)
-        m.abort_request(id);
-    });
-  }
-
-  /// Requests added or queued and not finished.
-  int64_t active() const {
-    return active_;
-  }
-
-  bool failed() const {
-    return failed_;
-  }
-
-  std::string failure() const {
-    std::lock_guard<std::mutex> lk{mtx_};
-    return failure_;
+    cv_.notify_one();
   }
 
 private:
-  void run() {
+  void loop() {
     for (;;) {
-      std::deque<std::function<void(llm&)>> todo;
+      std::function<void()> job;
       {
         std::unique_lock<std::mutex> lk{mtx_};
-        cv_.wait(lk, [&] {
-          return stop_ || !commands_.empty() || (!failed_ && model_.has_unfinished_requests());
-        });
+        cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
         if (stop_)
-          break;
-        todo.swap(commands_);
+          return;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
       }
-      for (auto& c : todo) {
-        try {
-          c(model_);
-        } catch (const std::exception& e) {
-          // Commands answer their own errors; this is a bug's last stop, not the thread's.
-          std::cerr << "troupe serve: a command failed: " << e.what() << std::endl;
-        }
-      }
-      if (!failed_ && model_.has_unfinished_requests()) {
-        try {
-          for (auto& u : model_.step())
-            dispatch(u);
-        } catch (const error& e) {
-          if (e.code() == errc::worker_died || e.code() == errc::shut_down)
-            fail_all(e);
-          else
-            fail_requests(from_engine(e));
-        } catch (const std::exception& e) {
-          fail_requests({500, "server_error", e.what()});
-        }
-      }
-      metrics_.engine(model_.stats());
-    }
-    for (auto& [id, sink] : sinks_)
-      sink->fail({503, "server_error", "the server stopped"});
-  }
-
-  void dispatch(const generation_update& u) {
-    auto at = sinks_.find(u.request_id);
-    if (at == sinks_.end())
-      return;
-    auto sink = at->second;
-    auto now = clock_type::now();
-    if (!u.token_ids.empty()) {
-      if (sink->first_token < 0)
-        sink->first_token = std::chrono::duration<double>(now - sink->arrived).count();
-      else
-        sink->gaps.push_back(std::chrono::duration<double>(now - sink->last_token).count());
-      sink->last_token = now;
-    }
-    sink->update(u);
-    if (u.finished) {
-      metrics_.finished(u.output->finish_reason, std::max(0.0, sink->first_token), sink->gaps,
-                        std::chrono::duration<double>(now - sink->arrived).count());
-      sinks_.erase(at);
-      --active_;
+      job();
     }
   }
 
-  /// A step failed and the engine can go on (the workers sleep, say): the requests in the
-  /// engine get the error and are aborted there.
-  void fail_requests(const http_error& why) {
-    for (auto& [id, sink] : sinks_) {
-      model_.abort_request(id);
-      sink->fail(why);
-      --active_;
-    }
-    sinks_.clear();
-    try {
-      model_.step(); // hands out the aborted requests, computing nothing
-    } catch (const std::exception&) {
-    }
-  }
-
-  /// The executor failed for good: every request gets the error, and later ones a 503.
-  void fail_all(const error& e) {
-    {
-      std::lock_guard<std::mutex> lk{mtx_};
-      failure_ = e.what();
-    }
-    failed_ = true;
-    for (auto& [id, sink] : sinks_) {
-      sink->fail({503, "server_error", std::string{"the engine failed: "} + e.what()});
-      --active_;
-    }
-    sinks_.clear();
-  }
-
-  llm& model_;
-  server_metrics& metrics_;
-  const int64_t capacity_;
-  mutable std::mutex mtx_;
+  std::mutex mtx_;
   std::condition_variable cv_;
-  std::deque<std::function<void(llm&)>> commands_;
+  std::deque<std::function<void()>> jobs_;
   bool stop_ = false;
-  std::atomic<bool> failed_{false};
-  std::string failure_;
-  std::atomic<int64_t> active_{0};
-  /// Engine thread only.
-  std::map<int64_t, std::shared_ptr<request_sink>> sinks_;
-  std::thread thread_;
+  std::vector<std::thread> threads_;
 };
 
 /// What the connections share: the model, the configuration, the engine's thread, the
@@ -315,14 +146,18 @@ struct server_core {
   server_metrics metrics;
   net::io_context io;
   tcp::acceptor acceptor{io};
+  /// Retries an accept that failed (out of file descriptors, say) after a pause.
+  net::steady_timer accept_retry{io};
+  std::chrono::milliseconds accept_backoff{0};
   std::unique_ptr<engine_loop> engine;
   std::thread io_thread;
   /// Blocking executor calls that must not hold up the I/O thread (health checks).
-  std::thread helper;
-  std::mutex helper_mtx;
-  std::condition_variable helper_cv;
-  std::deque<std::function<void()>> helper_jobs;
-  bool helper_stop = false;
+  std::unique_ptr<job_threads> helper;
+  /// What a generation needs before it joins the engine (parsing, the chat template,
+  /// tokenizing): neither the I/O thread nor the engine's waits for it.
+  std::unique_ptr<job_threads> preparers;
+  /// Connections open now.
+  std::atomic<size_t> connections{0};
   /// LoRA adapters served: name -> (id, path); loads add to it.
   std::mutex lora_mtx;
   std::map<std::string, std::pair<int64_t, std::string>> loras;
@@ -341,42 +176,66 @@ struct server_core {
   server_core(llm& m, server_config c)
     : model(m), cfg(std::move(c)), metrics(cfg.served_model_name) {}
 
-  void run_helper(std::function<void()> job) {
-    {
-      std::lock_guard<std::mutex> lk{helper_mtx};
-      helper_jobs.push_back(std::move(job));
-    }
-    helper_cv.notify_all();
-  }
-
-  void helper_loop() {
-    for (;;) {
-      std::function<void()> job;
-      {
-        std::unique_lock<std::mutex> lk{helper_mtx};
-        helper_cv.wait(lk, [&] { return helper_stop || !helper_jobs.empty(); });
-        if (helper_stop)
-          return;
-        job = std::move(helper_jobs.front());
-        helper_jobs.pop_front();
-      }
-      job();
-    }
-  }
-
   void accept();
   void do_drain();
   void stop_all();
 };
 
+/// The status and body that answer the exception in flight.
+std::pair<int, std::string> error_reply() {
+  try {
+    throw;
+  } catch (const http_error& e) {
+    return {e.status, e.body()};
+  } catch (const error& e) {
+    auto he = from_engine(e);
+    return {he.status, he.body()};
+  } catch (const std::exception& e) {
+    return {500, http_error{500, "server_error", e.what()}.body()};
+  }
+}
+
+/// The values of `key` in a query string ("a=1&b=2").
+std::vector<std::string> query_values(const std::string& query, const std::string& key) {
+  std::vector<std::string> values;
+  size_t at = 0;
+  while (at <= query.size()) {
+    auto end = query.find('&', at);
+    auto pair = query.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    if (pair.rfind(key + "=", 0) == 0)
+      values.push_back(pair.substr(key.size() + 1));
+    if (end == std::string::npos)
+      break;
+    at = end + 1;
+  }
+  return values;
+}
+
 /// One client connection: reads requests (keep-alive), answers them in order, and for a
 /// generation watches the socket so that a client that goes away aborts its request.
+/// Every wait on the client has a deadline: for a request to begin, for its header, for
+/// its body, and for each write to make progress.
 class session : public std::enable_shared_from_this<session> {
 public:
   session(tcp::socket socket, server_core& srv)
-    : socket_(std::move(socket)), strand_(socket_.get_executor()), srv_(srv) {}
+    : socket_(std::move(socket)), strand_(socket_.get_executor()), deadline_(strand_),
+      srv_(srv), buffer_(read_buffer_limit) {
+    ++srv_.connections;
+  }
+
+  ~session() {
+    --srv_.connections;
+  }
 
   void start() {
+    if (srv_.connections > srv_.cfg.max_connections) {
+      keep_alive_ = false;
+      return respond(503, http_error{503, "server_error",
+                                     "too many connections: " +
+                                       std::to_string(srv_.cfg.max_connections) +
+                                       " are open; try again later"}
+                            .body());
+    }
     read();
   }
 
@@ -401,46 +260,140 @@ private:
     }
   };
 
+  /// Closes the connection if `wait` passes before `disarm` or the next `arm`.
+  void arm(std::chrono::milliseconds wait) {
+    deadline_.expires_after(wait);
+    deadline_.async_wait(
+      [self = shared_from_this(), epoch = ++epoch_](beast::error_code ec) {
+        if (ec || epoch != self->epoch_)
+          return;
+        if (self->sink_)
+          self->srv_.engine->abort(self->sink_);
+        self->sink_.reset();
+        self->close();
+      });
+  }
+
+  void disarm() {
+    ++epoch_;
+    deadline_.cancel();
+  }
+
+  /// Waits for a request to begin (idle), then reads its header.
   void read() {
     if (closed_)
       return;
     parser_.emplace();
+    parser_->header_limit(header_limit);
     parser_->body_limit(srv_.cfg.max_body_bytes);
+    if (buffer_.size() > 0) // pipelined: it began already
+      return read_header();
+    arm(srv_.cfg.idle_timeout);
+    socket_.async_wait(tcp::socket::wait_read,
+                       net::bind_executor(strand_, [self = shared_from_this()](beast::error_code ec) {
+                         if (ec)
+                           return self->close();
+                         self->read_header();
+                       }));
+  }
+
+  void read_header() {
+    arm(srv_.cfg.header_timeout);
+    http::async_read_header(socket_, buffer_, *parser_,
+                            net::bind_executor(strand_, [self = shared_from_this()](
+                                                          beast::error_code ec, size_t) {
+                              self->on_header(ec);
+                            }));
+  }
+
+  /// The header is in: the key is checked before a byte of the body is read.
+  void on_header(beast::error_code ec) {
+    if (ec)
+      return on_read_error(ec);
+    auto& req = parser_->get();
+    std::string target{req.target()};
+    auto path = target.substr(0, target.find('?'));
+    if (needs_key(path) && !authorized(req)) {
+      keep_alive_ = false; // its body is never read
+      disarm();
+      return respond(401,
+                     http_error{401, "authentication_error", "a missing or wrong API key"}.body());
+    }
+    if (parser_->is_done())
+      return on_read();
+    arm(srv_.cfg.body_timeout);
     http::async_read(socket_, buffer_, *parser_,
                      net::bind_executor(strand_, [self = shared_from_this()](
                                                    beast::error_code ec, size_t) {
-                       self->on_read(ec);
+                       if (ec)
+                         return self->on_read_error(ec);
+                       self->on_read();
                      }));
   }
 
-  void on_read(beast::error_code ec) {
-    if (ec == http::error::body_limit) {
-      keep_alive_ = false;
+  /// A request that could not be read: what was too large is answered (and the
+  /// connection closed, its rest unread); a malformed request gets 400; a client gone, a
+  /// deadline passed or any other error closes the connection.
+  void on_read_error(beast::error_code ec) {
+    disarm();
+    keep_alive_ = false;
+    if (ec == http::error::body_limit)
       return respond(413, http_error{413, "invalid_request_error",
                                      "the body is larger than " +
                                        std::to_string(srv_.cfg.max_body_bytes) + " bytes"}
                             .body());
-    }
-    if (ec) {
-      close();
-      return;
-    }
+    if (ec == http::error::header_limit)
+      return respond(431, http_error{431, "invalid_request_error",
+                                     "the request line and headers are longer than " +
+                                       std::to_string(header_limit) + " bytes"}
+                            .body());
+    if (ec == http::error::buffer_overflow)
+      return respond(400, http_error{400, "invalid_request_error",
+                                     "a line of the request (a chunk's size and extensions) "
+                                     "is longer than " +
+                                       std::to_string(read_buffer_limit) + " bytes"}
+                            .body());
+    if (ec.category() == http::make_error_code(http::error::end_of_stream).category() &&
+        ec != http::error::end_of_stream && ec != http::error::partial_message)
+      return respond(400, http_error{400, "invalid_request_error",
+                                     "a malformed HTTP request: " + ec.message()}
+                            .body());
+    close();
+  }
+
+  void on_read() {
+    disarm();
     auto req = parser_->release();
     keep_alive_ = req.keep_alive() && !srv_.draining;
     http10_ = req.version() == 10;
     try {
       route(req);
-    } catch (const http_error& e) {
-      respond(e.status, e.body());
-    } catch (const error& e) {
-      auto he = from_engine(e);
-      respond(he.status, he.body());
-    } catch (const std::exception& e) {
-      respond(500, http_error{500, "server_error", e.what()}.body());
+    } catch (...) {
+      auto [status, body] = error_reply();
+      respond(status, body);
     }
   }
 
-  void route(const http::request<http::string_body>& req) {
+  static bool is_admin(const std::string& path) {
+    return path == "/sleep" || path == "/wake_up" || path == "/collective_rpc" ||
+           path == "/v1/load_lora_adapter" || path == "/v1/unload_lora_adapter";
+  }
+
+  /// Whether `path` is behind the API key (the API and the admin endpoints); /health,
+  /// /metrics and /is_sleeping stay open, and unknown paths get 404 either way.
+  static bool needs_key(const std::string& path) {
+    return is_admin(path) || path.rfind("/v1/", 0) == 0;
+  }
+
+  bool authorized(const http::request<http::string_body>& req) const {
+    if (srv_.cfg.api_key.empty())
+      return true;
+    auto given = std::string{req[http::field::authorization]};
+    const std::string bearer = "Bearer ";
+    return given.rfind(bearer, 0) == 0 && same_key(given.substr(bearer.size()), srv_.cfg.api_key);
+  }
+
+  void route(http::request<http::string_body>& req) {
     std::string target{req.target()};
     auto query_at = target.find('?');
     auto path = target.substr(0, query_at);
@@ -463,13 +416,9 @@ private:
       only(http::verb::get);
       return on_helper([](llm& m) { return json{{"is_sleeping", m.executor().is_sleeping()}}; });
     }
-    bool admin = path == "/sleep" || path == "/wake_up" || path == "/collective_rpc" ||
-                 path == "/v1/load_lora_adapter" || path == "/v1/unload_lora_adapter";
-    bool api = path.rfind("/v1/", 0) == 0;
-    if (!admin && !api)
+    if (!needs_key(path))
       throw http_error{404, "not_found_error", "no endpoint " + path};
-    authorize(req);
-    if (admin) {
+    if (is_admin(path)) {
       if (!srv_.cfg.enable_admin_api)
         throw http_error{404, "not_found_error",
                          path + " is an admin endpoint; start the server with --enable-admin-api"};
@@ -482,18 +431,9 @@ private:
     }
     if (path == "/v1/completions" || path == "/v1/chat/completions") {
       only(http::verb::post);
-      return generate(parse_openai_request(req.body(), path == "/v1/chat/completions"));
+      return generate(std::move(req.body()), path == "/v1/chat/completions");
     }
     throw http_error{404, "not_found_error", "no endpoint " + path};
-  }
-
-  void authorize(const http::request<http::string_body>& req) {
-    if (srv_.cfg.api_key.empty())
-      return;
-    auto given = std::string{req[http::field::authorization]};
-    const std::string bearer = "Bearer ";
-    if (given.rfind(bearer, 0) != 0 || !same_key(given.substr(bearer.size()), srv_.cfg.api_key))
-      throw http_error{401, "authentication_error", "a missing or wrong API key"};
   }
 
   json models() {
@@ -538,7 +478,6 @@ private:
     });
   }
 
-
   /// Runs `f` (on the thread that calls this) and answers with its JSON, or with the error
   /// it throws.
   void answer(const std::function<json(llm&)>& f, llm& m) {
@@ -546,16 +485,8 @@ private:
     std::string body;
     try {
       body = dumped(f(m));
-    } catch (const http_error& e) {
-      status = e.status;
-      body = e.body();
-    } catch (const error& e) {
-      auto he = from_engine(e);
-      status = he.status;
-      body = he.body();
-    } catch (const std::exception& e) {
-      status = 500;
-      body = http_error{500, "server_error", e.what()}.body();
+    } catch (...) {
+      std::tie(status, body) = error_reply();
     }
     net::post(strand_, [self = shared_from_this(), status, body] { self->respond(status, body); });
   }
@@ -563,7 +494,7 @@ private:
   /// Answers with `f` run on the helper thread.
   void on_helper(std::function<json(llm&)> f) {
     auto& model = srv_.model;
-    srv_.run_helper([self = shared_from_this(), &model, f] { self->answer(f, model); });
+    srv_.helper->run([self = shared_from_this(), &model, f] { self->answer(f, model); });
   }
 
   /// Answers with `f` run on the engine's thread, between steps.
@@ -573,31 +504,15 @@ private:
 
   void admin_call(const std::string& path, const std::string& query, const std::string& text) {
     auto body = text.empty() ? json::object() : parse_json_object(text);
-    auto param = [&](const std::string& key) -> std::vector<std::string> {
-      std::vector<std::string> values;
-      size_t at = 0;
-      while (at <= query.size()) {
-        auto end = query.find('&', at);
-        auto pair = query.substr(at, end == std::string::npos ? std::string::npos : end - at);
-        if (pair.rfind(key + "=", 0) == 0)
-          values.push_back(pair.substr(key.size() + 1));
-        if (end == std::string::npos)
-          break;
-        at = end + 1;
-      }
-      return values;
-    };
+    auto* srv = &srv_;
     if (path == "/sleep") {
       int32_t level = 1;
-      auto levels = param("level");
+      auto levels = query_values(query, "level");
       if (!levels.empty()) {
-        try {
-          level = std::stoi(levels[0]);
-        } catch (const std::exception&) {
+        if (levels[0] != "1" && levels[0] != "2")
           throw http_error{400, "invalid_request_error", "level must be 1 or 2", "level"};
-        }
+        level = levels[0][0] - '0';
       }
-      auto* srv = &srv_;
       return on_engine([srv, level](llm& m) -> json {
         if (m.has_unfinished_requests())
           throw http_error{409, "invalid_request_error",
@@ -608,8 +523,11 @@ private:
       });
     }
     if (path == "/wake_up") {
-      auto tags = param("tags");
-      auto* srv = &srv_;
+      auto tags = query_values(query, "tags");
+      for (auto& tag : tags)
+        if (tag != "weights" && tag != "kv_cache")
+          throw http_error{400, "invalid_request_error",
+                           "unknown memory tag '" + tag + "': weights or kv_cache", "tags"};
       return on_engine([srv, tags](llm& m) -> json {
         m.executor().wake_up(tags);
         srv->asleep = m.executor().is_sleeping();
@@ -621,9 +539,13 @@ private:
         throw http_error{400, "invalid_request_error", "'method' must be a string", "method"};
       auto name = body["method"].get<std::string>();
       rpc_call_options opts;
-      if (body.contains("timeout") && body["timeout"].is_number())
-        opts.timeout = std::chrono::milliseconds(
-          static_cast<int64_t>(body["timeout"].get<double>() * 1000));
+      if (body.contains("timeout") && !body["timeout"].is_null()) {
+        auto& t = body["timeout"];
+        if (!t.is_number() || !(t.get<double>() > 0) || t.get<double>() > 3600)
+          throw http_error{400, "invalid_request_error",
+                           "'timeout' must be a number of seconds in (0, 3600]", "timeout"};
+        opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(t.get<double>() * 1000));
+      }
       return on_engine([name, opts](llm& m) -> json {
         json results = json::array();
         for (auto& r : m.executor().collective_rpc(name, opts))
@@ -635,7 +557,6 @@ private:
     if (!body.contains("lora_name") || !body["lora_name"].is_string())
       throw http_error{400, "invalid_request_error", "'lora_name' must be a string", "lora_name"};
     auto name = body["lora_name"].get<std::string>();
-    auto* srv = &srv_;
     if (path == "/v1/load_lora_adapter") {
       if (!body.contains("lora_path") || !body["lora_path"].is_string())
         throw http_error{400, "invalid_request_error", "'lora_path' must be a string",
@@ -666,16 +587,39 @@ private:
         id = at->second.first;
         srv->loras.erase(at);
       }
+      // Its requests end here; the others go on.
+      srv->engine->fail_lora_users(
+        id, {409, "invalid_request_error",
+             "the LoRA adapter '" + name + "' was unloaded while the request ran", "model"});
       m.executor().remove_lora(id);
       return json::object();
     });
   }
 
-  void generate(openai_request req) {
+  /// A generation: prepared off the I/O and engine threads, then queued.
+  void generate(std::string body, bool chat) {
     if (srv_.draining)
       throw http_error{503, "server_error", "the server is shutting down"};
     if (srv_.asleep)
       throw http_error{503, "server_error", "the model sleeps; POST /wake_up"};
+    srv_.preparers->run([self = shared_from_this(), body = std::move(body), chat] {
+      try {
+        auto req = std::make_shared<openai_request>(self->prepared(body, chat));
+        net::post(self->strand_, [self, req] { self->start_generation(std::move(*req)); });
+      } catch (...) {
+        auto [status, text] = error_reply();
+        net::post(self->strand_, [self, status = status, text = std::move(text)] {
+          self->respond(status, text);
+        });
+      }
+    });
+  }
+
+  /// The request as the engine takes it: parsed, its adapter found, its chat rendered and
+  /// its prompt tokenized, its lengths checked (vLLM's rule: the prompt and `max_tokens`
+  /// fit the model's length; without `max_tokens` a chat may fill it).
+  openai_request prepared(const std::string& body, bool chat) const {
+    auto req = parse_openai_request(body, chat);
     auto& g = req.generation;
     if (req.model.empty())
       req.model = srv_.cfg.served_model_name;
@@ -691,17 +635,59 @@ private:
       g.prompt = srv_.model.chat_prompt(req.messages);
       g.add_special_tokens = false; // the template holds them
     }
-    if (g.sampling.max_tokens < 0)
-      g.sampling.max_tokens = static_cast<int32_t>(srv_.model.max_model_len());
-    if (!req.chat && g.prompt.empty() && g.prompt_token_ids.empty())
-      throw http_error{400, "invalid_request_error", "the prompt is empty", "prompt"};
-    auto n = srv_.next_request++;
-    req_ = std::make_unique<openai_request>(std::move(req));
-    response_ = std::make_unique<openai_response>(
-      *req_, (req_->chat ? "chatcmpl-" : "cmpl-") + std::to_string(n),
-      static_cast<int64_t>(std::time(nullptr)), srv_.model);
-    sink_ = std::make_shared<sink>(weak_from_this(), strand_);
-    srv_.engine->submit(req_->generation, sink_); // may throw 429 / 503
+    if (!g.prompt_token_ids.empty()) {
+      auto vocab = srv_.model.vocab_size();
+      for (auto id : g.prompt_token_ids)
+        if (id >= vocab)
+          throw http_error{400, "invalid_request_error",
+                           "prompt token id " + std::to_string(id) +
+                             " is not in the model's vocabulary (0 to " +
+                             std::to_string(vocab - 1) + ")",
+                           "prompt"};
+    } else {
+      if (!req.chat && g.prompt.empty())
+        throw http_error{400, "invalid_request_error", "the prompt is empty", "prompt"};
+      g.prompt_token_ids = srv_.model.tokenize(g.prompt, g.add_special_tokens);
+    }
+    auto prompt = static_cast<int64_t>(g.prompt_token_ids.size());
+    auto longest = srv_.model.max_model_len();
+    if (prompt >= longest)
+      throw http_error{400, "invalid_request_error",
+                       "the prompt has " + std::to_string(prompt) +
+                         " tokens; the model's maximum context length is " +
+                         std::to_string(longest) + " tokens, the output included",
+                       req.chat ? "messages" : "prompt"};
+    if (!req.max_tokens) {
+      g.sampling.max_tokens = static_cast<int32_t>(longest - prompt);
+    } else if (*req.max_tokens > longest - prompt) {
+      throw http_error{400, "invalid_request_error",
+                       "the model's maximum context length is " + std::to_string(longest) +
+                         " tokens, and " + std::to_string(prompt + *req.max_tokens) +
+                         " were asked for (" + std::to_string(prompt) + " in the prompt, " +
+                         std::to_string(*req.max_tokens) + " in the completion)",
+                       "max_tokens"};
+    } else {
+      g.sampling.max_tokens = *req.max_tokens;
+    }
+    return req;
+  }
+
+  void start_generation(openai_request req) {
+    if (closed_)
+      return;
+    try {
+      auto n = srv_.next_request++;
+      req_ = std::make_unique<openai_request>(std::move(req));
+      response_ = std::make_unique<openai_response>(
+        *req_, (req_->chat ? "chatcmpl-" : "cmpl-") + std::to_string(n),
+        static_cast<int64_t>(std::time(nullptr)), srv_.model);
+      sink_ = std::make_shared<sink>(weak_from_this(), strand_);
+      srv_.engine->submit(req_->generation, sink_); // may throw 429 / 503
+    } catch (...) {
+      sink_.reset();
+      auto [status, body] = error_reply();
+      return respond(status, body);
+    }
     if (req_->stream) {
       streaming_ = true;
       if (http10_) // no chunked transfer in HTTP/1.0: the body ends with the connection
@@ -766,7 +752,7 @@ private:
       return;
     watching_ = true;
     socket_.async_read_some(
-      buffer_.prepare(4096),
+      buffer_.prepare(std::min<size_t>(4096, buffer_.max_size() - buffer_.size())),
       net::bind_executor(strand_, [self = shared_from_this()](beast::error_code ec, size_t n) {
         self->watching_ = false;
         if (ec && ec != net::error::operation_aborted) {
@@ -834,8 +820,11 @@ private:
       write_next();
   }
 
+  /// Writes the oldest queued bytes; a write that makes no progress for `send_timeout`
+  /// ends the connection (and its request).
   void write_next() {
     writing_ = true;
+    arm(srv_.cfg.send_timeout);
     net::async_write(socket_, net::buffer(writes_.front()),
                      net::bind_executor(strand_, [self = shared_from_this()](
                                                    beast::error_code ec, size_t) {
@@ -853,6 +842,7 @@ private:
                        if (!self->writes_.empty())
                          return self->write_next();
                        self->writing_ = false;
+                       self->disarm();
                        if (self->response_done_)
                          self->after_response();
                      }));
@@ -862,6 +852,7 @@ private:
     if (closed_)
       return;
     closed_ = true;
+    disarm();
     beast::error_code ignored;
     socket_.shutdown(tcp::socket::shutdown_both, ignored);
     socket_.close(ignored);
@@ -869,6 +860,9 @@ private:
 
   tcp::socket socket_;
   net::strand<net::any_io_executor> strand_;
+  net::steady_timer deadline_;
+  /// Counts arms, so that a deadline that fired after its wait ended does nothing.
+  uint64_t epoch_ = 0;
   server_core& srv_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
@@ -896,8 +890,23 @@ struct server::impl : server_core {
 
 void server_core::accept() {
   acceptor.async_accept(net::make_strand(io), [this](beast::error_code ec, tcp::socket socket) {
-    if (ec)
+    if (!acceptor.is_open())
       return; // closed by a drain or a stop
+    if (ec) {
+      // Out of file descriptors, say: the connection waits in the listen queue, and
+      // accepting resumes after a pause that grows while the error lasts.
+      accept_backoff = std::min(std::chrono::milliseconds(1000),
+                                std::max(std::chrono::milliseconds(10), accept_backoff * 2));
+      std::cerr << "troupe serve: accept failed (" << ec.message() << "); retrying in "
+                << accept_backoff.count() << " ms" << std::endl;
+      accept_retry.expires_after(accept_backoff);
+      accept_retry.async_wait([this](beast::error_code waited) {
+        if (!waited)
+          accept();
+      });
+      return;
+    }
+    accept_backoff = std::chrono::milliseconds(0);
     std::make_shared<session>(std::move(socket), *this)->start();
     accept();
   });
@@ -907,6 +916,7 @@ void server_core::do_drain() {
   net::post(io, [this] {
     beast::error_code ignored;
     acceptor.close(ignored);
+    accept_retry.cancel();
   });
   auto deadline = clock_type::now() + cfg.drain_timeout;
   while (engine->active() > 0 && clock_type::now() < deadline)
@@ -936,6 +946,7 @@ void server_core::stop_all() {
 server::server(llm& model, server_config config)
   : impl_(std::make_unique<impl>(model, std::move(config))) {
   auto& d = *impl_;
+  d.cfg.validate();
   auto& sc = model.config().scheduler;
   d.engine = std::make_unique<engine_loop>(model, d.metrics,
                                            sc.max_num_seqs + d.cfg.max_waiting_requests);
@@ -961,7 +972,8 @@ server::server(llm& model, server_config config)
                                           std::to_string(d.cfg.port) + ": " + ec.message()};
   d.port = d.acceptor.local_endpoint().port();
   d.accept();
-  d.helper = std::thread([&d] { d.helper_loop(); });
+  d.helper = std::make_unique<job_threads>(1);
+  d.preparers = std::make_unique<job_threads>(2);
   d.io_thread = std::thread([&d] {
     d.io.run();
     d.stop_all();
@@ -975,12 +987,8 @@ server::~server() {
     d.io_thread.join();
   if (d.drainer.joinable())
     d.drainer.join();
-  {
-    std::lock_guard<std::mutex> lk{d.helper_mtx};
-    d.helper_stop = true;
-  }
-  d.helper_cv.notify_all();
-  d.helper.join();
+  d.helper.reset();
+  d.preparers.reset();
   d.engine.reset();
 }
 
@@ -1010,6 +1018,23 @@ void server::drain_on_signals() {
     // Draining waits; the I/O thread must go on meanwhile.
     impl_->drainer = std::thread([this] { drain(); });
   });
+}
+
+void server_config::validate() const {
+  auto positive = [](std::chrono::milliseconds t, const char* name) {
+    if (t.count() <= 0)
+      throw error{errc::invalid_argument, std::string{"serve: "} + name +
+                                            " must be positive, got " +
+                                            std::to_string(t.count()) + " ms"};
+  };
+  positive(idle_timeout, "idle_timeout");
+  positive(header_timeout, "header_timeout");
+  positive(body_timeout, "body_timeout");
+  positive(send_timeout, "send_timeout");
+  if (max_connections < 1)
+    throw error{errc::invalid_argument, "serve: max_connections must be at least 1"};
+  if (max_waiting_requests < 0)
+    throw error{errc::invalid_argument, "serve: max_waiting_requests must be 0 or more"};
 }
 
 } // namespace troupe

@@ -408,7 +408,7 @@ namespace {
 
 /// A model worker whose steps wait while the gate is shut: requests that hold a place in
 /// the engine for as long as a test needs. A step waits at most 30 s, so a failing test
-/// ends.
+/// ends. With `dies_at`, it dies (as one whose device is lost) at that step.
 class gated_model_worker : public model_worker {
 public:
   struct gate {
@@ -425,19 +425,23 @@ public:
     }
   };
 
-  gated_model_worker(model_worker_options options, std::shared_ptr<gate> g)
-    : model_worker(std::move(options)), gate_(std::move(g)) {}
+  gated_model_worker(model_worker_options options, std::shared_ptr<gate> g, int dies_at = 0)
+    : model_worker(std::move(options)), gate_(std::move(g)), dies_at_(dies_at) {}
 
   std::vector<sampler_output> execute_model(const execute_model_request& request) override {
     {
       std::unique_lock<std::mutex> lk{gate_->mtx};
       gate_->cv.wait_for(lk, 30s, [&] { return !gate_->shut; });
     }
+    if (++steps_ == dies_at_)
+      throw worker_fault{"injected fault at step " + std::to_string(steps_)};
     return model_worker::execute_model(request);
   }
 
 private:
   std::shared_ptr<gate> gate_;
+  int dies_at_ = 0;
+  int steps_ = 0;
 };
 
 /// A streamed completion sent over HTTP/1.0 (the body ends with the connection) on a socket
@@ -521,6 +525,34 @@ TEST_CASE("beyond the running and waiting bounds a request gets 429, and nothing
   }
   // Room again.
   CHECK(post(s, "/v1/completions", {{"prompt", {1, 2}}, {"max_tokens", 2}}).status == 200);
+}
+
+TEST_CASE("when the engine fails, its requests get 503 and /metrics counts none running or "
+          "waiting") {
+  // One request runs and three wait when the worker dies.
+  auto cfg = tiny(1);
+  auto gate = std::make_shared<gated_model_worker::gate>();
+  llm model{cfg, [&](int32_t) {
+              return std::make_unique<gated_model_worker>(cfg.worker, gate, 3);
+            }};
+  server s{model, on_any_port()};
+  json held = {{"prompt", {1, 2, 3}}, {"max_tokens", 20}, {"temperature", 0},
+               {"ignore_eos", true}, {"stream", true}};
+  gate->set(true);
+  std::vector<std::unique_ptr<raw_stream>> streams;
+  for (int c = 0; c < 4; ++c) {
+    streams.push_back(std::make_unique<raw_stream>(s.port(), held));
+    REQUIRE(streams.back()->status_line().find(" 200 ") != std::string::npos);
+  }
+  gate->set(false);
+  for (auto& st : streams)
+    CHECK(st->body().find("the engine failed") != std::string::npos);
+  auto text = curl(url(s, "/metrics")).body;
+  INFO(text);
+  CHECK(metric(text, "vllm:num_requests_running") == 0);
+  CHECK(metric(text, "vllm:num_requests_waiting") == 0);
+  CHECK(curl(url(s, "/health")).status == 503);
+  CHECK(post(s, "/v1/completions", {{"prompt", {1, 2}}, {"max_tokens", 2}}).status == 503);
 }
 
 TEST_CASE("the admin endpoints: sleep and wake, LoRA adapters by name, collective_rpc") {

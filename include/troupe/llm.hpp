@@ -178,7 +178,9 @@ public:
   // One thread drives these (and `generate`, which is built on them).
 
   /// Queues a request for the steps to come and returns its id. Throws `invalid_argument`
-  /// as `generate` does (nothing is queued then), or for a bad adapter.
+  /// as `generate` does (nothing is queued then), for a prompt token id the model does not
+  /// know, or for a bad adapter: a request's own mistakes never reach a step, where they
+  /// would fail the others.
   int64_t add_request(const generation_request& request);
 
   /// Ends a request now with finish_reason "abort" and frees its KV-cache blocks; its last
@@ -208,6 +210,15 @@ public:
 
   /// Whether the model came with a tokenizer.
   bool has_tokenizer() const;
+
+  /// The token ids of a text prompt, as `add_request` makes them (the tokenizer's template
+  /// around it when `add_special_tokens`). Any thread, while another drives the engine:
+  /// a server tokenizes where its steps do not wait. Throws `invalid_argument` when the
+  /// model has no usable tokenizer.
+  std::vector<int32_t> tokenize(const std::string& text, bool add_special_tokens = true) const;
+
+  /// The number of token ids the model knows; a prompt's ids are below it.
+  int64_t vocab_size() const;
 
   /// The text of `token_ids` (special tokens skipped); empty without a tokenizer.
   std::string decode(const std::vector<int32_t>& token_ids) const;
