@@ -53,7 +53,7 @@ std::shared_ptr<command> add_serve(CLI::App& app) {
     ->capture_default_str();
   sub->add_option("--drain-timeout", o->drain_timeout_s,
                   "Seconds SIGINT/SIGTERM let running requests finish before aborting them")
-    ->check(CLI::NonNegativeNumber)
+    ->check(CLI::Range(0.0, 1e6))
     ->capture_default_str();
   sub->add_option("--max-connections", o->max_connections,
                   "Connections open at once; more are answered 503 (keep it below the file "
@@ -61,7 +61,7 @@ std::shared_ptr<command> add_serve(CLI::App& app) {
     ->check(CLI::Range(size_t{1}, size_t{1} << 24))
     ->capture_default_str();
   auto seconds = [&](const char* name, double& value, const char* what) {
-    sub->add_option(name, value, what)->check(CLI::PositiveNumber)->capture_default_str();
+    sub->add_option(name, value, what)->check(CLI::Range(0.001, 1e6))->capture_default_str();
   };
   seconds("--idle-timeout", o->idle_timeout_s,
           "Seconds a connection may wait to begin a request before it is closed");

@@ -60,6 +60,11 @@ void engine_loop::submit(generation_request g, std::shared_ptr<request_sink> sin
       sink->fail({503, "server_error", "the engine failed: " + failure()});
       return;
     }
+    if (unloaded_loras_.count(sink->lora_id) > 0) {
+      --active_;
+      sink->fail({404, "not_found_error", "the request's LoRA adapter was unloaded", "model"});
+      return;
+    }
     try {
       sink->id = m.add_request(g);
       sinks_[sink->id] = sink;
@@ -88,7 +93,8 @@ void engine_loop::abort_all() {
   });
 }
 
-void engine_loop::fail_lora_users(int64_t lora_id, const http_error& why) {
+void engine_loop::unload_lora(int64_t lora_id, const http_error& why) {
+  unloaded_loras_.insert(lora_id); // ids are never given again
   for (auto at = sinks_.begin(); at != sinks_.end();) {
     auto next = std::next(at);
     if (at->second->lora_id == lora_id)

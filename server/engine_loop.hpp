@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -65,9 +66,10 @@ public:
   /// Aborts every request (the end of a drain).
   void abort_all();
 
-  /// Engine thread only (inside a `post`): ends the requests computed with LoRA adapter
-  /// `lora_id` with `why`, and only those (the adapter is about to go).
-  void fail_lora_users(int64_t lora_id, const http_error& why);
+  /// Engine thread only (inside a `post`), before LoRA adapter `lora_id` goes: ends the
+  /// requests computed with it with `why`, and only those; requests that name it and are
+  /// still on their way to the engine are refused (adding them would load it again).
+  void unload_lora(int64_t lora_id, const http_error& why);
 
   /// Requests added or queued and not finished.
   int64_t active() const {
@@ -104,6 +106,7 @@ private:
   std::atomic<int64_t> active_{0};
   /// Engine thread only.
   std::map<int64_t, std::shared_ptr<request_sink>> sinks_;
+  std::set<int64_t> unloaded_loras_;
   std::thread thread_;
 };
 

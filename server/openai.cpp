@@ -46,7 +46,8 @@ std::optional<T> field(const json& body, const char* key, const char* what) {
   } else if constexpr (std::is_floating_point_v<T>) {
     if (!at->is_number())
       wrong();
-    if (!std::isfinite(static_cast<T>(at->get<double>())))
+    // Compared as a double: a cast of a value beyond T's range is undefined.
+    if (!(std::fabs(at->get<double>()) <= static_cast<double>(std::numeric_limits<T>::max())))
       bad(std::string{"'"} + key + "' is out of range: " + at->dump(), key);
   } else if constexpr (std::is_same_v<T, std::string>) {
     if (!at->is_string())

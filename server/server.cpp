@@ -144,6 +144,10 @@ struct server_core {
   llm& model;
   server_config cfg;
   server_metrics metrics;
+  /// Connections open now, and generations being prepared (not yet in the engine). Before
+  /// `io`, whose destructor may destroy sessions.
+  std::atomic<size_t> connections{0};
+  std::atomic<int64_t> preparing{0};
   net::io_context io;
   tcp::acceptor acceptor{io};
   /// Retries an accept that failed (out of file descriptors, say) after a pause.
@@ -156,8 +160,6 @@ struct server_core {
   /// What a generation needs before it joins the engine (parsing, the chat template,
   /// tokenizing): neither the I/O thread nor the engine's waits for it.
   std::unique_ptr<job_threads> preparers;
-  /// Connections open now.
-  std::atomic<size_t> connections{0};
   /// LoRA adapters served: name -> (id, path); loads add to it.
   std::mutex lora_mtx;
   std::map<std::string, std::pair<int64_t, std::string>> loras;
@@ -175,6 +177,17 @@ struct server_core {
 
   server_core(llm& m, server_config c)
     : model(m), cfg(std::move(c)), metrics(cfg.served_model_name) {}
+
+  /// Requests the engine may hold, running and waiting; also the bound on those being
+  /// prepared.
+  int64_t capacity() const {
+    return model.config().scheduler.max_num_seqs + cfg.max_waiting_requests;
+  }
+
+  /// Requests not finished: in the engine, or being prepared for it.
+  int64_t in_flight() const {
+    return engine->active() + preparing;
+  }
 
   void accept();
   void do_drain();
@@ -229,6 +242,7 @@ public:
 
   void start() {
     if (srv_.connections > srv_.cfg.max_connections) {
+      // Closed at once, without lingering: a flood must not hold descriptors.
       keep_alive_ = false;
       return respond(503, http_error{503, "server_error",
                                      "too many connections: " +
@@ -315,6 +329,7 @@ private:
     auto path = target.substr(0, target.find('?'));
     if (needs_key(path) && !authorized(req)) {
       keep_alive_ = false; // its body is never read
+      discard_rest_ = true;
       disarm();
       return respond(401,
                      http_error{401, "authentication_error", "a missing or wrong API key"}.body());
@@ -337,6 +352,7 @@ private:
   void on_read_error(beast::error_code ec) {
     disarm();
     keep_alive_ = false;
+    discard_rest_ = true; // a close does without it
     if (ec == http::error::body_limit)
       return respond(413, http_error{413, "invalid_request_error",
                                      "the body is larger than " +
@@ -588,7 +604,7 @@ private:
         srv->loras.erase(at);
       }
       // Its requests end here; the others go on.
-      srv->engine->fail_lora_users(
+      srv->engine->unload_lora(
         id, {409, "invalid_request_error",
              "the LoRA adapter '" + name + "' was unloaded while the request ran", "model"});
       m.executor().remove_lora(id);
@@ -602,13 +618,24 @@ private:
       throw http_error{503, "server_error", "the server is shutting down"};
     if (srv_.asleep)
       throw http_error{503, "server_error", "the model sleeps; POST /wake_up"};
+    if (srv_.preparing.fetch_add(1) >= srv_.capacity()) {
+      --srv_.preparing;
+      throw http_error{429, "rate_limit_error",
+                       "too many requests: " + std::to_string(srv_.capacity()) +
+                         " are being read; try again later"};
+    }
+    // Counted until it is in the engine (or refused), so that a drain waits for it.
     srv_.preparers->run([self = shared_from_this(), body = std::move(body), chat] {
       try {
         auto req = std::make_shared<openai_request>(self->prepared(body, chat));
-        net::post(self->strand_, [self, req] { self->start_generation(std::move(*req)); });
+        net::post(self->strand_, [self, req] {
+          self->start_generation(std::move(*req));
+          --self->srv_.preparing;
+        });
       } catch (...) {
         auto [status, text] = error_reply();
         net::post(self->strand_, [self, status = status, text = std::move(text)] {
+          --self->srv_.preparing;
           self->respond(status, text);
         });
       }
@@ -790,6 +817,8 @@ private:
   void after_response() {
     response_done_ = false;
     if (!keep_alive_) {
+      if (discard_rest_)
+        return linger();
       close();
       return;
     }
@@ -820,16 +849,45 @@ private:
       write_next();
   }
 
-  /// Writes the oldest queued bytes; a write that makes no progress for `send_timeout`
-  /// ends the connection (and its request).
+  /// Ends a connection whose request was not read to its end (refused from its header, or
+  /// too large): closed with bytes unread, it would be reset, and the client could lose
+  /// the answer. The sending side is shut; what the client still sends is read and
+  /// dropped, for two seconds and 16 MiB at most.
+  void linger() {
+    beast::error_code ignored;
+    socket_.shutdown(tcp::socket::shutdown_send, ignored);
+    arm(std::chrono::seconds(2));
+    drop_input(16 << 20);
+  }
+
+  void drop_input(size_t budget) {
+    // One buffer for every connection: what is read into it is never looked at, and the
+    // one I/O thread reads into it one read at a time.
+    static char dropped[16 << 10];
+    socket_.async_read_some(net::buffer(dropped),
+                            net::bind_executor(strand_, [self = shared_from_this(), budget](
+                                                          beast::error_code ec, size_t n) {
+                              if (ec || n >= budget)
+                                return self->close();
+                              self->drop_input(budget - n);
+                            }));
+  }
+
+  /// Writes the oldest queued bytes, as much as the socket takes; a write that makes no
+  /// progress for `send_timeout` ends the connection (and its request).
   void write_next() {
     writing_ = true;
     arm(srv_.cfg.send_timeout);
-    net::async_write(socket_, net::buffer(writes_.front()),
+    auto& front = writes_.front();
+    socket_.async_write_some(net::buffer(front.data() + written_, front.size() - written_),
                      net::bind_executor(strand_, [self = shared_from_this()](
-                                                   beast::error_code ec, size_t) {
-                       self->queued_bytes_ -= self->writes_.front().size();
-                       self->writes_.pop_front();
+                                                   beast::error_code ec, size_t n) {
+                       self->written_ += n;
+                       if (self->written_ == self->writes_.front().size()) {
+                         self->queued_bytes_ -= self->writes_.front().size();
+                         self->writes_.pop_front();
+                         self->written_ = 0;
+                       }
                        if (ec) {
                          // The client is gone: its generation stops.
                          if (self->sink_)
@@ -867,6 +925,8 @@ private:
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
   std::deque<std::string> writes_;
+  /// Bytes of the oldest queued write already sent.
+  size_t written_ = 0;
   bool writing_ = false;
   size_t queued_bytes_ = 0;
   bool watching_ = false;
@@ -875,6 +935,8 @@ private:
   bool closed_ = false;
   bool streaming_ = false;
   bool http10_ = false;
+  /// The request was refused before it was read to its end: the connection lingers.
+  bool discard_rest_ = false;
   /// The response ended while a watch read was outstanding: it reads the next request.
   bool read_after_watch_ = false;
   std::unique_ptr<openai_request> req_;
@@ -919,12 +981,12 @@ void server_core::do_drain() {
     accept_retry.cancel();
   });
   auto deadline = clock_type::now() + cfg.drain_timeout;
-  while (engine->active() > 0 && clock_type::now() < deadline)
+  while (in_flight() > 0 && clock_type::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  if (engine->active() > 0) {
+  if (in_flight() > 0) {
     engine->abort_all();
     auto grace = clock_type::now() + std::chrono::seconds(5);
-    while (engine->active() > 0 && clock_type::now() < grace)
+    while (in_flight() > 0 && clock_type::now() < grace)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   // The last responses go out before the connections close.
@@ -947,9 +1009,7 @@ server::server(llm& model, server_config config)
   : impl_(std::make_unique<impl>(model, std::move(config))) {
   auto& d = *impl_;
   d.cfg.validate();
-  auto& sc = model.config().scheduler;
-  d.engine = std::make_unique<engine_loop>(model, d.metrics,
-                                           sc.max_num_seqs + d.cfg.max_waiting_requests);
+  d.engine = std::make_unique<engine_loop>(model, d.metrics, d.capacity());
   for (auto& [name, path] : d.cfg.loras) {
     auto id = d.next_lora_id++;
     model.executor().add_lora({name, id, path});
