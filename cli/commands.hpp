@@ -94,9 +94,11 @@ struct device_options {
   std::string dtype = "auto";
   double gpu_memory_utilization = 0.9;
   bool enforce_eager = false;
+  std::string cpu_precision = "exact";
 };
 
-/// Adds --device, --dtype, --gpu-memory-utilization and --enforce-eager to `app`.
+/// Adds --device, --dtype, --gpu-memory-utilization, --enforce-eager and --cpu-precision
+/// to `app`.
 void add_device_options(CLI::App& app, device_options& o);
 
 /// Puts the device options into the executor's and the workers' configuration.

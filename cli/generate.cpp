@@ -111,6 +111,12 @@ void add_device_options(CLI::App& app, device_options& o) {
     ->capture_default_str();
   app.add_flag("--enforce-eager", o.enforce_eager,
                "Run every step call by call, without CUDA graphs");
+  app.add_option("--cpu-precision", o.cpu_precision,
+                 "exact: float activations against the weights as stored; fast: activations "
+                 "rounded to 8 bits per block of 32 and integer products (Q8_0, Q4_0, Q4_K, "
+                 "Q6_K weights, CPUs with AVX-512 VNNI)")
+    ->check(CLI::IsMember({"exact", "fast"}))
+    ->capture_default_str();
 }
 
 void apply_device_options(const device_options& o, executor_config& executor,
@@ -119,6 +125,7 @@ void apply_device_options(const device_options& o, executor_config& executor,
   worker.dtype = o.dtype;
   worker.gpu_memory_utilization = o.gpu_memory_utilization;
   worker.enforce_eager = o.enforce_eager;
+  worker.cpu_precision = o.cpu_precision;
 }
 
 void add_engine_options(CLI::App& app, engine_options& o) {

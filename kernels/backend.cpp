@@ -9,10 +9,10 @@ captured_calls::~captured_calls() = default;
 
 backend::~backend() = default;
 
-std::unique_ptr<backend> make_backend(device& dev, int cpu_threads) {
+std::unique_ptr<backend> make_backend(device& dev, int cpu_threads, bool int8_activations) {
   if (is_cuda(dev))
     return cuda().make_backend(dev);
-  return make_cpu_backend(cpu_threads);
+  return make_cpu_backend(cpu_threads, int8_activations);
 }
 
 } // namespace troupe

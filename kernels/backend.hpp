@@ -161,7 +161,9 @@ public:
 };
 
 /// The backend of `dev`: CUDA kernels and cuBLAS for a `cuda_device`, the CPU kernels for
-/// the rest, on `cpu_threads` threads (the caller's included).
-std::unique_ptr<backend> make_backend(device& dev, int cpu_threads = 1);
+/// the rest, on `cpu_threads` threads (the caller's included), with `int8_activations`
+/// the CPU's fast path (`kernels/cpu/quant_int8.hpp`).
+std::unique_ptr<backend> make_backend(device& dev, int cpu_threads = 1,
+                                      bool int8_activations = false);
 
 } // namespace troupe

@@ -94,10 +94,10 @@ void copy_stored_cols(const tensor_view& t, int64_t row0, int64_t rows, int64_t 
 } // namespace
 
 llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t world,
-                         dtype weight_type, bool stored_types)
+                         dtype weight_type, bool stored_types, bool int8_activations)
   : cfg_(std::move(cfg)),
     dev_(dev),
-    backend_(make_backend(dev, threads_per_rank(world))),
+    backend_(make_backend(dev, threads_per_rank(world), int8_activations)),
     rank_(rank),
     world_(world),
     weight_type_(weight_type),

@@ -59,9 +59,11 @@ using all_reduce_fn = std::function<void(float* data, size_t count)>;
 class llama_model : public troupe::model {
 public:
   /// Throws `invalid_argument` when there are fewer attention heads than ranks, and
-  /// `unsupported` when the device does not compute in `weight_type`.
+  /// `unsupported` when the device does not compute in `weight_type`. `int8_activations`:
+  /// the CPU's fast path (`model_worker_options::cpu_precision`).
   llama_model(model_config cfg, device& dev, int32_t rank, int32_t world,
-              dtype weight_type = dtype::f32, bool stored_types = false);
+              dtype weight_type = dtype::f32, bool stored_types = false,
+              bool int8_activations = false);
 
   /// Loads this rank's shard from `ckpt` into the device under `memory_tag::weights`
   /// (converting to the weight type); `presharded` when `ckpt` holds only this rank's shard

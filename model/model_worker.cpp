@@ -80,6 +80,8 @@ void model_worker_options::validate() const {
   };
   if (dtype != "auto" && !parse_dtype_name(dtype))
     bad("dtype '" + dtype + "' is not known (auto, float32, float16, bfloat16)");
+  if (cpu_precision != "exact" && cpu_precision != "fast")
+    bad("cpu_precision '" + cpu_precision + "' is neither exact nor fast");
   if (load_format != "auto" && load_format != "sharded_state")
     bad("load format '" + load_format + "' is not known (auto, sharded_state)");
   if (max_loras < 1 || max_lora_rank < 1 || max_prompt_adapters < 1 ||
@@ -128,7 +130,8 @@ void model_worker::load_model() {
   bool presharded = options_.load_format == "sharded_state";
   st.presharded = presharded;
   st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size,
-                                           weight_type, stored_types);
+                                           weight_type, stored_types,
+                                           options_.cpu_precision == "fast");
   st.model->capture_decode_steps(!options_.enforce_eager);
   auto ckpt = open_checkpoint();
   // Before the load, which gives the file's pages back as it copies them.
@@ -594,6 +597,7 @@ void each_option(model_worker_options& o, F&& f) {
   f("load_format", o.load_format);
   f("dtype", o.dtype);
   f("enforce_eager", o.enforce_eager);
+  f("cpu_precision", o.cpu_precision);
   f("kv_cache_memory_bytes", o.kv_cache_memory_bytes);
   f("kv_cache_memory_fraction", o.kv_cache_memory_fraction);
   f("gpu_memory_utilization", o.gpu_memory_utilization);

@@ -4,6 +4,7 @@
 
 #include "kernels/cpu/ops.hpp"
 #include "kernels/cpu/quant.hpp"
+#include "kernels/cpu/quant_int8.hpp"
 #include "kernels/cpu/thread_pool.hpp"
 #include "kernels/dtype.hpp"
 #include "kernels/sampler.hpp"
@@ -169,6 +170,75 @@ TEST_CASE("block-format kernels: every instruction set gives float32's sums on t
         for (size_t at = 0; at < acc.size(); ++at)
           REQUIRE(exact.close(at, acc[at], 2.0));
       }
+    }
+  }
+}
+
+TEST_CASE("integer kernels: the sums of the rounded activations, on every tile and tail, "
+          "within half a rounding step of float32's") {
+  struct shape {
+    int64_t n, m, k;
+  };
+  // Block counts odd and even (Q8_0 and Q4_0 take blocks in pairs), activation rows that
+  // exercise every tile (8, 4, 1) and their tails.
+  for (auto s : {shape{1, 1, 32}, shape{7, 3, 96}, shape{5, 1, 256}, shape{33, 5, 512},
+                 shape{9, 8, 768}, shape{19, 13, 256}, shape{3, 30, 1536}}) {
+    auto w = random_floats(static_cast<size_t>(s.n * s.k), 12, 0.05f);
+    auto x = random_floats(static_cast<size_t>(s.m * s.k), 13);
+    x[5] = 40.0f; // an outlier, as hidden states have
+    if (s.k >= 64)
+      std::fill(x.begin() + 32, x.begin() + 64, 0.0f); // a block of zeros
+    cpu::int8_rows xq;
+    xq.quantize(x.data(), s.m, s.k);
+    // The activations as the kernels see them, and half a step of each.
+    std::vector<float> xr(x.size()), half_step(x.size());
+    for (size_t j = 0; j < x.size(); ++j) {
+      xr[j] = xq.scale[j / 32] * xq.q[j];
+      half_step[j] = xq.scale[j / 32] / 2;
+      REQUIRE(std::fabs(xr[j] - x[j]) <= half_step[j] * 1.0001f);
+    }
+    for (auto t : {dtype::q8_0, dtype::q4_0, dtype::q4_k, dtype::q6_k}) {
+      if (s.k % block_elements(t) != 0)
+        continue;
+      INFO(std::string{dtype_name(t)} << ", n " << s.n << " m " << s.m << " k " << s.k);
+      std::vector<char> wq(storage_bytes(t, w.size()));
+      from_float(t, w.data(), wq.data(), w.size());
+      std::vector<float> wd(w.size());
+      to_float(t, wq.data(), wd.data(), w.size());
+      auto rounded = reference(wd, xr, s.n, s.m, s.k);
+      auto exact = reference(wd, x, s.n, s.m, s.k);
+      std::vector<float> y(rounded.y.size(), 1.0f);
+      cpu::dot_rows_int8_reference(t, wq.data(), xq, y.data(), s.n, 0, s.n, false);
+      for (int64_t r = 0; r < s.m; ++r)
+        for (int64_t i = 0; i < s.n; ++i) {
+          auto at = static_cast<size_t>(r * s.n + i);
+          REQUIRE(rounded.close(at, y[at]));
+          // Rounding moved each activation by at most half its block's step.
+          double bound = 0;
+          for (int64_t j = 0; j < s.k; ++j)
+            bound += std::fabs(wd[i * s.k + j]) * half_step[r * s.k + j];
+          REQUIRE(std::fabs(y[at] - exact.y[at]) <= bound * 1.001 + 1e-5 * exact.magnitude[at]);
+        }
+      if (!cpu::has_int8_kernel(t)) {
+        MESSAGE("no integer instructions on this CPU: the vector kernel of "
+                << dtype_name(t) << " is not run");
+        continue;
+      }
+      // Only rows [1, n) are written when n > 1: the first keeps its value.
+      int64_t begin = s.n > 1 ? 1 : 0;
+      std::vector<float> v(rounded.y.size(), 1.0f);
+      cpu::dot_rows_int8(t, wq.data(), xq, v.data(), s.n, begin, s.n, false);
+      std::vector<float> acc(rounded.y.size(), 2.0f);
+      cpu::dot_rows_int8(t, wq.data(), xq, acc.data(), s.n, 0, s.n, true);
+      for (int64_t r = 0; r < s.m; ++r)
+        for (int64_t i = 0; i < s.n; ++i) {
+          auto at = static_cast<size_t>(r * s.n + i);
+          if (i < begin)
+            REQUIRE(v[at] == 1.0f);
+          else
+            REQUIRE(rounded.close(at, v[at]));
+          REQUIRE(rounded.close(at, acc[at], 2.0));
+        }
     }
   }
 }

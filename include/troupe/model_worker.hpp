@@ -37,6 +37,12 @@ struct model_worker_options {
   /// Run every step call by call (vLLM's `enforce_eager`); otherwise a GPU records each
   /// decode shape once as a CUDA graph and replays it.
   bool enforce_eager = false;
+  /// How the CPU multiplies weights kept in a block format. `"exact"`: float32 activations
+  /// against the dequantized weights (transformers' numbers up to the order of sums).
+  /// `"fast"`: activations rounded to 8-bit integers per block of 32 and products summed
+  /// as integers (Q8_0, Q4_0, Q4_K and Q6_K weights, on CPUs with AVX-512 VNNI; other
+  /// formats and CPUs compute exactly), as llama.cpp computes them; logits move slightly.
+  std::string cpu_precision = "exact";
   /// Bytes for the device KV cache; 0 sizes it from the device's memory after a profiled
   /// step at the largest batch: on the CPU `kv_cache_memory_fraction` of the free memory
   /// (after the weights are loaded) less the step's peak; on a GPU what is left of

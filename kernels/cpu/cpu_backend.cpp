@@ -2,6 +2,7 @@
 
 #include "kernels/cpu/ops.hpp"
 #include "kernels/cpu/quant.hpp"
+#include "kernels/cpu/quant_int8.hpp"
 #include "kernels/cpu/thread_pool.hpp"
 #include "kernels/sampler.hpp"
 #include "troupe/errors.hpp"
@@ -16,7 +17,8 @@ namespace {
 
 class cpu_backend final : public backend {
 public:
-  explicit cpu_backend(int threads) : pool_(std::max(1, threads)), isa_(cpu::best_isa()) {}
+  cpu_backend(int threads, bool int8_activations)
+    : pool_(std::max(1, threads)), isa_(cpu::best_isa()), int8_(int8_activations) {}
 
   /// Every type: float32 through OpenBLAS, the rest with the kernels of quant.hpp.
   bool computes_in(dtype) const override {
@@ -32,15 +34,20 @@ public:
       return;
     }
     bool quantized = is_quantized(w_type);
+    bool integer = quantized && int8_ && cpu::has_int8_kernel(w_type);
     if (quantized) {
       if (k % block_elements(w_type) != 0)
         throw error{errc::unsupported, std::string{dtype_name(w_type)} + " weights need rows "
                                          "of whole blocks of " +
                                          std::to_string(block_elements(w_type)) + ", not " +
                                          std::to_string(k)};
-      // The activations' block sums, once for every output.
-      xsums_.resize(static_cast<size_t>(m * (k / 32)));
-      cpu::block_sums(x, m, k, xsums_.data());
+      // The activations rounded to integers, or their block sums: once for every output.
+      if (integer) {
+        xq_.quantize(x, m, k);
+      } else {
+        xsums_.resize(static_cast<size_t>(m * (k / 32)));
+        cpu::block_sums(x, m, k, xsums_.data());
+      }
     }
     // The outputs' rows are cut into parts, all spread over the threads in one go.
     const gemm_output* outs = outputs.begin();
@@ -63,7 +70,9 @@ public:
       auto& o = outs[which];
       int64_t begin = (p - starts_[which]) * rows_per_part;
       int64_t end = std::min(o.n, begin + rows_per_part);
-      if (quantized)
+      if (integer)
+        cpu::dot_rows_int8(w_type, o.w, xq_, o.y, o.row_stride(), begin, end, o.accumulate);
+      else if (quantized)
         cpu::dot_rows_quantized(isa_, w_type, o.w, x, xsums_.data(), m, k, o.y, o.row_stride(),
                                 begin, end, o.accumulate);
       else
@@ -175,15 +184,17 @@ public:
 private:
   cpu::thread_pool pool_;
   cpu::isa isa_;
+  bool int8_;
   std::vector<float> xsums_;
+  cpu::int8_rows xq_;
   /// The first part of each output of a gemm_nt_shared call, and the end.
   std::vector<int64_t> starts_;
 };
 
 } // namespace
 
-std::unique_ptr<backend> make_cpu_backend(int threads) {
-  return std::make_unique<cpu_backend>(threads);
+std::unique_ptr<backend> make_cpu_backend(int threads, bool int8_activations) {
+  return std::make_unique<cpu_backend>(threads, int8_activations);
 }
 
 } // namespace troupe
