@@ -188,19 +188,26 @@ TEST_CASE("integer kernels: the sums of the rounded activations, on every tile a
     x[5] = 40.0f; // an outlier, as hidden states have
     if (s.k >= 64)
       std::fill(x.begin() + 32, x.begin() + 64, 0.0f); // a block of zeros
-    cpu::int8_rows xq;
-    xq.quantize(x.data(), s.m, s.k);
-    // The activations as the kernels see them, and half a step of each.
-    std::vector<float> xr(x.size()), half_step(x.size());
-    for (size_t j = 0; j < x.size(); ++j) {
-      xr[j] = xq.scale[j / 32] * xq.q[j];
-      half_step[j] = xq.scale[j / 32] / 2;
-      REQUIRE(std::fabs(xr[j] - x[j]) <= half_step[j] * 1.0001f);
-    }
     for (auto t : {dtype::q8_0, dtype::q4_0, dtype::q4_k, dtype::q6_k}) {
       if (s.k % block_elements(t) != 0)
         continue;
       INFO(std::string{dtype_name(t)} << ", n " << s.n << " m " << s.m << " k " << s.k);
+      cpu::int8_rows xq;
+      xq.quantize(x.data(), s.m, s.k, cpu::int8_block(t));
+      // The activations as the kernels see them, and half a step of each.
+      std::vector<float> xr(x.size()), half_step(x.size());
+      for (size_t j = 0; j < x.size(); ++j) {
+        auto b = j / static_cast<size_t>(xq.block);
+        xr[j] = xq.scale[b] * xq.q[j];
+        half_step[j] = xq.scale[b] / 2;
+        REQUIRE(std::fabs(xr[j] - x[j]) <= half_step[j] * 1.0001f);
+      }
+      for (size_t h = 0; h < x.size() / 16; ++h) {
+        int sum = 0;
+        for (size_t j = 16 * h; j < 16 * h + 16; ++j)
+          sum += xq.q[j];
+        REQUIRE(xq.sums[h] == sum);
+      }
       std::vector<char> wq(storage_bytes(t, w.size()));
       from_float(t, w.data(), wq.data(), w.size());
       std::vector<float> wd(w.size());

@@ -43,7 +43,7 @@ public:
                                          std::to_string(k)};
       // The activations rounded to integers, or their block sums: once for every output.
       if (integer) {
-        xq_.quantize(x, m, k);
+        xq_.quantize(x, m, k, cpu::int8_block(w_type));
       } else {
         xsums_.resize(static_cast<size_t>(m * (k / 32)));
         cpu::block_sums(x, m, k, xsums_.data());

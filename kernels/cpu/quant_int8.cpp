@@ -16,32 +16,35 @@ void dot_rows(dtype w_type, const unsigned char* w, const int8_rows& x, float* y
 }
 #endif
 
-void int8_rows::quantize(const float* x, int64_t rows, int64_t cols) {
+void int8_rows::quantize(const float* x, int64_t rows, int64_t cols, int64_t block_size) {
   m = rows;
   k = cols;
-  const int64_t blocks = rows * cols / 32;
+  block = block_size;
+  const int64_t blocks = rows * cols / block;
   q.resize(static_cast<size_t>(rows * cols));
   scale.resize(static_cast<size_t>(blocks));
-  sum32.resize(static_cast<size_t>(blocks));
-  sum16.resize(static_cast<size_t>(2 * blocks));
+  sums.resize(static_cast<size_t>(rows * cols / 16));
   for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + 32 * b;
+    const float* xb = x + block * b;
     float most = 0.0f;
-    for (int i = 0; i < 32; ++i)
+    for (int64_t i = 0; i < block; ++i)
       most = std::max(most, std::fabs(xb[i]));
-    float d = most / 127.0f;
     float inverse = most > 0.0f ? 127.0f / most : 0.0f;
-    int8_t* qb = q.data() + 32 * b;
-    int halves[2] = {0, 0};
-    for (int i = 0; i < 32; ++i) {
+    scale[b] = most / 127.0f;
+    int8_t* qb = q.data() + block * b;
+    for (int64_t i = 0; i < block; ++i)
       qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
-      halves[i / 16] += qb[i];
-    }
-    scale[b] = d;
-    sum16[2 * b] = d * static_cast<float>(halves[0]);
-    sum16[2 * b + 1] = d * static_cast<float>(halves[1]);
-    sum32[b] = d * static_cast<float>(halves[0] + halves[1]);
   }
+  for (size_t h = 0; h < sums.size(); ++h) {
+    int sum = 0;
+    for (size_t i = 16 * h; i < 16 * h + 16; ++i)
+      sum += q[i];
+    sums[h] = static_cast<int16_t>(sum);
+  }
+}
+
+int64_t int8_block(dtype w_type) {
+  return is_k_quant(w_type) ? 256 : 32;
 }
 
 namespace {
@@ -68,65 +71,64 @@ bool int8_format(dtype t) {
   throw error{errc::unsupported, std::string{"no 8-bit integer kernel for "} + dtype_name(t)};
 }
 
-/// Block b of row r of the weights (32 elements; a k-quant super-block holds 8) against
-/// the same block of the rounded activations of row `row`: the sums are integers, each
-/// scaled once.
+/// Row `row` of the rounded activations against one row of weights, block by block: the
+/// products are summed as integers, then scaled (per block of 32: by the weight block's
+/// and the activation block's scales; per k-quant sub-block: by its integer scale, then
+/// per super-block by the float ones).
 float reference_dot(dtype t, const unsigned char* w, const int8_rows& x, int64_t row) {
-  const int64_t blocks = x.k / 32;
   const int8_t* xq = x.q.data() + row * x.k;
-  const float* scale = x.scale.data() + row * blocks;
-  const float* sum32 = x.sum32.data() + row * blocks;
-  const float* sum16 = x.sum16.data() + row * 2 * blocks;
+  const float* scale = x.scale.data() + row * (x.k / x.block);
+  const int16_t* sums = x.sums.data() + row * (x.k / 16);
   float total = 0.0f;
   if (t == dtype::q8_0 || t == dtype::q4_0) {
     const int64_t bytes = t == dtype::q8_0 ? 34 : 18;
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = 0; b < x.k / 32; ++b) {
       const unsigned char* block = w + b * bytes;
-      float d = load_half(block);
       int32_t dot = 0;
       for (int i = 0; i < 32; ++i) {
         int wi = t == dtype::q8_0 ? static_cast<int8_t>(block[2 + i])
                                   : (i < 16 ? block[2 + i] & 0x0f : block[2 + i - 16] >> 4);
         dot += wi * xq[32 * b + i];
       }
-      total += d * scale[b] * static_cast<float>(dot);
-      if (t == dtype::q4_0)
-        total -= 8.0f * d * sum32[b];
+      if (t == dtype::q4_0) // the centre: -8 for every element
+        dot -= 8 * (sums[2 * b] + sums[2 * b + 1]);
+      total += load_half(block) * scale[b] * static_cast<float>(dot);
     }
     return total;
   }
-  for (int64_t s = 0; s < blocks / 8; ++s) {
+  for (int64_t s = 0; s < x.k / 256; ++s) {
+    const int8_t* xs = xq + 256 * s;
+    const int16_t* sum16 = sums + 16 * s;
+    int32_t dot = 0;
     if (t == dtype::q4_k) {
       const unsigned char* block = w + s * 144;
-      float d = load_half(block);
-      float dmin = load_half(block + 2);
+      int32_t minimums = 0;
       for (int j = 0; j < 8; ++j) {
         int sc = 0, mn = 0;
         k_scale_min(block + 4, j, &sc, &mn);
         const unsigned char* qs = block + 16 + 32 * (j / 2);
-        int64_t b = 8 * s + j;
-        int32_t dot = 0;
+        int32_t part = 0;
         for (int l = 0; l < 32; ++l)
-          dot += (j % 2 == 0 ? qs[l] & 0x0f : qs[l] >> 4) * xq[32 * b + l];
-        total += d * static_cast<float>(sc) * scale[b] * static_cast<float>(dot) -
-                 dmin * static_cast<float>(mn) * sum32[b];
+          part += (j % 2 == 0 ? qs[l] & 0x0f : qs[l] >> 4) * xs[32 * j + l];
+        dot += sc * part;
+        minimums += mn * (sum16[2 * j] + sum16[2 * j + 1]);
       }
+      total += scale[s] * (load_half(block) * static_cast<float>(dot) -
+                           load_half(block + 2) * static_cast<float>(minimums));
     } else { // Q6_K
       const unsigned char* block = w + s * 210;
-      float d = load_half(block + 208);
       auto scales = reinterpret_cast<const int8_t*>(block + 192);
       for (int sub = 0; sub < 16; ++sub) {
         int h = sub / 8, k = (sub % 8) / 2, first = 16 * (sub % 2);
-        int64_t b = 8 * s + sub / 2;
-        int32_t dot = 0;
+        int32_t part = 0;
         for (int l = first; l < first + 16; ++l) {
           unsigned char low = block[64 * h + l + 32 * (k % 2)];
           int q = (k < 2 ? low & 0x0f : low >> 4) | (((block[128 + 32 * h + l] >> (2 * k)) & 3) << 4);
-          dot += q * xq[32 * b + l];
+          part += q * xs[128 * h + 32 * k + l];
         }
-        total += d * static_cast<float>(scales[sub]) *
-                 (scale[b] * static_cast<float>(dot) - 32.0f * sum16[16 * s + sub]);
+        dot += scales[sub] * (part - 32 * sum16[sub]);
       }
+      total += scale[s] * load_half(block + 208) * static_cast<float>(dot);
     }
   }
   return total;

@@ -2,12 +2,13 @@
 
 /// @file
 /// The fast path of the CPU device: products of weights kept as stored (Q8_0, Q4_0, Q4_K,
-/// Q6_K) with activations rounded to 8-bit integers per block of 32, summed as integers
-/// (AVX-512 VNNI's `vpdpbusd`: 64 products an instruction) and scaled once per block.
-/// Rounding the activations moves the logits slightly, so it is a choice
-/// (`model_worker_options::cpu_precision`); the float kernels of quant.hpp stay the exact
-/// path. Each activation block keeps its own scale (llama.cpp's k-quant path shares one
-/// among 256), so the rounding is never coarser than llama.cpp's.
+/// Q6_K) with activations rounded to 8-bit integers, summed as integers (AVX-512 VNNI) and
+/// scaled once per block. Rounding the activations moves the logits slightly, so it is a
+/// choice (`model_worker_options::cpu_precision`); the float kernels of quant.hpp stay the
+/// exact path. The activations are rounded as llama.cpp rounds them for the same weights:
+/// per block of 32 for Q8_0 and Q4_0 (each block's product is scaled by both blocks'
+/// scales), per super-block of 256 for the k-quants (their sub-block scales then apply to
+/// integer sums: `vpmaddubsw` and `vpdpwssd`, two instructions for 64 products).
 
 #include "kernels/cpu/quant.hpp"
 
@@ -16,21 +17,25 @@
 
 namespace troupe::cpu {
 
-/// Activations x[m × k] (k a multiple of 32) as 8-bit integers: q = round(x / scale) per
-/// block of 32, scale = max |x| / 127 (0 for a block of zeros). `sum32[b]` is
-/// scale · Σ q over block b, `sum16[h]` the same over half-block h: what a format's offset
-/// (Q4_0's 8, Q4_K's minimum, Q6_K's 32) multiplies.
+/// Activations x[m × k] as 8-bit integers: q = round(x / scale) per block of `block` (32
+/// or 256) elements, scale = max |x| / 127 (0 for a block of zeros); `sums[h]` = Σ q over
+/// the 16 elements of h: what a format's offset (Q4_0's 8, Q4_K's minimum, Q6_K's 32)
+/// multiplies.
 struct int8_rows {
   int64_t m = 0;
   int64_t k = 0;
+  int64_t block = 32;
   std::vector<int8_t> q;
   std::vector<float> scale;
-  std::vector<float> sum32;
-  std::vector<float> sum16;
+  std::vector<int16_t> sums;
 
-  /// Rounds x (sizes the buffers, which keep their memory from call to call).
-  void quantize(const float* x, int64_t rows, int64_t cols);
+  /// Rounds x in blocks of `block_size` (a divisor of cols); the buffers keep their memory
+  /// from call to call.
+  void quantize(const float* x, int64_t rows, int64_t cols, int64_t block_size);
 };
+
+/// The block `int8_rows` must be rounded in for `w_type`: 256 for the k-quants, else 32.
+int64_t int8_block(dtype w_type);
 
 /// Whether `w_type` has an integer kernel, and the CPU the instructions it needs (AVX-512
 /// with VNNI and BW; `TROUPE_CPU_ISA` below avx512 says no). Elsewhere the fast path is

@@ -1,11 +1,13 @@
 // The integer kernels of kernels/cpu/quant_int8.hpp with AVX-512 VNNI (built with AVX-512
 // F, BW, VL, DQ and VNNI enabled; called only where the CPU has them). A 512-bit vector
-// holds 64 weights of two activation blocks; `vpdpbusd` sums its products four at a time
-// into 16 integer lanes (lanes 0-7 the first block, 8-15 the second), which are scaled
-// as floats by the lanes' block (and sub-block) scales. Weights go in unsigned (nibbles,
-// 6-bit values; Q8_0's magnitudes, its signs moved onto the activations), activations
-// signed; what an offset adds (Q4_0's 8, Q4_K's minimum, Q6_K's 32) comes from the
-// activations' block sums. Several activation rows share each weight vector.
+// holds 64 weights. Blocks of 32 (Q8_0, Q4_0): `vpdpbusd` sums the products four at a
+// time into 16 integer lanes (lanes 0-7 the first block, 8-15 the second), scaled as
+// floats by both blocks' scales. k-quants: `vpmaddubsw` sums them in pairs (16 bits), and
+// `vpdpwssd` multiplies the pairs by their sub-block's integer scale into 32-bit sums that
+// run over the super-block, scaled once. Weights go in unsigned (nibbles, 6-bit values;
+// Q8_0's magnitudes, its signs moved onto the activations), activations signed; what an
+// offset adds (Q4_0's 8, Q4_K's minimum, Q6_K's 32) comes from the activations' sums.
+// Several activation rows share each unpacked weight vector.
 
 #include "kernels/cpu/quant_int8.hpp"
 
@@ -70,19 +72,18 @@ inline __m128i k_scales_mins(const unsigned char* p) {
 struct rows_at {
   const int8_rows& x;
   int64_t row;
-  int64_t blocks; // of 32 in a row
+  int64_t blocks; // of x.block in a row
 
-  const int8_t* q(int r, int64_t block) const {
-    return x.q.data() + (row + r) * x.k + 32 * block;
+  /// Element 32·`at` of row r.
+  const int8_t* q(int r, int64_t at) const {
+    return x.q.data() + (row + r) * x.k + 32 * at;
   }
   const float* scale(int r, int64_t block) const {
     return x.scale.data() + (row + r) * blocks + block;
   }
-  const float* sum32(int r, int64_t block) const {
-    return x.sum32.data() + (row + r) * blocks + block;
-  }
-  const float* sum16(int r, int64_t half) const {
-    return x.sum16.data() + (row + r) * 2 * blocks + half;
+  /// Sums of 16 from element 16·`at` of row r.
+  const int16_t* sums(int r, int64_t at) const {
+    return x.sums.data() + (row + r) * (x.k / 16) + at;
   }
 };
 
@@ -153,8 +154,9 @@ void q4_0(const unsigned char* w, const rows_at& a, float* out) {
       const float* s = a.scale(r, b);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot(q, load512(a.q(r, b)))),
                                two(d0 * s[0], d1 * s[1]), acc[r]);
-      const float* sums = a.sum32(r, b);
-      shift[r] += d0 * sums[0] + d1 * sums[1];
+      const int16_t* sums = a.sums(r, 2 * b);
+      shift[r] += d0 * s[0] * static_cast<float>(sums[0] + sums[1]) +
+                  d1 * s[1] * static_cast<float>(sums[2] + sums[3]);
     }
   }
   for (; b < a.blocks; ++b) {
@@ -166,20 +168,47 @@ void q4_0(const unsigned char* w, const rows_at& a, float* out) {
         sum += (i < 16 ? block[2 + i] & 0x0f : block[2 + i - 16] >> 4) * a.q(r, b)[i];
       acc[r] = _mm512_add_ps(acc[r], _mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                                    d * *a.scale(r, b) * static_cast<float>(sum)));
-      shift[r] += d * *a.sum32(r, b);
+      shift[r] += d * *a.scale(r, b) * static_cast<float>(a.sums(r, 2 * b)[0] + a.sums(r, 2 * b)[1]);
     }
   }
   for (int r = 0; r < R; ++r)
     out[r] = _mm512_reduce_add_ps(acc[r]) - 8.0f * shift[r];
 }
 
-/// Lane l of a Q4_K product (chunk c: elements 64c ...) belongs to sub-block 2c + l / 8.
-alignas(64) const int32_t q4k_lanes[4][16] = {
-  {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},
-  {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
-  {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},
-  {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+/// The 16-bit lanes of a k-quant product of 64 weights (`vpmaddubsw`: lane i holds
+/// elements 2i and 2i + 1) by the sub-block each belongs to: Q4_K's chunk c (elements
+/// 64c ...) holds sub-blocks 2c and 2c + 1 (32 elements each); Q6_K's vector v, sub-blocks
+/// 4v ... 4v + 3 (16 each).
+alignas(64) const int16_t q4k_lanes[4][32] = {
+  {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
+  {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
+  {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5},
+  {6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7},
 };
+alignas(64) const int16_t q6k_lanes[4][32] = {
+  {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+  {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+  {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+  {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15},
+};
+/// Each of 8 16-bit values twice: Q4_K's minimums against the sums of 16.
+alignas(32) const int16_t pairs_of_8[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/// Σ over a super-block of the products of 4 weight vectors and the activations at `x`,
+/// each pair of products times its sub-block's scale (`scales[v]`), as 16 integer lanes.
+inline __m512i scaled_sums(const __m512i* q, const __m512i* scales, const int8_t* x) {
+  __m512i total = _mm512_setzero_si512();
+  for (int v = 0; v < 4; ++v)
+    total = _mm512_dpwssd_epi32(total, _mm512_maddubs_epi16(q[v], load512(x + 64 * v)), scales[v]);
+  return total;
+}
 
 template <int R>
 void q4_k(const unsigned char* w, const rows_at& a, float* out) {
@@ -188,22 +217,26 @@ void q4_k(const unsigned char* w, const rows_at& a, float* out) {
   __m512i lanes[4];
   for (int c = 0; c < 4; ++c)
     lanes[c] = _mm512_load_si512(q4k_lanes[c]);
+  const __m256i pairs = _mm256_load_si256(reinterpret_cast<const __m256i*>(pairs_of_8));
   __m512 acc[R];
   __m256 mins[R];
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm512_setzero_ps();
     mins[r] = _mm256_setzero_ps();
   }
-  for (int64_t s = 0; s < a.blocks / 8; ++s) {
+  for (int64_t s = 0; s < a.blocks; ++s) {
     const unsigned char* block = w + 144 * s;
     if constexpr (R == 1)
       _mm_prefetch(reinterpret_cast<const char*>(block) + 1024, _MM_HINT_T0);
     __m128i packed = k_scales_mins(block + 4);
-    __m256 scales = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)),
-                                  _mm256_set1_ps(half_at(block, table)));
-    __m256 minimums = _mm256_mul_ps(
-      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))),
-      _mm256_set1_ps(half_at(block + 2, table)));
+    __m512i scales16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(packed));
+    __m512i scales[4];
+    for (int c = 0; c < 4; ++c)
+      scales[c] = _mm512_permutexvar_epi16(lanes[c], scales16);
+    // Minimum j against the sums of its two 16s.
+    __m256i minimums = _mm256_permutexvar_epi16(
+      pairs, _mm256_castsi128_si256(_mm_cvtepu8_epi16(_mm_srli_si128(packed, 8))));
+    float d = half_at(block, table), dmin = half_at(block + 2, table);
     // Chunk c: the low nibbles of its 32 bytes (sub-block 2c), then the high ones (2c + 1);
     // two chunks from one load.
     __m512i q[4];
@@ -215,80 +248,68 @@ void q4_k(const unsigned char* w, const rows_at& a, float* out) {
       q[c + 1] = _mm512_shuffle_i64x2(low, high, 0xee);
     }
     for (int r = 0; r < R; ++r) {
-      // d · scale of each sub-block · its activation block's scale.
-      __m512 t = _mm512_castps256_ps512(_mm256_mul_ps(scales, _mm256_loadu_ps(a.scale(r, 8 * s))));
-      for (int c = 0; c < 4; ++c)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot(q[c], load512(a.q(r, 8 * s + 2 * c)))),
-                                 _mm512_permutexvar_ps(lanes[c], t), acc[r]);
-      mins[r] = _mm256_fmadd_ps(minimums, _mm256_loadu_ps(a.sum32(r, 8 * s)), mins[r]);
+      float xs = *a.scale(r, s);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled_sums(q, scales, a.q(r, 8 * s))),
+                               _mm512_set1_ps(d * xs), acc[r]);
+      __m256i m = _mm256_madd_epi16(minimums, load256(a.sums(r, 16 * s)));
+      mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * xs), mins[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    __m128 m4 = _mm_add_ps(_mm256_castps256_ps128(mins[r]), _mm256_extractf128_ps(mins[r], 1));
-    m4 = _mm_add_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_add_ss(m4, _mm_movehdup_ps(m4));
-    out[r] = _mm512_reduce_add_ps(acc[r]) - _mm_cvtss_f32(m4);
-  }
+  for (int r = 0; r < R; ++r)
+    out[r] = _mm512_reduce_add_ps(acc[r]) - sum8(mins[r]);
 }
-
-/// Lane l of a Q6_K product (vector v = 2h + p) belongs to sub-block 8h + 4p + l / 4.
-alignas(64) const int32_t q6k_lanes[4][16] = {
-  {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
-  {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7},
-  {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11},
-  {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15},
-};
-/// Sub-block s's activation block: s / 2.
-alignas(64) const int32_t q6k_blocks[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
 
 template <int R>
 void q6_k(const unsigned char* w, const rows_at& a, float* out) {
   const float* table = halves();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
-  const __m512i low2 = _mm512_set1_epi8(0x03);
+  const __m512i bits45 = _mm512_set1_epi8(0x30);
+  // Bits 0-1 (first 32 bytes) and 2-3 (last 32) up to 4-5; bits 4-5 and 6-7 down to them.
+  const __m512i up_shifts = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4);
+  const __m512i down_shifts = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
   __m512i lanes[4];
   for (int v = 0; v < 4; ++v)
     lanes[v] = _mm512_load_si512(q6k_lanes[v]);
-  const __m512i blocks = _mm512_load_si512(q6k_blocks);
-  __m512 acc[R], offsets[R];
+  __m512 acc[R];
+  __m256 offsets[R];
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm512_setzero_ps();
-    offsets[r] = _mm512_setzero_ps();
+    offsets[r] = _mm256_setzero_ps();
   }
-  for (int64_t s = 0; s < a.blocks / 8; ++s) {
+  for (int64_t s = 0; s < a.blocks; ++s) {
     const unsigned char* block = w + 210 * s;
     if constexpr (R == 1)
       _mm_prefetch(reinterpret_cast<const char*>(block) + 1024, _MM_HINT_T0);
-    __m512 scales = _mm512_mul_ps(
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)))),
-      _mm512_set1_ps(half_at(block + 208, table)));
+    __m256i sub_scales =
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
+    __m512i scales[4];
+    for (int v = 0; v < 4; ++v)
+      scales[v] = _mm512_permutexvar_epi16(lanes[v], _mm512_castsi256_si512(sub_scales));
+    float d = half_at(block + 208, table);
     // Vector 2h + p: groups 2p and 2p + 1 of half h (elements 128h + 64p ...): the low
     // (p = 0) or high (p = 1) nibbles of the half's 64 low bytes, and bits 4p, 4p + 2 of
-    // its 32 high bytes above them.
+    // its 32 high bytes moved to bits 4-5 (a shift within 64-bit lanes moves no bit there
+    // from another byte).
     __m512i q[4];
     for (int h = 0; h < 2; ++h) {
       __m512i ql = load512(block + 64 * h);
-      __m256i qh = load256(block + 128 + 32 * h);
-      for (int p = 0; p < 2; ++p) {
-        __m512i high = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_srli_epi16(qh, 4 * p)), _mm256_srli_epi16(qh, 4 * p + 2), 1);
-        __m512i low = p == 0 ? ql : _mm512_srli_epi16(ql, 4);
-        q[2 * h + p] = _mm512_or_si512(_mm512_and_si512(low, low4),
-                                       _mm512_slli_epi16(_mm512_and_si512(high, low2), 4));
-      }
+      __m512i qh = _mm512_broadcast_i64x4(load256(block + 128 + 32 * h));
+      __m512i high0 = _mm512_and_si512(_mm512_sllv_epi64(qh, up_shifts), bits45);
+      __m512i high1 = _mm512_and_si512(_mm512_srlv_epi64(qh, down_shifts), bits45);
+      q[2 * h] = _mm512_ternarylogic_epi32(ql, low4, high0, 0xea); // (ql & 15) | high
+      q[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), low4, high1, 0xea);
     }
     for (int r = 0; r < R; ++r) {
-      // d · scale of each sub-block · its activation block's scale.
-      __m512 t = _mm512_mul_ps(
-        scales, _mm512_permutexvar_ps(blocks, _mm512_castps256_ps512(_mm256_loadu_ps(a.scale(r, 8 * s)))));
-      for (int v = 0; v < 4; ++v)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot(q[v], load512(a.q(r, 8 * s + 2 * v)))),
-                                 _mm512_permutexvar_ps(lanes[v], t), acc[r]);
-      offsets[r] = _mm512_fmadd_ps(scales, _mm512_loadu_ps(a.sum16(r, 16 * s)), offsets[r]);
+      float ds = d * *a.scale(r, s);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled_sums(q, scales, a.q(r, 8 * s))),
+                               _mm512_set1_ps(ds), acc[r]);
+      // The 32 every value is stored above: Σ scale · sum of 16.
+      __m256i o = _mm256_madd_epi16(sub_scales, load256(a.sums(r, 16 * s)));
+      offsets[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(32.0f * ds), offsets[r]);
     }
   }
   for (int r = 0; r < R; ++r)
-    out[r] = _mm512_reduce_add_ps(acc[r]) - 32.0f * _mm512_reduce_add_ps(offsets[r]);
+    out[r] = _mm512_reduce_add_ps(acc[r]) - sum8(offsets[r]);
 }
 
 template <int R>
@@ -309,7 +330,7 @@ void one_row(dtype t, const unsigned char* w, const rows_at& a, float* out) {
 
 void dot_rows(dtype w_type, const unsigned char* w, const int8_rows& x, float* y, int64_t ldy,
               int64_t begin, int64_t end, bool accumulate) {
-  const int64_t blocks = x.k / 32;
+  const int64_t blocks = x.k / x.block;
   const auto stride = static_cast<int64_t>(storage_bytes(w_type, static_cast<size_t>(x.k)));
   // Activation rows in tiles of 8 (the accumulators of a tile and a super-block's
   // weights fill the registers), then 4, then one at a time.
