@@ -1,156 +1,151 @@
 #!/usr/bin/env bash
-# troupe next to llama.cpp on the same GGUF file and the same number of threads, in one run:
-# batch-1 decode and 64-token prefill, decode at tensor parallel size 2, batched decode of
-# 32 sequences, the same batch-1 decode on an F16 copy of the file (made by llama.cpp's own
-# quantizer), and the start-up of a whole process that generates one token (time and peak
-# memory). llama.cpp runs through llama-cpp-python, which builds it from source into a
-# throwaway venv. Prints a JSON object per measurement, then a table with the ratios. A
-# benchmark, not a test: it takes minutes (the llama.cpp build alone, once per venv).
+# troupe next to llama.cpp's own tools, built natively from source, on the same GGUF files
+# and the same threads, in one run with alternating processes: decode at batch 1 and
+# prefill of 512 tokens (`llama-bench` against `troupe bench step`), batched decode at 32
+# (`llama-batched-bench`), and the bandwidth floor of this machine (the weights' bytes over
+# the copy bandwidth `troupe bench step` measures in the same process). Prints one JSON
+# object per measurement, then a table of medians and ratios. A benchmark, not a test: the
+# llama.cpp build takes minutes once, the 1B files a few minutes once (both cached).
 #
-#   bash scripts/bench-vs-llamacpp.sh [MODEL.gguf]      (default: SmolLM2-135M Q4_1)
+#   bash scripts/bench-vs-llamacpp.sh [--rounds N] [--precision fast|exact] [MODEL.gguf ...]
 #
-# TROUPE_BENCH_VENV keeps the venv (default: a fresh one under /tmp, removed at the end).
+# Without files it makes its own: SmolLM2-135M (Q4_1, as fetched) and a random-weight model
+# at Llama-3.2-1B's shape (../shared/tools/make-scale-gguf.py writes the F16 file,
+# llama-quantize the Q4_K_M, Q4_0, Q8_0 and BF16 copies). TROUPE_SCALE_SHAPES="llama-1b
+# llama-8b" adds the 8B shape (16 GB as F16). Caches: $TROUPE_LLAMACPP_DIR (default
+# ~/.cache/troupe/llamacpp) for llama.cpp, $TROUPE_SCALE_DIR (~/.cache/troupe/scale) for
+# the models.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-model=${1:-$(bash scripts/fetch-smollm2.sh)}
+rounds=3
+precision=fast
+models=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --rounds) rounds=$2; shift 2 ;;
+    --precision) precision=$2; shift 2 ;;
+    *) models+=("$1"); shift ;;
+  esac
+done
 troupe=${TROUPE_BIN:-build/troupe}
 threads=$(nproc)
-work=$(mktemp -d)
-venv=${TROUPE_BENCH_VENV:-}
-if [ -z "$venv" ]; then
-  venv=$work/venv
+llamacpp=${TROUPE_LLAMACPP_DIR:-$HOME/.cache/troupe/llamacpp}
+scale=${TROUPE_SCALE_DIR:-$HOME/.cache/troupe/scale}
+bin=$llamacpp/build/bin
+
+# llama.cpp: the tree inside PyPI's llama-cpp-python sdist, configured as its own project
+# with the CPU's native instructions.
+if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-quantize" ] ||
+   [ ! -x "$bin/llama-batched-bench" ]; then
+  echo "bench-vs-llamacpp: building llama.cpp's tools natively in $llamacpp (minutes)" >&2
+  mkdir -p "$llamacpp"
+  if ! ls "$llamacpp"/llama_cpp_python-*/vendor/llama.cpp/CMakeLists.txt > /dev/null 2>&1; then
+    python3 -m pip download --quiet --no-deps --no-binary :all: --dest "$llamacpp" \
+      llama-cpp-python >&2
+    tar xzf "$(ls "$llamacpp"/llama_cpp_python-*.tar.gz | tail -1)" -C "$llamacpp"
+  fi
+  src=$(ls -d "$llamacpp"/llama_cpp_python-*/vendor/llama.cpp | tail -1)
+  cmake -S "$src" -B "$llamacpp/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF > /dev/null
+  cmake --build "$llamacpp/build" -j"$threads" --target llama-bench llama-quantize \
+    llama-batched-bench llama-simple > /dev/null
 fi
-trap 'rm -rf "$work"' EXIT
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
-fi
-if ! "$venv/bin/python" -c "import llama_cpp" 2> /dev/null; then
-  echo "bench-vs-llamacpp: building llama-cpp-python (llama.cpp from source; minutes)" >&2
-  CMAKE_BUILD_PARALLEL_LEVEL=$threads "$venv/bin/pip" install --quiet llama-cpp-python >&2
-fi
-py() { "$venv/bin/python" "$@"; }
 
-# The F16 copy: llama.cpp's quantizer writes every weight of the file as float16.
-f16=$work/model-f16.gguf
-py - "$model" "$f16" <<'PY' 2> /dev/null
-import sys, llama_cpp
-params = llama_cpp.llama_model_quantize_default_params()
-params.ftype = 1  # LLAMA_FTYPE_MOSTLY_F16
-params.allow_requantize = True
-if llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params) != 0:
-    sys.exit("bench-vs-llamacpp: llama.cpp could not write an F16 copy")
-PY
-
-# llama.cpp: best of three runs of each shape, on all the cores. Batch 1: a 64-token
-# prefill, then 64 decode steps. Batch 32: 32 sequences of 16 prompt tokens in one batch,
-# then 64 steps of one token for each.
-llama() { # $1: model file; $2: "batched" for the batch-32 figure as well
-  py - "$1" "$threads" "${2:-}" <<'PY' 2> /dev/null
-import json, sys, time
-import llama_cpp
-path, threads, batched = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "batched"
-llama_cpp.llama_backend_init()
-model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
-cp = llama_cpp.llama_context_default_params()
-cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 32 * 128, 512, 512, 32
-cp.n_threads = cp.n_threads_batch = threads
-cp.kv_unified = True
-ctx = llama_cpp.llama_init_from_model(model, cp)
-batch = llama_cpp.llama_batch_init(512, 0, 32)
-
-def decode(entries):  # (token, position, sequence, wants logits)
-    batch.n_tokens = len(entries)
-    for i, (token, pos, seq, logits) in enumerate(entries):
-        batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
-        batch.seq_id[i][0], batch.logits[i] = seq, logits
-    if llama_cpp.llama_decode(ctx, batch) != 0:
-        sys.exit("llama_decode failed")
-
-def run(seqs, prompt_len, steps):
-    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-    prompt = [(i * 7919) % 1000 + 100 for i in range(prompt_len)]
-    start = time.perf_counter()
-    decode([(t, p, s, p == prompt_len - 1) for s in range(seqs) for p, t in enumerate(prompt)])
-    prefill = seqs * prompt_len / (time.perf_counter() - start)
-    start = time.perf_counter()
-    for step in range(steps):
-        decode([(prompt[-1], prompt_len + step, s, True) for s in range(seqs)])
-    return prefill, seqs * steps / (time.perf_counter() - start)
-
-best = {"engine": "llama.cpp", "model": path, "threads": threads,
-        "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0}
-if batched:
-    best["batch32_decode_tokens_per_s"] = 0.0
-for _ in range(3):
-    prefill, decode1 = run(1, 64, 64)
-    best["prefill_tokens_per_s"] = max(best["prefill_tokens_per_s"], prefill)
-    best["decode_tokens_per_s"] = max(best["decode_tokens_per_s"], decode1)
-    if batched:
-        best["batch32_decode_tokens_per_s"] = max(best["batch32_decode_tokens_per_s"],
-                                                  run(32, 16, 64)[1])
-print(json.dumps(best))
-PY
-}
-llama_json=$(llama "$model" batched)
-llama_f16=$(llama "$f16")
-echo "$llama_json"
-echo "$llama_f16"
-
-# troupe: the same shapes, best of three runs.
-best() { # troupe bench step options
-  local out="" run
-  for _ in 1 2 3; do
-    run=$("$troupe" bench step --json "$@" 2> /dev/null | tail -1)
-    out=$(python3 -c 'import json,sys
-a, b = sys.argv[1], json.loads(sys.argv[2])
-if a:
-    a = json.loads(a)
-    for k in ("prefill_tokens_per_s", "decode_tokens_per_s"):
-        b[k] = max(a[k], b[k])
-print(json.dumps(b))' "$out" "$run")
+# The models.
+if [ ${#models[@]} -eq 0 ]; then
+  models+=("$(bash scripts/fetch-smollm2.sh)")
+  mkdir -p "$scale"
+  for shape in ${TROUPE_SCALE_SHAPES:-llama-1b}; do
+    f16=$scale/$shape-f16.gguf
+    if [ ! -f "$f16" ]; then
+      echo "bench-vs-llamacpp: writing $f16 (random weights at $shape's shape)" >&2
+      if ! python3 -c "import numpy, gguf" 2> /dev/null; then
+        python3 -m pip install --quiet numpy gguf >&2
+      fi
+      python3 ../shared/tools/make-scale-gguf.py "$f16.part" --shape "$shape" >&2
+      mv "$f16.part" "$f16"
+    fi
+    for type in Q4_K_M Q4_0 Q8_0 BF16; do
+      out=$scale/$shape-${type,,}.gguf
+      if [ ! -f "$out" ]; then
+        "$bin/llama-quantize" "$f16" "$out.part" "$type" "$threads" > /dev/null 2>&1
+        mv "$out.part" "$out"
+      fi
+      models+=("$out")
+    done
   done
-  echo "$out"
-}
-tp1=$(best --model "$model" --batch 1 --prompt-len 64 --decode-steps 64)
-tp2=$(best --model "$model" --batch 1 --prompt-len 64 --decode-steps 64 --tensor-parallel-size 2)
-b32=$(best --model "$model" --batch 32 --prompt-len 16 --decode-steps 64)
-tf16=$(best --model "$f16" --batch 1 --prompt-len 64 --decode-steps 64)
-for j in "$tp1" "$tp2" "$b32" "$tf16"; do echo "$j"; done
+fi
 
-# Start-up: a whole process that loads the model and generates one token.
-startup() { # the command; prints seconds and peak resident KiB
-  /usr/bin/time -f "%e %M" "$@" > /dev/null 2> "$work/time" || true
-  tail -1 "$work/time"
+# One measurement of each side, alternating; JSON lines into $results.
+results=$(mktemp)
+trap 'rm -f "$results"' EXIT
+llama_bench() { # model, then llama-bench's shape flags
+  local model=$1
+  shift
+  "$bin/llama-bench" -m "$model" -t "$threads" -r 1 -o json "$@" 2> /dev/null |
+    python3 -c 'import json, sys
+for r in json.load(sys.stdin):
+    kind = "prefill" if r["n_gen"] == 0 else "decode"
+    print(json.dumps({"engine": "llama.cpp", "model": sys.argv[1], "what": kind,
+                      "tokens_per_s": r["avg_ts"]}))' "$model"
 }
-troupe_start=$(startup "$troupe" generate --model "$model" --prompt "Hello" --max-tokens 1)
-llama_start=$(startup "$venv/bin/python" -c "
-import llama_cpp, sys
-llm = llama_cpp.Llama(model_path='$model', n_ctx=512, n_threads=$threads, verbose=False)
-llm.create_completion('Hello', max_tokens=1)")
-echo "{\"startup\":\"troupe\",\"seconds\":${troupe_start% *},\"peak_kib\":${troupe_start#* }}"
-echo "{\"startup\":\"llama.cpp\",\"seconds\":${llama_start% *},\"peak_kib\":${llama_start#* }}"
+troupe_step() { # model, then troupe bench step's flags
+  local model=$1
+  shift
+  "$troupe" bench step --model "$model" --cpu-precision "$precision" --json "$@" \
+    2> /dev/null | tail -1 | python3 -c 'import json, sys
+d = json.load(sys.stdin)
+m, batch = sys.argv[1], d["batch"]
+if batch == 1:
+    print(json.dumps({"engine": "troupe", "model": m, "what": "prefill",
+                      "tokens_per_s": d["prefill_tokens_per_s"]}))
+    print(json.dumps({"engine": "troupe", "model": m, "what": "decode",
+                      "tokens_per_s": d["decode_tokens_per_s"]}))
+    print(json.dumps({"engine": "floor", "model": m, "what": "decode",
+                      "tokens_per_s": d["bandwidth_bound_decode_tokens_per_s"]}))
+else:
+    print(json.dumps({"engine": "troupe", "model": m, "what": "decode_batch32",
+                      "tokens_per_s": d["decode_tokens_per_s"]}))' "$model"
+}
+llama_batched() { # model: 32 sequences of 16 prompt tokens, 32 steps each
+  "$bin/llama-batched-bench" -m "$1" -t "$threads" -c 4096 -npp 16 -ntg 32 -npl 32 \
+    --output-format jsonl 2> /dev/null | python3 -c 'import json, sys
+for line in sys.stdin:
+    if line.startswith("{"):
+        r = json.loads(line)
+        print(json.dumps({"engine": "llama.cpp", "model": sys.argv[1], "what": "decode_batch32",
+                          "tokens_per_s": r["speed_tg"]}))' "$1"
+}
+for model in "${models[@]}"; do
+  for round in $(seq 1 "$rounds"); do
+    {
+      llama_bench "$model" -p 0 -n 32
+      troupe_step "$model" --prompt-len 512 --decode-steps 32
+      llama_bench "$model" -p 512 -n 0
+      case $model in
+        *q4_k_m*)
+          troupe_step "$model" --batch 32 --prompt-len 16 --decode-steps 32
+          llama_batched "$model" ;;
+      esac
+    } | tee -a "$results"
+  done
+done
 
-python3 - "$llama_json" "$llama_f16" "$tp1" "$tp2" "$b32" "$tf16" "$troupe_start" \
-          "$llama_start" <<'PY'
-import json, sys
-llama, llama_f16, tp1, tp2, b32, tf16 = (json.loads(x) for x in sys.argv[1:7])
-ts, tk = (x.split() for x in sys.argv[7:9])
-rows = [
-    ("decode, batch 1, tok/s", tp1["decode_tokens_per_s"], llama["decode_tokens_per_s"]),
-    ("prefill 64, tok/s", tp1["prefill_tokens_per_s"], llama["prefill_tokens_per_s"]),
-    ("decode TP 2 (llama.cpp: 1), tok/s", tp2["decode_tokens_per_s"],
-     llama["decode_tokens_per_s"]),
-    ("decode, batch 32, tok/s", b32["decode_tokens_per_s"],
-     llama["batch32_decode_tokens_per_s"]),
-    ("decode, batch 1, F16 copy, tok/s", tf16["decode_tokens_per_s"],
-     llama_f16["decode_tokens_per_s"]),
-    ("start-up, s (lower is better)", float(ts[0]), float(tk[0])),
-    ("start-up peak, MiB (lower is better)", int(ts[1]) / 1024, int(tk[1]) / 1024),
-]
-print(f"{'':38} {'troupe':>10} {'llama.cpp':>10} {'ratio':>7}")
-for name, ours, theirs in rows:
-    print(f"{name:38} {ours:10.2f} {theirs:10.2f} {ours / theirs:7.2f}")
-print(f"{'TP 2 step time / TP 1 step time':38} "
-      f"{tp1['decode_tokens_per_s'] / tp2['decode_tokens_per_s']:10.2f}")
+python3 - "$results" <<'PY'
+import collections, json, os, statistics, sys
+runs = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    runs[(r["model"], r["what"], r["engine"])].append(r["tokens_per_s"])
+median = {k: statistics.median(v) for k, v in runs.items()}
+print(f"\n{'model':34} {'measure':16} {'troupe':>8} {'llama.cpp':>9} {'ratio':>6} {'floor':>7}")
+for model in dict.fromkeys(k[0] for k in median):
+    for what in ("decode", "prefill", "decode_batch32"):
+        ours, theirs = median.get((model, what, "troupe")), median.get((model, what, "llama.cpp"))
+        if ours is None or theirs is None:
+            continue
+        floor = median.get((model, what, "floor"))
+        print(f"{os.path.basename(model)[:34]:34} {what:16} {ours:8.1f} {theirs:9.1f} "
+              f"{ours / theirs:6.2f} {floor if floor else float('nan'):7.1f}")
 PY

@@ -214,9 +214,6 @@ template <int R>
 void q4_k(const unsigned char* w, const rows_at& a, float* out) {
   const float* table = halves();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
-  __m512i lanes[4];
-  for (int c = 0; c < 4; ++c)
-    lanes[c] = _mm512_load_si512(q4k_lanes[c]);
   const __m256i pairs = _mm256_load_si256(reinterpret_cast<const __m256i*>(pairs_of_8));
   __m512 acc[R];
   __m256 mins[R];
@@ -232,7 +229,7 @@ void q4_k(const unsigned char* w, const rows_at& a, float* out) {
     __m512i scales16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(packed));
     __m512i scales[4];
     for (int c = 0; c < 4; ++c)
-      scales[c] = _mm512_permutexvar_epi16(lanes[c], scales16);
+      scales[c] = _mm512_permutexvar_epi16(_mm512_load_si512(q4k_lanes[c]), scales16);
     // Minimum j against the sums of its two 16s.
     __m256i minimums = _mm256_permutexvar_epi16(
       pairs, _mm256_castsi128_si256(_mm_cvtepu8_epi16(_mm_srli_si128(packed, 8))));
@@ -247,6 +244,7 @@ void q4_k(const unsigned char* w, const rows_at& a, float* out) {
       q[c] = _mm512_shuffle_i64x2(low, high, 0x44);
       q[c + 1] = _mm512_shuffle_i64x2(low, high, 0xee);
     }
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       float xs = *a.scale(r, s);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled_sums(q, scales, a.q(r, 8 * s))),
@@ -267,9 +265,6 @@ void q6_k(const unsigned char* w, const rows_at& a, float* out) {
   // Bits 0-1 (first 32 bytes) and 2-3 (last 32) up to 4-5; bits 4-5 and 6-7 down to them.
   const __m512i up_shifts = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4);
   const __m512i down_shifts = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
-  __m512i lanes[4];
-  for (int v = 0; v < 4; ++v)
-    lanes[v] = _mm512_load_si512(q6k_lanes[v]);
   __m512 acc[R];
   __m256 offsets[R];
   for (int r = 0; r < R; ++r) {
@@ -284,7 +279,8 @@ void q6_k(const unsigned char* w, const rows_at& a, float* out) {
       _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
     __m512i scales[4];
     for (int v = 0; v < 4; ++v)
-      scales[v] = _mm512_permutexvar_epi16(lanes[v], _mm512_castsi256_si512(sub_scales));
+      scales[v] = _mm512_permutexvar_epi16(_mm512_load_si512(q6k_lanes[v]),
+                                           _mm512_castsi256_si512(sub_scales));
     float d = half_at(block + 208, table);
     // Vector 2h + p: groups 2p and 2p + 1 of half h (elements 128h + 64p ...): the low
     // (p = 0) or high (p = 1) nibbles of the half's 64 low bytes, and bits 4p, 4p + 2 of
@@ -299,6 +295,7 @@ void q6_k(const unsigned char* w, const rows_at& a, float* out) {
       q[2 * h] = _mm512_ternarylogic_epi32(ql, low4, high0, 0xea); // (ql & 15) | high
       q[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), low4, high1, 0xea);
     }
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       float ds = d * *a.scale(r, s);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled_sums(q, scales, a.q(r, 8 * s))),
