@@ -179,10 +179,11 @@ TEST_CASE("integer kernels: the sums of the rounded activations, on every tile a
   struct shape {
     int64_t n, m, k;
   };
-  // Block counts odd and even (Q8_0 and Q4_0 take blocks in pairs), activation rows that
-  // exercise every tile (8, 4, 1) and their tails.
+  // Block counts with every part of a row (Q8_0 and Q4_0 take blocks in groups of 8, then
+  // pairs, then one: 11 blocks has all three), activation rows that exercise every tile
+  // (8, 4, 1) and their tails.
   for (auto s : {shape{1, 1, 32}, shape{7, 3, 96}, shape{5, 1, 256}, shape{33, 5, 512},
-                 shape{9, 8, 768}, shape{19, 13, 256}, shape{3, 30, 1536}}) {
+                 shape{9, 8, 768}, shape{19, 13, 256}, shape{3, 30, 1536}, shape{6, 9, 352}}) {
     auto w = random_floats(static_cast<size_t>(s.n * s.k), 12, 0.05f);
     auto x = random_floats(static_cast<size_t>(s.m * s.k), 13);
     x[5] = 40.0f; // an outlier, as hidden states have

@@ -68,6 +68,14 @@ inline __m128i k_scales_mins(const unsigned char* p) {
                        static_cast<int>(scales_high), static_cast<int>(scales_low));
 }
 
+/// The sum of 8 floats.
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 /// Where the activations of rows [row, row + R) are.
 struct rows_at {
   const int8_rows& x;
@@ -89,90 +97,108 @@ struct rows_at {
 
 // One weight row against R activation rows each: out[r].
 
-template <int R>
-void q8_0(const unsigned char* w, const rows_at& a, float* out) {
-  const float* table = halves();
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r)
-    acc[r] = _mm512_setzero_ps();
-  float tail[R] = {};
-  int64_t b = 0;
-  for (; b + 2 <= a.blocks; b += 2) {
-    const unsigned char* b0 = w + 34 * b;
-    const unsigned char* b1 = b0 + 34;
-    if constexpr (R == 1)
-      _mm_prefetch(reinterpret_cast<const char*>(b0) + 1024, _MM_HINT_T0);
-    __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(load256(b0 + 2)), load256(b1 + 2), 1);
-    __mmask64 negative = _mm512_movepi8_mask(v);
-    __m512i magnitude = _mm512_abs_epi8(v);
-    float d0 = half_at(b0, table), d1 = half_at(b1, table);
-    for (int r = 0; r < R; ++r) {
-      __m512i x = load512(a.q(r, b));
-      x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
-      const float* s = a.scale(r, b);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot(magnitude, x)), two(d0 * s[0], d1 * s[1]),
-                               acc[r]);
-    }
-  }
-  for (; b < a.blocks; ++b) { // an odd last block
-    const unsigned char* block = w + 34 * b;
-    float d = half_at(block, table);
-    for (int r = 0; r < R; ++r) {
-      int32_t sum = 0;
-      for (int i = 0; i < 32; ++i)
-        sum += static_cast<int8_t>(block[2 + i]) * a.q(r, b)[i];
-      tail[r] += d * *a.scale(r, b) * static_cast<float>(sum);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
-}
+/// Lane l of the sums of a pair of blocks (2j, 2j + 1 of a group of 8) belongs to block
+/// 2j + l / 8.
+alignas(64) const int32_t pair_lanes[4][16] = {
+  {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},
+  {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+  {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},
+  {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+};
 
-template <int R>
-void q4_0(const unsigned char* w, const rows_at& a, float* out) {
-  const float* table = halves();
-  const __m256i mask = _mm256_set1_epi8(0x0f);
-  __m512 acc[R];
-  float shift[R] = {};
-  for (int r = 0; r < R; ++r)
-    acc[r] = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= a.blocks; b += 2) {
-    const unsigned char* b0 = w + 18 * b;
-    const unsigned char* b1 = b0 + 18;
-    if constexpr (R == 1)
-      _mm_prefetch(reinterpret_cast<const char*>(b0) + 1024, _MM_HINT_T0);
+/// Blocks b and b + 1 of Q8_0 (`Q8`) or Q4_0 as 64 unsigned bytes: Q4_0's nibbles, Q8_0's
+/// magnitudes with their signs in `negative`.
+template <bool Q8>
+inline __m512i block_pair(const unsigned char* b0, const unsigned char* b1, __mmask64* negative) {
+  if constexpr (Q8) {
+    __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(load256(b0 + 2)), load256(b1 + 2), 1);
+    *negative = _mm512_movepi8_mask(v);
+    return _mm512_abs_epi8(v);
+  } else {
+    const __m256i mask = _mm256_set1_epi8(0x0f);
     __m256i v = _mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 2))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + 2)), 1);
     // [low 0, low 1, high 0, high 1] in 16-byte lanes, then block 0's before block 1's.
     __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, mask)),
                                    _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);
-    q = _mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(3, 1, 2, 0));
-    float d0 = half_at(b0, table), d1 = half_at(b1, table);
+    (void)negative;
+    return _mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(3, 1, 2, 0));
+  }
+}
+
+/// Q8_0 (`Q8`) or Q4_0: groups of 8 blocks (their float16 scales gathered at once, the
+/// products' lane scales permuted from one vector), then pairs, then a last block.
+template <bool Q8, int R>
+void blocks_of_32(const unsigned char* w, const rows_at& a, float* out) {
+  constexpr int bytes = Q8 ? 34 : 18;
+  const float* table = halves();
+  const __m256i offsets = _mm256_setr_epi32(0, bytes, 2 * bytes, 3 * bytes, 4 * bytes,
+                                            5 * bytes, 6 * bytes, 7 * bytes);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m512 acc[R];
+  __m256 shift[R]; // Q4_0: Σ d · activation scale · sum of the block, times 8 at the end
+  float tail[R] = {};
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    shift[r] = _mm256_setzero_ps();
+  }
+  auto signed_x = [](__m512i x, __mmask64 negative) {
+    return Q8 ? _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x) : x;
+  };
+  int64_t b = 0;
+  for (; b + 8 <= a.blocks; b += 8) {
+    const unsigned char* group = w + bytes * b;
+    if constexpr (R == 1)
+      _mm_prefetch(reinterpret_cast<const char*>(group) + 1024, _MM_HINT_T0);
+    __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(
+      _mm256_i32gather_epi32(reinterpret_cast<const int*>(group), offsets, 1)));
+    __m512i q[4];
+    __mmask64 negative[4] = {};
+    for (int j = 0; j < 4; ++j)
+      q[j] = block_pair<Q8>(group + 2 * j * bytes, group + (2 * j + 1) * bytes, &negative[j]);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const float* s = a.scale(r, b);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot(q, load512(a.q(r, b)))),
-                               two(d0 * s[0], d1 * s[1]), acc[r]);
-      const int16_t* sums = a.sums(r, 2 * b);
-      shift[r] += d0 * s[0] * static_cast<float>(sums[0] + sums[1]) +
-                  d1 * s[1] * static_cast<float>(sums[2] + sums[3]);
+      __m256 scales = _mm256_mul_ps(d, _mm256_loadu_ps(a.scale(r, b)));
+      __m512 wide = _mm512_castps256_ps512(scales);
+      for (int j = 0; j < 4; ++j)
+        acc[r] = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(dot(q[j], signed_x(load512(a.q(r, b + 2 * j)), negative[j]))),
+          _mm512_permutexvar_ps(_mm512_load_si512(pair_lanes[j]), wide), acc[r]);
+      if constexpr (!Q8)
+        shift[r] = _mm256_fmadd_ps(
+          scales, _mm256_cvtepi32_ps(_mm256_madd_epi16(load256(a.sums(r, 2 * b)), ones)), shift[r]);
     }
   }
-  for (; b < a.blocks; ++b) {
-    const unsigned char* block = w + 18 * b;
+  for (; b + 2 <= a.blocks; b += 2) {
+    const unsigned char* b0 = w + bytes * b;
+    __mmask64 negative = 0;
+    __m512i q = block_pair<Q8>(b0, b0 + bytes, &negative);
+    float d0 = half_at(b0, table), d1 = half_at(b0 + bytes, table);
+    for (int r = 0; r < R; ++r) {
+      const float* s = a.scale(r, b);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot(q, signed_x(load512(a.q(r, b)), negative))),
+                               two(d0 * s[0], d1 * s[1]), acc[r]);
+      const int16_t* sums = a.sums(r, 2 * b);
+      tail[r] -= Q8 ? 0.0f
+                    : 8.0f * (d0 * s[0] * static_cast<float>(sums[0] + sums[1]) +
+                              d1 * s[1] * static_cast<float>(sums[2] + sums[3]));
+    }
+  }
+  for (; b < a.blocks; ++b) { // an odd last block
+    const unsigned char* block = w + bytes * b;
     float d = half_at(block, table);
     for (int r = 0; r < R; ++r) {
+      const int8_t* x = a.q(r, b);
       int32_t sum = 0;
       for (int i = 0; i < 32; ++i)
-        sum += (i < 16 ? block[2 + i] & 0x0f : block[2 + i - 16] >> 4) * a.q(r, b)[i];
-      acc[r] = _mm512_add_ps(acc[r], _mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                   d * *a.scale(r, b) * static_cast<float>(sum)));
-      shift[r] += d * *a.scale(r, b) * static_cast<float>(a.sums(r, 2 * b)[0] + a.sums(r, 2 * b)[1]);
+        sum += (Q8 ? static_cast<int8_t>(block[2 + i])
+                   : (i < 16 ? block[2 + i] & 0x0f : block[2 + i - 16] >> 4) - 8) * x[i];
+      tail[r] += d * *a.scale(r, b) * static_cast<float>(sum);
     }
   }
   for (int r = 0; r < R; ++r)
-    out[r] = _mm512_reduce_add_ps(acc[r]) - 8.0f * shift[r];
+    out[r] = _mm512_reduce_add_ps(acc[r]) - 8.0f * sum8(shift[r]) + tail[r];
 }
 
 /// The 16-bit lanes of a k-quant product of 64 weights (`vpmaddubsw`: lane i holds
@@ -193,13 +219,6 @@ alignas(64) const int16_t q6k_lanes[4][32] = {
 };
 /// Each of 8 16-bit values twice: Q4_K's minimums against the sums of 16.
 alignas(32) const int16_t pairs_of_8[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 /// Σ over a super-block of the products of 4 weight vectors and the activations at `x`,
 /// each pair of products times its sub-block's scale (`scales[v]`), as 16 integer lanes.
@@ -313,9 +332,9 @@ template <int R>
 void one_row(dtype t, const unsigned char* w, const rows_at& a, float* out) {
   switch (t) {
     case dtype::q8_0:
-      return q8_0<R>(w, a, out);
+      return blocks_of_32<true, R>(w, a, out);
     case dtype::q4_0:
-      return q4_0<R>(w, a, out);
+      return blocks_of_32<false, R>(w, a, out);
     case dtype::q4_k:
       return q4_k<R>(w, a, out);
     default:
