@@ -400,6 +400,45 @@ void from_float(dtype to, const float* src, void* dst, std::size_t count) {
   }
 }
 
+std::optional<std::size_t> first_non_finite(dtype t, const void* data, std::size_t count) {
+  auto bytes = static_cast<const unsigned char*>(data);
+  auto half_finite = [](const unsigned char* p) {
+    uint16_t h;
+    std::memcpy(&h, p, sizeof h);
+    return (h & 0x7c00) != 0x7c00; // exponent all ones: an infinity or a NaN
+  };
+  if (t == dtype::f32) {
+    for (std::size_t i = 0; i < count; ++i) {
+      float f;
+      std::memcpy(&f, bytes + 4 * i, sizeof f);
+      if (!std::isfinite(f))
+        return i;
+    }
+    return std::nullopt;
+  }
+  if (t == dtype::f16 || t == dtype::bf16) {
+    const uint16_t exponent = t == dtype::f16 ? 0x7c00 : 0x7f80;
+    for (std::size_t i = 0; i < count; ++i) {
+      uint16_t h;
+      std::memcpy(&h, bytes + 2 * i, sizeof h);
+      if ((h & exponent) == exponent)
+        return i;
+    }
+    return std::nullopt;
+  }
+  // Where each block keeps its float16 scales: d (and the minimum's scale or the minimum).
+  std::size_t first = t == dtype::q6_k ? 208 : 0;
+  bool second = t == dtype::q4_1 || t == dtype::q5_1 || t == dtype::q4_k || t == dtype::q5_k;
+  const auto size = block_bytes(t);
+  const auto elements = static_cast<std::size_t>(block_elements(t));
+  for (std::size_t b = 0; b < count / elements; ++b) {
+    const unsigned char* block = bytes + b * size;
+    if (!half_finite(block + first) || (second && !half_finite(block + 2)))
+      return b * elements;
+  }
+  return std::nullopt;
+}
+
 std::optional<dtype> parse_dtype_name(std::string_view name) {
   for (auto t : {dtype::f32, dtype::f16, dtype::bf16})
     if (name == dtype_name(t))

@@ -107,6 +107,12 @@ void from_float(dtype to, const float* src, void* dst, std::size_t count);
 /// `torch_dtype` and vLLM's `dtype` spell them); `std::nullopt` otherwise.
 std::optional<dtype> parse_dtype_name(std::string_view name);
 
+/// The first of `count` elements of type `t` at `data` (whole blocks) that is not finite,
+/// found without converting them: a block format's values are finite when its float16
+/// scales are (its integers always are), so those alone are read. For an element of a
+/// block, the index of the block's first element.
+std::optional<std::size_t> first_non_finite(dtype t, const void* data, std::size_t count);
+
 /// `"float32"`, `"float16"`, `"bfloat16"`, or GGUF's names of the block formats (`"Q8_0"`,
 /// `"Q4_0"`, `"Q4_1"`, `"Q5_0"`, `"Q5_1"`, `"Q4_K"`, `"Q5_K"`, `"Q6_K"`).
 const char* dtype_name(dtype t);

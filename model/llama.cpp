@@ -334,8 +334,31 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     auto dst_row = storage_bytes(j.type, static_cast<size_t>(cols));
     // The checkpoint's first row of this rank's part (for a row split).
     auto first = presharded || j.split != part::rows ? 0 : j.start;
+    auto refuse = [&](int64_t element, const char* what) {
+      throw error{errc::invalid_argument, "model '" + ckpt.directory() + "': tensor '" + j.name +
+                                            "' holds " + what +
+                                            " (element " + std::to_string(element) +
+                                            " of this rank's part)"};
+    };
     for (int64_t r0 = 0; r0 < rows; r0 += band) {
       auto count = std::min(band, rows - r0);
+      auto band_dst = dst + static_cast<size_t>(r0) * dst_row;
+      auto band_bytes = static_cast<size_t>(count) * dst_row;
+      if (j.as_stored) {
+        // Copied as stored: its values are checked where they are, not converted.
+        const char* src = nullptr;
+        if (presharded || j.split != part::cols) {
+          src = reinterpret_cast<const char*>(t.data) + static_cast<size_t>(first + r0) * row_bytes(t);
+        } else {
+          raw.resize(band_bytes);
+          copy_stored_cols(t, r0, count, j.start, j.count, raw.data());
+          src = raw.data();
+        }
+        if (auto at = first_non_finite(j.type, src, static_cast<size_t>(count * cols)))
+          refuse(r0 * cols + static_cast<int64_t>(*at), "NaN or an infinity");
+        dev_.copy(band_dst, src, band_bytes);
+        continue;
+      }
       staging.resize(static_cast<size_t>(count * cols));
       if (!matrix)
         read_rows(t, first, cols, staging.data());
@@ -348,22 +371,8 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       auto bad = std::find_if(staging.begin(), staging.end(),
                               [](float x) { return !std::isfinite(x); });
       if (bad != staging.end())
-        throw error{errc::invalid_argument,
-                    "model '" + ckpt.directory() + "': tensor '" + j.name + "' holds " +
-                      (std::isnan(*bad) ? "NaN" : "an infinity") + " (element " +
-                      std::to_string(r0 * cols + (bad - staging.begin())) +
-                      " of this rank's part)"};
-      auto band_dst = dst + static_cast<size_t>(r0) * dst_row;
-      auto band_bytes = static_cast<size_t>(count) * dst_row;
-      if (!j.as_stored) {
-        upload(band_dst, staging.data(), staging.size(), j.type);
-      } else if (presharded || j.split != part::cols) {
-        dev_.copy(band_dst, t.data + static_cast<size_t>(first + r0) * row_bytes(t), band_bytes);
-      } else {
-        raw.resize(band_bytes);
-        copy_stored_cols(t, r0, count, j.start, j.count, raw.data());
-        dev_.copy(band_dst, raw.data(), band_bytes);
-      }
+        refuse(r0 * cols + (bad - staging.begin()), std::isnan(*bad) ? "NaN" : "an infinity");
+      upload(band_dst, staging.data(), staging.size(), j.type);
     }
     ckpt.release(t);
     if (progress)

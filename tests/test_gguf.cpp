@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <set>
 #include <filesystem>
 #include <fstream>
@@ -245,6 +246,45 @@ TEST_CASE("broken GGUF files are errors naming the file and the tensor") {
   CHECK(error_of("/nonexistent.gguf").find("/nonexistent.gguf") != std::string::npos);
   CHECK(hf_tensor_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight");
   CHECK(hf_tensor_name("rope_freqs.weight").empty());
+}
+
+TEST_CASE("a weight kept as stored whose block scale is NaN or infinite is refused, naming "
+          "the tensor and the element") {
+  auto path = (std::filesystem::temp_directory_path() / ("troupe-nan-" + std::to_string(getpid()) +
+                                                        ".gguf"))
+                .string();
+  for (auto type : {"Q4_0", "Q8_0"})
+    for (uint16_t scale : {uint16_t{0x7e00}, uint16_t{0x7c00}}) { // NaN, infinity
+      CAPTURE(type);
+      CAPTURE(scale);
+      std::string whole;
+      size_t at = 0;
+      {
+        gguf_file f{file_of(type)};
+        for (auto& t : f.tensors())
+          if (t.name == "blk.1.ffn_down.weight")
+            at = static_cast<size_t>(f.data(t) - f.file().data());
+        REQUIRE(at > 0);
+        std::ifstream in{file_of(type), std::ios::binary};
+        whole.assign(std::istreambuf_iterator<char>{in}, {});
+      }
+      // The third block's scale.
+      size_t block = std::string{type} == "Q4_0" ? 18 : 34;
+      std::memcpy(&whole[at + 2 * block], &scale, sizeof scale);
+      {
+        std::ofstream out{path, std::ios::binary};
+        out.write(whole.data(), static_cast<std::streamsize>(whole.size()));
+      }
+      auto cfg = checkpoint::gguf_config(path);
+      auto ckpt = checkpoint::from_gguf(path, cfg);
+      cpu_device dev{0};
+      llama_model model{cfg, dev, 0, 1, dtype::f32, true};
+      CHECK_THROWS_WITH_AS(model.load(ckpt),
+                           doctest::Contains("tensor 'model.layers.1.mlp.down_proj.weight' holds "
+                                             "NaN or an infinity (element 64 "),
+                           error);
+    }
+  std::filesystem::remove(path);
 }
 
 namespace {
