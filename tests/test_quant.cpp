@@ -25,6 +25,11 @@ using troupe::testing::random_floats;
 
 namespace {
 
+/// A product's shape: n weight rows, m activation rows, k columns.
+struct shape {
+  int64_t n, m, k;
+};
+
 std::vector<isa> available() {
   std::vector<isa> out;
   for (auto i : {isa::portable, isa::avx2, isa::avx512})
@@ -128,9 +133,6 @@ TEST_CASE("k-quants: quantize then dequantize stays within a step of each sub-bl
 TEST_CASE("block-format kernels: every instruction set gives float32's sums on the dequantized weights") {
   // Shapes with a single block, odd row counts, and activation row counts that exercise
   // every tile (12, 8 and 4 rows) and their tails.
-  struct shape {
-    int64_t n, m, k;
-  };
   for (auto s : {shape{1, 1, 32}, shape{7, 3, 96}, shape{33, 5, 576}, shape{64, 9, 1536},
                  shape{1, 1, 256}, shape{5, 2, 512}, shape{19, 13, 768}, shape{7, 30, 96}}) {
     auto w = random_floats(static_cast<size_t>(s.n * s.k), 2, 0.05f);
@@ -176,9 +178,6 @@ TEST_CASE("block-format kernels: every instruction set gives float32's sums on t
 
 TEST_CASE("integer kernels: the sums of the rounded activations, on every tile and tail, "
           "within half a rounding step of float32's") {
-  struct shape {
-    int64_t n, m, k;
-  };
   // Block counts with every part of a row (Q8_0 and Q4_0 take blocks in groups of 8, then
   // pairs, then one: 11 blocks has all three), activation rows that exercise every tile
   // (8, 4, 1) and their tails.
@@ -252,9 +251,6 @@ TEST_CASE("integer kernels: the sums of the rounded activations, on every tile a
 }
 
 TEST_CASE("16-bit kernels: every instruction set gives float32's sums on the widened weights") {
-  struct shape {
-    int64_t n, m, k;
-  };
   for (auto s : {shape{1, 1, 1}, shape{5, 2, 7}, shape{17, 3, 23}, shape{40, 4, 577},
                  shape{9, 1, 100}, shape{13, 9, 40}}) {
     auto w = random_floats(static_cast<size_t>(s.n * s.k), 4, 0.05f);
