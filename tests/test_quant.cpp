@@ -50,6 +50,20 @@ struct products {
   }
 };
 
+/// Requires that y[m × n], computed for the weight rows [begin, n) over a y of ones, holds
+/// `want` there and its ones elsewhere.
+void require_rows_from(const std::vector<float>& y, const products& want, int64_t begin,
+                       int64_t m, int64_t n) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      auto at = static_cast<size_t>(r * n + c);
+      if (c < begin)
+        REQUIRE(y[at] == 1.0f);
+      else
+        REQUIRE(want.close(at, y[at]));
+    }
+}
+
 products reference(const std::vector<float>& w, const std::vector<float>& x, int64_t n,
                    int64_t m, int64_t k) {
   products p;
@@ -157,14 +171,7 @@ TEST_CASE("block-format kernels: every instruction set gives float32's sums on t
         int64_t begin = s.n > 1 ? 1 : 0;
         cpu::dot_rows_quantized(i, t, wq.data(), x.data(), sums.data(), s.m, s.k, y.data(), s.n,
                                 begin, s.n, false);
-        for (int64_t r = 0; r < s.m; ++r)
-          for (int64_t c = 0; c < s.n; ++c) {
-            auto at = static_cast<size_t>(r * s.n + c);
-            if (c < begin)
-              REQUIRE(y[at] == 1.0f);
-            else
-              REQUIRE(exact.close(at, y[at]));
-          }
+        require_rows_from(y, exact, begin, s.m, s.n);
         // Accumulating adds to what is there.
         std::vector<float> acc(exact.y.size(), 2.0f);
         cpu::dot_rows_quantized(i, t, wq.data(), x.data(), sums.data(), s.m, s.k, acc.data(), s.n,
@@ -237,15 +244,9 @@ TEST_CASE("integer kernels: the sums of the rounded activations, on every tile a
       cpu::dot_rows_int8(t, wq.data(), xq, v.data(), s.n, begin, s.n, false);
       std::vector<float> acc(rounded.y.size(), 2.0f);
       cpu::dot_rows_int8(t, wq.data(), xq, acc.data(), s.n, 0, s.n, true);
-      for (int64_t r = 0; r < s.m; ++r)
-        for (int64_t i = 0; i < s.n; ++i) {
-          auto at = static_cast<size_t>(r * s.n + i);
-          if (i < begin)
-            REQUIRE(v[at] == 1.0f);
-          else
-            REQUIRE(rounded.close(at, v[at]));
-          REQUIRE(rounded.close(at, acc[at], 2.0));
-        }
+      require_rows_from(v, rounded, begin, s.m, s.n);
+      for (size_t at = 0; at < acc.size(); ++at)
+        REQUIRE(rounded.close(at, acc[at], 2.0));
     }
   }
 }
