@@ -93,6 +93,8 @@ public:
     int64_t n;
     bool accumulate = false;
     int64_t ldy = 0;
+    /// `w` is in the backend's packed layout (`pack`).
+    bool packed = false;
 
     int64_t row_stride() const {
       return ldy > 0 ? ldy : n;
@@ -109,6 +111,42 @@ public:
   void gemm_nt(const float* x, const void* w, dtype w_type, float* y, int64_t m, int64_t n,
                int64_t k, bool accumulate = false) {
     gemm_nt_shared(x, w_type, m, k, {gemm_output{w, y, n, accumulate}});
+  }
+
+  /// Whether `pack` takes `rows` × `cols` weights of type `t`, in bands of a multiple of
+  /// `pack_group()` rows: a layout the backend's GEMMs read faster than the stored one.
+  virtual bool packs(dtype t, int64_t rows, int64_t cols) const {
+    (void)t;
+    (void)rows;
+    (void)cols;
+    return false;
+  }
+
+  /// The rows a band given to `pack` is a multiple of.
+  virtual int64_t pack_group() const {
+    return 1;
+  }
+
+  /// Writes `rows` × `cols` weights of type `t`, as stored at `src` (host memory), to
+  /// `dst` (the device's) in the packed layout, where `packs` says yes; GEMMs then take
+  /// them with `gemm_output::packed`.
+  virtual void pack(dtype t, const void* src, void* dst, int64_t rows, int64_t cols) {
+    (void)t;
+    (void)src;
+    (void)dst;
+    (void)rows;
+    (void)cols;
+    throw_no_packing();
+  }
+
+  /// The inverse of `pack`, on host memory: packed weights at `src` to `dst` as stored.
+  virtual void unpack(dtype t, const void* src, void* dst, int64_t rows, int64_t cols) const {
+    (void)t;
+    (void)src;
+    (void)dst;
+    (void)rows;
+    (void)cols;
+    throw_no_packing();
   }
 
   /// y[0..n) = 0.
@@ -158,6 +196,9 @@ public:
   /// or the draw of `choose_token` in model/sampler.hpp) and its log-softmax.
   virtual void sample(const float* logits, int64_t rows, int64_t cols,
                       const row_sampling* params, int32_t* ids, float* logprobs) = 0;
+
+private:
+  [[noreturn]] static void throw_no_packing();
 };
 
 /// The backend of `dev`: CUDA kernels and cuBLAS for a `cuda_device`, the CPU kernels for

@@ -324,13 +324,22 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     auto& t = ckpt.at(j.name);
     auto& local = local_shapes[n];
     auto dst = static_cast<char*>(weights_.data()) + offsets[n];
-    j.slot->ptr = dst;
-    j.slot->type = j.type;
     // A 1-D tensor (a norm, a bias) is one band: a vector in a block format converts whole.
     bool matrix = local.size() == 2;
     int64_t rows = matrix ? local[0] : 1;
     int64_t cols = matrix ? local[1] : local[0];
+    // A weight only GEMMs read goes into the backend's packed layout where it has one (the
+    // embedding is also read by rows; a head split by vocabulary, from any row).
+    bool gemm_only = j.slot != &embed_ && (j.slot != &lm_head_ || world_ == 1);
+    bool packed = j.as_stored && matrix && gemm_only && backend_->packs(j.type, rows, cols);
+    j.slot->ptr = dst;
+    j.slot->type = j.type;
+    j.slot->packed = packed;
     auto band = matrix ? std::max<int64_t>(1, staging_floats / cols) : 1;
+    if (packed) {
+      const auto group = backend_->pack_group();
+      band = std::max(group, band / group * group);
+    }
     auto dst_row = storage_bytes(j.type, static_cast<size_t>(cols));
     // The checkpoint's first row of this rank's part (for a row split).
     auto first = presharded || j.split != part::rows ? 0 : j.start;
@@ -356,7 +365,10 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
         }
         if (auto at = first_non_finite(j.type, src, static_cast<size_t>(count * cols)))
           refuse(r0 * cols + static_cast<int64_t>(*at), "NaN or an infinity");
-        dev_.copy(band_dst, src, band_bytes);
+        if (packed)
+          backend_->pack(j.type, src, band_dst, count, cols);
+        else
+          dev_.copy(band_dst, src, band_bytes);
         continue;
       }
       staging.resize(static_cast<size_t>(count * cols));
@@ -380,7 +392,8 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
   }
   held_.clear();
   for (size_t n = 0; n < jobs.size(); ++n)
-    held_.push_back({jobs[n].name, local_shapes[n], jobs[n].type, jobs[n].slot->ptr});
+    held_.push_back({jobs[n].name, local_shapes[n], jobs[n].type, jobs[n].slot->ptr,
+                     jobs[n].slot->packed});
 }
 
 llama_model::shard llama_model::shard_of(projection p) const {
@@ -579,7 +592,11 @@ std::vector<char> llama_model::download(const local_tensor& t) const {
     numel *= static_cast<size_t>(d);
   std::vector<char> host(storage_bytes(t.type, numel));
   dev_.copy(host.data(), t.data, host.size());
-  return host;
+  if (!t.packed)
+    return host;
+  std::vector<char> stored(host.size());
+  backend_->unpack(t.type, host.data(), stored.data(), t.shape[0], t.shape[1]);
+  return stored;
 }
 
 void llama_model::rope_tables(int32_t position, const std::vector<double>& freqs, float* cos,
@@ -724,12 +741,11 @@ void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b,
   const auto kv_width = local_kv_ * cfg_.head_dim;
   if (l.q.type == l.k.type && l.k.type == l.v.type) {
     be.gemm_nt_shared(b.h, l.q.type, T, H,
-                      {{l.q.data(), b.q, q_width}, {l.k.data(), b.k, kv_width},
-                       {l.v.data(), b.v, kv_width}});
+                      {l.q.into(b.q, q_width), l.k.into(b.k, kv_width), l.v.into(b.v, kv_width)});
   } else {
-    be.gemm_nt(b.h, l.q.data(), l.q.type, b.q, T, q_width, H);
-    be.gemm_nt(b.h, l.k.data(), l.k.type, b.k, T, kv_width, H);
-    be.gemm_nt(b.h, l.v.data(), l.v.type, b.v, T, kv_width, H);
+    be.gemm_nt_shared(b.h, l.q.type, T, H, {l.q.into(b.q, q_width)});
+    be.gemm_nt_shared(b.h, l.k.type, T, H, {l.k.into(b.k, kv_width)});
+    be.gemm_nt_shared(b.h, l.v.type, T, H, {l.v.into(b.v, kv_width)});
   }
   apply_lora(batch, b, li, projection::q, b.h, H, b.q, q_width);
   apply_lora(batch, b, li, projection::k, b.h, H, b.k, kv_width);
@@ -744,7 +760,7 @@ void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b,
   b.layout.window = cfg_.window_of(layer);
   const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(cfg_.head_dim)));
   be.paged_attention(b.q, b.attn, cache.keys(layer), cache.values(layer), b.layout, T, scale);
-  be.gemm_nt(b.attn, l.o.data(), l.o.type, b.h, T, H, q_width);
+  be.gemm_nt_shared(b.attn, l.o.type, T, q_width, {l.o.into(b.h, H)});
   apply_lora(batch, b, li, projection::o, b.attn, q_width, b.h, H);
   reduce(b.h, T * H);
   if (cfg_.o_proj_bias)
@@ -758,10 +774,10 @@ void llama_model::mlp(size_t li, const step_batch& batch, const step_buffers& b)
   const auto H = cfg_.hidden_size;
   if (l.gate.type == l.up.type) {
     be.gemm_nt_shared(b.h, l.gate.type, T, H,
-                      {{l.gate.data(), b.gate, local_inter_}, {l.up.data(), b.up, local_inter_}});
+                      {l.gate.into(b.gate, local_inter_), l.up.into(b.up, local_inter_)});
   } else {
-    be.gemm_nt(b.h, l.gate.data(), l.gate.type, b.gate, T, local_inter_, H);
-    be.gemm_nt(b.h, l.up.data(), l.up.type, b.up, T, local_inter_, H);
+    be.gemm_nt_shared(b.h, l.gate.type, T, H, {l.gate.into(b.gate, local_inter_)});
+    be.gemm_nt_shared(b.h, l.up.type, T, H, {l.up.into(b.up, local_inter_)});
   }
   apply_lora(batch, b, li, projection::gate, b.h, H, b.gate, local_inter_);
   apply_lora(batch, b, li, projection::up, b.h, H, b.up, local_inter_);
@@ -770,7 +786,7 @@ void llama_model::mlp(size_t li, const step_batch& batch, const step_buffers& b)
     be.add_bias(b.up, l.up_bias.as<float>(), T, local_inter_);
   }
   be.silu_mul(b.gate, b.up, b.gate, T * local_inter_);
-  be.gemm_nt(b.gate, l.down.data(), l.down.type, b.h, T, H, local_inter_);
+  be.gemm_nt_shared(b.gate, l.down.type, T, local_inter_, {l.down.into(b.h, H)});
   apply_lora(batch, b, li, projection::down, b.gate, local_inter_, b.h, H);
   reduce(b.h, T * H);
   if (cfg_.mlp_bias)
@@ -787,7 +803,7 @@ void llama_model::output_head(const step_buffers& b) {
   be.rms_norm(b.last, final_norm_.as<float>(), b.h, S, H, eps);
   auto& head = cfg_.tie_word_embeddings ? embed_ : lm_head_;
   if (world_ == 1) {
-    be.gemm_nt(b.h, head.data(), head.type, b.logits, S, V, H);
+    be.gemm_nt_shared(b.h, head.type, S, H, {head.into(b.logits, V)});
     return;
   }
   // The head split by vocabulary, as vLLM's: each rank writes its share of every row into

@@ -143,6 +143,8 @@ public:
     std::vector<int64_t> shape;
     dtype type = dtype::f32;
     const void* data = nullptr;
+    /// In the backend's packed layout: `download` gives it as stored.
+    bool packed = false;
   };
 
   /// Every weight this rank holds, as the last `load` placed them.
@@ -150,7 +152,7 @@ public:
     return held_;
   }
 
-  /// Copies `t`'s elements to the host.
+  /// Copies `t`'s elements to the host, laid out as the checkpoint stores them.
   std::vector<char> download(const local_tensor& t) const;
 
 private:
@@ -158,8 +160,14 @@ private:
   struct tensor_slot {
     void* ptr = nullptr;
     dtype type = dtype::f32;
+    /// In the backend's packed layout (`backend::pack`).
+    bool packed = false;
     void* data() const {
       return ptr;
+    }
+    /// This weight's product into y[· × n].
+    backend::gemm_output into(float* y, int64_t n) const {
+      return {ptr, y, n, false, 0, packed};
     }
     template <class T>
     T* as() const {

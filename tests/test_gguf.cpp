@@ -194,6 +194,7 @@ TEST_CASE("the fast CPU path (8-bit activations) stays close to transformers' ne
                              {k_dir + "/llama-k-q6_k.gguf", k["q6_k"]["runs"]}};
   if (!cpu::has_int8_kernel(dtype::q8_0))
     MESSAGE("this CPU has no AVX-512 VNNI: the fast path computes exactly here");
+  int packed_tensors = 0;
   for (auto& f : files) {
     auto cfg = checkpoint::gguf_config(f.path);
     auto ckpt = checkpoint::from_gguf(f.path, cfg);
@@ -202,6 +203,18 @@ TEST_CASE("the fast CPU path (8-bit activations) stays close to transformers' ne
     model.load(ckpt);
     llama_model exact{cfg, dev, 0, 1, dtype::f32, true, false};
     exact.load(ckpt);
+    // Q4_K weights are packed for the integer GEMM; they still read back as stored.
+    for (auto& t : model.tensors()) {
+      CHECK(t.packed == (t.type == dtype::q4_k && cpu::has_packed_layout(t.type) &&
+                         t.name != "model.embed_tokens.weight" && t.shape[0] % 16 == 0));
+      if (t.packed) {
+        auto& stored = ckpt.at(t.name);
+        auto bytes = model.download(t);
+        REQUIRE(bytes.size() == storage_bytes(t.type, static_cast<size_t>(t.shape[0] * t.shape[1])));
+        CHECK(std::memcmp(bytes.data(), stored.data, bytes.size()) == 0);
+        ++packed_tensors;
+      }
+    }
     for (auto& run : f.runs) {
       auto prompt = run["token_ids"].get<std::vector<int32_t>>();
       auto logits = prefill_logits(model, dev, cfg, prompt);
@@ -216,6 +229,8 @@ TEST_CASE("the fast CPU path (8-bit activations) stays close to transformers' ne
       MESSAGE("KL divergence of the fast path, " << f.path << ": " << kl);
     }
   }
+  if (cpu::has_packed_layout(dtype::q4_k))
+    CHECK(packed_tensors > 0);
 }
 
 TEST_CASE("greedy generation from a GGUF file through the executor matches transformers") {

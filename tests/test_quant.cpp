@@ -251,6 +251,50 @@ TEST_CASE("integer kernels: the sums of the rounded activations, on every tile a
   }
 }
 
+TEST_CASE("packed Q4_K: the layout round-trips, and its kernel gives the row kernel's sums on "
+          "every tile and tail") {
+  // Activation rows that exercise every tile (4, 2, 1); groups of 16 weight rows.
+  for (auto s : {shape{16, 1, 256}, shape{32, 3, 512}, shape{48, 7, 768}, shape{16, 4, 256},
+                 shape{64, 9, 1024}, shape{32, 2, 2048}}) {
+    INFO("n " << s.n << " m " << s.m << " k " << s.k);
+    auto w = random_floats(static_cast<size_t>(s.n * s.k), 21, 0.05f);
+    auto x = random_floats(static_cast<size_t>(s.m * s.k), 22);
+    x[3] = -30.0f;
+    std::vector<char> stored(storage_bytes(dtype::q4_k, w.size()));
+    from_float(dtype::q4_k, w.data(), stored.data(), w.size());
+    std::vector<char> packed(stored.size()), back(stored.size());
+    cpu::pack_rows(dtype::q4_k, stored.data(), packed.data(), s.n, s.k);
+    REQUIRE(packed != stored);
+    cpu::unpack_rows(dtype::q4_k, packed.data(), back.data(), s.n, s.k);
+    REQUIRE(back == stored);
+    if (!cpu::has_packed_layout(dtype::q4_k)) {
+      MESSAGE("no integer instructions on this CPU: the packed kernel is not run");
+      continue;
+    }
+    cpu::int8_rows xq;
+    xq.quantize(x.data(), s.m, s.k, 256);
+    std::vector<float> want(static_cast<size_t>(s.m * s.n));
+    cpu::dot_rows_int8_reference(dtype::q4_k, stored.data(), xq, want.data(), s.n, 0, s.n, false);
+    // The first group keeps its ones; the others are written, then added to.
+    std::vector<float> y(want.size(), 1.0f);
+    cpu::dot_packed_int8(dtype::q4_k, packed.data(), xq, y.data(), s.n, 16, s.n, false);
+    std::vector<float> acc(want.size(), 2.0f);
+    cpu::dot_packed_int8(dtype::q4_k, packed.data(), xq, acc.data(), s.n, 0, s.n, true);
+    for (int64_t r = 0; r < s.m; ++r)
+      for (int64_t i = 0; i < s.n; ++i) {
+        auto at = static_cast<size_t>(r * s.n + i);
+        auto tolerance = 1e-5f * (std::fabs(want[at]) + 1.0f);
+        REQUIRE(y[at] == (i < 16 ? doctest::Approx(1.0f) : doctest::Approx(want[at]).epsilon(1e-5)));
+        REQUIRE(std::fabs(acc[at] - 2.0f - want[at]) <= tolerance);
+      }
+  }
+  std::vector<char> odd(storage_bytes(dtype::q4_k, 16 * 256)), out(odd.size());
+  CHECK_THROWS_WITH(cpu::pack_rows(dtype::q4_k, odd.data(), out.data(), 8, 256),
+                    doctest::Contains("rows in groups of 16"));
+  CHECK_THROWS_WITH(cpu::pack_rows(dtype::q6_k, odd.data(), out.data(), 16, 256),
+                    doctest::Contains("no packed layout for Q6_K"));
+}
+
 TEST_CASE("16-bit kernels: every instruction set gives float32's sums on the widened weights") {
   for (auto s : {shape{1, 1, 1}, shape{5, 2, 7}, shape{17, 3, 23}, shape{40, 4, 577},
                  shape{9, 1, 100}, shape{13, 9, 40}}) {

@@ -13,6 +13,8 @@ namespace troupe::cpu {
 namespace vnni {
 void dot_rows(dtype w_type, const unsigned char* w, const int8_rows& x, float* y, int64_t ldy,
               int64_t begin, int64_t end, bool accumulate);
+void dot_packed(dtype w_type, const unsigned char* w, const int8_rows& x, float* y,
+                int64_t ldy, int64_t begin, int64_t end, bool accumulate);
 }
 #endif
 
@@ -154,6 +156,84 @@ void dot_rows_int8(dtype w_type, const void* w, const int8_rows& x, float* y, in
   (void)ldy;
   (void)begin;
   (void)end;
+  (void)accumulate;
+#endif
+}
+
+namespace {
+
+void check_packable(dtype t, int64_t rows, int64_t cols) {
+  if (t != dtype::q4_k)
+    throw error{errc::unsupported, std::string{"no packed layout for "} + dtype_name(t)};
+  if (rows % packed_rows != 0 || cols % 256 != 0)
+    throw error{errc::invalid_argument, "a packed Q4_K matrix has rows in groups of 16 and "
+                                        "columns in super-blocks of 256, not " +
+                                          std::to_string(rows) + " x " + std::to_string(cols)};
+}
+
+constexpr size_t q4_k_bytes = 144;
+constexpr size_t group_block = packed_rows * q4_k_bytes;
+
+/// Moves the bytes of each group of 16 rows between the stored and the packed layouts (see
+/// quant_int8.hpp), in the units they move in: d and dmin 2 bytes, the rest 4.
+void regroup(const void* src, void* dst, int64_t rows, int64_t cols, bool to_packed) {
+  const size_t blocks = static_cast<size_t>(cols) / 256;
+  const size_t stride = blocks * q4_k_bytes;
+  const size_t group = packed_rows * stride;
+  for (int64_t g = 0; g < rows / packed_rows; ++g) {
+    auto from = static_cast<const unsigned char*>(src) + static_cast<size_t>(g) * group;
+    auto to = static_cast<unsigned char*>(dst) + static_cast<size_t>(g) * group;
+    for (size_t i = 0; i < packed_rows; ++i)
+      for (size_t s = 0; s < blocks; ++s) {
+        size_t stored = i * stride + s * q4_k_bytes;
+        size_t packed = s * group_block;
+        auto move = [&](size_t at_stored, size_t at_packed, size_t n) {
+          if (to_packed)
+            std::memcpy(to + packed + at_packed, from + stored + at_stored, n);
+          else
+            std::memcpy(to + stored + at_stored, from + packed + at_packed, n);
+        };
+        move(0, 2 * i, 2);
+        move(2, 32 + 2 * i, 2);
+        for (size_t word = 0; word < 3; ++word)
+          move(4 + 4 * word, 64 + 64 * word + 4 * i, 4);
+        for (size_t q = 0; q < 32; ++q)
+          move(16 + 4 * q, 256 + 64 * q + 4 * i, 4);
+      }
+  }
+}
+
+} // namespace
+
+bool has_packed_layout(dtype w_type) {
+  return w_type == dtype::q4_k && cpu_has_vnni();
+}
+
+void pack_rows(dtype w_type, const void* src, void* dst, int64_t rows, int64_t cols) {
+  check_packable(w_type, rows, cols);
+  regroup(src, dst, rows, cols, true);
+}
+
+void unpack_rows(dtype w_type, const void* src, void* dst, int64_t rows, int64_t cols) {
+  check_packable(w_type, rows, cols);
+  regroup(src, dst, rows, cols, false);
+}
+
+void dot_packed_int8(dtype w_type, const void* w, const int8_rows& x, float* y, int64_t ldy,
+                     int64_t begin, int64_t end, bool accumulate) {
+  if (!has_packed_layout(w_type))
+    throw error{errc::unsupported, std::string{"no packed kernel for "} + dtype_name(w_type)};
+  if (begin % packed_rows != 0 || end % packed_rows != 0)
+    throw error{errc::invalid_argument, "packed rows go in groups of 16, not [" +
+                                          std::to_string(begin) + ", " + std::to_string(end) + ")"};
+#if TROUPE_X86_KERNELS
+  vnni::dot_packed(w_type, static_cast<const unsigned char*>(w), x, y, ldy, begin, end,
+                   accumulate);
+#else
+  (void)w;
+  (void)x;
+  (void)y;
+  (void)ldy;
   (void)accumulate;
 #endif
 }

@@ -53,4 +53,33 @@ void dot_rows_int8(dtype w_type, const void* w, const int8_rows& x, float* y, in
 void dot_rows_int8_reference(dtype w_type, const void* w, const int8_rows& x, float* y,
                              int64_t ldy, int64_t begin, int64_t end, bool accumulate);
 
+/// The packed layout: weights of `w_type` rearranged in groups of `packed_rows` rows so
+/// that one vector load holds 4 bytes of each of the 16 rows and every product of a
+/// `vpdpbusd` adds into that row's own lane: no horizontal sums, each row's scales unpacked
+/// 16 at a time, and a tile of activation rows shares every weight vector (the prefill
+/// GEMM). A group takes the bytes its 16 rows take as stored, so a band of whole groups
+/// starts where it did. Q4_K, super-block s of a group (2304 bytes): the 16 rows' d
+/// (float16) at 0, their dmin at 32, the three 32-bit words of their 6-bit scales and
+/// minimums at 64 + 64·word + 4·row, and at 256 + 64·(8c + g) + 4·row the row's quant
+/// bytes 32c + 4g ... 32c + 4g + 3 (their low nibbles elements 64c + 4g ..., the high
+/// ones 64c + 32 + 4g ...).
+constexpr int64_t packed_rows = 16;
+
+/// Whether `w_type` has a packed layout and this CPU the kernel that reads it (Q4_K, the
+/// same CPUs as `has_int8_kernel`).
+bool has_packed_layout(dtype w_type);
+
+/// Writes `rows` (a multiple of `packed_rows`) rows of `cols` elements of `w_type`, as
+/// stored at `src`, to `dst` in the packed layout (`src` and `dst` do not overlap).
+void pack_rows(dtype w_type, const void* src, void* dst, int64_t rows, int64_t cols);
+
+/// The inverse of `pack_rows`: packed rows at `src` to `dst` as stored.
+void unpack_rows(dtype w_type, const void* src, void* dst, int64_t rows, int64_t cols);
+
+/// `dot_rows_int8` for weights in the packed layout; `begin` and `end` are multiples of
+/// `packed_rows`. Throws `unsupported` where `has_packed_layout`
+/// says no.
+void dot_packed_int8(dtype w_type, const void* w, const int8_rows& x, float* y, int64_t ldy,
+                     int64_t begin, int64_t end, bool accumulate);
+
 } // namespace troupe::cpu

@@ -328,6 +328,86 @@ void q6_k(const unsigned char* w, const rows_at& a, float* out) {
     out[r] = _mm512_reduce_add_ps(acc[r]) - sum8(offsets[r]);
 }
 
+/// Byte `j` of each 32-bit lane.
+inline __m512i byte_of(__m512i v, int j) {
+  return _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), _mm512_set1_epi32(0xff));
+}
+
+inline __m512i broadcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+/// Q4_K in the packed layout (quant_int8.hpp): the 16 rows of a group against R
+/// activation rows, out[r] lane i for row i. Per chunk of 64 elements, the products of
+/// each sub-block sum as integers in the row's lane (`vpdpbusd` with the activations'
+/// 4 bytes broadcast), times the sub-block's scale (`vpmulld`); the minimums go against
+/// the activations' sums of 16 (`vpdpwssd`, each minimum twice in a lane).
+template <int R>
+void q4_k_packed(const unsigned char* group, const rows_at& a, __m512* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i six = _mm512_set1_epi32(0x3f3f3f3f);
+  const __m512i four = _mm512_set1_epi32(0x0f0f0f0f);
+  const __m512i two_bits = _mm512_set1_epi32(0x03030303);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r)
+    acc[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < a.blocks; ++s) {
+    const unsigned char* b = group + 2304 * s;
+    // k_scales_mins, 16 rows at a time: bytes 0-3 of sc[0] are sub-blocks 0-3, of sc[1] 4-7.
+    __m512i w0 = load512(b + 64), w1 = load512(b + 128), w2 = load512(b + 192);
+    __m512i sc[2] = {
+      _mm512_and_si512(w0, six),
+      _mm512_or_si512(_mm512_and_si512(w2, four),
+                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, 6), two_bits), 4))};
+    __m512i mn[2] = {
+      _mm512_and_si512(w1, six),
+      _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), four),
+                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, 6), two_bits), 4))};
+    __m512i sums[R];
+    for (int r = 0; r < R; ++r)
+      sums[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      __m512i low[R], high[R];
+      for (int r = 0; r < R; ++r)
+        low[r] = high[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        __m512i v = load512(b + 256 + 64 * (8 * c + g));
+        __m512i lo = _mm512_and_si512(v, low4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = a.q(r, 8 * s + 2 * c);
+          low[r] = _mm512_dpbusd_epi32(low[r], lo, broadcast32(x + 4 * g));
+          high[r] = _mm512_dpbusd_epi32(high[r], hi, broadcast32(x + 32 + 4 * g));
+        }
+      }
+      __m512i s0 = byte_of(sc[c / 2], 2 * (c % 2)), s1 = byte_of(sc[c / 2], 2 * (c % 2) + 1);
+      for (int r = 0; r < R; ++r)
+        sums[r] = _mm512_add_epi32(sums[r], _mm512_add_epi32(_mm512_mullo_epi32(low[r], s0),
+                                                             _mm512_mullo_epi32(high[r], s1)));
+    }
+    __m512i minimums[R];
+    for (int r = 0; r < R; ++r)
+      minimums[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i m = byte_of(mn[j / 4], j % 4);
+      m = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
+      for (int r = 0; r < R; ++r)
+        minimums[r] = _mm512_dpwssd_epi32(minimums[r], m, broadcast32(a.sums(r, 16 * s + 2 * j)));
+    }
+    __m512 d = _mm512_cvtph_ps(load256(b)), dmin = _mm512_cvtph_ps(load256(b + 32));
+    for (int r = 0; r < R; ++r) {
+      __m512 xs = _mm512_set1_ps(*a.scale(r, s));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, xs), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(minimums[r]), _mm512_mul_ps(dmin, xs), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    out[r] = acc[r];
+}
+
 template <int R>
 void one_row(dtype t, const unsigned char* w, const rows_at& a, float* out) {
   switch (t) {
@@ -371,6 +451,38 @@ void dot_rows(dtype w_type, const unsigned char* w, const int8_rows& x, float* y
     for (; r < x.m; ++r) {
       one_row<1>(w_type, row, rows_at{x, r, blocks}, out);
       put(i, r, 1);
+    }
+  }
+}
+
+void dot_packed(dtype w_type, const unsigned char* w, const int8_rows& x, float* y,
+                int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
+  (void)w_type; // Q4_K, the one packed layout
+  const int64_t blocks = x.k / 256;
+  const auto group_bytes = 16 * static_cast<int64_t>(storage_bytes(dtype::q4_k, static_cast<size_t>(x.k)));
+  __m512 out[4];
+  auto put = [&](int64_t first, int64_t row, int count) {
+    for (int r = 0; r < count; ++r) {
+      float* dst = y + (row + r) * ldy + first;
+      _mm512_storeu_ps(dst, accumulate ? _mm512_add_ps(_mm512_loadu_ps(dst), out[r]) : out[r]);
+    }
+  };
+  // Activation rows in tiles of 4 (their sums, the weights of a step and the scales fill
+  // the registers), then 2, then 1.
+  for (int64_t first = begin; first < end; first += 16) {
+    const unsigned char* group = w + first / 16 * group_bytes;
+    int64_t r = 0;
+    for (; r + 4 <= x.m; r += 4) {
+      q4_k_packed<4>(group, rows_at{x, r, blocks}, out);
+      put(first, r, 4);
+    }
+    for (; r + 2 <= x.m; r += 2) {
+      q4_k_packed<2>(group, rows_at{x, r, blocks}, out);
+      put(first, r, 2);
+    }
+    for (; r < x.m; ++r) {
+      q4_k_packed<1>(group, rows_at{x, r, blocks}, out);
+      put(first, r, 1);
     }
   }
 }
