@@ -139,6 +139,18 @@ public:
     throw_no_packing();
   }
 
+  /// `gather_rows` from a table in the packed layout.
+  virtual void gather_packed_rows(const int32_t* ids, const void* table, dtype table_type,
+                                  float* out, int64_t rows, int64_t dim) {
+    (void)ids;
+    (void)table;
+    (void)table_type;
+    (void)out;
+    (void)rows;
+    (void)dim;
+    throw_no_packing();
+  }
+
   /// The inverse of `pack`, on host memory: packed weights at `src` to `dst` as stored.
   virtual void unpack(dtype t, const void* src, void* dst, int64_t rows, int64_t cols) const {
     (void)t;

@@ -328,10 +328,11 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     bool matrix = local.size() == 2;
     int64_t rows = matrix ? local[0] : 1;
     int64_t cols = matrix ? local[1] : local[0];
-    // A weight only GEMMs read goes into the backend's packed layout where it has one (the
-    // embedding is also read by rows; a head split by vocabulary, from any row).
-    bool gemm_only = j.slot != &embed_ && (j.slot != &lm_head_ || world_ == 1);
-    bool packed = j.as_stored && matrix && gemm_only && backend_->packs(j.type, rows, cols);
+    // A weight goes into the backend's packed layout where it has one, but for a head split
+    // by vocabulary (each rank reads it from its own first row).
+    bool sliced = world_ > 1 && (j.slot == &lm_head_ ||
+                                 (j.slot == &embed_ && cfg_.tie_word_embeddings));
+    bool packed = j.as_stored && matrix && !sliced && backend_->packs(j.type, rows, cols);
     j.slot->ptr = dst;
     j.slot->type = j.type;
     j.slot->packed = packed;
@@ -831,7 +832,10 @@ void llama_model::forward(const step_batch& batch, kv_cache& cache) {
 
   // The step's device work: embeddings, the layers, the head.
   auto compute = [&] {
-    be.gather_rows(b.ints, embed_.data(), embed_.type, b.x, T, H);
+    if (embed_.packed)
+      be.gather_packed_rows(b.ints, embed_.data(), embed_.type, b.x, T, H);
+    else
+      be.gather_rows(b.ints, embed_.data(), embed_.type, b.x, T, H);
     // A prompt adapter's virtual tokens take the first positions of the prompt.
     if (!adapters.prompt.empty())
       for (int64_t t = 0; t < T; ++t) {

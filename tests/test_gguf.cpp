@@ -9,6 +9,8 @@
 #include "tests/generation.hpp"
 #include "model/gguf.hpp"
 #include "model/llama.hpp"
+#include "model/make_model.hpp"
+#include "model/config.hpp"
 #include "troupe/errors.hpp"
 #include "troupe/executor.hpp"
 #include "troupe/model_worker.hpp"
@@ -203,10 +205,9 @@ TEST_CASE("the fast CPU path (8-bit activations) stays close to transformers' ne
     model.load(ckpt);
     llama_model exact{cfg, dev, 0, 1, dtype::f32, true, false};
     exact.load(ckpt);
-    // Q4_K weights are packed for the integer GEMM; they still read back as stored.
+    // Block-format weights are packed for the integer GEMM; they still read back as stored.
     for (auto& t : model.tensors()) {
-      CHECK(t.packed == (t.type == dtype::q4_k && cpu::has_packed_layout(t.type) &&
-                         t.name != "model.embed_tokens.weight" && t.shape[0] % 16 == 0));
+      CHECK(t.packed == (cpu::has_packed_layout(t.type) && t.shape[0] % 16 == 0));
       if (t.packed) {
         auto& stored = ckpt.at(t.name);
         auto bytes = model.download(t);
@@ -231,6 +232,55 @@ TEST_CASE("the fast CPU path (8-bit activations) stays close to transformers' ne
   }
   if (cpu::has_packed_layout(dtype::q4_k))
     CHECK(packed_tensors > 0);
+}
+
+TEST_CASE("the fast CPU path on BF16 weights: packed, read back as stored, and close to the "
+          "exact path's next-token distribution") {
+  // Spec: as for the block formats, at most 1e-3 nats; activations rounded to bfloat16.
+  model_config c;
+  c.architecture = "LlamaForCausalLM";
+  c.vocab_size = 160;
+  c.hidden_size = 64;
+  c.intermediate_size = 96;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 16;
+  c.tie_word_embeddings = true;
+  auto dir = (std::filesystem::temp_directory_path() /
+              ("troupe-bf16-fast-" + std::to_string(::getpid())))
+               .string();
+  write_random_model(c, dir, dtype::bf16, 3);
+  auto cfg = load_model_config(dir);
+  checkpoint ckpt{dir};
+  cpu_device dev{0};
+  llama_model fast{cfg, dev, 0, 1, dtype::f32, true, true};
+  fast.load(ckpt);
+  llama_model exact{cfg, dev, 0, 1, dtype::f32, true, false};
+  exact.load(ckpt);
+  int packed = 0;
+  for (auto& t : fast.tensors()) {
+    CHECK(t.packed == (cpu::has_packed_layout(dtype::bf16) && t.type == dtype::bf16 &&
+                       t.shape.size() == 2));
+    if (t.packed) {
+      auto bytes = fast.download(t);
+      CHECK(std::memcmp(bytes.data(), ckpt.at(t.name).data, bytes.size()) == 0);
+      ++packed;
+    }
+  }
+  std::vector<int32_t> prompt{1, 17, 42, 99, 150, 3, 8};
+  auto want = prefill_logits(exact, dev, cfg, prompt);
+  auto got = prefill_logits(fast, dev, cfg, prompt);
+  if (cpu::has_packed_layout(dtype::bf16)) {
+    CHECK(packed > 0);
+    CHECK(got != want);
+  } else {
+    MESSAGE("no AVX-512 BF16 on this CPU: the fast path computes exactly here");
+  }
+  auto kl = kl_divergence(want, got);
+  CHECK(kl <= 1e-3);
+  MESSAGE("KL divergence of the BF16 fast path against the exact one: " << kl);
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("greedy generation from a GGUF file through the executor matches transformers") {

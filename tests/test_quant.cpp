@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -251,48 +252,89 @@ TEST_CASE("integer kernels: the sums of the rounded activations, on every tile a
   }
 }
 
-TEST_CASE("packed Q4_K: the layout round-trips, and its kernel gives the row kernel's sums on "
+TEST_CASE("packed layouts: they round-trip, and their kernels give the row kernels' sums on "
           "every tile and tail") {
   // Activation rows that exercise every tile (4, 2, 1); groups of 16 weight rows.
   for (auto s : {shape{16, 1, 256}, shape{32, 3, 512}, shape{48, 7, 768}, shape{16, 4, 256},
                  shape{64, 9, 1024}, shape{32, 2, 2048}}) {
-    INFO("n " << s.n << " m " << s.m << " k " << s.k);
     auto w = random_floats(static_cast<size_t>(s.n * s.k), 21, 0.05f);
     auto x = random_floats(static_cast<size_t>(s.m * s.k), 22);
     x[3] = -30.0f;
-    std::vector<char> stored(storage_bytes(dtype::q4_k, w.size()));
-    from_float(dtype::q4_k, w.data(), stored.data(), w.size());
-    std::vector<char> packed(stored.size()), back(stored.size());
-    cpu::pack_rows(dtype::q4_k, stored.data(), packed.data(), s.n, s.k);
-    REQUIRE(packed != stored);
-    cpu::unpack_rows(dtype::q4_k, packed.data(), back.data(), s.n, s.k);
-    REQUIRE(back == stored);
-    if (!cpu::has_packed_layout(dtype::q4_k)) {
-      MESSAGE("no integer instructions on this CPU: the packed kernel is not run");
-      continue;
-    }
-    cpu::int8_rows xq;
-    xq.quantize(x.data(), s.m, s.k, 256);
-    std::vector<float> want(static_cast<size_t>(s.m * s.n));
-    cpu::dot_rows_int8_reference(dtype::q4_k, stored.data(), xq, want.data(), s.n, 0, s.n, false);
-    // The first group keeps its ones; the others are written, then added to.
-    std::vector<float> y(want.size(), 1.0f);
-    cpu::dot_packed_int8(dtype::q4_k, packed.data(), xq, y.data(), s.n, 16, s.n, false);
-    std::vector<float> acc(want.size(), 2.0f);
-    cpu::dot_packed_int8(dtype::q4_k, packed.data(), xq, acc.data(), s.n, 0, s.n, true);
-    for (int64_t r = 0; r < s.m; ++r)
-      for (int64_t i = 0; i < s.n; ++i) {
-        auto at = static_cast<size_t>(r * s.n + i);
-        auto tolerance = 1e-5f * (std::fabs(want[at]) + 1.0f);
-        REQUIRE(y[at] == (i < 16 ? doctest::Approx(1.0f) : doctest::Approx(want[at]).epsilon(1e-5)));
-        REQUIRE(std::fabs(acc[at] - 2.0f - want[at]) <= tolerance);
+    for (auto t : {dtype::q8_0, dtype::q4_0, dtype::q4_k, dtype::q6_k}) {
+      INFO(dtype_name(t) << ", n " << s.n << " m " << s.m << " k " << s.k);
+      std::vector<char> stored(storage_bytes(t, w.size()));
+      from_float(t, w.data(), stored.data(), w.size());
+      std::vector<char> packed(stored.size()), back(stored.size());
+      cpu::pack_rows(t, stored.data(), packed.data(), s.n, s.k);
+      REQUIRE(packed != stored);
+      cpu::unpack_rows(t, packed.data(), back.data(), s.n, s.k);
+      REQUIRE(back == stored);
+      const auto row_bytes = storage_bytes(t, static_cast<size_t>(s.k));
+      std::vector<char> row(row_bytes);
+      for (int64_t i : {int64_t{0}, int64_t{5}, s.n - 1}) {
+        cpu::unpack_row(t, packed.data(), i, s.k, row.data());
+        REQUIRE(std::memcmp(row.data(), stored.data() + i * row_bytes, row_bytes) == 0);
       }
+      if (!cpu::has_packed_layout(t)) {
+        MESSAGE("no integer instructions on this CPU: the packed kernels are not run");
+        continue;
+      }
+      cpu::int8_rows xq;
+      xq.quantize(x.data(), s.m, s.k, cpu::int8_block(t));
+      std::vector<float> want(static_cast<size_t>(s.m * s.n));
+      cpu::dot_rows_int8_reference(t, stored.data(), xq, want.data(), s.n, 0, s.n, false);
+      // The first group keeps its ones; the others are written, then added to.
+      std::vector<float> y(want.size(), 1.0f);
+      cpu::dot_packed_int8(t, packed.data(), xq, y.data(), s.n, 16, s.n, false);
+      std::vector<float> acc(want.size(), 2.0f);
+      cpu::dot_packed_int8(t, packed.data(), xq, acc.data(), s.n, 0, s.n, true);
+      for (int64_t r = 0; r < s.m; ++r)
+        for (int64_t i = 0; i < s.n; ++i) {
+          auto at = static_cast<size_t>(r * s.n + i);
+          // Float sums in another order.
+          auto tolerance = 1e-5f * (std::fabs(want[at]) + 1.0f);
+          REQUIRE(std::fabs(y[at] - (i < 16 ? 1.0f : want[at])) <= tolerance);
+          REQUIRE(std::fabs(acc[at] - 2.0f - want[at]) <= tolerance);
+        }
+    }
+  }
+  // BF16: float32 sums of the bfloat16 activations and weights.
+  for (auto s : {shape{16, 1, 2}, shape{32, 3, 64}, shape{48, 9, 130}, shape{16, 17, 512}}) {
+    INFO("BF16, n " << s.n << " m " << s.m << " k " << s.k);
+    auto w = random_floats(static_cast<size_t>(s.n * s.k), 23);
+    auto x = random_floats(static_cast<size_t>(s.m * s.k), 24);
+    std::vector<char> stored(storage_bytes(dtype::bf16, w.size()));
+    from_float(dtype::bf16, w.data(), stored.data(), w.size());
+    std::vector<char> packed(stored.size()), back(stored.size());
+    cpu::pack_rows(dtype::bf16, stored.data(), packed.data(), s.n, s.k);
+    cpu::unpack_rows(dtype::bf16, packed.data(), back.data(), s.n, s.k);
+    REQUIRE(back == stored);
+    if (!cpu::has_packed_layout(dtype::bf16)) {
+      MESSAGE("no AVX-512 BF16 on this CPU: the packed BF16 kernel is not run");
+      break;
+    }
+    std::vector<uint16_t> xb(x.size());
+    cpu::to_bf16_rows(x.data(), static_cast<int64_t>(x.size()), xb.data());
+    std::vector<char> xb_bytes(xb.size() * 2);
+    from_float(dtype::bf16, x.data(), xb_bytes.data(), x.size());
+    REQUIRE(std::memcmp(xb_bytes.data(), xb.data(), xb_bytes.size()) == 0); // nearest even
+    std::vector<float> wd(w.size()), xd(x.size());
+    to_float(dtype::bf16, stored.data(), wd.data(), w.size());
+    to_float(dtype::bf16, xb_bytes.data(), xd.data(), x.size());
+    auto want = reference(wd, xd, s.n, s.m, s.k);
+    std::vector<float> y(want.y.size(), 1.0f);
+    cpu::dot_packed_bf16(packed.data(), xb.data(), s.m, s.k, y.data(), s.n, 16, s.n, false);
+    require_rows_from(y, want, 16, s.m, s.n);
+    std::vector<float> acc(want.y.size(), 2.0f);
+    cpu::dot_packed_bf16(packed.data(), xb.data(), s.m, s.k, acc.data(), s.n, 0, s.n, true);
+    for (size_t at = 0; at < acc.size(); ++at)
+      REQUIRE(want.close(at, acc[at], 2.0));
   }
   std::vector<char> odd(storage_bytes(dtype::q4_k, 16 * 256)), out(odd.size());
   CHECK_THROWS_WITH(cpu::pack_rows(dtype::q4_k, odd.data(), out.data(), 8, 256),
                     doctest::Contains("rows in groups of 16"));
-  CHECK_THROWS_WITH(cpu::pack_rows(dtype::q6_k, odd.data(), out.data(), 16, 256),
-                    doctest::Contains("no packed layout for Q6_K"));
+  CHECK_THROWS_WITH(cpu::pack_rows(dtype::q5_k, odd.data(), out.data(), 16, 256),
+                    doctest::Contains("no packed layout for Q5_K"));
 }
 
 TEST_CASE("16-bit kernels: every instruction set gives float32's sums on the widened weights") {

@@ -25,10 +25,10 @@ public:
     return true;
   }
 
-  /// Q4_K in groups of 16 rows, on the fast path: the integer GEMM of quant_int8.hpp.
+  /// On the fast path, the block formats of the integer GEMM and BF16 in groups of 16 rows
+  /// (quant_int8.hpp).
   bool packs(dtype t, int64_t rows, int64_t cols) const override {
-    return int8_ && cpu::has_packed_layout(t) && rows % cpu::packed_rows == 0 &&
-           cols % block_elements(t) == 0;
+    return int8_ && cpu::packs(t, rows, cols);
   }
 
   int64_t pack_group() const override {
@@ -56,6 +56,13 @@ public:
     }
     bool quantized = is_quantized(w_type);
     bool integer = quantized && int8_ && cpu::has_int8_kernel(w_type);
+    bool packed_bf16 = w_type == dtype::bf16 &&
+                       std::any_of(outputs.begin(), outputs.end(),
+                                   [](const gemm_output& o) { return o.packed; });
+    if (packed_bf16) {
+      xb_.resize(static_cast<size_t>(m * k));
+      cpu::to_bf16_rows(x, m * k, xb_.data());
+    }
     if (quantized) {
       if (k % block_elements(w_type) != 0)
         throw error{errc::unsupported, std::string{dtype_name(w_type)} + " weights need rows "
@@ -93,7 +100,9 @@ public:
       auto& o = outs[which];
       int64_t begin = (p - starts_[which]) * rows_per_part;
       int64_t end = std::min(o.n, begin + rows_per_part);
-      if (o.packed)
+      if (o.packed && packed_bf16)
+        cpu::dot_packed_bf16(o.w, xb_.data(), m, k, o.y, o.row_stride(), begin, end, o.accumulate);
+      else if (o.packed)
         cpu::dot_packed_int8(w_type, o.w, xq_, o.y, o.row_stride(), begin, end, o.accumulate);
       else if (integer)
         cpu::dot_rows_int8(w_type, o.w, xq_, o.y, o.row_stride(), begin, end, o.accumulate);
@@ -156,6 +165,15 @@ public:
                out + r * dim, static_cast<size_t>(dim));
   }
 
+  void gather_packed_rows(const int32_t* ids, const void* table, dtype table_type, float* out,
+                          int64_t rows, int64_t dim) override {
+    std::vector<char> row(storage_bytes(table_type, static_cast<size_t>(dim)));
+    for (int64_t r = 0; r < rows; ++r) {
+      cpu::unpack_row(table_type, table, ids[r], dim, row.data());
+      to_float(table_type, row.data(), out + r * dim, static_cast<size_t>(dim));
+    }
+  }
+
   void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,
                 const int32_t* slots, int64_t tokens, int64_t row) override {
     auto bytes = static_cast<size_t>(row) * sizeof(float);
@@ -212,6 +230,7 @@ private:
   bool int8_;
   std::vector<float> xsums_;
   cpu::int8_rows xq_;
+  std::vector<uint16_t> xb_;
   /// The first part of each output of a gemm_nt_shared call, and the end.
   std::vector<int64_t> starts_;
 };

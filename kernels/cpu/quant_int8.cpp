@@ -15,6 +15,9 @@ void dot_rows(dtype w_type, const unsigned char* w, const int8_rows& x, float* y
               int64_t begin, int64_t end, bool accumulate);
 void dot_packed(dtype w_type, const unsigned char* w, const int8_rows& x, float* y,
                 int64_t ldy, int64_t begin, int64_t end, bool accumulate);
+void to_bf16(const float* x, int64_t count, uint16_t* out);
+void dot_packed_bf16(const unsigned char* w, const uint16_t* x, int64_t m, int64_t k, float* y,
+                     int64_t ldy, int64_t begin, int64_t end, bool accumulate);
 }
 #endif
 
@@ -162,61 +165,140 @@ void dot_rows_int8(dtype w_type, const void* w, const int8_rows& x, float* y, in
 
 namespace {
 
-void check_packable(dtype t, int64_t rows, int64_t cols) {
-  if (t != dtype::q4_k)
-    throw error{errc::unsupported, std::string{"no packed layout for "} + dtype_name(t)};
-  if (rows % packed_rows != 0 || cols % 256 != 0)
-    throw error{errc::invalid_argument, "a packed Q4_K matrix has rows in groups of 16 and "
-                                        "columns in super-blocks of 256, not " +
-                                          std::to_string(rows) + " x " + std::to_string(cols)};
+bool packed_format(dtype t) {
+  return t == dtype::bf16 || int8_format(t);
 }
 
-constexpr size_t q4_k_bytes = 144;
-constexpr size_t group_block = packed_rows * q4_k_bytes;
+/// Elements of a row that move together: a block, or BF16's pair.
+int64_t pack_block(dtype t) {
+  return t == dtype::bf16 ? 2 : block_elements(t);
+}
 
-/// Moves the bytes of each group of 16 rows between the stored and the packed layouts (see
-/// quant_int8.hpp), in the units they move in: d and dmin 2 bytes, the rest 4.
-void regroup(const void* src, void* dst, int64_t rows, int64_t cols, bool to_packed) {
-  const size_t blocks = static_cast<size_t>(cols) / 256;
-  const size_t stride = blocks * q4_k_bytes;
-  const size_t group = packed_rows * stride;
-  for (int64_t g = 0; g < rows / packed_rows; ++g) {
-    auto from = static_cast<const unsigned char*>(src) + static_cast<size_t>(g) * group;
-    auto to = static_cast<unsigned char*>(dst) + static_cast<size_t>(g) * group;
-    for (size_t i = 0; i < packed_rows; ++i)
-      for (size_t s = 0; s < blocks; ++s) {
-        size_t stored = i * stride + s * q4_k_bytes;
-        size_t packed = s * group_block;
-        auto move = [&](size_t at_stored, size_t at_packed, size_t n) {
-          if (to_packed)
-            std::memcpy(to + packed + at_packed, from + stored + at_stored, n);
-          else
-            std::memcpy(to + stored + at_stored, from + packed + at_packed, n);
-        };
-        move(0, 2 * i, 2);
-        move(2, 32 + 2 * i, 2);
-        for (size_t word = 0; word < 3; ++word)
-          move(4 + 4 * word, 64 + 64 * word + 4 * i, 4);
-        for (size_t q = 0; q < 32; ++q)
-          move(16 + 4 * q, 256 + 64 * q + 4 * i, 4);
-      }
+void check_packable(dtype t, int64_t rows, int64_t cols) {
+  if (!packed_format(t))
+    throw error{errc::unsupported, std::string{"no packed layout for "} + dtype_name(t)};
+  if (rows % packed_rows != 0 || cols % pack_block(t) != 0)
+    throw error{errc::invalid_argument,
+                std::string{"a packed "} + dtype_name(t) + " matrix has rows in groups of 16 and "
+                "columns in whole blocks of " + std::to_string(pack_block(t)) + ", not " +
+                  std::to_string(rows) + " x " + std::to_string(cols)};
+}
+
+/// `bytes` bytes at `stored` in a row's block go to `packed` + bytes · row in its group's
+/// packed block; `flip`: with their top bits flipped (Q8_0's signed quants made unsigned).
+struct unit {
+  size_t stored;
+  size_t packed;
+  size_t bytes;
+  bool flip = false;
+};
+
+/// A format's block as units (quant_int8.hpp gives the layouts): its float16 scale(s) 2
+/// bytes a row, the rest 4.
+std::vector<unit> units_of(dtype t) {
+  std::vector<unit> u;
+  auto words = [&](size_t stored, size_t packed, size_t count, bool flip = false) {
+    for (size_t w = 0; w < count; ++w)
+      u.push_back({stored + 4 * w, packed + 64 * w, 4, flip});
+  };
+  switch (t) {
+    case dtype::bf16:
+      u.push_back({0, 0, 4});
+      break;
+    case dtype::q8_0:
+      u.push_back({0, 0, 2});
+      words(2, 32, 8, true);
+      break;
+    case dtype::q4_0:
+      u.push_back({0, 0, 2});
+      words(2, 32, 4);
+      break;
+    case dtype::q4_k:
+      u.push_back({0, 0, 2});
+      u.push_back({2, 32, 2});
+      words(4, 64, 3);
+      words(16, 256, 32);
+      break;
+    default: // Q6_K: ql, qh, scales, d
+      words(0, 288, 32);
+      words(128, 2336, 16);
+      words(192, 32, 4);
+      u.push_back({208, 0, 2});
+      break;
   }
+  return u;
+}
+
+/// Moves row i of a group of 16 rows (`group`) between the stored (`row`, its bytes as
+/// stored) and the packed layouts.
+void move_row(const std::vector<unit>& units, size_t block, size_t blocks, size_t i,
+              unsigned char* group, unsigned char* row, bool to_packed) {
+  for (size_t b = 0; b < blocks; ++b) {
+    unsigned char* stored = row + b * block;
+    unsigned char* packed = group + b * packed_rows * block;
+    for (auto& u : units) {
+      unsigned char* to = to_packed ? packed + u.packed + u.bytes * i : stored + u.stored;
+      std::memcpy(to, to_packed ? stored + u.stored : packed + u.packed + u.bytes * i, u.bytes);
+      if (u.flip)
+        for (size_t k = 0; k < u.bytes; ++k)
+          to[k] ^= 0x80;
+    }
+  }
+}
+
+/// Moves the bytes of each group of 16 rows between the stored and the packed layouts.
+void regroup(dtype t, const void* src, void* dst, int64_t rows, int64_t cols, bool to_packed) {
+  const auto units = units_of(t);
+  const size_t block = storage_bytes(t, static_cast<size_t>(pack_block(t)));
+  const size_t blocks = static_cast<size_t>(cols / pack_block(t));
+  const size_t stride = blocks * block;
+  const size_t group = packed_rows * stride;
+  // The source is only read: const_cast lets one function move both ways.
+  auto from = const_cast<unsigned char*>(static_cast<const unsigned char*>(src));
+  auto to = static_cast<unsigned char*>(dst);
+  for (size_t g = 0; g < static_cast<size_t>(rows / packed_rows); ++g)
+    for (size_t i = 0; i < packed_rows; ++i) {
+      auto rows_at = (to_packed ? from : to) + g * group + i * stride;
+      move_row(units, block, blocks, i, (to_packed ? to : from) + g * group, rows_at, to_packed);
+    }
 }
 
 } // namespace
 
 bool has_packed_layout(dtype w_type) {
-  return w_type == dtype::q4_k && cpu_has_vnni();
+  if (w_type == dtype::bf16) {
+#if TROUPE_X86_KERNELS
+    static const bool has = cpu_has_vnni() && __builtin_cpu_supports("avx512bf16");
+    return has;
+#else
+    return false;
+#endif
+  }
+  return packed_format(w_type) && cpu_has_vnni();
+}
+
+void unpack_row(dtype w_type, const void* w, int64_t row, int64_t cols, void* dst) {
+  check_packable(w_type, packed_rows, cols);
+  const size_t block = storage_bytes(w_type, static_cast<size_t>(pack_block(w_type)));
+  const size_t blocks = static_cast<size_t>(cols / pack_block(w_type));
+  auto group = const_cast<unsigned char*>(static_cast<const unsigned char*>(w)) +
+               static_cast<size_t>(row / packed_rows) * packed_rows * blocks * block;
+  move_row(units_of(w_type), block, blocks, static_cast<size_t>(row % packed_rows), group,
+           static_cast<unsigned char*>(dst), false);
+}
+
+bool packs(dtype w_type, int64_t rows, int64_t cols) {
+  return has_packed_layout(w_type) && rows % packed_rows == 0 && cols % pack_block(w_type) == 0;
 }
 
 void pack_rows(dtype w_type, const void* src, void* dst, int64_t rows, int64_t cols) {
   check_packable(w_type, rows, cols);
-  regroup(src, dst, rows, cols, true);
+  regroup(w_type, src, dst, rows, cols, true);
 }
 
 void unpack_rows(dtype w_type, const void* src, void* dst, int64_t rows, int64_t cols) {
   check_packable(w_type, rows, cols);
-  regroup(src, dst, rows, cols, false);
+  regroup(w_type, src, dst, rows, cols, false);
 }
 
 void dot_packed_int8(dtype w_type, const void* w, const int8_rows& x, float* y, int64_t ldy,
@@ -232,6 +314,39 @@ void dot_packed_int8(dtype w_type, const void* w, const int8_rows& x, float* y, 
 #else
   (void)w;
   (void)x;
+  (void)y;
+  (void)ldy;
+  (void)accumulate;
+#endif
+}
+
+void to_bf16_rows(const float* x, int64_t count, uint16_t* out) {
+  if (!has_packed_layout(dtype::bf16))
+    throw error{errc::unsupported, "no BF16 instructions on this CPU"};
+#if TROUPE_X86_KERNELS
+  vnni::to_bf16(x, count, out);
+#else
+  (void)x;
+  (void)count;
+  (void)out;
+#endif
+}
+
+void dot_packed_bf16(const void* w, const uint16_t* x, int64_t m, int64_t k, float* y,
+                     int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
+  if (!has_packed_layout(dtype::bf16))
+    throw error{errc::unsupported, "no BF16 instructions on this CPU"};
+  if (begin % packed_rows != 0 || end % packed_rows != 0 || k % 2 != 0)
+    throw error{errc::invalid_argument, "packed BF16 rows go in groups of 16 and columns in "
+                                        "pairs, not [" + std::to_string(begin) + ", " +
+                                          std::to_string(end) + ") x " + std::to_string(k)};
+#if TROUPE_X86_KERNELS
+  vnni::dot_packed_bf16(static_cast<const unsigned char*>(w), x, m, k, y, ldy, begin, end,
+                        accumulate);
+#else
+  (void)w;
+  (void)x;
+  (void)m;
   (void)y;
   (void)ldy;
   (void)accumulate;

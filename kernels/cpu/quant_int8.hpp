@@ -53,21 +53,30 @@ void dot_rows_int8(dtype w_type, const void* w, const int8_rows& x, float* y, in
 void dot_rows_int8_reference(dtype w_type, const void* w, const int8_rows& x, float* y,
                              int64_t ldy, int64_t begin, int64_t end, bool accumulate);
 
-/// The packed layout: weights of `w_type` rearranged in groups of `packed_rows` rows so
-/// that one vector load holds 4 bytes of each of the 16 rows and every product of a
-/// `vpdpbusd` adds into that row's own lane: no horizontal sums, each row's scales unpacked
-/// 16 at a time, and a tile of activation rows shares every weight vector (the prefill
-/// GEMM). A group takes the bytes its 16 rows take as stored, so a band of whole groups
-/// starts where it did. Q4_K, super-block s of a group (2304 bytes): the 16 rows' d
-/// (float16) at 0, their dmin at 32, the three 32-bit words of their 6-bit scales and
-/// minimums at 64 + 64·word + 4·row, and at 256 + 64·(8c + g) + 4·row the row's quant
-/// bytes 32c + 4g ... 32c + 4g + 3 (their low nibbles elements 64c + 4g ..., the high
-/// ones 64c + 32 + 4g ...).
+/// The packed layout: weights rearranged in groups of `packed_rows` rows so that one vector
+/// load holds 4 bytes of each of the 16 rows and every product of a `vpdpbusd` adds into
+/// that row's own lane: no horizontal sums, each row's scales unpacked 16 at a time, and a
+/// tile of activation rows shares every weight vector (the prefill GEMM). A group takes
+/// the bytes its 16 rows take as stored, block by block (block b of the group holds block
+/// b of each row), so a band of whole groups starts where it did. In a group's block, the
+/// 16 rows' float16 scales come first (2 bytes a row), then vectors of 64 bytes, row i's 4
+/// bytes at 4·i, each vector w holding bytes 4w ... 4w + 3 of a part of the rows' blocks:
+/// - Q8_0: d at 0; the 32 quants from 32 (8 vectors), each byte + 128 (unsigned);
+/// - Q4_0: d at 0; the 16 bytes of nibbles from 32 (4 vectors);
+/// - Q4_K: d at 0, dmin at 32; the 12 bytes of 6-bit scales and minimums from 64 (3
+///   vectors), the 128 bytes of nibbles from 256 (32 vectors);
+/// - Q6_K: d at 0; the 16 scales from 32 (4 vectors), the 128 bytes of low nibbles
+///   (`ql`) from 288 (32 vectors), the 64 bytes of high bits (`qh`) from 2336 (16 vectors);
+/// - BF16: blocks of two elements, one vector each (`vdpbf16ps` takes them in pairs).
 constexpr int64_t packed_rows = 16;
 
-/// Whether `w_type` has a packed layout and this CPU the kernel that reads it (Q4_K, the
-/// same CPUs as `has_int8_kernel`).
+/// Whether `w_type` has a packed layout and this CPU the kernel that reads it: the formats
+/// and CPUs of `has_int8_kernel`, and BF16 where the CPU also has AVX-512 BF16.
 bool has_packed_layout(dtype w_type);
+
+/// Whether `has_packed_layout(w_type)` and `rows` × `cols` fit it: whole groups of rows,
+/// whole blocks (BF16: pairs) of columns.
+bool packs(dtype w_type, int64_t rows, int64_t cols);
 
 /// Writes `rows` (a multiple of `packed_rows`) rows of `cols` elements of `w_type`, as
 /// stored at `src`, to `dst` in the packed layout (`src` and `dst` do not overlap).
@@ -75,6 +84,19 @@ void pack_rows(dtype w_type, const void* src, void* dst, int64_t rows, int64_t c
 
 /// The inverse of `pack_rows`: packed rows at `src` to `dst` as stored.
 void unpack_rows(dtype w_type, const void* src, void* dst, int64_t rows, int64_t cols);
+
+/// x[count] rounded to bfloat16 (to nearest even), the activations of `dot_packed_bf16`.
+/// Throws `unsupported` where `has_packed_layout(dtype::bf16)` says no.
+void to_bf16_rows(const float* x, int64_t count, uint16_t* out);
+
+/// y[r·ldy + i] (+)= row i of BF16 weights `w`, packed, · row r of the bfloat16 x[m × k],
+/// for the rows i in [begin, end) (multiples of `packed_rows`), summed in float32 (AVX-512
+/// BF16). The fast path for BF16 weights: llama.cpp rounds the activations the same way.
+void dot_packed_bf16(const void* w, const uint16_t* x, int64_t m, int64_t k, float* y,
+                     int64_t ldy, int64_t begin, int64_t end, bool accumulate);
+
+/// Row `row` of packed rows of `cols` elements at `w`, written to `dst` as stored.
+void unpack_row(dtype w_type, const void* w, int64_t row, int64_t cols, void* dst);
 
 /// `dot_rows_int8` for weights in the packed layout; `begin` and `end` are multiples of
 /// `packed_rows`. Throws `unsupported` where `has_packed_layout`

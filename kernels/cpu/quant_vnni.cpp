@@ -8,6 +8,11 @@
 // Q8_0's magnitudes, its signs moved onto the activations), activations signed; what an
 // offset adds (Q4_0's 8, Q4_K's minimum, Q6_K's 32) comes from the activations' sums.
 // Several activation rows share each unpacked weight vector.
+//
+// The kernels of the packed layout (one vector: 4 bytes of each of 16 rows) put each
+// weight row in its own lane instead: `vpdpbusd` against 4 activation bytes broadcast,
+// integer sums per sub-block times its scale (`vpmulld`), no horizontal sums. BF16 weights
+// the same way with `vdpbf16ps` (AVX-512 BF16, also enabled here) on pairs.
 
 #include "kernels/cpu/quant_int8.hpp"
 
@@ -408,6 +413,133 @@ void q4_k_packed(const unsigned char* group, const rows_at& a, __m512* out) {
     out[r] = acc[r];
 }
 
+/// Byte `j` of each 32-bit lane, sign-extended.
+inline __m512i signed_byte_of(__m512i v, int j) {
+  return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24);
+}
+
+/// Q8_0 (`Q8`, its quants stored + 128) or Q4_0 in the packed layout: each block's
+/// products sum as integers in the rows' lanes, less the offset (128 or 8 times the sum of
+/// the activations), then scaled as floats.
+template <bool Q8, int R>
+void blocks_of_32_packed(const unsigned char* group, const rows_at& a, __m512* out) {
+  constexpr int64_t bytes = Q8 ? 16 * 34 : 16 * 18;
+  constexpr int offset = Q8 ? 128 : 8;
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r)
+    acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const unsigned char* p = group + bytes * b;
+    __m512i sums[R];
+    for (int r = 0; r < R; ++r)
+      sums[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int v = 0; v < (Q8 ? 8 : 4); ++v) {
+      __m512i w = load512(p + 32 + 64 * v);
+      if constexpr (Q8) {
+        for (int r = 0; r < R; ++r)
+          sums[r] = _mm512_dpbusd_epi32(sums[r], w, broadcast32(a.q(r, b) + 4 * v));
+      } else {
+        __m512i lo = _mm512_and_si512(w, low4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          sums[r] = _mm512_dpbusd_epi32(sums[r], lo, broadcast32(a.q(r, b) + 4 * v));
+          sums[r] = _mm512_dpbusd_epi32(sums[r], hi, broadcast32(a.q(r, b) + 16 + 4 * v));
+        }
+      }
+    }
+    __m512 d = _mm512_cvtph_ps(load256(p));
+    for (int r = 0; r < R; ++r) {
+      const int16_t* s16 = a.sums(r, 2 * b);
+      __m512i shifted = _mm512_sub_epi32(sums[r], _mm512_set1_epi32(offset * (s16[0] + s16[1])));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted),
+                               _mm512_mul_ps(d, _mm512_set1_ps(*a.scale(r, b))), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    out[r] = acc[r];
+}
+
+/// Q6_K in the packed layout: per sub-block of 16 (its quarter k of a half h, first or
+/// second 16 elements), the 6-bit values rebuilt from `ql` and `qh` 16 rows at a time, the
+/// products summed as integers in the rows' lanes, times the sub-block's signed scale; the
+/// 32 every value is stored above goes against the activations' sums of 16.
+template <int R>
+void q6_k_packed(const unsigned char* group, const rows_at& a, __m512* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i bits45 = _mm512_set1_epi8(0x30);
+  const __m512i low16 = _mm512_set1_epi32(0xffff);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r)
+    acc[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < a.blocks; ++s) {
+    const unsigned char* b = group + 3360 * s;
+    __m512i scales[4];
+    for (int q = 0; q < 4; ++q)
+      scales[q] = load512(b + 32 + 64 * q);
+    __m512i sums[R], offsets[R];
+    for (int r = 0; r < R; ++r)
+      sums[r] = offsets[r] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int half = 0; half < 2; ++half) {
+          __m512i part[R];
+          for (int r = 0; r < R; ++r)
+            part[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+          for (int g = 4 * half; g < 4 * half + 4; ++g) {
+            // Quarter k: the low (k < 2) or high nibbles of ql bytes 64h + 32(k % 2) + l,
+            // and bits 2k, 2k + 1 of qh byte 32h + l, moved to bits 4-5.
+            __m512i ql = load512(b + 288 + 64 * (16 * h + 8 * (k % 2) + g));
+            __m512i qh = load512(b + 2336 + 64 * (8 * h + g));
+            __m512i nibbles = k < 2 ? ql : _mm512_srli_epi16(ql, 4);
+            __m512i high = 2 * k <= 4 ? _mm512_slli_epi16(qh, 4 - 2 * k)
+                                      : _mm512_srli_epi16(qh, 2 * k - 4);
+            __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(nibbles, low4), high, bits45,
+                                                  0xf8); // a | (b & c)
+            for (int r = 0; r < R; ++r)
+              part[r] = _mm512_dpbusd_epi32(part[r], w,
+                                            broadcast32(a.q(r, 8 * s) + 128 * h + 32 * k + 4 * g));
+          }
+          int j = 8 * h + 2 * k + half;
+          __m512i scale = signed_byte_of(scales[j / 4], j % 4);
+          for (int r = 0; r < R; ++r)
+            sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(part[r], scale));
+        }
+    // Σ scale · sum of 16, a pair of sub-blocks per dpwssd.
+    for (int j = 0; j < 16; j += 2) {
+      __m512i pair = _mm512_or_si512(
+        _mm512_and_si512(signed_byte_of(scales[j / 4], j % 4), low16),
+        _mm512_slli_epi32(signed_byte_of(scales[j / 4], j % 4 + 1), 16));
+      for (int r = 0; r < R; ++r)
+        offsets[r] = _mm512_dpwssd_epi32(offsets[r], pair, broadcast32(a.sums(r, 16 * s + j)));
+    }
+    __m512 d = _mm512_cvtph_ps(load256(b));
+    for (int r = 0; r < R; ++r) {
+      __m512i total = _mm512_sub_epi32(sums[r], _mm512_slli_epi32(offsets[r], 5));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total),
+                               _mm512_mul_ps(d, _mm512_set1_ps(*a.scale(r, s))), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    out[r] = acc[r];
+}
+
+template <int R>
+void one_group(dtype t, const unsigned char* group, const rows_at& a, __m512* out) {
+  switch (t) {
+    case dtype::q8_0:
+      return blocks_of_32_packed<true, R>(group, a, out);
+    case dtype::q4_0:
+      return blocks_of_32_packed<false, R>(group, a, out);
+    case dtype::q4_k:
+      return q4_k_packed<R>(group, a, out);
+    default:
+      return q6_k_packed<R>(group, a, out);
+  }
+}
+
 template <int R>
 void one_row(dtype t, const unsigned char* w, const rows_at& a, float* out) {
   switch (t) {
@@ -457,9 +589,8 @@ void dot_rows(dtype w_type, const unsigned char* w, const int8_rows& x, float* y
 
 void dot_packed(dtype w_type, const unsigned char* w, const int8_rows& x, float* y,
                 int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
-  (void)w_type; // Q4_K, the one packed layout
-  const int64_t blocks = x.k / 256;
-  const auto group_bytes = 16 * static_cast<int64_t>(storage_bytes(dtype::q4_k, static_cast<size_t>(x.k)));
+  const int64_t blocks = x.k / x.block;
+  const auto group_bytes = 16 * static_cast<int64_t>(storage_bytes(w_type, static_cast<size_t>(x.k)));
   __m512 out[4];
   auto put = [&](int64_t first, int64_t row, int count) {
     for (int r = 0; r < count; ++r) {
@@ -473,15 +604,100 @@ void dot_packed(dtype w_type, const unsigned char* w, const int8_rows& x, float*
     const unsigned char* group = w + first / 16 * group_bytes;
     int64_t r = 0;
     for (; r + 4 <= x.m; r += 4) {
-      q4_k_packed<4>(group, rows_at{x, r, blocks}, out);
+      one_group<4>(w_type, group, rows_at{x, r, blocks}, out);
       put(first, r, 4);
     }
     for (; r + 2 <= x.m; r += 2) {
-      q4_k_packed<2>(group, rows_at{x, r, blocks}, out);
+      one_group<2>(w_type, group, rows_at{x, r, blocks}, out);
       put(first, r, 2);
     }
     for (; r < x.m; ++r) {
-      q4_k_packed<1>(group, rows_at{x, r, blocks}, out);
+      one_group<1>(w_type, group, rows_at{x, r, blocks}, out);
+      put(first, r, 1);
+    }
+  }
+}
+
+void to_bf16(const float* x, int64_t count, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 32 <= count; i += 32) {
+    __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+    _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(pair));
+  }
+  for (; i < count; ++i) {
+    __m128bh one = _mm_cvtneps_pbh(_mm_set_ss(x[i]));
+    uint16_t v;
+    std::memcpy(&v, &one, sizeof v);
+    out[i] = v;
+  }
+}
+
+namespace {
+
+inline __m512bh as_bf16(__m512i v) {
+  return reinterpret_cast<__m512bh>(v);
+}
+
+/// A group of 16 packed BF16 rows against R activation rows: a pair of elements of the 16
+/// rows per vector, each pair of the activations broadcast; C accumulators a row where the
+/// tile is too small to hide `vdpbf16ps`'s latency.
+template <int R>
+void bf16_group(const unsigned char* group, const uint16_t* x, int64_t k, __m512* out) {
+  constexpr int C = R >= 4 ? 1 : 4 / R;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      acc[r][c] = _mm512_setzero_ps();
+  const int64_t pairs = k / 2;
+  int64_t p = 0;
+  for (; p + C <= pairs; p += C)
+    for (int c = 0; c < C; ++c) {
+      __m512i w = load512(group + 64 * (p + c));
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bf16(w), as_bf16(broadcast32(x + r * k + 2 * (p + c))));
+    }
+  for (; p < pairs; ++p) {
+    __m512i w = load512(group + 64 * p);
+    for (int r = 0; r < R; ++r)
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], as_bf16(w), as_bf16(broadcast32(x + r * k + 2 * p)));
+  }
+  for (int r = 0; r < R; ++r) {
+    out[r] = acc[r][0];
+    for (int c = 1; c < C; ++c)
+      out[r] = _mm512_add_ps(out[r], acc[r][c]);
+  }
+}
+
+} // namespace
+
+void dot_packed_bf16(const unsigned char* w, const uint16_t* x, int64_t m, int64_t k, float* y,
+                     int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
+  const int64_t group_bytes = 16 * 2 * k;
+  __m512 out[8];
+  auto put = [&](int64_t first, int64_t row, int count) {
+    for (int r = 0; r < count; ++r) {
+      float* dst = y + (row + r) * ldy + first;
+      _mm512_storeu_ps(dst, accumulate ? _mm512_add_ps(_mm512_loadu_ps(dst), out[r]) : out[r]);
+    }
+  };
+  // Tiles of 8 activation rows (8 accumulators hide the latency), then 4, 2, 1.
+  for (int64_t first = begin; first < end; first += 16) {
+    const unsigned char* group = w + first / 16 * group_bytes;
+    int64_t r = 0;
+    for (; r + 8 <= m; r += 8) {
+      bf16_group<8>(group, x + r * k, k, out);
+      put(first, r, 8);
+    }
+    for (; r + 4 <= m; r += 4) {
+      bf16_group<4>(group, x + r * k, k, out);
+      put(first, r, 4);
+    }
+    for (; r + 2 <= m; r += 2) {
+      bf16_group<2>(group, x + r * k, k, out);
+      put(first, r, 2);
+    }
+    for (; r < m; ++r) {
+      bf16_group<1>(group, x + r * k, k, out);
       put(first, r, 1);
     }
   }
