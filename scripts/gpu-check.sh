@@ -155,7 +155,7 @@ for r in steps:
     print(f"decode {r['dtype']:>8} {mode:>6} batch {r['batch']:>2}: "
           f"{r['decode_tokens_per_s']:9.0f} tok/s, "
           f"{r['decode_step_ms']:.3f} ms/step; floor {r['bandwidth_floor_step_ms']:.3f} ms "
-          f"({r['weight_bytes'] / 1e6:.0f} MB at {r['memcpy_bytes_per_s'] / 1e9:.0f} GB/s)")
+          f"({r['weight_bytes'] / 1e6:.0f} MB at {r['read_bytes_per_s'] / 1e9:.0f} GB/s)")
 if not steps:
     print("decode: no result")
 for s in list(results(sys.argv[2]))[-1:] or [None]:

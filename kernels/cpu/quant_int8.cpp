@@ -219,9 +219,13 @@ std::vector<unit> units_of(dtype t) {
       words(4, 64, 3);
       words(16, 256, 32);
       break;
-    default: // Q6_K: ql, qh, scales, d
-      words(0, 288, 32);
-      words(128, 2336, 16);
+    default: // Q6_K: ql, qh in triples as the kernel reads them, scales, d
+      for (size_t w = 0; w < 32; ++w) { // ql word 16h + 8c + g: triple 8h + g, slot c
+        size_t h = w / 16, c = w / 8 % 2, g = w % 8;
+        u.push_back({4 * w, 288 + 192 * (8 * h + g) + 64 * c, 4});
+      }
+      for (size_t w = 0; w < 16; ++w) // qh word 8h + g: triple 8h + g, slot 2
+        u.push_back({128 + 4 * w, 288 + 192 * w + 128, 4});
       words(192, 32, 4);
       u.push_back({208, 0, 2});
       break;

@@ -65,8 +65,9 @@ void dot_rows_int8_reference(dtype w_type, const void* w, const int8_rows& x, fl
 /// - Q4_0: d at 0; the 16 bytes of nibbles from 32 (4 vectors);
 /// - Q4_K: d at 0, dmin at 32; the 12 bytes of 6-bit scales and minimums from 64 (3
 ///   vectors), the 128 bytes of nibbles from 256 (32 vectors);
-/// - Q6_K: d at 0; the 16 scales from 32 (4 vectors), the 128 bytes of low nibbles
-///   (`ql`) from 288 (32 vectors), the 64 bytes of high bits (`qh`) from 2336 (16 vectors);
+/// - Q6_K: d at 0; the 16 scales from 32 (4 vectors); from 288, 16 triples of vectors in
+///   the order the kernel reads them: triple 8h + g holds `ql` words 16h + g and
+///   16h + 8 + g and `qh` word 8h + g (h the half of the super-block);
 /// - BF16: blocks of two elements, one vector each (`vdpbf16ps` takes them in pairs).
 constexpr int64_t packed_rows = 16;
 

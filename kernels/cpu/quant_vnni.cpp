@@ -461,14 +461,51 @@ void blocks_of_32_packed(const unsigned char* group, const rows_at& a, __m512* o
     out[r] = acc[r];
 }
 
-/// Q6_K in the packed layout: per sub-block of 16 (its quarter k of a half h, first or
-/// second 16 elements), the 6-bit values rebuilt from `ql` and `qh` 16 rows at a time, the
-/// products summed as integers in the rows' lanes, times the sub-block's signed scale; the
-/// 32 every value is stored above goes against the activations' sums of 16.
-template <int R>
-void q6_k_packed(const unsigned char* group, const rows_at& a, __m512* out) {
+/// Q6_K in the packed layout, the sub-blocks of 16 of half H, first or second 16 elements
+/// (`Second`) of each quarter: the 6-bit values of all four quarters rebuilt from one load
+/// each of `ql` (two) and `qh` 16 rows at a time, the products summed as integers in the
+/// rows' lanes, times each sub-block's signed scale, into `sums`.
+template <int R, int H, int Second>
+inline void q6_k_half(const unsigned char* b, const rows_at& a, int64_t s,
+                      const __m512i* scales, __m512i* sums) {
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i bits45 = _mm512_set1_epi8(0x30);
+  __m512i part[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < 4; ++k)
+      part[r][k] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int g = 4 * Second; g < 4 * Second + 4; ++g) {
+    // Quarter k: the low (k < 2) or high nibbles of ql bytes 64H + 32(k % 2) + l, and bits
+    // 2k, 2k + 1 of qh byte 32H + l moved to bits 4-5 (a | (b & c): 0xf8).
+    const unsigned char* triple = b + 288 + 192 * (8 * H + g);
+    __m512i ql0 = load512(triple);
+    __m512i ql1 = load512(triple + 64);
+    __m512i qh = load512(triple + 128);
+    __m512i w[4] = {
+      _mm512_ternarylogic_epi32(_mm512_and_si512(ql0, low4), _mm512_slli_epi16(qh, 4), bits45, 0xf8),
+      _mm512_ternarylogic_epi32(_mm512_and_si512(ql1, low4), _mm512_slli_epi16(qh, 2), bits45, 0xf8),
+      _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(ql0, 4), low4), qh, bits45, 0xf8),
+      _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4),
+                                _mm512_srli_epi16(qh, 2), bits45, 0xf8)};
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = a.q(r, 8 * s) + 128 * H + 4 * g;
+      for (int k = 0; k < 4; ++k)
+        part[r][k] = _mm512_dpbusd_epi32(part[r][k], w[k], broadcast32(x + 32 * k));
+    }
+  }
+  for (int k = 0; k < 4; ++k) {
+    const int j = 8 * H + 2 * k + Second;
+    __m512i scale = signed_byte_of(scales[j / 4], j % 4);
+    for (int r = 0; r < R; ++r)
+      sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(part[r][k], scale));
+  }
+}
+
+/// Q6_K in the packed layout (tiles of at most 2 rows: four quarters' sums a row fill the
+/// registers); the 32 every value is stored above goes against the activations' sums of 16.
+template <int R>
+void q6_k_packed(const unsigned char* group, const rows_at& a, __m512* out) {
   const __m512i low16 = _mm512_set1_epi32(0xffff);
   __m512 acc[R];
   for (int r = 0; r < R; ++r)
@@ -481,33 +518,12 @@ void q6_k_packed(const unsigned char* group, const rows_at& a, __m512* out) {
     __m512i sums[R], offsets[R];
     for (int r = 0; r < R; ++r)
       sums[r] = offsets[r] = _mm512_setzero_si512();
-    for (int h = 0; h < 2; ++h)
-      for (int k = 0; k < 4; ++k)
-        for (int half = 0; half < 2; ++half) {
-          __m512i part[R];
-          for (int r = 0; r < R; ++r)
-            part[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-          for (int g = 4 * half; g < 4 * half + 4; ++g) {
-            // Quarter k: the low (k < 2) or high nibbles of ql bytes 64h + 32(k % 2) + l,
-            // and bits 2k, 2k + 1 of qh byte 32h + l, moved to bits 4-5.
-            __m512i ql = load512(b + 288 + 64 * (16 * h + 8 * (k % 2) + g));
-            __m512i qh = load512(b + 2336 + 64 * (8 * h + g));
-            __m512i nibbles = k < 2 ? ql : _mm512_srli_epi16(ql, 4);
-            __m512i high = 2 * k <= 4 ? _mm512_slli_epi16(qh, 4 - 2 * k)
-                                      : _mm512_srli_epi16(qh, 2 * k - 4);
-            __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(nibbles, low4), high, bits45,
-                                                  0xf8); // a | (b & c)
-            for (int r = 0; r < R; ++r)
-              part[r] = _mm512_dpbusd_epi32(part[r], w,
-                                            broadcast32(a.q(r, 8 * s) + 128 * h + 32 * k + 4 * g));
-          }
-          int j = 8 * h + 2 * k + half;
-          __m512i scale = signed_byte_of(scales[j / 4], j % 4);
-          for (int r = 0; r < R; ++r)
-            sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(part[r], scale));
-        }
+    q6_k_half<R, 0, 0>(b, a, s, scales, sums);
+    q6_k_half<R, 0, 1>(b, a, s, scales, sums);
+    q6_k_half<R, 1, 0>(b, a, s, scales, sums);
+    q6_k_half<R, 1, 1>(b, a, s, scales, sums);
     // Σ scale · sum of 16, a pair of sub-blocks per dpwssd.
+#pragma GCC unroll 8
     for (int j = 0; j < 16; j += 2) {
       __m512i pair = _mm512_or_si512(
         _mm512_and_si512(signed_byte_of(scales[j / 4], j % 4), low16),
@@ -536,7 +552,12 @@ void one_group(dtype t, const unsigned char* group, const rows_at& a, __m512* ou
     case dtype::q4_k:
       return q4_k_packed<R>(group, a, out);
     default:
-      return q6_k_packed<R>(group, a, out);
+      if constexpr (R > 2) {
+        for (int half = 0; half < R; half += 2)
+          q6_k_packed<2>(group, rows_at{a.x, a.row + half, a.blocks}, out + half);
+      } else {
+        q6_k_packed<R>(group, a, out);
+      }
   }
 }
 
