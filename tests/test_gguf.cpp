@@ -180,7 +180,7 @@ double kl_divergence(const std::vector<float>& p_logits, const std::vector<float
 } // namespace
 
 TEST_CASE("the fast CPU path (8-bit activations) stays close to transformers' next-token "
-          "distribution on Q8_0, Q4_0, Q4_K_M and Q6_K files") {
+          "distribution on Q8_0, Q4_0, Q4_1, Q4_K_M and Q6_K files") {
   // Spec: rounding the activations costs less than an 8-bit weight quantization does
   // (llama.cpp measures 1e-4 to 1e-3 nats of KL divergence for Q8_0 against 16-bit
   // weights on real models): at most 1e-3 nats against the same file computed exactly.
@@ -192,6 +192,7 @@ TEST_CASE("the fast CPU path (8-bit activations) stays close to transformers' ne
   auto k = reference(k_dir);
   std::vector<file> files = {{file_of("Q8_0"), gqa["Q8_0"]},
                              {file_of("Q4_0"), gqa["Q4_0"]},
+                             {file_of("Q4_1"), gqa["Q4_1"]},
                              {k_dir + "/llama-k-q4_k_m.gguf", k["q4_k_m"]["runs"]},
                              {k_dir + "/llama-k-q6_k.gguf", k["q6_k"]["runs"]}};
   if (!cpu::has_int8_kernel(dtype::q8_0))

@@ -39,7 +39,17 @@ public:
     if (!packs(t, rows, cols))
       throw error{errc::unsupported, "no packed layout for " + std::to_string(rows) + " x " +
                                        std::to_string(cols) + " " + dtype_name(t)};
-    cpu::pack_rows(t, src, dst, rows, cols);
+    // Group by group over the threads: writing the packed copy faults its pages in.
+    const auto group_bytes = storage_bytes(t, static_cast<size_t>(cpu::packed_rows * cols));
+    const int64_t groups = rows / cpu::packed_rows;
+    const int64_t per_part = std::max<int64_t>(1, groups / (4 * pool_.size()));
+    pool_.run((groups + per_part - 1) / per_part, [&](int64_t part) {
+      auto first = part * per_part;
+      auto count = std::min(per_part, groups - first);
+      auto offset = static_cast<size_t>(first) * group_bytes;
+      cpu::pack_rows(t, static_cast<const char*>(src) + offset, static_cast<char*>(dst) + offset,
+                     count * cpu::packed_rows, cols);
+    });
   }
 
   void unpack(dtype t, const void* src, void* dst, int64_t rows, int64_t cols) const override {
@@ -55,10 +65,15 @@ public:
       return;
     }
     bool quantized = is_quantized(w_type);
+    auto packed = [](const gemm_output& o) { return o.packed; };
+    bool any_packed = std::any_of(outputs.begin(), outputs.end(), packed);
+    bool all_packed = std::all_of(outputs.begin(), outputs.end(), packed);
+    // Integer row kernels where there are; packed block formats need the rounded
+    // activations too (Q4_1 has only the packed kernel), the float kernels their sums.
     bool integer = quantized && int8_ && cpu::has_int8_kernel(w_type);
-    bool packed_bf16 = w_type == dtype::bf16 &&
-                       std::any_of(outputs.begin(), outputs.end(),
-                                   [](const gemm_output& o) { return o.packed; });
+    bool rounded = integer || (quantized && any_packed);
+    bool float_sums = quantized && !integer && !all_packed;
+    bool packed_bf16 = w_type == dtype::bf16 && any_packed;
     if (packed_bf16) {
       xb_.resize(static_cast<size_t>(m * k));
       cpu::to_bf16_rows(x, m * k, xb_.data());
@@ -70,9 +85,9 @@ public:
                                          std::to_string(block_elements(w_type)) + ", not " +
                                          std::to_string(k)};
       // The activations rounded to integers, or their block sums: once for every output.
-      if (integer) {
+      if (rounded)
         xq_.quantize(x, m, k, cpu::int8_block(w_type));
-      } else {
+      if (float_sums) {
         xsums_.resize(static_cast<size_t>(m * (k / 32)));
         cpu::block_sums(x, m, k, xsums_.data());
       }

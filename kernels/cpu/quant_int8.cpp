@@ -85,18 +85,23 @@ float reference_dot(dtype t, const unsigned char* w, const int8_rows& x, int64_t
   const float* scale = x.scale.data() + row * (x.k / x.block);
   const int16_t* sums = x.sums.data() + row * (x.k / 16);
   float total = 0.0f;
-  if (t == dtype::q8_0 || t == dtype::q4_0) {
-    const int64_t bytes = t == dtype::q8_0 ? 34 : 18;
+  if (t == dtype::q8_0 || t == dtype::q4_0 || t == dtype::q4_1) {
+    const int64_t bytes = static_cast<int64_t>(block_bytes(t));
+    const int64_t quants = t == dtype::q4_1 ? 4 : 2; // after d (and Q4_1's m)
     for (int64_t b = 0; b < x.k / 32; ++b) {
       const unsigned char* block = w + b * bytes;
+      const unsigned char* q = block + quants;
       int32_t dot = 0;
       for (int i = 0; i < 32; ++i) {
-        int wi = t == dtype::q8_0 ? static_cast<int8_t>(block[2 + i])
-                                  : (i < 16 ? block[2 + i] & 0x0f : block[2 + i - 16] >> 4);
+        int wi = t == dtype::q8_0 ? static_cast<int8_t>(q[i])
+                                  : (i < 16 ? q[i] & 0x0f : q[i - 16] >> 4);
         dot += wi * xq[32 * b + i];
       }
+      const int32_t sum = sums[2 * b] + sums[2 * b + 1];
       if (t == dtype::q4_0) // the centre: -8 for every element
-        dot -= 8 * (sums[2 * b] + sums[2 * b + 1]);
+        dot -= 8 * sum;
+      if (t == dtype::q4_1) // m added to every element
+        total += load_half(block + 2) * scale[b] * static_cast<float>(sum);
       total += load_half(block) * scale[b] * static_cast<float>(dot);
     }
     return total;
@@ -166,7 +171,7 @@ void dot_rows_int8(dtype w_type, const void* w, const int8_rows& x, float* y, in
 namespace {
 
 bool packed_format(dtype t) {
-  return t == dtype::bf16 || int8_format(t);
+  return t == dtype::bf16 || t == dtype::q4_1 || int8_format(t);
 }
 
 /// Elements of a row that move together: a block, or BF16's pair.
@@ -184,8 +189,9 @@ void check_packable(dtype t, int64_t rows, int64_t cols) {
                   std::to_string(rows) + " x " + std::to_string(cols)};
 }
 
-/// `bytes` bytes at `stored` in a row's block go to `packed` + bytes · row in its group's
-/// packed block; `flip`: with their top bits flipped (Q8_0's signed quants made unsigned).
+/// `bytes` (2 or 4) bytes at `stored` in a row's block go to `packed` + bytes · row in its
+/// group's packed block; `flip`: with their top bits flipped (Q8_0's signed quants made
+/// unsigned).
 struct unit {
   size_t stored;
   size_t packed;
@@ -212,6 +218,11 @@ std::vector<unit> units_of(dtype t) {
     case dtype::q4_0:
       u.push_back({0, 0, 2});
       words(2, 32, 4);
+      break;
+    case dtype::q4_1:
+      u.push_back({0, 0, 2});
+      u.push_back({2, 32, 2});
+      words(4, 64, 4);
       break;
     case dtype::q4_k:
       u.push_back({0, 0, 2});
@@ -242,10 +253,17 @@ void move_row(const std::vector<unit>& units, size_t block, size_t blocks, size_
     unsigned char* packed = group + b * packed_rows * block;
     for (auto& u : units) {
       unsigned char* to = to_packed ? packed + u.packed + u.bytes * i : stored + u.stored;
-      std::memcpy(to, to_packed ? stored + u.stored : packed + u.packed + u.bytes * i, u.bytes);
-      if (u.flip)
-        for (size_t k = 0; k < u.bytes; ++k)
-          to[k] ^= 0x80;
+      const unsigned char* from = to_packed ? stored + u.stored : packed + u.packed + u.bytes * i;
+      // Sizes known here: a move, not a call.
+      if (u.bytes == 4) {
+        uint32_t v;
+        std::memcpy(&v, from, 4);
+        if (u.flip)
+          v ^= 0x80808080u;
+        std::memcpy(to, &v, 4);
+      } else {
+        std::memcpy(to, from, 2);
+      }
     }
   }
 }
@@ -359,7 +377,7 @@ void dot_packed_bf16(const void* w, const uint16_t* x, int64_t m, int64_t k, flo
 
 void dot_rows_int8_reference(dtype w_type, const void* w, const int8_rows& x, float* y,
                              int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
-  if (!int8_format(w_type))
+  if (!int8_format(w_type) && w_type != dtype::q4_1)
     no_kernel(w_type);
   const auto stride = static_cast<int64_t>(storage_bytes(w_type, static_cast<size_t>(x.k)));
   auto bytes = static_cast<const unsigned char*>(w);

@@ -49,7 +49,8 @@ void dot_rows_int8(dtype w_type, const void* w, const int8_rows& x, float* y, in
                    int64_t begin, int64_t end, bool accumulate);
 
 /// The same, one block at a time in plain C++: the definition the vector kernels are
-/// tested against (equal up to the order of float sums). Any CPU.
+/// tested against (equal up to the order of float sums). Any CPU; Q4_1 too (its packed
+/// kernel's definition).
 void dot_rows_int8_reference(dtype w_type, const void* w, const int8_rows& x, float* y,
                              int64_t ldy, int64_t begin, int64_t end, bool accumulate);
 
@@ -63,6 +64,7 @@ void dot_rows_int8_reference(dtype w_type, const void* w, const int8_rows& x, fl
 /// bytes at 4·i, each vector w holding bytes 4w ... 4w + 3 of a part of the rows' blocks:
 /// - Q8_0: d at 0; the 32 quants from 32 (8 vectors), each byte + 128 (unsigned);
 /// - Q4_0: d at 0; the 16 bytes of nibbles from 32 (4 vectors);
+/// - Q4_1: d at 0, m at 32; the 16 bytes of nibbles from 64 (4 vectors);
 /// - Q4_K: d at 0, dmin at 32; the 12 bytes of 6-bit scales and minimums from 64 (3
 ///   vectors), the 128 bytes of nibbles from 256 (32 vectors);
 /// - Q6_K: d at 0; the 16 scales from 32 (4 vectors); from 288, 16 triples of vectors in
@@ -72,7 +74,7 @@ void dot_rows_int8_reference(dtype w_type, const void* w, const int8_rows& x, fl
 constexpr int64_t packed_rows = 16;
 
 /// Whether `w_type` has a packed layout and this CPU the kernel that reads it: the formats
-/// and CPUs of `has_int8_kernel`, and BF16 where the CPU also has AVX-512 BF16.
+/// and CPUs of `has_int8_kernel` and Q4_1, and BF16 where the CPU also has AVX-512 BF16.
 bool has_packed_layout(dtype w_type);
 
 /// Whether `has_packed_layout(w_type)` and `rows` × `cols` fit it: whole groups of rows,

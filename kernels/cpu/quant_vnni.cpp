@@ -418,13 +418,15 @@ inline __m512i signed_byte_of(__m512i v, int j) {
   return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24);
 }
 
-/// Q8_0 (`Q8`, its quants stored + 128) or Q4_0 in the packed layout: each block's
+/// Q8_0 (its quants stored + 128), Q4_0 or Q4_1 in the packed layout: each block's
 /// products sum as integers in the rows' lanes, less the offset (128 or 8 times the sum of
-/// the activations), then scaled as floats.
-template <bool Q8, int R>
+/// the activations), then scaled as floats; Q4_1 adds m times the sum.
+template <dtype T, int R>
 void blocks_of_32_packed(const unsigned char* group, const rows_at& a, __m512* out) {
-  constexpr int64_t bytes = Q8 ? 16 * 34 : 16 * 18;
-  constexpr int offset = Q8 ? 128 : 8;
+  constexpr bool q8 = T == dtype::q8_0, with_min = T == dtype::q4_1;
+  constexpr int64_t bytes = 16 * (q8 ? 34 : with_min ? 20 : 18);
+  constexpr int quants = with_min ? 64 : 32;
+  constexpr int offset = q8 ? 128 : with_min ? 0 : 8;
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   __m512 acc[R];
   for (int r = 0; r < R; ++r)
@@ -435,9 +437,9 @@ void blocks_of_32_packed(const unsigned char* group, const rows_at& a, __m512* o
     for (int r = 0; r < R; ++r)
       sums[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int v = 0; v < (Q8 ? 8 : 4); ++v) {
-      __m512i w = load512(p + 32 + 64 * v);
-      if constexpr (Q8) {
+    for (int v = 0; v < (q8 ? 8 : 4); ++v) {
+      __m512i w = load512(p + quants + 64 * v);
+      if constexpr (q8) {
         for (int r = 0; r < R; ++r)
           sums[r] = _mm512_dpbusd_epi32(sums[r], w, broadcast32(a.q(r, b) + 4 * v));
       } else {
@@ -452,9 +454,14 @@ void blocks_of_32_packed(const unsigned char* group, const rows_at& a, __m512* o
     __m512 d = _mm512_cvtph_ps(load256(p));
     for (int r = 0; r < R; ++r) {
       const int16_t* s16 = a.sums(r, 2 * b);
-      __m512i shifted = _mm512_sub_epi32(sums[r], _mm512_set1_epi32(offset * (s16[0] + s16[1])));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted),
-                               _mm512_mul_ps(d, _mm512_set1_ps(*a.scale(r, b))), acc[r]);
+      const int sum = s16[0] + s16[1];
+      const float xs = *a.scale(r, b);
+      __m512i shifted = offset ? _mm512_sub_epi32(sums[r], _mm512_set1_epi32(offset * sum)) : sums[r];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted), _mm512_mul_ps(d, _mm512_set1_ps(xs)),
+                               acc[r]);
+      if constexpr (with_min)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(load256(p + 32)),
+                                 _mm512_set1_ps(xs * static_cast<float>(sum)), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -546,9 +553,11 @@ template <int R>
 void one_group(dtype t, const unsigned char* group, const rows_at& a, __m512* out) {
   switch (t) {
     case dtype::q8_0:
-      return blocks_of_32_packed<true, R>(group, a, out);
+      return blocks_of_32_packed<dtype::q8_0, R>(group, a, out);
     case dtype::q4_0:
-      return blocks_of_32_packed<false, R>(group, a, out);
+      return blocks_of_32_packed<dtype::q4_0, R>(group, a, out);
+    case dtype::q4_1:
+      return blocks_of_32_packed<dtype::q4_1, R>(group, a, out);
     case dtype::q4_k:
       return q4_k_packed<R>(group, a, out);
     default:
