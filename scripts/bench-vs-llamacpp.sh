@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # troupe next to llama.cpp's own tools, built natively from source, on the same GGUF files
 # and the same threads, in one run with alternating processes: decode at batch 1 and
-# prefill of 512 tokens (`llama-bench` against `troupe bench step`), batched decode at 32
-# (`llama-batched-bench`), and the bandwidth floor of this machine (the weights' bytes over
-# the copy bandwidth `troupe bench step` measures in the same process). Prints one JSON
-# object per measurement, then a table of medians and ratios. A benchmark, not a test: the
-# llama.cpp build takes minutes once, the 1B files a few minutes once (both cached).
+# prefill of 512 tokens (`llama-bench` against `troupe bench step`), batched decode at 8
+# and 32 (`llama-batched-bench`), start-up to one token with its peak resident memory
+# (`llama-simple` against `troupe generate`, the file in the page cache), and the bandwidth
+# floor of this machine (the weights' bytes over the read bandwidth of every core, which
+# `troupe bench step` measures in the same process). Prints one JSON object per
+# measurement, then a table of medians and ratios. A benchmark, not a test: the llama.cpp
+# build takes minutes once, the model files a few minutes once (both cached).
 #
 #   bash scripts/bench-vs-llamacpp.sh [--rounds N] [--precision fast|exact] [MODEL.gguf ...]
 #
 # Without files it makes its own: SmolLM2-135M (Q4_1, as fetched) and a random-weight model
 # at Llama-3.2-1B's shape (../shared/tools/make-scale-gguf.py writes the F16 file,
 # llama-quantize the Q4_K_M, Q4_0, Q8_0 and BF16 copies). TROUPE_SCALE_SHAPES="llama-1b
-# llama-8b" adds the 8B shape (16 GB as F16). Caches: $TROUPE_LLAMACPP_DIR (default
-# ~/.cache/troupe/llamacpp) for llama.cpp, $TROUPE_SCALE_DIR (~/.cache/troupe/scale) for
-# the models.
+# llama-8b" adds the 8B shape (16 GB as F16; its Q4_K_M and Q8_0 copies). Caches:
+# $TROUPE_LLAMACPP_DIR (default ~/.cache/troupe/llamacpp) for llama.cpp, $TROUPE_SCALE_DIR
+# (~/.cache/troupe/scale) for the models.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,7 +68,9 @@ if [ ${#models[@]} -eq 0 ]; then
       python3 ../shared/tools/make-scale-gguf.py "$f16.part" --shape "$shape" >&2
       mv "$f16.part" "$f16"
     fi
-    for type in Q4_K_M Q4_0 Q8_0 BF16; do
+    types="Q4_K_M Q4_0 Q8_0 BF16"
+    [ "$shape" = llama-8b ] && types="Q4_K_M Q8_0"
+    for type in $types; do
       out=$scale/$shape-${type,,}.gguf
       if [ ! -f "$out" ]; then
         "$bin/llama-quantize" "$f16" "$out.part" "$type" "$threads" > /dev/null 2>&1
@@ -79,7 +83,7 @@ fi
 
 # One measurement of each side, alternating; JSON lines into $results.
 results=$(mktemp)
-trap 'rm -f "$results"' EXIT
+trap 'rm -f "$results" "$results.time"' EXIT
 llama_bench() { # model, then llama-bench's shape flags
   local model=$1
   shift
@@ -105,29 +109,43 @@ if batch == 1:
     print(json.dumps({"engine": "floor", "model": m, "what": "decode",
                       "tokens_per_s": d["bandwidth_bound_decode_tokens_per_s"]}))
 else:
-    print(json.dumps({"engine": "troupe", "model": m, "what": "decode_batch32",
+    print(json.dumps({"engine": "troupe", "model": m, "what": "decode_batch%d" % batch,
                       "tokens_per_s": d["decode_tokens_per_s"]}))' "$model"
 }
-llama_batched() { # model: 32 sequences of 16 prompt tokens, 32 steps each
-  "$bin/llama-batched-bench" -m "$1" -t "$threads" -c 4096 -npp 16 -ntg 32 -npl 32 \
+llama_batched() { # model: 8 and 32 sequences of 16 prompt tokens, 32 steps each
+  "$bin/llama-batched-bench" -m "$1" -t "$threads" -c 4096 -npp 16 -ntg 32 -npl 8,32 \
     --output-format jsonl 2> /dev/null | python3 -c 'import json, sys
 for line in sys.stdin:
     if line.startswith("{"):
         r = json.loads(line)
-        print(json.dumps({"engine": "llama.cpp", "model": sys.argv[1], "what": "decode_batch32",
-                          "tokens_per_s": r["speed_tg"]}))' "$1"
+        print(json.dumps({"engine": "llama.cpp", "model": sys.argv[1],
+                          "what": "decode_batch%d" % r["pl"], "tokens_per_s": r["speed_tg"]}))' "$1"
+}
+startup() { # engine, model, then the command: wall seconds and peak resident bytes
+  local engine=$1 model=$2
+  shift 2
+  /usr/bin/time -f "%e %M" -o "$results.time" "$@" > /dev/null 2>&1
+  python3 -c 'import json, sys
+seconds, kib = open(sys.argv[3]).read().split()[-2:]
+print(json.dumps({"engine": sys.argv[1], "model": sys.argv[2], "what": "startup_s",
+                  "value": float(seconds)}))
+print(json.dumps({"engine": sys.argv[1], "model": sys.argv[2], "what": "startup_peak_mib",
+                  "value": int(kib) / 1024}))' "$engine" "$model" "$results.time"
 }
 for model in "${models[@]}"; do
+  # The file into the page cache first: both sides start from it.
+  cat "$model" > /dev/null
   for round in $(seq 1 "$rounds"); do
     {
       llama_bench "$model" -p 0 -n 32
       troupe_step "$model" --prompt-len 512 --decode-steps 32
       llama_bench "$model" -p 512 -n 0
-      case $model in
-        *q4_k_m*)
-          troupe_step "$model" --batch 32 --prompt-len 16 --decode-steps 32
-          llama_batched "$model" ;;
-      esac
+      troupe_step "$model" --batch 8 --prompt-len 16 --decode-steps 32
+      troupe_step "$model" --batch 32 --prompt-len 16 --decode-steps 32
+      llama_batched "$model"
+      startup llama.cpp "$model" "$bin/llama-simple" -m "$model" -n 1 "Hello world"
+      startup troupe "$model" "$troupe" generate --model "$model" --prompt "Hello world" \
+        --max-tokens 1 --cpu-precision "$precision" --kv-cache-memory $((64 << 20))
     } | tee -a "$results"
   done
 done
@@ -137,15 +155,17 @@ import collections, json, os, statistics, sys
 runs = collections.defaultdict(list)
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    runs[(r["model"], r["what"], r["engine"])].append(r["tokens_per_s"])
+    runs[(r["model"], r["what"], r["engine"])].append(r.get("tokens_per_s", r.get("value")))
 median = {k: statistics.median(v) for k, v in runs.items()}
 print(f"\n{'model':34} {'measure':16} {'troupe':>8} {'llama.cpp':>9} {'ratio':>6} {'floor':>7}")
 for model in dict.fromkeys(k[0] for k in median):
-    for what in ("decode", "prefill", "decode_batch32"):
+    for what in ("decode", "prefill", "decode_batch8", "decode_batch32", "startup_s",
+                 "startup_peak_mib"):
         ours, theirs = median.get((model, what, "troupe")), median.get((model, what, "llama.cpp"))
         if ours is None or theirs is None:
             continue
         floor = median.get((model, what, "floor"))
+        # tokens/s: higher is better; seconds and MiB: the ratio is troupe's over llama.cpp's.
         print(f"{os.path.basename(model)[:34]:34} {what:16} {ours:8.1f} {theirs:9.1f} "
               f"{ours / theirs:6.2f} {floor if floor else float('nan'):7.1f}")
 PY
