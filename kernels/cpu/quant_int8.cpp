@@ -16,10 +16,30 @@ void dot_rows(dtype w_type, const unsigned char* w, const int8_rows& x, float* y
 void dot_packed(dtype w_type, const unsigned char* w, const int8_rows& x, float* y,
                 int64_t ldy, int64_t begin, int64_t end, bool accumulate);
 void to_bf16(const float* x, int64_t count, uint16_t* out);
+void quantize(const float* x, int64_t blocks, int64_t block, int8_t* q, float* scale,
+              int16_t* sums);
 void dot_packed_bf16(const unsigned char* w, const uint16_t* x, int64_t m, int64_t k, float* y,
                      int64_t ldy, int64_t begin, int64_t end, bool accumulate);
 }
 #endif
+
+namespace {
+
+bool cpu_has_vnni() {
+#if TROUPE_X86_KERNELS
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return best_isa() == isa::avx512 && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq");
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+} // namespace
 
 void int8_rows::quantize(const float* x, int64_t rows, int64_t cols, int64_t block_size) {
   m = rows;
@@ -29,6 +49,12 @@ void int8_rows::quantize(const float* x, int64_t rows, int64_t cols, int64_t blo
   q.resize(static_cast<size_t>(rows * cols));
   scale.resize(static_cast<size_t>(blocks));
   sums.resize(static_cast<size_t>(rows * cols / 16));
+#if TROUPE_X86_KERNELS
+  if (cpu_has_vnni()) {
+    vnni::quantize(x, blocks, block, q.data(), scale.data(), sums.data());
+    return;
+  }
+#endif
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + block * b;
     float most = 0.0f;
@@ -53,20 +79,6 @@ int64_t int8_block(dtype w_type) {
 }
 
 namespace {
-
-bool cpu_has_vnni() {
-#if TROUPE_X86_KERNELS
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return best_isa() == isa::avx512 && __builtin_cpu_supports("avx512vnni") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512dq");
-  }();
-  return has;
-#else
-  return false;
-#endif
-}
 
 bool int8_format(dtype t) {
   return t == dtype::q8_0 || t == dtype::q4_0 || t == dtype::q4_k || t == dtype::q6_k;

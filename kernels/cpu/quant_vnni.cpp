@@ -648,6 +648,26 @@ void dot_packed(dtype w_type, const unsigned char* w, const int8_rows& x, float*
   }
 }
 
+void quantize(const float* x, int64_t blocks, int64_t block, int8_t* q, float* scale,
+              int16_t* sums) {
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + block * b;
+    __m512 most = _mm512_setzero_ps();
+    for (int64_t i = 0; i < block; i += 16)
+      most = _mm512_max_ps(most, _mm512_and_ps(_mm512_loadu_ps(xb + i), magnitude));
+    const float m = _mm512_reduce_max_ps(most);
+    // As the plain loop: x · (127 / max), rounded to nearest even (the default mode).
+    const __m512 inverse = _mm512_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+    scale[b] = m / 127.0f;
+    for (int64_t i = 0; i < block; i += 16) {
+      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inverse));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + block * b + i), _mm512_cvtsepi32_epi8(v));
+      sums[(block * b + i) / 16] = static_cast<int16_t>(_mm512_reduce_add_epi32(v));
+    }
+  }
+}
+
 void to_bf16(const float* x, int64_t count, uint16_t* out) {
   int64_t i = 0;
   for (; i + 32 <= count; i += 32) {
