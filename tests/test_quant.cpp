@@ -377,9 +377,9 @@ TEST_CASE("the thread pool runs every part once, call after call") {
 }
 
 TEST_CASE("attention: every instruction set gives the portable attention's outputs") {
-  // Head sizes with and without a vector tail; positions scattered as a paged cache has
-  // them (offsets into one buffer, out of order).
-  for (int64_t head_dim : {64, 24, 7}) {
+  // Head sizes of whole vectors (2, 4, 8 of them: held in registers) and with a tail;
+  // positions scattered as a paged cache has them (offsets into one buffer, out of order).
+  for (int64_t head_dim : {64, 24, 7, 32, 128}) {
     for (int64_t len : {1, 5, 130}) {
       const int64_t row = 3 * head_dim;
       auto keys = random_floats(static_cast<size_t>(len * row), 8);
