@@ -44,6 +44,9 @@ std::shared_ptr<command> add_generate(CLI::App& app);
 /// `troupe serve`.
 std::shared_ptr<command> add_serve(CLI::App& app);
 
+/// `troupe perplexity`: perplexity over a text and the KL divergence from a base model.
+std::shared_ptr<command> add_perplexity(CLI::App& app);
+
 /// "NAME=PATH" of --lora and --prompt-adapter (`flag` names the option in the error).
 std::pair<std::string, std::string> name_and_path(const std::string& flag,
                                                   const std::string& text);

@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   auto generate = troupe::cli::add_generate(app);
   auto node = troupe::cli::add_node(app);
   auto serve = troupe::cli::add_serve(app);
+  auto perplexity = troupe::cli::add_perplexity(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -28,7 +29,7 @@ int main(int argc, char** argv) {
   }
   try {
     for (auto& cmd : {generate, serve, node, run_rpc, run_step, run_generate, run_sleep, run_recovery,
-                      run_serve, make_model})
+                      run_serve, make_model, perplexity})
       if (*cmd)
         return cmd->run();
   } catch (const std::exception& e) {

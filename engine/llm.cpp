@@ -171,18 +171,6 @@ void llm::impl::apply(const std::vector<sampler_output>& result, bool samples,
 
 namespace {
 
-std::optional<tokenizer> load_tokenizer(const std::string& path) {
-  if (checkpoint::is_gguf(path))
-    return tokenizer::from_gguf(path);
-  auto json = std::filesystem::path{path} / "tokenizer.json";
-  if (std::filesystem::exists(json))
-    return tokenizer::from_json(json.string());
-  auto model = std::filesystem::path{path} / "tokenizer.model"; // SentencePiece's own
-  if (std::filesystem::exists(model))
-    return tokenizer::from_sentencepiece(model.string());
-  return std::nullopt;
-}
-
 /// Unescapes the \n, \t, \' and \\ of a Jinja string literal.
 std::string unescape(const std::string& s) {
   std::string out;
@@ -226,7 +214,7 @@ llm::llm(llm_config config, worker_factory factory) : impl_(std::make_unique<imp
   auto& path = d.cfg.worker.model_path;
   d.model = checkpoint::config_of(path);
   try {
-    d.tok = load_tokenizer(path);
+    d.tok = tokenizer::of_model(path);
   } catch (const error& e) {
     d.tokenizer_problem = e.what();
   }

@@ -1,13 +1,15 @@
 #include "model/llama.hpp"
 
+#include "kernels/platform.hpp"
 #include "troupe/errors.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <numeric>
 #include <set>
 #include <thread>
-#include <filesystem>
 
 namespace troupe {
 
@@ -901,11 +903,44 @@ void llama_model::sample(const std::vector<row_sampling>& params, std::vector<in
   dev_.copy(logprobs.data(), sampled_logprobs_, logprobs.size() * sizeof(float));
 }
 
+std::vector<float> llama_model::prompt_logits(const std::vector<int32_t>& tokens,
+                                              kv_cache& cache) {
+  logits_ = nullptr;
+  logit_rows_ = 0;
+  auto blocks = (static_cast<int64_t>(tokens.size()) + cache.block_size() - 1) / cache.block_size();
+  sequence_data seq;
+  seq.token_ids = tokens;
+  seq.num_prompt_tokens = static_cast<int32_t>(tokens.size());
+  for (int64_t b = 0; b < blocks; ++b)
+    seq.block_table.push_back(static_cast<int32_t>(b));
+  sequence_group_metadata group;
+  group.request_id = "prompt_logits";
+  group.seqs.push_back(std::move(seq));
+  group.token_chunk_size = static_cast<int32_t>(tokens.size());
+  execute_model_request req;
+  req.seq_group_metadata_list.push_back(std::move(group));
+  auto batch = prepare_batch(req, cfg_, cache.block_size(), cache.device_blocks());
+  // Every token's row, not only the last one's.
+  batch.sample_tokens.resize(batch.tokens.size());
+  std::iota(batch.sample_tokens.begin(), batch.sample_tokens.end(), 0);
+  batch.rows.assign(batch.tokens.size(), sample_row{0, 0});
+  forward(batch, cache);
+  return logits();
+}
+
 std::vector<float> llama_model::run_logits(const execute_model_request& req, kv_cache& cache,
                                            std::vector<sample_row>& rows,
                                            const step_adapters& adapters) {
   run(req, cache, rows, adapters);
   return logits();
+}
+
+weight_format weight_format_for(const device& dev, const std::string& dtype_name,
+                                const std::string& torch_dtype) {
+  if (dtype_name != "auto")
+    return {*parse_dtype_name(dtype_name), false};
+  auto chosen = platform_of(dev).auto_weight_type(torch_dtype);
+  return {chosen.value_or(dtype::f32), !chosen};
 }
 
 } // namespace troupe

@@ -48,6 +48,20 @@ using load_progress = std::function<void(size_t done, size_t total)>;
 /// Sums a buffer of device memory over the ranks of a tensor-parallel group, in place.
 using all_reduce_fn = std::function<void(float* data, size_t count)>;
 
+/// How a worker holds its weights: the type it converts them to, or the checkpoint's own
+/// types (`stored_types`).
+struct weight_format {
+  dtype type = dtype::f32;
+  bool stored_types = false;
+};
+
+/// The weight format for vLLM's `dtype` name (`"auto"` or a type's name; checked by the
+/// caller) on `dev`, for a checkpoint of `torch_dtype`: on the CPU `"auto"` keeps the
+/// stored types (GGUF's block formats, 16-bit floats), on a GPU it picks bfloat16 or
+/// float16.
+weight_format weight_format_for(const device& dev, const std::string& dtype_name,
+                                const std::string& torch_dtype);
+
 /// A Llama-family decoder (Llama, Mistral, Qwen2) on any device (through its `backend`),
 /// holding this rank's shard of the weights: attention heads and MLP columns split across
 /// ranks in near-even contiguous shares (column-parallel q/k/v/gate/up, row-parallel o/down
@@ -122,6 +136,12 @@ public:
   /// step lives there.
   int64_t reserve(int64_t tokens, int64_t seqs, int64_t max_len, int64_t block_size,
                   int64_t max_lora_rank);
+
+  /// The logits at every position of `tokens` (rows × vocab), computed in one step as a
+  /// new sequence in blocks 0, 1, … of `cache`: what perplexity and KL-divergence
+  /// measurements read. Throws `invalid_argument` as `run` does (a token outside the
+  /// vocabulary, a cache too small for them).
+  std::vector<float> prompt_logits(const std::vector<int32_t>& tokens, kv_cache& cache);
 
   /// `run`, then `logits`.
   std::vector<float> run_logits(const execute_model_request& req, kv_cache& cache,

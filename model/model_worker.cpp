@@ -114,23 +114,13 @@ model_worker::~model_worker() = default;
 void model_worker::load_model() {
   auto& st = *state_;
   st.config = checkpoint::config_of(options_.model_path);
-  auto weight_type = dtype::f32;
-  // On the CPU, "auto" computes with the weights as the checkpoint stores them (GGUF's
-  // block formats, 16-bit floats); float32 is the exact path.
-  bool stored_types = false;
-  auto& kind = platform_of(device());
-  if (options_.dtype == "auto") {
-    auto chosen = kind.auto_weight_type(st.config.torch_dtype);
-    stored_types = !chosen;
-    weight_type = chosen.value_or(dtype::f32);
-  } else {
-    weight_type = *parse_dtype_name(options_.dtype); // validate() checked the name
-  }
-  kind.share(context().world_size);
+  // validate() checked the dtype's name.
+  auto format = weight_format_for(device(), options_.dtype, st.config.torch_dtype);
+  platform_of(device()).share(context().world_size);
   bool presharded = options_.load_format == "sharded_state";
   st.presharded = presharded;
   st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size,
-                                           weight_type, stored_types,
+                                           format.type, format.stored_types,
                                            options_.cpu_precision == "fast");
   st.model->capture_decode_steps(!options_.enforce_eager);
   auto ckpt = open_checkpoint();

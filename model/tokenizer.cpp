@@ -1,5 +1,6 @@
 #include "model/tokenizer.hpp"
 
+#include "model/checkpoint.hpp"
 #include "model/gguf.hpp"
 #include "model/sentencepiece.hpp"
 #include "model/mapped_file.hpp"
@@ -15,6 +16,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <map>
@@ -819,6 +821,18 @@ void tokenizer::set_template(bool add_bos, bool add_eos) {
   if (add_eos && eos_ >= 0)
     p->suffix = {eos_};
   pipeline_ = p;
+}
+
+std::optional<tokenizer> tokenizer::of_model(const std::string& path) {
+  if (checkpoint::is_gguf(path))
+    return from_gguf(path);
+  auto json = std::filesystem::path{path} / "tokenizer.json";
+  if (std::filesystem::exists(json))
+    return from_json(json.string());
+  auto model = std::filesystem::path{path} / "tokenizer.model"; // SentencePiece's own
+  if (std::filesystem::exists(model))
+    return from_sentencepiece(model.string());
+  return std::nullopt;
 }
 
 tokenizer tokenizer::from_gguf(const std::string& path) {

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -42,6 +43,10 @@ public:
   /// Reads the tokenizer of a GGUF file: `tokenizer.ggml.model` `gpt2` (byte-level, with the
   /// pre-tokenizer `tokenizer.ggml.pre` names) or `llama` (SentencePiece pieces and scores).
   static tokenizer from_gguf(const std::string& path);
+
+  /// The tokenizer of a model: a GGUF file's own, or a Hugging Face directory's
+  /// `tokenizer.json`, else its SentencePiece `tokenizer.model`; none when it has neither.
+  static std::optional<tokenizer> of_model(const std::string& path);
 
   /// Reads a SentencePiece BPE model file (`tokenizer.model`, as Llama 2 ships it): its
   /// pieces, scores and normalization; `<s>` starts the ids with `add_special_tokens`.

@@ -11,12 +11,9 @@
 #
 #   bash scripts/bench-vs-llamacpp.sh [--rounds N] [--precision fast|exact] [MODEL.gguf ...]
 #
-# Without files it makes its own: SmolLM2-135M (Q4_1, as fetched) and a random-weight model
-# at Llama-3.2-1B's shape (../shared/tools/make-scale-gguf.py writes the F16 file,
-# llama-quantize the Q4_K_M, Q4_0, Q8_0 and BF16 copies). TROUPE_SCALE_SHAPES="llama-1b
-# llama-8b" adds the 8B shape (16 GB as F16; its Q4_K_M and Q8_0 copies). Caches:
-# $TROUPE_LLAMACPP_DIR (default ~/.cache/troupe/llamacpp) for llama.cpp, $TROUPE_SCALE_DIR
-# (~/.cache/troupe/scale) for the models.
+# Without files it compares on the models of scripts/llamacpp-lib.sh (SmolLM2, and the 1B
+# shape as Q4_K_M, Q4_0, Q8_0 and BF16; TROUPE_SCALE_SHAPES adds the 8B), which also says
+# where llama.cpp and the models are cached.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,56 +27,9 @@ while [ $# -gt 0 ]; do
     *) models+=("$1"); shift ;;
   esac
 done
-troupe=${TROUPE_BIN:-build/troupe}
-threads=$(nproc)
-llamacpp=${TROUPE_LLAMACPP_DIR:-$HOME/.cache/troupe/llamacpp}
-scale=${TROUPE_SCALE_DIR:-$HOME/.cache/troupe/scale}
-bin=$llamacpp/build/bin
-
-# llama.cpp: the tree inside PyPI's llama-cpp-python sdist, configured as its own project
-# with the CPU's native instructions.
-if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-quantize" ] ||
-   [ ! -x "$bin/llama-batched-bench" ]; then
-  echo "bench-vs-llamacpp: building llama.cpp's tools natively in $llamacpp (minutes)" >&2
-  mkdir -p "$llamacpp"
-  if ! ls "$llamacpp"/llama_cpp_python-*/vendor/llama.cpp/CMakeLists.txt > /dev/null 2>&1; then
-    python3 -m pip download --quiet --no-deps --no-binary :all: --dest "$llamacpp" \
-      llama-cpp-python >&2
-    tar xzf "$(ls "$llamacpp"/llama_cpp_python-*.tar.gz | tail -1)" -C "$llamacpp"
-  fi
-  src=$(ls -d "$llamacpp"/llama_cpp_python-*/vendor/llama.cpp | tail -1)
-  cmake -S "$src" -B "$llamacpp/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF > /dev/null
-  cmake --build "$llamacpp/build" -j"$threads" --target llama-bench llama-quantize \
-    llama-batched-bench llama-simple > /dev/null
-fi
-
-# The models.
-if [ ${#models[@]} -eq 0 ]; then
-  models+=("$(bash scripts/fetch-smollm2.sh)")
-  mkdir -p "$scale"
-  for shape in ${TROUPE_SCALE_SHAPES:-llama-1b}; do
-    f16=$scale/$shape-f16.gguf
-    if [ ! -f "$f16" ]; then
-      echo "bench-vs-llamacpp: writing $f16 (random weights at $shape's shape)" >&2
-      if ! python3 -c "import numpy, gguf" 2> /dev/null; then
-        python3 -m pip install --quiet numpy gguf >&2
-      fi
-      python3 ../shared/tools/make-scale-gguf.py "$f16.part" --shape "$shape" >&2
-      mv "$f16.part" "$f16"
-    fi
-    types="Q4_K_M Q4_0 Q8_0 BF16"
-    [ "$shape" = llama-8b ] && types="Q4_K_M Q8_0"
-    for type in $types; do
-      out=$scale/$shape-${type,,}.gguf
-      if [ ! -f "$out" ]; then
-        "$bin/llama-quantize" "$f16" "$out.part" "$type" "$threads" > /dev/null 2>&1
-        mv "$out.part" "$out"
-      fi
-      models+=("$out")
-    done
-  done
-fi
+source scripts/llamacpp-lib.sh
+build_llamacpp
+[ ${#models[@]} -eq 0 ] && default_models
 
 # One measurement of each side, alternating; JSON lines into $results.
 results=$(mktemp)

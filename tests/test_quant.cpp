@@ -202,12 +202,14 @@ TEST_CASE("integer kernels: the sums of the rounded activations, on every tile a
       INFO(std::string{dtype_name(t)} << ", n " << s.n << " m " << s.m << " k " << s.k);
       cpu::int8_rows xq;
       xq.quantize(x.data(), s.m, s.k, cpu::int8_block(t));
-      // The activations as the kernels see them, and half a step of each.
+      // The activations as the kernels see them, and how far each moved: half a step, or a
+      // whole one where a value the other side of the block's largest saturates at 127.
       std::vector<float> xr(x.size()), half_step(x.size());
       for (size_t j = 0; j < x.size(); ++j) {
         auto b = j / static_cast<size_t>(xq.block);
         xr[j] = xq.scale[b] * xq.q[j];
-        half_step[j] = xq.scale[b] / 2;
+        auto step = std::fabs(xq.scale[b]);
+        half_step[j] = xq.q[j] == 127 ? step : step / 2;
         REQUIRE(std::fabs(xr[j] - x[j]) <= half_step[j] * 1.0001f);
       }
       for (size_t h = 0; h < x.size() / 16; ++h) {

@@ -57,14 +57,19 @@ void int8_rows::quantize(const float* x, int64_t rows, int64_t cols, int64_t blo
 #endif
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + block * b;
-    float most = 0.0f;
-    for (int64_t i = 0; i < block; ++i)
-      most = std::max(most, std::fabs(xb[i]));
-    float inverse = most > 0.0f ? 127.0f / most : 0.0f;
-    scale[b] = most / 127.0f;
+    // The value of largest magnitude becomes −128 (as llama.cpp's 8-bit k-quant
+    // activations): one more step than ±127, and its opposite saturates at 127.
+    float hi = 0.0f, lo = 0.0f;
+    for (int64_t i = 0; i < block; ++i) {
+      hi = std::max(hi, xb[i]);
+      lo = std::min(lo, xb[i]);
+    }
+    const float most = std::fabs(lo) >= hi ? lo : hi;
+    float inverse = most != 0.0f ? -128.0f / most : 0.0f;
+    scale[b] = most / -128.0f;
     int8_t* qb = q.data() + block * b;
     for (int64_t i = 0; i < block; ++i)
-      qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
+      qb[i] = static_cast<int8_t>(std::min(127.0f, std::nearbyint(xb[i] * inverse)));
   }
   for (size_t h = 0; h < sums.size(); ++h) {
     int sum = 0;

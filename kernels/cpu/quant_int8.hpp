@@ -17,8 +17,9 @@
 
 namespace troupe::cpu {
 
-/// Activations x[m × k] as 8-bit integers: q = round(x / scale) per block of `block` (32
-/// or 256) elements, scale = max |x| / 127 (0 for a block of zeros); `sums[h]` = Σ q over
+/// Activations x[m × k] as 8-bit integers: q = min(127, round(x / scale)) per block of
+/// `block` (32 or 256) elements, scale = −v / 128 for the block's value v of largest
+/// magnitude (the negative one of a tie; 0 for a block of zeros); `sums[h]` = Σ q over
 /// the 16 elements of h: what a format's offset (Q4_0's 8, Q4_K's minimum, Q6_K's 32)
 /// multiplies.
 struct int8_rows {

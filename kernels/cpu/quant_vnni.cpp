@@ -18,6 +18,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 
 namespace troupe::cpu::vnni {
@@ -112,13 +113,12 @@ alignas(64) const int32_t pair_lanes[4][16] = {
 };
 
 /// Blocks b and b + 1 of Q8_0 (`Q8`) or Q4_0 as 64 unsigned bytes: Q4_0's nibbles, Q8_0's
-/// magnitudes with their signs in `negative`.
+/// quants + 128 (so that every activation, −128 included, keeps its sign).
 template <bool Q8>
-inline __m512i block_pair(const unsigned char* b0, const unsigned char* b1, __mmask64* negative) {
+inline __m512i block_pair(const unsigned char* b0, const unsigned char* b1) {
   if constexpr (Q8) {
     __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(load256(b0 + 2)), load256(b1 + 2), 1);
-    *negative = _mm512_movepi8_mask(v);
-    return _mm512_abs_epi8(v);
+    return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {
     const __m256i mask = _mm256_set1_epi8(0x0f);
     __m256i v = _mm256_inserti128_si256(
@@ -127,7 +127,6 @@ inline __m512i block_pair(const unsigned char* b0, const unsigned char* b1, __mm
     // [low 0, low 1, high 0, high 1] in 16-byte lanes, then block 0's before block 1's.
     __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, mask)),
                                    _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);
-    (void)negative;
     return _mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(3, 1, 2, 0));
   }
 }
@@ -137,20 +136,19 @@ inline __m512i block_pair(const unsigned char* b0, const unsigned char* b1, __mm
 template <bool Q8, int R>
 void blocks_of_32(const unsigned char* w, const rows_at& a, float* out) {
   constexpr int bytes = Q8 ? 34 : 18;
+  // What the unsigned quants carry above the signed ones: Σ offset · q over each block.
+  constexpr float offset = Q8 ? 128.0f : 8.0f;
   const float* table = halves();
   const __m256i offsets = _mm256_setr_epi32(0, bytes, 2 * bytes, 3 * bytes, 4 * bytes,
                                             5 * bytes, 6 * bytes, 7 * bytes);
   const __m256i ones = _mm256_set1_epi16(1);
   __m512 acc[R];
-  __m256 shift[R]; // Q4_0: Σ d · activation scale · sum of the block, times 8 at the end
+  __m256 shift[R]; // Σ d · activation scale · sum of the block, times `offset` at the end
   float tail[R] = {};
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm512_setzero_ps();
     shift[r] = _mm256_setzero_ps();
   }
-  auto signed_x = [](__m512i x, __mmask64 negative) {
-    return Q8 ? _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x) : x;
-  };
   int64_t b = 0;
   for (; b + 8 <= a.blocks; b += 8) {
     const unsigned char* group = w + bytes * b;
@@ -159,35 +157,31 @@ void blocks_of_32(const unsigned char* w, const rows_at& a, float* out) {
     __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(
       _mm256_i32gather_epi32(reinterpret_cast<const int*>(group), offsets, 1)));
     __m512i q[4];
-    __mmask64 negative[4] = {};
     for (int j = 0; j < 4; ++j)
-      q[j] = block_pair<Q8>(group + 2 * j * bytes, group + (2 * j + 1) * bytes, &negative[j]);
+      q[j] = block_pair<Q8>(group + 2 * j * bytes, group + (2 * j + 1) * bytes);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       __m256 scales = _mm256_mul_ps(d, _mm256_loadu_ps(a.scale(r, b)));
       __m512 wide = _mm512_castps256_ps512(scales);
       for (int j = 0; j < 4; ++j)
         acc[r] = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(dot(q[j], signed_x(load512(a.q(r, b + 2 * j)), negative[j]))),
+          _mm512_cvtepi32_ps(dot(q[j], load512(a.q(r, b + 2 * j)))),
           _mm512_permutexvar_ps(_mm512_load_si512(pair_lanes[j]), wide), acc[r]);
-      if constexpr (!Q8)
-        shift[r] = _mm256_fmadd_ps(
-          scales, _mm256_cvtepi32_ps(_mm256_madd_epi16(load256(a.sums(r, 2 * b)), ones)), shift[r]);
+      shift[r] = _mm256_fmadd_ps(
+        scales, _mm256_cvtepi32_ps(_mm256_madd_epi16(load256(a.sums(r, 2 * b)), ones)), shift[r]);
     }
   }
   for (; b + 2 <= a.blocks; b += 2) {
     const unsigned char* b0 = w + bytes * b;
-    __mmask64 negative = 0;
-    __m512i q = block_pair<Q8>(b0, b0 + bytes, &negative);
+    __m512i q = block_pair<Q8>(b0, b0 + bytes);
     float d0 = half_at(b0, table), d1 = half_at(b0 + bytes, table);
     for (int r = 0; r < R; ++r) {
       const float* s = a.scale(r, b);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot(q, signed_x(load512(a.q(r, b)), negative))),
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot(q, load512(a.q(r, b)))),
                                two(d0 * s[0], d1 * s[1]), acc[r]);
       const int16_t* sums = a.sums(r, 2 * b);
-      tail[r] -= Q8 ? 0.0f
-                    : 8.0f * (d0 * s[0] * static_cast<float>(sums[0] + sums[1]) +
-                              d1 * s[1] * static_cast<float>(sums[2] + sums[3]));
+      tail[r] -= offset * (d0 * s[0] * static_cast<float>(sums[0] + sums[1]) +
+                           d1 * s[1] * static_cast<float>(sums[2] + sums[3]));
     }
   }
   for (; b < a.blocks; ++b) { // an odd last block
@@ -203,7 +197,7 @@ void blocks_of_32(const unsigned char* w, const rows_at& a, float* out) {
     }
   }
   for (int r = 0; r < R; ++r)
-    out[r] = _mm512_reduce_add_ps(acc[r]) - 8.0f * sum8(shift[r]) + tail[r];
+    out[r] = _mm512_reduce_add_ps(acc[r]) - offset * sum8(shift[r]) + tail[r];
 }
 
 /// The 16-bit lanes of a k-quant product of 64 weights (`vpmaddubsw`: lane i holds
@@ -650,19 +644,28 @@ void dot_packed(dtype w_type, const unsigned char* w, const int8_rows& x, float*
 
 void quantize(const float* x, int64_t blocks, int64_t block, int8_t* q, float* scale,
               int16_t* sums) {
-  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m512i top = _mm512_set1_epi32(127);
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + block * b;
     __m512 most = _mm512_setzero_ps();
-    for (int64_t i = 0; i < block; i += 16)
-      most = _mm512_max_ps(most, _mm512_and_ps(_mm512_loadu_ps(xb + i), magnitude));
-    const float m = _mm512_reduce_max_ps(most);
-    // As the plain loop: x · (127 / max), rounded to nearest even (the default mode).
-    const __m512 inverse = _mm512_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
-    scale[b] = m / 127.0f;
+    __m512 least = _mm512_setzero_ps();
     for (int64_t i = 0; i < block; i += 16) {
-      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inverse));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + block * b + i), _mm512_cvtsepi32_epi8(v));
+      __m512 v = _mm512_loadu_ps(xb + i);
+      most = _mm512_max_ps(most, v);
+      least = _mm512_min_ps(least, v);
+    }
+    const float hi = _mm512_reduce_max_ps(most);
+    const float lo = _mm512_reduce_min_ps(least);
+    // As the plain loop: the value of largest magnitude (the negative one of a tie)
+    // becomes −128, the rest x · (−128 / it) rounded to nearest even (the default mode),
+    // at most 127.
+    const float m = std::fabs(lo) >= hi ? lo : hi;
+    const __m512 inverse = _mm512_set1_ps(m != 0.0f ? -128.0f / m : 0.0f);
+    scale[b] = m / -128.0f;
+    for (int64_t i = 0; i < block; i += 16) {
+      __m512i v = _mm512_min_epi32(
+        _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inverse)), top);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + block * b + i), _mm512_cvtepi32_epi8(v));
       sums[(block * b + i) / 16] = static_cast<int16_t>(_mm512_reduce_add_epi32(v));
     }
   }
