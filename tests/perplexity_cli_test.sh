@@ -17,9 +17,11 @@ trap 'rm -rf "$work"' EXIT
 fail() { echo "FAILED: $*"; exit 1; }
 
 "$troupe" perplexity --model "$model" --file "$source_dir/README.md" --ctx 64 --chunks 3 \
-  --save-logits "$work/base.kld" --json > "$work/saved.json" || fail "the first run failed"
-"$troupe" perplexity --model "$model" --kl-divergence-base "$work/base.kld" --json \
-  > "$work/exact.json" || fail "the exact run against the saved file failed"
+  --cpu-precision exact --save-logits "$work/base.kld" --json > "$work/saved.json" ||
+  fail "the first run failed"
+"$troupe" perplexity --model "$model" --kl-divergence-base "$work/base.kld" \
+  --cpu-precision exact --json > "$work/exact.json" ||
+  fail "the exact run against the saved file failed"
 "$troupe" perplexity --model "$model" --kl-divergence-base "$work/base.kld" \
   --cpu-precision fast --json > "$work/fast.json" || fail "the fast run failed"
 python3 - "$work" <<'PY' || exit 1

@@ -66,6 +66,7 @@ void check_greedy_runs(const std::string& path, const nlohmann::json& runs) {
   cfg.block_size = 4;
   model_worker_options opts;
   opts.model_path = path;
+  opts.cpu_precision = "exact"; // transformers' numbers, whatever the format
   opts.kv_cache_memory_bytes = 4 << 20;
   executor exec{cfg, model_worker_factory(opts)};
   exec.initialize_cache(exec.determine_num_available_blocks());

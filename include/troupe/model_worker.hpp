@@ -41,9 +41,10 @@ struct model_worker_options {
   /// against the dequantized weights (transformers' numbers up to the order of sums).
   /// `"fast"`: the weights repacked at load for the CPU's GEMMs, activations rounded to
   /// 8-bit integers (per block of 32, or 256 for the k-quants) and products summed as
-  /// integers for Q8_0, Q4_0, Q4_K and Q6_K weights (CPUs with AVX-512 VNNI), rounded to
-  /// bfloat16 for BF16 weights (AVX-512 BF16); other formats and CPUs compute exactly. As
-  /// llama.cpp computes them; logits move slightly.
+  /// integers for Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights (CPUs with AVX-512 VNNI), rounded
+  /// to bfloat16 for BF16 weights (AVX-512 BF16); other formats and CPUs compute exactly. As
+  /// llama.cpp computes them: logits move slightly, as far as llama.cpp's do (`troupe
+  /// perplexity` and scripts/fidelity.sh measure it), which can flip a near-tie.
   std::string cpu_precision = "exact";
   /// Bytes for the device KV cache; 0 sizes it from the device's memory after a profiled
   /// step at the largest batch: on the CPU `kv_cache_memory_fraction` of the free memory
