@@ -156,6 +156,8 @@ int64_t model_config::num_parameters() const {
     per_layer += hidden_size;
   if (mlp_bias)
     per_layer += 2 * intermediate_size + hidden_size;
+  if (qk_norm)
+    per_layer += 2 * head_dim;
   int64_t total = num_hidden_layers * per_layer + vocab_size * hidden_size + hidden_size;
   if (!tie_word_embeddings)
     total += vocab_size * hidden_size;
@@ -172,10 +174,11 @@ model_config parse_model_config(const std::string& json_text, const std::string&
     bad_config(origin, "missing architectures");
   c.architecture = j["architectures"][0].get<std::string>();
   if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM"
-      && c.architecture != "Qwen2ForCausalLM")
+      && c.architecture != "Qwen2ForCausalLM" && c.architecture != "Qwen3ForCausalLM")
     bad_config(origin, "architecture " + c.architecture +
                          " is not supported (LlamaForCausalLM, MistralForCausalLM, "
-                         "Qwen2ForCausalLM)");
+                         "Qwen2ForCausalLM, Qwen3ForCausalLM)");
+  c.qk_norm = c.architecture == "Qwen3ForCausalLM";
   c.vocab_size = positive_int(j, "vocab_size", origin);
   c.hidden_size = positive_int(j, "hidden_size", origin);
   c.intermediate_size = positive_int(j, "intermediate_size", origin);
@@ -253,7 +256,7 @@ model_config parse_model_config(const std::string& json_text, const std::string&
                            " is not supported (default, linear, dynamic, yarn, llama3)");
     }
   }
-  // A config with a `use_sliding_window` switch (Qwen2) slides only when it is on: real
+  // A config with a `use_sliding_window` switch (Qwen2, Qwen3) slides only when it is on: real
   // Qwen2 checkpoints ship it off next to a 4096 window and 32K-128K positions. Mistral's
   // window has no switch and slides in every layer; Qwen2's in the layers from
   // max_window_layers on, unless `layer_types` names the sliding layers (as transformers
@@ -286,7 +289,8 @@ model_config parse_model_config(const std::string& json_text, const std::string&
       c.sliding_layers.push_back(layer >= first);
   }
   c.tie_word_embeddings = j.value("tie_word_embeddings", false);
-  // Qwen2 biases q, k and v always; Llama's attention_bias biases o_proj as well.
+  // Qwen2 biases q, k and v always; Llama's (and Qwen3's) attention_bias biases o_proj as
+  // well.
   auto flag = [&](const char* key) { return j.contains(key) && j[key].is_boolean() && j[key].get<bool>(); };
   c.o_proj_bias = c.architecture != "Qwen2ForCausalLM" && flag("attention_bias");
   c.attention_bias = c.architecture == "Qwen2ForCausalLM" || c.o_proj_bias;
@@ -327,6 +331,7 @@ std::string to_config_json(const model_config& c) {
   json j;
   j["architectures"] = {c.architecture};
   j["model_type"] = c.architecture == "Qwen2ForCausalLM"     ? "qwen2"
+                    : c.architecture == "Qwen3ForCausalLM"   ? "qwen3"
                     : c.architecture == "MistralForCausalLM" ? "mistral"
                                                              : "llama";
   j["vocab_size"] = c.vocab_size;

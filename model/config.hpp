@@ -39,7 +39,7 @@ struct rope_scaling_config {
 
 /// The shape of a Llama-family decoder, read from a Hugging Face `config.json`.
 struct model_config {
-  /// `LlamaForCausalLM`, `MistralForCausalLM` or `Qwen2ForCausalLM`.
+  /// `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`.
   std::string architecture;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -59,6 +59,9 @@ struct model_config {
   bool o_proj_bias = false;
   /// gate, up and down projections carry biases (Llama's `mlp_bias`).
   bool mlp_bias = false;
+  /// Each head of q and k goes through an RMSNorm of its own weights (`q_norm`, `k_norm`)
+  /// before the rotary embedding (Qwen3).
+  bool qk_norm = false;
   /// In a sliding layer, each position attends to the last `sliding_window` positions,
   /// itself included (Mistral's sliding window, Qwen2's when `use_sliding_window`); 0: no
   /// layer slides.

@@ -267,8 +267,11 @@ model_config gguf_file::config() const {
     c.architecture = "LlamaForCausalLM";
   else if (arch == "qwen2")
     c.architecture = "Qwen2ForCausalLM";
+  else if (arch == "qwen3")
+    c.architecture = "Qwen3ForCausalLM";
   else
-    bad(path_, "architecture " + arch + " is not supported (llama, qwen2)");
+    bad(path_, "architecture " + arch + " is not supported (llama, qwen2, qwen3)");
+  c.qk_norm = arch == "qwen3";
   c.hidden_size = static_cast<int64_t>(number("embedding_length", 0, true));
   c.num_hidden_layers = static_cast<int64_t>(number("block_count", 0, true));
   c.intermediate_size = static_cast<int64_t>(number("feed_forward_length", 0, true));
@@ -321,6 +324,8 @@ std::string hf_tensor_name(const std::string& name) {
     {"attn_q.bias", "self_attn.q_proj.bias"},
     {"attn_k.bias", "self_attn.k_proj.bias"},
     {"attn_v.bias", "self_attn.v_proj.bias"},
+    {"attn_q_norm.weight", "self_attn.q_norm.weight"},
+    {"attn_k_norm.weight", "self_attn.k_norm.weight"},
     {"attn_output.weight", "self_attn.o_proj.weight"},
     {"ffn_gate.weight", "mlp.gate_proj.weight"},
     {"ffn_up.weight", "mlp.up_proj.weight"},

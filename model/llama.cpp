@@ -227,6 +227,11 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     jobs.push_back({&l.input_norm, p + "input_layernorm.weight", {H}, part::whole, 0, 0, f32});
     jobs.push_back(
       {&l.post_norm, p + "post_attention_layernorm.weight", {H}, part::whole, 0, 0, f32});
+    if (cfg_.qk_norm) {
+      const auto D = cfg_.head_dim;
+      jobs.push_back({&l.q_norm, p + "self_attn.q_norm.weight", {D}, part::whole, 0, 0, f32});
+      jobs.push_back({&l.k_norm, p + "self_attn.k_norm.weight", {D}, part::whole, 0, 0, f32});
+    }
     tensor_slot* weights[] = {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down};
     for (size_t n = 0; n < projection_count; ++n) {
       auto proj = static_cast<projection>(n);
@@ -757,6 +762,12 @@ void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b,
     be.add_bias(b.q, l.q_bias.as<float>(), T, q_width);
     be.add_bias(b.k, l.k_bias.as<float>(), T, kv_width);
     be.add_bias(b.v, l.v_bias.as<float>(), T, kv_width);
+  }
+  if (cfg_.qk_norm) {
+    // Each head on its own, as a row of head_dim.
+    const auto eps = static_cast<float>(cfg_.rms_norm_eps);
+    be.rms_norm(b.q, l.q_norm.as<float>(), b.q, T * local_heads_, cfg_.head_dim, eps);
+    be.rms_norm(b.k, l.k_norm.as<float>(), b.k, T * local_kv_, cfg_.head_dim, eps);
   }
   be.rotary(b.q, local_heads_, b.k, local_kv_, T, cfg_.head_dim, b.cos, b.sin);
   be.write_kv(b.k, b.v, cache.keys(layer), cache.values(layer), b.slots, T, kv_width);

@@ -196,8 +196,8 @@ private:
   };
 
   struct layer_weights {
-    tensor_slot input_norm, q, k, v, q_bias, k_bias, v_bias, o, o_bias, post_norm, gate, up,
-      down, gate_bias, up_bias, down_bias;
+    tensor_slot input_norm, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, o, o_bias,
+      post_norm, gate, up, down, gate_bias, up_bias, down_bias;
   };
 
   /// The rotary frequencies of the config's scaling for a base of `theta`.

@@ -39,6 +39,10 @@ std::vector<spec> tensor_specs(const model_config& c) {
       specs.push_back({p + "self_attn.k_proj.bias", {KV}, spec::zeros});
       specs.push_back({p + "self_attn.v_proj.bias", {KV}, spec::zeros});
     }
+    if (c.qk_norm) {
+      specs.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, spec::ones});
+      specs.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, spec::ones});
+    }
     specs.push_back({p + "self_attn.o_proj.weight", {H, Q}, spec::normal});
     if (c.o_proj_bias)
       specs.push_back({p + "self_attn.o_proj.bias", {H}, spec::zeros});

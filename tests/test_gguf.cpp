@@ -60,6 +60,25 @@ std::vector<float> prefill_logits(llama_model& model, device& dev, const model_c
   return model.run_logits(req, cache, rows);
 }
 
+/// KL(p || q) of the softmax distributions of two logit vectors, in nats.
+double kl_divergence(const std::vector<float>& p_logits, const std::vector<float>& q_logits) {
+  auto log_softmax = [](const std::vector<float>& l) {
+    double most = *std::max_element(l.begin(), l.end());
+    double total = 0;
+    for (float v : l)
+      total += std::exp(v - most);
+    std::vector<double> out(l.size());
+    for (size_t i = 0; i < l.size(); ++i)
+      out[i] = l[i] - most - std::log(total);
+    return out;
+  };
+  auto lp = log_softmax(p_logits), lq = log_softmax(q_logits);
+  double kl = 0;
+  for (size_t i = 0; i < lp.size(); ++i)
+    kl += std::exp(lp[i]) * (lp[i] - lq[i]);
+  return kl;
+}
+
 /// Greedy generation through an executor on `path` (dtype auto: the stored types).
 void check_greedy_runs(const std::string& path, const nlohmann::json& runs) {
   executor_config cfg;
@@ -124,6 +143,40 @@ TEST_CASE("prefill logits of every tensor type match transformers on the same fi
     }
 }
 
+TEST_CASE("Qwen3 files of llama.cpp's converter (per-head q and k norms, head_dim apart from "
+          "the hidden size): transformers' logits and greedy tokens, exact and fast") {
+  const std::string qwen3 = TROUPE_SOURCE_DIR "/tests/fixtures/qwen3-norms-gguf";
+  auto ref = reference(qwen3);
+  for (auto type : {"f32", "q8_0"}) {
+    INFO(type);
+    auto path = qwen3 + "/qwen3-norms-" + type + ".gguf";
+    auto cfg = checkpoint::gguf_config(path);
+    CHECK(cfg.architecture == "Qwen3ForCausalLM");
+    CHECK(cfg.qk_norm);
+    CHECK(cfg.head_dim == 32);
+    CHECK(cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size);
+    auto ckpt = checkpoint::from_gguf(path, cfg);
+    CHECK(ckpt.contains("model.layers.1.self_attn.k_norm.weight"));
+    for (bool fast : {false, true}) {
+      cpu_device dev{0};
+      llama_model model{cfg, dev, 0, 1, dtype::f32, true, fast};
+      model.load(ckpt);
+      for (auto& run : ref[type]) {
+        auto logits = prefill_logits(model, dev, cfg, run["token_ids"].get<std::vector<int32_t>>());
+        auto want = run["last_logits"].get<std::vector<float>>();
+        if (fast) {
+          // Spec as for the other block formats: at most 1e-3 nats.
+          CHECK(kl_divergence(want, logits) <= 1e-3);
+        } else {
+          auto error = testing::relative_error(logits.data(), want);
+          CHECK_MESSAGE(error < 1e-4, "relative error " << error);
+        }
+      }
+    }
+    check_greedy_runs(path, ref[type]);
+  }
+}
+
 TEST_CASE("llama.cpp's k-quant files (Q4_K, Q5_K, Q6_K): transformers' logits and greedy "
           "tokens, as stored and as float32") {
   auto ref = reference(k_dir);
@@ -157,28 +210,6 @@ TEST_CASE("llama.cpp's k-quant files (Q4_K, Q5_K, Q6_K): transformers' logits an
   }
 }
 
-namespace {
-
-/// KL(p || q) of the softmax distributions of two logit vectors, in nats.
-double kl_divergence(const std::vector<float>& p_logits, const std::vector<float>& q_logits) {
-  auto log_softmax = [](const std::vector<float>& l) {
-    double most = *std::max_element(l.begin(), l.end());
-    double total = 0;
-    for (float v : l)
-      total += std::exp(v - most);
-    std::vector<double> out(l.size());
-    for (size_t i = 0; i < l.size(); ++i)
-      out[i] = l[i] - most - std::log(total);
-    return out;
-  };
-  auto lp = log_softmax(p_logits), lq = log_softmax(q_logits);
-  double kl = 0;
-  for (size_t i = 0; i < lp.size(); ++i)
-    kl += std::exp(lp[i]) * (lp[i] - lq[i]);
-  return kl;
-}
-
-} // namespace
 
 TEST_CASE("the fast CPU path (8-bit activations) stays close to transformers' next-token "
           "distribution on Q8_0, Q4_0, Q4_1, Q4_K_M and Q6_K files") {

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Writes the fixtures of the model families beyond Llama, Mistral and Qwen2: tiny
+random-weight models written by transformers itself, their reference outputs, and GGUF
+copies made by llama.cpp's own convert_hf_to_gguf.py (from the llama.cpp tree of the
+llama-cpp-python sdist that scripts/llamacpp-lib.sh unpacks), whose outputs come from
+transformers on each file's weights dequantized by gguf-py. CI only reads the committed files; run this again
+after changing what it writes:
+
+    python3 scripts/make-family-fixtures.py [--llamacpp DIR]
+
+Needs torch, transformers, gguf and accelerate (the environment scripts/fidelity.sh makes).
+The tiny models carry tests/fixtures/tiny-tokenizer's byte-level BPE vocabulary so that the
+converter has one to write; its pre-tokenizer is no published model's, so the converter's
+check of that (which only names the pre-tokenizer) is told "qwen2"."""
+import argparse
+import glob
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+
+ap = argparse.ArgumentParser(description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+trees = sorted(glob.glob(os.path.expanduser(
+    "~/.cache/troupe/llamacpp/llama_cpp_python-*/vendor/llama.cpp")))
+ap.add_argument("--llamacpp", default=trees[-1] if trees else None, help="llama.cpp's source tree")
+args = ap.parse_args()
+if not args.llamacpp:
+    raise SystemExit("no llama.cpp tree: run scripts/bench-vs-llamacpp.sh once, or pass --llamacpp")
+llamacpp = pathlib.Path(args.llamacpp)
+# The converter with its own gguf-py, before anything imports another gguf.
+sys.path.insert(0, str(llamacpp))
+sys.path.insert(0, str(llamacpp / "gguf-py"))
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
+
+import convert_hf_to_gguf  # noqa: E402
+import gguf  # noqa: E402
+from conversion.base import TextModel  # noqa: E402
+from fixture_lib import reference_runs  # noqa: E402
+
+out = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+tokenizer_json = out / "tiny-tokenizer" / "tokenizer.json"
+
+
+def tiny_models():
+    common = dict(vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    # head_dim apart from hidden / heads (4 × 32 = 128 against 64), as Qwen3-0.6B's.
+    yield "qwen3-norms", Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                     rope_theta=1000000.0, tie_word_embeddings=False,
+                                     use_sliding_window=False, **common)
+
+
+def convert(model_dir, outfile, outtype):
+    """llama.cpp's converter on `model_dir` (with the tiny tokenizer beside it)."""
+    TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+    argv = sys.argv
+    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", str(outfile),
+                "--outtype", outtype]
+    try:
+        convert_hf_to_gguf.main()
+    finally:
+        sys.argv = argv
+
+
+# llama.cpp's tensor names within a block, as Hugging Face's.
+BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+             "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def dequantized(model_dir, path):
+    """The model of `model_dir` in transformers with the GGUF file's weights, dequantized
+    by gguf-py (transformers' own GGUF loader takes no head_dim apart from hidden / heads)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    state = model.state_dict()
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name.startswith("blk."):
+            layer, rest = t.name[4:].split(".", 1)
+            name = f"model.layers.{layer}.{BLOCK_NAMES[rest]}"
+        else:
+            name = TOP_NAMES[t.name]
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(state[name].shape)
+        state[name] = torch.from_numpy(values.astype("float32").copy())
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def main():
+    for name, config in tiny_models():
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+        # Random init leaves norms at 1 and biases at 0; perturb them so that they matter.
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "norm" in pname or pname.endswith(".bias"):
+                    p.add_(torch.randn_like(p) * 0.1)
+        directory = out / name
+        model.save_pretrained(directory, safe_serialization=True)
+        with open(directory / "reference.json", "w") as f:
+            json.dump({"prompts": reference_runs(model, all_logits_of_first=True)}, f)
+        print("wrote", directory)
+
+        gguf_dir = out / f"{name}-gguf"
+        gguf_dir.mkdir(exist_ok=True)
+        references = {}
+        with tempfile.TemporaryDirectory() as work:
+            source = pathlib.Path(work) / name
+            shutil.copytree(directory, source)
+            shutil.copy(tokenizer_json, source / "tokenizer.json")
+            (source / "tokenizer_config.json").write_text(json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+                 "eos_token": None, "model_max_length": 512}))
+            for outtype in ("f32", "q8_0"):
+                path = gguf_dir / f"{name}-{outtype}.gguf"
+                convert(source, path, outtype)
+                references[outtype] = reference_runs(dequantized(directory, path))
+                print("wrote", path)
+        with open(gguf_dir / "reference.json", "w") as f:
+            json.dump(references, f)
+
+
+if __name__ == "__main__":
+    main()
