@@ -94,6 +94,7 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
     int decode_steps = 16;
     bool json = false;
     device_options device;
+    node_options nodes;
   };
   auto o = std::make_shared<options>();
   auto cmd = std::make_shared<command>();
@@ -114,12 +115,14 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
     ->capture_default_str();
   sub->add_flag("--json", o->json, "Print only the JSON result");
   add_device_options(*sub, o->device);
+  add_node_options(*sub, o->nodes);
   cmd->run = [o] {
     const int block_size = 16;
     executor_config cfg;
     model_worker_options mw;
     cfg.tensor_parallel_size = o->tp;
     apply_device_options(o->device, cfg, mw);
+    apply_node_options(o->nodes, cfg);
     cfg.block_size = block_size;
     // Two decode steps before the measured ones: the first runs call by call, the second
     // records the step's CUDA graph (on a GPU).
@@ -134,17 +137,13 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
     executor exec{cfg, model_worker_factory(mw)};
     // What the loaded model costs this process (its local workers, their weights).
     auto resident_after_load = resident_bytes();
-    // The bytes a decode step reads at least once: every weight the workers hold.
-    auto held = exec.collective_rpc([](worker& w, const caf::message&, const caf::settings&) {
-      int64_t bytes = 0;
-      for (auto& u : w.device().usage())
-        if (u.tag == memory_tag::weights)
-          bytes += u.allocated_bytes;
-      return caf::make_message(bytes);
-    });
+    // The bytes a decode step reads at least once: every weight the workers hold, local or
+    // on nodes.
     int64_t weight_bytes = 0;
-    for (auto& p : held)
-      weight_bytes += p.get_as<int64_t>(0);
+    for (auto& health : exec.worker_healths())
+      for (auto& u : health.memory)
+        if (u.tag == memory_tag::weights)
+          weight_bytes += u.allocated_bytes;
     auto available = exec.determine_num_available_blocks();
     int64_t needed = static_cast<int64_t>(o->batch) * blocks_per_seq;
     if (available.num_device_blocks < needed)
