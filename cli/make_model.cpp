@@ -35,8 +35,8 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
   auto* sub = app.add_subcommand("make-model", "Write a random-weight model in Hugging Face format");
   cmd->app = sub;
   sub->add_option("--out", o->out, "Directory to write (created)")->required();
-  sub->add_option("--arch", o->arch, "llama, mistral or qwen2 (q/k/v bias)")
-    ->check(CLI::IsMember({"llama", "mistral", "qwen2"}))
+  sub->add_option("--arch", o->arch, "llama, mistral, qwen2 (q/k/v bias) or qwen3 (q/k norms)")
+    ->check(CLI::IsMember({"llama", "mistral", "qwen2", "qwen3"}))
     ->capture_default_str();
   sub->add_option("--preset", o->preset,
                   "A known shape instead of the size flags: smollm2-135m (SmolLM2-135M)")
@@ -72,7 +72,8 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
     model_config c;
     std::map<std::string, std::string> archs = {{"llama", "LlamaForCausalLM"},
                                                 {"mistral", "MistralForCausalLM"},
-                                                {"qwen2", "Qwen2ForCausalLM"}};
+                                                {"qwen2", "Qwen2ForCausalLM"},
+                                                {"qwen3", "Qwen3ForCausalLM"}};
     c.architecture = archs.at(o->arch);
     c.num_hidden_layers = o->layers;
     c.hidden_size = o->hidden;
@@ -85,6 +86,7 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
     c.rope_theta = o->rope_theta;
     c.tie_word_embeddings = o->tie;
     c.attention_bias = o->arch == "qwen2";
+    c.qk_norm = o->arch == "qwen3";
     c.rms_norm_eps = 1e-5;
     return write(c);
   };
