@@ -134,6 +134,9 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
     mw.max_num_batched_tokens = o->batch * o->prompt_len;
     auto blocks_per_seq =
       (o->prompt_len + warmup_steps + o->decode_steps + block_size) / block_size;
+    // Ranks on nodes run the same model worker with the same options.
+    cfg.node_worker_kind = "model";
+    cfg.node_worker_options = to_settings(mw);
     executor exec{cfg, model_worker_factory(mw)};
     // What the loaded model costs this process (its local workers, their weights).
     auto resident_after_load = resident_bytes();
