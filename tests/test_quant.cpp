@@ -440,3 +440,30 @@ TEST_CASE("log-partition: every instruction set gives the portable value") {
     }
   }
 }
+
+TEST_CASE("first_non_finite finds the first infinity or NaN of a float tensor, across chunks") {
+  const size_t count = 10000; // more than two chunks of the scan
+  std::vector<uint32_t> f32(count, 0x3f800000u);       // 1.0f
+  std::vector<uint16_t> f16(count, uint16_t{0x3c00});  // 1.0
+  std::vector<uint16_t> bf16(count, uint16_t{0x3f80}); // 1.0
+  CHECK_FALSE(first_non_finite(dtype::f32, f32.data(), count));
+  CHECK_FALSE(first_non_finite(dtype::f16, f16.data(), count));
+  CHECK_FALSE(first_non_finite(dtype::bf16, bf16.data(), count));
+  for (size_t at : {size_t{0}, size_t{4095}, size_t{4096}, count - 1}) {
+    INFO("at " << at);
+    auto a = f32;
+    auto b = f16;
+    auto c = bf16;
+    a[at] = 0x7fc00000u; // NaN
+    b[at] = 0x7c00;      // infinity
+    c[at] = 0xff80;      // −infinity
+    CHECK(first_non_finite(dtype::f32, a.data(), count) == at);
+    CHECK(first_non_finite(dtype::f16, b.data(), count) == at);
+    CHECK(first_non_finite(dtype::bf16, c.data(), count) == at);
+    // A later one does not hide it.
+    if (at + 1 < count) {
+      a[at + 1] = 0x7f800000u;
+      CHECK(first_non_finite(dtype::f32, a.data(), count) == at);
+    }
+  }
+}
