@@ -9,6 +9,8 @@
 #include <cstring>
 #include <istream>
 #include <ostream>
+#include <tuple>
+#include <utility>
 
 namespace troupe {
 
