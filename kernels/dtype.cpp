@@ -407,32 +407,25 @@ std::optional<std::size_t> first_non_finite(dtype t, const void* data, std::size
     std::memcpy(&h, p, sizeof h);
     return (h & 0x7c00) != 0x7c00; // exponent all ones: an infinity or a NaN
   };
-  // Floats: a value whose exponent bits are all ones is an infinity or a NaN. Chunks are
-  // checked without an early exit (so that the loop vectorizes: a BF16 1B model is 1.2
-  // billion values), and only a chunk that holds one is searched.
-  auto scan = [&](auto word, auto exponent) -> std::optional<std::size_t> {
-    using word_t = decltype(word);
-    constexpr std::size_t chunk = 4096;
-    for (std::size_t begin = 0; begin < count; begin += chunk) {
-      const std::size_t end = std::min(count, begin + chunk);
-      word_t values[chunk];
-      std::memcpy(values, bytes + sizeof(word_t) * begin, sizeof(word_t) * (end - begin));
-      bool any = false;
-      for (std::size_t i = 0; i < end - begin; ++i)
-        any |= (values[i] & exponent) == exponent;
-      if (any)
-        for (std::size_t i = 0; i < end - begin; ++i)
-          if ((values[i] & exponent) == exponent)
-            return begin + i;
+  if (t == dtype::f32) {
+    for (std::size_t i = 0; i < count; ++i) {
+      float f;
+      std::memcpy(&f, bytes + 4 * i, sizeof f);
+      if (!std::isfinite(f))
+        return i;
     }
     return std::nullopt;
-  };
-  if (t == dtype::f32)
-    return scan(uint32_t{}, uint32_t{0x7f800000});
-  if (t == dtype::f16)
-    return scan(uint16_t{}, uint16_t{0x7c00});
-  if (t == dtype::bf16)
-    return scan(uint16_t{}, uint16_t{0x7f80});
+  }
+  if (t == dtype::f16 || t == dtype::bf16) {
+    const uint16_t exponent = t == dtype::f16 ? 0x7c00 : 0x7f80;
+    for (std::size_t i = 0; i < count; ++i) {
+      uint16_t h;
+      std::memcpy(&h, bytes + 2 * i, sizeof h);
+      if ((h & exponent) == exponent)
+        return i;
+    }
+    return std::nullopt;
+  }
   // Where each block keeps its float16 scales: d (and the minimum's scale or the minimum).
   std::size_t first = t == dtype::q6_k ? 208 : 0;
   bool second = t == dtype::q4_1 || t == dtype::q5_1 || t == dtype::q4_k || t == dtype::q5_k;
