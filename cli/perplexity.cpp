@@ -72,6 +72,7 @@ std::shared_ptr<command> add_perplexity(CLI::App& app) {
       throw error{errc::invalid_argument, "perplexity: give --file or --kl-divergence-base"};
     auto cfg = checkpoint::config_of(o->model);
     auto tok = tokenizer::of_model(o->model);
+    int32_t bos = tok && adds_bos(*tok) ? tok->bos_id() : -1;
     logprob_file chunks;
     std::ifstream base_in;
     if (!o->base.empty()) {
@@ -98,16 +99,15 @@ std::shared_ptr<command> add_perplexity(CLI::App& app) {
       chunks.tokens = std::move(ids);
       // Written as they are computed, so that every reader of a saved file scores the same
       // tokens.
-      if (adds_bos(*tok))
+      if (bos >= 0)
         for (int32_t c = 0; c < chunks.chunks; ++c)
-          chunks.tokens[static_cast<size_t>(c) * chunks.ctx] = tok->bos_id();
+          chunks.tokens[static_cast<size_t>(c) * chunks.ctx] = bos;
     }
     if (chunks.ctx > static_cast<uint32_t>(cfg.max_sequence_length()))
       throw error{errc::invalid_argument,
                   "perplexity: chunks of " + std::to_string(chunks.ctx) +
                     " tokens are longer than the model's " +
                     std::to_string(cfg.max_sequence_length()) + " positions"};
-    int32_t bos = tok && adds_bos(*tok) ? tok->bos_id() : -1;
 
     model_worker_options checked;
     checked.dtype = o->device.dtype;

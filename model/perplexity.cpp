@@ -40,6 +40,24 @@ softmax_terms terms_of(const float* logits, int32_t vocab) {
   return t;
 }
 
+/// `store_log_probs` with the logits' `terms_of` at hand.
+void store_row(const float* logits, int32_t vocab, const softmax_terms& t, uint16_t* row) {
+  float low = logits[0];
+  for (int32_t i = 1; i < vocab; ++i)
+    low = std::min(low, logits[i]);
+  low = std::max(low, t.max - 16);
+  const float min_log_prob = low - t.max - t.log_sum;
+  const float scale = (t.max - low) / 65535.f;
+  std::memcpy(row, &scale, sizeof scale);
+  std::memcpy(row + 2, &min_log_prob, sizeof min_log_prob);
+  uint16_t* q = row + 4;
+  std::fill(q, row + logprob_file::row_width(vocab), uint16_t{0});
+  if (scale > 0)
+    for (int32_t i = 0; i < vocab; ++i)
+      if (logits[i] > low)
+        q[i] = static_cast<uint16_t>(std::lrint((logits[i] - low) / scale));
+}
+
 /// Mean of the values whose sum and sum of squares are given, and its standard error
 /// (none for 10 values or fewer, as llama.cpp reports it).
 std::pair<double, double> mean_and_error(double sum, double sum2, int64_t count) {
@@ -67,8 +85,9 @@ struct kld_sums {
   int64_t same_top = 0;
   std::vector<float> klds;
 
-  void add(const float* logits, int32_t vocab, const uint16_t* row, int32_t next) {
-    auto t = terms_of(logits, vocab);
+  /// One position: the model's logits (and their `terms_of`), the base's stored row.
+  void add(const float* logits, int32_t vocab, const softmax_terms& t, const uint16_t* row,
+           int32_t next) {
     float scale, min_log_prob;
     std::memcpy(&scale, row, sizeof scale);
     std::memcpy(&min_log_prob, row + 2, sizeof min_log_prob);
@@ -164,20 +183,7 @@ void logprob_file::write_header(std::ostream& out) const {
 
 double store_log_probs(const float* logits, int32_t vocab, int32_t next, uint16_t* row) {
   auto t = terms_of(logits, vocab);
-  float low = logits[0];
-  for (int32_t i = 1; i < vocab; ++i)
-    low = std::min(low, logits[i]);
-  low = std::max(low, t.max - 16);
-  const float min_log_prob = low - t.max - t.log_sum;
-  const float scale = (t.max - low) / 65535.f;
-  std::memcpy(row, &scale, sizeof scale);
-  std::memcpy(row + 2, &min_log_prob, sizeof min_log_prob);
-  uint16_t* q = row + 4;
-  std::fill(q, row + logprob_file::row_width(vocab), uint16_t{0});
-  if (scale > 0)
-    for (int32_t i = 0; i < vocab; ++i)
-      if (logits[i] > low)
-        q[i] = static_cast<uint16_t>(std::lrint((logits[i] - low) / scale));
+  store_row(logits, vocab, t, row);
   return t.max + t.log_sum - logits[next];
 }
 
@@ -195,7 +201,8 @@ perplexity_result perplexity(llama_model& model, kv_cache& cache, const logprob_
   const int64_t first = ctx / 2;
   const int64_t scored = ctx - 1 - first;
   const auto width = logprob_file::row_width(vocab);
-  std::vector<uint16_t> rows(static_cast<size_t>(scored * width));
+  // The stored rows of a chunk: the base's as read, then this model's to save.
+  std::vector<uint16_t> rows(base || save ? static_cast<size_t>(scored * width) : 0);
   kld_sums sums;
   double nll = 0;
   perplexity_result result;
@@ -213,10 +220,12 @@ perplexity_result perplexity(llama_model& model, kv_cache& cache, const logprob_
     for (int64_t j = 0; j < scored; ++j) {
       const float* at = &logits[static_cast<size_t>((first + j) * vocab)];
       auto next = tokens[static_cast<size_t>(first + j + 1)];
-      auto* row = &rows[static_cast<size_t>(j * width)];
+      auto t = terms_of(at, vocab);
+      nll += t.max + t.log_sum - at[next];
       if (base)
-        sums.add(at, vocab, row, next);
-      nll += store_log_probs(at, vocab, next, row);
+        sums.add(at, vocab, t, &rows[static_cast<size_t>(j * width)], next);
+      if (save)
+        store_row(at, vocab, t, &rows[static_cast<size_t>(j * width)]);
     }
     if (save)
       save->write(reinterpret_cast<const char*>(rows.data()),
