@@ -11,6 +11,18 @@ PROMPTS = [[1, 15, 27, 99, 3], [1, 200, 7], [5, 9, 13, 17, 21, 25, 29, 33, 37]]
 GREEDY_TOKENS = 32
 
 
+def tiny_random_model(config):
+    """A model of `config` with random weights (seed 1234); random init leaves norms at 1
+    and biases at 0, so these are perturbed too, that they matter."""
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
 def reference_runs(model, all_logits_of_first=False):
     """Per prompt: the last-position logits (and every position's, for the first prompt
     when asked) and the greedy continuation, from transformers."""

@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 import convert_hf_to_gguf  # noqa: E402
 import gguf  # noqa: E402
 from conversion.base import TextModel  # noqa: E402
-from fixture_lib import reference_runs  # noqa: E402
+from fixture_lib import reference_runs, tiny_random_model  # noqa: E402
 
 out = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 tokenizer_json = out / "tiny-tokenizer" / "tokenizer.json"
@@ -102,13 +102,7 @@ def dequantized(model_dir, path):
 
 def main():
     for name, config in tiny_models():
-        torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
-        # Random init leaves norms at 1 and biases at 0; perturb them so that they matter.
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "norm" in pname or pname.endswith(".bias"):
-                    p.add_(torch.randn_like(p) * 0.1)
+        model = tiny_random_model(config)
         directory = out / name
         model.save_pretrained(directory, safe_serialization=True)
         with open(directory / "reference.json", "w") as f:

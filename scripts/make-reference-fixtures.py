@@ -36,7 +36,7 @@ import json
 
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from fixture_lib import reference_runs
+from fixture_lib import reference_runs, tiny_random_model
 
 
 def tiny_models():
@@ -94,13 +94,7 @@ def tiny_models():
 
 
 for name, config in tiny_models():
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
-    # Random init leaves norms at 1 and biases at 0; perturb them so that they matter.
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname or pname.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.1)
+    model = tiny_random_model(config)
     directory = out / name
     model.save_pretrained(directory, safe_serialization=True)
     if name == "qwen2-window":
