@@ -43,6 +43,22 @@ def reference_runs(model, all_logits_of_first=False):
     return runs
 
 
+# Hugging Face's tensor names as llama.cpp's converter writes them: outside the blocks, and
+# within block N (`blk.N.`).
+GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+                  "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+GGUF_BLOCK_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
 def permute(w, n_head):
     return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
@@ -68,24 +84,17 @@ def write_gguf(model_dir, path, qtype):
     w.add_token_types([1] * cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    parts = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight"}
     for name, tensor in model.state_dict().items():
         data = tensor.numpy().astype(np.float32)
         if name.startswith("model.layers."):
             layer, rest = name[len("model.layers."):].split(".", 1)
-            gname = f"blk.{layer}.{parts[rest]}"
+            gname = f"blk.{layer}.{GGUF_BLOCK_NAMES[rest]}"
             if rest == "self_attn.q_proj.weight":
                 data = permute(data, cfg.num_attention_heads)
             elif rest == "self_attn.k_proj.weight":
                 data = permute(data, cfg.num_key_value_heads)
         else:
-            gname = names[name]
+            gname = GGUF_TOP_NAMES[name]
         if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             q = gguf.quants.quantize(data, qtype)
             w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=qtype)

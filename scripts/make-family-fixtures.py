@@ -40,7 +40,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 import convert_hf_to_gguf  # noqa: E402
 import gguf  # noqa: E402
 from conversion.base import TextModel  # noqa: E402
-from fixture_lib import reference_runs, tiny_random_model  # noqa: E402
+from fixture_lib import (GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, reference_runs,  # noqa: E402
+                         tiny_random_model)
 
 out = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 tokenizer_json = out / "tiny-tokenizer" / "tokenizer.json"
@@ -68,32 +69,19 @@ def convert(model_dir, outfile, outtype):
         sys.argv = argv
 
 
-# llama.cpp's tensor names within a block, as Hugging Face's.
-BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
-             "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-
-
 def dequantized(model_dir, path):
     """The model of `model_dir` in transformers with the GGUF file's weights, dequantized
     by gguf-py (transformers' own GGUF loader takes no head_dim apart from hidden / heads)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     state = model.state_dict()
+    hf_top = {g: h for h, g in GGUF_TOP_NAMES.items()}
+    hf_block = {g: h for h, g in GGUF_BLOCK_NAMES.items()}
     for t in gguf.GGUFReader(str(path)).tensors:
         if t.name.startswith("blk."):
             layer, rest = t.name[4:].split(".", 1)
-            name = f"model.layers.{layer}.{BLOCK_NAMES[rest]}"
+            name = f"model.layers.{layer}.{hf_block[rest]}"
         else:
-            name = TOP_NAMES[t.name]
+            name = hf_top[t.name]
         values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(state[name].shape)
         state[name] = torch.from_numpy(values.astype("float32").copy())
     model.load_state_dict(state, strict=True)
