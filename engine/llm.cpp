@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
-#include <filesystem>
 #include <future>
 #include <map>
 #include <optional>
