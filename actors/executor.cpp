@@ -6,7 +6,7 @@
 #include "actors/executor_actor.hpp"
 #include "actors/lease.hpp"
 #include "actors/linger.hpp"
-#include "actors/log.hpp"
+#include "kernels/log.hpp"
 #include "actors/node_auth.hpp"
 #include "actors/node_link.hpp"
 #include "actors/remoting.hpp"

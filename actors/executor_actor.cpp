@@ -7,7 +7,7 @@
 #include "actors/companion.hpp"
 #include "actors/lease.hpp"
 
-#include "actors/log.hpp"
+#include "kernels/log.hpp"
 #include "actors/node_auth.hpp"
 #include "actors/node_link.hpp"
 #include "actors/reply_sink.hpp"

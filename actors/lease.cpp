@@ -1,6 +1,6 @@
 #include "actors/lease.hpp"
 
-#include "actors/log.hpp"
+#include "kernels/log.hpp"
 #include "actors/node_auth.hpp"
 #include "actors/node_link.hpp"
 #include "actors/remoting.hpp"

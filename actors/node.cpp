@@ -2,7 +2,7 @@
 
 #include "actors/gateway.hpp"
 #include "actors/linger.hpp"
-#include "actors/log.hpp"
+#include "kernels/log.hpp"
 #include "actors/node_auth.hpp"
 #include "actors/node_link.hpp"
 #include "actors/remoting.hpp"

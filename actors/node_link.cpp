@@ -1,7 +1,7 @@
 #include "actors/node_link.hpp"
 
 #include "actors/companion.hpp"
-#include "actors/log.hpp"
+#include "kernels/log.hpp"
 #include "actors/remoting.hpp"
 #include "messages/messages.hpp"
 #include "troupe/errors.hpp"

@@ -1,7 +1,7 @@
 #include "actors/worker_actor.hpp"
 
 #include "actors/linger.hpp"
-#include "actors/log.hpp"
+#include "kernels/log.hpp"
 #include "actors/node_link.hpp"
 #include "messages/protocols.hpp"
 #include "troupe/errors.hpp"

@@ -98,10 +98,17 @@ struct device_options {
   double gpu_memory_utilization = 0.9;
   bool enforce_eager = false;
   std::string cpu_precision = "exact";
+  /// `model_worker_options::weight_cache`; "off" for none.
+  std::string weight_cache;
+
+  /// `weight_cache` as the workers take it: empty for none.
+  std::string weight_cache_directory() const {
+    return weight_cache == "off" ? std::string{} : weight_cache;
+  }
 };
 
-/// Adds --device, --dtype, --gpu-memory-utilization, --enforce-eager and --cpu-precision
-/// to `app`.
+/// Adds --device, --dtype, --gpu-memory-utilization, --enforce-eager, --cpu-precision and
+/// --weight-cache to `app`.
 void add_device_options(CLI::App& app, device_options& o);
 
 /// Puts the device options into the executor's and the workers' configuration.

@@ -4,6 +4,7 @@
 #include "cli/commands.hpp"
 
 #include "kernels/sampler.hpp"
+#include "model/weight_cache.hpp"
 #include "troupe/llm.hpp"
 
 #include <nlohmann/json.hpp>
@@ -118,6 +119,13 @@ void add_device_options(CLI::App& app, device_options& o) {
                  "bfloat16 for BF16 (AVX-512 BF16)")
     ->check(CLI::IsMember({"exact", "fast"}))
     ->capture_default_str();
+  o.weight_cache = default_weight_cache();
+  app.add_option("--weight-cache", o.weight_cache,
+                 "Directory where the CPU keeps each rank's weights as it computes on them, "
+                 "mapped at the next start instead of repacked (one file per model file and "
+                 "rank; 'off' for none; default $TROUPE_WEIGHT_CACHE, else "
+                 "~/.cache/troupe/weights)")
+    ->capture_default_str();
 }
 
 void apply_device_options(const device_options& o, executor_config& executor,
@@ -127,6 +135,7 @@ void apply_device_options(const device_options& o, executor_config& executor,
   worker.gpu_memory_utilization = o.gpu_memory_utilization;
   worker.enforce_eager = o.enforce_eager;
   worker.cpu_precision = o.cpu_precision;
+  worker.weight_cache = o.weight_cache_directory();
 }
 
 void add_engine_options(CLI::App& app, engine_options& o) {

@@ -118,6 +118,7 @@ std::shared_ptr<command> add_perplexity(CLI::App& app) {
     platform_of(*dev).share(1);
     llama_model model{cfg, *dev, 0, 1, format.type, format.stored_types,
                       o->device.cpu_precision == "fast"};
+    model.use_weight_cache(o->device.weight_cache_directory());
     model.load(checkpoint::is_gguf(o->model) ? checkpoint::from_gguf(o->model, cfg)
                                              : checkpoint{o->model});
     const int64_t block = 16;

@@ -8,6 +8,10 @@ namespace troupe {
 
 device::~device() = default;
 
+void* device::map_file(int, std::size_t, std::size_t, memory_tag, bool) {
+  return nullptr;
+}
+
 std::unique_ptr<device> make_device(const std::string& kind, int32_t index) {
   if (kind == "cpu")
     return std::make_unique<cpu_device>(index);

@@ -16,16 +16,32 @@ void check_tag(memory_tag tag) {
 
 } // namespace
 
-void* tagged_pool::allocate(std::size_t bytes, memory_tag tag) {
+void tagged_pool::check_awake(memory_tag tag) const {
   check_tag(tag);
   if (asleep(tag))
     throw error{errc::sleeping, name() + ": cannot allocate under tag '" + to_string(tag) +
                                   "' while it sleeps"};
+}
+
+void* tagged_pool::allocate(std::size_t bytes, memory_tag tag) {
+  check_awake(tag);
   region r;
   r.requested = bytes;
   r.tag = tag;
   auto ptr = map_new(r);
   regions_.emplace(ptr, r);
+  return ptr;
+}
+
+void* tagged_pool::map_file(int fd, std::size_t offset, std::size_t bytes, memory_tag tag,
+                            bool shared) {
+  check_awake(tag);
+  region r;
+  r.requested = bytes;
+  r.tag = tag;
+  auto ptr = map_file_region(r, fd, offset, shared);
+  if (ptr != nullptr)
+    regions_.emplace(ptr, r);
   return ptr;
 }
 

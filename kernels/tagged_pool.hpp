@@ -18,6 +18,8 @@ namespace troupe {
 class tagged_pool : public device {
 public:
   void* allocate(std::size_t bytes, memory_tag tag) final;
+  void* map_file(int fd, std::size_t offset, std::size_t bytes, memory_tag tag,
+                 bool shared) final;
   void deallocate(void* ptr) noexcept final;
   void sleep(sleep_level level) final;
   void wake_up(const std::vector<memory_tag>& tags) final;
@@ -38,11 +40,22 @@ protected:
     /// region's contents now.
     void* backup = nullptr;
     bool backed_up = false;
+    /// A file's pages back the range (where awake) or the backup (while backed up).
+    bool file = false;
   };
 
   /// Reserves a range for `r.requested` bytes with zeroed memory behind it, sets
   /// `r.mapped` (and `r.handle`), and returns its start. Throws `memory_error`.
   virtual void* map_new(region& r) = 0;
+  /// Maps `r.requested` bytes of `fd` from `offset` as `device::map_file` says, sets
+  /// `r.mapped` and `r.file`, and returns its start; nullptr where the device cannot.
+  virtual void* map_file_region(region& r, int fd, std::size_t offset, bool shared) {
+    (void)r;
+    (void)fd;
+    (void)offset;
+    (void)shared;
+    return nullptr;
+  }
   /// Gives back everything of a region: memory, range, backup.
   virtual void free_region(void* ptr, region& r) noexcept = 0;
   /// Saves the contents in host memory (`r.backed_up`). Throws when memory is short.
@@ -61,6 +74,9 @@ protected:
   void free_all() noexcept;
 
 private:
+  /// Throws for an unknown tag or one that sleeps.
+  void check_awake(memory_tag tag) const;
+
   bool asleep(memory_tag tag) const {
     return asleep_[static_cast<std::size_t>(tag)];
   }

@@ -107,20 +107,17 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
     bool is_q = name.find("self_attn.q_proj.weight") != std::string::npos;
     bool is_k = name.find("self_attn.k_proj.weight") != std::string::npos;
     if (interleaved_rope && (is_q || is_k) && t.shape.size() == 2) {
-      // Within each head, GGUF row 2i + j is Hugging Face row j * head_dim / 2 + i. Rows
-      // move whole, in the stored type.
+      // Within each head, GGUF row 2i + j is Hugging Face row j * head_dim / 2 + i. The
+      // rows are read in that order where they are used, not copied here.
       auto heads = is_q ? config.num_attention_heads : config.num_key_value_heads;
       auto rows = t.shape[0];
-      auto row = t.bytes / static_cast<uint64_t>(rows);
       auto head_dim = rows / heads;
-      std::vector<std::byte> hf(t.bytes);
+      view->row_order.resize(static_cast<size_t>(rows));
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t i = 0; i < head_dim / 2; ++i)
           for (int64_t j = 0; j < 2; ++j)
-            std::memcpy(&hf[static_cast<size_t>(h * head_dim + j * head_dim / 2 + i) * row],
-                        view->data + static_cast<size_t>(h * head_dim + 2 * i + j) * row, row);
-      result.owned_.push_back(std::move(hf));
-      view->data = result.owned_.back().data();
+            view->row_order[static_cast<size_t>(h * head_dim + j * head_dim / 2 + i)] =
+              h * head_dim + 2 * i + j;
     }
     result.index_[name] = view.get();
     result.views_.push_back(std::move(view));
@@ -133,7 +130,6 @@ bool checkpoint::contains(const std::string& name) const {
 }
 
 void checkpoint::release(const tensor_view& t) const {
-  // Tensors rearranged at load live in `owned_`, not in a mapping: nothing to give back.
   if (gguf_ && gguf_->file().contains(t.data))
     gguf_->file().release(t.data, t.bytes);
   for (auto& f : files_)
@@ -154,6 +150,15 @@ std::vector<std::string> checkpoint::names() const {
   for (auto& kvp : index_)
     result.push_back(kvp.first);
   return result;
+}
+
+std::string checkpoint::identity() const {
+  std::string out;
+  if (gguf_)
+    out += gguf_->file().identity() + "\n";
+  for (auto& f : files_)
+    out += f->file().identity() + "\n";
+  return out;
 }
 
 std::string checkpoint::fingerprint(const std::string& config_text, bool tensors) const {

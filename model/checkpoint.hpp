@@ -23,8 +23,8 @@ public:
   checkpoint(const std::string& directory, const std::vector<std::string>& files);
 
   /// The weights of a GGUF file, in the types the file stores them in, under their Hugging
-  /// Face names; the q and k rows of a llama file go back from llama.cpp's interleaved
-  /// rotary layout to Hugging Face's. `config` is `gguf_config(path)`.
+  /// Face names; the q and k rows of a llama file are read in Hugging Face's order
+  /// (`tensor_view::row_order`), not llama.cpp's interleaved rotary layout. `config` is `gguf_config(path)`.
   static checkpoint from_gguf(const std::string& path, const model_config& config);
 
   /// The model shape a GGUF file describes.
@@ -55,6 +55,10 @@ public:
   /// model on one host) differ.
   std::string fingerprint(const std::string& config_text, bool tensors = true) const;
 
+  /// The files this checkpoint reads as they were opened (`mapped_file::identity`), one
+  /// line each.
+  std::string identity() const;
+
   const std::string& directory() const {
     return directory_;
   }
@@ -68,8 +72,7 @@ private:
   std::vector<std::unique_ptr<safetensors_file>> files_;
   /// The GGUF file the views point into, when it is one.
   std::shared_ptr<const gguf_file> gguf_;
-  /// Tensors rearranged at load (GGUF's q and k rows); `index_` points into `views_`.
-  std::vector<std::vector<std::byte>> owned_;
+  /// `index_` points into `views_`.
   std::vector<std::unique_ptr<tensor_view>> views_;
   std::map<std::string, const tensor_view*> index_;
 };

@@ -1,6 +1,7 @@
 #include "model/llama.hpp"
 
 #include "kernels/platform.hpp"
+#include "model/weight_cache.hpp"
 #include "troupe/errors.hpp"
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -43,6 +45,11 @@ void read_rows(const tensor_view& t, int64_t row0, int64_t rows, float* dst) {
     std::copy_n(all.data() + row0, rows, dst);
     return;
   }
+  if (!t.row_order.empty()) {
+    for (int64_t r = 0; r < rows; ++r)
+      to_float(t.type, t.row(row0 + r, row_bytes(t)), dst + r * cols, static_cast<size_t>(cols));
+    return;
+  }
   to_float(t.type, t.data + static_cast<size_t>(row0) * row_bytes(t), dst,
            static_cast<size_t>(rows * cols));
 }
@@ -69,7 +76,7 @@ void read_cols(const tensor_view& t, int64_t row0, int64_t rows, int64_t col0, i
   bool direct = whole_blocks(t, col0, cols);
   std::vector<float> row(direct ? 0 : static_cast<size_t>(t.shape[1]));
   for (int64_t r = 0; r < rows; ++r) {
-    auto src = t.data + static_cast<size_t>(row0 + r) * stride;
+    auto src = t.row(row0 + r, stride);
     if (direct) {
       to_float(t.type, src + storage_bytes(t.type, static_cast<size_t>(col0)), dst + r * cols,
                static_cast<size_t>(cols));
@@ -89,8 +96,7 @@ void copy_stored_cols(const tensor_view& t, int64_t row0, int64_t rows, int64_t 
   auto offset = storage_bytes(t.type, static_cast<size_t>(col0));
   auto width = storage_bytes(t.type, static_cast<size_t>(cols));
   for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(dst + static_cast<size_t>(r) * width,
-                t.data + static_cast<size_t>(row0 + r) * stride + offset, width);
+    std::memcpy(dst + static_cast<size_t>(r) * width, t.row(row0 + r, stride) + offset, width);
 }
 
 } // namespace
@@ -212,6 +218,8 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     dtype type;
     /// The part is copied as the checkpoint stores it (`type` is its type).
     bool as_stored = false;
+    /// In the backend's packed layout.
+    bool packed = false;
   };
   const auto f32 = dtype::f32;
   const auto wt = weight_type_;
@@ -312,13 +320,73 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     size_t numel = 1;
     for (auto d : local)
       numel *= static_cast<size_t>(d);
+    // A weight goes into the backend's packed layout where it has one, but for a head split
+    // by vocabulary (each rank reads it from its own first row).
+    bool sliced = world_ > 1 && (j.slot == &lm_head_ ||
+                                 (j.slot == &embed_ && cfg_.tie_word_embeddings));
+    j.packed = j.as_stored && local.size() == 2 && !sliced &&
+               backend_->packs(j.type, local[0], local[1]);
     offsets.push_back(pack(total, storage_bytes(j.type, numel)));
     local_shapes.push_back(local);
   }
+  // What the weights' bytes are made of, for the weight cache: a file holds them only
+  // under exactly this description.
+  auto layout = [&] {
+    std::string text = "world " + std::to_string(world_) + " rank " + std::to_string(rank_) +
+                       " pack_group " + std::to_string(backend_->pack_group()) + " total " +
+                       std::to_string(total) + "\n";
+    for (size_t n = 0; n < jobs.size(); ++n) {
+      auto& j = jobs[n];
+      text += j.name + " " + dtype_name(j.type) + (j.packed ? " packed" : "") + " at " +
+              std::to_string(offsets[n]) + " from " + std::to_string(j.start) + " split " +
+              std::to_string(static_cast<int>(j.split)) + " shape " +
+              shape_text(local_shapes[n]) + "\n";
+    }
+    return text;
+  };
+  std::optional<weight_cache_file> cache;
+  bool cached = false;
   if (weights_.size() != total) {
     graphs_.clear();
     weights_.reset();
-    weights_ = device_buffer(dev_, total, memory_tag::weights);
+    if (!cache_directory_.empty()) {
+      std::error_code ec;
+      auto model = std::filesystem::absolute(ckpt.directory(), ec).lexically_normal().string();
+      weight_cache_key key{model, ckpt.identity(), layout()};
+      if ((cache = weight_cache_file::find(cache_directory_, key, total))) {
+        weights_ = device_buffer::map_file(dev_, cache->fd(), cache->data_offset(), total,
+                                           memory_tag::weights, false);
+        cached = weights_.size() == total;
+      } else if ((cache = weight_cache_file::create(cache_directory_, key, total))) {
+        // Packed straight into the file's pages: no fresh memory beside them.
+        weights_ = device_buffer::map_file(dev_, cache->fd(), cache->data_offset(), total,
+                                           memory_tag::weights, true);
+      }
+      if (weights_.size() != total)
+        cache.reset(); // a device that does not map files
+    }
+    if (weights_.size() != total)
+      weights_ = device_buffer(dev_, total, memory_tag::weights);
+  }
+  auto place = [&] {
+    for (size_t n = 0; n < jobs.size(); ++n) {
+      jobs[n].slot->ptr = static_cast<char*>(weights_.data()) + offsets[n];
+      jobs[n].slot->type = jobs[n].type;
+      jobs[n].slot->packed = jobs[n].packed;
+    }
+  };
+  place();
+  auto keep = [&] {
+    held_.clear();
+    for (size_t n = 0; n < jobs.size(); ++n)
+      held_.push_back({jobs[n].name, local_shapes[n], jobs[n].type, jobs[n].slot->ptr,
+                       jobs[n].slot->packed});
+  };
+  if (cached) {
+    if (progress)
+      progress(jobs.size(), jobs.size());
+    keep();
+    return;
   }
   // A band of rows at a time through bounded buffers: a float32 copy of a whole embedding
   // would take more memory than the quantized model. Each tensor's file pages are given
@@ -335,14 +403,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     bool matrix = local.size() == 2;
     int64_t rows = matrix ? local[0] : 1;
     int64_t cols = matrix ? local[1] : local[0];
-    // A weight goes into the backend's packed layout where it has one, but for a head split
-    // by vocabulary (each rank reads it from its own first row).
-    bool sliced = world_ > 1 && (j.slot == &lm_head_ ||
-                                 (j.slot == &embed_ && cfg_.tie_word_embeddings));
-    bool packed = j.as_stored && matrix && !sliced && backend_->packs(j.type, rows, cols);
-    j.slot->ptr = dst;
-    j.slot->type = j.type;
-    j.slot->packed = packed;
+    bool packed = j.packed;
     auto band = matrix ? std::max<int64_t>(1, staging_floats / cols) : 1;
     if (packed) {
       const auto group = backend_->pack_group();
@@ -365,7 +426,14 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
         // Copied as stored: its values are checked where they are, not converted.
         const char* src = nullptr;
         if (presharded || j.split != part::cols) {
-          src = reinterpret_cast<const char*>(t.data) + static_cast<size_t>(first + r0) * row_bytes(t);
+          if (t.row_order.empty()) {
+            src = reinterpret_cast<const char*>(t.data) +
+                  static_cast<size_t>(first + r0) * row_bytes(t);
+          } else {
+            raw.resize(band_bytes);
+            copy_stored_cols(t, first + r0, count, 0, cols, raw.data());
+            src = raw.data();
+          }
         } else {
           raw.resize(band_bytes);
           copy_stored_cols(t, r0, count, j.start, j.count, raw.data());
@@ -398,10 +466,19 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     if (progress)
       progress(n + 1, jobs.size());
   }
-  held_.clear();
-  for (size_t n = 0; n < jobs.size(); ++n)
-    held_.push_back({jobs[n].name, local_shapes[n], jobs[n].type, jobs[n].slot->ptr,
-                     jobs[n].slot->packed});
+  if (cache) {
+    // Named for the next start, then mapped copy-on-write from the page cache: what this
+    // process writes into its weights from now on (an update, a reload) never reaches the
+    // file. The pages are the ones just written, so nothing is read or copied.
+    // The shared mapping goes first: both at once would count the pages twice in the
+    // process's resident memory.
+    cache->commit();
+    weights_.reset();
+    weights_ = device_buffer::map_file(dev_, cache->fd(), cache->data_offset(), total,
+                                       memory_tag::weights, false);
+    place();
+  }
+  keep();
 }
 
 llama_model::shard llama_model::shard_of(projection p) const {

@@ -86,6 +86,15 @@ public:
   /// reload into the same memory.
   void load(const checkpoint& ckpt, const load_progress& progress = {}, bool presharded = false);
 
+  /// Keeps the weights a load puts in new memory in a file under `directory`
+  /// (`weight_cache_file`), and maps them from there instead when a later load (another
+  /// process's) finds that file made from the same checkpoint files, as they are now, in
+  /// the same layout; the empty string turns it off (the default). Only a device that maps
+  /// files (the CPU) uses it.
+  void use_weight_cache(std::string directory) {
+    cache_directory_ = std::move(directory);
+  }
+
   std::string architecture() const override;
   int64_t num_parameters() const override;
 
@@ -297,6 +306,8 @@ private:
   /// Every weight of this rank in one allocation under `memory_tag::weights`: a GPU maps
   /// memory in 2 MiB granules, so one allocation per tensor would round each small one up.
   device_buffer weights_;
+  /// `use_weight_cache`.
+  std::string cache_directory_;
   tensor_slot embed_;
   tensor_slot final_norm_;
   tensor_slot lm_head_; // empty when tied

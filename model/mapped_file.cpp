@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -15,10 +16,11 @@ namespace troupe {
 
 namespace {
 
-/// An open descriptor of the regular file at `path` and its size; throws naming the file,
-/// prefixed with `kind`. Non-blocking, so that a FIFO or a device is refused instead of
-/// waiting forever.
-int open_regular(const std::string& path, const char* kind, std::size_t& size) {
+/// An open descriptor of the regular file at `path` and its size (and what it is, for
+/// `identity`); throws naming the file, prefixed with `kind`. Non-blocking, so that a FIFO
+/// or a device is refused instead of waiting forever.
+int open_regular(const std::string& path, const char* kind, std::size_t& size,
+                 std::string* identity = nullptr) {
   auto fail = [&](const std::string& what) {
     throw error{errc::invalid_argument, std::string{kind} + " '" + path + "': " + what};
   };
@@ -36,6 +38,14 @@ int open_regular(const std::string& path, const char* kind, std::size_t& size) {
     fail("not a regular file");
   }
   size = static_cast<std::size_t>(st.st_size);
+  if (identity != nullptr) {
+    std::error_code ec;
+    auto absolute = std::filesystem::absolute(path, ec);
+    *identity = (ec ? path : absolute.lexically_normal().string()) + " size " +
+                std::to_string(st.st_size) + " device " + std::to_string(st.st_dev) +
+                " inode " + std::to_string(st.st_ino) + " modified " +
+                std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec);
+  }
   return fd;
 }
 
@@ -45,7 +55,7 @@ mapped_file::mapped_file(const std::string& path, const char* kind, std::size_t 
   auto fail = [&](const std::string& what) {
     throw error{errc::invalid_argument, std::string{kind} + " '" + path + "': " + what};
   };
-  int fd = open_regular(path, kind, size_);
+  int fd = open_regular(path, kind, size_, &identity_);
   if (size_ < min_size) {
     ::close(fd);
     fail("only " + std::to_string(size_) + " bytes, too short for a header");

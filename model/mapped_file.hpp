@@ -23,6 +23,12 @@ public:
     return size_;
   }
 
+  /// The file as it was opened: its absolute path, size, device, inode and modification
+  /// time. A file rewritten or replaced since has another.
+  const std::string& identity() const {
+    return identity_;
+  }
+
   /// Whether `p` points into the mapping.
   bool contains(const void* p) const;
 
@@ -34,6 +40,7 @@ public:
 private:
   void* map_ = nullptr;
   std::size_t size_ = 0;
+  std::string identity_;
 };
 
 /// The bytes of the regular file at `path` (a JSON config, a tokenizer). Throws

@@ -123,6 +123,7 @@ void model_worker::load_model() {
                                            format.type, format.stored_types,
                                            options_.cpu_precision == "fast");
   st.model->capture_decode_steps(!options_.enforce_eager);
+  st.model->use_weight_cache(options_.weight_cache);
   auto ckpt = open_checkpoint();
   // Before the load, which gives the file's pages back as it copies them.
   auto fingerprint = ckpt.fingerprint(to_config_json(st.config), !presharded);
@@ -588,6 +589,7 @@ void each_option(model_worker_options& o, F&& f) {
   f("dtype", o.dtype);
   f("enforce_eager", o.enforce_eager);
   f("cpu_precision", o.cpu_precision);
+  f("weight_cache", o.weight_cache);
   f("kv_cache_memory_bytes", o.kv_cache_memory_bytes);
   f("kv_cache_memory_fraction", o.kv_cache_memory_fraction);
   f("gpu_memory_utilization", o.gpu_memory_utilization);

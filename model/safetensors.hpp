@@ -19,9 +19,18 @@ struct tensor_view {
   /// Points into the mapping; valid while the file object lives.
   const std::byte* data = nullptr;
   std::size_t bytes = 0;
+  /// The stored row of each row of a 2-D tensor whose rows are stored in another order
+  /// (GGUF's q and k of a llama model); empty when they are in order.
+  std::vector<int64_t> row_order;
 
   /// Number of elements.
   int64_t numel() const;
+
+  /// Row `r` of a 2-D tensor whose rows are `row_bytes` long.
+  const std::byte* row(int64_t r, std::size_t row_bytes) const {
+    auto stored = row_order.empty() ? r : row_order[static_cast<std::size_t>(r)];
+    return data + static_cast<std::size_t>(stored) * row_bytes;
+  }
 };
 
 /// A safetensors file, memory-mapped read-only. The header is checked completely when the

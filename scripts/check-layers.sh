@@ -3,7 +3,8 @@
 #   include/troupe  the public API: nothing private
 #   messages        include/
 #   kernels         include/
-#   actors          messages/, include/, and of kernels/ the device interface only
+#   actors          messages/, include/, and of kernels/ the device interface and the log
+#                   (the named loggers, kernels/log.hpp, which model/ uses too)
 #   model           kernels/, include/
 #   engine          include/, and of model/ the loaders (config, checkpoint, adapters, tokenizer)
 #   server          include/
@@ -17,7 +18,7 @@ rules=(
   "include/troupe|troupe/"
   "messages|troupe/"
   "kernels|troupe/"
-  "actors|messages/ troupe/ kernels/device.hpp"
+  "actors|messages/ troupe/ kernels/device.hpp kernels/log.hpp"
   "model|kernels/ troupe/"
   "engine|troupe/ model/config.hpp model/checkpoint.hpp model/adapters.hpp model/tokenizer.hpp"
   "server|troupe/"

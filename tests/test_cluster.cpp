@@ -2,7 +2,7 @@
 // the same results as all-local runs, generation across processes, failures noticed
 // (kill -9, SIGSTOP) within the heartbeat timeout, and peers without the secret refused.
 
-#include "actors/log.hpp"
+#include "kernels/log.hpp"
 #include "actors/node_auth.hpp"
 #include "actors/node_link.hpp"
 #include "actors/remoting.hpp"

@@ -7,7 +7,13 @@
 
 #include <doctest/doctest.h>
 
+#include <cstdio>
 #include <cstring>
+#include <string>
+#include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 using namespace troupe;
 using troupe::testing::rss_bytes;
@@ -44,6 +50,32 @@ int64_t usage_of(const device& dev, memory_tag tag, int64_t memory_usage::*field
       return u.*field;
   return -1;
 }
+
+/// A file of `n` bytes (`fill` with `seed`) that is gone when the object is.
+struct temp_file {
+  std::string path;
+  int fd = -1;
+
+  temp_file(size_t n, unsigned seed) {
+    char name[] = "/tmp/troupe-device-XXXXXX";
+    fd = mkstemp(name);
+    REQUIRE(fd >= 0);
+    path = name;
+    std::vector<unsigned char> bytes(n);
+    fill(bytes.data(), n, seed);
+    REQUIRE(pwrite(fd, bytes.data(), n, 0) == static_cast<ssize_t>(n));
+  }
+  ~temp_file() {
+    ::close(fd);
+    std::remove(path.c_str());
+  }
+
+  bool holds_fill(size_t n, unsigned seed) const {
+    std::vector<unsigned char> bytes(n);
+    return pread(fd, bytes.data(), n, 0) == static_cast<ssize_t>(n) &&
+           same_as_fill(bytes.data(), n, seed);
+  }
+};
 
 } // namespace
 
@@ -116,6 +148,53 @@ TEST_CASE("level-2 sleep releases everything with no backup and weights come bac
   CHECK(all_zero(w, n));
   dev.wake_up({memory_tag::kv_cache});
   CHECK(all_zero(kv, n));
+}
+
+TEST_CASE("a file mapped copy-on-write reads as the file, never writes it, sleeps and wakes "
+          "as any allocation") {
+  cpu_device dev{0};
+  const size_t n = 32 * mib;
+  temp_file file{n, 5};
+  auto before = rss_bytes();
+  auto w = dev.map_file(file.fd, 0, n, memory_tag::weights, false);
+  REQUIRE(w != nullptr);
+  // Mapped whole at once, from the page cache.
+  CHECK(rss_bytes() - before >= static_cast<int64_t>(0.9 * static_cast<double>(n)));
+  CHECK(same_as_fill(w, n, 5));
+  CHECK(usage_of(dev, memory_tag::weights, &memory_usage::allocated_bytes) ==
+        static_cast<int64_t>(n));
+  static_cast<unsigned char*>(w)[1000] ^= 0xff; // this process's copy only
+  CHECK(file.holds_fill(n, 5));
+  // Level 1: the contents come back as they were, the write included.
+  dev.sleep(sleep_level::offload_weights);
+  CHECK(usage_of(dev, memory_tag::weights, &memory_usage::backup_bytes) ==
+        static_cast<int64_t>(n));
+  dev.wake_up({});
+  static_cast<unsigned char*>(w)[1000] ^= 0xff;
+  CHECK(same_as_fill(w, n, 5));
+  // Level 2: the pages leave the process, and zeros wake in their place, not the file.
+  auto awake = rss_bytes();
+  dev.sleep(sleep_level::discard);
+  CHECK(awake - rss_bytes() >= static_cast<int64_t>(0.9 * static_cast<double>(n)));
+  dev.wake_up({});
+  CHECK(all_zero(w, n));
+  fill(w, n, 9); // anonymous memory now
+  CHECK(file.holds_fill(n, 5));
+  dev.deallocate(w);
+}
+
+TEST_CASE("a file mapped shared is written through, from an offset") {
+  cpu_device dev{0};
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t n = 4 * mib;
+  temp_file file{n + page, 1};
+  auto w = dev.map_file(file.fd, page, n, memory_tag::weights, true);
+  REQUIRE(w != nullptr);
+  fill(w, n, 8);
+  dev.deallocate(w);
+  std::vector<unsigned char> back(n);
+  REQUIRE(pread(file.fd, back.data(), n, static_cast<off_t>(page)) == static_cast<ssize_t>(n));
+  CHECK(same_as_fill(back.data(), n, 8));
 }
 
 TEST_CASE("the pool refuses what it cannot do with the reason") {

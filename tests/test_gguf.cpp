@@ -19,12 +19,16 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <set>
 #include <filesystem>
 #include <fstream>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 using namespace troupe;
@@ -94,6 +98,19 @@ void check_greedy_runs(const std::string& path, const nlohmann::json& runs) {
       testing::greedy_tokens(exec, run["token_ids"].get<std::vector<int32_t>>(), 32);
     CHECK_MESSAGE(generated == run["greedy"].get<std::vector<int32_t>>(), path);
   }
+}
+
+/// Whether `bytes` are the checkpoint's tensor `t` as stored, its rows in Hugging Face's
+/// order (GGUF's q and k rows are stored interleaved).
+template <class Bytes>
+bool same_as_stored(const Bytes& bytes, const tensor_view& t) {
+  if (bytes.size() != t.bytes)
+    return false;
+  auto row = t.bytes / static_cast<size_t>(t.shape[0]);
+  for (int64_t r = 0; r < t.shape[0]; ++r)
+    if (std::memcmp(bytes.data() + static_cast<size_t>(r) * row, t.row(r, row), row) != 0)
+      return false;
+  return true;
 }
 
 std::string error_of(const std::string& path) {
@@ -245,7 +262,7 @@ TEST_CASE("the fast CPU path (8-bit activations) stays close to transformers' ne
         auto& stored = ckpt.at(t.name);
         auto bytes = model.download(t);
         REQUIRE(bytes.size() == storage_bytes(t.type, static_cast<size_t>(t.shape[0] * t.shape[1])));
-        CHECK(std::memcmp(bytes.data(), stored.data, bytes.size()) == 0);
+        CHECK(same_as_stored(bytes, stored));
         ++packed_tensors;
       }
     }
@@ -297,7 +314,7 @@ TEST_CASE("the fast CPU path on BF16 weights: packed, read back as stored, and c
                        t.shape.size() == 2));
     if (t.packed) {
       auto bytes = fast.download(t);
-      CHECK(std::memcmp(bytes.data(), ckpt.at(t.name).data, bytes.size()) == 0);
+      CHECK(same_as_stored(bytes, ckpt.at(t.name)));
       ++packed;
     }
   }
@@ -320,6 +337,121 @@ TEST_CASE("greedy generation from a GGUF file through the executor matches trans
   auto ref = reference();
   for (auto type : types) // dtype auto: computed in the stored types
     check_greedy_runs(file_of(type), ref[type]);
+}
+
+TEST_CASE("the weight cache: a later load maps what the first packed and computes the same "
+          "logits, and a changed model file or a broken cache file is packed again") {
+  namespace fs = std::filesystem;
+  auto root = fs::temp_directory_path() / ("troupe-weight-cache-" + std::to_string(getpid()));
+  fs::remove_all(root);
+  fs::create_directories(root);
+  auto model_path = (root / "model.gguf").string();
+  fs::copy_file(k_dir + "/llama-k-q4_k_m.gguf", model_path);
+  auto cache_dir = (root / "cache").string();
+  auto cfg = checkpoint::gguf_config(model_path);
+  const std::vector<int32_t> prompt{1, 17, 42, 99, 150, 3, 8};
+  cpu_device dev{0};
+  auto cache_files = [&] {
+    std::vector<fs::path> out;
+    if (fs::exists(cache_dir))
+      for (auto& e : fs::directory_iterator(cache_dir))
+        out.push_back(e.path());
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  auto inode = [](const fs::path& p) {
+    struct stat st {};
+    REQUIRE(::stat(p.c_str(), &st) == 0);
+    return st.st_ino;
+  };
+  for (bool fast : {false, true}) {
+    INFO((fast ? "fast" : "exact"));
+    auto ckpt = checkpoint::from_gguf(model_path, cfg);
+    llama_model plain{cfg, dev, 0, 1, dtype::f32, true, fast};
+    plain.load(ckpt);
+    auto want = prefill_logits(plain, dev, cfg, prompt);
+    auto before = cache_files().size();
+    auto loaded = [&] {
+      auto m = std::make_unique<llama_model>(cfg, dev, 0, 1, dtype::f32, true, fast);
+      m->use_weight_cache(cache_dir);
+      m->load(checkpoint::from_gguf(model_path, cfg));
+      return m;
+    };
+    auto first = loaded();
+    CHECK(prefill_logits(*first, dev, cfg, prompt) == want);
+    auto files = cache_files();
+    REQUIRE(files.size() == before + 1); // one file per layout: exact and fast differ
+    std::map<fs::path, ino_t> inodes;
+    for (auto& f : files)
+      inodes[f] = inode(f);
+    // Found, not rewritten: every file keeps its inode, and the logits are the same.
+    auto second = loaded();
+    CHECK(prefill_logits(*second, dev, cfg, prompt) == want);
+    for (auto& f : cache_files())
+      CHECK(inode(f) == inodes[f]);
+    // The weights sleep and wake as any: level 1 keeps them, level 2 needs a reload.
+    dev.sleep(sleep_level::offload_weights);
+    dev.wake_up({});
+    CHECK(prefill_logits(*second, dev, cfg, prompt) == want);
+    dev.sleep(sleep_level::discard);
+    dev.wake_up({});
+    second->load(checkpoint::from_gguf(model_path, cfg));
+    CHECK(prefill_logits(*second, dev, cfg, prompt) == want);
+  }
+  auto files = cache_files();
+  REQUIRE(files.size() == 2);
+  std::map<fs::path, ino_t> inodes;
+  for (auto& f : files)
+    inodes[f] = inode(f);
+  // A model file changed since (its time, here): the next load packs it again, and the new
+  // file takes the old one's place.
+  fs::last_write_time(model_path, fs::last_write_time(model_path) + std::chrono::seconds(1));
+  auto ckpt = checkpoint::from_gguf(model_path, cfg);
+  llama_model plain{cfg, dev, 0, 1, dtype::f32, true, true};
+  plain.load(ckpt);
+  auto want = prefill_logits(plain, dev, cfg, prompt);
+  {
+    llama_model again{cfg, dev, 0, 1, dtype::f32, true, true};
+    again.use_weight_cache(cache_dir);
+    again.load(ckpt);
+    CHECK(prefill_logits(again, dev, cfg, prompt) == want);
+  }
+  CHECK(cache_files() == files);
+  int rewritten = 0;
+  for (auto& f : files)
+    rewritten += inode(f) != inodes[f];
+  CHECK(rewritten == 1);
+  // A cache file cut short is not used, and is written again whole.
+  std::map<fs::path, uintmax_t> sizes;
+  for (auto& f : files) {
+    sizes[f] = fs::file_size(f);
+    fs::resize_file(f, sizes[f] / 2);
+  }
+  {
+    llama_model again{cfg, dev, 0, 1, dtype::f32, true, true};
+    again.use_weight_cache(cache_dir);
+    again.load(ckpt);
+    CHECK(prefill_logits(again, dev, cfg, prompt) == want);
+  }
+  int whole = 0;
+  for (auto& f : files)
+    whole += fs::file_size(f) == sizes[f];
+  CHECK(whole == 1); // the fast path's file; the exact one stays short until it is loaded
+  // A directory that cannot be made costs the cache, not the load.
+  {
+    llama_model again{cfg, dev, 0, 1, dtype::f32, true, true};
+    again.use_weight_cache(model_path + "/cache");
+    again.load(ckpt);
+    CHECK(prefill_logits(again, dev, cfg, prompt) == want);
+  }
+  // Each rank of a split model has its own file.
+  for (int32_t rank = 0; rank < 2; ++rank) {
+    llama_model part{cfg, dev, rank, 2, dtype::f32, true, true};
+    part.use_weight_cache(cache_dir);
+    part.load(ckpt);
+  }
+  CHECK(cache_files().size() == 4);
+  fs::remove_all(root);
 }
 
 TEST_CASE("broken GGUF files are errors naming the file and the tensor") {

@@ -32,7 +32,16 @@ public:
   /// the memory cannot be had, or (`sleeping`) when the tag sleeps.
   virtual void* allocate(std::size_t bytes, memory_tag tag) = 0;
 
-  /// Frees memory from `allocate`; `nullptr` is ignored.
+  /// Maps `bytes` of the open file `fd` from `offset` (a multiple of the page size) as a new
+  /// allocation under `tag`, or returns nullptr where the device cannot use a file's pages
+  /// as its memory (a GPU). `shared`: what is written reaches the file (to fill it).
+  /// Otherwise copy-on-write: writes stay in this process, and the pages nobody writes are
+  /// the page cache's, so mapping a file that is cached costs no fresh memory. Sleep and
+  /// wake treat it as any allocation; it is freed with `deallocate`.
+  virtual void* map_file(int fd, std::size_t offset, std::size_t bytes, memory_tag tag,
+                         bool shared);
+
+  /// Frees memory from `allocate` or `map_file`; `nullptr` is ignored.
   virtual void deallocate(void* ptr) noexcept = 0;
 
   /// Releases the memory of every awake tag; `offload_weights` first backs up `weights`.
@@ -71,6 +80,18 @@ public:
   /// Allocates `bytes` under `tag` on `dev`.
   device_buffer(device& dev, std::size_t bytes, memory_tag tag)
     : dev_(&dev), ptr_(dev.allocate(bytes, tag)), size_(bytes) {
+  }
+
+  /// `device::map_file` as a buffer; an empty one where the device cannot map files.
+  static device_buffer map_file(device& dev, int fd, std::size_t offset, std::size_t bytes,
+                                memory_tag tag, bool shared) {
+    device_buffer b;
+    b.ptr_ = dev.map_file(fd, offset, bytes, tag, shared);
+    if (b.ptr_ != nullptr) {
+      b.dev_ = &dev;
+      b.size_ = bytes;
+    }
+    return b;
   }
 
   device_buffer(device_buffer&& other) noexcept

@@ -46,6 +46,12 @@ struct model_worker_options {
   /// llama.cpp computes them: logits move slightly, as far as llama.cpp's do (`troupe
   /// perplexity` and scripts/fidelity.sh measure it), which can flip a near-tie.
   std::string cpu_precision = "exact";
+  /// A directory where the CPU keeps each rank's weights as it computes on them (repacked,
+  /// converted), one file per model file and rank, so that the next start maps them from
+  /// the page cache instead of reading and repacking the checkpoint. A file is used only
+  /// when it was made from the same model files, unchanged since, in the same layout. Empty
+  /// (the default): none. The `troupe` commands default to `~/.cache/troupe/weights`.
+  std::string weight_cache;
   /// Bytes for the device KV cache; 0 sizes it from the device's memory after a profiled
   /// step at the largest batch: on the CPU `kv_cache_memory_fraction` of the free memory
   /// (after the weights are loaded) less the step's peak; on a GPU what is left of

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -58,6 +59,10 @@ bool populate(void* ptr, std::size_t bytes) {
   return madvise(ptr, bytes, MADV_POPULATE_WRITE) == 0;
 }
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 // Linux 5.14
+#endif
+
 #ifndef MREMAP_DONTUNMAP
 #define MREMAP_DONTUNMAP 4 // Linux 5.7
 #endif
@@ -108,6 +113,49 @@ void* cpu_device::map_new(region& r) {
   return reserve(r.mapped, r.tag == memory_tag::weights);
 }
 
+void* cpu_device::map_file_region(region& r, int fd, std::size_t offset, bool shared) {
+  r.mapped = round_to_pages(r.requested == 0 ? 1 : r.requested);
+  // A private mapping is mapped whole right away (its pages are the page cache's: one call
+  // beats a fault per page), read-only while it is: populating a writable private mapping
+  // copies every page, as if written. A shared one is about to be written.
+  // At an address that is the file offset modulo 2 MiB, so that the page cache's huge
+  // folios map whole (one TLB entry where 512 small pages would take 512: decode reads
+  // every weight each step).
+  constexpr std::size_t huge = std::size_t{2} << 20;
+  auto room = mmap(nullptr, r.mapped + huge, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (room == MAP_FAILED)
+    fail("mmap", r.mapped + huge);
+  auto start = reinterpret_cast<uintptr_t>(room);
+  auto at = start + ((offset % huge) + huge - start % huge) % huge;
+  if (at > start)
+    munmap(room, at - start);
+  if (auto tail = start + r.mapped + huge - (at + r.mapped); tail > 0)
+    munmap(reinterpret_cast<void*>(at + r.mapped), tail);
+  auto ptr = mmap(reinterpret_cast<void*>(at), r.mapped,
+                  shared ? PROT_READ | PROT_WRITE : PROT_READ,
+                  MAP_FIXED | (shared ? MAP_SHARED : MAP_PRIVATE), fd,
+                  static_cast<off_t>(offset));
+  if (ptr == MAP_FAILED) {
+    auto err = errno;
+    munmap(reinterpret_cast<void*>(at), r.mapped);
+    errno = err;
+    fail("mmap of a file", r.mapped);
+  }
+  // Pages the file has yet to get in the page cache come as huge folios (advice only).
+  madvise(ptr, r.mapped, MADV_HUGEPAGE);
+  if (!shared)
+    madvise(ptr, r.mapped, MADV_POPULATE_READ);
+  if (!shared && mprotect(ptr, r.mapped, PROT_READ | PROT_WRITE) != 0) {
+    auto err = errno;
+    munmap(ptr, r.mapped);
+    errno = err;
+    fail("mprotect of a file's mapping", r.mapped);
+  }
+  r.file = true;
+  return ptr;
+}
+
 void cpu_device::free_region(void* ptr, region& r) noexcept {
   munmap(ptr, r.mapped);
   if (r.backup != nullptr)
@@ -128,6 +176,19 @@ void cpu_device::undo_backup(void* ptr, region& r) {
 }
 
 void cpu_device::release(void* ptr, region& r) {
+  if (r.file && !r.backed_up) {
+    // A file's pages would come back with the file's contents, not the zeros a wake-up
+    // without a backup promises: the range becomes anonymous memory, with no pages.
+    if (mmap(ptr, r.mapped, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+             -1, 0) == MAP_FAILED)
+      fail("mmap over a file's range", r.mapped);
+    if (r.tag == memory_tag::weights)
+      madvise(ptr, r.mapped, MADV_HUGEPAGE);
+    r.file = false;
+    return;
+  }
+  // A backed-up file's range (left mapped by the move) goes the same way: the backup holds
+  // its pages, and the wake-up moves them back over it.
   release_pages(ptr, r.mapped);
   protect(ptr, r.mapped, PROT_NONE);
 }

@@ -16,7 +16,9 @@ namespace troupe {
 /// silently allocating. A level-1 sleep first moves the pages of each `weights` allocation
 /// to a host backup range (`mremap`: the backup of host memory in host memory needs no
 /// copy), and the wake-up moves them back to the same addresses, so an awake device does
-/// not hold the weights twice. Needs Linux 5.7 or later (`MREMAP_DONTUNMAP`).
+/// not hold the weights twice. Needs Linux 5.7 or later (`MREMAP_DONTUNMAP`; 5.13 for a
+/// file's pages, `map_file`). A file mapping that sleeps is released as any range; what
+/// wakes in its place is zeroed memory, or the backup's pages.
 class cpu_device final : public tagged_pool {
 public:
   explicit cpu_device(int32_t index);
@@ -29,6 +31,7 @@ public:
 
 private:
   void* map_new(region& r) override;
+  void* map_file_region(region& r, int fd, std::size_t offset, bool shared) override;
   void free_region(void* ptr, region& r) noexcept override;
   /// Moves the pages to a backup range (`r.backup`).
   void back_up(void* ptr, region& r) override;

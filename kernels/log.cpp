@@ -1,4 +1,4 @@
-#include "actors/log.hpp"
+#include "kernels/log.hpp"
 
 #include <spdlog/cfg/env.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
