@@ -3,7 +3,9 @@
 # and the same threads, in one run with alternating processes: decode at batch 1 and
 # prefill of 512 tokens (`llama-bench` against `troupe bench step`), batched decode at 8
 # and 32 (`llama-batched-bench`), start-up to one token with its peak resident memory
-# (`llama-simple` against `troupe generate`, the file in the page cache), and the bandwidth
+# (`llama-simple` against `troupe generate`, the file in the page cache; troupe's with its
+# weight cache written by the runs before, and its first start, which writes the cache, as
+# "startup_first"), and the bandwidth
 # floor of this machine (the weights' bytes over the read bandwidth of every core, which
 # `troupe bench step` measures in the same process). Prints one JSON object per
 # measurement, then a table of medians and ratios. A benchmark, not a test: the llama.cpp
@@ -31,9 +33,12 @@ source scripts/llamacpp-lib.sh
 build_llamacpp
 [ ${#models[@]} -eq 0 ] && default_models
 
-# One measurement of each side, alternating; JSON lines into $results.
+# One measurement of each side, alternating; JSON lines into $results. troupe's weight
+# cache is the run's own.
 results=$(mktemp)
-trap 'rm -f "$results" "$results.time"' EXIT
+weight_cache=$(mktemp -d)
+export TROUPE_WEIGHT_CACHE=$weight_cache/warm
+trap 'rm -rf "$results" "$results.time" "$weight_cache"' EXIT
 llama_bench() { # model, then llama-bench's shape flags
   local model=$1
   shift
@@ -71,16 +76,18 @@ for line in sys.stdin:
         print(json.dumps({"engine": "llama.cpp", "model": sys.argv[1],
                           "what": "decode_batch%d" % r["pl"], "tokens_per_s": r["speed_tg"]}))' "$1"
 }
-startup() { # engine, model, then the command: wall seconds and peak resident bytes
-  local engine=$1 model=$2
-  shift 2
+startup() { # engine, model, what (startup or startup_first), then the command: wall
+  # seconds and peak resident bytes
+  local engine=$1 model=$2 what=$3
+  shift 3
   /usr/bin/time -f "%e %M" -o "$results.time" "$@" > /dev/null 2>&1
   python3 -c 'import json, sys
-seconds, kib = open(sys.argv[3]).read().split()[-2:]
-print(json.dumps({"engine": sys.argv[1], "model": sys.argv[2], "what": "startup_s",
+seconds, kib = open(sys.argv[4]).read().split()[-2:]
+print(json.dumps({"engine": sys.argv[1], "model": sys.argv[2], "what": sys.argv[3] + "_s",
                   "value": float(seconds)}))
-print(json.dumps({"engine": sys.argv[1], "model": sys.argv[2], "what": "startup_peak_mib",
-                  "value": int(kib) / 1024}))' "$engine" "$model" "$results.time"
+print(json.dumps({"engine": sys.argv[1], "model": sys.argv[2],
+                  "what": sys.argv[3] + "_peak_mib", "value": int(kib) / 1024}))' \
+    "$engine" "$model" "$what" "$results.time"
 }
 for model in "${models[@]}"; do
   # The file into the page cache first: both sides start from it.
@@ -93,9 +100,14 @@ for model in "${models[@]}"; do
       troupe_step "$model" --batch 8 --prompt-len 16 --decode-steps 32
       troupe_step "$model" --batch 32 --prompt-len 16 --decode-steps 32
       llama_batched "$model"
-      startup llama.cpp "$model" "$bin/llama-simple" -m "$model" -n 1 "Hello world"
-      startup troupe "$model" "$troupe" generate --model "$model" --prompt "Hello world" \
-        --max-tokens 1 --cpu-precision "$precision" --kv-cache-memory $((64 << 20))
+      startup llama.cpp "$model" startup "$bin/llama-simple" -m "$model" -n 1 "Hello world"
+      startup troupe "$model" startup "$troupe" generate --model "$model" \
+        --prompt "Hello world" --max-tokens 1 --cpu-precision "$precision" \
+        --kv-cache-memory $((64 << 20))
+      startup troupe "$model" startup_first "$troupe" generate --model "$model" \
+        --prompt "Hello world" --max-tokens 1 --cpu-precision "$precision" \
+        --kv-cache-memory $((64 << 20)) --weight-cache "$weight_cache/first"
+      rm -rf "$weight_cache/first"
     } | tee -a "$results"
   done
 done
@@ -110,8 +122,10 @@ median = {k: statistics.median(v) for k, v in runs.items()}
 print(f"\n{'model':34} {'measure':16} {'troupe':>8} {'llama.cpp':>9} {'ratio':>6} {'floor':>7}")
 for model in dict.fromkeys(k[0] for k in median):
     for what in ("decode", "prefill", "decode_batch8", "decode_batch32", "startup_s",
-                 "startup_peak_mib"):
-        ours, theirs = median.get((model, what, "troupe")), median.get((model, what, "llama.cpp"))
+                 "startup_peak_mib", "startup_first_s", "startup_first_peak_mib"):
+        # A first start is compared with llama.cpp's start, which has no cache to write.
+        ours = median.get((model, what, "troupe"))
+        theirs = median.get((model, what.replace("_first", ""), "llama.cpp"))
         if ours is None or theirs is None:
             continue
         floor = median.get((model, what, "floor"))

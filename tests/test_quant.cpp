@@ -303,7 +303,10 @@ TEST_CASE("packed layouts: they round-trip, and their kernels give the row kerne
     }
   }
   // BF16: float32 sums of the bfloat16 activations and weights.
-  for (auto s : {shape{16, 1, 2}, shape{32, 3, 64}, shape{48, 9, 130}, shape{16, 17, 512}}) {
+  // AMX (where the CPU has it) takes 4 rows or more when k is whole tiles of 32: one group
+  // or two, one block of 16 rows or two, short blocks, and k in spans (600 rows).
+  for (auto s : {shape{16, 1, 2}, shape{32, 3, 64}, shape{48, 9, 130}, shape{16, 17, 512},
+                 shape{48, 40, 96}, shape{80, 33, 64}, shape{32, 16, 32}, shape{32, 600, 1024}}) {
     INFO("BF16, n " << s.n << " m " << s.m << " k " << s.k);
     auto w = random_floats(static_cast<size_t>(s.n * s.k), 23);
     auto x = random_floats(static_cast<size_t>(s.m * s.k), 24);
@@ -326,13 +329,20 @@ TEST_CASE("packed layouts: they round-trip, and their kernels give the row kerne
     to_float(dtype::bf16, stored.data(), wd.data(), w.size());
     to_float(dtype::bf16, xb_bytes.data(), xd.data(), x.size());
     auto want = reference(wd, xd, s.n, s.m, s.k);
-    std::vector<float> y(want.y.size(), 1.0f);
-    cpu::dot_packed_bf16(packed.data(), xb.data(), s.m, s.k, y.data(), s.n, 16, s.n, false);
-    require_rows_from(y, want, 16, s.m, s.n);
-    std::vector<float> acc(want.y.size(), 2.0f);
-    cpu::dot_packed_bf16(packed.data(), xb.data(), s.m, s.k, acc.data(), s.n, 0, s.n, true);
-    for (size_t at = 0; at < acc.size(); ++at)
-      REQUIRE(want.close(at, acc[at], 2.0));
+    for (auto layout : {cpu::bf16_layout::rows, cpu::bf16_layout_for(s.m, s.k)}) {
+      INFO((layout == cpu::bf16_layout::tiles ? "AMX tiles" : "rows"));
+      std::vector<uint16_t> xl(cpu::bf16_elements(layout, s.m, s.k));
+      cpu::to_bf16(x.data(), s.m, s.k, layout, xl.data());
+      std::vector<float> y(want.y.size(), 1.0f);
+      cpu::dot_packed_bf16(packed.data(), xl.data(), layout, s.m, s.k, y.data(), s.n, 16, s.n,
+                           false);
+      require_rows_from(y, want, 16, s.m, s.n);
+      std::vector<float> acc(want.y.size(), 2.0f);
+      cpu::dot_packed_bf16(packed.data(), xl.data(), layout, s.m, s.k, acc.data(), s.n, 0, s.n,
+                           true);
+      for (size_t at = 0; at < acc.size(); ++at)
+        REQUIRE(want.close(at, acc[at], 2.0));
+    }
   }
   std::vector<char> odd(storage_bytes(dtype::q4_k, 16 * 256)), out(odd.size());
   CHECK_THROWS_WITH(cpu::pack_rows(dtype::q4_k, odd.data(), out.data(), 8, 256),

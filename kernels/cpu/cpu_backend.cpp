@@ -74,9 +74,10 @@ public:
     bool rounded = integer || (quantized && any_packed);
     bool float_sums = quantized && !integer && !all_packed;
     bool packed_bf16 = w_type == dtype::bf16 && any_packed;
+    auto layout = cpu::bf16_layout_for(m, k);
     if (packed_bf16) {
-      xb_.resize(static_cast<size_t>(m * k));
-      cpu::to_bf16_rows(x, m * k, xb_.data());
+      xb_.resize(cpu::bf16_elements(layout, m, k));
+      cpu::to_bf16(x, m, k, layout, xb_.data());
     }
     if (quantized) {
       if (k % block_elements(w_type) != 0)
@@ -116,7 +117,8 @@ public:
       int64_t begin = (p - starts_[which]) * rows_per_part;
       int64_t end = std::min(o.n, begin + rows_per_part);
       if (o.packed && packed_bf16)
-        cpu::dot_packed_bf16(o.w, xb_.data(), m, k, o.y, o.row_stride(), begin, end, o.accumulate);
+        cpu::dot_packed_bf16(o.w, xb_.data(), layout, m, k, o.y, o.row_stride(), begin, end,
+                             o.accumulate);
       else if (o.packed)
         cpu::dot_packed_int8(w_type, o.w, xq_, o.y, o.row_stride(), begin, end, o.accumulate);
       else if (integer)

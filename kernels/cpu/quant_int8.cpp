@@ -21,9 +21,18 @@ void quantize(const float* x, int64_t blocks, int64_t block, int8_t* q, float* s
 void dot_packed_bf16(const unsigned char* w, const uint16_t* x, int64_t m, int64_t k, float* y,
                      int64_t ldy, int64_t begin, int64_t end, bool accumulate);
 }
+namespace amx {
+bool available();
+void to_tiles(const float* x, int64_t m, int64_t k, uint16_t* out);
+void dot_packed_bf16(const unsigned char* w, const uint16_t* x, int64_t m, int64_t k, float* y,
+                     int64_t ldy, int64_t begin, int64_t end, bool accumulate);
+}
 #endif
 
 namespace {
+
+/// The fewest activation rows the BF16 GEMM takes to AMX.
+constexpr int64_t amx_min_rows = 4;
 
 bool cpu_has_vnni() {
 #if TROUPE_X86_KERNELS
@@ -371,17 +380,51 @@ void to_bf16_rows(const float* x, int64_t count, uint16_t* out) {
 #endif
 }
 
-void dot_packed_bf16(const void* w, const uint16_t* x, int64_t m, int64_t k, float* y,
-                     int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
+bf16_layout bf16_layout_for(int64_t m, int64_t k) {
+#if TROUPE_X86_KERNELS
+  if (m >= amx_min_rows && k % 32 == 0 && has_packed_layout(dtype::bf16) && amx::available())
+    return bf16_layout::tiles;
+#else
+  (void)m;
+  (void)k;
+#endif
+  return bf16_layout::rows;
+}
+
+size_t bf16_elements(bf16_layout layout, int64_t m, int64_t k) {
+  auto rows = layout == bf16_layout::tiles ? (m + 31) / 32 * 32 : m;
+  return static_cast<size_t>(rows * k);
+}
+
+void to_bf16(const float* x, int64_t m, int64_t k, bf16_layout layout, uint16_t* out) {
+  if (layout == bf16_layout::rows)
+    return to_bf16_rows(x, m * k, out);
+  if (bf16_layout_for(m, k) != bf16_layout::tiles)
+    throw error{errc::unsupported, "no AMX-BF16 for " + std::to_string(m) + " x " +
+                                     std::to_string(k) + " bfloat16 tiles"};
+#if TROUPE_X86_KERNELS
+  amx::to_tiles(x, m, k, out);
+#endif
+}
+
+void dot_packed_bf16(const void* w, const uint16_t* x, bf16_layout layout, int64_t m,
+                     int64_t k, float* y, int64_t ldy, int64_t begin, int64_t end,
+                     bool accumulate) {
   if (!has_packed_layout(dtype::bf16))
     throw error{errc::unsupported, "no BF16 instructions on this CPU"};
   if (begin % packed_rows != 0 || end % packed_rows != 0 || k % 2 != 0)
     throw error{errc::invalid_argument, "packed BF16 rows go in groups of 16 and columns in "
                                         "pairs, not [" + std::to_string(begin) + ", " +
                                           std::to_string(end) + ") x " + std::to_string(k)};
+  if (layout == bf16_layout::tiles && bf16_layout_for(m, k) != bf16_layout::tiles)
+    throw error{errc::unsupported, "no AMX-BF16 for " + std::to_string(m) + " x " +
+                                     std::to_string(k) + " bfloat16 tiles"};
 #if TROUPE_X86_KERNELS
-  vnni::dot_packed_bf16(static_cast<const unsigned char*>(w), x, m, k, y, ldy, begin, end,
-                        accumulate);
+  auto bytes = static_cast<const unsigned char*>(w);
+  if (layout == bf16_layout::tiles)
+    amx::dot_packed_bf16(bytes, x, m, k, y, ldy, begin, end, accumulate);
+  else
+    vnni::dot_packed_bf16(bytes, x, m, k, y, ldy, begin, end, accumulate);
 #else
   (void)w;
   (void)x;

@@ -93,11 +93,29 @@ void unpack_rows(dtype w_type, const void* src, void* dst, int64_t rows, int64_t
 /// Throws `unsupported` where `has_packed_layout(dtype::bf16)` says no.
 void to_bf16_rows(const float* x, int64_t count, uint16_t* out);
 
-/// y[r·ldy + i] (+)= row i of BF16 weights `w`, packed, · row r of the bfloat16 x[m × k],
-/// for the rows i in [begin, end) (multiples of `packed_rows`), summed in float32 (AVX-512
-/// BF16). The fast path for BF16 weights: llama.cpp rounds the activations the same way.
-void dot_packed_bf16(const void* w, const uint16_t* x, int64_t m, int64_t k, float* y,
-                     int64_t ldy, int64_t begin, int64_t end, bool accumulate);
+/// How the activations of `dot_packed_bf16` are laid out: `rows` (m rows of k, AVX-512
+/// BF16), or `tiles` for AMX: blocks of 32 rows (the last one short), each holding for its
+/// two halves of 16 rows the tiles of 16 rows × 32 elements in k's order, with no gap.
+enum class bf16_layout { rows, tiles };
+
+/// The layout `dot_packed_bf16` computes an m × k product fastest from: `tiles` where the CPU
+/// has AMX-BF16 (and Linux lets this process use it), k is whole tiles of 32 and there are
+/// 4 rows or more (a decode step reads its weights as fast without).
+bf16_layout bf16_layout_for(int64_t m, int64_t k);
+
+/// Elements of x[m × k] in bfloat16 in `layout`.
+size_t bf16_elements(bf16_layout layout, int64_t m, int64_t k);
+
+/// x[m × k] rounded to bfloat16 (to nearest even) in `layout`.
+void to_bf16(const float* x, int64_t m, int64_t k, bf16_layout layout, uint16_t* out);
+
+/// y[r·ldy + i] (+)= row i of BF16 weights `w`, packed, · row r of the bfloat16 x[m × k] (in
+/// `layout`), for the rows i in [begin, end) (multiples of `packed_rows`), summed in
+/// float32 (AVX-512 BF16 or AMX). The fast path for BF16 weights: llama.cpp rounds the
+/// activations the same way.
+void dot_packed_bf16(const void* w, const uint16_t* x, bf16_layout layout, int64_t m,
+                     int64_t k, float* y, int64_t ldy, int64_t begin, int64_t end,
+                     bool accumulate);
 
 /// Row `row` of packed rows of `cols` elements at `w`, written to `dst` as stored.
 void unpack_row(dtype w_type, const void* w, int64_t row, int64_t cols, void* dst);
