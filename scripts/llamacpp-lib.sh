@@ -18,13 +18,31 @@ scale=${TROUPE_SCALE_DIR:-$HOME/.cache/troupe/scale}
 bin=$llamacpp/build/bin
 
 build_llamacpp() {
+  # On a CPU with AMX, llama.cpp's AMX kernels (tinygemm_kernel_amx) die of SIGILL on some
+  # machines (this 2-core VM among them; troupe's own AMX kernel runs there): a prefill of
+  # SmolLM2 is tried once, and where it dies llama.cpp is built again without AMX.
+  if [ -x "$llamacpp/build-noamx/bin/llama-bench" ]; then
+    bin=$llamacpp/build-noamx/bin
+    return 0
+  fi
+  build_llamacpp_in build ""
+  local model
+  model=$(bash scripts/fetch-smollm2.sh)
+  if ! "$bin/llama-bench" -m "$model" -t 1 -r 1 -p 64 -n 0 > /dev/null 2>&1; then
+    echo "llama.cpp's prefill died on this CPU (AMX): building it without AMX" >&2
+    build_llamacpp_in build-noamx "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    bin=$llamacpp/build-noamx/bin
+  fi
+}
+
+build_llamacpp_in() { # folder, extra compiler flags
   local tools="llama-bench llama-quantize llama-batched-bench llama-simple llama-perplexity"
   local missing=0 tool
   for tool in $tools; do
-    [ -x "$bin/$tool" ] || missing=1
+    [ -x "$llamacpp/$1/bin/$tool" ] || missing=1
   done
   [ $missing -eq 0 ] && return 0
-  echo "building llama.cpp's tools natively in $llamacpp (minutes)" >&2
+  echo "building llama.cpp's tools natively in $llamacpp/$1 (minutes)" >&2
   mkdir -p "$llamacpp"
   if ! ls "$llamacpp"/llama_cpp_python-*/vendor/llama.cpp/CMakeLists.txt > /dev/null 2>&1; then
     python3 -m pip download --quiet --no-deps --no-binary :all: --dest "$llamacpp" \
@@ -33,10 +51,11 @@ build_llamacpp() {
   fi
   local src
   src=$(ls -d "$llamacpp"/llama_cpp_python-*/vendor/llama.cpp | tail -1)
-  cmake -S "$src" -B "$llamacpp/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  cmake -S "$src" -B "$llamacpp/$1" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="$2" -DCMAKE_CXX_FLAGS="$2" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF > /dev/null
   # shellcheck disable=SC2086
-  cmake --build "$llamacpp/build" -j"$threads" --target $tools > /dev/null
+  cmake --build "$llamacpp/$1" -j"$threads" --target $tools > /dev/null
 }
 
 default_models() {
