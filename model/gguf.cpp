@@ -84,6 +84,25 @@ std::optional<dtype> dtype_of(uint32_t type) {
   }
 }
 
+/// The bytes of one element of a metadata array of `type`; 0 for strings, whose lengths
+/// vary.
+uint64_t element_bytes(const cursor& c, uint32_t type) {
+  switch (type) {
+    case 0: case 1: case 7:
+      return 1;
+    case 2: case 3:
+      return 2;
+    case 4: case 5: case 6:
+      return 4;
+    case 10: case 11: case 12:
+      return 8;
+    case 8:
+      return 0;
+    default:
+      bad(c.path, "unknown metadata type " + std::to_string(type));
+  }
+}
+
 gguf_file::value read_value(cursor& c, uint32_t type) {
   switch (type) {
     case 0:
@@ -111,31 +130,28 @@ gguf_file::value read_value(cursor& c, uint32_t type) {
     case 12:
       return c.get<double>();
     case 9: {
-      auto elem = c.get<uint32_t>();
-      auto count = c.get<uint64_t>();
-      if (elem == 9)
+      gguf_file::array a;
+      a.element_type = c.get<uint32_t>();
+      a.count = c.get<uint64_t>();
+      a.offset = c.pos;
+      if (a.element_type == 9)
         bad(c.path, "nested metadata arrays are not supported");
-      // Every element takes at least one byte: a count beyond the file is a lie.
-      c.need(count);
-      if (elem == 8) {
-        std::vector<std::string> out;
-        for (uint64_t i = 0; i < count; ++i)
-          out.push_back(c.str());
-        return out;
+      auto size = element_bytes(c, a.element_type);
+      if (size == 0) {
+        // Strings: each one's length is read to find the next.
+        for (uint64_t i = 0; i < a.count; ++i) {
+          auto len = c.get<uint64_t>();
+          c.need(len);
+          c.pos += len;
+        }
+      } else {
+        uint64_t bytes = 0;
+        if (__builtin_mul_overflow(a.count, size, &bytes))
+          bad(c.path, "a metadata array's size overflows");
+        c.need(bytes);
+        c.pos += bytes;
       }
-      std::vector<double> out;
-      for (uint64_t i = 0; i < count; ++i) {
-        auto v = read_value(c, elem);
-        if (auto x = std::get_if<int64_t>(&v))
-          out.push_back(static_cast<double>(*x));
-        else if (auto y = std::get_if<double>(&v))
-          out.push_back(*y);
-        else if (auto b = std::get_if<bool>(&v))
-          out.push_back(*b ? 1.0 : 0.0);
-        else
-          bad(c.path, "nested arrays are not supported");
-      }
-      return out;
+      return a;
     }
     default:
       bad(c.path, "unknown metadata type " + std::to_string(type));
@@ -236,6 +252,38 @@ std::vector<float> gguf_file::read(const tensor_info& t) const {
   return out;
 }
 
+std::optional<std::vector<std::string>> gguf_file::strings(const std::string& key) const {
+  auto a = find<array>(key);
+  if (a == nullptr || a->element_type != 8)
+    return std::nullopt;
+  // Checked by the parse: every string lies inside the file.
+  cursor c{reinterpret_cast<const uint8_t*>(file_.data()), file_.size(), a->offset, path_};
+  std::vector<std::string> out;
+  out.reserve(a->count);
+  for (uint64_t i = 0; i < a->count; ++i)
+    out.push_back(c.str());
+  return out;
+}
+
+std::optional<std::vector<double>> gguf_file::numbers(const std::string& key) const {
+  auto a = find<array>(key);
+  if (a == nullptr || a->element_type == 8)
+    return std::nullopt;
+  cursor c{reinterpret_cast<const uint8_t*>(file_.data()), file_.size(), a->offset, path_};
+  std::vector<double> out;
+  out.reserve(a->count);
+  for (uint64_t i = 0; i < a->count; ++i) {
+    auto v = read_value(c, a->element_type);
+    if (auto x = std::get_if<int64_t>(&v))
+      out.push_back(static_cast<double>(*x));
+    else if (auto y = std::get_if<double>(&v))
+      out.push_back(*y);
+    else
+      out.push_back(std::get<bool>(v) ? 1.0 : 0.0);
+  }
+  return out;
+}
+
 model_config gguf_file::config() const {
   auto text = [&](const std::string& key) -> std::string {
     auto s = find<std::string>(key);
@@ -286,8 +334,8 @@ model_config gguf_file::config() const {
   c.rope_theta = number("rope.freq_base", 10000.0, false);
   c.rms_norm_eps = number("attention.layer_norm_rms_epsilon", 1e-6, false);
   c.attention_bias = arch == "qwen2";
-  if (auto vocab = find<std::vector<std::string>>("tokenizer.ggml.tokens"))
-    c.vocab_size = static_cast<int64_t>(vocab->size());
+  if (auto vocab = find<array>("tokenizer.ggml.tokens"))
+    c.vocab_size = static_cast<int64_t>(vocab->count);
   else
     c.vocab_size = static_cast<int64_t>(number("vocab_size", 0, true));
   c.tie_word_embeddings = true;

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -19,10 +20,17 @@ namespace troupe {
 /// `troupe::error` (`invalid_argument`) naming the file and, where there is one, the tensor.
 class gguf_file {
 public:
-  /// A metadata value: integers widen to int64, floats to double; arrays of strings and of
-  /// numbers are kept, other arrays only by length.
-  using value = std::variant<int64_t, double, bool, std::string, std::vector<std::string>,
-                             std::vector<double>>;
+  /// Where a metadata array lies in the file. Arrays are decoded only when asked for
+  /// (`strings`, `numbers`): a vocabulary's 100k+ strings cost more than the rest of a parse.
+  struct array {
+    uint32_t element_type = 0;
+    uint64_t count = 0;
+    /// Byte offset of the first element in the file.
+    std::size_t offset = 0;
+  };
+
+  /// A metadata value: integers widen to int64, floats to double; arrays stay in the file.
+  using value = std::variant<int64_t, double, bool, std::string, array>;
 
   struct tensor_info {
     std::string name;
@@ -52,6 +60,12 @@ public:
     auto i = metadata_.find(key);
     return i == metadata_.end() ? nullptr : std::get_if<T>(&i->second);
   }
+  /// The array of strings at `key`; nothing when absent or not an array of strings.
+  std::optional<std::vector<std::string>> strings(const std::string& key) const;
+  /// The array of numbers (or booleans, as 0 and 1) at `key`, as doubles; nothing when
+  /// absent or not such an array.
+  std::optional<std::vector<double>> numbers(const std::string& key) const;
+
   const std::vector<tensor_info>& tensors() const {
     return tensors_;
   }

@@ -845,13 +845,13 @@ tokenizer tokenizer::read_gguf(const std::string& path) {
     auto s = file.find<std::string>(key);
     return s ? *s : std::string{};
   };
-  auto tokens = file.find<std::vector<std::string>>("tokenizer.ggml.tokens");
+  auto tokens = file.strings("tokenizer.ggml.tokens");
   // A special token's id, checked against the vocabulary; -1 when absent.
   auto id_of = [&](const char* key) {
     auto v = file.find<int64_t>(key);
     if (v == nullptr)
       return int32_t{-1};
-    if (*v < 0 || tokens == nullptr || *v >= static_cast<int64_t>(tokens->size()))
+    if (*v < 0 || !tokens || *v >= static_cast<int64_t>(tokens->size()))
       bad(path, std::string{key} + " " + std::to_string(*v) + " is outside the vocabulary");
     return static_cast<int32_t>(*v);
   };
@@ -863,11 +863,11 @@ tokenizer tokenizer::read_gguf(const std::string& path) {
   if (kind != "gpt2" && kind != "llama")
     bad(path, "tokenizer model '" + kind +
                 "' is not supported (gpt2: byte-level BPE; llama: SentencePiece BPE)");
-  if (tokens == nullptr)
+  if (!tokens)
     bad(path, "has no tokenizer.ggml.tokens");
   // Token types as SentencePiece numbers them; normal when absent.
   std::vector<int> types(tokens->size(), sentencepiece_model::normal);
-  if (auto v = file.find<std::vector<double>>("tokenizer.ggml.token_type"))
+  if (auto v = file.numbers("tokenizer.ggml.token_type"))
     for (size_t i = 0; i < std::min(v->size(), types.size()); ++i)
       types[i] = static_cast<int>((*v)[i]);
   tokenizer t;
@@ -878,7 +878,7 @@ tokenizer tokenizer::read_gguf(const std::string& path) {
   // The pipeline as tokenizer.json would write it.
   nlohmann::json j;
   if (kind == "gpt2") {
-    if (auto merges = file.find<std::vector<std::string>>("tokenizer.ggml.merges")) {
+    if (auto merges = file.strings("tokenizer.ggml.merges")) {
       int32_t rank = 0;
       for (auto& m : *merges)
         t.add_merge(m, rank++, path);
@@ -911,8 +911,8 @@ tokenizer tokenizer::read_gguf(const std::string& path) {
     j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", steps}};
     j["decoder"] = {{"type", "ByteLevel"}};
   } else {
-    auto scores = file.find<std::vector<double>>("tokenizer.ggml.scores");
-    if (scores == nullptr || scores->size() != tokens->size())
+    auto scores = file.numbers("tokenizer.ggml.scores");
+    if (!scores || scores->size() != tokens->size())
       bad(path, "has no tokenizer.ggml.scores for its " + std::to_string(tokens->size()) +
                   " tokens");
     // llama.cpp puts a space before the text as SentencePiece does, and keeps spaces.
