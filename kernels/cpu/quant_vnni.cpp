@@ -463,48 +463,47 @@ void blocks_of_32_packed(const unsigned char* group, const rows_at& a, __m512* o
 }
 
 /// Q6_K in the packed layout, the sub-blocks of 16 of half H, first or second 16 elements
-/// (`Second`) of each quarter: the 6-bit values of all four quarters rebuilt from one load
-/// each of `ql` (two) and `qh` 16 rows at a time, the products summed as integers in the
-/// rows' lanes, times each sub-block's signed scale, into `sums`.
+/// (`Second`) of each quarter: a quarter at a time, its 6-bit values rebuilt 16 rows at a
+/// time from `ql` (low or high nibbles) and `qh` (its two bits moved to bits 4-5), the
+/// products summed as integers in the rows' lanes, times the sub-block's signed scale, into
+/// `sums`. One quarter's sums a row keep the registers free for tiles of 4 rows, over which
+/// the unpacking is shared.
 template <int R, int H, int Second>
 inline void q6_k_half(const unsigned char* b, const rows_at& a, int64_t s,
                       const __m512i* scales, __m512i* sums) {
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i bits45 = _mm512_set1_epi8(0x30);
-  __m512i part[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int k = 0; k < 4; ++k)
-      part[r][k] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-  for (int g = 4 * Second; g < 4 * Second + 4; ++g) {
-    // Quarter k: the low (k < 2) or high nibbles of ql bytes 64H + 32(k % 2) + l, and bits
-    // 2k, 2k + 1 of qh byte 32H + l moved to bits 4-5 (a | (b & c): 0xf8).
-    const unsigned char* triple = b + 288 + 192 * (8 * H + g);
-    __m512i ql0 = load512(triple);
-    __m512i ql1 = load512(triple + 64);
-    __m512i qh = load512(triple + 128);
-    __m512i w[4] = {
-      _mm512_ternarylogic_epi32(_mm512_and_si512(ql0, low4), _mm512_slli_epi16(qh, 4), bits45, 0xf8),
-      _mm512_ternarylogic_epi32(_mm512_and_si512(ql1, low4), _mm512_slli_epi16(qh, 2), bits45, 0xf8),
-      _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(ql0, 4), low4), qh, bits45, 0xf8),
-      _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4),
-                                _mm512_srli_epi16(qh, 2), bits45, 0xf8)};
-    for (int r = 0; r < R; ++r) {
-      const int8_t* x = a.q(r, 8 * s) + 128 * H + 4 * g;
-      for (int k = 0; k < 4; ++k)
-        part[r][k] = _mm512_dpbusd_epi32(part[r][k], w[k], broadcast32(x + 32 * k));
-    }
-  }
   for (int k = 0; k < 4; ++k) {
+    __m512i part[R];
+    for (int r = 0; r < R; ++r)
+      part[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int g = 4 * Second; g < 4 * Second + 4; ++g) {
+      // Quarter k: the low (k < 2) or high nibbles of ql bytes 64H + 32(k % 2) + l, and bits
+      // 2k, 2k + 1 of qh byte 32H + l moved to bits 4-5 (a | (b & c): 0xf8).
+      const unsigned char* triple = b + 288 + 192 * (8 * H + g);
+      __m512i ql = load512(triple + 64 * (k % 2));
+      __m512i qh = load512(triple + 128);
+      __m512i nibbles = _mm512_and_si512(k < 2 ? ql : _mm512_srli_epi16(ql, 4), low4);
+      __m512i high = k == 0 ? _mm512_slli_epi16(qh, 4)
+                   : k == 1 ? _mm512_slli_epi16(qh, 2)
+                   : k == 2 ? qh
+                            : _mm512_srli_epi16(qh, 2);
+      __m512i w = _mm512_ternarylogic_epi32(nibbles, high, bits45, 0xf8);
+      for (int r = 0; r < R; ++r)
+        part[r] = _mm512_dpbusd_epi32(part[r], w,
+                                      broadcast32(a.q(r, 8 * s) + 128 * H + 4 * g + 32 * k));
+    }
     const int j = 8 * H + 2 * k + Second;
     __m512i scale = signed_byte_of(scales[j / 4], j % 4);
     for (int r = 0; r < R; ++r)
-      sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(part[r][k], scale));
+      sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(part[r], scale));
   }
 }
 
-/// Q6_K in the packed layout (tiles of at most 2 rows: four quarters' sums a row fill the
-/// registers); the 32 every value is stored above goes against the activations' sums of 16.
+/// Q6_K in the packed layout; the 32 every value is stored above goes against the
+/// activations' sums of 16.
 template <int R>
 void q6_k_packed(const unsigned char* group, const rows_at& a, __m512* out) {
   const __m512i low16 = _mm512_set1_epi32(0xffff);
@@ -555,12 +554,7 @@ void one_group(dtype t, const unsigned char* group, const rows_at& a, __m512* ou
     case dtype::q4_k:
       return q4_k_packed<R>(group, a, out);
     default:
-      if constexpr (R > 2) {
-        for (int half = 0; half < R; half += 2)
-          q6_k_packed<2>(group, rows_at{a.x, a.row + half, a.blocks}, out + half);
-      } else {
-        q6_k_packed<R>(group, a, out);
-      }
+      return q6_k_packed<R>(group, a, out);
   }
 }
 
