@@ -45,6 +45,12 @@ checkpoint::checkpoint(const std::string& directory) : directory_(directory) {
                                           "model.safetensors.index.json"};
   }
   open(paths);
+  for (auto& [name, t] : index_)
+    if (name.find("qkv_proj.") != std::string::npos ||
+        name.find("gate_up_proj.") != std::string::npos) {
+      split_fused(load_model_config(directory));
+      break;
+    }
 }
 
 checkpoint::checkpoint(const std::string& directory, const std::vector<std::string>& files)
@@ -94,7 +100,15 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
   result.gguf_ = file;
   bool interleaved_rope = config.architecture == "LlamaForCausalLM";
   for (auto& t : file->tensors()) {
+    // LongRoPE's factors are the config's (gguf_file::config reads them).
+    if (t.name == "rope_factors_long.weight" || t.name == "rope_factors_short.weight")
+      continue;
     auto name = t.name == "rope_freqs.weight" ? t.name : hf_tensor_name(t.name);
+    // phi3's ffn_up holds gate and up, one above the other.
+    const std::string up = "mlp.up_proj.weight";
+    if (config.architecture == "Phi3ForCausalLM" && name.size() > up.size() &&
+        name.compare(name.size() - up.size(), up.size(), up) == 0)
+      name.replace(name.size() - up.size(), up.size(), "mlp.gate_up_proj.weight");
     if (name.empty())
       throw error{errc::invalid_argument, "model '" + path + "': tensor '" + t.name +
                                             "' has no place in a Llama-family model"};
@@ -122,7 +136,59 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
     result.index_[name] = view.get();
     result.views_.push_back(std::move(view));
   }
+  result.split_fused(config);
   return result;
+}
+
+void checkpoint::split_fused(const model_config& c) {
+  struct fused {
+    const char* name;
+    std::vector<std::pair<const char*, int64_t>> parts; // name, rows
+  };
+  const auto q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+  const fused kinds[] = {
+    {"self_attn.qkv_proj.", {{"self_attn.q_proj.", q}, {"self_attn.k_proj.", kv},
+                             {"self_attn.v_proj.", kv}}},
+    {"mlp.gate_up_proj.", {{"mlp.gate_proj.", c.intermediate_size},
+                           {"mlp.up_proj.", c.intermediate_size}}},
+  };
+  std::vector<std::string> names;
+  for (auto& entry : index_)
+    names.push_back(entry.first);
+  for (auto& name : names)
+    for (auto& kind : kinds) {
+      auto at = name.find(kind.name);
+      if (at == std::string::npos)
+        continue;
+      const tensor_view& whole = *index_.at(name);
+      int64_t rows = 0;
+      for (auto& part : kind.parts)
+        rows += part.second;
+      if (whole.shape.empty() || whole.shape[0] != rows || !whole.row_order.empty())
+        throw error{errc::invalid_argument,
+                    "model '" + directory_ + "': tensor '" + name + "' has shape " +
+                      std::to_string(whole.shape.empty() ? 0 : whole.shape[0]) +
+                      " rows, the config's parts need " + std::to_string(rows)};
+      // Rows are whole blocks (a quantized row is whole blocks), so a part starts at a row.
+      const auto row_bytes = whole.bytes / static_cast<size_t>(rows);
+      int64_t first = 0;
+      for (auto& part : kind.parts) {
+        auto view = std::make_unique<tensor_view>();
+        view->name = name.substr(0, at) + part.first + name.substr(at + std::strlen(kind.name));
+        view->type = whole.type;
+        view->shape = whole.shape;
+        view->shape[0] = part.second;
+        view->data = whole.data + static_cast<size_t>(first) * row_bytes;
+        view->bytes = static_cast<size_t>(part.second) * row_bytes;
+        first += part.second;
+        if (index_.count(view->name) > 0)
+          throw error{errc::invalid_argument, "model '" + directory_ + "' holds both '" + name +
+                                                "' and '" + view->name + "'"};
+        index_[view->name] = view.get();
+        views_.push_back(std::move(view));
+      }
+      index_.erase(name);
+    }
 }
 
 bool checkpoint::contains(const std::string& name) const {

@@ -14,7 +14,9 @@ class gguf_file;
 
 /// The weights of a Hugging Face model directory: `model.safetensors`, or the shards listed
 /// by `model.safetensors.index.json`, all memory-mapped. Throws `troupe::error`
-/// (`invalid_argument`) naming the file for a missing or broken file.
+/// (`invalid_argument`) naming the file for a missing or broken file. Fused projections
+/// (Phi-3's `qkv_proj` and `gate_up_proj`) are seen as their parts (`q_proj`, `k_proj`,
+/// `v_proj`, `gate_proj`, `up_proj`): views of their rows, not copies.
 class checkpoint {
 public:
   explicit checkpoint(const std::string& directory);
@@ -65,6 +67,8 @@ public:
 
 private:
   void open(const std::vector<std::string>& paths);
+  /// Replaces each fused projection by views of its parts, sized by `config`.
+  void split_fused(const model_config& config);
 
   std::string directory_;
   checkpoint() = default;

@@ -101,6 +101,21 @@ void validate_model_config(const model_config& c, const std::string& origin) {
   if ((r.type == rope::llama3 || r.type == rope::yarn) && r.original_max_position_embeddings <= 0)
     bad_config(origin, "rope_scaling.original_max_position_embeddings must be positive, got " +
                          std::to_string(r.original_max_position_embeddings));
+  if (r.type == rope::longrope) {
+    auto half = static_cast<size_t>(c.head_dim / 2);
+    for (auto* f : {&r.short_factor, &r.long_factor}) {
+      if (f->size() != half)
+        bad_config(origin, "rope_scaling needs " + std::to_string(half) +
+                             " short_factor and long_factor values (head_dim / 2), got " +
+                             std::to_string(f->size()));
+      for (auto v : *f)
+        if (!(v > 0) || !std::isfinite(v))
+          bad_config(origin, "rope_scaling's short_factor and long_factor must be positive");
+    }
+    if (r.original_max_position_embeddings <= 0 || !(r.attention_factor > 0))
+      bad_config(origin, "rope_scaling needs a positive original_max_position_embeddings "
+                         "and attention_factor");
+  }
   if (r.type == rope::yarn &&
       (!(r.beta_fast > r.beta_slow) || !(r.beta_slow > 0) || !(r.attention_factor > 0)))
     bad_config(origin, "rope_scaling needs beta_fast > beta_slow > 0 and a positive "
@@ -174,10 +189,11 @@ model_config parse_model_config(const std::string& json_text, const std::string&
     bad_config(origin, "missing architectures");
   c.architecture = j["architectures"][0].get<std::string>();
   if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM"
-      && c.architecture != "Qwen2ForCausalLM" && c.architecture != "Qwen3ForCausalLM")
+      && c.architecture != "Qwen2ForCausalLM" && c.architecture != "Qwen3ForCausalLM"
+      && c.architecture != "Phi3ForCausalLM")
     bad_config(origin, "architecture " + c.architecture +
                          " is not supported (LlamaForCausalLM, MistralForCausalLM, "
-                         "Qwen2ForCausalLM, Qwen3ForCausalLM)");
+                         "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM)");
   c.qk_norm = c.architecture == "Qwen3ForCausalLM";
   c.vocab_size = positive_int(j, "vocab_size", origin);
   c.hidden_size = positive_int(j, "hidden_size", origin);
@@ -211,6 +227,14 @@ model_config parse_model_config(const std::string& json_text, const std::string&
     rope = &j["rope_parameters"];
   else if (j.contains("rope_scaling") && j["rope_scaling"].is_object())
     rope = &j["rope_scaling"];
+  // Phi-4-mini rotates only part of each head (transformers 5 keeps the factor with the
+  // rope parameters); troupe rotates whole heads.
+  for (const json* holder : {static_cast<const json*>(&j), rope})
+    if (holder && holder->contains("partial_rotary_factor") &&
+        (*holder)["partial_rotary_factor"].is_number() &&
+        (*holder)["partial_rotary_factor"].get<double>() != 1.0)
+      bad_config(origin, "partial_rotary_factor " + (*holder)["partial_rotary_factor"].dump() +
+                           " is not supported (1: rotary embeddings over whole heads)");
   if (j.contains("rope_theta") && j["rope_theta"].is_number())
     c.rope_theta = j["rope_theta"].get<double>();
   else if (rope && rope->contains("rope_theta") && (*rope)["rope_theta"].is_number())
@@ -251,9 +275,41 @@ model_config parse_model_config(const std::string& json_text, const std::string&
                              ? rs["attention_factor"].get<double>()
                            : m > 0 && m_all > 0 ? mscale(r.factor, m) / mscale(r.factor, m_all)
                                                 : mscale(r.factor, 1.0);
+    } else if (type == "longrope" || type == "su") {
+      // Phi-3 keeps the trained length beside rope_scaling; the factor is how far past it
+      // max_position_embeddings reaches (transformers' reading).
+      r.type = rope_scaling_config::kind::longrope;
+      if (j.contains("original_max_position_embeddings"))
+        r.original_max_position_embeddings =
+          positive_int(j, "original_max_position_embeddings", origin);
+      if (r.original_max_position_embeddings > 0)
+        r.factor = static_cast<double>(c.max_position_embeddings) /
+                   static_cast<double>(r.original_max_position_embeddings);
+      else
+        r.original_max_position_embeddings = c.max_position_embeddings;
+      r.attention_factor =
+        rs.contains("attention_factor") && rs["attention_factor"].is_number()
+          ? rs["attention_factor"].get<double>()
+        : r.factor <= 1 ? 1.0
+                        : std::sqrt(1 + std::log(r.factor) /
+                                          std::log(static_cast<double>(
+                                            r.original_max_position_embeddings)));
+      auto factors = [&](const char* key) {
+        std::vector<double> out;
+        if (rs.contains(key) && rs[key].is_array())
+          for (auto& v : rs[key]) {
+            if (!v.is_number())
+              bad_config(origin, std::string{"rope_scaling."} + key + " holds a non-number");
+            out.push_back(v.get<double>());
+          }
+        return out;
+      };
+      r.short_factor = factors("short_factor");
+      r.long_factor = factors("long_factor");
     } else if (!type.empty() && type != "default") {
       bad_config(origin, "rope type " + type +
-                           " is not supported (default, linear, dynamic, yarn, llama3)");
+                           " is not supported (default, linear, dynamic, yarn, llama3, "
+                           "longrope)");
     }
   }
   // A config with a `use_sliding_window` switch (Qwen2, Qwen3) slides only when it is on: real
@@ -333,6 +389,7 @@ std::string to_config_json(const model_config& c) {
   j["model_type"] = c.architecture == "Qwen2ForCausalLM"     ? "qwen2"
                     : c.architecture == "Qwen3ForCausalLM"   ? "qwen3"
                     : c.architecture == "MistralForCausalLM" ? "mistral"
+                    : c.architecture == "Phi3ForCausalLM"    ? "phi3"
                                                              : "llama";
   j["vocab_size"] = c.vocab_size;
   j["hidden_size"] = c.hidden_size;
@@ -369,6 +426,13 @@ std::string to_config_json(const model_config& c) {
                            {"high_freq_factor", c.rope_scaling.high_freq_factor},
                            {"original_max_position_embeddings",
                             c.rope_scaling.original_max_position_embeddings}};
+      break;
+    case rope::longrope:
+      j["original_max_position_embeddings"] = c.rope_scaling.original_max_position_embeddings;
+      j["rope_scaling"] = {{"rope_type", "longrope"},
+                           {"attention_factor", c.rope_scaling.attention_factor},
+                           {"short_factor", c.rope_scaling.short_factor},
+                           {"long_factor", c.rope_scaling.long_factor}};
       break;
   }
   j["tie_word_embeddings"] = c.tie_word_embeddings;

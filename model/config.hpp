@@ -22,6 +22,10 @@ struct rope_scaling_config {
     yarn,
     /// Llama 3.1: long wavelengths divided by `factor`, short ones kept, smoothed between.
     llama3,
+    /// LongRoPE (Phi-3): each frequency divided by its own factor, `short_factor` while a
+    /// sequence is at most `original_max_position_embeddings` long, `long_factor` past it
+    /// (decided per step, as transformers does); cos and sin scaled by `attention_factor`.
+    longrope,
   };
   kind type = kind::none;
   double factor = 1.0;
@@ -35,11 +39,16 @@ struct rope_scaling_config {
   double attention_factor = 1.0;
   /// YaRN rounds its band of dimensions outwards (transformers' `truncate`).
   bool truncate = true;
+  /// LongRoPE's factors, one per rotary frequency (head_dim / 2).
+  std::vector<double> short_factor;
+  std::vector<double> long_factor;
 };
 
 /// The shape of a Llama-family decoder, read from a Hugging Face `config.json`.
 struct model_config {
-  /// `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`.
+  /// `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` or
+  /// `Phi3ForCausalLM` (whose checkpoints fuse q, k and v into `qkv_proj` and gate and up
+  /// into `gate_up_proj`: `checkpoint` splits them).
   std::string architecture;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;

@@ -284,6 +284,41 @@ std::optional<std::vector<double>> gguf_file::numbers(const std::string& key) co
   return out;
 }
 
+void gguf_file::phi3_config(model_config& c, double rotary_dims, double window,
+                            double original_length, double attention_factor) const {
+  if (static_cast<int64_t>(rotary_dims) != c.head_dim)
+    bad(path_, "phi3.rope.dimension_count " + std::to_string(static_cast<int64_t>(rotary_dims)) +
+                 " rotates part of each head of " + std::to_string(c.head_dim) +
+                 "; troupe rotates whole heads");
+  // 0 says none (Phi-4); Phi-3 slides every layer, as transformers does.
+  c.sliding_window = static_cast<int64_t>(window);
+  auto factors = [&](const char* name) {
+    std::vector<double> out;
+    for (auto& t : tensors_)
+      if (t.name == name && stored_type(t) == dtype::f32)
+        for (auto v : read(t))
+          out.push_back(v);
+    return out;
+  };
+  auto& r = c.rope_scaling;
+  r.long_factor = factors("rope_factors_long.weight");
+  r.short_factor = factors("rope_factors_short.weight");
+  if (r.long_factor.empty() && r.short_factor.empty())
+    return;
+  r.type = rope_scaling_config::kind::longrope;
+  r.original_max_position_embeddings =
+    original_length > 0 ? static_cast<int64_t>(original_length) : c.max_position_embeddings;
+  r.factor = static_cast<double>(c.max_position_embeddings) /
+             static_cast<double>(r.original_max_position_embeddings);
+  // The converter writes transformers' factor; its default where absent.
+  r.attention_factor =
+    attention_factor > 0 ? attention_factor
+    : r.factor <= 1      ? 1.0
+                         : std::sqrt(1 + std::log(r.factor) /
+                                           std::log(static_cast<double>(
+                                             r.original_max_position_embeddings)));
+}
+
 model_config gguf_file::config() const {
   auto text = [&](const std::string& key) -> std::string {
     auto s = find<std::string>(key);
@@ -317,8 +352,10 @@ model_config gguf_file::config() const {
     c.architecture = "Qwen2ForCausalLM";
   else if (arch == "qwen3")
     c.architecture = "Qwen3ForCausalLM";
+  else if (arch == "phi3")
+    c.architecture = "Phi3ForCausalLM";
   else
-    bad(path_, "architecture " + arch + " is not supported (llama, qwen2, qwen3)");
+    bad(path_, "architecture " + arch + " is not supported (llama, qwen2, qwen3, phi3)");
   c.qk_norm = arch == "qwen3";
   c.hidden_size = static_cast<int64_t>(number("embedding_length", 0, true));
   c.num_hidden_layers = static_cast<int64_t>(number("block_count", 0, true));
@@ -334,6 +371,11 @@ model_config gguf_file::config() const {
   c.rope_theta = number("rope.freq_base", 10000.0, false);
   c.rms_norm_eps = number("attention.layer_norm_rms_epsilon", 1e-6, false);
   c.attention_bias = arch == "qwen2";
+  if (arch == "phi3")
+    phi3_config(c, number("rope.dimension_count", static_cast<double>(c.head_dim), false),
+                number("attention.sliding_window", 0, false),
+                number("rope.scaling.original_context_length", 0, false),
+                number("rope.scaling.attn_factor", 0, false));
   if (auto vocab = find<array>("tokenizer.ggml.tokens"))
     c.vocab_size = static_cast<int64_t>(vocab->count);
   else
@@ -369,6 +411,7 @@ std::string hf_tensor_name(const std::string& name) {
     {"attn_q.weight", "self_attn.q_proj.weight"},
     {"attn_k.weight", "self_attn.k_proj.weight"},
     {"attn_v.weight", "self_attn.v_proj.weight"},
+    {"attn_qkv.weight", "self_attn.qkv_proj.weight"},
     {"attn_q.bias", "self_attn.q_proj.bias"},
     {"attn_k.bias", "self_attn.k_proj.bias"},
     {"attn_v.bias", "self_attn.v_proj.bias"},

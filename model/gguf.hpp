@@ -84,10 +84,14 @@ public:
     return file_;
   }
 
-  /// The model shape from the metadata (architectures llama and qwen2).
+  /// The model shape from the metadata (architectures llama, qwen2, qwen3 and phi3).
   model_config config() const;
 
 private:
+  /// What a phi3 file adds to `c`: its window, and LongRoPE from its factor tensors.
+  void phi3_config(model_config& c, double rotary_dims, double window, double original_length,
+                   double attention_factor) const;
+
   std::string path_;
   mapped_file file_;
   std::size_t data_start_ = 0;

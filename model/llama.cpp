@@ -132,6 +132,12 @@ llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t wo
   local_vocab_ = share(cfg_.vocab_size, rank + 1) - vocab_begin_;
   base_inv_freq_ = rotary_frequencies(cfg_.rope_theta);
   inv_freq_ = base_inv_freq_;
+  if (cfg_.rope_scaling.type == rope_scaling_config::kind::longrope) {
+    // rotary_frequencies gives the short ones.
+    long_inv_freq_ = base_inv_freq_;
+    for (size_t i = 0; i < long_inv_freq_.size(); ++i)
+      long_inv_freq_[i] *= cfg_.rope_scaling.short_factor[i] / cfg_.rope_scaling.long_factor[i];
+  }
 }
 
 std::vector<double> llama_model::rotary_frequencies(double theta) const {
@@ -165,6 +171,8 @@ std::vector<double> llama_model::rotary_frequencies(double theta) const {
     double f = 1.0 / std::pow(theta, static_cast<double>(2 * i) / dim);
     if (rs.type == rope::linear) {
       f /= rs.factor;
+    } else if (rs.type == rope::longrope) {
+      f /= rs.short_factor[static_cast<size_t>(i)];
     } else if (rs.type == rope::yarn) {
       double ramp = std::clamp((static_cast<double>(i) - yarn_low) / (yarn_high - yarn_low), 0.0, 1.0);
       double extrapolated = 1.0 - ramp;
@@ -686,8 +694,10 @@ std::vector<char> llama_model::download(const local_tensor& t) const {
 
 void llama_model::rope_tables(int32_t position, const std::vector<double>& freqs, float* cos,
                               float* sin) const {
-  // YaRN scales both (transformers' attention_scaling); the others by 1.
-  const double scale = cfg_.rope_scaling.type == rope_scaling_config::kind::yarn
+  // YaRN and LongRoPE scale both (transformers' attention_scaling); the others by 1.
+  using rope = rope_scaling_config::kind;
+  const double scale = cfg_.rope_scaling.type == rope::yarn ||
+                           cfg_.rope_scaling.type == rope::longrope
                          ? cfg_.rope_scaling.attention_factor
                          : 1.0;
   for (size_t i = 0; i < freqs.size(); ++i) {
@@ -699,6 +709,8 @@ void llama_model::rope_tables(int32_t position, const std::vector<double>& freqs
 
 const std::vector<double>& llama_model::step_frequencies(int64_t length) {
   const auto& rs = cfg_.rope_scaling;
+  if (rs.type == rope_scaling_config::kind::longrope && length > rs.original_max_position_embeddings)
+    return long_inv_freq_;
   if (rs.type != rope_scaling_config::kind::dynamic || length <= cfg_.max_position_embeddings)
     return inv_freq_;
   // Dynamic NTK for a step that reaches `length` positions: a larger base, as transformers

@@ -213,10 +213,11 @@ private:
   std::vector<double> rotary_frequencies(double theta) const;
 
   /// The frequencies of a step's sequence that reaches `length` positions: `inv_freq_`,
-  /// but for dynamic NTK scaling past max_position_embeddings (cached by length).
+  /// but for dynamic NTK scaling past max_position_embeddings (cached by length) and
+  /// LongRoPE's long factors past its original length.
   const std::vector<double>& step_frequencies(int64_t length);
 
-  /// cos and sin of `position` at `freqs` (YaRN scales both).
+  /// cos and sin of `position` at `freqs` (YaRN and LongRoPE scale both).
   void rope_tables(int32_t position, const std::vector<double>& freqs, float* cos,
                    float* sin) const;
 
@@ -301,6 +302,8 @@ private:
   /// `rope_freqs.weight` factors when it has them, as llama.cpp stores llama3 scaling).
   std::vector<double> base_inv_freq_;
   std::vector<double> inv_freq_;
+  /// LongRoPE's frequencies past the original length.
+  std::vector<double> long_inv_freq_;
   /// Dynamic NTK's frequencies by sequence length.
   std::map<int64_t, std::vector<double>> dynamic_freqs_;
   /// Every weight of this rank in one allocation under `memory_tag::weights`: a GPU maps

@@ -6,7 +6,7 @@ llama-cpp-python sdist that scripts/llamacpp-lib.sh unpacks), whose outputs come
 transformers on each file's weights dequantized by gguf-py. CI only reads the committed files; run this again
 after changing what it writes:
 
-    python3 scripts/make-family-fixtures.py [--llamacpp DIR]
+    python3 scripts/make-family-fixtures.py [--llamacpp DIR] [NAME ...]
 
 Needs torch, transformers, gguf and accelerate (the environment scripts/fidelity.sh makes).
 The tiny models carry tests/fixtures/tiny-tokenizer's byte-level BPE vocabulary so that the
@@ -26,6 +26,7 @@ ap = argparse.ArgumentParser(description=__doc__,
 trees = sorted(glob.glob(os.path.expanduser(
     "~/.cache/troupe/llamacpp/llama_cpp_python-*/vendor/llama.cpp")))
 ap.add_argument("--llamacpp", default=trees[-1] if trees else None, help="llama.cpp's source tree")
+ap.add_argument("names", nargs="*", help="only these fixtures (default: all)")
 args = ap.parse_args()
 if not args.llamacpp:
     raise SystemExit("no llama.cpp tree: run scripts/bench-vs-llamacpp.sh once, or pass --llamacpp")
@@ -35,7 +36,7 @@ sys.path.insert(0, str(llamacpp))
 sys.path.insert(0, str(llamacpp / "gguf-py"))
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
+from transformers import AutoModelForCausalLM, Phi3Config, Qwen3Config  # noqa: E402
 
 import convert_hf_to_gguf  # noqa: E402
 import gguf  # noqa: E402
@@ -55,6 +56,28 @@ def tiny_models():
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                      rope_theta=1000000.0, tie_word_embeddings=False,
                                      use_sliding_window=False, **common)
+    # Fused qkv_proj and gate_up_proj; 6 heads over 2 kv heads, so that TP 4 cuts the
+    # fused rows unevenly.
+    phi3 = dict(hidden_size=96, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+                num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
+                sliding_window=None, pad_token_id=0, **common)
+    yield "phi3-fused", Phi3Config(original_max_position_embeddings=512, **phi3)
+    # LongRoPE: the short factors up to 8 positions, the long ones past them (the third
+    # prompt and every greedy run cross it); the window slides past 12.
+    phi3_long = dict(phi3, max_position_embeddings=64, sliding_window=12)
+    half = 8
+    yield "phi3-longrope", Phi3Config(
+        original_max_position_embeddings=8,
+        rope_scaling={"type": "longrope",
+                      "short_factor": [1.0 + 0.25 * i for i in range(half)],
+                      "long_factor": [2.0 + 1.5 * i for i in range(half)]},
+        **phi3_long)
+
+
+# Where a family's GGUF tensors differ from GGUF_BLOCK_NAMES (Hugging Face name within a
+# block, by GGUF name).
+FUSED_BLOCK_NAMES = {"attn_qkv.weight": "self_attn.qkv_proj.weight",
+                     "ffn_up.weight": "mlp.gate_up_proj.weight"}
 
 
 def convert(model_dir, outfile, outtype):
@@ -76,7 +99,11 @@ def dequantized(model_dir, path):
     state = model.state_dict()
     hf_top = {g: h for h, g in GGUF_TOP_NAMES.items()}
     hf_block = {g: h for h, g in GGUF_BLOCK_NAMES.items()}
+    if model.config.model_type == "phi3":
+        hf_block.update(FUSED_BLOCK_NAMES)
     for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name.startswith("rope_factors_"):
+            continue  # the config's LongRoPE factors
         if t.name.startswith("blk."):
             layer, rest = t.name[4:].split(".", 1)
             name = f"model.layers.{layer}.{hf_block[rest]}"
@@ -90,6 +117,8 @@ def dequantized(model_dir, path):
 
 def main():
     for name, config in tiny_models():
+        if args.names and name not in args.names:
+            continue
         model = tiny_random_model(config)
         directory = out / name
         model.save_pretrained(directory, safe_serialization=True)
@@ -104,8 +133,11 @@ def main():
             source = pathlib.Path(work) / name
             shutil.copytree(directory, source)
             shutil.copy(tokenizer_json, source / "tokenizer.json")
+            # phi3's converter reads SentencePiece files unless told it is GPT-2's BPE.
+            tokenizer_class = ("GPT2Tokenizer" if config.model_type == "phi3"
+                               else "PreTrainedTokenizerFast")
             (source / "tokenizer_config.json").write_text(json.dumps(
-                {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+                {"tokenizer_class": tokenizer_class, "bos_token": None,
                  "eos_token": None, "model_max_length": 512}))
             for outtype in ("f32", "q8_0"):
                 path = gguf_dir / f"{name}-{outtype}.gguf"

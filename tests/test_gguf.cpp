@@ -160,6 +160,34 @@ TEST_CASE("prefill logits of every tensor type match transformers on the same fi
     }
 }
 
+namespace {
+
+/// A family fixture's GGUF file against transformers on its weights: prefill logits exact
+/// (1e-4) and fast (1e-3 nats), and the greedy tokens.
+void check_family_file(const std::string& path, const model_config& cfg, const nlohmann::json& runs) {
+  auto ckpt = checkpoint::from_gguf(path, cfg);
+  for (bool fast : {false, true}) {
+    INFO((fast ? "fast" : "exact"));
+    cpu_device dev{0};
+    llama_model model{cfg, dev, 0, 1, dtype::f32, true, fast};
+    model.load(ckpt);
+    for (auto& run : runs) {
+      auto logits = prefill_logits(model, dev, cfg, run["token_ids"].get<std::vector<int32_t>>());
+      auto want = run["last_logits"].get<std::vector<float>>();
+      if (fast) {
+        // Spec as for the other block formats: at most 1e-3 nats.
+        CHECK(kl_divergence(want, logits) <= 1e-3);
+      } else {
+        auto error = testing::relative_error(logits.data(), want);
+        CHECK_MESSAGE(error < 1e-4, "relative error " << error);
+      }
+    }
+  }
+  check_greedy_runs(path, runs);
+}
+
+} // namespace
+
 TEST_CASE("Qwen3 files of llama.cpp's converter (per-head q and k norms, head_dim apart from "
           "the hidden size): transformers' logits and greedy tokens, exact and fast") {
   const std::string qwen3 = TROUPE_SOURCE_DIR "/tests/fixtures/qwen3-norms-gguf";
@@ -172,25 +200,36 @@ TEST_CASE("Qwen3 files of llama.cpp's converter (per-head q and k norms, head_di
     CHECK(cfg.qk_norm);
     CHECK(cfg.head_dim == 32);
     CHECK(cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size);
-    auto ckpt = checkpoint::from_gguf(path, cfg);
-    CHECK(ckpt.contains("model.layers.1.self_attn.k_norm.weight"));
-    for (bool fast : {false, true}) {
-      cpu_device dev{0};
-      llama_model model{cfg, dev, 0, 1, dtype::f32, true, fast};
-      model.load(ckpt);
-      for (auto& run : ref[type]) {
-        auto logits = prefill_logits(model, dev, cfg, run["token_ids"].get<std::vector<int32_t>>());
-        auto want = run["last_logits"].get<std::vector<float>>();
-        if (fast) {
-          // Spec as for the other block formats: at most 1e-3 nats.
-          CHECK(kl_divergence(want, logits) <= 1e-3);
-        } else {
-          auto error = testing::relative_error(logits.data(), want);
-          CHECK_MESSAGE(error < 1e-4, "relative error " << error);
-        }
-      }
+    CHECK(checkpoint::from_gguf(path, cfg).contains("model.layers.1.self_attn.k_norm.weight"));
+    check_family_file(path, cfg, ref[type]);
+  }
+}
+
+TEST_CASE("Phi-3 files of llama.cpp's converter (qkv and gate-up fused, LongRoPE's factors as "
+          "tensors, a sliding window): transformers' logits and greedy tokens, exact and fast") {
+  for (std::string name : {"phi3-fused", "phi3-longrope"}) {
+    const std::string dir = TROUPE_SOURCE_DIR "/tests/fixtures/" + name + "-gguf";
+    auto hf = load_model_config(TROUPE_SOURCE_DIR "/tests/fixtures/" + name);
+    auto ref = reference(dir);
+    for (auto type : {"f32", "q8_0"}) {
+      INFO(name << " " << type);
+      auto path = dir + "/" + name + "-" + type + ".gguf";
+      auto cfg = checkpoint::gguf_config(path);
+      CHECK(cfg.architecture == "Phi3ForCausalLM");
+      // The file says what config.json says.
+      CHECK(cfg.sliding_window == hf.sliding_window);
+      CHECK(cfg.rope_scaling.type == hf.rope_scaling.type);
+      CHECK(cfg.rope_scaling.original_max_position_embeddings ==
+            hf.rope_scaling.original_max_position_embeddings);
+      CHECK(cfg.rope_scaling.attention_factor == doctest::Approx(hf.rope_scaling.attention_factor));
+      CHECK(cfg.rope_scaling.long_factor == hf.rope_scaling.long_factor);
+      CHECK(cfg.rope_scaling.short_factor == hf.rope_scaling.short_factor);
+      auto ckpt = checkpoint::from_gguf(path, cfg);
+      CHECK(ckpt.contains("model.layers.1.self_attn.v_proj.weight"));
+      CHECK(ckpt.contains("model.layers.1.mlp.gate_proj.weight"));
+      CHECK_FALSE(ckpt.contains("model.layers.1.self_attn.qkv_proj.weight"));
+      check_family_file(path, cfg, ref[type]);
     }
-    check_greedy_runs(path, ref[type]);
   }
 }
 

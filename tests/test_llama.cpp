@@ -32,7 +32,8 @@ const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
 const std::string models[] = {"llama-gqa",         "llama3-rope-tied",   "qwen2-bias",
                                "llama-odd-heads",   "llama-rope-linear",  "llama-rope-dynamic",
                                "llama-rope-yarn",   "llama-bias",         "mistral-window",
-                               "qwen2-window",      "qwen3-norms"};
+                               "qwen2-window",      "qwen3-norms",        "phi3-fused",
+                               "phi3-longrope"};
 
 nlohmann::json reference(const std::string& name) {
   std::ifstream in{fixtures + "/" + name + "/reference.json"};
