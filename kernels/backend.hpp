@@ -188,6 +188,13 @@ public:
   /// out[i] = silu(gate[i]) · up[i].
   virtual void silu_mul(const float* gate, const float* up, float* out, int64_t n) = 0;
 
+  /// out[i] = gelu(gate[i]) · up[i], GELU in its tanh form (PyTorch's `approximate="tanh"`:
+  /// Gemma's GeGLU).
+  virtual void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n) = 0;
+
+  /// y[i] *= factor.
+  virtual void scale(float* y, float factor, int64_t n) = 0;
+
   /// out[r] = table[ids[r]] as float32, for `rows` rows of `dim` (embedding lookup, and
   /// gathering rows of activations).
   virtual void gather_rows(const int32_t* ids, const void* table, dtype table_type, float* out,

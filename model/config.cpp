@@ -83,6 +83,9 @@ void validate_model_config(const model_config& c, const std::string& origin) {
     bad_config(origin, "head_dim must be even for rotary embeddings");
   if (!(c.rms_norm_eps > 0) || !(c.rope_theta > 0))
     bad_config(origin, "rms_norm_eps and rope_theta must be positive");
+  if (!(c.query_pre_attn_scalar >= 0) || !std::isfinite(c.query_pre_attn_scalar) ||
+      !(c.local_rope_theta >= 0) || !std::isfinite(c.local_rope_theta))
+    bad_config(origin, "query_pre_attn_scalar and the local rope base must be positive");
   using rope = rope_scaling_config::kind;
   auto& r = c.rope_scaling;
   if (r.type != rope::none) {
@@ -190,11 +193,29 @@ model_config parse_model_config(const std::string& json_text, const std::string&
   c.architecture = j["architectures"][0].get<std::string>();
   if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM"
       && c.architecture != "Qwen2ForCausalLM" && c.architecture != "Qwen3ForCausalLM"
-      && c.architecture != "Phi3ForCausalLM")
+      && c.architecture != "Phi3ForCausalLM" && c.architecture != "Gemma3ForCausalLM")
     bad_config(origin, "architecture " + c.architecture +
                          " is not supported (LlamaForCausalLM, MistralForCausalLM, "
-                         "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM)");
-  c.qk_norm = c.architecture == "Qwen3ForCausalLM";
+                         "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
+                         "Gemma3ForCausalLM)");
+  const bool gemma3 = c.architecture == "Gemma3ForCausalLM";
+  c.qk_norm = c.architecture == "Qwen3ForCausalLM" || gemma3;
+  if (gemma3) {
+    c.scale_embeddings = true;
+    c.norm_weight_offset = 1;
+    c.sandwich_norms = true;
+    c.hidden_act = "gelu_pytorch_tanh";
+  }
+  for (auto key : {"hidden_activation", "hidden_act"})
+    if (j.contains(key) && j[key].is_string()) {
+      c.hidden_act = j[key].get<std::string>();
+      break;
+    }
+  if (c.hidden_act != "silu" && c.hidden_act != "gelu_pytorch_tanh")
+    bad_config(origin, "hidden activation " + c.hidden_act +
+                         " is not supported (silu, gelu_pytorch_tanh)");
+  if (j.contains("query_pre_attn_scalar") && j["query_pre_attn_scalar"].is_number())
+    c.query_pre_attn_scalar = j["query_pre_attn_scalar"].get<double>();
   c.vocab_size = positive_int(j, "vocab_size", origin);
   c.hidden_size = positive_int(j, "hidden_size", origin);
   c.intermediate_size = positive_int(j, "intermediate_size", origin);
@@ -222,11 +243,27 @@ model_config parse_model_config(const std::string& json_text, const std::string&
     c.rms_norm_eps = j["rms_norm_eps"].get<double>();
   // transformers 4 writes rope_theta and rope_scaling; transformers 5 folds both into
   // rope_parameters.
+  // Gemma 3's have one entry per layer type (the full layers' and the sliding ones'); 4.x
+  // kept the sliding layers' base apart, as rope_local_base_freq.
   const json* rope = nullptr;
   if (j.contains("rope_parameters") && j["rope_parameters"].is_object())
     rope = &j["rope_parameters"];
   else if (j.contains("rope_scaling") && j["rope_scaling"].is_object())
     rope = &j["rope_scaling"];
+  if (rope && rope->contains("full_attention") && (*rope)["full_attention"].is_object()) {
+    if (rope->contains("sliding_attention") && (*rope)["sliding_attention"].is_object()) {
+      auto& local = (*rope)["sliding_attention"];
+      auto type = local.value("rope_type", std::string{"default"});
+      if (type != "default")
+        bad_config(origin, "rope type " + type + " of the sliding layers is not supported "
+                                                 "(default)");
+      if (local.contains("rope_theta") && local["rope_theta"].is_number())
+        c.local_rope_theta = local["rope_theta"].get<double>();
+    }
+    rope = &(*rope)["full_attention"];
+  }
+  if (j.contains("rope_local_base_freq") && j["rope_local_base_freq"].is_number())
+    c.local_rope_theta = j["rope_local_base_freq"].get<double>();
   // Phi-4-mini rotates only part of each head (transformers 5 keeps the factor with the
   // rope parameters); troupe rotates whole heads.
   for (const json* holder : {static_cast<const json*>(&j), rope})
@@ -336,6 +373,13 @@ model_config parse_model_config(const std::string& json_text, const std::string&
     if (static_cast<int64_t>(c.sliding_layers.size()) != c.num_hidden_layers)
       bad_config(origin, "layer_types has " + std::to_string(c.sliding_layers.size()) +
                            " entries for " + std::to_string(c.num_hidden_layers) + " layers");
+  } else if (c.sliding_window > 0 && j.contains("sliding_window_pattern") &&
+             j["sliding_window_pattern"].is_number_integer() &&
+             j["sliding_window_pattern"].get<int64_t>() > 0) {
+    // transformers 4's Gemma 3: every pattern-th layer is global.
+    auto pattern = j["sliding_window_pattern"].get<int64_t>();
+    for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
+      c.sliding_layers.push_back((layer + 1) % pattern != 0);
   } else if (c.sliding_window > 0 && j.contains("use_sliding_window")) {
     // transformers' Qwen2 default is 28.
     auto first = j.contains("max_window_layers") && j["max_window_layers"].is_number_integer()
@@ -390,6 +434,7 @@ std::string to_config_json(const model_config& c) {
                     : c.architecture == "Qwen3ForCausalLM"   ? "qwen3"
                     : c.architecture == "MistralForCausalLM" ? "mistral"
                     : c.architecture == "Phi3ForCausalLM"    ? "phi3"
+                    : c.architecture == "Gemma3ForCausalLM"  ? "gemma3_text"
                                                              : "llama";
   j["vocab_size"] = c.vocab_size;
   j["hidden_size"] = c.hidden_size;
@@ -446,7 +491,11 @@ std::string to_config_json(const model_config& c) {
     for (bool slides : c.sliding_layers)
       types.push_back(slides ? "sliding_attention" : "full_attention");
   }
-  j["hidden_act"] = "silu";
+  j["hidden_act"] = c.hidden_act;
+  if (c.query_pre_attn_scalar > 0)
+    j["query_pre_attn_scalar"] = c.query_pre_attn_scalar;
+  if (c.local_rope_theta > 0)
+    j["rope_local_base_freq"] = c.local_rope_theta;
   if (c.bos_token_id >= 0)
     j["bos_token_id"] = c.bos_token_id;
   if (c.eos_token_ids.size() == 1)

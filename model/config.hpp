@@ -46,9 +46,9 @@ struct rope_scaling_config {
 
 /// The shape of a Llama-family decoder, read from a Hugging Face `config.json`.
 struct model_config {
-  /// `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` or
+  /// `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
   /// `Phi3ForCausalLM` (whose checkpoints fuse q, k and v into `qkv_proj` and gate and up
-  /// into `gate_up_proj`: `checkpoint` splits them).
+  /// into `gate_up_proj`: `checkpoint` splits them) or `Gemma3ForCausalLM`.
   std::string architecture;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -71,6 +71,22 @@ struct model_config {
   /// Each head of q and k goes through an RMSNorm of its own weights (`q_norm`, `k_norm`)
   /// before the rotary embedding (Qwen3).
   bool qk_norm = false;
+  /// Embeddings times √hidden_size (Gemma).
+  bool scale_embeddings = false;
+  /// Added to every RMSNorm weight as a checkpoint stores it: Gemma's norms multiply by
+  /// (1 + w) and store w; llama.cpp's converter writes 1 + w, so its files say 0.
+  double norm_weight_offset = 0;
+  /// Gemma's four norms a layer: the attention's and the MLP's outputs are normed before
+  /// their residual adds (`post_attention_layernorm`, `post_feedforward_layernorm`), and
+  /// `pre_feedforward_layernorm` comes before the MLP.
+  bool sandwich_norms = false;
+  /// The MLP's activation of the gate: `silu` (SwiGLU) or `gelu_pytorch_tanh` (GeGLU).
+  std::string hidden_act = "silu";
+  /// Attention scores are scaled by query_pre_attn_scalar^-1/2 (Gemma); 0: head_dim^-1/2.
+  double query_pre_attn_scalar = 0;
+  /// The rotary base of the sliding layers, unscaled (Gemma 3's local base); 0: every layer
+  /// rotates as `rope_theta` and `rope_scaling` say.
+  double local_rope_theta = 0;
   /// In a sliding layer, each position attends to the last `sliding_window` positions,
   /// itself included (Mistral's sliding window, Qwen2's when `use_sliding_window`); 0: no
   /// layer slides.

@@ -132,6 +132,9 @@ llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t wo
   local_vocab_ = share(cfg_.vocab_size, rank + 1) - vocab_begin_;
   base_inv_freq_ = rotary_frequencies(cfg_.rope_theta);
   inv_freq_ = base_inv_freq_;
+  for (int64_t i = 0; cfg_.local_rope_theta > 0 && i < cfg_.head_dim / 2; ++i)
+    local_inv_freq_.push_back(1.0 / std::pow(cfg_.local_rope_theta, static_cast<double>(2 * i) /
+                                                                     static_cast<double>(cfg_.head_dim)));
   if (cfg_.rope_scaling.type == rope_scaling_config::kind::longrope) {
     // rotary_frequencies gives the short ones.
     long_inv_freq_ = base_inv_freq_;
@@ -228,6 +231,8 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     bool as_stored = false;
     /// In the backend's packed layout.
     bool packed = false;
+    /// Added to every value (a norm's `model_config::norm_weight_offset`).
+    float offset = 0;
   };
   const auto f32 = dtype::f32;
   const auto wt = weight_type_;
@@ -241,8 +246,17 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     auto& l = layers_[static_cast<size_t>(i)];
     auto p = "model.layers." + std::to_string(i) + ".";
     jobs.push_back({&l.input_norm, p + "input_layernorm.weight", {H}, part::whole, 0, 0, f32});
-    jobs.push_back(
-      {&l.post_norm, p + "post_attention_layernorm.weight", {H}, part::whole, 0, 0, f32});
+    if (cfg_.sandwich_norms) {
+      jobs.push_back(
+        {&l.attn_out_norm, p + "post_attention_layernorm.weight", {H}, part::whole, 0, 0, f32});
+      jobs.push_back(
+        {&l.post_norm, p + "pre_feedforward_layernorm.weight", {H}, part::whole, 0, 0, f32});
+      jobs.push_back(
+        {&l.mlp_out_norm, p + "post_feedforward_layernorm.weight", {H}, part::whole, 0, 0, f32});
+    } else {
+      jobs.push_back(
+        {&l.post_norm, p + "post_attention_layernorm.weight", {H}, part::whole, 0, 0, f32});
+    }
     if (cfg_.qk_norm) {
       const auto D = cfg_.head_dim;
       jobs.push_back({&l.q_norm, p + "self_attn.q_norm.weight", {D}, part::whole, 0, 0, f32});
@@ -269,6 +283,11 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       }
     }
   }
+  // Gemma's norms scale by 1 + w; a sharded state holds them as loaded.
+  if (!presharded)
+    for (auto& j : jobs)
+      if (j.name.size() > 11 && j.name.compare(j.name.size() - 11, 11, "norm.weight") == 0)
+        j.offset = static_cast<float>(cfg_.norm_weight_offset);
   // A tensor the config has no place for means the config and the weights disagree (more
   // layers than num_hidden_layers, another architecture): refused, as vLLM does, rather
   // than silently run a smaller model. Buffers transformers once saved, and an output head
@@ -348,7 +367,8 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       text += j.name + " " + dtype_name(j.type) + (j.packed ? " packed" : "") + " at " +
               std::to_string(offsets[n]) + " from " + std::to_string(j.start) + " split " +
               std::to_string(static_cast<int>(j.split)) + " shape " +
-              shape_text(local_shapes[n]) + "\n";
+              shape_text(local_shapes[n]) + (j.offset != 0 ? " plus " + std::to_string(j.offset) : "") +
+              "\n";
     }
     return text;
   };
@@ -468,6 +488,9 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
                               [](float x) { return !std::isfinite(x); });
       if (bad != staging.end())
         refuse(r0 * cols + (bad - staging.begin()), std::isnan(*bad) ? "NaN" : "an infinity");
+      if (j.offset != 0)
+        for (auto& v : staging)
+          v += j.offset;
       upload(band_dst, staging.data(), staging.size(), j.type);
     }
     ckpt.release(t);
@@ -543,7 +566,8 @@ llama_model::step_layout llama_model::layout_of(int64_t T, int64_t S, int64_t se
   l.samples = l.tables + seqs * max_blocks;
   l.int_count = l.samples + S;
   l.ints = take(l.int_count);
-  l.rope = take(T * cfg_.head_dim); // cos and sin, head_dim / 2 each
+  // cos and sin, head_dim / 2 each; twice with a local base.
+  l.rope = take(T * cfg_.head_dim * (local_inv_freq_.empty() ? 1 : 2));
   l.x = take(T * H);
   l.h = take(T * H);
   l.q = take(T * q_width);
@@ -760,7 +784,8 @@ llama_model::step_buffers llama_model::upload_step(const step_batch& batch,
   std::vector<int32_t> ints(static_cast<size_t>(parts.int_count));
   for (int64_t s = 0; s < seqs; ++s)
     std::copy(tables[s], tables[s] + batch.table_blocks[s], &ints[parts.tables + s * max_blocks]);
-  std::vector<float> rope(static_cast<size_t>(2 * T * half));
+  const bool local = !local_inv_freq_.empty();
+  std::vector<float> rope(static_cast<size_t>((local ? 4 : 2) * T * half));
   auto step_length = batch.lengths();
   for (int64_t t = 0; t < T; ++t) {
     auto& tok = tokens[t];
@@ -771,6 +796,11 @@ llama_model::step_buffers llama_model::upload_step(const step_batch& batch,
     ints[parts.token_seq + t] = tok.seq;
     rope_tables(tok.position, step_frequencies(step_length[static_cast<size_t>(tok.seq)]),
                 &rope[t * half], &rope[(T + t) * half]);
+    for (int64_t i = 0; local && i < half; ++i) {
+      double angle = tok.position * local_inv_freq_[static_cast<size_t>(i)];
+      rope[static_cast<size_t>((2 * T + t) * half + i)] = static_cast<float>(std::cos(angle));
+      rope[static_cast<size_t>((3 * T + t) * half + i)] = static_cast<float>(std::sin(angle));
+    }
   }
   std::copy(batch.sample_tokens.begin(), batch.sample_tokens.end(), &ints[parts.samples]);
 
@@ -783,6 +813,10 @@ llama_model::step_buffers llama_model::upload_step(const step_batch& batch,
   b.ints = reinterpret_cast<int32_t*>(base + parts.ints);
   b.cos = base + parts.rope;
   b.sin = b.cos + T * half;
+  if (local) {
+    b.local_cos = b.sin + T * half;
+    b.local_sin = b.local_cos + T * half;
+  }
   for (auto [buffer, offset] :
        {std::pair{&b.x, parts.x}, {&b.h, parts.h}, {&b.q, parts.q}, {&b.k, parts.k},
         {&b.v, parts.v}, {&b.attn, parts.attn}, {&b.gate, parts.gate}, {&b.up, parts.up},
@@ -858,10 +892,15 @@ void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b,
     be.rms_norm(b.q, l.q_norm.as<float>(), b.q, T * local_heads_, cfg_.head_dim, eps);
     be.rms_norm(b.k, l.k_norm.as<float>(), b.k, T * local_kv_, cfg_.head_dim, eps);
   }
-  be.rotary(b.q, local_heads_, b.k, local_kv_, T, cfg_.head_dim, b.cos, b.sin);
-  be.write_kv(b.k, b.v, cache.keys(layer), cache.values(layer), b.slots, T, kv_width);
   b.layout.window = cfg_.window_of(layer);
-  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(cfg_.head_dim)));
+  // Gemma 3's sliding layers rotate with their own base.
+  bool local = b.local_cos && b.layout.window > 0;
+  be.rotary(b.q, local_heads_, b.k, local_kv_, T, cfg_.head_dim, local ? b.local_cos : b.cos,
+            local ? b.local_sin : b.sin);
+  be.write_kv(b.k, b.v, cache.keys(layer), cache.values(layer), b.slots, T, kv_width);
+  const double scaled_by = cfg_.query_pre_attn_scalar > 0 ? cfg_.query_pre_attn_scalar
+                                                          : static_cast<double>(cfg_.head_dim);
+  const auto scale = static_cast<float>(1.0 / std::sqrt(scaled_by));
   be.paged_attention(b.q, b.attn, cache.keys(layer), cache.values(layer), b.layout, T, scale);
   be.gemm_nt_shared(b.attn, l.o.type, T, q_width, {l.o.into(b.h, H)});
   apply_lora(batch, b, li, projection::o, b.attn, q_width, b.h, H);
@@ -888,7 +927,10 @@ void llama_model::mlp(size_t li, const step_batch& batch, const step_buffers& b)
     be.add_bias(b.gate, l.gate_bias.as<float>(), T, local_inter_);
     be.add_bias(b.up, l.up_bias.as<float>(), T, local_inter_);
   }
-  be.silu_mul(b.gate, b.up, b.gate, T * local_inter_);
+  if (cfg_.hidden_act == "silu")
+    be.silu_mul(b.gate, b.up, b.gate, T * local_inter_);
+  else
+    be.gelu_tanh_mul(b.gate, b.up, b.gate, T * local_inter_);
   be.gemm_nt_shared(b.gate, l.down.type, T, local_inter_, {l.down.into(b.h, H)});
   apply_lora(batch, b, li, projection::down, b.gate, local_inter_, b.h, H);
   reduce(b.h, T * H);
@@ -947,13 +989,21 @@ void llama_model::forward(const step_batch& batch, kv_cache& cache) {
           dev_.copy(b.x + t * H, virtual_tokens->table.as<float>() + tok.position * H,
                     static_cast<size_t>(H) * sizeof(float));
       }
+    // Gemma's embeddings are scaled, by √hidden rounded to float as transformers does.
+    if (cfg_.scale_embeddings)
+      be.scale(b.x, static_cast<float>(std::sqrt(static_cast<double>(H))), T * H);
     // The residual adds are fused with the norm that follows them: the input norm of the
     // next layer, or the post-attention norm.
     be.rms_norm(b.x, layers_.front().input_norm.as<float>(), b.h, T, H, eps);
     for (size_t li = 0; li < layers_.size(); ++li) {
+      auto& l = layers_[li];
       attention(li, batch, b, cache);
-      be.add_rms_norm(b.x, b.h, layers_[li].post_norm.as<float>(), b.h, T, H, eps);
+      if (cfg_.sandwich_norms)
+        be.rms_norm(b.h, l.attn_out_norm.as<float>(), b.h, T, H, eps);
+      be.add_rms_norm(b.x, b.h, l.post_norm.as<float>(), b.h, T, H, eps);
       mlp(li, batch, b);
+      if (cfg_.sandwich_norms)
+        be.rms_norm(b.h, l.mlp_out_norm.as<float>(), b.h, T, H, eps);
       if (li + 1 < layers_.size())
         be.add_rms_norm(b.x, b.h, layers_[li + 1].input_norm.as<float>(), b.h, T, H, eps);
       else

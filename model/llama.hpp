@@ -205,8 +205,11 @@ private:
   };
 
   struct layer_weights {
+    /// `post_norm` comes before the MLP (Llama's post_attention_layernorm, Gemma's
+    /// pre_feedforward_layernorm); with sandwich norms, `attn_out_norm` and `mlp_out_norm`
+    /// norm the two halves' outputs.
     tensor_slot input_norm, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, o, o_bias,
-      post_norm, gate, up, down, gate_bias, up_bias, down_bias;
+      post_norm, gate, up, down, gate_bias, up_bias, down_bias, attn_out_norm, mlp_out_norm;
   };
 
   /// The rotary frequencies of the config's scaling for a base of `theta`.
@@ -249,6 +252,9 @@ private:
     const int32_t* sample_rows = nullptr;
     const float* cos = nullptr;
     const float* sin = nullptr;
+    /// The sliding layers' tables where they rotate with a base of their own.
+    const float* local_cos = nullptr;
+    const float* local_sin = nullptr;
     float *x = nullptr, *h = nullptr, *q = nullptr, *k = nullptr, *v = nullptr,
           *attn = nullptr, *gate = nullptr, *up = nullptr, *mid = nullptr, *last = nullptr,
           *logits = nullptr;
@@ -302,6 +308,8 @@ private:
   /// `rope_freqs.weight` factors when it has them, as llama.cpp stores llama3 scaling).
   std::vector<double> base_inv_freq_;
   std::vector<double> inv_freq_;
+  /// The sliding layers' frequencies (`model_config::local_rope_theta`).
+  std::vector<double> local_inv_freq_;
   /// LongRoPE's frequencies past the original length.
   std::vector<double> long_inv_freq_;
   /// Dynamic NTK's frequencies by sequence length.

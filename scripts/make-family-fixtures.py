@@ -36,7 +36,8 @@ sys.path.insert(0, str(llamacpp))
 sys.path.insert(0, str(llamacpp / "gguf-py"))
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, Phi3Config, Qwen3Config  # noqa: E402
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, Phi3Config,  # noqa: E402
+                          Qwen3Config)
 
 import convert_hf_to_gguf  # noqa: E402
 import gguf  # noqa: E402
@@ -72,6 +73,20 @@ def tiny_models():
                       "short_factor": [1.0 + 0.25 * i for i in range(half)],
                       "long_factor": [2.0 + 1.5 * i for i in range(half)]},
         **phi3_long)
+    # Gemma 3: GeGLU, four norms of (1 + w) a layer, q and k norms, embeddings times
+    # sqrt(hidden), query_pre_attn_scalar apart from head_dim, sliding layers (window 6)
+    # between global ones, the sliding layers' own rope base, linear scaling of the global
+    # one. A Hugging Face directory only: llama.cpp's gemma3 files fix the layer pattern,
+    # the local base and the scalar by model size.
+    yield "gemma3-layers", Gemma3TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        tie_word_embeddings=True, **common)
 
 
 # Where a family's GGUF tensors differ from GGUF_BLOCK_NAMES (Hugging Face name within a
@@ -125,6 +140,8 @@ def main():
         with open(directory / "reference.json", "w") as f:
             json.dump({"prompts": reference_runs(model, all_logits_of_first=True)}, f)
         print("wrote", directory)
+        if config.model_type == "gemma3_text":
+            continue
 
         gguf_dir = out / f"{name}-gguf"
         gguf_dir.mkdir(exist_ok=True)

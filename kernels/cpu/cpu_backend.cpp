@@ -174,6 +174,19 @@ public:
     });
   }
 
+  void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n) override {
+    const int64_t chunk = 4096;
+    pool_.run((n + chunk - 1) / chunk, [&](int64_t part) {
+      auto begin = part * chunk;
+      cpu::gelu_tanh_mul(gate + begin, up + begin, out + begin, std::min(chunk, n - begin));
+    });
+  }
+
+  void scale(float* y, float factor, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i)
+      y[i] *= factor;
+  }
+
   void gather_rows(const int32_t* ids, const void* table, dtype table_type, float* out,
                    int64_t rows, int64_t dim) override {
     auto bytes = storage_bytes(table_type, static_cast<size_t>(dim));

@@ -58,4 +58,12 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
     out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
+void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n) {
+  const float root_2_over_pi = 0.7978845608028654f;
+  for (int64_t i = 0; i < n; ++i) {
+    float x = gate[i];
+    out[i] = 0.5f * x * (1.0f + std::tanh(root_2_over_pi * (x + 0.044715f * x * x * x))) * up[i];
+  }
+}
+
 } // namespace troupe::cpu

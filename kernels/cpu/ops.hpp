@@ -34,6 +34,9 @@ void rotary(float* x, int64_t heads, int64_t head_dim, const float* cos, const f
 /// out[i] = silu(gate[i]) · up[i].
 void silu_mul(const float* gate, const float* up, float* out, int64_t n);
 
+/// out[i] = gelu(gate[i]) · up[i], GELU in its tanh form.
+void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n);
+
 /// Attention of one query row against `len` cached positions of one sequence.
 /// `key_at(pos)` / `value_at(pos)` give the cached key and value vectors of the query's
 /// KV head at a position. Writes head_dim outputs; `scores` needs room for `len` floats.

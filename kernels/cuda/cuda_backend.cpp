@@ -132,6 +132,14 @@ public:
     cuda::silu_mul(gate, up, out, n, dev_.stream());
   }
 
+  void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n) override {
+    cuda::gelu_tanh_mul(gate, up, out, n, dev_.stream());
+  }
+
+  void scale(float* y, float factor, int64_t n) override {
+    cuda::scale(y, factor, n, dev_.stream());
+  }
+
   void gather_rows(const int32_t* ids, const void* table, dtype table_type, float* out,
                    int64_t rows, int64_t dim) override {
     cuda::gather_rows(ids, table, table_type, out, rows, dim, dev_.stream());

@@ -86,6 +86,21 @@ __global__ void silu_mul_kernel(const float* gate, const float* up, float* out, 
   }
 }
 
+__global__ void gelu_tanh_mul_kernel(const float* gate, const float* up, float* out,
+                                     int64_t n) {
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) {
+    float x = gate[i];
+    out[i] = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x))) * up[i];
+  }
+}
+
+__global__ void scale_kernel(float* y, float factor, int64_t n) {
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n)
+    y[i] *= factor;
+}
+
 __device__ float as_float(float x) {
   return x;
 }
@@ -455,6 +470,21 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n, cudaStr
     return;
   silu_mul_kernel<<<blocks_for(n), threads, 0, stream>>>(gate, up, out, n);
   launched("silu_mul_kernel");
+}
+
+void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n,
+                   cudaStream_t stream) {
+  if (n == 0)
+    return;
+  gelu_tanh_mul_kernel<<<blocks_for(n), threads, 0, stream>>>(gate, up, out, n);
+  launched("gelu_tanh_mul_kernel");
+}
+
+void scale(float* y, float factor, int64_t n, cudaStream_t stream) {
+  if (n == 0)
+    return;
+  scale_kernel<<<blocks_for(n), threads, 0, stream>>>(y, factor, n);
+  launched("scale_kernel");
 }
 
 void add(float* y, const float* x, int64_t n, cudaStream_t stream) {

@@ -36,6 +36,13 @@ void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
 /// out[i] = silu(gate[i]) · up[i].
 void silu_mul(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream);
 
+/// out[i] = gelu(gate[i]) · up[i], GELU in its tanh form.
+void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n,
+                   cudaStream_t stream);
+
+/// y[i] *= factor.
+void scale(float* y, float factor, int64_t n, cudaStream_t stream);
+
 /// y[i] += x[i].
 void add(float* y, const float* x, int64_t n, cudaStream_t stream);
 
