@@ -37,6 +37,8 @@ struct paged_layout {
   int64_t head_begin = 0;
   int64_t group_size = 1;
   int64_t kv_offset = 0;
+  /// Gemma 2's soft-capping of the scores (scaled): cap · tanh(score / cap); 0: none.
+  float softcap = 0;
 };
 
 /// How `backend::sample` picks the token of one row: the most likely when `temperature` is
@@ -194,6 +196,9 @@ public:
 
   /// y[i] *= factor.
   virtual void scale(float* y, float factor, int64_t n) = 0;
+
+  /// y[i] = cap · tanh(y[i] / cap) (Gemma 2's soft-capping of the logits).
+  virtual void soft_cap(float* y, float cap, int64_t n) = 0;
 
   /// out[r] = table[ids[r]] as float32, for `rows` rows of `dim` (embedding lookup, and
   /// gathering rows of activations).

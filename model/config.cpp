@@ -86,6 +86,9 @@ void validate_model_config(const model_config& c, const std::string& origin) {
   if (!(c.query_pre_attn_scalar >= 0) || !std::isfinite(c.query_pre_attn_scalar) ||
       !(c.local_rope_theta >= 0) || !std::isfinite(c.local_rope_theta))
     bad_config(origin, "query_pre_attn_scalar and the local rope base must be positive");
+  if (!(c.attn_logit_softcapping >= 0) || !std::isfinite(c.attn_logit_softcapping) ||
+      !(c.final_logit_softcapping >= 0) || !std::isfinite(c.final_logit_softcapping))
+    bad_config(origin, "attn_logit_softcapping and final_logit_softcapping must be positive");
   using rope = rope_scaling_config::kind;
   auto& r = c.rope_scaling;
   if (r.type != rope::none) {
@@ -193,14 +196,16 @@ model_config parse_model_config(const std::string& json_text, const std::string&
   c.architecture = j["architectures"][0].get<std::string>();
   if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM"
       && c.architecture != "Qwen2ForCausalLM" && c.architecture != "Qwen3ForCausalLM"
-      && c.architecture != "Phi3ForCausalLM" && c.architecture != "Gemma3ForCausalLM")
+      && c.architecture != "Phi3ForCausalLM" && c.architecture != "Gemma2ForCausalLM"
+      && c.architecture != "Gemma3ForCausalLM")
     bad_config(origin, "architecture " + c.architecture +
                          " is not supported (LlamaForCausalLM, MistralForCausalLM, "
                          "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
-                         "Gemma3ForCausalLM)");
+                         "Gemma2ForCausalLM, Gemma3ForCausalLM)");
   const bool gemma3 = c.architecture == "Gemma3ForCausalLM";
+  const bool gemma = gemma3 || c.architecture == "Gemma2ForCausalLM";
   c.qk_norm = c.architecture == "Qwen3ForCausalLM" || gemma3;
-  if (gemma3) {
+  if (gemma) {
     c.scale_embeddings = true;
     c.norm_weight_offset = 1;
     c.sandwich_norms = true;
@@ -216,6 +221,11 @@ model_config parse_model_config(const std::string& json_text, const std::string&
                          " is not supported (silu, gelu_pytorch_tanh)");
   if (j.contains("query_pre_attn_scalar") && j["query_pre_attn_scalar"].is_number())
     c.query_pre_attn_scalar = j["query_pre_attn_scalar"].get<double>();
+  // Numbers, or null for none.
+  for (auto [key, value] : {std::pair{"attn_logit_softcapping", &c.attn_logit_softcapping},
+                            {"final_logit_softcapping", &c.final_logit_softcapping}})
+    if (j.contains(key) && j[key].is_number())
+      *value = j[key].get<double>();
   c.vocab_size = positive_int(j, "vocab_size", origin);
   c.hidden_size = positive_int(j, "hidden_size", origin);
   c.intermediate_size = positive_int(j, "intermediate_size", origin);
@@ -380,6 +390,10 @@ model_config parse_model_config(const std::string& json_text, const std::string&
     auto pattern = j["sliding_window_pattern"].get<int64_t>();
     for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
       c.sliding_layers.push_back((layer + 1) % pattern != 0);
+  } else if (c.sliding_window > 0 && c.architecture == "Gemma2ForCausalLM") {
+    // transformers 4's Gemma 2: the even layers slide.
+    for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
+      c.sliding_layers.push_back(layer % 2 == 0);
   } else if (c.sliding_window > 0 && j.contains("use_sliding_window")) {
     // transformers' Qwen2 default is 28.
     auto first = j.contains("max_window_layers") && j["max_window_layers"].is_number_integer()
@@ -434,6 +448,7 @@ std::string to_config_json(const model_config& c) {
                     : c.architecture == "Qwen3ForCausalLM"   ? "qwen3"
                     : c.architecture == "MistralForCausalLM" ? "mistral"
                     : c.architecture == "Phi3ForCausalLM"    ? "phi3"
+                    : c.architecture == "Gemma2ForCausalLM"  ? "gemma2"
                     : c.architecture == "Gemma3ForCausalLM"  ? "gemma3_text"
                                                              : "llama";
   j["vocab_size"] = c.vocab_size;
@@ -494,6 +509,10 @@ std::string to_config_json(const model_config& c) {
   j["hidden_act"] = c.hidden_act;
   if (c.query_pre_attn_scalar > 0)
     j["query_pre_attn_scalar"] = c.query_pre_attn_scalar;
+  if (c.attn_logit_softcapping > 0)
+    j["attn_logit_softcapping"] = c.attn_logit_softcapping;
+  if (c.final_logit_softcapping > 0)
+    j["final_logit_softcapping"] = c.final_logit_softcapping;
   if (c.local_rope_theta > 0)
     j["rope_local_base_freq"] = c.local_rope_theta;
   if (c.bos_token_id >= 0)

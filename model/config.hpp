@@ -48,7 +48,8 @@ struct rope_scaling_config {
 struct model_config {
   /// `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
   /// `Phi3ForCausalLM` (whose checkpoints fuse q, k and v into `qkv_proj` and gate and up
-  /// into `gate_up_proj`: `checkpoint` splits them) or `Gemma3ForCausalLM`.
+  /// into `gate_up_proj`: `checkpoint` splits them), `Gemma2ForCausalLM` or
+  /// `Gemma3ForCausalLM`.
   std::string architecture;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -84,6 +85,10 @@ struct model_config {
   std::string hidden_act = "silu";
   /// Attention scores are scaled by query_pre_attn_scalar^-1/2 (Gemma); 0: head_dim^-1/2.
   double query_pre_attn_scalar = 0;
+  /// Gemma 2's soft-capping, c · tanh(x / c), of the attention scores and of the logits;
+  /// 0: none.
+  double attn_logit_softcapping = 0;
+  double final_logit_softcapping = 0;
   /// The rotary base of the sliding layers, unscaled (Gemma 3's local base); 0: every layer
   /// rotates as `rope_theta` and `rope_scaling` say.
   double local_rope_theta = 0;

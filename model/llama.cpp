@@ -893,6 +893,7 @@ void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b,
     be.rms_norm(b.k, l.k_norm.as<float>(), b.k, T * local_kv_, cfg_.head_dim, eps);
   }
   b.layout.window = cfg_.window_of(layer);
+  b.layout.softcap = static_cast<float>(cfg_.attn_logit_softcapping);
   // Gemma 3's sliding layers rotate with their own base.
   bool local = b.local_cos && b.layout.window > 0;
   be.rotary(b.q, local_heads_, b.k, local_kv_, T, cfg_.head_dim, local ? b.local_cos : b.cos,
@@ -947,8 +948,11 @@ void llama_model::output_head(const step_buffers& b) {
   be.gather_rows(b.sample_rows, b.x, dtype::f32, b.last, S, H);
   be.rms_norm(b.last, final_norm_.as<float>(), b.h, S, H, eps);
   auto& head = cfg_.tie_word_embeddings ? embed_ : lm_head_;
+  const auto cap = static_cast<float>(cfg_.final_logit_softcapping);
   if (world_ == 1) {
     be.gemm_nt_shared(b.h, head.type, S, H, {head.into(b.logits, V)});
+    if (cap > 0)
+      be.soft_cap(b.logits, cap, S * V);
     return;
   }
   // The head split by vocabulary, as vLLM's: each rank writes its share of every row into
@@ -960,6 +964,8 @@ void llama_model::output_head(const step_buffers& b) {
   be.gemm_nt_shared(b.h, head.type, S, H,
                     {backend::gemm_output{rows, b.logits + vocab_begin_, local_vocab_, false, V}});
   reduce(b.logits, S * V);
+  if (cap > 0)
+    be.soft_cap(b.logits, cap, S * V);
 }
 
 void llama_model::forward(const step_batch& batch, kv_cache& cache) {

@@ -36,8 +36,8 @@ sys.path.insert(0, str(llamacpp))
 sys.path.insert(0, str(llamacpp / "gguf-py"))
 
 import torch  # noqa: E402
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, Phi3Config,  # noqa: E402
-                          Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig,  # noqa: E402
+                          Phi3Config, Qwen3Config)
 
 import convert_hf_to_gguf  # noqa: E402
 import gguf  # noqa: E402
@@ -87,6 +87,13 @@ def tiny_models():
                                             "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
         tie_word_embeddings=True, **common)
+    # Gemma 2: as Gemma 3 without q and k norms or a local base, the attention scores and
+    # the logits soft-capped (q and k scaled up so that the cap bites), even layers sliding.
+    yield "gemma2-softcap", Gemma2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=6,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rope_theta=10000.0,
+        tie_word_embeddings=True, **common)
 
 
 # Where a family's GGUF tensors differ from GGUF_BLOCK_NAMES (Hugging Face name within a
@@ -135,12 +142,17 @@ def main():
         if args.names and name not in args.names:
             continue
         model = tiny_random_model(config)
+        if config.model_type == "gemma2":
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if "q_proj" in pname or "k_proj" in pname:
+                        p.mul_(6.0)
         directory = out / name
         model.save_pretrained(directory, safe_serialization=True)
         with open(directory / "reference.json", "w") as f:
             json.dump({"prompts": reference_runs(model, all_logits_of_first=True)}, f)
         print("wrote", directory)
-        if config.model_type == "gemma3_text":
+        if config.model_type in ("gemma2", "gemma3_text"):
             continue
 
         gguf_dir = out / f"{name}-gguf"

@@ -187,6 +187,11 @@ public:
       y[i] *= factor;
   }
 
+  void soft_cap(float* y, float cap, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i)
+      y[i] = cpu::soft_capped(y[i], cap);
+  }
+
   void gather_rows(const int32_t* ids, const void* table, dtype table_type, float* out,
                    int64_t rows, int64_t dim) override {
     auto bytes = storage_bytes(table_type, static_cast<size_t>(dim));
@@ -235,7 +240,7 @@ public:
       }
       auto offset = (t * l.heads + head) * l.head_dim;
       cpu::attend(isa_, q + offset, l.head_dim, len, scale, k_cache, v_cache, offsets.data(),
-                  scores.data(), out + offset);
+                  scores.data(), out + offset, l.softcap);
     });
   }
 

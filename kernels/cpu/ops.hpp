@@ -37,19 +37,25 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n);
 /// out[i] = gelu(gate[i]) · up[i], GELU in its tanh form.
 void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n);
 
+/// An attention score soft-capped: cap · tanh(score / cap) (Gemma 2); `score` when cap is 0.
+inline float soft_capped(float score, float cap) {
+  return cap > 0 ? cap * std::tanh(score / cap) : score;
+}
+
 /// Attention of one query row against `len` cached positions of one sequence.
 /// `key_at(pos)` / `value_at(pos)` give the cached key and value vectors of the query's
 /// KV head at a position. Writes head_dim outputs; `scores` needs room for `len` floats.
+/// Scores are soft-capped at `softcap` where it is positive.
 template <class KeyAt, class ValueAt>
 void attend(const float* query, int64_t head_dim, int64_t len, float scale, KeyAt key_at,
-            ValueAt value_at, float* scores, float* out) {
+            ValueAt value_at, float* scores, float* out, float softcap = 0) {
   float max_score = -std::numeric_limits<float>::infinity();
   for (int64_t p = 0; p < len; ++p) {
     const float* k = key_at(p);
     float dot = 0.0f;
     for (int64_t d = 0; d < head_dim; ++d)
       dot += query[d] * k[d];
-    scores[p] = dot * scale;
+    scores[p] = soft_capped(dot * scale, softcap);
     max_score = std::max(max_score, scores[p]);
   }
   float sum = 0.0f;

@@ -44,10 +44,11 @@ void dot_rows_half(isa i, dtype w_type, const void* w, const float* x, int64_t m
 /// Attention of one query row (head_dim floats) over `len` cached positions: the key and
 /// value of position p start at keys + offsets[p] and values + offsets[p]. The scores
 /// (scaled, then softmax weights) go to `scores` (room for `len`); the weighted sum of the
-/// values to `out`. The portable version is `cpu::attend` (ops.hpp).
+/// values to `out`; scores soft-capped at `softcap` where it is positive. The portable
+/// version is `cpu::attend` (ops.hpp).
 void attend(isa i, const float* query, int64_t head_dim, int64_t len, float scale,
             const float* keys, const float* values, const int64_t* offsets, float* scores,
-            float* out);
+            float* out, float softcap = 0);
 
 /// log Σ exp(logits[i]) over n logits, as `troupe::log_partition` (model/sampler.hpp, the
 /// portable version) computes it up to float rounding of each term.

@@ -140,6 +140,10 @@ public:
     cuda::scale(y, factor, n, dev_.stream());
   }
 
+  void soft_cap(float* y, float cap, int64_t n) override {
+    cuda::soft_cap(y, cap, n, dev_.stream());
+  }
+
   void gather_rows(const int32_t* ids, const void* table, dtype table_type, float* out,
                    int64_t rows, int64_t dim) override {
     cuda::gather_rows(ids, table, table_type, out, rows, dim, dev_.stream());

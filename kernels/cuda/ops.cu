@@ -101,6 +101,12 @@ __global__ void scale_kernel(float* y, float factor, int64_t n) {
     y[i] *= factor;
 }
 
+__global__ void soft_cap_kernel(float* y, float cap, int64_t n) {
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n)
+    y[i] = cap * tanhf(y[i] / cap);
+}
+
 __device__ float as_float(float x) {
   return x;
 }
@@ -365,6 +371,8 @@ __global__ void paged_attention_kernel(const float* q, float* out, const float* 
     for (int offset = 16; offset > 0; offset /= 2)
       dot += __shfl_xor_sync(0xffffffffu, dot, offset);
     float score = dot * scale;
+    if (l.softcap > 0)
+      score = l.softcap * tanhf(score / l.softcap);
     float next_max = fmaxf(running_max, score);
     float rescale = expf(running_max - next_max); // 0 for the first position
     float weight = expf(score - next_max);
@@ -485,6 +493,13 @@ void scale(float* y, float factor, int64_t n, cudaStream_t stream) {
     return;
   scale_kernel<<<blocks_for(n), threads, 0, stream>>>(y, factor, n);
   launched("scale_kernel");
+}
+
+void soft_cap(float* y, float cap, int64_t n, cudaStream_t stream) {
+  if (n == 0)
+    return;
+  soft_cap_kernel<<<blocks_for(n), threads, 0, stream>>>(y, cap, n);
+  launched("soft_cap_kernel");
 }
 
 void add(float* y, const float* x, int64_t n, cudaStream_t stream) {

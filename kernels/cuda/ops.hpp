@@ -43,6 +43,9 @@ void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n,
 /// y[i] *= factor.
 void scale(float* y, float factor, int64_t n, cudaStream_t stream);
 
+/// y[i] = cap · tanh(y[i] / cap).
+void soft_cap(float* y, float cap, int64_t n, cudaStream_t stream);
+
 /// y[i] += x[i].
 void add(float* y, const float* x, int64_t n, cudaStream_t stream);
 
