@@ -104,6 +104,18 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
     if (t.name == "rope_factors_long.weight" || t.name == "rope_factors_short.weight")
       continue;
     auto name = t.name == "rope_freqs.weight" ? t.name : hf_tensor_name(t.name);
+    // Gemma's four norms a layer: ffn_norm is the one before the MLP.
+    if (config.sandwich_norms && t.name.rfind("blk.", 0) == 0) {
+      auto dot = t.name.find('.', 4);
+      auto rest = dot == std::string::npos ? std::string{} : t.name.substr(dot + 1);
+      auto layer = "model.layers." + t.name.substr(4, dot - 4) + ".";
+      if (rest == "ffn_norm.weight")
+        name = layer + "pre_feedforward_layernorm.weight";
+      else if (rest == "post_attention_norm.weight")
+        name = layer + "post_attention_layernorm.weight";
+      else if (rest == "post_ffw_norm.weight")
+        name = layer + "post_feedforward_layernorm.weight";
+    }
     // phi3's ffn_up holds gate and up, one above the other.
     const std::string up = "mlp.up_proj.weight";
     if (config.architecture == "Phi3ForCausalLM" && name.size() > up.size() &&

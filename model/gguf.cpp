@@ -319,6 +319,40 @@ void gguf_file::phi3_config(model_config& c, double rotary_dims, double window,
                                              r.original_max_position_embeddings)));
 }
 
+void gguf_file::gemma_config(model_config& c, bool gemma3, double window, double attn_cap,
+                             double final_cap, double local_base) const {
+  c.scale_embeddings = true;
+  c.sandwich_norms = true;
+  c.hidden_act = "gelu_pytorch_tanh";
+  c.norm_weight_offset = 0; // the converter wrote 1 + w
+  c.attn_logit_softcapping = attn_cap;
+  c.final_logit_softcapping = final_cap;
+  // llama.cpp's reading of Gemma's scalar, which the files do not hold: hidden / heads
+  // for the 27B models (46 and 62 layers), head_dim for the others.
+  bool large = c.num_hidden_layers == (gemma3 ? 62 : 46);
+  c.query_pre_attn_scalar = large ? static_cast<double>(c.hidden_size / c.num_attention_heads)
+                                  : static_cast<double>(c.head_dim);
+  // Gemma 2 slides without a window in the file too (4096, llama.cpp's default).
+  c.sliding_window = window > 0 ? static_cast<int64_t>(window) : gemma3 ? 0 : 4096;
+  if (c.sliding_window == 0)
+    return;
+  // Every layer but each pattern-th slides (Gemma 2: every other one, Gemma 3: five of
+  // six), unless the file lists them.
+  auto key = find<std::string>("general.architecture");
+  int64_t pattern = gemma3 ? 6 : 2;
+  if (auto flags = numbers(*key + ".attention.sliding_window_pattern")) {
+    for (auto f : *flags)
+      c.sliding_layers.push_back(f != 0);
+  } else {
+    if (auto n = find<int64_t>(*key + ".attention.sliding_window_pattern"))
+      pattern = *n;
+    for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
+      c.sliding_layers.push_back(pattern > 0 && layer % pattern < pattern - 1);
+  }
+  if (gemma3 && local_base > 0)
+    c.local_rope_theta = local_base;
+}
+
 model_config gguf_file::config() const {
   auto text = [&](const std::string& key) -> std::string {
     auto s = find<std::string>(key);
@@ -354,9 +388,14 @@ model_config gguf_file::config() const {
     c.architecture = "Qwen3ForCausalLM";
   else if (arch == "phi3")
     c.architecture = "Phi3ForCausalLM";
+  else if (arch == "gemma2")
+    c.architecture = "Gemma2ForCausalLM";
+  else if (arch == "gemma3")
+    c.architecture = "Gemma3ForCausalLM";
   else
-    bad(path_, "architecture " + arch + " is not supported (llama, qwen2, qwen3, phi3)");
-  c.qk_norm = arch == "qwen3";
+    bad(path_, "architecture " + arch +
+                 " is not supported (llama, qwen2, qwen3, phi3, gemma2, gemma3)");
+  c.qk_norm = arch == "qwen3" || arch == "gemma3";
   c.hidden_size = static_cast<int64_t>(number("embedding_length", 0, true));
   c.num_hidden_layers = static_cast<int64_t>(number("block_count", 0, true));
   c.intermediate_size = static_cast<int64_t>(number("feed_forward_length", 0, true));
@@ -371,6 +410,15 @@ model_config gguf_file::config() const {
   c.rope_theta = number("rope.freq_base", 10000.0, false);
   c.rms_norm_eps = number("attention.layer_norm_rms_epsilon", 1e-6, false);
   c.attention_bias = arch == "qwen2";
+  if (auto type = find<std::string>(arch + ".rope.scaling.type"); type && *type == "linear") {
+    c.rope_scaling.type = rope_scaling_config::kind::linear;
+    c.rope_scaling.factor = number("rope.scaling.factor", 1.0, true);
+  }
+  if (arch == "gemma2" || arch == "gemma3")
+    gemma_config(c, arch == "gemma3", number("attention.sliding_window", 0, false),
+                 number("attn_logit_softcapping", 0, false),
+                 number("final_logit_softcapping", 0, false),
+                 number("rope.freq_base_swa", arch == "gemma3" ? 10000.0 : 0.0, false));
   if (arch == "phi3")
     phi3_config(c, number("rope.dimension_count", static_cast<double>(c.head_dim), false),
                 number("attention.sliding_window", 0, false),

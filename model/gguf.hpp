@@ -84,10 +84,15 @@ public:
     return file_;
   }
 
-  /// The model shape from the metadata (architectures llama, qwen2, qwen3 and phi3).
+  /// The model shape from the metadata (architectures llama, qwen2, qwen3, phi3, gemma2 and
+  /// gemma3).
   model_config config() const;
 
 private:
+  /// What a gemma2 or gemma3 file adds to `c`: Gemma's norms, activation, scaling and
+  /// capping, and its sliding layers.
+  void gemma_config(model_config& c, bool gemma3, double window, double attn_cap,
+                    double final_cap, double local_base) const;
   /// What a phi3 file adds to `c`: its window, and LongRoPE from its factor tensors.
   void phi3_config(model_config& c, double rotary_dims, double window, double original_length,
                    double attention_factor) const;

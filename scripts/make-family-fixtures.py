@@ -42,6 +42,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, 
 import convert_hf_to_gguf  # noqa: E402
 import gguf  # noqa: E402
 from conversion.base import TextModel  # noqa: E402
+from conversion.gemma import Gemma2Model  # noqa: E402
 from fixture_lib import (GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, reference_runs,  # noqa: E402
                          tiny_random_model)
 
@@ -94,17 +95,39 @@ def tiny_models():
         num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=6,
         attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rope_theta=10000.0,
         tie_word_embeddings=True, **common)
+    # As llama.cpp's gemma2 and gemma3 files are read (neither holds the scalar, the layer
+    # pattern or the local base): query_pre_attn_scalar = head_dim, Gemma 3's global layer
+    # every sixth, its local base 10000; the tokenizer's 423 ids, which the gemma3
+    # converter cuts the embeddings to.
+    gguf_common = dict(common, vocab_size=423)
+    yield "gemma2-standard", Gemma2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=6,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rope_theta=10000.0,
+        tie_word_embeddings=True, **gguf_common)
+    yield "gemma3-standard", Gemma3TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=6,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        tie_word_embeddings=True, **gguf_common)
 
 
 # Where a family's GGUF tensors differ from GGUF_BLOCK_NAMES (Hugging Face name within a
 # block, by GGUF name).
 FUSED_BLOCK_NAMES = {"attn_qkv.weight": "self_attn.qkv_proj.weight",
                      "ffn_up.weight": "mlp.gate_up_proj.weight"}
+GEMMA_BLOCK_NAMES = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                     "post_attention_norm.weight": "post_attention_layernorm.weight",
+                     "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 
 
 def convert(model_dir, outfile, outtype):
-    """llama.cpp's converter on `model_dir` (with the tiny tokenizer beside it)."""
+    """llama.cpp's converter on `model_dir` (with the tiny tokenizer beside it). Its gemma2
+    model reads only SentencePiece files: it is given the byte-level BPE as the others."""
     TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+    Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
     argv = sys.argv
     sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", str(outfile),
                 "--outtype", outtype]
@@ -121,8 +144,11 @@ def dequantized(model_dir, path):
     state = model.state_dict()
     hf_top = {g: h for h, g in GGUF_TOP_NAMES.items()}
     hf_block = {g: h for h, g in GGUF_BLOCK_NAMES.items()}
+    gemma = model.config.model_type in ("gemma2", "gemma3_text")
     if model.config.model_type == "phi3":
         hf_block.update(FUSED_BLOCK_NAMES)
+    if gemma:
+        hf_block.update(GEMMA_BLOCK_NAMES)
     for t in gguf.GGUFReader(str(path)).tensors:
         if t.name.startswith("rope_factors_"):
             continue  # the config's LongRoPE factors
@@ -132,6 +158,10 @@ def dequantized(model_dir, path):
         else:
             name = hf_top[t.name]
         values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(state[name].shape)
+        if gemma and name.endswith("norm.weight"):
+            values = values - 1  # the converter stored 1 + w
+        if name == "lm_head.weight":
+            continue
         state[name] = torch.from_numpy(values.astype("float32").copy())
     model.load_state_dict(state, strict=True)
     return model
@@ -152,7 +182,7 @@ def main():
         with open(directory / "reference.json", "w") as f:
             json.dump({"prompts": reference_runs(model, all_logits_of_first=True)}, f)
         print("wrote", directory)
-        if config.model_type in ("gemma2", "gemma3_text"):
+        if name in ("gemma2-softcap", "gemma3-layers"):
             continue
 
         gguf_dir = out / f"{name}-gguf"

@@ -233,6 +233,33 @@ TEST_CASE("Phi-3 files of llama.cpp's converter (qkv and gate-up fused, LongRoPE
   }
 }
 
+TEST_CASE("Gemma 2 and 3 files of llama.cpp's converter (norms stored as 1 + w, soft-capping, "
+          "sliding layers by llama.cpp's pattern, Gemma 3's local rope base): transformers' "
+          "logits and greedy tokens, exact and fast") {
+  for (std::string name : {"gemma2-standard", "gemma3-standard"}) {
+    const std::string dir = TROUPE_SOURCE_DIR "/tests/fixtures/" + name + "-gguf";
+    auto hf = load_model_config(TROUPE_SOURCE_DIR "/tests/fixtures/" + name);
+    auto ref = reference(dir);
+    for (auto type : {"f32", "q8_0"}) {
+      INFO(name << " " << type);
+      auto path = dir + "/" + name + "-" + type + ".gguf";
+      auto cfg = checkpoint::gguf_config(path);
+      // The file and llama.cpp's reading of it say what config.json says.
+      CHECK(cfg.architecture == hf.architecture);
+      CHECK(cfg.sliding_window == hf.sliding_window);
+      CHECK(cfg.sliding_layers == hf.sliding_layers);
+      CHECK(cfg.query_pre_attn_scalar == hf.query_pre_attn_scalar);
+      CHECK(cfg.local_rope_theta == hf.local_rope_theta);
+      CHECK(cfg.rope_scaling.type == hf.rope_scaling.type);
+      CHECK(cfg.attn_logit_softcapping == hf.attn_logit_softcapping);
+      CHECK(cfg.final_logit_softcapping == hf.final_logit_softcapping);
+      CHECK(cfg.qk_norm == hf.qk_norm);
+      CHECK(cfg.norm_weight_offset == 0);
+      check_family_file(path, cfg, ref[type]);
+    }
+  }
+}
+
 TEST_CASE("llama.cpp's k-quant files (Q4_K, Q5_K, Q6_K): transformers' logits and greedy "
           "tokens, as stored and as float32") {
   auto ref = reference(k_dir);

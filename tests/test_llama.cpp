@@ -33,7 +33,8 @@ const std::string models[] = {"llama-gqa",         "llama3-rope-tied",   "qwen2-
                                "llama-odd-heads",   "llama-rope-linear",  "llama-rope-dynamic",
                                "llama-rope-yarn",   "llama-bias",         "mistral-window",
                                "qwen2-window",      "qwen3-norms",        "phi3-fused",
-                               "phi3-longrope",     "gemma3-layers",      "gemma2-softcap"};
+                               "phi3-longrope",     "gemma3-layers",      "gemma2-softcap",
+                               "gemma2-standard",   "gemma3-standard"};
 
 nlohmann::json reference(const std::string& name) {
   std::ifstream in{fixtures + "/" + name + "/reference.json"};
