@@ -186,28 +186,12 @@ void check_family_file(const std::string& path, const model_config& cfg, const n
   check_greedy_runs(path, runs);
 }
 
-} // namespace
-
-TEST_CASE("Qwen3 files of llama.cpp's converter (per-head q and k norms, head_dim apart from "
-          "the hidden size): transformers' logits and greedy tokens, exact and fast") {
-  const std::string qwen3 = TROUPE_SOURCE_DIR "/tests/fixtures/qwen3-norms-gguf";
-  auto ref = reference(qwen3);
-  for (auto type : {"f32", "q8_0"}) {
-    INFO(type);
-    auto path = qwen3 + "/qwen3-norms-" + type + ".gguf";
-    auto cfg = checkpoint::gguf_config(path);
-    CHECK(cfg.architecture == "Qwen3ForCausalLM");
-    CHECK(cfg.qk_norm);
-    CHECK(cfg.head_dim == 32);
-    CHECK(cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size);
-    CHECK(checkpoint::from_gguf(path, cfg).contains("model.layers.1.self_attn.k_norm.weight"));
-    check_family_file(path, cfg, ref[type]);
-  }
-}
-
-TEST_CASE("Phi-3 files of llama.cpp's converter (qkv and gate-up fused, LongRoPE's factors as "
-          "tensors, a sliding window): transformers' logits and greedy tokens, exact and fast") {
-  for (std::string name : {"phi3-fused", "phi3-longrope"}) {
+/// Each GGUF copy (f32, q8_0) of the family fixtures `names` (`<name>-gguf/<name>-<type>.gguf`
+/// beside the Hugging Face directory `<name>`): the file's config against config.json's
+/// (`check(path, file_config, hf_config)`), then `check_family_file`.
+template <class Check>
+void check_family_files(std::initializer_list<const char*> names, Check check) {
+  for (std::string name : names) {
     const std::string dir = TROUPE_SOURCE_DIR "/tests/fixtures/" + name + "-gguf";
     auto hf = load_model_config(TROUPE_SOURCE_DIR "/tests/fixtures/" + name);
     auto ref = reference(dir);
@@ -215,49 +199,62 @@ TEST_CASE("Phi-3 files of llama.cpp's converter (qkv and gate-up fused, LongRoPE
       INFO(name << " " << type);
       auto path = dir + "/" + name + "-" + type + ".gguf";
       auto cfg = checkpoint::gguf_config(path);
-      CHECK(cfg.architecture == "Phi3ForCausalLM");
-      // The file says what config.json says.
-      CHECK(cfg.sliding_window == hf.sliding_window);
-      CHECK(cfg.rope_scaling.type == hf.rope_scaling.type);
-      CHECK(cfg.rope_scaling.original_max_position_embeddings ==
-            hf.rope_scaling.original_max_position_embeddings);
-      CHECK(cfg.rope_scaling.attention_factor == doctest::Approx(hf.rope_scaling.attention_factor));
-      CHECK(cfg.rope_scaling.long_factor == hf.rope_scaling.long_factor);
-      CHECK(cfg.rope_scaling.short_factor == hf.rope_scaling.short_factor);
-      auto ckpt = checkpoint::from_gguf(path, cfg);
-      CHECK(ckpt.contains("model.layers.1.self_attn.v_proj.weight"));
-      CHECK(ckpt.contains("model.layers.1.mlp.gate_proj.weight"));
-      CHECK_FALSE(ckpt.contains("model.layers.1.self_attn.qkv_proj.weight"));
+      CHECK(cfg.architecture == hf.architecture);
+      check(path, cfg, hf);
       check_family_file(path, cfg, ref[type]);
     }
   }
+}
+
+} // namespace
+
+TEST_CASE("Qwen3 files of llama.cpp's converter (per-head q and k norms, head_dim apart from "
+          "the hidden size): transformers' logits and greedy tokens, exact and fast") {
+  check_family_files({"qwen3-norms"}, [](const std::string& path, const model_config& cfg,
+                                         const model_config&) {
+    CHECK(cfg.qk_norm);
+    CHECK(cfg.head_dim == 32);
+    CHECK(cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size);
+    CHECK(checkpoint::from_gguf(path, cfg).contains("model.layers.1.self_attn.k_norm.weight"));
+  });
+}
+
+TEST_CASE("Phi-3 files of llama.cpp's converter (qkv and gate-up fused, LongRoPE's factors as "
+          "tensors, a sliding window): transformers' logits and greedy tokens, exact and fast") {
+  check_family_files({"phi3-fused", "phi3-longrope"}, [](const std::string& path,
+                                                         const model_config& cfg,
+                                                         const model_config& hf) {
+    CHECK(cfg.sliding_window == hf.sliding_window);
+    CHECK(cfg.rope_scaling.type == hf.rope_scaling.type);
+    CHECK(cfg.rope_scaling.original_max_position_embeddings ==
+          hf.rope_scaling.original_max_position_embeddings);
+    CHECK(cfg.rope_scaling.attention_factor == doctest::Approx(hf.rope_scaling.attention_factor));
+    CHECK(cfg.rope_scaling.long_factor == hf.rope_scaling.long_factor);
+    CHECK(cfg.rope_scaling.short_factor == hf.rope_scaling.short_factor);
+    auto ckpt = checkpoint::from_gguf(path, cfg);
+    CHECK(ckpt.contains("model.layers.1.self_attn.v_proj.weight"));
+    CHECK(ckpt.contains("model.layers.1.mlp.gate_proj.weight"));
+    CHECK_FALSE(ckpt.contains("model.layers.1.self_attn.qkv_proj.weight"));
+  });
 }
 
 TEST_CASE("Gemma 2 and 3 files of llama.cpp's converter (norms stored as 1 + w, soft-capping, "
           "sliding layers by llama.cpp's pattern, Gemma 3's local rope base): transformers' "
           "logits and greedy tokens, exact and fast") {
-  for (std::string name : {"gemma2-standard", "gemma3-standard"}) {
-    const std::string dir = TROUPE_SOURCE_DIR "/tests/fixtures/" + name + "-gguf";
-    auto hf = load_model_config(TROUPE_SOURCE_DIR "/tests/fixtures/" + name);
-    auto ref = reference(dir);
-    for (auto type : {"f32", "q8_0"}) {
-      INFO(name << " " << type);
-      auto path = dir + "/" + name + "-" + type + ".gguf";
-      auto cfg = checkpoint::gguf_config(path);
-      // The file and llama.cpp's reading of it say what config.json says.
-      CHECK(cfg.architecture == hf.architecture);
-      CHECK(cfg.sliding_window == hf.sliding_window);
-      CHECK(cfg.sliding_layers == hf.sliding_layers);
-      CHECK(cfg.query_pre_attn_scalar == hf.query_pre_attn_scalar);
-      CHECK(cfg.local_rope_theta == hf.local_rope_theta);
-      CHECK(cfg.rope_scaling.type == hf.rope_scaling.type);
-      CHECK(cfg.attn_logit_softcapping == hf.attn_logit_softcapping);
-      CHECK(cfg.final_logit_softcapping == hf.final_logit_softcapping);
-      CHECK(cfg.qk_norm == hf.qk_norm);
-      CHECK(cfg.norm_weight_offset == 0);
-      check_family_file(path, cfg, ref[type]);
-    }
-  }
+  // The file and llama.cpp's reading of it say what config.json says.
+  check_family_files({"gemma2-standard", "gemma3-standard"}, [](const std::string&,
+                                                                const model_config& cfg,
+                                                                const model_config& hf) {
+    CHECK(cfg.sliding_window == hf.sliding_window);
+    CHECK(cfg.sliding_layers == hf.sliding_layers);
+    CHECK(cfg.query_pre_attn_scalar == hf.query_pre_attn_scalar);
+    CHECK(cfg.local_rope_theta == hf.local_rope_theta);
+    CHECK(cfg.rope_scaling.type == hf.rope_scaling.type);
+    CHECK(cfg.attn_logit_softcapping == hf.attn_logit_softcapping);
+    CHECK(cfg.final_logit_softcapping == hf.final_logit_softcapping);
+    CHECK(cfg.qk_norm == hf.qk_norm);
+    CHECK(cfg.norm_weight_offset == 0);
+  });
 }
 
 TEST_CASE("llama.cpp's k-quant files (Q4_K, Q5_K, Q6_K): transformers' logits and greedy "
