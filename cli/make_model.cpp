@@ -6,10 +6,34 @@
 #include "model/config.hpp"
 #include "model/make_model.hpp"
 
+#include <algorithm>
 #include <iostream>
 #include <map>
 
 namespace troupe::cli {
+
+namespace {
+
+/// What Gemma's published configs set beyond the sizes: GeGLU, tied embeddings, the scalar
+/// of head_dim, Gemma 2's caps (50, 30) and window of 4096 every other layer, Gemma 3's
+/// q/k norms and window of 512 in five layers of six with a local base of 10000.
+void gemma_defaults(model_config& c, bool gemma3) {
+  c.hidden_act = "gelu_pytorch_tanh";
+  c.tie_word_embeddings = true;
+  c.query_pre_attn_scalar = static_cast<double>(c.head_dim);
+  c.qk_norm = gemma3;
+  c.sliding_window = std::min<int64_t>(gemma3 ? 512 : 4096, c.max_position_embeddings);
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
+    c.sliding_layers.push_back(gemma3 ? (layer + 1) % 6 != 0 : layer % 2 == 0);
+  if (gemma3) {
+    c.local_rope_theta = 10000.0;
+  } else {
+    c.attn_logit_softcapping = 50.0;
+    c.final_logit_softcapping = 30.0;
+  }
+}
+
+} // namespace
 
 std::shared_ptr<command> add_make_model(CLI::App& app) {
   struct options {
@@ -35,8 +59,10 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
   auto* sub = app.add_subcommand("make-model", "Write a random-weight model in Hugging Face format");
   cmd->app = sub;
   sub->add_option("--out", o->out, "Directory to write (created)")->required();
-  sub->add_option("--arch", o->arch, "llama, mistral, qwen2 (q/k/v bias) or qwen3 (q/k norms)")
-    ->check(CLI::IsMember({"llama", "mistral", "qwen2", "qwen3"}))
+  sub->add_option("--arch", o->arch,
+                  "llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k norms), phi3 (fused "
+                  "projections), gemma2 or gemma3 (Gemma's layers, tied embeddings)")
+    ->check(CLI::IsMember({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"}))
     ->capture_default_str();
   sub->add_option("--preset", o->preset,
                   "A known shape instead of the size flags: smollm2-135m (SmolLM2-135M)")
@@ -73,7 +99,10 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
     std::map<std::string, std::string> archs = {{"llama", "LlamaForCausalLM"},
                                                 {"mistral", "MistralForCausalLM"},
                                                 {"qwen2", "Qwen2ForCausalLM"},
-                                                {"qwen3", "Qwen3ForCausalLM"}};
+                                                {"qwen3", "Qwen3ForCausalLM"},
+                                                {"phi3", "Phi3ForCausalLM"},
+                                                {"gemma2", "Gemma2ForCausalLM"},
+                                                {"gemma3", "Gemma3ForCausalLM"}};
     c.architecture = archs.at(o->arch);
     c.num_hidden_layers = o->layers;
     c.hidden_size = o->hidden;
@@ -88,6 +117,8 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
     c.attention_bias = o->arch == "qwen2";
     c.qk_norm = o->arch == "qwen3";
     c.rms_norm_eps = 1e-5;
+    if (o->arch == "gemma2" || o->arch == "gemma3")
+      gemma_defaults(c, o->arch == "gemma3");
     return write(c);
   };
   return cmd;

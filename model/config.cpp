@@ -179,6 +179,8 @@ int64_t model_config::num_parameters() const {
     per_layer += 2 * intermediate_size + hidden_size;
   if (qk_norm)
     per_layer += 2 * head_dim;
+  if (sandwich_norms)
+    per_layer += 2 * hidden_size;
   int64_t total = num_hidden_layers * per_layer + vocab_size * hidden_size + hidden_size;
   if (!tie_word_embeddings)
     total += vocab_size * hidden_size;

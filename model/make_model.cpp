@@ -26,29 +26,45 @@ std::vector<spec> tensor_specs(const model_config& c) {
   const auto Q = c.num_attention_heads * c.head_dim;
   const auto KV = c.num_key_value_heads * c.head_dim;
   const auto I = c.intermediate_size;
+  // Norms that multiply by 1 + w (Gemma) store 0 for a norm of 1.
+  const auto norm = c.norm_weight_offset != 0 ? spec::zeros : spec::ones;
+  // Phi-3 stores q, k and v as one matrix, and gate over up as another.
+  const bool fused = c.architecture == "Phi3ForCausalLM";
   std::vector<spec> specs;
   specs.push_back({"model.embed_tokens.weight", {c.vocab_size, H}, spec::normal});
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     auto p = "model.layers." + std::to_string(i) + ".";
-    specs.push_back({p + "input_layernorm.weight", {H}, spec::ones});
-    specs.push_back({p + "self_attn.q_proj.weight", {Q, H}, spec::normal});
-    specs.push_back({p + "self_attn.k_proj.weight", {KV, H}, spec::normal});
-    specs.push_back({p + "self_attn.v_proj.weight", {KV, H}, spec::normal});
+    specs.push_back({p + "input_layernorm.weight", {H}, norm});
+    if (fused) {
+      specs.push_back({p + "self_attn.qkv_proj.weight", {Q + 2 * KV, H}, spec::normal});
+    } else {
+      specs.push_back({p + "self_attn.q_proj.weight", {Q, H}, spec::normal});
+      specs.push_back({p + "self_attn.k_proj.weight", {KV, H}, spec::normal});
+      specs.push_back({p + "self_attn.v_proj.weight", {KV, H}, spec::normal});
+    }
     if (c.attention_bias) {
       specs.push_back({p + "self_attn.q_proj.bias", {Q}, spec::zeros});
       specs.push_back({p + "self_attn.k_proj.bias", {KV}, spec::zeros});
       specs.push_back({p + "self_attn.v_proj.bias", {KV}, spec::zeros});
     }
     if (c.qk_norm) {
-      specs.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, spec::ones});
-      specs.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, spec::ones});
+      specs.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, norm});
+      specs.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, norm});
     }
     specs.push_back({p + "self_attn.o_proj.weight", {H, Q}, spec::normal});
     if (c.o_proj_bias)
       specs.push_back({p + "self_attn.o_proj.bias", {H}, spec::zeros});
-    specs.push_back({p + "post_attention_layernorm.weight", {H}, spec::ones});
-    specs.push_back({p + "mlp.gate_proj.weight", {I, H}, spec::normal});
-    specs.push_back({p + "mlp.up_proj.weight", {I, H}, spec::normal});
+    specs.push_back({p + "post_attention_layernorm.weight", {H}, norm});
+    if (c.sandwich_norms) {
+      specs.push_back({p + "pre_feedforward_layernorm.weight", {H}, norm});
+      specs.push_back({p + "post_feedforward_layernorm.weight", {H}, norm});
+    }
+    if (fused) {
+      specs.push_back({p + "mlp.gate_up_proj.weight", {2 * I, H}, spec::normal});
+    } else {
+      specs.push_back({p + "mlp.gate_proj.weight", {I, H}, spec::normal});
+      specs.push_back({p + "mlp.up_proj.weight", {I, H}, spec::normal});
+    }
     specs.push_back({p + "mlp.down_proj.weight", {H, I}, spec::normal});
     if (c.mlp_bias) {
       specs.push_back({p + "mlp.gate_proj.bias", {I}, spec::zeros});
@@ -56,7 +72,7 @@ std::vector<spec> tensor_specs(const model_config& c) {
       specs.push_back({p + "mlp.down_proj.bias", {H}, spec::zeros});
     }
   }
-  specs.push_back({"model.norm.weight", {H}, spec::ones});
+  specs.push_back({"model.norm.weight", {H}, norm});
   if (!c.tie_word_embeddings)
     specs.push_back({"lm_head.weight", {c.vocab_size, H}, spec::normal});
   return specs;
@@ -71,7 +87,8 @@ void write_random_model(const model_config& config, const std::string& directory
   auto written = config;
   written.torch_dtype = dtype_name(type);
   auto text = to_config_json(written);
-  parse_model_config(text, directory + "/config.json");
+  // The tensors are those of the config as it will be read back.
+  auto parsed = parse_model_config(text, directory + "/config.json");
   std::error_code ec;
   fs::create_directories(directory, ec);
   if (ec)
@@ -90,7 +107,7 @@ void write_random_model(const model_config& config, const std::string& directory
   int64_t used = 0;
   nlohmann::json weight_map = nlohmann::json::object();
   std::vector<std::vector<std::string>> shard_names(1);
-  for (auto& s : tensor_specs(config)) {
+  for (auto& s : tensor_specs(parsed)) {
     int64_t numel = 1;
     for (auto d : s.shape)
       numel *= d;

@@ -278,36 +278,41 @@ TEST_CASE("configs and weights that would compute garbage are refused, naming th
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("make-model writes a sharded checkpoint that loads and runs") {
-  model_config c;
-  c.architecture = "Qwen2ForCausalLM";
-  c.vocab_size = 100;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.attention_bias = true;
-  auto dir = (std::filesystem::temp_directory_path() /
-              ("troupe-make-model-" + std::to_string(::getpid())))
-               .string();
-  write_random_model(c, dir, dtype::bf16, 7, 4096); // small shards: an index is written
-  CHECK(std::ifstream{dir + "/model.safetensors.index.json"}.good());
-  cpu_device dev{0};
-  auto loaded = load_model_config(dir);
-  CHECK(loaded.architecture == "Qwen2ForCausalLM");
-  CHECK(loaded.attention_bias);
-  checkpoint ckpt{dir};
-  llama_model model{loaded, dev, 0, 1};
-  model.load(ckpt);
-  CHECK(model.num_parameters() == loaded.num_parameters());
-  kv_cache cache{dev, 2, 2, 8, 4, 8, 0};
-  execute_model_request req;
-  req.seq_group_metadata_list.push_back({"r", true, {{0, {1, 2, 3}, 3, 0, {0}}}, {}, 3, true, 0, 0});
-  std::vector<sample_row> rows;
-  auto logits = model.run_logits(req, cache, rows);
-  CHECK(logits.size() == 100);
-  CHECK(std::isfinite(logits[0]));
-  std::filesystem::remove_all(dir);
+TEST_CASE("make-model writes a sharded checkpoint that loads and runs, in every family") {
+  for (auto arch : {"Qwen2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                    "Gemma3ForCausalLM"}) {
+    INFO(arch);
+    model_config c;
+    c.architecture = arch;
+    c.vocab_size = 100;
+    c.hidden_size = 32;
+    c.intermediate_size = 48;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 8;
+    c.attention_bias = c.architecture == "Qwen2ForCausalLM";
+    auto dir = (std::filesystem::temp_directory_path() /
+                ("troupe-make-model-" + std::to_string(::getpid())))
+                 .string();
+    write_random_model(c, dir, dtype::bf16, 7, 4096); // small shards: an index is written
+    CHECK(std::ifstream{dir + "/model.safetensors.index.json"}.good());
+    cpu_device dev{0};
+    auto loaded = load_model_config(dir);
+    CHECK(loaded.architecture == arch);
+    CHECK(loaded.attention_bias == c.attention_bias);
+    checkpoint ckpt{dir};
+    llama_model model{loaded, dev, 0, 1};
+    model.load(ckpt);
+    CHECK(model.num_parameters() == loaded.num_parameters());
+    kv_cache cache{dev, 2, 2, 8, 4, 8, 0};
+    execute_model_request req;
+    req.seq_group_metadata_list.push_back(
+      {"r", true, {{0, {1, 2, 3}, 3, 0, {0}}}, {}, 3, true, 0, 0});
+    std::vector<sample_row> rows;
+    auto logits = model.run_logits(req, cache, rows);
+    CHECK(logits.size() == 100);
+    CHECK(std::isfinite(logits[0]));
+    std::filesystem::remove_all(dir);
+  }
 }
