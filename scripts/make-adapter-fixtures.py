@@ -1,28 +1,36 @@
 #!/usr/bin/env python3
-"""Writes PEFT adapters for the tiny llama-gqa fixture and what transformers + peft compute
-with them. CI only reads the committed files; run this again after changing what it writes
-(after scripts/make-reference-fixtures.py, whose llama-gqa model it adapts):
+"""Writes PEFT adapters for the tiny llama-gqa fixture (and a LoRA for gemma3-layers, made
+by scripts/make-family-fixtures.py) and what transformers + peft compute with them. CI only
+reads the committed files; run this again after changing what it writes (after the scripts
+that write the base models):
 
     pip install torch transformers safetensors peft
-    python3 scripts/make-adapter-fixtures.py
+    python3 scripts/make-adapter-fixtures.py [BASE ...]   (llama-gqa, gemma3-layers)
 """
 import json
 import pathlib
 import shutil
+import sys
 
 import torch
 from peft import LoraConfig, PeftModel, PromptTuningConfig, TaskType, get_peft_model
 from transformers import AutoModelForCausalLM
 
 fixtures = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures"
-base_dir = fixtures / "llama-gqa"
-out = fixtures / "llama-gqa-adapters"
 PROMPTS = [[1, 15, 27, 99, 3], [1, 200, 7], [5, 9, 13, 17, 21, 25, 29, 33, 37]]
 GREEDY_TOKENS = 16
 
 
-def base_model():
+def base_model(base_dir):
     return AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32).eval()
+
+
+def gemma_adapters():
+    # Every projection of Gemma 3's layers, rank 8.
+    yield "lora-all", LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, bias="none",
+                                 task_type=TaskType.CAUSAL_LM,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                 "gate_proj", "up_proj", "down_proj"])
 
 
 def adapters():
@@ -57,32 +65,40 @@ def greedy(model, prompt):
     return last_logits, ids[len(prompt):]
 
 
-if out.exists():
-    shutil.rmtree(out)
-out.mkdir()
-reference = {"prompts": PROMPTS, "adapters": {}}
-for seed, (name, config) in enumerate(adapters()):
-    torch.manual_seed(100 + seed)
-    model = get_peft_model(base_model(), config)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "lora_" in pname:
-                p.copy_(torch.randn_like(p) * 0.3)
-            elif "prompt_encoder" in pname:
-                p.copy_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(out / name, safe_serialization=True)
-    (out / name / "README.md").unlink()  # PEFT's model-card template
-    config_path = out / name / "adapter_config.json"
-    saved = json.loads(config_path.read_text())
-    saved["base_model_name_or_path"] = "llama-gqa"  # not this machine's path
-    config_path.write_text(json.dumps(saved, indent=2) + "\n")
-    # The reference comes from the saved files, loaded the way a user would.
-    model = PeftModel.from_pretrained(base_model(), out / name).eval()
-    runs = []
-    for prompt in PROMPTS:
-        last_logits, tokens = greedy(model, prompt)
-        runs.append({"last_logits": last_logits, "greedy": tokens})
-    reference["adapters"][name] = runs
-    print("wrote", out / name)
-with open(out / "reference.json", "w") as f:
-    json.dump(reference, f)
+def write(base, adapter_configs):
+    base_dir = fixtures / base
+    out = fixtures / f"{base}-adapters"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir()
+    reference = {"prompts": PROMPTS, "adapters": {}}
+    for seed, (name, config) in enumerate(adapter_configs):
+        torch.manual_seed(100 + seed)
+        model = get_peft_model(base_model(base_dir), config)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "lora_" in pname:
+                    p.copy_(torch.randn_like(p) * 0.3)
+                elif "prompt_encoder" in pname:
+                    p.copy_(torch.randn_like(p) * 0.05)
+        model.save_pretrained(out / name, safe_serialization=True)
+        (out / name / "README.md").unlink()  # PEFT's model-card template
+        config_path = out / name / "adapter_config.json"
+        saved = json.loads(config_path.read_text())
+        saved["base_model_name_or_path"] = base  # not this machine's path
+        config_path.write_text(json.dumps(saved, indent=2) + "\n")
+        # The reference comes from the saved files, loaded the way a user would.
+        model = PeftModel.from_pretrained(base_model(base_dir), out / name).eval()
+        runs = []
+        for prompt in PROMPTS:
+            last_logits, tokens = greedy(model, prompt)
+            runs.append({"last_logits": last_logits, "greedy": tokens})
+        reference["adapters"][name] = runs
+        print("wrote", out / name)
+    with open(out / "reference.json", "w") as f:
+        json.dump(reference, f)
+
+
+bases = {"llama-gqa": adapters, "gemma3-layers": gemma_adapters}
+for base in sys.argv[1:] or bases:
+    write(base, bases[base]())
