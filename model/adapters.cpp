@@ -44,9 +44,21 @@ bool is_set(const json& config, const char* key) {
   return true;
 }
 
+/// A fused projection's name and the projections it holds, in row order.
+struct fused_module {
+  const char* name;
+  std::vector<projection> parts;
+};
+
+const fused_module fused_modules[] = {
+  {"self_attn.qkv_proj", {projection::q, projection::k, projection::v}},
+  {"mlp.gate_up_proj", {projection::gate, projection::up}},
+};
+
 /// "model.layers.3.self_attn.q_proj.lora_A.weight" (after PEFT's "base_model.model."):
-/// layer 3, q, A.
-bool parse_factor_name(std::string name, int64_t& layer, projection& proj, bool& is_a) {
+/// layer 3, {q}, A; a fused projection's name gives the projections it holds.
+bool parse_factor_name(std::string name, int64_t& layer, std::vector<projection>& projs,
+                       bool& is_a) {
   const std::string peft_prefix = "base_model.model.";
   if (name.rfind(peft_prefix, 0) == 0)
     name = name.substr(peft_prefix.size());
@@ -61,18 +73,22 @@ bool parse_factor_name(std::string name, int64_t& layer, projection& proj, bool&
     return false;
   layer = std::stoll(rest.substr(0, dot));
   rest = rest.substr(dot + 1);
+  std::vector<std::pair<std::string, std::vector<projection>>> modules;
   for (size_t p = 0; p < projection_count; ++p) {
-    auto module = std::string{module_name(static_cast<projection>(p))};
     auto parent = p <= static_cast<size_t>(projection::o) ? "self_attn." : "mlp.";
+    modules.push_back({parent + std::string{module_name(static_cast<projection>(p))},
+                       {static_cast<projection>(p)}});
+  }
+  for (auto& f : fused_modules)
+    modules.push_back({f.name, f.parts});
+  for (auto& [module, parts] : modules)
     for (auto [suffix, a] : {std::pair<const char*, bool>{".lora_A.weight", true},
-                             {".lora_B.weight", false}}) {
-      if (rest == parent + module + suffix) {
-        proj = static_cast<projection>(p);
+                             {".lora_B.weight", false}})
+      if (rest == module + suffix) {
+        projs = parts;
         is_a = a;
         return true;
       }
-    }
-  }
   return false;
 }
 
@@ -98,7 +114,23 @@ const char* module_name(projection p) {
   return "?";
 }
 
-peft_lora read_peft_lora(const std::string& path, int64_t num_layers) {
+peft_lora read_peft_lora(const std::string& path, const model_config& model) {
+  const auto num_layers = model.num_hidden_layers;
+  // The rows of each projection's output, to cut a fused B.
+  auto rows_of = [&](projection p) {
+    switch (p) {
+      case projection::q:
+        return model.num_attention_heads * model.head_dim;
+      case projection::k:
+      case projection::v:
+        return model.num_key_value_heads * model.head_dim;
+      case projection::gate:
+      case projection::up:
+        return model.intermediate_size;
+      default:
+        return model.hidden_size;
+    }
+  };
   auto config = read_adapter_config(path);
   if (peft_type(config) != "LORA")
     bad_adapter(path, "peft_type is '" + peft_type(config) + "', not LORA");
@@ -125,18 +157,42 @@ peft_lora read_peft_lora(const std::string& path, int64_t num_layers) {
   out.layers.resize(static_cast<size_t>(num_layers));
   for (auto& t : out.file->tensors()) {
     int64_t layer = 0;
-    projection proj{};
+    std::vector<projection> projs;
     bool is_a = false;
-    if (!parse_factor_name(t.name, layer, proj, is_a))
+    if (!parse_factor_name(t.name, layer, projs, is_a))
       bad_adapter(path, "tensor '" + t.name +
-                          "' is not a LoRA factor of q/k/v/o/gate/up/down_proj of a layer");
+                          "' is not a LoRA factor of q/k/v/o/gate/up/down_proj (or "
+                          "qkv_proj, gate_up_proj) of a layer");
     if (layer >= num_layers)
       bad_adapter(path, "tensor '" + t.name + "' names layer " + std::to_string(layer) +
                           "; the model has " + std::to_string(num_layers));
     if (t.shape.size() != 2 || t.shape[0] <= 0 || t.shape[1] <= 0)
       bad_adapter(path, "tensor '" + t.name + "' is not a non-empty matrix");
-    auto& f = out.layers[static_cast<size_t>(layer)][static_cast<size_t>(proj)];
-    (is_a ? f.a : f.b) = &t;
+    auto& layer_factors = out.layers[static_cast<size_t>(layer)];
+    if (is_a || projs.size() == 1) {
+      for (auto p : projs)
+        (is_a ? layer_factors[static_cast<size_t>(p)].a
+              : layer_factors[static_cast<size_t>(p)].b) = &t;
+      continue;
+    }
+    // A fused B: each projection's rows, in order.
+    int64_t rows = 0;
+    for (auto p : projs)
+      rows += rows_of(p);
+    if (t.shape[0] != rows)
+      bad_adapter(path, "tensor '" + t.name + "' has " + std::to_string(t.shape[0]) +
+                          " rows; the model's fused projection has " + std::to_string(rows));
+    const auto row_bytes = t.bytes / static_cast<size_t>(rows);
+    int64_t first = 0;
+    for (auto p : projs) {
+      auto part = std::make_unique<tensor_view>(t);
+      part->shape[0] = rows_of(p);
+      part->data = t.data + static_cast<size_t>(first) * row_bytes;
+      part->bytes = static_cast<size_t>(part->shape[0]) * row_bytes;
+      first += part->shape[0];
+      layer_factors[static_cast<size_t>(p)].b = part.get();
+      out.parts.push_back(std::move(part));
+    }
   }
   for (size_t l = 0; l < out.layers.size(); ++l) {
     for (size_t p = 0; p < projection_count; ++p) {

@@ -1,5 +1,7 @@
 #pragma once
 
+#include "model/config.hpp"
+
 #include "model/safetensors.hpp"
 
 #include <array>
@@ -29,18 +31,22 @@ struct peft_lora {
   };
   std::string path;
   std::unique_ptr<safetensors_file> file;
+  /// Row views of the B factors of fused projections (Phi-3's `qkv_proj`, `gate_up_proj`),
+  /// one for each projection they hold; the factors point into these.
+  std::vector<std::unique_ptr<tensor_view>> parts;
   /// Per layer, per projection; `a` is null where the adapter leaves it alone.
   std::vector<std::array<factors, projection_count>> layers;
   /// The largest rank of any adapted projection.
   int64_t rank = 0;
 };
 
-/// Reads the adapter in directory `path` for a model of `num_layers` layers. Throws
-/// `invalid_argument` naming the file and what is wrong: not a LoRA adapter, a feature
-/// troupe does not apply (DoRA, LoRA biases, alpha patterns, saved modules), a tensor that
-/// is not a factor of q/k/v/o/gate/up/down_proj, a layer out of range, a missing or
-/// mismatched factor.
-peft_lora read_peft_lora(const std::string& path, int64_t num_layers);
+/// Reads the adapter in directory `path` for a model of `config`'s shape. A factor pair of a
+/// fused projection (Phi-3's `qkv_proj`, `gate_up_proj`) becomes one pair per projection
+/// it holds: A shared, B cut by rows. Throws `invalid_argument` naming the file and what is
+/// wrong: not a LoRA adapter, a feature troupe does not apply (DoRA, LoRA biases, alpha
+/// patterns, saved modules), a tensor that is not a factor of q/k/v/o/gate/up/down_proj (or
+/// their fused forms), a layer out of range, a missing or mismatched factor.
+peft_lora read_peft_lora(const std::string& path, const model_config& config);
 
 /// A PEFT prompt-tuning adapter: `num_virtual_tokens` embeddings prepended to a prompt.
 struct peft_prompt_tuning {

@@ -607,7 +607,7 @@ void* llama_model::workspace(size_t bytes) {
 }
 
 lora_weights llama_model::load_lora(const std::string& path, int64_t max_rank) const {
-  auto peft = read_peft_lora(path, cfg_.num_hidden_layers);
+  auto peft = read_peft_lora(path, cfg_);
   if (peft.rank > max_rank)
     throw error{errc::invalid_argument, "adapter '" + path + "' has rank " +
                                           std::to_string(peft.rank) + ", above max_lora_rank " +

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Writes PEFT adapters for the tiny llama-gqa fixture (and a LoRA for gemma3-layers, made
-by scripts/make-family-fixtures.py) and what transformers + peft compute with them. CI only
-reads the committed files; run this again after changing what it writes (after the scripts
-that write the base models):
+"""Writes PEFT adapters for the tiny llama-gqa fixture (and LoRAs for gemma3-layers and
+phi3-fused, made by scripts/make-family-fixtures.py) and what transformers + peft compute
+with them. CI only reads the committed files; run this again after changing what it writes
+(after the scripts that write the base models):
 
     pip install torch transformers safetensors peft
-    python3 scripts/make-adapter-fixtures.py [BASE ...]   (llama-gqa, gemma3-layers)
+    python3 scripts/make-adapter-fixtures.py [BASE ...]   (llama-gqa, gemma3-layers, phi3-fused)
 """
 import json
 import pathlib
@@ -31,6 +31,14 @@ def gemma_adapters():
                                  task_type=TaskType.CAUSAL_LM,
                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                  "gate_proj", "up_proj", "down_proj"])
+
+
+def phi3_adapters():
+    # Phi-3's fused projections, rank 4: B of qkv_proj and gate_up_proj cut by rows.
+    yield "lora-fused", LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none",
+                                   task_type=TaskType.CAUSAL_LM,
+                                   target_modules=["qkv_proj", "o_proj", "gate_up_proj",
+                                                   "down_proj"])
 
 
 def adapters():
@@ -99,6 +107,6 @@ def write(base, adapter_configs):
         json.dump(reference, f)
 
 
-bases = {"llama-gqa": adapters, "gemma3-layers": gemma_adapters}
+bases = {"llama-gqa": adapters, "gemma3-layers": gemma_adapters, "phi3-fused": phi3_adapters}
 for base in sys.argv[1:] or bases:
     write(base, bases[base]())

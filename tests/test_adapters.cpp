@@ -173,25 +173,29 @@ TEST_CASE("LoRA and prompt-tuning prefill logits match peft within 1e-4") {
   MESSAGE("largest relative error of adapter logits: " << worst);
 }
 
-TEST_CASE("a LoRA on Gemma 3's layers (four norms, GeGLU, q/k norms, sliding layers) matches "
+TEST_CASE("LoRAs on Gemma 3's layers and on Phi-3's fused projections (B cut by rows) match "
           "peft within 1e-4, at tensor parallel size 1") {
-  const std::string gemma = fixtures + "/gemma3-layers";
-  const std::string dir = fixtures + "/gemma3-layers-adapters";
-  auto ref = read_json(dir + "/reference.json");
-  cpu_device dev{0};
-  auto cfg = load_model_config(gemma);
-  llama_model model{cfg, dev, 0, 1};
-  model.load(checkpoint{gemma});
-  kv_cache cache{dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, 16, 0};
-  auto weights = model.load_lora(dir + "/lora-all", 16);
-  for (size_t i = 0; i < ref["prompts"].size(); ++i) {
-    auto logits = prefill_logits(model, cache, prompt_of(ref, i), {{&weights}, {}});
-    auto want = ref["adapters"]["lora-all"][i]["last_logits"].get<std::vector<float>>();
-    auto err = relative_error(logits.data(), want);
-    CHECK_MESSAGE(err < 1e-4, "prompt " << i << ": relative error " << err);
-    // Without the adapter the logits are not peft's: the LoRA is what the test sees.
-    auto base = prefill_logits(model, cache, prompt_of(ref, i), {});
-    CHECK(relative_error(base.data(), want) > 1e-3);
+  for (auto [base, adapter] : {std::pair{"gemma3-layers", "lora-all"},
+                               {"phi3-fused", "lora-fused"}}) {
+    INFO(base);
+    const std::string model_dir = fixtures + "/" + base;
+    const std::string dir = model_dir + "-adapters";
+    auto ref = read_json(dir + "/reference.json");
+    cpu_device dev{0};
+    auto cfg = load_model_config(model_dir);
+    llama_model model{cfg, dev, 0, 1};
+    model.load(checkpoint{model_dir});
+    kv_cache cache{dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, 16, 0};
+    auto weights = model.load_lora(dir + "/" + adapter, 16);
+    for (size_t i = 0; i < ref["prompts"].size(); ++i) {
+      auto logits = prefill_logits(model, cache, prompt_of(ref, i), {{&weights}, {}});
+      auto want = ref["adapters"][adapter][i]["last_logits"].get<std::vector<float>>();
+      auto err = relative_error(logits.data(), want);
+      CHECK_MESSAGE(err < 1e-4, "prompt " << i << ": relative error " << err);
+      // Without the adapter the logits are not peft's: the LoRA is what the test sees.
+      auto plain = prefill_logits(model, cache, prompt_of(ref, i), {});
+      CHECK(relative_error(plain.data(), want) > 1e-3);
+    }
   }
 }
 
