@@ -182,14 +182,10 @@ peft_lora read_peft_lora(const std::string& path, const model_config& model) {
     if (t.shape[0] != rows)
       bad_adapter(path, "tensor '" + t.name + "' has " + std::to_string(t.shape[0]) +
                           " rows; the model's fused projection has " + std::to_string(rows));
-    const auto row_bytes = t.bytes / static_cast<size_t>(rows);
     int64_t first = 0;
     for (auto p : projs) {
-      auto part = std::make_unique<tensor_view>(t);
-      part->shape[0] = rows_of(p);
-      part->data = t.data + static_cast<size_t>(first) * row_bytes;
-      part->bytes = static_cast<size_t>(part->shape[0]) * row_bytes;
-      first += part->shape[0];
+      auto part = std::make_unique<tensor_view>(t.rows(first, rows_of(p)));
+      first += rows_of(p);
       layer_factors[static_cast<size_t>(p)].b = part.get();
       out.parts.push_back(std::move(part));
     }

@@ -103,24 +103,8 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
     // LongRoPE's factors are the config's (gguf_file::config reads them).
     if (t.name == "rope_factors_long.weight" || t.name == "rope_factors_short.weight")
       continue;
-    auto name = t.name == "rope_freqs.weight" ? t.name : hf_tensor_name(t.name);
-    // Gemma's four norms a layer: ffn_norm is the one before the MLP.
-    if (config.sandwich_norms && t.name.rfind("blk.", 0) == 0) {
-      auto dot = t.name.find('.', 4);
-      auto rest = dot == std::string::npos ? std::string{} : t.name.substr(dot + 1);
-      auto layer = "model.layers." + t.name.substr(4, dot - 4) + ".";
-      if (rest == "ffn_norm.weight")
-        name = layer + "pre_feedforward_layernorm.weight";
-      else if (rest == "post_attention_norm.weight")
-        name = layer + "post_attention_layernorm.weight";
-      else if (rest == "post_ffw_norm.weight")
-        name = layer + "post_feedforward_layernorm.weight";
-    }
-    // phi3's ffn_up holds gate and up, one above the other.
-    const std::string up = "mlp.up_proj.weight";
-    if (config.architecture == "Phi3ForCausalLM" && name.size() > up.size() &&
-        name.compare(name.size() - up.size(), up.size(), up) == 0)
-      name.replace(name.size() - up.size(), up.size(), "mlp.gate_up_proj.weight");
+    auto name =
+      t.name == "rope_freqs.weight" ? t.name : hf_tensor_name(t.name, config.architecture);
     if (name.empty())
       throw error{errc::invalid_argument, "model '" + path + "': tensor '" + t.name +
                                             "' has no place in a Llama-family model"};
@@ -181,17 +165,10 @@ void checkpoint::split_fused(const model_config& c) {
                     "model '" + directory_ + "': tensor '" + name + "' has shape " +
                       std::to_string(whole.shape.empty() ? 0 : whole.shape[0]) +
                       " rows, the config's parts need " + std::to_string(rows)};
-      // Rows are whole blocks (a quantized row is whole blocks), so a part starts at a row.
-      const auto row_bytes = whole.bytes / static_cast<size_t>(rows);
       int64_t first = 0;
       for (auto& part : kind.parts) {
-        auto view = std::make_unique<tensor_view>();
+        auto view = std::make_unique<tensor_view>(whole.rows(first, part.second));
         view->name = name.substr(0, at) + part.first + name.substr(at + std::strlen(kind.name));
-        view->type = whole.type;
-        view->shape = whole.shape;
-        view->shape[0] = part.second;
-        view->data = whole.data + static_cast<size_t>(first) * row_bytes;
-        view->bytes = static_cast<size_t>(part.second) * row_bytes;
         first += part.second;
         if (index_.count(view->name) > 0)
           throw error{errc::invalid_argument, "model '" + directory_ + "' holds both '" + name +

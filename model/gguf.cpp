@@ -445,7 +445,7 @@ model_config gguf_file::config() const {
   return c;
 }
 
-std::string hf_tensor_name(const std::string& name) {
+std::string hf_tensor_name(const std::string& name, const std::string& architecture) {
   static const std::map<std::string, std::string> top = {
     {"token_embd.weight", "model.embed_tokens.weight"},
     {"output_norm.weight", "model.norm.weight"},
@@ -470,13 +470,31 @@ std::string hf_tensor_name(const std::string& name) {
     {"ffn_up.weight", "mlp.up_proj.weight"},
     {"ffn_down.weight", "mlp.down_proj.weight"},
   };
+  // Where a family's names mean something else: Gemma's four norms a layer (ffn_norm is
+  // the one before the MLP), phi3's ffn_up holding gate over up.
+  static const std::map<std::string, std::string> gemma = {
+    {"ffn_norm.weight", "pre_feedforward_layernorm.weight"},
+    {"post_attention_norm.weight", "post_attention_layernorm.weight"},
+    {"post_ffw_norm.weight", "post_feedforward_layernorm.weight"},
+  };
+  static const std::map<std::string, std::string> phi3 = {
+    {"ffn_up.weight", "mlp.gate_up_proj.weight"},
+  };
   if (name.rfind("blk.", 0) != 0)
     return {};
   auto dot = name.find('.', 4);
   if (dot == std::string::npos)
     return {};
   auto layer = name.substr(4, dot - 4);
-  auto i = in_block.find(name.substr(dot + 1));
+  auto rest = name.substr(dot + 1);
+  const auto* family = architecture == "Gemma2ForCausalLM" || architecture == "Gemma3ForCausalLM"
+                         ? &gemma
+                       : architecture == "Phi3ForCausalLM" ? &phi3
+                                                           : nullptr;
+  if (family)
+    if (auto f = family->find(rest); f != family->end())
+      return "model.layers." + layer + "." + f->second;
+  auto i = in_block.find(rest);
   if (i == in_block.end())
     return {};
   return "model.layers." + layer + "." + i->second;

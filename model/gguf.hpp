@@ -104,9 +104,11 @@ private:
   std::vector<tensor_info> tensors_;
 };
 
-/// Hugging Face name of a GGUF tensor name (`blk.3.attn_q.weight` →
-/// `model.layers.3.self_attn.q_proj.weight`); empty for a name troupe does not use.
+/// Hugging Face name of a GGUF tensor name in a model of `architecture` (Hugging Face's
+/// name; Gemma's and Phi-3's blocks name some tensors their own way): `blk.3.attn_q.weight`
+/// → `model.layers.3.self_attn.q_proj.weight`; empty for a name troupe does not use.
 /// (`rope_freqs.weight`, llama.cpp's form of the llama3 rope scaling, keeps its name.)
-std::string hf_tensor_name(const std::string& gguf_name);
+std::string hf_tensor_name(const std::string& gguf_name,
+                           const std::string& architecture = "LlamaForCausalLM");
 
 } // namespace troupe

@@ -39,6 +39,15 @@ int64_t tensor_view::numel() const {
   return n;
 }
 
+tensor_view tensor_view::rows(int64_t first, int64_t count) const {
+  const auto row_bytes = bytes / static_cast<std::size_t>(shape[0]);
+  tensor_view part = *this;
+  part.shape[0] = count;
+  part.data = data + static_cast<std::size_t>(first) * row_bytes;
+  part.bytes = static_cast<std::size_t>(count) * row_bytes;
+  return part;
+}
+
 safetensors_file::safetensors_file(const std::string& path)
   : path_(path), file_(path, "safetensors file", 8) {
   {

@@ -26,6 +26,10 @@ struct tensor_view {
   /// Number of elements.
   int64_t numel() const;
 
+  /// Rows [first, first + count) of a 2-D tensor stored in order, as a view of the same
+  /// bytes (a row of a block format is whole blocks): a part of a fused projection.
+  tensor_view rows(int64_t first, int64_t count) const;
+
   /// Row `r` of a 2-D tensor whose rows are `row_bytes` long.
   const std::byte* row(int64_t r, std::size_t row_bytes) const {
     auto stored = row_order.empty() ? r : row_order[static_cast<std::size_t>(r)];
