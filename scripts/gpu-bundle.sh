@@ -5,15 +5,10 @@
 # beside it), and every shared library they need beyond glibc, libstdc++ and CUDA's own, as
 # .gpu-bundle/bundle.tar.xz (git ignores it; the device tool carries it). scripts/gpu-check.sh there runs from the bundle.
 #
-# SmolLM2-135M's GGUF (95 MB, from the model cache) is over what one call of the device tool
-# carries beside the bundle (64 MiB), so it is split: .gpu-bundle/smollm2.part1 travels with
-# the bundle, .gpu-model/smollm2.part2 in a second call; gpu-check.sh puts them together.
-#
 #   bash scripts/gpu-bundle.sh [BUILD_DIR]
 #
-# Then, through the device tool (the second call within the machine's warm time):
-#   run(command="bash scripts/gpu-check.sh --stage", carry=[".gpu-bundle"])
-#   run(command="bash scripts/gpu-check.sh", carry=[".gpu-model"])
+# Then, through the device tool:
+#   run(command="bash scripts/gpu-check.sh", carry=[".gpu-bundle"])
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build-gpu}
@@ -40,14 +35,7 @@ ldd "${binaries[@]}" "$build/libtroupe.so" "$build/libtroupe_cuda.so" | awk '$3 
       *) cp -L "$path" "$stage/lib/$name" ;;
     esac
   done
-rm -rf "$out" "$root/.gpu-model"
+rm -rf "$out"
 mkdir -p "$out"
 tar -C "$stage" -cJf "$out/bundle.tar.xz" bin lib
-gguf=${TROUPE_MODEL_CACHE:-$HOME/.cache/troupe/models}/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ -f "$gguf" ]; then
-  mkdir -p "$root/.gpu-model"
-  head -c 42000000 "$gguf" > "$out/smollm2.part1"
-  tail -c +42000001 "$gguf" > "$root/.gpu-model/smollm2.part2"
-  sha256sum < "$gguf" | cut -d' ' -f1 > "$root/.gpu-model/smollm2.sha256"
-fi
-ls -la "$out" "$root/.gpu-model" 2> /dev/null
+ls -la "$out"

@@ -4,53 +4,24 @@
 # models against transformers and the CPU, sleep/wake, gpu_memory_utilization, NCCL), then
 # the GPU benchmarks, and prints a short table last.
 #
-#   bash scripts/gpu-check.sh [--stage] [BUILD_DIR]
-#
-# BUILD_DIR (default build-gpu) also keeps what the device tool's calls carried, so that a
-# warm machine has it in the next call; --stage only stores this call's parts there (see
-# scripts/gpu-bundle.sh for the two calls).
+#   bash scripts/gpu-check.sh [BUILD_DIR]
 #
 # Two ways to get the binaries ($GPU_CHECK_MODE=bundle|build forces one):
-# - where troupe's dependencies are installed, it configures and builds with CUDA for sm_90;
+# - where troupe's dependencies are installed, it configures and builds with CUDA for sm_90
+#   in BUILD_DIR (default build-gpu);
 # - elsewhere (the device tool's machines have CUDA but no CAF and no network) it runs the
 #   bundle scripts/gpu-bundle.sh made: carry `.gpu-bundle` with the call.
 #
 # SmolLM2-135M's real weights (the 95 MB GGUF the demo fetches) are used where
 # $TROUPE_MODEL_CACHE (default ~/.cache/troupe/models) holds them; elsewhere that test says
 # it skipped and the decode benchmark runs a random-weight model of SmolLM2's shape, which
-# reads the same bytes.
+# reads the same bytes. (The device tool carries 64 MiB a call with the working tree, which
+# is 22 MB: the bundle fits beside it, the GGUF does not.)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-stage_only=0
-if [ "${1:-}" = --stage ]; then
-  stage_only=1
-  shift
-fi
 build=${1:-$root/build-gpu}
 log=$(mktemp -d)
-
-# What this call carried joins what earlier calls left in the build folder.
-mkdir -p "$build"
-for file in .gpu-bundle/bundle.tar.xz .gpu-bundle/smollm2.part1 .gpu-model/smollm2.part2 \
-            .gpu-model/smollm2.sha256; do
-  [ -f "$root/$file" ] && cp "$root/$file" "$build/"
-done
-if [ $stage_only = 1 ]; then
-  ls -la "$build"
-  exit 0
-fi
-bundle=$build/bundle.tar.xz
-if [ -f "$build/smollm2.part1" ] && [ -f "$build/smollm2.part2" ]; then
-  mkdir -p "$build/models"
-  cat "$build/smollm2.part1" "$build/smollm2.part2" \
-    > "$build/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-  if [ "$(sha256sum < "$build/models/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -d' ' -f1)" \
-       = "$(cat "$build/smollm2.sha256" 2> /dev/null)" ]; then
-    export TROUPE_MODEL_CACHE=$build/models
-  else
-    echo "gpu-check: the SmolLM2 parts do not make the file they were cut from" >&2
-  fi
-fi
+bundle=$root/.gpu-bundle/bundle.tar.xz
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 start=$(date +%s)
@@ -98,7 +69,7 @@ status=0
 summary=""
 for suite in "${suites[@]}"; do
   name=$(basename "$suite")
-  timeout 300 "$suite" > "$log/$name.txt" 2>&1
+  timeout 150 "$suite" > "$log/$name.txt" 2>&1
   rc=$?
   skips=$(grep -c "^skipped: " "$log/$name.txt")
   [ $rc -ne 0 ] && [ $rc -ne 77 ] && status=1
@@ -119,16 +90,28 @@ else
   "$troupe" make-model --preset smollm2-135m --dtype bf16 --out "$model" > /dev/null
 fi
 : > "$log/step.json"
-bench_step() { # DTYPE BATCH [--enforce-eager]
-  timeout 120 "$troupe" bench step --model "$model" --device cuda --dtype "$1" --batch "$2" \
-    --prompt-len 64 --decode-steps 64 --gpu-memory-utilization 0.5 --json ${3:-} \
+bench_step() { # MODEL DTYPE BATCH [--enforce-eager]
+  timeout 120 "$troupe" bench step --model "$1" --device cuda --dtype "$2" --batch "$3" \
+    --prompt-len 64 --decode-steps 64 --gpu-memory-utilization 0.5 --json ${4:-} \
     2> "$log/step.err" | tail -1 >> "$log/step.json" || tail -5 "$log/step.err"
 }
 for batch in 1 32; do
-  bench_step bfloat16 $batch
-  bench_step bfloat16 $batch --enforce-eager
-  bench_step float32 $batch
+  bench_step "$model" bfloat16 $batch
+  bench_step "$model" bfloat16 $batch --enforce-eager
+  bench_step "$model" float32 $batch
 done
+# The same at Llama 3.2 1B's shape (random bf16 weights, 2.5 GB).
+big=$log/llama-1b-shape
+"$troupe" make-model --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --intermediate 8192 \
+  --vocab 128256 --tie --dtype bf16 --out "$big" > /dev/null
+for batch in 1 32; do
+  bench_step "$big" bfloat16 $batch
+done
+bench_step "$big" bfloat16 1 --enforce-eager
+# The executor's own part of a step: execute_model through the driver and the execution
+# loop to one worker that computes nothing.
+timeout 60 "$troupe" bench rpc --workers 1 --method execute_model --iterations 1000 \
+  --idle-seconds 1 --json 2> /dev/null | tail -1 > "$log/rpc.json"
 # Level-1 sleep and wake against plain pinned copies of the same bytes.
 timeout 120 "$troupe" bench sleep --device cuda --gib 4 --cycles 3 --json > "$log/sleep.json" \
   2>&1 || tail -5 "$log/sleep.json"
@@ -141,8 +124,8 @@ printf "%-20s %s\n" "build (s)" "$((built - start))"
 printf "%-20s %s\n" "gpu suites (s)" "$((tested - built))"
 printf "%-20s %s\n" "gpu suites" "$summary"
 sed 's/^/figure: /' "$log/figures.txt"
-python3 - "$log/step.json" "$log/sleep.json" <<'PY'
-import json, sys
+python3 - "$log/step.json" "$log/sleep.json" "$log/rpc.json" <<'PY'
+import json, os, sys
 def results(path):
     for line in open(path):
         try:
@@ -152,12 +135,23 @@ def results(path):
 steps = list(results(sys.argv[1]))
 for r in steps:
     mode = "eager" if r.get("enforce_eager") else "graphs"
-    print(f"decode {r['dtype']:>8} {mode:>6} batch {r['batch']:>2}: "
+    shape = "1B" if "llama-1b" in r["model"] else "135M"
+    print(f"decode {shape:>4} {r['dtype']:>8} {mode:>6} batch {r['batch']:>2}: "
           f"{r['decode_tokens_per_s']:9.0f} tok/s, "
           f"{r['decode_step_ms']:.3f} ms/step; floor {r['bandwidth_floor_step_ms']:.3f} ms "
           f"({r['weight_bytes'] / 1e6:.0f} MB at {r['read_bytes_per_s'] / 1e9:.0f} GB/s)")
 if not steps:
     print("decode: no result")
+rpc = list(results(sys.argv[3]))
+if rpc and steps:
+    overhead_us = rpc[-1][0]["p50_us"]
+    for r in steps:
+        if r["batch"] == 1 and not r.get("enforce_eager") and r["dtype"] == "bfloat16":
+            print(f"executor per step: {overhead_us:.1f} us p50 = "
+                  f"{overhead_us / (r['decode_step_ms'] * 10):.2f} % of the "
+                  f"{os.path.basename(r['model'])} bf16 batch-1 step")
+else:
+    print("executor per step: no result")
 for s in list(results(sys.argv[2]))[-1:] or [None]:
     if s is None:
         print("sleep: no result")
@@ -166,4 +160,9 @@ for s in list(results(sys.argv[2]))[-1:] or [None]:
           f"{s['copy_to_host_gbps']:.1f} GB/s down, {s['copy_to_device_gbps']:.1f} GB/s up; "
           f"returned {s['returned_fraction'] * 100:.1f} %")
 PY
+# The logs, for the device tool's caller.
+if [ -n "${OUT:-}" ]; then
+  cp "$log"/test_*.txt "$log"/step.json "$log"/step.err "$log"/sleep.json "$log"/rpc.json \
+    "$OUT"/ 2> /dev/null
+fi
 exit $status

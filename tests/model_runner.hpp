@@ -7,9 +7,19 @@
 #include "model/config.hpp"
 #include "model/llama.hpp"
 
+#include <string>
 #include <vector>
 
 namespace troupe::testing {
+
+/// The tiny transformers fixtures (tests/fixtures, one per family and feature) whose
+/// reference.json holds the prompts' logits and greedy tokens.
+inline const std::vector<std::string> fixture_models = {
+  "llama-gqa",        "llama3-rope-tied",   "qwen2-bias",      "llama-odd-heads",
+  "llama-rope-linear", "llama-rope-dynamic", "llama-rope-yarn", "llama-bias",
+  "mistral-window",   "qwen2-window",       "qwen3-norms",     "phi3-fused",
+  "phi3-longrope",    "gemma3-layers",      "gemma2-softcap",  "gemma2-standard",
+  "gemma3-standard"};
 
 struct model_runner {
   llama_model model;

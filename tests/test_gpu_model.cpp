@@ -32,7 +32,6 @@ using troupe::testing::relative_error;
 namespace {
 
 const std::string fixtures = testing::source_dir() + "/tests/fixtures";
-const std::string models[] = {"llama-gqa", "llama3-rope-tied", "qwen2-bias", "llama-odd-heads"};
 
 /// The prompt's logits (into `prompt_logits`), then `steps` greedy tokens chosen on the
 /// device.
@@ -94,7 +93,7 @@ TEST_CASE("tiny models on the GPU: transformers' logits and tokens in float32, c
   cuda_device dev{0};
   double worst_f32 = 0;
   double worst_bf16 = 0;
-  for (auto& name : models) {
+  for (auto& name : testing::fixture_models) {
     auto cfg = load_model_config(fixtures + "/" + name);
     checkpoint ckpt{fixtures + "/" + name};
     auto ref = read_json(fixtures + "/" + name + "/reference.json");

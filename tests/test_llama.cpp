@@ -29,12 +29,7 @@ using troupe::testing::relative_error;
 namespace {
 
 const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
-const std::string models[] = {"llama-gqa",         "llama3-rope-tied",   "qwen2-bias",
-                               "llama-odd-heads",   "llama-rope-linear",  "llama-rope-dynamic",
-                               "llama-rope-yarn",   "llama-bias",         "mistral-window",
-                               "qwen2-window",      "qwen3-norms",        "phi3-fused",
-                               "phi3-longrope",     "gemma3-layers",      "gemma2-softcap",
-                               "gemma2-standard",   "gemma3-standard"};
+const auto& models = testing::fixture_models;
 
 nlohmann::json reference(const std::string& name) {
   std::ifstream in{fixtures + "/" + name + "/reference.json"};
