@@ -93,6 +93,15 @@ public:
                       o.row_stride());
       return;
     }
+    // Decode steps: the weights read once, without converting x in a launch of its own.
+    if (m <= cuda::gemv_max_rows && outputs.size() <= size_t{cuda::gemv_max_outputs}) {
+      cuda::gemv_output gemv[cuda::gemv_max_outputs];
+      int count = 0;
+      for (auto& o : outputs)
+        gemv[count++] = {o.w, o.y, o.n, o.ldy, o.accumulate};
+      if (cuda::gemv_half(x, w_type, m, k, gemv, count, dev_.stream()))
+        return;
+    }
     auto x_half = scratch(half_, storage_bytes(w_type, static_cast<size_t>(m * k)));
     cuda::to_half(x, x_half, w_type, m * k, dev_.stream());
     for (auto& o : outputs)

@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
+
 namespace troupe::cuda {
 
 namespace {
@@ -148,6 +150,11 @@ struct add_op {
     return a + b;
   }
 };
+struct max_op {
+  __device__ float operator()(float a, float b) const {
+    return fmaxf(a, b);
+  }
+};
 struct min_op {
   __device__ float operator()(float a, float b) const {
     return fminf(a, b);
@@ -176,22 +183,31 @@ __device__ float block_reduce(float value, float* shared, Op op) {
   return out;
 }
 
+// A whole multiprocessor's threads per row: a row is read a few times and each pass is bound by
+// the latency of the reads each thread waits for.
+constexpr int sample_threads = 1024;
+
 // One block per row. The largest logit (the lower index on ties, as the CPU sampler) and
 // the log-softmax's normaliser; at a temperature, the top-k and top-p cuts as thresholds on
 // the logits found by bisection (then snapped to the logit at the cut), and the draw found
 // in the running sum of the kept weights in token order: each thread sums a contiguous
 // chunk, and the thread whose chunk holds u × total walks it.
-__global__ void sample_kernel(const float* x, const row_sampling* params, int32_t* ids,
+__global__ void __launch_bounds__(sample_threads) sample_kernel(const float* x, const row_sampling* params, int32_t* ids,
                               float* logprobs, int64_t cols) {
-  __shared__ float scratch[threads];
-  __shared__ int64_t at[threads];
-  __shared__ float prefix[threads];
+  __shared__ float scratch[sample_threads];
+  __shared__ int64_t at[sample_threads];
+  // The draw sums in double, as the CPU's choose_token does: a float target of u × mass
+  // can round up onto a sum of whole weights (ties) and pick the next token.
+  __shared__ double chunk_mass[sample_threads];
+  __shared__ double prefix[sample_threads];
+  __shared__ double kept_mass;
   __shared__ int64_t pick;
   auto row = blockIdx.x;
   const float* in = x + row * cols;
   row_sampling p = params[row];
   float b = -INFINITY;
   int64_t a = cols;
+#pragma unroll 8
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
     if (in[i] > b || (in[i] == b && i < a)) {
       b = in[i];
@@ -215,6 +231,7 @@ __global__ void sample_kernel(const float* x, const row_sampling* params, int32_
   int64_t best = at[0] < cols ? at[0] : 0;
   __syncthreads();
   float sum = 0.0f;
+#pragma unroll 8
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
     sum += expf(in[i] - max_value);
   sum = block_reduce(sum, scratch, add_op{});
@@ -264,29 +281,29 @@ __global__ void sample_kernel(const float* x, const row_sampling* params, int32_
     int64_t chunk = (cols + blockDim.x - 1) / blockDim.x;
     int64_t begin = threadIdx.x * chunk;
     int64_t end = begin + chunk < cols ? begin + chunk : cols;
-    float local = 0.0f;
+    double local = 0.0;
     for (int64_t i = begin; i < end; ++i)
       if (order_key(in[i]) >= cut)
         local += weight(in[i]);
-    scratch[threadIdx.x] = local;
+    chunk_mass[threadIdx.x] = local;
     __syncthreads();
     if (threadIdx.x == 0) {
-      float running = 0.0f;
+      double running = 0.0;
       for (int t = 0; t < blockDim.x; ++t) {
         prefix[t] = running;
-        running += scratch[t];
+        running += chunk_mass[t];
       }
-      scratch[0] = running; // the kept mass, read below by every thread
+      kept_mass = running;
     }
     __syncthreads();
     // u < 1 (the host clamps it; so does this) and the top token's weight is 1, so the
     // target lies below the mass and exactly one chunk holds it.
-    float target = fminf(p.u, 0x1.fffffep-1f) * scratch[0];
-    bool mine = local > 0.0f && prefix[threadIdx.x] <= target
+    double target = fmin(static_cast<double>(p.u), 0x1.fffffep-1) * kept_mass;
+    bool mine = local > 0.0 && prefix[threadIdx.x] <= target
                 && target < prefix[threadIdx.x] + local;
     __syncthreads();
     if (mine) {
-      float acc = prefix[threadIdx.x];
+      double acc = prefix[threadIdx.x];
       int64_t last = -1;
       for (int64_t i = begin; i < end; ++i) {
         if (order_key(in[i]) < cut)
@@ -322,93 +339,184 @@ __global__ void write_kv_kernel(const float* k, const float* v, float* k_cache, 
   v_cache[dst] = v[i];
 }
 
-constexpr int attention_warps = 4;
 constexpr int max_head_dim = 256;
-constexpr int per_lane_max = max_head_dim / 32;
+// Positions a block scores at once: their weights and cache slots stay in shared memory.
+constexpr int attention_chunk = 1024;
 
-// One block per (token, head). Warp w takes positions w, w + 4, ...: the 32 lanes share each
-// dot product (lane i holds dimensions i, i + 32, ...), and the warp keeps a running softmax
-// (max, sum of weights, weighted values). The block then merges its warps' states.
+// One block (of `threads`) per (token, head), over its positions a chunk at a time with a
+// running softmax. Scores: each thread takes whole positions, so a warp has 32 key rows in
+// flight rather than one (decode is bound by the latency of these reads, not their bytes).
+// Values: thread (g, d) of G groups of head_dim sums dimension d over every G-th position
+// of the chunk, reading rows coalesced; the groups are summed at the end.
 __global__ void paged_attention_kernel(const float* q, float* out, const float* k_cache,
                                        const float* v_cache, paged_layout l, float scale) {
-  __shared__ float warp_max[attention_warps];
-  __shared__ float warp_sum[attention_warps];
-  __shared__ float warp_acc[attention_warps][max_head_dim];
+  __shared__ float query[max_head_dim];
+  __shared__ float weights[attention_chunk];
+  __shared__ int32_t slots[attention_chunk];
+  __shared__ float scratch[threads];
   int64_t token = blockIdx.x / l.heads;
   int64_t head = blockIdx.x % l.heads;
-  int warp = threadIdx.x / 32;
-  int lane = threadIdx.x % 32;
+  const int64_t D = l.head_dim;
   int64_t len = static_cast<int64_t>(l.positions[token]) + 1;
   // A sliding window starts at the window's first position.
   int64_t first = l.window > 0 && len > l.window ? len - l.window : 0;
-  int64_t row = l.kv_heads * l.head_dim;
+  int64_t row = l.kv_heads * D;
   int64_t kv_head = (l.head_begin + head) / l.group_size - l.kv_offset;
-  const float* query = q + (token * l.heads + head) * l.head_dim;
+  const float* keys = k_cache + kv_head * D;
+  const float* values = v_cache + kv_head * D;
   const int32_t* table = l.block_tables + static_cast<int64_t>(l.token_seq[token]) * l.max_blocks;
-  int per_lane = static_cast<int>((l.head_dim + 31) / 32);
-  // Loops over the compile-time bound, unrolled, keep these arrays in registers.
-  float qv[per_lane_max];
-  float acc[per_lane_max];
-#pragma unroll
-  for (int i = 0; i < per_lane_max; ++i) {
-    int64_t d = lane + 32 * i;
-    qv[i] = i < per_lane && d < l.head_dim ? query[d] : 0.0f;
-    acc[i] = 0.0f;
-  }
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
+    query[d] = q[(token * l.heads + head) * D + d];
+  const int groups = static_cast<int>(blockDim.x / D);
+  const int group = static_cast<int>(threadIdx.x / D);
+  const int64_t dim = threadIdx.x % D;
+  const bool sums = group < groups;
+  const bool vectors = D % 4 == 0 && row % 4 == 0;
   float running_max = -INFINITY;
   float running_sum = 0.0f;
-  for (int64_t p = first + warp; p < len; p += attention_warps) {
-    int64_t slot = static_cast<int64_t>(table[p / l.block_size]) * l.block_size + p % l.block_size;
-    const float* key = k_cache + slot * row + kv_head * l.head_dim;
-    const float* value = v_cache + slot * row + kv_head * l.head_dim;
-    float dot = 0.0f;
-#pragma unroll
-    for (int i = 0; i < per_lane_max; ++i) {
-      int64_t d = lane + 32 * i;
-      if (i < per_lane && d < l.head_dim)
-        dot += qv[i] * key[d];
-    }
-    for (int offset = 16; offset > 0; offset /= 2)
-      dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    float score = dot * scale;
-    if (l.softcap > 0)
-      score = l.softcap * tanhf(score / l.softcap);
-    float next_max = fmaxf(running_max, score);
-    float rescale = expf(running_max - next_max); // 0 for the first position
-    float weight = expf(score - next_max);
-    running_sum = running_sum * rescale + weight;
-#pragma unroll
-    for (int i = 0; i < per_lane_max; ++i) {
-      int64_t d = lane + 32 * i;
-      if (i < per_lane && d < l.head_dim)
-        acc[i] = acc[i] * rescale + weight * value[d];
-    }
-    running_max = next_max;
-  }
-  if (lane == 0) {
-    warp_max[warp] = running_max;
-    warp_sum[warp] = running_sum;
-  }
-#pragma unroll
-  for (int i = 0; i < per_lane_max; ++i) {
-    int64_t d = lane + 32 * i;
-    if (i < per_lane && d < l.head_dim)
-      warp_acc[warp][d] = acc[i];
-  }
+  float acc = 0.0f;
   __syncthreads();
-  // Warps that saw no position (fewer than attention_warps) have max -inf and weigh nothing.
-  float block_max = -INFINITY;
-  for (int w = 0; w < attention_warps; ++w)
-    block_max = fmaxf(block_max, warp_max[w]);
-  float total = 0.0f;
-  for (int w = 0; w < attention_warps; ++w)
-    total += warp_sum[w] * expf(warp_max[w] - block_max);
-  float* result = out + (token * l.heads + head) * l.head_dim;
-  for (int64_t d = threadIdx.x; d < l.head_dim; d += blockDim.x) {
+  for (int64_t begin = first; begin < len; begin += attention_chunk) {
+    int n = static_cast<int>(len - begin < attention_chunk ? len - begin : attention_chunk);
+    float local_max = -INFINITY;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      int64_t p = begin + i;
+      int32_t slot = table[p / l.block_size] * static_cast<int32_t>(l.block_size) +
+                     static_cast<int32_t>(p % l.block_size);
+      slots[i] = slot;
+      const float* key = keys + slot * row;
+      float dot = 0.0f;
+      if (vectors) {
+        auto key4 = reinterpret_cast<const float4*>(key);
+#pragma unroll 8
+        for (int64_t d = 0; d < D / 4; ++d) {
+          float4 k = key4[d];
+          dot += query[4 * d] * k.x + query[4 * d + 1] * k.y + query[4 * d + 2] * k.z +
+                 query[4 * d + 3] * k.w;
+        }
+      } else {
+#pragma unroll 8
+        for (int64_t d = 0; d < D; ++d)
+          dot += query[d] * key[d];
+      }
+      float score = dot * scale;
+      if (l.softcap > 0)
+        score = l.softcap * tanhf(score / l.softcap);
+      weights[i] = score;
+      local_max = fmaxf(local_max, score);
+    }
+    float next_max = fmaxf(running_max, block_reduce(local_max, scratch, max_op{}));
+    float rescale = expf(running_max - next_max); // 0 for the first chunk
+    float local_sum = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      float w = expf(weights[i] - next_max);
+      weights[i] = w;
+      local_sum += w;
+    }
+    running_sum = running_sum * rescale + block_reduce(local_sum, scratch, add_op{});
+    running_max = next_max;
+    if (sums) {
+      acc *= rescale;
+#pragma unroll 4
+      for (int i = group; i < n; i += groups)
+        acc += weights[i] * values[slots[i] * row + dim];
+    }
+    __syncthreads(); // the next chunk overwrites weights and slots
+  }
+  scratch[threadIdx.x] = sums ? acc : 0.0f;
+  __syncthreads();
+  float* result = out + (token * l.heads + head) * D;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
     float sum = 0.0f;
-    for (int w = 0; w < attention_warps; ++w)
-      sum += warp_acc[w][d] * expf(warp_max[w] - block_max);
-    result[d] = sum / total;
+    for (int g = 0; g < groups; ++g)
+      sum += scratch[g * D + d];
+    result[d] = sum / running_sum;
+  }
+}
+
+// Decode-sized products: warp w of a block computes weight row blockIdx.x × warps + w (rows
+// counted over all outputs) against the M rows of x, each lane reading 8 weights (16 bytes)
+// a step; the lanes' partial sums meet in a warp reduction.
+struct gemv_args {
+  cuda::gemv_output out[cuda::gemv_max_outputs];
+  int count;
+};
+
+__device__ float widen(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+__device__ float widen(__half v) {
+  return __half2float(v);
+}
+__device__ float rounded(float v, __nv_bfloat16) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+__device__ float rounded(float v, __half) {
+  return __half2float(__float2half_rn(v));
+}
+
+template <class T, int M>
+__global__ void gemv_kernel(const float* x, int64_t k, gemv_args args) {
+  int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  int lane = threadIdx.x % 32;
+  int j = 0;
+  while (j < args.count && r >= args.out[j].n) {
+    r -= args.out[j].n;
+    ++j;
+  }
+  if (j == args.count)
+    return;
+  const auto& o = args.out[j];
+  const T* w = static_cast<const T*>(o.w) + r * k;
+  float acc[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+    acc[i] = 0.0f;
+#pragma unroll 4
+  for (int64_t c = lane * 8; c < k; c += 32 * 8) {
+    uint4 raw = *reinterpret_cast<const uint4*>(w + c);
+    const T* h = reinterpret_cast<const T*>(&raw);
+    float wf[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      wf[e] = widen(h[e]);
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      auto xv = reinterpret_cast<const float4*>(x + i * k + c);
+      float4 a = xv[0];
+      float4 b = xv[1];
+      acc[i] += wf[0] * rounded(a.x, T{}) + wf[1] * rounded(a.y, T{}) +
+                wf[2] * rounded(a.z, T{}) + wf[3] * rounded(a.w, T{}) +
+                wf[4] * rounded(b.x, T{}) + wf[5] * rounded(b.y, T{}) +
+                wf[6] * rounded(b.z, T{}) + wf[7] * rounded(b.w, T{});
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+    for (int offset = 16; offset > 0; offset /= 2)
+      acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], offset);
+  if (lane == 0) {
+    int64_t ldy = o.ldy > 0 ? o.ldy : o.n;
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      float* y = o.y + i * ldy + r;
+      *y = o.accumulate ? *y + acc[i] : acc[i];
+    }
+  }
+}
+
+template <class T>
+void launch_gemv(const float* x, int64_t m, int64_t k, const gemv_args& args, unsigned blocks,
+                 cudaStream_t stream) {
+  switch (m) {
+  case 1: gemv_kernel<T, 1><<<blocks, threads, 0, stream>>>(x, k, args); break;
+  case 2: gemv_kernel<T, 2><<<blocks, threads, 0, stream>>>(x, k, args); break;
+  case 3: gemv_kernel<T, 3><<<blocks, threads, 0, stream>>>(x, k, args); break;
+  case 4: gemv_kernel<T, 4><<<blocks, threads, 0, stream>>>(x, k, args); break;
+  case 5: gemv_kernel<T, 5><<<blocks, threads, 0, stream>>>(x, k, args); break;
+  case 6: gemv_kernel<T, 6><<<blocks, threads, 0, stream>>>(x, k, args); break;
+  case 7: gemv_kernel<T, 7><<<blocks, threads, 0, stream>>>(x, k, args); break;
+  default: gemv_kernel<T, 8><<<blocks, threads, 0, stream>>>(x, k, args); break;
   }
 }
 
@@ -432,8 +540,8 @@ void paged_attention(const float* q, float* out, const float* k_cache, const flo
                                      std::to_string(max_head_dim)};
   if (tokens * layout.heads == 0)
     return;
-  paged_attention_kernel<<<static_cast<unsigned>(tokens * layout.heads), attention_warps * 32, 0,
-                           stream>>>(q, out, k_cache, v_cache, layout, scale);
+  paged_attention_kernel<<<static_cast<unsigned>(tokens * layout.heads), threads, 0, stream>>>(
+    q, out, k_cache, v_cache, layout, scale);
   launched("paged_attention_kernel");
 }
 
@@ -535,7 +643,7 @@ void sample(const float* x, const row_sampling* params, int32_t* ids, float* log
             int64_t rows, int64_t cols, cudaStream_t stream) {
   if (rows == 0)
     return;
-  sample_kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, params, ids, logprobs,
+  sample_kernel<<<static_cast<unsigned>(rows), sample_threads, 0, stream>>>(x, params, ids, logprobs,
                                                                       cols);
   launched("sample_kernel");
 }
@@ -551,6 +659,32 @@ void to_half(const float* x, void* y, dtype type, int64_t n, cudaStream_t stream
     throw error{errc::invalid_argument, "to_half: the target must be float16 or bfloat16"};
   }
   launched("to_half");
+}
+
+bool gemv_half(const float* x, dtype type, int64_t m, int64_t k, const gemv_output* outputs,
+               int count, cudaStream_t stream) {
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (m < 1 || m > gemv_max_rows || count < 1 || count > gemv_max_outputs || k % 8 != 0 ||
+      !aligned(x) || (type != dtype::bf16 && type != dtype::f16))
+    return false;
+  gemv_args args{};
+  args.count = count;
+  int64_t rows = 0;
+  for (int j = 0; j < count; ++j) {
+    if (!aligned(outputs[j].w))
+      return false;
+    args.out[j] = outputs[j];
+    rows += outputs[j].n;
+  }
+  if (rows == 0)
+    return true;
+  auto blocks = static_cast<unsigned>((rows + threads / 32 - 1) / (threads / 32));
+  if (type == dtype::bf16)
+    launch_gemv<__nv_bfloat16>(x, m, k, args, blocks, stream);
+  else
+    launch_gemv<__half>(x, m, k, args, blocks, stream);
+  launched("gemv_kernel");
+  return true;
 }
 
 void gemm_nt(cublasHandle_t handle, const float* x, const float* w, float* y, int64_t m,

@@ -72,11 +72,32 @@ void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,
 
 /// Causal grouped-query attention of `tokens` query rows ([tokens, heads, head_dim], head_dim
 /// at most 256) over one layer's paged cache, for prefill and decode alike. One block per
-/// (token, head); its warps take every fourth position and keep a running softmax (max,
-/// sum, weighted values), merged at the end, so no scratch memory is needed for any length.
+/// (token, head), over the positions a chunk at a time with a running softmax (max, sum,
+/// weighted values), so no scratch memory is needed for any length.
 void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
                      const paged_layout& layout, int64_t tokens, float scale,
                      cudaStream_t stream);
+
+/// One weight matrix of `gemv_half`: y[m×n] (+)= x[m×k] · w[n×k]ᵀ, y's rows `ldy` apart.
+struct gemv_output {
+  const void* w = nullptr;
+  float* y = nullptr;
+  int64_t n = 0;
+  int64_t ldy = 0;
+  bool accumulate = false;
+};
+
+/// The most activation rows and weight matrices one `gemv_half` takes.
+constexpr int64_t gemv_max_rows = 8;
+constexpr int gemv_max_outputs = 4;
+
+/// The decode-sized product of a few rows of x with up to `gemv_max_outputs` half-precision
+/// weight matrices in one launch (q/k/v, or gate/up): each warp reads one weight row in
+/// 16-byte loads. x is rounded to `type` first, as the cuBLAS path rounds it. Returns false,
+/// launching nothing, when m is above `gemv_max_rows`, there are too many outputs, k is not
+/// a multiple of 8 or a pointer is not 16-byte aligned.
+bool gemv_half(const float* x, dtype type, int64_t m, int64_t k, const gemv_output* outputs,
+               int count, cudaStream_t stream);
 
 /// y[m×n] = x[m×k] · w[n×k]ᵀ (+ y when `accumulate`), y's rows `ldy` apart (0: n), through
 /// cuBLAS on `handle`'s stream.
