@@ -186,7 +186,7 @@ void add_engine_options(CLI::App& app, engine_options& o) {
     ->check(CLI::Range(0, 1 << 20))
     ->capture_default_str();
   app.add_option("--chat-template", o.chat_template,
-                 "A file holding a chat template to use instead of the model's (ChatML only)");
+                 "A file holding a chat template (Jinja) to use instead of the model's");
   add_node_options(app, o.nodes);
   add_device_options(app, o.device);
 }

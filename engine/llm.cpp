@@ -2,6 +2,7 @@
 
 #include "engine/scheduler.hpp"
 #include "model/adapters.hpp"
+#include "model/chat_template.hpp"
 #include "model/checkpoint.hpp"
 #include "model/tokenizer.hpp"
 #include "troupe/model_worker.hpp"
@@ -22,6 +23,9 @@ struct llm::impl {
   /// Why the model's tokenizer could not be loaded (empty when it was, or there is none):
   /// only text prompts need it, so it is reported when one comes.
   std::string tokenizer_problem;
+  /// The chat template (the config's, else the model's), or why there is none.
+  std::optional<chat_template> chat;
+  std::string chat_problem;
   std::unique_ptr<troupe::executor> exec;
   cache_blocks blocks;
   int64_t next_seq = 0;
@@ -168,24 +172,6 @@ void llm::impl::apply(const std::vector<sampler_output>& result, bool samples,
     report(r.seq_id, r, true, text_of(r.seq_id, r), updates);
 }
 
-namespace {
-
-/// Unescapes the \n, \t, \' and \\ of a Jinja string literal.
-std::string unescape(const std::string& s) {
-  std::string out;
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (s[i] == '\\' && i + 1 < s.size()) {
-      char c = s[++i];
-      out.push_back(c == 'n' ? '\n' : c == 't' ? '\t' : c);
-    } else {
-      out.push_back(s[i]);
-    }
-  }
-  return out;
-}
-
-} // namespace
-
 llm_config::llm_config() {
   executor.max_model_len = 0;
   executor.rpc_timeout = std::chrono::minutes(10);
@@ -216,6 +202,11 @@ llm::llm(llm_config config, worker_factory factory) : impl_(std::make_unique<imp
     d.tok = tokenizer::of_model(path);
   } catch (const error& e) {
     d.tokenizer_problem = e.what();
+  }
+  try {
+    d.chat = chat_template::of_model(path, d.tok ? &*d.tok : nullptr, d.cfg.chat_template);
+  } catch (const error& e) {
+    d.chat_problem = e.what();
   }
   auto ec = d.cfg.executor;
   auto longest = d.model.max_sequence_length();
@@ -283,33 +274,35 @@ std::string llm::chat_prompt(const std::string& user_message) const {
 }
 
 std::string llm::chat_prompt(const std::vector<chat_message>& messages) const {
+  nlohmann::ordered_json array = nlohmann::ordered_json::array();
+  for (auto& m : messages)
+    array.push_back({{"role", m.role}, {"content", m.content}});
+  chat_request request;
+  request.messages_json = array.dump();
+  return render_chat(request);
+}
+
+std::string llm::render_chat(const chat_request& request) const {
   auto& d = *impl_;
-  if (messages.empty())
-    throw error{errc::invalid_argument, "a chat needs at least one message"};
-  for (auto& m : messages)
-    if (m.role != "system" && m.role != "user" && m.role != "assistant")
-      throw error{errc::invalid_argument, "chat message role '" + m.role +
-                                            "' is not system, user or assistant"};
-  std::string tmpl = !d.cfg.chat_template.empty() ? d.cfg.chat_template
-                     : d.tok                      ? d.tok->chat_template()
-                                                  : std::string{};
-  if (tmpl.find("<|im_start|>") == std::string::npos)
-    throw error{errc::unsupported, "the model has no ChatML chat template (the only kind "
-                                   "troupe renders)"};
-  // ChatML. Templates that add a default system message when the first message is not a
-  // system one carry it as a string literal right after that test.
-  std::string system;
-  auto test = tmpl.find("messages[0]['role'] != 'system'");
-  if (test != std::string::npos) {
-    auto open = tmpl.find("{{ '", test);
-    auto close = open == std::string::npos ? std::string::npos : tmpl.find("' }}", open);
-    if (close != std::string::npos && messages[0].role != "system")
-      system = unescape(tmpl.substr(open + 4, close - open - 4));
-  }
-  auto prompt = system;
-  for (auto& m : messages)
-    prompt += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
-  return prompt + "<|im_start|>assistant\n";
+  if (!d.chat)
+    throw error{errc::unsupported,
+                d.chat_problem.empty()
+                  ? std::string{"the model has no chat template (give one in llm_config::chat_template)"}
+                  : "the model's chat template cannot be read (" + d.chat_problem + ")"};
+  auto parse = [](const std::string& text, const char* what, nlohmann::ordered_json empty) {
+    if (text.empty())
+      return empty;
+    try {
+      return nlohmann::ordered_json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      throw error{errc::invalid_argument, std::string{what} + " is not JSON: " + e.what()};
+    }
+  };
+  return d.chat->render(parse(request.messages_json, "the chat's messages", nullptr),
+                        parse(request.tools_json, "the chat's tools", nullptr),
+                        parse(request.variables_json, "the chat template's variables",
+                              nlohmann::ordered_json::object()),
+                        request.add_generation_prompt);
 }
 
 std::vector<generation_output> llm::generate(const std::vector<std::string>& prompts,

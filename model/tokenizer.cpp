@@ -823,6 +823,14 @@ void tokenizer::set_template(bool add_bos, bool add_eos) {
   pipeline_ = p;
 }
 
+const std::string& tokenizer::token_text(int32_t id) const {
+  if (id < 0 || static_cast<size_t>(id) >= id_to_token_.size())
+    throw error{errc::invalid_argument, "token id " + std::to_string(id) +
+                                          " is outside the vocabulary of " +
+                                          std::to_string(id_to_token_.size())};
+  return id_to_token_[static_cast<size_t>(id)];
+}
+
 std::optional<tokenizer> tokenizer::of_model(const std::string& path) {
   if (checkpoint::is_gguf(path))
     return from_gguf(path);
@@ -874,7 +882,6 @@ tokenizer tokenizer::read_gguf(const std::string& path) {
   t.read_pieces(*tokens, types, path);
   t.bos_ = id_of("tokenizer.ggml.bos_token_id");
   t.eos_ = id_of("tokenizer.ggml.eos_token_id");
-  t.chat_template_ = string_of("tokenizer.chat_template");
   // The pipeline as tokenizer.json would write it.
   nlohmann::json j;
   if (kind == "gpt2") {

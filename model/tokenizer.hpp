@@ -77,10 +77,9 @@ public:
   bool is_special(int32_t id) const {
     return special_ids_.count(id) > 0;
   }
-  /// The Jinja chat template shipped with the tokenizer; empty when none.
-  const std::string& chat_template() const {
-    return chat_template_;
-  }
+  /// The vocabulary's entry for `id` (a special token's text); throws `invalid_argument`
+  /// for an id outside the vocabulary.
+  const std::string& token_text(int32_t id) const;
 
 private:
   /// The normalizer, pre-tokenizer, template and decoder (defined with the tokenizer).
@@ -146,7 +145,6 @@ private:
   std::array<std::vector<size_t>, 256> added_by_byte_;
   int32_t bos_ = -1;
   int32_t eos_ = -1;
-  std::string chat_template_;
   std::shared_ptr<const pipeline> pipeline_;
 };
 

@@ -6,7 +6,8 @@
 #   actors          messages/, include/, and of kernels/ the device interface and the log
 #                   (the named loggers, kernels/log.hpp, which model/ uses too)
 #   model           kernels/, include/
-#   engine          include/, and of model/ the loaders (config, checkpoint, adapters, tokenizer)
+#   engine          include/, and of model/ the loaders (config, checkpoint, adapters, tokenizer,
+#                   chat template)
 #   server          include/
 #   cli, tests, examples: anything
 # Prints each upward include as file:line and exits 1 when there is one.
@@ -20,7 +21,7 @@ rules=(
   "kernels|troupe/"
   "actors|messages/ troupe/ kernels/device.hpp kernels/log.hpp"
   "model|kernels/ troupe/"
-  "engine|troupe/ model/config.hpp model/checkpoint.hpp model/adapters.hpp model/tokenizer.hpp"
+  "engine|troupe/ model/config.hpp model/checkpoint.hpp model/adapters.hpp model/tokenizer.hpp model/chat_template.hpp"
   "server|troupe/"
 )
 

@@ -6,7 +6,8 @@ tests/fixtures/chat-templates/renderings.json.
 
     python scripts/make-chat-template-fixtures.py LLAMA_CPP_TEMPLATES_DIR [SMOLLM2_GGUF]
 
-Needs transformers (and jinja2, gguf). A conversation a template refuses is recorded with the
+Needs transformers (and jinja2, gguf). With SmolLM2's GGUF file, its renderings also carry
+the token ids apply_chat_template gives with SmolLM2's tokenizer. A conversation a template refuses is recorded with the
 message of its raise_exception."""
 import json
 import os
@@ -148,12 +149,24 @@ def main():
         with open(os.path.join(templates_dir, file + ".jinja"), encoding="utf-8") as f:
             sources[name] = (f.read(), bos, eos)
     sources["gemma-3"] = (GEMMA3, "<bos>", "<eos>")
+    smollm2 = None
     if len(sys.argv) > 2:
         import gguf
+        from transformers import AutoTokenizer
         reader = gguf.GGUFReader(sys.argv[2])
         field = reader.fields["tokenizer.chat_template"]
         text = bytes(field.parts[field.data[0]]).decode("utf-8")
         sources["smollm2"] = (text, "<|im_start|>", "<|im_end|>")
+        smollm2 = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(sys.argv[2])),
+                                                gguf_file=os.path.basename(sys.argv[2]))
+        # transformers' GGUF reader gives "smollm" files GPT-2's pre-tokenizer alone, which
+        # joins a digit to the whitespace before it ("\n\n4"); SmolLM2's own tokenizer.json
+        # splits digits first (llama.cpp's "smollm" pre-tokenizer, chosen by the hash of that
+        # tokenizer's output, does the same; llama-tokenize agrees).
+        from tokenizers import pre_tokenizers
+        smollm2.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     cases = []
     for name, (text, bos, eos) in sorted(sources.items()):
         with open(os.path.join(OUT, name + ".jinja"), "w", encoding="utf-8") as f:
@@ -169,6 +182,11 @@ def main():
                     [CONVERSATIONS[conversation]], tools=tools, chat_template=text,
                     add_generation_prompt=True, bos_token=bos, eos_token=eos, **kwargs)
                 case["rendered"] = rendered[0]
+                if name == "smollm2" and smollm2 is not None:
+                    # The ids apply_chat_template gives with SmolLM2's own tokenizer.
+                    case["token_ids"] = smollm2.apply_chat_template(
+                        CONVERSATIONS[conversation], tools=tools, tokenize=True,
+                        add_generation_prompt=True, return_dict=False, **kwargs)
             except jinja2.exceptions.TemplateError as e:
                 case["error"] = str(e)
             cases.append(case)

@@ -101,25 +101,43 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
     auto messages = body.find("messages");
     if (messages == body.end() || !messages->is_array() || messages->empty())
       bad("'messages' must be a non-empty array", "messages");
-    for (auto& m : *messages) {
+    // Each message goes to the template as given (tool calls, tool_call_id, name...), its
+    // content parts joined into one text.
+    json conversation = json::array();
+    for (auto m : *messages) {
       if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
         bad("each message needs a string 'role'", "messages");
-      chat_message cm{m["role"].get<std::string>(), {}};
       auto& content = m["content"];
-      if (content.is_string()) {
-        cm.content = content.get<std::string>();
-      } else if (content.is_array()) { // parts: only text ones
+      if (content.is_array()) {
+        std::string text;
         for (auto& part : content) {
           if (!part.is_object() || !part.contains("type") || part["type"] != "text" ||
               !part.contains("text") || !part["text"].is_string())
             bad("only text message parts are supported", "messages");
-          cm.content += part["text"].get<std::string>();
+          text += part["text"].get<std::string>();
         }
-      } else if (!content.is_null()) {
+        content = text;
+      } else if (!content.is_string() && !content.is_null()) {
         bad("a message's 'content' must be a string or an array of text parts", "messages");
       }
-      req.messages.push_back(std::move(cm));
+      conversation.push_back(std::move(m));
     }
+    req.conversation.messages_json = conversation.dump();
+    if (auto tools = body.find("tools"); tools != body.end() && !tools->is_null()) {
+      if (!tools->is_array())
+        bad("'tools' must be an array of tool definitions", "tools");
+      for (auto& t : *tools)
+        if (!t.is_object())
+          bad("'tools' must be an array of tool definitions", "tools");
+      req.conversation.tools_json = tools->dump();
+    }
+    if (auto kwargs = body.find("chat_template_kwargs"); kwargs != body.end() && !kwargs->is_null()) {
+      if (!kwargs->is_object())
+        bad("'chat_template_kwargs' must be an object", "chat_template_kwargs");
+      req.conversation.variables_json = kwargs->dump();
+    }
+    req.conversation.add_generation_prompt =
+      field<bool>(body, "add_generation_prompt", "a boolean").value_or(true);
     req.logprobs = field<bool>(body, "logprobs", "a boolean").value_or(false);
     req.top_logprobs = field<int32_t>(body, "top_logprobs", "an integer").value_or(0);
     req.max_tokens = field<int32_t>(body, "max_completion_tokens", "an integer");

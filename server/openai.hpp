@@ -41,7 +41,8 @@ struct openai_request {
   /// The prompt (text or token ids; a chat's messages rendered by the server) and how to
   /// sample; `lora` is set by the server from `model`.
   generation_request generation;
-  std::vector<chat_message> messages;
+  /// A chat's messages, tools and `chat_template_kwargs`, for the model's template.
+  chat_request conversation;
   /// `max_tokens` (`max_completion_tokens`) as given: a chat without it may fill the model's
   /// length; a completion's default is OpenAI's 16. The server checks it against the
   /// prompt's length and sets `generation.sampling.max_tokens`.

@@ -659,7 +659,7 @@ private:
       g.lora = lora_request{at->first, at->second.first, at->second.second};
     }
     if (req.chat) {
-      g.prompt = srv_.model.chat_prompt(req.messages);
+      g.prompt = srv_.model.render_chat(req.conversation);
       g.add_special_tokens = false; // the template holds them
     }
     if (!g.prompt_token_ids.empty()) {

@@ -3,14 +3,20 @@
 // (tests/fixtures/chat-templates, made by scripts/make-chat-template-fixtures.py), and the
 // interpreter's own rules (whitespace control, scoping, errors) on small templates.
 
+#include "model/chat_template.hpp"
 #include "model/jinja.hpp"
+#include "model/tokenizer.hpp"
+#include "tests/generation.hpp"
 #include "troupe/errors.hpp"
 
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
+
+#include <unistd.h>
 
 using namespace troupe;
 using json = nlohmann::ordered_json;
@@ -124,4 +130,59 @@ TEST_CASE("errors name what went wrong") {
   } catch (const error& e) {
     CHECK(e.code() == errc::unsupported);
   }
+}
+
+TEST_CASE("SmolLM2's GGUF template gives the text and token ids of apply_chat_template") {
+  auto model = troupe::testing::smollm2_or_skip();
+  if (model.empty())
+    return;
+  auto tok = tokenizer::from_gguf(model.string());
+  auto tmpl = chat_template::of_model(model.string(), &tok);
+  REQUIRE(tmpl);
+  auto fixture = json::parse(read(dir + "/renderings.json"));
+  int compared = 0;
+  for (auto& c : fixture["cases"]) {
+    if (c["template"] != "smollm2" || !c.contains("token_ids"))
+      continue;
+    CAPTURE(c["conversation"]);
+    auto text = tmpl->render(fixture["conversations"][c["conversation"].get<std::string>()],
+                             c["tools"], c["variables"]);
+    CHECK(text == c["rendered"].get<std::string>());
+    CHECK(tok.encode(text, true, false) == c["token_ids"].get<std::vector<int32_t>>());
+    ++compared;
+  }
+  CHECK(compared >= 8);
+}
+
+TEST_CASE("a Hugging Face directory's template: chat_template.jinja, else tokenizer_config.json") {
+  namespace fs = std::filesystem;
+  auto d = fs::temp_directory_path() / ("troupe-chat-" + std::to_string(::getpid()));
+  fs::create_directories(d);
+  auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream{d / name} << text;
+  };
+  CHECK_FALSE(chat_template::of_model(d.string(), nullptr));
+  json config = {{"bos_token", {{"content", "<s>"}, {"lstrip", false}}},
+                 {"eos_token", "</s>"},
+                 {"chat_template",
+                  json::array({{{"name", "default"}, {"template", "{{ bos_token }}d{{ eos_token }}"}},
+                               {{"name", "tool_use"}, {"template", "t{{ tools | length }}"}}})}};
+  write("tokenizer_config.json", config.dump());
+  auto messages = json::array({{{"role", "user"}, {"content", "hi"}}});
+  auto tmpl = chat_template::of_model(d.string(), nullptr);
+  REQUIRE(tmpl);
+  CHECK(tmpl->render(messages) == "<s>d</s>");
+  CHECK(tmpl->render(messages, json::array({json::object()})) == "t1");
+  // The caller's variables win over the file's tokens, as transformers' kwargs do.
+  CHECK(tmpl->render(messages, nullptr, {{"bos_token", "B"}}) == "Bd</s>");
+  write("chat_template.jinja", "{{ messages[0].content | upper }}");
+  CHECK(chat_template::of_model(d.string(), nullptr)->render(messages) == "HI");
+  // A template outside the subset is reported when rendered, not when the model loads.
+  write("chat_template.jinja", "{% include 'other.jinja' %}");
+  auto unsupported = chat_template::of_model(d.string(), nullptr);
+  REQUIRE(unsupported);
+  CHECK_THROWS_WITH_AS(unsupported->render(messages), doctest::Contains("'include'"), error);
+  CHECK_THROWS_WITH_AS(tmpl->render(json::array()), doctest::Contains("at least one message"),
+                       error);
+  fs::remove_all(d);
 }

@@ -289,14 +289,18 @@ TEST_CASE("a chat template given in the config renders conversations, and others
   cfg.worker.kv_cache_memory_bytes = 1 << 20;
   {
     llm plain{cfg};
-    CHECK_THROWS_WITH_AS(plain.chat_prompt("hi"), doctest::Contains("no ChatML chat template"),
+    CHECK_THROWS_WITH_AS(plain.chat_prompt("hi"), doctest::Contains("has no chat template"),
                          error);
   }
-  // ChatML with a default system message, as SmolLM2's and Qwen's templates have.
-  cfg.chat_template = "{% for message in messages %}{% if loop.first and "
-                      "messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nBe brief."
-                      "<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
-                      "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}";
+  // ChatML with a default system message, as SmolLM2's and Qwen's templates have, and a
+  // refusal of its own.
+  cfg.chat_template = "{% for message in messages %}{% if message['role'] == 'robot' %}"
+                      "{{ raise_exception('robots may not speak') }}{% endif %}"
+                      "{% if loop.first and messages[0]['role'] != 'system' %}"
+                      "{{ '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}{% endif %}"
+                      "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                      "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+                      "{{ '<|im_start|>assistant\\n' }}{% endif %}";
   llm model{cfg};
   CHECK(model.chat_prompt("hi") ==
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
@@ -306,7 +310,13 @@ TEST_CASE("a chat template given in the config renders conversations, and others
         "<|im_start|>system\nBe long.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
         "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n"
         "<|im_start|>assistant\n");
-  CHECK_THROWS_WITH_AS(model.chat_prompt({{"robot", "hi"}}), doctest::Contains("role 'robot'"),
-                       error);
+  chat_request no_prompt;
+  no_prompt.messages_json = R"([{"role": "user", "content": "hi"}])";
+  no_prompt.add_generation_prompt = false;
+  CHECK(model.render_chat(no_prompt) ==
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n");
+  CHECK_THROWS_WITH_AS(model.chat_prompt({{"robot", "hi"}}), "robots may not speak", error);
   CHECK_THROWS_AS(model.chat_prompt(std::vector<chat_message>{}), error);
+  no_prompt.messages_json = "[{";
+  CHECK_THROWS_WITH_AS(model.render_chat(no_prompt), doctest::Contains("not JSON"), error);
 }

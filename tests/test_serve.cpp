@@ -15,6 +15,8 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -338,6 +340,30 @@ TEST_CASE("64 concurrent streams share steps and get their own tokens, and clien
   CHECK(metric(text, "vllm:request_success_total", "finished_reason=\"abort\"") == 20);
 }
 
+TEST_CASE("a chat its template refuses is a 400 with the template's message") {
+  auto cfg = tiny();
+  std::ifstream in{fixtures + "/chat-templates/gemma-3.jinja"};
+  cfg.chat_template.assign(std::istreambuf_iterator<char>{in}, std::istreambuf_iterator<char>{});
+  llm model{cfg};
+  server s{model, on_any_port()};
+  json body = {{"messages", {{{"role", "user"}, {"content", "One."}},
+                             {{"role", "user"}, {"content", "Two."}}}},
+               {"max_tokens", 4}};
+  auto r = post(s, "/v1/chat/completions", body);
+  CHECK(r.status == 400);
+  CHECK(json::parse(r.body)["error"]["message"] ==
+        "Conversation roles must alternate user/assistant/user/assistant/...");
+  body["tools"] = "get_weather";
+  r = post(s, "/v1/chat/completions", body);
+  CHECK(r.status == 400);
+  CHECK(json::parse(r.body)["error"]["param"] == "tools");
+  body.erase("tools");
+  body["chat_template_kwargs"] = json::array();
+  r = post(s, "/v1/chat/completions", body);
+  CHECK(r.status == 400);
+  CHECK(json::parse(r.body)["error"]["param"] == "chat_template_kwargs");
+}
+
 TEST_CASE("chat completions of SmolLM2 through the server are troupe generate's") {
   auto path = troupe::testing::smollm2_or_skip();
   if (path.empty())
@@ -375,6 +401,20 @@ TEST_CASE("chat completions of SmolLM2 through the server are troupe generate's"
       text += e["choices"][0]["delta"]["content"].get<std::string>();
   CHECK(evs.front()["choices"][0]["delta"]["role"] == "assistant");
   CHECK(text == want.text);
+  // Tools and template variables reach the model's template: the prompt is render_chat's.
+  json tools = json::array({{{"type", "function"},
+                             {"function", {{"name", "get_weather"},
+                                           {"parameters", {{"type", "object"}}}}}}});
+  json with_tools = {{"messages", {{{"role", "user"}, {"content", question}}}},
+                     {"max_tokens", 2}, {"tools", tools},
+                     {"chat_template_kwargs", {{"enable_thinking", false}}}};
+  chat_request conversation;
+  conversation.messages_json = with_tools["messages"].dump();
+  conversation.tools_json = tools.dump();
+  conversation.variables_json = with_tools["chat_template_kwargs"].dump();
+  auto rendered = model.tokenize(model.render_chat(conversation), false);
+  auto tool_reply = json::parse(post(s, "/v1/chat/completions", with_tools).body);
+  CHECK(tool_reply["usage"]["prompt_tokens"] == rendered.size());
   // A text completion with a stop string: cut there, streamed or not.
   json cut = {{"model", "tiny"}, {"prompt", "The capital of France is"}, {"max_tokens", 20},
               {"temperature", 0}, {"stop", "."}};

@@ -114,7 +114,7 @@ TEST_CASE("SmolLM2's GGUF tokenizer gives the token ids of transformers") {
   auto tok = tokenizer::from_gguf(model.string());
   CHECK(tok.vocab_size() == 49152);
   CHECK(tok.eos_id() == 2);
-  CHECK(!tok.chat_template().empty());
+  CHECK(tok.token_text(tok.eos_id()) == "<|im_end|>");
   // Kept in a variable: a range over a temporary's member outlives the temporary.
   auto reference = read_json(fixtures + "/smollm2-reference.json");
   for (auto& run : reference["runs"]) {

@@ -60,7 +60,7 @@ struct llm_config {
   executor_config executor;
   scheduler_config scheduler;
   /// A chat template (Jinja text, as in tokenizer_config.json) used instead of the model's;
-  /// empty keeps the model's. Only ChatML templates are rendered.
+  /// empty keeps the model's.
   std::string chat_template;
 
   /// The engine's defaults where they differ from the parts': the model's own length, ten
@@ -96,9 +96,24 @@ struct generation_request {
 
 /// One message of a chat.
 struct chat_message {
-  /// "system", "user" or "assistant".
+  /// "system", "user", "assistant" or "tool": whatever the model's template takes.
   std::string role;
   std::string content;
+};
+
+/// A conversation as OpenAI's API and transformers' `apply_chat_template` take it, in JSON
+/// texts, so that messages may carry what a template reads beyond role and content
+/// (`tool_calls`, `tool_call_id`, `name`).
+struct chat_request {
+  /// A JSON array of message objects, each with a string `role`.
+  std::string messages_json;
+  /// A JSON array of tool schemas (OpenAI's `tools`); empty: none.
+  std::string tools_json;
+  /// A JSON object of extra template variables (vLLM's `chat_template_kwargs`, e.g.
+  /// `{"enable_thinking": false}`); empty: none.
+  std::string variables_json;
+  /// End the prompt where the assistant speaks next.
+  bool add_generation_prompt = true;
 };
 
 /// What a request produced.
@@ -200,13 +215,19 @@ public:
   /// Counts for metrics.
   engine_stats stats() const;
 
-  /// The prompt for one user message in the model's chat format (ChatML templates).
-  /// Throws `unsupported` when the model has no chat template troupe can render.
+  /// The prompt for one user message, rendered by the model's own chat template (its Jinja
+  /// text, as transformers renders it). Throws `unsupported` when the model has no
+  /// template, or one outside the interpreter's subset (naming the construct).
   std::string chat_prompt(const std::string& user_message) const;
 
   /// The prompt for a conversation, ending where the assistant speaks next. Throws
-  /// `unsupported` as above, `invalid_argument` for an unknown role or no message.
+  /// `unsupported` as above, `invalid_argument` with the template's own message when it
+  /// refuses the conversation (roles that do not alternate, say) or for no message.
   std::string chat_prompt(const std::vector<chat_message>& messages) const;
+
+  /// The same for a conversation with tools, tool calls or template variables (a name of
+  /// its own: `{{"user", "hi"}}` would fit a `chat_request` too).
+  std::string render_chat(const chat_request& request) const;
 
   /// Whether the model came with a tokenizer.
   bool has_tokenizer() const;
