@@ -3,7 +3,6 @@
 
 #include "cli/commands.hpp"
 
-#include "kernels/sampler.hpp"
 #include "model/weight_cache.hpp"
 #include "troupe/llm.hpp"
 
@@ -228,6 +227,11 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     int top_k = -1;
     int64_t seed = -1;
     int logprobs = 0;
+    float repetition_penalty = 1.0f;
+    float presence_penalty = 0.0f;
+    float frequency_penalty = 0.0f;
+    float min_p = 0.0f;
+    int min_tokens = 0;
     std::vector<std::string> stop;
     bool chat = false;
     bool json = false;
@@ -258,6 +262,21 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
   sub->add_option("--logprobs", o->logprobs, "Most likely tokens to report besides the sampled one")
     ->check(CLI::Range(0, 20))
     ->capture_default_str();
+  sub->add_option("--repetition-penalty", o->repetition_penalty,
+                  "Divide the logits of the prompt's and output's tokens by this (vLLM's)")
+    ->capture_default_str();
+  sub->add_option("--presence-penalty", o->presence_penalty,
+                  "Subtracted once from the logit of each token the output holds")
+    ->capture_default_str();
+  sub->add_option("--frequency-penalty", o->frequency_penalty,
+                  "Subtracted from a token's logit for each time the output holds it")
+    ->capture_default_str();
+  sub->add_option("--min-p", o->min_p,
+                  "Drop tokens less likely than this times the most likely one")
+    ->capture_default_str();
+  sub->add_option("--min-tokens", o->min_tokens,
+                  "Tokens generated before EOS, stop tokens or stop strings may end the output")
+    ->capture_default_str();
   sub->add_option("--stop", o->stop, "Stop when the text contains this string (repeatable)");
   sub->add_flag("--chat", o->chat, "Wrap each prompt in the model's chat template");
   sub->add_flag("--json", o->json,
@@ -282,7 +301,12 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     sp.seed = o->seed;
     sp.max_tokens = o->max_tokens;
     sp.logprobs = o->logprobs;
-    check_sampling(sp);
+    sp.repetition_penalty = o->repetition_penalty;
+    sp.presence_penalty = o->presence_penalty;
+    sp.frequency_penalty = o->frequency_penalty;
+    sp.min_p = o->min_p;
+    sp.min_tokens = o->min_tokens;
+    validate(sp);
     std::vector<std::vector<int32_t>> id_prompts;
     for (auto& ids : o->prompt_ids)
       id_prompts.push_back(parse_ids(ids));

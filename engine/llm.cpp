@@ -40,6 +40,11 @@ struct llm::impl {
   struct live_request {
     generation_output out;
     std::vector<std::string> stop;
+    /// Stop strings count from here in the text: after the output's first min_tokens
+    /// tokens (less a stop string's length, for one that ends past them); unknown (-1)
+    /// until the output has them.
+    int64_t stop_from = 0;
+    int32_t min_tokens = 0;
     std::chrono::steady_clock::time_point arrived;
     /// The text sent in updates so far.
     std::string sent;
@@ -58,6 +63,9 @@ struct llm::impl {
   /// The text of `r`'s tokens; what was sent when the tokenizer cannot decode them (a
   /// token it does not know, in a model whose vocabulary is larger).
   std::string text_of(int64_t seq, const engine_request& r) const;
+  /// Where `l`'s stop strings begin in `text` (npos for none), from `l.stop_from` on; sets
+  /// that once the output holds min_tokens tokens.
+  size_t find_stop(live_request& l, const engine_request& r, const std::string& text) const;
   /// The update of `r`, whose tokens decode to `text`.
   void report(int64_t seq, const engine_request& r, bool finished, std::string text,
               std::vector<generation_update>& updates);
@@ -86,6 +94,29 @@ std::string llm::impl::text_of(int64_t seq, const engine_request& r) const {
   }
 }
 
+size_t llm::impl::find_stop(live_request& l, const engine_request& r,
+                            const std::string& text) const {
+  if (l.stop.empty())
+    return std::string::npos;
+  if (l.stop_from < 0) {
+    if (static_cast<int64_t>(r.output.size()) < l.min_tokens)
+      return std::string::npos;
+    size_t longest = 0;
+    for (auto& stop : l.stop)
+      longest = std::max(longest, stop.size());
+    std::vector<int32_t> first(r.output.begin(), r.output.begin() + l.min_tokens);
+    auto before = tok ? tok->decode(first, true).size() : size_t{0};
+    l.stop_from = static_cast<int64_t>(before > longest - 1 ? before - (longest - 1) : 0);
+  }
+  auto from = std::min(text.size(), static_cast<size_t>(l.stop_from));
+  size_t first = std::string::npos;
+  for (auto& stop : l.stop) {
+    auto at = stop.empty() ? std::string::npos : text.find(stop, from);
+    first = std::min(first, at);
+  }
+  return first;
+}
+
 void llm::impl::report(int64_t seq, const engine_request& r, bool finished, std::string text,
                        std::vector<generation_update>& updates) {
   auto& l = live.at(seq);
@@ -108,11 +139,9 @@ void llm::impl::report(int64_t seq, const engine_request& r, bool finished, std:
     out.first_token_seconds = since();
   if (finished) {
     // A stop string ends the text and is cut off it.
-    for (auto& stop : l.stop) {
-      auto at = stop.empty() ? std::string::npos : text.find(stop);
-      if (at != std::string::npos)
-        text.resize(at);
-    }
+    auto at = find_stop(l, r, text);
+    if (at != std::string::npos)
+      text.resize(at);
     out.text = text;
   } else {
     // Held back: an incomplete character, and what may be the start of a stop string.
@@ -158,10 +187,7 @@ void llm::impl::apply(const std::vector<sampler_output>& result, bool samples,
     if (r.output.size() == l.out.token_ids.size())
       continue; // nothing new (waiting, swapped, a prefill chunk)
     auto text = text_of(seq, r);
-    bool stops = false;
-    for (auto& stop : l.stop)
-      stops = stops || (!stop.empty() && text.find(stop) != std::string::npos);
-    if (stops)
+    if (find_stop(l, r, text) != std::string::npos)
       stopped.push_back(seq);
     else
       report(seq, r, false, std::move(text), updates);
@@ -382,7 +408,10 @@ int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_
   auto max_model_len = d.exec->config().max_model_len;
   impl::live_request l;
   l.arrived = std::chrono::steady_clock::now();
+  validate(req.sampling, vocab_size());
   l.stop = req.stop;
+  l.min_tokens = req.sampling.min_tokens;
+  l.stop_from = l.min_tokens > 0 ? -1 : 0;
   auto& out = l.out;
   out.prompt = req.prompt;
   if (!req.prompt_token_ids.empty()) {

@@ -10,13 +10,50 @@
 
 namespace troupe {
 
-void check_sampling(const sampling_params& params) {
-  // Written so that NaN fails too.
-  if (!(params.top_p > 0.0f && params.top_p <= 1.0f))
-    throw error{errc::invalid_argument, "top_p must be in (0, 1], got " + std::to_string(params.top_p)};
-  if (!(params.temperature >= 0.0f))
-    throw error{errc::invalid_argument,
-                "temperature must be >= 0, got " + std::to_string(params.temperature)};
+bool processes_logits(const sampling_params& p) {
+  return p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f ||
+         p.frequency_penalty != 0.0f || p.min_p > 0.0f || !p.logit_bias_ids.empty() ||
+         p.min_tokens > 0;
+}
+
+void process_logits(float* logits, int64_t vocab, const sampling_params& p,
+                    const std::vector<int32_t>& tokens, size_t prompt_len,
+                    const std::vector<int32_t>& stop_ids) {
+  auto in_vocab = [&](int32_t t) { return t >= 0 && t < vocab; };
+  for (size_t i = 0; i < p.logit_bias_ids.size(); ++i) {
+    auto t = p.logit_bias_ids[i];
+    if (!in_vocab(t))
+      throw error{errc::invalid_argument, "logit_bias names token " + std::to_string(t) +
+                                            ", outside the vocabulary of " +
+                                            std::to_string(vocab)};
+    logits[t] += p.logit_bias_values[i];
+  }
+  auto output_len = tokens.size() - std::min(prompt_len, tokens.size());
+  if (static_cast<int64_t>(output_len) < p.min_tokens)
+    for (auto t : stop_ids)
+      if (in_vocab(t))
+        logits[t] = -INFINITY;
+  if (p.repetition_penalty != 1.0f) {
+    std::vector<bool> seen(static_cast<size_t>(vocab), false);
+    for (auto t : tokens)
+      if (in_vocab(t))
+        seen[static_cast<size_t>(t)] = true;
+    for (int64_t t = 0; t < vocab; ++t)
+      if (seen[static_cast<size_t>(t)])
+        logits[t] = logits[t] > 0 ? logits[t] / p.repetition_penalty
+                                  : logits[t] * p.repetition_penalty;
+  }
+  if (p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f) {
+    std::vector<int32_t> counts(static_cast<size_t>(vocab), 0);
+    for (size_t i = prompt_len; i < tokens.size(); ++i)
+      if (in_vocab(tokens[i]))
+        ++counts[static_cast<size_t>(tokens[i])];
+    for (int64_t t = 0; t < vocab; ++t) {
+      auto n = counts[static_cast<size_t>(t)];
+      if (n > 0)
+        logits[t] -= p.frequency_penalty * static_cast<float>(n) + p.presence_penalty;
+    }
+  }
 }
 
 float log_partition(const float* logits, int64_t vocab) {
@@ -50,7 +87,7 @@ float draw_uniform(const sampling_params& params, int64_t seq_id, int64_t step,
 }
 
 int64_t choose_token(const float* logits, int64_t vocab, float temperature, int32_t top_k,
-                     float top_p, double u) {
+                     float top_p, double u, float min_p) {
   float max_logit = *std::max_element(logits, logits + vocab);
   // The kept tokens: the most likely first (ties by token), cut by top-k, then by top-p.
   std::vector<int64_t> order(static_cast<size_t>(vocab));
@@ -68,6 +105,15 @@ int64_t choose_token(const float* logits, int64_t vocab, float temperature, int3
   auto keep = static_cast<size_t>(vocab);
   if (top_k > 0 && top_k < vocab)
     keep = with_ties(static_cast<size_t>(top_k));
+  // min_p: the most likely token's weight is 1, so a token stays when its weight reaches
+  // min_p (a prefix of `order`, like top-k's).
+  if (min_p > 0.0f) {
+    size_t above = 1;
+    while (above < keep &&
+           std::exp(static_cast<double>(logits[order[above]] - max_logit) / temperature) >= min_p)
+      ++above;
+    keep = above;
+  }
   std::vector<double> weight(static_cast<size_t>(vocab), 0.0);
   double total = 0;
   for (size_t i = 0; i < keep; ++i) {
@@ -110,18 +156,20 @@ int64_t choose_token(const float* logits, int64_t vocab, float temperature, int3
 }
 
 sequence_output sample_token(const float* logits, int64_t vocab, const sampling_params& params,
-                             int64_t seq_id, int64_t step, std::mt19937_64& rng) {
-  check_sampling(params);
+                             int64_t seq_id, int64_t step, std::mt19937_64& rng,
+                             const float* processed) {
+  validate(params, vocab);
   // log-softmax of the model's distribution, for the reported logprobs.
   auto log_z = log_partition(logits, vocab);
   auto logprob = [&](int64_t i) { return logits[i] - log_z; };
 
+  const float* drawn_from = processed ? processed : logits;
   int64_t chosen = 0;
   if (is_greedy(params))
-    chosen = std::max_element(logits, logits + vocab) - logits;
+    chosen = std::max_element(drawn_from, drawn_from + vocab) - drawn_from;
   else
-    chosen = choose_token(logits, vocab, params.temperature, params.top_k, params.top_p,
-                          draw_uniform(params, seq_id, step, rng));
+    chosen = choose_token(drawn_from, vocab, params.temperature, params.top_k, params.top_p,
+                          draw_uniform(params, seq_id, step, rng), params.min_p);
   sequence_output out;
   out.parent_seq_id = seq_id;
   out.output_token = static_cast<int32_t>(chosen);

@@ -15,15 +15,27 @@ namespace troupe {
 /// Determinism: with `params.seed >= 0` the draw depends only on the seed, the sequence
 /// and `step` (its number of generated tokens), so a seeded request gives the same tokens
 /// however it is batched; without a seed the draw comes from `rng`.
+/// `processed`, when given, holds the logits after `process_logits`: the token is drawn
+/// from them, the logprobs still from `logits`.
 sequence_output sample_token(const float* logits, int64_t vocab, const sampling_params& params,
-                             int64_t seq_id, int64_t step, std::mt19937_64& rng);
+                             int64_t seq_id, int64_t step, std::mt19937_64& rng,
+                             const float* processed = nullptr);
+
+/// Whether `params` change the logits before the draw (penalties, logit_bias, min_tokens)
+/// or cut by min_p: then a row is sampled on the host, from `process_logits`' logits.
+bool processes_logits(const sampling_params& params);
+
+/// vLLM's processing of one row's logits before the temperature, in its order: logit_bias;
+/// min_tokens (the `stop_ids`, EOS and the request's stop tokens, get -inf while the output
+/// is shorter); the repetition penalty over the prompt and the output; the frequency and
+/// presence penalties over the output. `tokens` holds the prompt's `prompt_len` tokens, then
+/// the output's.
+void process_logits(float* logits, int64_t vocab, const sampling_params& params,
+                    const std::vector<int32_t>& tokens, size_t prompt_len,
+                    const std::vector<int32_t>& stop_ids);
 
 /// log Σ exp(logits): a logit less this is its log-softmax (the logprob reported).
 float log_partition(const float* logits, int64_t vocab);
-
-/// Throws `invalid_argument` naming the parameter for a temperature below 0 or a top_p
-/// outside (0, 1].
-void check_sampling(const sampling_params& params);
 
 /// Whether `params` pick the most likely token.
 bool is_greedy(const sampling_params& params);
@@ -37,8 +49,9 @@ float draw_uniform(const sampling_params& params, int64_t seq_id, int64_t step,
 /// when top_k <= 0) and of those the fewest most likely whose probability (at
 /// `temperature`) reaches `top_p`, each cut keeping the tokens tied with its last one;
 /// `u` × their mass is then found in the running sum of their probabilities in token order
-/// (the order a GPU kernel can follow too).
+/// (the order a GPU kernel can follow too). With `min_p`, tokens whose probability is below
+/// min_p times the most likely one's are dropped first, as vLLM does.
 int64_t choose_token(const float* logits, int64_t vocab, float temperature, int32_t top_k,
-                     float top_p, double u);
+                     float top_p, double u, float min_p = 0.0f);
 
 } // namespace troupe

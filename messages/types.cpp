@@ -2,7 +2,41 @@
 
 #include "troupe/errors.hpp"
 
+#include <cmath>
+#include <string>
+#include <utility>
+
 namespace troupe {
+
+void validate(const sampling_params& params, int64_t vocab) {
+  auto bad = [](const std::string& what) { throw error{errc::invalid_argument, what}; };
+  // Written so that NaN fails too.
+  if (!(params.top_p > 0.0f && params.top_p <= 1.0f))
+    bad("top_p must be in (0, 1], got " + std::to_string(params.top_p));
+  if (!(params.temperature >= 0.0f))
+    bad("temperature must be >= 0, got " + std::to_string(params.temperature));
+  if (!(params.repetition_penalty > 0.0f) || std::isinf(params.repetition_penalty))
+    bad("repetition_penalty must be > 0, got " + std::to_string(params.repetition_penalty));
+  for (auto [name, v] : {std::pair{"presence_penalty", params.presence_penalty},
+                         std::pair{"frequency_penalty", params.frequency_penalty}})
+    if (!(v >= -2.0f && v <= 2.0f))
+      bad(std::string{name} + " must be in [-2, 2], got " + std::to_string(v));
+  if (!(params.min_p >= 0.0f && params.min_p <= 1.0f))
+    bad("min_p must be in [0, 1], got " + std::to_string(params.min_p));
+  if (params.min_tokens < 0)
+    bad("min_tokens must be >= 0, got " + std::to_string(params.min_tokens));
+  if (params.logit_bias_ids.size() != params.logit_bias_values.size())
+    bad("logit_bias has " + std::to_string(params.logit_bias_ids.size()) + " token ids for " +
+        std::to_string(params.logit_bias_values.size()) + " biases");
+  for (size_t i = 0; i < params.logit_bias_ids.size(); ++i) {
+    auto id = params.logit_bias_ids[i];
+    if (id < 0 || (vocab > 0 && id >= vocab))
+      bad("logit_bias names token " + std::to_string(id) + ", outside the vocabulary" +
+          (vocab > 0 ? " of " + std::to_string(vocab) : std::string{}));
+    if (!std::isfinite(params.logit_bias_values[i]))
+      bad("logit_bias of token " + std::to_string(id) + " is not a finite number");
+  }
+}
 
 sleep_level to_sleep_level(int64_t level) {
   if (level != 1 && level != 2)

@@ -451,8 +451,8 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
   bool on_device = true;
   for (auto& g : request.seq_group_metadata_list)
     if (g.do_sample) {
-      check_sampling(g.sampling);
-      on_device = on_device && g.sampling.logprobs <= 0;
+      validate(g.sampling, st.config.vocab_size);
+      on_device = on_device && g.sampling.logprobs <= 0 && !processes_logits(g.sampling);
     }
   auto step_of = [](const sequence_data& seq) {
     return static_cast<int64_t>(seq.token_ids.size()) - seq.num_prompt_tokens;
@@ -493,6 +493,17 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
         sample.output_token = ids[row];
         sample.logprob = logprobs[row];
         group_out.samples.push_back(sample);
+      } else if (processes_logits(group.sampling)) {
+        const float* raw = &logits[row * vocab];
+        std::vector<float> processed(raw, raw + vocab);
+        auto stop_ids = group.sampling.stop_token_ids;
+        if (!group.sampling.ignore_eos)
+          stop_ids.insert(stop_ids.end(), st.config.eos_token_ids.begin(),
+                          st.config.eos_token_ids.end());
+        process_logits(processed.data(), vocab, group.sampling, seq.token_ids,
+                       static_cast<size_t>(seq.num_prompt_tokens), stop_ids);
+        group_out.samples.push_back(sample_token(raw, vocab, group.sampling, seq.seq_id,
+                                                 step_of(seq), st.rng, processed.data()));
       } else {
         group_out.samples.push_back(sample_token(&logits[row * vocab], vocab, group.sampling,
                                                  seq.seq_id, step_of(seq), st.rng));

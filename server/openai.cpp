@@ -1,7 +1,10 @@
 #include "server/openai.hpp"
 
+#include "troupe/errors.hpp"
+
 #include <cmath>
 #include <limits>
+#include <set>
 
 namespace troupe {
 
@@ -92,6 +95,18 @@ json parse_json_object(const std::string& text) {
 
 openai_request parse_openai_request(const std::string& text, bool chat) {
   auto body = parse_json_object(text);
+  // A field troupe would not act on is refused, never ignored.
+  static const std::set<std::string> shared = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n", "stop",
+    "stop_token_ids", "stream", "stream_options", "logprobs", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias"};
+  static const std::set<std::string> completion_only = {"prompt", "echo"};
+  static const std::set<std::string> chat_only = {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+    "chat_template_kwargs", "add_generation_prompt"};
+  for (auto& [key, value] : body.items())
+    if (!shared.count(key) && !(chat ? chat_only : completion_only).count(key))
+      bad("'" + key + "' is not supported", key);
   openai_request req;
   req.chat = chat;
   req.model = field<std::string>(body, "model", "a string").value_or("");
@@ -138,6 +153,10 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
     }
     req.conversation.add_generation_prompt =
       field<bool>(body, "add_generation_prompt", "a boolean").value_or(true);
+    // The tools go into the prompt; the model decides whether to call one.
+    if (auto choice = field<std::string>(body, "tool_choice", "a string"); choice && *choice != "auto")
+      bad("'tool_choice' must be \"auto\": the tools are shown to the model, which decides",
+          "tool_choice");
     req.logprobs = field<bool>(body, "logprobs", "a boolean").value_or(false);
     req.top_logprobs = field<int32_t>(body, "top_logprobs", "an integer").value_or(0);
     req.max_tokens = field<int32_t>(body, "max_completion_tokens", "an integer");
@@ -205,6 +224,37 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
     } else {
       bad("'stop' must be a string or an array of strings", "stop");
     }
+  }
+  sp.repetition_penalty = field<float>(body, "repetition_penalty", "a number").value_or(1.0f);
+  sp.presence_penalty = field<float>(body, "presence_penalty", "a number").value_or(0.0f);
+  sp.frequency_penalty = field<float>(body, "frequency_penalty", "a number").value_or(0.0f);
+  sp.min_p = field<float>(body, "min_p", "a number").value_or(0.0f);
+  sp.min_tokens = field<int32_t>(body, "min_tokens", "an integer").value_or(0);
+  if (auto bias = body.find("logit_bias"); bias != body.end() && !bias->is_null()) {
+    if (!bias->is_object())
+      bad("'logit_bias' must be an object of token ids and biases", "logit_bias");
+    for (auto& [key, value] : bias->items()) {
+      size_t used = 0;
+      long long id = -1;
+      try {
+        id = std::stoll(key, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != key.size() || id < 0 || id > INT32_MAX)
+        bad("'logit_bias' keys must be token ids, not '" + key + "'", "logit_bias");
+      if (!value.is_number() || !(value.get<double>() >= -100 && value.get<double>() <= 100))
+        bad("'logit_bias' values must be numbers in [-100, 100]", "logit_bias");
+      sp.logit_bias_ids.push_back(static_cast<int32_t>(id));
+      sp.logit_bias_values.push_back(value.get<float>());
+    }
+  }
+  try {
+    validate(sp);
+  } catch (const error& e) {
+    // Each of validate's messages starts with the parameter's name.
+    std::string message = e.what();
+    bad(message, message.substr(0, message.find(' ')));
   }
   req.stream = field<bool>(body, "stream", "a boolean").value_or(false);
   if (auto opts = body.find("stream_options"); opts != body.end() && !opts->is_null()) {

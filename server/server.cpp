@@ -662,6 +662,12 @@ private:
       g.prompt = srv_.model.render_chat(req.conversation);
       g.add_special_tokens = false; // the template holds them
     }
+    try {
+      validate(g.sampling, srv_.model.vocab_size()); // logit_bias's tokens
+    } catch (const error& e) {
+      std::string message = e.what();
+      throw http_error{400, "invalid_request_error", message, message.substr(0, message.find(' '))};
+    }
     if (!g.prompt_token_ids.empty()) {
       auto vocab = srv_.model.vocab_size();
       for (auto id : g.prompt_token_ids)

@@ -320,3 +320,46 @@ TEST_CASE("a chat template given in the config renders conversations, and others
   no_prompt.messages_json = "[{";
   CHECK_THROWS_WITH_AS(model.render_chat(no_prompt), doctest::Contains("not JSON"), error);
 }
+
+TEST_CASE("greedy runs under vLLM's penalties and logit_bias give the reference's tokens") {
+  llm_config cfg;
+  cfg.worker.model_path = fixtures + "/llama-gqa";
+  cfg.worker.kv_cache_memory_bytes = 1 << 20;
+  llm model{cfg};
+  auto f = read_json(fixtures + "/sampling.json");
+  for (auto& run : f["greedy"]) {
+    CAPTURE(run["params"].dump());
+    auto sp = greedy(16);
+    auto& p = run["params"];
+    sp.repetition_penalty = p.value("repetition_penalty", 1.0f);
+    sp.presence_penalty = p.value("presence_penalty", 0.0f);
+    sp.frequency_penalty = p.value("frequency_penalty", 0.0f);
+    sp.logit_bias_ids = p.value("logit_bias_ids", std::vector<int32_t>{});
+    sp.logit_bias_values = p.value("logit_bias_values", std::vector<float>{});
+    auto prompt = run["prompt"].get<std::vector<int32_t>>();
+    auto penalized = model.generate({generation_request{"", prompt, sp, {}}})[0];
+    auto plain = model.generate({generation_request{"", prompt, greedy(16), {}}})[0];
+    CHECK(penalized.token_ids == run["tokens"].get<std::vector<int32_t>>());
+    CHECK(penalized.token_ids != plain.token_ids);
+    // The logprobs stay the model's (vLLM's raw logprobs): where both runs picked the same
+    // first token, the same logprob.
+    if (penalized.token_ids[0] == plain.token_ids[0])
+      CHECK(penalized.logprobs[0] == doctest::Approx(plain.logprobs[0]));
+  }
+  // min_tokens holds EOS and the stop tokens back: a stop token that greedy picks first
+  // comes no sooner than the min_tokens-th token.
+  auto prompt = f["greedy"][0]["prompt"].get<std::vector<int32_t>>();
+  auto plain = model.generate({generation_request{"", prompt, greedy(8), {}}})[0];
+  auto sp = greedy(8);
+  sp.stop_token_ids = {plain.token_ids[0]};
+  CHECK(model.generate({generation_request{"", prompt, sp, {}}})[0].token_ids.size() == 1);
+  sp.min_tokens = 4;
+  auto held = model.generate({generation_request{"", prompt, sp, {}}})[0];
+  CHECK(held.token_ids.size() >= 4);
+  for (size_t i = 0; i + 1 < std::min<size_t>(held.token_ids.size(), 4); ++i)
+    CHECK(held.token_ids[i] != plain.token_ids[0]);
+  sp.logit_bias_ids = {100000};
+  sp.logit_bias_values = {1.0f};
+  CHECK_THROWS_WITH_AS(model.generate({generation_request{"", prompt, sp, {}}}),
+                       doctest::Contains("logit_bias names token 100000"), error);
+}

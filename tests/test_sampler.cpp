@@ -1,12 +1,19 @@
-// The sampler on its own: greedy, temperature, top-k, top-p, seeds and logprobs.
+// The sampler on its own: greedy, temperature, top-k, top-p, seeds and logprobs; vLLM's
+// penalties, logit_bias, min_tokens and min_p against transformers' processors and a
+// re-implementation of vLLM's formulas (tests/fixtures/sampling.json, made by
+// scripts/make-sampling-fixtures.py).
 
 #include "kernels/sampler.hpp"
+#include "tests/generation.hpp"
 #include "troupe/errors.hpp"
 
 #include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <algorithm>
 #include <map>
+#include <set>
 #include <vector>
 
 using namespace troupe;
@@ -111,4 +118,93 @@ TEST_CASE("the cuts keep tokens tied with their last, and NaN parameters are ref
   CHECK_THROWS_AS(sample_token(logits.data(), 5, nan_top_p, 0, 0, rng), error);
   // The largest draw stays below the whole mass.
   CHECK(draw_uniform(nan_top_p, 0, 0, rng) < 1.0f);
+}
+
+namespace {
+
+sampling_params from_json(const nlohmann::json& j) {
+  sampling_params p;
+  p.repetition_penalty = j.value("repetition_penalty", 1.0f);
+  p.presence_penalty = j.value("presence_penalty", 0.0f);
+  p.frequency_penalty = j.value("frequency_penalty", 0.0f);
+  p.min_tokens = j.value("min_tokens", 0);
+  p.logit_bias_ids = j.value("logit_bias_ids", std::vector<int32_t>{});
+  p.logit_bias_values = j.value("logit_bias_values", std::vector<float>{});
+  return p;
+}
+
+} // namespace
+
+TEST_CASE("penalties, logit_bias and min_tokens change the logits as vLLM's sampler does") {
+  auto f = testing::read_json(TROUPE_SOURCE_DIR "/tests/fixtures/sampling.json");
+  auto raw = f["logits"].get<std::vector<float>>();
+  auto prompt = f["prompt"].get<std::vector<int32_t>>();
+  auto output = f["output"].get<std::vector<int32_t>>();
+  auto tokens = prompt;
+  tokens.insert(tokens.end(), output.begin(), output.end());
+  auto vocab = static_cast<int64_t>(raw.size());
+  for (auto& c : f["cases"]) {
+    CAPTURE(c["params"].dump());
+    auto p = from_json(c["params"]);
+    CHECK(processes_logits(p));
+    auto x = raw;
+    process_logits(x.data(), vocab, p, tokens, prompt.size(),
+                   c["params"].value("stop_ids", std::vector<int32_t>{}));
+    auto want = c["processed"];
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (want[i].is_null() || std::isinf(want[i].get<double>()) ||
+          want[i].get<double>() < -1e30) {
+        CHECK(std::isinf(x[i]));
+        continue;
+      }
+      CHECK(x[i] == doctest::Approx(want[i].get<float>()).epsilon(1e-6));
+    }
+  }
+  CHECK_FALSE(processes_logits(sampling_params{}));
+}
+
+TEST_CASE("min_p keeps the tokens transformers' MinPLogitsWarper keeps") {
+  auto f = testing::read_json(TROUPE_SOURCE_DIR "/tests/fixtures/sampling.json");
+  auto raw = f["logits"].get<std::vector<float>>();
+  auto vocab = static_cast<int64_t>(raw.size());
+  for (auto& c : f["min_p"]) {
+    auto min_p = c["min_p"].get<float>();
+    auto t = c["temperature"].get<float>();
+    CAPTURE(min_p);
+    CAPTURE(t);
+    auto kept = c["kept"].get<std::vector<int64_t>>();
+    // Each kept token is drawn for a u in the middle of its share of the running sum in
+    // token order; nothing else is ever drawn.
+    float top = *std::max_element(raw.begin(), raw.end());
+    double total = 0;
+    for (auto i : kept)
+      total += std::exp(static_cast<double>(raw[i] - top) / t);
+    double before = 0;
+    for (auto i : kept) {
+      double w = std::exp(static_cast<double>(raw[i] - top) / t);
+      CHECK(choose_token(raw.data(), vocab, t, -1, 1.0f, (before + w / 2) / total, min_p) == i);
+      before += w;
+    }
+    std::set<int64_t> drawn;
+    for (int k = 0; k < 2000; ++k)
+      drawn.insert(choose_token(raw.data(), vocab, t, -1, 1.0f, (k + 0.5) / 2000, min_p));
+    for (auto i : drawn)
+      CHECK(std::find(kept.begin(), kept.end(), i) != kept.end());
+  }
+}
+
+TEST_CASE("the new parameters out of range are refused, naming them") {
+  auto refused = [](auto change, const char* name) {
+    sampling_params p;
+    change(p);
+    CHECK_THROWS_WITH_AS(validate(p, 100), doctest::Contains(name), error);
+  };
+  refused([](sampling_params& p) { p.repetition_penalty = 0; }, "repetition_penalty");
+  refused([](sampling_params& p) { p.presence_penalty = 2.5f; }, "presence_penalty");
+  refused([](sampling_params& p) { p.frequency_penalty = NAN; }, "frequency_penalty");
+  refused([](sampling_params& p) { p.min_p = 1.5f; }, "min_p");
+  refused([](sampling_params& p) { p.min_tokens = -1; }, "min_tokens");
+  refused([](sampling_params& p) { p.logit_bias_ids = {100}; p.logit_bias_values = {1}; },
+          "logit_bias names token 100");
+  refused([](sampling_params& p) { p.logit_bias_ids = {1}; }, "logit_bias");
 }

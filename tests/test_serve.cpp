@@ -340,6 +340,47 @@ TEST_CASE("64 concurrent streams share steps and get their own tokens, and clien
   CHECK(metric(text, "vllm:request_success_total", "finished_reason=\"abort\"") == 20);
 }
 
+TEST_CASE("sampling fields act or are refused: penalties change tokens, unknown fields are 400s") {
+  llm model{tiny()};
+  server s{model, on_any_port()};
+  json plain = {{"prompt", {1, 15, 27, 99, 3, 15, 27}}, {"max_tokens", 16},
+                {"temperature", 0}, {"ignore_eos", true}};
+  auto tokens = [&](const json& body) {
+    auto r = post(s, "/v1/completions", body);
+    REQUIRE_MESSAGE(r.status == 200, r.body);
+    return json::parse(r.body)["choices"][0]["token_ids"].get<std::vector<int32_t>>();
+  };
+  auto base = tokens(plain);
+  for (auto [key, value] : {std::pair<const char*, json>{"repetition_penalty", 1.8},
+                            {"frequency_penalty", 2.0},
+                            {"presence_penalty", 2.0},
+                            {"logit_bias", {{"7", 100}}}}) {
+    CAPTURE(key);
+    auto body = plain;
+    body[key] = value;
+    CHECK(tokens(body) != base);
+  }
+  auto refused = [&](json body, const std::string& param) {
+    auto r = post(s, "/v1/completions", body);
+    CHECK(r.status == 400);
+    CHECK(json::parse(r.body)["error"]["param"] == param);
+  };
+  for (auto [key, value] : {std::pair<const char*, json>{"presence_penalty", "x"},
+                            {"repetition_penalty", 0},
+                            {"min_p", 2},
+                            {"logit_bias", {{"x", 1}}},
+                            {"logit_bias", {{"99999", 1}}},
+                            {"logit_bias", {{"5", 101}}},
+                            {"best_of", 2},
+                            {"response_format", {{"type", "json_object"}}},
+                            {"user", "me"}}) {
+    CAPTURE(key);
+    auto body = plain;
+    body[key] = value;
+    refused(body, key);
+  }
+}
+
 TEST_CASE("a chat its template refuses is a 400 with the template's message") {
   auto cfg = tiny();
   std::ifstream in{fixtures + "/chat-templates/gemma-3.jinja"};

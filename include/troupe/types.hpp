@@ -70,12 +70,38 @@ struct sampling_params {
   std::vector<int32_t> stop_token_ids;
   /// Keep generating past the end-of-sequence token.
   bool ignore_eos = false;
+  /// vLLM's penalties, applied to the logits before the temperature: a token of the prompt
+  /// or the output has its logit divided by `repetition_penalty` (multiplied when the logit
+  /// is negative; 1 disables it, > 0); a token the output holds loses `presence_penalty`
+  /// once and `frequency_penalty` for each time it is there (both in [-2, 2]).
+  float repetition_penalty = 1.0f;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  /// Tokens less likely than `min_p` times the most likely one (at the temperature) are not
+  /// drawn; 0 disables it, at most 1.
+  float min_p = 0.0f;
+  /// OpenAI's logit_bias: `logit_bias_values[i]` is added to the logit of token
+  /// `logit_bias_ids[i]` before anything else.
+  std::vector<int32_t> logit_bias_ids;
+  std::vector<float> logit_bias_values;
+  /// The end-of-sequence and stop tokens are not drawn, and stop strings do not end the
+  /// output, before it holds this many tokens.
+  int32_t min_tokens = 0;
 };
+
+/// Throws `invalid_argument` naming the parameter for a temperature below 0, a top_p
+/// outside (0, 1], a repetition penalty not above 0, presence or frequency penalties outside
+/// [-2, 2], a min_p outside [0, 1], a negative min_tokens, logit_bias lists of different
+/// lengths or a token outside `vocab` (when it is above 0) in logit_bias. Each message
+/// starts with the parameter's name.
+void validate(const sampling_params& params, int64_t vocab = 0);
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, sampling_params& x) {
   return f(caf::meta::type_name("sampling_params"), x.temperature, x.top_p, x.top_k, x.seed,
-           x.max_tokens, x.logprobs, x.stop_token_ids, x.ignore_eos);
+           x.max_tokens, x.logprobs, x.stop_token_ids, x.ignore_eos, x.repetition_penalty,
+           x.presence_penalty, x.frequency_penalty, x.min_p, x.logit_bias_ids,
+           x.logit_bias_values, x.min_tokens);
 }
 
 // -- execute-model request ----------------------------------------------------
