@@ -122,6 +122,8 @@ struct logger_release {
 
 struct executor::impl {
   executor_config cfg;
+  /// Sleeps asked for (`sleep_count`).
+  std::atomic<int64_t> sleeps{0};
   /// How long a blocking caller stays awake for its reply: `linger`, or `network_linger`
   /// when some workers are across a network, whose replies take longer.
   timeout_type caller_linger{0};
@@ -846,7 +848,12 @@ std::future<void> executor::check_health_async() {
 
 // -- sleep and wake -------------------------------------------------------------------
 
+int64_t executor::sleep_count() const {
+  return impl_->sleeps.load();
+}
+
 void executor::sleep(int32_t level) {
+  ++impl_->sleeps;
   impl_->ask<void>(impl_->cfg.rpc_timeout, sleep_atom::value,
                    sleep_request{to_sleep_level(level)});
 }
@@ -860,6 +867,7 @@ std::future<void> executor::sleep_async(int32_t level) {
     refused.set_exception(std::current_exception());
     return refused.get_future();
   }
+  ++impl_->sleeps;
   return impl_->ask_async<void>(sleep_atom::value, request);
 }
 

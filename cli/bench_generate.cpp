@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <random>
 
@@ -26,6 +27,10 @@ void add_workload_options(CLI::App& app, workload_options& o) {
   app.add_option("--output-len", o.output_len, "Generated tokens per request")
     ->check(CLI::Range(2, 100000))
     ->capture_default_str();
+  app.add_option("--shared-prefix-len", o.shared_prefix_len,
+                 "Tokens before each prompt that all prompts share")
+    ->check(CLI::Range(0, 1000000))
+    ->capture_default_str();
 }
 
 double quantile(std::vector<double> values, double q) {
@@ -35,13 +40,18 @@ double quantile(std::vector<double> values, double q) {
   return values[std::min(values.size() - 1, static_cast<size_t>(q * values.size()))];
 }
 
-std::vector<generation_request> make_workload(const workload_options& o,
-                                              const std::string& model) {
+std::vector<generation_request> make_workload(const workload_options& o, const std::string& model,
+                                              uint32_t seed) {
   auto vocab = checkpoint::config_of(model).vocab_size;
-  std::mt19937 rng{0};
+  std::mt19937 shared_rng{0x5eed};
+  std::vector<int32_t> shared;
+  for (int t = 0; t < o.shared_prefix_len; ++t)
+    shared.push_back(static_cast<int32_t>(shared_rng() % static_cast<uint32_t>(vocab)));
+  std::mt19937 rng{seed};
   std::vector<generation_request> reqs;
   for (int i = 0; i < o.num_prompts; ++i) {
     generation_request r;
+    r.prompt_token_ids = shared;
     for (int t = 0; t < o.input_len; ++t)
       r.prompt_token_ids.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
     r.sampling.temperature = 0.0f;
@@ -58,6 +68,7 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
     workload_options work;
     int tp = 1;
     std::string async_scheduling = "off";
+    std::string prefix_caching = "on";
     std::vector<int64_t> linger_us{executor_config{}.linger.count()};
     int rounds = 3;
     bool json = false;
@@ -76,6 +87,10 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
   sub->add_option("--async-scheduling", o->async_scheduling,
                   "Send each step before the one in flight returns (on), wait for it (off), "
                   "or both, in turns, with the ratio")
+    ->check(CLI::IsMember({"on", "off", "both"}))
+    ->capture_default_str();
+  sub->add_option("--prefix-caching", o->prefix_caching,
+                  "Automatic prefix caching on, off, or both, in turns, with the ratio")
     ->check(CLI::IsMember({"on", "off", "both"}))
     ->capture_default_str();
   sub->add_option("--linger-us", o->linger_us,
@@ -97,31 +112,66 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
     struct setting {
       bool async_scheduling;
       int64_t linger_us;
+      bool prefix_caching;
+    };
+    auto chosen = [](const std::string& option, bool on) {
+      return option == "both" || (option == "on") == on;
     };
     std::vector<setting> settings;
-    for (auto on : {false, true})
-      if (o->async_scheduling == "both" || (o->async_scheduling == "on") == on)
-        for (auto linger : o->linger_us)
-          settings.push_back({on, linger});
+    for (auto caching : {true, false})
+      for (auto on : {false, true})
+        if (chosen(o->prefix_caching, caching) && chosen(o->async_scheduling, on))
+          for (auto linger : o->linger_us)
+            settings.push_back({on, linger, caching});
     auto make = [&](const setting& s) {
       llm_config cfg;
       cfg.worker.model_path = o->model;
       cfg.executor.tensor_parallel_size = o->tp;
       cfg.executor.linger = std::chrono::microseconds(s.linger_us);
       cfg.scheduler.async_scheduling = s.async_scheduling;
+      cfg.scheduler.enable_prefix_caching = s.prefix_caching;
       apply_device_options(o->device, cfg.executor, cfg.worker);
       apply_node_options(o->nodes, cfg.executor);
-      cfg.executor.max_model_len = o->work.input_len + o->work.output_len + 1;
+      cfg.executor.max_model_len =
+        o->work.shared_prefix_len + o->work.input_len + o->work.output_len + 1;
       return std::make_unique<llm>(cfg);
     };
     auto run = [&](llm& model, const setting& s) {
+      // Each run starts cold: the rounds before it cached the same prompts.
+      model.reset_prefix_cache();
+      auto before = model.stats();
       auto start = std::chrono::steady_clock::now();
-      auto outs = model.generate(reqs);
+      // Step by step, to read the engine's own time per step as the outputs grow.
+      std::vector<generation_output> outs(reqs.size());
+      std::map<int64_t, size_t> index;
+      for (size_t i = 0; i < reqs.size(); ++i)
+        index[model.add_request(reqs[i])] = i;
+      std::vector<double> host_ms;
+      while (model.has_unfinished_requests()) {
+        for (auto& u : model.step())
+          if (u.finished)
+            outs[index.at(u.request_id)] = std::move(*u.output);
+        host_ms.push_back(model.stats().last_step_host_seconds * 1e3);
+      }
+      model.executor().stop_remote_worker_execution_loop();
       std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+      // The engine's time per step early in the outputs (steps 100-199, or the first tenth)
+      // and at their end (the last hundred), median each: flat when nothing grows with the
+      // output's length.
+      auto median_of = [&](size_t from, size_t to) {
+        to = std::min(to, host_ms.size());
+        from = std::min(from, to);
+        return quantile(std::vector<double>(host_ms.begin() + from, host_ms.begin() + to), 0.5);
+      };
+      size_t early = host_ms.size() >= 400 ? 100 : host_ms.size() / 10;
+      double host_early = median_of(early, early + 100);
+      double host_late = median_of(host_ms.size() > 100 ? host_ms.size() - 100 : 0, host_ms.size());
+      auto after = model.stats();
       size_t tokens = 0;
-      std::vector<double> tpot_ms;
+      std::vector<double> tpot_ms, ttft_ms;
       for (auto& out : outs) {
         tokens += out.token_ids.size();
+        ttft_ms.push_back(out.first_token_seconds * 1e3);
         if (out.token_ids.size() > 1)
           tpot_ms.push_back((out.finished_seconds - out.first_token_seconds) * 1e3
                             / static_cast<double>(out.token_ids.size() - 1));
@@ -144,10 +194,21 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
         {"output_tokens_per_s", static_cast<double>(tokens) / took.count()},
         {"tpot_p50_ms", at(0.5)},
         {"tpot_p99_ms", at(0.99)},
+        {"ttft_p50_ms", quantile(ttft_ms, 0.5)},
+        {"ttft_p99_ms", quantile(ttft_ms, 0.99)},
+        {"shared_prefix_len", o->work.shared_prefix_len},
+        {"prefix_caching", s.prefix_caching},
+        {"prefill_tokens", after.prefill_tokens - before.prefill_tokens},
+        {"prefix_cache_queries", after.prefix_cache_queries - before.prefix_cache_queries},
+        {"prefix_cache_hits", after.prefix_cache_hits - before.prefix_cache_hits},
+        {"steps", host_ms.size()},
+        {"host_ms_per_step_early", host_early},
+        {"host_ms_per_step_late", host_late},
       };
       if (!o->json)
         std::cout << o->work.num_prompts << " requests in " << took.count() << " s"
-                  << (s.async_scheduling ? " (asynchronous scheduling)" : "") << ", linger "
+                  << (s.async_scheduling ? " (asynchronous scheduling)" : "")
+                  << (s.prefix_caching ? "" : " (no prefix caching)") << ", linger "
                   << s.linger_us << " us: " << result["requests_per_s"].get<double>()
                   << " requests/s, " << result["output_tokens_per_s"].get<double>()
                   << " output tokens/s, time per output token p50 " << at(0.5) << " ms, p99 "
@@ -184,6 +245,7 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
       for (auto& m : medians)
         std::cout << "median of " << o->rounds
                   << (m["async_scheduling"].get<bool>() ? ", asynchronous scheduling" : "")
+                  << (m["prefix_caching"].get<bool>() ? "" : ", no prefix caching")
                   << ", linger " << m["linger_us"].get<int64_t>() << " us: " << tokens_per_s(m)
                   << " output tokens/s, " << m["over_first_tokens_per_s"].get<double>()
                   << "x the first\n";

@@ -183,7 +183,8 @@ std::shared_ptr<command> add_bench_recovery(CLI::App& bench) {
     cfg.executor.tensor_parallel_size = o->tp;
     cfg.executor.restart.max_restarts = 1;
     apply_device_options(o->device, cfg.executor, cfg.worker);
-    cfg.executor.max_model_len = o->work.input_len + o->work.output_len + 1;
+    cfg.executor.max_model_len =
+      o->work.shared_prefix_len + o->work.input_len + o->work.output_len + 1;
     auto worker_options = cfg.worker;
     worker_options.max_num_batched_tokens = cfg.scheduler.max_num_batched_tokens;
     worker_options.max_num_seqs = cfg.scheduler.max_num_seqs;

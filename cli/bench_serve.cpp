@@ -121,7 +121,9 @@ std::shared_ptr<command> add_bench_serve(CLI::App& bench) {
     // `level` requests at once.
     std::map<int, double> anchors;
     for (int level : levels) {
-      auto reqs = make_workload(workload(level), o->engine.model);
+      // Prompts of their own (another seed): only the shared prefix is cached for the
+      // served run.
+      auto reqs = make_workload(workload(level), o->engine.model, 1000 + static_cast<uint32_t>(level));
       reqs.resize(std::min<size_t>(static_cast<size_t>(level), reqs.size()));
       auto offline_start = clock_type::now();
       auto outs = model.generate(reqs);
@@ -131,13 +133,14 @@ std::shared_ptr<command> add_bench_serve(CLI::App& bench) {
         offline_tokens += static_cast<int64_t>(out.token_ids.size());
       anchors[level] = static_cast<double>(offline_tokens) / offline.count();
     }
+    model.reset_prefix_cache();
     server_config sc;
     sc.port = 0;
     sc.served_model_name = "bench";
     server srv{model, sc};
     for (int level : levels) {
       auto work = workload(level);
-      auto reqs = make_workload(work, o->engine.model);
+      auto reqs = make_workload(work, o->engine.model, static_cast<uint32_t>(level));
       std::vector<std::string> bodies;
       for (auto& r : reqs)
         bodies.push_back(nlohmann::json{{"model", "bench"},
@@ -179,6 +182,8 @@ std::shared_ptr<command> add_bench_serve(CLI::App& bench) {
         {"num_prompts", work.num_prompts},
         {"input_len", work.input_len},
         {"output_len", work.output_len},
+        {"shared_prefix_len", work.shared_prefix_len},
+        {"prefix_caching", cfg.scheduler.enable_prefix_caching},
         {"failed", failed},
         {"elapsed_s", took.count()},
         {"requests_per_s", static_cast<double>(times.size() - failed) / took.count()},

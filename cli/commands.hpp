@@ -124,6 +124,7 @@ struct engine_options {
   double kv_fraction = 0.5;
   int64_t swap_space_mib = 256;
   bool async_scheduling = false;
+  bool prefix_caching = true;
   int max_num_seqs = 0;
   int max_num_batched_tokens = 0;
   int max_restarts = 0;
@@ -145,18 +146,23 @@ void add_engine_options(CLI::App& app, engine_options& o);
 llm_config engine_config(const engine_options& o, size_t loras);
 
 /// The batch a generation benchmark runs: random prompts of `input_len` tokens, each
-/// generating exactly `output_len` greedily (vLLM's benchmark_throughput).
+/// generating exactly `output_len` greedily (vLLM's benchmark_throughput), after a prefix
+/// of `shared_prefix_len` tokens that all of them share (a system prompt, as in vLLM's
+/// benchmark_prefix_caching).
 struct workload_options {
   int num_prompts = 16;
   int input_len = 64;
   int output_len = 32;
+  int shared_prefix_len = 0;
 };
 
-/// Adds --num-prompts, --input-len and --output-len to `app`.
+/// Adds --num-prompts, --input-len, --output-len and --shared-prefix-len to `app`.
 void add_workload_options(CLI::App& app, workload_options& o);
 
-/// The requests of `o` for `model` (seeded: the same every run).
-std::vector<generation_request> make_workload(const workload_options& o, const std::string& model);
+/// The requests of `o` for `model`, the same for the same `seed` (the shared prefix is the
+/// same for every seed).
+std::vector<generation_request> make_workload(const workload_options& o, const std::string& model,
+                                              uint32_t seed = 0);
 
 /// The worker of `troupe bench rpc` (methods "noop" and "spin").
 std::unique_ptr<worker> make_bench_worker();

@@ -162,6 +162,8 @@ void add_engine_options(CLI::App& app, engine_options& o) {
     ->capture_default_str();
   app.add_flag("--async-scheduling", o.async_scheduling,
                "Send the next step while one runs when it needs none of its tokens");
+  app.add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o.prefix_caching,
+               "Reuse the keys and values of prompts' shared beginnings (on by default)");
   app.add_option("--max-restarts", o.max_restarts,
                  "Replace a worker that dies, up to this many times within --restart-window "
                  "(0: a death ends the run)")
@@ -199,6 +201,7 @@ llm_config engine_config(const engine_options& o, size_t loras) {
   cfg.worker.kv_cache_memory_fraction = o.kv_fraction;
   cfg.worker.swap_space_bytes = o.swap_space_mib << 20;
   cfg.scheduler.async_scheduling = o.async_scheduling;
+  cfg.scheduler.enable_prefix_caching = o.prefix_caching;
   if (o.max_num_seqs > 0)
     cfg.scheduler.max_num_seqs = o.max_num_seqs;
   if (o.max_num_batched_tokens > 0)

@@ -14,11 +14,19 @@ namespace {
   throw error{errc::invalid_argument, "block manager: " + what};
 }
 
+/// One step of a 64-bit hash (splitmix64's finalizer over the running value and the next).
+uint64_t mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  h = (h ^ (h >> 27)) * 0x94d049bb133111ebULL;
+  return h ^ (h >> 31);
+}
+
 } // namespace
 
 block_manager::block_manager(int32_t block_size, int64_t device_blocks, int64_t swap_blocks,
-                             double watermark)
-  : block_size_(block_size), device_blocks_(device_blocks) {
+                             double watermark, bool prefix_caching)
+  : block_size_(block_size), device_blocks_(device_blocks), prefix_caching_(prefix_caching) {
   if (block_size <= 0 || device_blocks < 0 || swap_blocks < 0 || watermark < 0 || watermark >= 1)
     misuse("needs block_size > 0, block counts >= 0 and a watermark in [0, 1)");
   watermark_blocks_ = static_cast<int64_t>(std::floor(watermark * static_cast<double>(device_blocks)));
@@ -29,6 +37,8 @@ block_manager::block_manager(int32_t block_size, int64_t device_blocks, int64_t 
     free_swap_.push_back(static_cast<int32_t>(b - 1));
   device_refs_.assign(static_cast<size_t>(device_blocks), 0);
   swap_refs_.assign(static_cast<size_t>(swap_blocks), 0);
+  blocks_.resize(static_cast<size_t>(device_blocks));
+  evictable_at_.resize(static_cast<size_t>(device_blocks));
 }
 
 block_manager::table& block_manager::get(int64_t seq) {
@@ -57,22 +67,147 @@ const std::vector<int32_t>& block_manager::block_table(int64_t seq) const {
   return t.blocks;
 }
 
-block_manager::allocation block_manager::can_allocate(int64_t tokens) const {
+block_manager::allocation block_manager::can_allocate(int64_t tokens, prefix_hit hit) const {
   auto needed = blocks_for(tokens);
   if (device_blocks_ - needed < watermark_blocks_)
     return allocation::never;
-  if (free_device_blocks() - needed >= watermark_blocks_)
+  if (free_device_blocks() - (needed - hit.in_use) >= watermark_blocks_)
     return allocation::ok;
   return allocation::later;
 }
 
 int32_t block_manager::take_device() {
-  if (free_device_.empty())
+  int32_t b;
+  if (!free_device_.empty()) { // an empty block before a cached one
+    b = free_device_.back();
+    free_device_.pop_back();
+  } else if (!evictable_.empty()) {
+    b = evictable_.front();
+    evictable_.pop_front();
+    uncache(b);
+  } else {
     misuse("no free device block (ask can_allocate / can_append_slots first)");
-  auto b = free_device_.back();
-  free_device_.pop_back();
+  }
   device_refs_[static_cast<size_t>(b)] = 1;
   return b;
+}
+
+uint64_t block_manager::hash_block(const tokens_view& tokens, int64_t index, uint64_t parent) const {
+  auto h = mix(parent, tokens.salt);
+  for (int64_t i = index * block_size_; i < (index + 1) * block_size_; ++i)
+    h = mix(h, static_cast<uint32_t>(tokens[i]));
+  return h;
+}
+
+int32_t block_manager::lookup(const tokens_view& tokens, int64_t index, uint64_t parent,
+                              uint64_t hash) const {
+  auto found = by_hash_.find(hash);
+  if (found == by_hash_.end())
+    return -1;
+  auto& c = blocks_[static_cast<size_t>(found->second)];
+  if (c.parent != parent)
+    return -1;
+  for (int64_t i = 0; i < block_size_; ++i)
+    if (c.tokens[static_cast<size_t>(i)] != tokens[index * block_size_ + i])
+      return -1;
+  return found->second;
+}
+
+void block_manager::uncache(int32_t block) {
+  auto& c = blocks_[static_cast<size_t>(block)];
+  if (!c.cached)
+    return;
+  auto found = by_hash_.find(c.hash);
+  if (found != by_hash_.end() && found->second == block)
+    by_hash_.erase(found);
+  c = cached_block{};
+}
+
+block_manager::prefix_hit block_manager::find_prefix(const tokens_view& tokens) const {
+  prefix_hit hit;
+  if (!prefix_caching_ || tokens.size() == 0)
+    return hit;
+  uint64_t parent = 0;
+  for (int64_t i = 0; i < (tokens.size() - 1) / block_size_; ++i) {
+    auto h = hash_block(tokens, i, parent);
+    auto b = lookup(tokens, i, parent, h);
+    if (b < 0)
+      break;
+    ++hit.blocks;
+    if (device_refs_[static_cast<size_t>(b)] > 0)
+      ++hit.in_use;
+    parent = h;
+  }
+  return hit;
+}
+
+int64_t block_manager::allocate(int64_t seq, const tokens_view& tokens) {
+  if (tables_.count(seq) > 0)
+    misuse("sequence " + std::to_string(seq) + " already holds blocks");
+  if (tokens.size() <= 0)
+    misuse("a prompt needs at least one token");
+  auto hit = find_prefix(tokens);
+  auto needed = blocks_for(tokens.size());
+  if (needed - hit.in_use > free_device_blocks())
+    misuse("not enough free device blocks for " + std::to_string(tokens.size()) + " tokens");
+  table t;
+  uint64_t parent = 0;
+  for (int64_t i = 0; i < hit.blocks; ++i) {
+    auto h = hash_block(tokens, i, parent);
+    auto b = lookup(tokens, i, parent, h);
+    auto& refs = device_refs_[static_cast<size_t>(b)];
+    if (refs++ == 0)
+      evictable_.erase(evictable_at_[static_cast<size_t>(b)]);
+    t.blocks.push_back(b);
+    t.hashes.push_back(h);
+    parent = h;
+  }
+  for (auto i = hit.blocks; i < needed; ++i)
+    t.blocks.push_back(take_device());
+  tables_.emplace(seq, std::move(t));
+  if (prefix_caching_) {
+    cache_queries_ += tokens.size();
+    cache_hits_ += hit.blocks * block_size_;
+  }
+  return hit.blocks * block_size_;
+}
+
+void block_manager::cache_computed(int64_t seq, const tokens_view& tokens, int64_t computed) {
+  auto found = tables_.find(seq);
+  if (!prefix_caching_ || found == tables_.end() || found->second.swapped)
+    return;
+  auto& t = found->second;
+  auto full = std::min<int64_t>(std::min(computed, tokens.size()) / block_size_,
+                                static_cast<int64_t>(t.blocks.size()));
+  uint64_t parent = t.hashes.empty() ? 0 : t.hashes.back();
+  for (auto i = static_cast<int64_t>(t.hashes.size()); i < full; ++i) {
+    auto h = hash_block(tokens, i, parent);
+    auto b = t.blocks[static_cast<size_t>(i)];
+    auto& c = blocks_[static_cast<size_t>(b)];
+    // A block with the same tokens computed by another sequence first stays the one known.
+    if (!c.cached && by_hash_.count(h) == 0) {
+      c.cached = true;
+      c.hash = h;
+      c.parent = parent;
+      c.tokens.resize(static_cast<size_t>(block_size_));
+      for (int64_t j = 0; j < block_size_; ++j)
+        c.tokens[static_cast<size_t>(j)] = tokens[i * block_size_ + j];
+      by_hash_.emplace(h, b);
+    }
+    t.hashes.push_back(h);
+    parent = h;
+  }
+}
+
+void block_manager::reset_cache() {
+  for (auto b : evictable_)
+    free_device_.push_back(b);
+  evictable_.clear();
+  for (auto& c : blocks_)
+    c = cached_block{};
+  by_hash_.clear();
+  for (auto& entry : tables_)
+    entry.second.hashes.clear();
 }
 
 void block_manager::allocate(int64_t seq, int64_t tokens) {
@@ -128,14 +263,23 @@ void block_manager::fork(int64_t parent, int64_t child) {
 
 void block_manager::release(int32_t block, bool swapped) {
   auto& refs = swapped ? swap_refs_ : device_refs_;
-  if (--refs[static_cast<size_t>(block)] == 0)
-    (swapped ? free_swap_ : free_device_).push_back(block);
+  if (--refs[static_cast<size_t>(block)] > 0)
+    return;
+  if (swapped) {
+    free_swap_.push_back(block);
+  } else if (blocks_[static_cast<size_t>(block)].cached) {
+    evictable_.push_back(block);
+    evictable_at_[static_cast<size_t>(block)] = std::prev(evictable_.end());
+  } else {
+    free_device_.push_back(block);
+  }
 }
 
 void block_manager::free(int64_t seq) {
   auto& t = get(seq);
-  for (auto b : t.blocks)
-    release(b, t.swapped);
+  // Last block first: a sequence's tail is the first of its cached blocks to be evicted.
+  for (auto b = t.blocks.rbegin(); b != t.blocks.rend(); ++b)
+    release(*b, t.swapped);
   tables_.erase(seq);
 }
 
@@ -175,16 +319,21 @@ std::vector<block_move> block_manager::move(const std::vector<int64_t>& seqs, bo
         target = known->second;
         ++(to_swap ? swap_refs_ : device_refs_)[static_cast<size_t>(target)];
       } else {
-        auto& free_list = to_swap ? free_swap_ : free_device_;
-        target = free_list.back();
-        free_list.pop_back();
-        (to_swap ? swap_refs_ : device_refs_)[static_cast<size_t>(target)] = 1;
+        if (to_swap) {
+          target = free_swap_.back();
+          free_swap_.pop_back();
+          swap_refs_[static_cast<size_t>(target)] = 1;
+        } else {
+          target = take_device();
+        }
         mapping.emplace(b, target);
         moves.push_back({b, target});
       }
       release(b, !to_swap);
       b = target;
     }
+    // Blocks come back elsewhere: cache_computed makes them known again.
+    t.hashes.clear();
     t.swapped = to_swap;
   }
   return moves;

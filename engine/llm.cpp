@@ -28,6 +28,8 @@ struct llm::impl {
   std::string chat_problem;
   std::unique_ptr<troupe::executor> exec;
   cache_blocks blocks;
+  /// `exec->sleep_count()` when the prefix cache was last known to be valid.
+  int64_t sleeps_seen = 0;
   int64_t next_seq = 0;
   /// The adapter directory of every id used so far: an id keeps its adapter.
   std::map<int64_t, std::string> lora_paths;
@@ -46,8 +48,17 @@ struct llm::impl {
     int64_t stop_from = 0;
     int32_t min_tokens = 0;
     std::chrono::steady_clock::time_point arrived;
-    /// The text sent in updates so far.
-    std::string sent;
+    /// Incremental detokenization, as vLLM's: the text of the output's tokens up to
+    /// `read_offset`, grown each step by decoding only the tokens from `prefix_offset` on
+    /// (the few before the new ones settle merges and leading spaces) and waiting while
+    /// they end in a cut-off character.
+    std::string text;
+    size_t prefix_offset = 0;
+    size_t read_offset = 0;
+    /// Bytes of `text` sent in updates, and searched for stop strings (all but the tail
+    /// a stop string could still end in).
+    size_t sent = 0;
+    size_t searched = 0;
   };
   std::map<int64_t, live_request> live;
   struct in_flight {
@@ -60,14 +71,16 @@ struct llm::impl {
 
   void apply(const std::vector<sampler_output>& result, bool samples,
              std::vector<generation_update>& updates);
-  /// The text of `r`'s tokens; what was sent when the tokenizer cannot decode them (a
-  /// token it does not know, in a model whose vocabulary is larger).
-  std::string text_of(int64_t seq, const engine_request& r) const;
-  /// Where `l`'s stop strings begin in `text` (npos for none), from `l.stop_from` on; sets
-  /// that once the output holds min_tokens tokens.
-  size_t find_stop(live_request& l, const engine_request& r, const std::string& text) const;
-  /// The update of `r`, whose tokens decode to `text`.
-  void report(int64_t seq, const engine_request& r, bool finished, std::string text,
+  /// Adds the text of `r`'s new tokens to `l.text` (at the end, `finished`, a cut-off
+  /// character too). A token the tokenizer does not know (a model whose vocabulary is
+  /// larger) leaves the text as it is.
+  void detokenize(live_request& l, const engine_request& r, bool finished) const;
+  /// Where `l`'s stop strings begin in `l.text` (npos for none), looking only where a new
+  /// one can be (from `l.searched`, and from `l.stop_from` on, which is set once the
+  /// output holds min_tokens tokens).
+  size_t find_stop(live_request& l, const engine_request& r) const;
+  /// The update of `r` (its text in `live[seq].text`).
+  void report(int64_t seq, const engine_request& r, bool finished,
               std::vector<generation_update>& updates);
 };
 
@@ -84,40 +97,59 @@ size_t without_incomplete(const std::string& text) {
 
 } // namespace
 
-std::string llm::impl::text_of(int64_t seq, const engine_request& r) const {
-  if (!tok)
-    return {};
+void llm::impl::detokenize(live_request& l, const engine_request& r, bool finished) const {
+  const auto& ids = r.output;
+  if (!tok || l.read_offset >= ids.size())
+    return;
   try {
-    return tok->decode(r.output, true);
+    auto begin = ids.begin() + static_cast<std::ptrdiff_t>(l.prefix_offset);
+    auto prefix = tok->decode({begin, ids.begin() + static_cast<std::ptrdiff_t>(l.read_offset)}, true);
+    auto whole = tok->decode({begin, ids.end()}, true);
+    bool grows = whole.size() > prefix.size() && whole.compare(0, prefix.size(), prefix) == 0;
+    if (finished && !grows && whole.compare(0, prefix.size(), prefix) != 0) {
+      l.text = tok->decode(ids, true); // the window decodes otherwise: the whole output
+      l.read_offset = ids.size();
+      return;
+    }
+    if (!grows || (!finished && without_incomplete(whole) < whole.size()))
+      return; // the new tokens end in a cut-off character: wait for the rest
+    l.text.append(whole, prefix.size(), std::string::npos);
+    l.prefix_offset = l.read_offset;
+    l.read_offset = ids.size();
   } catch (const std::exception&) {
-    return live.at(seq).sent;
   }
 }
 
-size_t llm::impl::find_stop(live_request& l, const engine_request& r,
-                            const std::string& text) const {
+size_t llm::impl::find_stop(live_request& l, const engine_request& r) const {
   if (l.stop.empty())
     return std::string::npos;
+  size_t longest = 0;
+  for (auto& stop : l.stop)
+    longest = std::max(longest, stop.size());
   if (l.stop_from < 0) {
     if (static_cast<int64_t>(r.output.size()) < l.min_tokens)
       return std::string::npos;
-    size_t longest = 0;
-    for (auto& stop : l.stop)
-      longest = std::max(longest, stop.size());
     std::vector<int32_t> first(r.output.begin(), r.output.begin() + l.min_tokens);
-    auto before = tok ? tok->decode(first, true).size() : size_t{0};
+    size_t before = 0;
+    try {
+      before = tok ? tok->decode(first, true).size() : 0;
+    } catch (const std::exception&) {
+    }
     l.stop_from = static_cast<int64_t>(before > longest - 1 ? before - (longest - 1) : 0);
   }
-  auto from = std::min(text.size(), static_cast<size_t>(l.stop_from));
+  auto from = std::min(l.text.size(), std::max(l.searched, static_cast<size_t>(l.stop_from)));
   size_t first = std::string::npos;
   for (auto& stop : l.stop) {
-    auto at = stop.empty() ? std::string::npos : text.find(stop, from);
+    auto at = stop.empty() ? std::string::npos : l.text.find(stop, from);
     first = std::min(first, at);
   }
+  // A stop string found later starts in the last longest - 1 bytes at the earliest.
+  if (first == std::string::npos && l.text.size() >= longest)
+    l.searched = std::max(l.searched, l.text.size() - (longest - 1));
   return first;
 }
 
-void llm::impl::report(int64_t seq, const engine_request& r, bool finished, std::string text,
+void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
                        std::vector<generation_update>& updates) {
   auto& l = live.at(seq);
   auto& out = l.out;
@@ -130,37 +162,39 @@ void llm::impl::report(int64_t seq, const engine_request& r, bool finished, std:
     u.token_ids.push_back(r.output[i]);
     u.logprobs.push_back(r.logprobs[i]);
     u.top_logprobs.push_back(r.top_logprobs[i]);
+    out.token_ids.push_back(r.output[i]);
+    out.logprobs.push_back(r.logprobs[i]);
+    out.top_logprobs.push_back(r.top_logprobs[i]);
   }
   counts.generation_tokens += static_cast<int64_t>(u.token_ids.size());
-  out.token_ids = r.output;
-  out.logprobs = r.logprobs;
-  out.top_logprobs = r.top_logprobs;
   if (out.first_token_seconds == 0 && !out.token_ids.empty())
     out.first_token_seconds = since();
+  size_t keep = l.text.size();
   if (finished) {
     // A stop string ends the text and is cut off it.
-    auto at = find_stop(l, r, text);
+    auto at = find_stop(l, r);
     if (at != std::string::npos)
-      text.resize(at);
-    out.text = text;
+      l.text.resize(at);
+    keep = l.text.size();
   } else {
     // Held back: an incomplete character, and what may be the start of a stop string.
     size_t longest = 0;
     for (auto& stop : l.stop)
       longest = std::max(longest, stop.size());
-    size_t keep = without_incomplete(text);
+    keep = without_incomplete(l.text);
     size_t hold = longest > 0 ? longest - 1 : 0;
     keep = keep > hold ? keep - hold : 0;
     // Whole characters only.
-    while (keep > 0 && keep < text.size() && (static_cast<unsigned char>(text[keep]) & 0xC0) == 0x80)
+    while (keep > 0 && keep < l.text.size() &&
+           (static_cast<unsigned char>(l.text[keep]) & 0xC0) == 0x80)
       --keep;
-    text.resize(keep);
   }
-  if (text.size() > l.sent.size() && text.compare(0, l.sent.size(), l.sent) == 0) {
-    u.text = text.substr(l.sent.size());
-    l.sent = text;
+  if (keep > l.sent) {
+    u.text = l.text.substr(l.sent, keep - l.sent);
+    l.sent = keep;
   }
   if (finished) {
+    out.text = std::move(l.text);
     out.finish_reason = r.finish_reason;
     out.finished_seconds = since();
     if (out.first_token_seconds == 0)
@@ -186,16 +220,18 @@ void llm::impl::apply(const std::vector<sampler_output>& result, bool samples,
     auto& l = live.at(seq);
     if (r.output.size() == l.out.token_ids.size())
       continue; // nothing new (waiting, swapped, a prefill chunk)
-    auto text = text_of(seq, r);
-    if (find_stop(l, r, text) != std::string::npos)
+    detokenize(l, r, false);
+    if (find_stop(l, r) != std::string::npos)
       stopped.push_back(seq);
     else
-      report(seq, r, false, std::move(text), updates);
+      report(seq, r, false, updates);
   }
   for (auto seq : stopped)
     sched->finish(seq, "stop");
-  for (auto& r : sched->take_finished())
-    report(r.seq_id, r, true, text_of(r.seq_id, r), updates);
+  for (auto& r : sched->take_finished()) {
+    detokenize(live.at(r.seq_id), r, true);
+    report(r.seq_id, r, true, updates);
+  }
 }
 
 llm_config::llm_config() {
@@ -249,7 +285,14 @@ llm::llm(llm_config config, worker_factory factory) : impl_(std::make_unique<imp
   limits.max_model_len = d.exec->config().max_model_len;
   limits.max_loras = d.cfg.worker.max_loras;
   limits.max_prompt_adapters = d.cfg.worker.max_prompt_adapters;
-  d.sched = std::make_unique<scheduler>(d.cfg.scheduler, limits, d.exec->config().block_size,
+  auto scheduling = d.cfg.scheduler;
+  if (scheduling.enable_prefix_caching &&
+      d.model.rope_scaling.type == rope_scaling_config::kind::dynamic) {
+    // Dynamic NTK scaling rotates a step's keys by the sequence's length then: a block's
+    // keys depend on more than the tokens before it, and cannot be shared.
+    scheduling.enable_prefix_caching = false;
+  }
+  d.sched = std::make_unique<scheduler>(scheduling, limits, d.exec->config().block_size,
                                         d.blocks.num_device_blocks, d.blocks.num_swap_blocks,
                                         d.model.eos_token_ids);
 }
@@ -474,8 +517,32 @@ std::vector<generation_update> llm::step() {
     d.counts.last_step_requests = static_cast<int64_t>(step.seq_group_metadata_list.size());
     d.counts.max_step_requests = std::max(d.counts.max_step_requests, d.counts.last_step_requests);
   };
+  // The engine's own time: all of the step but the waits for the workers.
+  using clock = std::chrono::steady_clock;
+  auto host_start = clock::now();
+  clock::duration waited{};
+  auto wait = [&](auto&& f) {
+    auto t = clock::now();
+    auto result = f();
+    waited += clock::now() - t;
+    return result;
+  };
+  struct host_time {
+    engine_stats& counts;
+    clock::time_point start;
+    clock::duration& waited;
+    ~host_time() {
+      counts.last_step_host_seconds =
+        std::chrono::duration<double>(clock::now() - start - waited).count();
+    }
+  } timing{d.counts, host_start, waited};
   try {
     if (d.steps.empty()) {
+      auto sleeps = d.exec->sleep_count();
+      if (sleeps != d.sleeps_seen) { // the workers slept: their KV caches are gone
+        sched.reset_prefix_cache();
+        d.sleeps_seen = sleeps;
+      }
       if (!sched.has_unfinished()) {
         d.apply({}, false, updates); // requests aborted since the last step
         return updates;
@@ -495,7 +562,7 @@ std::vector<generation_update> llm::step() {
       // blocking call, which costs fewer hops.
       auto ahead = d.cfg.scheduler.async_scheduling ? sched.schedule_ahead() : std::nullopt;
       if (!ahead) {
-        d.apply(d.exec->execute_model(step), samples, updates);
+        d.apply(wait([&] { return d.exec->execute_model(step); }), samples, updates);
         return updates;
       }
       send(step);
@@ -507,7 +574,7 @@ std::vector<generation_update> llm::step() {
     }
     auto done = std::move(d.steps.front());
     d.steps.pop_front();
-    d.apply(done.result.get(), done.samples, updates);
+    d.apply(wait([&] { return done.result.get(); }), done.samples, updates);
   } catch (const error& e) {
     // The steps in flight are lost either way, and with them what the caches hold: each
     // request is computed again from its prompt and the tokens it has, which gives the
@@ -533,7 +600,22 @@ engine_stats llm::stats() const {
                                  static_cast<double>(all)
                              : 0.0;
   s.preemptions = d.sched->preemptions();
+  s.prefix_cache_queries = d.sched->prefix_cache_queries();
+  s.prefix_cache_hits = d.sched->prefix_cache_hits();
+  s.prefill_tokens = d.sched->prefill_tokens();
   return s;
+}
+
+void llm::reset_prefix_cache() {
+  impl_->sched->reset_prefix_cache();
+}
+
+void llm::sleep(int32_t level) {
+  if (has_unfinished_requests())
+    throw error{errc::invalid_argument,
+                "sleep while requests are unfinished: their KV caches would be lost"};
+  // The next step forgets the prefix cache: sleeping discards the KV caches.
+  impl_->exec->sleep(level);
 }
 
 std::vector<generation_output> llm::generate(const std::vector<generation_request>& requests) {

@@ -19,7 +19,7 @@ scheduler::scheduler(scheduler_config config, scheduler_limits limits, int32_t b
                      std::vector<int32_t> eos_token_ids)
   : config_(config),
     limits_(limits),
-    blocks_(block_size, device_blocks, swap_blocks),
+    blocks_(block_size, device_blocks, swap_blocks, 0.01, config.enable_prefix_caching),
     eos_(std::move(eos_token_ids)) {
   config_.validate();
   if (limits_.max_model_len <= 0)
@@ -35,6 +35,13 @@ void scheduler::add(engine_request request) {
   auto seq = request.seq_id;
   requests_.emplace(seq, std::move(request));
   waiting_.push_back(seq);
+}
+
+block_manager::tokens_view scheduler::tokens_of(const engine_request& r) {
+  // Blocks computed under different adapters hold different keys and values.
+  auto salt = static_cast<uint64_t>(r.lora_int_id) * 0x9e3779b97f4a7c15ULL
+              + static_cast<uint64_t>(r.prompt_adapter_id) * 0xc2b2ae3d27d4eb4fULL;
+  return {r.prompt, r.output, salt};
 }
 
 bool scheduler::has_unfinished() const {
@@ -59,11 +66,16 @@ void scheduler::append_group(engine_request& r, int64_t chunk, bool is_prompt,
     seq.num_computed_tokens = static_cast<int32_t>(r.length());
   }
   g.do_sample = !is_prompt || r.num_computed + chunk >= r.length();
+  if (is_prompt)
+    prefill_tokens_ += chunk;
   if (g.do_sample)
     ++r.pending;
   else
     r.chunk = chunk;
   seq.block_table = blocks_.block_table(r.seq_id);
+  // The blocks this step fills are known to the requests scheduled after it, in this step
+  // too: each layer writes the whole step's keys and values before any token attends.
+  blocks_.cache_computed(r.seq_id, tokens_of(r), seq.num_computed_tokens + chunk);
   g.seqs.push_back(std::move(seq));
   g.sampling = r.sampling;
   g.token_chunk_size = static_cast<int32_t>(chunk);
@@ -200,15 +212,17 @@ execute_model_request scheduler::schedule() {
       continue;
     }
     // One that fits a step waits for a step with room for all of it; a longer one starts
-    // its chunks with what this step has left.
-    bool chunked = tokens > config_.max_num_batched_tokens;
-    auto chunk = std::min(tokens, budget);
-    if ((!chunked && tokens > budget) || chunk < 1
-        || blocks_.can_allocate(tokens) != block_manager::allocation::ok)
+    // its chunks with what this step has left. Tokens found in the prefix cache are not
+    // computed.
+    auto hit = blocks_.find_prefix(tokens_of(r));
+    auto todo = tokens - hit.blocks * blocks_.block_size();
+    bool chunked = todo > config_.max_num_batched_tokens;
+    auto chunk = std::min(todo, budget);
+    if ((!chunked && todo > budget) || chunk < 1
+        || blocks_.can_allocate(tokens, hit) != block_manager::allocation::ok)
       break;
     waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
-    blocks_.allocate(seq, tokens);
-    r.num_computed = 0;
+    r.num_computed = blocks_.allocate(seq, tokens_of(r));
     append_group(r, chunk, true, step);
     running_.push_back(seq);
     for (auto& l : limits)
@@ -319,6 +333,8 @@ void scheduler::recompute_all() {
     r.pending = 0;
     r.chunk = 0;
   }
+  // What the workers held is gone.
+  blocks_.reset_cache();
   // Waiting requests hold no cache and no step in flight already.
   waiting_.insert(waiting_.begin(), again.begin(), again.end());
 }

@@ -145,6 +145,22 @@ public:
     return steps_ahead_;
   }
 
+  /// Prompt tokens looked up in the prefix cache and found there; prompt tokens computed.
+  int64_t prefix_cache_queries() const {
+    return blocks_.cache_queries();
+  }
+  int64_t prefix_cache_hits() const {
+    return blocks_.cache_hits();
+  }
+  int64_t prefill_tokens() const {
+    return prefill_tokens_;
+  }
+
+  /// Forgets the prefix cache (the workers' KV caches were discarded, by a sleep say).
+  void reset_prefix_cache() {
+    blocks_.reset_cache();
+  }
+
 private:
   void preempt(int64_t seq);
   /// Adds `r`'s group to `step` computing `chunk` tokens; it samples unless `is_prompt` and
@@ -159,6 +175,8 @@ private:
   /// Whether `r`'s tokens so far (known and pending) reach its max_tokens or the model's
   /// length.
   bool at_length_limit(const engine_request& r) const;
+  /// `r`'s tokens, as the prefix cache knows them.
+  static block_manager::tokens_view tokens_of(const engine_request& r);
 
   scheduler_config config_;
   scheduler_limits limits_;
@@ -175,6 +193,7 @@ private:
   std::vector<engine_request> finished_;
   int64_t preemptions_ = 0;
   int64_t steps_ahead_ = 0;
+  int64_t prefill_tokens_ = 0;
 };
 
 } // namespace troupe

@@ -99,6 +99,10 @@ std::string server_metrics::render() const {
   counter("vllm:prompt_tokens", "Prompt tokens taken.", stats_.prompt_tokens);
   counter("vllm:generation_tokens", "Tokens generated.", stats_.generation_tokens);
   counter("vllm:num_preemptions", "Requests preempted.", stats_.preemptions);
+  counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+          stats_.prefix_cache_queries);
+  counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+          stats_.prefix_cache_hits);
   head("vllm:request_success_total", "counter", "Requests finished, by why.");
   for (auto& [reason, n] : finished_)
     out << "vllm:request_success_total{" << label_ << ",finished_reason=\"" << escaped(reason)

@@ -392,6 +392,7 @@ private:
 
   static bool is_admin(const std::string& path) {
     return path == "/sleep" || path == "/wake_up" || path == "/collective_rpc" ||
+           path == "/reset_prefix_cache" ||
            path == "/v1/load_lora_adapter" || path == "/v1/unload_lora_adapter";
   }
 
@@ -533,8 +534,14 @@ private:
         if (m.has_unfinished_requests())
           throw http_error{409, "invalid_request_error",
                            "requests are running; sleep when the server is idle"};
-        m.executor().sleep(level);
+        m.sleep(level);
         srv->asleep = true;
+        return json::object();
+      });
+    }
+    if (path == "/reset_prefix_cache") {
+      return on_engine([](llm& m) -> json {
+        m.reset_prefix_cache();
         return json::object();
       });
     }

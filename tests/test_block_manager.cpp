@@ -1,5 +1,5 @@
 // The engine's block bookkeeping: allocation with a watermark, growth, fork with
-// copy-on-write, free, and swapping out and in.
+// copy-on-write, free, swapping out and in, and the prefix cache.
 
 #include "engine/block_manager.hpp"
 #include "troupe/errors.hpp"
@@ -97,4 +97,121 @@ TEST_CASE("swap space that is too small is answered before anything moves") {
   CHECK(!bm.is_swapped(1));
   CHECK(bm.free_device_blocks() == 6);
   CHECK_THROWS_AS(block_manager(0, 8, 0), error);
+}
+
+namespace {
+
+std::vector<int32_t> counting(int32_t from, int32_t n) {
+  std::vector<int32_t> out;
+  for (int32_t i = 0; i < n; ++i)
+    out.push_back(from + i);
+  return out;
+}
+
+} // namespace
+
+TEST_CASE("prefix caching shares the computed full blocks a new prompt starts with") {
+  block_manager bm{4, 16, 0, 0.0, true};
+  const std::vector<int32_t> none;
+  auto a = counting(100, 10);
+  CHECK(bm.allocate(1, block_manager::tokens_view{a, none}) == 0); // nothing computed yet
+  CHECK(bm.find_prefix({a, none}).blocks == 0);
+  bm.cache_computed(1, {a, none}, 9); // blocks 0 and 1 are full and computed
+  // The same first 8 tokens, then others: both full blocks are shared, the third is new.
+  auto b = counting(100, 8);
+  b.push_back(7);
+  b.push_back(8);
+  auto hit = bm.find_prefix({b, none});
+  CHECK(hit.blocks == 2);
+  CHECK(hit.in_use == 2);
+  CHECK(bm.allocate(2, block_manager::tokens_view{b, none}) == 8);
+  CHECK(bm.block_table(2)[0] == bm.block_table(1)[0]);
+  CHECK(bm.block_table(2)[1] == bm.block_table(1)[1]);
+  CHECK(bm.block_table(2)[2] != bm.block_table(1)[2]);
+  CHECK(bm.free_device_blocks() == 16 - 3 - 1);
+  // A prompt made of cached blocks only computes its last block again, to sample.
+  auto c = counting(100, 8);
+  CHECK(bm.find_prefix({c, none}).blocks == 1);
+  // Another adapter, another token in the first block, or another order: no hit.
+  CHECK(bm.find_prefix({b, none, 7}).blocks == 0);
+  auto d = b;
+  d[1] = 5;
+  CHECK(bm.find_prefix({d, none}).blocks == 0);
+  // A prompt continued by its output is known up to its computed tokens.
+  auto prompt = counting(100, 6);
+  auto output = std::vector<int32_t>{106, 107, 108, 109};
+  CHECK(bm.find_prefix({prompt, output}).blocks == 2);
+  CHECK(bm.cache_queries() == 20);
+  CHECK(bm.cache_hits() == 8);
+}
+
+TEST_CASE("cached blocks nobody holds count as free and are evicted least recently used first") {
+  block_manager bm{4, 6, 0, 0.0, true};
+  const std::vector<int32_t> none;
+  auto a = counting(0, 9);  // 3 blocks, 2 of them cached once computed
+  auto b = counting(50, 9); // the same
+  bm.allocate(1, block_manager::tokens_view{a, none});
+  bm.cache_computed(1, {a, none}, 9);
+  bm.allocate(2, block_manager::tokens_view{b, none});
+  bm.cache_computed(2, {b, none}, 9);
+  CHECK(bm.free_device_blocks() == 0);
+  bm.free(1);
+  bm.free(2);
+  CHECK(bm.free_device_blocks() == 6);
+  // Freed blocks still hold what they held: a is found, and taking it costs no empty block.
+  auto hit = bm.find_prefix({a, none});
+  CHECK(hit.blocks == 2);
+  CHECK(hit.in_use == 0);
+  CHECK(bm.can_allocate(9, hit) == block_manager::allocation::ok);
+  CHECK(bm.allocate(3, block_manager::tokens_view{a, none}) == 8);
+  CHECK(bm.free_device_blocks() == 3);
+  // A new prompt of 2 blocks takes the empty one first, then evicts: b was freed after a,
+  // and its last block first, so b's second block goes before its first.
+  auto c = counting(200, 8);
+  bm.allocate(4, block_manager::tokens_view{c, none});
+  CHECK(bm.free_device_blocks() == 1);
+  CHECK(bm.find_prefix({b, none}).blocks == 1);
+  CHECK(bm.find_prefix({a, none}).blocks == 2);
+  bm.reset_cache();
+  CHECK(bm.find_prefix({a, none}).blocks == 0);
+  bm.free(3);
+  bm.free(4);
+  CHECK(bm.free_device_blocks() == 6);
+  CHECK(bm.find_prefix({a, none}).blocks == 0);
+}
+
+TEST_CASE("swapped-out sequences leave their cached blocks behind and are cached again after") {
+  block_manager bm{4, 8, 8, 0.0, true};
+  const std::vector<int32_t> none;
+  auto a = counting(0, 10);
+  bm.allocate(1, block_manager::tokens_view{a, none});
+  bm.cache_computed(1, {a, none}, 9);
+  auto moves = bm.swap_out({1});
+  CHECK(moves.size() == 3);
+  bm.cache_computed(1, {a, none}, 10); // swapped out: nothing to cache
+  CHECK(bm.free_device_blocks() == 8);
+  CHECK(bm.find_prefix({a, none}).blocks == 2); // the device copies stay until evicted
+  bm.reset_cache();
+  bm.swap_in({1});
+  CHECK(bm.find_prefix({a, none}).blocks == 0);
+  bm.cache_computed(1, {a, none}, 9);
+  CHECK(bm.find_prefix({a, none}).blocks == 2);
+  CHECK(bm.block_table(1)[0] == [&] {
+    bm.allocate(2, block_manager::tokens_view{a, none});
+    return bm.block_table(2)[0];
+  }());
+}
+
+TEST_CASE("without prefix caching nothing is looked up or shared") {
+  block_manager bm{4, 8, 0, 0.0, false};
+  const std::vector<int32_t> none;
+  auto a = counting(0, 10);
+  CHECK(bm.allocate(1, block_manager::tokens_view{a, none}) == 0);
+  bm.cache_computed(1, {a, none}, 9);
+  CHECK(bm.find_prefix({a, none}).blocks == 0);
+  CHECK(bm.allocate(2, block_manager::tokens_view{a, none}) == 0);
+  CHECK(bm.cache_queries() == 0);
+  bm.free(1);
+  bm.free(2);
+  CHECK(bm.free_device_blocks() == 8);
 }

@@ -2,6 +2,7 @@
 // prompts as transformers renders them, and clear errors.
 
 #include "tests/generation.hpp"
+#include "tests/model_runner.hpp"
 #include "troupe/llm.hpp"
 #include "troupe/model_worker.hpp"
 
@@ -9,10 +10,12 @@
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 
 #include <unistd.h>
@@ -362,4 +365,238 @@ TEST_CASE("greedy runs under vLLM's penalties and logit_bias give the reference'
   sp.logit_bias_values = {1.0f};
   CHECK_THROWS_WITH_AS(model.generate({generation_request{"", prompt, sp, {}}}),
                        doctest::Contains("logit_bias names token 100000"), error);
+}
+
+TEST_CASE("streamed text adds up to the whole output's decode, and stop strings cut where they first are") {
+  auto path = troupe::testing::smollm2_or_skip();
+  if (path.empty())
+    return;
+  llm_config cfg;
+  cfg.worker.model_path = path.string();
+  cfg.worker.kv_cache_memory_bytes = 32 << 20;
+  cfg.executor.max_model_len = 512;
+  llm model{cfg};
+  // Sampled at a high temperature from prompts in several scripts: the output's tokens cut
+  // characters of two to four bytes.
+  auto run = [&](const std::vector<generation_request>& reqs) {
+    std::map<int64_t, size_t> index;
+    for (size_t i = 0; i < reqs.size(); ++i)
+      index[model.add_request(reqs[i])] = i;
+    std::vector<std::string> streamed(reqs.size());
+    std::vector<generation_output> outs(reqs.size());
+    while (model.has_unfinished_requests())
+      for (auto& u : model.step()) {
+        streamed[index.at(u.request_id)] += u.text;
+        if (u.finished)
+          outs[index.at(u.request_id)] = *u.output;
+      }
+    for (size_t i = 0; i < reqs.size(); ++i)
+      CHECK(streamed[i] == outs[i].text);
+    return outs;
+  };
+  sampling_params hot;
+  hot.temperature = 1.5f;
+  hot.seed = 11;
+  hot.max_tokens = 160;
+  hot.ignore_eos = true;
+  std::vector<generation_request> reqs;
+  for (auto prompt : {"Écris un poème sur la mer 🌊", "用中文写一首关于月亮的诗", "Emoji story: 🐉🔥"})
+    reqs.push_back({prompt, {}, hot, {}});
+  for (auto& out : run(reqs))
+    CHECK(out.text == model.decode(out.token_ids));
+  // A stop string from the middle of a greedy output cuts it where it first appears.
+  auto sp = greedy(64);
+  auto whole = run({{"The capital of France is", {}, sp, {}}})[0];
+  auto space = whole.text.find(' ', whole.text.size() / 2);
+  REQUIRE(space != std::string::npos);
+  auto stop = whole.text.substr(space, 4);
+  auto cut = run({{"The capital of France is", {}, sp, {stop}}})[0];
+  CHECK(cut.text == whole.text.substr(0, whole.text.find(stop)));
+  CHECK(cut.finish_reason == "stop");
+}
+
+namespace {
+
+/// `n` requests after one long system prompt of `system` tokens, each with a few tokens of
+/// its own, greedy, with the two most likely tokens at each step.
+std::vector<generation_request> after_system_prompt(int n, int system, int32_t vocab) {
+  std::vector<int32_t> shared;
+  for (int t = 0; t < system; ++t)
+    shared.push_back((t * 29 + 7) % vocab);
+  std::vector<generation_request> reqs;
+  for (int i = 0; i < n; ++i) {
+    auto prompt = shared;
+    for (int t = 0; t <= (i * 3) % 7; ++t)
+      prompt.push_back((i * 41 + t * 13 + 3) % vocab);
+    auto sp = greedy(10);
+    sp.logprobs = 2;
+    reqs.push_back({"", prompt, sp, {}});
+  }
+  return reqs;
+}
+
+struct cached_run {
+  std::vector<generation_output> outs;
+  engine_stats stats;
+};
+
+/// The requests in three rounds: two of them (whose blocks are then cached), all of them,
+/// and all again after a sleep (which empties the cache).
+cached_run in_rounds(llm& model, const std::vector<generation_request>& reqs) {
+  cached_run run;
+  auto add = [&](const std::vector<generation_request>& some) {
+    for (auto& out : model.generate(some))
+      run.outs.push_back(std::move(out));
+  };
+  add({reqs.begin(), reqs.begin() + 2});
+  add(reqs);
+  model.sleep(1);
+  model.executor().wake_up();
+  add(reqs);
+  run.stats = model.stats();
+  return run;
+}
+
+/// The same tokens; the same logprobs, to the last bit unless `rounding` (where the
+/// kernels round a row's sums differently in steps of other sizes, and cached requests
+/// compute fewer tokens per step: within 1e-5).
+void same_outputs(const cached_run& cached, const cached_run& uncached, bool rounding = false) {
+  auto same = [&](float a, float b) {
+    return rounding ? std::abs(a - b) <= 1e-5f * std::max(1.0f, std::abs(b)) : a == b;
+  };
+  REQUIRE(cached.outs.size() == uncached.outs.size());
+  for (size_t i = 0; i < cached.outs.size(); ++i) {
+    CAPTURE(i);
+    auto& a = cached.outs[i];
+    auto& b = uncached.outs[i];
+    CHECK(a.token_ids == b.token_ids);
+    REQUIRE(a.logprobs.size() == b.logprobs.size());
+    REQUIRE(a.top_logprobs.size() == b.top_logprobs.size());
+    for (size_t k = 0; k < a.logprobs.size(); ++k) {
+      CHECK(same(a.logprobs[k], b.logprobs[k]));
+      REQUIRE(a.top_logprobs[k].size() == b.top_logprobs[k].size());
+      for (size_t j = 0; j < a.top_logprobs[k].size(); ++j) {
+        CHECK(a.top_logprobs[k][j].token == b.top_logprobs[k][j].token);
+        CHECK(same(a.top_logprobs[k][j].logprob, b.top_logprobs[k][j].logprob));
+      }
+    }
+  }
+  CHECK(uncached.stats.prefix_cache_hits == 0);
+  // Every token found in the cache is one not computed (recomputations after preemptions
+  // differ between the runs).
+  if (cached.stats.preemptions == 0 && uncached.stats.preemptions == 0)
+    CHECK(cached.stats.prefill_tokens ==
+          uncached.stats.prefill_tokens - cached.stats.prefix_cache_hits);
+}
+
+} // namespace
+
+TEST_CASE("prefix caching on and off give the same greedy tokens and logprobs") {
+  auto reqs = after_system_prompt(12, 37, 256);
+  auto both = [&](llm_config cfg, auto&& factory, bool rounding = false) {
+    cfg.scheduler.enable_prefix_caching = true;
+    llm on{cfg, factory(cfg)};
+    auto cached = in_rounds(on, reqs);
+    cfg.scheduler.enable_prefix_caching = false;
+    llm off{cfg, factory(cfg)};
+    auto uncached = in_rounds(off, reqs);
+    same_outputs(cached, uncached, rounding);
+    return cached;
+  };
+  auto plain = [](const llm_config& cfg) { return model_worker_factory(cfg.worker); };
+  llm_config cfg;
+  cfg.worker.kv_cache_memory_bytes = 2 << 20;
+  cfg.executor.block_size = 4;
+  SUBCASE("every fixture family") {
+    for (auto& name : troupe::testing::fixture_models) {
+      CAPTURE(name);
+      auto run = cfg;
+      run.worker.model_path = fixtures + "/" + name;
+      auto cached = both(run, plain, name == "llama-odd-heads");
+      if (name == "llama-rope-dynamic") {
+        // Its keys depend on the sequence's length: the engine turns the cache off.
+        CHECK(cached.stats.prefix_cache_queries == 0);
+        continue;
+      }
+      // The second round finds the system prompt's 9 blocks for its 10 later requests, and
+      // the first two whole; the third starts cold.
+      CHECK(cached.stats.prefix_cache_hits >= 10 * 36);
+    }
+  }
+  cfg.worker.model_path = fixtures + "/llama-gqa";
+  SUBCASE("preempted by swapping and by recomputing, in chunks, over two ranks") {
+    for (bool swap : {true, false}) {
+      CAPTURE(swap);
+      auto run = cfg;
+      // 32 blocks on each rank (a block of one kv head there is 1 KiB): fewer than the
+      // requests need at once, with their prefix shared or not.
+      run.worker.kv_cache_memory_bytes = 32 * 1024;
+      run.scheduler.preempt_by_swap = swap;
+      run.scheduler.max_num_batched_tokens = 24;
+      run.executor.tensor_parallel_size = 2;
+      // Steps of a few tokens take the CPU kernels' narrow paths, which round a row's sums
+      // in another order: cached requests make such steps where uncached ones do not.
+      auto cached = both(run, plain, true);
+      CHECK(cached.stats.preemptions > 0);
+    }
+  }
+  SUBCASE("a worker replaced mid-run empties the cache and the outputs stay the same") {
+    auto run = cfg;
+    run.executor.tensor_parallel_size = 2;
+    run.executor.restart.max_restarts = 2;
+    auto faulty = [](const llm_config& c) -> worker_factory {
+      auto faults = std::make_shared<std::atomic<int>>(1);
+      auto options = c.worker;
+      options.max_num_batched_tokens = c.scheduler.max_num_batched_tokens;
+      options.max_num_seqs = c.scheduler.max_num_seqs;
+      return [=](int32_t) { return std::make_unique<faulty_model_worker>(options, 1, 4, faults); };
+    };
+    auto cached = both(run, faulty, true); // the recomputation takes steps of other sizes
+    CHECK(cached.stats.prefix_cache_hits > 0);
+    CHECK(cached.outs.size() == 2 + 2 * reqs.size());
+  }
+  SUBCASE("requests under LoRA adapters share blocks only with their own adapter") {
+    const std::string adapters = fixtures + "/llama-gqa-adapters";
+    auto with_adapters = reqs;
+    for (size_t i = 0; i < with_adapters.size(); ++i)
+      if (i % 3 > 0) {
+        auto name = i % 3 == 1 ? std::string{"lora-all"} : std::string{"lora-qv"};
+        with_adapters[i].lora = lora_request{name, static_cast<int64_t>(i % 3), adapters + "/" + name};
+      }
+    auto run = cfg;
+    run.worker.max_loras = 2;
+    run.scheduler.enable_prefix_caching = true;
+    llm on{run};
+    auto cached = in_rounds(on, with_adapters);
+    run.scheduler.enable_prefix_caching = false;
+    llm off{run};
+    same_outputs(cached, in_rounds(off, with_adapters));
+  }
+}
+
+TEST_CASE("SmolLM2: chats after one system prompt give the same tokens with the prefix cached") {
+  auto path = troupe::testing::smollm2_or_skip();
+  if (path.empty())
+    return;
+  llm_config cfg;
+  cfg.worker.model_path = path.string();
+  cfg.worker.kv_cache_memory_bytes = 32 << 20;
+  cfg.executor.max_model_len = 512;
+  std::string system = "You are a careful assistant for a public library. Answer in one or two "
+                       "sentences, name the section of the library where the reader can find "
+                       "more, and never invent a book title that you are not sure exists.";
+  llm on{cfg};
+  std::vector<generation_request> reqs;
+  for (auto question : {"Where are books about birds?", "Do you have poetry in French?",
+                        "How do I renew a loan?", "What is a good first novel to read?",
+                        "Is there a quiet room?", "Can I print a document here?"}) {
+    auto sp = greedy(24);
+    sp.logprobs = 1;
+    reqs.push_back({on.chat_prompt({{"system", system}, {"user", question}}), {}, sp, {}});
+  }
+  auto cached = in_rounds(on, reqs);
+  cfg.scheduler.enable_prefix_caching = false;
+  llm off{cfg};
+  same_outputs(cached, in_rounds(off, reqs));
+  CHECK(cached.stats.prefix_cache_hits >= 4 * 32);
 }

@@ -160,6 +160,11 @@ public:
   /// Whether any tag sleeps, and which.
   sleep_status sleep_state();
 
+  /// How many sleeps this executor was asked for so far. A sleep discards the workers' KV
+  /// caches: an engine that keeps their contents in mind (a prefix cache) compares this
+  /// count between steps to learn that they are gone.
+  int64_t sleep_count() const;
+
   bool is_sleeping() {
     return sleep_state().is_sleeping;
   }

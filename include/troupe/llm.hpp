@@ -39,6 +39,11 @@ struct scheduler_config {
   /// model, the host's work competes with the step (`troupe bench generate
   /// --async-scheduling both` measures both).
   bool async_scheduling = false;
+  /// Automatic prefix caching (vLLM's `enable_prefix_caching`, on by default as in vLLM
+  /// V1): a request whose first tokens (whole blocks of them, under the same adapters) were
+  /// computed before reuses their keys and values instead of computing them again. Off
+  /// for a model with dynamic NTK rope scaling, whose keys depend on the sequence's length.
+  bool enable_prefix_caching = true;
 
   /// Throws `troupe::error` (`invalid_argument`) naming a limit below 1.
   void validate() const;
@@ -169,6 +174,15 @@ struct engine_stats {
   int64_t last_step_requests = 0;
   int64_t max_step_requests = 0;
   int64_t preemptions = 0;
+  /// Prompt tokens looked up in the prefix cache and found there (vLLM's
+  /// `prefix_cache_queries` and `prefix_cache_hits`), and prompt tokens computed (prefill
+  /// chunks, recomputations included).
+  int64_t prefix_cache_queries = 0;
+  int64_t prefix_cache_hits = 0;
+  int64_t prefill_tokens = 0;
+  /// The engine's own time in the last step, without the workers': scheduling, and
+  /// taking the outputs in (detokenizing, stop strings, updates).
+  double last_step_host_seconds = 0;
 };
 
 /// A model ready to generate. Throws `troupe::error` when the model cannot be loaded.
@@ -214,6 +228,16 @@ public:
 
   /// Counts for metrics.
   engine_stats stats() const;
+
+  /// Puts the workers to sleep (`executor::sleep`); the prefix cache, whose memory the
+  /// sleep discards, is forgotten as vLLM's `LLM.sleep` does (also after a sleep through
+  /// `executor()`). Wake them with `executor().wake_up`. Throws `invalid_argument` while
+  /// requests are unfinished.
+  void sleep(int32_t level = 1);
+
+  /// Forgets every cached prefix: later requests compute their prompts whole until cached
+  /// again (vLLM's `reset_prefix_cache`).
+  void reset_prefix_cache();
 
   /// The prompt for one user message, rendered by the model's own chat template (its Jinja
   /// text, as transformers renders it). Throws `unsupported` when the model has no
