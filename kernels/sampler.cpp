@@ -70,12 +70,12 @@ bool is_greedy(const sampling_params& params) {
   return params.temperature < row_sampling::greedy_below;
 }
 
-float draw_uniform(const sampling_params& params, int64_t seq_id, int64_t step,
+float draw_uniform(const sampling_params& params, int64_t stream, int64_t step,
                    std::mt19937_64& rng) {
   std::uniform_real_distribution<double> uniform{0.0, 1.0};
   double u;
   if (params.seed >= 0) {
-    std::seed_seq seq{static_cast<uint64_t>(params.seed), static_cast<uint64_t>(seq_id),
+    std::seed_seq seq{static_cast<uint64_t>(params.seed), static_cast<uint64_t>(stream),
                       static_cast<uint64_t>(step)};
     std::mt19937_64 seeded{seq};
     u = uniform(seeded);
@@ -156,7 +156,7 @@ int64_t choose_token(const float* logits, int64_t vocab, float temperature, int3
 }
 
 sequence_output sample_token(const float* logits, int64_t vocab, const sampling_params& params,
-                             int64_t seq_id, int64_t step, std::mt19937_64& rng,
+                             int64_t stream, int64_t step, std::mt19937_64& rng,
                              const float* processed) {
   validate(params, vocab);
   // log-softmax of the model's distribution, for the reported logprobs.
@@ -169,9 +169,8 @@ sequence_output sample_token(const float* logits, int64_t vocab, const sampling_
     chosen = std::max_element(drawn_from, drawn_from + vocab) - drawn_from;
   else
     chosen = choose_token(drawn_from, vocab, params.temperature, params.top_k, params.top_p,
-                          draw_uniform(params, seq_id, step, rng), params.min_p);
+                          draw_uniform(params, stream, step, rng), params.min_p);
   sequence_output out;
-  out.parent_seq_id = seq_id;
   out.output_token = static_cast<int32_t>(chosen);
   out.logprob = logprob(chosen);
   if (params.logprobs > 0) {

@@ -12,13 +12,15 @@ namespace troupe {
 /// then top-p, then a draw (`choose_token`). The reported logprobs are those of the
 /// model's distribution (log-softmax of the raw logits).
 ///
-/// Determinism: with `params.seed >= 0` the draw depends only on the seed, the sequence
-/// and `step` (its number of generated tokens), so a seeded request gives the same tokens
-/// however it is batched; without a seed the draw comes from `rng`.
+/// Determinism: with `params.seed >= 0` the draw depends only on the seed, `stream` (the
+/// sequence's place in its group, so that a group's samples differ) and `step` (its number
+/// of generated tokens), so a seeded request gives the same tokens however it is batched
+/// and whenever it is sent, as in vLLM; without a seed the draw comes from `rng`. The
+/// caller sets the output's `parent_seq_id`.
 /// `processed`, when given, holds the logits after `process_logits`: the token is drawn
 /// from them, the logprobs still from `logits`.
 sequence_output sample_token(const float* logits, int64_t vocab, const sampling_params& params,
-                             int64_t seq_id, int64_t step, std::mt19937_64& rng,
+                             int64_t stream, int64_t step, std::mt19937_64& rng,
                              const float* processed = nullptr);
 
 /// Whether `params` change the logits before the draw (penalties, logit_bias, min_tokens)
@@ -41,8 +43,8 @@ float log_partition(const float* logits, int64_t vocab);
 bool is_greedy(const sampling_params& params);
 
 /// The uniform number in [0, 1) of one draw, as a float (what the device samplers take):
-/// from (seed, sequence, step) when the request has a seed, else from `rng`.
-float draw_uniform(const sampling_params& params, int64_t seq_id, int64_t step,
+/// from (seed, stream, step) when the request has a seed, else from `rng`.
+float draw_uniform(const sampling_params& params, int64_t stream, int64_t step,
                    std::mt19937_64& rng);
 
 /// The token a draw `u` in [0, 1) picks: the tokens kept are the `top_k` most likely (all

@@ -470,7 +470,7 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
         p.temperature = group.sampling.temperature;
         p.top_k = group.sampling.top_k;
         p.top_p = group.sampling.top_p;
-        p.u = draw_uniform(group.sampling, seq.seq_id, step_of(seq), st.rng);
+        p.u = draw_uniform(group.sampling, static_cast<int64_t>(r.seq), step_of(seq), st.rng);
       }
       params.push_back(p);
     }
@@ -487,6 +487,7 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
     group_out.request_id = group.request_id;
     for (; row < rows.size() && rows[row].group == g; ++row) {
       auto& seq = group.seqs[rows[row].seq];
+      auto stream = static_cast<int64_t>(rows[row].seq);
       if (on_device) {
         sequence_output sample;
         sample.parent_seq_id = seq.seq_id;
@@ -502,11 +503,13 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
                           st.config.eos_token_ids.end());
         process_logits(processed.data(), vocab, group.sampling, seq.token_ids,
                        static_cast<size_t>(seq.num_prompt_tokens), stop_ids);
-        group_out.samples.push_back(sample_token(raw, vocab, group.sampling, seq.seq_id,
+        group_out.samples.push_back(sample_token(raw, vocab, group.sampling, stream,
                                                  step_of(seq), st.rng, processed.data()));
+        group_out.samples.back().parent_seq_id = seq.seq_id;
       } else {
         group_out.samples.push_back(sample_token(&logits[row * vocab], vocab, group.sampling,
-                                                 seq.seq_id, step_of(seq), st.rng));
+                                                 stream, step_of(seq), st.rng));
+        group_out.samples.back().parent_seq_id = seq.seq_id;
       }
     }
     out.outputs.push_back(std::move(group_out));

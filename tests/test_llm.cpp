@@ -28,13 +28,19 @@ namespace {
 
 const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
 
+/// A tiny model's engine: 2 MiB of KV cache in blocks of 4 tokens.
+llm_config tiny(const std::string& model_path) {
+  llm_config cfg;
+  cfg.worker.model_path = model_path;
+  cfg.worker.kv_cache_memory_bytes = 2 << 20;
+  cfg.executor.block_size = 4;
+  return cfg;
+}
+
 } // namespace
 
 TEST_CASE("a batch of token-id prompts gives transformers' greedy tokens") {
-  llm_config cfg;
-  cfg.worker.model_path = fixtures + "/qwen2-bias";
-  cfg.worker.kv_cache_memory_bytes = 2 << 20;
-  cfg.executor.block_size = 4;
+  auto cfg = tiny(fixtures + "/qwen2-bias");
   llm model{cfg};
   CHECK(!model.has_tokenizer());
   auto ref = read_json(fixtures + "/qwen2-bias/reference.json");
@@ -106,10 +112,7 @@ TEST_CASE("every end token of config.json and generation_config.json ends a sequ
   config["eos_token_id"] = {2, run[4]};
   std::ofstream{dir / "config.json"} << config.dump();
   std::ofstream{dir / "generation_config.json"} << nlohmann::json{{"eos_token_id", {run[2], 2}}}.dump();
-  llm_config cfg;
-  cfg.worker.model_path = dir.string();
-  cfg.worker.kv_cache_memory_bytes = 2 << 20;
-  cfg.executor.block_size = 4;
+  auto cfg = tiny(dir.string());
   llm model{cfg};
   auto sp = greedy(32);
   sp.ignore_eos = false;
@@ -189,10 +192,7 @@ TEST_CASE("a worker that dies mid-generation is replaced and the outputs stay tr
   std::vector<generation_request> reqs;
   for (auto& p : ref["prompts"])
     reqs.push_back({"", p["token_ids"].get<std::vector<int32_t>>(), greedy(32), {}});
-  llm_config cfg;
-  cfg.worker.model_path = fixtures + "/qwen2-bias";
-  cfg.worker.kv_cache_memory_bytes = 2 << 20;
-  cfg.executor.block_size = 4;
+  auto cfg = tiny(fixtures + "/qwen2-bias");
   cfg.executor.tensor_parallel_size = 2;
   cfg.executor.restart.max_restarts = 2;
   struct fault {
@@ -250,10 +250,7 @@ TEST_CASE("a worker replaced while the model sleeps (level 1) sleeps too, and wa
   std::vector<generation_request> reqs;
   for (auto& p : ref["prompts"])
     reqs.push_back({"", p["token_ids"].get<std::vector<int32_t>>(), greedy(16), {}});
-  llm_config cfg;
-  cfg.worker.model_path = fixtures + "/qwen2-bias";
-  cfg.worker.kv_cache_memory_bytes = 2 << 20;
-  cfg.executor.block_size = 4;
+  auto cfg = tiny(fixtures + "/qwen2-bias");
   cfg.executor.tensor_parallel_size = 2;
   cfg.executor.restart.max_restarts = 1;
   llm model{cfg};
@@ -504,9 +501,7 @@ TEST_CASE("prefix caching on and off give the same greedy tokens and logprobs") 
     return cached;
   };
   auto plain = [](const llm_config& cfg) { return model_worker_factory(cfg.worker); };
-  llm_config cfg;
-  cfg.worker.kv_cache_memory_bytes = 2 << 20;
-  cfg.executor.block_size = 4;
+  auto cfg = tiny(fixtures + "/llama-gqa");
   SUBCASE("every fixture family") {
     for (auto& name : troupe::testing::fixture_models) {
       CAPTURE(name);
@@ -523,7 +518,6 @@ TEST_CASE("prefix caching on and off give the same greedy tokens and logprobs") 
       CHECK(cached.stats.prefix_cache_hits >= 10 * 36);
     }
   }
-  cfg.worker.model_path = fixtures + "/llama-gqa";
   SUBCASE("preempted by swapping and by recomputing, in chunks, over two ranks") {
     for (bool swap : {true, false}) {
       CAPTURE(swap);
@@ -599,4 +593,29 @@ TEST_CASE("SmolLM2: chats after one system prompt give the same tokens with the 
   llm off{cfg};
   same_outputs(cached, in_rounds(off, reqs));
   CHECK(cached.stats.prefix_cache_hits >= 4 * 32);
+}
+
+TEST_CASE("a seeded request draws the same tokens whenever it is sent and whatever runs beside it") {
+  auto cfg = tiny(fixtures + "/llama-gqa");
+  llm model{cfg};
+  sampling_params hot;
+  hot.temperature = 1.3f;
+  hot.seed = 5;
+  hot.max_tokens = 24;
+  hot.ignore_eos = true;
+  generation_request seeded{"", {3, 14, 15, 92, 65}, hot, {}};
+  auto alone = model.generate({seeded})[0].token_ids;
+  auto other = seeded;
+  other.sampling.seed = 6;
+  auto unseeded = seeded;
+  unseeded.sampling.seed = -1;
+  // Sent again later, after others and beside them: new sequence ids, other batches.
+  auto outs = model.generate({unseeded, other, seeded, unseeded});
+  CHECK(outs[2].token_ids == alone);
+  CHECK(outs[1].token_ids != alone);
+  hot.top_k = 5; // on the host sampler's path too (top logprobs asked for)
+  hot.logprobs = 2;
+  generation_request host{"", {3, 14, 15, 92, 65}, hot, {}};
+  auto first = model.generate({host})[0].token_ids;
+  CHECK(model.generate({unseeded, host})[1].token_ids == first);
 }

@@ -46,7 +46,6 @@ TEST_CASE("greedy picks the largest logit and reports the model's logprobs") {
   params.logprobs = 2;
   auto out = sample_token(logits.data(), 6, params, 7, 0, rng);
   CHECK(out.output_token == 1);
-  CHECK(out.parent_seq_id == 7);
   CHECK(out.logprob == doctest::Approx(log_softmax(1)));
   REQUIRE(out.top_logprobs.size() == 2);
   CHECK(out.top_logprobs[0].token == 1);
