@@ -235,6 +235,8 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     float frequency_penalty = 0.0f;
     float min_p = 0.0f;
     int min_tokens = 0;
+    int n = 1;
+    int best_of = 0;
     std::vector<std::string> stop;
     bool chat = false;
     bool json = false;
@@ -280,6 +282,11 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
   sub->add_option("--min-tokens", o->min_tokens,
                   "Tokens generated before EOS, stop tokens or stop strings may end the output")
     ->capture_default_str();
+  sub->add_option("--n", o->n, "Samples per prompt (with --seed, sample i is seeded seed + i)")
+    ->capture_default_str();
+  sub->add_option("--best-of", o->best_of,
+                  "Samples drawn per prompt, of which the --n most likely are shown (0: --n)")
+    ->capture_default_str();
   sub->add_option("--stop", o->stop, "Stop when the text contains this string (repeatable)");
   sub->add_flag("--chat", o->chat, "Wrap each prompt in the model's chat template");
   sub->add_flag("--json", o->json,
@@ -309,6 +316,8 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     sp.frequency_penalty = o->frequency_penalty;
     sp.min_p = o->min_p;
     sp.min_tokens = o->min_tokens;
+    sp.n = o->n;
+    sp.best_of = o->best_of;
     validate(sp);
     std::vector<std::vector<int32_t>> id_prompts;
     for (auto& ids : o->prompt_ids)
@@ -343,11 +352,15 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
       reqs[i].prompt_adapter = prompt_adapter;
     }
     auto outputs = model.generate(reqs);
+    // The samples of each prompt follow one another.
+    auto prompt_of = [&](size_t i) { return i / static_cast<size_t>(sp.n); };
     if (o->json) {
       auto all = nlohmann::json::array();
-      for (size_t i = 0; i < outputs.size(); ++i) {
-        auto& out = outputs[i];
+      for (size_t k = 0; k < outputs.size(); ++k) {
+        auto& out = outputs[k];
+        auto i = prompt_of(k);
         all.push_back({{"prompt", i < o->prompts.size() ? o->prompts[i] : out.prompt},
+                       {"index", out.index},
                        {"prompt_token_ids", out.prompt_token_ids},
                        {"text", out.text},
                        {"token_ids", out.token_ids},
@@ -357,14 +370,21 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
       }
       std::cout << all.dump(2) << std::endl;
     } else {
-      for (size_t i = 0; i < outputs.size(); ++i) {
-        auto shown = i < o->prompts.size() ? o->prompts[i] : outputs[i].prompt;
-        std::cout << "prompt: " << shown << (loras[i] ? " [lora " + loras[i]->lora_name + "]" : "")
-                  << "\n";
+      for (size_t k = 0; k < outputs.size(); ++k) {
+        auto& out = outputs[k];
+        auto i = prompt_of(k);
+        if (out.index == 0) {
+          auto shown = i < o->prompts.size() ? o->prompts[i] : out.prompt;
+          std::cout << "prompt: " << shown
+                    << (loras[i] ? " [lora " + loras[i]->lora_name + "]" : "") << "\n";
+        }
+        auto label = sp.n > 1 ? "output " + std::to_string(out.index) : std::string{"output"};
         if (model.has_tokenizer())
-          std::cout << "output: " << outputs[i].text << "\n\n";
+          std::cout << label << ": " << out.text << "\n"
+                    << (out.index + 1 == sp.n ? "\n" : "");
         else
-          std::cout << "output ids: " << nlohmann::json(outputs[i].token_ids).dump() << "\n\n";
+          std::cout << label << " ids: " << nlohmann::json(out.token_ids).dump() << "\n"
+                    << (out.index + 1 == sp.n ? "\n" : "");
       }
       std::cout << model.last_tokens_per_second() << " generated tokens/s" << std::endl;
     }

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <deque>
 #include <future>
+#include <limits>
 #include <map>
 #include <optional>
 
@@ -40,6 +41,9 @@ struct llm::impl {
   std::unique_ptr<scheduler> sched;
   /// An unfinished request as its caller sees it: what it has been sent so far.
   struct live_request {
+    /// The request it is a sample of (its id), and which.
+    int64_t request = 0;
+    int32_t index = 0;
     generation_output out;
     std::vector<std::string> stop;
     /// Stop strings count from here in the text: after the output's first min_tokens
@@ -61,6 +65,15 @@ struct llm::impl {
     size_t searched = 0;
   };
   std::map<int64_t, live_request> live;
+  /// A request of more than one sample: its samples' sequences are its id and the ones
+  /// after it. With best_of above n, the finished ones wait in `drawn` for the rest.
+  struct sample_group {
+    int32_t samples = 1;
+    int32_t n = 1;
+    int32_t left = 1;
+    std::vector<generation_output> drawn;
+  };
+  std::map<int64_t, sample_group> groups;
   struct in_flight {
     std::future<std::vector<sampler_output>> result;
     bool samples = false;
@@ -82,6 +95,9 @@ struct llm::impl {
   /// The update of `r` (its text in `live[seq].text`).
   void report(int64_t seq, const engine_request& r, bool finished,
               std::vector<generation_update>& updates);
+  /// The last updates of a best_of request: its `n` best samples of `drawn`.
+  static void choose_best(int64_t request, int32_t n, std::vector<generation_output> drawn,
+                          std::vector<generation_update>& updates);
 };
 
 namespace {
@@ -156,8 +172,12 @@ void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
   auto since = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - l.arrived).count();
   };
+  auto group = groups.find(l.request);
+  // The samples of best_of are told only once all are drawn and the best chosen.
+  bool held = group != groups.end() && group->second.samples > group->second.n;
   generation_update u;
-  u.request_id = seq;
+  u.request_id = l.request;
+  u.index = l.index;
   for (size_t i = out.token_ids.size(); i < r.output.size(); ++i) {
     u.token_ids.push_back(r.output[i]);
     u.logprobs.push_back(r.logprobs[i]);
@@ -195,15 +215,58 @@ void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
   }
   if (finished) {
     out.text = std::move(l.text);
+    out.index = l.index;
     out.finish_reason = r.finish_reason;
     out.finished_seconds = since();
     if (out.first_token_seconds == 0)
       out.first_token_seconds = out.finished_seconds;
     u.finished = true;
-    u.output = out;
+    u.output = std::move(out);
     live.erase(seq);
+    if (group != groups.end()) {
+      auto& g = group->second;
+      --g.left;
+      if (held) {
+        g.drawn.push_back(std::move(*u.output));
+        if (g.left == 0)
+          choose_best(group->first, g.n, std::move(g.drawn), updates);
+      }
+      if (g.left == 0)
+        groups.erase(group);
+    }
   }
-  updates.push_back(std::move(u));
+  if (!held)
+    updates.push_back(std::move(u));
+}
+
+void llm::impl::choose_best(int64_t request, int32_t n, std::vector<generation_output> drawn,
+                            std::vector<generation_update>& updates) {
+  // vLLM's best_of: the highest sums of logprobs (the earlier sample on a tie).
+  auto score = [](const generation_output& o) {
+    double sum = 0;
+    for (auto lp : o.logprobs)
+      sum += lp;
+    return sum;
+  };
+  std::sort(drawn.begin(), drawn.end(), [&](const generation_output& a, const generation_output& b) {
+    auto x = score(a), y = score(b);
+    return x != y ? x > y : a.index < b.index;
+  });
+  drawn.resize(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) {
+    auto& out = drawn[static_cast<size_t>(i)];
+    out.index = i;
+    generation_update u;
+    u.request_id = request;
+    u.index = i;
+    u.token_ids = out.token_ids;
+    u.logprobs = out.logprobs;
+    u.top_logprobs = out.top_logprobs;
+    u.text = out.text;
+    u.finished = true;
+    u.output = std::move(out);
+    updates.push_back(std::move(u));
+  }
 }
 
 void llm::impl::apply(const std::vector<sampler_output>& result, bool samples,
@@ -484,21 +547,41 @@ int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_
   if (req.sampling.max_tokens < 1)
     throw error{errc::invalid_argument, "max_tokens must be at least 1, got " +
                                           std::to_string(req.sampling.max_tokens)};
-  r.seq_id = d.next_seq++;
-  r.request_id = "req-" + std::to_string(r.seq_id);
   r.lora_int_id = req.lora ? req.lora->lora_int_id : 0;
   r.sampling = req.sampling;
-  auto id = r.seq_id;
+  r.sampling.n = 1;
+  r.sampling.best_of = 0;
   d.counts.prompt_tokens += static_cast<int64_t>(r.prompt.size());
-  d.sched->add(std::move(r));
-  d.live.emplace(id, std::move(l));
+  // Each sample is a sequence of its own after the same prompt (vLLM V1's parallel
+  // sampling); the prefix cache shares the prompt's blocks.
+  auto samples = req.sampling.best_of > 0 ? req.sampling.best_of : req.sampling.n;
+  auto id = d.next_seq;
+  for (int32_t i = 0; i < samples; ++i) {
+    auto sample = r;
+    sample.seq_id = d.next_seq++;
+    sample.request_id = "req-" + std::to_string(id) + (samples > 1 ? "-" + std::to_string(i) : "");
+    if (sample.sampling.seed >= 0) // as vLLM: sample i draws as a request seeded seed + i
+      sample.sampling.seed = static_cast<int64_t>(
+        (static_cast<uint64_t>(sample.sampling.seed) + static_cast<uint64_t>(i)) &
+        static_cast<uint64_t>(std::numeric_limits<int64_t>::max()));
+    auto each = l;
+    each.request = id;
+    each.index = i;
+    d.live.emplace(sample.seq_id, std::move(each));
+    d.sched->add(std::move(sample));
+  }
+  if (samples > 1)
+    d.groups[id] = {samples, req.sampling.n, samples, {}};
   return id;
 }
 
 void llm::abort_request(int64_t id) {
   auto& d = *impl_;
-  if (d.live.count(id) > 0 && d.sched->unfinished().count(id) > 0)
-    d.sched->finish(id, "abort");
+  auto group = d.groups.find(id);
+  auto samples = group != d.groups.end() ? group->second.samples : 1;
+  for (auto seq = id; seq < id + samples; ++seq)
+    if (d.live.count(seq) > 0 && d.sched->unfinished().count(seq) > 0)
+      d.sched->finish(seq, "abort");
 }
 
 bool llm::has_unfinished_requests() const {
@@ -638,14 +721,20 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
     }
   }
   auto start = std::chrono::steady_clock::now();
-  std::vector<generation_output> outputs(requests.size());
+  std::vector<std::vector<generation_output>> samples(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i)
+    samples[i].resize(static_cast<size_t>(requests[i].sampling.n));
   size_t generated = 0;
   while (has_unfinished_requests())
     for (auto& u : step())
       if (u.finished) {
         generated += u.output->token_ids.size();
-        outputs[index.at(u.request_id)] = std::move(*u.output);
+        samples[index.at(u.request_id)][static_cast<size_t>(u.index)] = std::move(*u.output);
       }
+  std::vector<generation_output> outputs;
+  for (auto& each : samples)
+    for (auto& out : each)
+      outputs.push_back(std::move(out));
   try {
     d.exec->stop_remote_worker_execution_loop();
   } catch (const error& e) {

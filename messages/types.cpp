@@ -8,6 +8,13 @@
 
 namespace troupe {
 
+namespace {
+
+/// The most samples one request may ask for.
+constexpr int32_t max_samples = 1024;
+
+} // namespace
+
 void validate(const sampling_params& params, int64_t vocab) {
   auto bad = [](const std::string& what) { throw error{errc::invalid_argument, what}; };
   // Written so that NaN fails too.
@@ -25,6 +32,11 @@ void validate(const sampling_params& params, int64_t vocab) {
     bad("min_p must be in [0, 1], got " + std::to_string(params.min_p));
   if (params.min_tokens < 0)
     bad("min_tokens must be >= 0, got " + std::to_string(params.min_tokens));
+  if (params.n < 1 || params.n > max_samples)
+    bad("n must be in [1, " + std::to_string(max_samples) + "], got " + std::to_string(params.n));
+  if (params.best_of != 0 && (params.best_of < params.n || params.best_of > max_samples))
+    bad("best_of must be at least n (" + std::to_string(params.n) + ") and at most " +
+        std::to_string(max_samples) + ", got " + std::to_string(params.best_of));
   if (params.logit_bias_ids.size() != params.logit_bias_values.size())
     bad("logit_bias has " + std::to_string(params.logit_bias_ids.size()) + " token ids for " +
         std::to_string(params.logit_bias_values.size()) + " biases");

@@ -50,6 +50,7 @@ void engine_loop::submit(generation_request g, std::shared_ptr<request_sink> sin
                        " are running or waiting; try again later"};
   }
   sink->lora_id = g.lora ? g.lora->lora_int_id : 0;
+  sink->samples_left = g.sampling.n;
   post([this, g = std::move(g), sink](llm& m) {
     if (sink->cancelled) {
       --active_;
@@ -161,7 +162,7 @@ void engine_loop::dispatch(const generation_update& u) {
     sink->last_token = now;
   }
   sink->update(u);
-  if (u.finished) {
+  if (u.finished && --sink->samples_left == 0) {
     metrics_.finished(u.output->finish_reason, std::max(0.0, sink->first_token), sink->gaps,
                       std::chrono::duration<double>(now - sink->arrived).count());
     sinks_.erase(at);

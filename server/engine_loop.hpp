@@ -33,6 +33,8 @@ struct request_sink {
   virtual void fail(const http_error& e) = 0;
 
   int64_t id = -1; // the engine's, once added
+  /// Samples not finished (of the request's `n`).
+  int32_t samples_left = 1;
   /// The LoRA adapter it is computed with (0: the base model).
   int64_t lora_id = 0;
   std::atomic<bool> cancelled{false};

@@ -100,7 +100,7 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n", "stop",
     "stop_token_ids", "stream", "stream_options", "logprobs", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias"};
-  static const std::set<std::string> completion_only = {"prompt", "echo"};
+  static const std::set<std::string> completion_only = {"prompt", "echo", "best_of"};
   static const std::set<std::string> chat_only = {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
     "chat_template_kwargs", "add_generation_prompt"};
@@ -205,8 +205,14 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
     bad("'top_k' must be -1 (off) or at least 1", "top_k");
   sp.seed = field<int64_t>(body, "seed", "an integer").value_or(-1);
   sp.ignore_eos = field<bool>(body, "ignore_eos", "a boolean").value_or(false);
-  if (auto n = field<int32_t>(body, "n", "an integer"); n && *n != 1)
-    bad("'n' must be 1: one choice per request", "n");
+  sp.n = field<int32_t>(body, "n", "an integer").value_or(1);
+  if (sp.n < 1)
+    bad("'n' must be at least 1", "n");
+  if (auto best_of = field<int32_t>(body, "best_of", "an integer")) {
+    if (*best_of < sp.n)
+      bad("'best_of' must be at least 'n' (" + std::to_string(sp.n) + ")", "best_of");
+    sp.best_of = *best_of;
+  }
   if (auto ids = body.find("stop_token_ids"); ids != body.end() && !ids->is_null()) {
     if (!ids->is_array())
       bad("'stop_token_ids' must be an array of token ids", "stop_token_ids");
@@ -262,12 +268,20 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
       bad("'stream_options' must be an object", "stream_options");
     req.include_usage = field<bool>(*opts, "include_usage", "a boolean").value_or(false);
   }
+  if (req.stream && sp.best_of > sp.n)
+    bad("'best_of' above 'n' cannot stream: the best samples are known only at the end",
+        "best_of");
   return req;
 }
 
 openai_response::openai_response(const openai_request& req, std::string id, int64_t created,
                                  const llm& model)
-  : req_(req), id_(std::move(id)), created_(created), model_(model) {
+  : req_(req),
+    id_(std::move(id)),
+    created_(created),
+    model_(model),
+    role_sent_(static_cast<size_t>(req.generation.sampling.n), false),
+    text_sent_(static_cast<size_t>(req.generation.sampling.n), 0) {
 }
 
 json openai_response::envelope(bool streaming) const {
@@ -278,9 +292,12 @@ json openai_response::envelope(bool streaming) const {
           {"model", req_.model}};
 }
 
-json openai_response::usage(const generation_output& out) const {
-  auto prompt = static_cast<int64_t>(out.prompt_token_ids.size());
-  auto completion = static_cast<int64_t>(out.token_ids.size());
+json openai_response::usage(const std::vector<generation_output>& outs) const {
+  // The prompt once, every sample's tokens.
+  auto prompt = outs.empty() ? int64_t{0} : static_cast<int64_t>(outs[0].prompt_token_ids.size());
+  int64_t completion = 0;
+  for (auto& out : outs)
+    completion += static_cast<int64_t>(out.token_ids.size());
   return {{"prompt_tokens", prompt},
           {"completion_tokens", completion},
           {"total_tokens", prompt + completion}};
@@ -330,44 +347,51 @@ json openai_response::logprobs_of(const std::vector<int32_t>& ids,
           {"text_offset", offsets}};
 }
 
-std::string openai_response::complete(const generation_output& out) const {
+std::string openai_response::complete(const std::vector<generation_output>& outs) const {
   auto body = envelope(false);
-  json choice = {{"index", 0}, {"finish_reason", out.finish_reason}};
-  choice["logprobs"] =
-    req_.logprobs ? logprobs_of(out.token_ids, out.logprobs, out.top_logprobs, 0) : json(nullptr);
-  if (req_.chat)
-    choice["message"] = {{"role", "assistant"}, {"content", out.text}};
-  else
-    choice["text"] = out.text;
-  choice["token_ids"] = out.token_ids; // vLLM's extension: what a model without text gave
-  body["choices"] = json::array({choice});
-  body["usage"] = usage(out);
+  body["choices"] = json::array();
+  for (auto& out : outs) {
+    json choice = {{"index", out.index}, {"finish_reason", out.finish_reason}};
+    choice["logprobs"] = req_.logprobs
+                           ? logprobs_of(out.token_ids, out.logprobs, out.top_logprobs, 0)
+                           : json(nullptr);
+    if (req_.chat)
+      choice["message"] = {{"role", "assistant"}, {"content", out.text}};
+    else
+      choice["text"] = out.text;
+    choice["token_ids"] = out.token_ids; // vLLM's extension: what a model without text gave
+    body["choices"].push_back(choice);
+  }
+  body["usage"] = usage(outs);
   return dumped(body);
 }
 
 std::string openai_response::chunk(const generation_update& u) {
   std::string events;
   auto event = [&](const json& j) { events += "data: " + dumped(j) + "\n\n"; };
-  if (req_.chat && !role_sent_) {
-    role_sent_ = true;
+  auto index = static_cast<size_t>(u.index);
+  if (req_.chat && !role_sent_.at(index)) {
+    role_sent_[index] = true;
     auto first = envelope(true);
-    first["choices"] = json::array(
-      {{{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
-        {"finish_reason", nullptr}}});
+    first["choices"] = json::array({{{"index", u.index},
+                                     {"delta", {{"role", "assistant"}, {"content", ""}}},
+                                     {"logprobs", nullptr},
+                                     {"finish_reason", nullptr}}});
     event(first);
   }
   auto& text = u.text;
-  text_sent_ += text.size();
+  auto& sent = text_sent_.at(index);
+  sent += text.size();
   if (text.empty() && u.token_ids.empty() && !u.finished)
     return events;
   auto body = envelope(true);
-  json choice = {{"index", 0}};
+  json choice = {{"index", u.index}};
   if (req_.chat)
     choice["delta"] = text.empty() ? json::object() : json{{"content", text}};
   else
     choice["text"] = text;
   choice["logprobs"] =
-    req_.logprobs ? logprobs_of(u.token_ids, u.logprobs, u.top_logprobs, text_sent_ - text.size())
+    req_.logprobs ? logprobs_of(u.token_ids, u.logprobs, u.top_logprobs, sent - text.size())
                   : json(nullptr);
   choice["token_ids"] = u.token_ids;
   choice["finish_reason"] = u.finished ? json(u.output->finish_reason) : json(nullptr);
@@ -378,12 +402,12 @@ std::string openai_response::chunk(const generation_update& u) {
   return events;
 }
 
-std::string openai_response::end(const generation_output& out) const {
+std::string openai_response::end(const std::vector<generation_output>& outs) const {
   std::string events;
   if (req_.include_usage) {
     auto body = envelope(true);
     body["choices"] = json::array();
-    body["usage"] = usage(out);
+    body["usage"] = usage(outs);
     events += "data: " + dumped(body) + "\n\n";
   }
   return events + "data: [DONE]\n\n";

@@ -56,7 +56,8 @@ struct openai_request {
 
 /// Parses a request body. Throws `http_error` (400) naming the field for bad JSON, a field
 /// of the wrong type or out of its type's range (an integer that does not fit, a number
-/// that is not finite as a float), or what the engine does not do (`n` > 1).
+/// that is not finite as a float), or what the engine does not do (a field it does not
+/// know, `best_of` above `n` in a stream).
 openai_request parse_openai_request(const std::string& body, bool chat);
 
 /// What a finished or streaming request sends, given its id and creation time.
@@ -65,29 +66,31 @@ public:
   openai_response(const openai_request& req, std::string id, int64_t created,
                   const llm& model);
 
-  /// The whole response of a request that did not stream.
-  std::string complete(const generation_output& out) const;
+  /// The whole response of a request that did not stream: a choice for each sample.
+  std::string complete(const std::vector<generation_output>& outs) const;
 
-  /// The server-sent event of an update (empty when it adds nothing to say); the first of
-  /// a chat names the assistant's role.
+  /// The server-sent event of an update (empty when it adds nothing to say), for the
+  /// choice of its sample; the first of each chat choice names the assistant's role.
   std::string chunk(const generation_update& update);
 
-  /// The last events: the usage chunk when asked for, then `[DONE]`.
-  std::string end(const generation_output& out) const;
+  /// The last events, once every sample is done: the usage chunk when asked for, then
+  /// `[DONE]`.
+  std::string end(const std::vector<generation_output>& outs) const;
 
 private:
   nlohmann::json logprobs_of(const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
                              const std::vector<std::vector<token_logprob>>& top,
                              size_t text_offset) const;
-  nlohmann::json usage(const generation_output& out) const;
+  nlohmann::json usage(const std::vector<generation_output>& outs) const;
   nlohmann::json envelope(bool streaming) const;
 
   const openai_request& req_;
   std::string id_;
   int64_t created_;
   const llm& model_;
-  bool role_sent_ = false;
-  size_t text_sent_ = 0;
+  /// Per sample: whether a chat's role went out, and the bytes of text sent.
+  std::vector<bool> role_sent_;
+  std::vector<size_t> text_sent_;
 };
 
 } // namespace troupe

@@ -721,6 +721,8 @@ private:
       response_ = std::make_unique<openai_response>(
         *req_, (req_->chat ? "chatcmpl-" : "cmpl-") + std::to_string(n),
         static_cast<int64_t>(std::time(nullptr)), srv_.model);
+      outputs_.assign(static_cast<size_t>(req_->generation.sampling.n), {});
+      finished_samples_ = 0;
       sink_ = std::make_shared<sink>(weak_from_this(), strand_);
       srv_.engine->submit(req_->generation, sink_); // may throw 429 / 503
     } catch (...) {
@@ -740,19 +742,24 @@ private:
   void on_update(const generation_update& u) {
     if (!sink_ || closed_)
       return;
+    bool done = false;
+    if (u.finished) {
+      outputs_.at(static_cast<size_t>(u.index)) = *u.output;
+      done = ++finished_samples_ == outputs_.size();
+    }
     if (req_->stream) {
       auto events = response_->chunk(u);
-      if (u.finished)
-        events += response_->end(*u.output);
+      if (done)
+        events += response_->end(outputs_);
       if (!events.empty())
         write(frame(events));
-      if (u.finished) {
+      if (done) {
         if (!http10_)
           write(chunked(""));
         done_generating();
       }
-    } else if (u.finished) {
-      auto body = response_->complete(*u.output);
+    } else if (done) {
+      auto body = response_->complete(outputs_);
       done_generating();
       respond(200, body);
     }
@@ -954,6 +961,9 @@ private:
   bool read_after_watch_ = false;
   std::unique_ptr<openai_request> req_;
   std::unique_ptr<openai_response> response_;
+  /// The request's samples as they finish (by index), and how many have.
+  std::vector<generation_output> outputs_;
+  size_t finished_samples_ = 0;
   std::shared_ptr<sink> sink_;
 };
 

@@ -56,6 +56,18 @@ try:
         assert ids == want, (ids, want)
         assert usage.completion_tokens == len(want)
 
+    # n choices, each with its index; seeded, so choice i is the request seeded seed + i.
+    p = ref["prompts"][0]["token_ids"]
+    c = client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=1.5, seed=3,
+                                  n=3, extra_body={"ignore_eos": True})
+    assert [x.index for x in c.choices] == [0, 1, 2], c
+    assert c.usage.completion_tokens == 24, c.usage
+    for i, x in enumerate(c.choices):
+        one = client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=1.5,
+                                        seed=3 + i, extra_body={"ignore_eos": True})
+        assert x.model_extra["token_ids"] == one.choices[0].model_extra["token_ids"], (x, one)
+    sent += 4
+    tokens += 48
     try:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
         raise AssertionError("a chat of a model without a chat template succeeded")

@@ -9,6 +9,7 @@
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -17,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 
 #include <unistd.h>
 
@@ -618,4 +620,93 @@ TEST_CASE("a seeded request draws the same tokens whenever it is sent and whatev
   generation_request host{"", {3, 14, 15, 92, 65}, hot, {}};
   auto first = model.generate({host})[0].token_ids;
   CHECK(model.generate({unseeded, host})[1].token_ids == first);
+}
+
+TEST_CASE("n samples are the same seeds run one by one, share the prompt's blocks, and best_of "
+          "keeps the most likely") {
+  llm model{tiny(fixtures + "/llama-gqa")};
+  sampling_params hot;
+  hot.temperature = 1.3f;
+  hot.seed = 40;
+  hot.max_tokens = 12;
+  hot.ignore_eos = true;
+  const std::vector<int32_t> prompt{3, 14, 15, 92, 65, 35, 89, 79, 32};
+  std::vector<generation_output> alone;
+  for (int64_t i = 0; i < 4; ++i) {
+    auto sp = hot;
+    sp.seed = 40 + i;
+    alone.push_back(model.generate({{"", prompt, sp, {}}})[0]);
+  }
+  auto n = hot;
+  n.n = 3;
+  model.reset_prefix_cache();
+  auto before = model.stats();
+  auto outs = model.generate({{"", prompt, n, {}}, {"", {5, 6, 7}, hot, {}}});
+  REQUIRE(outs.size() == 4);
+  for (int32_t i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    CHECK(outs[static_cast<size_t>(i)].index == i);
+    CHECK(outs[static_cast<size_t>(i)].token_ids == alone[static_cast<size_t>(i)].token_ids);
+    // Within rounding: the samples' prompts are computed in steps of other sizes.
+    auto& lp = outs[static_cast<size_t>(i)].logprobs;
+    auto& want = alone[static_cast<size_t>(i)].logprobs;
+    REQUIRE(lp.size() == want.size());
+    for (size_t k = 0; k < lp.size(); ++k)
+      CHECK(lp[k] == doctest::Approx(want[k]).epsilon(1e-5));
+  }
+  CHECK(outs[0].token_ids != outs[1].token_ids);
+  CHECK(outs[3].index == 0);
+  CHECK(outs[3].prompt_token_ids == std::vector<int32_t>{5, 6, 7});
+  // The samples start in one step: the second and third take the first's two full prompt
+  // blocks (the block of the last prompt token is each one's own).
+  auto after = model.stats();
+  CHECK(after.prefix_cache_hits - before.prefix_cache_hits == 2 * 8);
+  CHECK(after.prompt_tokens - before.prompt_tokens == 9 + 3);
+
+  // best_of 4, n 2: the two samples of the four whose logprobs sum highest, best first.
+  auto score = [](const generation_output& o) {
+    double sum = 0;
+    for (auto lp : o.logprobs)
+      sum += lp;
+    return sum;
+  };
+  std::vector<size_t> order{0, 1, 2, 3};
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return score(alone[a]) > score(alone[b]); });
+  auto best = hot;
+  best.n = 2;
+  best.best_of = 4;
+  auto chosen = model.generate({{"", prompt, best, {}}});
+  REQUIRE(chosen.size() == 2);
+  for (size_t i = 0; i < 2; ++i) {
+    CHECK(chosen[i].index == static_cast<int32_t>(i));
+    CHECK(chosen[i].token_ids == alone[order[i]].token_ids);
+  }
+
+  // Online: each sample's updates carry its index; an abort ends every sample.
+  auto id = model.add_request({"", prompt, n, {}});
+  std::map<int32_t, std::vector<int32_t>> streamed;
+  std::set<int32_t> finished;
+  for (int s = 0; s < 3; ++s)
+    for (auto& u : model.step()) {
+      CHECK(u.request_id == id);
+      CHECK(!u.finished);
+      for (auto t : u.token_ids)
+        streamed[u.index].push_back(t);
+    }
+  CHECK(streamed.size() == 3);
+  model.abort_request(id);
+  while (model.has_unfinished_requests())
+    for (auto& u : model.step())
+      if (u.finished) {
+        CHECK(u.output->finish_reason == "abort");
+        CHECK(u.output->index == u.index);
+        finished.insert(u.index);
+      }
+  CHECK(finished == std::set<int32_t>{0, 1, 2});
+  auto bad = hot;
+  bad.n = 2;
+  bad.best_of = 1;
+  CHECK_THROWS_WITH_AS(model.add_request({"", prompt, bad, {}}), doctest::Contains("best_of"),
+                       error);
 }

@@ -11,6 +11,7 @@
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -240,7 +241,7 @@ TEST_CASE("bad requests get OpenAI's error objects with the right status, and th
                   bad{{{"prompt", {1, 2}}, {"temperature", -1}}, 400, "temperature"},
                   bad{{{"prompt", {1, -2}}}, 400, "prompt"},
                   bad{{{"max_tokens", 2}}, 400, "prompt"},
-                  bad{{{"prompt", {1, 2}}, {"n", 2}}, 400, "n"},
+                  bad{{{"prompt", {1, 2}}, {"n", 0}}, 400, "n"},
                   bad{{{"prompt", {1, 2}}, {"model", "nope"}}, 404, "model"},
                   bad{{{"prompt", std::vector<int>(600, 1)}}, 400, ""}}) {
     CAPTURE(b.body.dump());
@@ -371,7 +372,9 @@ TEST_CASE("sampling fields act or are refused: penalties change tokens, unknown 
                             {"logit_bias", {{"x", 1}}},
                             {"logit_bias", {{"99999", 1}}},
                             {"logit_bias", {{"5", 101}}},
-                            {"best_of", 2},
+                            {"best_of", 0},
+                            {"n", 0},
+                            {"n", 5000},
                             {"response_format", {{"type", "json_object"}}},
                             {"user", "me"}}) {
     CAPTURE(key);
@@ -379,6 +382,94 @@ TEST_CASE("sampling fields act or are refused: penalties change tokens, unknown 
     body[key] = value;
     refused(body, key);
   }
+}
+
+TEST_CASE("n samples come as n choices, streamed or not, and best_of keeps the most likely") {
+  llm model{tiny()};
+  server s{model, on_any_port()};
+  json body = {{"prompt", {1, 15, 27, 99, 3, 15, 27}}, {"max_tokens", 12}, {"temperature", 1.2},
+               {"seed", 21},         {"ignore_eos", true}, {"logprobs", 0}};
+  auto one = [&](int64_t seed) {
+    auto single = body;
+    single["seed"] = seed;
+    auto r = post(s, "/v1/completions", single);
+    REQUIRE_MESSAGE(r.status == 200, r.body);
+    return json::parse(r.body)["choices"][0];
+  };
+  // Sample i draws as a request seeded seed + i.
+  std::vector<json> alone;
+  for (int64_t i = 0; i < 4; ++i)
+    alone.push_back(one(21 + i));
+  auto n = body;
+  n["n"] = 3;
+  auto r = post(s, "/v1/completions", n);
+  REQUIRE_MESSAGE(r.status == 200, r.body);
+  auto j = json::parse(r.body);
+  REQUIRE(j["choices"].size() == 3);
+  for (int i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    CHECK(j["choices"][i]["index"] == i);
+    CHECK(j["choices"][i]["token_ids"] == alone[static_cast<size_t>(i)]["token_ids"]);
+  }
+  CHECK(j["choices"][0]["token_ids"] != j["choices"][1]["token_ids"]);
+  CHECK(j["usage"]["prompt_tokens"] == 7);
+  CHECK(j["usage"]["completion_tokens"] == 36);
+
+  // Streamed: each choice's chunks carry its index and end with its reason (a chat's, and
+  // its role, in the SmolLM2 test).
+  auto streaming = n;
+  streaming["stream"] = true;
+  streaming["stream_options"] = {{"include_usage", true}};
+  auto st = post(s, "/v1/completions", streaming);
+  REQUIRE_MESSAGE(st.status == 200, st.body);
+  auto evs = events(st.body);
+  REQUIRE(evs.size() >= 3);
+  CHECK(evs.back() == "[DONE]");
+  std::vector<std::vector<int32_t>> ids(3);
+  std::vector<int> ends(3, 0);
+  for (auto& e : evs) {
+    if (!e.is_object() || e["choices"].empty())
+      continue;
+    auto& c = e["choices"][0];
+    auto i = c["index"].get<size_t>();
+    REQUIRE(i < 3);
+    for (auto id : c["token_ids"])
+      ids[i].push_back(id.get<int32_t>());
+    if (!c["finish_reason"].is_null())
+      ++ends[i];
+  }
+  for (size_t i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    CHECK(ends[i] == 1);
+    CHECK(ids[i] == alone[i]["token_ids"].get<std::vector<int32_t>>());
+  }
+  CHECK(evs[evs.size() - 2]["usage"]["completion_tokens"] == 36);
+
+  // best_of 4, n 2: the two of the four seeds whose tokens are the most likely, best first.
+  auto score = [](const json& choice) {
+    double sum = 0;
+    for (auto lp : choice["logprobs"]["token_logprobs"])
+      sum += lp.get<double>();
+    return sum;
+  };
+  std::vector<size_t> order{0, 1, 2, 3};
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return score(alone[a]) > score(alone[b]); });
+  auto best = body;
+  best["n"] = 2;
+  best["best_of"] = 4;
+  auto b = post(s, "/v1/completions", best);
+  REQUIRE_MESSAGE(b.status == 200, b.body);
+  auto bj = json::parse(b.body);
+  REQUIRE(bj["choices"].size() == 2);
+  for (int i = 0; i < 2; ++i) {
+    CHECK(bj["choices"][i]["index"] == i);
+    CHECK(bj["choices"][i]["token_ids"] == alone[order[static_cast<size_t>(i)]]["token_ids"]);
+  }
+  best["stream"] = true;
+  auto refused = post(s, "/v1/completions", best);
+  CHECK(refused.status == 400);
+  CHECK(json::parse(refused.body)["error"]["param"] == "best_of");
 }
 
 TEST_CASE("a chat its template refuses is a 400 with the template's message") {
@@ -442,6 +533,30 @@ TEST_CASE("chat completions of SmolLM2 through the server are troupe generate's"
       text += e["choices"][0]["delta"]["content"].get<std::string>();
   CHECK(evs.front()["choices"][0]["delta"]["role"] == "assistant");
   CHECK(text == want.text);
+  // Two choices (greedy, so alike): each streams its role, its text and its end.
+  auto two = body;
+  two["n"] = 2;
+  std::vector<std::string> texts(2);
+  std::vector<int> roles(2, 0), ends(2, 0);
+  for (auto& e : events(post(s, "/v1/chat/completions", two).body)) {
+    if (!e.is_object() || e["choices"].empty())
+      continue;
+    auto& c = e["choices"][0];
+    auto i = c["index"].get<size_t>();
+    REQUIRE(i < 2);
+    if (c["delta"].contains("role"))
+      ++roles[i];
+    if (c["delta"].contains("content"))
+      texts[i] += c["delta"]["content"].get<std::string>();
+    if (!c["finish_reason"].is_null())
+      ++ends[i];
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    CAPTURE(i);
+    CHECK(roles[i] == 1);
+    CHECK(ends[i] == 1);
+    CHECK(texts[i] == want.text);
+  }
   // Tools and template variables reach the model's template: the prompt is render_chat's.
   json tools = json::array({{{"type", "function"},
                              {"function", {{"name", "get_weather"},

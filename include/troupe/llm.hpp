@@ -123,6 +123,8 @@ struct chat_request {
 
 /// What a request produced.
 struct generation_output {
+  /// Which of the request's `sampling.n` samples it is (OpenAI's choice index).
+  int32_t index = 0;
   std::string prompt;
   std::vector<int32_t> prompt_token_ids;
   /// Generated text (empty for a model without a tokenizer).
@@ -143,6 +145,8 @@ struct generation_output {
 /// What one engine step did to a request (`llm::step`).
 struct generation_update {
   int64_t request_id = 0;
+  /// The sample it is about (`generation_output::index`).
+  int32_t index = 0;
   /// Tokens sampled for it in the step (one, none for a prefill chunk, or more when steps
   /// overlap), with their logprobs.
   std::vector<int32_t> token_ids;
@@ -152,7 +156,8 @@ struct generation_update {
   /// have not all come, or what may be the start of a stop string. Empty without a
   /// tokenizer.
   std::string text;
-  /// The request is done; `output` holds all of it (its text cut at a stop string).
+  /// The sample is done; `output` holds all of it (its text cut at a stop string). A
+  /// request is done when each of its `n` samples is.
   bool finished = false;
   std::optional<generation_output> output;
 };
@@ -194,7 +199,8 @@ public:
   llm(llm_config config, worker_factory factory);
   ~llm();
 
-  /// Generates for every request, batched; outputs in request order. Throws
+  /// Generates for every request, batched; outputs in request order, the `sampling.n`
+  /// samples of a request one after another (by `index`). Throws
   /// `invalid_argument` for a text prompt when the model has no tokenizer, or a prompt
   /// longer than the model allows.
   std::vector<generation_output> generate(const std::vector<generation_request>& requests);
@@ -209,11 +215,15 @@ public:
   /// Queues a request for the steps to come and returns its id. Throws `invalid_argument`
   /// as `generate` does (nothing is queued then), for a prompt token id the model does not
   /// know, or for a bad adapter: a request's own mistakes never reach a step, where they
-  /// would fail the others.
+  /// would fail the others. A request of `sampling.n` (or `best_of`) samples runs as that
+  /// many sequences after the one prompt (whose blocks the prefix cache shares); each
+  /// sample's updates carry its `index`, and with `best_of` above `n` only the chosen
+  /// samples' last updates come, once all are drawn.
   int64_t add_request(const generation_request& request);
 
-  /// Ends a request now with finish_reason "abort" and frees its KV-cache blocks; its last
-  /// update comes from the next `step`. Unknown or finished ids are ignored.
+  /// Ends a request (all its samples) now with finish_reason "abort" and frees its KV-cache
+  /// blocks; its last updates come from the next `step`. Unknown or finished ids are
+  /// ignored.
   void abort_request(int64_t id);
 
   /// Whether any request is unfinished (or a step is in flight).

@@ -87,13 +87,20 @@ struct sampling_params {
   /// The end-of-sequence and stop tokens are not drawn, and stop strings do not end the
   /// output, before it holds this many tokens.
   int32_t min_tokens = 0;
+  /// Samples returned for the prompt (vLLM's parallel sampling): each its own sequence
+  /// after the shared prompt; with a seed, sample i draws as a request seeded `seed + i`.
+  int32_t n = 1;
+  /// Samples drawn, of which the `n` most likely (highest sum of logprobs) are returned;
+  /// 0 means `n`. At least `n`.
+  int32_t best_of = 0;
 };
 
 /// Throws `invalid_argument` naming the parameter for a temperature below 0, a top_p
 /// outside (0, 1], a repetition penalty not above 0, presence or frequency penalties outside
 /// [-2, 2], a min_p outside [0, 1], a negative min_tokens, logit_bias lists of different
-/// lengths or a token outside `vocab` (when it is above 0) in logit_bias. Each message
-/// starts with the parameter's name.
+/// lengths or a token outside `vocab` (when it is above 0) in logit_bias, an n outside
+/// [1, 1024] or a best_of other than 0 below n or above 1024. Each message starts with the
+/// parameter's name.
 void validate(const sampling_params& params, int64_t vocab = 0);
 
 template <class Inspector>
@@ -101,7 +108,7 @@ typename Inspector::result_type inspect(Inspector& f, sampling_params& x) {
   return f(caf::meta::type_name("sampling_params"), x.temperature, x.top_p, x.top_k, x.seed,
            x.max_tokens, x.logprobs, x.stop_token_ids, x.ignore_eos, x.repetition_penalty,
            x.presence_penalty, x.frequency_penalty, x.min_p, x.logit_bias_ids,
-           x.logit_bias_values, x.min_tokens);
+           x.logit_bias_values, x.min_tokens, x.n, x.best_of);
 }
 
 // -- execute-model request ----------------------------------------------------
