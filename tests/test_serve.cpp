@@ -400,12 +400,16 @@ TEST_CASE("n samples come as n choices, streamed or not, and best_of keeps the m
   std::vector<json> alone;
   for (int64_t i = 0; i < 4; ++i)
     alone.push_back(one(21 + i));
+  auto answer = [&](const json& request, size_t choices) {
+    auto r = post(s, "/v1/completions", request);
+    REQUIRE_MESSAGE(r.status == 200, r.body);
+    auto j = json::parse(r.body);
+    REQUIRE(j["choices"].size() == choices);
+    return j;
+  };
   auto n = body;
   n["n"] = 3;
-  auto r = post(s, "/v1/completions", n);
-  REQUIRE_MESSAGE(r.status == 200, r.body);
-  auto j = json::parse(r.body);
-  REQUIRE(j["choices"].size() == 3);
+  auto j = answer(n, 3);
   for (int i = 0; i < 3; ++i) {
     CAPTURE(i);
     CHECK(j["choices"][i]["index"] == i);
@@ -458,10 +462,7 @@ TEST_CASE("n samples come as n choices, streamed or not, and best_of keeps the m
   auto best = body;
   best["n"] = 2;
   best["best_of"] = 4;
-  auto b = post(s, "/v1/completions", best);
-  REQUIRE_MESSAGE(b.status == 200, b.body);
-  auto bj = json::parse(b.body);
-  REQUIRE(bj["choices"].size() == 2);
+  auto bj = answer(best, 2);
   for (int i = 0; i < 2; ++i) {
     CHECK(bj["choices"][i]["index"] == i);
     CHECK(bj["choices"][i]["token_ids"] == alone[order[static_cast<size_t>(i)]]["token_ids"]);
