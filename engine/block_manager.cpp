@@ -105,7 +105,7 @@ int32_t block_manager::lookup(const tokens_view& tokens, int64_t index, uint64_t
   if (found == by_hash_.end())
     return -1;
   auto& c = blocks_[static_cast<size_t>(found->second)];
-  if (c.parent != parent)
+  if (c.parent != parent || c.salt != tokens.salt)
     return -1;
   for (int64_t i = 0; i < block_size_; ++i)
     if (c.tokens[static_cast<size_t>(i)] != tokens[index * block_size_ + i])
@@ -189,6 +189,7 @@ void block_manager::cache_computed(int64_t seq, const tokens_view& tokens, int64
       c.cached = true;
       c.hash = h;
       c.parent = parent;
+      c.salt = tokens.salt;
       c.tokens.resize(static_cast<size_t>(block_size_));
       for (int64_t j = 0; j < block_size_; ++j)
         c.tokens[static_cast<size_t>(j)] = tokens[i * block_size_ + j];

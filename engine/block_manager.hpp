@@ -146,6 +146,7 @@ private:
   struct cached_block {
     uint64_t hash = 0;
     uint64_t parent = 0;
+    uint64_t salt = 0;
     std::vector<int32_t> tokens;
     bool cached = false;
   };

@@ -121,15 +121,17 @@ void llm::impl::detokenize(live_request& l, const engine_request& r, bool finish
     auto begin = ids.begin() + static_cast<std::ptrdiff_t>(l.prefix_offset);
     auto prefix = tok->decode({begin, ids.begin() + static_cast<std::ptrdiff_t>(l.read_offset)}, true);
     auto whole = tok->decode({begin, ids.end()}, true);
-    bool grows = whole.size() > prefix.size() && whole.compare(0, prefix.size(), prefix) == 0;
-    if (finished && !grows && whole.compare(0, prefix.size(), prefix) != 0) {
-      l.text = tok->decode(ids, true); // the window decodes otherwise: the whole output
-      l.read_offset = ids.size();
-      return;
-    }
-    if (!grows || (!finished && without_incomplete(whole) < whole.size()))
+    if (whole.size() <= prefix.size())
+      return; // nothing new to show (special tokens skipped)
+    if (!finished && without_incomplete(whole) < whole.size())
       return; // the new tokens end in a cut-off character: wait for the rest
-    l.text.append(whole, prefix.size(), std::string::npos);
+    // What the window adds past its earlier text, from a character's start. Text already
+    // held is never rewritten, even where byte fallback decodes the window otherwise now
+    // (as vLLM's detokenizer).
+    auto from = prefix.size();
+    while (from < whole.size() && (static_cast<unsigned char>(whole[from]) & 0xC0) == 0x80)
+      ++from;
+    l.text.append(whole, from, std::string::npos);
     l.prefix_offset = l.read_offset;
     l.read_offset = ids.size();
   } catch (const std::exception&) {
@@ -349,12 +351,14 @@ llm::llm(llm_config config, worker_factory factory) : impl_(std::make_unique<imp
   limits.max_loras = d.cfg.worker.max_loras;
   limits.max_prompt_adapters = d.cfg.worker.max_prompt_adapters;
   auto scheduling = d.cfg.scheduler;
-  if (scheduling.enable_prefix_caching &&
-      d.model.rope_scaling.type == rope_scaling_config::kind::dynamic) {
-    // Dynamic NTK scaling rotates a step's keys by the sequence's length then: a block's
-    // keys depend on more than the tokens before it, and cannot be shared.
+  // Where the rope changes with the sequence's length (dynamic NTK past
+  // max_position_embeddings, LongRoPE's long factors past the original length), a block's
+  // keys depend on more than the tokens before it: no block can be shared.
+  using rope = rope_scaling_config::kind;
+  const auto& rs = d.model.rope_scaling;
+  if ((rs.type == rope::dynamic && limits.max_model_len > d.model.max_position_embeddings) ||
+      (rs.type == rope::longrope && limits.max_model_len > rs.original_max_position_embeddings))
     scheduling.enable_prefix_caching = false;
-  }
   d.sched = std::make_unique<scheduler>(scheduling, limits, d.exec->config().block_size,
                                         d.blocks.num_device_blocks, d.blocks.num_swap_blocks,
                                         d.model.eos_token_ids);
@@ -551,6 +555,8 @@ int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_
   r.sampling = req.sampling;
   r.sampling.n = 1;
   r.sampling.best_of = 0;
+  if (r.prompt.empty())
+    throw error{errc::invalid_argument, "the prompt is empty"};
   d.counts.prompt_tokens += static_cast<int64_t>(r.prompt.size());
   // Each sample is a sequence of its own after the same prompt (vLLM V1's parallel
   // sampling); the prefix cache shares the prompt's blocks.
@@ -567,8 +573,9 @@ int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_
     auto each = l;
     each.request = id;
     each.index = i;
-    d.live.emplace(sample.seq_id, std::move(each));
+    auto seq = sample.seq_id;
     d.sched->add(std::move(sample));
+    d.live.emplace(seq, std::move(each));
   }
   if (samples > 1)
     d.groups[id] = {samples, req.sampling.n, samples, {}};
@@ -577,8 +584,14 @@ int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_
 
 void llm::abort_request(int64_t id) {
   auto& d = *impl_;
-  auto group = d.groups.find(id);
-  auto samples = group != d.groups.end() ? group->second.samples : 1;
+  int32_t samples = 1;
+  if (auto group = d.groups.find(id); group != d.groups.end()) {
+    samples = group->second.samples;
+  } else {
+    auto one = d.live.find(id);
+    if (one == d.live.end() || one->second.request != id)
+      return; // unknown, finished, or a sample's sequence rather than a request
+  }
   for (auto seq = id; seq < id + samples; ++seq)
     if (d.live.count(seq) > 0 && d.sched->unfinished().count(seq) > 0)
       d.sched->finish(seq, "abort");
@@ -622,8 +635,10 @@ std::vector<generation_update> llm::step() {
   try {
     if (d.steps.empty()) {
       auto sleeps = d.exec->sleep_count();
-      if (sleeps != d.sleeps_seen) { // the workers slept: their KV caches are gone
-        sched.reset_prefix_cache();
+      if (sleeps != d.sleeps_seen) {
+        // The workers slept: their KV caches are gone, the prefix cache with them, and
+        // unfinished requests are computed again.
+        sched.recompute_all();
         d.sleeps_seen = sleeps;
       }
       if (!sched.has_unfinished()) {

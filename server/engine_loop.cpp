@@ -154,7 +154,9 @@ void engine_loop::dispatch(const generation_update& u) {
     return;
   auto sink = at->second;
   auto now = std::chrono::steady_clock::now();
-  if (!u.token_ids.empty()) {
+  // The time to the first token of any sample; the gaps between the first sample's tokens
+  // (the others' come in the same steps).
+  if (!u.token_ids.empty() && (sink->first_token < 0 || u.index == 0)) {
     if (sink->first_token < 0)
       sink->first_token = std::chrono::duration<double>(now - sink->arrived).count();
     else

@@ -42,7 +42,9 @@ struct scheduler_config {
   /// Automatic prefix caching (vLLM's `enable_prefix_caching`, on by default as in vLLM
   /// V1): a request whose first tokens (whole blocks of them, under the same adapters) were
   /// computed before reuses their keys and values instead of computing them again. Off
-  /// for a model with dynamic NTK rope scaling, whose keys depend on the sequence's length.
+  /// where the rope depends on the sequence's length: dynamic NTK scaling past
+  /// max_position_embeddings, LongRoPE past its original length (when max_model_len
+  /// reaches there).
   bool enable_prefix_caching = true;
 
   /// Throws `troupe::error` (`invalid_argument`) naming a limit below 1.
@@ -164,8 +166,8 @@ struct generation_update {
 
 /// The engine's counts, for metrics (`llm::stats`).
 struct engine_stats {
-  /// Requests in the running batch, waiting for their first step (or a recomputation),
-  /// and swapped out.
+  /// Sequences (a request's samples each count) in the running batch, waiting for their
+  /// first step (or a recomputation), and swapped out.
   int64_t running = 0;
   int64_t waiting = 0;
   int64_t swapped = 0;
@@ -179,9 +181,10 @@ struct engine_stats {
   int64_t last_step_requests = 0;
   int64_t max_step_requests = 0;
   int64_t preemptions = 0;
-  /// Prompt tokens looked up in the prefix cache and found there (vLLM's
-  /// `prefix_cache_queries` and `prefix_cache_hits`), and prompt tokens computed (prefill
-  /// chunks, recomputations included).
+  /// Tokens looked up in the prefix cache and found there (vLLM's `prefix_cache_queries`
+  /// and `prefix_cache_hits`: each sequence's prompt when it starts, and its tokens so far
+  /// when it is computed again), and tokens computed before a sequence's first sample or a
+  /// recomputed one's next (prefill chunks).
   int64_t prefix_cache_queries = 0;
   int64_t prefix_cache_hits = 0;
   int64_t prefill_tokens = 0;
@@ -246,7 +249,8 @@ public:
   void sleep(int32_t level = 1);
 
   /// Forgets every cached prefix: later requests compute their prompts whole until cached
-  /// again (vLLM's `reset_prefix_cache`).
+  /// again (vLLM's `reset_prefix_cache`). Call it after changing the workers' weights in
+  /// place: the cached keys and values are the old weights'.
   void reset_prefix_cache();
 
   /// The prompt for one user message, rendered by the model's own chat template (its Jinja
