@@ -55,16 +55,21 @@ void scheduler::append_group(engine_request& r, int64_t chunk, bool is_prompt,
   g.is_prompt = is_prompt;
   sequence_data seq;
   seq.seq_id = r.seq_id;
-  seq.token_ids = r.prompt;
-  seq.token_ids.insert(seq.token_ids.end(), r.output.begin(), r.output.end());
   seq.num_prompt_tokens = static_cast<int32_t>(r.prompt.size());
-  seq.num_computed_tokens = static_cast<int32_t>(r.num_computed);
-  if (r.pending > 0) {
-    // A step ahead: the step in flight computes the last known token and samples the one
-    // this step computes.
+  seq.num_computed_tokens = static_cast<int32_t>(r.pending > 0 ? r.length() : r.num_computed);
+  // Only the tokens this step computes, unless the sampling reads them all: a step's request
+  // does not grow with the outputs.
+  seq.first_token = reads_history(r.sampling) ? 0 : seq.num_computed_tokens;
+  auto known = r.length();
+  seq.token_ids.reserve(static_cast<size_t>(known - seq.first_token + 1));
+  for (int64_t p = seq.first_token; p < known; ++p)
+    seq.token_ids.push_back(p < static_cast<int64_t>(r.prompt.size())
+                              ? r.prompt[static_cast<size_t>(p)]
+                              : r.output[static_cast<size_t>(p) - r.prompt.size()]);
+  // A step ahead: the step in flight computes the last known token and samples the one this
+  // step computes.
+  if (r.pending > 0)
     seq.token_ids.push_back(pending_token);
-    seq.num_computed_tokens = static_cast<int32_t>(r.length());
-  }
   g.do_sample = !is_prompt || r.num_computed + chunk >= r.length();
   if (is_prompt)
     prefill_tokens_ += chunk;

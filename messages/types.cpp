@@ -15,6 +15,11 @@ constexpr int32_t max_samples = 1024;
 
 } // namespace
 
+bool reads_history(const sampling_params& params) {
+  return params.repetition_penalty != 1.0f || params.presence_penalty != 0.0f ||
+         params.frequency_penalty != 0.0f || params.min_tokens > 0;
+}
+
 void validate(const sampling_params& params, int64_t vocab) {
   auto bad = [](const std::string& what) { throw error{errc::invalid_argument, what}; };
   // Written so that NaN fails too.

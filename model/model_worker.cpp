@@ -454,9 +454,7 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
       validate(g.sampling, st.config.vocab_size);
       on_device = on_device && g.sampling.logprobs <= 0 && !processes_logits(g.sampling);
     }
-  auto step_of = [](const sequence_data& seq) {
-    return static_cast<int64_t>(seq.token_ids.size()) - seq.num_prompt_tokens;
-  };
+  auto step_of = [](const sequence_data& seq) { return seq.length() - seq.num_prompt_tokens; };
   std::vector<float> logits;
   std::vector<int32_t> ids;
   std::vector<float> logprobs;
@@ -501,6 +499,11 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
         if (!group.sampling.ignore_eos)
           stop_ids.insert(stop_ids.end(), st.config.eos_token_ids.begin(),
                           st.config.eos_token_ids.end());
+        if (seq.first_token != 0 && reads_history(group.sampling))
+          throw error{errc::invalid_argument,
+                      "request '" + group.request_id + "' samples with penalties or min_tokens, "
+                      "which read all its tokens, but sent them from position " +
+                        std::to_string(seq.first_token)};
         process_logits(processed.data(), vocab, group.sampling, seq.token_ids,
                        static_cast<size_t>(seq.num_prompt_tokens), stop_ids);
         group_out.samples.push_back(sample_token(raw, vocab, group.sampling, stream,

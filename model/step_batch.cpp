@@ -55,10 +55,14 @@ step_batch prepare_batch(const execute_model_request& req, const model_config& c
       auto& seq = group.seqs[s];
       int64_t start = seq.num_computed_tokens;
       int64_t chunk = group.token_chunk_size;
-      if (start < 0 || chunk <= 0 || start + chunk > static_cast<int64_t>(seq.token_ids.size()))
+      if (start < 0 || chunk <= 0 || start + chunk > seq.length())
         bad_request("request '" + group.request_id + "': chunk of " + std::to_string(chunk) +
                     " tokens from position " + std::to_string(start) + " does not fit its " +
-                    std::to_string(seq.token_ids.size()) + " tokens");
+                    std::to_string(seq.length()) + " tokens");
+      if (seq.first_token < 0 || start < seq.first_token)
+        bad_request("request '" + group.request_id + "': its step computes from position " +
+                    std::to_string(start) + ", but its tokens were sent from position " +
+                    std::to_string(seq.first_token));
       if (start + chunk > cfg.max_sequence_length())
         bad_request("request '" + group.request_id + "' reaches position " +
                     std::to_string(start + chunk) + ", past the model's " +
@@ -79,7 +83,7 @@ step_batch prepare_batch(const execute_model_request& req, const model_config& c
       b.tables.push_back(seq.block_table.data());
       b.table_blocks.push_back(blocks_needed);
       for (int64_t p = start; p < start + chunk; ++p) {
-        auto id = seq.token_ids[static_cast<size_t>(p)];
+        auto id = seq.token_ids[static_cast<size_t>(p - seq.first_token)];
         if (id < 0 || id >= cfg.vocab_size)
           bad_request("request '" + group.request_id + "': token " + std::to_string(id) +
                       " is outside the vocabulary of " + std::to_string(cfg.vocab_size));

@@ -242,7 +242,10 @@ TEST_CASE("a step ahead decodes the running requests with their last token pendi
   CHECK(g.request_id == "req-1");
   CHECK_FALSE(g.is_prompt);
   CHECK(g.token_chunk_size == 1);
-  CHECK(g.seqs[0].token_ids == std::vector<int32_t>{5, 6, 7, 8, pending_token});
+  // Only the token it computes goes out: the pending one, at position 4.
+  CHECK(g.seqs[0].token_ids == std::vector<int32_t>{pending_token});
+  CHECK(g.seqs[0].first_token == 4);
+  CHECK(g.seqs[0].length() == 5);
   CHECK(g.seqs[0].num_computed_tokens == 4);
   CHECK(g.seqs[0].block_table.size() == 2);
   CHECK_FALSE(sched.schedule_ahead()); // one step ahead at most
@@ -259,12 +262,13 @@ TEST_CASE("a step ahead decodes the running requests with their last token pendi
   auto done = sched.take_finished();
   REQUIRE(done.size() == 1);
   CHECK(done[0].output == std::vector<int32_t>{40});
-  // The next step ahead carries the token now known and the one still pending.
+  // The next step ahead computes the token still pending, after the one now known.
   auto third = sched.schedule_ahead();
   REQUIRE(third);
-  CHECK(third->seq_group_metadata_list[0].seqs[0].token_ids ==
-        std::vector<int32_t>{5, 6, 7, 8, 41, pending_token});
-  CHECK(third->seq_group_metadata_list[0].seqs[0].num_computed_tokens == 5);
+  auto& next = third->seq_group_metadata_list[0].seqs[0];
+  CHECK(next.token_ids == std::vector<int32_t>{pending_token});
+  CHECK(next.first_token == 5);
+  CHECK(next.num_computed_tokens == 5);
   // A request that ends while steps after it are in flight: their tokens are dropped.
   sched.finish(1, "stop");
   sched.update(sample(*ahead, {42}));

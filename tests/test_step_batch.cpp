@@ -97,3 +97,27 @@ TEST_CASE("a malformed request is refused naming the request and what is wrong")
   CHECK_THROWS_WITH_AS(prepare_batch(req, tiny(), 4, 8, {{nullptr, nullptr}, {}}),
                        doctest::Contains("adapters given for 2 and 0 groups of 1"), error);
 }
+
+TEST_CASE("a sequence sent from its first computed position flattens as the whole one does") {
+  execute_model_request whole;
+  whole.seq_group_metadata_list.push_back(group("decode", 1, {9, 8, 7, 6, 5, 4, 3, 2, 1}, 6, 3,
+                                                {0, 1, 2}));
+  auto cut = whole;
+  auto& seq = cut.seq_group_metadata_list[0].seqs[0];
+  seq.token_ids = {3, 2, 1};
+  seq.first_token = 6;
+  auto a = prepare_batch(whole, tiny(), 4, 8);
+  auto b = prepare_batch(cut, tiny(), 4, 8);
+  REQUIRE(a.tokens.size() == 3);
+  REQUIRE(b.tokens.size() == 3);
+  for (size_t i = 0; i < 3; ++i) {
+    CHECK(a.tokens[i].id == b.tokens[i].id);
+    CHECK(a.tokens[i].position == b.tokens[i].position);
+  }
+  CHECK(a.lengths() == b.lengths());
+  // Tokens the step computes may not be left out.
+  seq.token_ids = {2, 1};
+  seq.first_token = 7;
+  CHECK_THROWS_WITH_AS(prepare_batch(cut, tiny(), 4, 8), doctest::Contains("from position 7"),
+                       error);
+}

@@ -95,6 +95,10 @@ struct sampling_params {
   int32_t best_of = 0;
 };
 
+/// Whether `params` read a sequence's earlier tokens (the repetition, presence and
+/// frequency penalties, min_tokens): an engine sends such a sequence's tokens whole.
+bool reads_history(const sampling_params& params);
+
 /// Throws `invalid_argument` naming the parameter for a temperature below 0, a top_p
 /// outside (0, 1], a repetition penalty not above 0, presence or frequency penalties outside
 /// [-2, 2], a min_p outside [0, 1], a negative min_tokens, logit_bias lists of different
@@ -122,24 +126,33 @@ constexpr int32_t pending_token = -1;
 
 /// One sequence of a group: its tokens so far and where its KV cache lives.
 /// The tokens computed in this step sit at positions
-/// `[num_computed_tokens, num_computed_tokens + token_chunk_size)` of `token_ids`.
+/// `[num_computed_tokens, num_computed_tokens + token_chunk_size)` of the sequence.
 struct sequence_data {
   /// vLLM's seq_id.
   int64_t seq_id = 0;
-  /// Prompt tokens followed by the tokens generated so far.
+  /// Prompt tokens followed by the tokens generated so far, from position `first_token` on.
   std::vector<int32_t> token_ids;
-  /// How many of `token_ids` are the prompt.
+  /// How many tokens of the sequence are the prompt.
   int32_t num_prompt_tokens = 0;
   /// Tokens whose keys and values are already in the cache (the first position of this step).
   int32_t num_computed_tokens = 0;
   /// Physical KV-cache block of each logical block of the sequence.
   std::vector<int32_t> block_table;
+  /// The position of `token_ids[0]` in the sequence. The tokens before it are left out (at
+  /// most up to `num_computed_tokens`, and only where the group's sampling does not
+  /// `reads_history`), so that a step's request does not grow with its sequences.
+  int32_t first_token = 0;
+
+  /// The sequence's length, the tokens left out included.
+  int64_t length() const {
+    return first_token + static_cast<int64_t>(token_ids.size());
+  }
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, sequence_data& x) {
   return f(caf::meta::type_name("sequence_data"), x.seq_id, x.token_ids, x.num_prompt_tokens,
-           x.num_computed_tokens, x.block_table);
+           x.num_computed_tokens, x.block_table, x.first_token);
 }
 
 /// The positions of the tokens a sequence computes in a step of `token_chunk_size` tokens.
