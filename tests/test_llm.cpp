@@ -39,6 +39,15 @@ llm_config tiny(const std::string& model_path) {
   return cfg;
 }
 
+/// SmolLM2's engine: 32 MiB of KV cache, sequences of up to 512 tokens.
+llm_config smollm2(const std::filesystem::path& path) {
+  llm_config cfg;
+  cfg.worker.model_path = path.string();
+  cfg.worker.kv_cache_memory_bytes = 32 << 20;
+  cfg.executor.max_model_len = 512;
+  return cfg;
+}
+
 } // namespace
 
 TEST_CASE("a batch of token-id prompts gives transformers' greedy tokens") {
@@ -132,11 +141,8 @@ TEST_CASE("SmolLM2: chat prompts and generation as transformers does them") {
   auto path = testing::smollm2_or_skip();
   if (path.empty())
     return;
-  llm_config cfg;
-  cfg.worker.model_path = path.string();
+  auto cfg = smollm2(path);
   cfg.worker.cpu_precision = "exact"; // transformers' numbers
-  cfg.worker.kv_cache_memory_bytes = 32 << 20;
-  cfg.executor.max_model_len = 512;
   llm model{cfg};
   auto ref = read_json(fixtures + "/smollm2-reference.json")["runs"];
   CHECK(model.chat_prompt("What is the capital of France?") == ref[0]["text"].get<std::string>());
@@ -370,10 +376,7 @@ TEST_CASE("streamed text adds up to the whole output's decode, and stop strings 
   auto path = troupe::testing::smollm2_or_skip();
   if (path.empty())
     return;
-  llm_config cfg;
-  cfg.worker.model_path = path.string();
-  cfg.worker.kv_cache_memory_bytes = 32 << 20;
-  cfg.executor.max_model_len = 512;
+  auto cfg = smollm2(path);
   llm model{cfg};
   // Sampled at a high temperature from prompts in several scripts: the output's tokens cut
   // characters of two to four bytes.
@@ -580,10 +583,7 @@ TEST_CASE("SmolLM2: chats after one system prompt give the same tokens with the 
   auto path = troupe::testing::smollm2_or_skip();
   if (path.empty())
     return;
-  llm_config cfg;
-  cfg.worker.model_path = path.string();
-  cfg.worker.kv_cache_memory_bytes = 32 << 20;
-  cfg.executor.max_model_len = 512;
+  auto cfg = smollm2(path);
   std::string system = "You are a careful assistant for a public library. Answer in one or two "
                        "sentences, name the section of the library where the reader can find "
                        "more, and never invent a book title that you are not sure exists.";
