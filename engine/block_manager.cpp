@@ -123,20 +123,28 @@ void block_manager::uncache(int32_t block) {
   c = cached_block{};
 }
 
-block_manager::prefix_hit block_manager::find_prefix(const tokens_view& tokens) const {
-  prefix_hit hit;
+std::vector<std::pair<int32_t, uint64_t>> block_manager::match(const tokens_view& tokens) const {
+  std::vector<std::pair<int32_t, uint64_t>> found;
   if (!prefix_caching_ || tokens.size() == 0)
-    return hit;
+    return found;
   uint64_t parent = 0;
   for (int64_t i = 0; i < (tokens.size() - 1) / block_size_; ++i) {
     auto h = hash_block(tokens, i, parent);
     auto b = lookup(tokens, i, parent, h);
     if (b < 0)
       break;
+    found.emplace_back(b, h);
+    parent = h;
+  }
+  return found;
+}
+
+block_manager::prefix_hit block_manager::find_prefix(const tokens_view& tokens) const {
+  prefix_hit hit;
+  for (auto& [b, h] : match(tokens)) {
     ++hit.blocks;
     if (device_refs_[static_cast<size_t>(b)] > 0)
       ++hit.in_use;
-    parent = h;
   }
   return hit;
 }
@@ -146,30 +154,30 @@ int64_t block_manager::allocate(int64_t seq, const tokens_view& tokens) {
     misuse("sequence " + std::to_string(seq) + " already holds blocks");
   if (tokens.size() <= 0)
     misuse("a prompt needs at least one token");
-  auto hit = find_prefix(tokens);
+  auto cached = match(tokens);
+  auto hits = static_cast<int64_t>(cached.size());
+  int64_t in_use = 0;
+  for (auto& [b, h] : cached)
+    in_use += device_refs_[static_cast<size_t>(b)] > 0 ? 1 : 0;
   auto needed = blocks_for(tokens.size());
-  if (needed - hit.in_use > free_device_blocks())
+  if (needed - in_use > free_device_blocks())
     misuse("not enough free device blocks for " + std::to_string(tokens.size()) + " tokens");
   table t;
-  uint64_t parent = 0;
-  for (int64_t i = 0; i < hit.blocks; ++i) {
-    auto h = hash_block(tokens, i, parent);
-    auto b = lookup(tokens, i, parent, h);
+  for (auto& [b, h] : cached) {
     auto& refs = device_refs_[static_cast<size_t>(b)];
     if (refs++ == 0)
       evictable_.erase(evictable_at_[static_cast<size_t>(b)]);
     t.blocks.push_back(b);
     t.hashes.push_back(h);
-    parent = h;
   }
-  for (auto i = hit.blocks; i < needed; ++i)
+  for (auto i = hits; i < needed; ++i)
     t.blocks.push_back(take_device());
   tables_.emplace(seq, std::move(t));
   if (prefix_caching_) {
     cache_queries_ += tokens.size();
-    cache_hits_ += hit.blocks * block_size_;
+    cache_hits_ += hits * block_size_;
   }
-  return hit.blocks * block_size_;
+  return hits * block_size_;
 }
 
 void block_manager::cache_computed(int64_t seq, const tokens_view& tokens, int64_t computed) {

@@ -75,17 +75,14 @@ public:
   int64_t allocate(int64_t seq, const tokens_view& tokens);
 
   /// Makes the full blocks of `seq` among its first `computed` tokens (computed, or being
-  /// computed in the step being made) known to later sequences (none while it is swapped out or holds no blocks). Only the blocks filled
-  /// since the last call cost anything.
+  /// computed in the step being made) known to later sequences (none while it is swapped
+  /// out or holds no blocks). Only the blocks filled since the last call cost anything.
   void cache_computed(int64_t seq, const tokens_view& tokens, int64_t computed);
 
   /// Forgets every cached block (the workers' caches were discarded): none is shared from
   /// now on until computed again.
   void reset_cache();
 
-  bool prefix_caching() const {
-    return prefix_caching_;
-  }
   /// Prompt tokens looked up in the cache and found there, so far (vLLM's
   /// `prefix_cache_queries` and `prefix_cache_hits`).
   int64_t cache_queries() const {
@@ -162,6 +159,8 @@ private:
   /// cached block (-1 for none).
   uint64_t hash_block(const tokens_view& tokens, int64_t index, uint64_t parent) const;
   int32_t lookup(const tokens_view& tokens, int64_t index, uint64_t parent, uint64_t hash) const;
+  /// The cached blocks `tokens` starts with (as `find_prefix` counts them), with their hashes.
+  std::vector<std::pair<int32_t, uint64_t>> match(const tokens_view& tokens) const;
   void uncache(int32_t block);
   /// Blocks of `seqs` counted once each.
   int64_t distinct_blocks(const std::vector<int64_t>& seqs, bool swapped) const;
