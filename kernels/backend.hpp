@@ -205,6 +205,12 @@ public:
   virtual void gather_rows(const int32_t* ids, const void* table, dtype table_type, float* out,
                            int64_t rows, int64_t dim) = 0;
 
+  /// y[rows[r]] += weights[r] · x[r] for each of `n` rows of `dim` floats; `rows` holds no
+  /// row twice (an expert's tokens, summed into the layer's output with their router
+  /// weights).
+  virtual void scatter_add_rows(const float* x, const int32_t* rows, const float* weights,
+                                float* y, int64_t n, int64_t dim) = 0;
+
   /// Writes `tokens` rows of `row` floats of keys and values into one layer's cache
   /// ([slots, row]): token t goes to slot `slots[t]` (block × block_size + offset).
   virtual void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,

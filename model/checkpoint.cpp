@@ -98,11 +98,22 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
   checkpoint result;
   result.directory_ = path;
   result.gguf_ = file;
-  bool interleaved_rope = config.architecture == "LlamaForCausalLM";
+  bool interleaved_rope = config.architecture == "LlamaForCausalLM" ||
+                         config.architecture == "MixtralForCausalLM";
   for (auto& t : file->tensors()) {
     // LongRoPE's factors are the config's (gguf_file::config reads them).
     if (t.name == "rope_factors_long.weight" || t.name == "rope_factors_short.weight")
       continue;
+    if (config.num_experts > 0) {
+      tensor_view merged;
+      merged.name = t.name;
+      merged.type = file->stored_type(t);
+      merged.shape = t.shape;
+      merged.data = file->data(t);
+      merged.bytes = t.bytes;
+      if (result.add_experts(merged, config))
+        continue;
+    }
     auto name =
       t.name == "rope_freqs.weight" ? t.name : hf_tensor_name(t.name, config.architecture);
     if (name.empty())
@@ -134,6 +145,41 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
   }
   result.split_fused(config);
   return result;
+}
+
+bool checkpoint::add_experts(const tensor_view& t, const model_config& config) {
+  // blk.N.ffn_{gate,up,down}_exps.weight: [experts, rows, cols], each expert's matrix whole.
+  static const std::pair<const char*, const char*> merged[] = {
+    {"ffn_gate_exps.weight", "gate"}, {"ffn_up_exps.weight", "up"}, {"ffn_down_exps.weight", "down"}};
+  auto dot = t.name.find('.', 4);
+  if (t.name.rfind("blk.", 0) != 0 || dot == std::string::npos)
+    return false;
+  auto rest = t.name.substr(dot + 1);
+  auto kind = std::find_if(std::begin(merged), std::end(merged),
+                           [&](auto& m) { return rest == m.first; });
+  if (kind == std::end(merged))
+    return false;
+  auto layer_text = t.name.substr(4, dot - 4);
+  if (layer_text.empty() || layer_text.size() > 4 ||
+      layer_text.find_first_not_of("0123456789") != std::string::npos)
+    return false; // no layer: refused as a tensor without a place
+  if (t.shape.size() != 3 || t.shape[0] != config.num_experts)
+    throw error{errc::invalid_argument,
+                "model '" + directory_ + "': tensor '" + t.name + "' is not [" +
+                  std::to_string(config.num_experts) + " experts, rows, columns]"};
+  auto layer = std::stoll(layer_text);
+  auto bytes = t.bytes / static_cast<size_t>(t.shape[0]);
+  for (int64_t e = 0; e < t.shape[0]; ++e) {
+    auto view = std::make_unique<tensor_view>();
+    view->name = expert_weight_name(config, layer, e, kind->second);
+    view->type = t.type;
+    view->shape = {t.shape[1], t.shape[2]};
+    view->data = t.data + static_cast<size_t>(e) * bytes;
+    view->bytes = bytes;
+    index_[view->name] = view.get();
+    views_.push_back(std::move(view));
+  }
+  return true;
 }
 
 void checkpoint::split_fused(const model_config& c) {

@@ -67,6 +67,10 @@ public:
 
 private:
   void open(const std::vector<std::string>& paths);
+  /// Adds a GGUF file's merged expert tensor (`blk.N.ffn_gate_exps.weight` …, `merged`
+  /// under its GGUF name) as a view of each expert's matrix under its Hugging Face name;
+  /// false when `merged` is none.
+  bool add_experts(const tensor_view& merged, const model_config& config);
   /// Replaces each fused projection by views of its parts, sized by `config`.
   void split_fused(const model_config& config);
 

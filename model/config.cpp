@@ -58,6 +58,41 @@ int32_t token_id(const json& j, const char* key, const std::string& origin) {
   return ids.empty() ? -1 : ids.front();
 }
 
+/// The experts of a Mixtral or Qwen3-MoE config: how many (`num_local_experts`, as
+/// transformers 5 writes it, or `num_experts`), how many a token, how wide; Qwen3-MoE's
+/// dense layers and `norm_topk_prob`.
+void parse_experts(const json& j, model_config& c, const std::string& origin) {
+  c.num_experts = positive_int(j, j.contains("num_local_experts") ? "num_local_experts"
+                                                                   : "num_experts", origin);
+  c.num_experts_per_tok = positive_int(j, "num_experts_per_tok", origin);
+  if (c.architecture == "MixtralForCausalLM") {
+    c.moe_intermediate_size = c.intermediate_size;
+    return;
+  }
+  c.moe_intermediate_size = positive_int(j, "moe_intermediate_size", origin);
+  // transformers' Qwen3-MoE default is off; the published models turn it on.
+  c.norm_topk_prob = j.contains("norm_topk_prob") && j["norm_topk_prob"].is_boolean() &&
+                     j["norm_topk_prob"].get<bool>();
+  int64_t step = j.contains("decoder_sparse_step") ? positive_int(j, "decoder_sparse_step", origin)
+                                                    : 1;
+  std::vector<bool> dense(static_cast<size_t>(c.num_hidden_layers), false);
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
+    dense[static_cast<size_t>(layer)] = (layer + 1) % step != 0;
+  if (j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null()) {
+    if (!j["mlp_only_layers"].is_array())
+      bad_config(origin, "mlp_only_layers must be a list of layers");
+    for (auto& v : j["mlp_only_layers"]) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 ||
+          v.get<int64_t>() >= c.num_hidden_layers)
+        bad_config(origin, "mlp_only_layers names " + v.dump() + ", not a layer of " +
+                             std::to_string(c.num_hidden_layers));
+      dense[static_cast<size_t>(v.get<int64_t>())] = true;
+    }
+  }
+  if (std::find(dense.begin(), dense.end(), true) != dense.end())
+    c.dense_layers = dense;
+}
+
 } // namespace
 
 void validate_model_config(const model_config& c, const std::string& origin) {
@@ -75,6 +110,15 @@ void validate_model_config(const model_config& c, const std::string& origin) {
   check("num_key_value_heads", c.num_key_value_heads, 4096);
   check("head_dim", c.head_dim, 4096);
   check("max_position_embeddings", c.max_position_embeddings, int64_t{1} << 24);
+  if (c.num_experts != 0) {
+    check("num_experts", c.num_experts, 4096);
+    check("num_experts_per_tok", c.num_experts_per_tok, c.num_experts);
+    check("moe_intermediate_size", c.moe_intermediate_size, int64_t{1} << 22);
+    if (!c.dense_layers.empty() &&
+        static_cast<int64_t>(c.dense_layers.size()) != c.num_hidden_layers)
+      bad_config(origin, "the dense layers name " + std::to_string(c.dense_layers.size()) +
+                           " layers of " + std::to_string(c.num_hidden_layers));
+  }
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     bad_config(origin, "num_attention_heads " + std::to_string(c.num_attention_heads) +
                          " is not a multiple of num_key_value_heads " +
@@ -166,11 +210,30 @@ int64_t model_config::window_of(int64_t layer) const {
   return sliding_layers.at(static_cast<size_t>(layer)) ? sliding_window : 0;
 }
 
+bool model_config::sparse(int64_t layer) const {
+  return num_experts > 0 &&
+         (dense_layers.empty() || !dense_layers.at(static_cast<size_t>(layer)));
+}
+
+std::string router_weight_name(const model_config& c, int64_t layer) {
+  auto block = c.architecture == "MixtralForCausalLM" ? ".block_sparse_moe" : ".mlp";
+  return "model.layers." + std::to_string(layer) + block + ".gate.weight";
+}
+
+std::string expert_weight_name(const model_config& c, int64_t layer, int64_t expert,
+                               const std::string& proj) {
+  auto prefix = "model.layers." + std::to_string(layer);
+  auto e = std::to_string(expert);
+  if (c.architecture == "MixtralForCausalLM")
+    return prefix + ".block_sparse_moe.experts." + e + "." +
+           (proj == "gate" ? "w1" : proj == "up" ? "w3" : "w2") + ".weight";
+  return prefix + ".mlp.experts." + e + "." + proj + "_proj.weight";
+}
+
 int64_t model_config::num_parameters() const {
   auto q = num_attention_heads * head_dim;
   auto kv = num_key_value_heads * head_dim;
-  int64_t per_layer = hidden_size * (q + 2 * kv) + q * hidden_size
-                      + 3 * hidden_size * intermediate_size + 2 * hidden_size;
+  int64_t per_layer = hidden_size * (q + 2 * kv) + q * hidden_size + 2 * hidden_size;
   if (attention_bias)
     per_layer += q + 2 * kv;
   if (o_proj_bias)
@@ -182,6 +245,9 @@ int64_t model_config::num_parameters() const {
   if (sandwich_norms)
     per_layer += 2 * hidden_size;
   int64_t total = num_hidden_layers * per_layer + vocab_size * hidden_size + hidden_size;
+  for (int64_t layer = 0; layer < num_hidden_layers; ++layer)
+    total += sparse(layer) ? num_experts * (3 * hidden_size * moe_intermediate_size + hidden_size)
+                           : 3 * hidden_size * intermediate_size;
   if (!tie_word_embeddings)
     total += vocab_size * hidden_size;
   return total;
@@ -199,14 +265,17 @@ model_config parse_model_config(const std::string& json_text, const std::string&
   if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM"
       && c.architecture != "Qwen2ForCausalLM" && c.architecture != "Qwen3ForCausalLM"
       && c.architecture != "Phi3ForCausalLM" && c.architecture != "Gemma2ForCausalLM"
-      && c.architecture != "Gemma3ForCausalLM")
+      && c.architecture != "Gemma3ForCausalLM" && c.architecture != "MixtralForCausalLM"
+      && c.architecture != "Qwen3MoeForCausalLM")
     bad_config(origin, "architecture " + c.architecture +
                          " is not supported (LlamaForCausalLM, MistralForCausalLM, "
                          "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
-                         "Gemma2ForCausalLM, Gemma3ForCausalLM)");
+                         "Gemma2ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, "
+                         "Qwen3MoeForCausalLM)");
   const bool gemma3 = c.architecture == "Gemma3ForCausalLM";
   const bool gemma = gemma3 || c.architecture == "Gemma2ForCausalLM";
-  c.qk_norm = c.architecture == "Qwen3ForCausalLM" || gemma3;
+  const bool qwen3_moe = c.architecture == "Qwen3MoeForCausalLM";
+  c.qk_norm = c.architecture == "Qwen3ForCausalLM" || qwen3_moe || gemma3;
   if (gemma) {
     c.scale_embeddings = true;
     c.norm_weight_offset = 1;
@@ -417,6 +486,8 @@ model_config parse_model_config(const std::string& json_text, const std::string&
       c.torch_dtype = j[key].get<std::string>();
       break;
     }
+  if (c.architecture == "MixtralForCausalLM" || qwen3_moe)
+    parse_experts(j, c, origin);
   c.bos_token_id = token_id(j, "bos_token_id", origin);
   for (auto id : token_ids(j, "eos_token_id", origin))
     c.add_eos_token(id);
@@ -452,6 +523,8 @@ std::string to_config_json(const model_config& c) {
                     : c.architecture == "Phi3ForCausalLM"    ? "phi3"
                     : c.architecture == "Gemma2ForCausalLM"  ? "gemma2"
                     : c.architecture == "Gemma3ForCausalLM"  ? "gemma3_text"
+                    : c.architecture == "MixtralForCausalLM" ? "mixtral"
+                    : c.architecture == "Qwen3MoeForCausalLM" ? "qwen3_moe"
                                                              : "llama";
   j["vocab_size"] = c.vocab_size;
   j["hidden_size"] = c.hidden_size;
@@ -517,6 +590,16 @@ std::string to_config_json(const model_config& c) {
     j["final_logit_softcapping"] = c.final_logit_softcapping;
   if (c.local_rope_theta > 0)
     j["rope_local_base_freq"] = c.local_rope_theta;
+  if (c.num_experts > 0) {
+    j["num_local_experts"] = c.num_experts;
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["moe_intermediate_size"] = c.moe_intermediate_size;
+    j["norm_topk_prob"] = c.norm_topk_prob;
+    auto& dense = j["mlp_only_layers"] = json::array();
+    for (size_t layer = 0; layer < c.dense_layers.size(); ++layer)
+      if (c.dense_layers[layer])
+        dense.push_back(layer);
+  }
   if (c.bos_token_id >= 0)
     j["bos_token_id"] = c.bos_token_id;
   if (c.eos_token_ids.size() == 1)

@@ -48,8 +48,9 @@ struct rope_scaling_config {
 struct model_config {
   /// `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
   /// `Phi3ForCausalLM` (whose checkpoints fuse q, k and v into `qkv_proj` and gate and up
-  /// into `gate_up_proj`: `checkpoint` splits them), `Gemma2ForCausalLM` or
-  /// `Gemma3ForCausalLM`.
+  /// into `gate_up_proj`: `checkpoint` splits them), `Gemma2ForCausalLM`,
+  /// `Gemma3ForCausalLM`, or the mixtures of experts `MixtralForCausalLM` and
+  /// `Qwen3MoeForCausalLM`.
   std::string architecture;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -99,6 +100,23 @@ struct model_config {
   /// Which layers slide (config.json's `layer_types`, or Qwen2's layers from
   /// `max_window_layers` on); empty: every layer, when there is a window.
   std::vector<bool> sliding_layers;
+  /// Mixture of experts (Mixtral, Qwen3-MoE): the experts of each sparse layer, whose MLP
+  /// is a router (`gate`, [num_experts, hidden]) and that many SwiGLU MLPs; 0: every MLP is
+  /// dense.
+  int64_t num_experts = 0;
+  /// The experts each token goes to: the largest `num_experts_per_tok` of the router's
+  /// softmax, their outputs summed with those weights.
+  int64_t num_experts_per_tok = 0;
+  /// Each expert's intermediate size (Qwen3-MoE's `moe_intermediate_size`; Mixtral's
+  /// experts are `intermediate_size` wide).
+  int64_t moe_intermediate_size = 0;
+  /// The chosen weights are divided by their sum (Mixtral always; Qwen3-MoE's
+  /// `norm_topk_prob`).
+  bool norm_topk_prob = true;
+  /// Layers whose MLP stays dense (`intermediate_size` wide) in a model with experts
+  /// (Qwen3-MoE's `mlp_only_layers`, and the layers `decoder_sparse_step` skips); empty:
+  /// none.
+  std::vector<bool> dense_layers;
   int32_t bos_token_id = -1;
   /// Every token that ends a sequence: config.json's `eos_token_id` (one or a list) and
   /// generation_config.json's next to it, or a GGUF file's end-of-sequence and end-of-turn
@@ -120,7 +138,19 @@ struct model_config {
   int64_t max_sequence_length() const;
   /// The window of layer `layer`'s attention: `sliding_window` when it slides, else 0.
   int64_t window_of(int64_t layer) const;
+  /// Whether layer `layer`'s MLP is a mixture of experts.
+  bool sparse(int64_t layer) const;
 };
+
+/// The Hugging Face name of layer `layer`'s router weight ([num_experts, hidden]):
+/// Mixtral's `block_sparse_moe.gate.weight`, Qwen3-MoE's `mlp.gate.weight`.
+std::string router_weight_name(const model_config& config, int64_t layer);
+
+/// The Hugging Face name of projection `proj` (`"gate"`, `"up"` or `"down"`) of expert
+/// `expert` in layer `layer`: Mixtral's `block_sparse_moe.experts.E.w1` (gate), `w3` (up),
+/// `w2` (down); Qwen3-MoE's `mlp.experts.E.gate_proj` and so on.
+std::string expert_weight_name(const model_config& config, int64_t layer, int64_t expert,
+                               const std::string& proj);
 
 /// Reads `config.json` of a Hugging Face model directory. Throws `troupe::error`
 /// (`invalid_argument`) naming the file and the field for a missing or bad value and for an

@@ -380,8 +380,12 @@ model_config gguf_file::config() const {
     return v;
   };
   model_config c;
+  // llama.cpp writes Mixtral as llama with experts.
   if (arch == "llama")
-    c.architecture = "LlamaForCausalLM";
+    c.architecture = number("expert_count", 0, false) > 0 ? "MixtralForCausalLM"
+                                                          : "LlamaForCausalLM";
+  else if (arch == "qwen3moe")
+    c.architecture = "Qwen3MoeForCausalLM";
   else if (arch == "qwen2")
     c.architecture = "Qwen2ForCausalLM";
   else if (arch == "qwen3")
@@ -394,8 +398,8 @@ model_config gguf_file::config() const {
     c.architecture = "Gemma3ForCausalLM";
   else
     bad(path_, "architecture " + arch +
-                 " is not supported (llama, qwen2, qwen3, phi3, gemma2, gemma3)");
-  c.qk_norm = arch == "qwen3" || arch == "gemma3";
+                 " is not supported (llama, qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3)");
+  c.qk_norm = arch == "qwen3" || arch == "qwen3moe" || arch == "gemma3";
   c.hidden_size = static_cast<int64_t>(number("embedding_length", 0, true));
   c.num_hidden_layers = static_cast<int64_t>(number("block_count", 0, true));
   c.intermediate_size = static_cast<int64_t>(number("feed_forward_length", 0, true));
@@ -424,6 +428,14 @@ model_config gguf_file::config() const {
                 number("attention.sliding_window", 0, false),
                 number("rope.scaling.original_context_length", 0, false),
                 number("rope.scaling.attn_factor", 0, false));
+  if (c.architecture == "MixtralForCausalLM" || arch == "qwen3moe") {
+    // llama.cpp renormalizes the chosen weights of both (Qwen3-MoE's published
+    // norm_topk_prob).
+    c.num_experts = static_cast<int64_t>(number("expert_count", 0, true));
+    c.num_experts_per_tok = static_cast<int64_t>(number("expert_used_count", 0, true));
+    c.moe_intermediate_size = static_cast<int64_t>(number(
+      "expert_feed_forward_length", static_cast<double>(c.intermediate_size), false));
+  }
   if (auto vocab = find<array>("tokenizer.ggml.tokens"))
     c.vocab_size = static_cast<int64_t>(vocab->count);
   else
@@ -480,6 +492,13 @@ std::string hf_tensor_name(const std::string& name, const std::string& architect
   static const std::map<std::string, std::string> phi3 = {
     {"ffn_up.weight", "mlp.gate_up_proj.weight"},
   };
+  // The routers (the experts' merged tensors are split by checkpoint::from_gguf).
+  static const std::map<std::string, std::string> mixtral = {
+    {"ffn_gate_inp.weight", "block_sparse_moe.gate.weight"},
+  };
+  static const std::map<std::string, std::string> qwen3_moe = {
+    {"ffn_gate_inp.weight", "mlp.gate.weight"},
+  };
   if (name.rfind("blk.", 0) != 0)
     return {};
   auto dot = name.find('.', 4);
@@ -489,8 +508,10 @@ std::string hf_tensor_name(const std::string& name, const std::string& architect
   auto rest = name.substr(dot + 1);
   const auto* family = architecture == "Gemma2ForCausalLM" || architecture == "Gemma3ForCausalLM"
                          ? &gemma
-                       : architecture == "Phi3ForCausalLM" ? &phi3
-                                                           : nullptr;
+                       : architecture == "Phi3ForCausalLM"     ? &phi3
+                       : architecture == "MixtralForCausalLM"  ? &mixtral
+                       : architecture == "Qwen3MoeForCausalLM" ? &qwen3_moe
+                                                               : nullptr;
   if (family)
     if (auto f = family->find(rest); f != family->end())
       return "model.layers." + layer + "." + f->second;

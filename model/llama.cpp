@@ -102,7 +102,8 @@ void copy_stored_cols(const tensor_view& t, int64_t row0, int64_t rows, int64_t 
 } // namespace
 
 llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t world,
-                         dtype weight_type, bool stored_types, bool int8_activations)
+                         dtype weight_type, bool stored_types, bool int8_activations,
+                         bool expert_parallel)
   : cfg_(std::move(cfg)),
     dev_(dev),
     backend_(make_backend(dev, threads_per_rank(world), int8_activations)),
@@ -128,6 +129,15 @@ llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t wo
   local_kv_ = (head_begin_ + local_heads_ + group - 1) / group - kv_offset_;
   inter_begin_ = share(cfg_.intermediate_size, rank);
   local_inter_ = share(cfg_.intermediate_size, rank + 1) - inter_begin_;
+  if (cfg_.num_experts > 0 && expert_parallel) {
+    expert_begin_ = share(cfg_.num_experts, rank);
+    local_experts_ = share(cfg_.num_experts, rank + 1) - expert_begin_;
+    local_moe_inter_ = cfg_.moe_intermediate_size;
+  } else if (cfg_.num_experts > 0) {
+    local_experts_ = cfg_.num_experts;
+    moe_inter_begin_ = share(cfg_.moe_intermediate_size, rank);
+    local_moe_inter_ = share(cfg_.moe_intermediate_size, rank + 1) - moe_inter_begin_;
+  }
   vocab_begin_ = share(cfg_.vocab_size, rank);
   local_vocab_ = share(cfg_.vocab_size, rank + 1) - vocab_begin_;
   base_inv_freq_ = rotary_frequencies(cfg_.rope_theta);
@@ -263,8 +273,29 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       jobs.push_back({&l.k_norm, p + "self_attn.k_norm.weight", {D}, part::whole, 0, 0, f32});
     }
     tensor_slot* weights[] = {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down};
+    const bool sparse = cfg_.sparse(i);
+    if (sparse) {
+      const auto I = cfg_.moe_intermediate_size;
+      jobs.push_back({&l.router, router_weight_name(cfg_, i), {cfg_.num_experts, H}, part::whole,
+                      0, 0, wt});
+      l.experts.resize(static_cast<size_t>(local_experts_));
+      for (int64_t e = 0; e < local_experts_; ++e) {
+        auto& x = l.experts[static_cast<size_t>(e)];
+        auto name = [&](const char* proj) {
+          return expert_weight_name(cfg_, i, expert_begin_ + e, proj);
+        };
+        jobs.push_back({&x.gate, name("gate"), {I, H}, part::rows, moe_inter_begin_,
+                        local_moe_inter_, wt});
+        jobs.push_back({&x.up, name("up"), {I, H}, part::rows, moe_inter_begin_,
+                        local_moe_inter_, wt});
+        jobs.push_back({&x.down, name("down"), {H, I}, part::cols, moe_inter_begin_,
+                        local_moe_inter_, wt});
+      }
+    }
     for (size_t n = 0; n < projection_count; ++n) {
       auto proj = static_cast<projection>(n);
+      if (sparse && proj > projection::o)
+        continue;
       auto sh = shard_of(proj);
       auto parent = proj <= projection::o ? "self_attn." : "mlp.";
       jobs.push_back({weights[n], p + parent + module_name(proj) + ".weight", {sh.out, sh.in},
@@ -295,6 +326,11 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
   std::set<std::string> wanted{"rope_freqs.weight"};
   for (auto& j : jobs)
     wanted.insert(j.name);
+  // The experts other ranks hold (expert parallelism).
+  for (int64_t i = 0; i < cfg_.num_hidden_layers && !presharded; ++i)
+    for (int64_t e = 0; cfg_.sparse(i) && e < cfg_.num_experts; ++e)
+      for (auto proj : {"gate", "up", "down"})
+        wanted.insert(expert_weight_name(cfg_, i, e, proj));
   for (auto& name : ckpt.names()) {
     auto ignored = name.find("rotary_emb.inv_freq") != std::string::npos ||
                    (cfg_.tie_word_embeddings && name == "lm_head.weight");
@@ -582,6 +618,16 @@ llama_model::step_layout llama_model::layout_of(int64_t T, int64_t S, int64_t se
   l.sampling = take(S * static_cast<int64_t>(sizeof(row_sampling) / sizeof(float)));
   l.sampled_ids = take(S);
   l.sampled_logprobs = take(S);
+  // A sparse layer: one expert takes each token at most once.
+  const bool moe = cfg_.num_experts > 0;
+  l.router = take(moe ? T * cfg_.num_experts : 0);
+  l.moe_in = take(moe ? T * H : 0);
+  l.expert_x = take(moe ? T * H : 0);
+  l.expert_gate = take(moe ? T * local_moe_inter_ : 0);
+  l.expert_up = take(moe ? T * local_moe_inter_ : 0);
+  l.expert_out = take(moe ? T * H : 0);
+  l.routes = take(moe ? T * cfg_.num_experts_per_tok : 0);
+  l.route_weights = take(moe ? T * cfg_.num_experts_per_tok : 0);
   return l;
 }
 
@@ -630,6 +676,11 @@ lora_weights llama_model::load_lora(const std::string& path, int64_t max_rank) c
       if (!f.a)
         continue;
       auto proj = static_cast<projection>(n);
+      if (proj > projection::o && cfg_.sparse(static_cast<int64_t>(l)))
+        throw error{errc::unsupported,
+                    "adapter '" + path + "' adapts " + module_name(proj) + " of layer " +
+                      std::to_string(l) + ", whose MLP is a mixture of experts: troupe " +
+                      "adapts the attention projections of such layers only"};
       auto sh = shard_of(proj);
       auto rank = f.a->shape[0];
       if (f.a->shape[1] != sh.in || f.b->shape[0] != sh.out)
@@ -820,8 +871,12 @@ llama_model::step_buffers llama_model::upload_step(const step_batch& batch,
   for (auto [buffer, offset] :
        {std::pair{&b.x, parts.x}, {&b.h, parts.h}, {&b.q, parts.q}, {&b.k, parts.k},
         {&b.v, parts.v}, {&b.attn, parts.attn}, {&b.gate, parts.gate}, {&b.up, parts.up},
-        {&b.mid, parts.mid}, {&b.last, parts.last}, {&b.logits, parts.logits}})
+        {&b.mid, parts.mid}, {&b.last, parts.last}, {&b.logits, parts.logits},
+        {&b.router, parts.router}, {&b.moe_in, parts.moe_in}, {&b.expert_x, parts.expert_x},
+        {&b.expert_gate, parts.expert_gate}, {&b.expert_up, parts.expert_up},
+        {&b.expert_out, parts.expert_out}, {&b.route_weights, parts.route_weights}})
     *buffer = base + offset;
+  b.routes = reinterpret_cast<int32_t*>(base + parts.routes);
   b.layout.block_tables = b.ints + parts.tables;
   b.layout.max_blocks = max_blocks;
   b.layout.token_seq = b.ints + parts.token_seq;
@@ -910,7 +965,88 @@ void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b,
     be.add_bias(b.h, l.o_bias.as<float>(), T, H);
 }
 
+void llama_model::experts(size_t li, const step_buffers& b) {
+  auto& be = *backend_;
+  auto& l = layers_[li];
+  const auto T = b.tokens;
+  const auto H = cfg_.hidden_size;
+  const auto E = cfg_.num_experts;
+  const auto K = cfg_.num_experts_per_tok;
+  const auto I = local_moe_inter_;
+  // Which experts run depends on the router's logits: they come to the host (a step with
+  // experts is never replayed as a graph).
+  be.gemm_nt_shared(b.h, l.router.type, T, H, {l.router.into(b.router, E)});
+  std::vector<float> logits(static_cast<size_t>(T * E));
+  dev_.copy(logits.data(), b.router, logits.size() * sizeof(float));
+  // Each token's top K of the softmax (float32, as transformers computes it), renormalized
+  // where the model does; then each local expert's tokens and weights, in token order.
+  std::vector<std::vector<std::pair<int32_t, float>>> taken(static_cast<size_t>(local_experts_));
+  std::vector<float> probs(static_cast<size_t>(E));
+  std::vector<int64_t> order(static_cast<size_t>(E));
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = &logits[static_cast<size_t>(t * E)];
+    float top = *std::max_element(row, row + E);
+    float sum = 0;
+    for (int64_t e = 0; e < E; ++e)
+      sum += probs[static_cast<size_t>(e)] = std::exp(row[e] - top);
+    for (auto& p : probs)
+      p /= sum;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int64_t a, int64_t c) {
+      auto pa = probs[static_cast<size_t>(a)], pc = probs[static_cast<size_t>(c)];
+      return pa > pc || (pa == pc && a < c);
+    });
+    float chosen = 0;
+    for (int64_t k = 0; k < K; ++k)
+      chosen += probs[static_cast<size_t>(order[static_cast<size_t>(k)])];
+    for (int64_t k = 0; k < K; ++k) {
+      auto e = order[static_cast<size_t>(k)];
+      auto w = probs[static_cast<size_t>(e)];
+      if (cfg_.norm_topk_prob)
+        w /= chosen;
+      if (e >= expert_begin_ && e < expert_begin_ + local_experts_)
+        taken[static_cast<size_t>(e - expert_begin_)].emplace_back(static_cast<int32_t>(t), w);
+    }
+  }
+  std::vector<int32_t> rows;
+  std::vector<float> weights;
+  for (auto& list : taken)
+    for (auto& [t, w] : list) {
+      rows.push_back(t);
+      weights.push_back(w);
+    }
+  routed_tokens_ += static_cast<int64_t>(rows.size());
+  if (!rows.empty()) {
+    dev_.copy(b.routes, rows.data(), rows.size() * sizeof(int32_t));
+    dev_.copy(b.route_weights, weights.data(), weights.size() * sizeof(float));
+  }
+  dev_.copy(b.moe_in, b.h, static_cast<size_t>(T * H) * sizeof(float));
+  be.zero(b.h, T * H);
+  int64_t at = 0;
+  for (size_t e = 0; e < taken.size(); ++e) {
+    auto n = static_cast<int64_t>(taken[e].size());
+    if (n == 0)
+      continue;
+    auto& x = l.experts[e];
+    be.gather_rows(b.routes + at, b.moe_in, dtype::f32, b.expert_x, n, H);
+    if (x.gate.type == x.up.type) {
+      be.gemm_nt_shared(b.expert_x, x.gate.type, n, H,
+                        {x.gate.into(b.expert_gate, I), x.up.into(b.expert_up, I)});
+    } else {
+      be.gemm_nt_shared(b.expert_x, x.gate.type, n, H, {x.gate.into(b.expert_gate, I)});
+      be.gemm_nt_shared(b.expert_x, x.up.type, n, H, {x.up.into(b.expert_up, I)});
+    }
+    be.silu_mul(b.expert_gate, b.expert_up, b.expert_gate, n * I);
+    be.gemm_nt_shared(b.expert_gate, x.down.type, n, I, {x.down.into(b.expert_out, H)});
+    be.scatter_add_rows(b.expert_out, b.routes + at, b.route_weights + at, b.h, n, H);
+    at += n;
+  }
+  reduce(b.h, T * H);
+}
+
 void llama_model::mlp(size_t li, const step_batch& batch, const step_buffers& b) {
+  if (cfg_.sparse(static_cast<int64_t>(li)))
+    return experts(li, b);
   auto& be = *backend_;
   auto& l = layers_[li];
   const auto T = b.tokens;
@@ -971,6 +1107,7 @@ void llama_model::output_head(const step_buffers& b) {
 void llama_model::forward(const step_batch& batch, kv_cache& cache) {
   logits_ = nullptr;
   logit_rows_ = 0;
+  routed_tokens_ = 0;
   if (batch.tokens.empty())
     return;
   auto b = upload_step(batch, cache);
@@ -1019,8 +1156,9 @@ void llama_model::forward(const step_batch& batch, kv_cache& cache) {
   };
 
   // A decode step of one process is recorded once per shape and then replayed; steps with
-  // adapters, all-reduces or prompts run call by call.
+  // adapters, all-reduces, prompts or experts (routed on the host) run call by call.
   bool replayable = graphs_.enabled() && world_ == 1 && batch.decode_only &&
+                    cfg_.num_experts == 0 &&
                     T <= step_graphs::max_tokens && batch.lora_runs.empty() &&
                     adapters.prompt.empty();
   if (replayable)

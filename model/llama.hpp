@@ -62,10 +62,15 @@ struct weight_format {
 weight_format weight_format_for(const device& dev, const std::string& dtype_name,
                                 const std::string& torch_dtype);
 
-/// A Llama-family decoder (Llama, Mistral, Qwen2) on any device (through its `backend`),
-/// holding this rank's shard of the weights: attention heads and MLP columns split across
-/// ranks in near-even contiguous shares (column-parallel q/k/v/gate/up, row-parallel o/down
-/// followed by an all-reduce), embeddings and the output head replicated. Projections,
+/// A Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, and the mixtures of
+/// experts Mixtral and Qwen3-MoE) on any device (through its `backend`), holding this
+/// rank's shard of the weights: attention heads and MLP columns split across ranks in
+/// near-even contiguous shares (column-parallel q/k/v/gate/up, row-parallel o/down followed
+/// by an all-reduce), embeddings and the output head replicated. A sparse layer's experts
+/// are split as the MLP is, each expert's columns across the ranks, or, with expert
+/// parallelism, whole experts in near-even shares of them; either way every rank routes
+/// every token (the router is replicated), computes the tokens its experts take, and the
+/// layer's all-reduce sums the experts' weighted outputs. Projections,
 /// embeddings and the output head are kept in `weight_type`, or, with `stored_types`, in
 /// the type the checkpoint stores them in wherever the device computes in it (a GGUF
 /// file's Q4_1 stays Q4_1); norms, biases, activations, the KV cache and the logits are
@@ -74,10 +79,11 @@ class llama_model : public troupe::model {
 public:
   /// Throws `invalid_argument` when there are fewer attention heads than ranks, and
   /// `unsupported` when the device does not compute in `weight_type`. `int8_activations`:
-  /// the CPU's fast path (`model_worker_options::cpu_precision`).
+  /// the CPU's fast path (`model_worker_options::cpu_precision`); `expert_parallel`:
+  /// whole experts a rank (vLLM's `enable_expert_parallel`).
   llama_model(model_config cfg, device& dev, int32_t rank, int32_t world,
               dtype weight_type = dtype::f32, bool stored_types = false,
-              bool int8_activations = false);
+              bool int8_activations = false, bool expert_parallel = false);
 
   /// Loads this rank's shard from `ckpt` into the device under `memory_tag::weights`
   /// (converting to the weight type); `presharded` when `ckpt` holds only this rank's shard
@@ -166,6 +172,18 @@ public:
   /// `max_tokens` virtual tokens (0: no limit), or its embeddings are missing.
   prompt_embeddings load_prompt_adapter(const std::string& path, int64_t max_tokens) const;
 
+  /// The experts of each sparse layer this rank computes: [first, first + count); all of
+  /// them (a share of each one's columns) unless experts are placed whole.
+  std::pair<int64_t, int64_t> local_experts() const {
+    return {expert_begin_, local_experts_};
+  }
+
+  /// The tokens this rank's experts computed in the last step, over every sparse layer
+  /// (a token routed to two of them counts twice).
+  int64_t routed_tokens() const {
+    return routed_tokens_;
+  }
+
   /// A weight of this rank, under its Hugging Face name; `data` is device memory.
   struct local_tensor {
     std::string name;
@@ -210,6 +228,12 @@ private:
     /// norm the two halves' outputs.
     tensor_slot input_norm, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, o, o_bias,
       post_norm, gate, up, down, gate_bias, up_bias, down_bias, attn_out_norm, mlp_out_norm;
+    /// A sparse layer's router ([num_experts, hidden]) and this rank's experts.
+    tensor_slot router;
+    struct expert {
+      tensor_slot gate, up, down;
+    };
+    std::vector<expert> experts;
   };
 
   /// The rotary frequencies of the config's scaling for a base of `theta`.
@@ -237,7 +261,8 @@ private:
   struct step_layout {
     int64_t ids, positions, slots, token_seq, tables, samples, int_count;
     int64_t ints, rope, x, h, q, k, v, attn, gate, up, mid, last, logits, sampling, sampled_ids,
-      sampled_logprobs, total;
+      sampled_logprobs, router, moe_in, expert_x, expert_gate, expert_up, expert_out, routes,
+      route_weights, total;
   };
   step_layout layout_of(int64_t tokens, int64_t samples, int64_t seqs, int64_t max_blocks,
                         int64_t max_lora_rank) const;
@@ -258,6 +283,12 @@ private:
     float *x = nullptr, *h = nullptr, *q = nullptr, *k = nullptr, *v = nullptr,
           *attn = nullptr, *gate = nullptr, *up = nullptr, *mid = nullptr, *last = nullptr,
           *logits = nullptr;
+    /// A sparse layer's: router logits, its input, one expert's rows (in, gate, up, out),
+    /// and the routes (each local expert's tokens, then their weights).
+    float *router = nullptr, *moe_in = nullptr, *expert_x = nullptr, *expert_gate = nullptr,
+          *expert_up = nullptr, *expert_out = nullptr;
+    int32_t* routes = nullptr;
+    float* route_weights = nullptr;
     paged_layout layout;
   };
   /// Writes the step's metadata (ids, positions, cache slots, block tables, rotary tables)
@@ -266,6 +297,9 @@ private:
   /// The halves of a layer, each ending with its row-parallel all-reduce (into `b.h`).
   void attention(size_t layer, const step_batch& batch, step_buffers& b, kv_cache& cache);
   void mlp(size_t layer, const step_batch& batch, const step_buffers& b);
+  /// A sparse layer's MLP: the router's top experts of each token, computed by the experts
+  /// this rank holds, summed into `b.h` with their weights (all-reduced).
+  void experts(size_t layer, const step_buffers& b);
   /// The final norm of the sampled rows and the logits.
   void output_head(const step_buffers& b);
   /// Adds each LoRA run's B·(A·in) to `out` for projection `proj` of `layer`.
@@ -301,6 +335,13 @@ private:
   /// This rank's columns of the MLP: [inter_begin_, inter_begin_ + local_inter_).
   int64_t inter_begin_;
   int64_t local_inter_;
+  /// The experts this rank computes, and the columns of each: all experts with a share of
+  /// their columns, or a share of the experts with all of theirs (`expert_parallel`).
+  int64_t expert_begin_ = 0;
+  int64_t local_experts_ = 0;
+  int64_t moe_inter_begin_ = 0;
+  int64_t local_moe_inter_ = 0;
+  int64_t routed_tokens_ = 0;
   /// This rank's rows of the output head: [vocab_begin_, vocab_begin_ + local_vocab_).
   int64_t vocab_begin_;
   int64_t local_vocab_;

@@ -35,9 +35,10 @@ llamacpp = pathlib.Path(args.llamacpp)
 sys.path.insert(0, str(llamacpp))
 sys.path.insert(0, str(llamacpp / "gguf-py"))
 
+import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig,  # noqa: E402
-                          Phi3Config, Qwen3Config)
+                          MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 import convert_hf_to_gguf  # noqa: E402
 import gguf  # noqa: E402
@@ -112,6 +113,27 @@ def tiny_models():
                                             "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
         tie_word_embeddings=True, **gguf_common)
+    # Mixture of experts. Mixtral: 6 experts, 2 a token, the weights of the two renormalized
+    # (6 over 4 ranks: expert parallelism splits them unevenly).
+    yield "mixtral-experts", MixtralConfig(
+        hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2,
+        rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, **common)
+    # Qwen3-MoE: 8 experts, 3 a token, q and k norms, head_dim apart from hidden / heads,
+    # experts narrower than the dense MLP.
+    qwen3_moe = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                     num_experts_per_tok=3, rope_theta=1000000.0, use_sliding_window=False,
+                     tie_word_embeddings=False, **common)
+    yield "qwen3-moe", Qwen3MoeConfig(num_hidden_layers=2, norm_topk_prob=True,
+                                      decoder_sparse_step=1, mlp_only_layers=[], **qwen3_moe)
+    # The router's top weights as they are (norm_topk_prob off), a dense layer between
+    # sparse ones (mlp_only_layers), and a sparse layer every other one (decoder_sparse_step).
+    # A Hugging Face directory only: llama.cpp's qwen3moe files make every layer sparse and
+    # renormalize.
+    yield "qwen3-moe-mixed", Qwen3MoeConfig(num_hidden_layers=4, norm_topk_prob=False,
+                                            decoder_sparse_step=1, mlp_only_layers=[1],
+                                            **qwen3_moe)
 
 
 # Where a family's GGUF tensors differ from GGUF_BLOCK_NAMES (Hugging Face name within a
@@ -121,6 +143,22 @@ FUSED_BLOCK_NAMES = {"attn_qkv.weight": "self_attn.qkv_proj.weight",
 GEMMA_BLOCK_NAMES = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
                      "post_attention_norm.weight": "post_attention_layernorm.weight",
                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+
+
+# The merged expert tensors of llama.cpp's files ([experts, rows, cols]) by their GGUF
+# names: the router, and each expert's projections under Mixtral's or Qwen3-MoE's names.
+MIXTRAL_EXPERTS = ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{}.{}.weight",
+                   {"ffn_gate_exps.weight": "w1", "ffn_down_exps.weight": "w2",
+                    "ffn_up_exps.weight": "w3"})
+QWEN3_MOE_EXPERTS = ("mlp.gate.weight", "mlp.experts.{}.{}.weight",
+                     {"ffn_gate_exps.weight": "gate_proj", "ffn_down_exps.weight": "down_proj",
+                      "ffn_up_exps.weight": "up_proj"})
+
+
+def unpermute(w, n_head):
+    """llama.cpp's interleaved rotary rows of q or k back in Hugging Face's order."""
+    return (w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
 
 
 def convert(model_dir, outfile, outtype):
@@ -139,32 +177,56 @@ def convert(model_dir, outfile, outtype):
 
 def dequantized(model_dir, path):
     """The model of `model_dir` in transformers with the GGUF file's weights, dequantized
-    by gguf-py (transformers' own GGUF loader takes no head_dim apart from hidden / heads)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    state = model.state_dict()
+    by gguf-py (transformers' own GGUF loader takes no head_dim apart from hidden / heads).
+    The weights are replaced in the checkpoint's own layout (transformers 5 holds experts
+    merged in memory) and loaded from a copy of the directory."""
+    config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    model_type = config["model_type"]
+    state = safetensors.torch.load_file(str(pathlib.Path(model_dir) / "model.safetensors"))
     hf_top = {g: h for h, g in GGUF_TOP_NAMES.items()}
     hf_block = {g: h for h, g in GGUF_BLOCK_NAMES.items()}
-    gemma = model.config.model_type in ("gemma2", "gemma3_text")
-    if model.config.model_type == "phi3":
+    gemma = model_type in ("gemma2", "gemma3_text")
+    if model_type == "phi3":
         hf_block.update(FUSED_BLOCK_NAMES)
     if gemma:
         hf_block.update(GEMMA_BLOCK_NAMES)
+    mixtral = model_type == "mixtral"
+    experts = (MIXTRAL_EXPERTS if mixtral
+               else QWEN3_MOE_EXPERTS if model_type == "qwen3_moe" else None)
     for t in gguf.GGUFReader(str(path)).tensors:
         if t.name.startswith("rope_factors_"):
             continue  # the config's LongRoPE factors
         if t.name.startswith("blk."):
             layer, rest = t.name[4:].split(".", 1)
-            name = f"model.layers.{layer}.{hf_block[rest]}"
+            if experts and rest in experts[2]:
+                values = gguf.quants.dequantize(t.data, t.tensor_type)
+                for e in range(values.shape[0]):
+                    name = f"model.layers.{layer}." + experts[1].format(e, experts[2][rest])
+                    state[name] = torch.from_numpy(
+                        values[e].reshape(state[name].shape).astype("float32").copy())
+                continue
+            if experts and rest == "ffn_gate_inp.weight":
+                name = f"model.layers.{layer}.{experts[0]}"
+            else:
+                name = f"model.layers.{layer}.{hf_block[rest]}"
         else:
             name = hf_top[t.name]
         values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(state[name].shape)
+        # Mixtral's files are llama's: q and k rows interleaved for llama.cpp's rotary.
+        if mixtral and name.endswith("self_attn.q_proj.weight"):
+            values = unpermute(values, config["num_attention_heads"])
+        elif mixtral and name.endswith("self_attn.k_proj.weight"):
+            values = unpermute(values, config["num_key_value_heads"])
         if gemma and name.endswith("norm.weight"):
             values = values - 1  # the converter stored 1 + w
         if name == "lm_head.weight":
             continue
         state[name] = torch.from_numpy(values.astype("float32").copy())
-    model.load_state_dict(state, strict=True)
-    return model
+    with tempfile.TemporaryDirectory() as work:
+        shutil.copy(pathlib.Path(model_dir) / "config.json", work)
+        safetensors.torch.save_file(state, str(pathlib.Path(work) / "model.safetensors"),
+                                    metadata={"format": "pt"})
+        return AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32).eval()
 
 
 def main():
@@ -182,7 +244,7 @@ def main():
         with open(directory / "reference.json", "w") as f:
             json.dump({"prompts": reference_runs(model, all_logits_of_first=True)}, f)
         print("wrote", directory)
-        if name in ("gemma2-softcap", "gemma3-layers"):
+        if name in ("gemma2-softcap", "gemma3-layers", "qwen3-moe-mixed"):
             continue
 
         gguf_dir = out / f"{name}-gguf"

@@ -19,7 +19,7 @@ inline const std::vector<std::string> fixture_models = {
   "llama-rope-linear", "llama-rope-dynamic", "llama-rope-yarn", "llama-bias",
   "mistral-window",   "qwen2-window",       "qwen3-norms",     "phi3-fused",
   "phi3-longrope",    "gemma3-layers",      "gemma2-softcap",  "gemma2-standard",
-  "gemma3-standard"};
+  "gemma3-standard",  "mixtral-experts",    "qwen3-moe",       "qwen3-moe-mixed"};
 
 struct model_runner {
   llama_model model;
@@ -27,11 +27,12 @@ struct model_runner {
   sequence_data seq;
 
   /// 64 blocks of `block_size`, used out of order on purpose. Rank `rank` of `world`
-  /// holds its shard of the model; `reduce` sums over the ranks (needed when `world` > 1).
+  /// holds its shard of the model (whole experts with `expert_parallel`); `reduce` sums over
+  /// the ranks (needed when `world` > 1).
   model_runner(device& dev, const model_config& cfg, const checkpoint& ckpt,
                dtype type = dtype::f32, int64_t block_size = 4, int32_t rank = 0,
-               int32_t world = 1, all_reduce_fn reduce = {})
-    : model(cfg, dev, rank, world, type),
+               int32_t world = 1, all_reduce_fn reduce = {}, bool expert_parallel = false)
+    : model(cfg, dev, rank, world, type, false, false, expert_parallel),
       cache(dev, cfg.num_hidden_layers, model.local_kv_heads(), cfg.head_dim, block_size, 64,
             0) {
     if (reduce)

@@ -200,6 +200,17 @@ public:
                out + r * dim, static_cast<size_t>(dim));
   }
 
+  void scatter_add_rows(const float* x, const int32_t* rows, const float* weights, float* y,
+                        int64_t n, int64_t dim) override {
+    for (int64_t r = 0; r < n; ++r) {
+      auto* out = y + static_cast<int64_t>(rows[r]) * dim;
+      const auto* in = x + r * dim;
+      const float w = weights[r];
+      for (int64_t i = 0; i < dim; ++i)
+        out[i] += w * in[i];
+    }
+  }
+
   void gather_packed_rows(const int32_t* ids, const void* table, dtype table_type, float* out,
                           int64_t rows, int64_t dim) override {
     std::vector<char> row(storage_bytes(table_type, static_cast<size_t>(dim)));

@@ -153,6 +153,11 @@ public:
     cuda::soft_cap(y, cap, n, dev_.stream());
   }
 
+  void scatter_add_rows(const float* x, const int32_t* rows, const float* weights, float* y,
+                        int64_t n, int64_t dim) override {
+    cuda::scatter_add_rows(x, rows, weights, y, n, dim, dev_.stream());
+  }
+
   void gather_rows(const int32_t* ids, const void* table, dtype table_type, float* out,
                    int64_t rows, int64_t dim) override {
     cuda::gather_rows(ids, table, table_type, out, rows, dim, dev_.stream());

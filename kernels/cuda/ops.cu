@@ -127,6 +127,15 @@ __global__ void gather_rows_kernel(const int32_t* ids, const T* table, float* ou
     out[i] = as_float(table[static_cast<int64_t>(ids[i / dim]) * dim + i % dim]);
 }
 
+__global__ void scatter_add_rows_kernel(const float* x, const int32_t* rows,
+                                        const float* weights, float* y, int64_t n, int64_t dim) {
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n * dim) {
+    auto r = i / dim;
+    y[static_cast<int64_t>(rows[r]) * dim + i % dim] += weights[r] * x[i];
+  }
+}
+
 __global__ void add_kernel(float* y, const float* x, int64_t n) {
   int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n)
@@ -615,6 +624,15 @@ void add(float* y, const float* x, int64_t n, cudaStream_t stream) {
     return;
   add_kernel<<<blocks_for(n), threads, 0, stream>>>(y, x, n);
   launched("add_kernel");
+}
+
+void scatter_add_rows(const float* x, const int32_t* rows, const float* weights, float* y,
+                      int64_t n, int64_t dim, cudaStream_t stream) {
+  if (n * dim == 0)
+    return;
+  scatter_add_rows_kernel<<<blocks_for(n * dim), threads, 0, stream>>>(x, rows, weights, y, n,
+                                                                       dim);
+  launched("scatter_add_rows_kernel");
 }
 
 void gather_rows(const int32_t* ids, const void* table, dtype type, float* out, int64_t rows,

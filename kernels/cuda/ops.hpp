@@ -49,6 +49,10 @@ void soft_cap(float* y, float cap, int64_t n, cudaStream_t stream);
 /// y[i] += x[i].
 void add(float* y, const float* x, int64_t n, cudaStream_t stream);
 
+/// y[rows[r]] += weights[r] · x[r] for `n` rows of `dim`, no row twice.
+void scatter_add_rows(const float* x, const int32_t* rows, const float* weights, float* y,
+                      int64_t n, int64_t dim, cudaStream_t stream);
+
 /// out[r] = table[ids[r]] as float32 for `rows` rows of `dim`; `table` holds `type`.
 void gather_rows(const int32_t* ids, const void* table, dtype type, float* out, int64_t rows,
                  int64_t dim, cudaStream_t stream);
