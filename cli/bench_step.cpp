@@ -155,7 +155,8 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
                                             " blocks, the benchmark needs " + std::to_string(needed)};
     exec.initialize_cache({needed, 0});
 
-    auto vocab = checkpoint::config_of(o->model).vocab_size;
+    auto model_cfg = checkpoint::config_of(o->model);
+    auto vocab = model_cfg.vocab_size;
     std::mt19937 rng{7};
     execute_model_request req;
     for (int s = 0; s < o->batch; ++s) {
@@ -198,6 +199,16 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
       steps.push_back(std::chrono::duration<double>(clock_type::now() - start).count());
     }
     std::sort(steps.begin(), steps.end());
+    // A mixture's experts: which each rank holds and the tokens they took in the last step.
+    auto experts = nlohmann::json::array();
+    if (model_cfg.num_experts > 0)
+      for (auto& m : exec.collective_rpc("expert_load")) {
+        auto load = m.get_as<int64_t>(0);
+        experts.push_back({{"rank", experts.size()},
+                           {"first_expert", load},
+                           {"experts", m.get_as<int64_t>(1)},
+                           {"tokens_last_step", m.get_as<int64_t>(2)}});
+      }
     exec.stop_remote_worker_execution_loop();
     exec.shutdown();
 
@@ -221,6 +232,10 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
       {"bandwidth_floor_step_ms", floor_step_s * 1e3},
       {"bandwidth_bound_decode_tokens_per_s", o->batch / floor_step_s},
     };
+    if (model_cfg.num_experts > 0) {
+      result["enable_expert_parallel"] = o->device.expert_parallel;
+      result["expert_load"] = experts;
+    }
     if (!o->json)
       std::cout << "prefill " << result["prefill_tokens_per_s"].get<double>()
                 << " tokens/s, decode " << result["decode_tokens_per_s"].get<double>()

@@ -91,13 +91,16 @@ void apply_node_options(const node_options& o, executor_config& cfg);
 /// The contents of a secret file, without a trailing newline.
 std::string read_secret(const std::string& path);
 
-/// The device the local workers compute on, from the command line.
+/// The device the local workers compute on and how the model is split over them, from the
+/// command line.
 struct device_options {
   std::string device = "cpu";
   std::string dtype = "auto";
   double gpu_memory_utilization = 0.9;
   bool enforce_eager = false;
   std::string cpu_precision = "exact";
+  /// `model_worker_options::enable_expert_parallel`.
+  bool expert_parallel = false;
   /// `model_worker_options::weight_cache`; "off" for none.
   std::string weight_cache;
 

@@ -118,6 +118,9 @@ void add_device_options(CLI::App& app, device_options& o) {
                  "bfloat16 for BF16 (AVX-512 BF16)")
     ->check(CLI::IsMember({"exact", "fast"}))
     ->capture_default_str();
+  app.add_flag("--enable-expert-parallel", o.expert_parallel,
+               "Place a mixture's experts whole, a near-even share of them on each worker, "
+               "instead of splitting every expert's columns across the workers");
   o.weight_cache = default_weight_cache();
   app.add_option("--weight-cache", o.weight_cache,
                  "Directory where the CPU keeps each rank's weights as it computes on them, "
@@ -134,6 +137,7 @@ void apply_device_options(const device_options& o, executor_config& executor,
   worker.gpu_memory_utilization = o.gpu_memory_utilization;
   worker.enforce_eager = o.enforce_eager;
   worker.cpu_precision = o.cpu_precision;
+  worker.enable_expert_parallel = o.expert_parallel;
   worker.weight_cache = o.weight_cache_directory();
 }
 

@@ -46,6 +46,9 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
     int64_t kv_heads = 0;
     int64_t head_dim = 0;
     int64_t intermediate = 0;
+    int64_t experts = 8;
+    int64_t experts_per_token = 2;
+    int64_t expert_intermediate = 0;
     int64_t vocab = 256;
     int64_t max_position = 2048;
     double rope_theta = 10000.0;
@@ -61,8 +64,10 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
   sub->add_option("--out", o->out, "Directory to write (created)")->required();
   sub->add_option("--arch", o->arch,
                   "llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k norms), phi3 (fused "
-                  "projections), gemma2 or gemma3 (Gemma's layers, tied embeddings)")
-    ->check(CLI::IsMember({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"}))
+                  "projections), gemma2 or gemma3 (Gemma's layers, tied embeddings), mixtral "
+                  "or qwen3-moe (mixtures of experts)")
+    ->check(CLI::IsMember({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
+                           "mixtral", "qwen3-moe"}))
     ->capture_default_str();
   sub->add_option("--preset", o->preset,
                   "A known shape instead of the size flags: smollm2-135m (SmolLM2-135M)")
@@ -73,6 +78,15 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
   sub->add_option("--kv-heads", o->kv_heads, "Key/value heads (default: --heads)");
   sub->add_option("--head-dim", o->head_dim, "Head size (default: hidden / heads)");
   sub->add_option("--intermediate", o->intermediate, "MLP size (default: 4 x hidden)");
+  sub->add_option("--experts", o->experts, "Experts of each layer (mixtral, qwen3-moe)")
+    ->check(CLI::Range(1, 4096))
+    ->capture_default_str();
+  sub->add_option("--experts-per-token", o->experts_per_token, "Experts each token goes to")
+    ->check(CLI::Range(1, 4096))
+    ->capture_default_str();
+  sub->add_option("--expert-intermediate", o->expert_intermediate,
+                  "Each qwen3-moe expert's MLP size (default: a quarter of --intermediate; "
+                  "mixtral's experts are --intermediate wide)");
   sub->add_option("--vocab", o->vocab, "Vocabulary size")->capture_default_str();
   sub->add_option("--max-position", o->max_position, "max_position_embeddings")
     ->capture_default_str();
@@ -102,7 +116,9 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
                                                 {"qwen3", "Qwen3ForCausalLM"},
                                                 {"phi3", "Phi3ForCausalLM"},
                                                 {"gemma2", "Gemma2ForCausalLM"},
-                                                {"gemma3", "Gemma3ForCausalLM"}};
+                                                {"gemma3", "Gemma3ForCausalLM"},
+                                                {"mixtral", "MixtralForCausalLM"},
+                                                {"qwen3-moe", "Qwen3MoeForCausalLM"}};
     c.architecture = archs.at(o->arch);
     c.num_hidden_layers = o->layers;
     c.hidden_size = o->hidden;
@@ -115,7 +131,14 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
     c.rope_theta = o->rope_theta;
     c.tie_word_embeddings = o->tie;
     c.attention_bias = o->arch == "qwen2";
-    c.qk_norm = o->arch == "qwen3";
+    c.qk_norm = o->arch == "qwen3" || o->arch == "qwen3-moe";
+    if (o->arch == "mixtral" || o->arch == "qwen3-moe") {
+      c.num_experts = o->experts;
+      c.num_experts_per_tok = o->experts_per_token;
+      c.moe_intermediate_size = o->arch == "mixtral"             ? c.intermediate_size
+                                : o->expert_intermediate > 0 ? o->expert_intermediate
+                                                             : std::max<int64_t>(1, c.intermediate_size / 4);
+    }
     c.rms_norm_eps = 1e-5;
     if (o->arch == "gemma2" || o->arch == "gemma3")
       gemma_defaults(c, o->arch == "gemma3");

@@ -59,6 +59,16 @@ std::vector<spec> tensor_specs(const model_config& c) {
       specs.push_back({p + "pre_feedforward_layernorm.weight", {H}, norm});
       specs.push_back({p + "post_feedforward_layernorm.weight", {H}, norm});
     }
+    if (c.sparse(i)) {
+      specs.push_back({router_weight_name(c, i), {c.num_experts, H}, spec::normal});
+      const auto EI = c.moe_intermediate_size;
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        specs.push_back({expert_weight_name(c, i, e, "gate"), {EI, H}, spec::normal});
+        specs.push_back({expert_weight_name(c, i, e, "up"), {EI, H}, spec::normal});
+        specs.push_back({expert_weight_name(c, i, e, "down"), {H, EI}, spec::normal});
+      }
+      continue;
+    }
     if (fused) {
       specs.push_back({p + "mlp.gate_up_proj.weight", {2 * I, H}, spec::normal});
     } else {

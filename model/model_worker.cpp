@@ -107,9 +107,19 @@ model_worker::model_worker(model_worker_options options)
     static_cast<model_worker&>(w).reload_weights();
     return caf::message{};
   });
+  register_method("expert_load", [](worker& w, const caf::message&, const caf::settings&) {
+    auto load = static_cast<model_worker&>(w).expert_load();
+    return caf::make_message(load[0], load[1], load[2]);
+  });
 }
 
 model_worker::~model_worker() = default;
+
+std::array<int64_t, 3> model_worker::expert_load() const {
+  require_model("expert_load");
+  auto [first, count] = state_->model->local_experts();
+  return {first, count, state_->model->routed_tokens()};
+}
 
 void model_worker::load_model() {
   auto& st = *state_;
@@ -121,7 +131,8 @@ void model_worker::load_model() {
   st.presharded = presharded;
   st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size,
                                            format.type, format.stored_types,
-                                           options_.cpu_precision == "fast");
+                                           options_.cpu_precision == "fast",
+                                           options_.enable_expert_parallel);
   st.model->capture_decode_steps(!options_.enforce_eager);
   st.model->use_weight_cache(options_.weight_cache);
   auto ckpt = open_checkpoint();
@@ -606,6 +617,7 @@ void each_option(model_worker_options& o, F&& f) {
   f("dtype", o.dtype);
   f("enforce_eager", o.enforce_eager);
   f("cpu_precision", o.cpu_precision);
+  f("enable_expert_parallel", o.enable_expert_parallel);
   f("weight_cache", o.weight_cache);
   f("kv_cache_memory_bytes", o.kv_cache_memory_bytes);
   f("kv_cache_memory_fraction", o.kv_cache_memory_fraction);

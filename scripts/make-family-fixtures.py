@@ -219,8 +219,8 @@ def dequantized(model_dir, path):
             values = unpermute(values, config["num_key_value_heads"])
         if gemma and name.endswith("norm.weight"):
             values = values - 1  # the converter stored 1 + w
-        if name == "lm_head.weight":
-            continue
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue  # the embeddings'
         state[name] = torch.from_numpy(values.astype("float32").copy())
     with tempfile.TemporaryDirectory() as work:
         shutil.copy(pathlib.Path(model_dir) / "config.json", work)

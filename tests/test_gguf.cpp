@@ -83,12 +83,16 @@ double kl_divergence(const std::vector<float>& p_logits, const std::vector<float
   return kl;
 }
 
-/// Greedy generation through an executor on `path` (dtype auto: the stored types).
-void check_greedy_runs(const std::string& path, const nlohmann::json& runs) {
+/// Greedy generation through an executor on `path` (dtype auto: the stored types) of
+/// `tensor_parallel_size` workers, a mixture's experts whole on each with `expert_parallel`.
+void check_greedy_runs(const std::string& path, const nlohmann::json& runs,
+                       int32_t tensor_parallel_size = 1, bool expert_parallel = false) {
   executor_config cfg;
   cfg.block_size = 4;
+  cfg.tensor_parallel_size = tensor_parallel_size;
   model_worker_options opts;
   opts.model_path = path;
+  opts.enable_expert_parallel = expert_parallel;
   opts.cpu_precision = "exact"; // transformers' numbers, whatever the format
   opts.kv_cache_memory_bytes = 4 << 20;
   executor exec{cfg, model_worker_factory(opts)};
@@ -217,6 +221,74 @@ TEST_CASE("Qwen3 files of llama.cpp's converter (per-head q and k norms, head_di
     CHECK(cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size);
     CHECK(checkpoint::from_gguf(path, cfg).contains("model.layers.1.self_attn.k_norm.weight"));
   });
+}
+
+TEST_CASE("Mixtral and Qwen3-MoE files of llama.cpp's converter (experts merged into one "
+          "tensor per projection, Mixtral as llama with experts): transformers' logits and "
+          "greedy tokens, exact and fast") {
+  check_family_files({"mixtral-experts", "qwen3-moe"}, [](const std::string& path,
+                                                         const model_config& cfg,
+                                                         const model_config& hf) {
+    CHECK(cfg.num_experts == hf.num_experts);
+    CHECK(cfg.num_experts_per_tok == hf.num_experts_per_tok);
+    CHECK(cfg.moe_intermediate_size == hf.moe_intermediate_size);
+    CHECK(cfg.norm_topk_prob);
+    auto ckpt = checkpoint::from_gguf(path, cfg);
+    CHECK(ckpt.contains(router_weight_name(cfg, 1)));
+    CHECK(ckpt.at(expert_weight_name(cfg, 1, cfg.num_experts - 1, "down")).shape ==
+          std::vector<int64_t>{cfg.hidden_size, cfg.moe_intermediate_size});
+  });
+  // Through the workers at tensor parallel size 2, the experts split or placed whole.
+  for (std::string name : {"mixtral-experts", "qwen3-moe"}) {
+    const std::string dir = TROUPE_SOURCE_DIR "/tests/fixtures/" + name + "-gguf";
+    for (bool expert_parallel : {false, true}) {
+      INFO(name << (expert_parallel ? " with expert parallelism" : " with experts split"));
+      check_greedy_runs(dir + "/" + name + "-q8_0.gguf", reference(dir)["q8_0"], 2,
+                        expert_parallel);
+    }
+  }
+}
+
+TEST_CASE("expert_load names each rank's experts and the tokens they took in the last step") {
+  const std::string path =
+    TROUPE_SOURCE_DIR "/tests/fixtures/qwen3-moe-gguf/qwen3-moe-q8_0.gguf";
+  auto model = checkpoint::gguf_config(path);
+  for (bool expert_parallel : {false, true}) {
+    executor_config cfg;
+    cfg.block_size = 4;
+    cfg.tensor_parallel_size = 3;
+    model_worker_options opts;
+    opts.model_path = path;
+    opts.kv_cache_memory_bytes = 4 << 20;
+    opts.enable_expert_parallel = expert_parallel;
+    executor exec{cfg, model_worker_factory(opts)};
+    exec.initialize_cache(exec.determine_num_available_blocks());
+    std::vector<int32_t> prompt{1, 15, 27, 99, 3};
+    testing::greedy_tokens(exec, prompt, 1); // one step: the prompt
+    auto loads = exec.collective_rpc("expert_load");
+    REQUIRE(loads.size() == 3);
+    int64_t next = 0;
+    int64_t taken = 0;
+    for (auto& m : loads) {
+      auto first = m.get_as<int64_t>(0), count = m.get_as<int64_t>(1);
+      auto tokens = m.get_as<int64_t>(2);
+      if (expert_parallel) {
+        // 8 experts in shares of 2 or 3, in rank order.
+        CHECK(first == next);
+        CHECK((count == 2 || count == 3));
+        next += count;
+        taken += tokens;
+      } else {
+        CHECK(first == 0);
+        CHECK(count == model.num_experts);
+        CHECK(tokens == 5 * model.num_experts_per_tok * model.num_hidden_layers);
+      }
+    }
+    if (expert_parallel) {
+      CHECK(next == model.num_experts);
+      CHECK(taken == 5 * model.num_experts_per_tok * model.num_hidden_layers);
+    }
+  }
 }
 
 TEST_CASE("Phi-3 files of llama.cpp's converter (qkv and gate-up fused, LongRoPE's factors as "

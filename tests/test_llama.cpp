@@ -19,6 +19,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <thread>
 
 #include <unistd.h>
@@ -51,6 +52,43 @@ int32_t argmax(const std::vector<float>& v) {
   return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
 }
 
+/// Runs `each(runner, rank)` on every rank of a tensor-parallel group of `world`, each on a
+/// thread of its own with its shard of fixture `name` and a Gloo communicator, as the model
+/// workers run them (with whole experts a rank when `expert_parallel`).
+template <class Each>
+void on_ranks(const std::string& name, int32_t world, bool expert_parallel, Each each) {
+  auto cfg = load_model_config(fixtures + "/" + name);
+  checkpoint ckpt{fixtures + "/" + name};
+  std::vector<std::unique_ptr<gloo_communicator>> comms;
+  std::vector<std::vector<std::string>> table;
+  for (int32_t rank = 0; rank < world; ++rank) {
+    comms.push_back(
+      std::make_unique<gloo_communicator>(rank, world, "127.0.0.1", std::chrono::seconds(30)));
+    table.push_back(comms.back()->prepare());
+  }
+  std::vector<std::string> failures(world);
+  std::vector<std::thread> ranks;
+  for (int32_t rank = 0; rank < world; ++rank)
+    ranks.emplace_back([&, rank] {
+      try {
+        auto& comm = *comms[rank];
+        comm.connect(table);
+        cpu_device dev{rank};
+        testing::model_runner run{
+          dev, cfg, ckpt, dtype::f32, 4, rank, world,
+          [&comm](float* data, size_t count) { comm.all_reduce(data, count); },
+          expert_parallel};
+        each(run, rank);
+      } catch (const std::exception& e) {
+        failures[rank] = e.what();
+      }
+    });
+  for (auto& t : ranks)
+    t.join();
+  for (int32_t rank = 0; rank < world; ++rank)
+    REQUIRE_MESSAGE(failures[rank].empty(), name << " rank " << rank << ": " << failures[rank]);
+}
+
 } // namespace
 
 TEST_CASE("prefill logits match transformers within 1e-4") {
@@ -81,43 +119,16 @@ TEST_CASE("prefill logits match transformers within 1e-4 at tensor parallel size
     for (int32_t world : {2, 3, 4}) {
       if (world > cfg.num_attention_heads)
         continue; // refused at start (the model worker's test checks the error)
-      checkpoint ckpt{fixtures + "/" + name};
-      std::vector<std::unique_ptr<gloo_communicator>> comms;
-      std::vector<std::vector<std::string>> table;
-      for (int32_t rank = 0; rank < world; ++rank) {
-        comms.push_back(std::make_unique<gloo_communicator>(rank, world, "127.0.0.1",
-                                                            std::chrono::seconds(30)));
-        table.push_back(comms.back()->prepare());
-      }
       std::vector<std::vector<float>> logits(ref["prompts"].size());
-      std::vector<std::string> failures(world);
-      std::vector<std::thread> ranks;
-      for (int32_t rank = 0; rank < world; ++rank)
-        ranks.emplace_back([&, rank] {
-          try {
-            auto& comm = *comms[rank];
-            comm.connect(table);
-            cpu_device dev{rank};
-            testing::model_runner run{dev,  cfg,   ckpt, dtype::f32,
-                                      4,    rank,  world,
-                                      [&comm](float* data, size_t count) {
-                                        comm.all_reduce(data, count);
-                                      }};
-            for (size_t i = 0; i < logits.size(); ++i) {
-              run.seq.token_ids = ref["prompts"][i]["token_ids"].get<std::vector<int32_t>>();
-              run.seq.num_computed_tokens = 0;
-              auto out = run.step(static_cast<int32_t>(run.seq.token_ids.size()));
-              if (rank == 0)
-                logits[i] = std::move(out);
-            }
-          } catch (const std::exception& e) {
-            failures[rank] = e.what();
-          }
-        });
-      for (auto& t : ranks)
-        t.join();
-      for (int32_t rank = 0; rank < world; ++rank)
-        REQUIRE_MESSAGE(failures[rank].empty(), name << " rank " << rank << ": " << failures[rank]);
+      on_ranks(name, world, false, [&](testing::model_runner& run, int32_t rank) {
+        for (size_t i = 0; i < logits.size(); ++i) {
+          run.seq.token_ids = ref["prompts"][i]["token_ids"].get<std::vector<int32_t>>();
+          run.seq.num_computed_tokens = 0;
+          auto out = run.step(static_cast<int32_t>(run.seq.token_ids.size()));
+          if (rank == 0)
+            logits[i] = std::move(out);
+        }
+      });
       for (size_t i = 0; i < logits.size(); ++i) {
         auto want = ref["prompts"][i]["last_logits"].get<std::vector<float>>();
         REQUIRE(logits[i].size() == want.size());
@@ -129,6 +140,62 @@ TEST_CASE("prefill logits match transformers within 1e-4 at tensor parallel size
     }
   }
   MESSAGE("largest relative error of prefill logits over tensor parallel sizes 2-4: " << worst);
+}
+
+TEST_CASE("mixtures of experts placed whole on the ranks (expert parallelism) match "
+          "transformers' logits and greedy tokens at tensor parallel sizes 2, 3 and 4") {
+  // 6 experts over 4 ranks: shares of 1 and 2. Every rank routes every token and computes
+  // those its experts take; each counts them.
+  for (std::string name : {"mixtral-experts", "qwen3-moe", "qwen3-moe-mixed"}) {
+    auto ref = reference(name);
+    auto cfg = load_model_config(fixtures + "/" + name);
+    for (int32_t world : {2, 3, 4}) {
+      std::vector<std::vector<float>> logits(ref["prompts"].size());
+      std::vector<std::vector<int32_t>> greedy(ref["prompts"].size());
+      std::vector<int64_t> routed(static_cast<size_t>(world));
+      std::vector<int64_t> held(static_cast<size_t>(world));
+      on_ranks(name, world, true, [&](testing::model_runner& run, int32_t rank) {
+        held[rank] = run.model.local_experts().second;
+        for (size_t i = 0; i < logits.size(); ++i) {
+          run.seq = {};
+          for (int32_t b = 0; b < 64; ++b)
+            run.seq.block_table.push_back(63 - b);
+          run.seq.token_ids = ref["prompts"][i]["token_ids"].get<std::vector<int32_t>>();
+          auto out = run.step(static_cast<int32_t>(run.seq.token_ids.size()));
+          if (i == 0)
+            routed[rank] = run.model.routed_tokens();
+          if (rank == 0)
+            logits[i] = out;
+          for (int t = 0; t < 32; ++t) {
+            auto next = argmax(out);
+            if (rank == 0)
+              greedy[i].push_back(next);
+            run.seq.token_ids.push_back(next);
+            if (t + 1 < 32)
+              out = run.step(1);
+          }
+        }
+      });
+      CHECK(std::accumulate(held.begin(), held.end(), int64_t{0}) == cfg.num_experts);
+      // The first prompt's tokens, each sent to num_experts_per_tok experts in every sparse
+      // layer, taken once over the ranks.
+      int64_t sparse = 0;
+      for (int64_t layer = 0; layer < cfg.num_hidden_layers; ++layer)
+        sparse += cfg.sparse(layer) ? 1 : 0;
+      CHECK(std::accumulate(routed.begin(), routed.end(), int64_t{0}) ==
+            sparse * cfg.num_experts_per_tok *
+              static_cast<int64_t>(ref["prompts"][0]["token_ids"].size()));
+      for (size_t i = 0; i < logits.size(); ++i) {
+        auto want = ref["prompts"][i]["last_logits"].get<std::vector<float>>();
+        REQUIRE(logits[i].size() == want.size());
+        auto err = relative_error(logits[i].data(), want);
+        CHECK_MESSAGE(err < 1e-4, name << " prompt " << i << " with expert parallelism at size "
+                                       << world << ": relative error " << err);
+        CHECK_MESSAGE(greedy[i] == ref["prompts"][i]["greedy"].get<std::vector<int32_t>>(),
+                      name << " prompt " << i << " at size " << world);
+      }
+    }
+  }
 }
 
 TEST_CASE("decoding one token at a time through the paged cache matches every position") {
@@ -175,6 +242,49 @@ TEST_CASE("malformed requests are errors naming the request") {
   r.run.seq.block_table = {0};
   r.run.seq.token_ids.assign(10, 3);
   CHECK_THROWS_WITH_AS(r.run.step(10), doctest::Contains("block table has 1 blocks"), error);
+}
+
+TEST_CASE("a mixture's config that does not hold together is refused, naming the field, and "
+          "a checkpoint with other experts names the tensor") {
+  std::ifstream in{fixtures + "/qwen3-moe/config.json"};
+  auto good = nlohmann::json::parse(in);
+  auto refused = [&](const char* key, const nlohmann::json& value, const char* what) {
+    auto j = good;
+    j[key] = value;
+    CHECK_THROWS_WITH_AS(parse_model_config(j.dump(), "moe.json"), doctest::Contains(what), error);
+  };
+  refused("num_experts_per_tok", 9, "num_experts_per_tok must be in [1, 8]");
+  refused("num_local_experts", 0, "num_local_experts must be a positive integer");
+  refused("moe_intermediate_size", -3, "moe_intermediate_size must be a positive integer");
+  refused("mlp_only_layers", nlohmann::json::array({2}), "mlp_only_layers names 2, not a layer of 2");
+  refused("mlp_only_layers", "all", "mlp_only_layers must be a list of layers");
+  // Every other layer sparse: layers 1, 3, … (transformers' (layer + 1) % step).
+  auto j = good;
+  j["decoder_sparse_step"] = 2;
+  j["num_hidden_layers"] = 4;
+  auto c = parse_model_config(j.dump(), "moe.json");
+  CHECK_FALSE(c.sparse(0));
+  CHECK(c.sparse(1));
+  CHECK_FALSE(c.sparse(2));
+  CHECK(c.sparse(3));
+  // The config written back reads as the same mixture.
+  auto again = parse_model_config(to_config_json(c), "again.json");
+  CHECK(again.num_experts == c.num_experts);
+  CHECK(again.moe_intermediate_size == c.moe_intermediate_size);
+  CHECK(again.dense_layers == c.dense_layers);
+  CHECK(again.norm_topk_prob == c.norm_topk_prob);
+  CHECK(again.num_parameters() == c.num_parameters());
+
+  // More experts than the file holds.
+  auto cfg = load_model_config(fixtures + "/mixtral-experts");
+  cfg.num_experts = 7;
+  cpu_device dev{0};
+  llama_model model{cfg, dev, 0, 1};
+  checkpoint ckpt{fixtures + "/mixtral-experts"};
+  CHECK_THROWS_WITH_AS(model.load(ckpt),
+                       doctest::Contains("block_sparse_moe.gate.weight' has shape [6, 64], "
+                                         "the config needs [7, 64]"),
+                       error);
 }
 
 TEST_CASE("configs and checkpoints that do not fit are errors naming the file") {

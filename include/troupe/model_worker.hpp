@@ -7,6 +7,7 @@
 #include "troupe/node.hpp"
 #include "troupe/worker.hpp"
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -46,6 +47,11 @@ struct model_worker_options {
   /// llama.cpp computes them: logits move slightly, as far as llama.cpp's do (`troupe
   /// perplexity` and scripts/fidelity.sh measure it), which can flip a near-tie.
   std::string cpu_precision = "exact";
+  /// How a mixture of experts (Mixtral, Qwen3-MoE) is split over the tensor-parallel ranks
+  /// (vLLM's `enable_expert_parallel`): off, every expert's columns across the ranks, as a
+  /// dense MLP's; on, whole experts, a near-even share of them on each rank. Either way
+  /// every rank routes every token and the layer's all-reduce sums the experts' outputs.
+  bool enable_expert_parallel = false;
   /// A directory where the CPU keeps each rank's weights as it computes on them (repacked,
   /// converted), one file per model file and rank, so that the next start maps them from
   /// the page cache instead of reading and repacking the checkpoint. A file is used only
@@ -88,7 +94,9 @@ struct model_worker_options {
 /// (the CPU, or a GPU with NCCL between the ranks).
 ///
 /// Beyond the built-in methods it registers `reload_weights` (reads the checkpoint again
-/// into the same memory, the step after a level-2 sleep).
+/// into the same memory, the step after a level-2 sleep) and `expert_load` (for a mixture
+/// of experts, the rank's experts and what they took in the last step: three int64s, the
+/// first expert, how many, and the tokens they computed over the sparse layers).
 ///
 /// LoRA adapters (PEFT directories: `adapter_config.json` + `adapter_model.safetensors`,
 /// any of q/k/v/o/gate/up/down_proj) and prompt-tuning adapters live in `max_loras` and
@@ -129,6 +137,10 @@ public:
   /// Reads the weights again from the checkpoint, into the memory they occupy, and the
   /// loaded adapters from their directories.
   void reload_weights();
+
+  /// `expert_load`'s answer: this rank's first expert, its number of experts, and the
+  /// tokens they computed in the last step (a token routed to two counts twice).
+  std::array<int64_t, 3> expert_load() const;
 
 private:
   /// Throws `errc::sleeping` naming `what` while any memory tag sleeps.
