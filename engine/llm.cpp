@@ -359,6 +359,10 @@ llm::llm(llm_config config, worker_factory factory) : impl_(std::make_unique<imp
   if ((rs.type == rope::dynamic && limits.max_model_len > d.model.max_position_embeddings) ||
       (rs.type == rope::longrope && limits.max_model_len > rs.original_max_position_embeddings))
     scheduling.enable_prefix_caching = false;
+  // A sequence that grows past LongRoPE's original length is computed again with the long
+  // factors, as transformers does.
+  if (rs.type == rope::longrope && limits.max_model_len > rs.original_max_position_embeddings)
+    limits.restart_at = rs.original_max_position_embeddings;
   d.sched = std::make_unique<scheduler>(scheduling, limits, d.exec->config().block_size,
                                         d.blocks.num_device_blocks, d.blocks.num_swap_blocks,
                                         d.model.eos_token_ids);

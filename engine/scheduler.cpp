@@ -100,6 +100,11 @@ void scheduler::preempt(int64_t seq) {
     return;
   }
   // Recompute: drop the cache and start over from the prompt and the tokens so far.
+  restart(seq);
+}
+
+void scheduler::restart(int64_t seq) {
+  running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
   blocks_.free(seq);
   requests_.at(seq).num_computed = 0;
   requests_.at(seq).chunk = 0;
@@ -148,6 +153,12 @@ execute_model_request scheduler::schedule() {
       continue;
     if (budget < 1 || static_cast<int64_t>(scheduled_.size()) >= config_.max_num_seqs)
       continue;
+    if (limits_.restart_at > 0 && r.num_computed == limits_.restart_at && !prefilling(r)) {
+      // Its keys so far rotate with the factors of a shorter sequence: it goes back to the
+      // waiting requests' front, and is computed whole (in this step if there is room).
+      restart(seq);
+      continue;
+    }
     if (prefilling(r)) { // its blocks were allocated whole; the next chunk
       auto chunk = std::min(budget, r.length() - r.num_computed);
       append_group(r, chunk, true, step);
@@ -254,6 +265,8 @@ std::optional<execute_model_request> scheduler::schedule_ahead() {
       return std::nullopt; // a prefill chunk in flight: its next chunk is the host's to make
     if (at_length_limit(r))
       continue;
+    if (limits_.restart_at > 0 && r.length() + r.pending - 1 == limits_.restart_at)
+      return std::nullopt; // it starts over: the host's to schedule
     seqs.push_back(seq);
     auto have = static_cast<int64_t>(blocks_.block_table(seq).size()) * blocks_.block_size();
     if (have < r.length() + r.pending)

@@ -24,6 +24,10 @@ struct scheduler_limits {
   int64_t max_loras = 0;
   /// The same for prompt adapters (vLLM's `max_prompt_adapters`). 0: no limit.
   int64_t max_prompt_adapters = 0;
+  /// A sequence whose next token lands at this position is computed again from its first
+  /// token (LongRoPE's original length: past it every position rotates with the long
+  /// factors, and transformers recomputes the cache there). 0: never.
+  int64_t restart_at = 0;
 };
 
 /// One request as the scheduler tracks it.
@@ -163,6 +167,9 @@ public:
 
 private:
   void preempt(int64_t seq);
+  /// Drops `seq`'s cache and puts it first among the waiting requests, to be computed again
+  /// from its first token.
+  void restart(int64_t seq);
   /// Adds `r`'s group to `step` computing `chunk` tokens; it samples unless `is_prompt` and
   /// the chunk leaves part of the request uncomputed.
   void append_group(engine_request& r, int64_t chunk, bool is_prompt,

@@ -181,11 +181,13 @@ public:
   virtual void add_rms_norm(float* x, const float* h, const float* weight, float* y,
                             int64_t rows, int64_t dim, float eps) = 0;
 
-  /// Rotates, in place, `q_heads` heads of each of `rows` rows of `q` and `k_heads` of `k`
-  /// (heads of `head_dim`, "rotate half" layout), with per-row cos/sin tables of head_dim/2
+  /// Rotates, in place, the first `rotary_dim` entries of `q_heads` heads of each of `rows`
+  /// rows of `q` and `k_heads` of `k` (heads of `head_dim`, "rotate half" layout within
+  /// those entries; the rest pass through), with per-row cos/sin tables of rotary_dim/2
   /// entries.
   virtual void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
-                      int64_t head_dim, const float* cos, const float* sin) = 0;
+                      int64_t head_dim, int64_t rotary_dim, const float* cos,
+                      const float* sin) = 0;
 
   /// out[i] = silu(gate[i]) · up[i].
   virtual void silu_mul(const float* gate, const float* up, float* out, int64_t n) = 0;

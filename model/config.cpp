@@ -125,6 +125,10 @@ void validate_model_config(const model_config& c, const std::string& origin) {
                          std::to_string(c.num_key_value_heads));
   if (c.head_dim % 2 != 0)
     bad_config(origin, "head_dim must be even for rotary embeddings");
+  if (c.rotary_dim < 0 || c.rotary_dim > c.head_dim || c.rotary_dim % 2 != 0)
+    bad_config(origin, "the rotated part of each head (" + std::to_string(c.rotary_dim) +
+                         " of head_dim " + std::to_string(c.head_dim) +
+                         ") must be even and at most head_dim");
   if (!(c.rms_norm_eps > 0) || !(c.rope_theta > 0))
     bad_config(origin, "rms_norm_eps and rope_theta must be positive");
   if (!(c.query_pre_attn_scalar >= 0) || !std::isfinite(c.query_pre_attn_scalar) ||
@@ -152,11 +156,12 @@ void validate_model_config(const model_config& c, const std::string& origin) {
     bad_config(origin, "rope_scaling.original_max_position_embeddings must be positive, got " +
                          std::to_string(r.original_max_position_embeddings));
   if (r.type == rope::longrope) {
-    auto half = static_cast<size_t>(c.head_dim / 2);
+    auto half = static_cast<size_t>(c.rotated_dims() / 2);
     for (auto* f : {&r.short_factor, &r.long_factor}) {
       if (f->size() != half)
         bad_config(origin, "rope_scaling needs " + std::to_string(half) +
-                             " short_factor and long_factor values (head_dim / 2), got " +
+                             " short_factor and long_factor values (half the rotated part "
+                             "of a head), got " +
                              std::to_string(f->size()));
       for (auto v : *f)
         if (!(v > 0) || !std::isfinite(v))
@@ -346,13 +351,22 @@ model_config parse_model_config(const std::string& json_text, const std::string&
   if (j.contains("rope_local_base_freq") && j["rope_local_base_freq"].is_number())
     c.local_rope_theta = j["rope_local_base_freq"].get<double>();
   // Phi-4-mini rotates only part of each head (transformers 5 keeps the factor with the
-  // rope parameters); troupe rotates whole heads.
+  // rope parameters): int(head_dim × factor) entries, as transformers counts them. Other
+  // families rotate whole heads.
   for (const json* holder : {static_cast<const json*>(&j), rope})
     if (holder && holder->contains("partial_rotary_factor") &&
         (*holder)["partial_rotary_factor"].is_number() &&
-        (*holder)["partial_rotary_factor"].get<double>() != 1.0)
-      bad_config(origin, "partial_rotary_factor " + (*holder)["partial_rotary_factor"].dump() +
-                           " is not supported (1: rotary embeddings over whole heads)");
+        (*holder)["partial_rotary_factor"].get<double>() != 1.0) {
+      auto factor = (*holder)["partial_rotary_factor"].get<double>();
+      if (c.architecture != "Phi3ForCausalLM")
+        bad_config(origin, "partial_rotary_factor " + (*holder)["partial_rotary_factor"].dump() +
+                             " is supported for Phi3ForCausalLM only (" + c.architecture +
+                             " rotates whole heads)");
+      if (!(factor > 0 && factor < 1))
+        bad_config(origin, "partial_rotary_factor must be in (0, 1], got " +
+                             (*holder)["partial_rotary_factor"].dump());
+      c.rotary_dim = static_cast<int64_t>(static_cast<double>(c.head_dim) * factor);
+    }
   if (j.contains("rope_theta") && j["rope_theta"].is_number())
     c.rope_theta = j["rope_theta"].get<double>();
   else if (rope && rope->contains("rope_theta") && (*rope)["rope_theta"].is_number())
@@ -533,6 +547,9 @@ std::string to_config_json(const model_config& c) {
   j["num_attention_heads"] = c.num_attention_heads;
   j["num_key_value_heads"] = c.num_key_value_heads;
   j["head_dim"] = c.head_dim;
+  if (c.rotary_dim > 0 && c.rotary_dim != c.head_dim)
+    j["partial_rotary_factor"] =
+      static_cast<double>(c.rotary_dim) / static_cast<double>(c.head_dim);
   j["max_position_embeddings"] = c.max_position_embeddings;
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_theta"] = c.rope_theta;

@@ -39,7 +39,7 @@ struct rope_scaling_config {
   double attention_factor = 1.0;
   /// YaRN rounds its band of dimensions outwards (transformers' `truncate`).
   bool truncate = true;
-  /// LongRoPE's factors, one per rotary frequency (head_dim / 2).
+  /// LongRoPE's factors, one per rotary frequency (`rotated_dims()` / 2).
   std::vector<double> short_factor;
   std::vector<double> long_factor;
 };
@@ -59,6 +59,9 @@ struct model_config {
   int64_t num_attention_heads = 0;
   int64_t num_key_value_heads = 0;
   int64_t head_dim = 0;
+  /// The leading entries of each q and k head that rotate (Phi-4-mini's
+  /// `partial_rotary_factor` × head_dim); the rest pass through. 0: the whole head.
+  int64_t rotary_dim = 0;
   int64_t max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
@@ -138,6 +141,10 @@ struct model_config {
   int64_t max_sequence_length() const;
   /// The window of layer `layer`'s attention: `sliding_window` when it slides, else 0.
   int64_t window_of(int64_t layer) const;
+  /// The entries of each head that rotate: `rotary_dim`, or the whole head.
+  int64_t rotated_dims() const {
+    return rotary_dim > 0 ? rotary_dim : head_dim;
+  }
   /// Whether layer `layer`'s MLP is a mixture of experts.
   bool sparse(int64_t layer) const;
 };

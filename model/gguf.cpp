@@ -286,10 +286,12 @@ std::optional<std::vector<double>> gguf_file::numbers(const std::string& key) co
 
 void gguf_file::phi3_config(model_config& c, double rotary_dims, double window,
                             double original_length, double attention_factor) const {
-  if (static_cast<int64_t>(rotary_dims) != c.head_dim)
-    bad(path_, "phi3.rope.dimension_count " + std::to_string(static_cast<int64_t>(rotary_dims)) +
-                 " rotates part of each head of " + std::to_string(c.head_dim) +
-                 "; troupe rotates whole heads");
+  // Phi-4-mini rotates the first three quarters of each head.
+  auto rotated = static_cast<int64_t>(rotary_dims);
+  if (rotated <= 0 || rotated > c.head_dim || rotated % 2 != 0)
+    bad(path_, "phi3.rope.dimension_count " + std::to_string(rotated) +
+                 " is not an even part of each head of " + std::to_string(c.head_dim));
+  c.rotary_dim = rotated == c.head_dim ? 0 : rotated;
   // 0 says none (Phi-4); Phi-3 slides every layer, as transformers does.
   c.sliding_window = static_cast<int64_t>(window);
   auto factors = [&](const char* name) {
@@ -423,6 +425,11 @@ model_config gguf_file::config() const {
                  number("attn_logit_softcapping", 0, false),
                  number("final_logit_softcapping", 0, false),
                  number("rope.freq_base_swa", arch == "gemma3" ? 10000.0 : 0.0, false));
+  if (arch != "phi3" &&
+      number("rope.dimension_count", static_cast<double>(c.head_dim), false) !=
+        static_cast<double>(c.head_dim))
+    bad(path_, arch + ".rope.dimension_count rotates part of each head of " +
+                 std::to_string(c.head_dim) + "; troupe rotates part of a head in phi3 only");
   if (arch == "phi3")
     phi3_config(c, number("rope.dimension_count", static_cast<double>(c.head_dim), false),
                 number("attention.sliding_window", 0, false),

@@ -142,9 +142,10 @@ llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t wo
   local_vocab_ = share(cfg_.vocab_size, rank + 1) - vocab_begin_;
   base_inv_freq_ = rotary_frequencies(cfg_.rope_theta);
   inv_freq_ = base_inv_freq_;
-  for (int64_t i = 0; cfg_.local_rope_theta > 0 && i < cfg_.head_dim / 2; ++i)
+  const auto rotated = cfg_.rotated_dims();
+  for (int64_t i = 0; cfg_.local_rope_theta > 0 && i < rotated / 2; ++i)
     local_inv_freq_.push_back(1.0 / std::pow(cfg_.local_rope_theta, static_cast<double>(2 * i) /
-                                                                     static_cast<double>(cfg_.head_dim)));
+                                                                     static_cast<double>(rotated)));
   if (cfg_.rope_scaling.type == rope_scaling_config::kind::longrope) {
     // rotary_frequencies gives the short ones.
     long_inv_freq_ = base_inv_freq_;
@@ -156,8 +157,8 @@ llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t wo
 std::vector<double> llama_model::rotary_frequencies(double theta) const {
   using rope = rope_scaling_config::kind;
   const auto& rs = cfg_.rope_scaling;
-  const auto dim = static_cast<double>(cfg_.head_dim);
-  const auto half = cfg_.head_dim / 2;
+  const auto dim = static_cast<double>(cfg_.rotated_dims());
+  const auto half = cfg_.rotated_dims() / 2;
   // YaRN's band of dimensions between beta_fast and beta_slow rotations over the original
   // length: extrapolated below it, interpolated above, blended linearly within.
   double yarn_low = 0;
@@ -602,8 +603,8 @@ llama_model::step_layout llama_model::layout_of(int64_t T, int64_t S, int64_t se
   l.samples = l.tables + seqs * max_blocks;
   l.int_count = l.samples + S;
   l.ints = take(l.int_count);
-  // cos and sin, head_dim / 2 each; twice with a local base.
-  l.rope = take(T * cfg_.head_dim * (local_inv_freq_.empty() ? 1 : 2));
+  // cos and sin, half the rotated part of a head each; twice with a local base.
+  l.rope = take(T * cfg_.rotated_dims() * (local_inv_freq_.empty() ? 1 : 2));
   l.x = take(T * H);
   l.h = take(T * H);
   l.q = take(T * q_width);
@@ -795,7 +796,7 @@ const std::vector<double>& llama_model::step_frequencies(int64_t length) {
     return found->second;
   if (dynamic_freqs_.size() >= 64)
     dynamic_freqs_.clear();
-  const double dim = static_cast<double>(cfg_.head_dim);
+  const double dim = static_cast<double>(cfg_.rotated_dims());
   double theta = cfg_.rope_theta *
                  std::pow(rs.factor * static_cast<double>(length) /
                             static_cast<double>(cfg_.max_position_embeddings) -
@@ -820,7 +821,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
 
 llama_model::step_buffers llama_model::upload_step(const step_batch& batch,
                                                    const kv_cache& cache) {
-  const auto half = cfg_.head_dim / 2;
+  const auto half = cfg_.rotated_dims() / 2;
   const auto bs = cache.block_size();
   auto& tokens = batch.tokens;
   auto& tables = batch.tables;
@@ -837,7 +838,12 @@ llama_model::step_buffers llama_model::upload_step(const step_batch& batch,
     std::copy(tables[s], tables[s] + batch.table_blocks[s], &ints[parts.tables + s * max_blocks]);
   const bool local = !local_inv_freq_.empty();
   std::vector<float> rope(static_cast<size_t>((local ? 4 : 2) * T * half));
-  auto step_length = batch.lengths();
+  // Dynamic NTK scales with the positions a step reaches (as transformers' per-forward
+  // update); LongRoPE with the sequence's whole known length, so that every chunk of a
+  // prompt longer than the original length rotates as transformers' one forward does.
+  auto step_length = cfg_.rope_scaling.type == rope_scaling_config::kind::longrope
+                       ? batch.known_lengths
+                       : batch.lengths();
   for (int64_t t = 0; t < T; ++t) {
     auto& tok = tokens[t];
     ints[parts.ids + t] = tok.id;
@@ -951,8 +957,8 @@ void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b,
   b.layout.softcap = static_cast<float>(cfg_.attn_logit_softcapping);
   // Gemma 3's sliding layers rotate with their own base.
   bool local = b.local_cos && b.layout.window > 0;
-  be.rotary(b.q, local_heads_, b.k, local_kv_, T, cfg_.head_dim, local ? b.local_cos : b.cos,
-            local ? b.local_sin : b.sin);
+  be.rotary(b.q, local_heads_, b.k, local_kv_, T, cfg_.head_dim, cfg_.rotated_dims(),
+            local ? b.local_cos : b.cos, local ? b.local_sin : b.sin);
   be.write_kv(b.k, b.v, cache.keys(layer), cache.values(layer), b.slots, T, kv_width);
   const double scaled_by = cfg_.query_pre_attn_scalar > 0 ? cfg_.query_pre_attn_scalar
                                                           : static_cast<double>(cfg_.head_dim);

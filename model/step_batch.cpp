@@ -82,6 +82,7 @@ step_batch prepare_batch(const execute_model_request& req, const model_config& c
       auto seq_index = static_cast<int32_t>(b.tables.size());
       b.tables.push_back(seq.block_table.data());
       b.table_blocks.push_back(blocks_needed);
+      b.known_lengths.push_back(seq.length());
       for (int64_t p = start; p < start + chunk; ++p) {
         auto id = seq.token_ids[static_cast<size_t>(p - seq.first_token)];
         if (id < 0 || id >= cfg.vocab_size)

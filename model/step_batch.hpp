@@ -50,6 +50,9 @@ struct step_batch {
   /// Each sequence's block table, and how many of its blocks the step reaches.
   std::vector<const int32_t*> tables;
   std::vector<int64_t> table_blocks;
+  /// Each sequence's tokens as the engine knows them (`sequence_data::length()`: its
+  /// prompt and outputs so far), computed in this step or not.
+  std::vector<int64_t> known_lengths;
   /// The token whose logits each sampled row takes, and whose row it is, in request order.
   std::vector<int32_t> sample_tokens;
   std::vector<sample_row> rows;

@@ -75,6 +75,14 @@ def tiny_models():
                       "short_factor": [1.0 + 0.25 * i for i in range(half)],
                       "long_factor": [2.0 + 1.5 * i for i in range(half)]},
         **phi3_long)
+    # Phi-4-mini's partial rotation: the first three quarters of each head (12 of 16)
+    # rotate, with LongRoPE factors for those 6 frequencies.
+    yield "phi4-partial", Phi3Config(
+        original_max_position_embeddings=8, partial_rotary_factor=0.75,
+        rope_scaling={"type": "longrope",
+                      "short_factor": [1.0 + 0.25 * i for i in range(6)],
+                      "long_factor": [2.0 + 1.5 * i for i in range(6)]},
+        **dict(phi3, max_position_embeddings=64))
     # Gemma 3: GeGLU, four norms of (1 + w) a layer, q and k norms, embeddings times
     # sqrt(hidden), query_pre_attn_scalar apart from head_dim, sliding layers (window 6)
     # between global ones, the sliding layers' own rope base, linear scaling of the global

@@ -19,7 +19,8 @@ inline const std::vector<std::string> fixture_models = {
   "llama-rope-linear", "llama-rope-dynamic", "llama-rope-yarn", "llama-bias",
   "mistral-window",   "qwen2-window",       "qwen3-norms",     "phi3-fused",
   "phi3-longrope",    "gemma3-layers",      "gemma2-softcap",  "gemma2-standard",
-  "gemma3-standard",  "mixtral-experts",    "qwen3-moe",       "qwen3-moe-mixed"};
+  "gemma3-standard",  "mixtral-experts",    "qwen3-moe",       "qwen3-moe-mixed",
+  "phi4-partial"};
 
 struct model_runner {
   llama_model model;

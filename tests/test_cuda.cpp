@@ -91,24 +91,27 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
   gpu->add(dy, upload(dev, other), rows * dim);
   CHECK(download(dev, dy, x.size()) == want);
 
-  // Rotary of q and k together: one position per row.
+  // Rotary of q and k together: one position per row, three quarters of each head rotated
+  // (Phi-4-mini's partial rotation).
   const int64_t kv_heads = 3;
+  const int64_t rotary_dim = head_dim / 4 * 3 / 2 * 2;
   auto q = random_floats(rows * heads * head_dim, 4);
   auto k = random_floats(rows * kv_heads * head_dim, 23);
-  std::vector<float> cos(rows * head_dim / 2), sin(cos.size());
+  std::vector<float> cos(rows * rotary_dim / 2), sin(cos.size());
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < head_dim / 2; ++i) {
-      auto angle = (r + 3) / std::pow(10000.0, 2.0 * i / head_dim);
-      cos[r * head_dim / 2 + i] = static_cast<float>(std::cos(angle));
-      sin[r * head_dim / 2 + i] = static_cast<float>(std::sin(angle));
+    for (int64_t i = 0; i < rotary_dim / 2; ++i) {
+      auto angle = (r + 3) / std::pow(10000.0, 2.0 * i / rotary_dim);
+      cos[r * rotary_dim / 2 + i] = static_cast<float>(std::cos(angle));
+      sin[r * rotary_dim / 2 + i] = static_cast<float>(std::sin(angle));
     }
   want = q;
   auto want_k = k;
-  cpu->rotary(want.data(), heads, want_k.data(), kv_heads, rows, head_dim, cos.data(),
-              sin.data());
+  cpu->rotary(want.data(), heads, want_k.data(), kv_heads, rows, head_dim, rotary_dim,
+              cos.data(), sin.data());
   auto dq = upload(dev, q);
   auto dk = upload(dev, k);
-  gpu->rotary(dq, heads, dk, kv_heads, rows, head_dim, upload(dev, cos), upload(dev, sin));
+  gpu->rotary(dq, heads, dk, kv_heads, rows, head_dim, rotary_dim, upload(dev, cos),
+              upload(dev, sin));
   CHECK(max_relative_error(download(dev, dq, q.size()), want) < 1e-5);
   CHECK(max_relative_error(download(dev, dk, k.size()), want_k) < 1e-5);
 

@@ -13,6 +13,7 @@
 #include "model/config.hpp"
 #include "troupe/errors.hpp"
 #include "troupe/executor.hpp"
+#include "troupe/llm.hpp"
 #include "troupe/model_worker.hpp"
 
 #include <doctest/doctest.h>
@@ -83,25 +84,33 @@ double kl_divergence(const std::vector<float>& p_logits, const std::vector<float
   return kl;
 }
 
-/// Greedy generation through an executor on `path` (dtype auto: the stored types) of
-/// `tensor_parallel_size` workers, a mixture's experts whole on each with `expert_parallel`.
+/// Greedy generation through the engine on `path` (dtype auto: the stored types) with
+/// `tensor_parallel_size` workers, a mixture's experts whole on each with `expert_parallel`:
+/// the runs' prompts in one batch.
 void check_greedy_runs(const std::string& path, const nlohmann::json& runs,
                        int32_t tensor_parallel_size = 1, bool expert_parallel = false) {
-  executor_config cfg;
-  cfg.block_size = 4;
-  cfg.tensor_parallel_size = tensor_parallel_size;
-  model_worker_options opts;
-  opts.model_path = path;
-  opts.enable_expert_parallel = expert_parallel;
-  opts.cpu_precision = "exact"; // transformers' numbers, whatever the format
-  opts.kv_cache_memory_bytes = 4 << 20;
-  executor exec{cfg, model_worker_factory(opts)};
-  exec.initialize_cache(exec.determine_num_available_blocks());
+  llm_config cfg;
+  cfg.executor.block_size = 4;
+  cfg.executor.tensor_parallel_size = tensor_parallel_size;
+  cfg.worker.model_path = path;
+  cfg.worker.enable_expert_parallel = expert_parallel;
+  cfg.worker.cpu_precision = "exact"; // transformers' numbers, whatever the format
+  cfg.worker.kv_cache_memory_bytes = 4 << 20;
+  llm engine{cfg};
+  std::vector<generation_request> requests;
   for (auto& run : runs) {
-    auto generated =
-      testing::greedy_tokens(exec, run["token_ids"].get<std::vector<int32_t>>(), 32);
-    CHECK_MESSAGE(generated == run["greedy"].get<std::vector<int32_t>>(), path);
+    generation_request r;
+    r.prompt_token_ids = run["token_ids"].get<std::vector<int32_t>>();
+    r.sampling.temperature = 0.0f;
+    r.sampling.max_tokens = 32;
+    r.sampling.ignore_eos = true;
+    requests.push_back(r);
   }
+  auto outs = engine.generate(requests);
+  REQUIRE(outs.size() == runs.size());
+  for (size_t i = 0; i < outs.size(); ++i)
+    CHECK_MESSAGE(outs[i].token_ids == runs[i]["greedy"].get<std::vector<int32_t>>(),
+                  path << " prompt " << i);
 }
 
 /// Whether `bytes` are the checkpoint's tensor `t` as stored, its rows in Hugging Face's
@@ -292,11 +301,13 @@ TEST_CASE("expert_load names each rank's experts and the tokens they took in the
 }
 
 TEST_CASE("Phi-3 files of llama.cpp's converter (qkv and gate-up fused, LongRoPE's factors as "
-          "tensors, a sliding window): transformers' logits and greedy tokens, exact and fast") {
-  check_family_files({"phi3-fused", "phi3-longrope"}, [](const std::string& path,
+          "tensors, a sliding window, Phi-4-mini's partial rotation): transformers' logits and "
+          "greedy tokens, exact and fast") {
+  check_family_files({"phi3-fused", "phi3-longrope", "phi4-partial"}, [](const std::string& path,
                                                          const model_config& cfg,
                                                          const model_config& hf) {
     CHECK(cfg.sliding_window == hf.sliding_window);
+    CHECK(cfg.rotary_dim == hf.rotary_dim);
     CHECK(cfg.rope_scaling.type == hf.rope_scaling.type);
     CHECK(cfg.rope_scaling.original_max_position_embeddings ==
           hf.rope_scaling.original_max_position_embeddings);

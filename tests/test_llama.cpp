@@ -220,13 +220,25 @@ TEST_CASE("greedy continuations of 32 tokens are identical to transformers") {
       runner r{name};
       r.run.seq.token_ids = prompt["token_ids"].get<std::vector<int32_t>>();
       auto logits = r.run.step(static_cast<int32_t>(r.run.seq.token_ids.size()));
+      // Past LongRoPE's original length the sequence is computed again with the long
+      // factors, as transformers' generate and troupe's engine do.
+      auto& rs = r.run.model.config().rope_scaling;
+      auto restart_at = rs.type == rope_scaling_config::kind::longrope
+                          ? rs.original_max_position_embeddings
+                          : -1;
       std::vector<int32_t> generated;
       for (int i = 0; i < 32; ++i) {
         auto next = argmax(logits);
         generated.push_back(next);
         r.run.seq.token_ids.push_back(next);
-        if (i + 1 < 32)
+        if (i + 1 == 32)
+          break;
+        if (r.run.seq.num_computed_tokens == restart_at) {
+          r.run.seq.num_computed_tokens = 0;
+          logits = r.run.step(static_cast<int32_t>(r.run.seq.token_ids.size()));
+        } else {
           logits = r.run.step(1);
+        }
       }
       CHECK_MESSAGE(generated == prompt["greedy"].get<std::vector<int32_t>>(), name);
     }
@@ -384,8 +396,8 @@ TEST_CASE("configs and weights that would compute garbage are refused, naming th
 }
 
 TEST_CASE("make-model writes a sharded checkpoint that loads and runs, in every family") {
-  for (auto arch : {"Qwen2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                    "Gemma3ForCausalLM"}) {
+  for (std::string arch : {"Qwen2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                           "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"}) {
     INFO(arch);
     model_config c;
     c.architecture = arch;
@@ -397,6 +409,11 @@ TEST_CASE("make-model writes a sharded checkpoint that loads and runs, in every 
     c.num_key_value_heads = 2;
     c.head_dim = 8;
     c.attention_bias = c.architecture == "Qwen2ForCausalLM";
+    if (arch == "MixtralForCausalLM" || arch == "Qwen3MoeForCausalLM") {
+      c.num_experts = 4;
+      c.num_experts_per_tok = 2;
+      c.moe_intermediate_size = arch == "MixtralForCausalLM" ? 48 : 16;
+    }
     auto dir = (std::filesystem::temp_directory_path() /
                 ("troupe-make-model-" + std::to_string(::getpid())))
                  .string();
@@ -406,6 +423,7 @@ TEST_CASE("make-model writes a sharded checkpoint that loads and runs, in every 
     auto loaded = load_model_config(dir);
     CHECK(loaded.architecture == arch);
     CHECK(loaded.attention_bias == c.attention_bias);
+    CHECK(loaded.num_experts == c.num_experts);
     checkpoint ckpt{dir};
     llama_model model{loaded, dev, 0, 1};
     model.load(ckpt);

@@ -517,8 +517,11 @@ TEST_CASE("prefix caching on and off give the same greedy tokens and logprobs") 
       CAPTURE(name);
       auto run = cfg;
       run.worker.model_path = fixtures + "/" + name;
-      auto cached = both(run, plain, name == "llama-odd-heads");
-      if (name == "llama-rope-dynamic" || name == "phi3-longrope") {
+      // A mixture's experts take as many rows as were routed to them in the step: their
+      // GEMMs round as llama-odd-heads' do.
+      bool experts = load_model_config(run.worker.model_path).num_experts > 0;
+      auto cached = both(run, plain, name == "llama-odd-heads" || experts);
+      if (name == "llama-rope-dynamic" || name == "phi3-longrope" || name == "phi4-partial") {
         // Their keys depend on the sequence's length (past 24 and 8 positions, below the
         // model's length): the engine turns the cache off.
         CHECK(cached.stats.prefix_cache_queries == 0);

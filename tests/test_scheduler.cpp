@@ -288,3 +288,52 @@ TEST_CASE("a step ahead decodes the running requests with their last token pendi
   narrow.schedule();
   CHECK_FALSE(narrow.schedule_ahead());
 }
+
+TEST_CASE("a sequence that grows past restart_at is computed again from its first token") {
+  // LongRoPE's switch to the long factors at position 6: the decode that would compute
+  // position 6 becomes a prompt of all 7 known tokens, once; no step ahead crosses it.
+  // (The engine turns prefix caching off there: the cached keys rotate as a shorter
+  // sequence's.)
+  scheduler_limits limits;
+  limits.restart_at = 6;
+  scheduler_config no_cache;
+  no_cache.enable_prefix_caching = false;
+  scheduler sched{no_cache, limits, block_size, 8, 0, {2}};
+  auto r = requests(1)[0];
+  r.prompt = {5, 6, 7, 8};
+  r.sampling.max_tokens = 6;
+  sched.add(r);
+  auto step_of = [&](const execute_model_request& step, int32_t token) {
+    sampler_output out;
+    sequence_output s;
+    s.output_token = token;
+    out.outputs.push_back({step.seq_group_metadata_list[0].request_id, {s}});
+    sched.update(out);
+  };
+  std::vector<std::pair<int32_t, int32_t>> shapes; // (computed before, chunk)
+  for (int32_t token = 40; sched.has_unfinished(); ++token) {
+    if (sched.in_flight() == 0) {
+      auto step = sched.schedule();
+      REQUIRE(step.seq_group_metadata_list.size() == 1);
+      auto& g = step.seq_group_metadata_list[0];
+      shapes.emplace_back(g.seqs[0].num_computed_tokens, g.token_chunk_size);
+      if (g.token_chunk_size > 1) {
+        CHECK(g.is_prompt);
+        CHECK(g.seqs[0].first_token == 0);
+      }
+      auto ahead = sched.schedule_ahead();
+      step_of(step, token);
+      if (ahead) {
+        auto& a = ahead->seq_group_metadata_list[0];
+        CHECK(a.seqs[0].num_computed_tokens != limits.restart_at);
+        shapes.emplace_back(a.seqs[0].num_computed_tokens, a.token_chunk_size);
+        step_of(*ahead, ++token);
+      }
+    }
+  }
+  CHECK(shapes == std::vector<std::pair<int32_t, int32_t>>{
+                    {0, 4}, {4, 1}, {5, 1}, {0, 7}, {7, 1}, {8, 1}});
+  auto done = sched.take_finished();
+  REQUIRE(done.size() == 1);
+  CHECK(done[0].output.size() == 6);
+}

@@ -157,11 +157,14 @@ public:
   }
 
   void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
-              int64_t head_dim, const float* cos, const float* sin) override {
-    auto half = head_dim / 2;
+              int64_t head_dim, int64_t rotary_dim, const float* cos,
+              const float* sin) override {
+    auto half = rotary_dim / 2;
     for (int64_t r = 0; r < rows; ++r) {
-      cpu::rotary(q + r * q_heads * head_dim, q_heads, head_dim, cos + r * half, sin + r * half);
-      cpu::rotary(k + r * k_heads * head_dim, k_heads, head_dim, cos + r * half, sin + r * half);
+      cpu::rotary(q + r * q_heads * head_dim, q_heads, head_dim, rotary_dim, cos + r * half,
+                  sin + r * half);
+      cpu::rotary(k + r * k_heads * head_dim, k_heads, head_dim, rotary_dim, cos + r * half,
+                  sin + r * half);
     }
   }
 

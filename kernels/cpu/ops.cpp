@@ -40,8 +40,9 @@ void add_bias(float* y, const float* bias, int64_t m, int64_t n) {
       y[r * n + i] += bias[i];
 }
 
-void rotary(float* x, int64_t heads, int64_t head_dim, const float* cos, const float* sin) {
-  auto half = head_dim / 2;
+void rotary(float* x, int64_t heads, int64_t head_dim, int64_t rotary_dim, const float* cos,
+            const float* sin) {
+  auto half = rotary_dim / 2;
   for (int64_t h = 0; h < heads; ++h) {
     float* v = x + h * head_dim;
     for (int64_t i = 0; i < half; ++i) {

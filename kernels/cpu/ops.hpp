@@ -27,9 +27,11 @@ void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64
 /// Adds `bias[n]` to every row of y[m×n].
 void add_bias(float* y, const float* bias, int64_t m, int64_t n);
 
-/// Rotates `heads` heads of `head_dim` in place (the "rotate half" layout of Hugging
-/// Face: element i pairs with i + head_dim/2), with cos/sin tables of head_dim/2 entries.
-void rotary(float* x, int64_t heads, int64_t head_dim, const float* cos, const float* sin);
+/// Rotates the first `rotary_dim` entries of `heads` heads of `head_dim` in place (the
+/// "rotate half" layout of Hugging Face: element i pairs with i + rotary_dim/2), with
+/// cos/sin tables of rotary_dim/2 entries; the rest of each head passes through.
+void rotary(float* x, int64_t heads, int64_t head_dim, int64_t rotary_dim, const float* cos,
+            const float* sin);
 
 /// out[i] = silu(gate[i]) · up[i].
 void silu_mul(const float* gate, const float* up, float* out, int64_t n);

@@ -133,8 +133,9 @@ public:
   }
 
   void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
-              int64_t head_dim, const float* cos, const float* sin) override {
-    cuda::rotary(q, q_heads, k, k_heads, rows, head_dim, cos, sin, dev_.stream());
+              int64_t head_dim, int64_t rotary_dim, const float* cos,
+              const float* sin) override {
+    cuda::rotary(q, q_heads, k, k_heads, rows, head_dim, rotary_dim, cos, sin, dev_.stream());
   }
 
   void silu_mul(const float* gate, const float* up, float* out, int64_t n) override {

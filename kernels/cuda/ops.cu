@@ -61,8 +61,9 @@ __global__ void add_bias_kernel(float* y, const float* bias, int64_t m, int64_t 
 
 // One thread per (row, head, pair); heads [0, q_heads) are q's, the rest k's.
 __global__ void rotary_kernel(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
-                              int64_t head_dim, const float* cos, const float* sin) {
-  int64_t half = head_dim / 2;
+                              int64_t head_dim, int64_t rotary_dim, const float* cos,
+                              const float* sin) {
+  int64_t half = rotary_dim / 2;
   int64_t heads = q_heads + k_heads;
   int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows * heads * half)
@@ -581,12 +582,13 @@ void add_bias(float* y, const float* bias, int64_t m, int64_t n, cudaStream_t st
 }
 
 void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
-            int64_t head_dim, const float* cos, const float* sin, cudaStream_t stream) {
-  auto n = rows * (q_heads + k_heads) * (head_dim / 2);
+            int64_t head_dim, int64_t rotary_dim, const float* cos, const float* sin,
+            cudaStream_t stream) {
+  auto n = rows * (q_heads + k_heads) * (rotary_dim / 2);
   if (n == 0)
     return;
   rotary_kernel<<<blocks_for(n), threads, 0, stream>>>(q, q_heads, k, k_heads, rows, head_dim,
-                                                       cos, sin);
+                                                       rotary_dim, cos, sin);
   launched("rotary_kernel");
 }
 

@@ -27,11 +27,13 @@ void add_bias(float* y, const float* bias, int64_t m, int64_t n, cudaStream_t st
 void add_rms_norm(float* x, const float* h, const float* weight, float* y, int64_t rows,
                   int64_t dim, float eps, cudaStream_t stream);
 
-/// Rotates in place `q_heads` heads of each of `rows` rows of `q` and `k_heads` of `k` (heads
-/// of `head_dim`, "rotate half" layout) in one launch, with per-row cos/sin tables of
-/// head_dim/2 entries (`cos[row * head_dim/2 + i]`).
+/// Rotates in place the first `rotary_dim` entries of `q_heads` heads of each of `rows` rows
+/// of `q` and `k_heads` of `k` (heads of `head_dim`, "rotate half" layout within them) in
+/// one launch, with per-row cos/sin tables of rotary_dim/2 entries
+/// (`cos[row * rotary_dim/2 + i]`).
 void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
-            int64_t head_dim, const float* cos, const float* sin, cudaStream_t stream);
+            int64_t head_dim, int64_t rotary_dim, const float* cos, const float* sin,
+            cudaStream_t stream);
 
 /// out[i] = silu(gate[i]) · up[i].
 void silu_mul(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream);
