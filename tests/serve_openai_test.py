@@ -1,7 +1,8 @@
 """troupe serve through the official openai client: greedy completions equal transformers'
 tokens (streamed or not), chat of a model without a template fails cleanly, a wrong key or
-model raises the client's own errors, and /metrics parses with prometheus_client and agrees
-with the requests sent. Arguments: the troupe binary, the source tree."""
+model raises the client's own errors, /metrics parses with prometheus_client and agrees
+with the requests sent, and a chat with a model of each family, through its own template,
+gives transformers' greedy tokens. Arguments: the troupe binary, the source tree."""
 
 import json
 import os
@@ -16,18 +17,28 @@ from prometheus_client.parser import text_string_to_metric_families
 troupe, source = sys.argv[1], sys.argv[2]
 fixture = os.path.join(source, "tests", "fixtures", "llama-gqa")
 key = "a key long enough for the test"
-server = subprocess.Popen(
-    [troupe, "serve", "--model", fixture, "--kv-cache-memory", "4000000", "--port", "0",
-     "--served-model-name", "tiny", "--api-key", key],
-    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-try:
-    port = None
+
+
+def serve(model):
+    """`troupe serve` of `model` as "tiny" on a free port: the process and its base URL."""
+    server = subprocess.Popen(
+        [troupe, "serve", "--model", model, "--kv-cache-memory", "4000000", "--port", "0",
+         "--served-model-name", "tiny", "--api-key", key],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in server.stdout:
         if "on http://127.0.0.1:" in line:
-            port = int(line.rsplit(":", 1)[1])
-            break
-    assert port, "the server did not start"
-    base = f"http://127.0.0.1:{port}"
+            return server, f"http://127.0.0.1:{int(line.rsplit(':', 1)[1])}"
+    server.kill()
+    raise AssertionError(f"the server of {model} did not start")
+
+
+def stop(server):
+    server.terminate()
+    assert server.wait(timeout=60) == 0, "the server did not drain and exit 0"
+
+
+server, base = serve(fixture)
+try:
     client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
 
     assert [m.id for m in client.models.list().data] == ["tiny"]
@@ -98,5 +109,34 @@ try:
     assert value("vllm:num_requests_running", "vllm:num_requests_running") == 0
     print(f"openai client: {sent} completions with transformers' tokens; metrics agree")
 finally:
-    server.terminate()
-    assert server.wait(timeout=60) == 0, "the server did not drain and exit 0"
+    stop(server)
+
+# Each family's model through its own chat template (scripts/make-chat-family-fixtures.py):
+# the prompt transformers' apply_chat_template renders, and its greedy tokens, streamed or
+# not.
+chats = os.path.join(source, "tests", "fixtures", "chat-families")
+with open(os.path.join(chats, "families.json")) as f:
+    chat_families = json.load(f)
+for family, ref in chat_families.items():
+    server, base = serve(os.path.join(chats, family))
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+        want = ref["greedy"]
+        c = client.chat.completions.create(model="tiny", messages=ref["messages"],
+                                           max_tokens=len(want), temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert c.choices[0].model_extra["token_ids"] == want, (family, c.choices[0], want)
+        assert c.usage.prompt_tokens == len(ref["prompt_token_ids"]), (family, c.usage)
+        assert c.choices[0].finish_reason == "length", (family, c.choices[0])
+        ids = []
+        for chunk in client.chat.completions.create(model="tiny", messages=ref["messages"],
+                                                    max_tokens=len(want), temperature=0,
+                                                    stream=True,
+                                                    extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                ids += chunk.choices[0].model_extra.get("token_ids") or []
+        assert ids == want, (family, ids, want)
+    finally:
+        stop(server)
+print(f"openai client: chat of {len(chat_families)} families' templates and models gives "
+      "transformers' greedy tokens")
