@@ -138,6 +138,11 @@ peft_lora read_peft_lora(const std::string& path, const model_config& model) {
   if (alpha_it == config.end() || !alpha_it->is_number() || alpha_it->get<double>() <= 0)
     bad_adapter(path, "lora_alpha must be a positive number");
   auto alpha = alpha_it->get<double>();
+  // peft's LoRA on parameters rather than layers: a mixture's merged experts.
+  if (is_set(config, "target_parameters"))
+    bad_adapter(path, "target_parameters " + config["target_parameters"].dump() +
+                        " adapts parameters that are not linear layers (a mixture's experts); "
+                        "troupe adapts q/k/v/o/gate/up/down_proj layers only");
   // Features that change the computation beyond y += scaling · B·A·x are refused, never
   // silently dropped.
   for (auto key : {"use_dora", "lora_bias", "fan_in_fan_out", "modules_to_save", "alpha_pattern",

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Writes PEFT adapters for the tiny llama-gqa fixture (and LoRAs for gemma3-layers and
-phi3-fused, made by scripts/make-family-fixtures.py) and what transformers + peft compute
+"""Writes PEFT adapters for the tiny llama-gqa fixture (and LoRAs for gemma3-layers,
+phi3-fused and qwen3-moe, made by scripts/make-family-fixtures.py) and what transformers + peft compute
 with them. CI only reads the committed files; run this again after changing what it writes
 (after the scripts that write the base models):
 
     pip install torch transformers safetensors peft
-    python3 scripts/make-adapter-fixtures.py [BASE ...]   (llama-gqa, gemma3-layers, phi3-fused)
+    python3 scripts/make-adapter-fixtures.py [BASE ...]   (llama-gqa, gemma3-layers, phi3-fused,
+                                                           qwen3-moe)
 """
 import json
 import pathlib
@@ -39,6 +40,19 @@ def phi3_adapters():
                                    task_type=TaskType.CAUSAL_LM,
                                    target_modules=["qkv_proj", "o_proj", "gate_up_proj",
                                                    "down_proj"])
+
+
+def moe_adapters():
+    # The attention of a mixture, rank 4.
+    yield "lora-attention", LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none",
+                                       task_type=TaskType.CAUSAL_LM,
+                                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    # The experts too: peft adapts transformers' merged expert parameters
+    # (target_parameters), which troupe refuses by name.
+    yield "lora-experts", LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none",
+                                     task_type=TaskType.CAUSAL_LM,
+                                     target_modules=["q_proj", "gate_proj", "up_proj",
+                                                     "down_proj"])
 
 
 def adapters():
@@ -107,6 +121,7 @@ def write(base, adapter_configs):
         json.dump(reference, f)
 
 
-bases = {"llama-gqa": adapters, "gemma3-layers": gemma_adapters, "phi3-fused": phi3_adapters}
+bases = {"llama-gqa": adapters, "gemma3-layers": gemma_adapters, "phi3-fused": phi3_adapters,
+         "qwen3-moe": moe_adapters}
 for base in sys.argv[1:] or bases:
     write(base, bases[base]())

@@ -121,10 +121,11 @@ int32_t first_token(executor& exec, std::vector<int32_t> prompt, int64_t lora_id
 struct adapter_copy {
   fs::path dir;
 
-  explicit adapter_copy(const std::string& name)
+  /// A copy of adapter `name` of llama-gqa's, or of another base's under `from`.
+  explicit adapter_copy(const std::string& name, const std::string& from = adapters)
     : dir(fs::temp_directory_path() / ("troupe-adapter-" + std::to_string(getpid()) + "-" + name)) {
     fs::remove_all(dir);
-    fs::copy(adapters + "/" + name, dir);
+    fs::copy(from + "/" + name, dir);
   }
   ~adapter_copy() {
     fs::remove_all(dir);
@@ -173,10 +174,11 @@ TEST_CASE("LoRA and prompt-tuning prefill logits match peft within 1e-4") {
   MESSAGE("largest relative error of adapter logits: " << worst);
 }
 
-TEST_CASE("LoRAs on Gemma 3's layers and on Phi-3's fused projections (B cut by rows) match "
-          "peft within 1e-4, at tensor parallel size 1") {
+TEST_CASE("LoRAs on Gemma 3's layers, on Phi-3's fused projections (B cut by rows) and on a "
+          "mixture's attention match peft within 1e-4, at tensor parallel size 1") {
   for (auto [base, adapter] : {std::pair{"gemma3-layers", "lora-all"},
-                               {"phi3-fused", "lora-fused"}}) {
+                               {"phi3-fused", "lora-fused"},
+                               {"qwen3-moe", "lora-attention"}}) {
     INFO(base);
     const std::string model_dir = fixtures + "/" + base;
     const std::string dir = model_dir + "-adapters";
@@ -382,6 +384,31 @@ TEST_CASE("bad adapters are refused naming the adapter and what is wrong, and no
   CHECK_THROWS_WITH_AS(exec->add_prompt_adapter({"p", 1, adapters + "/prompt-tuning", 5}),
                        doctest::Contains("has 4 virtual tokens, the request says 5"), error);
   CHECK(exec->list_prompt_adapters().empty());
+}
+
+TEST_CASE("a LoRA of a mixture's experts is refused, naming what it adapts") {
+  const std::string model_dir = fixtures + "/qwen3-moe";
+  const std::string dir = model_dir + "-adapters";
+  cpu_device dev{0};
+  llama_model model{load_model_config(model_dir), dev, 0, 1};
+  model.load(checkpoint{model_dir});
+  // peft's LoRA of transformers' merged expert parameters.
+  CHECK_THROWS_WITH_AS(model.load_lora(dir + "/lora-experts", 16),
+                       doctest::Contains("target_parameters [\"gate_up_proj\",\"down_proj\"]"),
+                       error);
+  // One of a sparse layer's MLP projection, as a dense model's adapter would be.
+  adapter_copy mlp{"lora-attention", dir};
+  safetensors_writer w;
+  std::vector<float> a(4 * 64), b(96 * 4);
+  w.add("base_model.model.model.layers.0.mlp.up_proj.lora_A.weight", dtype::f32, {4, 64}, a.data(),
+        a.size() * sizeof(float));
+  w.add("base_model.model.model.layers.0.mlp.up_proj.lora_B.weight", dtype::f32, {96, 4}, b.data(),
+        b.size() * sizeof(float));
+  w.write((mlp.dir / "adapter_model.safetensors").string());
+  CHECK_THROWS_WITH_AS(model.load_lora(mlp.dir.string(), 16),
+                       doctest::Contains("adapts up_proj of layer 0, whose MLP is a mixture of "
+                                         "experts"),
+                       error);
 }
 
 TEST_CASE("adapters take turns within their slots and keep their ids and outputs") {
