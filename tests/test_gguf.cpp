@@ -7,6 +7,7 @@
 #include "kernels/cpu/quant_int8.hpp"
 #include "model/checkpoint.hpp"
 #include "tests/generation.hpp"
+#include "tests/ranks.hpp"
 #include "model/gguf.hpp"
 #include "model/llama.hpp"
 #include "model/make_model.hpp"
@@ -176,9 +177,29 @@ TEST_CASE("prefill logits of every tensor type match transformers on the same fi
 namespace {
 
 /// A family fixture's GGUF file against transformers on its weights: prefill logits exact
-/// (1e-4) and fast (1e-3 nats), and the greedy tokens.
+/// (1e-4; also split over 2, 3 and 4 ranks) and fast (1e-3 nats), and the greedy tokens.
 void check_family_file(const std::string& path, const model_config& cfg, const nlohmann::json& runs) {
   auto ckpt = checkpoint::from_gguf(path, cfg);
+  for (int32_t world : {2, 3, 4}) {
+    if (world > cfg.num_attention_heads)
+      continue;
+    INFO("tensor parallel size " << world);
+    std::vector<std::vector<float>> logits(runs.size());
+    testing::on_ranks(cfg, ckpt, world, false, [&](testing::model_runner& run, int32_t rank) {
+      for (size_t i = 0; i < runs.size(); ++i) {
+        run.seq.token_ids = runs[i]["token_ids"].get<std::vector<int32_t>>();
+        run.seq.num_computed_tokens = 0;
+        auto out = run.step(static_cast<int32_t>(run.seq.token_ids.size()));
+        if (rank == 0)
+          logits[i] = std::move(out);
+      }
+    });
+    for (size_t i = 0; i < runs.size(); ++i) {
+      auto error = testing::relative_error(logits[i].data(),
+                                           runs[i]["last_logits"].get<std::vector<float>>());
+      CHECK_MESSAGE(error < 1e-4, "prompt " << i << ": relative error " << error);
+    }
+  }
   for (bool fast : {false, true}) {
     INFO((fast ? "fast" : "exact"));
     cpu_device dev{0};

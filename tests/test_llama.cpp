@@ -3,13 +3,13 @@
 // scripts/make-reference-fixtures.py).
 
 #include "kernels/cpu/cpu_device.hpp"
-#include "kernels/cpu/gloo_communicator.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config.hpp"
 #include "model/llama.hpp"
 #include "model/make_model.hpp"
 #include "tests/generation.hpp"
 #include "tests/model_runner.hpp"
+#include "tests/ranks.hpp"
 #include "troupe/errors.hpp"
 
 #include <doctest/doctest.h>
@@ -20,7 +20,6 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
-#include <thread>
 
 #include <unistd.h>
 
@@ -52,41 +51,12 @@ int32_t argmax(const std::vector<float>& v) {
   return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
 }
 
-/// Runs `each(runner, rank)` on every rank of a tensor-parallel group of `world`, each on a
-/// thread of its own with its shard of fixture `name` and a Gloo communicator, as the model
-/// workers run them (with whole experts a rank when `expert_parallel`).
+/// `testing::on_ranks` of fixture `name`.
 template <class Each>
 void on_ranks(const std::string& name, int32_t world, bool expert_parallel, Each each) {
-  auto cfg = load_model_config(fixtures + "/" + name);
-  checkpoint ckpt{fixtures + "/" + name};
-  std::vector<std::unique_ptr<gloo_communicator>> comms;
-  std::vector<std::vector<std::string>> table;
-  for (int32_t rank = 0; rank < world; ++rank) {
-    comms.push_back(
-      std::make_unique<gloo_communicator>(rank, world, "127.0.0.1", std::chrono::seconds(30)));
-    table.push_back(comms.back()->prepare());
-  }
-  std::vector<std::string> failures(world);
-  std::vector<std::thread> ranks;
-  for (int32_t rank = 0; rank < world; ++rank)
-    ranks.emplace_back([&, rank] {
-      try {
-        auto& comm = *comms[rank];
-        comm.connect(table);
-        cpu_device dev{rank};
-        testing::model_runner run{
-          dev, cfg, ckpt, dtype::f32, 4, rank, world,
-          [&comm](float* data, size_t count) { comm.all_reduce(data, count); },
-          expert_parallel};
-        each(run, rank);
-      } catch (const std::exception& e) {
-        failures[rank] = e.what();
-      }
-    });
-  for (auto& t : ranks)
-    t.join();
-  for (int32_t rank = 0; rank < world; ++rank)
-    REQUIRE_MESSAGE(failures[rank].empty(), name << " rank " << rank << ": " << failures[rank]);
+  INFO(name);
+  testing::on_ranks(load_model_config(fixtures + "/" + name), checkpoint{fixtures + "/" + name},
+                    world, expert_parallel, each);
 }
 
 } // namespace
