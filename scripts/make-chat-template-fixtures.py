@@ -1,8 +1,9 @@
 """Chat-template fixtures: the real templates of the families troupe runs (from the
 llama.cpp tree in the llama-cpp-python sdist, models/templates, which copies them from each
-model's tokenizer_config.json; Gemma 3's and SmolLM2's from their tokenizer_config.json and
-GGUF file), rendered by transformers' own renderer for several conversations, into
-tests/fixtures/chat-templates/renderings.json.
+model's tokenizer_config.json, and its tests/test-chat-template.cpp for Mistral's v3 template
+(Mistral-7B-Instruct-v0.3, Mistral-Large-2407) and Phi-4's; Gemma 3's and SmolLM2's from
+their tokenizer_config.json and GGUF file), rendered by transformers' own renderer for
+several conversations, into tests/fixtures/chat-templates/renderings.json.
 
     python scripts/make-chat-template-fixtures.py LLAMA_CPP_TEMPLATES_DIR [SMOLLM2_GGUF]
 
@@ -11,6 +12,7 @@ the token ids apply_chat_template gives with SmolLM2's tokenizer. A conversation
 message of its raise_exception."""
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -33,6 +35,26 @@ TEMPLATES = {
                             "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
     "smollm3": ("HuggingFaceTB-SmolLM3-3B", None, "<|im_end|>"),
 }
+
+# name: (the test's name in llama.cpp's tests/test-chat-template.cpp, bos_token, eos_token)
+TEST_TEMPLATES = {
+    "mistral-v3": ("Mistral-Large-Instruct-2407 (mistralai 'v3' template; modified to have "
+                   "system prompt at start)", "<s>", "</s>"),
+    "phi-4": ("phi-4", None, "<|im_end|>"),
+}
+
+
+def test_template(templates_dir, name):
+    """The template string of llama.cpp's chat-template test `name` (a C string literal)."""
+    path = os.path.join(templates_dir, "..", "..", "tests", "test-chat-template.cpp")
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    marker = '/* .name= */ "' + name + '",'
+    at = source.index(marker)
+    start = source.index('/* .template_str= */ ', at) + len('/* .template_str= */ ')
+    literal = re.match(r'(?:U8C\()?"((?:[^"\\]|\\.)*)"', source[start:]).group(1)
+    return literal.encode("utf-8").decode("unicode_escape")
+
 
 # Gemma 3's template (google/gemma-3-4b-it, tokenizer_config.json).
 GEMMA3 = (
@@ -149,6 +171,8 @@ def main():
         with open(os.path.join(templates_dir, file + ".jinja"), encoding="utf-8") as f:
             sources[name] = (f.read(), bos, eos)
     sources["gemma-3"] = (GEMMA3, "<bos>", "<eos>")
+    for name, (test, bos, eos) in TEST_TEMPLATES.items():
+        sources[name] = (test_template(templates_dir, test), bos, eos)
     smollm2 = None
     if len(sys.argv) > 2:
         import gguf
