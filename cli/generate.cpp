@@ -239,6 +239,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     float frequency_penalty = 0.0f;
     float min_p = 0.0f;
     int min_tokens = 0;
+    std::vector<std::string> bad_words;
     int n = 1;
     int best_of = 0;
     std::vector<std::string> stop;
@@ -286,6 +287,8 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
   sub->add_option("--min-tokens", o->min_tokens,
                   "Tokens generated before EOS, stop tokens or stop strings may end the output")
     ->capture_default_str();
+  sub->add_option("--bad-words", o->bad_words,
+                  "A word the output must not hold (repeatable; vLLM's bad_words)");
   sub->add_option("--n", o->n, "Samples per prompt (with --seed, sample i is seeded seed + i)")
     ->capture_default_str();
   sub->add_option("--best-of", o->best_of,
@@ -320,6 +323,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     sp.frequency_penalty = o->frequency_penalty;
     sp.min_p = o->min_p;
     sp.min_tokens = o->min_tokens;
+    sp.bad_words = o->bad_words;
     sp.n = o->n;
     sp.best_of = o->best_of;
     validate(sp);

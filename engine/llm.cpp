@@ -559,6 +559,17 @@ int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_
   r.sampling = req.sampling;
   r.sampling.n = 1;
   r.sampling.best_of = 0;
+  if (!r.sampling.bad_words.empty()) {
+    // As vLLM: the words become token sequences once, with the model's tokenizer.
+    if (!d.tok)
+      throw error{errc::invalid_argument,
+                  "bad_words needs the model's tokenizer, which this model has none of; give "
+                  "bad_words_token_ids"};
+    for (auto& ids : bad_words_token_ids(*d.tok, r.sampling.bad_words))
+      r.sampling.bad_words_token_ids.push_back(std::move(ids));
+    r.sampling.bad_words.clear();
+    validate(r.sampling, vocab_size());
+  }
   if (r.prompt.empty())
     throw error{errc::invalid_argument, "the prompt is empty"};
   d.counts.prompt_tokens += static_cast<int64_t>(r.prompt.size());

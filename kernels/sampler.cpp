@@ -13,13 +13,22 @@ namespace troupe {
 bool processes_logits(const sampling_params& p) {
   return p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f ||
          p.frequency_penalty != 0.0f || p.min_p > 0.0f || !p.logit_bias_ids.empty() ||
-         p.min_tokens > 0;
+         p.min_tokens > 0 || !p.bad_words_token_ids.empty();
 }
 
 void process_logits(float* logits, int64_t vocab, const sampling_params& p,
                     const std::vector<int32_t>& tokens, size_t prompt_len,
                     const std::vector<int32_t>& stop_ids) {
   auto in_vocab = [&](int32_t t) { return t >= 0 && t < vocab; };
+  auto output_len = tokens.size() - std::min(prompt_len, tokens.size());
+  // A bad word's last token, where the output ends with the rest of it.
+  for (auto& word : p.bad_words_token_ids) {
+    auto rest = word.size() - 1;
+    if (word.empty() || rest > output_len || !in_vocab(word.back()))
+      continue;
+    if (std::equal(word.begin(), word.end() - 1, tokens.end() - static_cast<std::ptrdiff_t>(rest)))
+      logits[word.back()] = -INFINITY;
+  }
   for (size_t i = 0; i < p.logit_bias_ids.size(); ++i) {
     auto t = p.logit_bias_ids[i];
     if (!in_vocab(t))
@@ -28,7 +37,6 @@ void process_logits(float* logits, int64_t vocab, const sampling_params& p,
                                             std::to_string(vocab)};
     logits[t] += p.logit_bias_values[i];
   }
-  auto output_len = tokens.size() - std::min(prompt_len, tokens.size());
   if (static_cast<int64_t>(output_len) < p.min_tokens)
     for (auto t : stop_ids)
       if (in_vocab(t))

@@ -23,11 +23,13 @@ sequence_output sample_token(const float* logits, int64_t vocab, const sampling_
                              int64_t stream, int64_t step, std::mt19937_64& rng,
                              const float* processed = nullptr);
 
-/// Whether `params` change the logits before the draw (penalties, logit_bias, min_tokens)
-/// or cut by min_p: then a row is sampled on the host, from `process_logits`' logits.
+/// Whether `params` change the logits before the draw (bad words, penalties, logit_bias,
+/// min_tokens) or cut by min_p: then a row is sampled on the host, from `process_logits`'
+/// logits.
 bool processes_logits(const sampling_params& params);
 
-/// vLLM's processing of one row's logits before the temperature, in its order: logit_bias;
+/// vLLM's processing of one row's logits before the temperature, in its order: bad words
+/// (a word's last token at -inf where the output ends with the rest of it); logit_bias;
 /// min_tokens (the `stop_ids`, EOS and the request's stop tokens, get -inf while the output
 /// is shorter); the repetition penalty over the prompt and the output; the frequency and
 /// presence penalties over the output. `tokens` holds the prompt's `prompt_len` tokens, then

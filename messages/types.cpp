@@ -2,6 +2,7 @@
 
 #include "troupe/errors.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -17,7 +18,9 @@ constexpr int32_t max_samples = 1024;
 
 bool reads_history(const sampling_params& params) {
   return params.repetition_penalty != 1.0f || params.presence_penalty != 0.0f ||
-         params.frequency_penalty != 0.0f || params.min_tokens > 0;
+         params.frequency_penalty != 0.0f || params.min_tokens > 0 ||
+         std::any_of(params.bad_words_token_ids.begin(), params.bad_words_token_ids.end(),
+                     [](const std::vector<int32_t>& w) { return w.size() > 1; });
 }
 
 void validate(const sampling_params& params, int64_t vocab) {
@@ -52,6 +55,17 @@ void validate(const sampling_params& params, int64_t vocab) {
           (vocab > 0 ? " of " + std::to_string(vocab) : std::string{}));
     if (!std::isfinite(params.logit_bias_values[i]))
       bad("logit_bias of token " + std::to_string(id) + " is not a finite number");
+  }
+  for (auto& word : params.bad_words)
+    if (word.empty())
+      bad("bad_words holds an empty word");
+  for (auto& ids : params.bad_words_token_ids) {
+    if (ids.empty())
+      bad("bad_words_token_ids holds an empty sequence");
+    for (auto id : ids)
+      if (id < 0 || (vocab > 0 && id >= vocab))
+        bad("bad_words_token_ids names token " + std::to_string(id) + ", outside the vocabulary" +
+            (vocab > 0 ? " of " + std::to_string(vocab) : std::string{}));
   }
 }
 

@@ -1131,4 +1131,20 @@ std::string tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special
   return pipeline_->decode(std::move(tokens));
 }
 
+std::vector<std::vector<int32_t>> bad_words_token_ids(const tokenizer& tok,
+                                                      const std::vector<std::string>& words) {
+  std::vector<std::vector<int32_t>> out;
+  for (auto& word : words) {
+    auto bare = word.substr(std::min(word.find_first_not_of(" \t\n\r\f\v"), word.size()));
+    auto alone = tok.encode(bare, true, false);
+    auto spaced = tok.encode(" " + bare, true, false);
+    if (!alone.empty())
+      out.push_back(alone);
+    if (!spaced.empty() && !alone.empty() && spaced.front() != alone.front() &&
+        spaced.size() == alone.size())
+      out.push_back(spaced);
+  }
+  return out;
+}
+
 } // namespace troupe

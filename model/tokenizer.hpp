@@ -148,4 +148,10 @@ private:
   std::shared_ptr<const pipeline> pipeline_;
 };
 
+/// The token sequences of vLLM's `bad_words`, as its sampling parameters derive them: each
+/// word without its leading spaces, and again after one space where that tokenizes to as
+/// many tokens starting with another one (a word inside a text).
+std::vector<std::vector<int32_t>> bad_words_token_ids(const tokenizer& tok,
+                                                      const std::vector<std::string>& words);
+
 } // namespace troupe

@@ -99,7 +99,7 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
   static const std::set<std::string> shared = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n", "stop",
     "stop_token_ids", "stream", "stream_options", "logprobs", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias"};
+    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "bad_words"};
   static const std::set<std::string> completion_only = {"prompt", "echo", "best_of"};
   static const std::set<std::string> chat_only = {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
@@ -253,6 +253,15 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
         bad("'logit_bias' values must be numbers in [-100, 100]", "logit_bias");
       sp.logit_bias_ids.push_back(static_cast<int32_t>(id));
       sp.logit_bias_values.push_back(value.get<float>());
+    }
+  }
+  if (auto words = body.find("bad_words"); words != body.end() && !words->is_null()) {
+    if (!words->is_array())
+      bad("'bad_words' must be an array of strings", "bad_words");
+    for (auto& w : *words) {
+      if (!w.is_string())
+        bad("'bad_words' must be an array of strings", "bad_words");
+      sp.bad_words.push_back(w.get<std::string>());
     }
   }
   try {

@@ -2,6 +2,7 @@
 // prompts as transformers renders them, and clear errors.
 
 #include "tests/generation.hpp"
+#include "model/tokenizer.hpp"
 #include "tests/model_runner.hpp"
 #include "troupe/llm.hpp"
 #include "troupe/model_worker.hpp"
@@ -329,7 +330,8 @@ TEST_CASE("a chat template given in the config renders conversations, and others
   CHECK_THROWS_WITH_AS(model.render_chat(no_prompt), doctest::Contains("not JSON"), error);
 }
 
-TEST_CASE("greedy runs under vLLM's penalties and logit_bias give the reference's tokens") {
+TEST_CASE("greedy runs under vLLM's penalties, logit_bias and bad words give the reference's "
+          "tokens") {
   llm_config cfg;
   cfg.worker.model_path = fixtures + "/llama-gqa";
   cfg.worker.kv_cache_memory_bytes = 1 << 20;
@@ -344,6 +346,8 @@ TEST_CASE("greedy runs under vLLM's penalties and logit_bias give the reference'
     sp.frequency_penalty = p.value("frequency_penalty", 0.0f);
     sp.logit_bias_ids = p.value("logit_bias_ids", std::vector<int32_t>{});
     sp.logit_bias_values = p.value("logit_bias_values", std::vector<float>{});
+    sp.bad_words_token_ids =
+      p.value("bad_words_token_ids", std::vector<std::vector<int32_t>>{});
     auto prompt = run["prompt"].get<std::vector<int32_t>>();
     auto penalized = model.generate({generation_request{"", prompt, sp, {}}})[0];
     auto plain = model.generate({generation_request{"", prompt, greedy(16), {}}})[0];
@@ -370,6 +374,22 @@ TEST_CASE("greedy runs under vLLM's penalties and logit_bias give the reference'
   sp.logit_bias_values = {1.0f};
   CHECK_THROWS_WITH_AS(model.generate({generation_request{"", prompt, sp, {}}}),
                        doctest::Contains("logit_bias names token 100000"), error);
+  // Words need the tokenizer this model has none of.
+  auto words = greedy(8);
+  words.bad_words = {"hello"};
+  CHECK_THROWS_WITH_AS(model.generate({generation_request{"", prompt, words, {}}}),
+                       doctest::Contains("bad_words needs the model's tokenizer"), error);
+  words.bad_words.clear();
+  words.bad_words_token_ids = {{3, 256}};
+  CHECK_THROWS_WITH_AS(model.generate({generation_request{"", prompt, words, {}}}),
+                       doctest::Contains("bad_words_token_ids names token 256"), error);
+}
+
+TEST_CASE("bad_words become the token sequences vLLM makes of them") {
+  auto f = read_json(fixtures + "/sampling.json");
+  auto tok = tokenizer::from_json(fixtures + "/tiny-tokenizer/tokenizer.json");
+  CHECK(bad_words_token_ids(tok, f["bad_words"]["words"].get<std::vector<std::string>>()) ==
+        f["bad_words"]["token_ids"].get<std::vector<std::vector<int32_t>>>());
 }
 
 TEST_CASE("streamed text adds up to the whole output's decode, and stop strings cut where they first are") {

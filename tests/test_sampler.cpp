@@ -129,12 +129,14 @@ sampling_params from_json(const nlohmann::json& j) {
   p.min_tokens = j.value("min_tokens", 0);
   p.logit_bias_ids = j.value("logit_bias_ids", std::vector<int32_t>{});
   p.logit_bias_values = j.value("logit_bias_values", std::vector<float>{});
+  p.bad_words_token_ids = j.value("bad_words_token_ids", std::vector<std::vector<int32_t>>{});
   return p;
 }
 
 } // namespace
 
-TEST_CASE("penalties, logit_bias and min_tokens change the logits as vLLM's sampler does") {
+TEST_CASE("bad words, penalties, logit_bias and min_tokens change the logits as vLLM's sampler "
+          "does") {
   auto f = testing::read_json(TROUPE_SOURCE_DIR "/tests/fixtures/sampling.json");
   auto raw = f["logits"].get<std::vector<float>>();
   auto prompt = f["prompt"].get<std::vector<int32_t>>();

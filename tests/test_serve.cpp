@@ -376,12 +376,20 @@ TEST_CASE("sampling fields act or are refused: penalties change tokens, unknown 
                             {"n", 0},
                             {"n", 5000},
                             {"response_format", {{"type", "json_object"}}},
+                            {"bad_words", "x"},
+                            {"bad_words", {1, 2}},
                             {"user", "me"}}) {
     CAPTURE(key);
     auto body = plain;
     body[key] = value;
     refused(body, key);
   }
+  // Words need a tokenizer, which this model has none of.
+  auto words = plain;
+  words["bad_words"] = {"hello"};
+  auto r = post(s, "/v1/completions", words);
+  CHECK(r.status == 400);
+  CHECK(r.body.find("bad_words needs the model's tokenizer") != std::string::npos);
 }
 
 TEST_CASE("n samples come as n choices, streamed or not, and best_of keeps the most likely") {

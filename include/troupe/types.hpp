@@ -93,18 +93,26 @@ struct sampling_params {
   /// Samples drawn, of which the `n` most likely (highest sum of logprobs) are returned;
   /// 0 means `n`. At least `n`.
   int32_t best_of = 0;
+  /// vLLM's bad_words: words the output must not hold. An engine with a tokenizer turns each
+  /// into `bad_words_token_ids` as vLLM does (the word, and the word after a space where
+  /// that starts with another token).
+  std::vector<std::string> bad_words;
+  /// Token sequences the output does not complete: a sequence's last token is not drawn
+  /// where the output ends with the rest of it (a one-token sequence never).
+  std::vector<std::vector<int32_t>> bad_words_token_ids;
 };
 
 /// Whether `params` read a sequence's earlier tokens (the repetition, presence and
-/// frequency penalties, min_tokens): an engine sends such a sequence's tokens whole.
+/// frequency penalties, min_tokens, bad words of several tokens): an engine sends such a
+/// sequence's tokens whole.
 bool reads_history(const sampling_params& params);
 
 /// Throws `invalid_argument` naming the parameter for a temperature below 0, a top_p
 /// outside (0, 1], a repetition penalty not above 0, presence or frequency penalties outside
 /// [-2, 2], a min_p outside [0, 1], a negative min_tokens, logit_bias lists of different
 /// lengths or a token outside `vocab` (when it is above 0) in logit_bias, an n outside
-/// [1, 1024] or a best_of other than 0 below n or above 1024. Each message starts with the
-/// parameter's name.
+/// [1, 1024], a best_of other than 0 below n or above 1024, or an empty bad word or one with
+/// a token outside `vocab`. Each message starts with the parameter's name.
 void validate(const sampling_params& params, int64_t vocab = 0);
 
 template <class Inspector>
@@ -112,7 +120,8 @@ typename Inspector::result_type inspect(Inspector& f, sampling_params& x) {
   return f(caf::meta::type_name("sampling_params"), x.temperature, x.top_p, x.top_k, x.seed,
            x.max_tokens, x.logprobs, x.stop_token_ids, x.ignore_eos, x.repetition_penalty,
            x.presence_penalty, x.frequency_penalty, x.min_p, x.logit_bias_ids,
-           x.logit_bias_values, x.min_tokens, x.n, x.best_of);
+           x.logit_bias_values, x.min_tokens, x.n, x.best_of, x.bad_words,
+           x.bad_words_token_ids);
 }
 
 // -- execute-model request ----------------------------------------------------
