@@ -240,6 +240,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     float min_p = 0.0f;
     int min_tokens = 0;
     std::vector<std::string> bad_words;
+    int prompt_logprobs = -1;
     int n = 1;
     int best_of = 0;
     std::vector<std::string> stop;
@@ -287,6 +288,11 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
   sub->add_option("--min-tokens", o->min_tokens,
                   "Tokens generated before EOS, stop tokens or stop strings may end the output")
     ->capture_default_str();
+  sub->add_option("--prompt-logprobs", o->prompt_logprobs,
+                  "With --json, each prompt token's logprob and this many most likely tokens at "
+                  "its position (-1: none)")
+    ->check(CLI::Range(-1, 20))
+    ->capture_default_str();
   sub->add_option("--bad-words", o->bad_words,
                   "A word the output must not hold (repeatable; vLLM's bad_words)");
   sub->add_option("--n", o->n, "Samples per prompt (with --seed, sample i is seeded seed + i)")
@@ -324,6 +330,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     sp.min_p = o->min_p;
     sp.min_tokens = o->min_tokens;
     sp.bad_words = o->bad_words;
+    sp.prompt_logprobs = o->prompt_logprobs;
     sp.n = o->n;
     sp.best_of = o->best_of;
     validate(sp);
@@ -375,6 +382,18 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
                        {"logprobs", out.logprobs},
                        {"finish_reason", out.finish_reason},
                        {"lora", loras[i] ? nlohmann::json(loras[i]->lora_name) : nlohmann::json()}});
+        if (sp.prompt_logprobs >= 0) {
+          auto& list = all.back()["prompt_logprobs"] = nlohmann::json::array({nullptr});
+          for (auto& p : out.prompt_logprobs) {
+            auto top = nlohmann::json::array();
+            for (auto& t : p.top_logprobs)
+              top.push_back({{"token", t.token}, {"logprob", t.logprob}});
+            list.push_back({{"token", p.token},
+                            {"logprob", p.logprob},
+                            {"rank", p.rank},
+                            {"top_logprobs", top}});
+          }
+        }
       }
       std::cout << all.dump(2) << std::endl;
     } else {

@@ -180,6 +180,16 @@ void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
   generation_update u;
   u.request_id = l.request;
   u.index = l.index;
+  if (out.token_ids.empty() && !r.output.empty() && !r.prompt_logprobs.empty()) {
+    // The prompt is computed: its logprobs, past a prompt adapter's virtual tokens.
+    auto virtual_tokens = static_cast<int32_t>(r.prompt.size() - out.prompt_token_ids.size());
+    for (auto p : r.prompt_logprobs)
+      if (p.position > virtual_tokens) {
+        p.position -= virtual_tokens;
+        out.prompt_logprobs.push_back(std::move(p));
+      }
+    u.prompt_logprobs = out.prompt_logprobs;
+  }
   for (size_t i = out.token_ids.size(); i < r.output.size(); ++i) {
     u.token_ids.push_back(r.output[i]);
     u.logprobs.push_back(r.logprobs[i]);
@@ -264,6 +274,7 @@ void llm::impl::choose_best(int64_t request, int32_t n, std::vector<generation_o
     u.token_ids = out.token_ids;
     u.logprobs = out.logprobs;
     u.top_logprobs = out.top_logprobs;
+    u.prompt_logprobs = out.prompt_logprobs;
     u.text = out.text;
     u.finished = true;
     u.output = std::move(out);

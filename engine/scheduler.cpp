@@ -230,7 +230,9 @@ execute_model_request scheduler::schedule() {
     // One that fits a step waits for a step with room for all of it; a longer one starts
     // its chunks with what this step has left. Tokens found in the prefix cache are not
     // computed.
-    auto hit = blocks_.find_prefix(tokens_of(r));
+    // A request with prompt logprobs computes all of its prompt: none is taken from the cache.
+    const bool whole = r.sampling.prompt_logprobs >= 0;
+    auto hit = whole ? block_manager::prefix_hit{} : blocks_.find_prefix(tokens_of(r));
     auto todo = tokens - hit.blocks * blocks_.block_size();
     bool chunked = todo > config_.max_num_batched_tokens;
     auto chunk = std::min(todo, budget);
@@ -238,7 +240,12 @@ execute_model_request scheduler::schedule() {
         || blocks_.can_allocate(tokens, hit) != block_manager::allocation::ok)
       break;
     waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
-    r.num_computed = blocks_.allocate(seq, tokens_of(r));
+    if (whole) {
+      blocks_.allocate(seq, tokens);
+      r.num_computed = 0;
+    } else {
+      r.num_computed = blocks_.allocate(seq, tokens_of(r));
+    }
     append_group(r, chunk, true, step);
     running_.push_back(seq);
     for (auto& l : limits)
@@ -304,6 +311,10 @@ void scheduler::update(const sampler_output& output) {
     if (found == requests_.end())
       continue; // finished after this step was sent
     auto& r = found->second;
+    // Prompt logprobs come in position order; a recomputation's again.
+    for (auto& p : output.outputs[i].prompt_logprobs)
+      if (p.position == static_cast<int32_t>(r.prompt_logprobs.size()) + 1)
+        r.prompt_logprobs.push_back(p);
     if (r.chunk > 0) { // a prefill chunk that samples nothing
       r.num_computed += r.chunk;
       r.chunk = 0;

@@ -44,6 +44,9 @@ struct engine_request {
   std::vector<float> logprobs;
   /// The most likely tokens at each step (`sampling.logprobs` of them).
   std::vector<std::vector<token_logprob>> top_logprobs;
+  /// With `sampling.prompt_logprobs`: each prompt position's from 1 on, as far as computed
+  /// (a recomputation's come once).
+  std::vector<prompt_logprob> prompt_logprobs;
   /// Tokens whose keys and values are in the cache.
   int64_t num_computed = 0;
   /// Tokens of steps in flight not yet in `output` (0 or 1).

@@ -181,16 +181,38 @@ sequence_output sample_token(const float* logits, int64_t vocab, const sampling_
   sequence_output out;
   out.output_token = static_cast<int32_t>(chosen);
   out.logprob = logprob(chosen);
-  if (params.logprobs > 0) {
-    auto n = std::min<int64_t>(params.logprobs, vocab);
-    std::vector<int64_t> top(static_cast<size_t>(vocab));
-    std::iota(top.begin(), top.end(), 0);
-    std::partial_sort(top.begin(), top.begin() + n, top.end(),
-                      [&](int64_t a, int64_t b) { return logits[a] > logits[b]; });
-    for (int64_t i = 0; i < n; ++i)
-      out.top_logprobs.push_back({static_cast<int32_t>(top[i]), logprob(top[i])});
-  }
+  if (params.logprobs > 0)
+    out.top_logprobs = most_likely(logits, vocab, log_z, params.logprobs);
   return out;
+}
+
+std::vector<token_logprob> most_likely(const float* logits, int64_t vocab, float log_z,
+                                       int64_t n) {
+  n = std::min(n, vocab);
+  std::vector<int64_t> top(static_cast<size_t>(vocab));
+  std::iota(top.begin(), top.end(), 0);
+  std::partial_sort(top.begin(), top.begin() + n, top.end(), [&](int64_t a, int64_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  });
+  std::vector<token_logprob> out;
+  for (int64_t i = 0; i < n; ++i)
+    out.push_back({static_cast<int32_t>(top[static_cast<size_t>(i)]),
+                   logits[top[static_cast<size_t>(i)]] - log_z});
+  return out;
+}
+
+prompt_logprob prompt_logprob_of(const float* logits, int64_t vocab, int32_t position,
+                                 int32_t token, int32_t top) {
+  auto log_z = log_partition(logits, vocab);
+  prompt_logprob p;
+  p.position = position;
+  p.token = token;
+  p.logprob = logits[token] - log_z;
+  p.rank = 1 + static_cast<int32_t>(std::count_if(
+                 logits, logits + vocab, [&](float x) { return x > logits[token]; }));
+  if (top > 0)
+    p.top_logprobs = most_likely(logits, vocab, log_z, top);
+  return p;
 }
 
 } // namespace troupe

@@ -23,6 +23,15 @@ sequence_output sample_token(const float* logits, int64_t vocab, const sampling_
                              int64_t stream, int64_t step, std::mt19937_64& rng,
                              const float* processed = nullptr);
 
+/// The `n` most likely tokens of `logits` (most likely first, the lower id on a tie) with
+/// their log-softmax (`log_z` is `log_partition`'s).
+std::vector<token_logprob> most_likely(const float* logits, int64_t vocab, float log_z, int64_t n);
+
+/// Prompt token `token` at `position` under the logits of the position before it: its
+/// log-softmax, its rank, and the `top` most likely tokens there.
+prompt_logprob prompt_logprob_of(const float* logits, int64_t vocab, int32_t position,
+                                 int32_t token, int32_t top);
+
 /// Whether `params` change the logits before the draw (bad words, penalties, logit_bias,
 /// min_tokens) or cut by min_p: then a row is sampled on the host, from `process_logits`'
 /// logits.

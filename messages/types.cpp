@@ -56,6 +56,9 @@ void validate(const sampling_params& params, int64_t vocab) {
     if (!std::isfinite(params.logit_bias_values[i]))
       bad("logit_bias of token " + std::to_string(id) + " is not a finite number");
   }
+  if (params.prompt_logprobs < -1 || params.prompt_logprobs > 20)
+    bad("prompt_logprobs must be -1 (none) or between 0 and 20, got " +
+        std::to_string(params.prompt_logprobs));
   for (auto& word : params.bad_words)
     if (word.empty())
       bad("bad_words holds an empty word");

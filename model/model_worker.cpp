@@ -453,13 +453,16 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
   }
   if (failed)
     std::rethrow_exception(failed);
-  std::vector<sample_row> rows;
-  st.model->run(request, *st.cache, rows, adapters);
+  auto batch = prepare_batch(request, st.config, st.cache->block_size(),
+                             st.cache->device_blocks(), adapters);
+  st.model->forward(batch, *st.cache);
   if (rank() != 0)
     return {}; // only the driver's output is used
-  // Unless a group asks for top logprobs, every row is sampled on the device and only the
-  // tokens come back; otherwise the logits do, for the host sampler (which picks alike).
-  bool on_device = true;
+  auto& rows = batch.rows;
+  // Unless a group asks for top logprobs or prompt logprobs, every row is sampled on the
+  // device and only the tokens come back; otherwise the logits do, for the host sampler
+  // (which picks alike).
+  bool on_device = batch.prompt_rows.empty();
   for (auto& g : request.seq_group_metadata_list)
     if (g.do_sample) {
       validate(g.sampling, st.config.vocab_size);
@@ -489,11 +492,20 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
   }
   sampler_output out;
   auto vocab = st.config.vocab_size;
+  // The prompt positions' logprobs, from the rows after the sampled ones.
+  std::vector<std::vector<prompt_logprob>> prompt_logprobs(request.seq_group_metadata_list.size());
+  for (size_t k = 0; k < batch.prompt_rows.size(); ++k) {
+    auto& p = batch.prompt_rows[k];
+    prompt_logprobs[p.group].push_back(prompt_logprob_of(
+      &logits[(rows.size() + k) * static_cast<size_t>(vocab)], vocab, p.position, p.token,
+      request.seq_group_metadata_list[p.group].sampling.prompt_logprobs));
+  }
   size_t row = 0;
   for (size_t g = 0; g < request.seq_group_metadata_list.size(); ++g) {
     auto& group = request.seq_group_metadata_list[g];
     sequence_group_output group_out;
     group_out.request_id = group.request_id;
+    group_out.prompt_logprobs = std::move(prompt_logprobs[g]);
     for (; row < rows.size() && rows[row].group == g; ++row) {
       auto& seq = group.seqs[rows[row].seq];
       auto stream = static_cast<int64_t>(rows[row].seq);

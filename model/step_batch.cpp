@@ -49,6 +49,7 @@ step_batch prepare_batch(const execute_model_request& req, const model_config& c
   step_batch b;
   b.adapters = adapters;
   const auto bs = block_size;
+  std::vector<int32_t> prompt_tokens; // after the sampled rows
   for (size_t g = 0; g < groups; ++g) {
     auto& group = req.seq_group_metadata_list[g];
     for (size_t s = 0; s < group.seqs.size(); ++s) {
@@ -83,12 +84,20 @@ step_batch prepare_batch(const execute_model_request& req, const model_config& c
       b.tables.push_back(seq.block_table.data());
       b.table_blocks.push_back(blocks_needed);
       b.known_lengths.push_back(seq.length());
+      const bool prompt_logprobs = group.is_prompt && group.sampling.prompt_logprobs >= 0;
       for (int64_t p = start; p < start + chunk; ++p) {
         auto id = seq.token_ids[static_cast<size_t>(p - seq.first_token)];
         if (id < 0 || id >= cfg.vocab_size)
           bad_request("request '" + group.request_id + "': token " + std::to_string(id) +
                       " is outside the vocabulary of " + std::to_string(cfg.vocab_size));
         b.tokens.push_back({id, static_cast<int32_t>(p), seq_index, g});
+        // The next prompt token's logprob comes from this token's logits.
+        if (prompt_logprobs && p + 1 < seq.num_prompt_tokens && p + 1 < seq.length()) {
+          prompt_tokens.push_back(static_cast<int32_t>(b.tokens.size()) - 1);
+          b.prompt_rows.push_back(
+            {g, static_cast<int32_t>(p + 1),
+             seq.token_ids[static_cast<size_t>(p + 1 - seq.first_token)]});
+        }
       }
       if (group.do_sample) {
         b.sample_tokens.push_back(static_cast<int32_t>(b.tokens.size()) - 1);
@@ -96,6 +105,7 @@ step_batch prepare_batch(const execute_model_request& req, const model_config& c
       }
     }
   }
+  b.sample_tokens.insert(b.sample_tokens.end(), prompt_tokens.begin(), prompt_tokens.end());
   if (!adapters.lora.empty()) {
     for (int64_t t = 0; t < static_cast<int64_t>(b.tokens.size()); ++t) {
       auto* w = adapters.lora[b.tokens[static_cast<size_t>(t)].group];

@@ -53,9 +53,18 @@ struct step_batch {
   /// Each sequence's tokens as the engine knows them (`sequence_data::length()`: its
   /// prompt and outputs so far), computed in this step or not.
   std::vector<int64_t> known_lengths;
-  /// The token whose logits each sampled row takes, and whose row it is, in request order.
+  /// A prompt position whose logprob the step computes (`sampling_params::prompt_logprobs`):
+  /// from the logits after the token before it.
+  struct prompt_row {
+    size_t group;
+    int32_t position;
+    int32_t token;
+  };
+  /// The token whose logits each row takes: each sampled row (`rows`, in request order),
+  /// then each of `prompt_rows`.
   std::vector<int32_t> sample_tokens;
   std::vector<sample_row> rows;
+  std::vector<prompt_row> prompt_rows;
   /// Every sequence computes one token.
   bool decode_only = true;
   std::vector<lora_run> lora_runs;

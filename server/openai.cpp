@@ -99,7 +99,8 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
   static const std::set<std::string> shared = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n", "stop",
     "stop_token_ids", "stream", "stream_options", "logprobs", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "bad_words"};
+    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "bad_words",
+    "prompt_logprobs"};
   static const std::set<std::string> completion_only = {"prompt", "echo", "best_of"};
   static const std::set<std::string> chat_only = {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
@@ -255,6 +256,12 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
       sp.logit_bias_values.push_back(value.get<float>());
     }
   }
+  if (auto n = field<int32_t>(body, "prompt_logprobs", "an integer")) {
+    if (*n < 0 || *n > 20)
+      bad("'prompt_logprobs' must be between 0 and 20", "prompt_logprobs");
+    sp.prompt_logprobs = *n;
+    req.prompt_logprobs = true;
+  }
   if (auto words = body.find("bad_words"); words != body.end() && !words->is_null()) {
     if (!words->is_array())
       bad("'bad_words' must be an array of strings", "bad_words");
@@ -356,11 +363,37 @@ json openai_response::logprobs_of(const std::vector<int32_t>& ids,
           {"text_offset", offsets}};
 }
 
+json openai_response::prompt_logprobs_of(const std::vector<prompt_logprob>& entries) const {
+  // vLLM's form: null for the first token, then per position the prompt's token and the
+  // most likely ones by id, each with its logprob, rank and text.
+  json list = json::array({nullptr});
+  auto entry = [&](int32_t token, float logprob, int32_t rank) {
+    json e = {{"logprob", logprob}, {"rank", rank}};
+    if (model_.has_tokenizer())
+      e["decoded_token"] = model_.decode({token});
+    return e;
+  };
+  for (auto& p : entries) {
+    json at = json::object();
+    at[std::to_string(p.token)] = entry(p.token, p.logprob, p.rank);
+    for (size_t i = 0; i < p.top_logprobs.size(); ++i) {
+      auto& t = p.top_logprobs[i];
+      at[std::to_string(t.token)] = entry(t.token, t.logprob, static_cast<int32_t>(i) + 1);
+    }
+    list.push_back(std::move(at));
+  }
+  return list;
+}
+
 std::string openai_response::complete(const std::vector<generation_output>& outs) const {
   auto body = envelope(false);
   body["choices"] = json::array();
+  if (req_.prompt_logprobs && req_.chat && !outs.empty())
+    body["prompt_logprobs"] = prompt_logprobs_of(outs[0].prompt_logprobs);
   for (auto& out : outs) {
     json choice = {{"index", out.index}, {"finish_reason", out.finish_reason}};
+    if (req_.prompt_logprobs && !req_.chat)
+      choice["prompt_logprobs"] = prompt_logprobs_of(out.prompt_logprobs);
     choice["logprobs"] = req_.logprobs
                            ? logprobs_of(out.token_ids, out.logprobs, out.top_logprobs, 0)
                            : json(nullptr);
@@ -404,6 +437,13 @@ std::string openai_response::chunk(const generation_update& u) {
                   : json(nullptr);
   choice["token_ids"] = u.token_ids;
   choice["finish_reason"] = u.finished ? json(u.output->finish_reason) : json(nullptr);
+  // With the first token, as vLLM streams them.
+  if (req_.prompt_logprobs && !u.prompt_logprobs.empty()) {
+    if (req_.chat)
+      body["prompt_logprobs"] = prompt_logprobs_of(u.prompt_logprobs);
+    else
+      choice["prompt_logprobs"] = prompt_logprobs_of(u.prompt_logprobs);
+  }
   body["choices"] = json::array({choice});
   if (req_.include_usage)
     body["usage"] = nullptr;

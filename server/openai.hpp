@@ -52,6 +52,8 @@ struct openai_request {
   /// Whether the response carries logprobs, and how many alternatives at each token.
   bool logprobs = false;
   int32_t top_logprobs = 0;
+  /// Whether the response carries the prompt's logprobs (`prompt_logprobs`).
+  bool prompt_logprobs = false;
 };
 
 /// Parses a request body. Throws `http_error` (400) naming the field for bad JSON, a field
@@ -82,6 +84,8 @@ private:
                              const std::vector<std::vector<token_logprob>>& top,
                              size_t text_offset) const;
   nlohmann::json usage(const std::vector<generation_output>& outs) const;
+  /// vLLM's `prompt_logprobs` list of the prompt's positions.
+  nlohmann::json prompt_logprobs_of(const std::vector<prompt_logprob>& entries) const;
   nlohmann::json envelope(bool streaming) const;
 
   const openai_request& req_;

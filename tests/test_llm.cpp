@@ -385,6 +385,75 @@ TEST_CASE("greedy runs under vLLM's penalties, logit_bias and bad words give the
                        doctest::Contains("bad_words_token_ids names token 256"), error);
 }
 
+TEST_CASE("prompt logprobs are transformers' log-softmax at every prompt position, once each, "
+          "chunked, preempted or with a cached prefix") {
+  // qwen2-bias's first prompt with every position's logits from transformers.
+  auto ref = read_json(fixtures + "/qwen2-bias/reference.json")["prompts"][0];
+  auto prompt = ref["token_ids"].get<std::vector<int32_t>>();
+  auto all = ref["all_logits"].get<std::vector<std::vector<float>>>();
+  auto want = [&](size_t position, int32_t token) {
+    auto& row = all[position - 1];
+    double most = *std::max_element(row.begin(), row.end()), sum = 0;
+    for (auto x : row)
+      sum += std::exp(x - most);
+    return row[static_cast<size_t>(token)] - most - std::log(sum);
+  };
+  auto check = [&](const generation_output& out, int32_t top) {
+    REQUIRE(out.prompt_logprobs.size() == prompt.size() - 1);
+    for (size_t i = 0; i < out.prompt_logprobs.size(); ++i) {
+      auto& p = out.prompt_logprobs[i];
+      CAPTURE(i);
+      CHECK(p.position == static_cast<int32_t>(i) + 1);
+      CHECK(p.token == prompt[i + 1]);
+      CHECK(p.logprob == doctest::Approx(want(i + 1, p.token)).epsilon(1e-4));
+      auto& row = all[i];
+      CHECK(p.rank == 1 + std::count_if(row.begin(), row.end(),
+                                        [&](float x) { return x > row[p.token]; }));
+      REQUIRE(p.top_logprobs.size() == static_cast<size_t>(top));
+      auto best = std::max_element(row.begin(), row.end()) - row.begin();
+      if (top > 0) {
+        CHECK(p.top_logprobs[0].token == best);
+        CHECK(p.top_logprobs[0].logprob == doctest::Approx(want(i + 1, static_cast<int32_t>(best))).epsilon(1e-4));
+      }
+    }
+    CHECK(out.token_ids == ref["greedy"].get<std::vector<int32_t>>());
+  };
+  auto sp = greedy(32);
+  sp.prompt_logprobs = 3;
+  auto run = [&](llm_config cfg, int32_t top) {
+    sp.prompt_logprobs = top;
+    llm model{cfg};
+    // The same prompt twice: the second finds the first's blocks in the cache, and
+    // computes its prompt all the same.
+    auto outs = model.generate({generation_request{"", prompt, sp, {}},
+                                generation_request{"", prompt, sp, {}}});
+    for (auto& out : outs)
+      check(out, top);
+    auto plain = model.generate({generation_request{"", prompt, greedy(4), {}}})[0];
+    CHECK(plain.prompt_logprobs.empty());
+  };
+  auto cfg = tiny(fixtures + "/qwen2-bias");
+  run(cfg, 3);
+  run(cfg, 0);
+  // In chunks of 2 tokens.
+  auto chunked = cfg;
+  chunked.scheduler.max_num_batched_tokens = 2;
+  run(chunked, 2);
+  // Few blocks: preempted and recomputed, prompt positions computed again but told once.
+  auto small = cfg;
+  small.worker.kv_cache_memory_bytes = 20 * 1024;
+  small.scheduler.preempt_by_swap = false;
+  {
+    llm model{small};
+    std::vector<generation_request> reqs(4, generation_request{"", prompt, sp, {}});
+    for (auto& r : reqs)
+      r.sampling.prompt_logprobs = 1;
+    for (auto& out : model.generate(reqs))
+      check(out, 1);
+    CHECK(model.stats().preemptions > 0);
+  }
+}
+
 TEST_CASE("bad_words become the token sequences vLLM makes of them") {
   auto f = read_json(fixtures + "/sampling.json");
   auto tok = tokenizer::from_json(fixtures + "/tiny-tokenizer/tokenizer.json");

@@ -384,6 +384,37 @@ TEST_CASE("sampling fields act or are refused: penalties change tokens, unknown 
     body[key] = value;
     refused(body, key);
   }
+  // The prompt's logprobs as vLLM gives them: null, then at each position the prompt's token
+  // (with its rank) and the most likely ones; streamed with the first token.
+  auto with_prompt = plain;
+  with_prompt["prompt_logprobs"] = 2;
+  auto reply = post(s, "/v1/completions", with_prompt);
+  REQUIRE(reply.status == 200);
+  auto list = json::parse(reply.body)["choices"][0]["prompt_logprobs"];
+  auto prompt = plain["prompt"].get<std::vector<int32_t>>();
+  REQUIRE(list.size() == prompt.size());
+  CHECK(list[0].is_null());
+  for (size_t i = 1; i < prompt.size(); ++i) {
+    auto& at = list[i];
+    auto own = at[std::to_string(prompt[i])];
+    CHECK(own["logprob"].get<double>() <= 0);
+    CHECK(own["rank"].get<int>() >= 1);
+    CHECK((at.size() == 2 || at.size() == 3)); // the token, and the top 2 (it may be one)
+  }
+  with_prompt["stream"] = true;
+  auto streamed_reply = post(s, "/v1/completions", with_prompt);
+  REQUIRE(streamed_reply.status == 200);
+  size_t carried = 0;
+  for (auto& e : events(streamed_reply.body))
+    if (e.contains("choices") && !e["choices"].empty() &&
+        e["choices"][0].contains("prompt_logprobs")) {
+      ++carried;
+      CHECK(e["choices"][0]["prompt_logprobs"] == list);
+    }
+  CHECK(carried == 1);
+  auto too_many = plain;
+  too_many["prompt_logprobs"] = 21;
+  refused(too_many, "prompt_logprobs");
   // Words need a tokenizer, which this model has none of.
   auto words = plain;
   words["bad_words"] = {"hello"};

@@ -136,6 +136,9 @@ struct generation_output {
   std::vector<float> logprobs;
   /// The `sampling.logprobs` most likely tokens at each step, most likely first.
   std::vector<std::vector<token_logprob>> top_logprobs;
+  /// With `sampling.prompt_logprobs`: the logprob of each prompt token from position 1 on
+  /// (positions in `prompt_token_ids`).
+  std::vector<prompt_logprob> prompt_logprobs;
   /// "length", "stop" or "abort" (the prompt can never fit, or `abort_request`).
   std::string finish_reason;
   /// Seconds from the request's arrival (`add_request`, or the start of `generate`) to
@@ -154,6 +157,8 @@ struct generation_update {
   std::vector<int32_t> token_ids;
   std::vector<float> logprobs;
   std::vector<std::vector<token_logprob>> top_logprobs;
+  /// The prompt's logprobs (`generation_output::prompt_logprobs`), with the first token.
+  std::vector<prompt_logprob> prompt_logprobs;
   /// The text they add. Text that may still change is held back: a character whose bytes
   /// have not all come, or what may be the start of a stop string. Empty without a
   /// tokenizer.

@@ -100,6 +100,10 @@ struct sampling_params {
   /// Token sequences the output does not complete: a sequence's last token is not drawn
   /// where the output ends with the rest of it (a one-token sequence never).
   std::vector<std::vector<int32_t>> bad_words_token_ids;
+  /// vLLM's prompt_logprobs: the logprob of each prompt token after the ones before it,
+  /// with this many most likely tokens at its position (0: the prompt's token alone); -1:
+  /// none. A request with them computes its whole prompt (no prefix cache hits).
+  int32_t prompt_logprobs = -1;
 };
 
 /// Whether `params` read a sequence's earlier tokens (the repetition, presence and
@@ -111,8 +115,9 @@ bool reads_history(const sampling_params& params);
 /// outside (0, 1], a repetition penalty not above 0, presence or frequency penalties outside
 /// [-2, 2], a min_p outside [0, 1], a negative min_tokens, logit_bias lists of different
 /// lengths or a token outside `vocab` (when it is above 0) in logit_bias, an n outside
-/// [1, 1024], a best_of other than 0 below n or above 1024, or an empty bad word or one with
-/// a token outside `vocab`. Each message starts with the parameter's name.
+/// [1, 1024], a best_of other than 0 below n or above 1024, an empty bad word or one with
+/// a token outside `vocab`, or prompt_logprobs outside [-1, 20]. Each message starts with
+/// the parameter's name.
 void validate(const sampling_params& params, int64_t vocab = 0);
 
 template <class Inspector>
@@ -121,7 +126,7 @@ typename Inspector::result_type inspect(Inspector& f, sampling_params& x) {
            x.max_tokens, x.logprobs, x.stop_token_ids, x.ignore_eos, x.repetition_penalty,
            x.presence_penalty, x.frequency_penalty, x.min_p, x.logit_bias_ids,
            x.logit_bias_values, x.min_tokens, x.n, x.best_of, x.bad_words,
-           x.bad_words_token_ids);
+           x.bad_words_token_ids, x.prompt_logprobs);
 }
 
 // -- execute-model request ----------------------------------------------------
@@ -253,15 +258,37 @@ typename Inspector::result_type inspect(Inspector& f, sequence_output& x) {
            x.top_logprobs);
 }
 
+/// The logprob of one prompt token after the tokens before it (an entry of vLLM's
+/// `prompt_logprobs`).
+struct prompt_logprob {
+  /// Its place in the prompt (1 or more: the first token has none).
+  int32_t position = 0;
+  int32_t token = 0;
+  float logprob = 0.0f;
+  /// 1 + the number of tokens more likely than it there (vLLM's rank).
+  int32_t rank = 0;
+  /// The `sampling_params::prompt_logprobs` most likely tokens there, most likely first.
+  std::vector<token_logprob> top_logprobs;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, prompt_logprob& x) {
+  return f(caf::meta::type_name("prompt_logprob"), x.position, x.token, x.logprob, x.rank,
+           x.top_logprobs);
+}
+
 /// The samples of one sequence group (vLLM's `CompletionSequenceGroupOutput`).
 struct sequence_group_output {
   std::string request_id;
   std::vector<sequence_output> samples;
+  /// The prompt positions the step computed, for a group with `prompt_logprobs`.
+  std::vector<prompt_logprob> prompt_logprobs;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, sequence_group_output& x) {
-  return f(caf::meta::type_name("sequence_group_output"), x.request_id, x.samples);
+  return f(caf::meta::type_name("sequence_group_output"), x.request_id, x.samples,
+           x.prompt_logprobs);
 }
 
 /// Output of one model step for the whole batch (vLLM's `SamplerOutput`).
