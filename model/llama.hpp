@@ -133,7 +133,8 @@ public:
   void run(const execute_model_request& req, kv_cache& cache, std::vector<sample_row>& rows,
            const step_adapters& adapters = {});
 
-  /// Runs a prepared batch (`prepare_batch`): the device part of `run`.
+  /// Runs a prepared batch (`prepare_batch`): the device part of `run`. The logits left are
+  /// those of the batch's `sample_tokens`: its sampled rows, then its prompt rows.
   void forward(const step_batch& batch, kv_cache& cache);
 
   /// The logits of the last `run` (rows × vocab), copied to the host.
