@@ -1,6 +1,7 @@
 #include "troupe/llm.hpp"
 
 #include "engine/scheduler.hpp"
+#include "engine/structured_output.hpp"
 #include "model/adapters.hpp"
 #include "model/chat_template.hpp"
 #include "model/checkpoint.hpp"
@@ -21,6 +22,9 @@ struct llm::impl {
   llm_config cfg;
   model_config model;
   std::optional<tokenizer> tok;
+  /// The vocabulary's automata for structured output, made with the first request that
+  /// asks for it.
+  std::unique_ptr<structured_output> structured;
   /// Why the model's tokenizer could not be loaded (empty when it was, or there is none):
   /// only text prompts need it, so it is reported when one comes.
   std::string tokenizer_problem;
@@ -63,6 +67,8 @@ struct llm::impl {
     /// a stop string could still end in).
     size_t sent = 0;
     size_t searched = 0;
+    /// Structured output: where the output is in its grammar.
+    std::shared_ptr<output_guide> guide;
   };
   std::map<int64_t, live_request> live;
   /// A request of more than one sample: its samples' sequences are its id and the ones
@@ -84,6 +90,18 @@ struct llm::impl {
 
   void apply(const std::vector<sampler_output>& result, bool samples,
              std::vector<generation_update>& updates);
+  /// Gives each group of `step` that samples under structured output its mask.
+  void constrain(execute_model_request& step) {
+    if (!structured)
+      return;
+    for (auto& g : step.seq_group_metadata_list) {
+      if (!g.do_sample)
+        continue;
+      auto l = live.find(g.seqs.front().seq_id);
+      if (l != live.end() && l->second.guide)
+        g.allowed_tokens = l->second.guide->allowed();
+    }
+  }
   /// Adds the text of `r`'s new tokens to `l.text` (at the end, `finished`, a cut-off
   /// character too). A token the tokenizer does not know (a model whose vocabulary is
   /// larger) leaves the text as it is.
@@ -296,6 +314,9 @@ void llm::impl::apply(const std::vector<sampler_output>& result, bool samples,
     auto& l = live.at(seq);
     if (r.output.size() == l.out.token_ids.size())
       continue; // nothing new (waiting, swapped, a prefill chunk)
+    if (l.guide)
+      for (auto i = l.out.token_ids.size(); i < r.output.size(); ++i)
+        l.guide->accept(r.output[i]);
     detokenize(l, r, false);
     if (find_stop(l, r) != std::string::npos)
       stopped.push_back(seq);
@@ -587,6 +608,22 @@ int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_
   // Each sample is a sequence of its own after the same prompt (vLLM V1's parallel
   // sampling); the prefix cache shares the prompt's blocks.
   auto samples = req.sampling.best_of > 0 ? req.sampling.best_of : req.sampling.n;
+  // Structured output: a guide for each sample (the schema is checked before any is queued).
+  std::vector<std::shared_ptr<output_guide>> guides;
+  if (guided(req.sampling)) {
+    if (!d.tok)
+      throw error{errc::invalid_argument, "structured output (guided_json, response_format, "
+                                          "guided_choice) needs the model's tokenizer, which "
+                                          "this model has none of"};
+    if (!d.structured) {
+      auto ends = d.model.eos_token_ids;
+      if (d.tok->eos_id() >= 0 && std::find(ends.begin(), ends.end(), d.tok->eos_id()) == ends.end())
+        ends.push_back(d.tok->eos_id());
+      d.structured = std::make_unique<structured_output>(*d.tok, vocab_size(), ends);
+    }
+    for (int32_t i = 0; i < samples; ++i)
+      guides.push_back(d.structured->guide(req.sampling));
+  }
   auto id = d.next_seq;
   for (int32_t i = 0; i < samples; ++i) {
     auto sample = r;
@@ -599,6 +636,8 @@ int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_
     auto each = l;
     each.request = id;
     each.index = i;
+    if (!guides.empty())
+      each.guide = guides[static_cast<size_t>(i)];
     auto seq = sample.seq_id;
     d.sched->add(std::move(sample));
     d.live.emplace(seq, std::move(each));
@@ -672,6 +711,7 @@ std::vector<generation_update> llm::step() {
         return updates;
       }
       auto step = sched.schedule();
+      d.constrain(step);
       bool samples = !step.seq_group_metadata_list.empty();
       if (!samples && step.blocks_to_swap_in.empty() && step.blocks_to_swap_out.empty() &&
           step.blocks_to_copy.empty()) {

@@ -272,6 +272,8 @@ std::optional<execute_model_request> scheduler::schedule_ahead() {
       return std::nullopt; // a prefill chunk in flight: its next chunk is the host's to make
     if (at_length_limit(r))
       continue;
+    if (guided(r.sampling))
+      return std::nullopt; // its next mask needs the token in flight
     if (limits_.restart_at > 0 && r.length() + r.pending - 1 == limits_.restart_at)
       return std::nullopt; // it starts over: the host's to schedule
     seqs.push_back(seq);

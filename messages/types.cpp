@@ -23,6 +23,10 @@ bool reads_history(const sampling_params& params) {
                      [](const std::vector<int32_t>& w) { return w.size() > 1; });
 }
 
+bool guided(const sampling_params& p) {
+  return !p.guided_json.empty() || p.guided_json_object || !p.guided_choice.empty();
+}
+
 void validate(const sampling_params& params, int64_t vocab) {
   auto bad = [](const std::string& what) { throw error{errc::invalid_argument, what}; };
   // Written so that NaN fails too.

@@ -11,6 +11,7 @@
 #include "troupe/errors.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <mutex>
@@ -466,7 +467,8 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
   for (auto& g : request.seq_group_metadata_list)
     if (g.do_sample) {
       validate(g.sampling, st.config.vocab_size);
-      on_device = on_device && g.sampling.logprobs <= 0 && !processes_logits(g.sampling);
+      on_device = on_device && g.sampling.logprobs <= 0 && !processes_logits(g.sampling) &&
+                  g.allowed_tokens.empty();
     }
   auto step_of = [](const sequence_data& seq) { return seq.length() - seq.num_prompt_tokens; };
   std::vector<float> logits;
@@ -515,9 +517,21 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
         sample.output_token = ids[row];
         sample.logprob = logprobs[row];
         group_out.samples.push_back(sample);
-      } else if (processes_logits(group.sampling)) {
+      } else if (processes_logits(group.sampling) || !group.allowed_tokens.empty()) {
         const float* raw = &logits[row * vocab];
         std::vector<float> processed(raw, raw + vocab);
+        // Structured output's mask first: what it leaves out is never drawn.
+        auto& mask = group.allowed_tokens;
+        if (!mask.empty()) {
+          if (static_cast<int64_t>(mask.size()) * 32 < vocab)
+            throw error{errc::invalid_argument,
+                        "request '" + group.request_id + "': its token mask covers " +
+                          std::to_string(mask.size() * 32) + " of the " +
+                          std::to_string(vocab) + " tokens"};
+          for (int64_t t = 0; t < vocab; ++t)
+            if (!(mask[static_cast<size_t>(t) / 32] >> (t % 32) & 1))
+              processed[static_cast<size_t>(t)] = -INFINITY;
+        }
         auto stop_ids = group.sampling.stop_token_ids;
         if (!group.sampling.ignore_eos)
           stop_ids.insert(stop_ids.end(), st.config.eos_token_ids.begin(),

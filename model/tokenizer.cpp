@@ -319,8 +319,11 @@ struct tokenizer::pipeline {
     return text;
   }
 
-  /// The texts of `tokens` as the decoder chain gives them, joined.
-  std::string decode(std::vector<std::string> tokens) const {
+  /// The texts of `tokens` as the decoder chain gives them, joined. `raw`: their bytes as
+  /// they are inside a text, whether UTF-8 or not (no character fixed, nothing stripped at
+  /// the start).
+  std::string decode(std::vector<std::string> tokens, bool raw = false) const {
+    auto text = [&](const std::string& bytes) { return raw ? bytes : valid_utf8(bytes); };
     for (auto& d : decoders) {
       switch (d.what) {
         case decoder::kind::byte_level: {
@@ -337,7 +340,7 @@ struct tokenizer::pipeline {
                 joined += token.substr(i, n);
               i += n;
             }
-          tokens = {valid_utf8(joined)};
+          tokens = {text(joined)};
           break;
         }
         case decoder::kind::replace:
@@ -353,7 +356,7 @@ struct tokenizer::pipeline {
           auto flush = [&] {
             if (run_pieces == 0)
               return;
-            bool ok = valid_utf8(run) == run;
+            bool ok = raw || valid_utf8(run) == run;
             if (ok) {
               next.push_back(run);
             } else {
@@ -385,6 +388,8 @@ struct tokenizer::pipeline {
           break;
         }
         case decoder::kind::strip:
+          if (raw)
+            break;
           for (auto& token : tokens) {
             size_t front = 0;
             while (front < d.start && token.compare(front * d.pattern.size(), d.pattern.size(),
@@ -401,7 +406,7 @@ struct tokenizer::pipeline {
         case decoder::kind::metaspace:
           for (size_t i = 0; i < tokens.size(); ++i) {
             replace_all(tokens[i], d.pattern, " ");
-            if (i == 0 && d.strip_first && !tokens[i].empty() && tokens[i][0] == ' ')
+            if (i == 0 && !raw && d.strip_first && !tokens[i].empty() && tokens[i][0] == ' ')
               tokens[i].erase(0, 1);
           }
           break;
@@ -410,7 +415,7 @@ struct tokenizer::pipeline {
     std::string out;
     for (auto& token : tokens)
       out += token;
-    return valid_utf8(out);
+    return text(out);
   }
 
 private:
@@ -1129,6 +1134,14 @@ std::string tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special
   // Ids that end inside a character (an emoji over two tokens, a cut-off generation) give
   // bytes that are not UTF-8: as transformers, each broken sequence becomes U+FFFD.
   return pipeline_->decode(std::move(tokens));
+}
+
+std::string tokenizer::token_bytes(int32_t id) const {
+  if (id < 0 || static_cast<size_t>(id) >= id_to_token_.size())
+    throw error{errc::invalid_argument, "tokenizer: id " + std::to_string(id) +
+                                          " is outside the vocabulary of " +
+                                          std::to_string(id_to_token_.size())};
+  return pipeline_->decode({id_to_token_[static_cast<size_t>(id)]}, true);
 }
 
 std::vector<std::vector<int32_t>> bad_words_token_ids(const tokenizer& tok,

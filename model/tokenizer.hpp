@@ -62,6 +62,10 @@ public:
   /// when `skip_special`.
   std::string decode(const std::vector<int32_t>& ids, bool skip_special = false) const;
 
+  /// The bytes token `id` adds inside a text, UTF-8 or not (a byte-level token may hold
+  /// part of a character); throws `invalid_argument` for an id outside the vocabulary.
+  std::string token_bytes(int32_t id) const;
+
   /// The id of a token's text, or -1.
   int32_t token_id(const std::string& token) const;
 

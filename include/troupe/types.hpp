@@ -104,12 +104,23 @@ struct sampling_params {
   /// with this many most likely tokens at its position (0: the prompt's token alone); -1:
   /// none. A request with them computes its whole prompt (no prefix cache hits).
   int32_t prompt_logprobs = -1;
+  /// Structured output (vLLM's guided decoding), at most one of: the output is JSON valid
+  /// under `guided_json` (a JSON schema, as text), a JSON object (`guided_json_object`,
+  /// OpenAI's JSON mode), or one of `guided_choice`. An engine with a tokenizer enforces it
+  /// with a mask of the tokens each step may sample.
+  std::string guided_json;
+  bool guided_json_object = false;
+  std::vector<std::string> guided_choice;
 };
 
 /// Whether `params` read a sequence's earlier tokens (the repetition, presence and
 /// frequency penalties, min_tokens, bad words of several tokens): an engine sends such a
 /// sequence's tokens whole.
 bool reads_history(const sampling_params& params);
+
+/// Whether `params` ask for structured output (`guided_json`, `guided_json_object`,
+/// `guided_choice`).
+bool guided(const sampling_params& params);
 
 /// Throws `invalid_argument` naming the parameter for a temperature below 0, a top_p
 /// outside (0, 1], a repetition penalty not above 0, presence or frequency penalties outside
@@ -126,7 +137,8 @@ typename Inspector::result_type inspect(Inspector& f, sampling_params& x) {
            x.max_tokens, x.logprobs, x.stop_token_ids, x.ignore_eos, x.repetition_penalty,
            x.presence_penalty, x.frequency_penalty, x.min_p, x.logit_bias_ids,
            x.logit_bias_values, x.min_tokens, x.n, x.best_of, x.bad_words,
-           x.bad_words_token_ids, x.prompt_logprobs);
+           x.bad_words_token_ids, x.prompt_logprobs, x.guided_json, x.guided_json_object,
+           x.guided_choice);
 }
 
 // -- execute-model request ----------------------------------------------------
@@ -187,12 +199,16 @@ struct sequence_group_metadata {
   int64_t lora_int_id = 0;
   /// Prompt adapter of the request; 0 for none.
   int64_t prompt_adapter_id = 0;
+  /// The tokens this step may sample, as a bitmask (bit t of word t / 32): structured
+  /// output's. Empty: any.
+  std::vector<uint32_t> allowed_tokens;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, sequence_group_metadata& x) {
   return f(caf::meta::type_name("sequence_group_metadata"), x.request_id, x.is_prompt, x.seqs,
-           x.sampling, x.token_chunk_size, x.do_sample, x.lora_int_id, x.prompt_adapter_id);
+           x.sampling, x.token_chunk_size, x.do_sample, x.lora_int_id, x.prompt_adapter_id,
+           x.allowed_tokens);
 }
 
 /// A block move of the cache manager: `src` to `dst`.

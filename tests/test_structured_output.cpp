@@ -1,0 +1,190 @@
+// Structured output's automata against the tiny byte-level tokenizer: valid texts pass token
+// by token and may then end, invalid ones meet a token the mask refuses, and random walks
+// through the masks end in JSON that holds to the schema.
+
+#include "engine/structured_output.hpp"
+#include "model/tokenizer.hpp"
+#include "troupe/errors.hpp"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <random>
+
+using namespace troupe;
+using json = nlohmann::ordered_json;
+
+namespace {
+
+const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
+constexpr int32_t end_token = 0; // the tiny tokenizer's <|endoftext|>
+constexpr int64_t vocab = 512;
+
+tokenizer& tiny() {
+  static auto tok = tokenizer::from_json(fixtures + "/tiny-tokenizer/tokenizer.json");
+  return tok;
+}
+
+structured_output& automata() {
+  static structured_output so{tiny(), vocab, {end_token}};
+  return so;
+}
+
+bool allows(const token_mask& mask, int32_t t) {
+  return mask[static_cast<size_t>(t) / 32] >> (t % 32) & 1;
+}
+
+sampling_params schema(const json& s) {
+  sampling_params p;
+  p.guided_json = s.dump();
+  return p;
+}
+
+/// Whether the guide takes `text` (as the tokenizer splits it) and may then end.
+bool takes(const sampling_params& p, const std::string& text) {
+  auto guide = automata().guide(p);
+  for (auto t : tiny().encode(text, false, false)) {
+    if (!allows(guide->allowed(), t))
+      return false;
+    guide->accept(t);
+  }
+  return allows(guide->allowed(), end_token);
+}
+
+/// A random walk through the masks (seeded), to the end token: the text it writes.
+std::string walk(const sampling_params& p, uint64_t seed, int limit = 20000) {
+  auto guide = automata().guide(p);
+  std::mt19937_64 rng{seed};
+  std::vector<int32_t> ids;
+  for (int step = 0; step < limit; ++step) {
+    auto& mask = guide->allowed();
+    std::vector<int32_t> allowed;
+    for (int32_t t = 0; t < vocab; ++t)
+      if (allows(mask, t))
+        allowed.push_back(t);
+    REQUIRE(!allowed.empty());
+    // The end as soon as it is allowed: walks end.
+    int32_t t = allows(mask, end_token)
+                  ? end_token
+                  : allowed[static_cast<size_t>(rng() % allowed.size())];
+    if (t == end_token)
+      return tiny().decode(ids);
+    guide->accept(t);
+    ids.push_back(t);
+  }
+  return {};
+}
+
+} // namespace
+
+TEST_CASE("a schema's valid texts pass token by token and end, invalid ones are refused") {
+  auto person = schema({{"type", "object"},
+                        {"properties",
+                         {{"name", {{"type", "string"}, {"maxLength", 12}}},
+                          {"age", {{"type", "integer"}}},
+                          {"tags", {{"type", "array"}, {"items", {{"type", "string"}}},
+                                    {"maxItems", 3}}},
+                          {"kind", {{"enum", {"cat", "dog", 3}}}},
+                          {"score", {{"type", "number"}}},
+                          {"ok", {{"type", "boolean"}}}}},
+                        {"required", {"name", "age"}}});
+  for (auto text : {R"({"name":"Zoë","age":3})",
+                    R"({ "name" : "a\"b\\c\u00e9", "age" : -12, "tags" : [ "x" , "y" ] })",
+                    R"({"name":"","age":0,"kind":"dog","score":-1.5e+3,"ok":false})",
+                    R"({"name":"x","age":7,"tags":[],"kind":3})"})
+    CHECK_MESSAGE(takes(person, text), text);
+  for (auto text : {R"({"age":3,"name":"x"})",             // out of order
+                    R"({"name":"x"})",                     // age missing
+                    R"({"name":"x","age":3.5})",           // not an integer
+                    R"({"name":"x","age":03})",            // a leading zero
+                    R"({"name":"x","age":3,"other":1})",   // not a property
+                    R"({"name":"this is too long","age":3})",
+                    R"({"name":"x","age":3,"tags":["a","b","c","d"]})",
+                    R"({"name":"x","age":3,"kind":"cow"})",
+                    R"({"name":"x","age":3,"ok":nope})",
+                    R"({"name":"a)" "\n" R"(b","age":3})",     // a raw newline in a string
+                    R"({"name":"x","age":3} trailing)"})
+    CHECK_FALSE_MESSAGE(takes(person, text), text);
+  // A number at the top level may end where it is complete.
+  CHECK(takes(schema({{"type", "number"}}), "12.5"));
+  CHECK_FALSE(takes(schema({{"type", "number"}}), "12."));
+}
+
+TEST_CASE("JSON mode, choices, unions and references") {
+  sampling_params object;
+  object.guided_json_object = true;
+  CHECK(takes(object, R"({"a":[1,{"b":null}],"c":"d"})"));
+  CHECK_FALSE(takes(object, R"([1,2])"));
+  CHECK_FALSE(takes(object, R"({"a":})"));
+  sampling_params choice;
+  choice.guided_choice = {"yes", "no", "maybe so"};
+  CHECK(takes(choice, "maybe so"));
+  CHECK(takes(choice, "no"));
+  CHECK_FALSE(takes(choice, "nope"));
+  auto either = schema({{"anyOf", {{{"type", "string"}}, {{"type", "array"}, {"items", {{"type", "integer"}}}}}}});
+  CHECK(takes(either, R"("x")"));
+  CHECK(takes(either, "[1,2]"));
+  CHECK_FALSE(takes(either, "[1.5]"));
+  auto nullable = schema({{"type", {"integer", "null"}}});
+  CHECK(takes(nullable, "null"));
+  CHECK(takes(nullable, "42"));
+  // A tree: a definition that refers to itself.
+  auto tree = schema({{"$ref", "#/$defs/node"},
+                      {"$defs",
+                       {{"node",
+                         {{"type", "object"},
+                          {"properties",
+                           {{"v", {{"type", "integer"}}},
+                            {"kids", {{"type", "array"}, {"items", {{"$ref", "#/$defs/node"}}}}}}},
+                          {"required", {"v"}}}}}}});
+  CHECK(takes(tree, R"({"v":1,"kids":[{"v":2},{"v":3,"kids":[]}]})"));
+  CHECK_FALSE(takes(tree, R"({"v":1,"kids":[{"w":2}]})"));
+}
+
+TEST_CASE("random walks through the masks write JSON that holds to the schema") {
+  auto s = json{{"type", "object"},
+                {"properties",
+                 {{"id", {{"type", "integer"}}},
+                  {"label", {{"type", "string"}, {"maxLength", 8}}},
+                  {"point", {{"type", "object"},
+                             {"properties", {{"x", {{"type", "number"}}}, {"y", {{"type", "number"}}}}},
+                             {"required", {"x", "y"}}}},
+                  {"colors", {{"type", "array"}, {"items", {{"enum", {"red", "green"}}}}, {"maxItems", 4}}}}},
+                {"required", {"id", "point"}}};
+  for (uint64_t seed = 1; seed <= 40; ++seed) {
+    auto text = walk(schema(s), seed);
+    CAPTURE(text);
+    auto j = json::parse(text, nullptr, false);
+    REQUIRE_FALSE(j.is_discarded());
+    REQUIRE(j.is_object());
+    CHECK(j["id"].is_number_integer());
+    CHECK(j["point"]["x"].is_number());
+    CHECK(j["point"]["y"].is_number());
+    if (j.contains("label"))
+      CHECK(j["label"].get<std::string>().size() <= 8 * 4); // 8 characters of UTF-8
+    if (j.contains("colors"))
+      for (auto& c : j["colors"])
+        CHECK((c == "red" || c == "green"));
+    for (auto& [key, value] : j.items())
+      CHECK((key == "id" || key == "label" || key == "point" || key == "colors"));
+  }
+}
+
+TEST_CASE("schemas troupe cannot enforce are refused naming the keyword") {
+  auto refused = [](const json& s, const char* what) {
+    CHECK_THROWS_WITH_AS(automata().guide(schema(s)), doctest::Contains(what), error);
+  };
+  refused({{"type", "string"}, {"pattern", "^a+$"}}, "'pattern' is not supported");
+  refused({{"type", "integer"}, {"minimum", 3}}, "'minimum' is not supported");
+  refused({{"type", "object"}, {"properties", {{"a", {{"type", "string"}}}}}, {"required", {"b"}}},
+          "'required' names \"b\"");
+  refused({{"$ref", "#/$defs/missing"}}, "names no definition");
+  refused({{"type", "strange"}}, "type 'strange'");
+  sampling_params bad;
+  bad.guided_json = "{not json";
+  CHECK_THROWS_WITH_AS(automata().guide(bad), doctest::Contains("not JSON"), error);
+  sampling_params both;
+  both.guided_json_object = true;
+  both.guided_choice = {"a"};
+  CHECK_THROWS_WITH_AS(automata().guide(both), doctest::Contains("exclude each other"), error);
+}
