@@ -71,6 +71,7 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
     std::string prefix_caching = "on";
     std::vector<int64_t> linger_us{executor_config{}.linger.count()};
     int rounds = 3;
+    std::string guided_json;
     bool json = false;
     device_options device;
     node_options nodes;
@@ -104,11 +105,22 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
                   "runs of each, in turns; the medians count")
     ->check(CLI::Range(1, 100))
     ->capture_default_str();
+  sub->add_option("--guided-json", o->guided_json,
+                  "A JSON schema file every request's output must hold to (structured output); "
+                  "the outputs then end when their JSON does, before --output-len")
+    ->check(CLI::ExistingFile);
   sub->add_flag("--json", o->json, "Print only the JSON result (the last line)");
   add_device_options(*sub, o->device);
   add_node_options(*sub, o->nodes);
   cmd->run = [o] {
     auto reqs = make_workload(o->work, o->model);
+    if (!o->guided_json.empty()) {
+      auto schema = read_text_file("--guided-json", o->guided_json);
+      for (auto& r : reqs) {
+        r.sampling.guided_json = schema;
+        r.sampling.ignore_eos = false; // the JSON's end ends the output
+      }
+    }
     struct setting {
       bool async_scheduling;
       int64_t linger_us;
@@ -205,6 +217,14 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
         {"host_ms_per_step_early", host_early},
         {"host_ms_per_step_late", host_late},
       };
+      if (!o->guided_json.empty()) {
+        // The masks' share of a step: their time over the steps', both per step.
+        auto masks = after.structured_output_seconds - before.structured_output_seconds;
+        auto steps = static_cast<double>(std::max<size_t>(1, host_ms.size()));
+        result["structured_output_ms_per_step"] = masks * 1e3 / steps;
+        result["step_ms"] = took.count() * 1e3 / steps;
+        result["structured_output_share"] = masks / took.count();
+      }
       if (!o->json)
         std::cout << o->work.num_prompts << " requests in " << took.count() << " s"
                   << (s.async_scheduling ? " (asynchronous scheduling)" : "")

@@ -767,6 +767,7 @@ engine_stats llm::stats() const {
   s.prefix_cache_queries = d.sched->prefix_cache_queries();
   s.prefix_cache_hits = d.sched->prefix_cache_hits();
   s.prefill_tokens = d.sched->prefill_tokens();
+  s.structured_output_seconds = d.structured ? d.structured->mask_seconds() : 0;
   return s;
 }
 

@@ -665,9 +665,16 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
               return;
             f.candidates = f.candidates << 4 | static_cast<uint64_t>(
                              is_digit(c) ? c - '0' : (c | 0x20) - 'a' + 10);
-            if (++f.b < 4)
-              return take();
+            ++f.b;
+            // Refused as soon as it cannot end well: a low surrogate alone, or a high one
+            // followed by anything but a low one.
             auto v = f.candidates;
+            if (f.phase == 3 && f.b == 2 && v >= 0xDC && v <= 0xDF)
+              return;
+            if (f.phase == 7 && ((f.b == 1 && v != 0xD) || (f.b == 2 && (v < 0xDC || v > 0xDF))))
+              return;
+            if (f.b < 4)
+              return take();
             bool high = v >= 0xD800 && v <= 0xDBFF, low = v >= 0xDC00 && v <= 0xDFFF;
             if (f.phase == 3 && high) {
               f.phase = 5; // a pair: "\u" and the low half must follow

@@ -93,14 +93,92 @@ json parse_json_object(const std::string& text) {
   return body;
 }
 
+namespace {
+
+/// OpenAI's response_format and vLLM's guided_json, guided_choice and structured_outputs
+/// (json, choice, json_object), into `sp`; at most one of them.
+void structured_output_of(const nlohmann::ordered_json& body, sampling_params& sp) {
+  int given = 0;
+  auto schema_text = [&](const nlohmann::ordered_json& schema, const char* field) {
+    if (schema.is_string())
+      return schema.get<std::string>();
+    if (!schema.is_object() && !schema.is_boolean())
+      bad("'" + std::string{field} + "' must be a JSON schema (an object, or its text)", field);
+    return schema.dump();
+  };
+  auto choices = [&](const nlohmann::ordered_json& list, const char* field) {
+    if (!list.is_array() || list.empty())
+      bad("'" + std::string{field} + "' must be a non-empty array of strings", field);
+    std::vector<std::string> out;
+    for (auto& c : list) {
+      if (!c.is_string())
+        bad("'" + std::string{field} + "' must be a non-empty array of strings", field);
+      out.push_back(c.get<std::string>());
+    }
+    return out;
+  };
+  if (auto f = body.find("response_format"); f != body.end() && !f->is_null()) {
+    if (!f->is_object() || !f->contains("type") || !(*f)["type"].is_string())
+      bad("'response_format' must be an object with a 'type'", "response_format");
+    auto type = (*f)["type"].get<std::string>();
+    if (type == "json_object") {
+      sp.guided_json_object = true;
+      ++given;
+    } else if (type == "json_schema") {
+      auto& spec = (*f)["json_schema"];
+      if (!spec.is_object() || !spec.contains("schema"))
+        bad("'response_format' of type json_schema needs 'json_schema.schema'", "response_format");
+      sp.guided_json = schema_text(spec["schema"], "response_format");
+      ++given;
+    } else if (type != "text") {
+      bad("'response_format' type '" + type + "' is not supported (text, json_object, "
+          "json_schema)", "response_format");
+    }
+  }
+  if (auto f = body.find("guided_json"); f != body.end() && !f->is_null()) {
+    sp.guided_json = schema_text(*f, "guided_json");
+    ++given;
+  }
+  if (auto f = body.find("guided_choice"); f != body.end() && !f->is_null()) {
+    sp.guided_choice = choices(*f, "guided_choice");
+    ++given;
+  }
+  if (auto f = body.find("structured_outputs"); f != body.end() && !f->is_null()) {
+    if (!f->is_object())
+      bad("'structured_outputs' must be an object", "structured_outputs");
+    for (auto& [key, value] : f->items()) {
+      if (value.is_null())
+        continue;
+      if (key == "json")
+        sp.guided_json = schema_text(value, "structured_outputs");
+      else if (key == "choice")
+        sp.guided_choice = choices(value, "structured_outputs");
+      else if (key == "json_object" && value.is_boolean())
+        sp.guided_json_object = value.get<bool>();
+      else
+        bad("'structured_outputs." + key + "' is not supported (json, choice, json_object)",
+            "structured_outputs");
+      ++given;
+    }
+  }
+  if (given > 1)
+    bad("response_format, guided_json, guided_choice and structured_outputs exclude each other",
+        "response_format");
+}
+
+} // namespace
+
 openai_request parse_openai_request(const std::string& text, bool chat) {
   auto body = parse_json_object(text);
+  // The parts that go on as JSON keep the client's order of keys: a schema's properties
+  // are generated in it, and a template renders messages and tools as they were written.
+  auto ordered = nlohmann::ordered_json::parse(text);
   // A field troupe would not act on is refused, never ignored.
   static const std::set<std::string> shared = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n", "stop",
     "stop_token_ids", "stream", "stream_options", "logprobs", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "bad_words",
-    "prompt_logprobs"};
+    "prompt_logprobs", "response_format", "guided_json", "guided_choice", "structured_outputs"};
   static const std::set<std::string> completion_only = {"prompt", "echo", "best_of"};
   static const std::set<std::string> chat_only = {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
@@ -119,8 +197,8 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
       bad("'messages' must be a non-empty array", "messages");
     // Each message goes to the template as given (tool calls, tool_call_id, name...), its
     // content parts joined into one text.
-    json conversation = json::array();
-    for (auto m : *messages) {
+    auto conversation = nlohmann::ordered_json::array();
+    for (auto m : ordered["messages"]) {
       if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
         bad("each message needs a string 'role'", "messages");
       auto& content = m["content"];
@@ -145,7 +223,7 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
       for (auto& t : *tools)
         if (!t.is_object())
           bad("'tools' must be an array of tool definitions", "tools");
-      req.conversation.tools_json = tools->dump();
+      req.conversation.tools_json = ordered["tools"].dump();
     }
     if (auto kwargs = body.find("chat_template_kwargs"); kwargs != body.end() && !kwargs->is_null()) {
       if (!kwargs->is_object())
@@ -262,6 +340,7 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
     sp.prompt_logprobs = *n;
     req.prompt_logprobs = true;
   }
+  structured_output_of(ordered, sp);
   if (auto words = body.find("bad_words"); words != body.end() && !words->is_null()) {
     if (!words->is_array())
       bad("'bad_words' must be an array of strings", "bad_words");

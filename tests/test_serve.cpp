@@ -375,7 +375,9 @@ TEST_CASE("sampling fields act or are refused: penalties change tokens, unknown 
                             {"best_of", 0},
                             {"n", 0},
                             {"n", 5000},
-                            {"response_format", {{"type", "json_object"}}},
+                            {"response_format", {{"type", "xml"}}},
+                            {"guided_choice", json::array()},
+                            {"guided_regex", "a+"},
                             {"bad_words", "x"},
                             {"bad_words", {1, 2}},
                             {"user", "me"}}) {
@@ -421,6 +423,12 @@ TEST_CASE("sampling fields act or are refused: penalties change tokens, unknown 
   auto r = post(s, "/v1/completions", words);
   CHECK(r.status == 400);
   CHECK(r.body.find("bad_words needs the model's tokenizer") != std::string::npos);
+  // So does structured output.
+  auto shaped = plain;
+  shaped["response_format"] = {{"type", "json_object"}};
+  r = post(s, "/v1/completions", shaped);
+  CHECK(r.status == 400);
+  CHECK(r.body.find("structured output") != std::string::npos);
 }
 
 TEST_CASE("n samples come as n choices, streamed or not, and best_of keeps the most likely") {

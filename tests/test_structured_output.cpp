@@ -93,6 +93,14 @@ TEST_CASE("a schema's valid texts pass token by token and end, invalid ones are 
                     R"({"name":"","age":0,"kind":"dog","score":-1.5e+3,"ok":false})",
                     R"({"name":"x","age":7,"tags":[],"kind":3})"})
     CHECK_MESSAGE(takes(person, text), text);
+  // Surrogates: a pair is one character; alone, or a high one before another high one, not.
+  auto short_name = [&](const std::string& name) {
+    return takes(person, R"({"name":")" + name + R"(","age":1})");
+  };
+  CHECK(short_name(R"(\ud83d\ude00)"));
+  CHECK_FALSE(short_name(R"(\ude00)"));
+  CHECK_FALSE(short_name(R"(\ud83d\ud83d)"));
+  CHECK_FALSE(short_name(R"(\ud83dx)"));
   for (auto text : {R"({"age":3,"name":"x"})",             // out of order
                     R"({"name":"x"})",                     // age missing
                     R"({"name":"x","age":3.5})",           // not an integer
