@@ -128,7 +128,7 @@ try:
         try:
             value = json.loads(text)
         except ValueError:
-            print("UNPARSED", repr(text))
+            print("not JSON:", repr(text))
             raise
         jsonschema.validate(value, schema)
         return name, text
