@@ -83,6 +83,9 @@ void scheduler::append_group(engine_request& r, int64_t chunk, bool is_prompt,
   blocks_.cache_computed(r.seq_id, tokens_of(r), seq.num_computed_tokens + chunk);
   g.seqs.push_back(std::move(seq));
   g.sampling = r.sampling;
+  // What only the engine reads stays here: the workers get structured output's mask.
+  g.sampling.guided_json.clear();
+  g.sampling.guided_choice.clear();
   g.token_chunk_size = static_cast<int32_t>(chunk);
   g.lora_int_id = r.lora_int_id;
   g.prompt_adapter_id = r.prompt_adapter_id;
