@@ -126,6 +126,12 @@ execute_model_request scheduler::schedule() {
   execute_model_request step;
   scheduled_.clear();
   int64_t budget = config_.max_num_batched_tokens;
+  // Prompt logprobs come from a row of logits per prompt token (a vocabulary of floats to the
+  // host each): a step computes at most this many such tokens.
+  int64_t logprob_rows = max_prompt_logprob_rows;
+  auto rows_of = [&](const engine_request& r, int64_t chunk) {
+    return r.sampling.prompt_logprobs >= 0 ? std::min(chunk, logprob_rows) : chunk;
+  };
   bool preempted = false;
   std::vector<int64_t> to_swap_out;
 
@@ -163,7 +169,11 @@ execute_model_request scheduler::schedule() {
       continue;
     }
     if (prefilling(r)) { // its blocks were allocated whole; the next chunk
-      auto chunk = std::min(budget, r.length() - r.num_computed);
+      auto chunk = rows_of(r, std::min(budget, r.length() - r.num_computed));
+      if (chunk < 1)
+        continue;
+      if (r.sampling.prompt_logprobs >= 0)
+        logprob_rows -= chunk;
       append_group(r, chunk, true, step);
       budget -= chunk;
       continue;
@@ -180,6 +190,10 @@ execute_model_request scheduler::schedule() {
          && blocks_.can_swap_in({swapped_.front()})) {
     auto seq = swapped_.front();
     swapped_.pop_front();
+    if (limits_.restart_at > 0 && requests_.at(seq).num_computed == limits_.restart_at) {
+      restart(seq); // its keys rotate as a shorter sequence's: computed again instead
+      continue;
+    }
     for (auto& m : blocks_.swap_in({seq}))
       step.blocks_to_swap_in.push_back(m);
     auto& r = requests_.at(seq);
@@ -237,12 +251,15 @@ execute_model_request scheduler::schedule() {
     const bool whole = r.sampling.prompt_logprobs >= 0;
     auto hit = whole ? block_manager::prefix_hit{} : blocks_.find_prefix(tokens_of(r));
     auto todo = tokens - hit.blocks * blocks_.block_size();
-    bool chunked = todo > config_.max_num_batched_tokens;
-    auto chunk = std::min(todo, budget);
+    bool chunked = todo > config_.max_num_batched_tokens ||
+                   (whole && todo > max_prompt_logprob_rows);
+    auto chunk = rows_of(r, std::min(todo, budget));
     if ((!chunked && todo > budget) || chunk < 1
         || blocks_.can_allocate(tokens, hit) != block_manager::allocation::ok)
       break;
     waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
+    if (whole)
+      logprob_rows -= chunk;
     if (whole) {
       blocks_.allocate(seq, tokens);
       r.num_computed = 0;

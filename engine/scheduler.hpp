@@ -168,6 +168,10 @@ public:
     blocks_.reset_cache();
   }
 
+  /// Prompt tokens whose logprobs one step computes, at most (their rows of logits go to
+  /// the host whole).
+  static constexpr int64_t max_prompt_logprob_rows = 512;
+
 private:
   void preempt(int64_t seq);
   /// Drops `seq`'s cache and puts it first among the waiting requests, to be computed again

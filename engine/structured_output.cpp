@@ -108,6 +108,29 @@ public:
   /// The stacks `s` becomes on byte `c`, into `out` (none: refused).
   void step(stack s, uint8_t c, std::vector<stack>& out) const;
 
+  /// The stacks `states` become on byte `c`: alike ones merged, at most `max_stacks` (an
+  /// ambiguous schema's alternatives multiply; past the cap the first are kept, which may
+  /// refuse a valid output but never admits an invalid one).
+  std::vector<stack> advance(const std::vector<stack>& states, uint8_t c) const {
+    std::vector<stack> after;
+    for (auto& s : states)
+      step(s, c, after);
+    if (after.size() > 1) {
+      auto bytes = [](const stack& s) {
+        return std::string(reinterpret_cast<const char*>(s.data()), s.size() * sizeof(frame));
+      };
+      std::sort(after.begin(), after.end(),
+                [&](const stack& a, const stack& b) { return bytes(a) < bytes(b); });
+      after.erase(std::unique(after.begin(), after.end(),
+                              [&](const stack& a, const stack& b) { return bytes(a) == bytes(b); }),
+                  after.end());
+      if (after.size() > max_stacks)
+        after.resize(max_stacks);
+    }
+    return after;
+  }
+  static constexpr size_t max_stacks = 64;
+
   /// Whether the output may end in `s`: all read, or a number or literal at the top level
   /// that is complete.
   bool may_end(const stack& s) const {
@@ -124,6 +147,25 @@ public:
         if ((f.candidates >> i & 1) && n.literals[i].size() == static_cast<size_t>(f.b))
           return true;
     return false;
+  }
+
+  /// Refuses alternatives that lead back to themselves before any value begins (a `$ref`
+  /// to itself, an anyOf holding its own definition): nothing could ever be read.
+  void refuse_empty_loops() const {
+    std::vector<int> mark(nodes.size(), 0); // 0 new, 1 on the path, 2 done
+    std::function<void(int32_t)> visit = [&](int32_t n) {
+      auto& m = mark[static_cast<size_t>(n)];
+      if (m == 1)
+        bad_schema("a '$ref' or anyOf leads back to itself before any value begins");
+      if (m == 2 || nodes[static_cast<size_t>(n)].what != node::kind::alternatives)
+        return;
+      m = 1;
+      for (auto o : nodes[static_cast<size_t>(n)].options)
+        visit(o);
+      m = 2;
+    };
+    for (size_t n = 0; n < nodes.size(); ++n)
+      visit(static_cast<int32_t>(n));
   }
 
   /// The mask of a set of stacks, computed once.
@@ -152,6 +194,12 @@ public:
 
   std::shared_ptr<structured_output::vocabulary> vocab_;
   std::unordered_map<std::string, token_mask> masks_;
+  /// Bytes of `masks_` (counted in the vocabulary's `cached_bytes` too).
+  size_t cached_bytes_ = 0;
+  /// What the masks of all grammars may take.
+  static constexpr size_t vocabulary_budget = size_t{256} << 20;
+
+  ~output_grammar();
 };
 
 struct structured_output::vocabulary {
@@ -166,6 +214,8 @@ struct structured_output::vocabulary {
   std::vector<int32_t> end_tokens;
   int64_t size = 0;
   double seconds = 0;
+  /// Bytes of every grammar's cached masks.
+  size_t cached_bytes = 0;
 
   int32_t child(int32_t at, uint8_t c) {
     auto& kids = trie[static_cast<size_t>(at)].children;
@@ -189,7 +239,23 @@ public:
   schema_compiler(grammar& g, const json& document) : g_(g), document_(document) {
   }
 
+  /// The node of schema `s`. Bounded: a schema nested deeper than 64 or of more than 10,000
+  /// parts is refused (a request's schema must not exhaust the engine).
   int32_t compile(const json& s) {
+    if (++depth_ > 64)
+      bad_schema("the schema nests deeper than 64");
+    struct leave {
+      int& depth;
+      ~leave() {
+        --depth;
+      }
+    } left{depth_};
+    if (g_.nodes.size() > 10000)
+      bad_schema("the schema has more than 10000 parts");
+    return compile_one(s);
+  }
+
+  int32_t compile_one(const json& s) {
     if (s.is_boolean()) {
       if (!s.get<bool>())
         bad_schema("a schema of false admits nothing");
@@ -206,15 +272,38 @@ public:
     for (auto& [key, value] : s.items())
       if (!annotations.count(key) && !enforced.count(key))
         bad_schema("'" + key + "' is not supported (troupe enforces " + list(enforced) + ")");
+    // A keyword that names the whole value leaves no room for constraints beside it (but
+    // enum and const beside a type, which keeps the values of that type).
+    for (auto whole : {"$ref", "anyOf", "oneOf", "enum", "const"}) {
+      if (!s.contains(whole))
+        continue;
+      for (auto& [key, value] : s.items())
+        if (key != whole && enforced.count(key) &&
+            !((std::string{whole} == "enum" || std::string{whole} == "const") && key == "type"))
+          bad_schema("'" + key + "' beside '" + whole + "' is not supported");
+    }
     if (s.contains("$ref"))
       return reference(s["$ref"]);
-    if (s.contains("const"))
-      return literals({s["const"]});
-    if (s.contains("enum")) {
-      if (!s["enum"].is_array() || s["enum"].empty())
+    if (s.contains("const") || s.contains("enum")) {
+      std::vector<json> values;
+      if (s.contains("const"))
+        values.push_back(s["const"]);
+      else if (!s["enum"].is_array() || s["enum"].empty())
         bad_schema("'enum' must be a non-empty array");
-      return literals(std::vector<json>(s["enum"].begin(), s["enum"].end()));
+      else
+        values.assign(s["enum"].begin(), s["enum"].end());
+      if (s.contains("type")) {
+        auto kept = values;
+        kept.erase(std::remove_if(kept.begin(), kept.end(),
+                                  [&](const json& v) { return !of_type(v, s["type"]); }),
+                   kept.end());
+        if (kept.empty())
+          bad_schema("no value of 'enum' or 'const' is of the schema's 'type'");
+        values = kept;
+      }
+      return literals(values);
     }
+    // oneOf as anyOf: a value its alternatives both admit breaks oneOf (rare in practice).
     for (auto key : {"anyOf", "oneOf"})
       if (s.contains(key)) {
         if (!s[key].is_array() || s[key].empty())
@@ -289,6 +378,19 @@ private:
     return out;
   }
 
+  /// Whether `v` is of JSON Schema type `type` (a name, or a list of them).
+  static bool of_type(const json& v, const json& type) {
+    if (type.is_array())
+      return std::any_of(type.begin(), type.end(), [&](const json& t) { return of_type(v, t); });
+    if (!type.is_string())
+      return false;
+    auto t = type.get<std::string>();
+    return (t == "string" && v.is_string()) || (t == "integer" && v.is_number_integer()) ||
+           (t == "number" && v.is_number()) || (t == "boolean" && v.is_boolean()) ||
+           (t == "null" && v.is_null()) || (t == "object" && v.is_object()) ||
+           (t == "array" && v.is_array());
+  }
+
   static int64_t count(const json& s, const char* key, int64_t fallback) {
     if (!s.contains(key))
       return fallback;
@@ -318,6 +420,10 @@ private:
     if (!properties.is_object())
       bad_schema("'properties' must be an object");
     auto extra = s.value("additionalProperties", json(true));
+    if (properties.empty() && s.contains("required") && s["required"].is_array() &&
+        !s["required"].empty())
+      bad_schema("'required' names " + s["required"][0].dump() +
+                 ", which is not among the properties");
     if (properties.empty()) {
       if (extra.is_boolean() && !extra.get<bool>())
         n.what = node::kind::object; // only {}
@@ -388,6 +494,7 @@ private:
   grammar& g_;
   const json& document_;
   int32_t any_ = -1;
+  int depth_ = 0;
   std::map<std::string, int32_t> refs_;
 };
 
@@ -617,11 +724,14 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
             if (c < 0x20)
               return;
             // Each character counts at its first byte (the length is checked before it can
-            // only be finished past the limit).
+            // only be finished past the limit); only where there is a limit, so that the
+            // states of an unlimited string are one (one cached mask).
             if (n.max_length >= 0 && f.a + 1 > n.max_length)
               return;
-            if (c == '\\') {
+            // Counted up to what a limit needs only.
+            if (n.max_length >= 0 || f.a < n.min_length)
               ++f.a;
+            if (c == '\\') {
               f.phase = 2;
               return take();
             }
@@ -637,14 +747,15 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
               f.candidates = low << 8 | high;
               f.phase = 4;
             }
-            ++f.a;
             return take();
           case 4: // the rest of a UTF-8 character
             if (c < (f.candidates >> 8) || c > (f.candidates & 0xFF))
               return;
             f.candidates = 0x80BF;
-            if (--f.b == 0)
+            if (--f.b == 0) {
               f.phase = 1;
+              f.candidates = 0;
+            }
             return take();
           case 2:
             if (std::strchr("\"\\/bfnrt", c) != nullptr && c != 0) {
@@ -684,6 +795,7 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
               return;
             f.phase = 1;
             f.b = 0;
+            f.candidates = 0;
             return take();
           }
           case 5:
@@ -859,8 +971,9 @@ output_grammar::output_grammar(std::shared_ptr<structured_output::vocabulary> vo
 const token_mask& output_grammar::mask(const std::vector<stack>& states) {
   std::string key;
   for (auto& s : states) {
+    auto frames = static_cast<uint32_t>(s.size());
+    key.append(reinterpret_cast<const char*>(&frames), sizeof frames);
     key.append(reinterpret_cast<const char*>(s.data()), s.size() * sizeof(frame));
-    key.push_back('|');
   }
   auto found = masks_.find(key);
   if (found != masks_.end())
@@ -880,9 +993,7 @@ const token_mask& output_grammar::mask(const std::vector<stack>& states) {
     const std::function<void(int32_t)>& allow;
     void walk(int32_t at, const std::vector<stack>& states) {
       for (auto& [byte, next] : v.trie[static_cast<size_t>(at)].children) {
-        std::vector<stack> after;
-        for (auto& s : states)
-          g.step(s, byte, after);
+        auto after = g.advance(states, byte);
         if (after.empty())
           continue;
         for (auto t : v.trie[static_cast<size_t>(next)].tokens)
@@ -901,9 +1012,20 @@ const token_mask& output_grammar::mask(const std::vector<stack>& states) {
     for (auto t : v.end_tokens)
       allow(t);
   v.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (masks_.size() >= 4096)
+  // The masks of all grammars share a budget: past it, this grammar starts afresh.
+  auto bytes = mask.size() * sizeof(uint32_t) + key.size();
+  if (v.cached_bytes + bytes > vocabulary_budget) {
+    v.cached_bytes -= std::min(v.cached_bytes, cached_bytes_);
+    cached_bytes_ = 0;
     masks_.clear();
+  }
+  v.cached_bytes += bytes;
+  cached_bytes_ += bytes;
   return masks_.emplace(std::move(key), std::move(mask)).first->second;
+}
+
+output_grammar::~output_grammar() {
+  vocab_->cached_bytes -= std::min(vocab_->cached_bytes, cached_bytes_);
 }
 
 struct output_guide::state {
@@ -935,25 +1057,8 @@ void output_guide::accept(int32_t token) {
   }
   auto bytes = grammar_->token_text(token);
   auto& stacks = state_->stacks;
-  for (auto c : bytes) {
-    std::vector<output_grammar::stack> after;
-    for (auto& s : stacks)
-      grammar_->step(s, static_cast<uint8_t>(c), after);
-    stacks = std::move(after);
-  }
-  // Stacks that arrive alike are one.
-  std::sort(stacks.begin(), stacks.end(), [](const output_grammar::stack& a,
-                                             const output_grammar::stack& b) {
-    return std::lexicographical_compare(
-      reinterpret_cast<const char*>(a.data()), reinterpret_cast<const char*>(a.data() + a.size()),
-      reinterpret_cast<const char*>(b.data()), reinterpret_cast<const char*>(b.data() + b.size()));
-  });
-  stacks.erase(std::unique(stacks.begin(), stacks.end(),
-                           [](const output_grammar::stack& a, const output_grammar::stack& b) {
-                             return a.size() == b.size() &&
-                                    std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
-                           }),
-               stacks.end());
+  for (auto c : bytes)
+    stacks = grammar_->advance(stacks, static_cast<uint8_t>(c));
   if (stacks.empty())
     state_->ended = true; // a token the mask did not allow: nothing more is valid
 }
@@ -1007,6 +1112,7 @@ std::unique_ptr<output_guide> structured_output::guide(const sampling_params& p)
         bad_schema("the schema is not JSON");
       schema_compiler compiler{*g, schema};
       g->root = compiler.compile(schema);
+      g->refuse_empty_loops();
     } else if (p.guided_json_object) {
       g->root = g->builtin_.free_object;
     } else {
@@ -1022,8 +1128,8 @@ std::unique_ptr<output_guide> structured_output::guide(const sampling_params& p)
       g->nodes.push_back(std::move(n));
       g->root = static_cast<int32_t>(g->nodes.size() - 1);
     }
-    if (grammars_.size() >= 256)
-      grammars_.clear();
+    if (grammars_.size() >= 64)
+      grammars_.clear(); // guides in use keep theirs
     found = grammars_.emplace(key, std::move(g)).first;
   }
   return std::make_unique<output_guide>(found->second);

@@ -522,15 +522,18 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
         std::vector<float> processed(raw, raw + vocab);
         // Structured output's mask first: what it leaves out is never drawn.
         auto& mask = group.allowed_tokens;
+        auto apply_mask = [&] {
+          for (int64_t t = 0; t < vocab; ++t)
+            if (!(mask[static_cast<size_t>(t) / 32] >> (t % 32) & 1))
+              processed[static_cast<size_t>(t)] = -INFINITY;
+        };
         if (!mask.empty()) {
           if (static_cast<int64_t>(mask.size()) * 32 < vocab)
             throw error{errc::invalid_argument,
                         "request '" + group.request_id + "': its token mask covers " +
                           std::to_string(mask.size() * 32) + " of the " +
                           std::to_string(vocab) + " tokens"};
-          for (int64_t t = 0; t < vocab; ++t)
-            if (!(mask[static_cast<size_t>(t) / 32] >> (t % 32) & 1))
-              processed[static_cast<size_t>(t)] = -INFINITY;
+          apply_mask();
         }
         auto stop_ids = group.sampling.stop_token_ids;
         if (!group.sampling.ignore_eos)
@@ -543,6 +546,13 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
                         std::to_string(seq.first_token)};
         process_logits(processed.data(), vocab, group.sampling, seq.token_ids,
                        static_cast<size_t>(seq.num_prompt_tokens), stop_ids);
+        // The mask and the processing left nothing (min_tokens holding back the end a
+        // complete structured output allows only): the mask decides.
+        if (!mask.empty() && std::all_of(processed.begin(), processed.end(),
+                                         [](float x) { return std::isinf(x) && x < 0; })) {
+          processed.assign(raw, raw + vocab);
+          apply_mask();
+        }
         group_out.samples.push_back(sample_token(raw, vocab, group.sampling, stream,
                                                  step_of(seq), st.rng, processed.data()));
         group_out.samples.back().parent_seq_id = seq.seq_id;

@@ -337,3 +337,24 @@ TEST_CASE("a sequence that grows past restart_at is computed again from its firs
   REQUIRE(done.size() == 1);
   CHECK(done[0].output.size() == 6);
 }
+
+TEST_CASE("a request with prompt logprobs computes at most 512 prompt tokens a step") {
+  scheduler_config cfg;
+  cfg.max_num_batched_tokens = 2048;
+  scheduler sched{cfg, {}, block_size, 256, 0, {2}};
+  auto r = requests(1)[0];
+  r.prompt.assign(600, 5);
+  r.sampling.prompt_logprobs = 0;
+  sched.add(r);
+  auto first = sched.schedule();
+  REQUIRE(first.seq_group_metadata_list.size() == 1);
+  CHECK(first.seq_group_metadata_list[0].token_chunk_size == scheduler::max_prompt_logprob_rows);
+  CHECK_FALSE(first.seq_group_metadata_list[0].do_sample);
+  sampler_output none;
+  none.outputs.push_back({first.seq_group_metadata_list[0].request_id, {}});
+  sched.update(none);
+  auto second = sched.schedule();
+  REQUIRE(second.seq_group_metadata_list.size() == 1);
+  CHECK(second.seq_group_metadata_list[0].token_chunk_size == 600 - 512);
+  CHECK(second.seq_group_metadata_list[0].do_sample);
+}

@@ -133,6 +133,17 @@ TEST_CASE("JSON mode, choices, unions and references") {
   CHECK(takes(either, R"("x")"));
   CHECK(takes(either, "[1,2]"));
   CHECK_FALSE(takes(either, "[1.5]"));
+  // An enum beside a type keeps the values of that type.
+  auto strings = schema({{"type", "string"}, {"enum", {"a", 1}}});
+  CHECK(takes(strings, R"("a")"));
+  CHECK_FALSE(takes(strings, "1"));
+  // Alternatives that stay alike for ever: the stacks are merged and capped, not multiplied.
+  auto same = schema({{"$defs",
+                       {{"a", {{"anyOf", {{{"type", "array"}, {"items", {{"$ref", "#/$defs/a"}}}},
+                                          {{"type", "array"}, {"items", {{"$ref", "#/$defs/a"}}}},
+                                          {{"type", "integer"}}}}}}}},
+                      {"$ref", "#/$defs/a"}});
+  CHECK(takes(same, "[[[[[[[[[[[[1]]]]]]]]]]]]"));
   auto nullable = schema({{"type", {"integer", "null"}}});
   CHECK(takes(nullable, "null"));
   CHECK(takes(nullable, "42"));
@@ -187,6 +198,21 @@ TEST_CASE("schemas troupe cannot enforce are refused naming the keyword") {
   refused({{"type", "object"}, {"properties", {{"a", {{"type", "string"}}}}}, {"required", {"b"}}},
           "'required' names \"b\"");
   refused({{"$ref", "#/$defs/missing"}}, "names no definition");
+  // What would loop or grow without end: a definition that is itself, deep nesting.
+  refused({{"$defs", {{"a", {{"$ref", "#/$defs/a"}}}}}, {"$ref", "#/$defs/a"}},
+          "leads back to itself");
+  refused({{"$defs", {{"a", {{"anyOf", {{{"type", "null"}}, {{"$ref", "#/$defs/a"}}}}}}}},
+           {"$ref", "#/$defs/a"}},
+          "leads back to itself");
+  json deep = {{"type", "string"}};
+  for (int i = 0; i < 70; ++i)
+    deep = {{"type", "array"}, {"items", deep}};
+  refused(deep, "nests deeper than 64");
+  // Constraints beside a keyword that names the whole value.
+  refused({{"anyOf", {{{"type", "string"}}}}, {"properties", {{"a", {{"type", "string"}}}}}},
+          "'properties' beside 'anyOf'");
+  refused({{"type", "object"}, {"required", {"a"}}}, "'required' names \"a\"");
+  refused({{"type", "string"}, {"enum", {1, 2}}}, "no value of 'enum'");
   refused({{"type", "strange"}}, "type 'strange'");
   sampling_params bad;
   bad.guided_json = "{not json";
