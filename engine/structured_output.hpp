@@ -9,7 +9,6 @@
 #include "model/tokenizer.hpp"
 #include "troupe/types.hpp"
 
-#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
