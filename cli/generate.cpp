@@ -241,6 +241,9 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     int min_tokens = 0;
     std::vector<std::string> bad_words;
     int prompt_logprobs = -1;
+    std::string guided_json;
+    bool json_object = false;
+    std::vector<std::string> guided_choice;
     int n = 1;
     int best_of = 0;
     std::vector<std::string> stop;
@@ -293,6 +296,12 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
                   "its position (-1: none)")
     ->check(CLI::Range(-1, 20))
     ->capture_default_str();
+  sub->add_option("--guided-json", o->guided_json,
+                  "A JSON schema file the output must hold to (structured output)")
+    ->check(CLI::ExistingFile);
+  sub->add_flag("--json-object", o->json_object, "The output is a JSON object (JSON mode)");
+  sub->add_option("--guided-choice", o->guided_choice,
+                  "One of the texts the output must be (repeatable)");
   sub->add_option("--bad-words", o->bad_words,
                   "A word the output must not hold (repeatable; vLLM's bad_words)");
   sub->add_option("--n", o->n, "Samples per prompt (with --seed, sample i is seeded seed + i)")
@@ -331,6 +340,10 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     sp.min_tokens = o->min_tokens;
     sp.bad_words = o->bad_words;
     sp.prompt_logprobs = o->prompt_logprobs;
+    if (!o->guided_json.empty())
+      sp.guided_json = read_text_file("--guided-json", o->guided_json);
+    sp.guided_json_object = o->json_object;
+    sp.guided_choice = o->guided_choice;
     sp.n = o->n;
     sp.best_of = o->best_of;
     validate(sp);
