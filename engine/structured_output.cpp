@@ -61,8 +61,10 @@ public:
     /// string: characters.
     int64_t min_length = 0;
     int64_t max_length = -1;
-    /// literals: the texts one of which comes (enum and const values as JSON, a choice).
+    /// literals: the texts one of which comes (enum and const values as JSON, a choice);
+    /// `exact`: with no whitespace before it (a choice is the whole output).
     std::vector<std::string> literals;
+    bool exact = false;
     /// alternatives: the nodes one of which comes (anyOf, oneOf, a list of types).
     std::vector<int32_t> options;
   };
@@ -894,7 +896,7 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
       }
       case k::literals: {
         if (f.phase == 0) {
-          if (space())
+          if (!n.exact && space())
             return take();
           f.phase = 1;
           f.b = 0;
@@ -1121,6 +1123,7 @@ std::unique_ptr<output_guide> structured_output::guide(const sampling_params& p)
         throw error{errc::invalid_argument, "guided_choice: more than 64 choices"};
       output_grammar::node n;
       n.what = output_grammar::node::kind::literals;
+      n.exact = true;
       for (auto& c : p.guided_choice) {
         if (c.empty())
           throw error{errc::invalid_argument, "guided_choice holds an empty choice"};

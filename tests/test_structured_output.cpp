@@ -129,6 +129,7 @@ TEST_CASE("JSON mode, choices, unions and references") {
   CHECK(takes(choice, "maybe so"));
   CHECK(takes(choice, "no"));
   CHECK_FALSE(takes(choice, "nope"));
+  CHECK_FALSE(takes(choice, " yes")); // the whole output: nothing before it
   auto either = schema({{"anyOf", {{{"type", "string"}}, {{"type", "array"}, {"items", {{"type", "integer"}}}}}}});
   CHECK(takes(either, R"("x")"));
   CHECK(takes(either, "[1,2]"));
