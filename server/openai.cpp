@@ -28,8 +28,8 @@ namespace {
 
 /// `body[key]` as a T when present and not null; refuses another type, an integer out of
 /// T's range and a number that is not finite as a T (1e308 as a float).
-template <class T>
-std::optional<T> field(const json& body, const char* key, const char* what) {
+template <class T, class Json>
+std::optional<T> field(const Json& body, const char* key, const char* what) {
   auto at = body.find(key);
   if (at == body.end() || at->is_null())
     return std::nullopt;
@@ -41,22 +41,22 @@ std::optional<T> field(const json& body, const char* key, const char* what) {
     if (!at->is_number_integer())
       wrong();
     bool fits = at->is_number_unsigned()
-                  ? at->get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
-                  : at->get<int64_t>() >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
-                      at->get<int64_t>() <= static_cast<int64_t>(std::numeric_limits<T>::max());
+                  ? at->template get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
+                  : at->template get<int64_t>() >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
+                      at->template get<int64_t>() <= static_cast<int64_t>(std::numeric_limits<T>::max());
     if (!fits)
       bad(std::string{"'"} + key + "' is out of range: " + at->dump(), key);
   } else if constexpr (std::is_floating_point_v<T>) {
     if (!at->is_number())
       wrong();
     // Compared as a double: a cast of a value beyond T's range is undefined.
-    if (!(std::fabs(at->get<double>()) <= static_cast<double>(std::numeric_limits<T>::max())))
+    if (!(std::fabs(at->template get<double>()) <= static_cast<double>(std::numeric_limits<T>::max())))
       bad(std::string{"'"} + key + "' is out of range: " + at->dump(), key);
   } else if constexpr (std::is_same_v<T, std::string>) {
     if (!at->is_string())
       wrong();
   }
-  return at->get<T>();
+  return at->template get<T>();
 }
 
 /// The UTF-8 bytes of a token's text, as OpenAI lists them (0..255).
@@ -67,30 +67,37 @@ std::vector<int> bytes_of(const std::string& text) {
   return bytes;
 }
 
-std::vector<int32_t> token_ids(const json& array, const char* key) {
+template <class Json>
+std::vector<int32_t> token_ids(const Json& array, const char* key) {
   std::vector<int32_t> ids;
   for (auto& t : array) {
-    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+    if (!t.is_number_integer() || t.template get<int64_t>() < 0 || t.template get<int64_t>() > INT32_MAX)
       bad(std::string{"'"} + key + "' holds a token id that is not a non-negative integer", key);
-    ids.push_back(t.get<int32_t>());
+    ids.push_back(t.template get<int32_t>());
   }
   if (ids.empty())
     bad(std::string{"'"} + key + "' is empty", key);
   return ids;
 }
 
-} // namespace
-
-json parse_json_object(const std::string& text) {
-  json body;
+/// A request body, refused unless it is a JSON object.
+template <class Json>
+Json parse_object(const std::string& text) {
+  Json body;
   try {
-    body = json::parse(text);
-  } catch (const json::exception& e) {
+    body = Json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
     bad(std::string{"the body is not JSON: "} + e.what());
   }
   if (!body.is_object())
     bad("the body must be a JSON object");
   return body;
+}
+
+} // namespace
+
+json parse_json_object(const std::string& text) {
+  return parse_object<json>(text);
 }
 
 namespace {
@@ -169,10 +176,9 @@ void structured_output_of(const nlohmann::ordered_json& body, sampling_params& s
 } // namespace
 
 openai_request parse_openai_request(const std::string& text, bool chat) {
-  auto body = parse_json_object(text);
-  // The parts that go on as JSON keep the client's order of keys: a schema's properties
-  // are generated in it, and a template renders messages and tools as they were written.
-  auto ordered = nlohmann::ordered_json::parse(text);
+  // In the client's order of keys: a schema's properties are generated in it, and a
+  // template renders messages and tools as they were written.
+  auto body = parse_object<nlohmann::ordered_json>(text);
   // A field troupe would not act on is refused, never ignored.
   static const std::set<std::string> shared = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n", "stop",
@@ -198,7 +204,7 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
     // Each message goes to the template as given (tool calls, tool_call_id, name...), its
     // content parts joined into one text.
     auto conversation = nlohmann::ordered_json::array();
-    for (auto m : ordered["messages"]) {
+    for (auto m : *messages) {
       if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
         bad("each message needs a string 'role'", "messages");
       auto& content = m["content"];
@@ -223,7 +229,7 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
       for (auto& t : *tools)
         if (!t.is_object())
           bad("'tools' must be an array of tool definitions", "tools");
-      req.conversation.tools_json = ordered["tools"].dump();
+      req.conversation.tools_json = tools->dump();
     }
     if (auto kwargs = body.find("chat_template_kwargs"); kwargs != body.end() && !kwargs->is_null()) {
       if (!kwargs->is_object())
@@ -340,7 +346,7 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
     sp.prompt_logprobs = *n;
     req.prompt_logprobs = true;
   }
-  structured_output_of(ordered, sp);
+  structured_output_of(body, sp);
   if (auto words = body.find("bad_words"); words != body.end() && !words->is_null()) {
     if (!words->is_array())
       bad("'bad_words' must be an array of strings", "bad_words");
