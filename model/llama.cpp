@@ -971,6 +971,19 @@ void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b,
     be.add_bias(b.h, l.o_bias.as<float>(), T, H);
 }
 
+void llama_model::gate_up(const float* x, int64_t rows, const tensor_slot& gate,
+                          const tensor_slot& up, float* gate_out, float* up_out,
+                          int64_t width) {
+  auto& be = *backend_;
+  const auto H = cfg_.hidden_size;
+  if (gate.type == up.type) {
+    be.gemm_nt_shared(x, gate.type, rows, H, {gate.into(gate_out, width), up.into(up_out, width)});
+  } else {
+    be.gemm_nt_shared(x, gate.type, rows, H, {gate.into(gate_out, width)});
+    be.gemm_nt_shared(x, up.type, rows, H, {up.into(up_out, width)});
+  }
+}
+
 void llama_model::experts(size_t li, const step_buffers& b) {
   auto& be = *backend_;
   auto& l = layers_[li];
@@ -1035,13 +1048,7 @@ void llama_model::experts(size_t li, const step_buffers& b) {
       continue;
     auto& x = l.experts[e];
     be.gather_rows(b.routes + at, b.moe_in, dtype::f32, b.expert_x, n, H);
-    if (x.gate.type == x.up.type) {
-      be.gemm_nt_shared(b.expert_x, x.gate.type, n, H,
-                        {x.gate.into(b.expert_gate, I), x.up.into(b.expert_up, I)});
-    } else {
-      be.gemm_nt_shared(b.expert_x, x.gate.type, n, H, {x.gate.into(b.expert_gate, I)});
-      be.gemm_nt_shared(b.expert_x, x.up.type, n, H, {x.up.into(b.expert_up, I)});
-    }
+    gate_up(b.expert_x, n, x.gate, x.up, b.expert_gate, b.expert_up, I);
     be.silu_mul(b.expert_gate, b.expert_up, b.expert_gate, n * I);
     be.gemm_nt_shared(b.expert_gate, x.down.type, n, I, {x.down.into(b.expert_out, H)});
     be.scatter_add_rows(b.expert_out, b.routes + at, b.route_weights + at, b.h, n, H);
@@ -1057,13 +1064,7 @@ void llama_model::mlp(size_t li, const step_batch& batch, const step_buffers& b)
   auto& l = layers_[li];
   const auto T = b.tokens;
   const auto H = cfg_.hidden_size;
-  if (l.gate.type == l.up.type) {
-    be.gemm_nt_shared(b.h, l.gate.type, T, H,
-                      {l.gate.into(b.gate, local_inter_), l.up.into(b.up, local_inter_)});
-  } else {
-    be.gemm_nt_shared(b.h, l.gate.type, T, H, {l.gate.into(b.gate, local_inter_)});
-    be.gemm_nt_shared(b.h, l.up.type, T, H, {l.up.into(b.up, local_inter_)});
-  }
+  gate_up(b.h, T, l.gate, l.up, b.gate, b.up, local_inter_);
   apply_lora(batch, b, li, projection::gate, b.h, H, b.gate, local_inter_);
   apply_lora(batch, b, li, projection::up, b.h, H, b.up, local_inter_);
   if (cfg_.mlp_bias) {

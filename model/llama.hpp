@@ -298,6 +298,10 @@ private:
   /// The halves of a layer, each ending with its row-parallel all-reduce (into `b.h`).
   void attention(size_t layer, const step_batch& batch, step_buffers& b, kv_cache& cache);
   void mlp(size_t layer, const step_batch& batch, const step_buffers& b);
+  /// gate·x and up·x of `rows` rows into [rows × width] each: one GEMM over the shared
+  /// input where both weights are of one type (a dense MLP's, an expert's).
+  void gate_up(const float* x, int64_t rows, const tensor_slot& gate, const tensor_slot& up,
+               float* gate_out, float* up_out, int64_t width);
   /// A sparse layer's MLP: the router's top experts of each token, computed by the experts
   /// this rank holds, summed into `b.h` with their weights (all-reduced).
   void experts(size_t layer, const step_buffers& b);
