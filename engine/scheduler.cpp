@@ -106,6 +106,10 @@ void scheduler::preempt(int64_t seq) {
   restart(seq);
 }
 
+bool scheduler::restarts_at(int64_t position) const {
+  return limits_.restart_at > 0 && position == limits_.restart_at;
+}
+
 void scheduler::restart(int64_t seq) {
   running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
   blocks_.free(seq);
@@ -131,6 +135,10 @@ execute_model_request scheduler::schedule() {
   int64_t logprob_rows = max_prompt_logprob_rows;
   auto rows_of = [&](const engine_request& r, int64_t chunk) {
     return r.sampling.prompt_logprobs >= 0 ? std::min(chunk, logprob_rows) : chunk;
+  };
+  auto spend_rows = [&](const engine_request& r, int64_t chunk) {
+    if (r.sampling.prompt_logprobs >= 0)
+      logprob_rows -= chunk;
   };
   bool preempted = false;
   std::vector<int64_t> to_swap_out;
@@ -162,7 +170,7 @@ execute_model_request scheduler::schedule() {
       continue;
     if (budget < 1 || static_cast<int64_t>(scheduled_.size()) >= config_.max_num_seqs)
       continue;
-    if (limits_.restart_at > 0 && r.num_computed == limits_.restart_at && !prefilling(r)) {
+    if (restarts_at(r.num_computed) && !prefilling(r)) {
       // Its keys so far rotate with the factors of a shorter sequence: it goes back to the
       // waiting requests' front, and is computed whole (in this step if there is room).
       restart(seq);
@@ -172,8 +180,7 @@ execute_model_request scheduler::schedule() {
       auto chunk = rows_of(r, std::min(budget, r.length() - r.num_computed));
       if (chunk < 1)
         continue;
-      if (r.sampling.prompt_logprobs >= 0)
-        logprob_rows -= chunk;
+      spend_rows(r, chunk);
       append_group(r, chunk, true, step);
       budget -= chunk;
       continue;
@@ -190,7 +197,7 @@ execute_model_request scheduler::schedule() {
          && blocks_.can_swap_in({swapped_.front()})) {
     auto seq = swapped_.front();
     swapped_.pop_front();
-    if (limits_.restart_at > 0 && requests_.at(seq).num_computed == limits_.restart_at) {
+    if (restarts_at(requests_.at(seq).num_computed)) {
       restart(seq); // its keys rotate as a shorter sequence's: computed again instead
       continue;
     }
@@ -258,8 +265,7 @@ execute_model_request scheduler::schedule() {
         || blocks_.can_allocate(tokens, hit) != block_manager::allocation::ok)
       break;
     waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
-    if (whole)
-      logprob_rows -= chunk;
+    spend_rows(r, chunk);
     if (whole) {
       blocks_.allocate(seq, tokens);
       r.num_computed = 0;
@@ -294,7 +300,7 @@ std::optional<execute_model_request> scheduler::schedule_ahead() {
       continue;
     if (guided(r.sampling))
       return std::nullopt; // its next mask needs the token in flight
-    if (limits_.restart_at > 0 && r.length() + r.pending - 1 == limits_.restart_at)
+    if (restarts_at(r.length() + r.pending - 1))
       return std::nullopt; // it starts over: the host's to schedule
     seqs.push_back(seq);
     auto have = static_cast<int64_t>(blocks_.block_table(seq).size()) * blocks_.block_size();

@@ -177,6 +177,8 @@ private:
   /// Drops `seq`'s cache and puts it first among the waiting requests, to be computed again
   /// from its first token.
   void restart(int64_t seq);
+  /// Whether a token computed at `position` starts its sequence over (`restart_at`).
+  bool restarts_at(int64_t position) const;
   /// Adds `r`'s group to `step` computing `chunk` tokens; it samples unless `is_prompt` and
   /// the chunk leaves part of the request uncomputed.
   void append_group(engine_request& r, int64_t chunk, bool is_prompt,
