@@ -532,6 +532,22 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
       for (auto& b : begun)
         step(std::move(b), c, out);
     };
+    auto then = [&](int16_t phase) { // c is consumed: the next phase, no whitespace yet
+      f.phase = phase;
+      f.space = 0;
+      take();
+    };
+    auto opening = [&](uint8_t bracket) { // the value's first byte, after whitespace
+      if (space())
+        return take();
+      if (c == bracket)
+        then(1);
+    };
+    auto value_after = [&](int16_t phase, int32_t value) { // c (':') is consumed
+      f.phase = phase;
+      f.space = 0;
+      push(std::move(s), value, out);
+    };
     switch (n.what) {
       case k::any:
         if (f.phase == 0 && space())
@@ -554,13 +570,7 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
       case k::object:
         switch (f.phase) {
           case 0:
-            if (space())
-              return take();
-            if (c != '{')
-              return;
-            f.phase = 1;
-            f.space = 0;
-            return take();
+            return opening('{');
           case 1: // after '{'
           case 5: // after ','
             if (space())
@@ -572,10 +582,8 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
             f.candidates = candidates(n, f.a);
             if (f.candidates == 0)
               return;
-            f.phase = 2;
             f.b = 1;
-            f.space = 0;
-            return take();
+            return then(2);
           case 2: { // in a key
             uint64_t left = 0;
             int32_t complete = -1;
@@ -603,25 +611,13 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
               return take();
             if (c != ':')
               return;
-            f.phase = 4;
             f.a = f.b + 1;
-            f.space = 0;
-            {
-              auto value = n.values[static_cast<size_t>(f.b)];
-              std::vector<stack> begun;
-              push(s, value, begun);
-              for (auto& b : begun)
-                out.push_back(std::move(b));
-            }
-            return;
+            return value_after(4, n.values[static_cast<size_t>(f.b)]);
           case 4: // after a value
             if (space())
               return take();
-            if (c == ',' && candidates(n, f.a) != 0) {
-              f.phase = 5;
-              f.space = 0;
-              return take();
-            }
+            if (c == ',' && candidates(n, f.a) != 0)
+              return then(5);
             if (c == '}' && !requires_after(n, f.a))
               return done();
             return;
@@ -630,13 +626,7 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
       case k::free_object:
         switch (f.phase) {
           case 0:
-            if (space())
-              return take();
-            if (c != '{')
-              return;
-            f.phase = 1;
-            f.space = 0;
-            return take();
+            return opening('{');
           case 1: // after '{'
           case 5: // after ','
             if (space())
@@ -655,23 +645,12 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
               return take();
             if (c != ':')
               return;
-            f.phase = 4;
-            f.space = 0;
-            {
-              std::vector<stack> begun;
-              push(s, builtin_.any, begun);
-              for (auto& b : begun)
-                out.push_back(std::move(b));
-            }
-            return;
+            return value_after(4, builtin_.any);
           case 4:
             if (space())
               return take();
-            if (c == ',') {
-              f.phase = 5;
-              f.space = 0;
-              return take();
-            }
+            if (c == ',')
+              return then(5);
             if (c == '}')
               return done();
             return;
@@ -680,13 +659,7 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
       case k::array:
         switch (f.phase) {
           case 0:
-            if (space())
-              return take();
-            if (c != '[')
-              return;
-            f.phase = 1;
-            f.space = 0;
-            return take();
+            return opening('[');
           case 1: // after '['
           case 3: // after ','
             if (space())
@@ -702,11 +675,8 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
           case 2: // after an item
             if (space())
               return take();
-            if (c == ',' && (n.max_items < 0 || f.a < n.max_items)) {
-              f.phase = 3;
-              f.space = 0;
-              return take();
-            }
+            if (c == ',' && (n.max_items < 0 || f.a < n.max_items))
+              return then(3);
             if (c == ']' && f.a >= n.min_items)
               return done();
             return;
@@ -715,12 +685,7 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
       case k::string:
         switch (f.phase) {
           case 0:
-            if (space())
-              return take();
-            if (c != '"')
-              return;
-            f.phase = 1;
-            return take();
+            return opening('"');
           case 1:
             if (c == '"')
               return f.a >= n.min_length || n.min_length <= 0 ? done() : void();
