@@ -40,6 +40,11 @@ struct llm::impl {
   std::map<int64_t, std::string> lora_paths;
   std::map<int64_t, std::string> prompt_adapter_paths;
   double tokens_per_second = 0;
+  int64_t weight_version = 0;
+
+  /// Runs `update` (a collective call with `check_only` as given) on every rank: first
+  /// checking, then writing. Wakes sleeping weights first.
+  void update_weights(const std::function<void(bool check_only)>& update);
 
   // The online engine: one scheduler for the life of the model.
   std::unique_ptr<scheduler> sched;
@@ -773,6 +778,50 @@ engine_stats llm::stats() const {
 
 void llm::reset_prefix_cache() {
   impl_->sched->reset_prefix_cache();
+}
+
+void llm::impl::update_weights(const std::function<void(bool check_only)>& update) {
+  if (!live.empty() || !steps.empty())
+    throw error{errc::invalid_argument,
+                "a weight update while requests are unfinished: they would mix two models"};
+  auto state = exec->sleep_state();
+  if (std::count(state.sleeping_tags.begin(), state.sleeping_tags.end(), "weights") > 0)
+    exec->wake_up({"weights"});
+  // Every rank checks before any writes: a refused update leaves all on the old weights.
+  update(true);
+  update(false);
+  sched->reset_prefix_cache();
+  ++weight_version;
+}
+
+void llm::update_weights_from_tensors(const std::vector<host_tensor>& tensors,
+                                      const weight_update_options& options) {
+  impl_->update_weights([&](bool check_only) {
+    auto o = options;
+    o.check_only = check_only;
+    impl_->exec->collective_rpc([&](worker& w, const caf::message&, const caf::settings&) {
+      auto* mw = dynamic_cast<model_worker*>(&w);
+      if (mw == nullptr)
+        throw error{errc::unsupported, "update_weights_from_tensors: rank " +
+                                         std::to_string(w.rank()) + " is not a model worker"};
+      mw->update_weights(tensors, o);
+      return caf::message{};
+    });
+  });
+}
+
+void llm::update_weights_from_disk(const std::string& path, const weight_update_options& options) {
+  impl_->update_weights([&](bool check_only) {
+    rpc_call_options call;
+    call.args = caf::make_message(path);
+    call.kwargs["check_only"] = check_only;
+    call.kwargs["quantize_on_update"] = options.quantize_on_update;
+    impl_->exec->collective_rpc("update_weights_from_disk", call);
+  });
+}
+
+int64_t llm::weight_version() const {
+  return impl_->weight_version;
 }
 
 void llm::sleep(int32_t level) {

@@ -93,6 +93,31 @@ model_config checkpoint::config_of(const std::string& path) {
   return is_gguf(path) ? gguf_config(path) : load_model_config(path);
 }
 
+checkpoint checkpoint::from_tensors(std::string label, std::vector<tensor_view> tensors,
+                                   const model_config& config) {
+  checkpoint result;
+  result.directory_ = std::move(label);
+  bool fused = false;
+  for (auto& t : tensors) {
+    if (result.index_.count(t.name) > 0)
+      throw error{errc::invalid_argument,
+                  result.directory_ + ": tensor '" + t.name + "' is given twice"};
+    if (storage_bytes(t.type, static_cast<size_t>(t.numel())) != t.bytes)
+      throw error{errc::invalid_argument, result.directory_ + ": tensor '" + t.name +
+                                            "' holds " + std::to_string(t.bytes) +
+                                            " bytes, its shape and type need " +
+                                            std::to_string(storage_bytes(
+                                              t.type, static_cast<size_t>(t.numel())))};
+    fused = fused || t.name.find("qkv_proj.") != std::string::npos ||
+            t.name.find("gate_up_proj.") != std::string::npos;
+    result.views_.push_back(std::make_unique<tensor_view>(std::move(t)));
+    result.index_[result.views_.back()->name] = result.views_.back().get();
+  }
+  if (fused)
+    result.split_fused(config);
+  return result;
+}
+
 checkpoint checkpoint::from_gguf(const std::string& path, const model_config& config) {
   auto file = std::make_shared<gguf_file>(path);
   checkpoint result;

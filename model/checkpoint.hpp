@@ -29,6 +29,13 @@ public:
   /// (`tensor_view::row_order`), not llama.cpp's interleaved rotary layout. `config` is `gguf_config(path)`.
   static checkpoint from_gguf(const std::string& path, const model_config& config);
 
+  /// Tensors in memory (a weight update's) under their Hugging Face names; `label` names
+  /// them in errors. Fused projections are seen as their parts, sized by `config`, as in a
+  /// directory. Throws `invalid_argument` for a name given twice, or a size that does not
+  /// match its shape. The tensors' bytes must outlive the checkpoint.
+  static checkpoint from_tensors(std::string label, std::vector<tensor_view> tensors,
+                                 const model_config& config);
+
   /// The model shape a GGUF file describes.
   static model_config gguf_config(const std::string& path);
 

@@ -224,30 +224,21 @@ int64_t llama_model::num_parameters() const {
   return n;
 }
 
-void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bool presharded) {
+std::vector<int64_t> llama_model::weight_job::local_shape() const {
+  auto local = shape;
+  if (split == part::rows)
+    local[0] = count;
+  else if (split == part::cols)
+    local[1] = count;
+  return local;
+}
+
+std::vector<llama_model::weight_job> llama_model::plan_weights() {
   const auto H = cfg_.hidden_size;
   const auto V = cfg_.vocab_size;
-  // What to read: a whole tensor, this rank's rows (column-parallel layers) or this rank's
-  // columns (row-parallel layers).
-  enum class part { whole, rows, cols };
-  struct job {
-    tensor_slot* slot;
-    std::string name;
-    std::vector<int64_t> shape;
-    part split;
-    int64_t start;
-    int64_t count;
-    dtype type;
-    /// The part is copied as the checkpoint stores it (`type` is its type).
-    bool as_stored = false;
-    /// In the backend's packed layout.
-    bool packed = false;
-    /// Added to every value (a norm's `model_config::norm_weight_offset`).
-    float offset = 0;
-  };
   const auto f32 = dtype::f32;
   const auto wt = weight_type_;
-  std::vector<job> jobs;
+  std::vector<weight_job> jobs;
   jobs.push_back({&embed_, "model.embed_tokens.weight", {V, H}, part::whole, 0, 0, wt});
   jobs.push_back({&final_norm_, "model.norm.weight", {H}, part::whole, 0, 0, f32});
   if (!cfg_.tie_word_embeddings)
@@ -315,33 +306,47 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       }
     }
   }
-  // Gemma's norms scale by 1 + w; a sharded state holds them as loaded.
-  if (!presharded)
-    for (auto& j : jobs)
-      if (j.name.size() > 11 && j.name.compare(j.name.size() - 11, 11, "norm.weight") == 0)
-        j.offset = static_cast<float>(cfg_.norm_weight_offset);
-  // A tensor the config has no place for means the config and the weights disagree (more
-  // layers than num_hidden_layers, another architecture): refused, as vLLM does, rather
-  // than silently run a smaller model. Buffers transformers once saved, and an output head
-  // next to tied embeddings, are ignored as vLLM ignores them.
-  std::set<std::string> wanted{"rope_freqs.weight"};
+  // Gemma's norms scale by 1 + w.
   for (auto& j : jobs)
-    wanted.insert(j.name);
+    if (j.name.size() > 11 && j.name.compare(j.name.size() - 11, 11, "norm.weight") == 0)
+      j.offset = static_cast<float>(cfg_.norm_weight_offset);
+  return jobs;
+}
+
+bool llama_model::passed_over(const std::string& name, bool presharded) const {
+  if (name == "rope_freqs.weight" || name.find("rotary_emb.inv_freq") != std::string::npos ||
+      (cfg_.tie_word_embeddings && name == "lm_head.weight"))
+    return true;
   // The experts other ranks hold (expert parallelism).
   for (int64_t i = 0; i < cfg_.num_hidden_layers && !presharded; ++i)
     for (int64_t e = 0; cfg_.sparse(i) && e < cfg_.num_experts; ++e)
       for (auto proj : {"gate", "up", "down"})
-        wanted.insert(expert_weight_name(cfg_, i, e, proj));
-  for (auto& name : ckpt.names()) {
-    auto ignored = name.find("rotary_emb.inv_freq") != std::string::npos ||
-                   (cfg_.tie_word_embeddings && name == "lm_head.weight");
-    if (wanted.count(name) == 0 && !ignored)
+        if (name == expert_weight_name(cfg_, i, e, proj))
+          return true;
+  return false;
+}
+
+void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bool presharded) {
+  const auto wt = weight_type_;
+  auto jobs = plan_weights();
+  // A sharded state holds the norms as loaded.
+  if (presharded)
+    for (auto& j : jobs)
+      j.offset = 0;
+  // A tensor the config has no place for means the config and the weights disagree (more
+  // layers than num_hidden_layers, another architecture): refused, as vLLM does, rather
+  // than silently run a smaller model. Buffers transformers once saved, and an output head
+  // next to tied embeddings, are ignored as vLLM ignores them.
+  std::set<std::string> wanted;
+  for (auto& j : jobs)
+    wanted.insert(j.name);
+  for (auto& name : ckpt.names())
+    if (wanted.count(name) == 0 && !passed_over(name, presharded))
       throw error{errc::invalid_argument,
                   "model '" + ckpt.directory() + "': tensor '" + name +
                     "' has no place in the model its config describes (" +
                     std::to_string(cfg_.num_hidden_layers) + " layers" +
                     (cfg_.attention_bias ? ", with" : ", without") + " attention biases)"};
-  }
   inv_freq_ = base_inv_freq_;
   dynamic_freqs_.clear();
   if (ckpt.contains("rope_freqs.weight")) {
@@ -370,11 +375,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     if (j.as_stored)
       j.type = stored.type;
     // This rank's shape; a presharded checkpoint holds exactly that.
-    auto local = j.shape;
-    if (j.split == part::rows)
-      local[0] = j.count;
-    else if (j.split == part::cols)
-      local[1] = j.count;
+    auto local = j.local_shape();
     auto& expected = presharded ? local : j.shape;
     auto& t = ckpt.at(j.name);
     if (t.shape != expected)
@@ -453,83 +454,10 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     keep();
     return;
   }
-  // A band of rows at a time through bounded buffers: a float32 copy of a whole embedding
-  // would take more memory than the quantized model. Each tensor's file pages are given
-  // back once it is copied, so that the model is not resident twice.
-  constexpr int64_t staging_floats = int64_t{1} << 20;
-  std::vector<float> staging;
-  std::vector<char> raw;
   for (size_t n = 0; n < jobs.size(); ++n) {
-    auto& j = jobs[n];
-    auto& t = ckpt.at(j.name);
-    auto& local = local_shapes[n];
-    auto dst = static_cast<char*>(weights_.data()) + offsets[n];
-    // A 1-D tensor (a norm, a bias) is one band: a vector in a block format converts whole.
-    bool matrix = local.size() == 2;
-    int64_t rows = matrix ? local[0] : 1;
-    int64_t cols = matrix ? local[1] : local[0];
-    bool packed = j.packed;
-    auto band = matrix ? std::max<int64_t>(1, staging_floats / cols) : 1;
-    if (packed) {
-      const auto group = backend_->pack_group();
-      band = std::max(group, band / group * group);
-    }
-    auto dst_row = storage_bytes(j.type, static_cast<size_t>(cols));
-    // The checkpoint's first row of this rank's part (for a row split).
-    auto first = presharded || j.split != part::rows ? 0 : j.start;
-    auto refuse = [&](int64_t element, const char* what) {
-      throw error{errc::invalid_argument, "model '" + ckpt.directory() + "': tensor '" + j.name +
-                                            "' holds " + what +
-                                            " (element " + std::to_string(element) +
-                                            " of this rank's part)"};
-    };
-    for (int64_t r0 = 0; r0 < rows; r0 += band) {
-      auto count = std::min(band, rows - r0);
-      auto band_dst = dst + static_cast<size_t>(r0) * dst_row;
-      auto band_bytes = static_cast<size_t>(count) * dst_row;
-      if (j.as_stored) {
-        // Copied as stored: its values are checked where they are, not converted.
-        const char* src = nullptr;
-        if (presharded || j.split != part::cols) {
-          if (t.row_order.empty()) {
-            src = reinterpret_cast<const char*>(t.data) +
-                  static_cast<size_t>(first + r0) * row_bytes(t);
-          } else {
-            raw.resize(band_bytes);
-            copy_stored_cols(t, first + r0, count, 0, cols, raw.data());
-            src = raw.data();
-          }
-        } else {
-          raw.resize(band_bytes);
-          copy_stored_cols(t, r0, count, j.start, j.count, raw.data());
-          src = raw.data();
-        }
-        if (auto at = first_non_finite(j.type, src, static_cast<size_t>(count * cols)))
-          refuse(r0 * cols + static_cast<int64_t>(*at), "NaN or an infinity");
-        if (packed)
-          backend_->pack(j.type, src, band_dst, count, cols);
-        else
-          dev_.copy(band_dst, src, band_bytes);
-        continue;
-      }
-      staging.resize(static_cast<size_t>(count * cols));
-      if (!matrix)
-        read_rows(t, first, cols, staging.data());
-      else if (presharded || j.split != part::cols)
-        read_rows(t, first + r0, count, staging.data());
-      else
-        read_cols(t, r0, count, j.start, j.count, staging.data());
-      // A NaN or an infinity in a weight turns every logit into NaN (token 0 at every
-      // step); the values pass through here once anyway.
-      auto bad = std::find_if(staging.begin(), staging.end(),
-                              [](float x) { return !std::isfinite(x); });
-      if (bad != staging.end())
-        refuse(r0 * cols + (bad - staging.begin()), std::isnan(*bad) ? "NaN" : "an infinity");
-      if (j.offset != 0)
-        for (auto& v : staging)
-          v += j.offset;
-      upload(band_dst, staging.data(), staging.size(), j.type);
-    }
+    auto& t = ckpt.at(jobs[n].name);
+    write_weight(jobs[n], t, static_cast<char*>(weights_.data()) + offsets[n], presharded,
+                 "model '" + ckpt.directory() + "'");
     ckpt.release(t);
     if (progress)
       progress(n + 1, jobs.size());
@@ -547,6 +475,152 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     place();
   }
   keep();
+}
+
+void llama_model::write_weight(const weight_job& j, const tensor_view& t, char* dst,
+                               bool presharded, const std::string& source) const {
+  // A band of rows at a time through bounded buffers: a float32 copy of a whole embedding
+  // would take more memory than the quantized model.
+  constexpr int64_t staging_floats = int64_t{1} << 20;
+  std::vector<float> staging;
+  std::vector<char> raw;
+  auto local = j.local_shape();
+  // A 1-D tensor (a norm, a bias) is one band: a vector in a block format converts whole.
+  bool matrix = local.size() == 2;
+  int64_t rows = matrix ? local[0] : 1;
+  int64_t cols = matrix ? local[1] : local[0];
+  auto band = matrix ? std::max<int64_t>(1, staging_floats / cols) : 1;
+  if (j.packed) {
+    const auto group = backend_->pack_group();
+    band = std::max(group, band / group * group);
+  }
+  auto dst_row = storage_bytes(j.type, static_cast<size_t>(cols));
+  // The checkpoint's first row of this rank's part (for a row split).
+  auto first = presharded || j.split != part::rows ? 0 : j.start;
+  auto refuse = [&](int64_t element, const char* what) {
+    throw error{errc::invalid_argument, source + ": tensor '" + j.name + "' holds " + what +
+                                          " (element " + std::to_string(element) +
+                                          " of this rank's part)"};
+  };
+  // Bytes in the slot's type at `src` (a band), packed or copied into place.
+  auto place = [&](const char* src, char* band_dst, int64_t count) {
+    if (j.packed)
+      backend_->pack(j.type, src, band_dst, count, cols);
+    else
+      dev_.copy(band_dst, src, static_cast<size_t>(count) * dst_row);
+  };
+  for (int64_t r0 = 0; r0 < rows; r0 += band) {
+    auto count = std::min(band, rows - r0);
+    auto band_dst = dst + static_cast<size_t>(r0) * dst_row;
+    auto band_bytes = static_cast<size_t>(count) * dst_row;
+    if (j.as_stored) {
+      // Copied as stored: its values are checked where they are, not converted.
+      const char* src = nullptr;
+      if (presharded || j.split != part::cols) {
+        if (t.row_order.empty()) {
+          src = reinterpret_cast<const char*>(t.data) +
+                static_cast<size_t>(first + r0) * row_bytes(t);
+        } else {
+          raw.resize(band_bytes);
+          copy_stored_cols(t, first + r0, count, 0, cols, raw.data());
+          src = raw.data();
+        }
+      } else {
+        raw.resize(band_bytes);
+        copy_stored_cols(t, r0, count, j.start, j.count, raw.data());
+        src = raw.data();
+      }
+      if (auto at = first_non_finite(j.type, src, static_cast<size_t>(count * cols)))
+        refuse(r0 * cols + static_cast<int64_t>(*at), "NaN or an infinity");
+      place(src, band_dst, count);
+      continue;
+    }
+    staging.resize(static_cast<size_t>(count * cols));
+    if (!matrix)
+      read_rows(t, first, cols, staging.data());
+    else if (presharded || j.split != part::cols)
+      read_rows(t, first + r0, count, staging.data());
+    else
+      read_cols(t, r0, count, j.start, j.count, staging.data());
+    // A NaN or an infinity in a weight turns every logit into NaN (token 0 at every
+    // step); the values pass through here once anyway.
+    auto bad = std::find_if(staging.begin(), staging.end(),
+                            [](float x) { return !std::isfinite(x); });
+    if (bad != staging.end())
+      refuse(r0 * cols + (bad - staging.begin()), std::isnan(*bad) ? "NaN" : "an infinity");
+    if (j.offset != 0)
+      for (auto& v : staging)
+        v += j.offset;
+    if (j.packed) {
+      // Only an update writes a packed weight from another type.
+      raw.resize(band_bytes);
+      from_float(j.type, staging.data(), raw.data(), staging.size());
+      place(raw.data(), band_dst, count);
+    } else {
+      upload(band_dst, staging.data(), staging.size(), j.type);
+    }
+  }
+}
+
+std::vector<std::pair<llama_model::weight_job, const tensor_view*>>
+llama_model::plan_update(const checkpoint& src, const update_options& options) {
+  if (held_.empty())
+    throw error{errc::unsupported, "no weights are loaded to update"};
+  auto jobs = plan_weights();
+  std::map<std::string, size_t> by_name;
+  for (size_t n = 0; n < jobs.size(); ++n)
+    by_name[jobs[n].name] = n;
+  const std::string source = "weight update from " + src.directory();
+  std::vector<std::pair<weight_job, const tensor_view*>> planned;
+  for (auto& name : src.names()) {
+    auto found = by_name.find(name);
+    if (found == by_name.end()) {
+      if (passed_over(name, false))
+        continue;
+      throw error{errc::invalid_argument, source + ": the model has no parameter '" + name + "'"};
+    }
+    auto j = jobs[found->second];
+    auto& t = src.at(name);
+    if (t.shape != j.shape)
+      throw error{errc::invalid_argument, source + ": parameter '" + name + "' has shape " +
+                                            shape_text(t.shape) + ", the model's is " +
+                                            shape_text(j.shape)};
+    // The memory, type and layout the load chose.
+    j.type = j.slot->type;
+    j.packed = j.slot->packed;
+    // Copied as given where nothing changes on the way (Gemma's norms gain their offset).
+    j.as_stored = t.type == j.type && j.offset == 0 &&
+                  (j.split != part::cols || whole_blocks(t, j.start, j.count));
+    // A block format is written from another type only by quantizing it again (a float
+    // type's rounding is a load's too).
+    if (!j.as_stored && is_quantized(j.type) && !options.requantize)
+      throw error{errc::invalid_argument,
+                  source + ": parameter '" + name + "' is held as " + dtype_name(j.type) +
+                    "; an update in " + dtype_name(t.type) +
+                    " would quantize it again: ask for that (quantize_on_update), or load the "
+                    "model with a float dtype"};
+    if (auto at = first_non_finite(t.type, t.data, static_cast<size_t>(t.numel())))
+      throw error{errc::invalid_argument, source + ": parameter '" + name +
+                                            "' holds NaN or an infinity (element " +
+                                            std::to_string(*at) + ")"};
+    planned.emplace_back(std::move(j), &t);
+    by_name.erase(found);
+  }
+  if (options.whole && !by_name.empty())
+    throw error{errc::invalid_argument,
+                source + " lacks parameter '" + by_name.begin()->first + "' (and " +
+                  std::to_string(by_name.size() - 1) + " more)"};
+  return planned;
+}
+
+void llama_model::check_update(const checkpoint& src, const update_options& options) {
+  plan_update(src, options);
+}
+
+void llama_model::update(const checkpoint& src, const update_options& options) {
+  const std::string source = "weight update from " + src.directory();
+  for (auto& [j, t] : plan_update(src, options))
+    write_weight(j, *t, static_cast<char*>(j.slot->ptr), false, source);
 }
 
 llama_model::shard llama_model::shard_of(projection p) const {

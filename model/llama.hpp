@@ -92,6 +92,28 @@ public:
   /// reload into the same memory.
   void load(const checkpoint& ckpt, const load_progress& progress = {}, bool presharded = false);
 
+  /// How `update` may change the weights.
+  struct update_options {
+    /// `src` must hold every weight (a new checkpoint); otherwise any subset.
+    bool whole = false;
+    /// A weight kept in a block format (GGUF's Q4_K …) may be written from another type,
+    /// quantized again as the file's type; otherwise that is refused.
+    bool requantize = false;
+  };
+
+  /// Writes the weights `src` holds (whole tensors under their Hugging Face names, in any
+  /// type the loader reads) over this rank's part of them, in place: the same memory, the
+  /// same layout and types (converted as a load converts). Everything is checked before
+  /// anything is written (a name with no place in the model, a shape, a type that would
+  /// need requantizing, NaN or an infinity), and the first problem throws
+  /// `invalid_argument` naming the parameter, with nothing changed. `rope_freqs.weight`
+  /// (a buffer of the config's rope) and the rotary `inv_freq` buffers are not weights and
+  /// are passed over.
+  void update(const checkpoint& src, const update_options& options);
+
+  /// `update`'s checks alone: throws as `update` would, writes nothing.
+  void check_update(const checkpoint& src, const update_options& options);
+
   /// Keeps the weights a load puts in new memory in a file under `directory`
   /// (`weight_cache_file`), and maps them from there instead when a later load (another
   /// process's) finds that file made from the same checkpoint files, as they are now, in
@@ -251,6 +273,42 @@ private:
 
   /// Writes `count` floats from `values` to device memory at `dst` as elements of `type`.
   void upload(void* dst, const float* values, size_t count, dtype type) const;
+
+  /// What a load reads for one weight: the whole tensor, this rank's rows (column-parallel
+  /// layers) or this rank's columns (row-parallel layers), and how it is kept.
+  enum class part { whole, rows, cols };
+  struct weight_job {
+    tensor_slot* slot;
+    std::string name;
+    /// The checkpoint's shape, and this rank's part of it.
+    std::vector<int64_t> shape;
+    part split;
+    int64_t start;
+    int64_t count;
+    dtype type;
+    /// The part is copied as the checkpoint stores it (`type` is its type).
+    bool as_stored = false;
+    /// In the backend's packed layout.
+    bool packed = false;
+    /// Added to every value (a norm's `model_config::norm_weight_offset`).
+    float offset = 0;
+    std::vector<int64_t> local_shape() const;
+  };
+  /// Every weight of the config, in load order, split for this rank; types and layouts
+  /// are a load's to choose.
+  std::vector<weight_job> plan_weights();
+  /// Whether a checkpoint's tensor that is none of `plan_weights`' belongs to the model all
+  /// the same: a buffer (`rope_freqs.weight`, `inv_freq`), an output head beside tied
+  /// embeddings, another rank's expert (unless `presharded`).
+  bool passed_over(const std::string& name, bool presharded) const;
+  /// Writes this rank's part of `t` (as `j` says) at `dst`; `presharded`: `t` is the part.
+  /// Throws `invalid_argument` naming `j.name` and `source` for NaN or an infinity.
+  void write_weight(const weight_job& j, const tensor_view& t, char* dst, bool presharded,
+                    const std::string& source) const;
+  /// The jobs of an update from `src`, `as_stored` and the slots' types and layouts set,
+  /// each with its tensor, after every check.
+  std::vector<std::pair<weight_job, const tensor_view*>> plan_update(const checkpoint& src,
+                                                                     const update_options& options);
 
   /// The step's scratch memory of at least `bytes`, grown as needed.
   void* workspace(size_t bytes);

@@ -108,6 +108,16 @@ model_worker::model_worker(model_worker_options options)
     static_cast<model_worker&>(w).reload_weights();
     return caf::message{};
   });
+  register_method("update_weights_from_disk", [](worker& w, const caf::message& args,
+                                                 const caf::settings& kwargs) {
+    if (args.size() != 1 || !args.match_element<std::string>(0))
+      throw error{errc::bad_arguments, "update_weights_from_disk takes one argument, a path"};
+    weight_update_options o;
+    o.check_only = caf::get_or(kwargs, "check_only", false);
+    o.quantize_on_update = caf::get_or(kwargs, "quantize_on_update", false);
+    static_cast<model_worker&>(w).update_weights_from_disk(args.get_as<std::string>(0), o);
+    return caf::message{};
+  });
   register_method("expert_load", [](worker& w, const caf::message&, const caf::settings&) {
     auto load = static_cast<model_worker&>(w).expert_load();
     return caf::make_message(load[0], load[1], load[2]);
@@ -262,13 +272,88 @@ std::vector<int64_t> model_worker::list_prompt_adapters() {
 }
 
 checkpoint model_worker::open_checkpoint() const {
-  // Opened for each load and dropped after it: a GGUF checkpoint holds a float32 copy of
-  // every weight.
-  if (checkpoint::is_gguf(options_.model_path))
-    return checkpoint::from_gguf(options_.model_path, state_->config);
-  if (options_.load_format == "sharded_state")
+  if (options_.load_format == "sharded_state" && !checkpoint::is_gguf(options_.model_path))
     return checkpoint{options_.model_path, rank_shards()};
-  return checkpoint{options_.model_path};
+  return open_checkpoint(options_.model_path, state_->config);
+}
+
+checkpoint model_worker::open_checkpoint(const std::string& path, const model_config& config) const {
+  // Opened for each load and dropped after it: the mappings stay resident while it lives.
+  if (checkpoint::is_gguf(path))
+    return checkpoint::from_gguf(path, config);
+  return checkpoint{path};
+}
+
+void model_worker::update_weights(const checkpoint& src, bool whole,
+                                  const weight_update_options& options) {
+  auto& st = *state_;
+  require_model("update_weights");
+  for (auto tag : device().sleeping_tags())
+    if (tag == memory_tag::weights)
+      throw error{errc::sleeping,
+                  "update_weights while tag weights sleeps; call wake_up(tags=[\"weights\"]) first"};
+  llama_model::update_options o{whole, options.quantize_on_update};
+  if (options.check_only)
+    st.model->check_update(src, o);
+  else
+    st.model->update(src, o);
+}
+
+void model_worker::update_weights(const std::vector<host_tensor>& tensors,
+                                  const weight_update_options& options) {
+  require_model("update_weights");
+  std::vector<tensor_view> views;
+  views.reserve(tensors.size());
+  for (auto& t : tensors) {
+    tensor_view v;
+    v.name = t.name;
+    auto type = parse_dtype_name(t.dtype);
+    if (!type)
+      throw error{errc::invalid_argument, "weight update: tensor '" + t.name + "' has dtype '" +
+                                            t.dtype + "' (float32, float16 or bfloat16)"};
+    v.type = *type;
+    for (auto d : t.shape)
+      if (d < 0)
+        throw error{errc::invalid_argument,
+                    "weight update: tensor '" + t.name + "' has a negative dimension"};
+    v.shape = t.shape;
+    v.data = static_cast<const std::byte*>(t.data);
+    v.bytes = storage_bytes(v.type, static_cast<size_t>(v.numel()));
+    if (v.data == nullptr && v.bytes > 0)
+      throw error{errc::invalid_argument, "weight update: tensor '" + t.name + "' has no data"};
+    views.push_back(std::move(v));
+  }
+  update_weights(checkpoint::from_tensors("the given tensors", std::move(views), state_->config),
+                 false, options);
+}
+
+void model_worker::update_weights_from_disk(const std::string& path,
+                                            const weight_update_options& options) {
+  auto& st = *state_;
+  require_model("update_weights_from_disk");
+  // The same model shape, named field by field (a shape check alone would take a model
+  // whose heads are cut differently).
+  auto next = checkpoint::config_of(path);
+  auto& now = st.config;
+  std::pair<const char*, bool> same[] = {
+    {"architecture", next.architecture == now.architecture},
+    {"vocab_size", next.vocab_size == now.vocab_size},
+    {"hidden_size", next.hidden_size == now.hidden_size},
+    {"intermediate_size", next.intermediate_size == now.intermediate_size},
+    {"num_hidden_layers", next.num_hidden_layers == now.num_hidden_layers},
+    {"num_attention_heads", next.num_attention_heads == now.num_attention_heads},
+    {"num_key_value_heads", next.num_key_value_heads == now.num_key_value_heads},
+    {"head_dim", next.head_dim == now.head_dim},
+    {"num_experts", next.num_experts == now.num_experts},
+    {"moe_intermediate_size", next.moe_intermediate_size == now.moe_intermediate_size},
+    {"tie_word_embeddings", next.tie_word_embeddings == now.tie_word_embeddings},
+  };
+  for (auto& [field, equal] : same)
+    if (!equal)
+      throw error{errc::invalid_argument, "update_weights_from_disk: '" + path +
+                                            "' is not the loaded model's shape (its " + field +
+                                            " differs)"};
+  update_weights(open_checkpoint(path, next), true, options);
 }
 
 std::vector<std::string> model_worker::rank_shards() const {

@@ -256,6 +256,27 @@ public:
   /// requests are unfinished.
   void sleep(int32_t level = 1);
 
+  /// Writes new weights over the loaded ones on every rank, in place, all ranks or none
+  /// (`model_worker::update_weights`: any subset of the parameters, whole, under their
+  /// Hugging Face names; each rank takes its shard). Every rank checks the update first;
+  /// the first problem (a name, shape or type that does not fit, a float tensor for a
+  /// quantized weight without `quantize_on_update`, NaN) throws `invalid_argument` naming
+  /// the parameter, with every rank still on its old weights. While the weights sleep they
+  /// are woken first (the KV cache stays asleep; after a level-2 sleep the update refills
+  /// them). The prefix cache is forgotten and `weight_version` counts the update. Throws
+  /// `invalid_argument` while requests are unfinished, and `remote_callable` when a worker
+  /// lives in another process (the tensors are this process's memory).
+  void update_weights_from_tensors(const std::vector<host_tensor>& tensors,
+                                   const weight_update_options& options = {});
+
+  /// The same from a checkpoint of the model's shape (a Hugging Face directory or a GGUF
+  /// file, holding every weight), which each worker reads from `path` on its own host.
+  void update_weights_from_disk(const std::string& path, const weight_update_options& options = {});
+
+  /// Successful weight updates so far (SGLang's `weight_version`; 0 for the loaded
+  /// checkpoint).
+  int64_t weight_version() const;
+
   /// Forgets every cached prefix: later requests compute their prompts whole until cached
   /// again (vLLM's `reset_prefix_cache`). Call it after changing the workers' weights in
   /// place: the cached keys and values are the old weights'.

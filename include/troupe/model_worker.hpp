@@ -16,6 +16,7 @@
 namespace troupe {
 
 class checkpoint;
+struct model_config;
 
 /// What a model worker loads and how much memory it may use.
 struct model_worker_options {
@@ -90,13 +91,34 @@ struct model_worker_options {
   void validate() const;
 };
 
+/// A tensor in host memory as a weight update takes it: a Hugging Face parameter name,
+/// the element type (`"float32"`, `"float16"`, `"bfloat16"`), the shape, and the elements
+/// in row-major order, which must stay valid for the call.
+struct host_tensor {
+  std::string name;
+  std::string dtype = "float32";
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+};
+
+/// How a weight update goes (`model_worker::update_weights`).
+struct weight_update_options {
+  /// Check everything and change nothing (the first round of an update over the ranks).
+  bool check_only = false;
+  /// Weights kept in a block format (GGUF's Q4_K, Q8_0 …) may be written from float
+  /// tensors, quantized again as the file's type; refused otherwise.
+  bool quantize_on_update = false;
+};
+
 /// Runs the model of `options.model_path`, this rank's shard of it, on the worker's device
 /// (the CPU, or a GPU with NCCL between the ranks).
 ///
 /// Beyond the built-in methods it registers `reload_weights` (reads the checkpoint again
-/// into the same memory, the step after a level-2 sleep) and `expert_load` (for a mixture
-/// of experts, the rank's experts and what they took in the last step: three int64s, the
-/// first expert, how many, and the tokens they computed over the sparse layers).
+/// into the same memory, the step after a level-2 sleep), `update_weights_from_disk` (a
+/// path; keyword arguments `check_only` and `quantize_on_update`, see
+/// `weight_update_options`) and `expert_load` (for a mixture of experts, the rank's experts
+/// and what they took in the last step: three int64s, the first expert, how many, and the
+/// tokens they computed over the sparse layers).
 ///
 /// LoRA adapters (PEFT directories: `adapter_config.json` + `adapter_model.safetensors`,
 /// any of q/k/v/o/gate/up/down_proj) and prompt-tuning adapters live in `max_loras` and
@@ -138,6 +160,22 @@ public:
   /// loaded adapters from their directories.
   void reload_weights();
 
+  /// Writes new weights over the loaded ones, this rank's part of each, into the memory
+  /// they occupy (same layout and types; converted as a load converts). `tensors` may be
+  /// any subset of the model's parameters under their Hugging Face names, whole (each rank
+  /// takes its shard). Everything is checked before anything is written: a name the model
+  /// does not have, a shape or type that does not fit, a float tensor for a quantized
+  /// weight (unless `quantize_on_update`), NaN or an infinity throw `invalid_argument`
+  /// naming the parameter, with nothing changed. Throws `sleeping` while the weights tag
+  /// sleeps (the KV cache may sleep).
+  void update_weights(const std::vector<host_tensor>& tensors,
+                      const weight_update_options& options = {});
+
+  /// The same from a checkpoint of the same model shape (a Hugging Face directory or a
+  /// GGUF file), which must hold every weight. Adapters are kept as loaded.
+  void update_weights_from_disk(const std::string& path,
+                                const weight_update_options& options = {});
+
   /// `expert_load`'s answer: this rank's first expert, its number of experts, and the
   /// tokens they computed in the last step (a token routed to two counts twice).
   std::array<int64_t, 3> expert_load() const;
@@ -157,8 +195,12 @@ private:
   /// `platform::measures_memory`).
   bool measures_memory();
 
-  /// The weights to load, opened for one load.
+  /// The weights to load, opened for one load: the model's, or those at `path`.
   checkpoint open_checkpoint() const;
+  checkpoint open_checkpoint(const std::string& path, const model_config& config) const;
+
+  /// `update_weights` from an opened checkpoint (`whole`: it must hold every weight).
+  void update_weights(const checkpoint& src, bool whole, const weight_update_options& options);
 
   /// This rank's sharded-state files, in part order.
   std::vector<std::string> rank_shards() const;

@@ -1,0 +1,247 @@
+// Weights updated in place (an RL trainer's new policy): from a checkpoint on disk and from
+// tensors in memory, at TP 1 and 2, checked against transformers' greedy tokens on the new
+// weights; an update refused half-way leaves every rank on the old weights; updates while
+// asleep; quantized weights only requantized when asked.
+
+#include "model/config.hpp"
+#include "model/make_model.hpp"
+#include "model/safetensors.hpp"
+#include "tests/generation.hpp"
+#include "troupe/llm.hpp"
+#include "troupe/model_worker.hpp"
+
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+using namespace troupe;
+using troupe::testing::greedy;
+using troupe::testing::read_json;
+
+namespace {
+
+const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
+
+/// A scratch directory, removed with the object.
+struct scratch {
+  std::filesystem::path path;
+  explicit scratch(const std::string& name)
+    : path(std::filesystem::temp_directory_path() /
+           ("troupe-update-" + name + "-" + std::to_string(::getpid()))) {
+    std::filesystem::remove_all(path);
+  }
+  ~scratch() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+/// Another model of `fixture`'s shape: random weights from `seed`, the fixture's config.
+std::string other_model(const std::string& fixture, const scratch& dir, uint64_t seed) {
+  write_random_model(load_model_config(fixtures + "/" + fixture), dir.path.string(), dtype::f32,
+                     seed);
+  std::filesystem::copy_file(fixtures + "/" + fixture + "/config.json", dir.path / "config.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  return dir.path.string();
+}
+
+/// The GGUF fixture's reference for one file type, in the form of the others.
+nlohmann::json gguf_reference(const std::string& type) {
+  return {{"prompts", read_json(fixtures + "/llama-gqa-gguf/reference.json")[type]}};
+}
+
+llm_config tiny(const std::string& model_path, int32_t tp = 1) {
+  llm_config cfg;
+  cfg.worker.model_path = model_path;
+  cfg.worker.kv_cache_memory_bytes = 2 << 20;
+  cfg.executor.block_size = 4;
+  cfg.executor.tensor_parallel_size = tp;
+  return cfg;
+}
+
+/// The fixture's prompts with greedy sampling of its reference's length.
+std::vector<generation_request> prompts(const nlohmann::json& ref) {
+  std::vector<generation_request> reqs;
+  for (auto& p : ref["prompts"])
+    reqs.push_back({"", p["token_ids"].get<std::vector<int32_t>>(),
+                    greedy(static_cast<int32_t>(p["greedy"].size())), {}});
+  return reqs;
+}
+
+/// Whether the model generates transformers' greedy tokens for every prompt of `ref`.
+bool gives_reference(llm& model, const nlohmann::json& ref) {
+  auto outs = model.generate(prompts(ref));
+  bool same = outs.size() == ref["prompts"].size();
+  for (size_t i = 0; same && i < outs.size(); ++i)
+    same = outs[i].token_ids == ref["prompts"][i]["greedy"].get<std::vector<int32_t>>();
+  return same;
+}
+
+std::vector<std::vector<int32_t>> tokens_of(llm& model, const nlohmann::json& ref) {
+  std::vector<std::vector<int32_t>> out;
+  for (auto& o : model.generate(prompts(ref)))
+    out.push_back(o.token_ids);
+  return out;
+}
+
+/// Every tensor of a safetensors file, as an update takes them (views of the mapping).
+std::vector<host_tensor> host_tensors(const safetensors_file& file) {
+  std::vector<host_tensor> out;
+  for (auto& t : file.tensors())
+    out.push_back({t.name, dtype_name(t.type), t.shape, t.data});
+  return out;
+}
+
+} // namespace
+
+TEST_CASE("an update from disk or from tensors gives transformers' tokens on the new weights, "
+          "at TP 1 and 2") {
+  // Llama with grouped heads; Phi-3's fused projections (seen as their parts); Gemma 2's
+  // norms stored as w and used as 1 + w.
+  for (std::string fixture : {"llama-gqa", "phi3-fused", "gemma2-standard"}) {
+    CAPTURE(fixture);
+    auto ref = read_json(fixtures + "/" + fixture + "/reference.json");
+    scratch dir{fixture};
+    auto other = other_model(fixture, dir, 7);
+    for (int32_t tp : {1, 2}) {
+      CAPTURE(tp);
+      llm model{tiny(other, tp)};
+      CHECK(!gives_reference(model, ref));
+      CHECK(model.weight_version() == 0);
+      model.update_weights_from_disk(fixtures + "/" + fixture);
+      CHECK(model.weight_version() == 1);
+      CHECK(gives_reference(model, ref));
+      // Back to the random weights from their file, then the fixture's from memory.
+      model.update_weights_from_disk(other);
+      CHECK(!gives_reference(model, ref));
+      safetensors_file file{fixtures + "/" + fixture + "/model.safetensors"};
+      model.update_weights_from_tensors(host_tensors(file));
+      CHECK(model.weight_version() == 3);
+      CHECK(gives_reference(model, ref));
+    }
+  }
+}
+
+TEST_CASE("a refused update names the parameter and leaves every rank on the old weights") {
+  auto ref = read_json(fixtures + "/llama-gqa/reference.json");
+  scratch dir{"refused"};
+  auto other = other_model("llama-gqa", dir, 11);
+  llm model{tiny(other, 2)};
+  auto before = tokens_of(model, ref);
+  safetensors_file file{fixtures + "/llama-gqa/model.safetensors"};
+  auto good = host_tensors(file);
+  auto refused = [&](std::vector<host_tensor> tensors, const std::string& named) {
+    CAPTURE(named);
+    try {
+      model.update_weights_from_tensors(tensors);
+      FAIL("the update was taken");
+    } catch (const error& e) {
+      CHECK(e.code() == errc::invalid_argument);
+      CHECK(std::string{e.what()}.find(named) != std::string::npos);
+    }
+    CHECK(tokens_of(model, ref) == before);
+    CHECK(model.weight_version() == 0);
+  };
+  // A name the model does not have, in the middle of good tensors (the update's checks go
+  // by name, so some good ones come before it and some after).
+  auto bad_name = good;
+  bad_name.insert(bad_name.begin() + static_cast<long>(bad_name.size() / 2),
+                  {"model.layers.0.self_attn.r_proj.weight", "float32", {64, 64}, good[0].data});
+  refused(bad_name, "model.layers.0.self_attn.r_proj.weight");
+  // A shape that does not fit.
+  auto bad_shape = good;
+  for (auto& t : bad_shape)
+    if (t.name == "model.layers.1.mlp.down_proj.weight")
+      t.shape = {160, 64};
+  refused(bad_shape, "model.layers.1.mlp.down_proj.weight");
+  // A NaN in the last layer's weights.
+  std::vector<float> nan_values(64 * 64, 0.01f);
+  nan_values[100] = std::numeric_limits<float>::quiet_NaN();
+  auto with_nan = good;
+  for (auto& t : with_nan)
+    if (t.name == "model.layers.1.self_attn.o_proj.weight")
+      t.data = nan_values.data();
+  refused(with_nan, "model.layers.1.self_attn.o_proj.weight");
+  // A dtype troupe does not read, and the same name twice.
+  auto bad_type = good;
+  bad_type[3].dtype = "int8";
+  refused(bad_type, bad_type[3].name);
+  auto twice = good;
+  twice.push_back(good[2]);
+  refused(twice, good[2].name);
+  // Another model's shape on disk.
+  try {
+    model.update_weights_from_disk(fixtures + "/qwen2-bias");
+    FAIL("the update was taken");
+  } catch (const error& e) {
+    CHECK(std::string{e.what()}.find("differs") != std::string::npos);
+  }
+  CHECK(tokens_of(model, ref) == before);
+  // A partial update is fine: the embeddings alone change the tokens.
+  std::vector<host_tensor> embeddings;
+  for (auto& t : good)
+    if (t.name == "model.embed_tokens.weight")
+      embeddings.push_back(t);
+  model.update_weights_from_tensors(embeddings);
+  CHECK(tokens_of(model, ref) != before);
+  CHECK(model.weight_version() == 1);
+}
+
+TEST_CASE("an update while asleep wakes the weights, and the KV cache after it") {
+  auto ref = read_json(fixtures + "/llama-gqa/reference.json");
+  scratch dir{"asleep"};
+  auto other = other_model("llama-gqa", dir, 13);
+  llm model{tiny(other, 2)};
+  safetensors_file file{fixtures + "/llama-gqa/model.safetensors"};
+  for (int32_t level : {1, 2}) {
+    CAPTURE(level);
+    model.update_weights_from_disk(other);
+    model.sleep(level);
+    model.update_weights_from_tensors(host_tensors(file));
+    auto state = model.executor().sleep_state();
+    CHECK(state.sleeping_tags == std::vector<std::string>{"kv_cache"});
+    model.executor().wake_up();
+    CHECK(gives_reference(model, ref));
+  }
+  // Unfinished requests refuse it.
+  model.add_request(prompts(ref)[0]);
+  CHECK_THROWS_AS(model.update_weights_from_disk(other), error);
+  while (model.has_unfinished_requests())
+    model.step();
+}
+
+TEST_CASE("quantized weights take float tensors only when asked to quantize them again") {
+  // Q8_0's dequantized values quantize back to the same blocks: the same tokens.
+  auto gguf = fixtures + "/llama-gqa-gguf/llama-gqa-q8_0.gguf";
+  auto ref = gguf_reference("Q8_0");
+  llm model{tiny(gguf)};
+  auto before = tokens_of(model, ref);
+  CHECK(gives_reference(model, ref));
+  // The float32 file holds the unquantized weights.
+  safetensors_file file{fixtures + "/llama-gqa/model.safetensors"};
+  try {
+    model.update_weights_from_tensors(host_tensors(file));
+    FAIL("the update was taken");
+  } catch (const error& e) {
+    CHECK(std::string{e.what()}.find("quantize_on_update") != std::string::npos);
+  }
+  CHECK(tokens_of(model, ref) == before);
+  // A Q8_0 file's own weights, dequantized by another engine as float32 and requantized:
+  // the dequantized float32 GGUF holds the reference's weights (the F32 row), whose Q8_0
+  // blocks are the Q8_0 file's.
+  weight_update_options requantize;
+  requantize.quantize_on_update = true;
+  model.update_weights_from_disk(fixtures + "/llama-gqa-gguf/llama-gqa-f32.gguf", requantize);
+  CHECK(tokens_of(model, ref) == before);
+  // A model loaded with float weights takes them as they are.
+  auto as_float = tiny(gguf);
+  as_float.worker.dtype = "float32";
+  llm exact{as_float};
+  exact.update_weights_from_disk(fixtures + "/llama-gqa-gguf/llama-gqa-f32.gguf");
+  CHECK(gives_reference(exact, gguf_reference("F32")));
+}
