@@ -833,6 +833,11 @@ void llm::sleep(int32_t level) {
 }
 
 std::vector<generation_output> llm::generate(const std::vector<generation_request>& requests) {
+  return generate(requests, {});
+}
+
+std::vector<generation_output> llm::generate(const std::vector<generation_request>& requests,
+                                             const std::function<void()>& between_steps) {
   auto& d = *impl_;
   if (has_unfinished_requests())
     throw error{errc::invalid_argument,
@@ -856,12 +861,25 @@ std::vector<generation_output> llm::generate(const std::vector<generation_reques
   for (size_t i = 0; i < requests.size(); ++i)
     samples[i].resize(static_cast<size_t>(requests[i].sampling.n));
   size_t generated = 0;
-  while (has_unfinished_requests())
+  while (has_unfinished_requests()) {
     for (auto& u : step())
       if (u.finished) {
         generated += u.output->token_ids.size();
         samples[index.at(u.request_id)][static_cast<size_t>(u.index)] = std::move(*u.output);
       }
+    if (!between_steps || !has_unfinished_requests())
+      continue;
+    try {
+      between_steps();
+    } catch (...) {
+      // The caller gave up: nothing of this call stays queued.
+      for (auto& queued : index)
+        abort_request(queued.first);
+      while (has_unfinished_requests())
+        step();
+      throw;
+    }
+  }
   std::vector<generation_output> outputs;
   for (auto& each : samples)
     for (auto& out : each)

@@ -216,6 +216,12 @@ public:
   /// longer than the model allows.
   std::vector<generation_output> generate(const std::vector<generation_request>& requests);
 
+  /// The same, calling `between_steps` after each step while requests are unfinished (a
+  /// Python host checks for Ctrl-C there). What it throws aborts every request of the call,
+  /// which ends before the exception goes on.
+  std::vector<generation_output> generate(const std::vector<generation_request>& requests,
+                                          const std::function<void()>& between_steps);
+
   /// The same sampling for every prompt.
   std::vector<generation_output> generate(const std::vector<std::string>& prompts,
                                           const sampling_params& sampling);
