@@ -42,9 +42,29 @@ if ! bash scripts/setup-python-clients.sh "$build/pyclients" > /dev/null 2>&1; t
 fi
 cmake -S . -B "$build" -DTROUPE_BUILD_TESTS=ON "${flags[@]}"
 cmake --build "$build" -j2
-cd "$build"
 status=0
+# The Python package as a user gets it: `pip install .` (its own build of the library, in
+# $build/wheel) into an environment kept outside the clone, then its pytest suite. Not under
+# the sanitizers: their runtime would have to be preloaded into Python.
+python_status=skipped
+if [ "${1:-}" != "--sanitize" ]; then
+  venv=${TROUPE_PYTHON_VENV:-$HOME/.cache/troupe/venv-ref}
+  if bash scripts/setup-python-package.sh "$venv"; then
+    if CMAKE_BUILD_PARALLEL_LEVEL=2 "$venv/bin/pip" install --quiet --disable-pip-version-check \
+         --no-build-isolation --no-deps -C build-dir="$build/wheel" . &&
+       (cd "$build" && "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider ../python/tests); then
+      python_status=passed
+    else
+      python_status=failed
+      status=1
+    fi
+  else
+    echo "test: the Python environment could not be made: the Python package's tests are SKIPPED"
+  fi
+fi
+cd "$build"
 ctest -LE gpu "${exclude[@]}" --output-on-failure --timeout 600 || status=$?
+echo "test: the Python package (pip install . and its pytest suite): $python_status"
 # ctest names skipped tests without the reason; each printed "skipped: <reason>".
 awk '/^[0-9]+\/[0-9]+ Test: / { sub(/^[0-9]+\/[0-9]+ Test: /, ""); name = $0 }
      /^skipped: / { sub(/^skipped: /, ""); print "  " name ": " $0 }' \

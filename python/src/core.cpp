@@ -139,6 +139,35 @@ nb::object element(const caf::message& m, size_t i) {
     return nb::cast(m.get_as<std::vector<double>>(i));
   if (m.match_element<std::vector<std::string>>(i))
     return nb::cast(m.get_as<std::vector<std::string>>(i));
+  if (m.match_element<cache_blocks>(i)) {
+    auto& b = m.get_as<cache_blocks>(i);
+    nb::dict d;
+    d["num_device_blocks"] = b.num_device_blocks;
+    d["num_swap_blocks"] = b.num_swap_blocks;
+    return std::move(d);
+  }
+  if (m.match_element<worker_health>(i)) {
+    auto& h = m.get_as<worker_health>(i);
+    nb::dict d;
+    d["rank"] = h.rank;
+    d["healthy"] = h.healthy;
+    d["detail"] = h.detail;
+    nb::dict memory;
+    for (auto& u : h.memory) {
+      nb::dict usage;
+      usage["allocated_bytes"] = u.allocated_bytes;
+      usage["resident_bytes"] = u.resident_bytes;
+      usage["backup_bytes"] = u.backup_bytes;
+      memory[to_string(u.tag)] = usage;
+    }
+    d["memory"] = memory;
+    nb::list sleeping;
+    for (auto tag : h.sleeping_tags)
+      sleeping.append(to_string(tag));
+    d["sleeping_tags"] = sleeping;
+    d["restarts"] = h.restarts;
+    return std::move(d);
+  }
   return nb::str(m.cvals()->stringify(i).c_str());
 }
 
