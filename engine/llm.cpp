@@ -820,6 +820,60 @@ void llm::update_weights_from_disk(const std::string& path, const weight_update_
   });
 }
 
+void llm::init_weights_update_group(const std::string& master_address, int32_t master_port,
+                                    int32_t rank_offset, int32_t world_size,
+                                    const std::string& backend, timeout_type timeout) {
+  rpc_call_options call;
+  call.args = caf::make_message(master_address, int64_t{master_port}, int64_t{rank_offset},
+                                int64_t{world_size}, backend);
+  call.kwargs["timeout"] = std::chrono::duration<double>(timeout).count();
+  // The call's own deadline leaves the group's to speak first.
+  call.timeout = timeout + std::chrono::seconds(30);
+  impl_->exec->collective_rpc("init_weights_update_group", call);
+}
+
+void llm::destroy_weights_update_group() {
+  impl_->exec->collective_rpc("destroy_weights_update_group");
+}
+
+void llm::update_weights_from_distributed(const std::vector<host_tensor>& tensors,
+                                          const weight_update_options& options) {
+  auto& d = *impl_;
+  std::vector<std::string> names, dtypes;
+  std::vector<int64_t> dims, ndims;
+  for (auto& t : tensors) {
+    names.push_back(t.name);
+    dtypes.push_back(t.dtype);
+    dims.insert(dims.end(), t.shape.begin(), t.shape.end());
+    ndims.push_back(static_cast<int64_t>(t.shape.size()));
+  }
+  // Whatever refuses the update is found before the group hears of it, and the trainer is
+  // told "no" rather than left waiting to send.
+  std::exception_ptr refused;
+  try {
+    if (has_unfinished_requests())
+      throw error{errc::invalid_argument,
+                  "a weight update while requests are unfinished: they would mix two models"};
+    rpc_call_options check;
+    check.args = caf::make_message(names, dtypes, dims, ndims);
+    check.kwargs["quantize_on_update"] = options.quantize_on_update;
+    d.exec->collective_rpc("check_weight_metadata", check);
+  } catch (const error&) {
+    refused = std::current_exception();
+  }
+  rpc_call_options receive;
+  receive.args = caf::make_message(!refused, names, dtypes, dims, ndims);
+  d.exec->collective_rpc("receive_weights", receive);
+  if (refused)
+    std::rethrow_exception(refused);
+  d.update_weights([&](bool check_only) {
+    rpc_call_options apply;
+    apply.kwargs["check_only"] = check_only;
+    apply.kwargs["quantize_on_update"] = options.quantize_on_update;
+    d.exec->collective_rpc("apply_received_weights", apply);
+  });
+}
+
 int64_t llm::weight_version() const {
   return impl_->weight_version;
 }

@@ -599,7 +599,10 @@ llama_model::plan_update(const checkpoint& src, const update_options& options) {
                     "; an update in " + dtype_name(t.type) +
                     " would quantize it again: ask for that (quantize_on_update), or load the "
                     "model with a float dtype"};
-    if (auto at = first_non_finite(t.type, t.data, static_cast<size_t>(t.numel())))
+    auto at = options.check_values
+                ? first_non_finite(t.type, t.data, static_cast<size_t>(t.numel()))
+                : std::nullopt;
+    if (at)
       throw error{errc::invalid_argument, source + ": parameter '" + name +
                                             "' holds NaN or an infinity (element " +
                                             std::to_string(*at) + ")"};

@@ -99,6 +99,8 @@ public:
     /// A weight kept in a block format (GGUF's Q4_K …) may be written from another type,
     /// quantized again as the file's type; otherwise that is refused.
     bool requantize = false;
+    /// Look for NaN and infinities (false: the tensors carry no data yet).
+    bool check_values = true;
   };
 
   /// Writes the weights `src` holds (whole tensors under their Hugging Face names, in any

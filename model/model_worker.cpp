@@ -9,6 +9,7 @@
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
 #include "troupe/errors.hpp"
+#include "troupe/weight_group.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -21,6 +22,44 @@
 namespace troupe {
 
 namespace {
+
+/// Tensors without data from a method's arguments from `first` on: names, dtypes, every
+/// dimension in order, and each tensor's number of dimensions.
+std::vector<host_tensor> tensor_metadata(const caf::message& args, size_t first) {
+  using strings = std::vector<std::string>;
+  using ints = std::vector<int64_t>;
+  if (args.size() != first + 4 || !args.match_element<strings>(first) ||
+      !args.match_element<strings>(first + 1) || !args.match_element<ints>(first + 2) ||
+      !args.match_element<ints>(first + 3))
+    throw error{errc::bad_arguments, "tensors are described by (names, dtypes, dims, ndims)"};
+  auto& names = args.get_as<strings>(first);
+  auto& dtypes = args.get_as<strings>(first + 1);
+  auto& dims = args.get_as<ints>(first + 2);
+  auto& ndims = args.get_as<ints>(first + 3);
+  if (dtypes.size() != names.size() || ndims.size() != names.size())
+    throw error{errc::invalid_argument, "a weight update names " + std::to_string(names.size()) +
+                                          " tensors but gives " + std::to_string(dtypes.size()) +
+                                          " dtypes and " + std::to_string(ndims.size()) +
+                                          " shapes"};
+  std::vector<host_tensor> out;
+  size_t at = 0;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (ndims[i] < 0 || ndims[i] > 8 || at + static_cast<size_t>(ndims[i]) > dims.size())
+      throw error{errc::invalid_argument, "tensor '" + names[i] + "': a shape of " +
+                                            std::to_string(ndims[i]) + " dimensions"};
+    host_tensor t;
+    t.name = names[i];
+    t.dtype = dtypes[i];
+    t.shape.assign(dims.begin() + static_cast<long>(at),
+                   dims.begin() + static_cast<long>(at + static_cast<size_t>(ndims[i])));
+    at += static_cast<size_t>(ndims[i]);
+    out.push_back(std::move(t));
+  }
+  if (at != dims.size())
+    throw error{errc::invalid_argument, "a weight update's shapes hold more dimensions than "
+                                        "its tensors have"};
+  return out;
+}
 
 std::function<lora_weights(const lora_request&)> lora_loader(const llama_model& model,
                                                              int64_t max_rank) {
@@ -70,6 +109,12 @@ struct model_worker::state {
   /// One float of device memory for the ranks' agreement on a step's adapters.
   device_buffer flag;
   bool presharded = false;
+  /// The weight-update group joined (`init_weights_update_group`), its member that speaks
+  /// for the engine, and the tensors received over it, waiting to be applied.
+  std::unique_ptr<weight_update_group> update_group;
+  int32_t update_root = 1;
+  std::vector<std::vector<char>> received;
+  std::vector<host_tensor> received_tensors;
   /// `checkpoint::fingerprint` of the config and the files loaded; of the config alone for a
   /// sharded state (each rank's files differ by design).
   std::string fingerprint;
@@ -116,6 +161,57 @@ model_worker::model_worker(model_worker_options options)
     o.check_only = caf::get_or(kwargs, "check_only", false);
     o.quantize_on_update = caf::get_or(kwargs, "quantize_on_update", false);
     static_cast<model_worker&>(w).update_weights_from_disk(args.get_as<std::string>(0), o);
+    return caf::message{};
+  });
+  register_method("init_weights_update_group", [](worker& w, const caf::message& args,
+                                                  const caf::settings& kwargs) {
+    if (!args.match_elements<std::string, int64_t, int64_t, int64_t, std::string>())
+      throw error{errc::bad_arguments,
+                  "init_weights_update_group takes (master_address, master_port, rank_offset, "
+                  "world_size, backend)"};
+    auto seconds = caf::get_or(kwargs, "timeout", 60.0);
+    if (!(seconds > 0 && seconds < 1e6))
+      throw error{errc::invalid_argument, "init_weights_update_group: timeout must be positive"};
+    auto narrow = [](int64_t v, const char* what) {
+      if (v < 0 || v > std::numeric_limits<int32_t>::max())
+        throw error{errc::invalid_argument,
+                    std::string{"init_weights_update_group: "} + what + " out of range"};
+      return static_cast<int32_t>(v);
+    };
+    static_cast<model_worker&>(w).init_weights_update_group(
+      args.get_as<std::string>(0), narrow(args.get_as<int64_t>(1), "master_port"),
+      narrow(args.get_as<int64_t>(2), "rank_offset"), narrow(args.get_as<int64_t>(3), "world_size"),
+      args.get_as<std::string>(4),
+      std::chrono::duration_cast<timeout_type>(std::chrono::duration<double>(seconds)));
+    return caf::message{};
+  });
+  register_method("destroy_weights_update_group",
+                  [](worker& w, const caf::message&, const caf::settings&) {
+                    static_cast<model_worker&>(w).destroy_weights_update_group();
+                    return caf::message{};
+                  });
+  register_method("check_weight_metadata", [](worker& w, const caf::message& args,
+                                              const caf::settings& kwargs) {
+    weight_update_options o;
+    o.metadata_only = true;
+    o.quantize_on_update = caf::get_or(kwargs, "quantize_on_update", false);
+    static_cast<model_worker&>(w).update_weights(tensor_metadata(args, 0), o);
+    return caf::message{};
+  });
+  register_method("receive_weights", [](worker& w, const caf::message& args,
+                                        const caf::settings&) {
+    if (args.empty() || !args.match_element<bool>(0))
+      throw error{errc::bad_arguments, "receive_weights takes (go, names, dtypes, dims, ndims)"};
+    auto go = static_cast<model_worker&>(w).receive_weights(args.get_as<bool>(0),
+                                                            tensor_metadata(args, 1));
+    return caf::make_message(go);
+  });
+  register_method("apply_received_weights", [](worker& w, const caf::message&,
+                                               const caf::settings& kwargs) {
+    weight_update_options o;
+    o.check_only = caf::get_or(kwargs, "check_only", false);
+    o.quantize_on_update = caf::get_or(kwargs, "quantize_on_update", false);
+    static_cast<model_worker&>(w).apply_received_weights(o);
     return caf::message{};
   });
   register_method("expert_load", [](worker& w, const caf::message&, const caf::settings&) {
@@ -292,8 +388,8 @@ void model_worker::update_weights(const checkpoint& src, bool whole,
     if (tag == memory_tag::weights)
       throw error{errc::sleeping,
                   "update_weights while tag weights sleeps; call wake_up(tags=[\"weights\"]) first"};
-  llama_model::update_options o{whole, options.quantize_on_update};
-  if (options.check_only)
+  llama_model::update_options o{whole, options.quantize_on_update, !options.metadata_only};
+  if (options.check_only || options.metadata_only)
     st.model->check_update(src, o);
   else
     st.model->update(src, o);
@@ -319,12 +415,97 @@ void model_worker::update_weights(const std::vector<host_tensor>& tensors,
     v.shape = t.shape;
     v.data = static_cast<const std::byte*>(t.data);
     v.bytes = storage_bytes(v.type, static_cast<size_t>(v.numel()));
-    if (v.data == nullptr && v.bytes > 0)
+    if (v.data == nullptr && v.bytes > 0 && !options.metadata_only)
       throw error{errc::invalid_argument, "weight update: tensor '" + t.name + "' has no data"};
     views.push_back(std::move(v));
   }
   update_weights(checkpoint::from_tensors("the given tensors", std::move(views), state_->config),
                  false, options);
+}
+
+void model_worker::init_weights_update_group(const std::string& master_address,
+                                             int32_t master_port, int32_t rank_offset,
+                                             int32_t world_size, const std::string& backend,
+                                             timeout_type timeout) {
+  if (backend != "gloo")
+    throw error{errc::unsupported, "init_weights_update_group: backend '" + backend +
+                                     "' (troupe's weight-update group is Gloo's; NCCL's "
+                                     "needs GPU workers)"};
+  auto member = rank_offset + rank();
+  if (rank_offset < 1 || member >= world_size)
+    throw error{errc::invalid_argument,
+                "init_weights_update_group: rank_offset " + std::to_string(rank_offset) +
+                  " puts rank " + std::to_string(rank()) + " outside a world of " +
+                  std::to_string(world_size) + " (the trainer is member 0)"};
+  auto& st = *state_;
+  st.update_group.reset();
+  st.update_group = std::make_unique<weight_update_group>(master_address, master_port, member,
+                                                          world_size, timeout);
+  st.update_root = rank_offset;
+}
+
+void model_worker::destroy_weights_update_group() {
+  state_->update_group.reset();
+  state_->received.clear();
+  state_->received_tensors.clear();
+}
+
+bool model_worker::receive_weights(bool go, const std::vector<host_tensor>& metadata) {
+  auto& st = *state_;
+  if (!st.update_group)
+    throw error{errc::invalid_argument,
+                "update_weights_from_distributed: no weight-update group (call "
+                "init_weights_update_group first)"};
+  st.received.clear();
+  st.received_tensors.clear();
+  std::exception_ptr problem;
+  try {
+    weight_update_options o;
+    o.metadata_only = true;
+    o.quantize_on_update = true; // types are checked again when the update is applied
+    update_weights(metadata, o);
+  } catch (...) {
+    problem = std::current_exception();
+  }
+  // The engine's rank 0 tells every member, the trainer included, whether the update goes
+  // ahead: a refused one must not leave the trainer waiting to send.
+  uint8_t flag = go && !problem ? 1 : 0;
+  st.update_group->broadcast(&flag, 1, st.update_root);
+  if (flag == 0) {
+    if (problem)
+      std::rethrow_exception(problem);
+    return false;
+  }
+  for (auto& t : metadata) {
+    // A rank that found a problem its rank 0 did not still takes its part, so that the
+    // group stays in step, and fails after.
+    auto type = parse_dtype_name(t.dtype).value_or(dtype::f32);
+    int64_t numel = 1;
+    for (auto d : t.shape)
+      numel *= std::max<int64_t>(d, 0);
+    st.received.emplace_back(storage_bytes(type, static_cast<size_t>(numel)));
+    st.update_group->broadcast(st.received.back().data(), st.received.back().size(), 0);
+    auto received = t;
+    received.data = st.received.back().data();
+    st.received_tensors.push_back(std::move(received));
+  }
+  if (problem) {
+    st.received.clear();
+    st.received_tensors.clear();
+    std::rethrow_exception(problem);
+  }
+  return true;
+}
+
+void model_worker::apply_received_weights(const weight_update_options& options) {
+  auto& st = *state_;
+  if (st.received_tensors.empty())
+    throw error{errc::invalid_argument, "no received weights to apply"};
+  update_weights(st.received_tensors, options);
+  if (!options.check_only) {
+    st.received.clear();
+    st.received_tensors.clear();
+  }
 }
 
 void model_worker::update_weights_from_disk(const std::string& path,

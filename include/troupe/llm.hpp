@@ -279,6 +279,27 @@ public:
   /// file, holding every weight), which each worker reads from `path` on its own host.
   void update_weights_from_disk(const std::string& path, const weight_update_options& options = {});
 
+  /// Joins every rank to a weight-update group (`weight_update_group`, SGLang's
+  /// `init_weights_update_group`): rank r as member `rank_offset + r` of `world_size`;
+  /// the trainer is member 0 and joins at the same time (`troupe.WeightSender` in
+  /// Python). Blocks until all have come, or `timeout`.
+  void init_weights_update_group(const std::string& master_address, int32_t master_port,
+                                 int32_t rank_offset, int32_t world_size,
+                                 const std::string& backend = "gloo",
+                                 timeout_type timeout = std::chrono::seconds(60));
+
+  /// Leaves the weight-update group.
+  void destroy_weights_update_group();
+
+  /// New weights from the trainer over the group (SGLang's
+  /// `update_weights_from_distributed`): `tensors` names each one the trainer broadcasts,
+  /// in order, with its dtype and shape (no data). Every rank checks them first; the
+  /// engine's rank 0 tells the group whether the update goes ahead (the trainer's sender
+  /// raises when it does not, sending nothing), then every rank receives each tensor and
+  /// the update goes as `update_weights_from_tensors`, all ranks or none.
+  void update_weights_from_distributed(const std::vector<host_tensor>& tensors,
+                                       const weight_update_options& options = {});
+
   /// Successful weight updates so far (SGLang's `weight_version`; 0 for the loaded
   /// checkpoint).
   int64_t weight_version() const;

@@ -108,6 +108,9 @@ struct weight_update_options {
   /// Weights kept in a block format (GGUF's Q4_K, Q8_0 …) may be written from float
   /// tensors, quantized again as the file's type; refused otherwise.
   bool quantize_on_update = false;
+  /// Check names, shapes and types alone (implies `check_only`): the tensors' data may be
+  /// null, before it is received.
+  bool metadata_only = false;
 };
 
 /// Runs the model of `options.model_path`, this rank's shard of it, on the worker's device
@@ -175,6 +178,28 @@ public:
   /// GGUF file), which must hold every weight. Adapters are kept as loaded.
   void update_weights_from_disk(const std::string& path,
                                 const weight_update_options& options = {});
+
+  /// Joins a weight-update group (`weight_update_group`) as its member
+  /// `rank_offset + rank()` of `world_size` (SGLang's `init_weights_update_group`); the
+  /// trainer is member 0. `backend` is `"gloo"` (NCCL would need a GPU worker and is
+  /// refused here). Blocks until every member has come, or `timeout`. Replaces a group
+  /// joined before.
+  void init_weights_update_group(const std::string& master_address, int32_t master_port,
+                                 int32_t rank_offset, int32_t world_size,
+                                 const std::string& backend, timeout_type timeout);
+
+  /// Leaves the weight-update group; nothing when there is none.
+  void destroy_weights_update_group();
+
+  /// One round of an update over the group: member `rank_offset` (the engine's rank 0)
+  /// broadcasts `go`; when it is true every member receives the tensors `metadata`
+  /// describes (names, types and shapes; no data), each broadcast by member 0 in turn, and
+  /// keeps them for `apply_received_weights`. Returns `go`.
+  bool receive_weights(bool go, const std::vector<host_tensor>& metadata);
+
+  /// `update_weights` with the tensors the last `receive_weights` received; they are let
+  /// go once written (not after `check_only`).
+  void apply_received_weights(const weight_update_options& options);
 
   /// `expert_load`'s answer: this rank's first expert, its number of experts, and the
   /// tokens they computed in the last step (a token routed to two counts twice).

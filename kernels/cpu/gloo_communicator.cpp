@@ -3,6 +3,7 @@
 #include "troupe/errors.hpp"
 
 #include <gloo/allreduce.h>
+#include <gloo/broadcast.h>
 #include <gloo/common/error.h>
 #include <gloo/context.h>
 #include <gloo/math.h>
@@ -209,6 +210,21 @@ void gloo_communicator::all_reduce(float* data, size_t count) {
       throw impl_->abort_error();
     throw;
   }
+}
+
+void gloo_communicator::broadcast(void* data, size_t bytes, int root) {
+  if (size_ == 1 || bytes == 0)
+    return;
+  if (impl_->aborted.load())
+    throw impl_->abort_error();
+  guarded("broadcast", [&] {
+    gloo::BroadcastOptions opts(impl_->context);
+    opts.setOutput(static_cast<char*>(data), bytes);
+    opts.setRoot(root);
+    opts.setTimeout(impl_->timeout);
+    gloo::broadcast(opts);
+    return 0;
+  });
 }
 
 void gloo_communicator::abort(const std::string& why) noexcept {

@@ -30,6 +30,9 @@ public:
   /// Sums `count` floats over the group, in place.
   void all_reduce(float* data, size_t count) override;
 
+  /// Copies `bytes` at `data` on rank `root` to `data` on every other rank.
+  void broadcast(void* data, size_t bytes, int root);
+
   /// Fails every pair with `why`, which wakes a reduction waiting on them.
   void abort(const std::string& why) noexcept override;
 

@@ -6,6 +6,7 @@
 #include "troupe/errors.hpp"
 #include "troupe/llm.hpp"
 #include "troupe/model_worker.hpp"
+#include "troupe/weight_group.hpp"
 
 #include <caf/message_builder.hpp>
 
@@ -192,6 +193,32 @@ std::optional<timeout_type> to_timeout(std::optional<double> seconds) {
   return std::chrono::duration_cast<timeout_type>(std::chrono::duration<double>(*seconds));
 }
 
+/// A float array in host memory, as NumPy and PyTorch (DLPack) hand it over.
+using host_array = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+
+/// `array` as a weight update takes it (no copy).
+host_tensor to_host_tensor(const std::string& name, const host_array& array) {
+  host_tensor t;
+  t.name = name;
+  auto dt = array.dtype();
+  auto flt = static_cast<uint8_t>(nb::dlpack::dtype_code::Float);
+  if (dt.lanes == 1 && dt.code == flt && dt.bits == 32)
+    t.dtype = "float32";
+  else if (dt.lanes == 1 && dt.code == flt && dt.bits == 16)
+    t.dtype = "float16";
+  else if (dt.lanes == 1 && dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) &&
+           dt.bits == 16)
+    t.dtype = "bfloat16";
+  else
+    throw error{errc::invalid_argument,
+                "tensor '" + name + "' is not float32, float16 or bfloat16 (DLPack code " +
+                  std::to_string(dt.code) + ", " + std::to_string(dt.bits) + " bits)"};
+  for (size_t d = 0; d < array.ndim(); ++d)
+    t.shape.push_back(static_cast<int64_t>(array.shape(d)));
+  t.data = array.data();
+  return t;
+}
+
 /// The worker a Python callable gets, valid only during the call (`collective_rpc`).
 struct worker_handle {
   worker* w = nullptr;
@@ -292,30 +319,11 @@ public:
     return out;
   }
 
-  void update_weights_from_tensors(const std::vector<std::pair<std::string, nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>>>& named,
+  void update_weights_from_tensors(const std::vector<std::pair<std::string, host_array>>& named,
                                    bool quantize_on_update) {
     std::vector<host_tensor> tensors;
-    for (auto& [name, array] : named) {
-      host_tensor t;
-      t.name = name;
-      auto dt = array.dtype();
-      if (dt.lanes != 1)
-        throw error{errc::invalid_argument, "tensor '" + name + "' has vector lanes"};
-      if (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && dt.bits == 32)
-        t.dtype = "float32";
-      else if (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && dt.bits == 16)
-        t.dtype = "float16";
-      else if (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && dt.bits == 16)
-        t.dtype = "bfloat16";
-      else
-        throw error{errc::invalid_argument,
-                    "tensor '" + name + "' is not float32, float16 or bfloat16 (DLPack code " +
-                      std::to_string(dt.code) + ", " + std::to_string(dt.bits) + " bits)"};
-      for (size_t d = 0; d < array.ndim(); ++d)
-        t.shape.push_back(static_cast<int64_t>(array.shape(d)));
-      t.data = array.data();
-      tensors.push_back(std::move(t));
-    }
+    for (auto& [name, array] : named)
+      tensors.push_back(to_host_tensor(name, array));
     weight_update_options o;
     o.quantize_on_update = quantize_on_update;
     call([&](llm& m) {
@@ -517,6 +525,38 @@ NB_MODULE(_core, m) {
       return model ? model->num_parameters() : int64_t{0};
     });
 
+  nb::class_<weight_update_group>(m, "WeightGroup",
+                                  "A member of a weight-update group (the trainer is rank 0).")
+    .def(
+      "__init__",
+      [](weight_update_group* g, const std::string& address, int32_t port, int32_t rank,
+         int32_t world_size, double timeout) {
+        auto t = to_timeout(timeout).value();
+        nb::gil_scoped_release release;
+        new (g) weight_update_group(address, port, rank, world_size, t);
+      },
+      "master_address"_a, "master_port"_a, "rank"_a, "world_size"_a, "timeout"_a)
+    .def(
+      "broadcast",
+      [](weight_update_group& g, const std::string& name, const host_array& array, int32_t root) {
+        // Only the root's bytes travel; they are read, never written.
+        auto t = to_host_tensor(name, array);
+        nb::gil_scoped_release release;
+        g.broadcast(const_cast<void*>(t.data), array.nbytes(), root);
+      },
+      "name"_a, "array"_a, "root"_a)
+    .def(
+      "broadcast_flag",
+      [](weight_update_group& g, bool value, int32_t root) {
+        uint8_t flag = value ? 1 : 0;
+        nb::gil_scoped_release release;
+        g.broadcast(&flag, 1, root);
+        return flag != 0;
+      },
+      "value"_a, "root"_a)
+    .def_prop_ro("rank", &weight_update_group::rank)
+    .def_prop_ro("world_size", &weight_update_group::world_size);
+
   nb::class_<engine>(m, "Engine")
     .def(nb::init<llm_config>(), "config"_a)
     .def("generate", &engine::generate, "requests"_a)
@@ -605,6 +645,43 @@ NB_MODULE(_core, m) {
            });
          },
          "path"_a, "quantize_on_update"_a)
+    .def("init_weights_update_group",
+         [](engine& e, const std::string& address, int32_t port, int32_t rank_offset,
+            int32_t world_size, const std::string& backend, double timeout) {
+           e.call([&](llm& m) {
+             m.init_weights_update_group(address, port, rank_offset, world_size, backend,
+                                         to_timeout(timeout).value());
+             return 0;
+           });
+         },
+         "master_address"_a, "master_port"_a, "rank_offset"_a, "world_size"_a, "backend"_a,
+         "timeout"_a)
+    .def("destroy_weights_update_group",
+         [](engine& e) {
+           e.call([](llm& m) {
+             m.destroy_weights_update_group();
+             return 0;
+           });
+         })
+    .def("update_weights_from_distributed",
+         [](engine& e, const std::vector<std::string>& names,
+            const std::vector<std::string>& dtypes,
+            const std::vector<std::vector<int64_t>>& shapes, bool quantize_on_update) {
+           if (dtypes.size() != names.size() || shapes.size() != names.size())
+             throw error{errc::invalid_argument,
+                         "update_weights_from_distributed: names, dtypes and shapes differ "
+                         "in length"};
+           std::vector<host_tensor> tensors;
+           for (size_t i = 0; i < names.size(); ++i)
+             tensors.push_back({names[i], dtypes[i], shapes[i], nullptr});
+           weight_update_options o;
+           o.quantize_on_update = quantize_on_update;
+           e.call([&](llm& m) {
+             m.update_weights_from_distributed(tensors, o);
+             return 0;
+           });
+         },
+         "names"_a, "dtypes"_a, "shapes"_a, "quantize_on_update"_a)
     .def("weight_version",
          [](engine& e) { return e.call([](llm& m) { return m.weight_version(); }); })
     .def("check_health",

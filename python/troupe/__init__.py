@@ -12,6 +12,7 @@ from .llm import LLM
 from .lora import LoRARequest
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from .weights import WeightSender, describe
 
 __version__ = "0.1.0"
 
@@ -25,4 +26,6 @@ __all__ = [
     "Logprob",
     "LoRARequest",
     "TroupeError",
+    "WeightSender",
+    "describe",
 ]

@@ -8,6 +8,7 @@ from . import _core
 from .lora import LoRARequest
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
+from .weights import dtype_name, host_array
 
 PromptType = Union[str, Dict[str, Any]]
 
@@ -325,8 +326,42 @@ class LLM:
         are read in place, without a copy."""
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
         self._engine.update_weights_from_tensors(
-            [(str(name), _host_array(name, t)) for name, t in items], quantize_on_update
+            [(str(name), host_array(name, t)) for name, t in items], quantize_on_update
         )
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+        timeout: float = 60.0,
+    ) -> None:
+        """Joins every worker to the trainer's weight-update group (rank r as member
+        ``rank_offset + r``; the trainer's ``WeightSender`` is member 0). Blocks until all
+        members have come."""
+        self._engine.init_weights_update_group(master_address, int(master_port), int(rank_offset),
+                                               int(world_size), backend, float(timeout))
+
+    def update_weights_from_distributed(
+        self,
+        names: List[str],
+        dtypes: List[Any],
+        shapes: List[Sequence[int]],
+        group_name: str = "weight_update_group",
+        quantize_on_update: bool = False,
+    ) -> None:
+        """Receives the tensors the trainer's ``WeightSender.send`` broadcasts, in this
+        order, and writes them over the weights, all ranks or none (``troupe.weights.describe``
+        gives the three lists for a set of tensors)."""
+        self._engine.update_weights_from_distributed(
+            list(names), [dtype_name(d) for d in dtypes], [[int(x) for x in s] for s in shapes],
+            quantize_on_update)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self._engine.destroy_weights_update_group()
 
     @property
     def weight_version(self) -> int:
@@ -370,16 +405,3 @@ class Tokenizer:
         return self._engine.vocab_size()
 
 
-def _host_array(name: str, tensor: Any) -> Any:
-    """A C-contiguous host array of ``tensor`` for the engine: PyTorch tensors detached
-    (and made contiguous when they are not), NumPy arrays as they are when contiguous."""
-    module = type(tensor).__module__
-    if module.startswith("torch"):
-        if tensor.device.type != "cpu":
-            raise ValueError(f"tensor '{name}' is on {tensor.device}; give CPU tensors")
-        return tensor.detach().contiguous()
-    if module.startswith("numpy"):
-        import numpy
-
-        return numpy.ascontiguousarray(tensor)
-    raise TypeError(f"tensor '{name}' is a {type(tensor).__name__} (a NumPy array or a PyTorch tensor)")

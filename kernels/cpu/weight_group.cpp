@@ -1,0 +1,272 @@
+#include "troupe/weight_group.hpp"
+
+#include "kernels/cpu/gloo_communicator.hpp"
+#include "troupe/errors.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace troupe {
+
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+constexpr char magic[16] = "troupe-weights1";
+/// A Gloo pair address is a few hundred bytes; anything longer is not one.
+constexpr uint32_t max_address = 4096;
+constexpr int32_t max_world = 4096;
+
+/// A socket closed with the object.
+struct socket_fd {
+  int fd = -1;
+  explicit socket_fd(int f = -1) : fd(f) {
+  }
+  socket_fd(socket_fd&& o) noexcept : fd(o.fd) {
+    o.fd = -1;
+  }
+  socket_fd& operator=(socket_fd&& o) noexcept {
+    std::swap(fd, o.fd);
+    return *this;
+  }
+  ~socket_fd() {
+    if (fd >= 0)
+      ::close(fd);
+  }
+};
+
+[[noreturn]] void fail(errc code, const std::string& what) {
+  throw error{code, "weight-update group: " + what};
+}
+
+int remaining_ms(clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now());
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left.count(), 1 << 30)));
+}
+
+/// Waits until `fd` is ready for `events`; false at the deadline.
+bool wait_for(int fd, short events, clock::time_point deadline) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    int n = ::poll(&p, 1, remaining_ms(deadline));
+    if (n > 0)
+      return true;
+    if (n == 0)
+      return false;
+    if (errno != EINTR)
+      fail(errc::worker_error, std::string{"poll: "} + std::strerror(errno));
+  }
+}
+
+void read_exact(int fd, void* data, size_t n, clock::time_point deadline) {
+  auto* p = static_cast<char*>(data);
+  while (n > 0) {
+    if (!wait_for(fd, POLLIN, deadline))
+      fail(errc::timeout, "a member did not finish its part of the meeting in time");
+    auto got = ::recv(fd, p, n, 0);
+    if (got == 0)
+      fail(errc::worker_died, "a member closed its connection during the meeting");
+    if (got < 0) {
+      if (errno == EINTR || errno == EAGAIN)
+        continue;
+      fail(errc::worker_died, std::string{"recv: "} + std::strerror(errno));
+    }
+    p += got;
+    n -= static_cast<size_t>(got);
+  }
+}
+
+void write_all(int fd, const void* data, size_t n, clock::time_point deadline) {
+  auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    if (!wait_for(fd, POLLOUT, deadline))
+      fail(errc::timeout, "a member did not read its part of the meeting in time");
+    auto put = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (put < 0) {
+      if (errno == EINTR || errno == EAGAIN)
+        continue;
+      fail(errc::worker_died, std::string{"send: "} + std::strerror(errno));
+    }
+    p += put;
+    n -= static_cast<size_t>(put);
+  }
+}
+
+void write_u32(std::string& out, uint32_t v) {
+  v = htonl(v);
+  out.append(reinterpret_cast<const char*>(&v), 4);
+}
+
+uint32_t read_u32(int fd, clock::time_point deadline) {
+  uint32_t v = 0;
+  read_exact(fd, &v, 4, deadline);
+  return ntohl(v);
+}
+
+void write_strings(std::string& out, const std::vector<std::string>& items) {
+  for (auto& s : items) {
+    write_u32(out, static_cast<uint32_t>(s.size()));
+    out += s;
+  }
+}
+
+std::vector<std::string> read_strings(int fd, size_t count, clock::time_point deadline) {
+  std::vector<std::string> items(count);
+  for (auto& s : items) {
+    auto size = read_u32(fd, deadline);
+    if (size > max_address)
+      fail(errc::invalid_argument, "a member sent an address of " + std::to_string(size) +
+                                     " bytes (not a Gloo pair address)");
+    s.resize(size);
+    read_exact(fd, s.data(), size, deadline);
+  }
+  return items;
+}
+
+addrinfo* resolve(const std::string& host, int32_t port, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  addrinfo* found = nullptr;
+  auto port_text = std::to_string(port);
+  if (int rc = ::getaddrinfo(host.c_str(), port_text.c_str(), &hints, &found); rc != 0)
+    fail(errc::invalid_argument, "master address '" + host + "': " + ::gai_strerror(rc));
+  return found;
+}
+
+/// The numeric host of a socket's own end.
+std::string local_host(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0)
+    fail(errc::worker_error, std::string{"getsockname: "} + std::strerror(errno));
+  char text[INET6_ADDRSTRLEN] = {};
+  const void* addr = ss.ss_family == AF_INET
+                       ? static_cast<const void*>(&reinterpret_cast<sockaddr_in&>(ss).sin_addr)
+                       : static_cast<const void*>(&reinterpret_cast<sockaddr_in6&>(ss).sin6_addr);
+  ::inet_ntop(ss.ss_family, addr, text, sizeof text);
+  return text;
+}
+
+} // namespace
+
+struct weight_update_group::impl {
+  int32_t rank = 0;
+  int32_t world = 0;
+  std::unique_ptr<gloo_communicator> group;
+};
+
+weight_update_group::weight_update_group(const std::string& master_address, int32_t master_port,
+                                         int32_t rank, int32_t world_size, timeout_type timeout)
+  : impl_(std::make_unique<impl>()) {
+  if (world_size < 2 || world_size > max_world)
+    fail(errc::invalid_argument, "world_size must be in [2, " + std::to_string(max_world) +
+                                   "], not " + std::to_string(world_size));
+  if (rank < 0 || rank >= world_size)
+    fail(errc::invalid_argument, "rank " + std::to_string(rank) + " is outside a world of " +
+                                   std::to_string(world_size));
+  if (master_port < 1 || master_port > 65535)
+    fail(errc::invalid_argument, "master_port " + std::to_string(master_port) + " is no port");
+  impl_->rank = rank;
+  impl_->world = world_size;
+  auto deadline = clock::now() + timeout;
+  auto gloo_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
+  auto W = static_cast<size_t>(world_size);
+  std::vector<std::vector<std::string>> table(W);
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addrs{
+    resolve(master_address, master_port, rank == 0), &::freeaddrinfo};
+  if (rank == 0) {
+    socket_fd listener{::socket(addrs->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+    int one = 1;
+    ::setsockopt(listener.fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (listener.fd < 0 || ::bind(listener.fd, addrs->ai_addr, addrs->ai_addrlen) != 0 ||
+        ::listen(listener.fd, world_size) != 0)
+      fail(errc::invalid_argument, "cannot listen on " + master_address + ":" +
+                                     std::to_string(master_port) + ": " + std::strerror(errno));
+    impl_->group = std::make_unique<gloo_communicator>(0, world_size, master_address, gloo_timeout);
+    table[0] = impl_->group->prepare();
+    std::vector<socket_fd> members(W);
+    for (size_t joined = 1; joined < W;) {
+      if (!wait_for(listener.fd, POLLIN, deadline))
+        fail(errc::timeout, std::to_string(W - joined) + " of " + std::to_string(W - 1) +
+                              " members did not come to " + master_address + ":" +
+                              std::to_string(master_port) + " in time");
+      socket_fd conn{::accept4(listener.fd, nullptr, nullptr, SOCK_CLOEXEC)};
+      if (conn.fd < 0)
+        continue;
+      // A stranger's bytes end its own connection, not the meeting.
+      try {
+        char said[sizeof magic];
+        read_exact(conn.fd, said, sizeof said, std::min(deadline, clock::now() + std::chrono::seconds(10)));
+        if (std::memcmp(said, magic, sizeof magic) != 0)
+          continue;
+        auto r = read_u32(conn.fd, deadline);
+        auto w = read_u32(conn.fd, deadline);
+        if (w != W || r == 0 || r >= W || members[r].fd >= 0)
+          continue;
+        table[r] = read_strings(conn.fd, W, deadline);
+        members[r] = std::move(conn);
+        ++joined;
+      } catch (const error& e) {
+        if (e.code() == errc::timeout && clock::now() >= deadline)
+          throw;
+      }
+    }
+    std::string answer;
+    for (auto& row : table)
+      write_strings(answer, row);
+    for (size_t r = 1; r < W; ++r)
+      write_all(members[r].fd, answer.data(), answer.size(), deadline);
+  } else {
+    socket_fd conn;
+    for (;;) {
+      conn = socket_fd{::socket(addrs->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+      if (::connect(conn.fd, addrs->ai_addr, addrs->ai_addrlen) == 0)
+        break;
+      if (clock::now() >= deadline)
+        fail(errc::timeout, "rank 0 did not listen on " + master_address + ":" +
+                              std::to_string(master_port) + " in time");
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    impl_->group = std::make_unique<gloo_communicator>(rank, world_size, local_host(conn.fd),
+                                                       gloo_timeout);
+    std::string hello{magic, sizeof magic};
+    write_u32(hello, static_cast<uint32_t>(rank));
+    write_u32(hello, static_cast<uint32_t>(world_size));
+    write_strings(hello, impl_->group->prepare());
+    write_all(conn.fd, hello.data(), hello.size(), deadline);
+    for (auto& row : table)
+      row = read_strings(conn.fd, W, deadline);
+  }
+  impl_->group->connect(table);
+}
+
+weight_update_group::~weight_update_group() = default;
+
+void weight_update_group::broadcast(void* data, size_t bytes, int32_t root) {
+  if (root < 0 || root >= impl_->world)
+    fail(errc::invalid_argument, "root " + std::to_string(root) + " is outside a world of " +
+                                   std::to_string(impl_->world));
+  impl_->group->broadcast(data, bytes, root);
+}
+
+int32_t weight_update_group::rank() const {
+  return impl_->rank;
+}
+
+int32_t weight_update_group::world_size() const {
+  return impl_->world;
+}
+
+} // namespace troupe

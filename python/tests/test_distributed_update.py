@@ -1,0 +1,81 @@
+"""Weights from a trainer in another process over a weight-update group (SGLang's
+init_weights_update_group / update_weights_from_distributed): transformers' tokens on the
+new weights at TP 1 and 2; a refused update tells the trainer and changes nothing."""
+
+import multiprocessing
+import socket
+
+import pytest
+
+from troupe import LLM, SamplingParams, TroupeError, WeightSender, describe
+from conftest import fixture, read_safetensors, reference
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer(port: int, world_size: int, updates: list, results) -> None:
+    """A trainer process: joins as member 0 and sends each update in turn."""
+    try:
+        sender = WeightSender("127.0.0.1", port, world_size, timeout=60)
+        for weights in updates:
+            try:
+                sender.send(weights)
+                results.put("sent")
+            except TroupeError as e:
+                results.put(f"refused: {e}")
+    except Exception as e:  # reported to the test, which fails on it
+        results.put(f"error: {type(e).__name__}: {e}")
+
+
+def tokens(llm: LLM, ref: dict) -> list:
+    outs = llm.generate([{"prompt_token_ids": p["token_ids"]} for p in ref["prompts"]], GREEDY)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_weights_from_a_trainer_process(other_model, tp):
+    ref = reference("llama-gqa")
+    path, theirs = other_model("llama-gqa")
+    good = read_safetensors(fixture("llama-gqa") + "/model.safetensors")
+    bad = dict(good)
+    bad["model.layers.0.mlp.up_proj.weight"] = good["model.layers.0.mlp.up_proj.weight"][:8]
+    llm = LLM(path, kv_cache_memory_bytes=2 << 20, block_size=4, tensor_parallel_size=tp)
+    before = tokens(llm, ref)
+    assert before != [p["greedy"] for p in ref["prompts"]]
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=trainer, args=(port, 1 + tp, [bad, good], results))
+    child.start()
+    try:
+        llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=1 + tp)
+        # A shape that does not fit: refused on the engine, the trainer told, nothing sent.
+        with pytest.raises(TroupeError, match="up_proj"):
+            llm.update_weights_from_distributed(*describe(bad))
+        assert results.get(timeout=60).startswith("refused")
+        assert tokens(llm, ref) == before
+        llm.update_weights_from_distributed(*describe(good))
+        assert results.get(timeout=60) == "sent"
+        assert tokens(llm, ref) == [p["greedy"] for p in ref["prompts"]]
+        assert llm.weight_version == 1
+        llm.destroy_weights_update_group()
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+
+
+def test_a_trainer_that_never_comes_is_a_timeout():
+    llm = LLM(fixture("llama-gqa"), kv_cache_memory_bytes=2 << 20)
+    with pytest.raises(TroupeError) as e:
+        llm.init_weights_update_group("127.0.0.1", free_port(), 1, 2, timeout=1.0)
+    assert e.value.errc in ("timeout", "worker_error")
+    with pytest.raises(TroupeError, match="no weight-update group"):
+        llm.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]])
