@@ -384,7 +384,8 @@ void model_worker::update_weights(const checkpoint& src, bool whole,
                                   const weight_update_options& options) {
   auto& st = *state_;
   require_model("update_weights");
-  for (auto tag : device().sleeping_tags())
+  // Names, shapes and types are checked while the weights sleep; values need them awake.
+  for (auto tag : options.metadata_only ? std::vector<memory_tag>{} : device().sleeping_tags())
     if (tag == memory_tag::weights)
       throw error{errc::sleeping,
                   "update_weights while tag weights sleeps; call wake_up(tags=[\"weights\"]) first"};
