@@ -390,7 +390,8 @@ json openai_response::envelope(bool streaming) const {
           {"object", req_.chat ? (streaming ? "chat.completion.chunk" : "chat.completion")
                                : "text_completion"},
           {"created", created_},
-          {"model", req_.model}};
+          {"model", req_.model},
+          {"weight_version", req_.weight_version}};
 }
 
 json openai_response::usage(const std::vector<generation_output>& outs) const {

@@ -37,6 +37,8 @@ nlohmann::json parse_json_object(const std::string& body);
 /// A completion or chat completion request.
 struct openai_request {
   bool chat = false;
+  /// The weights' version it ran on (SGLang's `weight_version`; the server sets it).
+  int64_t weight_version = 0;
   std::string model;
   /// The prompt (text or token ids; a chat's messages rendered by the server) and how to
   /// sample; `lora` is set by the server from `model`.

@@ -169,6 +169,8 @@ struct server_core {
   std::atomic<bool> draining{false};
   /// Put to sleep through /sleep (generations get 503 until /wake_up).
   std::atomic<bool> asleep{false};
+  /// `llm::weight_version`, for the I/O threads (the engine's thread writes it).
+  std::atomic<int64_t> weight_version{0};
   std::mutex state_mtx;
   std::condition_variable stopped_cv;
   bool stopped = false;
@@ -392,7 +394,10 @@ private:
 
   static bool is_admin(const std::string& path) {
     return path == "/sleep" || path == "/wake_up" || path == "/collective_rpc" ||
-           path == "/reset_prefix_cache" ||
+           path == "/reset_prefix_cache" || path == "/flush_cache" ||
+           path == "/update_weights_from_disk" || path == "/init_weights_update_group" ||
+           path == "/update_weights_from_distributed" ||
+           path == "/destroy_weights_update_group" || path == "/update_weights_from_tensor" ||
            path == "/v1/load_lora_adapter" || path == "/v1/unload_lora_adapter";
   }
 
@@ -462,7 +467,8 @@ private:
                     {"owned_by", "troupe"},
                     {"root", srv_.model.config().worker.model_path},
                     {"parent", nullptr},
-                    {"max_model_len", srv_.model.max_model_len()}});
+                    {"max_model_len", srv_.model.max_model_len()},
+                    {"weight_version", srv_.weight_version.load()}});
     std::lock_guard<std::mutex> lk{srv_.lora_mtx};
     for (auto& [name, lora] : srv_.loras)
       data.push_back({{"id", name},
@@ -539,12 +545,14 @@ private:
         return json::object();
       });
     }
-    if (path == "/reset_prefix_cache") {
+    if (path == "/reset_prefix_cache" || path == "/flush_cache") {
       return on_engine([](llm& m) -> json {
         m.reset_prefix_cache();
         return json::object();
       });
     }
+    if (path.find("weights") != std::string::npos)
+      return weight_call(path, body);
     if (path == "/wake_up") {
       auto tags = query_values(query, "tags");
       for (auto& tag : tags)
@@ -617,6 +625,101 @@ private:
       m.executor().remove_lora(id);
       return json::object();
     });
+  }
+
+  /// SGLang's weight-update endpoints, answered as SGLang answers them (`success`,
+  /// `message`) once the update is done; a refused update is a 400 naming the parameter.
+  void weight_call(const std::string& path, const json& body) {
+    auto* srv = &srv_;
+    auto text = [&](const char* key) {
+      if (!body.contains(key) || !body[key].is_string())
+        throw http_error{400, "invalid_request_error", std::string{"'"} + key +
+                                                        "' must be a string", key};
+      return body[key].get<std::string>();
+    };
+    auto integer = [&](const char* key, int64_t low, int64_t high) {
+      if (!body.contains(key) || !body[key].is_number_integer() ||
+          body[key].get<int64_t>() < low || body[key].get<int64_t>() > high)
+        throw http_error{400, "invalid_request_error",
+                         std::string{"'"} + key + "' must be an integer in [" +
+                           std::to_string(low) + ", " + std::to_string(high) + "]", key};
+      return static_cast<int32_t>(body[key].get<int64_t>());
+    };
+    auto done = [srv](llm& m, const std::string& message) -> json {
+      srv->weight_version = m.weight_version();
+      return {{"success", true}, {"message", message}, {"weight_version", m.weight_version()}};
+    };
+    auto idle = [](llm& m) {
+      if (m.has_unfinished_requests())
+        throw http_error{409, "invalid_request_error",
+                         "requests are running; update the weights when the server is idle"};
+    };
+    if (path == "/update_weights_from_disk") {
+      auto model_path = text("model_path");
+      return on_engine([=](llm& m) -> json {
+        idle(m);
+        m.update_weights_from_disk(model_path);
+        return done(m, "weights updated from " + model_path);
+      });
+    }
+    if (path == "/init_weights_update_group") {
+      auto address = text("master_address");
+      auto port = integer("master_port", 1, 65535);
+      auto offset = integer("rank_offset", 1, 4096);
+      auto world = integer("world_size", 2, 4096);
+      auto backend = body.contains("backend") ? text("backend") : std::string{"gloo"};
+      return on_engine([=](llm& m) -> json {
+        m.init_weights_update_group(address, port, offset, world, backend);
+        return {{"success", true}, {"message", "joined the weight-update group"}};
+      });
+    }
+    if (path == "/destroy_weights_update_group") {
+      return on_engine([](llm& m) -> json {
+        m.destroy_weights_update_group();
+        return {{"success", true}, {"message", "left the weight-update group"}};
+      });
+    }
+    if (path == "/update_weights_from_distributed") {
+      for (auto key : {"names", "dtypes", "shapes"})
+        if (!body.contains(key) || !body[key].is_array() ||
+            body[key].size() != body["names"].size())
+          throw http_error{400, "invalid_request_error",
+                           std::string{"'"} + key + "' must be an array, one per name", key};
+      std::vector<host_tensor> tensors;
+      for (size_t i = 0; i < body["names"].size(); ++i) {
+        auto& name = body["names"][i];
+        auto& dtype = body["dtypes"][i];
+        auto& shape = body["shapes"][i];
+        if (!name.is_string() || !dtype.is_string() || !shape.is_array())
+          throw http_error{400, "invalid_request_error",
+                           "tensor " + std::to_string(i) + ": a name, a dtype and a shape", "names"};
+        host_tensor t;
+        t.name = name.get<std::string>();
+        t.dtype = dtype.get<std::string>();
+        if (t.dtype.rfind("torch.", 0) == 0)
+          t.dtype = t.dtype.substr(6);
+        for (auto& d : shape) {
+          if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > (int64_t{1} << 40))
+            throw http_error{400, "invalid_request_error",
+                             "tensor '" + t.name + "': dimensions are non-negative integers",
+                             "shapes"};
+          t.shape.push_back(d.get<int64_t>());
+        }
+        tensors.push_back(std::move(t));
+      }
+      return on_engine([=](llm& m) -> json {
+        m.update_weights_from_distributed(tensors);
+        return done(m, "weights updated from the group");
+      });
+    }
+    // /update_weights_from_tensor: SGLang's body holds tensors pickled by PyTorch, which
+    // only a Python process can read.
+    throw http_error{400, "invalid_request_error",
+                     "/update_weights_from_tensor takes PyTorch-pickled tensors, which this "
+                     "server cannot read: send them with troupe.WeightSender "
+                     "(/update_weights_from_distributed), or write a checkpoint "
+                     "(/update_weights_from_disk)",
+                     "serialized_named_tensors"};
   }
 
   /// A generation: prepared off the I/O and engine threads, then queued.
@@ -718,6 +821,7 @@ private:
     try {
       auto n = srv_.next_request++;
       req_ = std::make_unique<openai_request>(std::move(req));
+      req_->weight_version = srv_.weight_version;
       response_ = std::make_unique<openai_response>(
         *req_, (req_->chat ? "chatcmpl-" : "cmpl-") + std::to_string(n),
         static_cast<int64_t>(std::time(nullptr)), srv_.model);
