@@ -407,25 +407,35 @@ std::optional<std::size_t> first_non_finite(dtype t, const void* data, std::size
     std::memcpy(&h, p, sizeof h);
     return (h & 0x7c00) != 0x7c00; // exponent all ones: an infinity or a NaN
   };
-  if (t == dtype::f32) {
-    for (std::size_t i = 0; i < count; ++i) {
-      float f;
-      std::memcpy(&f, bytes + 4 * i, sizeof f);
-      if (!std::isfinite(f))
-        return i;
+  // A chunk at a time without an early exit, so that the test of the exponent bits
+  // vectorizes (an update reads every value once before writing any); the element is
+  // looked for only in a chunk that has one.
+  auto scan = [&](auto word, auto exponent) -> std::optional<std::size_t> {
+    using W = decltype(word);
+    constexpr std::size_t chunk = 4096;
+    for (std::size_t at = 0; at < count; at += chunk) {
+      auto n = std::min(chunk, count - at);
+      auto word_at = [&](std::size_t i) {
+        W w;
+        std::memcpy(&w, bytes + (at + i) * sizeof(W), sizeof w);
+        return w;
+      };
+      unsigned any = 0;
+      for (std::size_t i = 0; i < n; ++i)
+        any |= (word_at(i) & exponent) == exponent;
+      if (any != 0)
+        for (std::size_t i = 0; i < n; ++i)
+          if ((word_at(i) & exponent) == exponent)
+            return at + i;
     }
     return std::nullopt;
-  }
-  if (t == dtype::f16 || t == dtype::bf16) {
-    const uint16_t exponent = t == dtype::f16 ? 0x7c00 : 0x7f80;
-    for (std::size_t i = 0; i < count; ++i) {
-      uint16_t h;
-      std::memcpy(&h, bytes + 2 * i, sizeof h);
-      if ((h & exponent) == exponent)
-        return i;
-    }
-    return std::nullopt;
-  }
+  };
+  if (t == dtype::f32)
+    return scan(uint32_t{0}, uint32_t{0x7f800000});
+  if (t == dtype::f16)
+    return scan(uint16_t{0}, uint16_t{0x7c00});
+  if (t == dtype::bf16)
+    return scan(uint16_t{0}, uint16_t{0x7f80});
   // Where each block keeps its float16 scales: d (and the minimum's scale or the minimum).
   std::size_t first = t == dtype::q6_k ? 208 : 0;
   bool second = t == dtype::q4_1 || t == dtype::q5_1 || t == dtype::q4_k || t == dtype::q5_k;

@@ -5,9 +5,12 @@
 #include "troupe/errors.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <set>
@@ -97,6 +100,35 @@ void copy_stored_cols(const tensor_view& t, int64_t row0, int64_t rows, int64_t 
   auto width = storage_bytes(t.type, static_cast<size_t>(cols));
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(dst + static_cast<size_t>(r) * width, t.row(row0 + r, stride) + offset, width);
+}
+
+/// Runs `fn(i)` for i in [0, n) on `threads` threads (the rank's share of the cores): an
+/// update reads and writes hundreds of megabytes, which one thread does at half the
+/// memory's speed. The first exception is thrown once all are done.
+void parallel_each(size_t n, int threads, const std::function<void(size_t)>& fn) {
+  std::atomic<size_t> next{0};
+  std::exception_ptr failed;
+  std::mutex failed_mtx;
+  auto work = [&] {
+    for (size_t i; (i = next++) < n;) {
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk{failed_mtx};
+        if (!failed)
+          failed = std::current_exception();
+        next = n;
+      }
+    }
+  };
+  std::vector<std::thread> helpers;
+  for (int t = 1; t < threads && static_cast<size_t>(t) < n; ++t)
+    helpers.emplace_back(work);
+  work();
+  for (auto& h : helpers)
+    h.join();
+  if (failed)
+    std::rethrow_exception(failed);
 }
 
 } // namespace
@@ -478,7 +510,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
 }
 
 void llama_model::write_weight(const weight_job& j, const tensor_view& t, char* dst,
-                               bool presharded, const std::string& source) const {
+                               bool presharded, const std::string& source, bool checked) const {
   // A band of rows at a time through bounded buffers: a float32 copy of a whole embedding
   // would take more memory than the quantized model.
   constexpr int64_t staging_floats = int64_t{1} << 20;
@@ -530,7 +562,8 @@ void llama_model::write_weight(const weight_job& j, const tensor_view& t, char* 
         copy_stored_cols(t, r0, count, j.start, j.count, raw.data());
         src = raw.data();
       }
-      if (auto at = first_non_finite(j.type, src, static_cast<size_t>(count * cols)))
+      if (auto at = checked ? std::nullopt
+                            : first_non_finite(j.type, src, static_cast<size_t>(count * cols)))
         refuse(r0 * cols + static_cast<int64_t>(*at), "NaN or an infinity");
       place(src, band_dst, count);
       continue;
@@ -544,8 +577,9 @@ void llama_model::write_weight(const weight_job& j, const tensor_view& t, char* 
       read_cols(t, r0, count, j.start, j.count, staging.data());
     // A NaN or an infinity in a weight turns every logit into NaN (token 0 at every
     // step); the values pass through here once anyway.
-    auto bad = std::find_if(staging.begin(), staging.end(),
-                            [](float x) { return !std::isfinite(x); });
+    auto bad = checked ? staging.end()
+                       : std::find_if(staging.begin(), staging.end(),
+                                      [](float x) { return !std::isfinite(x); });
     if (bad != staging.end())
       refuse(r0 * cols + (bad - staging.begin()), std::isnan(*bad) ? "NaN" : "an infinity");
     if (j.offset != 0)
@@ -599,13 +633,6 @@ llama_model::plan_update(const checkpoint& src, const update_options& options) {
                     "; an update in " + dtype_name(t.type) +
                     " would quantize it again: ask for that (quantize_on_update), or load the "
                     "model with a float dtype"};
-    auto at = options.check_values
-                ? first_non_finite(t.type, t.data, static_cast<size_t>(t.numel()))
-                : std::nullopt;
-    if (at)
-      throw error{errc::invalid_argument, source + ": parameter '" + name +
-                                            "' holds NaN or an infinity (element " +
-                                            std::to_string(*at) + ")"};
     planned.emplace_back(std::move(j), &t);
     by_name.erase(found);
   }
@@ -613,6 +640,19 @@ llama_model::plan_update(const checkpoint& src, const update_options& options) {
     throw error{errc::invalid_argument,
                 source + " lacks parameter '" + by_name.begin()->first + "' (and " +
                   std::to_string(by_name.size() - 1) + " more)"};
+  if (options.check_values) {
+    // In checkpoint order, so that the first bad tensor is the one named.
+    std::vector<std::optional<size_t>> bad(planned.size());
+    parallel_each(planned.size(), threads_per_rank(world_), [&](size_t i) {
+      auto& t = *planned[i].second;
+      bad[i] = first_non_finite(t.type, t.data, static_cast<size_t>(t.numel()));
+    });
+    for (size_t i = 0; i < planned.size(); ++i)
+      if (bad[i])
+        throw error{errc::invalid_argument, source + ": parameter '" + planned[i].first.name +
+                                              "' holds NaN or an infinity (element " +
+                                              std::to_string(*bad[i]) + ")"};
+  }
   return planned;
 }
 
@@ -622,8 +662,11 @@ void llama_model::check_update(const checkpoint& src, const update_options& opti
 
 void llama_model::update(const checkpoint& src, const update_options& options) {
   const std::string source = "weight update from " + src.directory();
-  for (auto& [j, t] : plan_update(src, options))
-    write_weight(j, *t, static_cast<char*>(j.slot->ptr), false, source);
+  auto planned = plan_update(src, options);
+  parallel_each(planned.size(), threads_per_rank(world_), [&](size_t i) {
+    auto& [j, t] = planned[i];
+    write_weight(j, *t, static_cast<char*>(j.slot->ptr), false, source, true);
+  });
 }
 
 llama_model::shard llama_model::shard_of(projection p) const {

@@ -304,9 +304,10 @@ private:
   /// embeddings, another rank's expert (unless `presharded`).
   bool passed_over(const std::string& name, bool presharded) const;
   /// Writes this rank's part of `t` (as `j` says) at `dst`; `presharded`: `t` is the part.
-  /// Throws `invalid_argument` naming `j.name` and `source` for NaN or an infinity.
+  /// Throws `invalid_argument` naming `j.name` and `source` for NaN or an infinity, unless
+  /// `checked` (an update looked at every value before writing any).
   void write_weight(const weight_job& j, const tensor_view& t, char* dst, bool presharded,
-                    const std::string& source) const;
+                    const std::string& source, bool checked = false) const;
   /// The jobs of an update from `src`, `as_stored` and the slots' types and layouts set,
   /// each with its tensor, after every check.
   std::vector<std::pair<weight_job, const tensor_view*>> plan_update(const checkpoint& src,
