@@ -14,9 +14,75 @@
 #include <future>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <optional>
 
 namespace troupe {
+
+namespace {
+
+/// The weights a worker was updated to, for its replacement: the last checkpoint read
+/// (`update_weights_from_disk`), then a copy of each tensor written since (from tensors or
+/// the trainer's group). Kept only under a restart policy: it costs a host copy of what
+/// the updates wrote.
+struct weight_history {
+  std::mutex mtx;
+  std::string path;
+  struct tensor {
+    host_tensor meta;
+    std::vector<char> bytes;
+  };
+  std::map<std::string, tensor> tensors;
+};
+
+/// A model worker that records the updates (rank 0, which receives every tensor whole) and
+/// replays them after its load, so that a replacement holds the updated weights.
+class replayed_model_worker : public model_worker {
+public:
+  replayed_model_worker(model_worker_options options, std::shared_ptr<weight_history> history)
+    : model_worker(std::move(options)), history_(std::move(history)) {
+  }
+
+  void load_model() override {
+    model_worker::load_model();
+    std::lock_guard<std::mutex> lk{history_->mtx};
+    replaying_ = true;
+    if (!history_->path.empty())
+      update_weights_from_disk(history_->path);
+    std::vector<host_tensor> tensors;
+    for (auto& [name, t] : history_->tensors) {
+      tensors.push_back(t.meta);
+      tensors.back().data = t.bytes.data();
+    }
+    if (!tensors.empty())
+      update_weights(tensors);
+    replaying_ = false;
+  }
+
+protected:
+  void weights_updated(const std::string& path, const std::vector<host_tensor>& tensors) override {
+    if (replaying_ || rank() != 0)
+      return;
+    std::lock_guard<std::mutex> lk{history_->mtx};
+    if (!path.empty()) {
+      history_->path = path;
+      history_->tensors.clear();
+    }
+    for (auto& t : tensors) {
+      auto& kept = history_->tensors[t.name];
+      kept.meta = t;
+      kept.meta.data = nullptr;
+      auto* bytes = static_cast<const char*>(t.data);
+      kept.bytes.assign(bytes, bytes + byte_size(t));
+    }
+  }
+
+private:
+  std::shared_ptr<weight_history> history_;
+  bool replaying_ = false;
+};
+
+} // namespace
 
 struct llm::impl {
   llm_config cfg;
@@ -378,6 +444,12 @@ llm::llm(llm_config config, worker_factory factory) : impl_(std::make_unique<imp
     ec.max_model_len > 0 ? std::min<int64_t>(ec.max_model_len, longest) : longest);
   ec.node_worker_kind = "model";
   ec.node_worker_options = to_settings(d.cfg.worker);
+  if (!factory && ec.restart.max_restarts > 0) {
+    // A replacement loads the checkpoint, then the updates its predecessor had.
+    factory = [options = d.cfg.worker, history = std::make_shared<weight_history>()](int32_t) {
+      return std::make_unique<replayed_model_worker>(options, history);
+    };
+  }
   if (!factory)
     factory = model_worker_factory(d.cfg.worker);
   d.exec = std::make_unique<troupe::executor>(ec, std::move(factory));

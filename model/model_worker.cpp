@@ -404,24 +404,35 @@ void model_worker::update_weights(const std::vector<host_tensor>& tensors,
   for (auto& t : tensors) {
     tensor_view v;
     v.name = t.name;
-    auto type = parse_dtype_name(t.dtype);
-    if (!type)
-      throw error{errc::invalid_argument, "weight update: tensor '" + t.name + "' has dtype '" +
-                                            t.dtype + "' (float32, float16 or bfloat16)"};
-    v.type = *type;
-    for (auto d : t.shape)
-      if (d < 0)
-        throw error{errc::invalid_argument,
-                    "weight update: tensor '" + t.name + "' has a negative dimension"};
+    v.bytes = byte_size(t);
+    v.type = *parse_dtype_name(t.dtype);
     v.shape = t.shape;
     v.data = static_cast<const std::byte*>(t.data);
-    v.bytes = storage_bytes(v.type, static_cast<size_t>(v.numel()));
     if (v.data == nullptr && v.bytes > 0 && !options.metadata_only)
       throw error{errc::invalid_argument, "weight update: tensor '" + t.name + "' has no data"};
     views.push_back(std::move(v));
   }
   update_weights(checkpoint::from_tensors("the given tensors", std::move(views), state_->config),
                  false, options);
+  if (!options.check_only && !options.metadata_only)
+    weights_updated({}, tensors);
+}
+
+void model_worker::weights_updated(const std::string&, const std::vector<host_tensor>&) {}
+
+size_t byte_size(const host_tensor& t) {
+  auto type = parse_dtype_name(t.dtype);
+  if (!type)
+    throw error{errc::invalid_argument, "weight update: tensor '" + t.name + "' has dtype '" +
+                                          t.dtype + "' (float32, float16 or bfloat16)"};
+  size_t numel = 1;
+  for (auto d : t.shape) {
+    if (d < 0)
+      throw error{errc::invalid_argument,
+                  "weight update: tensor '" + t.name + "' has a negative dimension"};
+    numel *= static_cast<size_t>(d);
+  }
+  return storage_bytes(*type, numel);
 }
 
 void model_worker::init_weights_update_group(const std::string& master_address,
@@ -480,11 +491,13 @@ bool model_worker::receive_weights(bool go, const std::vector<host_tensor>& meta
   for (auto& t : metadata) {
     // A rank that found a problem its rank 0 did not still takes its part, so that the
     // group stays in step, and fails after.
-    auto type = parse_dtype_name(t.dtype).value_or(dtype::f32);
-    int64_t numel = 1;
-    for (auto d : t.shape)
-      numel *= std::max<int64_t>(d, 0);
-    st.received.emplace_back(storage_bytes(type, static_cast<size_t>(numel)));
+    // Checked before the flag went out, when it is not `problem`.
+    size_t bytes = 0;
+    try {
+      bytes = byte_size(t);
+    } catch (const error&) {
+    }
+    st.received.emplace_back(bytes);
     st.update_group->broadcast(st.received.back().data(), st.received.back().size(), 0);
     auto received = t;
     received.data = st.received.back().data();
@@ -536,6 +549,8 @@ void model_worker::update_weights_from_disk(const std::string& path,
                                             "' is not the loaded model's shape (its " + field +
                                             " differs)"};
   update_weights(open_checkpoint(path, next), true, options);
+  if (!options.check_only)
+    weights_updated(path, {});
 }
 
 std::vector<std::string> model_worker::rank_shards() const {

@@ -245,3 +245,36 @@ TEST_CASE("quantized weights take float tensors only when asked to quantize them
   exact.update_weights_from_disk(fixtures + "/llama-gqa-gguf/llama-gqa-f32.gguf");
   CHECK(gives_reference(exact, gguf_reference("F32")));
 }
+
+TEST_CASE("a worker replaced after updates holds the updated weights, not the checkpoint's") {
+  auto ref = read_json(fixtures + "/llama-gqa/reference.json");
+  scratch dir{"replaced"};
+  auto other = other_model("llama-gqa", dir, 17);
+  auto cfg = tiny(other, 2);
+  cfg.executor.restart.max_restarts = 4;
+  llm model{cfg};
+  auto kill = [&](int32_t rank) {
+    CHECK_THROWS_AS(troupe::testing::kill_rank(model.executor(), rank), error);
+  };
+  // From tensors: the replaced rank 1 gets them back.
+  safetensors_file file{fixtures + "/llama-gqa/model.safetensors"};
+  model.update_weights_from_tensors(host_tensors(file));
+  kill(1);
+  CHECK(gives_reference(model, ref));
+  // From disk (back to the random weights), then rank 0, which keeps the record, dies.
+  model.update_weights_from_disk(other);
+  auto random = tokens_of(model, ref);
+  kill(0);
+  CHECK(tokens_of(model, ref) == random);
+  // A partial update after a checkpoint: both are replayed, in order.
+  std::vector<host_tensor> embeddings;
+  for (auto& t : host_tensors(file))
+    if (t.name == "model.embed_tokens.weight")
+      embeddings.push_back(t);
+  model.update_weights_from_tensors(embeddings);
+  auto mixed = tokens_of(model, ref);
+  CHECK(mixed != random);
+  kill(1);
+  CHECK(tokens_of(model, ref) == mixed);
+  CHECK(model.executor().worker_healths()[1].restarts == 2);
+}

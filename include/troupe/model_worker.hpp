@@ -101,6 +101,10 @@ struct host_tensor {
   const void* data = nullptr;
 };
 
+/// The bytes of `t`'s elements. Throws `invalid_argument` naming the tensor for a dtype
+/// other than those above or a negative dimension.
+size_t byte_size(const host_tensor& t);
+
 /// How a weight update goes (`model_worker::update_weights`).
 struct weight_update_options {
   /// Check everything and change nothing (the first round of an update over the ranks).
@@ -204,6 +208,12 @@ public:
   /// `expert_load`'s answer: this rank's first expert, its number of experts, and the
   /// tokens they computed in the last step (a token routed to two counts twice).
   std::array<int64_t, 3> expert_load() const;
+
+protected:
+  /// Called on the worker's thread once an update was written: from the checkpoint at
+  /// `path`, or (`path` empty) from `tensors`, whole, valid during the call. The default
+  /// does nothing; the engine keeps what a replacement worker must apply after its load.
+  virtual void weights_updated(const std::string& path, const std::vector<host_tensor>& tensors);
 
 private:
   /// Throws `errc::sleeping` naming `what` while any memory tag sleeps.
