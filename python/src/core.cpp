@@ -32,8 +32,9 @@ namespace {
 
 using namespace troupe;
 
-/// troupe.TroupeError, made at import.
+/// troupe.TroupeError and troupe.WorkerFault, made at import.
 PyObject* troupe_error_type = nullptr;
+PyObject* worker_fault_type = nullptr;
 
 /// The arguments of a named method, as the workers take them: booleans, integers (int64),
 /// floats (double), strings, and lists of one of those.
@@ -113,6 +114,29 @@ caf::settings to_settings(const nb::dict& kwargs) {
   return out;
 }
 
+/// A worker's health report as a dict.
+nb::dict health_dict(const worker_health& h) {
+  nb::dict d;
+  d["rank"] = h.rank;
+  d["healthy"] = h.healthy;
+  d["detail"] = h.detail;
+  nb::dict memory;
+  for (auto& u : h.memory) {
+    nb::dict usage;
+    usage["allocated_bytes"] = u.allocated_bytes;
+    usage["resident_bytes"] = u.resident_bytes;
+    usage["backup_bytes"] = u.backup_bytes;
+    memory[to_string(u.tag)] = usage;
+  }
+  d["memory"] = memory;
+  nb::list sleeping;
+  for (auto tag : h.sleeping_tags)
+    sleeping.append(to_string(tag));
+  d["sleeping_tags"] = sleeping;
+  d["restarts"] = h.restarts;
+  return d;
+}
+
 /// One element of a method's result as a Python value; what has no Python form (a
 /// troupe message type) as its text.
 nb::object element(const caf::message& m, size_t i) {
@@ -147,28 +171,8 @@ nb::object element(const caf::message& m, size_t i) {
     d["num_swap_blocks"] = b.num_swap_blocks;
     return std::move(d);
   }
-  if (m.match_element<worker_health>(i)) {
-    auto& h = m.get_as<worker_health>(i);
-    nb::dict d;
-    d["rank"] = h.rank;
-    d["healthy"] = h.healthy;
-    d["detail"] = h.detail;
-    nb::dict memory;
-    for (auto& u : h.memory) {
-      nb::dict usage;
-      usage["allocated_bytes"] = u.allocated_bytes;
-      usage["resident_bytes"] = u.resident_bytes;
-      usage["backup_bytes"] = u.backup_bytes;
-      memory[to_string(u.tag)] = usage;
-    }
-    d["memory"] = memory;
-    nb::list sleeping;
-    for (auto tag : h.sleeping_tags)
-      sleeping.append(to_string(tag));
-    d["sleeping_tags"] = sleeping;
-    d["restarts"] = h.restarts;
-    return std::move(d);
-  }
+  if (m.match_element<worker_health>(i))
+    return health_dict(m.get_as<worker_health>(i));
   return nb::str(m.cvals()->stringify(i).c_str());
 }
 
@@ -294,6 +298,10 @@ public:
       } catch (nb::python_error& e) {
         nb::inst_ptr<worker_handle>(handle)->w = nullptr;
         std::string what = e.what();
+        // The callable says its worker cannot go on: the worker dies (and is replaced
+        // under a restart policy), as with a lost device.
+        if (e.matches(worker_fault_type))
+          throw worker_fault{nb::cast<std::string>(nb::str(e.value()))};
         {
           std::lock_guard<std::mutex> lock{slots};
           if (rank < world)
@@ -361,6 +369,13 @@ NB_MODULE(_core, m) {
     "worker_died, sleeping, ...), the message says what was wrong.",
     PyExc_RuntimeError, nullptr);
   m.attr("TroupeError") = nb::handle(troupe_error_type);
+  worker_fault_type = PyErr_NewExceptionWithDoc(
+    "troupe.WorkerFault",
+    "Raised by a callable given to collective_rpc when its worker cannot go on: the worker "
+    "dies as with a lost device, and is replaced when the engine has a restart policy "
+    "(max_restarts).",
+    troupe_error_type, nullptr);
+  m.attr("WorkerFault") = nb::handle(worker_fault_type);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
@@ -480,6 +495,9 @@ NB_MODULE(_core, m) {
                  [](llm_config& c, double v) {
                    c.executor.rpc_timeout = to_timeout(v).value();
                  })
+    .def_prop_rw("max_restarts",
+                 [](llm_config& c) { return c.executor.restart.max_restarts; },
+                 [](llm_config& c, int32_t v) { c.executor.restart.max_restarts = v; })
     .def_prop_rw("max_num_seqs", [](llm_config& c) { return c.scheduler.max_num_seqs; },
                  [](llm_config& c, int32_t v) { c.scheduler.max_num_seqs = v; })
     .def_prop_rw("max_num_batched_tokens",
@@ -684,6 +702,14 @@ NB_MODULE(_core, m) {
          "names"_a, "dtypes"_a, "shapes"_a, "quantize_on_update"_a)
     .def("weight_version",
          [](engine& e) { return e.call([](llm& m) { return m.weight_version(); }); })
+    .def("worker_healths",
+         [](engine& e) {
+           auto healths = e.call([](llm& m) { return m.executor().worker_healths(); });
+           nb::list out;
+           for (auto& h : healths)
+             out.append(health_dict(h));
+           return out;
+         })
     .def("check_health",
          [](engine& e) {
            e.call([](llm& m) {

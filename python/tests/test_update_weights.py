@@ -4,7 +4,7 @@ NumPy/PyTorch tensors at TP 1 and 2, all ranks or none, while asleep."""
 import numpy as np
 import pytest
 
-from troupe import LLM, SamplingParams, TroupeError
+from troupe import LLM, SamplingParams, TroupeError, WorkerFault
 from conftest import fixture, read_safetensors, reference
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -127,3 +127,20 @@ def test_torch_tensors_when_torch_is_there():
     assert tokens(llm, ref) == greedy_of(ref)
     llm.update_weights_from_tensors({n: p.detach().to(torch.bfloat16) for n, p in params.items()})
     assert llm.weight_version == 2
+
+
+def test_a_replaced_worker_has_the_updated_weights(other_model):
+    ref = reference("llama-gqa")
+    path, _ = other_model("llama-gqa")
+    llm = tiny(path, tensor_parallel_size=2, max_restarts=2)
+    llm.update_weights_from_tensors(read_safetensors(fixture("llama-gqa") + "/model.safetensors"))
+
+    def break_rank_1(worker):
+        if worker.rank == 1:
+            raise WorkerFault("its device is gone")
+
+    with pytest.raises(TroupeError):
+        llm.collective_rpc(break_rank_1)
+    # The replacement loaded the checkpoint and then the update its predecessor had.
+    assert tokens(llm, ref) == greedy_of(ref)
+    assert [h["restarts"] for h in llm.worker_healths()] == [0, 1]

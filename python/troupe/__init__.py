@@ -7,7 +7,7 @@ with in-place weight updates for RL trainers.
     print(out[0].outputs[0].text)
 """
 
-from ._core import TroupeError
+from ._core import TroupeError, WorkerFault
 from .llm import LLM
 from .lora import LoRARequest
 from .outputs import CompletionOutput, Logprob, RequestOutput
@@ -26,6 +26,7 @@ __all__ = [
     "Logprob",
     "LoRARequest",
     "TroupeError",
+    "WorkerFault",
     "WeightSender",
     "describe",
 ]

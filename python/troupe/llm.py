@@ -44,6 +44,8 @@ _ENGINE_ARGS: Dict[str, Callable[[Any, Any], None]] = {
     "chat_template": _set("chat_template"),
     # Seconds a call to the workers may take.
     "rpc_timeout": _set("rpc_timeout_seconds", float),
+    # Workers replaced when they die (troupe's recovery; 0: a death ends the engine).
+    "max_restarts": _set("max_restarts", int),
 }
 # Accepted for vLLM's sake, with nothing for troupe to do: LoRA is always on (max_loras
 # slots), no remote code is ever run, the tokenizer is the model's own.
@@ -291,6 +293,11 @@ class LLM:
         if callable(method):
             return self._engine.collective_rpc_callable(method, tuple(args), kwargs, timeout)
         return self._engine.collective_rpc(method, tuple(args), kwargs, timeout)
+
+    def worker_healths(self) -> List[Dict[str, Any]]:
+        """Each worker's health report, in rank order: ``healthy``, ``detail``, memory by
+        tag, sleeping tags, and ``restarts`` (how often the rank was replaced)."""
+        return list(self._engine.worker_healths())
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         core = _core.LoRARequestCore()
