@@ -92,3 +92,10 @@ def other_model(tmp_path):
         return str(tmp_path), weights
 
     return make
+
+
+def first_logprob(prompt: dict) -> float:
+    """transformers' logprob of the first greedy token after a reference prompt."""
+    logits = np.asarray(prompt["last_logits"], dtype=np.float64)
+    top = logits.max()
+    return float(logits[prompt["greedy"][0]] - top - np.log(np.exp(logits - top).sum()))

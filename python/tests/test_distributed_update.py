@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from troupe import LLM, SamplingParams, TroupeError, WeightSender, describe
-from conftest import fixture, read_safetensors, reference
+from conftest import first_logprob, fixture, read_safetensors, reference
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
@@ -63,6 +63,10 @@ def test_weights_from_a_trainer_process(other_model, tp):
         llm.update_weights_from_distributed(*describe(good))
         assert results.get(timeout=60) == "sent"
         assert tokens(llm, ref) == [p["greedy"] for p in ref["prompts"]]
+        out = llm.generate({"prompt_token_ids": ref["prompts"][0]["token_ids"]},
+                           SamplingParams(max_tokens=1, temperature=0, logprobs=0))[0].outputs[0]
+        assert out.logprobs[0][out.token_ids[0]].logprob == pytest.approx(
+            first_logprob(ref["prompts"][0]), abs=1e-4)
         assert llm.weight_version == 1
         llm.destroy_weights_update_group()
     finally:
