@@ -244,6 +244,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
     std::string guided_json;
     bool json_object = false;
     std::vector<std::string> guided_choice;
+    std::string guided_regex;
     int n = 1;
     int best_of = 0;
     std::vector<std::string> stop;
@@ -302,6 +303,8 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
   sub->add_flag("--json-object", o->json_object, "The output is a JSON object (JSON mode)");
   sub->add_option("--guided-choice", o->guided_choice,
                   "One of the texts the output must be (repeatable)");
+  sub->add_option("--guided-regex", o->guided_regex,
+                  "A regular expression the whole output must match (structured output)");
   sub->add_option("--bad-words", o->bad_words,
                   "A word the output must not hold (repeatable; vLLM's bad_words)");
   sub->add_option("--n", o->n, "Samples per prompt (with --seed, sample i is seeded seed + i)")
@@ -344,6 +347,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
       sp.guided_json = read_text_file("--guided-json", o->guided_json);
     sp.guided_json_object = o->json_object;
     sp.guided_choice = o->guided_choice;
+    sp.guided_regex = o->guided_regex;
     sp.n = o->n;
     sp.best_of = o->best_of;
     validate(sp);

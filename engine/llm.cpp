@@ -690,8 +690,8 @@ int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_
   if (guided(req.sampling)) {
     if (!d.tok)
       throw error{errc::invalid_argument, "structured output (guided_json, response_format, "
-                                          "guided_choice) needs the model's tokenizer, which "
-                                          "this model has none of"};
+                                          "guided_choice, guided_regex) needs the model's "
+                                          "tokenizer, which this model has none of"};
     if (!d.structured) {
       auto ends = d.model.eos_token_ids;
       if (d.tok->eos_id() >= 0 && std::find(ends.begin(), ends.end(), d.tok->eos_id()) == ends.end())

@@ -86,6 +86,7 @@ void scheduler::append_group(engine_request& r, int64_t chunk, bool is_prompt,
   // What only the engine reads stays here: the workers get structured output's mask.
   g.sampling.guided_json.clear();
   g.sampling.guided_choice.clear();
+  g.sampling.guided_regex.clear();
   g.token_chunk_size = static_cast<int32_t>(chunk);
   g.lora_int_id = r.lora_int_id;
   g.prompt_adapter_id = r.prompt_adapter_id;

@@ -1,5 +1,6 @@
 #include "engine/structured_output.hpp"
 
+#include "engine/byte_regex.hpp"
 #include "troupe/errors.hpp"
 
 #include <nlohmann/json.hpp>
@@ -48,7 +49,7 @@ bool is_hex(uint8_t c) {
 class output_grammar {
 public:
   struct node {
-    enum class kind : uint8_t { any, object, free_object, array, string, number, integer, literals, alternatives };
+    enum class kind : uint8_t { any, object, free_object, array, string, number, integer, literals, alternatives, regex };
     kind what = kind::any;
     /// object: each property's key as JSON text (quoted), its value's node, whether required.
     std::vector<std::string> keys;
@@ -67,6 +68,8 @@ public:
     bool exact = false;
     /// alternatives: the nodes one of which comes (anyOf, oneOf, a list of types).
     std::vector<int32_t> options;
+    /// regex: its automaton (the frame's `a` is the automaton's state).
+    std::shared_ptr<const byte_dfa> dfa;
   };
 
   /// One value being read: its node, where in it, and counts.
@@ -145,6 +148,8 @@ public:
     auto& n = nodes[static_cast<size_t>(f.node)];
     if (n.what == node::kind::number || n.what == node::kind::integer)
       return f.phase == 2 || f.phase == 3 || f.phase == 5 || f.phase == 8;
+    if (n.what == node::kind::regex)
+      return n.dfa->accepting[static_cast<size_t>(f.a)];
     if (n.what == node::kind::literals && f.phase == 1)
       for (size_t i = 0; i < n.literals.size(); ++i)
         if ((f.candidates >> i & 1) && n.literals[i].size() == static_cast<size_t>(f.b))
@@ -898,6 +903,16 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
         }
         return;
       }
+      case k::regex: {
+        auto next = n.dfa->next[static_cast<size_t>(f.a)][c];
+        if (next < 0)
+          return;
+        f.a = next;
+        // A match that cannot go on is complete.
+        if (!n.dfa->continues[static_cast<size_t>(next)])
+          return done();
+        return take();
+      }
       case k::alternatives:
         return; // expanded by push
     }
@@ -1062,15 +1077,16 @@ double structured_output::mask_seconds() const {
 
 std::unique_ptr<output_guide> structured_output::guide(const sampling_params& p) {
   int kinds = (!p.guided_json.empty() ? 1 : 0) + (p.guided_json_object ? 1 : 0) +
-              (!p.guided_choice.empty() ? 1 : 0);
+              (!p.guided_choice.empty() ? 1 : 0) + (!p.guided_regex.empty() ? 1 : 0);
   if (kinds == 0)
     return nullptr;
   if (kinds > 1)
-    throw error{errc::invalid_argument,
-                "guided_json, guided_json_object and guided_choice exclude each other"};
-  std::string key = !p.guided_json.empty() ? "json:" + p.guided_json
-                    : p.guided_json_object ? std::string{"object"}
-                                           : "choice:" + json(p.guided_choice).dump();
+    throw error{errc::invalid_argument, "guided_json, guided_json_object, guided_choice and "
+                                        "guided_regex exclude each other"};
+  std::string key = !p.guided_json.empty()  ? "json:" + p.guided_json
+                    : p.guided_json_object  ? std::string{"object"}
+                    : !p.guided_regex.empty() ? "regex:" + p.guided_regex
+                                             : "choice:" + json(p.guided_choice).dump();
   auto found = grammars_.find(key);
   if (found == grammars_.end()) {
     auto g = std::make_shared<output_grammar>(vocab_);
@@ -1083,6 +1099,15 @@ std::unique_ptr<output_guide> structured_output::guide(const sampling_params& p)
       g->refuse_empty_loops();
     } else if (p.guided_json_object) {
       g->root = g->builtin_.free_object;
+    } else if (!p.guided_regex.empty()) {
+      output_grammar::node n;
+      n.what = output_grammar::node::kind::regex;
+      n.dfa = std::make_shared<const byte_dfa>(compile_regex(p.guided_regex));
+      if (!n.dfa->continues[0] && !n.dfa->accepting[0])
+        throw error{errc::invalid_argument,
+                    "guided_regex '" + p.guided_regex + "' matches no text"};
+      g->nodes.push_back(std::move(n));
+      g->root = static_cast<int32_t>(g->nodes.size() - 1);
     } else {
       if (p.guided_choice.size() > 64)
         throw error{errc::invalid_argument, "guided_choice: more than 64 choices"};

@@ -24,7 +24,8 @@ bool reads_history(const sampling_params& params) {
 }
 
 bool guided(const sampling_params& p) {
-  return !p.guided_json.empty() || p.guided_json_object || !p.guided_choice.empty();
+  return !p.guided_json.empty() || p.guided_json_object || !p.guided_choice.empty() ||
+         !p.guided_regex.empty();
 }
 
 void validate(const sampling_params& params, int64_t vocab) {

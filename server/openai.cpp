@@ -102,8 +102,8 @@ json parse_json_object(const std::string& text) {
 
 namespace {
 
-/// OpenAI's response_format and vLLM's guided_json, guided_choice and structured_outputs
-/// (json, choice, json_object), into `sp`; at most one of them.
+/// OpenAI's response_format and vLLM's guided_json, guided_choice, guided_regex and
+/// structured_outputs (json, choice, regex, json_object), into `sp`; at most one of them.
 void structured_output_of(const nlohmann::ordered_json& body, sampling_params& sp) {
   int given = 0;
   auto schema_text = [&](const nlohmann::ordered_json& schema, const char* field) {
@@ -150,6 +150,15 @@ void structured_output_of(const nlohmann::ordered_json& body, sampling_params& s
     sp.guided_choice = choices(*f, "guided_choice");
     ++given;
   }
+  auto regex = [&](const nlohmann::ordered_json& value, const char* field) {
+    if (!value.is_string() || value.get<std::string>().empty())
+      bad("'" + std::string{field} + "' must be a non-empty regular expression", field);
+    return value.get<std::string>();
+  };
+  if (auto f = body.find("guided_regex"); f != body.end() && !f->is_null()) {
+    sp.guided_regex = regex(*f, "guided_regex");
+    ++given;
+  }
   if (auto f = body.find("structured_outputs"); f != body.end() && !f->is_null()) {
     if (!f->is_object())
       bad("'structured_outputs' must be an object", "structured_outputs");
@@ -162,14 +171,18 @@ void structured_output_of(const nlohmann::ordered_json& body, sampling_params& s
         sp.guided_choice = choices(value, "structured_outputs");
       else if (key == "json_object" && value.is_boolean())
         sp.guided_json_object = value.get<bool>();
+      else if (key == "regex")
+        sp.guided_regex = regex(value, "structured_outputs");
       else
-        bad("'structured_outputs." + key + "' is not supported (json, choice, json_object)",
+        bad("'structured_outputs." + key +
+              "' is not supported (json, choice, regex, json_object)",
             "structured_outputs");
       ++given;
     }
   }
   if (given > 1)
-    bad("response_format, guided_json, guided_choice and structured_outputs exclude each other",
+    bad("response_format, guided_json, guided_choice, guided_regex and structured_outputs "
+        "exclude each other",
         "response_format");
 }
 
@@ -184,7 +197,8 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n", "stop",
     "stop_token_ids", "stream", "stream_options", "logprobs", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "bad_words",
-    "prompt_logprobs", "response_format", "guided_json", "guided_choice", "structured_outputs"};
+    "prompt_logprobs", "response_format", "guided_json", "guided_choice", "guided_regex",
+    "structured_outputs"};
   static const std::set<std::string> completion_only = {"prompt", "echo", "best_of"};
   static const std::set<std::string> chat_only = {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",

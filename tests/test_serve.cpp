@@ -377,7 +377,8 @@ TEST_CASE("sampling fields act or are refused: penalties change tokens, unknown 
                             {"n", 5000},
                             {"response_format", {{"type", "xml"}}},
                             {"guided_choice", json::array()},
-                            {"guided_regex", "a+"},
+                            {"guided_regex", ""},
+                            {"structured_outputs", {{"grammar", "x"}}},
                             {"bad_words", "x"},
                             {"bad_words", {1, 2}},
                             {"user", "me"}}) {

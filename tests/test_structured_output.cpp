@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <random>
+#include <regex>
 
 using namespace troupe;
 using json = nlohmann::ordered_json;
@@ -222,4 +223,57 @@ TEST_CASE("schemas troupe cannot enforce are refused naming the keyword") {
   both.guided_json_object = true;
   both.guided_choice = {"a"};
   CHECK_THROWS_WITH_AS(automata().guide(both), doctest::Contains("exclude each other"), error);
+}
+
+TEST_CASE("guided_regex: the whole output matches, token by token and in random walks") {
+  auto pattern = [](const std::string& re) {
+    sampling_params p;
+    p.guided_regex = re;
+    return p;
+  };
+  auto phone = pattern(R"(\d{3}-\d{4})");
+  CHECK(takes(phone, "555-1234"));
+  CHECK_FALSE(takes(phone, "5551234"));
+  CHECK_FALSE(takes(phone, "555-12345"));
+  CHECK_FALSE(takes(phone, "555-123")); // may not end before the match is whole
+  auto pets = pattern("^(cat|dog)s?$");
+  CHECK(takes(pets, "cats"));
+  CHECK(takes(pets, "dog"));
+  CHECK_FALSE(takes(pets, "cow"));
+  auto name = pattern(R"([A-Z][a-z]+ (?:[0-9]{2,3}|[xX]+)\.?)");
+  CHECK(takes(name, "Ada 42."));
+  CHECK(takes(name, "Bob XXx"));
+  CHECK_FALSE(takes(name, "ada 42"));
+  CHECK_FALSE(takes(name, "Ada 4"));
+  // '.' and negated classes take any UTF-8 character but a newline; listed ones are theirs.
+  auto fields = pattern(R"([^,\n]+,.{1,3},[éa]+)");
+  CHECK(takes(fields, "crème,ü€x,éaé"));
+  CHECK_FALSE(takes(fields, "a,\n,a"));
+  CHECK_FALSE(takes(fields, "a,b,e"));
+  // Random walks through the masks write text the same expression matches (std::regex).
+  for (std::string re : {R"(\d{3}-\d{4})", "(cat|dog)s?", R"([a-z]{1,8}@[a-z]{2,6}\.(com|org))",
+                         R"(-?(0|[1-9][0-9]{0,5})(\.[0-9]{1,3})?)", "(ab|a)(bc|c)?x"}) {
+    for (uint64_t seed = 1; seed <= 20; ++seed) {
+      auto text = walk(pattern(re), seed);
+      CAPTURE(re);
+      CAPTURE(text);
+      CHECK(std::regex_match(text, std::regex{re}));
+    }
+  }
+  auto refused = [&](const std::string& re, const char* what) {
+    CHECK_THROWS_WITH_AS(automata().guide(pattern(re)), doctest::Contains(what), error);
+  };
+  refused("(?=a)b", "lookaround");
+  refused(R"((a)\1)", "backreferences");
+  refused(R"(\bword)", "backreferences");
+  refused("a{3,1}", "below its start");
+  refused("[z-a]", "below its start");
+  refused("(ab", "unclosed '('");
+  refused("ab)", "unopened ')'");
+  refused("*a", "nothing before it");
+  refused("[à-ü]", "beyond ASCII");
+  refused("a^b", "anchor");
+  auto both = pattern("a");
+  both.guided_choice = {"a"};
+  CHECK_THROWS_AS(automata().guide(both), error);
 }

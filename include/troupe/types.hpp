@@ -106,11 +106,13 @@ struct sampling_params {
   int32_t prompt_logprobs = -1;
   /// Structured output (vLLM's guided decoding), at most one of: the output is JSON valid
   /// under `guided_json` (a JSON schema, as text), a JSON object (`guided_json_object`,
-  /// OpenAI's JSON mode), or one of `guided_choice`. An engine with a tokenizer enforces it
-  /// with a mask of the tokens each step may sample.
+  /// OpenAI's JSON mode), one of `guided_choice`, or text that `guided_regex` matches
+  /// whole. An engine with a tokenizer enforces it with a mask of the tokens each step may
+  /// sample.
   std::string guided_json;
   bool guided_json_object = false;
   std::vector<std::string> guided_choice;
+  std::string guided_regex;
 };
 
 /// Whether `params` read a sequence's earlier tokens (the repetition, presence and
@@ -119,7 +121,7 @@ struct sampling_params {
 bool reads_history(const sampling_params& params);
 
 /// Whether `params` ask for structured output (`guided_json`, `guided_json_object`,
-/// `guided_choice`).
+/// `guided_choice`, `guided_regex`).
 bool guided(const sampling_params& params);
 
 /// Throws `invalid_argument` naming the parameter for a temperature below 0, a top_p
@@ -138,7 +140,7 @@ typename Inspector::result_type inspect(Inspector& f, sampling_params& x) {
            x.presence_penalty, x.frequency_penalty, x.min_p, x.logit_bias_ids,
            x.logit_bias_values, x.min_tokens, x.n, x.best_of, x.bad_words,
            x.bad_words_token_ids, x.prompt_logprobs, x.guided_json, x.guided_json_object,
-           x.guided_choice);
+           x.guided_choice, x.guided_regex);
 }
 
 // -- execute-model request ----------------------------------------------------

@@ -409,7 +409,8 @@ NB_MODULE(_core, m) {
     .def_rw("prompt_logprobs", &sampling_params::prompt_logprobs)
     .def_rw("guided_json", &sampling_params::guided_json)
     .def_rw("guided_json_object", &sampling_params::guided_json_object)
-    .def_rw("guided_choice", &sampling_params::guided_choice);
+    .def_rw("guided_choice", &sampling_params::guided_choice)
+    .def_rw("guided_regex", &sampling_params::guided_regex);
 
   nb::class_<lora_request>(m, "LoRARequestCore")
     .def(nb::init<>())

@@ -66,6 +66,23 @@ def test_text_chat_and_sampling_equal_the_command(smollm2):
     rendered = llm.render_chat([{"role": "user", "content": prompt}])
     assert rendered.endswith("<|im_start|>assistant\n") and prompt in rendered
     assert llm.get_tokenizer().decode(llm.get_tokenizer().encode(prompt, False)) == prompt
+    # Structured output: a regular expression, a choice, a schema.
+    import re
+
+    from troupe import GuidedDecodingParams
+
+    phone = llm.generate("Call me at", SamplingParams(max_tokens=20, temperature=0.7, seed=1,
+                         guided_decoding=GuidedDecodingParams(regex=r"\d{3}-\d{4}")))
+    assert re.fullmatch(r"\d{3}-\d{4}", phone[0].outputs[0].text)
+    pick = llm.generate("Is the sky blue?", SamplingParams(
+        max_tokens=8, temperature=0, guided_decoding=GuidedDecodingParams(choice=["yes", "no"])))
+    assert pick[0].outputs[0].text in ("yes", "no")
+    person = llm.generate("A person as JSON:", SamplingParams(max_tokens=60, temperature=0,
+        guided_decoding=GuidedDecodingParams(json={"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 10}}, "required": ["name"]})))
+    assert isinstance(json.loads(person[0].outputs[0].text)["name"], str)
+    with pytest.raises(TroupeError, match="lookaround"):
+        llm.generate("x", SamplingParams(guided_decoding=GuidedDecodingParams(regex="(?=a)")))
 
 
 def test_logprobs_n_and_stop():

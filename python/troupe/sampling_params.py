@@ -9,9 +9,9 @@ from . import _core
 
 class GuidedDecodingParams:
     """Structured output (vLLM's ``GuidedDecodingParams``): the output follows a JSON
-    schema (``json``: a dict or its text), is any JSON object (``json_object``), or is one
-    of ``choice``. troupe has no regular-expression or grammar constraints: ``regex`` and
-    ``grammar`` are refused."""
+    schema (``json``: a dict or its text), is any JSON object (``json_object``), is one of
+    ``choice``, or is text that ``regex`` matches whole. Grammars (``grammar``) are
+    refused."""
 
     def __init__(
         self,
@@ -22,15 +22,16 @@ class GuidedDecodingParams:
         regex: Optional[str] = None,
         grammar: Optional[str] = None,
     ) -> None:
-        if regex is not None or grammar is not None:
-            raise ValueError("troupe's structured output takes json, json_object or choice; "
-                             "regex and grammar are not supported")
-        given = [x for x in (json, json_object or None, choice) if x is not None]
+        if grammar is not None:
+            raise ValueError("troupe's structured output takes json, json_object, choice or "
+                             "regex; grammar is not supported")
+        given = [x for x in (json, json_object or None, choice, regex) if x is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one of json, json_object and choice")
+            raise ValueError("give exactly one of json, json_object, choice and regex")
         self.json = json
         self.json_object = bool(json_object)
         self.choice = list(choice) if choice is not None else None
+        self.regex = regex
 
 
 #: vLLM's newer name for the same.
@@ -171,6 +172,8 @@ class SamplingParams:
             c.guided_json_object = g.json_object
             if g.choice is not None:
                 c.guided_choice = g.choice
+            if g.regex is not None:
+                c.guided_regex = g.regex
         return c
 
     def __repr__(self) -> str:
