@@ -1130,7 +1130,8 @@ struct supervisor_state {
       [asked](const sleep_state::decision&) { return caf::make_message(asked); },
       [st, level](const sleep_state::decision&, const caf::error& err) {
         // Even when some rank failed, others may be asleep: only wake_up may lead back to
-        // awake (waking an awake worker does nothing).
+        // awake (waking an awake worker does nothing). A worker that died during the sleep
+        // is replaced asleep, as the others are.
         st->sleep.commit_sleep(level);
         if (err)
           st->log->error("sleep failed; call wake_up before the next step: {}", render(err));
@@ -1149,7 +1150,9 @@ struct supervisor_state {
       },
       [st](const sleep_state::decision& verdict, const caf::error& err) {
         // After a failure the tags still count as asleep; waking them again is harmless.
-        if (!err)
+        // A worker that died during the wake-up is replaced awake, and the others finish
+        // theirs: all are awake.
+        if (!err || to_errc(err) == errc::worker_replaced)
           st->sleep.commit_wake(verdict.tags);
       },
       [](const sleep_state::decision& verdict, double took) {
@@ -1349,8 +1352,6 @@ struct supervisor_state {
       return "only workers of this process or leased from a node are replaced";
     if (recovering)
       return "it died while another worker was being replaced";
-    if (transition)
-      return "a sleep or wake_up was in progress";
     auto now = clock_type::now();
     while (!restarts.empty() && now - restarts.front() >= cfg.restart.window)
       restarts.pop_front();

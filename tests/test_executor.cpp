@@ -767,3 +767,39 @@ TEST_CASE("calls made while a worker is replaced wait for it, within their deadl
   CHECK(code_of([&] { late.get(); }) == errc::timeout);
   CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 }
+
+TEST_CASE("a worker that dies during sleep or wake_up is replaced and every rank ends alike") {
+  auto cfg = config(2);
+  cfg.restart.max_restarts = 4;
+  executor exec{cfg, test_factory()};
+  exec.initialize_cache({10, 1});
+  auto before = exec.collective_rpc_as<int64_t>("checksum");
+  auto alike = [&] {
+    auto health = exec.worker_healths();
+    REQUIRE(health.size() == 2);
+    CHECK(health[0].sleeping_tags == health[1].sleeping_tags);
+    CHECK(exec.is_sleeping() == !health[0].sleeping_tags.empty());
+  };
+  for (std::string call : {"sleep", "wake_up"}) {
+    for (int32_t rank : {1, 0}) {
+      CAPTURE(call);
+      CAPTURE(rank);
+      exec.collective_rpc("die_in_on", {caf::make_message(rank, call), {}, {}, {}});
+      auto code = call == "sleep" ? code_of([&] { exec.sleep(1); })
+                                  : (exec.sleep(1), code_of([&] { exec.wake_up(); }));
+      // The call completes or says that a worker was replaced; either way every rank is in
+      // the state the executor reports, and a retry finishes the job.
+      CHECK((code == errc::none || code == errc::worker_replaced));
+      alike();
+      // The call's own effect holds, on the replacement too.
+      CHECK(exec.is_sleeping() == (call == "sleep"));
+      if (exec.is_sleeping())
+        exec.wake_up();
+      alike();
+      CHECK(!exec.is_sleeping());
+      CHECK(exec.collective_rpc_as<int64_t>("checksum") == before);
+    }
+  }
+  CHECK(exec.worker_healths()[0].restarts == 2);
+  CHECK(exec.worker_healths()[1].restarts == 2);
+}

@@ -160,7 +160,15 @@ public:
       fail_next_sleep_ = false;
       throw std::runtime_error("sleep failed on purpose");
     }
+    if (die_in_ == "sleep")
+      throw worker_fault{"died during sleep on purpose"};
     worker::sleep(level);
+  }
+
+  void wake_up(const std::vector<memory_tag>& tags) override {
+    if (die_in_ == "wake_up")
+      throw worker_fault{"died during wake_up on purpose"};
+    worker::wake_up(tags);
   }
 
   /// Records that call `i` ran here, for tests of the order in which calls arrive.
@@ -247,6 +255,12 @@ private:
       static_cast<test_worker&>(w).fail_next_step_ = true;
       return caf::message{};
     });
+    // (rank, call): that rank dies (worker_fault) in its next `call` ("sleep", "wake_up").
+    register_method("die_in_on", [](worker& w, const caf::message& args, const caf::settings&) {
+      if (w.rank() == int_arg(args, 0, 0) && args.size() > 1 && args.match_element<std::string>(1))
+        static_cast<test_worker&>(w).die_in_ = args.get_as<std::string>(1);
+      return caf::message{};
+    });
     register_method("fail_next_sleep_on", [](worker& w, const caf::message& args,
                                              const caf::settings&) {
       if (w.rank() == int_arg(args, 0, 0))
@@ -324,6 +338,8 @@ private:
   bool fail_next_step_ = false;
   int32_t step_delay_ms_ = 0;
   bool fail_next_sleep_ = false;
+  /// A call this worker dies in ("sleep", "wake_up"), or none.
+  std::string die_in_;
   std::string save_dir_;
   std::vector<int32_t> notes_;
 };
