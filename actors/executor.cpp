@@ -879,6 +879,25 @@ std::future<void> executor::wake_up_async(const std::vector<std::string>& tags) 
   return impl_->ask_async<void>(wake_atom::value, tags);
 }
 
+std::string executor::recovery() {
+  auto& d = *impl_;
+  std::shared_lock<std::shared_mutex> guard{d.lifecycle};
+  d.check_open();
+  // A message of its own, not a call: calls made during a replacement wait for it.
+  std::string answer;
+  caf::error failed;
+  {
+    logger_release release;
+    caf::scoped_actor self{*d.sys};
+    self->request(d.supervisor, d.cfg.rpc_timeout, recovery_atom::value)
+      .receive([&](std::string& text) { answer = std::move(text); },
+               [&](caf::error& e) { failed = std::move(e); });
+  }
+  if (failed)
+    throw error{to_errc(failed), "recovery: " + render(failed)};
+  return answer;
+}
+
 sleep_status executor::sleep_state() {
   sleep_status status;
   status.sleeping_tags =

@@ -1204,6 +1204,15 @@ struct supervisor_state {
     return rp;
   }
 
+  /// The replacement under way, in words; empty when none is.
+  std::string recovery() const {
+    if (!recovering)
+      return {};
+    std::chrono::duration<double> took = clock_type::now() - replacing_started;
+    return fmt::format("recovering rank {} for {:.1f} s ({})", replacing, took.count(),
+                       replacing_cause);
+  }
+
   /// The sleeping tags by name; empty when awake (vLLM's is_sleeping is "any tag sleeps").
   std::vector<std::string> sleeping_tag_names() const {
     std::vector<std::string> names;
@@ -1632,6 +1641,7 @@ supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config
       return self->state.wake_up(std::move(tags));
     },
     [self](sleep_state_atom) { return self->state.sleeping_tag_names(); },
+    [self](recovery_atom) { return self->state.recovery(); },
     [self](health_atom) { return self->state.check_health(); },
     [self](deadline_atom, int64_t at) { self->state.check_deadlines(at); },
     [self](async_call& call) { self->state.run_call(std::move(call)); },

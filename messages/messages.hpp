@@ -133,6 +133,7 @@ CAF_BEGIN_TYPE_ID_BLOCK(troupe, caf::first_custom_type_id)
   CAF_ADD_ATOM(troupe, troupe, group_atom, "t_group")
   CAF_ADD_ATOM(troupe, troupe, reply_error_atom, "t_rerror")
   CAF_ADD_ATOM(troupe, troupe, linger_atom, "t_linger")
+  CAF_ADD_ATOM(troupe, troupe, recovery_atom, "t_recovery")
 
 CAF_END_TYPE_ID_BLOCK(troupe)
 

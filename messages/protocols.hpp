@@ -70,6 +70,8 @@ using supervisor_actor = caf::typed_actor<
   caf::replies_to<wake_atom, std::vector<std::string>>::with<caf::ok_atom>,
   /// The sleeping tags by name; empty when awake.
   caf::replies_to<sleep_state_atom>::with<std::vector<std::string>>,
+  /// The replacement under way ("recovering rank N (cause)"), or empty; answered at once.
+  caf::replies_to<recovery_atom>::with<std::string>,
   caf::replies_to<health_atom>::with<std::vector<worker_health>>,
   /// The supervisor's own deadline timer (see `executor_actor.cpp`).
   caf::reacts_to<deadline_atom, int64_t>,

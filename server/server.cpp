@@ -490,6 +490,8 @@ private:
       try {
         if (m.executor().is_sleeping())
           throw unhealthy("the model sleeps; POST /wake_up");
+        if (auto recovering = m.executor().recovery(); !recovering.empty())
+          throw unhealthy(recovering);
         auto check = m.executor().check_health_async();
         if (check.wait_for(std::chrono::seconds(2)) != std::future_status::ready)
           throw unhealthy("the workers did not answer within 2 s (busy or recovering)");

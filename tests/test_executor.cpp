@@ -746,6 +746,10 @@ TEST_CASE("calls made while a worker is replaced wait for it, within their deadl
                   return base(rank);
                 }};
   CHECK(code_of([&] { kill_rank(exec, 1); }) == errc::worker_replaced);
+  // Said at once while it goes on, with the cause.
+  auto recovering = exec.recovery();
+  CHECK(recovering.find("recovering rank 1") != std::string::npos);
+  CHECK(recovering.find("injected fault") != std::string::npos);
   rpc_call_options hurried;
   hurried.timeout = 100ms;
   auto patient = exec.collective_rpc_async("rank");
@@ -753,6 +757,7 @@ TEST_CASE("calls made while a worker is replaced wait for it, within their deadl
   CHECK(what.find("timeout") != std::string::npos);
   CHECK(what.find("for the replacement of rank 1") != std::string::npos);
   REQUIRE(patient.get().size() == 2);
+  CHECK(exec.recovery().empty());
   CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 
   // A call that waited keeps its deadline, not a fresh one: made about a second into the

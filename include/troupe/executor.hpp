@@ -143,6 +143,11 @@ public:
   /// Throws when the executor failed or a worker reports itself unhealthy.
   void check_health();
 
+  /// While a dead worker is being replaced, what is going on ("recovering rank N for S s
+  /// (cause)"); empty otherwise. Answers at once, where other calls wait for the
+  /// replacement.
+  std::string recovery();
+
   /// Health reports of every worker, in rank order.
   std::vector<worker_health> worker_healths();
 
