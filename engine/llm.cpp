@@ -859,7 +859,8 @@ void llm::impl::update_weights(const std::function<void(bool check_only)>& updat
   auto state = exec->sleep_state();
   if (std::count(state.sleeping_tags.begin(), state.sleeping_tags.end(), "weights") > 0)
     exec->wake_up({"weights"});
-  // Every rank checks before any writes: a refused update leaves all on the old weights.
+  // Every rank checks before any writes: a refused update leaves all on the old weights
+  // (the second round writes what the first looked at).
   update(true);
   update(false);
   sched->reset_prefix_cache();
@@ -871,6 +872,7 @@ void llm::update_weights_from_tensors(const std::vector<host_tensor>& tensors,
   impl_->update_weights([&](bool check_only) {
     auto o = options;
     o.check_only = check_only;
+    o.values_checked = !check_only;
     impl_->exec->collective_rpc([&](worker& w, const caf::message&, const caf::settings&) {
       auto* mw = dynamic_cast<model_worker*>(&w);
       if (mw == nullptr)
@@ -887,6 +889,7 @@ void llm::update_weights_from_disk(const std::string& path, const weight_update_
     rpc_call_options call;
     call.args = caf::make_message(path);
     call.kwargs["check_only"] = check_only;
+    call.kwargs["values_checked"] = !check_only;
     call.kwargs["quantize_on_update"] = options.quantize_on_update;
     impl_->exec->collective_rpc("update_weights_from_disk", call);
   });
@@ -941,6 +944,7 @@ void llm::update_weights_from_distributed(const std::vector<host_tensor>& tensor
   d.update_weights([&](bool check_only) {
     rpc_call_options apply;
     apply.kwargs["check_only"] = check_only;
+    apply.kwargs["values_checked"] = !check_only;
     apply.kwargs["quantize_on_update"] = options.quantize_on_update;
     d.exec->collective_rpc("apply_received_weights", apply);
   });

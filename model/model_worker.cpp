@@ -113,7 +113,8 @@ struct model_worker::state {
   /// for the engine, and the tensors received over it, waiting to be applied.
   std::unique_ptr<weight_update_group> update_group;
   int32_t update_root = 1;
-  std::vector<std::vector<char>> received;
+  /// Not zeroed: every byte is received before it is read.
+  std::vector<std::unique_ptr<char[]>> received;
   std::vector<host_tensor> received_tensors;
   /// `checkpoint::fingerprint` of the config and the files loaded; of the config alone for a
   /// sharded state (each rank's files differ by design).
@@ -160,6 +161,7 @@ model_worker::model_worker(model_worker_options options)
     weight_update_options o;
     o.check_only = caf::get_or(kwargs, "check_only", false);
     o.quantize_on_update = caf::get_or(kwargs, "quantize_on_update", false);
+    o.values_checked = caf::get_or(kwargs, "values_checked", false);
     static_cast<model_worker&>(w).update_weights_from_disk(args.get_as<std::string>(0), o);
     return caf::message{};
   });
@@ -211,6 +213,7 @@ model_worker::model_worker(model_worker_options options)
     weight_update_options o;
     o.check_only = caf::get_or(kwargs, "check_only", false);
     o.quantize_on_update = caf::get_or(kwargs, "quantize_on_update", false);
+    o.values_checked = caf::get_or(kwargs, "values_checked", false);
     static_cast<model_worker&>(w).apply_received_weights(o);
     return caf::message{};
   });
@@ -389,7 +392,8 @@ void model_worker::update_weights(const checkpoint& src, bool whole,
     if (tag == memory_tag::weights)
       throw error{errc::sleeping,
                   "update_weights while tag weights sleeps; call wake_up(tags=[\"weights\"]) first"};
-  llama_model::update_options o{whole, options.quantize_on_update, !options.metadata_only};
+  llama_model::update_options o{whole, options.quantize_on_update,
+                                !options.metadata_only && !options.values_checked};
   if (options.check_only || options.metadata_only)
     st.model->check_update(src, o);
   else
@@ -497,10 +501,10 @@ bool model_worker::receive_weights(bool go, const std::vector<host_tensor>& meta
       bytes = byte_size(t);
     } catch (const error&) {
     }
-    st.received.emplace_back(bytes);
-    st.update_group->broadcast(st.received.back().data(), st.received.back().size(), 0);
+    st.received.emplace_back(new char[std::max<size_t>(bytes, 1)]);
+    st.update_group->broadcast(st.received.back().get(), bytes, 0);
     auto received = t;
-    received.data = st.received.back().data();
+    received.data = st.received.back().get();
     st.received_tensors.push_back(std::move(received));
   }
   if (problem) {

@@ -115,6 +115,9 @@ struct weight_update_options {
   /// Check names, shapes and types alone (implies `check_only`): the tensors' data may be
   /// null, before it is received.
   bool metadata_only = false;
+  /// A `check_only` round just before looked at every value of these tensors: the update
+  /// writes them without looking again (the engine's second round).
+  bool values_checked = false;
 };
 
 /// Runs the model of `options.model_path`, this rank's shard of it, on the worker's device
