@@ -1,5 +1,6 @@
 #include "engine/byte_regex.hpp"
 
+#include "model/tokenizer.hpp"
 #include "troupe/errors.hpp"
 
 #include <algorithm>
@@ -54,21 +55,7 @@ byte_set range(int lo, int hi) {
 /// The UTF-8 bytes of a code point.
 std::string utf8(uint32_t cp) {
   std::string out;
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xc0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3f));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xe0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (cp & 0x3f));
-  } else {
-    out += static_cast<char>(0xf0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3f));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (cp & 0x3f));
-  }
+  append_utf8(out, cp);
   return out;
 }
 

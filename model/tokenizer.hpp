@@ -19,6 +19,9 @@ namespace troupe {
 /// as Python's and Rust's lossy decoders (and so transformers) do.
 std::string valid_utf8(std::string_view bytes);
 
+/// Appends code point `c` to `out` as UTF-8.
+void append_utf8(std::string& out, uint32_t c);
+
 /// A BPE tokenizer read from a Hugging Face `tokenizer.json` or from a GGUF file's
 /// `tokenizer.ggml.*` metadata: byte-level (GPT-2 style, as SmolLM2, Llama 3 and Qwen2 use)
 /// or SentencePiece-style with byte fallback (as Llama 2 and Mistral use).
