@@ -938,7 +938,13 @@ void llm::update_weights_from_distributed(const std::vector<host_tensor>& tensor
   }
   rpc_call_options receive;
   receive.args = caf::make_message(!refused, names, dtypes, dims, ndims);
-  d.exec->collective_rpc("receive_weights", receive);
+  try {
+    d.exec->collective_rpc("receive_weights", receive);
+  } catch (const error&) {
+    if (refused)
+      std::rethrow_exception(refused); // the first reason, not its echo
+    throw;
+  }
   if (refused)
     std::rethrow_exception(refused);
   d.update_weights([&](bool check_only) {

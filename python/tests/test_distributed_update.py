@@ -83,3 +83,6 @@ def test_a_trainer_that_never_comes_is_a_timeout():
     assert e.value.errc in ("timeout", "worker_error")
     with pytest.raises(TroupeError, match="no weight-update group"):
         llm.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]])
+    # The update's own mistake is the error said, not what it caused after.
+    with pytest.raises(TroupeError, match="model.nope.weight"):
+        llm.update_weights_from_distributed(["model.nope.weight"], ["float32"], [[64]])
