@@ -821,11 +821,13 @@ std::vector<generation_update> llm::step() {
     // request is computed again from its prompt and the tokens it has, which gives the
     // same tokens under greedy or seeded sampling.
     d.steps.clear();
-    sched.recompute_all();
+    auto again = static_cast<int64_t>(sched.recompute_all());
     // A worker died and the executor replaced it: the engine goes on. Other errors (the
     // workers sleep, the executor failed) are the caller's; the requests stay queued.
     if (e.code() != errc::worker_replaced)
       throw;
+    ++d.counts.recoveries;
+    d.counts.recomputed_sequences += again;
   }
   return updates;
 }

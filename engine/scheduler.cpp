@@ -376,7 +376,7 @@ void scheduler::update(const sampler_output& output) {
   }
 }
 
-void scheduler::recompute_all() {
+size_t scheduler::recompute_all() {
   in_flight_.clear();
   scheduled_.clear();
   std::vector<int64_t> again(running_.begin(), running_.end());
@@ -395,6 +395,7 @@ void scheduler::recompute_all() {
   blocks_.reset_cache();
   // Waiting requests hold no cache and no step in flight already.
   waiting_.insert(waiting_.begin(), again.begin(), again.end());
+  return again.size();
 }
 
 void scheduler::finish(int64_t seq, const std::string& reason) {

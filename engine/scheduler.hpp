@@ -110,8 +110,9 @@ public:
 
   /// Forgets every step in flight and every KV cache: each unfinished request waits to be
   /// computed again from its prompt and the tokens it has (the workers' caches are gone, as
-  /// after a worker was replaced). Running requests go first, in their order.
-  void recompute_all();
+  /// after a worker was replaced). Running requests go first, in their order. Returns how
+  /// many sequences are computed again.
+  size_t recompute_all();
 
   /// Finishes an unfinished request now (e.g. a stop string appeared), freeing its blocks.
   void finish(int64_t seq, const std::string& reason);

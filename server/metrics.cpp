@@ -108,6 +108,11 @@ std::string server_metrics::render() const {
     out << "vllm:request_success_total{" << label_ << ",finished_reason=\"" << escaped(reason)
         << "\"} " << n << '\n';
   counter("troupe:engine_steps", "Engine steps run.", stats_.steps);
+  counter("troupe:recoveries", "Workers replaced under the restart policy while the engine ran.",
+          stats_.recoveries);
+  counter("troupe:recomputed_sequences",
+          "Sequences computed again from their prompts and tokens after a replacement.",
+          stats_.recomputed_sequences);
   gauge("troupe:step_requests", "Requests in the last step.",
         static_cast<double>(stats_.last_step_requests));
   gauge("troupe:step_requests_max", "The most requests in one step so far.",

@@ -238,6 +238,10 @@ TEST_CASE("a worker that dies mid-generation is replaced and the outputs stay tr
       CHECK(outs[i].token_ids == ref["prompts"][i]["greedy"].get<std::vector<int32_t>>());
     model.executor().check_health();
     CHECK(model.executor().worker_healths()[static_cast<size_t>(f.rank)].restarts == 1);
+    // Counted for /metrics: one recovery, and the requests running then computed again.
+    CHECK(model.stats().recoveries == 1);
+    CHECK(model.stats().recomputed_sequences >= 1);
+    CHECK(model.stats().recomputed_sequences <= static_cast<int64_t>(reqs.size()));
   }
   SUBCASE("a death beyond max_restarts fails the generation with worker_died") {
     auto run = cfg;

@@ -199,6 +199,10 @@ struct engine_stats {
   /// Seconds the engine spent on structured output's masks, in all (part of the host's
   /// time of the steps).
   double structured_output_seconds = 0;
+  /// Workers replaced under the restart policy that cost the engine a step, and the
+  /// sequences computed again after them (from their prompts and tokens so far).
+  int64_t recoveries = 0;
+  int64_t recomputed_sequences = 0;
 };
 
 /// A model ready to generate. Throws `troupe::error` when the model cannot be loaded.
