@@ -23,6 +23,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace nb = nanobind;
@@ -451,66 +452,51 @@ NB_MODULE(_core, m) {
     .def_ro("first_token_seconds", &generation_output::first_token_seconds)
     .def_ro("finished_seconds", &generation_output::finished_seconds);
 
-  nb::class_<llm_config>(m, "Config")
-    .def(nb::init<>())
-    .def_prop_rw("model", [](llm_config& c) { return c.worker.model_path; },
-                 [](llm_config& c, const std::string& v) { c.worker.model_path = v; })
-    .def_prop_rw("load_format", [](llm_config& c) { return c.worker.load_format; },
-                 [](llm_config& c, const std::string& v) { c.worker.load_format = v; })
-    .def_prop_rw("dtype", [](llm_config& c) { return c.worker.dtype; },
-                 [](llm_config& c, const std::string& v) { c.worker.dtype = v; })
-    .def_prop_rw("cpu_precision", [](llm_config& c) { return c.worker.cpu_precision; },
-                 [](llm_config& c, const std::string& v) { c.worker.cpu_precision = v; })
-    .def_prop_rw("enforce_eager", [](llm_config& c) { return c.worker.enforce_eager; },
-                 [](llm_config& c, bool v) { c.worker.enforce_eager = v; })
-    .def_prop_rw("enable_expert_parallel",
-                 [](llm_config& c) { return c.worker.enable_expert_parallel; },
-                 [](llm_config& c, bool v) { c.worker.enable_expert_parallel = v; })
-    .def_prop_rw("weight_cache", [](llm_config& c) { return c.worker.weight_cache; },
-                 [](llm_config& c, const std::string& v) { c.worker.weight_cache = v; })
-    .def_prop_rw("kv_cache_memory_bytes",
-                 [](llm_config& c) { return c.worker.kv_cache_memory_bytes; },
-                 [](llm_config& c, int64_t v) { c.worker.kv_cache_memory_bytes = v; })
-    .def_prop_rw("gpu_memory_utilization",
-                 [](llm_config& c) { return c.worker.gpu_memory_utilization; },
-                 [](llm_config& c, double v) { c.worker.gpu_memory_utilization = v; })
-    .def_prop_rw("swap_space_bytes", [](llm_config& c) { return c.worker.swap_space_bytes; },
-                 [](llm_config& c, int64_t v) { c.worker.swap_space_bytes = v; })
-    .def_prop_rw("max_loras", [](llm_config& c) { return c.worker.max_loras; },
-                 [](llm_config& c, int32_t v) { c.worker.max_loras = v; })
-    .def_prop_rw("max_lora_rank", [](llm_config& c) { return c.worker.max_lora_rank; },
-                 [](llm_config& c, int32_t v) { c.worker.max_lora_rank = v; })
-    .def_prop_rw("tensor_parallel_size",
-                 [](llm_config& c) { return c.executor.tensor_parallel_size; },
-                 [](llm_config& c, int32_t v) { c.executor.tensor_parallel_size = v; })
-    .def_prop_rw("device", [](llm_config& c) { return c.executor.device_kind; },
-                 [](llm_config& c, const std::string& v) { c.executor.device_kind = v; })
-    .def_prop_rw("max_model_len", [](llm_config& c) { return c.executor.max_model_len; },
-                 [](llm_config& c, int32_t v) { c.executor.max_model_len = v; })
-    .def_prop_rw("block_size", [](llm_config& c) { return c.executor.block_size; },
-                 [](llm_config& c, int32_t v) { c.executor.block_size = v; })
-    .def_prop_rw("rpc_timeout_seconds",
-                 [](llm_config& c) {
-                   return std::chrono::duration<double>(c.executor.rpc_timeout).count();
-                 },
-                 [](llm_config& c, double v) {
-                   c.executor.rpc_timeout = to_timeout(v).value();
-                 })
-    .def_prop_rw("max_restarts",
-                 [](llm_config& c) { return c.executor.restart.max_restarts; },
-                 [](llm_config& c, int32_t v) { c.executor.restart.max_restarts = v; })
-    .def_prop_rw("max_num_seqs", [](llm_config& c) { return c.scheduler.max_num_seqs; },
-                 [](llm_config& c, int32_t v) { c.scheduler.max_num_seqs = v; })
-    .def_prop_rw("max_num_batched_tokens",
-                 [](llm_config& c) { return c.scheduler.max_num_batched_tokens; },
-                 [](llm_config& c, int32_t v) { c.scheduler.max_num_batched_tokens = v; })
-    .def_prop_rw("enable_prefix_caching",
-                 [](llm_config& c) { return c.scheduler.enable_prefix_caching; },
-                 [](llm_config& c, bool v) { c.scheduler.enable_prefix_caching = v; })
-    .def_prop_rw("async_scheduling", [](llm_config& c) { return c.scheduler.async_scheduling; },
-                 [](llm_config& c, bool v) { c.scheduler.async_scheduling = v; })
+  nb::class_<llm_config> config(m, "Config");
+  config.def(nb::init<>())
     .def_rw("chat_template", &llm_config::chat_template)
     .def("validate", &llm_config::validate);
+  // The engine's arguments under flat names (the Python layer gives them vLLM's).
+  auto field = [&](const char* name, auto part, auto member) {
+    using T = std::decay_t<decltype(llm_config{}.*part.*member)>;
+    config.def_prop_rw(
+      name, [part, member](llm_config& c) { return (c.*part).*member; },
+      [part, member](llm_config& c, const T& v) { (c.*part).*member = v; });
+  };
+  using W = model_worker_options;
+  using E = executor_config;
+  using S = scheduler_config;
+  auto worker = &llm_config::worker;
+  auto executor = &llm_config::executor;
+  auto scheduling = &llm_config::scheduler;
+  field("model", worker, &W::model_path);
+  field("load_format", worker, &W::load_format);
+  field("dtype", worker, &W::dtype);
+  field("cpu_precision", worker, &W::cpu_precision);
+  field("enforce_eager", worker, &W::enforce_eager);
+  field("enable_expert_parallel", worker, &W::enable_expert_parallel);
+  field("weight_cache", worker, &W::weight_cache);
+  field("kv_cache_memory_bytes", worker, &W::kv_cache_memory_bytes);
+  field("gpu_memory_utilization", worker, &W::gpu_memory_utilization);
+  field("swap_space_bytes", worker, &W::swap_space_bytes);
+  field("max_loras", worker, &W::max_loras);
+  field("max_lora_rank", worker, &W::max_lora_rank);
+  field("tensor_parallel_size", executor, &E::tensor_parallel_size);
+  field("device", executor, &E::device_kind);
+  field("max_model_len", executor, &E::max_model_len);
+  field("block_size", executor, &E::block_size);
+  field("max_num_seqs", scheduling, &S::max_num_seqs);
+  field("max_num_batched_tokens", scheduling, &S::max_num_batched_tokens);
+  field("enable_prefix_caching", scheduling, &S::enable_prefix_caching);
+  field("async_scheduling", scheduling, &S::async_scheduling);
+  config
+    .def_prop_rw(
+      "max_restarts", [](llm_config& c) { return c.executor.restart.max_restarts; },
+      [](llm_config& c, int32_t v) { c.executor.restart.max_restarts = v; })
+    .def_prop_rw(
+      "rpc_timeout_seconds",
+      [](llm_config& c) { return std::chrono::duration<double>(c.executor.rpc_timeout).count(); },
+      [](llm_config& c, double v) { c.executor.rpc_timeout = to_timeout(v).value(); });
 
   nb::class_<worker_handle>(m, "Worker",
                             "A worker as a callable given to collective_rpc sees it, during "
