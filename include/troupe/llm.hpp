@@ -275,7 +275,10 @@ public:
   /// are woken first (the KV cache stays asleep; after a level-2 sleep the update refills
   /// them). The prefix cache is forgotten and `weight_version` counts the update. Throws
   /// `invalid_argument` while requests are unfinished, and `remote_callable` when a worker
-  /// lives in another process (the tensors are this process's memory).
+  /// lives in another process (the tensors are this process's memory). Under a restart
+  /// policy, with the engine's own workers (no factory given), a replaced worker comes up
+  /// with every update since the checkpoint: the engine keeps the last checkpoint updated
+  /// from and a host copy of each tensor written since.
   void update_weights_from_tensors(const std::vector<host_tensor>& tensors,
                                    const weight_update_options& options = {});
 
