@@ -113,8 +113,12 @@ struct model_worker::state {
   /// for the engine, and the tensors received over it, waiting to be applied.
   std::unique_ptr<weight_update_group> update_group;
   int32_t update_root = 1;
-  /// Not zeroed: every byte is received before it is read.
+  /// Host buffers of the last tensors received, kept (with their sizes) for the next update
+  /// of the same tensors until the group is left: fresh pages would be faulted in and
+  /// zeroed by the kernel on every update. Not zeroed here: every byte is received before
+  /// it is read.
   std::vector<std::unique_ptr<char[]>> received;
+  std::vector<size_t> received_sizes;
   std::vector<host_tensor> received_tensors;
   /// `checkpoint::fingerprint` of the config and the files loaded; of the config alone for a
   /// sharded state (each rank's files differ by design).
@@ -463,6 +467,7 @@ void model_worker::init_weights_update_group(const std::string& master_address,
 void model_worker::destroy_weights_update_group() {
   state_->update_group.reset();
   state_->received.clear();
+  state_->received_sizes.clear();
   state_->received_tensors.clear();
 }
 
@@ -472,7 +477,6 @@ bool model_worker::receive_weights(bool go, const std::vector<host_tensor>& meta
     throw error{errc::invalid_argument,
                 "update_weights_from_distributed: no weight-update group (call "
                 "init_weights_update_group first)"};
-  st.received.clear();
   st.received_tensors.clear();
   std::exception_ptr problem;
   try {
@@ -492,7 +496,10 @@ bool model_worker::receive_weights(bool go, const std::vector<host_tensor>& meta
       std::rethrow_exception(problem);
     return false;
   }
-  for (auto& t : metadata) {
+  st.received.resize(metadata.size());
+  st.received_sizes.resize(metadata.size(), 0);
+  for (size_t i = 0; i < metadata.size(); ++i) {
+    auto& t = metadata[i];
     // A rank that found a problem its rank 0 did not still takes its part, so that the
     // group stays in step, and fails after.
     // Checked before the flag went out, when it is not `problem`.
@@ -501,14 +508,16 @@ bool model_worker::receive_weights(bool go, const std::vector<host_tensor>& meta
       bytes = byte_size(t);
     } catch (const error&) {
     }
-    st.received.emplace_back(new char[std::max<size_t>(bytes, 1)]);
-    st.update_group->broadcast(st.received.back().get(), bytes, 0);
+    if (!st.received[i] || st.received_sizes[i] != bytes) {
+      st.received[i].reset(new char[std::max<size_t>(bytes, 1)]);
+      st.received_sizes[i] = bytes;
+    }
+    st.update_group->broadcast(st.received[i].get(), bytes, 0);
     auto received = t;
-    received.data = st.received.back().get();
+    received.data = st.received[i].get();
     st.received_tensors.push_back(std::move(received));
   }
   if (problem) {
-    st.received.clear();
     st.received_tensors.clear();
     std::rethrow_exception(problem);
   }
@@ -520,10 +529,8 @@ void model_worker::apply_received_weights(const weight_update_options& options) 
   if (st.received_tensors.empty())
     throw error{errc::invalid_argument, "no received weights to apply"};
   update_weights(st.received_tensors, options);
-  if (!options.check_only) {
-    st.received.clear();
-    st.received_tensors.clear();
-  }
+  if (!options.check_only)
+    st.received_tensors.clear(); // applied: the buffers stay for the next update
 }
 
 void model_worker::update_weights_from_disk(const std::string& path,

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The Python package against its anchors, in one run, alternating, medians; prints JSON.
 
-1. LLM.generate throughput against the C++ `troupe bench generate` on a batch of the same
-   shape (--num-prompts × --input-len random token ids, --output-len greedy tokens each).
+1. LLM.generate throughput against the C++ `troupe bench generate` on the same batch
+   (--num-prompts × --input-len token ids drawn as it draws them, --output-len greedy
+   tokens each).
 2. update_weights_from_distributed of a SmolLM2-135M-shaped float32 model from a trainer
    process, against a bare torch.distributed.broadcast (Gloo) of the same tensors between
    two Python processes (needs PyTorch).
@@ -55,11 +56,15 @@ def bench_generate(model, args):
     cli = [sys.executable, "-m", "troupe", "bench", "generate", "--model", model, "--json",
            "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len)]
-    llm = LLM(model)
+    # The engine as the command makes it: weights mapped from its weight cache.
+    cache = os.environ.get("TROUPE_WEIGHT_CACHE") or os.path.expanduser("~/.cache/troupe/weights")
+    llm = LLM(model, weight_cache=cache)
+    # The C++ bench's very batch: its std::mt19937 seeded 0 is NumPy's legacy MT19937.
     vocab = llm.get_tokenizer().vocab_size
-    rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(0, vocab, args.input_len).tolist()}
-               for _ in range(args.num_prompts)]
+    words = np.random.RandomState(0).randint(0, 2**32, size=args.num_prompts * args.input_len,
+                                             dtype=np.uint64)
+    ids = (words % vocab).reshape(args.num_prompts, args.input_len)
+    prompts = [{"prompt_token_ids": row.tolist()} for row in ids]
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], sp)  # warm
     python, cpp = [], []

@@ -195,7 +195,8 @@ public:
                                  int32_t rank_offset, int32_t world_size,
                                  const std::string& backend, timeout_type timeout);
 
-  /// Leaves the weight-update group; nothing when there is none.
+  /// Leaves the weight-update group (and frees the buffers updates were received into);
+  /// nothing when there is none.
   void destroy_weights_update_group();
 
   /// One round of an update over the group: member `rank_offset` (the engine's rank 0)
@@ -204,8 +205,8 @@ public:
   /// keeps them for `apply_received_weights`. Returns `go`.
   bool receive_weights(bool go, const std::vector<host_tensor>& metadata);
 
-  /// `update_weights` with the tensors the last `receive_weights` received; they are let
-  /// go once written (not after `check_only`).
+  /// `update_weights` with the tensors the last `receive_weights` received, once (not after
+  /// `check_only`). Their host buffers stay for the next update until the group is left.
   void apply_received_weights(const weight_update_options& options);
 
   /// `expert_load`'s answer: this rank's first expert, its number of experts, and the
