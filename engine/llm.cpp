@@ -21,6 +21,14 @@ namespace troupe {
 
 namespace {
 
+/// One round of an update: checking, or writing what the checking round looked at (its
+/// values are not looked at again).
+weight_update_options update_round(bool check_only, weight_update_options options) {
+  options.check_only = check_only;
+  options.values_checked = !check_only;
+  return options;
+}
+
 /// The weights a worker was updated to, for its replacement: the last checkpoint read
 /// (`update_weights_from_disk`), then a copy of each tensor written since (from tensors or
 /// the trainer's group). Kept only under a restart policy: it costs a host copy of what
@@ -111,6 +119,10 @@ struct llm::impl {
   /// Runs `update` (a collective call with `check_only` as given) on every rank: first
   /// checking, then writing. Wakes sleeping weights first.
   void update_weights(const std::function<void(bool check_only)>& update);
+
+  /// Throws `invalid_argument` while requests are unfinished: an update then would mix two
+  /// models in one output.
+  void require_idle_for_update() const;
 
   // The online engine: one scheduler for the life of the model.
   std::unique_ptr<scheduler> sched;
@@ -854,10 +866,14 @@ void llm::reset_prefix_cache() {
   impl_->sched->reset_prefix_cache();
 }
 
-void llm::impl::update_weights(const std::function<void(bool check_only)>& update) {
+void llm::impl::require_idle_for_update() const {
   if (!live.empty() || !steps.empty())
     throw error{errc::invalid_argument,
                 "a weight update while requests are unfinished: they would mix two models"};
+}
+
+void llm::impl::update_weights(const std::function<void(bool check_only)>& update) {
+  require_idle_for_update();
   auto state = exec->sleep_state();
   if (std::count(state.sleeping_tags.begin(), state.sleeping_tags.end(), "weights") > 0)
     exec->wake_up({"weights"});
@@ -872,9 +888,7 @@ void llm::impl::update_weights(const std::function<void(bool check_only)>& updat
 void llm::update_weights_from_tensors(const std::vector<host_tensor>& tensors,
                                       const weight_update_options& options) {
   impl_->update_weights([&](bool check_only) {
-    auto o = options;
-    o.check_only = check_only;
-    o.values_checked = !check_only;
+    auto o = update_round(check_only, options);
     impl_->exec->collective_rpc([&](worker& w, const caf::message&, const caf::settings&) {
       auto* mw = dynamic_cast<model_worker*>(&w);
       if (mw == nullptr)
@@ -890,9 +904,7 @@ void llm::update_weights_from_disk(const std::string& path, const weight_update_
   impl_->update_weights([&](bool check_only) {
     rpc_call_options call;
     call.args = caf::make_message(path);
-    call.kwargs["check_only"] = check_only;
-    call.kwargs["values_checked"] = !check_only;
-    call.kwargs["quantize_on_update"] = options.quantize_on_update;
+    call.kwargs = to_kwargs(update_round(check_only, options));
     impl_->exec->collective_rpc("update_weights_from_disk", call);
   });
 }
@@ -928,12 +940,10 @@ void llm::update_weights_from_distributed(const std::vector<host_tensor>& tensor
   // told "no" rather than left waiting to send.
   std::exception_ptr refused;
   try {
-    if (has_unfinished_requests())
-      throw error{errc::invalid_argument,
-                  "a weight update while requests are unfinished: they would mix two models"};
+    d.require_idle_for_update();
     rpc_call_options check;
     check.args = caf::make_message(names, dtypes, dims, ndims);
-    check.kwargs["quantize_on_update"] = options.quantize_on_update;
+    check.kwargs = to_kwargs(options);
     d.exec->collective_rpc("check_weight_metadata", check);
   } catch (const error&) {
     refused = std::current_exception();
@@ -951,9 +961,7 @@ void llm::update_weights_from_distributed(const std::vector<host_tensor>& tensor
     std::rethrow_exception(refused);
   d.update_weights([&](bool check_only) {
     rpc_call_options apply;
-    apply.kwargs["check_only"] = check_only;
-    apply.kwargs["values_checked"] = !check_only;
-    apply.kwargs["quantize_on_update"] = options.quantize_on_update;
+    apply.kwargs = to_kwargs(update_round(check_only, options));
     d.exec->collective_rpc("apply_received_weights", apply);
   });
 }

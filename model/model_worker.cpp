@@ -162,11 +162,8 @@ model_worker::model_worker(model_worker_options options)
                                                  const caf::settings& kwargs) {
     if (args.size() != 1 || !args.match_element<std::string>(0))
       throw error{errc::bad_arguments, "update_weights_from_disk takes one argument, a path"};
-    weight_update_options o;
-    o.check_only = caf::get_or(kwargs, "check_only", false);
-    o.quantize_on_update = caf::get_or(kwargs, "quantize_on_update", false);
-    o.values_checked = caf::get_or(kwargs, "values_checked", false);
-    static_cast<model_worker&>(w).update_weights_from_disk(args.get_as<std::string>(0), o);
+    static_cast<model_worker&>(w).update_weights_from_disk(args.get_as<std::string>(0),
+                                                           weight_update_options_of(kwargs));
     return caf::message{};
   });
   register_method("init_weights_update_group", [](worker& w, const caf::message& args,
@@ -198,9 +195,8 @@ model_worker::model_worker(model_worker_options options)
                   });
   register_method("check_weight_metadata", [](worker& w, const caf::message& args,
                                               const caf::settings& kwargs) {
-    weight_update_options o;
+    auto o = weight_update_options_of(kwargs);
     o.metadata_only = true;
-    o.quantize_on_update = caf::get_or(kwargs, "quantize_on_update", false);
     static_cast<model_worker&>(w).update_weights(tensor_metadata(args, 0), o);
     return caf::message{};
   });
@@ -214,11 +210,7 @@ model_worker::model_worker(model_worker_options options)
   });
   register_method("apply_received_weights", [](worker& w, const caf::message&,
                                                const caf::settings& kwargs) {
-    weight_update_options o;
-    o.check_only = caf::get_or(kwargs, "check_only", false);
-    o.quantize_on_update = caf::get_or(kwargs, "quantize_on_update", false);
-    o.values_checked = caf::get_or(kwargs, "values_checked", false);
-    static_cast<model_worker&>(w).apply_received_weights(o);
+    static_cast<model_worker&>(w).apply_received_weights(weight_update_options_of(kwargs));
     return caf::message{};
   });
   register_method("expert_load", [](worker& w, const caf::message&, const caf::settings&) {
@@ -427,6 +419,22 @@ void model_worker::update_weights(const std::vector<host_tensor>& tensors,
 }
 
 void model_worker::weights_updated(const std::string&, const std::vector<host_tensor>&) {}
+
+weight_update_options weight_update_options_of(const caf::settings& kwargs) {
+  weight_update_options o;
+  o.check_only = caf::get_or(kwargs, "check_only", false);
+  o.quantize_on_update = caf::get_or(kwargs, "quantize_on_update", false);
+  o.values_checked = caf::get_or(kwargs, "values_checked", false);
+  return o;
+}
+
+caf::settings to_kwargs(const weight_update_options& options) {
+  caf::settings kwargs;
+  kwargs["check_only"] = options.check_only;
+  kwargs["quantize_on_update"] = options.quantize_on_update;
+  kwargs["values_checked"] = options.values_checked;
+  return kwargs;
+}
 
 size_t byte_size(const host_tensor& t) {
   auto type = parse_dtype_name(t.dtype);

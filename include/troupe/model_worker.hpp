@@ -120,6 +120,14 @@ struct weight_update_options {
   bool values_checked = false;
 };
 
+/// `options` as the keyword arguments of the named update methods
+/// (`update_weights_from_disk`, `apply_received_weights`): `check_only`,
+/// `quantize_on_update`, `values_checked`.
+caf::settings to_kwargs(const weight_update_options& options);
+
+/// Options from those keyword arguments; missing ones are false.
+weight_update_options weight_update_options_of(const caf::settings& kwargs);
+
 /// Runs the model of `options.model_path`, this rank's shard of it, on the worker's device
 /// (the CPU, or a GPU with NCCL between the ranks).
 ///
