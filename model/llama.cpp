@@ -663,10 +663,19 @@ void llama_model::check_update(const checkpoint& src, const update_options& opti
 void llama_model::update(const checkpoint& src, const update_options& options) {
   const std::string source = "weight update from " + src.directory();
   auto planned = plan_update(src, options);
-  parallel_each(planned.size(), threads_per_rank(world_), [&](size_t i) {
+  auto write = [&](size_t i) {
     auto& [j, t] = planned[i];
     write_weight(j, *t, static_cast<char*>(j.slot->ptr), false, source, true);
-  });
+  };
+  // Packing runs on the backend's own threads (one call at a time): those tensors go one
+  // after another; the copies go on this rank's threads.
+  std::vector<size_t> copied;
+  for (size_t i = 0; i < planned.size(); ++i)
+    if (planned[i].first.packed)
+      write(i);
+    else
+      copied.push_back(i);
+  parallel_each(copied.size(), threads_per_rank(world_), [&](size_t n) { write(copied[n]); });
 }
 
 llama_model::shard llama_model::shard_of(projection p) const {

@@ -238,6 +238,13 @@ TEST_CASE("quantized weights take float tensors only when asked to quantize them
   requantize.quantize_on_update = true;
   model.update_weights_from_disk(fixtures + "/llama-gqa-gguf/llama-gqa-f32.gguf", requantize);
   CHECK(tokens_of(model, ref) == before);
+  // The CPU's fast path keeps the blocks packed for its GEMMs: an update packs them again.
+  auto fast_cfg = tiny(gguf);
+  fast_cfg.worker.cpu_precision = "fast";
+  llm fast{fast_cfg};
+  auto fast_before = tokens_of(fast, ref);
+  fast.update_weights_from_disk(fixtures + "/llama-gqa-gguf/llama-gqa-f32.gguf", requantize);
+  CHECK(tokens_of(fast, ref) == fast_before);
   // A model loaded with float weights takes them as they are.
   auto as_float = tiny(gguf);
   as_float.worker.dtype = "float32";
