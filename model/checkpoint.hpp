@@ -3,6 +3,7 @@
 #include "model/config.hpp"
 #include "model/safetensors.hpp"
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -58,11 +59,19 @@ public:
   /// Every tensor name, sorted.
   std::vector<std::string> names() const;
 
-  /// What identifies a model, cheaply (16 hex digits): a hash of `config_text` and, with
-  /// `tensors`, of every tensor's name, type and shape and 16 words sampled evenly from its
-  /// bytes. Two ranks that opened different files at the same path (another version of the
-  /// model on one host) differ.
-  std::string fingerprint(const std::string& config_text, bool tensors = true) const;
+  /// What identifies a model (16 hex digits): a hash of `config_text` and, with `tensors`,
+  /// of every tensor's name, type and shape, and of `content` (`content_hash` of the
+  /// tensors' bytes, 0 for none). Two ranks that opened different files at the same path
+  /// (another version of the model on one host) differ.
+  std::string fingerprint(const std::string& config_text, bool tensors = true,
+                          uint64_t content = 0) const;
+
+  /// A hash of every byte of the tensor called `name`, as stored (file order).
+  uint64_t tensor_hash(const std::string& name) const;
+
+  /// `tensor_hash`es of every tensor combined in name order: those in `known` (by name)
+  /// taken as they are, the others computed (and their pages given back).
+  uint64_t content_hash(std::map<std::string, uint64_t> known) const;
 
   /// The files this checkpoint reads as they were opened (`mapped_file::identity`), one
   /// line each.

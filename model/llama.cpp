@@ -480,27 +480,37 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       held_.push_back({jobs[n].name, local_shapes[n], jobs[n].type, jobs[n].slot->ptr,
                        jobs[n].slot->packed});
   };
+  content_hash_ = 0;
   if (cached) {
+    // A file written without the hash (hashing was off then) is hashed now.
+    if (hash_weights_)
+      content_hash_ = cache->content_hash() != 0 ? cache->content_hash() : ckpt.content_hash({});
     if (progress)
       progress(jobs.size(), jobs.size());
     keep();
     return;
   }
+  std::map<std::string, uint64_t> hashes;
   for (size_t n = 0; n < jobs.size(); ++n) {
     auto& t = ckpt.at(jobs[n].name);
+    // Hashed as it is read for the copy: the file is read from the disk once.
+    if (hash_weights_)
+      hashes[jobs[n].name] = ckpt.tensor_hash(jobs[n].name);
     write_weight(jobs[n], t, static_cast<char*>(weights_.data()) + offsets[n], presharded,
                  "model '" + ckpt.directory() + "'");
     ckpt.release(t);
     if (progress)
       progress(n + 1, jobs.size());
   }
+  if (hash_weights_)
+    content_hash_ = ckpt.content_hash(std::move(hashes));
   if (cache) {
     // Named for the next start, then mapped copy-on-write from the page cache: what this
     // process writes into its weights from now on (an update, a reload) never reaches the
     // file. The pages are the ones just written, so nothing is read or copied.
     // The shared mapping goes first: both at once would count the pages twice in the
     // process's resident memory.
-    cache->commit();
+    cache->commit(content_hash_);
     weights_.reset();
     weights_ = device_buffer::map_file(dev_, cache->fd(), cache->data_offset(), total,
                                        memory_tag::weights, false);

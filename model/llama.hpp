@@ -125,6 +125,19 @@ public:
     cache_directory_ = std::move(directory);
   }
 
+  /// Makes `load` hash every byte of the checkpoint's tensors (`checkpoint::content_hash`),
+  /// each as it is read for loading, and the rest of the file (other ranks' parts) after:
+  /// what ranks compare to know they loaded the same files. A load from the weight cache
+  /// takes the hash the cache file keeps.
+  void hash_weights(bool on) {
+    hash_weights_ = on;
+  }
+
+  /// The last load's `checkpoint::content_hash` (0 when `hash_weights` was off).
+  uint64_t content_hash() const {
+    return content_hash_;
+  }
+
   std::string architecture() const override;
   int64_t num_parameters() const override;
 
@@ -426,6 +439,8 @@ private:
   device_buffer weights_;
   /// `use_weight_cache`.
   std::string cache_directory_;
+  bool hash_weights_ = false;
+  uint64_t content_hash_ = 0;
   tensor_slot embed_;
   tensor_slot final_norm_;
   tensor_slot lm_head_; // empty when tied

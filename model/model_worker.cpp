@@ -120,8 +120,9 @@ struct model_worker::state {
   std::vector<std::unique_ptr<char[]>> received;
   std::vector<size_t> received_sizes;
   std::vector<host_tensor> received_tensors;
-  /// `checkpoint::fingerprint` of the config and the files loaded; of the config alone for a
-  /// sharded state (each rank's files differ by design).
+  /// `checkpoint::fingerprint` of the config and the files loaded (every byte of them when
+  /// there are several ranks); of the config alone for a sharded state (each rank's files
+  /// differ by design).
   std::string fingerprint;
 };
 
@@ -241,11 +242,14 @@ void model_worker::load_model() {
                                            options_.enable_expert_parallel);
   st.model->capture_decode_steps(!options_.enforce_eager);
   st.model->use_weight_cache(options_.weight_cache);
+  // Ranks compare every byte of the files they loaded (the hash is made while loading);
+  // one rank compares with nothing, and a sharded state's files differ by design.
+  st.model->hash_weights(context().world_size > 1 && !presharded);
   auto ckpt = open_checkpoint();
-  // Before the load, which gives the file's pages back as it copies them.
-  auto fingerprint = ckpt.fingerprint(to_config_json(st.config), !presharded);
   st.model->load(ckpt, rank() == 0 ? options_.progress : load_progress{}, presharded);
-  st.fingerprint = fingerprint;
+  st.fingerprint =
+    ckpt.fingerprint(to_config_json(st.config), !presharded, st.model->content_hash());
+  st.model->hash_weights(false); // a reload (waking from level 2) reads the same files
   if (st.reduce)
     st.model->set_all_reduce(st.reduce);
 }

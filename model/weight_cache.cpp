@@ -19,7 +19,7 @@ namespace troupe {
 namespace {
 
 /// Bumped whenever the bytes a layout description stands for change (a packed format).
-constexpr const char* format_line = "troupe weights 1\n";
+constexpr const char* format_line = "troupe weights 2\n";
 
 std::size_t page_size() {
   static const auto size = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
@@ -45,12 +45,16 @@ std::size_t data_offset_after(std::size_t header_bytes) {
   return (header_bytes + huge - 1) / huge * huge;
 }
 
-/// The header: what the weights were made from and how, padded to whole pages.
+/// Bytes at the end of the header that hold the checkpoint's content hash, written last.
+constexpr std::size_t hash_bytes = sizeof(uint64_t);
+
+/// The header: what the weights were made from and how, padded to whole pages; its last
+/// `hash_bytes` hold the content hash (zero here).
 std::string header(const weight_cache_key& key, std::size_t bytes) {
   auto text = std::string{format_line} + "bytes " + std::to_string(bytes) + "\n" + key.files +
               "\n" + key.layout + "\n";
   auto page = page_size();
-  text.resize((text.size() / page + 1) * page, '\0');
+  text.resize(((text.size() + hash_bytes) / page + 1) * page, '\0');
   return text;
 }
 
@@ -88,7 +92,8 @@ weight_cache_file::weight_cache_file(int fd, std::string path, std::size_t data_
   : fd_(fd), path_(std::move(path)), data_offset_(data_offset) {}
 
 weight_cache_file::weight_cache_file(weight_cache_file&& other) noexcept
-  : fd_(other.fd_), path_(std::move(other.path_)), data_offset_(other.data_offset_) {
+  : fd_(other.fd_), path_(std::move(other.path_)), data_offset_(other.data_offset_),
+    hash_at_(other.hash_at_), content_hash_(other.content_hash_) {
   other.fd_ = -1;
 }
 
@@ -99,6 +104,8 @@ weight_cache_file& weight_cache_file::operator=(weight_cache_file&& other) noexc
     fd_ = other.fd_;
     path_ = std::move(other.path_);
     data_offset_ = other.data_offset_;
+    hash_at_ = other.hash_at_;
+    content_hash_ = other.content_hash_;
     other.fd_ = -1;
   }
   return *this;
@@ -125,8 +132,11 @@ std::optional<weight_cache_file> weight_cache_file::find(const std::string& dire
       static_cast<std::size_t>(st.st_size) < offset + bytes)
     return std::nullopt;
   std::string found(expected.size(), '\0');
-  if (!read_all(fd, found.data(), found.size(), 0) || found != expected)
+  auto described = expected.size() - hash_bytes;
+  if (!read_all(fd, found.data(), found.size(), 0) ||
+      found.compare(0, described, expected, 0, described) != 0)
     return std::nullopt;
+  std::memcpy(&file.content_hash_, found.data() + described, hash_bytes);
   file.data_offset_ = offset;
   return file;
 }
@@ -149,6 +159,7 @@ std::optional<weight_cache_file> weight_cache_file::create(const std::string& di
   auto path = (std::filesystem::path{directory} / file_name(key)).string();
   auto head = header(key, bytes);
   weight_cache_file file{fd, path, data_offset_after(head.size())};
+  file.hash_at_ = head.size() - hash_bytes;
   // The blocks are taken now: a full disk under a mapping would kill the process (SIGBUS)
   // at the first write that finds no room.
   auto total = file.data_offset_ + (bytes + page_size() - 1) / page_size() * page_size();
@@ -164,7 +175,12 @@ std::optional<weight_cache_file> weight_cache_file::create(const std::string& di
   return file;
 }
 
-bool weight_cache_file::commit() {
+bool weight_cache_file::commit(uint64_t content_hash) {
+  if (!write_all(fd_, reinterpret_cast<const char*>(&content_hash), hash_bytes,
+                 static_cast<off_t>(hash_at_))) {
+    warn("cannot write '" + path_ + "': " + std::strerror(errno));
+    return false;
+  }
   // An unnamed file is linked through its /proc entry (linkat with AT_EMPTY_PATH needs a
   // privilege), under a name of its own, then renamed over the old one in one step.
   auto proc = "/proc/self/fd/" + std::to_string(fd_);

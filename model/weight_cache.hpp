@@ -8,6 +8,7 @@
 /// the layout, then the weights.
 
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -46,9 +47,16 @@ public:
   weight_cache_file& operator=(const weight_cache_file&) = delete;
   ~weight_cache_file();
 
-  /// Names a created file, replacing the one it was found in place of. False, with a
-  /// warning, where that fails (the weights stay usable, the next start packs again).
-  bool commit();
+  /// Names a created file, replacing the one it was found in place of, with the
+  /// checkpoint's `content_hash` kept in it. False, with a warning, where that fails (the
+  /// weights stay usable, the next start packs again).
+  bool commit(uint64_t content_hash);
+
+  /// The `checkpoint::content_hash` of the files the weights were made from, as `commit`
+  /// kept it (0: not computed then).
+  uint64_t content_hash() const {
+    return content_hash_;
+  }
 
   int fd() const {
     return fd_;
@@ -70,6 +78,9 @@ private:
   int fd_ = -1;
   std::string path_;
   std::size_t data_offset_ = 0;
+  /// Where `commit` writes the content hash.
+  std::size_t hash_at_ = 0;
+  uint64_t content_hash_ = 0;
 };
 
 /// The default directory of the weight cache: `$TROUPE_WEIGHT_CACHE` when set (empty or

@@ -465,10 +465,16 @@ TEST_CASE("prefill and decode in the same step give the outputs they give apart"
 }
 
 TEST_CASE("ranks that loaded different files are refused before the first step, naming both") {
-  // Rank 1 finds another version of the model: same shapes, one weight changed.
+  // Rank 1 finds another version of the model: same shapes, one bit of one weight flipped
+  // in the middle of a projection (where no sample of the bytes would fall).
   auto other = fs::temp_directory_path() / ("troupe-other-model-" + std::to_string(getpid()));
-  testing::copy_model_changing(fixtures + "/llama-gqa", other, "model.norm.weight",
-                               [](float* w) { w[0] += 1.0f; });
+  testing::copy_model_changing(fixtures + "/llama-gqa", other,
+                               "model.layers.0.self_attn.q_proj.weight", [](float* w) {
+                                 uint32_t bits;
+                                 std::memcpy(&bits, w + 37, sizeof bits);
+                                 bits ^= 1u;
+                                 std::memcpy(w + 37, &bits, sizeof bits);
+                               });
   executor_config cfg;
   cfg.tensor_parallel_size = 2;
   cfg.block_size = block_size;
@@ -492,9 +498,19 @@ TEST_CASE("ranks that loaded different files are refused before the first step, 
   }
   // The same files on both ranks start, as a sharded state does (each rank's own files).
   opts.model_path = fixtures + "/llama-gqa";
-  executor same{cfg, model_worker_factory(opts)};
-  CHECK(same.workers()[0].model_fingerprint == same.workers()[1].model_fingerprint);
-  CHECK(!same.workers()[0].model_fingerprint.empty());
+  auto fingerprint = [&] {
+    executor same{cfg, model_worker_factory(opts)};
+    CHECK(same.workers()[0].model_fingerprint == same.workers()[1].model_fingerprint);
+    CHECK(!same.workers()[0].model_fingerprint.empty());
+    return same.workers()[0].model_fingerprint;
+  };
+  auto plain = fingerprint();
+  // A start from the weight cache reads no checkpoint bytes: the cache file keeps the hash.
+  auto cache = fs::temp_directory_path() / ("troupe-fingerprint-cache-" + std::to_string(getpid()));
+  opts.weight_cache = cache.string();
+  CHECK(fingerprint() == plain); // writes the cache files
+  CHECK(fingerprint() == plain); // maps them
+  fs::remove_all(cache);
   fs::remove_all(other);
 }
 
