@@ -10,6 +10,7 @@
 #include <openssl/ssl.h>
 
 #include <arpa/inet.h>
+#include <endian.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
@@ -35,6 +36,24 @@ using tls_stream = asio::ssl::stream<tcp::socket>;
 /// data (u64), source and destination actor ids (u64 each), integers in network order.
 constexpr size_t basp_header_size = 32;
 constexpr size_t payload_length_offset = 4;
+constexpr size_t dest_actor_offset = 24;
+
+/// BASP's operations (CAF 0.17, `caf::io::basp::message_type`).
+enum class basp_op : uint8_t {
+  server_handshake = 0,
+  client_handshake = 1,
+  direct_message = 2,
+  routed_message = 3,
+  monitor_message = 4,
+  down_message = 5,
+  heartbeat = 6,
+};
+
+/// The header flag of a message to an actor by registered name (CAF's "SpawnServ" …).
+constexpr uint8_t named_receiver_flag = 0x01;
+
+/// Room for a serialized node id (a host hash and a process id, in CAF 0.17).
+constexpr uint64_t max_node_bytes = 256;
 
 /// How long accepting pauses when the process is out of file descriptors.
 constexpr auto accept_backoff = std::chrono::milliseconds(100);
@@ -220,41 +239,138 @@ private:
                      [self](const boost::system::error_code& ec, size_t) {
                        if (ec)
                          return self->close();
-                       uint32_t net_length = 0;
-                       std::memcpy(&net_length, self->header_.data() + payload_length_offset,
-                                   sizeof net_length);
-                       uint64_t length = ntohl(net_length);
-                       if (length > self->settings_->options.max_frame_bytes) {
-                         self->settings_->log->warn(
-                           "refused {}: a message of {} bytes, above the bound of {}", self->peer_,
-                           length, self->settings_->options.max_frame_bytes);
-                         return self->close();
-                       }
-                       self->remaining_ = length;
-                       asio::async_write(self->server_, asio::buffer(self->header_),
-                                         [self](const boost::system::error_code& ec, size_t) {
-                                           if (ec)
-                                             return self->close();
-                                           self->read_payload();
-                                         });
+                       self->on_header();
                      });
   }
 
-  void read_payload() {
+  void on_header() {
+    uint32_t net_length = 0;
+    std::memcpy(&net_length, header_.data() + payload_length_offset, sizeof net_length);
+    uint64_t length = ntohl(net_length);
+    if (length > settings_->options.max_frame_bytes) {
+      settings_->log->warn("refused {}: a message of {} bytes, above the bound of {}", peer_,
+                           length, settings_->options.max_frame_bytes);
+      return close();
+    }
+    remaining_ = length;
+    auto op = static_cast<basp_op>(header_[0]);
+    if (!settings_->options.policy || op == basp_op::heartbeat)
+      return pass();
+    switch (op) {
+      case basp_op::client_handshake:
+        // Its whole payload is the peer's node id.
+        if (length > max_node_bytes) {
+          settings_->log->warn("refused {}: a handshake of {} bytes", peer_, length);
+          return close();
+        }
+        return read_prefix(length);
+      case basp_op::direct_message:
+        return judge_frame();
+      case basp_op::routed_message:
+      case basp_op::monitor_message:
+      case basp_op::down_message:
+        return read_prefix(std::min<uint64_t>(length, 2 * max_node_bytes));
+      default:
+        // A server's handshake, or no BASP operation: not what a node's client sends.
+        settings_->log->warn("refused {}: BASP operation {} from a client", peer_,
+                             static_cast<int>(header_[0]));
+        return close();
+    }
+  }
+
+  /// Reads the first `size` bytes of the payload, for `judge_frame`.
+  void read_prefix(uint64_t size) {
+    prefix_.resize(static_cast<size_t>(size));
+    auto self = this->shared_from_this();
+    asio::async_read(client_, asio::buffer(prefix_),
+                     [self](const boost::system::error_code& ec, size_t n) {
+                       if (ec)
+                         return self->close();
+                       self->remaining_ -= n;
+                       self->judge_frame();
+                     });
+  }
+
+  /// Whether the frame's payload (its `prefix_`) starts with the serialized node `id`.
+  bool prefix_names(const std::string& id) const {
+    return !id.empty() && prefix_.size() >= id.size() &&
+           std::memcmp(prefix_.data(), id.data(), id.size()) == 0;
+  }
+
+  /// Passes, drops or refuses the frame whose header (and prefix) has been read, by the
+  /// gateway's policy.
+  void judge_frame() {
+    auto& policy = *settings_->options.policy;
+    auto op = static_cast<basp_op>(header_[0]);
+    if (op == basp_op::client_handshake) {
+      if (prefix_names(policy.this_node)) {
+        settings_->log->warn("refused {}: it claims to be this node", peer_);
+        return close();
+      }
+      peer_node_.assign(prefix_.begin(), prefix_.end());
+      return pass();
+    }
+    // The source node of a routed, monitor or down message comes first in its payload.
+    bool sourced = op != basp_op::direct_message;
+    if (sourced && prefix_names(policy.this_node)) {
+      settings_->log->warn("refused {}: a message forged as from this node", peer_);
+      return close();
+    }
+    if (!peer_node_.empty() && peer_node_ == policy.holder())
+      return pass();
+    // Anyone else speaks for itself, to the gate.
+    uint64_t dest = 0;
+    std::memcpy(&dest, header_.data() + dest_actor_offset, sizeof dest);
+    dest = be64toh(dest);
+    bool own = !sourced || prefix_names(peer_node_);
+    bool named = (static_cast<uint8_t>(header_[3]) & named_receiver_flag) != 0;
+    bool to_gate = !named && dest == policy.gate;
+    if (own && (to_gate || op == basp_op::down_message))
+      return pass();
+    // CAF itself asks a new peer's named actors for their settings: that is no attack.
+    if (!named && dropped_++ == 0)
+      settings_->log->warn("dropped a message from {}, which does not hold the lease, to "
+                           "actor {} (peers reach only the gate until they lease)",
+                           peer_, dest);
+    discard();
+  }
+
+  /// Relays the frame: its header, the prefix read, and the rest of its payload.
+  void pass() {
+    std::array<asio::const_buffer, 2> parts{asio::buffer(header_), asio::buffer(prefix_)};
+    auto self = this->shared_from_this();
+    asio::async_write(server_, parts, [self](const boost::system::error_code& ec, size_t) {
+      if (ec)
+        return self->close();
+      self->prefix_.clear();
+      self->read_payload(false);
+    });
+  }
+
+  /// Reads the rest of the frame's payload and throws it away.
+  void discard() {
+    prefix_.clear();
+    read_payload(true);
+  }
+
+  /// The rest of the frame's payload, streamed through `up_` to the middleman, or dropped.
+  void read_payload(bool drop) {
     if (remaining_ == 0)
       return read_header();
     auto self = this->shared_from_this();
     auto chunk = static_cast<size_t>(std::min<uint64_t>(remaining_, up_.size()));
     client_.async_read_some(
-      asio::buffer(up_.data(), chunk), [self](const boost::system::error_code& ec, size_t n) {
+      asio::buffer(up_.data(), chunk), [self, drop](const boost::system::error_code& ec, size_t n) {
         if (ec)
           return self->close();
         self->remaining_ -= n;
+        if (drop)
+          return self->read_payload(true);
         asio::async_write(self->server_, asio::buffer(self->up_.data(), n),
                           [self](const boost::system::error_code& ec, size_t) {
                             if (ec)
                               return self->close();
-                            self->read_payload();
+                            self->read_payload(false);
                           });
       });
   }
@@ -281,6 +397,12 @@ private:
   std::string peer_;
   std::shared_ptr<const relay_settings> settings_;
   std::array<char, basp_header_size> header_{};
+  /// The start of the frame's payload, read to judge it.
+  std::vector<char> prefix_;
+  /// The peer's node id from its handshake, as CAF serializes it.
+  std::string peer_node_;
+  /// Frames dropped by the policy (the first is logged).
+  uint64_t dropped_ = 0;
   uint64_t remaining_ = 0;
   bool closed_ = false;
   std::string challenge_;

@@ -20,6 +20,24 @@ struct gateway_tls {
   std::string ca;
 };
 
+/// Whom a BASP peer may address through the gateway, judged by each frame's header and the
+/// node ids at the start of its payload (CAF 0.17's BASP: a client handshake carries the
+/// client's node id; a routed, monitor or down message its source and destination nodes).
+/// The lease holder's process may send anything (it relays between its nodes); any other
+/// peer reaches the gate alone, and speaks only for itself. A frame that names this node as
+/// its source is forged (no peer speaks for the node: that is how a peer would pass itself
+/// off as the gate) and closes the connection; any other frame a peer may not send is
+/// dropped and logged.
+struct frame_policy {
+  /// This node's id, as CAF serializes it.
+  std::string this_node;
+  /// The gate's actor id.
+  uint64_t gate = 0;
+  /// The lease holder's node id, as CAF serializes it; empty while nobody holds the lease.
+  /// Called on the gateway's thread.
+  std::function<std::string()> holder;
+};
+
 /// How a node's gateway listens and whom it lets through.
 struct gateway_options {
   std::string host;
@@ -30,6 +48,8 @@ struct gateway_options {
   /// (`actors/node_auth.hpp`, the connection handshake). Under TLS the certificates are
   /// the connection's proof.
   std::string secret;
+  /// What BASP peers may send; none: anything that proved itself is relayed.
+  std::shared_ptr<const frame_policy> policy;
   /// The largest BASP payload a peer may announce.
   uint64_t max_frame_bytes = uint64_t{64} << 20;
   /// A connection that has not proved itself (TLS handshake, secret) within this is closed.
@@ -49,8 +69,8 @@ struct gateway_options {
 /// handshake, from a peer that has not proved the secret or a certificate of the node's CA. It
 /// reads the BASP frame headers of what peers send, after decryption: a frame whose payload is
 /// larger than `max_frame_bytes` closes the connection before any of it reaches CAF (which would
-/// allocate the whole payload up front), and is logged with the peer's address. Traffic to the
-/// peers is relayed as it is.
+/// allocate the whole payload up front), and is logged with the peer's address; `policy` says
+/// which frames pass. Traffic to the peers is relayed as it is.
 ///
 /// All connections share one thread (Boost.Asio), and one still proving itself holds only its
 /// socket and a few hundred bytes. When the process runs out of file descriptors, accepting pauses

@@ -95,11 +95,19 @@ struct node_lease {
     return workers_;
   }
 
-  /// Gives the lease to `holder` with a fresh token, which its call links present.
-  void hold(caf::actor h) {
+  /// Gives the lease to `holder` (whose node id CAF serializes as `node`) with a fresh
+  /// token, which its call links present.
+  void hold(caf::actor h, std::string node) {
     std::lock_guard<std::mutex> guard{mtx_};
     holder = std::move(h);
+    holder_node_ = std::move(node);
     token_ = random_challenge();
+  }
+
+  /// The holder's node id as CAF serializes it (`frame_policy::holder`); empty when none.
+  std::string holder_node() {
+    std::lock_guard<std::mutex> guard{mtx_};
+    return holder_node_;
   }
 
   std::string token() {
@@ -145,6 +153,7 @@ struct node_lease {
       workers_.clear();
       slots_.clear();
       holder = nullptr;
+      holder_node_.clear();
       token_.clear();
       leased = 0;
     }
@@ -154,6 +163,9 @@ struct node_lease {
 
   /// Called once a lease is released: its call links close.
   std::function<void()> ended;
+
+  /// Called (on a CAF thread, so it must not block) when the gate has gone, with why.
+  std::function<void(const caf::error&)> gate_gone;
 
   /// The call links and the leased workers that read them.
   std::shared_ptr<link_readers> readers = std::make_shared<link_readers>();
@@ -165,8 +177,19 @@ private:
   std::vector<int32_t> slots_;
   /// What the holder's call links present; empty while nobody holds the lease.
   std::string token_;
+  std::string holder_node_;
   std::string local_address_;
 };
+
+/// `id` as CAF's BASP writes it into frames (`frame_policy`).
+std::string serialized(caf::actor_system& sys, const caf::node_id& id) {
+  std::vector<char> buf;
+  caf::binary_serializer sink{sys, buf};
+  auto copy = id;
+  if (auto err = sink(copy))
+    throw error{errc::worker_error, "node: cannot serialize a node id: " + render(err)};
+  return {buf.begin(), buf.end()};
+}
 
 /// The node's only published actor: authenticates executors and leases workers to one.
 struct gate_state {
@@ -238,7 +261,9 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
   auto& sys = self->home_system();
   auto log = self->state.log;
   self->attach_functor([lease, &sys, log](const caf::error& reason) {
-    lease->release(sys, *log, "the node stops (" + render(reason) + ")");
+    lease->release(sys, *log, "the gate is gone (" + render(reason) + ")");
+    if (lease->gate_gone)
+      lease->gate_gone(reason);
   });
   return {
     [=](hello_atom) -> caf::result<std::string> {
@@ -246,6 +271,8 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
       if (!sender)
         return refused(self, "a hello without a sender");
       auto& st = self->state;
+      if (st.lease->holder && st.lease->holder.node() != sender->node())
+        return refused(self, "a hello while another executor holds the workers");
       forget_stale(self);
       if (st.challenges.size() >= max_pending_handshakes)
         return refused(self, "too many executors are authenticating at once");
@@ -259,6 +286,8 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
       if (!sender)
         return refused(self, "an anonymous proof");
       auto peer = sender->node();
+      if (st.lease->holder && st.lease->holder.node() != peer)
+        return refused(self, "a proof while another executor holds the workers");
       forget_stale(self);
       auto at = st.challenges.find(peer);
       if (at == st.challenges.end())
@@ -315,7 +344,7 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
         st.lease->add(leased.back(), slot);
       }
       if (!st.lease->holder) {
-        st.lease->hold(holder);
+        st.lease->hold(holder, serialized(self->home_system(), holder.node()));
         self->monitor(holder);
       }
       st.log->info("leased {} '{}' worker(s) to {}", count, kind, to_string(sender->node()));
@@ -344,6 +373,14 @@ struct node::impl {
   std::shared_ptr<std::atomic<uint64_t>> linked_requests =
     std::make_shared<std::atomic<uint64_t>>(0);
   bool stopped = false;
+  /// Set once `stop` has begun: the gate's end is then the node's doing.
+  std::atomic<bool> stopping{false};
+  /// Why the node stopped on its own (`node::failure`), and the thread that stops it when
+  /// its gate goes: a node without a gate can serve nobody.
+  std::string failure;
+  bool gate_gone = false;
+  std::condition_variable gate_cv;
+  std::thread gate_watch;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.node");
 };
 
@@ -397,6 +434,11 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
     listen.secret = config.secret; // under TLS the gate checks it, behind the certificates
   auto host = config.host;
   d.gate = d.sys->spawn(gate, std::move(config), d.lease);
+  auto policy = std::make_shared<frame_policy>();
+  policy->this_node = serialized(*d.sys, d.sys->node());
+  policy->gate = d.gate.id();
+  policy->holder = [lease = d.lease] { return lease->holder_node(); };
+  listen.policy = std::move(policy);
   // The middleman listens nowhere: the gateway is the node's only socket, and hands it
   // each connection it accepted (TLS ended, frames bounded) over a private socket pair, as
   // if the middleman had accepted it for the gate.
@@ -418,6 +460,16 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
     return pair[1];
   };
   auto* node_impl = &d;
+  d.lease->gate_gone = [node_impl](const caf::error& reason) {
+    auto& n = *node_impl;
+    if (n.stopping)
+      return;
+    std::lock_guard<std::mutex> guard{n.mtx};
+    n.failure = "its gate is gone (" + render(reason) + "): the node stops, as it can lease "
+                "to nobody; start it again";
+    n.gate_gone = true;
+    n.gate_cv.notify_all();
+  };
   d.lease->ended = [node_impl] {
     std::lock_guard<std::mutex> lk{node_impl->links_mtx};
     for (auto& l : node_impl->links)
@@ -457,10 +509,23 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   d.lease->set_local_address(local);
   d.log->info("node listening on {}:{}{}{}", host, d.port, tls ? " (mutual TLS)" : "",
               local.empty() ? "" : ", call links from this host at " + local);
+  d.gate_watch = std::thread{[this, node_impl] {
+    auto& n = *node_impl;
+    {
+      std::unique_lock<std::mutex> guard{n.mtx};
+      n.gate_cv.wait(guard, [&] { return n.gate_gone || n.stopped; });
+      if (!n.gate_gone)
+        return;
+      n.log->error("{}", n.failure);
+    }
+    stop();
+  }};
 }
 
 node::~node() {
   stop();
+  if (impl_->gate_watch.joinable())
+    impl_->gate_watch.join();
   if (impl_->watcher.joinable()) {
     char wake = 0; // a watcher still waiting for a signal leaves
     [[maybe_unused]] auto n = write(signal_pipe[1], &wake, 1);
@@ -501,6 +566,11 @@ void node::wait() {
   impl_->stopped_cv.wait(guard, [&] { return impl_->stopped; });
 }
 
+std::string node::failure() const {
+  std::lock_guard<std::mutex> guard{impl_->mtx};
+  return impl_->failure;
+}
+
 void node::stop() {
   auto& d = *impl_;
   std::lock_guard<std::mutex> stopping{d.stop_mtx};
@@ -509,6 +579,7 @@ void node::stop() {
     if (d.stopped)
       return;
   }
+  d.stopping = true;
   if (d.gateway)
     d.gateway->stop();
   {
@@ -551,6 +622,7 @@ void node::stop() {
     d.stopped = true;
   }
   d.stopped_cv.notify_all();
+  d.gate_cv.notify_all();
 }
 
 void node::stop_on_signals() {

@@ -234,6 +234,10 @@ std::shared_ptr<command> add_node(CLI::App& app) {
     std::cout << "troupe node listening on " << cfg.host << ":" << n.port() << " with "
               << o->devices << std::endl;
     n.wait();
+    if (auto failure = n.failure(); !failure.empty()) {
+      std::cerr << "troupe node: " << failure << std::endl;
+      return 1;
+    }
     return 0;
   };
   return cmd;

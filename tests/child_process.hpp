@@ -6,9 +6,12 @@
 
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <spawn.h>
@@ -78,6 +81,22 @@ public:
     waitpid(pid_, &status, 0);
     pid_ = -1;
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+
+  /// The exit status once the process ends on its own within `limit` (-1 after a signal);
+  /// nullopt while it still runs.
+  std::optional<int> exit_within(std::chrono::milliseconds limit) {
+    auto until = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      if (std::chrono::steady_clock::now() >= until)
+        return std::nullopt;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
   }
 
   pid_t pid() const {

@@ -93,6 +93,10 @@ int main(int argc, char** argv) {
     n.stop();
   }}.detach();
   n.wait();
+  if (auto failure = n.failure(); !failure.empty()) {
+    std::cerr << "node_host: " << failure << std::endl;
+    std::_Exit(1);
+  }
   std::_Exit(0); // the stdin thread may still be reading
 
 }

@@ -38,6 +38,7 @@
 #include <thread>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -432,6 +433,30 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
   CHECK_THROWS_WITH_AS(executor(mixed_config(0, {{"127.0.0.1", n.port(), 1}}), test_factory()),
                        doctest::Contains("another executor holds the workers"), error);
 
+  // A peer that proved the secret to the gateway but does not hold the lease gets no
+  // handshake from the gate while the lease is held.
+  {
+    client_system client{true};
+    auto& sys = *client.sys;
+    caf::scoped_actor self{sys};
+    auto gate = connect_with_proof(sys, self, n.port());
+    REQUIRE(gate);
+    caf::error err;
+    self->request(*gate, 5s, hello_atom::value)
+      .receive([](std::string&) {}, [&](caf::error& e) { err = e; });
+    CHECK_MESSAGE(render(err).find("a hello while another executor holds the workers") !=
+                    std::string::npos,
+                  render(err));
+    err = caf::error{};
+    self->request(*gate, 5s, auth_atom::value, std::string(64, '0'))
+      .receive([](caf::ok_atom) {}, [&](caf::error& e) { err = e; });
+    CHECK(render(err).find("a proof while another executor holds the workers") !=
+          std::string::npos);
+  }
+  // The legitimate executor keeps working.
+  CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  legit.reset();
+
   // Behind the connection's proof, the gate checks the secret again (as it does for TLS
   // peers): a peer that skips the gate's own handshake gets nothing there either.
   {
@@ -470,11 +495,8 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
                   render(err));
     anon_send_exit(holder, caf::exit_reason::user_shutdown);
   }
-  // The legitimate executor keeps working.
-  CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 
-  // Once it is gone, the node serves the next executor.
-  legit.reset();
+  // The node serves the next executor.
   auto next = lease_again(n.port(), 2, 5.0);
   CHECK(next->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
   // The node gives each of its workers a device of its own.
@@ -1219,6 +1241,98 @@ TEST_CASE("SIGTERM stops a node cleanly, with or without a lease") {
   CHECK(code_of([&] { exec.collective_rpc("rank"); }) == errc::worker_died);
 }
 
+namespace {
+
+/// A peer that proved the secret and then speaks BASP by hand: the frames a modified CAF
+/// peer could send, each built with CAF's own serializer.
+struct raw_basp_peer {
+  caf::actor_system& sys;
+  int fd = -1;
+
+  /// Connects to `port` and answers the node's handshake as node `as`.
+  raw_basp_peer(caf::actor_system& sys, uint16_t port, const caf::node_id& as) : sys(sys) {
+    fd = dial_node("127.0.0.1", port, secret, clock_type::now() + 5s);
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    std::array<char, 32> header{};
+    REQUIRE(recv(fd, header.data(), header.size(), MSG_WAITALL) == 32);
+    uint32_t length = 0;
+    std::memcpy(&length, header.data() + 4, sizeof length);
+    std::string payload(ntohl(length), '\0');
+    REQUIRE(recv(fd, payload.data(), payload.size(), MSG_WAITALL) ==
+            static_cast<ssize_t>(payload.size()));
+    send_frame(caf::io::basp::message_type::client_handshake, 0, bytes(as));
+  }
+
+  ~raw_basp_peer() {
+    close(fd);
+  }
+
+  template <class... Ts>
+  std::string bytes(Ts... xs) {
+    std::vector<char> buf;
+    caf::binary_serializer sink{sys, buf};
+    REQUIRE(!sink(xs...));
+    return {buf.begin(), buf.end()};
+  }
+
+  void send_frame(caf::io::basp::message_type op, uint64_t dest, const std::string& payload) {
+    caf::io::basp::header hdr{op, 0, static_cast<uint32_t>(payload.size()), 0, 0, dest};
+    auto frame = bytes(hdr) + payload;
+    REQUIRE(send(fd, frame.data(), frame.size(), MSG_NOSIGNAL) ==
+            static_cast<ssize_t>(frame.size()));
+  }
+
+  /// Whether the node closed the connection within 5 s.
+  bool closed() {
+    return read_until_closed(fd).empty();
+  }
+};
+
+} // namespace
+
+TEST_CASE("a peer with the secret but not the lease reaches only the gate and cannot speak as "
+          "the node; a node whose gate is killed stops and says so") {
+  node_process n{1, 1000};
+  auto legit = std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}),
+                                          test_factory());
+  client_system client;
+  auto& sys = *client.sys;
+  caf::scoped_actor self{sys};
+  auto gate = connect_with_proof(sys, self, n.port());
+  REQUIRE(gate);
+  auto node = gate->node();
+  // An exit message "from the gate" (its address as the source) to every actor id near the
+  // gate's, the leased worker's among them, sent directly...
+  auto kill_from_gate = caf::make_message(caf::exit_msg{gate->address(), caf::exit_reason::kill});
+  std::vector<caf::strong_actor_ptr> stack;
+  {
+    raw_basp_peer peer{sys, n.port(), sys.node()};
+    for (uint64_t id = 1; id < gate->id() + 64; ++id)
+      if (id != gate->id())
+        peer.send_frame(caf::io::basp::message_type::direct_message, id,
+                        peer.bytes(stack, kill_from_gate));
+    // ... and as a message routed from the node itself (how a CAF peer passes on a
+    // message whose sender is the gate's proxy): the connection is closed at once.
+    peer.send_frame(caf::io::basp::message_type::routed_message, gate->id() + 1,
+                    peer.bytes(node, node, stack, kill_from_gate));
+    CHECK(peer.closed());
+  }
+  // A peer claiming the node's own id is closed at its handshake.
+  {
+    raw_basp_peer peer{sys, n.port(), node};
+    CHECK(peer.closed());
+  }
+  // Nothing reached the worker: the lease and the executor are untouched.
+  CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  CHECK_NOTHROW(legit->check_health());
+  // The gate itself can be killed by a peer holding the secret (CAF never lets a kill be
+  // trapped): the node then stops with an error instead of running on without a gate.
+  self->send_exit(*gate, caf::exit_reason::kill);
+  auto status = n.exit_within(10s);
+  REQUIRE(status.has_value());
+  CHECK(*status == 1);
+}
+
 TEST_CASE("the gate ignores exit messages, even from a peer that proved the secret") {
   node_process n{1, 1000};
   auto legit = std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}),
@@ -1231,10 +1345,11 @@ TEST_CASE("the gate ignores exit messages, even from a peer that proved the secr
     REQUIRE(gate);
     caf::anon_send_exit(*gate, caf::exit_reason::user_shutdown);
     self->send_exit(*gate, caf::exit_reason::unhandled_exception);
-    std::string challenge;
+    caf::error err;
     self->request(*gate, 5s, hello_atom::value)
-      .receive([&](std::string& c) { challenge = c; }, [](caf::error&) {});
-    CHECK(challenge.size() == 64); // still answering
+      .receive([](std::string&) {}, [&](caf::error& e) { err = e; });
+    // Still answering (refusing a peer that does not hold the lease).
+    CHECK(render(err).find("another executor holds the workers") != std::string::npos);
   }
   CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 }

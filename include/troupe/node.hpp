@@ -111,8 +111,14 @@ public:
   /// thread.
   uint64_t requests_read_by_workers() const;
 
-  /// Blocks until the node is stopped (by `stop` from another thread, or a signal).
+  /// Blocks until the node is stopped (by `stop` from another thread, a signal, or itself:
+  /// see `failure`).
   void wait();
+
+  /// Why the node stopped on its own, empty when it was stopped or still runs: its gate
+  /// went (killed by a peer that proved the secret), and with it every way to lease the
+  /// workers, so the node stops rather than run on useless and silent.
+  std::string failure() const;
 
   /// Stops the leased workers and closes the node; idempotent, and a second caller waits
   /// until the first is done.
