@@ -29,10 +29,12 @@ weight_update_options update_round(bool check_only, weight_update_options option
   return options;
 }
 
-/// The weights a worker was updated to, for its replacement: the last checkpoint read
+/// The weights the workers were updated to, for a replacement: the last checkpoint read
 /// (`update_weights_from_disk`), then a copy of each tensor written since (from tensors or
-/// the trainer's group). Kept only under a restart policy: it costs a host copy of what
-/// the updates wrote.
+/// the trainer's group). Kept only under a restart policy, as it costs a host copy of what
+/// the updates wrote. An update is recorded once every rank has accepted it and before any
+/// writes, so a worker that dies while the others write is replaced with it too (writing
+/// the same values twice changes nothing).
 struct weight_history {
   std::mutex mtx;
   std::string path;
@@ -41,43 +43,17 @@ struct weight_history {
     std::vector<char> bytes;
   };
   std::map<std::string, tensor> tensors;
-};
 
-/// A model worker that records the updates (rank 0, which receives every tensor whole) and
-/// replays them after its load, so that a replacement holds the updated weights.
-class replayed_model_worker : public model_worker {
-public:
-  replayed_model_worker(model_worker_options options, std::shared_ptr<weight_history> history)
-    : model_worker(std::move(options)), history_(std::move(history)) {
+  void record(const std::string& from) {
+    std::lock_guard<std::mutex> lk{mtx};
+    path = from;
+    tensors.clear();
   }
 
-  void load_model() override {
-    model_worker::load_model();
-    std::lock_guard<std::mutex> lk{history_->mtx};
-    replaying_ = true;
-    if (!history_->path.empty())
-      update_weights_from_disk(history_->path);
-    std::vector<host_tensor> tensors;
-    for (auto& [name, t] : history_->tensors) {
-      tensors.push_back(t.meta);
-      tensors.back().data = t.bytes.data();
-    }
-    if (!tensors.empty())
-      update_weights(tensors);
-    replaying_ = false;
-  }
-
-protected:
-  void weights_updated(const std::string& path, const std::vector<host_tensor>& tensors) override {
-    if (replaying_ || rank() != 0)
-      return;
-    std::lock_guard<std::mutex> lk{history_->mtx};
-    if (!path.empty()) {
-      history_->path = path;
-      history_->tensors.clear();
-    }
-    for (auto& t : tensors) {
-      auto& kept = history_->tensors[t.name];
+  void record(const std::vector<host_tensor>& written) {
+    std::lock_guard<std::mutex> lk{mtx};
+    for (auto& t : written) {
+      auto& kept = tensors[t.name];
       kept.meta = t;
       kept.meta.data = nullptr;
       auto* bytes = static_cast<const char*>(t.data);
@@ -85,9 +61,22 @@ protected:
     }
   }
 
-private:
-  std::shared_ptr<weight_history> history_;
-  bool replaying_ = false;
+  /// Applies the updates to `w` (a replacement, its checkpoint just loaded).
+  void replay(worker& w) {
+    auto* mw = dynamic_cast<model_worker*>(&w);
+    std::lock_guard<std::mutex> lk{mtx};
+    if (mw == nullptr || (path.empty() && tensors.empty()))
+      return;
+    if (!path.empty())
+      mw->update_weights_from_disk(path);
+    std::vector<host_tensor> kept;
+    for (auto& [name, t] : tensors) {
+      kept.push_back(t.meta);
+      kept.back().data = t.bytes.data();
+    }
+    if (!kept.empty())
+      mw->update_weights(kept);
+  }
 };
 
 } // namespace
@@ -115,10 +104,14 @@ struct llm::impl {
   std::map<int64_t, std::string> prompt_adapter_paths;
   double tokens_per_second = 0;
   int64_t weight_version = 0;
+  /// The updates since the checkpoint, for replacements; under a restart policy only.
+  std::shared_ptr<weight_history> history;
 
   /// Runs `update` (a collective call with `check_only` as given) on every rank: first
-  /// checking, then writing. Wakes sleeping weights first.
-  void update_weights(const std::function<void(bool check_only)>& update);
+  /// checking, then `record`ing the update in `history` (if kept), then writing. Wakes
+  /// sleeping weights first.
+  void update_weights(const std::function<void(bool check_only)>& update,
+                      const std::function<void(weight_history&)>& record);
 
   /// Throws `invalid_argument` while requests are unfinished: an update then would mix two
   /// models in one output.
@@ -456,11 +449,10 @@ llm::llm(llm_config config, worker_factory factory) : impl_(std::make_unique<imp
     ec.max_model_len > 0 ? std::min<int64_t>(ec.max_model_len, longest) : longest);
   ec.node_worker_kind = "model";
   ec.node_worker_options = to_settings(d.cfg.worker);
-  if (!factory && ec.restart.max_restarts > 0) {
+  if (ec.restart.max_restarts > 0) {
     // A replacement loads the checkpoint, then the updates its predecessor had.
-    factory = [options = d.cfg.worker, history = std::make_shared<weight_history>()](int32_t) {
-      return std::make_unique<replayed_model_worker>(options, history);
-    };
+    d.history = std::make_shared<weight_history>();
+    ec.on_replacement = [history = d.history](worker& w) { history->replay(w); };
   }
   if (!factory)
     factory = model_worker_factory(d.cfg.worker);
@@ -872,7 +864,8 @@ void llm::impl::require_idle_for_update() const {
                 "a weight update while requests are unfinished: they would mix two models"};
 }
 
-void llm::impl::update_weights(const std::function<void(bool check_only)>& update) {
+void llm::impl::update_weights(const std::function<void(bool check_only)>& update,
+                               const std::function<void(weight_history&)>& record) {
   require_idle_for_update();
   auto state = exec->sleep_state();
   if (std::count(state.sleeping_tags.begin(), state.sleeping_tags.end(), "weights") > 0)
@@ -880,6 +873,8 @@ void llm::impl::update_weights(const std::function<void(bool check_only)>& updat
   // Every rank checks before any writes: a refused update leaves all on the old weights
   // (the second round writes what the first looked at).
   update(true);
+  if (history)
+    record(*history);
   update(false);
   sched->reset_prefix_cache();
   ++weight_version;
@@ -897,7 +892,7 @@ void llm::update_weights_from_tensors(const std::vector<host_tensor>& tensors,
       mw->update_weights(tensors, o);
       return caf::message{};
     });
-  });
+  }, [&](weight_history& h) { h.record(tensors); });
 }
 
 void llm::update_weights_from_disk(const std::string& path, const weight_update_options& options) {
@@ -906,7 +901,7 @@ void llm::update_weights_from_disk(const std::string& path, const weight_update_
     call.args = caf::make_message(path);
     call.kwargs = to_kwargs(update_round(check_only, options));
     impl_->exec->collective_rpc("update_weights_from_disk", call);
-  });
+  }, [&](weight_history& h) { h.record(path); });
 }
 
 void llm::init_weights_update_group(const std::string& master_address, int32_t master_port,
@@ -963,6 +958,13 @@ void llm::update_weights_from_distributed(const std::vector<host_tensor>& tensor
     rpc_call_options apply;
     apply.kwargs = to_kwargs(update_round(check_only, options));
     d.exec->collective_rpc("apply_received_weights", apply);
+  }, [&](weight_history& h) {
+    // Rank 0 received every tensor whole.
+    d.exec->collective_rpc([&h](worker& w, const caf::message&, const caf::settings&) {
+      if (auto* mw = dynamic_cast<model_worker*>(&w); mw != nullptr && w.rank() == 0)
+        h.record(mw->received_weights());
+      return caf::message{};
+    });
   });
 }
 

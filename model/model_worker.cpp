@@ -418,11 +418,7 @@ void model_worker::update_weights(const std::vector<host_tensor>& tensors,
   }
   update_weights(checkpoint::from_tensors("the given tensors", std::move(views), state_->config),
                  false, options);
-  if (!options.check_only && !options.metadata_only)
-    weights_updated({}, tensors);
 }
-
-void model_worker::weights_updated(const std::string&, const std::vector<host_tensor>&) {}
 
 weight_update_options weight_update_options_of(const caf::settings& kwargs) {
   weight_update_options o;
@@ -536,6 +532,10 @@ bool model_worker::receive_weights(bool go, const std::vector<host_tensor>& meta
   return true;
 }
 
+const std::vector<host_tensor>& model_worker::received_weights() const {
+  return state_->received_tensors;
+}
+
 void model_worker::apply_received_weights(const weight_update_options& options) {
   auto& st = *state_;
   if (st.received_tensors.empty())
@@ -572,8 +572,6 @@ void model_worker::update_weights_from_disk(const std::string& path,
                                             "' is not the loaded model's shape (its " + field +
                                             " differs)"};
   update_weights(open_checkpoint(path, next), true, options);
-  if (!options.check_only)
-    weights_updated(path, {});
 }
 
 std::vector<std::string> model_worker::rank_shards() const {

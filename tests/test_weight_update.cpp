@@ -12,6 +12,7 @@
 
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <filesystem>
 #include <limits>
 #include <string>
@@ -284,4 +285,66 @@ TEST_CASE("a worker replaced after updates holds the updated weights, not the ch
   kill(1);
   CHECK(tokens_of(model, ref) == mixed);
   CHECK(model.executor().worker_healths()[1].restarts == 2);
+}
+
+namespace {
+
+/// A model worker whose rank `dying` dies (worker_fault) as it begins to write an update
+/// from disk, the others writing theirs meanwhile; once, the first time it is armed.
+class dies_writing : public model_worker {
+public:
+  dies_writing(model_worker_options options, std::shared_ptr<std::atomic<int>> dying)
+    : model_worker(std::move(options)), dying_(std::move(dying)) {
+    register_method("update_weights_from_disk",
+                    [this](worker&, const caf::message& args, const caf::settings& kwargs) {
+                      auto options = weight_update_options_of(kwargs);
+                      if (!options.check_only && dying_->load() == rank()) {
+                        dying_->store(-1);
+                        throw worker_fault{"died writing an update"};
+                      }
+                      update_weights_from_disk(args.get_as<std::string>(0), options);
+                      return caf::message{};
+                    });
+  }
+
+private:
+  std::shared_ptr<std::atomic<int>> dying_;
+};
+
+} // namespace
+
+TEST_CASE("a rank that dies while the others write an update is replaced with the update") {
+  auto ref = read_json(fixtures + "/llama-gqa/reference.json");
+  scratch dir{"dies-writing"};
+  auto other = other_model("llama-gqa", dir, 23);
+  auto cfg = tiny(fixtures + "/llama-gqa", 2);
+  cfg.executor.restart.max_restarts = 4;
+  auto dying = std::make_shared<std::atomic<int>>(-1);
+  llm model{cfg, [&](int32_t) { return std::make_unique<dies_writing>(cfg.worker, dying); }};
+  REQUIRE(gives_reference(model, ref));
+  // What the random weights give, from a model started on them.
+  auto random = [&] {
+    llm fresh{tiny(other, 2)};
+    return tokens_of(fresh, ref);
+  }();
+  for (int rank : {0, 1}) {
+    CAPTURE(rank);
+    dying->store(rank);
+    // The call says that a worker was replaced; every rank holds the update regardless.
+    auto code = errc::none;
+    try {
+      model.update_weights_from_disk(other);
+    } catch (const error& e) {
+      code = e.code();
+    }
+    CHECK(code == errc::worker_replaced);
+    CHECK(tokens_of(model, ref) == random);
+    // A retry is safe, and so is going back.
+    model.update_weights_from_disk(other);
+    CHECK(tokens_of(model, ref) == random);
+    model.update_weights_from_disk(fixtures + "/llama-gqa");
+    CHECK(gives_reference(model, ref));
+  }
+  CHECK(model.executor().worker_healths()[0].restarts == 1);
+  CHECK(model.executor().worker_healths()[1].restarts == 1);
 }

@@ -13,6 +13,8 @@
 
 namespace troupe {
 
+class worker;
+
 /// Deadline of a call. `wait_forever` must be asked for explicitly.
 using timeout_type = std::chrono::microseconds;
 
@@ -46,10 +48,9 @@ struct node_address {
 /// is leased again: from its own node if it is back, else from `executor_config::spare_nodes`
 /// in order, else from another of `nodes` with a free device (each asked for at most
 /// `node_timeout`, all within `startup_timeout`). A death
-/// beyond `max_restarts` within `window`, a replacement that fails or is not to be had, a
-/// worker published on its own (`remote_workers`), and a death during a sleep or wake_up
-/// still fail the executor. A replacement made while the others sleep falls asleep as
-/// they are.
+/// beyond `max_restarts` within `window`, a replacement that fails or is not to be had,
+/// and a worker published on its own (`remote_workers`) still fail the executor. A
+/// replacement made while the others sleep falls asleep as they are.
 struct restart_policy {
   /// Replacements allowed within `window`.
   int32_t max_restarts = 0;
@@ -95,6 +96,11 @@ struct executor_config {
   timeout_type startup_timeout = std::chrono::seconds(300);
   /// Whether and how often a dead worker is replaced.
   restart_policy restart;
+  /// Run on a replacement of this process's own, in its thread, once its model is loaded
+  /// and before it joins the others: state the supervisor does not know of, which the
+  /// caller brings back (the engine applies the weight updates its predecessor had). A
+  /// throw fails the replacement. Workers leased from nodes do not run it.
+  std::function<void(worker&)> on_replacement;
   /// Tokens per KV-cache block (vLLM's `cache_config.block_size`).
   int32_t block_size = 16;
   /// Longest sequence the model serves (vLLM's `model_config.max_model_len`).

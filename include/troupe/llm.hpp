@@ -276,9 +276,11 @@ public:
   /// them). The prefix cache is forgotten and `weight_version` counts the update. Throws
   /// `invalid_argument` while requests are unfinished, and `remote_callable` when a worker
   /// lives in another process (the tensors are this process's memory). Under a restart
-  /// policy, with the engine's own workers (no factory given), a replaced worker comes up
-  /// with every update since the checkpoint: the engine keeps the last checkpoint updated
-  /// from and a host copy of each tensor written since.
+  /// policy a replaced worker of this process comes up with every update since the
+  /// checkpoint (`executor_config::on_replacement`): the engine keeps the last checkpoint
+  /// updated from and a host copy of each tensor written since, recorded once every rank
+  /// has accepted an update and before any writes, so a rank that dies while the others
+  /// write (the call then fails with `worker_replaced`) is replaced with it too.
   void update_weights_from_tensors(const std::vector<host_tensor>& tensors,
                                    const weight_update_options& options = {});
 

@@ -221,11 +221,8 @@ public:
   /// tokens they computed in the last step (a token routed to two counts twice).
   std::array<int64_t, 3> expert_load() const;
 
-protected:
-  /// Called on the worker's thread once an update was written: from the checkpoint at
-  /// `path`, or (`path` empty) from `tensors`, whole, valid during the call. The default
-  /// does nothing; the engine keeps what a replacement worker must apply after its load.
-  virtual void weights_updated(const std::string& path, const std::vector<host_tensor>& tensors);
+  /// The tensors the last `receive_weights` received, whole, until they are applied.
+  const std::vector<host_tensor>& received_weights() const;
 
 private:
   /// Throws `errc::sleeping` naming `what` while any memory tag sleeps.
