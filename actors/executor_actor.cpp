@@ -828,10 +828,20 @@ struct supervisor_state {
     // mix their parts.
     auto token = random_challenge().substr(0, 16);
     auto* st = this;
-    auto finish_save = [st, req, token](bool commit, std::function<void(gather_result)> then) {
-      st->start_gather("save_sharded_state", st->all_ranks(),
-                       calling("finish_sharded_state", caf::make_message(req.path, token, commit)),
-                       st->cfg.rpc_timeout, 0, std::move(then));
+    auto finish = [st, req, token](bool commit) {
+      return calling("finish_sharded_state", caf::make_message(req.path, token, commit));
+    };
+    // A failed save is cleaned up rank by rank, and answered once every rank that can has
+    // removed its part: a rank that died (or is being replaced) fails its cleanup at once,
+    // and must not cut the others' short.
+    auto clean_up = [st, finish](std::function<void()> then) {
+      auto left = std::make_shared<size_t>(st->workers.size());
+      for (auto rank : st->all_ranks())
+        st->start_gather("save_sharded_state", {rank}, finish(false), st->cfg.rpc_timeout, 0,
+                         [left, then](gather_result) {
+                           if (--*left == 0)
+                             then();
+                         });
     };
     caf::settings staged;
     staged["staging"] = token;
@@ -839,17 +849,16 @@ struct supervisor_state {
                  calling("save_sharded_state", caf::make_message(req), std::move(staged)),
                  cfg.rpc_timeout, 0, [=](gather_result res) mutable {
                    if (!res) {
-                     finish_save(false, [=, failure = res.error()](gather_result) mutable {
-                       rp.deliver(failure);
-                     });
+                     clean_up([=, failure = res.error()]() mutable { rp.deliver(failure); });
                      return;
                    }
-                   finish_save(true, [=](gather_result done) mutable {
-                     if (done)
-                       rp.deliver(caf::ok_atom::value);
-                     else
-                       rp.deliver(done.error());
-                   });
+                   st->start_gather("save_sharded_state", st->all_ranks(), finish(true),
+                                    st->cfg.rpc_timeout, 0, [=](gather_result done) mutable {
+                                      if (done)
+                                        rp.deliver(caf::ok_atom::value);
+                                      else
+                                        rp.deliver(done.error());
+                                    });
                  });
     return rp;
   }

@@ -808,3 +808,46 @@ TEST_CASE("a worker that dies during sleep or wake_up is replaced and every rank
   CHECK(exec.worker_healths()[0].restarts == 2);
   CHECK(exec.worker_healths()[1].restarts == 2);
 }
+
+TEST_CASE("a worker that dies during initialize_cache or save_sharded_state is replaced and "
+          "every rank ends alike") {
+  namespace fs = std::filesystem;
+  auto cfg = config(2);
+  cfg.restart.max_restarts = 4;
+  executor exec{cfg, test_factory()};
+  exec.initialize_cache({10, 1});
+  auto ten = exec.collective_rpc_as<int64_t>("kv_bytes");
+  REQUIRE(ten[0] > 0);
+  auto dir = fs::temp_directory_path() / ("troupe-death-save-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  for (int32_t rank : {1, 0}) {
+    CAPTURE(rank);
+    // The blocks asked for hold on every rank, the replacement's too, whatever the call
+    // says; the retry changes nothing.
+    exec.collective_rpc("die_in_on", {caf::make_message(rank, std::string{"initialize_cache"}),
+                                      {}, {}, {}});
+    auto code = code_of([&] { exec.initialize_cache({20, 1}); });
+    CHECK((code == errc::none || code == errc::worker_replaced));
+    auto twenty = exec.collective_rpc_as<int64_t>("kv_bytes");
+    CHECK(twenty[0] == 2 * ten[0]);
+    CHECK(twenty[1] == twenty[0]);
+    exec.initialize_cache({20, 1});
+    CHECK(exec.collective_rpc_as<int64_t>("kv_bytes") == twenty);
+    exec.initialize_cache({10, 1});
+    // A save during which a rank dies leaves no file, and its retry lands whole.
+    exec.collective_rpc("die_in_on", {caf::make_message(rank, std::string{"save_sharded_state"}),
+                                      {}, {}, {}});
+    CHECK(code_of([&] { exec.save_sharded_state(dir.string()); }) == errc::worker_replaced);
+    CHECK(fs::is_empty(dir));
+    exec.save_sharded_state(dir.string());
+    std::set<std::string> names;
+    for (auto& entry : fs::directory_iterator(dir))
+      names.insert(entry.path().filename().string());
+    CHECK(names == std::set<std::string>{"test-rank-0.bin", "test-rank-1.bin"});
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  CHECK(exec.worker_healths()[0].restarts == 2);
+  CHECK(exec.worker_healths()[1].restarts == 2);
+  fs::remove_all(dir);
+}

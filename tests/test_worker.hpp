@@ -90,6 +90,8 @@ public:
   }
 
   void initialize_cache(const cache_blocks& blocks) override {
+    if (die_in_ == "initialize_cache")
+      throw worker_fault{"died during initialize_cache on purpose"};
     kv_ = device_buffer(device(), static_cast<size_t>(blocks.num_device_blocks) * block_bytes_,
                         memory_tag::kv_cache);
   }
@@ -147,6 +149,8 @@ public:
   }
 
   void save_sharded_state(const sharded_state_request& req) override {
+    if (die_in_ == "save_sharded_state")
+      throw worker_fault{"died during save_sharded_state on purpose"};
     auto dir = save_dir_.empty() ? req.path : save_dir_;
     auto path = dir + "/test-rank-" + std::to_string(rank()) + ".bin";
     std::ofstream out{path, std::ios::binary};
@@ -226,6 +230,9 @@ private:
       std::memset(self.kv_.data(), 0xab, self.kv_.size());
       return caf::message{};
     });
+    register_method("kv_bytes", [](worker& w, const caf::message&, const caf::settings&) {
+      return caf::make_message(static_cast<int64_t>(static_cast<test_worker&>(w).kv_.size()));
+    });
     register_method("kv_nonzero", [](worker& w, const caf::message&, const caf::settings&) {
       auto& self = static_cast<test_worker&>(w);
       auto p = self.kv_.as<unsigned char>();
@@ -255,7 +262,8 @@ private:
       static_cast<test_worker&>(w).fail_next_step_ = true;
       return caf::message{};
     });
-    // (rank, call): that rank dies (worker_fault) in its next `call` ("sleep", "wake_up").
+    // (rank, call): that rank dies (worker_fault) in its next `call` ("sleep", "wake_up",
+    // "initialize_cache", "save_sharded_state").
     register_method("die_in_on", [](worker& w, const caf::message& args, const caf::settings&) {
       if (w.rank() == int_arg(args, 0, 0) && args.size() > 1 && args.match_element<std::string>(1))
         static_cast<test_worker&>(w).die_in_ = args.get_as<std::string>(1);
