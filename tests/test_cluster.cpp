@@ -1504,6 +1504,53 @@ TEST_CASE("a node worker that dies while its node lives is leased again from tha
   CHECK(log.count("on node 127.0.0.1:" + std::to_string(n.port()) + " (replacement 1") == 1);
 }
 
+TEST_CASE("a node worker that dies during sleep, wake_up, initialize_cache or "
+          "save_sharded_state is leased again and every rank ends alike") {
+  namespace fs = std::filesystem;
+  node_process n{1};
+  auto cfg = mixed_config(1, {{"127.0.0.1", n.port(), 1}});
+  cfg.restart.max_restarts = 8;
+  executor exec{cfg, test_factory()};
+  exec.initialize_cache({10, 1});
+  auto kv = exec.collective_rpc_as<int64_t>("kv_bytes");
+  auto dir = fs::temp_directory_path() / ("troupe-node-death-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  auto dies_in = [&](const std::string& call) {
+    exec.collective_rpc("die_in_on", {caf::make_message(int32_t{1}, call), {}, {}, {}});
+  };
+  auto alike = [&] {
+    auto health = exec.worker_healths();
+    REQUIRE(health.size() == 2);
+    CHECK(health[0].sleeping_tags == health[1].sleeping_tags);
+    auto bytes = exec.collective_rpc_as<int64_t>("kv_bytes");
+    CHECK(bytes[0] == bytes[1]);
+  };
+  dies_in("sleep");
+  auto code = code_of([&] { exec.sleep(1); });
+  CHECK((code == errc::none || code == errc::worker_replaced));
+  CHECK(exec.is_sleeping());
+  alike();
+  dies_in("wake_up");
+  code = code_of([&] { exec.wake_up(); });
+  CHECK((code == errc::none || code == errc::worker_replaced));
+  CHECK(!exec.is_sleeping());
+  alike();
+  dies_in("initialize_cache");
+  code = code_of([&] { exec.initialize_cache({20, 1}); });
+  CHECK((code == errc::none || code == errc::worker_replaced));
+  alike();
+  CHECK(exec.collective_rpc_as<int64_t>("kv_bytes")[1] == 2 * kv[1]);
+  dies_in("save_sharded_state");
+  CHECK(code_of([&] { exec.save_sharded_state(dir.string()); }) == errc::worker_replaced);
+  CHECK(fs::is_empty(dir));
+  exec.save_sharded_state(dir.string());
+  CHECK(fs::exists(dir / "test-rank-0.bin"));
+  CHECK(fs::exists(dir / "test-rank-1.bin"));
+  CHECK(exec.worker_healths()[1].restarts == 4);
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  fs::remove_all(dir);
+}
+
 TEST_CASE("a second death beyond max_restarts fails the generation with worker_died naming "
           "the node, and nothing hangs") {
   faulty_node first{"kill", 6};
