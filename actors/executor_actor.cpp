@@ -1366,8 +1366,9 @@ struct supervisor_state {
     bool local = is_local(workers[static_cast<size_t>(rank)]);
     if (local && !factory)
       return "no worker factory to make a worker of this process";
-    if (!local && places[static_cast<size_t>(rank)].kind != "node")
-      return "only workers of this process or leased from a node are replaced";
+    if (!local && places[static_cast<size_t>(rank)].kind != "node" && !factory)
+      return "a worker published on its own is replaced by one of this process, and there "
+             "is no worker factory to make it";
     if (recovering)
       return "it died while another worker was being replaced";
     auto now = clock_type::now();
@@ -1441,10 +1442,14 @@ struct supervisor_state {
   void start_replacement(int32_t rank) {
     if (!recovering || failure)
       return; // not asked for, or the executor failed meanwhile
-    if (!is_local(workers[static_cast<size_t>(rank)])) {
+    auto& place = places[static_cast<size_t>(rank)];
+    if (place.kind == "node") {
       lease_replacement(rank);
       return;
     }
+    // A worker of this process takes the place of one of this process, or of one
+    // published on its own (which nothing here can start again).
+    place = worker_place{};
     worker_actor fresh;
     try {
       fresh = spawn_worker(self->system(), factory);

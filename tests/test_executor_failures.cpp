@@ -155,6 +155,31 @@ TEST_CASE("a worker killed mid-call fails the call with worker_died at once and 
   CHECK(seconds_since(start) < 5.0); // at once, not after a call's deadline
 }
 
+TEST_CASE("under a restart policy a dead worker published on its own is replaced by one of "
+          "this process") {
+  worker_process remote;
+  auto cfg = config(2);
+  cfg.remote_workers = {{"127.0.0.1", remote.port()}};
+  cfg.restart.max_restarts = 1;
+  executor exec{cfg, test_factory()};
+  exec.initialize_cache({10, 1});
+  REQUIRE(exec.workers()[1].pid != getpid());
+  auto pending = exec.collective_rpc_async("sleep_ms", sleep_ms(10000));
+  std::this_thread::sleep_for(300ms);
+  remote.kill_now();
+  CHECK(code_of([&] { pending.get(); }) == errc::worker_replaced);
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  // Both workers live here now: a callable, which never crosses a process, reaches both.
+  auto pids = exec.collective_rpc([](worker&, const caf::message&, const caf::settings&) {
+    return caf::make_message(static_cast<int64_t>(getpid()));
+  });
+  REQUIRE(pids.size() == 2);
+  CHECK(pids[1].get_as<int64_t>(0) == getpid());
+  CHECK(exec.worker_healths()[1].restarts == 1);
+  CHECK(exec.collective_rpc_as<int64_t>("kv_bytes")[1] ==
+        exec.collective_rpc_as<int64_t>("kv_bytes")[0]);
+}
+
 TEST_CASE("shutdown is idempotent and later calls fail with shut_down") {
   executor exec{config(2), test_factory()};
   exec.shutdown();

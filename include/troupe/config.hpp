@@ -48,8 +48,9 @@ struct node_address {
 /// is leased again: from its own node if it is back, else from `executor_config::spare_nodes`
 /// in order, else from another of `nodes` with a free device (each asked for at most
 /// `node_timeout`, all within `startup_timeout`). A death
-/// beyond `max_restarts` within `window`, a replacement that fails or is not to be had,
-/// and a worker published on its own (`remote_workers`) still fail the executor. A
+/// beyond `max_restarts` within `window`, and a replacement that fails or is not to be had
+/// still fail the executor. A worker published on its own (`remote_workers`) is replaced
+/// by one of this process, made by the executor's factory (none: the executor fails). A
 /// replacement made while the others sleep falls asleep as they are.
 struct restart_policy {
   /// Replacements allowed within `window`.
