@@ -1291,7 +1291,7 @@ struct raw_basp_peer {
 } // namespace
 
 TEST_CASE("a peer with the secret but not the lease reaches only the gate and cannot speak as "
-          "the node; a node whose gate is killed stops and says so") {
+          "the node, and a node whose gate is killed stops and says so") {
   node_process n{1, 1000};
   auto legit = std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}),
                                           test_factory());
