@@ -17,6 +17,7 @@ packages=(
   libcli11-dev
   libssl-dev openssl    # HMAC-SHA256 of the node handshake; test certificates
   curl                  # the HTTP client of the server tests
+  clang-format          # the format check (scripts/check-format.sh)
 )
 
 missing=()
