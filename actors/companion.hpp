@@ -17,8 +17,7 @@ namespace troupe {
 /// A hidden actor that runs `receive` on the sender's thread for each message sent to it.
 inline caf::strong_actor_ptr
 spawn_companion(caf::actor_system& sys, std::function<void(caf::mailbox_element_ptr)> receive) {
-  auto ptr =
-    caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>());
+  auto ptr = caf::actor_cast<caf::strong_actor_ptr>(sys.spawn<caf::actor_companion, caf::hidden>());
   static_cast<caf::actor_companion*>(caf::actor_cast<caf::abstract_actor*>(ptr))
     ->on_enqueue(std::move(receive));
   return ptr;
@@ -37,8 +36,7 @@ inline void end_companion(const caf::strong_actor_ptr& ptr) {
 /// The id of a request that carries `key` (a counter below 2^48), so that its response
 /// names the key: `response.mid.request_id().integer_value()`.
 inline caf::message_id keyed_request_id(uint64_t key) {
-  return caf::message_id{caf::make_message_id(caf::message_priority::normal).integer_value() |
-                         key};
+  return caf::message_id{caf::make_message_id(caf::message_priority::normal).integer_value() | key};
 }
 
 } // namespace troupe

@@ -250,8 +250,8 @@ struct executor::impl {
         }
         async_call made;
         made.admitted = true;
-        made.request = [make = std::move(make), reply, left = access.left](
-                         supervisor_access& now) mutable {
+        made.request = [make = std::move(make), reply,
+                        left = access.left](supervisor_access& now) mutable {
           now.left = left;
           make(now, reply);
         };
@@ -307,8 +307,8 @@ struct executor::impl {
   std::future<void> rpc_done_async(const std::string& method,
                                    std::function<void(const std::vector<caf::message>&)> seen) {
     return ask_async_direct<void>(
-      cfg.rpc_timeout, [rpc = rpc_of(method, {}), seen](supervisor_access& access,
-                                                       reply_to<void> reply) mutable {
+      cfg.rpc_timeout,
+      [rpc = rpc_of(method, {}), seen](supervisor_access& access, reply_to<void> reply) mutable {
         rpc(access, [reply, seen](caf::expected<std::vector<caf::message>> res) {
           if (res && seen)
             seen(*res);
@@ -433,9 +433,10 @@ struct executor::impl {
         auto remaining = deadline - std::chrono::steady_clock::now();
         if (remaining <= decltype(remaining)::zero())
           break;
-        self->receive([&](caf::down_msg&) { --left; },
-                      caf::after(std::chrono::duration_cast<std::chrono::microseconds>(remaining))
-                        >> [&] { timed_out = true; });
+        self->receive(
+          [&](caf::down_msg&) { --left; },
+          caf::after(std::chrono::duration_cast<std::chrono::microseconds>(remaining)) >>
+            [&] { timed_out = true; });
       }
     }
     {
@@ -496,8 +497,8 @@ void executor_config::validate() const {
                 "device kind '" + device_kind + "' is not known (\"cpu\" or \"cuda\")"};
   for (auto& n : nodes)
     if (n.workers < 1)
-      throw error{errc::invalid_argument, "node " + n.host + ":" + std::to_string(n.port) +
-                                            ": workers must be at least 1"};
+      throw error{errc::invalid_argument,
+                  "node " + n.host + ":" + std::to_string(n.port) + ": workers must be at least 1"};
   auto tls = wants_tls(tls_certificate, tls_key, tls_ca);
   bool any_node = !nodes.empty() || !spare_nodes.empty();
   if (any_node && node_secret.empty() && !tls)
@@ -507,10 +508,9 @@ void executor_config::validate() const {
   if (node_timeout <= timeout_type::zero())
     throw error{errc::invalid_argument, "node_timeout must be positive"};
   if (remote_count(*this) > tensor_parallel_size)
-    throw error{errc::invalid_argument,
-                std::to_string(remote_count(*this)) +
-                  " remote workers do not fit tensor_parallel_size " +
-                  std::to_string(tensor_parallel_size)};
+    throw error{errc::invalid_argument, std::to_string(remote_count(*this)) +
+                                          " remote workers do not fit tensor_parallel_size " +
+                                          std::to_string(tensor_parallel_size)};
   check_linger(linger, "linger");
   check_linger(network_linger, "network_linger");
   if (rpc_timeout <= timeout_type::zero() || startup_timeout <= timeout_type::zero())
@@ -590,9 +590,8 @@ executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl
     workers.push_back(*handle);
     places.push_back({"worker host", rw.host, rw.port, nullptr});
   }
-  d.supervisor =
-    spawn_supervisor(*d.sys, d.cfg, std::move(workers), std::move(places), std::move(factory),
-                     d.lease_holder, d.replacements, d.links);
+  d.supervisor = spawn_supervisor(*d.sys, d.cfg, std::move(workers), std::move(places),
+                                  std::move(factory), d.lease_holder, d.replacements, d.links);
   try {
     // Three steps, each within startup_timeout: init, and the collective's two rounds.
     d.infos = d.ask<std::vector<worker_info>>(times(d.cfg.startup_timeout, 3), init_atom::value);
@@ -640,8 +639,7 @@ std::vector<caf::message> executor::collective_rpc(const std::string& method,
   return d.ask_direct<std::vector<caf::message>>(d.call_timeout(opts), d.rpc_of(method, opts));
 }
 
-std::vector<caf::message> executor::collective_rpc(worker_method fn,
-                                                   const rpc_call_options& opts) {
+std::vector<caf::message> executor::collective_rpc(worker_method fn, const rpc_call_options& opts) {
   auto& d = *impl_;
   if (!fn)
     throw error{errc::invalid_argument, "collective_rpc needs a callable"};
@@ -828,8 +826,7 @@ void executor::save_sharded_state(const std::string& path, const std::string& pa
 }
 
 std::future<void> executor::save_sharded_state_async(const std::string& path,
-                                                     const std::string& pattern,
-                                                     int64_t max_size) {
+                                                     const std::string& pattern, int64_t max_size) {
   auto& d = *impl_;
   return d.ask_async<void>(save_state_atom::value, sharded_state(path, pattern, max_size));
 }
@@ -854,8 +851,7 @@ int64_t executor::sleep_count() const {
 
 void executor::sleep(int32_t level) {
   ++impl_->sleeps;
-  impl_->ask<void>(impl_->cfg.rpc_timeout, sleep_atom::value,
-                   sleep_request{to_sleep_level(level)});
+  impl_->ask<void>(impl_->cfg.rpc_timeout, sleep_atom::value, sleep_request{to_sleep_level(level)});
 }
 
 std::future<void> executor::sleep_async(int32_t level) {

@@ -128,11 +128,11 @@ caf::error rank_error(const gather& g, int32_t rank, const caf::error& err) {
   if (err == caf::sec::request_receiver_down) {
     // A call link that closed under the request says why.
     auto& how = err.context();
-    return caf::make_error(errc::worker_died,
-                           g.label + ": rank " + std::to_string(rank) + " is down" +
-                             (how.match_elements<std::string>()
-                                ? " (" + how.get_as<std::string>(0) + ")"
-                                : std::string{}));
+    return caf::make_error(errc::worker_died, g.label + ": rank " + std::to_string(rank) +
+                                                " is down" +
+                                                (how.match_elements<std::string>()
+                                                   ? " (" + how.get_as<std::string>(0) + ")"
+                                                   : std::string{}));
   }
   if (err.category() == caf::atom("troupe"))
     return err; // The worker already named its rank.
@@ -152,15 +152,14 @@ int32_t first_silent_rank(const gather& g) {
 template <class T>
 const T& result_as(const caf::message& msg, size_t rank, const std::string& method) {
   if (msg.size() != 1 || !msg.match_element<T>(0))
-    throw error{errc::bad_arguments, method + ": rank " + std::to_string(rank) +
-                                       " returned (" + to_string(msg) +
-                                       "), not the expected type"};
+    throw error{errc::bad_arguments, method + ": rank " + std::to_string(rank) + " returned (" +
+                                       to_string(msg) + "), not the expected type"};
   return msg.get_as<T>(0);
 }
 
 caf::error invalid_id(const char* what, int64_t id) {
-  return caf::make_error(errc::invalid_argument, std::string{what} + " must be greater than 0, got " +
-                                                   std::to_string(id));
+  return caf::make_error(errc::invalid_argument,
+                         std::string{what} + " must be greater than 0, got " + std::to_string(id));
 }
 
 /// "node HOST:PORT" or "worker host HOST:PORT": where a remote worker runs.
@@ -174,9 +173,9 @@ std::string place_name(const worker_place& place) {
 /// answers at once, a stopped one never); everything ends by `deadline`, and no candidate
 /// is asked once `cancelled` is set (the supervisor is gone).
 /// The call link to the worker leased, if any, is left in `link` before the reply.
-void lease_one(caf::blocking_actor* self, executor_config cfg,
-               std::vector<node_address> candidates, caf::actor holder,
-               clock_type::time_point deadline, std::shared_ptr<std::atomic<bool>> cancelled,
+void lease_one(caf::blocking_actor* self, executor_config cfg, std::vector<node_address> candidates,
+               caf::actor holder, clock_type::time_point deadline,
+               std::shared_ptr<std::atomic<bool>> cancelled,
                std::shared_ptr<std::shared_ptr<node_link>> link) {
   self->receive([&](lease_atom) -> caf::result<caf::actor, int32_t> {
     std::string refusals;
@@ -313,10 +312,9 @@ struct supervisor_state {
                   std::move(request));
   }
 
-  gather_ptr launch(std::string label, std::vector<int32_t> ranks, ask_fn ask,
-                    timeout_type timeout, size_t max_concurrent,
-                    std::function<void(gather_result)> done, std::vector<ask_fn> per_rank,
-                    caf::message request) {
+  gather_ptr launch(std::string label, std::vector<int32_t> ranks, ask_fn ask, timeout_type timeout,
+                    size_t max_concurrent, std::function<void(gather_result)> done,
+                    std::vector<ask_fn> per_rank, caf::message request) {
     sweep();
     auto g = std::make_shared<gather>();
     g->id = next_id++;
@@ -475,9 +473,9 @@ struct supervisor_state {
 
   /// What a call in flight at the death of the worker being replaced fails with.
   caf::error work_lost() const {
-    return caf::make_error(errc::worker_replaced,
-                           replacing_cause + "; the call's work is lost, a replacement is "
-                                             "starting");
+    return caf::make_error(errc::worker_replaced, replacing_cause +
+                                                    "; the call's work is lost, a replacement is "
+                                                    "starting");
   }
 
   /// Fails every pending call with `why`.
@@ -530,10 +528,9 @@ struct supervisor_state {
                                    std::make_move_iterator(waiting_calls.end()));
     waiting_calls.erase(late, waiting_calls.end());
     for (auto& w : gone)
-      w.call.fail(caf::make_error(errc::timeout, "waited " + ms_text(w.call.timeout) +
-                                                   " for the replacement of rank " +
-                                                   std::to_string(replacing) +
-                                                   ", which is still in progress"));
+      w.call.fail(caf::make_error(
+        errc::timeout, "waited " + ms_text(w.call.timeout) + " for the replacement of rank " +
+                         std::to_string(replacing) + ", which is still in progress"));
     for (auto& w : waiting_calls)
       if (w.until != clock_type::time_point::max())
         arm_deadline(w.until);
@@ -662,36 +659,36 @@ struct supervisor_state {
     for (int32_t rank = 0; rank < world; ++rank)
       requests.push_back(init_request(rank));
     auto* st = this;
-    start_gather("init", all_ranks(), nullptr, cfg.startup_timeout, 0,
-                 [=](gather_result res) mutable {
-                   if (!res) {
-                     rp.deliver(res.error());
-                     return;
-                   }
-                   std::vector<worker_info> infos;
-                   for (size_t rank = 0; rank < res->size(); ++rank) {
-                     auto& info = (*res)[rank];
-                     if (!info.match_elements<worker_info>()) {
-                       rp.deliver(caf::make_error(errc::bad_arguments,
-                                                  "rank " + std::to_string(rank) +
-                                                    " answered init with (" + to_string(info) +
-                                                    "), not a worker_info"));
-                       return;
-                     }
-                     infos.push_back(info.get_as<worker_info>(0));
-                   }
-                   if (auto err = different_models(infos)) {
-                     rp.deliver(std::move(err));
-                     return;
-                   }
-                   st->form_collective([rp, infos](caf::error err) mutable {
-                     if (err)
-                       rp.deliver(std::move(err));
-                     else
-                       rp.deliver(std::move(infos));
-                   });
-                 },
-                 std::move(requests));
+    start_gather(
+      "init", all_ranks(), nullptr, cfg.startup_timeout, 0,
+      [=](gather_result res) mutable {
+        if (!res) {
+          rp.deliver(res.error());
+          return;
+        }
+        std::vector<worker_info> infos;
+        for (size_t rank = 0; rank < res->size(); ++rank) {
+          auto& info = (*res)[rank];
+          if (!info.match_elements<worker_info>()) {
+            rp.deliver(caf::make_error(errc::bad_arguments,
+                                       "rank " + std::to_string(rank) + " answered init with (" +
+                                         to_string(info) + "), not a worker_info"));
+            return;
+          }
+          infos.push_back(info.get_as<worker_info>(0));
+        }
+        if (auto err = different_models(infos)) {
+          rp.deliver(std::move(err));
+          return;
+        }
+        st->form_collective([rp, infos](caf::error err) mutable {
+          if (err)
+            rp.deliver(std::move(err));
+          else
+            rp.deliver(std::move(infos));
+        });
+      },
+      std::move(requests));
     return rp;
   }
 
@@ -704,8 +701,8 @@ struct supervisor_state {
       return;
     }
     auto* st = this;
-    start_gather("group", all_ranks(), asking(group_atom::value, handles(0)),
-                 cfg.startup_timeout, 0, [st, then](gather_result res) {
+    start_gather("group", all_ranks(), asking(group_atom::value, handles(0)), cfg.startup_timeout,
+                 0, [st, then](gather_result res) {
                    if (!res)
                      return then(res.error());
                    st->prepare_collective(then);
@@ -715,30 +712,28 @@ struct supervisor_state {
   void prepare_collective(std::function<void(caf::error)> then) {
     auto* st = this;
     const std::string prepare = "prepare_collective";
-    start_gather(prepare, all_ranks(), calling(prepare), cfg.startup_timeout, 0,
-                 [st, then, prepare](gather_result res) {
-                   if (!res)
-                     return then(res.error());
-                   std::vector<std::vector<std::string>> table;
-                   bool needed = false;
-                   try {
-                     for (size_t rank = 0; rank < res->size(); ++rank) {
-                       table.push_back(
-                         result_as<std::vector<std::string>>((*res)[rank], rank, prepare));
-                       needed = needed || !table.back().empty();
-                     }
-                   } catch (const error& e) {
-                     return then(caf::make_error(e.code(), std::string{e.what()}));
-                   }
-                   if (!needed)
-                     return then(caf::none);
-                   st->start_gather("connect_collective", st->all_ranks(),
-                                    calling("connect_collective",
-                                            caf::make_message(std::move(table))),
-                                    st->cfg.startup_timeout, 0, [then](gather_result done) {
-                                      then(done ? caf::none : done.error());
-                                    });
-                 });
+    start_gather(
+      prepare, all_ranks(), calling(prepare), cfg.startup_timeout, 0,
+      [st, then, prepare](gather_result res) {
+        if (!res)
+          return then(res.error());
+        std::vector<std::vector<std::string>> table;
+        bool needed = false;
+        try {
+          for (size_t rank = 0; rank < res->size(); ++rank) {
+            table.push_back(result_as<std::vector<std::string>>((*res)[rank], rank, prepare));
+            needed = needed || !table.back().empty();
+          }
+        } catch (const error& e) {
+          return then(caf::make_error(e.code(), std::string{e.what()}));
+        }
+        if (!needed)
+          return then(caf::none);
+        st->start_gather("connect_collective", st->all_ranks(),
+                         calling("connect_collective", caf::make_message(std::move(table))),
+                         st->cfg.startup_timeout, 0,
+                         [then](gather_result done) { then(done ? caf::none : done.error()); });
+      });
   }
 
   /// collective_rpc of a named method, answered through `reply` (see `start_direct_gather`).
@@ -750,10 +745,10 @@ struct supervisor_state {
       start_gather(std::move(label), all_ranks(), calling(method, args, kwargs), timeout,
                    static_cast<size_t>(opts.max_concurrent_workers), std::move(reply));
     else
-      start_direct_gather(std::move(label), all_ranks(),
-                          worker_request(call_atom::value, method, std::move(args),
-                                         std::move(kwargs)),
-                          timeout, std::move(reply));
+      start_direct_gather(
+        std::move(label), all_ranks(),
+        worker_request(call_atom::value, method, std::move(args), std::move(kwargs)), timeout,
+        std::move(reply));
   }
 
   /// collective_rpc: every reply, in rank order.
@@ -772,8 +767,7 @@ struct supervisor_state {
   }
 
   /// collective_rpc with a callable: refused when any worker lives in another process.
-  promise<std::vector<caf::message>> collective_callable(local_call call,
-                                                         const rpc_options& opts) {
+  promise<std::vector<caf::message>> collective_callable(local_call call, const rpc_options& opts) {
     std::string remote;
     for (size_t rank = 0; rank < workers.size(); ++rank)
       if (!is_local(workers[rank]))
@@ -875,8 +869,7 @@ struct supervisor_state {
       id = args.get_as<prompt_adapter_request>(0).prompt_adapter_id;
     if (id <= 0)
       return refuse<bool>(invalid_id(
-        method.find("prompt_adapter") != std::string::npos ? "prompt_adapter_id" : "lora_id",
-        id));
+        method.find("prompt_adapter") != std::string::npos ? "prompt_adapter_id" : "lora_id", id));
     auto* st = this;
     return call_all<bool>(method, args, [st, method, args, id](std::vector<caf::message>& results) {
       bool all = true;
@@ -892,11 +885,10 @@ struct supervisor_state {
   void note_adapter_call(const std::string& method, const caf::message& args, int64_t id) {
     auto kind = method.substr(method.find('_') + 1);
     if (method.rfind("remove_", 0) == 0) {
-      adapter_calls.erase(std::remove_if(adapter_calls.begin(), adapter_calls.end(),
-                                         [&](const adapter_call& c) {
-                                           return c.kind == kind && c.id == id;
-                                         }),
-                          adapter_calls.end());
+      adapter_calls.erase(
+        std::remove_if(adapter_calls.begin(), adapter_calls.end(),
+                       [&](const adapter_call& c) { return c.kind == kind && c.id == id; }),
+        adapter_calls.end());
       return;
     }
     // Adding or pinning again what the log already holds changes nothing.
@@ -965,10 +957,10 @@ struct supervisor_state {
           differing += (differing.empty() ? "" : ", ") + std::to_string(rank);
       }
       if (!differing.empty())
-        throw error{errc::inconsistent_workers,
-                    method + ": rank(s) " + differing + " disagree with rank 0 (" +
-                      to_string(caf::make_message(first)) +
-                      "); all workers should hold the same set"};
+        throw error{errc::inconsistent_workers, method + ": rank(s) " + differing +
+                                                  " disagree with rank 0 (" +
+                                                  to_string(caf::make_message(first)) +
+                                                  "); all workers should hold the same set"};
       return first;
     });
   }
@@ -986,8 +978,8 @@ struct supervisor_state {
           if (rank < st->rank_restarts.size())
             reports.back().restarts = st->rank_restarts[rank];
           if (!reports.back().healthy)
-            unhealthy += (unhealthy.empty() ? "rank " : "; rank ") + std::to_string(rank) +
-                         ": " + reports.back().detail;
+            unhealthy += (unhealthy.empty() ? "rank " : "; rank ") + std::to_string(rank) + ": " +
+                         reports.back().detail;
         }
         if (!unhealthy.empty())
           throw error{errc::worker_error, "unhealthy workers: " + unhealthy};
@@ -1024,21 +1016,20 @@ struct supervisor_state {
     start_loop();
     auto id = loop_id;
     auto* st = this;
-    start_direct_gather(
-      "execute_model", {0}, worker_request(execute_atom::value, std::move(req)), timeout,
-      [reply, id, st](gather_result res) {
-        if (!res) { // on the supervisor's thread
-          st->abandon_loop(id);
-          return reply(res.error());
-        }
-        try {
-          auto& out = (*res)[0];
-          (void)result_as<std::vector<sampler_output>>(out, 0, "execute_model");
-          reply(std::move(out.get_mutable_as<std::vector<sampler_output>>(0)));
-        } catch (const error& e) {
-          reply(caf::make_error(e.code(), std::string{e.what()}));
-        }
-      });
+    start_direct_gather("execute_model", {0}, worker_request(execute_atom::value, std::move(req)),
+                        timeout, [reply, id, st](gather_result res) {
+                          if (!res) { // on the supervisor's thread
+                            st->abandon_loop(id);
+                            return reply(res.error());
+                          }
+                          try {
+                            auto& out = (*res)[0];
+                            (void)result_as<std::vector<sampler_output>>(out, 0, "execute_model");
+                            reply(std::move(out.get_mutable_as<std::vector<sampler_output>>(0)));
+                          } catch (const error& e) {
+                            reply(caf::make_error(e.code(), std::string{e.what()}));
+                          }
+                        });
   }
 
   /// stop_remote_worker_execution_loop: answered when the loop's tasks have ended.
@@ -1076,9 +1067,9 @@ struct supervisor_state {
     auto id = ++loop_id;
     auto* st = this;
     // The tasks end only when the loop is stopped; a dead worker still fails them at once.
-    auto g = start_gather("execution loop", peer_ranks(), asking(loop_atom::value, id),
-                          wait_forever, 0,
-                          [st, id](gather_result res) { st->loop_ended(id, std::move(res)); });
+    auto g =
+      start_gather("execution loop", peer_ranks(), asking(loop_atom::value, id), wait_forever, 0,
+                   [st, id](gather_result res) { st->loop_ended(id, std::move(res)); });
     if (!g->finished)
       loop = g;
   }
@@ -1253,7 +1244,8 @@ struct supervisor_state {
       return caf::make_error(errc::inconsistent_workers,
                              where_rank(first) + " and " + where_rank(info) +
                                " loaded different models from '" + first.model + "' and '" +
-                               info.model + "': their configs or files differ (names, shapes, "
+                               info.model +
+                               "': their configs or files differ (names, shapes, "
                                "types or bytes of the tensors); every host needs the same files");
     }
     return {};
@@ -1454,8 +1446,8 @@ struct supervisor_state {
     try {
       fresh = spawn_worker(self->system(), factory);
     } catch (const std::exception& e) {
-      end_replacement(rank, caf::make_error(errc::worker_died, std::string{"cannot spawn: "} +
-                                                                 e.what()));
+      end_replacement(rank,
+                      caf::make_error(errc::worker_died, std::string{"cannot spawn: "} + e.what()));
       return;
     }
     {
@@ -1481,9 +1473,9 @@ struct supervisor_state {
           candidates.push_back({n.host, n.port, 1});
       }
     auto link = std::make_shared<std::shared_ptr<node_link>>();
-    auto helper = self->spawn<caf::detached>(lease_one, cfg, candidates, lease_holder,
-                                             clock_type::now() + cfg.startup_timeout,
-                                             leases_cancelled, link);
+    auto helper =
+      self->spawn<caf::detached>(lease_one, cfg, candidates, lease_holder,
+                                 clock_type::now() + cfg.startup_timeout, leases_cancelled, link);
     auto* st = this;
     self->request(helper, caf::infinite, lease_atom::value)
       .then(
@@ -1517,19 +1509,21 @@ struct supervisor_state {
         gather_step("the driver's peers", {0}, asking(peers_atom::value, peer_handles())));
     auto* st = this;
     if (cfg.on_replacement && is_local(fresh)) {
-      local_call call{"on_replacement",
-                      [fn = cfg.on_replacement](worker& w, const caf::message&,
-                                                const caf::settings&) {
-                        fn(w);
-                        return caf::message{};
-                      },
-                      {}, {}, std::make_shared<local_call::guard_type>()};
+      local_call call{
+        "on_replacement",
+        [fn = cfg.on_replacement](worker& w, const caf::message&, const caf::settings&) {
+          fn(w);
+          return caf::message{};
+        },
+        {},
+        {},
+        std::make_shared<local_call::guard_type>()};
       steps->push_back(gather_step("on_replacement", {rank}, asking(call_atom::value, call)));
     }
     steps->push_back([st](std::function<void(caf::error)> next) { st->form_collective(next); });
     if (cache)
-      steps->push_back(
-        gather_step("initialize_cache", {rank}, calling("initialize_cache", caf::make_message(*cache))));
+      steps->push_back(gather_step("initialize_cache", {rank},
+                                   calling("initialize_cache", caf::make_message(*cache))));
     for (auto& call : adapter_calls)
       steps->push_back(gather_step(call.method, {rank}, calling(call.method, call.args)));
     for (std::string kind : {"lora", "prompt_adapter"})
@@ -1563,8 +1557,8 @@ struct supervisor_state {
       auto ms =
         std::chrono::duration<double, std::milli>(clock_type::now() - replacing_started).count();
       auto& place = places[static_cast<size_t>(rank)];
-      log->warn("rank {} replaced in {:.1f} ms, {} (replacement {} of this rank) after: {}",
-                rank, ms, place.host.empty() ? "in this process" : "on " + place_name(place),
+      log->warn("rank {} replaced in {:.1f} ms, {} (replacement {} of this rank) after: {}", rank,
+                ms, place.host.empty() ? "in this process" : "on " + place_name(place),
                 rank_restarts[static_cast<size_t>(rank)], replacing_cause);
     }
     auto calls = std::move(waiting_calls);
@@ -1575,8 +1569,7 @@ struct supervisor_state {
 
   /// A call of the facade: made now, or once the replacement in progress is done. `until`:
   /// its deadline, once it has waited (it then gets only what is left of it).
-  void run_call(async_call call,
-                std::optional<clock_type::time_point> until = std::nullopt) {
+  void run_call(async_call call, std::optional<clock_type::time_point> until = std::nullopt) {
     if (recovering && !call.admitted) {
       auto at = until.value_or(clock_type::time_point::max());
       if (!until && call.timeout != wait_forever) {
@@ -1622,12 +1615,10 @@ void supervisor_access::execute_model(execute_model_request req, timeout_type ti
 
 namespace {
 
-supervisor_actor::behavior_type supervisor(supervisor_self self, executor_config cfg,
-                                           std::vector<worker_actor> workers,
-                                           std::vector<worker_place> places,
-                                           worker_factory factory, caf::actor lease_holder,
-                                           std::shared_ptr<replacement_list> replacements,
-                                           std::shared_ptr<link_set> links) {
+supervisor_actor::behavior_type
+supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> workers,
+           std::vector<worker_place> places, worker_factory factory, caf::actor lease_holder,
+           std::shared_ptr<replacement_list> replacements, std::shared_ptr<link_set> links) {
   auto& st = self->state;
   st.links = std::move(links);
   st.self = self;
@@ -1686,9 +1677,8 @@ supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config&
                                   std::shared_ptr<link_set> links) {
   places.resize(workers.size());
   // Scheduled, not detached: a caller may run it (`hand_to_supervisor`).
-  return sys.spawn(supervisor, cfg, std::move(workers), std::move(places),
-                                  std::move(factory), std::move(lease_holder),
-                                  std::move(replacements), std::move(links));
+  return sys.spawn(supervisor, cfg, std::move(workers), std::move(places), std::move(factory),
+                   std::move(lease_holder), std::move(replacements), std::move(links));
 }
 
 namespace {
@@ -1699,8 +1689,7 @@ namespace {
 /// scheduler.
 class caller_unit : public caf::execution_unit {
 public:
-  explicit caller_unit(caf::actor_system& sys) : caf::execution_unit(&sys) {
-  }
+  explicit caller_unit(caf::actor_system& sys) : caf::execution_unit(&sys) {}
 
   void exec_later(caf::resumable* job) override {
     if (job_ == nullptr && !running_) {
@@ -1717,14 +1706,14 @@ public:
       return;
     running_ = true;
     switch (job_->resume(this, limit)) {
-      case caf::resumable::resume_later:
-        system().scheduler().enqueue(job_); // keeps the reference the enqueue added
-        break;
-      case caf::resumable::done:
-      case caf::resumable::awaiting_message:
-      case caf::resumable::shutdown_execution_unit:
-        intrusive_ptr_release(job_);
-        break;
+    case caf::resumable::resume_later:
+      system().scheduler().enqueue(job_); // keeps the reference the enqueue added
+      break;
+    case caf::resumable::done:
+    case caf::resumable::awaiting_message:
+    case caf::resumable::shutdown_execution_unit:
+      intrusive_ptr_release(job_);
+      break;
     }
     job_ = nullptr;
   }

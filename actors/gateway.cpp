@@ -82,12 +82,8 @@ template <class Stream>
 class relay : public relay_base, public std::enable_shared_from_this<relay<Stream>> {
 public:
   relay(Stream client, std::string peer, std::shared_ptr<const relay_settings> settings)
-    : client_(std::move(client)),
-      server_(client_.get_executor()),
-      deadline_(client_.get_executor()),
-      peer_(std::move(peer)),
-      settings_(std::move(settings)) {
-  }
+    : client_(std::move(client)), server_(client_.get_executor()),
+      deadline_(client_.get_executor()), peer_(std::move(peer)), settings_(std::move(settings)) {}
 
   /// Starts the connection: the TLS handshake or the connection handshake, within the
   /// deadline, then the relay.
@@ -96,8 +92,7 @@ public:
     deadline_.expires_after(settings_->options.handshake_timeout);
     deadline_.async_wait([self](const boost::system::error_code& ec) {
       if (!ec) {
-        self->settings_->log->warn("closed {}: it did not prove itself within {} ms",
-                                   self->peer_,
+        self->settings_->log->warn("closed {}: it did not prove itself within {} ms", self->peer_,
                                    self->settings_->options.handshake_timeout.count() / 1000);
         self->close();
       }
@@ -109,7 +104,7 @@ public:
                                   return;
                                 if (ec) {
                                   self->settings_->log->warn("refused {}: TLS handshake failed: {}",
-                                                            self->peer_, ec.message());
+                                                             self->peer_, ec.message());
                                   self->close();
                                   return;
                                 }
@@ -139,18 +134,18 @@ private:
     auto self = this->shared_from_this();
     challenge_ = random_challenge();
     line_ = connection_greeting(challenge_);
-    asio::async_write(client_, asio::buffer(line_), [self](const boost::system::error_code& ec,
-                                                           size_t) {
-      if (ec)
-        return self->close();
-      self->line_.assign(answer_size, '\0');
-      asio::async_read(self->client_, asio::buffer(self->line_),
-                       [self](const boost::system::error_code& ec, size_t) {
-                         if (ec)
-                           return self->close();
-                         self->judge();
-                       });
-    });
+    asio::async_write(client_, asio::buffer(line_),
+                      [self](const boost::system::error_code& ec, size_t) {
+                        if (ec)
+                          return self->close();
+                        self->line_.assign(answer_size, '\0');
+                        asio::async_read(self->client_, asio::buffer(self->line_),
+                                         [self](const boost::system::error_code& ec, size_t) {
+                                           if (ec)
+                                             return self->close();
+                                           self->judge();
+                                         });
+                      });
   }
 
   static constexpr bool is_local = std::is_same_v<Stream, local_socket>;
@@ -257,24 +252,24 @@ private:
     if (!settings_->options.policy || op == basp_op::heartbeat)
       return pass();
     switch (op) {
-      case basp_op::client_handshake:
-        // Its whole payload is the peer's node id.
-        if (length > max_node_bytes) {
-          settings_->log->warn("refused {}: a handshake of {} bytes", peer_, length);
-          return close();
-        }
-        return read_prefix(length);
-      case basp_op::direct_message:
-        return judge_frame();
-      case basp_op::routed_message:
-      case basp_op::monitor_message:
-      case basp_op::down_message:
-        return read_prefix(std::min<uint64_t>(length, 2 * max_node_bytes));
-      default:
-        // A server's handshake, or no BASP operation: not what a node's client sends.
-        settings_->log->warn("refused {}: BASP operation {} from a client", peer_,
-                             static_cast<int>(header_[0]));
+    case basp_op::client_handshake:
+      // Its whole payload is the peer's node id.
+      if (length > max_node_bytes) {
+        settings_->log->warn("refused {}: a handshake of {} bytes", peer_, length);
         return close();
+      }
+      return read_prefix(length);
+    case basp_op::direct_message:
+      return judge_frame();
+    case basp_op::routed_message:
+    case basp_op::monitor_message:
+    case basp_op::down_message:
+      return read_prefix(std::min<uint64_t>(length, 2 * max_node_bytes));
+    default:
+      // A server's handshake, or no BASP operation: not what a node's client sends.
+      settings_->log->warn("refused {}: BASP operation {} from a client", peer_,
+                           static_cast<int>(header_[0]));
+      return close();
     }
   }
 
@@ -377,18 +372,17 @@ private:
 
   void read_downstream() {
     auto self = this->shared_from_this();
-    server_.async_read_some(asio::buffer(down_),
-                            [self](const boost::system::error_code& ec, size_t n) {
-                              if (ec)
-                                return self->close();
-                              asio::async_write(self->client_, asio::buffer(self->down_.data(), n),
-                                                [self](const boost::system::error_code& ec,
-                                                       size_t) {
-                                                  if (ec)
-                                                    return self->close();
-                                                  self->read_downstream();
-                                                });
-                            });
+    server_.async_read_some(
+      asio::buffer(down_), [self](const boost::system::error_code& ec, size_t n) {
+        if (ec)
+          return self->close();
+        asio::async_write(self->client_, asio::buffer(self->down_.data(), n),
+                          [self](const boost::system::error_code& ec, size_t) {
+                            if (ec)
+                              return self->close();
+                            self->read_downstream();
+                          });
+      });
   }
 
   Stream client_;
@@ -459,7 +453,7 @@ struct frame_gateway::impl {
         if (out_of_descriptors(ec)) {
           // Retrying at once would spin: the error stays until a descriptor is freed.
           settings->log->warn("cannot accept a connection: {}; pausing {} ms", ec.message(),
-                             accept_backoff.count());
+                              accept_backoff.count());
           auto timer = std::make_shared<asio::steady_timer>(io, accept_backoff);
           timer->async_wait([this, &from, timer](const boost::system::error_code& e) {
             if (!e && from.is_open())
@@ -495,8 +489,8 @@ struct frame_gateway::impl {
   void start_relay(tcp::socket socket) {
     boost::system::error_code ec;
     auto from = socket.remote_endpoint(ec);
-    auto peer = ec ? std::string{"?"}
-                   : from.address().to_string() + ":" + std::to_string(from.port());
+    auto peer =
+      ec ? std::string{"?"} : from.address().to_string() + ":" + std::to_string(from.port());
     socket.set_option(tcp::no_delay(true), ec);
     settings->log->info("connection from {}", peer);
     if (tls)
@@ -567,8 +561,8 @@ frame_gateway::frame_gateway(gateway_options options, connect_fn connect, link_f
     try {
       using ctx = asio::ssl::context;
       d.tls = std::make_unique<ctx>(ctx::tls_server);
-      d.tls->set_options(ctx::default_workarounds | ctx::no_sslv2 | ctx::no_sslv3 |
-                         ctx::no_tlsv1 | ctx::no_tlsv1_1);
+      d.tls->set_options(ctx::default_workarounds | ctx::no_sslv2 | ctx::no_sslv3 | ctx::no_tlsv1 |
+                         ctx::no_tlsv1_1);
       d.tls->use_certificate_chain_file(tls->certificate);
       d.tls->use_private_key_file(tls->key, ctx::pem);
       d.tls->load_verify_file(tls->ca);
@@ -577,8 +571,8 @@ frame_gateway::frame_gateway(gateway_options options, connect_fn connect, link_f
       if (SSL_CTX_set_cipher_list(d.tls->native_handle(), "HIGH:!aNULL:!MD5") != 1)
         throw error{errc::worker_error, "node: TLS: no usable cipher"};
     } catch (const boost::system::system_error& e) {
-      throw error{errc::worker_error, "node: TLS: cannot load the certificate, key or CA: " +
-                                        std::string{e.what()}};
+      throw error{errc::worker_error,
+                  "node: TLS: cannot load the certificate, key or CA: " + std::string{e.what()}};
     }
   }
   try {

@@ -57,8 +57,9 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
       .receive(take_gate, fail);
   } else {
     // Through the TLS manager's actor, so that the deadline bounds the connection.
-    self->request(sys.openssl_manager().actor_handle(), left(), caf::connect_atom::value, n.host,
-                  n.port)
+    self
+      ->request(sys.openssl_manager().actor_handle(), left(), caf::connect_atom::value, n.host,
+                n.port)
       .receive(take_gate, fail);
   }
   if (err || !gate)
@@ -67,8 +68,8 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
   auto checked = [&] {
     if (!err)
       return;
-    auto code = err.category() == caf::atom("troupe") ? static_cast<errc>(err.code())
-                                                       : errc::worker_died;
+    auto code =
+      err.category() == caf::atom("troupe") ? static_cast<errc>(err.code()) : errc::worker_died;
     throw error{code == errc::timeout ? errc::worker_died : code, where + ": " + why()};
   };
   if (!cfg.node_secret.empty()) {
@@ -84,8 +85,8 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
   std::string token;
   std::string local_address;
   self
-    ->request(gate, left(), lease_atom::value, cfg.node_worker_kind, cfg.node_worker_options,
-              count, holder)
+    ->request(gate, left(), lease_atom::value, cfg.node_worker_kind, cfg.node_worker_options, count,
+              holder)
     .receive(
       [&](std::vector<caf::actor>& ws, std::string& t, std::string& local) {
         grant.workers = std::move(ws);

@@ -465,7 +465,8 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
     if (n.stopping)
       return;
     std::lock_guard<std::mutex> guard{n.mtx};
-    n.failure = "its gate is gone (" + render(reason) + "): the node stops, as it can lease "
+    n.failure = "its gate is gone (" + render(reason) +
+                "): the node stops, as it can lease "
                 "to nobody; start it again";
     n.gate_gone = true;
     n.gate_cv.notify_all();

@@ -26,7 +26,8 @@ void check_secret(const std::string& secret, const std::string& what) {
   if (secret.size() < min_secret_bytes)
     throw error{errc::invalid_argument,
                 what + " has " + std::to_string(secret.size()) + " bytes; it needs at least " +
-                  std::to_string(min_secret_bytes) + " (a shorter one can be found by trying "
+                  std::to_string(min_secret_bytes) +
+                  " (a shorter one can be found by trying "
                   "candidates against one overheard handshake): e.g. head -c 32 /dev/urandom | "
                   "od -An -tx1 | tr -d ' \\n'"};
 }
@@ -44,8 +45,8 @@ std::string secret_proof(const std::string& secret, const std::string& challenge
   unsigned char mac[EVP_MAX_MD_SIZE];
   unsigned int size = 0;
   if (HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
-           reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac, &size)
-      == nullptr)
+           reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac,
+           &size) == nullptr)
     throw error{errc::worker_error, "HMAC-SHA256 failed"};
   return hex(mac, size);
 }

@@ -83,7 +83,8 @@ void put_header(char* header, link_socket::kind type, uint64_t key, uint64_t tar
 /// frame, or for room in a ring, which come late only when the peer is slow.
 class backoff {
 public:
-  explicit backoff(timeout_type linger) : linger_until_(std::chrono::steady_clock::now() + linger) {}
+  explicit backoff(timeout_type linger)
+    : linger_until_(std::chrono::steady_clock::now() + linger) {}
 
   void pause() {
     if (std::chrono::steady_clock::now() < linger_until_) {
@@ -113,8 +114,7 @@ bool link_socket::write(kind type, uint64_t key, uint64_t target,
     ring_doorbell();
     return pushed;
   }
-  iovec parts[2] = {{header, header_size},
-                    {const_cast<char*>(payload.data()), payload.size()}};
+  iovec parts[2] = {{header, header_size}, {const_cast<char*>(payload.data()), payload.size()}};
   msghdr msg{};
   msg.msg_iov = parts;
   msg.msg_iovlen = payload.empty() ? 1 : 2;
@@ -385,10 +385,10 @@ bool link_socket::block_on_rings(int timeout_ms, int also) {
     }
     int left = timeout_ms;
     if (timeout_ms >= 0)
-      left = static_cast<int>(std::max<int64_t>(
-        0, std::chrono::duration_cast<std::chrono::milliseconds>(
-             until - std::chrono::steady_clock::now())
-             .count()));
+      left =
+        static_cast<int>(std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                until - std::chrono::steady_clock::now())
+                                                .count()));
     pollfd p[2] = {{fd_, POLLIN | POLLRDHUP, 0}, {also, POLLIN, 0}};
     int n;
     while ((n = ::poll(p, 2, left)) < 0 && errno == EINTR) {
@@ -583,13 +583,11 @@ std::vector<char> serialize_message(caf::actor_system& sys, const caf::message& 
 // -- node_link --------------------------------------------------------------------------
 
 node_link::node_link(std::unique_ptr<link_socket> socket, std::string name)
-  : name_(std::move(name)), socket_(std::move(socket)) {
-}
+  : name_(std::move(name)), socket_(std::move(socket)) {}
 
 std::shared_ptr<node_link> node_link::open(const std::string& host, uint16_t port,
-                                           const std::string& local_address,
-                                           bool shared_memory, const std::string& secret,
-                                           const std::string& token,
+                                           const std::string& local_address, bool shared_memory,
+                                           const std::string& secret, const std::string& token,
                                            timeout_type linger, timeout_type stall,
                                            std::chrono::steady_clock::time_point deadline) {
   auto name = "node " + host + ":" + std::to_string(port);
@@ -617,11 +615,12 @@ std::shared_ptr<node_link> node_link::open(const std::string& host, uint16_t por
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
     deadline - std::chrono::steady_clock::now());
   if (!socket->write(link_socket::hello, 0, 0, std::vector<char>(token.begin(), token.end())) ||
-      !socket->wait(std::max(left, std::chrono::milliseconds(1)), [] { return false; }, -1, true))
+      !socket->wait(
+        std::max(left, std::chrono::milliseconds(1)), [] { return false; }, -1, true))
     throw error{errc::worker_died, name + ": no answer to the call link's hello in time"};
   if (!socket->read(ack, why) || ack.type != link_socket::hello)
-    throw error{errc::invalid_argument, name + " refused the call link (" +
-                                          (why.empty() ? "not a hello" : why) + ")"};
+    throw error{errc::invalid_argument,
+                name + " refused the call link (" + (why.empty() ? "not a hello" : why) + ")"};
   if (shared_memory && socket->is_local() && !socket->ask_rings(deadline, why) && !why.empty())
     throw error{errc::worker_died, name + ": the call link's shared memory: " + why};
   return std::shared_ptr<node_link>{new node_link(std::move(socket), std::move(name))};
@@ -949,8 +948,7 @@ caf::strong_actor_ptr make_link_stub(caf::actor_system& sys, std::shared_ptr<nod
 
 // -- link_readers -----------------------------------------------------------------------
 
-link_readers::member::member(std::shared_ptr<link_readers> readers)
-  : readers_(std::move(readers)) {
+link_readers::member::member(std::shared_ptr<link_readers> readers) : readers_(std::move(readers)) {
   readers_->count(1, 0);
 }
 
@@ -1008,18 +1006,11 @@ void link_readers::remove(link_server* link) {
 link_server::link_server(caf::actor_system& sys, int fd, std::string peer, find_fn find,
                          timeout_type linger, uint64_t max_payload, timeout_type timeout,
                          std::shared_ptr<std::atomic<uint64_t>> requests,
-                         std::shared_ptr<link_readers> readers,
-                         std::shared_ptr<spdlog::logger> log)
-  : sys_(sys),
-    peer_(std::move(peer)),
-    find_(std::move(find)),
-    log_(std::move(log)),
-    linger_(linger),
-    timeout_(timeout),
-    max_payload_(max_payload),
+                         std::shared_ptr<link_readers> readers, std::shared_ptr<spdlog::logger> log)
+  : sys_(sys), peer_(std::move(peer)), find_(std::move(find)), log_(std::move(log)),
+    linger_(linger), timeout_(timeout), max_payload_(max_payload),
     socket_(std::make_shared<link_socket>(fd, linger, max_payload, timeout)),
-    requests_(std::move(requests)),
-    readers_(std::move(readers)) {
+    requests_(std::move(requests)), readers_(std::move(readers)) {
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0)
     throw error{errc::worker_error,
@@ -1138,8 +1129,9 @@ void link_server::run() {
   };
   socket_->bound(64);
   auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(timeout_);
-  if (!socket_->wait(limit, [] { return false; }, -1, true) || !socket_->read(f, why) ||
-      f.type != link_socket::hello)
+  if (!socket_->wait(
+        limit, [] { return false; }, -1, true) ||
+      !socket_->read(f, why) || f.type != link_socket::hello)
     return refuse(why.empty() ? "no hello in time" : why);
   token_.assign(f.payload.begin(), f.payload.end());
   if (!find_(token_, 0).holds)

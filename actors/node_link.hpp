@@ -107,7 +107,8 @@ public:
 
   /// `wait` by the reader, without a limit, lingering every time.
   bool wait() {
-    return wait(std::chrono::milliseconds(-1), [] { return true; }, -1, true);
+    return wait(
+      std::chrono::milliseconds(-1), [] { return true; }, -1, true);
   }
 
   /// Whether a frame can be read without waiting for its first byte (or the peer closed):
@@ -243,8 +244,7 @@ public:
   /// (`request_receiver_down`) when the link closes first. False, with nothing sent, when
   /// the link is closed or the content cannot be sent this way (the caller then sends it
   /// over BASP).
-  bool forward(uint64_t worker, const caf::mailbox_element& element,
-               const caf::message& content);
+  bool forward(uint64_t worker, const caf::mailbox_element& element, const caf::message& content);
 
   /// Reads the replies that have come, if no other thread is reading, and hands them on
   /// from this thread; true when it handed on any. A caller that waits for its reply
@@ -446,8 +446,8 @@ public:
   /// Serves `fd` (a connection that proved the node's secret) from `peer`, whose hello
   /// must come within `timeout`; counts the requests it hands to workers in `requests`;
   /// once open, the workers of `readers` read it too.
-  link_server(caf::actor_system& sys, int fd, std::string peer, find_fn find,
-              timeout_type linger, uint64_t max_payload, timeout_type timeout,
+  link_server(caf::actor_system& sys, int fd, std::string peer, find_fn find, timeout_type linger,
+              uint64_t max_payload, timeout_type timeout,
               std::shared_ptr<std::atomic<uint64_t>> requests,
               std::shared_ptr<link_readers> readers, std::shared_ptr<spdlog::logger> log);
   ~link_server();

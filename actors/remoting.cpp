@@ -67,7 +67,9 @@ public:
   lingering_middleman(caf::actor_system& sys, timeout_type linger)
     : middleman(sys), backend_(&sys, linger) {}
 
-  caf::io::network::multiplexer& backend() override { return backend_; }
+  caf::io::network::multiplexer& backend() override {
+    return backend_;
+  }
 
 private:
   lingering_multiplexer backend_;
@@ -76,10 +78,9 @@ private:
 } // namespace
 
 void load_middleman(caf::actor_system_config& cfg, timeout_type timeout, timeout_type linger) {
-  cfg.module_factories.push_back(
-    [linger](caf::actor_system& sys) -> caf::actor_system::module* {
-      return new lingering_middleman(sys, linger);
-    });
+  cfg.module_factories.push_back([linger](caf::actor_system& sys) -> caf::actor_system::module* {
+    return new lingering_middleman(sys, linger);
+  });
   auto span = std::chrono::duration_cast<caf::timespan>(timeout);
   cfg.set("middleman.heartbeat-interval", span / 4);
   cfg.set("middleman.connection-timeout", span);
@@ -180,7 +181,9 @@ bool wait_for(int fd, short events, std::chrono::steady_clock::time_point deadli
 /// before `deadline`; throws as `dial_node` when it fails.
 void prove_connection(int fd, const std::string& where, const std::string& secret,
                       std::chrono::steady_clock::time_point deadline, bool link) {
-  auto late = [&] { return error{errc::worker_died, "cannot reach " + where + ": no answer in time"}; };
+  auto late = [&] {
+    return error{errc::worker_died, "cannot reach " + where + ": no answer in time"};
+  };
   // Reads exactly `size` bytes, or up to a newline when `line`.
   auto read_some = [&](size_t size, bool line) {
     std::string got;
@@ -226,8 +229,7 @@ void prove_connection(int fd, const std::string& where, const std::string& secre
   auto verdict = read_some(max_verdict_size, true);
   if (verdict.rfind("no ", 0) == 0)
     throw error{errc::invalid_argument,
-                where + " refused the connection: " +
-                  verdict.substr(3, verdict.size() - 4)};
+                where + " refused the connection: " + verdict.substr(3, verdict.size() - 4)};
   if (verdict.size() != 3 + 64 + 1 || verdict.rfind("ok ", 0) != 0 ||
       !same_proof(verdict.substr(3, 64), node_proof(secret, node_challenge, challenge)))
     throw error{errc::invalid_argument,

@@ -9,19 +9,15 @@ namespace troupe {
 
 direct_reply::direct_reply(uint64_t gather_id, size_t ranks,
                            std::function<void(gather_result)> done)
-  : gather_id(gather_id),
-    done(std::move(done)),
-    results_(ranks),
-    answered_(new std::atomic<bool>[ranks]),
-    remaining_(ranks) {
+  : gather_id(gather_id), done(std::move(done)), results_(ranks),
+    answered_(new std::atomic<bool>[ranks]), remaining_(ranks) {
   for (size_t i = 0; i < ranks; ++i)
     answered_[i].store(false, std::memory_order_relaxed);
 }
 
 reply_sink::reply_sink(caf::actor_system& sys, const caf::actor& supervisor)
   : supervisor_(supervisor.address()),
-    self_(spawn_companion(sys, [this](caf::mailbox_element_ptr reply) { receive(*reply); })) {
-}
+    self_(spawn_companion(sys, [this](caf::mailbox_element_ptr reply) { receive(*reply); })) {}
 
 reply_sink::~reply_sink() {
   // Replies that arrive from now on are dropped, not handed to a sink that is gone.
@@ -68,9 +64,8 @@ void reply_sink::receive(caf::mailbox_element& reply) {
       call.done(std::move(call.results_));
     return;
   }
-  auto err = msg.match_elements<caf::error>()
-               ? msg.get_as<caf::error>(0)
-               : caf::make_error(caf::sec::unexpected_response, msg);
+  auto err = msg.match_elements<caf::error>() ? msg.get_as<caf::error>(0)
+                                              : caf::make_error(caf::sec::unexpected_response, msg);
   if (auto supervisor = caf::actor_cast<caf::actor>(supervisor_))
     caf::anon_send(supervisor, reply_error_atom::value, call.gather_id,
                    static_cast<uint64_t>(from.index), std::move(err));

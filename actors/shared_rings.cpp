@@ -35,8 +35,7 @@ constexpr uint64_t min_capacity = 4096;
 constexpr uint64_t max_capacity = uint64_t{64} << 20;
 
 bool valid_capacity(uint64_t capacity) {
-  return capacity >= min_capacity && capacity <= max_capacity &&
-         (capacity & (capacity - 1)) == 0;
+  return capacity >= min_capacity && capacity <= max_capacity && (capacity & (capacity - 1)) == 0;
 }
 
 size_t mapped_size(uint64_t capacity) {

@@ -2,8 +2,8 @@
 
 /// @file
 /// Two byte rings in memory shared by two processes on one host, one each way: what a call
-/// link carries once both ends map them (`link_socket::ask_rings`, `offer_rings`). A write is a copy and
-/// an atomic store, and a reader that polls sees it at once, where a Unix socket costs a
+/// link carries once both ends map them (`link_socket::ask_rings`, `offer_rings`). A write is a
+/// copy and an atomic store, and a reader that polls sees it at once, where a Unix socket costs a
 /// `sendmsg` and a `recv` each way.
 ///
 /// The node makes the memory (a sealed memfd that the peer cannot shrink under it) and

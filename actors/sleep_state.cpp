@@ -28,8 +28,8 @@ std::string describe(const std::vector<memory_tag>& tags) {
 sleep_state::decision sleep_state::check_sleep() const {
   decision d;
   if (is_sleeping()) {
-    d.warning = "Executor is already sleeping (tags " + describe(sleeping_tags()) +
-                "); sleep ignored.";
+    d.warning =
+      "Executor is already sleeping (tags " + describe(sleeping_tags()) + "); sleep ignored.";
     return d;
   }
   d.proceed = true;
@@ -57,13 +57,14 @@ sleep_state::decision sleep_state::check_wake(const std::vector<std::string>& ta
   for (auto& name : tag_names) {
     auto tag = parse_memory_tag(name);
     if (!tag) {
-      d.warning = "Tag " + name + " is not a memory tag (known: weights, kv_cache); "
+      d.warning = "Tag " + name +
+                  " is not a memory tag (known: weights, kv_cache); "
                   "wake_up ignored.";
       return d;
     }
     if (std::find(sleeping.begin(), sleeping.end(), *tag) == sleeping.end()) {
-      d.warning = "Tag " + name + " is not in sleeping tags " + describe(sleeping) +
-                  "; wake_up ignored.";
+      d.warning =
+        "Tag " + name + " is not in sleeping tags " + describe(sleeping) + "; wake_up ignored.";
       return d;
     }
     if (std::find(tags.begin(), tags.end(), *tag) == tags.end())

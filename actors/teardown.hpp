@@ -13,7 +13,6 @@ namespace troupe {
 /// longer, the thread is left to finish on its own rather than hang the caller, and false
 /// is returned. Both pointers are empty afterwards either way.
 bool destroy_within(std::unique_ptr<caf::actor_system>& sys,
-                    std::unique_ptr<caf::actor_system_config>& cfg,
-                    std::chrono::milliseconds wait);
+                    std::unique_ptr<caf::actor_system_config>& cfg, std::chrono::milliseconds wait);
 
 } // namespace troupe

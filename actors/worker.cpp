@@ -23,8 +23,7 @@ namespace {
 /// The positional argument `i` of `method` as a `T`, or a `bad_arguments` error that says
 /// what was expected and what came.
 template <class T>
-const T& arg(const caf::message& args, size_t i, const std::string& method,
-             const char* expected) {
+const T& arg(const caf::message& args, size_t i, const std::string& method, const char* expected) {
   if (i >= args.size() || !args.match_element<T>(i))
     throw error{errc::bad_arguments, "method '" + method + "' expects argument " +
                                        std::to_string(i) + " of type " + expected + ", got (" +
@@ -34,8 +33,7 @@ const T& arg(const caf::message& args, size_t i, const std::string& method,
 
 /// Where a rank's part of a staged `save_sharded_state` is written before the executor
 /// commits it: a hidden folder next to the final files, so that the commit is a rename.
-std::filesystem::path staging_dir(const std::string& path, const std::string& token,
-                                  int32_t rank) {
+std::filesystem::path staging_dir(const std::string& path, const std::string& token, int32_t rank) {
   return std::filesystem::path{path} /
          (".troupe-staging-" + token + "-rank-" + std::to_string(rank));
 }
@@ -214,8 +212,8 @@ std::string worker::stop_profile() {
       auto& ev = profile_events_[i];
       using std::chrono::duration_cast;
       using us = std::chrono::duration<double, std::micro>;
-      out << (i == 0 ? "" : ",") << "{\"name\":\"" << ev.name << "\",\"ph\":\"X\",\"ts\":"
-          << duration_cast<us>(ev.start - origin).count()
+      out << (i == 0 ? "" : ",") << "{\"name\":\"" << ev.name
+          << "\",\"ph\":\"X\",\"ts\":" << duration_cast<us>(ev.start - origin).count()
           << ",\"dur\":" << duration_cast<us>(ev.duration).count() << ",\"pid\":" << getpid()
           << ",\"tid\":" << rank() << "}";
     }
@@ -250,8 +248,7 @@ worker_info worker::info() const {
   return result;
 }
 
-void worker::describe_model(worker_info&) const {
-}
+void worker::describe_model(worker_info&) const {}
 
 // -- the method registry --------------------------------------------------------
 
@@ -310,12 +307,11 @@ void worker::register_builtins() {
     return make_message(w.prepare_collective());
   };
   m["connect_collective"] = [](worker& w, const caf::message& args, const caf::settings&) {
-    w.connect_collective(arg<std::vector<std::vector<std::string>>>(
-      args, 0, "connect_collective", "list of address lists"));
+    w.connect_collective(arg<std::vector<std::vector<std::string>>>(args, 0, "connect_collective",
+                                                                    "list of address lists"));
     return caf::message{};
   };
-  m["determine_num_available_blocks"] = [](worker& w, const caf::message&,
-                                           const caf::settings&) {
+  m["determine_num_available_blocks"] = [](worker& w, const caf::message&, const caf::settings&) {
     return make_message(w.determine_num_available_blocks());
   };
   m["initialize_cache"] = [](worker& w, const caf::message& args, const caf::settings&) {
@@ -380,8 +376,7 @@ void worker::register_builtins() {
     w.wake_up(tags);
     return caf::message{};
   };
-  m["save_sharded_state"] = [](worker& w, const caf::message& args,
-                               const caf::settings& kwargs) {
+  m["save_sharded_state"] = [](worker& w, const caf::message& args, const caf::settings& kwargs) {
     sharded_state_request req;
     if (!args.empty()) {
       req = arg<sharded_state_request>(args, 0, "save_sharded_state", "sharded_state_request");
@@ -407,8 +402,8 @@ void worker::register_builtins() {
     std::error_code ec;
     fs::create_directory(staging, ec);
     if (ec)
-      throw error{errc::invalid_argument, "save_sharded_state: cannot write into '" + req.path +
-                                            "': " + ec.message()};
+      throw error{errc::invalid_argument,
+                  "save_sharded_state: cannot write into '" + req.path + "': " + ec.message()};
     req.path = staging.string();
     try {
       w.save_sharded_state(req);
@@ -423,8 +418,8 @@ void worker::register_builtins() {
   m["finish_sharded_state"] = [](worker& w, const caf::message& args, const caf::settings&) {
     namespace fs = std::filesystem;
     auto& path = arg<std::string>(args, 0, "finish_sharded_state", "string");
-    auto staging = staging_dir(path, arg<std::string>(args, 1, "finish_sharded_state", "string"),
-                               w.rank());
+    auto staging =
+      staging_dir(path, arg<std::string>(args, 1, "finish_sharded_state", "string"), w.rank());
     std::error_code ec;
     if (!fs::is_directory(staging, ec))
       return caf::message{};

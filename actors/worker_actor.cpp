@@ -105,10 +105,11 @@ void linger(worker_self self) {
   }
   st.reader->reading(true);
   bool read = false;
-  if (linger_for(st.linger, [&] {
-        read = st.reader->pump() || read;
-        return !self->mailbox().empty();
-      }) &&
+  if (linger_for(st.linger,
+                 [&] {
+                   read = st.reader->pump() || read;
+                   return !self->mailbox().empty();
+                 }) &&
       read)
     linger_after(self);
   else
@@ -191,8 +192,8 @@ caf::error fill_pending_tokens(execute_model_request& req,
       auto sample = last.find(seq.seq_id);
       if (sample == last.end())
         return caf::make_error(errc::invalid_argument,
-                               "sequence " + std::to_string(seq.seq_id) + " of '" +
-                                 g.request_id + "' has a pending last token, but the driver's "
+                               "sequence " + std::to_string(seq.seq_id) + " of '" + g.request_id +
+                                 "' has a pending last token, but the driver's "
                                  "previous step sampled none for it");
       seq.token_ids.back() = sample->second;
     }
@@ -422,13 +423,11 @@ worker_actor spawn_worker(caf::actor_system& sys, worker_factory factory) {
                                   std::shared_ptr<link_readers>{});
 }
 
-worker_actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory,
-                                 caf::node_id owner, node_placement placement,
-                                 std::shared_ptr<link_readers> readers) {
-  return sys.spawn<caf::detached>(worker_behavior, std::move(factory),
-                                  std::optional<caf::node_id>{std::move(owner)},
-                                  std::optional<node_placement>{std::move(placement)},
-                                  std::move(readers));
+worker_actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory, caf::node_id owner,
+                                 node_placement placement, std::shared_ptr<link_readers> readers) {
+  return sys.spawn<caf::detached>(
+    worker_behavior, std::move(factory), std::optional<caf::node_id>{std::move(owner)},
+    std::optional<node_placement>{std::move(placement)}, std::move(readers));
 }
 
 caf::error worker_failure(int32_t rank, const std::string& method) {

@@ -34,9 +34,8 @@ struct node_placement {
 /// that node, its own node and, after init, its peers' nodes; others are refused and
 /// logged (exit messages included). Its device and collective address are the node's
 /// `placement`. While it lingers it reads the node's call links (`readers`).
-worker_actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory,
-                                 caf::node_id owner, node_placement placement,
-                                 std::shared_ptr<link_readers> readers);
+worker_actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory, caf::node_id owner,
+                                 node_placement placement, std::shared_ptr<link_readers> readers);
 
 /// Turns an exception thrown inside a worker into an error reply that names the rank and
 /// the method.

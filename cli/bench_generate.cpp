@@ -27,8 +27,9 @@ void add_workload_options(CLI::App& app, workload_options& o) {
   app.add_option("--output-len", o.output_len, "Generated tokens per request")
     ->check(CLI::Range(2, 100000))
     ->capture_default_str();
-  app.add_option("--shared-prefix-len", o.shared_prefix_len,
-                 "Tokens before each prompt that all prompts share")
+  app
+    .add_option("--shared-prefix-len", o.shared_prefix_len,
+                "Tokens before each prompt that all prompts share")
     ->check(CLI::Range(0, 1000000))
     ->capture_default_str();
 }
@@ -85,29 +86,34 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
   sub->add_option("--tensor-parallel-size", o->tp, "Worker actors")
     ->check(CLI::Range(1, 64))
     ->capture_default_str();
-  sub->add_option("--async-scheduling", o->async_scheduling,
-                  "Send each step before the one in flight returns (on), wait for it (off), "
-                  "or both, in turns, with the ratio")
+  sub
+    ->add_option("--async-scheduling", o->async_scheduling,
+                 "Send each step before the one in flight returns (on), wait for it (off), "
+                 "or both, in turns, with the ratio")
     ->check(CLI::IsMember({"on", "off", "both"}))
     ->capture_default_str();
-  sub->add_option("--prefix-caching", o->prefix_caching,
-                  "Automatic prefix caching on, off, or both, in turns, with the ratio")
+  sub
+    ->add_option("--prefix-caching", o->prefix_caching,
+                 "Automatic prefix caching on, off, or both, in turns, with the ratio")
     ->check(CLI::IsMember({"on", "off", "both"}))
     ->capture_default_str();
-  sub->add_option("--linger-us", o->linger_us,
-                  "How long the executor's threads stay awake around a step "
-                  "(executor_config::linger); several values, comma-separated, take turns")
+  sub
+    ->add_option("--linger-us", o->linger_us,
+                 "How long the executor's threads stay awake around a step "
+                 "(executor_config::linger); several values, comma-separated, take turns")
     ->delimiter(',')
     ->check(CLI::Range(int64_t{0}, max_linger.count()))
     ->capture_default_str();
-  sub->add_option("--rounds", o->rounds,
-                  "With more than one setting (--async-scheduling both, several --linger-us): "
-                  "runs of each, in turns; the medians count")
+  sub
+    ->add_option("--rounds", o->rounds,
+                 "With more than one setting (--async-scheduling both, several --linger-us): "
+                 "runs of each, in turns; the medians count")
     ->check(CLI::Range(1, 100))
     ->capture_default_str();
-  sub->add_option("--guided-json", o->guided_json,
-                  "A JSON schema file every request's output must hold to (structured output); "
-                  "the outputs then end when their JSON does, before --output-len")
+  sub
+    ->add_option("--guided-json", o->guided_json,
+                 "A JSON schema file every request's output must hold to (structured output); "
+                 "the outputs then end when their JSON does, before --output-len")
     ->check(CLI::ExistingFile);
   sub->add_flag("--json", o->json, "Print only the JSON result (the last line)");
   add_device_options(*sub, o->device);
@@ -185,8 +191,8 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
         tokens += out.token_ids.size();
         ttft_ms.push_back(out.first_token_seconds * 1e3);
         if (out.token_ids.size() > 1)
-          tpot_ms.push_back((out.finished_seconds - out.first_token_seconds) * 1e3
-                            / static_cast<double>(out.token_ids.size() - 1));
+          tpot_ms.push_back((out.finished_seconds - out.first_token_seconds) * 1e3 /
+                            static_cast<double>(out.token_ids.size() - 1));
       }
       auto at = [&](double q) { return quantile(tpot_ms, q); };
       nlohmann::json result = {
@@ -228,9 +234,9 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
       if (!o->json)
         std::cout << o->work.num_prompts << " requests in " << took.count() << " s"
                   << (s.async_scheduling ? " (asynchronous scheduling)" : "")
-                  << (s.prefix_caching ? "" : " (no prefix caching)") << ", linger "
-                  << s.linger_us << " us: " << result["requests_per_s"].get<double>()
-                  << " requests/s, " << result["output_tokens_per_s"].get<double>()
+                  << (s.prefix_caching ? "" : " (no prefix caching)") << ", linger " << s.linger_us
+                  << " us: " << result["requests_per_s"].get<double>() << " requests/s, "
+                  << result["output_tokens_per_s"].get<double>()
                   << " output tokens/s, time per output token p50 " << at(0.5) << " ms, p99 "
                   << at(0.99) << " ms\n";
       return result;
@@ -265,8 +271,8 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
       for (auto& m : medians)
         std::cout << "median of " << o->rounds
                   << (m["async_scheduling"].get<bool>() ? ", asynchronous scheduling" : "")
-                  << (m["prefix_caching"].get<bool>() ? "" : ", no prefix caching")
-                  << ", linger " << m["linger_us"].get<int64_t>() << " us: " << tokens_per_s(m)
+                  << (m["prefix_caching"].get<bool>() ? "" : ", no prefix caching") << ", linger "
+                  << m["linger_us"].get<int64_t>() << " us: " << tokens_per_s(m)
                   << " output tokens/s, " << m["over_first_tokens_per_s"].get<double>()
                   << "x the first\n";
     std::cout << nlohmann::json{{"medians", medians}}.dump() << std::endl;

@@ -90,8 +90,8 @@ public:
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
     posix_spawn_file_actions_addclose(&actions, out[0]);
-    std::vector<std::string> args{"troupe", "node", "--listen", "127.0.0.1:0", "--devices", "cpu:1",
-                                  "--secret-file", secret_file};
+    std::vector<std::string> args{"troupe",    "node",  "--listen",      "127.0.0.1:0",
+                                  "--devices", "cpu:1", "--secret-file", secret_file};
     std::vector<char*> argv;
     for (auto& a : args)
       argv.push_back(a.data());
@@ -167,9 +167,10 @@ std::shared_ptr<command> add_bench_recovery(CLI::App& bench) {
     ->check(CLI::Range(1, 1000000))
     ->capture_default_str();
   add_workload_options(*sub, o->work);
-  sub->add_flag("--on-node", o->on_node,
-                "Lease the last rank from a node (a `troupe node` process on loopback, with a "
-                "spare one) and kill that node as the driver starts --at-step (--rank is not used)");
+  sub->add_flag(
+    "--on-node", o->on_node,
+    "Lease the last rank from a node (a `troupe node` process on loopback, with a "
+    "spare one) and kill that node as the driver starts --at-step (--rank is not used)");
   sub->add_flag("--json", o->json, "Print only the JSON result");
   add_device_options(*sub, o->device);
   cmd->run = [o] {
@@ -265,10 +266,10 @@ std::shared_ptr<command> add_bench_recovery(CLI::App& bench) {
     if (!o->json)
       std::cout << "rank " << (o->on_node ? o->tp - 1 : o->rank)
                 << (o->on_node ? "'s node was killed at step " : " died at its step ") << o->at
-                << "; the next step ended "
-                << recovery_ms << " ms later (a cold start of the executor took "
-                << cold_start.count() << " s); outputs "
-                << (equal ? "equal" : "DIFFER FROM") << " an undisturbed run's\n";
+                << "; the next step ended " << recovery_ms
+                << " ms later (a cold start of the executor took " << cold_start.count()
+                << " s); outputs " << (equal ? "equal" : "DIFFER FROM")
+                << " an undisturbed run's\n";
     std::cout << result.dump() << std::endl;
     return equal ? 0 : 1;
   };

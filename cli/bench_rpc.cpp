@@ -53,9 +53,8 @@ public:
   }
 
   bench_worker() {
-    register_method("noop", [](worker&, const caf::message&, const caf::settings&) {
-      return caf::message{};
-    });
+    register_method(
+      "noop", [](worker&, const caf::message&, const caf::settings&) { return caf::message{}; });
     register_method("spin", [](worker&, const caf::message& args, const caf::settings&) {
       spin_for(args.match_elements<int32_t>() ? args.get_as<int32_t>(0) : 50);
       return caf::message{};
@@ -76,13 +75,14 @@ struct stats {
   double load_share = -1;
 };
 
-
 stats summarize(std::vector<double> us, double wall_s) {
   stats s;
   if (us.empty())
     return s;
   std::sort(us.begin(), us.end());
-  auto at = [&](double q) { return us[std::min(us.size() - 1, static_cast<size_t>(q * us.size()))]; };
+  auto at = [&](double q) {
+    return us[std::min(us.size() - 1, static_cast<size_t>(q * us.size()))];
+  };
   s.p50_us = at(0.50);
   s.p99_us = at(0.99);
   s.mean_us = std::accumulate(us.begin(), us.end(), 0.0) / us.size();
@@ -289,8 +289,8 @@ std::string to_json(const stats& s, int workers, const std::string& mode) {
   std::ostringstream out;
   out.precision(1);
   out << std::fixed << "{\"workers\":" << workers << ",\"mode\":\"" << mode
-      << "\",\"p50_us\":" << s.p50_us << ",\"p99_us\":" << s.p99_us
-      << ",\"mean_us\":" << s.mean_us << ",\"calls_per_s\":" << s.calls_per_s;
+      << "\",\"p50_us\":" << s.p50_us << ",\"p99_us\":" << s.p99_us << ",\"mean_us\":" << s.mean_us
+      << ",\"calls_per_s\":" << s.calls_per_s;
   if (s.rss_bytes > 0)
     out << ",\"rss_bytes\":" << s.rss_bytes;
   if (s.load_share >= 0)
@@ -331,9 +331,9 @@ stats tcp_round_trip_floor(int iterations) {
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t len = sizeof(addr);
-  if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&addr), len) != 0
-      || listen(listener, 1) != 0
-      || getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+  if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+      listen(listener, 1) != 0 ||
+      getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     if (listener >= 0)
       close(listener);
     throw error{errc::worker_error, "bench rpc: cannot open a loopback socket"};
@@ -469,8 +469,8 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     stats gather_floor;
     {
       gather_group group{opts->workers};
-      std::tie(idle, gather_floor) =
-        measure_in_turns(call, [&] { group.call(); }, opts->iterations);
+      std::tie(idle, gather_floor) = measure_in_turns(
+        call, [&] { group.call(); }, opts->iterations);
     }
     idle.rss_bytes = resident_bytes();
 
@@ -483,9 +483,8 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     stats busy_floor;
     {
       gather_group group{opts->workers};
-      busy_floor = measure_busy([&] { group.call(); },
-                                [&] { group.call(opts->busy_spin_us); }, opts->busy_spin_us,
-                                opts->iterations);
+      busy_floor = measure_busy([&] { group.call(); }, [&] { group.call(opts->busy_spin_us); },
+                                opts->busy_spin_us, opts->iterations);
       busy_floor.rss_bytes = 0;
     }
     if (opts->method == "execute_model")
@@ -501,8 +500,8 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
 
     if (!opts->json) {
       std::cout << (opts->method == "noop" ? "collective_rpc(\"noop\")" : "execute_model")
-                << " over " << opts->workers << " worker(s), "
-                << opts->iterations << " calls per mode\n"
+                << " over " << opts->workers << " worker(s), " << opts->iterations
+                << " calls per mode\n"
                 << "  idle: p50 " << idle.p50_us << " us, p99 " << idle.p99_us << " us\n"
                 << "  busy: p50 " << busy.p50_us << " us, p99 " << busy.p99_us
                 << " us (workers busy " << busy.load_share * 100
@@ -515,8 +514,8 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                 << idle.p50_us / gather_floor.p50_us << "\n"
                 << "  floor busy (the same threads kept busy the same way): p50 "
                 << busy_floor.p50_us << " us (busy " << busy_floor.load_share * 100
-                << " % of the time); busy p50 / floor busy p50 "
-                << busy.p50_us / busy_floor.p50_us << "\n"
+                << " % of the time); busy p50 / floor busy p50 " << busy.p50_us / busy_floor.p50_us
+                << "\n"
                 << "  floor (the same through a middle thread): p50 " << relayed_floor.p50_us
                 << " us; idle p50 / floor " << idle.p50_us / relayed_floor.p50_us << "\n"
                 << "  idle executor: " << idle_cpu_share * 100 << " % of a core over "

@@ -97,8 +97,9 @@ std::shared_ptr<command> add_bench_serve(CLI::App& bench) {
   auto* sub = bench.add_subcommand(
     "serve", "Load an in-process troupe serve with concurrent streaming clients");
   cmd->app = sub;
-  sub->add_option("--concurrency", o->concurrency,
-                  "Clients at once, comma-separated levels (each a run)")
+  sub
+    ->add_option("--concurrency", o->concurrency,
+                 "Clients at once, comma-separated levels (each a run)")
     ->delimiter(',')
     ->check(CLI::Range(1, 4096))
     ->capture_default_str();
@@ -123,7 +124,8 @@ std::shared_ptr<command> add_bench_serve(CLI::App& bench) {
     for (int level : levels) {
       // Prompts of their own (another seed): only the shared prefix is cached for the
       // served run.
-      auto reqs = make_workload(workload(level), o->engine.model, 1000 + static_cast<uint32_t>(level));
+      auto reqs =
+        make_workload(workload(level), o->engine.model, 1000 + static_cast<uint32_t>(level));
       reqs.resize(std::min<size_t>(static_cast<size_t>(level), reqs.size()));
       auto offline_start = clock_type::now();
       auto outs = model.generate(reqs);
@@ -143,13 +145,13 @@ std::shared_ptr<command> add_bench_serve(CLI::App& bench) {
       auto reqs = make_workload(work, o->engine.model, static_cast<uint32_t>(level));
       std::vector<std::string> bodies;
       for (auto& r : reqs)
-        bodies.push_back(nlohmann::json{{"model", "bench"},
-                                        {"prompt", r.prompt_token_ids},
-                                        {"max_tokens", r.sampling.max_tokens},
-                                        {"temperature", 0},
-                                        {"ignore_eos", true},
-                                        {"stream", true}}
-                           .dump());
+        bodies.push_back(nlohmann::json{
+          {"model", "bench"},
+          {"prompt", r.prompt_token_ids},
+          {"max_tokens", r.sampling.max_tokens},
+          {"temperature", 0},
+          {"ignore_eos", true},
+          {"stream", true}}.dump());
       std::vector<stream_times> times(bodies.size());
       std::atomic<size_t> next{0};
       auto start = clock_type::now();
@@ -172,7 +174,8 @@ std::shared_ptr<command> add_bench_serve(CLI::App& bench) {
         tokens += t.tokens;
         ttft_ms.push_back(t.first_token * 1e3);
         if (t.tokens > 1)
-          tpot_ms.push_back((t.last_token - t.first_token) * 1e3 / static_cast<double>(t.tokens - 1));
+          tpot_ms.push_back((t.last_token - t.first_token) * 1e3 /
+                            static_cast<double>(t.tokens - 1));
       }
       double served = static_cast<double>(tokens) / took.count();
       double anchor = anchors[level];
@@ -198,10 +201,10 @@ std::shared_ptr<command> add_bench_serve(CLI::App& bench) {
       if (!o->json)
         std::cout << "concurrency " << level << ": " << work.num_prompts << " requests in "
                   << took.count() << " s, " << served << " output tokens/s ("
-                  << (anchor > 0 ? served / anchor : 0.0)
-                  << "x the offline batch), TTFT p50 " << quantile(ttft_ms, 0.5) << " ms p99 "
-                  << quantile(ttft_ms, 0.99) << " ms, TPOT p50 " << quantile(tpot_ms, 0.5)
-                  << " ms p99 " << quantile(tpot_ms, 0.99) << " ms\n";
+                  << (anchor > 0 ? served / anchor : 0.0) << "x the offline batch), TTFT p50 "
+                  << quantile(ttft_ms, 0.5) << " ms p99 " << quantile(ttft_ms, 0.99)
+                  << " ms, TPOT p50 " << quantile(tpot_ms, 0.5) << " ms p99 "
+                  << quantile(tpot_ms, 0.99) << " ms\n";
       std::cout << result.dump() << std::endl;
       if (failed > 0)
         return 1;

@@ -11,7 +11,6 @@
 
 #include <nlohmann/json.hpp>
 
-
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -150,9 +149,9 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
     auto available = exec.determine_num_available_blocks();
     int64_t needed = static_cast<int64_t>(o->batch) * blocks_per_seq;
     if (available.num_device_blocks < needed)
-      throw error{errc::invalid_argument, "the KV cache holds " +
-                                            std::to_string(available.num_device_blocks) +
-                                            " blocks, the benchmark needs " + std::to_string(needed)};
+      throw error{errc::invalid_argument,
+                  "the KV cache holds " + std::to_string(available.num_device_blocks) +
+                    " blocks, the benchmark needs " + std::to_string(needed)};
     exec.initialize_cache({needed, 0});
 
     auto model_cfg = checkpoint::config_of(o->model);

@@ -38,41 +38,48 @@ std::pair<std::string, uint16_t> host_and_port(const std::string& flag, const st
 } // namespace
 
 void add_node_options(CLI::App& app, node_options& o) {
-  app.add_option("--nodes", o.nodes,
-                 "Worker nodes (troupe node) as HOST:PORT or HOST:PORT/WORKERS, comma-separated; "
-                 "their workers take the last ranks")
+  app
+    .add_option("--nodes", o.nodes,
+                "Worker nodes (troupe node) as HOST:PORT or HOST:PORT/WORKERS, comma-separated; "
+                "their workers take the last ranks")
     ->delimiter(',');
-  app.add_option("--spare-nodes", o.spare_nodes,
-                 "Nodes held in reserve (HOST:PORT, comma-separated): a worker lost on a node "
-                 "is replaced from one of these when its own node does not take it back "
-                 "(with --max-restarts)")
+  app
+    .add_option("--spare-nodes", o.spare_nodes,
+                "Nodes held in reserve (HOST:PORT, comma-separated): a worker lost on a node "
+                "is replaced from one of these when its own node does not take it back "
+                "(with --max-restarts)")
     ->delimiter(',');
   app.add_option("--secret-file", o.secret_file, "File holding the nodes' shared secret");
   app.add_option("--tls-cert", o.tls_certificate,
                  "Mutual TLS with the nodes: this side's certificate (PEM)");
   app.add_option("--tls-key", o.tls_key, "Mutual TLS: this side's private key (PEM)");
   app.add_option("--tls-ca", o.tls_ca, "Mutual TLS: the CA the nodes' certificates come from");
-  app.add_option("--node-timeout-ms", o.timeout_ms,
-                 "A node silent this long counts as lost (BASP heartbeats every quarter)")
+  app
+    .add_option("--node-timeout-ms", o.timeout_ms,
+                "A node silent this long counts as lost (BASP heartbeats every quarter)")
     ->check(CLI::Range(100, 3600000))
     ->capture_default_str();
-  app.add_option("--network-linger-us", o.network_linger_us,
-                 "How long the thread that talks to the nodes polls for the next message "
-                 "before it sleeps, and a blocking caller for its reply (0: at once)")
+  app
+    .add_option("--network-linger-us", o.network_linger_us,
+                "How long the thread that talks to the nodes polls for the next message "
+                "before it sleeps, and a blocking caller for its reply (0: at once)")
     ->check(CLI::Range(int64_t{0}, max_linger.count()))
     ->capture_default_str();
-  app.add_option("--node-links", o.node_links,
-                 "Whether collective_rpc and execute_model reach the nodes' workers over "
-                 "connections of their own (call links) rather than over BASP; nodes under "
-                 "TLS have none")
+  app
+    .add_option("--node-links", o.node_links,
+                "Whether collective_rpc and execute_model reach the nodes' workers over "
+                "connections of their own (call links) rather than over BASP; nodes under "
+                "TLS have none")
     ->capture_default_str();
-  app.add_option("--node-local-links", o.node_local_links,
-                 "Whether the call link to a node on this host goes over its local (Unix) "
-                 "socket rather than TCP")
+  app
+    .add_option("--node-local-links", o.node_local_links,
+                "Whether the call link to a node on this host goes over its local (Unix) "
+                "socket rather than TCP")
     ->capture_default_str();
-  app.add_option("--node-shared-memory", o.node_shared_memory,
-                 "Whether a call link over a node's local socket moves its frames to memory "
-                 "shared with the node")
+  app
+    .add_option("--node-shared-memory", o.node_shared_memory,
+                "Whether a call link over a node's local socket moves its frames to memory "
+                "shared with the node")
     ->capture_default_str();
 }
 
@@ -128,8 +135,9 @@ void apply_node_options(const node_options& o, executor_config& cfg) {
   cfg.tls_ca = o.tls_ca;
   if (!cfg.nodes.empty() || !cfg.spare_nodes.empty()) {
     if (o.secret_file.empty() && o.tls_certificate.empty())
-      throw error{errc::invalid_argument, std::string{cfg.nodes.empty() ? "--spare-nodes" : "--nodes"} +
-                                            " needs --secret-file or --tls-cert/--tls-key/--tls-ca"};
+      throw error{errc::invalid_argument,
+                  std::string{cfg.nodes.empty() ? "--spare-nodes" : "--nodes"} +
+                    " needs --secret-file or --tls-cert/--tls-key/--tls-ca"};
     if (!o.secret_file.empty())
       cfg.node_secret = read_secret(o.secret_file);
   }
@@ -158,11 +166,13 @@ std::shared_ptr<command> add_node(CLI::App& app) {
   auto* sub = app.add_subcommand(
     "node", "Host workers for an executor in another process or on another machine");
   cmd->app = sub;
-  sub->add_option("--listen", o->listen,
-                  "HOST:PORT to listen on (loopback unless an address is given; port 0 picks one)")
+  sub
+    ->add_option("--listen", o->listen,
+                 "HOST:PORT to listen on (loopback unless an address is given; port 0 picks one)")
     ->capture_default_str();
-  sub->add_option("--devices", o->devices,
-                  "Devices to host workers on, one worker each: cpu:N or cuda:I[,J...]")
+  sub
+    ->add_option("--devices", o->devices,
+                 "Devices to host workers on, one worker each: cpu:N or cuda:I[,J...]")
     ->capture_default_str();
   sub->add_option("--secret-file", o->secret_file,
                   "File holding the shared secret executors must prove");
@@ -173,17 +183,20 @@ std::shared_ptr<command> add_node(CLI::App& app) {
   sub->add_option("--collective-host", o->collective_host,
                   "Address the workers' tensor-parallel collective listens on (default: the "
                   "--listen host)");
-  sub->add_option("--connection-timeout-ms", o->timeout_ms,
-                  "An executor silent this long counts as gone and its workers are released")
+  sub
+    ->add_option("--connection-timeout-ms", o->timeout_ms,
+                 "An executor silent this long counts as gone and its workers are released")
     ->check(CLI::Range(100, 3600000))
     ->capture_default_str();
-  sub->add_option("--max-message-bytes", o->max_message_bytes,
-                  "The largest message a peer may send; a larger one closes its connection")
+  sub
+    ->add_option("--max-message-bytes", o->max_message_bytes,
+                 "The largest message a peer may send; a larger one closes its connection")
     ->check(CLI::Range(uint64_t{1} << 10, uint64_t{1} << 32))
     ->capture_default_str();
-  sub->add_option("--network-linger-us", o->network_linger_us,
-                  "How long the node's network threads poll for the next message before "
-                  "they sleep (0: at once)")
+  sub
+    ->add_option("--network-linger-us", o->network_linger_us,
+                 "How long the node's network threads poll for the next message before "
+                 "they sleep (0: at once)")
     ->check(CLI::Range(int64_t{0}, max_linger.count()))
     ->capture_default_str();
   cmd->run = [o] {

@@ -48,8 +48,7 @@ std::shared_ptr<command> add_serve(CLI::App& app);
 std::shared_ptr<command> add_perplexity(CLI::App& app);
 
 /// "NAME=PATH" of --lora and --prompt-adapter (`flag` names the option in the error).
-std::pair<std::string, std::string> name_and_path(const std::string& flag,
-                                                  const std::string& text);
+std::pair<std::string, std::string> name_and_path(const std::string& flag, const std::string& text);
 
 /// The contents of a file, without a trailing newline; throws `invalid_argument` naming
 /// `flag` when it cannot be read or is empty.

@@ -46,7 +46,6 @@ std::vector<int32_t> parse_ids(const std::string& text) {
   return ids;
 }
 
-
 /// The LoRA adapter of each prompt (none where empty): --prompt-lora names them in prompt
 /// order; without it a single --lora serves every prompt.
 std::vector<std::optional<lora_request>> prompt_loras(const std::vector<std::string>& loras,
@@ -78,7 +77,8 @@ std::vector<std::optional<lora_request>> prompt_loras(const std::vector<std::str
       continue;
     auto at = by_name.find(choices[i]);
     if (at == by_name.end())
-      throw error{errc::invalid_argument, "--prompt-lora: no --lora is called '" + choices[i] + "'"};
+      throw error{errc::invalid_argument,
+                  "--prompt-lora: no --lora is called '" + choices[i] + "'"};
     out[i] = at->second;
   }
   return out;
@@ -99,34 +99,38 @@ void add_device_options(CLI::App& app, device_options& o) {
   app.add_option("--device", o.device, "What the local workers compute on (worker i on GPU i)")
     ->check(CLI::IsMember({"cpu", "cuda"}))
     ->capture_default_str();
-  app.add_option("--dtype", o.dtype,
-                 "The weights' element type (auto: as the checkpoint stores them on the "
-                 "CPU, GGUF blocks included; the checkpoint's bfloat16 or else float16 on a "
-                 "GPU)")
+  app
+    .add_option("--dtype", o.dtype,
+                "The weights' element type (auto: as the checkpoint stores them on the "
+                "CPU, GGUF blocks included; the checkpoint's bfloat16 or else float16 on a "
+                "GPU)")
     ->check(CLI::IsMember({"auto", "float32", "float16", "bfloat16"}))
     ->capture_default_str();
-  app.add_option("--gpu-memory-utilization", o.gpu_memory_utilization,
-                 "Share of each GPU's memory for weights, activations and KV cache")
+  app
+    .add_option("--gpu-memory-utilization", o.gpu_memory_utilization,
+                "Share of each GPU's memory for weights, activations and KV cache")
     ->check(CLI::Range(0.01, 1.0))
     ->capture_default_str();
   app.add_flag("--enforce-eager", o.enforce_eager,
                "Run every step call by call, without CUDA graphs");
-  app.add_option("--cpu-precision", o.cpu_precision,
-                 "exact: float activations against the weights as stored; fast: weights "
-                 "repacked at load, activations rounded to 8-bit integers and integer "
-                 "products for Q8_0, Q4_0, Q4_1, Q4_K, Q6_K (CPUs with AVX-512 VNNI), to "
-                 "bfloat16 for BF16 (AVX-512 BF16)")
+  app
+    .add_option("--cpu-precision", o.cpu_precision,
+                "exact: float activations against the weights as stored; fast: weights "
+                "repacked at load, activations rounded to 8-bit integers and integer "
+                "products for Q8_0, Q4_0, Q4_1, Q4_K, Q6_K (CPUs with AVX-512 VNNI), to "
+                "bfloat16 for BF16 (AVX-512 BF16)")
     ->check(CLI::IsMember({"exact", "fast"}))
     ->capture_default_str();
   app.add_flag("--enable-expert-parallel", o.expert_parallel,
                "Place a mixture's experts whole, a near-even share of them on each worker, "
                "instead of splitting every expert's columns across the workers");
   o.weight_cache = default_weight_cache();
-  app.add_option("--weight-cache", o.weight_cache,
-                 "Directory where the CPU keeps each rank's weights as it computes on them, "
-                 "mapped at the next start instead of repacked (one file per model file and "
-                 "rank; 'off' for none; default $TROUPE_WEIGHT_CACHE, else "
-                 "~/.cache/troupe/weights)")
+  app
+    .add_option("--weight-cache", o.weight_cache,
+                "Directory where the CPU keeps each rank's weights as it computes on them, "
+                "mapped at the next start instead of repacked (one file per model file and "
+                "rank; 'off' for none; default $TROUPE_WEIGHT_CACHE, else "
+                "~/.cache/troupe/weights)")
     ->capture_default_str();
 }
 
@@ -146,31 +150,37 @@ void add_engine_options(CLI::App& app, engine_options& o) {
   app.add_option("--tensor-parallel-size", o.tp, "Worker actors the model is split over")
     ->check(CLI::Range(1, 64))
     ->capture_default_str();
-  app.add_option("--kv-cache-memory", o.kv_cache_memory,
-                 "Bytes of KV cache per worker (0: --kv-cache-memory-fraction of free memory)")
+  app
+    .add_option("--kv-cache-memory", o.kv_cache_memory,
+                "Bytes of KV cache per worker (0: --kv-cache-memory-fraction of free memory)")
     ->check(not_negative)
     ->capture_default_str();
-  app.add_option("--kv-cache-memory-fraction", o.kv_fraction,
-                 "Share of free memory for the KV cache when --kv-cache-memory is 0")
+  app
+    .add_option("--kv-cache-memory-fraction", o.kv_fraction,
+                "Share of free memory for the KV cache when --kv-cache-memory is 0")
     ->check(CLI::Range(0.01, 0.95))
     ->capture_default_str();
-  app.add_option("--swap-space", o.swap_space_mib, "MiB of host memory per worker for swapped blocks")
+  app
+    .add_option("--swap-space", o.swap_space_mib,
+                "MiB of host memory per worker for swapped blocks")
     ->check(CLI::Range(0, 1 << 20))
     ->capture_default_str();
   app.add_option("--max-num-seqs", o.max_num_seqs, "Requests in one step (0: the engine's 256)")
     ->check(CLI::Range(0, 1 << 20))
     ->capture_default_str();
-  app.add_option("--max-num-batched-tokens", o.max_num_batched_tokens,
-                 "Tokens in one step; longer prompts go in chunks (0: the engine's 2048)")
+  app
+    .add_option("--max-num-batched-tokens", o.max_num_batched_tokens,
+                "Tokens in one step; longer prompts go in chunks (0: the engine's 2048)")
     ->check(CLI::Range(0, 1 << 24))
     ->capture_default_str();
   app.add_flag("--async-scheduling", o.async_scheduling,
                "Send the next step while one runs when it needs none of its tokens");
   app.add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o.prefix_caching,
                "Reuse the keys and values of prompts' shared beginnings (on by default)");
-  app.add_option("--max-restarts", o.max_restarts,
-                 "Replace a worker that dies, up to this many times within --restart-window "
-                 "(0: a death ends the run)")
+  app
+    .add_option("--max-restarts", o.max_restarts,
+                "Replace a worker that dies, up to this many times within --restart-window "
+                "(0: a death ends the run)")
     ->check(CLI::Range(0, 1000000))
     ->capture_default_str();
   app.add_option("--restart-window", o.restart_window_s, "Seconds that --max-restarts counts over")
@@ -179,15 +189,17 @@ void add_engine_options(CLI::App& app, engine_options& o) {
   app.add_option("--max-model-len", o.max_model_len, "Longest prompt plus output (0: the model's)")
     ->check(not_negative)
     ->capture_default_str();
-  app.add_option("--max-loras", o.max_loras,
-                 "LoRA adapters loaded at once (0: as many as --lora gives)")
+  app
+    .add_option("--max-loras", o.max_loras,
+                "LoRA adapters loaded at once (0: as many as --lora gives)")
     ->check(CLI::Range(0, 1024))
     ->capture_default_str();
   app.add_option("--max-lora-rank", o.max_lora_rank, "The highest LoRA rank accepted")
     ->check(CLI::Range(1, 1 << 16))
     ->capture_default_str();
-  app.add_option("--max-prompt-adapter-token", o.max_prompt_adapter_token,
-                 "The most virtual tokens a prompt adapter may have (0: no limit)")
+  app
+    .add_option("--max-prompt-adapter-token", o.max_prompt_adapter_token,
+                "The most virtual tokens a prompt adapter may have (0: no limit)")
     ->check(CLI::Range(0, 1 << 20))
     ->capture_default_str();
   app.add_option("--chat-template", o.chat_template,
@@ -211,8 +223,8 @@ llm_config engine_config(const engine_options& o, size_t loras) {
   if (o.max_num_batched_tokens > 0)
     cfg.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
   cfg.executor.restart.max_restarts = o.max_restarts;
-  cfg.executor.restart.window = std::chrono::duration_cast<timeout_type>(
-    std::chrono::duration<double>(o.restart_window_s));
+  cfg.executor.restart.window =
+    std::chrono::duration_cast<timeout_type>(std::chrono::duration<double>(o.restart_window_s));
   cfg.executor.max_model_len = o.max_model_len;
   cfg.worker.max_loras = o.max_loras > 0 ? o.max_loras : std::max(1, static_cast<int>(loras));
   cfg.worker.max_lora_rank = o.max_lora_rank;
@@ -277,28 +289,34 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
   sub->add_option("--logprobs", o->logprobs, "Most likely tokens to report besides the sampled one")
     ->check(CLI::Range(0, 20))
     ->capture_default_str();
-  sub->add_option("--repetition-penalty", o->repetition_penalty,
-                  "Divide the logits of the prompt's and output's tokens by this (vLLM's)")
+  sub
+    ->add_option("--repetition-penalty", o->repetition_penalty,
+                 "Divide the logits of the prompt's and output's tokens by this (vLLM's)")
     ->capture_default_str();
-  sub->add_option("--presence-penalty", o->presence_penalty,
-                  "Subtracted once from the logit of each token the output holds")
+  sub
+    ->add_option("--presence-penalty", o->presence_penalty,
+                 "Subtracted once from the logit of each token the output holds")
     ->capture_default_str();
-  sub->add_option("--frequency-penalty", o->frequency_penalty,
-                  "Subtracted from a token's logit for each time the output holds it")
+  sub
+    ->add_option("--frequency-penalty", o->frequency_penalty,
+                 "Subtracted from a token's logit for each time the output holds it")
     ->capture_default_str();
-  sub->add_option("--min-p", o->min_p,
-                  "Drop tokens less likely than this times the most likely one")
+  sub
+    ->add_option("--min-p", o->min_p, "Drop tokens less likely than this times the most likely one")
     ->capture_default_str();
-  sub->add_option("--min-tokens", o->min_tokens,
-                  "Tokens generated before EOS, stop tokens or stop strings may end the output")
+  sub
+    ->add_option("--min-tokens", o->min_tokens,
+                 "Tokens generated before EOS, stop tokens or stop strings may end the output")
     ->capture_default_str();
-  sub->add_option("--prompt-logprobs", o->prompt_logprobs,
-                  "With --json, each prompt token's logprob and this many most likely tokens at "
-                  "its position (-1: none)")
+  sub
+    ->add_option("--prompt-logprobs", o->prompt_logprobs,
+                 "With --json, each prompt token's logprob and this many most likely tokens at "
+                 "its position (-1: none)")
     ->check(CLI::Range(-1, 20))
     ->capture_default_str();
-  sub->add_option("--guided-json", o->guided_json,
-                  "A JSON schema file the output must hold to (structured output)")
+  sub
+    ->add_option("--guided-json", o->guided_json,
+                 "A JSON schema file the output must hold to (structured output)")
     ->check(CLI::ExistingFile);
   sub->add_flag("--json-object", o->json_object, "The output is a JSON object (JSON mode)");
   sub->add_option("--guided-choice", o->guided_choice,
@@ -309,8 +327,9 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
                   "A word the output must not hold (repeatable; vLLM's bad_words)");
   sub->add_option("--n", o->n, "Samples per prompt (with --seed, sample i is seeded seed + i)")
     ->capture_default_str();
-  sub->add_option("--best-of", o->best_of,
-                  "Samples drawn per prompt, of which the --n most likely are shown (0: --n)")
+  sub
+    ->add_option("--best-of", o->best_of,
+                 "Samples drawn per prompt, of which the --n most likely are shown (0: --n)")
     ->capture_default_str();
   sub->add_option("--stop", o->stop, "Stop when the text contains this string (repeatable)");
   sub->add_flag("--chat", o->chat, "Wrap each prompt in the model's chat template");
@@ -391,14 +410,15 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
       for (size_t k = 0; k < outputs.size(); ++k) {
         auto& out = outputs[k];
         auto i = prompt_of(k);
-        all.push_back({{"prompt", i < o->prompts.size() ? o->prompts[i] : out.prompt},
-                       {"index", out.index},
-                       {"prompt_token_ids", out.prompt_token_ids},
-                       {"text", out.text},
-                       {"token_ids", out.token_ids},
-                       {"logprobs", out.logprobs},
-                       {"finish_reason", out.finish_reason},
-                       {"lora", loras[i] ? nlohmann::json(loras[i]->lora_name) : nlohmann::json()}});
+        all.push_back(
+          {{"prompt", i < o->prompts.size() ? o->prompts[i] : out.prompt},
+           {"index", out.index},
+           {"prompt_token_ids", out.prompt_token_ids},
+           {"text", out.text},
+           {"token_ids", out.token_ids},
+           {"logprobs", out.logprobs},
+           {"finish_reason", out.finish_reason},
+           {"lora", loras[i] ? nlohmann::json(loras[i]->lora_name) : nlohmann::json()}});
         if (sp.prompt_logprobs >= 0) {
           auto& list = all.back()["prompt_logprobs"] = nlohmann::json::array({nullptr});
           for (auto& p : out.prompt_logprobs) {
@@ -424,8 +444,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
         }
         auto label = sp.n > 1 ? "output " + std::to_string(out.index) : std::string{"output"};
         if (model.has_tokenizer())
-          std::cout << label << ": " << out.text << "\n"
-                    << (out.index + 1 == sp.n ? "\n" : "");
+          std::cout << label << ": " << out.text << "\n" << (out.index + 1 == sp.n ? "\n" : "");
         else
           std::cout << label << " ids: " << nlohmann::json(out.token_ids).dump() << "\n"
                     << (out.index + 1 == sp.n ? "\n" : "");

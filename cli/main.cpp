@@ -28,8 +28,8 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
-    for (auto& cmd : {generate, serve, node, run_rpc, run_step, run_generate, run_sleep, run_recovery,
-                      run_serve, make_model, perplexity})
+    for (auto& cmd : {generate, serve, node, run_rpc, run_step, run_generate, run_sleep,
+                      run_recovery, run_serve, make_model, perplexity})
       if (*cmd)
         return cmd->run();
   } catch (const std::exception& e) {

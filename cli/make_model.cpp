@@ -59,18 +59,21 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
   };
   auto o = std::make_shared<options>();
   auto cmd = std::make_shared<command>();
-  auto* sub = app.add_subcommand("make-model", "Write a random-weight model in Hugging Face format");
+  auto* sub =
+    app.add_subcommand("make-model", "Write a random-weight model in Hugging Face format");
   cmd->app = sub;
   sub->add_option("--out", o->out, "Directory to write (created)")->required();
-  sub->add_option("--arch", o->arch,
-                  "llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k norms), phi3 (fused "
-                  "projections), gemma2 or gemma3 (Gemma's layers, tied embeddings), mixtral "
-                  "or qwen3-moe (mixtures of experts)")
-    ->check(CLI::IsMember({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
-                           "mixtral", "qwen3-moe"}))
+  sub
+    ->add_option("--arch", o->arch,
+                 "llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k norms), phi3 (fused "
+                 "projections), gemma2 or gemma3 (Gemma's layers, tied embeddings), mixtral "
+                 "or qwen3-moe (mixtures of experts)")
+    ->check(CLI::IsMember(
+      {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3-moe"}))
     ->capture_default_str();
-  sub->add_option("--preset", o->preset,
-                  "A known shape instead of the size flags: smollm2-135m (SmolLM2-135M)")
+  sub
+    ->add_option("--preset", o->preset,
+                 "A known shape instead of the size flags: smollm2-135m (SmolLM2-135M)")
     ->check(CLI::IsMember({"smollm2-135m"}));
   sub->add_option("--layers", o->layers, "Decoder layers")->capture_default_str();
   sub->add_option("--hidden", o->hidden, "Hidden size")->capture_default_str();
@@ -96,29 +99,27 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
     ->check(CLI::IsMember({"f32", "f16", "bf16"}))
     ->capture_default_str();
   sub->add_option("--seed", o->seed, "Random seed")->capture_default_str();
-  sub->add_option("--shard-size-mib", o->shard_mib,
-                  "Largest safetensors file; above it the weights are sharded with an index")
+  sub
+    ->add_option("--shard-size-mib", o->shard_mib,
+                 "Largest safetensors file; above it the weights are sharded with an index")
     ->capture_default_str();
   cmd->run = [o] {
     auto type = o->dtype == "f16" ? dtype::f16 : (o->dtype == "bf16" ? dtype::bf16 : dtype::f32);
     auto write = [&](const model_config& c) {
       write_random_model(c, o->out, type, o->seed, o->shard_mib << 20);
-      std::cout << "wrote " << c.architecture << " with " << c.num_parameters()
-                << " parameters to " << o->out << "\n";
+      std::cout << "wrote " << c.architecture << " with " << c.num_parameters() << " parameters to "
+                << o->out << "\n";
       return 0;
     };
     if (o->preset == "smollm2-135m")
       return write(smollm2_135m_config());
     model_config c;
-    std::map<std::string, std::string> archs = {{"llama", "LlamaForCausalLM"},
-                                                {"mistral", "MistralForCausalLM"},
-                                                {"qwen2", "Qwen2ForCausalLM"},
-                                                {"qwen3", "Qwen3ForCausalLM"},
-                                                {"phi3", "Phi3ForCausalLM"},
-                                                {"gemma2", "Gemma2ForCausalLM"},
-                                                {"gemma3", "Gemma3ForCausalLM"},
-                                                {"mixtral", "MixtralForCausalLM"},
-                                                {"qwen3-moe", "Qwen3MoeForCausalLM"}};
+    std::map<std::string, std::string> archs = {
+      {"llama", "LlamaForCausalLM"},       {"mistral", "MistralForCausalLM"},
+      {"qwen2", "Qwen2ForCausalLM"},       {"qwen3", "Qwen3ForCausalLM"},
+      {"phi3", "Phi3ForCausalLM"},         {"gemma2", "Gemma2ForCausalLM"},
+      {"gemma3", "Gemma3ForCausalLM"},     {"mixtral", "MixtralForCausalLM"},
+      {"qwen3-moe", "Qwen3MoeForCausalLM"}};
     c.architecture = archs.at(o->arch);
     c.num_hidden_layers = o->layers;
     c.hidden_size = o->hidden;
@@ -135,9 +136,10 @@ std::shared_ptr<command> add_make_model(CLI::App& app) {
     if (o->arch == "mixtral" || o->arch == "qwen3-moe") {
       c.num_experts = o->experts;
       c.num_experts_per_tok = o->experts_per_token;
-      c.moe_intermediate_size = o->arch == "mixtral"             ? c.intermediate_size
-                                : o->expert_intermediate > 0 ? o->expert_intermediate
-                                                             : std::max<int64_t>(1, c.intermediate_size / 4);
+      c.moe_intermediate_size = o->arch == "mixtral" ? c.intermediate_size
+                                : o->expert_intermediate > 0
+                                  ? o->expert_intermediate
+                                  : std::max<int64_t>(1, c.intermediate_size / 4);
     }
     c.rms_norm_eps = 1e-5;
     if (o->arch == "gemma2" || o->arch == "gemma3")

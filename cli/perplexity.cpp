@@ -88,13 +88,13 @@ std::shared_ptr<command> add_perplexity(CLI::App& app) {
       auto ids = tok->encode(read_text_file("--file", o->text_file), false, false);
       auto available = static_cast<int64_t>(ids.size()) / o->ctx;
       if (available < 1)
-        throw error{errc::invalid_argument,
-                    "--file: " + std::to_string(ids.size()) + " tokens, fewer than one chunk of " +
-                      std::to_string(o->ctx)};
+        throw error{errc::invalid_argument, "--file: " + std::to_string(ids.size()) +
+                                              " tokens, fewer than one chunk of " +
+                                              std::to_string(o->ctx)};
       chunks.ctx = static_cast<uint32_t>(o->ctx);
       chunks.vocab = static_cast<int32_t>(cfg.vocab_size);
-      chunks.chunks = static_cast<int32_t>(
-        o->chunks > 0 ? std::min<int64_t>(o->chunks, available) : available);
+      chunks.chunks =
+        static_cast<int32_t>(o->chunks > 0 ? std::min<int64_t>(o->chunks, available) : available);
       ids.resize(static_cast<size_t>(chunks.ctx) * static_cast<size_t>(chunks.chunks));
       chunks.tokens = std::move(ids);
       // Written as they are computed, so that every reader of a saved file scores the same
@@ -104,10 +104,10 @@ std::shared_ptr<command> add_perplexity(CLI::App& app) {
           chunks.tokens[static_cast<size_t>(c) * chunks.ctx] = bos;
     }
     if (chunks.ctx > static_cast<uint32_t>(cfg.max_sequence_length()))
-      throw error{errc::invalid_argument,
-                  "perplexity: chunks of " + std::to_string(chunks.ctx) +
-                    " tokens are longer than the model's " +
-                    std::to_string(cfg.max_sequence_length()) + " positions"};
+      throw error{errc::invalid_argument, "perplexity: chunks of " + std::to_string(chunks.ctx) +
+                                            " tokens are longer than the model's " +
+                                            std::to_string(cfg.max_sequence_length()) +
+                                            " positions"};
 
     model_worker_options checked;
     checked.dtype = o->device.dtype;
@@ -116,14 +116,19 @@ std::shared_ptr<command> add_perplexity(CLI::App& app) {
     auto dev = make_device(o->device.device, 0);
     auto format = weight_format_for(*dev, o->device.dtype, cfg.torch_dtype);
     platform_of(*dev).share(1);
-    llama_model model{cfg, *dev, 0, 1, format.type, format.stored_types,
-                      o->device.cpu_precision == "fast"};
+    llama_model model{
+      cfg, *dev, 0, 1, format.type, format.stored_types, o->device.cpu_precision == "fast"};
     model.use_weight_cache(o->device.weight_cache_directory());
     model.load(checkpoint::is_gguf(o->model) ? checkpoint::from_gguf(o->model, cfg)
                                              : checkpoint{o->model});
     const int64_t block = 16;
-    kv_cache cache{*dev, cfg.num_hidden_layers, model.local_kv_heads(), cfg.head_dim, block,
-                   (static_cast<int64_t>(chunks.ctx) + block - 1) / block, 0};
+    kv_cache cache{*dev,
+                   cfg.num_hidden_layers,
+                   model.local_kv_heads(),
+                   cfg.head_dim,
+                   block,
+                   (static_cast<int64_t>(chunks.ctx) + block - 1) / block,
+                   0};
 
     std::ofstream save;
     if (!o->save.empty()) {
@@ -139,12 +144,9 @@ std::shared_ptr<command> add_perplexity(CLI::App& app) {
     if (save && !save.flush())
       throw error{errc::invalid_argument, "--save-logits: writing '" + o->save + "' failed"};
 
-    nlohmann::json out = {{"model", o->model},
-                          {"cpu_precision", o->device.cpu_precision},
-                          {"ctx", chunks.ctx},
-                          {"chunks", chunks.chunks},
-                          {"positions", r.positions},
-                          {"ppl", r.ppl}};
+    nlohmann::json out = {{"model", o->model},        {"cpu_precision", o->device.cpu_precision},
+                          {"ctx", chunks.ctx},        {"chunks", chunks.chunks},
+                          {"positions", r.positions}, {"ppl", r.ppl}};
     if (r.compared) {
       auto& k = r.kld;
       out.update({{"ppl_base", k.ppl_base},
@@ -161,8 +163,8 @@ std::shared_ptr<command> add_perplexity(CLI::App& app) {
                 << chunks.chunks << " chunks of " << chunks.ctx << ")\n";
       if (r.compared)
         std::cout << "KL divergence from the base: " << r.kld.mean_kld << " ± "
-                  << r.kld.kld_uncertainty << " nats (99%: " << r.kld.kld_99
-                  << "), same top token " << 100 * r.kld.same_top << " %\n";
+                  << r.kld.kld_uncertainty << " nats (99%: " << r.kld.kld_99 << "), same top token "
+                  << 100 * r.kld.same_top << " %\n";
     }
     std::cout << out.dump() << "\n";
     return 0;

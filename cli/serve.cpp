@@ -36,10 +36,9 @@ std::shared_ptr<command> add_serve(CLI::App& app) {
   sub->add_option("--port", o->port, "Port to listen on (0 picks one)")
     ->check(CLI::Range(0, 65535))
     ->capture_default_str();
-  auto* key = sub->add_option("--api-key", o->api_key,
-                              "Requests must carry 'Authorization: Bearer KEY'");
-  sub->add_option("--api-key-file", o->api_key_file, "A file holding the API key")
-    ->excludes(key);
+  auto* key =
+    sub->add_option("--api-key", o->api_key, "Requests must carry 'Authorization: Bearer KEY'");
+  sub->add_option("--api-key-file", o->api_key_file, "A file holding the API key")->excludes(key);
   sub->add_option("--served-model-name", o->served_model_name,
                   "The model's name in requests (default: --model)");
   sub->add_option("--lora", o->loras,
@@ -47,17 +46,20 @@ std::shared_ptr<command> add_serve(CLI::App& app) {
   sub->add_flag("--enable-admin-api", o->enable_admin_api,
                 "Serve /sleep, /wake_up, /v1/load_lora_adapter, /v1/unload_lora_adapter and "
                 "/collective_rpc");
-  sub->add_option("--max-waiting-requests", o->max_waiting,
-                  "Requests that may wait beyond --max-num-seqs; more get 429")
+  sub
+    ->add_option("--max-waiting-requests", o->max_waiting,
+                 "Requests that may wait beyond --max-num-seqs; more get 429")
     ->check(CLI::Range(0, 1 << 20))
     ->capture_default_str();
-  sub->add_option("--drain-timeout", o->drain_timeout_s,
-                  "Seconds SIGINT/SIGTERM let running requests finish before aborting them")
+  sub
+    ->add_option("--drain-timeout", o->drain_timeout_s,
+                 "Seconds SIGINT/SIGTERM let running requests finish before aborting them")
     ->check(CLI::Range(0.0, 1e6))
     ->capture_default_str();
-  sub->add_option("--max-connections", o->max_connections,
-                  "Connections open at once; more are answered 503 (keep it below the file "
-                  "descriptor limit)")
+  sub
+    ->add_option("--max-connections", o->max_connections,
+                 "Connections open at once; more are answered 503 (keep it below the file "
+                 "descriptor limit)")
     ->check(CLI::Range(size_t{1}, size_t{1} << 24))
     ->capture_default_str();
   auto seconds = [&](const char* name, double& value, const char* what) {

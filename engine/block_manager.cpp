@@ -29,7 +29,8 @@ block_manager::block_manager(int32_t block_size, int64_t device_blocks, int64_t 
   : block_size_(block_size), device_blocks_(device_blocks), prefix_caching_(prefix_caching) {
   if (block_size <= 0 || device_blocks < 0 || swap_blocks < 0 || watermark < 0 || watermark >= 1)
     misuse("needs block_size > 0, block counts >= 0 and a watermark in [0, 1)");
-  watermark_blocks_ = static_cast<int64_t>(std::floor(watermark * static_cast<double>(device_blocks)));
+  watermark_blocks_ =
+    static_cast<int64_t>(std::floor(watermark * static_cast<double>(device_blocks)));
   // Free lists are stacks: the lowest block numbers are handed out first.
   for (auto b = device_blocks; b > 0; --b)
     free_device_.push_back(static_cast<int32_t>(b - 1));
@@ -92,7 +93,8 @@ int32_t block_manager::take_device() {
   return b;
 }
 
-uint64_t block_manager::hash_block(const tokens_view& tokens, int64_t index, uint64_t parent) const {
+uint64_t block_manager::hash_block(const tokens_view& tokens, int64_t index,
+                                   uint64_t parent) const {
   auto h = mix(parent, tokens.salt);
   for (int64_t i = index * block_size_; i < (index + 1) * block_size_; ++i)
     h = mix(h, static_cast<uint32_t>(tokens[i]));
@@ -310,8 +312,8 @@ bool block_manager::can_swap_out(const std::vector<int64_t>& seqs) const {
 
 bool block_manager::can_swap_in(const std::vector<int64_t>& seqs) const {
   // Leave the watermark, and one block per sequence to grow into.
-  return distinct_blocks(seqs, true) + static_cast<int64_t>(seqs.size())
-         <= free_device_blocks() - watermark_blocks_;
+  return distinct_blocks(seqs, true) + static_cast<int64_t>(seqs.size()) <=
+         free_device_blocks() - watermark_blocks_;
 }
 
 std::vector<block_move> block_manager::move(const std::vector<int64_t>& seqs, bool to_swap) {

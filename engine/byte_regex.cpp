@@ -99,8 +99,7 @@ expr_ptr characters(const byte_set& ascii, bool multibyte,
 /// The parser: recursive descent over the pattern's UTF-8 text.
 class parser {
 public:
-  explicit parser(const std::string& p) : p_(p) {
-  }
+  explicit parser(const std::string& p) : p_(p) {}
 
   expr_ptr parse() {
     if (at_ < p_.size() && p_[at_] == '^')
@@ -229,19 +228,19 @@ private:
   /// escape.
   static bool class_escape(char c, byte_set& set, bool& negated) {
     switch (std::tolower(static_cast<unsigned char>(c))) {
-      case 'd':
-        set = range('0', '9');
-        break;
-      case 'w':
-        set = range('0', '9') | range('a', 'z') | range('A', 'Z');
-        set.set('_');
-        break;
-      case 's':
-        for (char s : {' ', '\t', '\n', '\r', '\f', '\v'})
-          set.set(static_cast<uint8_t>(s));
-        break;
-      default:
-        return false;
+    case 'd':
+      set = range('0', '9');
+      break;
+    case 'w':
+      set = range('0', '9') | range('a', 'z') | range('A', 'Z');
+      set.set('_');
+      break;
+    case 's':
+      for (char s : {' ', '\t', '\n', '\r', '\f', '\v'})
+        set.set(static_cast<uint8_t>(s));
+      break;
+    default:
+      return false;
     }
     negated = std::isupper(static_cast<unsigned char>(c)) != 0;
     return true;
@@ -251,22 +250,32 @@ private:
   uint32_t escaped() {
     char c = p_[at_++];
     switch (c) {
-      case 'n': return '\n';
-      case 't': return '\t';
-      case 'r': return '\r';
-      case 'f': return '\f';
-      case 'v': return '\v';
-      case '0': return 0;
-      case 'x': return hex(2);
-      case 'u': return hex(4);
-      case 'U': return hex(8);
-      default:
-        break;
+    case 'n':
+      return '\n';
+    case 't':
+      return '\t';
+    case 'r':
+      return '\r';
+    case 'f':
+      return '\f';
+    case 'v':
+      return '\v';
+    case '0':
+      return 0;
+    case 'x':
+      return hex(2);
+    case 'u':
+      return hex(4);
+    case 'U':
+      return hex(8);
+    default:
+      break;
     }
     if (std::isalnum(static_cast<unsigned char>(c))) {
       --at_;
-      fail(std::string{"the escape '\\"} + c + "' (backreferences, \\b and the like are not "
-                                                 "supported)");
+      fail(std::string{"the escape '\\"} + c +
+           "' (backreferences, \\b and the like are not "
+           "supported)");
     }
     return static_cast<unsigned char>(c);
   }
@@ -409,41 +418,41 @@ struct nfa {
   /// Adds `e` from `from`; returns the state where it ends.
   int build(const expr& e, int from) {
     switch (e.what) {
-      case expr::kind::bytes: {
-        int to = add();
-        states[static_cast<size_t>(from)].edges.emplace_back(e.set, to);
-        return to;
+    case expr::kind::bytes: {
+      int to = add();
+      states[static_cast<size_t>(from)].edges.emplace_back(e.set, to);
+      return to;
+    }
+    case expr::kind::concat:
+      for (auto& p : e.parts)
+        from = build(*p, from);
+      return from;
+    case expr::kind::alternatives: {
+      int end = add();
+      for (auto& p : e.parts) {
+        int start = add();
+        states[static_cast<size_t>(from)].empty.push_back(start);
+        states[static_cast<size_t>(build(*p, start))].empty.push_back(end);
       }
-      case expr::kind::concat:
-        for (auto& p : e.parts)
-          from = build(*p, from);
-        return from;
-      case expr::kind::alternatives: {
-        int end = add();
-        for (auto& p : e.parts) {
-          int start = add();
-          states[static_cast<size_t>(from)].empty.push_back(start);
-          states[static_cast<size_t>(build(*p, start))].empty.push_back(end);
-        }
-        return end;
+      return end;
+    }
+    case expr::kind::repeat: {
+      for (int i = 0; i < e.min; ++i)
+        from = build(*e.parts[0], from);
+      if (e.max < 0) {
+        int loop = add();
+        states[static_cast<size_t>(from)].empty.push_back(loop);
+        states[static_cast<size_t>(build(*e.parts[0], loop))].empty.push_back(loop);
+        return loop;
       }
-      case expr::kind::repeat: {
-        for (int i = 0; i < e.min; ++i)
-          from = build(*e.parts[0], from);
-        if (e.max < 0) {
-          int loop = add();
-          states[static_cast<size_t>(from)].empty.push_back(loop);
-          states[static_cast<size_t>(build(*e.parts[0], loop))].empty.push_back(loop);
-          return loop;
-        }
-        int end = add();
+      int end = add();
+      states[static_cast<size_t>(from)].empty.push_back(end);
+      for (int i = e.min; i < e.max; ++i) {
+        from = build(*e.parts[0], from);
         states[static_cast<size_t>(from)].empty.push_back(end);
-        for (int i = e.min; i < e.max; ++i) {
-          from = build(*e.parts[0], from);
-          states[static_cast<size_t>(from)].empty.push_back(end);
-        }
-        return end;
       }
+      return end;
+    }
     }
     return from;
   }
@@ -484,8 +493,8 @@ byte_dfa compile_regex(const std::string& pattern, size_t max_states) {
     if (found != known.end())
       return found->second;
     if (sets.size() >= max_states)
-      bad(pattern, 0, "the pattern's automaton is too large (over " +
-                        std::to_string(max_states) + " states)");
+      bad(pattern, 0,
+          "the pattern's automaton is too large (over " + std::to_string(max_states) + " states)");
     auto id = static_cast<int32_t>(sets.size());
     known.emplace(set, id);
     dfa.accepting.push_back(std::binary_search(set.begin(), set.end(), accept));

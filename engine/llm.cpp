@@ -213,7 +213,8 @@ void llm::impl::detokenize(live_request& l, const engine_request& r, bool finish
     return;
   try {
     auto begin = ids.begin() + static_cast<std::ptrdiff_t>(l.prefix_offset);
-    auto prefix = tok->decode({begin, ids.begin() + static_cast<std::ptrdiff_t>(l.read_offset)}, true);
+    auto prefix =
+      tok->decode({begin, ids.begin() + static_cast<std::ptrdiff_t>(l.read_offset)}, true);
     auto whole = tok->decode({begin, ids.end()}, true);
     if (whole.size() <= prefix.size())
       return; // nothing new to show (special tokens skipped)
@@ -354,10 +355,11 @@ void llm::impl::choose_best(int64_t request, int32_t n, std::vector<generation_o
       sum += lp;
     return sum;
   };
-  std::sort(drawn.begin(), drawn.end(), [&](const generation_output& a, const generation_output& b) {
-    auto x = score(a), y = score(b);
-    return x != y ? x > y : a.index < b.index;
-  });
+  std::sort(drawn.begin(), drawn.end(),
+            [&](const generation_output& a, const generation_output& b) {
+              auto x = score(a), y = score(b);
+              return x != y ? x > y : a.index < b.index;
+            });
   drawn.resize(static_cast<size_t>(n));
   for (int32_t i = 0; i < n; ++i) {
     auto& out = drawn[static_cast<size_t>(i)];
@@ -538,10 +540,11 @@ std::string llm::chat_prompt(const std::vector<chat_message>& messages) const {
 std::string llm::render_chat(const chat_request& request) const {
   auto& d = *impl_;
   if (!d.chat)
-    throw error{errc::unsupported,
-                d.chat_problem.empty()
-                  ? std::string{"the model has no chat template (give one in llm_config::chat_template)"}
-                  : "the model's chat template cannot be read (" + d.chat_problem + ")"};
+    throw error{
+      errc::unsupported,
+      d.chat_problem.empty()
+        ? std::string{"the model has no chat template (give one in llm_config::chat_template)"}
+        : "the model's chat template cannot be read (" + d.chat_problem + ")"};
   auto parse = [](const std::string& text, const char* what, nlohmann::ordered_json empty) {
     if (text.empty())
       return empty;
@@ -630,7 +633,8 @@ int64_t llm::add_request(const generation_request& req) {
   return queue(req, load_adapters({req}));
 }
 
-int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_t>& virtual_tokens) {
+int64_t llm::queue(const generation_request& req,
+                   const std::map<int64_t, int64_t>& virtual_tokens) {
   auto& d = *impl_;
   auto max_model_len = d.exec->config().max_model_len;
   impl::live_request l;
@@ -663,11 +667,11 @@ int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_
   if (static_cast<int64_t>(r.prompt.size()) >= max_model_len)
     throw error{errc::invalid_argument,
                 "the prompt has " + std::to_string(r.prompt.size()) + " tokens" +
-                  (req.prompt_adapter ? " with its virtual tokens" : "") +
-                  "; the model allows " + std::to_string(max_model_len) + " with the output"};
+                  (req.prompt_adapter ? " with its virtual tokens" : "") + "; the model allows " +
+                  std::to_string(max_model_len) + " with the output"};
   if (req.sampling.max_tokens < 1)
-    throw error{errc::invalid_argument, "max_tokens must be at least 1, got " +
-                                          std::to_string(req.sampling.max_tokens)};
+    throw error{errc::invalid_argument,
+                "max_tokens must be at least 1, got " + std::to_string(req.sampling.max_tokens)};
   r.lora_int_id = req.lora ? req.lora->lora_int_id : 0;
   r.sampling = req.sampling;
   r.sampling.n = 1;
@@ -698,7 +702,8 @@ int64_t llm::queue(const generation_request& req, const std::map<int64_t, int64_
                                           "tokenizer, which this model has none of"};
     if (!d.structured) {
       auto ends = d.model.eos_token_ids;
-      if (d.tok->eos_id() >= 0 && std::find(ends.begin(), ends.end(), d.tok->eos_id()) == ends.end())
+      if (d.tok->eos_id() >= 0 &&
+          std::find(ends.begin(), ends.end(), d.tok->eos_id()) == ends.end())
         ends.push_back(d.tok->eos_id());
       d.structured = std::make_unique<structured_output>(*d.tok, vocab_size(), ends);
     }
@@ -843,9 +848,8 @@ engine_stats llm::stats() const {
   s.waiting = static_cast<int64_t>(d.sched->num_waiting());
   s.swapped = static_cast<int64_t>(d.sched->num_swapped());
   auto all = d.sched->device_blocks();
-  s.kv_cache_usage = all > 0 ? static_cast<double>(d.sched->used_device_blocks()) /
-                                 static_cast<double>(all)
-                             : 0.0;
+  s.kv_cache_usage =
+    all > 0 ? static_cast<double>(d.sched->used_device_blocks()) / static_cast<double>(all) : 0.0;
   s.preemptions = d.sched->preemptions();
   s.prefix_cache_queries = d.sched->prefix_cache_queries();
   s.prefix_cache_hits = d.sched->prefix_cache_hits();
@@ -882,26 +886,30 @@ void llm::impl::update_weights(const std::function<void(bool check_only)>& updat
 
 void llm::update_weights_from_tensors(const std::vector<host_tensor>& tensors,
                                       const weight_update_options& options) {
-  impl_->update_weights([&](bool check_only) {
-    auto o = update_round(check_only, options);
-    impl_->exec->collective_rpc([&](worker& w, const caf::message&, const caf::settings&) {
-      auto* mw = dynamic_cast<model_worker*>(&w);
-      if (mw == nullptr)
-        throw error{errc::unsupported, "update_weights_from_tensors: rank " +
-                                         std::to_string(w.rank()) + " is not a model worker"};
-      mw->update_weights(tensors, o);
-      return caf::message{};
-    });
-  }, [&](weight_history& h) { h.record(tensors); });
+  impl_->update_weights(
+    [&](bool check_only) {
+      auto o = update_round(check_only, options);
+      impl_->exec->collective_rpc([&](worker& w, const caf::message&, const caf::settings&) {
+        auto* mw = dynamic_cast<model_worker*>(&w);
+        if (mw == nullptr)
+          throw error{errc::unsupported, "update_weights_from_tensors: rank " +
+                                           std::to_string(w.rank()) + " is not a model worker"};
+        mw->update_weights(tensors, o);
+        return caf::message{};
+      });
+    },
+    [&](weight_history& h) { h.record(tensors); });
 }
 
 void llm::update_weights_from_disk(const std::string& path, const weight_update_options& options) {
-  impl_->update_weights([&](bool check_only) {
-    rpc_call_options call;
-    call.args = caf::make_message(path);
-    call.kwargs = to_kwargs(update_round(check_only, options));
-    impl_->exec->collective_rpc("update_weights_from_disk", call);
-  }, [&](weight_history& h) { h.record(path); });
+  impl_->update_weights(
+    [&](bool check_only) {
+      rpc_call_options call;
+      call.args = caf::make_message(path);
+      call.kwargs = to_kwargs(update_round(check_only, options));
+      impl_->exec->collective_rpc("update_weights_from_disk", call);
+    },
+    [&](weight_history& h) { h.record(path); });
 }
 
 void llm::init_weights_update_group(const std::string& master_address, int32_t master_port,
@@ -954,18 +962,20 @@ void llm::update_weights_from_distributed(const std::vector<host_tensor>& tensor
   }
   if (refused)
     std::rethrow_exception(refused);
-  d.update_weights([&](bool check_only) {
-    rpc_call_options apply;
-    apply.kwargs = to_kwargs(update_round(check_only, options));
-    d.exec->collective_rpc("apply_received_weights", apply);
-  }, [&](weight_history& h) {
-    // Rank 0 received every tensor whole.
-    d.exec->collective_rpc([&h](worker& w, const caf::message&, const caf::settings&) {
-      if (auto* mw = dynamic_cast<model_worker*>(&w); mw != nullptr && w.rank() == 0)
-        h.record(mw->received_weights());
-      return caf::message{};
+  d.update_weights(
+    [&](bool check_only) {
+      rpc_call_options apply;
+      apply.kwargs = to_kwargs(update_round(check_only, options));
+      d.exec->collective_rpc("apply_received_weights", apply);
+    },
+    [&](weight_history& h) {
+      // Rank 0 received every tensor whole.
+      d.exec->collective_rpc([&h](worker& w, const caf::message&, const caf::settings&) {
+        if (auto* mw = dynamic_cast<model_worker*>(&w); mw != nullptr && w.rank() == 0)
+          h.record(mw->received_weights());
+        return caf::message{};
+      });
     });
-  });
 }
 
 int64_t llm::weight_version() const {

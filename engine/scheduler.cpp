@@ -15,10 +15,8 @@ void scheduler_config::validate() const {
 }
 
 scheduler::scheduler(scheduler_config config, scheduler_limits limits, int32_t block_size,
-                     int64_t device_blocks, int64_t swap_blocks,
-                     std::vector<int32_t> eos_token_ids)
-  : config_(config),
-    limits_(limits),
+                     int64_t device_blocks, int64_t swap_blocks, std::vector<int32_t> eos_token_ids)
+  : config_(config), limits_(limits),
     blocks_(block_size, device_blocks, swap_blocks, 0.01, config.enable_prefix_caching),
     eos_(std::move(eos_token_ids)) {
   config_.validate();
@@ -30,8 +28,8 @@ void scheduler::add(engine_request request) {
   if (request.prompt.empty())
     throw error{errc::invalid_argument, "request '" + request.request_id + "' has an empty prompt"};
   if (requests_.count(request.seq_id) > 0)
-    throw error{errc::invalid_argument, "sequence id " + std::to_string(request.seq_id) +
-                                          " is already in use"};
+    throw error{errc::invalid_argument,
+                "sequence id " + std::to_string(request.seq_id) + " is already in use"};
   auto seq = request.seq_id;
   requests_.emplace(seq, std::move(request));
   waiting_.push_back(seq);
@@ -39,8 +37,8 @@ void scheduler::add(engine_request request) {
 
 block_manager::tokens_view scheduler::tokens_of(const engine_request& r) {
   // Blocks computed under different adapters hold different keys and values.
-  auto salt = static_cast<uint64_t>(r.lora_int_id) * 0x9e3779b97f4a7c15ULL
-              + static_cast<uint64_t>(r.prompt_adapter_id) * 0xc2b2ae3d27d4eb4fULL;
+  auto salt = static_cast<uint64_t>(r.lora_int_id) * 0x9e3779b97f4a7c15ULL +
+              static_cast<uint64_t>(r.prompt_adapter_id) * 0xc2b2ae3d27d4eb4fULL;
   return {r.prompt, r.output, salt};
 }
 
@@ -120,8 +118,8 @@ void scheduler::restart(int64_t seq) {
 }
 
 bool scheduler::at_length_limit(const engine_request& r) const {
-  return static_cast<int64_t>(r.output.size()) + r.pending >= r.sampling.max_tokens
-         || r.length() + r.pending >= limits_.max_model_len;
+  return static_cast<int64_t>(r.output.size()) + r.pending >= r.sampling.max_tokens ||
+         r.length() + r.pending >= limits_.max_model_len;
 }
 
 execute_model_request scheduler::schedule() {
@@ -193,9 +191,9 @@ execute_model_request scheduler::schedule() {
 
   // 2. Swapped requests come back first, but not in a step that swapped something out
   //    (its blocks would be overwritten before they are copied).
-  while (!preempted && !swapped_.empty() && budget >= 1
-         && static_cast<int64_t>(scheduled_.size()) < config_.max_num_seqs
-         && blocks_.can_swap_in({swapped_.front()})) {
+  while (!preempted && !swapped_.empty() && budget >= 1 &&
+         static_cast<int64_t>(scheduled_.size()) < config_.max_num_seqs &&
+         blocks_.can_swap_in({swapped_.front()})) {
     auto seq = swapped_.front();
     swapped_.pop_front();
     if (restarts_at(requests_.at(seq).num_computed)) {
@@ -234,13 +232,13 @@ execute_model_request scheduler::schedule() {
     for (auto seq : ids)
       for (auto& l : limits)
         l.take(requests_.at(seq));
-  for (size_t i = 0; i < waiting_.size() && swapped_.empty()
-                     && static_cast<int64_t>(scheduled_.size()) < config_.max_num_seqs;) {
+  for (size_t i = 0; i < waiting_.size() && swapped_.empty() &&
+                     static_cast<int64_t>(scheduled_.size()) < config_.max_num_seqs;) {
     auto seq = waiting_[i];
     auto& r = requests_.at(seq);
     auto tokens = r.length();
-    if (tokens > limits_.max_model_len
-        || blocks_.can_allocate(tokens) == block_manager::allocation::never) {
+    if (tokens > limits_.max_model_len ||
+        blocks_.can_allocate(tokens) == block_manager::allocation::never) {
       waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
       r.finished = true;
       r.finish_reason = "abort";
@@ -259,11 +257,11 @@ execute_model_request scheduler::schedule() {
     const bool whole = r.sampling.prompt_logprobs >= 0;
     auto hit = whole ? block_manager::prefix_hit{} : blocks_.find_prefix(tokens_of(r));
     auto todo = tokens - hit.blocks * blocks_.block_size();
-    bool chunked = todo > config_.max_num_batched_tokens ||
-                   (whole && todo > max_prompt_logprob_rows);
+    bool chunked =
+      todo > config_.max_num_batched_tokens || (whole && todo > max_prompt_logprob_rows);
     auto chunk = rows_of(r, std::min(todo, budget));
-    if ((!chunked && todo > budget) || chunk < 1
-        || blocks_.can_allocate(tokens, hit) != block_manager::allocation::ok)
+    if ((!chunked && todo > budget) || chunk < 1 ||
+        blocks_.can_allocate(tokens, hit) != block_manager::allocation::ok)
       break;
     waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
     spend_rows(r, chunk);
@@ -308,9 +306,9 @@ std::optional<execute_model_request> scheduler::schedule_ahead() {
     if (have < r.length() + r.pending)
       ++new_blocks;
   }
-  if (seqs.empty() || static_cast<int64_t>(seqs.size()) > config_.max_num_seqs
-      || static_cast<int64_t>(seqs.size()) > config_.max_num_batched_tokens
-      || new_blocks > blocks_.free_device_blocks())
+  if (seqs.empty() || static_cast<int64_t>(seqs.size()) > config_.max_num_seqs ||
+      static_cast<int64_t>(seqs.size()) > config_.max_num_batched_tokens ||
+      new_blocks > blocks_.free_device_blocks())
     return std::nullopt;
   execute_model_request step;
   scheduled_.clear();
@@ -362,8 +360,8 @@ void scheduler::update(const sampler_output& output) {
       return std::find(ids.begin(), ids.end(), sample.output_token) != ids.end();
     };
     bool stop = (!sp.ignore_eos && among(eos_)) || among(sp.stop_token_ids);
-    bool length = static_cast<int64_t>(r.output.size()) >= sp.max_tokens
-                  || r.length() >= limits_.max_model_len;
+    bool length =
+      static_cast<int64_t>(r.output.size()) >= sp.max_tokens || r.length() >= limits_.max_model_len;
     if (stop || length) {
       r.finished = true;
       r.finish_reason = stop ? "stop" : "length";
@@ -401,8 +399,8 @@ size_t scheduler::recompute_all() {
 void scheduler::finish(int64_t seq, const std::string& reason) {
   auto i = requests_.find(seq);
   if (i == requests_.end())
-    throw error{errc::invalid_argument, "scheduler: sequence " + std::to_string(seq) +
-                                          " is not unfinished"};
+    throw error{errc::invalid_argument,
+                "scheduler: sequence " + std::to_string(seq) + " is not unfinished"};
   auto& r = i->second;
   if (blocks_.contains(seq))
     blocks_.free(seq);

@@ -182,8 +182,7 @@ private:
   bool restarts_at(int64_t position) const;
   /// Adds `r`'s group to `step` computing `chunk` tokens; it samples unless `is_prompt` and
   /// the chunk leaves part of the request uncomputed.
-  void append_group(engine_request& r, int64_t chunk, bool is_prompt,
-                    execute_model_request& step);
+  void append_group(engine_request& r, int64_t chunk, bool is_prompt, execute_model_request& step);
   /// Whether running request `r` has more than its last token to compute (a chunked prefill
   /// under way).
   static bool prefilling(const engine_request& r) {

@@ -49,7 +49,18 @@ bool is_hex(uint8_t c) {
 class output_grammar {
 public:
   struct node {
-    enum class kind : uint8_t { any, object, free_object, array, string, number, integer, literals, alternatives, regex };
+    enum class kind : uint8_t {
+      any,
+      object,
+      free_object,
+      array,
+      string,
+      number,
+      integer,
+      literals,
+      alternatives,
+      regex
+    };
     kind what = kind::any;
     /// object: each property's key as JSON text (quoted), its value's node, whether required.
     std::vector<std::string> keys;
@@ -244,8 +255,7 @@ using node = grammar::node;
 /// Reads a JSON schema into the grammar's nodes.
 class schema_compiler {
 public:
-  schema_compiler(grammar& g, const json& document) : g_(g), document_(document) {
-  }
+  schema_compiler(grammar& g, const json& document) : g_(g), document_(document) {}
 
   /// The node of schema `s`. Bounded: a schema nested deeper than 64 or of more than 10,000
   /// parts is refused (a request's schema must not exhaust the engine).
@@ -272,11 +282,13 @@ public:
     if (!s.is_object())
       bad_schema("a schema must be an object, got " + s.dump());
     static const std::set<std::string> annotations = {
-      "$schema", "$id", "title", "description", "default", "examples", "$comment", "$defs",
-      "definitions", "readOnly", "writeOnly", "deprecated", "strict"};
+      "$schema", "$id",         "title",    "description", "default",    "examples", "$comment",
+      "$defs",   "definitions", "readOnly", "writeOnly",   "deprecated", "strict"};
     static const std::set<std::string> enforced = {
-      "type", "properties", "required", "additionalProperties", "items", "minItems",
-      "maxItems", "enum", "const", "anyOf", "oneOf", "$ref", "minLength", "maxLength"};
+      "type",      "properties", "required", "additionalProperties",
+      "items",     "minItems",   "maxItems", "enum",
+      "const",     "anyOf",      "oneOf",    "$ref",
+      "minLength", "maxLength"};
     for (auto& [key, value] : s.items())
       if (!annotations.count(key) && !enforced.count(key))
         bad_schema("'" + key + "' is not supported (troupe enforces " + list(enforced) + ")");
@@ -554,367 +566,370 @@ void output_grammar::step(stack s, uint8_t c, std::vector<stack>& out) const {
       push(std::move(s), value, out);
     };
     switch (n.what) {
-      case k::any:
-        if (f.phase == 0 && space())
+    case k::any:
+      if (f.phase == 0 && space())
+        return take();
+      // Becomes the value its first byte starts, which then takes the byte.
+      f.space = 0;
+      if (c == '{')
+        f.node = builtin_.free_object;
+      else if (c == '[')
+        f.node = builtin_.array;
+      else if (c == '"')
+        f.node = builtin_.string;
+      else if (c == '-' || is_digit(c))
+        f.node = builtin_.number;
+      else if (c == 't' || c == 'f' || c == 'n')
+        f.node = builtin_.constants;
+      else
+        return;
+      continue;
+    case k::object:
+      switch (f.phase) {
+      case 0:
+        return opening('{');
+      case 1: // after '{'
+      case 5: // after ','
+        if (space())
           return take();
-        // Becomes the value its first byte starts, which then takes the byte.
-        f.space = 0;
-        if (c == '{')
-          f.node = builtin_.free_object;
-        else if (c == '[')
-          f.node = builtin_.array;
-        else if (c == '"')
-          f.node = builtin_.string;
-        else if (c == '-' || is_digit(c))
-          f.node = builtin_.number;
-        else if (c == 't' || c == 'f' || c == 'n')
-          f.node = builtin_.constants;
-        else
+        if (c == '}' && f.phase == 1 && !requires_after(n, f.a))
+          return done();
+        if (c != '"')
           return;
-        continue;
-      case k::object:
-        switch (f.phase) {
-          case 0:
-            return opening('{');
-          case 1: // after '{'
-          case 5: // after ','
-            if (space())
-              return take();
-            if (c == '}' && f.phase == 1 && !requires_after(n, f.a))
-              return done();
-            if (c != '"')
-              return;
-            f.candidates = candidates(n, f.a);
-            if (f.candidates == 0)
-              return;
-            f.b = 1;
-            return then(2);
-          case 2: { // in a key
-            uint64_t left = 0;
-            int32_t complete = -1;
-            for (size_t i = 0; i < n.keys.size(); ++i)
-              if ((f.candidates >> i & 1) && static_cast<size_t>(f.b) < n.keys[i].size() &&
-                  static_cast<uint8_t>(n.keys[i][static_cast<size_t>(f.b)]) == c) {
-                left |= uint64_t{1} << i;
-                if (n.keys[i].size() == static_cast<size_t>(f.b) + 1)
-                  complete = static_cast<int32_t>(i);
-              }
-            if (left == 0)
-              return;
-            if (complete >= 0) { // the closing quote: keys differ before it
-              f.phase = 3;
-              f.b = complete;
-              f.candidates = 0;
-            } else {
-              f.candidates = left;
-              ++f.b;
-            }
-            return take();
-          }
-          case 3: // expect ':'
-            if (space())
-              return take();
-            if (c != ':')
-              return;
-            f.a = f.b + 1;
-            return value_after(4, n.values[static_cast<size_t>(f.b)]);
-          case 4: // after a value
-            if (space())
-              return take();
-            if (c == ',' && candidates(n, f.a) != 0)
-              return then(5);
-            if (c == '}' && !requires_after(n, f.a))
-              return done();
-            return;
-        }
-        return;
-      case k::free_object:
-        switch (f.phase) {
-          case 0:
-            return opening('{');
-          case 1: // after '{'
-          case 5: // after ','
-            if (space())
-              return take();
-            if (c == '}' && f.phase == 1)
-              return done();
-            if (c != '"')
-              return;
-            f.phase = 3;
-            f.space = 0;
-            // The key: a string after its opening quote.
-            s.push_back({builtin_.string, 1, 0, 0, 0, 0});
-            return take();
-          case 3:
-            if (space())
-              return take();
-            if (c != ':')
-              return;
-            return value_after(4, builtin_.any);
-          case 4:
-            if (space())
-              return take();
-            if (c == ',')
-              return then(5);
-            if (c == '}')
-              return done();
-            return;
-        }
-        return;
-      case k::array:
-        switch (f.phase) {
-          case 0:
-            return opening('[');
-          case 1: // after '['
-          case 3: // after ','
-            if (space())
-              return take();
-            if (c == ']' && f.phase == 1 && n.min_items == 0)
-              return done();
-            if (n.max_items >= 0 && f.a >= n.max_items)
-              return;
-            f.phase = 2;
-            f.space = 0;
-            ++f.a;
-            return child(n.item);
-          case 2: // after an item
-            if (space())
-              return take();
-            if (c == ',' && (n.max_items < 0 || f.a < n.max_items))
-              return then(3);
-            if (c == ']' && f.a >= n.min_items)
-              return done();
-            return;
-        }
-        return;
-      case k::string:
-        switch (f.phase) {
-          case 0:
-            return opening('"');
-          case 1:
-            if (c == '"')
-              return f.a >= n.min_length || n.min_length <= 0 ? done() : void();
-            if (c < 0x20)
-              return;
-            // Each character counts at its first byte (the length is checked before it can
-            // only be finished past the limit); only where there is a limit, so that the
-            // states of an unlimited string are one (one cached mask).
-            if (n.max_length >= 0 && f.a + 1 > n.max_length)
-              return;
-            // Counted up to what a limit needs only.
-            if (n.max_length >= 0 || f.a < n.min_length)
-              ++f.a;
-            if (c == '\\') {
-              f.phase = 2;
-              return take();
-            }
-            // A character begins: ASCII, or the lead byte of well-formed UTF-8 (no overlong
-            // forms, surrogates or code points past U+10FFFF): its continuation bytes, and the
-            // range of the first (`candidates`: low << 8 | high).
-            if (c >= 0x80) {
-              f.b = c >= 0xC2 && c <= 0xDF ? 1 : c >= 0xE0 && c <= 0xEF ? 2 : c >= 0xF0 && c <= 0xF4 ? 3 : 0;
-              if (f.b == 0)
-                return;
-              uint64_t low = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80;
-              uint64_t high = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
-              f.candidates = low << 8 | high;
-              f.phase = 4;
-            }
-            return take();
-          case 4: // the rest of a UTF-8 character
-            if (c < (f.candidates >> 8) || c > (f.candidates & 0xFF))
-              return;
-            f.candidates = 0x80BF;
-            if (--f.b == 0) {
-              f.phase = 1;
-              f.candidates = 0;
-            }
-            return take();
-          case 2:
-            if (std::strchr("\"\\/bfnrt", c) != nullptr && c != 0) {
-              f.phase = 1;
-              return take();
-            }
-            if (c == 'u') {
-              f.phase = 3;
-              f.b = 0;
-              f.candidates = 0;
-              return take();
-            }
-            return;
-          case 3: // \uXXXX: its value in `candidates`
-          case 7: // the low surrogate after a high one
-          {
-            if (!is_hex(c))
-              return;
-            f.candidates = f.candidates << 4 | static_cast<uint64_t>(
-                             is_digit(c) ? c - '0' : (c | 0x20) - 'a' + 10);
-            ++f.b;
-            // Refused as soon as it cannot end well: a low surrogate alone, or a high one
-            // followed by anything but a low one.
-            auto v = f.candidates;
-            if (f.phase == 3 && f.b == 2 && v >= 0xDC && v <= 0xDF)
-              return;
-            if (f.phase == 7 && ((f.b == 1 && v != 0xD) || (f.b == 2 && (v < 0xDC || v > 0xDF))))
-              return;
-            if (f.b < 4)
-              return take();
-            bool high = v >= 0xD800 && v <= 0xDBFF, low = v >= 0xDC00 && v <= 0xDFFF;
-            if (f.phase == 3 && high) {
-              f.phase = 5; // a pair: "\u" and the low half must follow
-              return take();
-            }
-            if ((f.phase == 3 && low) || (f.phase == 7 && !low))
-              return;
-            f.phase = 1;
-            f.b = 0;
-            f.candidates = 0;
-            return take();
-          }
-          case 5:
-            if (c != '\\')
-              return;
-            f.phase = 6;
-            return take();
-          case 6:
-            if (c != 'u')
-              return;
-            f.phase = 7;
-            f.b = 0;
-            f.candidates = 0;
-            return take();
-        }
-        return;
-      case k::number:
-      case k::integer: {
-        bool real = n.what == k::number;
-        auto digit = [&](int16_t next, int32_t limit) {
-          f.a = f.phase == next ? f.a + 1 : 1;
-          if (f.a > limit)
-            return false;
-          f.phase = next;
-          return true;
-        };
-        switch (f.phase) {
-          case 0:
-            if (space())
-              return take();
-            if (c == '-') {
-              f.phase = 1;
-              return take();
-            }
-            [[fallthrough]];
-          case 1:
-            if (c == '0') {
-              f.phase = 2;
-              return take();
-            }
-            if (c >= '1' && c <= '9') {
-              f.phase = 3;
-              f.a = 1;
-              return take();
-            }
-            return;
-          case 2: // a leading zero
-          case 3: // integer digits
-            if (f.phase == 3 && is_digit(c))
-              return digit(3, max_digits) ? take() : void();
-            if (real && c == '.') {
-              f.phase = 4;
-              return take();
-            }
-            if (real && (c == 'e' || c == 'E')) {
-              f.phase = 6;
-              return take();
-            }
-            ends_before();
-            continue;
-          case 4: // after '.'
-            if (!is_digit(c))
-              return;
-            f.phase = 5;
-            f.a = 1;
-            return take();
-          case 5: // fraction digits
-            if (is_digit(c))
-              return digit(5, max_digits) ? take() : void();
-            if (c == 'e' || c == 'E') {
-              f.phase = 6;
-              return take();
-            }
-            ends_before();
-            continue;
-          case 6: // after 'e'
-            if (c == '+' || c == '-') {
-              f.phase = 7;
-              return take();
-            }
-            [[fallthrough]];
-          case 7:
-            if (!is_digit(c))
-              return;
-            f.phase = 8;
-            f.a = 1;
-            return take();
-          case 8: // exponent digits
-            if (is_digit(c))
-              return digit(8, max_exponent_digits) ? take() : void();
-            ends_before();
-            continue;
-        }
-        return;
-      }
-      case k::literals: {
-        if (f.phase == 0) {
-          if (!n.exact && space())
-            return take();
-          f.phase = 1;
-          f.b = 0;
-          f.candidates = n.literals.size() >= 64 ? ~uint64_t{0}
-                                                 : (uint64_t{1} << n.literals.size()) - 1;
-        }
+        f.candidates = candidates(n, f.a);
+        if (f.candidates == 0)
+          return;
+        f.b = 1;
+        return then(2);
+      case 2: { // in a key
         uint64_t left = 0;
-        bool complete = false;
-        for (size_t i = 0; i < n.literals.size(); ++i) {
-          if (!(f.candidates >> i & 1))
-            continue;
-          auto& text = n.literals[i];
-          if (static_cast<size_t>(f.b) < text.size() &&
-              static_cast<uint8_t>(text[static_cast<size_t>(f.b)]) == c)
+        int32_t complete = -1;
+        for (size_t i = 0; i < n.keys.size(); ++i)
+          if ((f.candidates >> i & 1) && static_cast<size_t>(f.b) < n.keys[i].size() &&
+              static_cast<uint8_t>(n.keys[i][static_cast<size_t>(f.b)]) == c) {
             left |= uint64_t{1} << i;
-          else if (text.size() == static_cast<size_t>(f.b))
-            complete = true;
-        }
-        if (left != 0) {
+            if (n.keys[i].size() == static_cast<size_t>(f.b) + 1)
+              complete = static_cast<int32_t>(i);
+          }
+        if (left == 0)
+          return;
+        if (complete >= 0) { // the closing quote: keys differ before it
+          f.phase = 3;
+          f.b = complete;
+          f.candidates = 0;
+        } else {
           f.candidates = left;
           ++f.b;
-          // A literal that ends with c and is no other's beginning ends here.
-          bool longer = false;
-          for (size_t i = 0; i < n.literals.size(); ++i)
-            if ((left >> i & 1) && n.literals[i].size() > static_cast<size_t>(f.b))
-              longer = true;
-          if (!longer)
-            return done();
+        }
+        return take();
+      }
+      case 3: // expect ':'
+        if (space())
           return take();
-        }
-        if (complete && f.b > 0) {
-          ends_before();
-          continue;
-        }
+        if (c != ':')
+          return;
+        f.a = f.b + 1;
+        return value_after(4, n.values[static_cast<size_t>(f.b)]);
+      case 4: // after a value
+        if (space())
+          return take();
+        if (c == ',' && candidates(n, f.a) != 0)
+          return then(5);
+        if (c == '}' && !requires_after(n, f.a))
+          return done();
         return;
       }
-      case k::regex: {
-        auto next = n.dfa->next[static_cast<size_t>(f.a)][c];
-        if (next < 0)
+      return;
+    case k::free_object:
+      switch (f.phase) {
+      case 0:
+        return opening('{');
+      case 1: // after '{'
+      case 5: // after ','
+        if (space())
+          return take();
+        if (c == '}' && f.phase == 1)
+          return done();
+        if (c != '"')
           return;
-        f.a = next;
-        // A match that cannot go on is complete.
-        if (!n.dfa->continues[static_cast<size_t>(next)])
+        f.phase = 3;
+        f.space = 0;
+        // The key: a string after its opening quote.
+        s.push_back({builtin_.string, 1, 0, 0, 0, 0});
+        return take();
+      case 3:
+        if (space())
+          return take();
+        if (c != ':')
+          return;
+        return value_after(4, builtin_.any);
+      case 4:
+        if (space())
+          return take();
+        if (c == ',')
+          return then(5);
+        if (c == '}')
+          return done();
+        return;
+      }
+      return;
+    case k::array:
+      switch (f.phase) {
+      case 0:
+        return opening('[');
+      case 1: // after '['
+      case 3: // after ','
+        if (space())
+          return take();
+        if (c == ']' && f.phase == 1 && n.min_items == 0)
+          return done();
+        if (n.max_items >= 0 && f.a >= n.max_items)
+          return;
+        f.phase = 2;
+        f.space = 0;
+        ++f.a;
+        return child(n.item);
+      case 2: // after an item
+        if (space())
+          return take();
+        if (c == ',' && (n.max_items < 0 || f.a < n.max_items))
+          return then(3);
+        if (c == ']' && f.a >= n.min_items)
+          return done();
+        return;
+      }
+      return;
+    case k::string:
+      switch (f.phase) {
+      case 0:
+        return opening('"');
+      case 1:
+        if (c == '"')
+          return f.a >= n.min_length || n.min_length <= 0 ? done() : void();
+        if (c < 0x20)
+          return;
+        // Each character counts at its first byte (the length is checked before it can
+        // only be finished past the limit); only where there is a limit, so that the
+        // states of an unlimited string are one (one cached mask).
+        if (n.max_length >= 0 && f.a + 1 > n.max_length)
+          return;
+        // Counted up to what a limit needs only.
+        if (n.max_length >= 0 || f.a < n.min_length)
+          ++f.a;
+        if (c == '\\') {
+          f.phase = 2;
+          return take();
+        }
+        // A character begins: ASCII, or the lead byte of well-formed UTF-8 (no overlong
+        // forms, surrogates or code points past U+10FFFF): its continuation bytes, and the
+        // range of the first (`candidates`: low << 8 | high).
+        if (c >= 0x80) {
+          f.b = c >= 0xC2 && c <= 0xDF   ? 1
+                : c >= 0xE0 && c <= 0xEF ? 2
+                : c >= 0xF0 && c <= 0xF4 ? 3
+                                         : 0;
+          if (f.b == 0)
+            return;
+          uint64_t low = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80;
+          uint64_t high = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
+          f.candidates = low << 8 | high;
+          f.phase = 4;
+        }
+        return take();
+      case 4: // the rest of a UTF-8 character
+        if (c < (f.candidates >> 8) || c > (f.candidates & 0xFF))
+          return;
+        f.candidates = 0x80BF;
+        if (--f.b == 0) {
+          f.phase = 1;
+          f.candidates = 0;
+        }
+        return take();
+      case 2:
+        if (std::strchr("\"\\/bfnrt", c) != nullptr && c != 0) {
+          f.phase = 1;
+          return take();
+        }
+        if (c == 'u') {
+          f.phase = 3;
+          f.b = 0;
+          f.candidates = 0;
+          return take();
+        }
+        return;
+      case 3: // \uXXXX: its value in `candidates`
+      case 7: // the low surrogate after a high one
+      {
+        if (!is_hex(c))
+          return;
+        f.candidates =
+          f.candidates << 4 | static_cast<uint64_t>(is_digit(c) ? c - '0' : (c | 0x20) - 'a' + 10);
+        ++f.b;
+        // Refused as soon as it cannot end well: a low surrogate alone, or a high one
+        // followed by anything but a low one.
+        auto v = f.candidates;
+        if (f.phase == 3 && f.b == 2 && v >= 0xDC && v <= 0xDF)
+          return;
+        if (f.phase == 7 && ((f.b == 1 && v != 0xD) || (f.b == 2 && (v < 0xDC || v > 0xDF))))
+          return;
+        if (f.b < 4)
+          return take();
+        bool high = v >= 0xD800 && v <= 0xDBFF, low = v >= 0xDC00 && v <= 0xDFFF;
+        if (f.phase == 3 && high) {
+          f.phase = 5; // a pair: "\u" and the low half must follow
+          return take();
+        }
+        if ((f.phase == 3 && low) || (f.phase == 7 && !low))
+          return;
+        f.phase = 1;
+        f.b = 0;
+        f.candidates = 0;
+        return take();
+      }
+      case 5:
+        if (c != '\\')
+          return;
+        f.phase = 6;
+        return take();
+      case 6:
+        if (c != 'u')
+          return;
+        f.phase = 7;
+        f.b = 0;
+        f.candidates = 0;
+        return take();
+      }
+      return;
+    case k::number:
+    case k::integer: {
+      bool real = n.what == k::number;
+      auto digit = [&](int16_t next, int32_t limit) {
+        f.a = f.phase == next ? f.a + 1 : 1;
+        if (f.a > limit)
+          return false;
+        f.phase = next;
+        return true;
+      };
+      switch (f.phase) {
+      case 0:
+        if (space())
+          return take();
+        if (c == '-') {
+          f.phase = 1;
+          return take();
+        }
+        [[fallthrough]];
+      case 1:
+        if (c == '0') {
+          f.phase = 2;
+          return take();
+        }
+        if (c >= '1' && c <= '9') {
+          f.phase = 3;
+          f.a = 1;
+          return take();
+        }
+        return;
+      case 2: // a leading zero
+      case 3: // integer digits
+        if (f.phase == 3 && is_digit(c))
+          return digit(3, max_digits) ? take() : void();
+        if (real && c == '.') {
+          f.phase = 4;
+          return take();
+        }
+        if (real && (c == 'e' || c == 'E')) {
+          f.phase = 6;
+          return take();
+        }
+        ends_before();
+        continue;
+      case 4: // after '.'
+        if (!is_digit(c))
+          return;
+        f.phase = 5;
+        f.a = 1;
+        return take();
+      case 5: // fraction digits
+        if (is_digit(c))
+          return digit(5, max_digits) ? take() : void();
+        if (c == 'e' || c == 'E') {
+          f.phase = 6;
+          return take();
+        }
+        ends_before();
+        continue;
+      case 6: // after 'e'
+        if (c == '+' || c == '-') {
+          f.phase = 7;
+          return take();
+        }
+        [[fallthrough]];
+      case 7:
+        if (!is_digit(c))
+          return;
+        f.phase = 8;
+        f.a = 1;
+        return take();
+      case 8: // exponent digits
+        if (is_digit(c))
+          return digit(8, max_exponent_digits) ? take() : void();
+        ends_before();
+        continue;
+      }
+      return;
+    }
+    case k::literals: {
+      if (f.phase == 0) {
+        if (!n.exact && space())
+          return take();
+        f.phase = 1;
+        f.b = 0;
+        f.candidates =
+          n.literals.size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << n.literals.size()) - 1;
+      }
+      uint64_t left = 0;
+      bool complete = false;
+      for (size_t i = 0; i < n.literals.size(); ++i) {
+        if (!(f.candidates >> i & 1))
+          continue;
+        auto& text = n.literals[i];
+        if (static_cast<size_t>(f.b) < text.size() &&
+            static_cast<uint8_t>(text[static_cast<size_t>(f.b)]) == c)
+          left |= uint64_t{1} << i;
+        else if (text.size() == static_cast<size_t>(f.b))
+          complete = true;
+      }
+      if (left != 0) {
+        f.candidates = left;
+        ++f.b;
+        // A literal that ends with c and is no other's beginning ends here.
+        bool longer = false;
+        for (size_t i = 0; i < n.literals.size(); ++i)
+          if ((left >> i & 1) && n.literals[i].size() > static_cast<size_t>(f.b))
+            longer = true;
+        if (!longer)
           return done();
         return take();
       }
-      case k::alternatives:
-        return; // expanded by push
+      if (complete && f.b > 0) {
+        ends_before();
+        continue;
+      }
+      return;
+    }
+    case k::regex: {
+      auto next = n.dfa->next[static_cast<size_t>(f.a)][c];
+      if (next < 0)
+        return;
+      f.a = next;
+      // A match that cannot go on is complete.
+      if (!n.dfa->continues[static_cast<size_t>(next)])
+        return done();
+      return take();
+    }
+    case k::alternatives:
+      return; // expanded by push
     }
     return;
   }
@@ -924,7 +939,7 @@ const std::string& output_grammar::token_text(int32_t token) const {
   static const std::string none;
   auto& bytes = vocab_->bytes;
   return token >= 0 && static_cast<size_t>(token) < bytes.size() ? bytes[static_cast<size_t>(token)]
-                                                                  : none;
+                                                                 : none;
 }
 
 output_grammar::output_grammar(std::shared_ptr<structured_output::vocabulary> vocab)
@@ -987,8 +1002,8 @@ const token_mask& output_grammar::mask(const std::vector<stack>& states) {
   };
   std::function<void(int32_t)> allow_fn = allow;
   walker{*this, v, allow_fn}.walk(0, states);
-  bool may_stop = std::any_of(states.begin(), states.end(),
-                              [&](const stack& s) { return may_end(s); });
+  bool may_stop =
+    std::any_of(states.begin(), states.end(), [&](const stack& s) { return may_end(s); });
   bool any = std::any_of(mask.begin(), mask.end(), [](uint32_t w) { return w != 0; });
   // Complete, or nothing in the vocabulary continues it: the output ends.
   if (may_stop || !any)
@@ -1083,10 +1098,10 @@ std::unique_ptr<output_guide> structured_output::guide(const sampling_params& p)
   if (kinds > 1)
     throw error{errc::invalid_argument, "guided_json, guided_json_object, guided_choice and "
                                         "guided_regex exclude each other"};
-  std::string key = !p.guided_json.empty()  ? "json:" + p.guided_json
-                    : p.guided_json_object  ? std::string{"object"}
+  std::string key = !p.guided_json.empty()    ? "json:" + p.guided_json
+                    : p.guided_json_object    ? std::string{"object"}
                     : !p.guided_regex.empty() ? "regex:" + p.guided_regex
-                                             : "choice:" + json(p.guided_choice).dump();
+                                              : "choice:" + json(p.guided_choice).dump();
   auto found = grammars_.find(key);
   if (found == grammars_.end()) {
     auto g = std::make_shared<output_grammar>(vocab_);

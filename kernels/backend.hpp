@@ -167,8 +167,8 @@ public:
   virtual void zero(float* y, int64_t n) = 0;
 
   /// y = x / rms(x) · weight, per row of `rows` × `dim`.
-  virtual void rms_norm(const float* x, const float* weight, float* y, int64_t rows,
-                        int64_t dim, float eps) = 0;
+  virtual void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,
+                        float eps) = 0;
 
   /// Adds `bias[n]` to every row of y[m×n].
   virtual void add_bias(float* y, const float* bias, int64_t m, int64_t n) = 0;
@@ -178,16 +178,15 @@ public:
 
   /// The residual step between sublayers: x += h, then y = x / rms(x) · weight, per row of
   /// `rows` × `dim` (`y` may be `h`).
-  virtual void add_rms_norm(float* x, const float* h, const float* weight, float* y,
-                            int64_t rows, int64_t dim, float eps) = 0;
+  virtual void add_rms_norm(float* x, const float* h, const float* weight, float* y, int64_t rows,
+                            int64_t dim, float eps) = 0;
 
   /// Rotates, in place, the first `rotary_dim` entries of `q_heads` heads of each of `rows`
   /// rows of `q` and `k_heads` of `k` (heads of `head_dim`, "rotate half" layout within
   /// those entries; the rest pass through), with per-row cos/sin tables of rotary_dim/2
   /// entries.
   virtual void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
-                      int64_t head_dim, int64_t rotary_dim, const float* cos,
-                      const float* sin) = 0;
+                      int64_t head_dim, int64_t rotary_dim, const float* cos, const float* sin) = 0;
 
   /// out[i] = silu(gate[i]) · up[i].
   virtual void silu_mul(const float* gate, const float* up, float* out, int64_t n) = 0;
@@ -210,8 +209,8 @@ public:
   /// y[rows[r]] += weights[r] · x[r] for each of `n` rows of `dim` floats; `rows` holds no
   /// row twice (an expert's tokens, summed into the layer's output with their router
   /// weights).
-  virtual void scatter_add_rows(const float* x, const int32_t* rows, const float* weights,
-                                float* y, int64_t n, int64_t dim) = 0;
+  virtual void scatter_add_rows(const float* x, const int32_t* rows, const float* weights, float* y,
+                                int64_t n, int64_t dim) = 0;
 
   /// Writes `tokens` rows of `row` floats of keys and values into one layer's cache
   /// ([slots, row]): token t goes to slot `slots[t]` (block × block_size + offset).
@@ -226,8 +225,8 @@ public:
 
   /// For each of `rows` rows of `cols` logits, the token `params` picks (the most likely,
   /// or the draw of `choose_token` in model/sampler.hpp) and its log-softmax.
-  virtual void sample(const float* logits, int64_t rows, int64_t cols,
-                      const row_sampling* params, int32_t* ids, float* logprobs) = 0;
+  virtual void sample(const float* logits, int64_t rows, int64_t cols, const row_sampling* params,
+                      int32_t* ids, float* logprobs) = 0;
 
 private:
   [[noreturn]] static void throw_no_packing();

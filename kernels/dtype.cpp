@@ -34,27 +34,27 @@ float unpack_block(dtype t, const void* block, float* q, float* shift) {
 
 std::size_t block_bytes(dtype t) {
   switch (t) {
-    case dtype::f32:
-      return 4;
-    case dtype::f16:
-    case dtype::bf16:
-      return 2;
-    case dtype::q8_0:
-      return 34;
-    case dtype::q4_0:
-      return 18;
-    case dtype::q4_1:
-      return 20;
-    case dtype::q5_0:
-      return 22;
-    case dtype::q5_1:
-      return 24;
-    case dtype::q4_k:
-      return 144; // d, dmin, 12 bytes of scales and minimums, 128 of nibbles
-    case dtype::q5_k:
-      return 176; // as Q4_K, and 32 bytes of fifth bits
-    case dtype::q6_k:
-      return 210; // 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d
+  case dtype::f32:
+    return 4;
+  case dtype::f16:
+  case dtype::bf16:
+    return 2;
+  case dtype::q8_0:
+    return 34;
+  case dtype::q4_0:
+    return 18;
+  case dtype::q4_1:
+    return 20;
+  case dtype::q5_0:
+    return 22;
+  case dtype::q5_1:
+    return 24;
+  case dtype::q4_k:
+    return 144; // d, dmin, 12 bytes of scales and minimums, 128 of nibbles
+  case dtype::q5_k:
+    return 176; // as Q4_K, and 32 bytes of fifth bits
+  case dtype::q6_k:
+    return 210; // 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d
   }
   return 0;
 }
@@ -213,11 +213,12 @@ void quantize_k(dtype t, const float* x, unsigned char* block) {
       scales[g] = static_cast<int8_t>(sc);
       float step = d * static_cast<float>(sc);
       for (int i = 16 * g; i < 16 * g + 16; ++i) {
-        int q = step != 0.0f ? std::clamp(static_cast<int>(std::nearbyint(x[i] / step)), -32, 31)
-                             : 0;
+        int q =
+          step != 0.0f ? std::clamp(static_cast<int>(std::nearbyint(x[i] / step)), -32, 31) : 0;
         q += 32;
         int half = i / 128, k = (i % 128) / 32, l = i % 32;
-        block[64 * half + l + 32 * (k % 2)] |= static_cast<unsigned char>((q & 0x0f) << (4 * (k / 2)));
+        block[64 * half + l + 32 * (k % 2)] |=
+          static_cast<unsigned char>((q & 0x0f) << (4 * (k / 2)));
         block[128 + 32 * half + l] |= static_cast<unsigned char>((q >> 4) << (2 * k));
       }
     }
@@ -266,14 +267,14 @@ void quantize_k(dtype t, const float* x, unsigned char* block) {
 
 const char* safetensors_name(dtype t) {
   switch (t) {
-    case dtype::f32:
-      return "F32";
-    case dtype::f16:
-      return "F16";
-    case dtype::bf16:
-      return "BF16";
-    default:
-      return "?";
+  case dtype::f32:
+    return "F32";
+  case dtype::f16:
+    return "F16";
+  case dtype::bf16:
+    return "BF16";
+  default:
+    return "?";
   }
 }
 
@@ -345,58 +346,58 @@ uint16_t float_to_bf16(float f) {
 
 void to_float(dtype from, const void* src, float* dst, std::size_t count) {
   switch (from) {
-    case dtype::f32:
-      if (count > 0) // memcpy's pointers must be valid even for 0 bytes
-        std::memcpy(dst, src, count * sizeof(float));
-      return;
-    case dtype::f16: {
-      auto p = static_cast<const uint16_t*>(src);
-      for (std::size_t i = 0; i < count; ++i)
-        dst[i] = half_to_float(p[i]);
-      return;
-    }
-    case dtype::bf16: {
-      auto p = static_cast<const uint16_t*>(src);
-      for (std::size_t i = 0; i < count; ++i)
-        dst[i] = bf16_to_float(p[i]);
-      return;
-    }
-    default: { // the block formats, a block at a time
-      auto p = static_cast<const unsigned char*>(src);
-      const auto n = static_cast<std::size_t>(block_elements(from));
-      for (std::size_t b = 0; b < count / n; ++b)
-        (is_k_quant(from) ? dequantize_k : dequantize_block)(from, p + b * block_bytes(from),
-                                                             dst + b * n);
-      return;
-    }
+  case dtype::f32:
+    if (count > 0) // memcpy's pointers must be valid even for 0 bytes
+      std::memcpy(dst, src, count * sizeof(float));
+    return;
+  case dtype::f16: {
+    auto p = static_cast<const uint16_t*>(src);
+    for (std::size_t i = 0; i < count; ++i)
+      dst[i] = half_to_float(p[i]);
+    return;
+  }
+  case dtype::bf16: {
+    auto p = static_cast<const uint16_t*>(src);
+    for (std::size_t i = 0; i < count; ++i)
+      dst[i] = bf16_to_float(p[i]);
+    return;
+  }
+  default: { // the block formats, a block at a time
+    auto p = static_cast<const unsigned char*>(src);
+    const auto n = static_cast<std::size_t>(block_elements(from));
+    for (std::size_t b = 0; b < count / n; ++b)
+      (is_k_quant(from) ? dequantize_k : dequantize_block)(from, p + b * block_bytes(from),
+                                                           dst + b * n);
+    return;
+  }
   }
 }
 
 void from_float(dtype to, const float* src, void* dst, std::size_t count) {
   switch (to) {
-    case dtype::f32:
-      if (count > 0)
-        std::memcpy(dst, src, count * sizeof(float));
-      return;
-    case dtype::f16: {
-      auto p = static_cast<uint16_t*>(dst);
-      for (std::size_t i = 0; i < count; ++i)
-        p[i] = float_to_half(src[i]);
-      return;
-    }
-    case dtype::bf16: {
-      auto p = static_cast<uint16_t*>(dst);
-      for (std::size_t i = 0; i < count; ++i)
-        p[i] = float_to_bf16(src[i]);
-      return;
-    }
-    default: { // the block formats, a block at a time
-      auto p = static_cast<unsigned char*>(dst);
-      const auto n = static_cast<std::size_t>(block_elements(to));
-      for (std::size_t b = 0; b < count / n; ++b)
-        (is_k_quant(to) ? quantize_k : quantize_block)(to, src + b * n, p + b * block_bytes(to));
-      return;
-    }
+  case dtype::f32:
+    if (count > 0)
+      std::memcpy(dst, src, count * sizeof(float));
+    return;
+  case dtype::f16: {
+    auto p = static_cast<uint16_t*>(dst);
+    for (std::size_t i = 0; i < count; ++i)
+      p[i] = float_to_half(src[i]);
+    return;
+  }
+  case dtype::bf16: {
+    auto p = static_cast<uint16_t*>(dst);
+    for (std::size_t i = 0; i < count; ++i)
+      p[i] = float_to_bf16(src[i]);
+    return;
+  }
+  default: { // the block formats, a block at a time
+    auto p = static_cast<unsigned char*>(dst);
+    const auto n = static_cast<std::size_t>(block_elements(to));
+    for (std::size_t b = 0; b < count / n; ++b)
+      (is_k_quant(to) ? quantize_k : quantize_block)(to, src + b * n, p + b * block_bytes(to));
+    return;
+  }
   }
 }
 
@@ -458,28 +459,28 @@ std::optional<dtype> parse_dtype_name(std::string_view name) {
 
 const char* dtype_name(dtype t) {
   switch (t) {
-    case dtype::f32:
-      return "float32";
-    case dtype::f16:
-      return "float16";
-    case dtype::bf16:
-      return "bfloat16";
-    case dtype::q8_0:
-      return "Q8_0";
-    case dtype::q4_0:
-      return "Q4_0";
-    case dtype::q4_1:
-      return "Q4_1";
-    case dtype::q5_0:
-      return "Q5_0";
-    case dtype::q5_1:
-      return "Q5_1";
-    case dtype::q4_k:
-      return "Q4_K";
-    case dtype::q5_k:
-      return "Q5_K";
-    case dtype::q6_k:
-      return "Q6_K";
+  case dtype::f32:
+    return "float32";
+  case dtype::f16:
+    return "float16";
+  case dtype::bf16:
+    return "bfloat16";
+  case dtype::q8_0:
+    return "Q8_0";
+  case dtype::q4_0:
+    return "Q4_0";
+  case dtype::q4_1:
+    return "Q4_1";
+  case dtype::q5_0:
+    return "Q5_0";
+  case dtype::q5_1:
+    return "Q5_1";
+  case dtype::q4_k:
+    return "Q4_K";
+  case dtype::q5_k:
+    return "Q5_K";
+  case dtype::q6_k:
+    return "Q6_K";
   }
   return "unknown";
 }

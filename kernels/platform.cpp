@@ -20,8 +20,7 @@ namespace {
 /// Gloo over TCP; memory instead when every rank lives in this process.
 class cpu_bootstrap final : public collective_bootstrap {
 public:
-  cpu_bootstrap(int rank, int world, const std::string& host,
-                std::chrono::milliseconds timeout)
+  cpu_bootstrap(int rank, int world, const std::string& host, std::chrono::milliseconds timeout)
     : rank_(rank), world_(world), timeout_(timeout),
       gloo_(std::make_unique<gloo_communicator>(rank, world, host, timeout)) {}
 
@@ -69,9 +68,9 @@ public:
     cpu::set_gemm_threads(static_cast<int>(std::thread::hardware_concurrency()) /
                           std::max(1, workers));
   }
-  std::unique_ptr<collective_bootstrap> collective(device&, int rank, int world,
-                                                   const std::string& host,
-                                                   std::chrono::milliseconds timeout) const override {
+  std::unique_ptr<collective_bootstrap>
+  collective(device&, int rank, int world, const std::string& host,
+             std::chrono::milliseconds timeout) const override {
     return std::make_unique<cpu_bootstrap>(rank, world, host, timeout);
   }
 };
@@ -113,9 +112,9 @@ public:
     return true;
   }
   void share(int) const override {} // one GPU per worker
-  std::unique_ptr<collective_bootstrap> collective(device& dev, int rank, int world,
-                                                   const std::string&,
-                                                   std::chrono::milliseconds timeout) const override {
+  std::unique_ptr<collective_bootstrap>
+  collective(device& dev, int rank, int world, const std::string&,
+             std::chrono::milliseconds timeout) const override {
     return std::make_unique<cuda_bootstrap>(dev, rank, world, timeout);
   }
 };

@@ -33,8 +33,7 @@ void process_logits(float* logits, int64_t vocab, const sampling_params& p,
     auto t = p.logit_bias_ids[i];
     if (!in_vocab(t))
       throw error{errc::invalid_argument, "logit_bias names token " + std::to_string(t) +
-                                            ", outside the vocabulary of " +
-                                            std::to_string(vocab)};
+                                            ", outside the vocabulary of " + std::to_string(vocab)};
     logits[t] += p.logit_bias_values[i];
   }
   if (static_cast<int64_t>(output_len) < p.min_tokens)
@@ -48,8 +47,8 @@ void process_logits(float* logits, int64_t vocab, const sampling_params& p,
         seen[static_cast<size_t>(t)] = true;
     for (int64_t t = 0; t < vocab; ++t)
       if (seen[static_cast<size_t>(t)])
-        logits[t] = logits[t] > 0 ? logits[t] / p.repetition_penalty
-                                  : logits[t] * p.repetition_penalty;
+        logits[t] =
+          logits[t] > 0 ? logits[t] / p.repetition_penalty : logits[t] * p.repetition_penalty;
   }
   if (p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f) {
     std::vector<int32_t> counts(static_cast<size_t>(vocab), 0);
@@ -186,8 +185,7 @@ sequence_output sample_token(const float* logits, int64_t vocab, const sampling_
   return out;
 }
 
-std::vector<token_logprob> most_likely(const float* logits, int64_t vocab, float log_z,
-                                       int64_t n) {
+std::vector<token_logprob> most_likely(const float* logits, int64_t vocab, float log_z, int64_t n) {
   n = std::min(n, vocab);
   std::vector<int64_t> top(static_cast<size_t>(vocab));
   std::iota(top.begin(), top.end(), 0);
@@ -208,8 +206,8 @@ prompt_logprob prompt_logprob_of(const float* logits, int64_t vocab, int32_t pos
   p.position = position;
   p.token = token;
   p.logprob = logits[token] - log_z;
-  p.rank = 1 + static_cast<int32_t>(std::count_if(
-                 logits, logits + vocab, [&](float x) { return x > logits[token]; }));
+  p.rank = 1 + static_cast<int32_t>(
+                 std::count_if(logits, logits + vocab, [&](float x) { return x > logits[token]; }));
   if (top > 0)
     p.top_logprobs = most_likely(logits, vocab, log_z, top);
   return p;

@@ -19,8 +19,8 @@ void check_tag(memory_tag tag) {
 void tagged_pool::check_awake(memory_tag tag) const {
   check_tag(tag);
   if (asleep(tag))
-    throw error{errc::sleeping, name() + ": cannot allocate under tag '" + to_string(tag) +
-                                  "' while it sleeps"};
+    throw error{errc::sleeping,
+                name() + ": cannot allocate under tag '" + to_string(tag) + "' while it sleeps"};
 }
 
 void* tagged_pool::allocate(std::size_t bytes, memory_tag tag) {
@@ -66,8 +66,7 @@ void tagged_pool::sleep(sleep_level level) {
   std::vector<std::pair<void*, region*>> saved;
   try {
     for (auto& [ptr, r] : regions_) {
-      if (asleep(r.tag) || level != sleep_level::offload_weights ||
-          r.tag != memory_tag::weights)
+      if (asleep(r.tag) || level != sleep_level::offload_weights || r.tag != memory_tag::weights)
         continue;
       back_up(ptr, r);
       saved.emplace_back(ptr, &r);

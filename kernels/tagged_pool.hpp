@@ -18,8 +18,7 @@ namespace troupe {
 class tagged_pool : public device {
 public:
   void* allocate(std::size_t bytes, memory_tag tag) final;
-  void* map_file(int fd, std::size_t offset, std::size_t bytes, memory_tag tag,
-                 bool shared) final;
+  void* map_file(int fd, std::size_t offset, std::size_t bytes, memory_tag tag, bool shared) final;
   void deallocate(void* ptr) noexcept final;
   void sleep(sleep_level level) final;
   void wake_up(const std::vector<memory_tag>& tags) final;

@@ -23,34 +23,34 @@ std::string context_of(const caf::message& ctx) {
 
 const char* to_string(errc code) {
   switch (code) {
-    case errc::none:
-      return "none";
-    case errc::timeout:
-      return "timeout";
-    case errc::unknown_method:
-      return "unknown_method";
-    case errc::worker_error:
-      return "worker_error";
-    case errc::worker_died:
-      return "worker_died";
-    case errc::sleeping:
-      return "sleeping";
-    case errc::invalid_argument:
-      return "invalid_argument";
-    case errc::remote_callable:
-      return "remote_callable";
-    case errc::inconsistent_workers:
-      return "inconsistent_workers";
-    case errc::shut_down:
-      return "shut_down";
-    case errc::unsupported:
-      return "unsupported";
-    case errc::bad_arguments:
-      return "bad_arguments";
-    case errc::memory_error:
-      return "memory_error";
-    case errc::worker_replaced:
-      return "worker_replaced";
+  case errc::none:
+    return "none";
+  case errc::timeout:
+    return "timeout";
+  case errc::unknown_method:
+    return "unknown_method";
+  case errc::worker_error:
+    return "worker_error";
+  case errc::worker_died:
+    return "worker_died";
+  case errc::sleeping:
+    return "sleeping";
+  case errc::invalid_argument:
+    return "invalid_argument";
+  case errc::remote_callable:
+    return "remote_callable";
+  case errc::inconsistent_workers:
+    return "inconsistent_workers";
+  case errc::shut_down:
+    return "shut_down";
+  case errc::unsupported:
+    return "unsupported";
+  case errc::bad_arguments:
+    return "bad_arguments";
+  case errc::memory_error:
+    return "memory_error";
+  case errc::worker_replaced:
+    return "worker_replaced";
   }
   return "unknown";
 }
@@ -92,16 +92,16 @@ errc to_errc(const caf::error& err) {
     return static_cast<errc>(err.code());
   if (err.category() == caf::atom("system")) {
     switch (static_cast<caf::sec>(err.code())) {
-      case caf::sec::request_timeout:
-        return errc::timeout;
-      case caf::sec::request_receiver_down:
-      case caf::sec::remote_linking_failed:
-      case caf::sec::no_route_to_receiving_node:
-        return errc::worker_died;
-      case caf::sec::unexpected_message:
-        return errc::bad_arguments;
-      default:
-        break;
+    case caf::sec::request_timeout:
+      return errc::timeout;
+    case caf::sec::request_receiver_down:
+    case caf::sec::remote_linking_failed:
+    case caf::sec::no_route_to_receiving_node:
+      return errc::worker_died;
+    case caf::sec::unexpected_message:
+      return errc::bad_arguments;
+    default:
+      break;
     }
   }
   return errc::worker_error;

@@ -85,10 +85,10 @@ sleep_level to_sleep_level(int64_t level) {
 
 const char* to_string(memory_tag tag) {
   switch (tag) {
-    case memory_tag::weights:
-      return "weights";
-    case memory_tag::kv_cache:
-      return "kv_cache";
+  case memory_tag::weights:
+    return "weights";
+  case memory_tag::kv_cache:
+    return "kv_cache";
   }
   return "unknown";
 }

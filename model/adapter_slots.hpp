@@ -24,8 +24,7 @@ public:
   using loader = std::function<Loaded(const Request&)>;
 
   /// `kind` names the adapters in errors ("LoRA", "prompt adapter").
-  adapter_slots(std::string kind, size_t capacity) : kind_(std::move(kind)), capacity_(capacity) {
-  }
+  adapter_slots(std::string kind, size_t capacity) : kind_(std::move(kind)), capacity_(capacity) {}
 
   /// Loads `request` under `id` unless it is loaded already (then only marks it used).
   /// The adapter is loaded before anything is evicted, so a bad one costs no slot.

@@ -67,9 +67,8 @@ bool parse_factor_name(std::string name, int64_t& layer, std::vector<projection>
     return false;
   auto rest = name.substr(layers_prefix.size());
   auto dot = rest.find('.');
-  if (dot == 0 || dot == std::string::npos
-      || rest.substr(0, dot).find_first_not_of("0123456789") != std::string::npos
-      || dot > 9)
+  if (dot == 0 || dot == std::string::npos ||
+      rest.substr(0, dot).find_first_not_of("0123456789") != std::string::npos || dot > 9)
     return false;
   layer = std::stoll(rest.substr(0, dot));
   rest = rest.substr(dot + 1);
@@ -82,8 +81,8 @@ bool parse_factor_name(std::string name, int64_t& layer, std::vector<projection>
   for (auto& f : fused_modules)
     modules.push_back({f.name, f.parts});
   for (auto& [module, parts] : modules)
-    for (auto [suffix, a] : {std::pair<const char*, bool>{".lora_A.weight", true},
-                             {".lora_B.weight", false}})
+    for (auto [suffix, a] :
+         {std::pair<const char*, bool>{".lora_A.weight", true}, {".lora_B.weight", false}})
       if (rest == module + suffix) {
         projs = parts;
         is_a = a;
@@ -96,20 +95,20 @@ bool parse_factor_name(std::string name, int64_t& layer, std::vector<projection>
 
 const char* module_name(projection p) {
   switch (p) {
-    case projection::q:
-      return "q_proj";
-    case projection::k:
-      return "k_proj";
-    case projection::v:
-      return "v_proj";
-    case projection::o:
-      return "o_proj";
-    case projection::gate:
-      return "gate_proj";
-    case projection::up:
-      return "up_proj";
-    case projection::down:
-      return "down_proj";
+  case projection::q:
+    return "q_proj";
+  case projection::k:
+    return "k_proj";
+  case projection::v:
+    return "v_proj";
+  case projection::o:
+    return "o_proj";
+  case projection::gate:
+    return "gate_proj";
+  case projection::up:
+    return "up_proj";
+  case projection::down:
+    return "down_proj";
   }
   return "?";
 }
@@ -119,16 +118,16 @@ peft_lora read_peft_lora(const std::string& path, const model_config& model) {
   // The rows of each projection's output, to cut a fused B.
   auto rows_of = [&](projection p) {
     switch (p) {
-      case projection::q:
-        return model.num_attention_heads * model.head_dim;
-      case projection::k:
-      case projection::v:
-        return model.num_key_value_heads * model.head_dim;
-      case projection::gate:
-      case projection::up:
-        return model.intermediate_size;
-      default:
-        return model.hidden_size;
+    case projection::q:
+      return model.num_attention_heads * model.head_dim;
+    case projection::k:
+    case projection::v:
+      return model.num_key_value_heads * model.head_dim;
+    case projection::gate:
+    case projection::up:
+      return model.intermediate_size;
+    default:
+      return model.hidden_size;
     }
   };
   auto config = read_adapter_config(path);
@@ -176,8 +175,8 @@ peft_lora read_peft_lora(const std::string& path, const model_config& model) {
     auto& layer_factors = out.layers[static_cast<size_t>(layer)];
     if (is_a || projs.size() == 1) {
       for (auto p : projs)
-        (is_a ? layer_factors[static_cast<size_t>(p)].a
-              : layer_factors[static_cast<size_t>(p)].b) = &t;
+        (is_a ? layer_factors[static_cast<size_t>(p)].a : layer_factors[static_cast<size_t>(p)].b) =
+          &t;
       continue;
     }
     // A fused B: each projection's rows, in order.
@@ -207,8 +206,8 @@ peft_lora read_peft_lora(const std::string& path, const model_config& model) {
       if (f.b->shape[1] != rank)
         bad_adapter(path, where + ": lora_A has rank " + std::to_string(rank) + ", lora_B " +
                             std::to_string(f.b->shape[1]));
-      f.scaling = static_cast<float>(alpha / (rslora ? std::sqrt(static_cast<double>(rank))
-                                                     : static_cast<double>(rank)));
+      f.scaling = static_cast<float>(
+        alpha / (rslora ? std::sqrt(static_cast<double>(rank)) : static_cast<double>(rank)));
       out.rank = std::max(out.rank, rank);
     }
   }
@@ -225,8 +224,8 @@ peft_prompt_tuning read_prompt_tuning_config(const std::string& path) {
     bad_adapter(path, "task_type is " + config["task_type"].dump() + ", not CAUSAL_LM");
   auto positive = [&](const char* key) {
     auto i = config.find(key);
-    if (i == config.end() || !i->is_number_integer() || i->get<int64_t>() <= 0
-        || i->get<int64_t>() > (int64_t{1} << 24))
+    if (i == config.end() || !i->is_number_integer() || i->get<int64_t>() <= 0 ||
+        i->get<int64_t>() > (int64_t{1} << 24))
       bad_adapter(path, std::string{key} + " must be a positive integer");
     return i->get<int64_t>();
   };

@@ -51,8 +51,7 @@ chat_template::chat_template(const std::string& source, nlohmann::ordered_json b
     tool_use_ = parse(tool_use_source);
 }
 
-std::optional<chat_template> chat_template::of_model(const std::string& path,
-                                                     const tokenizer* tok,
+std::optional<chat_template> chat_template::of_model(const std::string& path, const tokenizer* tok,
                                                      const std::string& source) {
   namespace fs = std::filesystem;
   std::string text;
@@ -126,7 +125,8 @@ std::string chat_template::render(const nlohmann::ordered_json& messages,
     throw error{errc::invalid_argument, "the chat template's variables must be an object"};
   const auto& chosen = !tools.is_null() && tool_use_ ? *tool_use_ : default_;
   if (!chosen.program)
-    throw error{errc::unsupported, "the model's chat template cannot be rendered: " + chosen.problem};
+    throw error{errc::unsupported,
+                "the model's chat template cannot be rendered: " + chosen.problem};
   // What transformers passes: the special tokens, the caller's variables over them, then
   // the conversation.
   nlohmann::ordered_json context = {{"bos_token", bos_}, {"eos_token", eos_}};

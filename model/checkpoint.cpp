@@ -26,13 +26,12 @@ checkpoint::checkpoint(const std::string& directory) : directory_(directory) {
     auto index = nlohmann::json::parse(
       read_small_file(index_path.string(), "safetensors index", 64 << 20), nullptr, false);
     if (index.is_discarded() || !index.contains("weight_map") || !index["weight_map"].is_object())
-      throw error{errc::invalid_argument,
-                  "'" + index_path.string() + "' has no weight_map object"};
+      throw error{errc::invalid_argument, "'" + index_path.string() + "' has no weight_map object"};
     std::set<std::string> shards;
     for (auto& [name, file] : index["weight_map"].items()) {
       if (!file.is_string())
-        throw error{errc::invalid_argument, "'" + index_path.string() + "': tensor '" + name +
-                                              "' maps to no file name"};
+        throw error{errc::invalid_argument,
+                    "'" + index_path.string() + "': tensor '" + name + "' maps to no file name"};
       shards.insert(file.get<std::string>());
     }
     for (auto& shard : shards)
@@ -65,9 +64,8 @@ void checkpoint::open(const std::vector<std::string>& paths) {
     files_.push_back(std::make_unique<safetensors_file>(path));
     for (auto& t : files_.back()->tensors()) {
       if (index_.count(t.name) > 0)
-        throw error{errc::invalid_argument,
-                    "tensor '" + t.name + "' appears twice in '" + directory_ + "' (again in '" +
-                      path + "')"};
+        throw error{errc::invalid_argument, "tensor '" + t.name + "' appears twice in '" +
+                                              directory_ + "' (again in '" + path + "')"};
       index_[t.name] = &t;
     }
   }
@@ -94,7 +92,7 @@ model_config checkpoint::config_of(const std::string& path) {
 }
 
 checkpoint checkpoint::from_tensors(std::string label, std::vector<tensor_view> tensors,
-                                   const model_config& config) {
+                                    const model_config& config) {
   checkpoint result;
   result.directory_ = std::move(label);
   bool fused = false;
@@ -103,11 +101,10 @@ checkpoint checkpoint::from_tensors(std::string label, std::vector<tensor_view> 
       throw error{errc::invalid_argument,
                   result.directory_ + ": tensor '" + t.name + "' is given twice"};
     if (storage_bytes(t.type, static_cast<size_t>(t.numel())) != t.bytes)
-      throw error{errc::invalid_argument, result.directory_ + ": tensor '" + t.name +
-                                            "' holds " + std::to_string(t.bytes) +
-                                            " bytes, its shape and type need " +
-                                            std::to_string(storage_bytes(
-                                              t.type, static_cast<size_t>(t.numel())))};
+      throw error{errc::invalid_argument,
+                  result.directory_ + ": tensor '" + t.name + "' holds " + std::to_string(t.bytes) +
+                    " bytes, its shape and type need " +
+                    std::to_string(storage_bytes(t.type, static_cast<size_t>(t.numel())))};
     fused = fused || t.name.find("qkv_proj.") != std::string::npos ||
             t.name.find("gate_up_proj.") != std::string::npos;
     result.views_.push_back(std::make_unique<tensor_view>(std::move(t)));
@@ -123,8 +120,8 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
   checkpoint result;
   result.directory_ = path;
   result.gguf_ = file;
-  bool interleaved_rope = config.architecture == "LlamaForCausalLM" ||
-                         config.architecture == "MixtralForCausalLM";
+  bool interleaved_rope =
+    config.architecture == "LlamaForCausalLM" || config.architecture == "MixtralForCausalLM";
   for (auto& t : file->tensors()) {
     // LongRoPE's factors are the config's (gguf_file::config reads them).
     if (t.name == "rope_factors_long.weight" || t.name == "rope_factors_short.weight")
@@ -174,14 +171,15 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
 
 bool checkpoint::add_experts(const tensor_view& t, const model_config& config) {
   // blk.N.ffn_{gate,up,down}_exps.weight: [experts, rows, cols], each expert's matrix whole.
-  static const std::pair<const char*, const char*> merged[] = {
-    {"ffn_gate_exps.weight", "gate"}, {"ffn_up_exps.weight", "up"}, {"ffn_down_exps.weight", "down"}};
+  static const std::pair<const char*, const char*> merged[] = {{"ffn_gate_exps.weight", "gate"},
+                                                               {"ffn_up_exps.weight", "up"},
+                                                               {"ffn_down_exps.weight", "down"}};
   auto dot = t.name.find('.', 4);
   if (t.name.rfind("blk.", 0) != 0 || dot == std::string::npos)
     return false;
   auto rest = t.name.substr(dot + 1);
-  auto kind = std::find_if(std::begin(merged), std::end(merged),
-                           [&](auto& m) { return rest == m.first; });
+  auto kind =
+    std::find_if(std::begin(merged), std::end(merged), [&](auto& m) { return rest == m.first; });
   if (kind == std::end(merged))
     return false;
   auto layer_text = t.name.substr(4, dot - 4);
@@ -189,9 +187,9 @@ bool checkpoint::add_experts(const tensor_view& t, const model_config& config) {
       layer_text.find_first_not_of("0123456789") != std::string::npos)
     return false; // no layer: refused as a tensor without a place
   if (t.shape.size() != 3 || t.shape[0] != config.num_experts)
-    throw error{errc::invalid_argument,
-                "model '" + directory_ + "': tensor '" + t.name + "' is not [" +
-                  std::to_string(config.num_experts) + " experts, rows, columns]"};
+    throw error{errc::invalid_argument, "model '" + directory_ + "': tensor '" + t.name +
+                                          "' is not [" + std::to_string(config.num_experts) +
+                                          " experts, rows, columns]"};
   auto layer = std::stoll(layer_text);
   auto bytes = t.bytes / static_cast<size_t>(t.shape[0]);
   for (int64_t e = 0; e < t.shape[0]; ++e) {
@@ -214,10 +212,10 @@ void checkpoint::split_fused(const model_config& c) {
   };
   const auto q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
   const fused kinds[] = {
-    {"self_attn.qkv_proj.", {{"self_attn.q_proj.", q}, {"self_attn.k_proj.", kv},
-                             {"self_attn.v_proj.", kv}}},
-    {"mlp.gate_up_proj.", {{"mlp.gate_proj.", c.intermediate_size},
-                           {"mlp.up_proj.", c.intermediate_size}}},
+    {"self_attn.qkv_proj.",
+     {{"self_attn.q_proj.", q}, {"self_attn.k_proj.", kv}, {"self_attn.v_proj.", kv}}},
+    {"mlp.gate_up_proj.",
+     {{"mlp.gate_proj.", c.intermediate_size}, {"mlp.up_proj.", c.intermediate_size}}},
   };
   std::vector<std::string> names;
   for (auto& entry : index_)
@@ -266,8 +264,7 @@ void checkpoint::release(const tensor_view& t) const {
 const tensor_view& checkpoint::at(const std::string& name) const {
   auto i = index_.find(name);
   if (i == index_.end())
-    throw error{errc::invalid_argument,
-                "model '" + directory_ + "' has no tensor '" + name + "'"};
+    throw error{errc::invalid_argument, "model '" + directory_ + "' has no tensor '" + name + "'"};
   return *i->second;
 }
 

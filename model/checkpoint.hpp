@@ -27,7 +27,8 @@ public:
 
   /// The weights of a GGUF file, in the types the file stores them in, under their Hugging
   /// Face names; the q and k rows of a llama file are read in Hugging Face's order
-  /// (`tensor_view::row_order`), not llama.cpp's interleaved rotary layout. `config` is `gguf_config(path)`.
+  /// (`tensor_view::row_order`), not llama.cpp's interleaved rotary layout. `config` is
+  /// `gguf_config(path)`.
   static checkpoint from_gguf(const std::string& path, const model_config& config);
 
   /// Tensors in memory (a weight update's) under their Hugging Face names; `label` names

@@ -62,8 +62,8 @@ int32_t token_id(const json& j, const char* key, const std::string& origin) {
 /// transformers 5 writes it, or `num_experts`), how many a token, how wide; Qwen3-MoE's
 /// dense layers and `norm_topk_prob`.
 void parse_experts(const json& j, model_config& c, const std::string& origin) {
-  c.num_experts = positive_int(j, j.contains("num_local_experts") ? "num_local_experts"
-                                                                   : "num_experts", origin);
+  c.num_experts =
+    positive_int(j, j.contains("num_local_experts") ? "num_local_experts" : "num_experts", origin);
   c.num_experts_per_tok = positive_int(j, "num_experts_per_tok", origin);
   if (c.architecture == "MixtralForCausalLM") {
     c.moe_intermediate_size = c.intermediate_size;
@@ -73,8 +73,8 @@ void parse_experts(const json& j, model_config& c, const std::string& origin) {
   // transformers' Qwen3-MoE default is off; the published models turn it on.
   c.norm_topk_prob = j.contains("norm_topk_prob") && j["norm_topk_prob"].is_boolean() &&
                      j["norm_topk_prob"].get<bool>();
-  int64_t step = j.contains("decoder_sparse_step") ? positive_int(j, "decoder_sparse_step", origin)
-                                                    : 1;
+  int64_t step =
+    j.contains("decoder_sparse_step") ? positive_int(j, "decoder_sparse_step", origin) : 1;
   std::vector<bool> dense(static_cast<size_t>(c.num_hidden_layers), false);
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
     dense[static_cast<size_t>(layer)] = (layer + 1) % step != 0;
@@ -82,8 +82,7 @@ void parse_experts(const json& j, model_config& c, const std::string& origin) {
     if (!j["mlp_only_layers"].is_array())
       bad_config(origin, "mlp_only_layers must be a list of layers");
     for (auto& v : j["mlp_only_layers"]) {
-      if (!v.is_number_integer() || v.get<int64_t>() < 0 ||
-          v.get<int64_t>() >= c.num_hidden_layers)
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= c.num_hidden_layers)
         bad_config(origin, "mlp_only_layers names " + v.dump() + ", not a layer of " +
                              std::to_string(c.num_hidden_layers));
       dense[static_cast<size_t>(v.get<int64_t>())] = true;
@@ -196,14 +195,14 @@ int64_t model_config::max_sequence_length() const {
     return static_cast<int64_t>(static_cast<double>(length) * factor);
   };
   switch (rope_scaling.type) {
-    case rope::linear:
-    case rope::dynamic:
-      return std::max(max_position_embeddings, scaled(max_position_embeddings, rope_scaling.factor));
-    case rope::yarn:
-      return std::max(max_position_embeddings,
-                      scaled(rope_scaling.original_max_position_embeddings, rope_scaling.factor));
-    default:
-      return max_position_embeddings;
+  case rope::linear:
+  case rope::dynamic:
+    return std::max(max_position_embeddings, scaled(max_position_embeddings, rope_scaling.factor));
+  case rope::yarn:
+    return std::max(max_position_embeddings,
+                    scaled(rope_scaling.original_max_position_embeddings, rope_scaling.factor));
+  default:
+    return max_position_embeddings;
   }
 }
 
@@ -216,8 +215,7 @@ int64_t model_config::window_of(int64_t layer) const {
 }
 
 bool model_config::sparse(int64_t layer) const {
-  return num_experts > 0 &&
-         (dense_layers.empty() || !dense_layers.at(static_cast<size_t>(layer)));
+  return num_experts > 0 && (dense_layers.empty() || !dense_layers.at(static_cast<size_t>(layer)));
 }
 
 std::string router_weight_name(const model_config& c, int64_t layer) {
@@ -231,7 +229,10 @@ std::string expert_weight_name(const model_config& c, int64_t layer, int64_t exp
   auto e = std::to_string(expert);
   if (c.architecture == "MixtralForCausalLM")
     return prefix + ".block_sparse_moe.experts." + e + "." +
-           (proj == "gate" ? "w1" : proj == "up" ? "w3" : "w2") + ".weight";
+           (proj == "gate" ? "w1"
+            : proj == "up" ? "w3"
+                           : "w2") +
+           ".weight";
   return prefix + ".mlp.experts." + e + "." + proj + "_proj.weight";
 }
 
@@ -263,15 +264,15 @@ model_config parse_model_config(const std::string& json_text, const std::string&
   if (j.is_discarded() || !j.is_object())
     bad_config(origin, "not a JSON object");
   model_config c;
-  if (!j.contains("architectures") || !j["architectures"].is_array() || j["architectures"].empty()
-      || !j["architectures"][0].is_string())
+  if (!j.contains("architectures") || !j["architectures"].is_array() ||
+      j["architectures"].empty() || !j["architectures"][0].is_string())
     bad_config(origin, "missing architectures");
   c.architecture = j["architectures"][0].get<std::string>();
-  if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM"
-      && c.architecture != "Qwen2ForCausalLM" && c.architecture != "Qwen3ForCausalLM"
-      && c.architecture != "Phi3ForCausalLM" && c.architecture != "Gemma2ForCausalLM"
-      && c.architecture != "Gemma3ForCausalLM" && c.architecture != "MixtralForCausalLM"
-      && c.architecture != "Qwen3MoeForCausalLM")
+  if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM" &&
+      c.architecture != "Qwen2ForCausalLM" && c.architecture != "Qwen3ForCausalLM" &&
+      c.architecture != "Phi3ForCausalLM" && c.architecture != "Gemma2ForCausalLM" &&
+      c.architecture != "Gemma3ForCausalLM" && c.architecture != "MixtralForCausalLM" &&
+      c.architecture != "Qwen3MoeForCausalLM")
     bad_config(origin, "architecture " + c.architecture +
                          " is not supported (LlamaForCausalLM, MistralForCausalLM, "
                          "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
@@ -293,8 +294,8 @@ model_config parse_model_config(const std::string& json_text, const std::string&
       break;
     }
   if (c.hidden_act != "silu" && c.hidden_act != "gelu_pytorch_tanh")
-    bad_config(origin, "hidden activation " + c.hidden_act +
-                         " is not supported (silu, gelu_pytorch_tanh)");
+    bad_config(origin,
+               "hidden activation " + c.hidden_act + " is not supported (silu, gelu_pytorch_tanh)");
   if (j.contains("query_pre_attn_scalar") && j["query_pre_attn_scalar"].is_number())
     c.query_pre_attn_scalar = j["query_pre_attn_scalar"].get<double>();
   // Numbers, or null for none.
@@ -341,8 +342,9 @@ model_config parse_model_config(const std::string& json_text, const std::string&
       auto& local = (*rope)["sliding_attention"];
       auto type = local.value("rope_type", std::string{"default"});
       if (type != "default")
-        bad_config(origin, "rope type " + type + " of the sliding layers is not supported "
-                                                 "(default)");
+        bad_config(origin, "rope type " + type +
+                             " of the sliding layers is not supported "
+                             "(default)");
       if (local.contains("rope_theta") && local["rope_theta"].is_number())
         c.local_rope_theta = local["rope_theta"].get<double>();
     }
@@ -422,10 +424,10 @@ model_config parse_model_config(const std::string& json_text, const std::string&
       r.attention_factor =
         rs.contains("attention_factor") && rs["attention_factor"].is_number()
           ? rs["attention_factor"].get<double>()
-        : r.factor <= 1 ? 1.0
-                        : std::sqrt(1 + std::log(r.factor) /
-                                          std::log(static_cast<double>(
-                                            r.original_max_position_embeddings)));
+        : r.factor <= 1
+          ? 1.0
+          : std::sqrt(1 + std::log(r.factor) /
+                            std::log(static_cast<double>(r.original_max_position_embeddings)));
       auto factors = [&](const char* key) {
         std::vector<double> out;
         if (rs.contains(key) && rs[key].is_array())
@@ -454,8 +456,8 @@ model_config parse_model_config(const std::string& json_text, const std::string&
     auto& on = j["use_sliding_window"];
     window = on.is_boolean() && on.get<bool>();
   }
-  if (window && j.contains("sliding_window") && j["sliding_window"].is_number_integer()
-      && j["sliding_window"].get<int64_t>() > 0)
+  if (window && j.contains("sliding_window") && j["sliding_window"].is_number_integer() &&
+      j["sliding_window"].get<int64_t>() > 0)
     c.sliding_window = j["sliding_window"].get<int64_t>();
   if (j.contains("layer_types") && j["layer_types"].is_array()) {
     for (auto& type : j["layer_types"]) {
@@ -490,7 +492,9 @@ model_config parse_model_config(const std::string& json_text, const std::string&
   c.tie_word_embeddings = j.value("tie_word_embeddings", false);
   // Qwen2 biases q, k and v always; Llama's (and Qwen3's) attention_bias biases o_proj as
   // well.
-  auto flag = [&](const char* key) { return j.contains(key) && j[key].is_boolean() && j[key].get<bool>(); };
+  auto flag = [&](const char* key) {
+    return j.contains(key) && j[key].is_boolean() && j[key].get<bool>();
+  };
   c.o_proj_bias = c.architecture != "Qwen2ForCausalLM" && flag("attention_bias");
   c.attention_bias = c.architecture == "Qwen2ForCausalLM" || c.o_proj_bias;
   c.mlp_bias = flag("mlp_bias");
@@ -516,8 +520,8 @@ model_config load_model_config(const std::string& directory) {
   // request's stop tokens): Llama 3 Instruct lists its end of turn there.
   auto generation = directory + "/generation_config.json";
   if (std::filesystem::exists(generation)) {
-    auto j = json::parse(read_small_file(generation, "generation config", 16 << 20), nullptr,
-                         false);
+    auto j =
+      json::parse(read_small_file(generation, "generation config", 16 << 20), nullptr, false);
     if (j.is_discarded() || !j.is_object())
       bad_config(generation, "not a JSON object");
     for (auto id : token_ids(j, "eos_token_id", generation))
@@ -531,15 +535,15 @@ std::string to_config_json(const model_config& c) {
   using rope = rope_scaling_config::kind;
   json j;
   j["architectures"] = {c.architecture};
-  j["model_type"] = c.architecture == "Qwen2ForCausalLM"     ? "qwen2"
-                    : c.architecture == "Qwen3ForCausalLM"   ? "qwen3"
-                    : c.architecture == "MistralForCausalLM" ? "mistral"
-                    : c.architecture == "Phi3ForCausalLM"    ? "phi3"
-                    : c.architecture == "Gemma2ForCausalLM"  ? "gemma2"
-                    : c.architecture == "Gemma3ForCausalLM"  ? "gemma3_text"
-                    : c.architecture == "MixtralForCausalLM" ? "mixtral"
+  j["model_type"] = c.architecture == "Qwen2ForCausalLM"      ? "qwen2"
+                    : c.architecture == "Qwen3ForCausalLM"    ? "qwen3"
+                    : c.architecture == "MistralForCausalLM"  ? "mistral"
+                    : c.architecture == "Phi3ForCausalLM"     ? "phi3"
+                    : c.architecture == "Gemma2ForCausalLM"   ? "gemma2"
+                    : c.architecture == "Gemma3ForCausalLM"   ? "gemma3_text"
+                    : c.architecture == "MixtralForCausalLM"  ? "mixtral"
                     : c.architecture == "Qwen3MoeForCausalLM" ? "qwen3_moe"
-                                                             : "llama";
+                                                              : "llama";
   j["vocab_size"] = c.vocab_size;
   j["hidden_size"] = c.hidden_size;
   j["intermediate_size"] = c.intermediate_size;
@@ -554,38 +558,38 @@ std::string to_config_json(const model_config& c) {
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_theta"] = c.rope_theta;
   switch (c.rope_scaling.type) {
-    case rope::none:
-      break;
-    case rope::linear:
-    case rope::dynamic:
-      j["rope_scaling"] = {{"rope_type", c.rope_scaling.type == rope::linear ? "linear" : "dynamic"},
-                           {"factor", c.rope_scaling.factor}};
-      break;
-    case rope::yarn:
-      j["rope_scaling"] = {{"rope_type", "yarn"},
-                           {"factor", c.rope_scaling.factor},
-                           {"original_max_position_embeddings",
-                            c.rope_scaling.original_max_position_embeddings},
-                           {"beta_fast", c.rope_scaling.beta_fast},
-                           {"beta_slow", c.rope_scaling.beta_slow},
-                           {"attention_factor", c.rope_scaling.attention_factor},
-                           {"truncate", c.rope_scaling.truncate}};
-      break;
-    case rope::llama3:
-      j["rope_scaling"] = {{"rope_type", "llama3"},
-                           {"factor", c.rope_scaling.factor},
-                           {"low_freq_factor", c.rope_scaling.low_freq_factor},
-                           {"high_freq_factor", c.rope_scaling.high_freq_factor},
-                           {"original_max_position_embeddings",
-                            c.rope_scaling.original_max_position_embeddings}};
-      break;
-    case rope::longrope:
-      j["original_max_position_embeddings"] = c.rope_scaling.original_max_position_embeddings;
-      j["rope_scaling"] = {{"rope_type", "longrope"},
-                           {"attention_factor", c.rope_scaling.attention_factor},
-                           {"short_factor", c.rope_scaling.short_factor},
-                           {"long_factor", c.rope_scaling.long_factor}};
-      break;
+  case rope::none:
+    break;
+  case rope::linear:
+  case rope::dynamic:
+    j["rope_scaling"] = {{"rope_type", c.rope_scaling.type == rope::linear ? "linear" : "dynamic"},
+                         {"factor", c.rope_scaling.factor}};
+    break;
+  case rope::yarn:
+    j["rope_scaling"] = {
+      {"rope_type", "yarn"},
+      {"factor", c.rope_scaling.factor},
+      {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings},
+      {"beta_fast", c.rope_scaling.beta_fast},
+      {"beta_slow", c.rope_scaling.beta_slow},
+      {"attention_factor", c.rope_scaling.attention_factor},
+      {"truncate", c.rope_scaling.truncate}};
+    break;
+  case rope::llama3:
+    j["rope_scaling"] = {
+      {"rope_type", "llama3"},
+      {"factor", c.rope_scaling.factor},
+      {"low_freq_factor", c.rope_scaling.low_freq_factor},
+      {"high_freq_factor", c.rope_scaling.high_freq_factor},
+      {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
+    break;
+  case rope::longrope:
+    j["original_max_position_embeddings"] = c.rope_scaling.original_max_position_embeddings;
+    j["rope_scaling"] = {{"rope_type", "longrope"},
+                         {"attention_factor", c.rope_scaling.attention_factor},
+                         {"short_factor", c.rope_scaling.short_factor},
+                         {"long_factor", c.rope_scaling.long_factor}};
+    break;
   }
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   if (c.architecture != "Qwen2ForCausalLM")

@@ -11,15 +11,23 @@
 #include <cstring>
 #include <optional>
 
-
 namespace troupe {
 
 namespace {
 
 // ggml tensor types troupe reads, and the bytes of one block of each.
 enum ggml_type : uint32_t {
-  f32 = 0, f16 = 1, q4_0 = 2, q4_1 = 3, q5_0 = 6, q5_1 = 7, q8_0 = 8, q4_k = 12, q5_k = 13,
-  q6_k = 14, bf16 = 30
+  f32 = 0,
+  f16 = 1,
+  q4_0 = 2,
+  q4_1 = 3,
+  q5_0 = 6,
+  q5_1 = 7,
+  q8_0 = 8,
+  q4_k = 12,
+  q5_k = 13,
+  q6_k = 14,
+  bf16 = 30
 };
 
 [[noreturn]] void bad(const std::string& path, const std::string& what) {
@@ -57,30 +65,30 @@ struct cursor {
 /// The element type of a ggml type id; nothing for a type troupe does not read.
 std::optional<dtype> dtype_of(uint32_t type) {
   switch (type) {
-    case f32:
-      return dtype::f32;
-    case f16:
-      return dtype::f16;
-    case bf16:
-      return dtype::bf16;
-    case q8_0:
-      return dtype::q8_0;
-    case q4_0:
-      return dtype::q4_0;
-    case q4_1:
-      return dtype::q4_1;
-    case q5_0:
-      return dtype::q5_0;
-    case q5_1:
-      return dtype::q5_1;
-    case q4_k:
-      return dtype::q4_k;
-    case q5_k:
-      return dtype::q5_k;
-    case q6_k:
-      return dtype::q6_k;
-    default:
-      return std::nullopt;
+  case f32:
+    return dtype::f32;
+  case f16:
+    return dtype::f16;
+  case bf16:
+    return dtype::bf16;
+  case q8_0:
+    return dtype::q8_0;
+  case q4_0:
+    return dtype::q4_0;
+  case q4_1:
+    return dtype::q4_1;
+  case q5_0:
+    return dtype::q5_0;
+  case q5_1:
+    return dtype::q5_1;
+  case q4_k:
+    return dtype::q4_k;
+  case q5_k:
+    return dtype::q5_k;
+  case q6_k:
+    return dtype::q6_k;
+  default:
+    return std::nullopt;
   }
 }
 
@@ -88,73 +96,80 @@ std::optional<dtype> dtype_of(uint32_t type) {
 /// vary.
 uint64_t element_bytes(const cursor& c, uint32_t type) {
   switch (type) {
-    case 0: case 1: case 7:
-      return 1;
-    case 2: case 3:
-      return 2;
-    case 4: case 5: case 6:
-      return 4;
-    case 10: case 11: case 12:
-      return 8;
-    case 8:
-      return 0;
-    default:
-      bad(c.path, "unknown metadata type " + std::to_string(type));
+  case 0:
+  case 1:
+  case 7:
+    return 1;
+  case 2:
+  case 3:
+    return 2;
+  case 4:
+  case 5:
+  case 6:
+    return 4;
+  case 10:
+  case 11:
+  case 12:
+    return 8;
+  case 8:
+    return 0;
+  default:
+    bad(c.path, "unknown metadata type " + std::to_string(type));
   }
 }
 
 gguf_file::value read_value(cursor& c, uint32_t type) {
   switch (type) {
-    case 0:
-      return int64_t{c.get<uint8_t>()};
-    case 1:
-      return int64_t{c.get<int8_t>()};
-    case 2:
-      return int64_t{c.get<uint16_t>()};
-    case 3:
-      return int64_t{c.get<int16_t>()};
-    case 4:
-      return int64_t{c.get<uint32_t>()};
-    case 5:
-      return int64_t{c.get<int32_t>()};
-    case 6:
-      return double{c.get<float>()};
-    case 7:
-      return c.get<uint8_t>() != 0;
-    case 8:
-      return c.str();
-    case 10:
-      return static_cast<int64_t>(c.get<uint64_t>());
-    case 11:
-      return c.get<int64_t>();
-    case 12:
-      return c.get<double>();
-    case 9: {
-      gguf_file::array a;
-      a.element_type = c.get<uint32_t>();
-      a.count = c.get<uint64_t>();
-      a.offset = c.pos;
-      if (a.element_type == 9)
-        bad(c.path, "nested metadata arrays are not supported");
-      auto size = element_bytes(c, a.element_type);
-      if (size == 0) {
-        // Strings: each one's length is read to find the next.
-        for (uint64_t i = 0; i < a.count; ++i) {
-          auto len = c.get<uint64_t>();
-          c.need(len);
-          c.pos += len;
-        }
-      } else {
-        uint64_t bytes = 0;
-        if (__builtin_mul_overflow(a.count, size, &bytes))
-          bad(c.path, "a metadata array's size overflows");
-        c.need(bytes);
-        c.pos += bytes;
+  case 0:
+    return int64_t{c.get<uint8_t>()};
+  case 1:
+    return int64_t{c.get<int8_t>()};
+  case 2:
+    return int64_t{c.get<uint16_t>()};
+  case 3:
+    return int64_t{c.get<int16_t>()};
+  case 4:
+    return int64_t{c.get<uint32_t>()};
+  case 5:
+    return int64_t{c.get<int32_t>()};
+  case 6:
+    return double{c.get<float>()};
+  case 7:
+    return c.get<uint8_t>() != 0;
+  case 8:
+    return c.str();
+  case 10:
+    return static_cast<int64_t>(c.get<uint64_t>());
+  case 11:
+    return c.get<int64_t>();
+  case 12:
+    return c.get<double>();
+  case 9: {
+    gguf_file::array a;
+    a.element_type = c.get<uint32_t>();
+    a.count = c.get<uint64_t>();
+    a.offset = c.pos;
+    if (a.element_type == 9)
+      bad(c.path, "nested metadata arrays are not supported");
+    auto size = element_bytes(c, a.element_type);
+    if (size == 0) {
+      // Strings: each one's length is read to find the next.
+      for (uint64_t i = 0; i < a.count; ++i) {
+        auto len = c.get<uint64_t>();
+        c.need(len);
+        c.pos += len;
       }
-      return a;
+    } else {
+      uint64_t bytes = 0;
+      if (__builtin_mul_overflow(a.count, size, &bytes))
+        bad(c.path, "a metadata array's size overflows");
+      c.need(bytes);
+      c.pos += bytes;
     }
-    default:
-      bad(c.path, "unknown metadata type " + std::to_string(type));
+    return a;
+  }
+  default:
+    bad(c.path, "unknown metadata type " + std::to_string(type));
   }
 }
 
@@ -187,8 +202,8 @@ gguf_file::gguf_file(const std::string& path) : path_(path), file_(path, "GGUF f
       for (auto& d : ne) {
         auto dim = c.get<uint64_t>();
         // Bounded so that no size computed from it overflows.
-        if (dim > (uint64_t{1} << 40) || __builtin_mul_overflow(count, dim, &count)
-            || count > (uint64_t{1} << 40))
+        if (dim > (uint64_t{1} << 40) || __builtin_mul_overflow(count, dim, &count) ||
+            count > (uint64_t{1} << 40))
           bad(path, "tensor '" + t.name + "' has an impossible size");
         d = static_cast<int64_t>(dim);
       }
@@ -202,8 +217,8 @@ gguf_file::gguf_file(const std::string& path) : path_(path), file_(path, "GGUF f
                     ", which troupe does not read (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, "
                     "Q5_1, Q4_K, Q5_K, Q6_K)");
       // Blocks run along rows, as llama.cpp lays them out: a row is whole blocks.
-      if (stored && is_quantized(*stored) && !t.shape.empty()
-          && t.shape.back() % block_elements(*stored) != 0)
+      if (stored && is_quantized(*stored) && !t.shape.empty() &&
+          t.shape.back() % block_elements(*stored) != 0)
         bad(path, "tensor '" + t.name + "' is quantized in blocks of " +
                     std::to_string(block_elements(*stored)) + " but its rows have " +
                     std::to_string(t.shape.back()) + " elements");
@@ -315,10 +330,10 @@ void gguf_file::phi3_config(model_config& c, double rotary_dims, double window,
   // The converter writes transformers' factor; its default where absent.
   r.attention_factor =
     attention_factor > 0 ? attention_factor
-    : r.factor <= 1      ? 1.0
-                         : std::sqrt(1 + std::log(r.factor) /
-                                           std::log(static_cast<double>(
-                                             r.original_max_position_embeddings)));
+    : r.factor <= 1
+      ? 1.0
+      : std::sqrt(1 + std::log(r.factor) /
+                        std::log(static_cast<double>(r.original_max_position_embeddings)));
 }
 
 void gguf_file::gemma_config(model_config& c, bool gemma3, double window, double attn_cap,
@@ -384,8 +399,8 @@ model_config gguf_file::config() const {
   model_config c;
   // llama.cpp writes Mixtral as llama with experts.
   if (arch == "llama")
-    c.architecture = number("expert_count", 0, false) > 0 ? "MixtralForCausalLM"
-                                                          : "LlamaForCausalLM";
+    c.architecture =
+      number("expert_count", 0, false) > 0 ? "MixtralForCausalLM" : "LlamaForCausalLM";
   else if (arch == "qwen3moe")
     c.architecture = "Qwen3MoeForCausalLM";
   else if (arch == "qwen2")
@@ -408,10 +423,10 @@ model_config gguf_file::config() const {
   c.num_attention_heads = static_cast<int64_t>(number("attention.head_count", 0, true));
   if (c.num_attention_heads <= 0 || c.hidden_size <= 0)
     bad(path_, "metadata gives no attention heads or no embedding length");
-  c.num_key_value_heads =
-    static_cast<int64_t>(number("attention.head_count_kv", static_cast<double>(c.num_attention_heads), false));
-  c.head_dim = static_cast<int64_t>(
-    number("attention.key_length", static_cast<double>(c.hidden_size / c.num_attention_heads), false));
+  c.num_key_value_heads = static_cast<int64_t>(
+    number("attention.head_count_kv", static_cast<double>(c.num_attention_heads), false));
+  c.head_dim = static_cast<int64_t>(number(
+    "attention.key_length", static_cast<double>(c.hidden_size / c.num_attention_heads), false));
   c.max_position_embeddings = static_cast<int64_t>(number("context_length", 2048, false));
   c.rope_theta = number("rope.freq_base", 10000.0, false);
   c.rms_norm_eps = number("attention.layer_norm_rms_epsilon", 1e-6, false);
@@ -425,9 +440,8 @@ model_config gguf_file::config() const {
                  number("attn_logit_softcapping", 0, false),
                  number("final_logit_softcapping", 0, false),
                  number("rope.freq_base_swa", arch == "gemma3" ? 10000.0 : 0.0, false));
-  if (arch != "phi3" &&
-      number("rope.dimension_count", static_cast<double>(c.head_dim), false) !=
-        static_cast<double>(c.head_dim))
+  if (arch != "phi3" && number("rope.dimension_count", static_cast<double>(c.head_dim), false) !=
+                          static_cast<double>(c.head_dim))
     bad(path_, arch + ".rope.dimension_count rotates part of each head of " +
                  std::to_string(c.head_dim) + "; troupe rotates part of a head in phi3 only");
   if (arch == "phi3")
@@ -440,8 +454,8 @@ model_config gguf_file::config() const {
     // norm_topk_prob).
     c.num_experts = static_cast<int64_t>(number("expert_count", 0, true));
     c.num_experts_per_tok = static_cast<int64_t>(number("expert_used_count", 0, true));
-    c.moe_intermediate_size = static_cast<int64_t>(number(
-      "expert_feed_forward_length", static_cast<double>(c.intermediate_size), false));
+    c.moe_intermediate_size = static_cast<int64_t>(
+      number("expert_feed_forward_length", static_cast<double>(c.intermediate_size), false));
   }
   if (auto vocab = find<array>("tokenizer.ggml.tokens"))
     c.vocab_size = static_cast<int64_t>(vocab->count);

@@ -91,8 +91,8 @@ public:
 private:
   /// What a gemma2 or gemma3 file adds to `c`: Gemma's norms, activation, scaling and
   /// capping, and its sliding layers.
-  void gemma_config(model_config& c, bool gemma3, double window, double attn_cap,
-                    double final_cap, double local_base) const;
+  void gemma_config(model_config& c, bool gemma3, double window, double attn_cap, double final_cap,
+                    double local_base) const;
   /// What a phi3 file adds to `c`: its window, and LongRoPE from its factor tensors.
   void phi3_config(model_config& c, double rotary_dims, double window, double original_length,
                    double attention_factor) const;

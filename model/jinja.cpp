@@ -134,29 +134,42 @@ void dict::set(const std::string& key, value v) {
 
 const char* type_name(const value& v) {
   switch (v.k) {
-  case value::kind::undefined: return "undefined";
-  case value::kind::none: return "NoneType";
-  case value::kind::boolean: return "bool";
-  case value::kind::integer: return "int";
-  case value::kind::floating: return "float";
-  case value::kind::string: return "str";
-  case value::kind::list: return "list";
-  case value::kind::object: return v.is_namespace ? "Namespace" : "dict";
-  case value::kind::function: return "function";
+  case value::kind::undefined:
+    return "undefined";
+  case value::kind::none:
+    return "NoneType";
+  case value::kind::boolean:
+    return "bool";
+  case value::kind::integer:
+    return "int";
+  case value::kind::floating:
+    return "float";
+  case value::kind::string:
+    return "str";
+  case value::kind::list:
+    return "list";
+  case value::kind::object:
+    return v.is_namespace ? "Namespace" : "dict";
+  case value::kind::function:
+    return "function";
   }
   return "value";
 }
 
 value from_json(const nlohmann::ordered_json& j) {
   switch (j.type()) {
-  case nlohmann::ordered_json::value_t::null: return value::none();
-  case nlohmann::ordered_json::value_t::boolean: return value::boolean(j.get<bool>());
+  case nlohmann::ordered_json::value_t::null:
+    return value::none();
+  case nlohmann::ordered_json::value_t::boolean:
+    return value::boolean(j.get<bool>());
   case nlohmann::ordered_json::value_t::number_integer:
     return value::integer(j.get<int64_t>());
   case nlohmann::ordered_json::value_t::number_unsigned:
     return value::integer(static_cast<int64_t>(j.get<uint64_t>()));
-  case nlohmann::ordered_json::value_t::number_float: return value::floating(j.get<double>());
-  case nlohmann::ordered_json::value_t::string: return value::string(j.get<std::string>());
+  case nlohmann::ordered_json::value_t::number_float:
+    return value::floating(j.get<double>());
+  case nlohmann::ordered_json::value_t::string:
+    return value::string(j.get<std::string>());
   case nlohmann::ordered_json::value_t::array: {
     auto out = value::list();
     for (auto& e : j)
@@ -169,7 +182,8 @@ value from_json(const nlohmann::ordered_json& j) {
       out.o->items.emplace_back(k, from_json(e));
     return out;
   }
-  default: return value::none();
+  default:
+    return value::none();
   }
 }
 
@@ -198,12 +212,11 @@ uint32_t decode_point(const std::string& cp) {
   return v;
 }
 
-
 // Python's str.isspace.
 bool is_space(uint32_t c) {
-  return (c >= 9 && c <= 13) || c == ' ' || (c >= 0x1c && c <= 0x1f) || c == 0x85 ||
-         c == 0xa0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 ||
-         c == 0x2029 || c == 0x202f || c == 0x205f || c == 0x3000;
+  return (c >= 9 && c <= 13) || c == ' ' || (c >= 0x1c && c <= 0x1f) || c == 0x85 || c == 0xa0 ||
+         c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f ||
+         c == 0x205f || c == 0x3000;
 }
 
 // Python's str.strip / lstrip / rstrip: whitespace, or the code points of `chars`.
@@ -214,7 +227,9 @@ std::string strip(const std::string& s, const value* chars, bool left, bool righ
   if (!ws)
     for (auto& c : code_points(chars->s))
       set.insert(c);
-  auto strippable = [&](const std::string& c) { return ws ? is_space(decode_point(c)) : set.count(c) > 0; };
+  auto strippable = [&](const std::string& c) {
+    return ws ? is_space(decode_point(c)) : set.count(c) > 0;
+  };
   size_t begin = 0;
   size_t end = cps.size();
   while (left && begin < end && strippable(cps[begin]))
@@ -276,13 +291,20 @@ std::string repr(const value& v);
 
 std::string str(const value& v) {
   switch (v.k) {
-  case value::kind::undefined: return "";
-  case value::kind::none: return "None";
-  case value::kind::boolean: return v.b ? "True" : "False";
-  case value::kind::integer: return std::to_string(v.i);
-  case value::kind::floating: return float_repr(v.f);
-  case value::kind::string: return v.s;
-  default: return repr(v);
+  case value::kind::undefined:
+    return "";
+  case value::kind::none:
+    return "None";
+  case value::kind::boolean:
+    return v.b ? "True" : "False";
+  case value::kind::integer:
+    return std::to_string(v.i);
+  case value::kind::floating:
+    return float_repr(v.f);
+  case value::kind::string:
+    return v.s;
+  default:
+    return repr(v);
   }
 }
 
@@ -327,8 +349,10 @@ std::string repr(const value& v) {
     }
     return out + (v.is_namespace ? "}>" : "}");
   }
-  case value::kind::function: return "<function>";
-  default: return str(v);
+  case value::kind::function:
+    return "<function>";
+  default:
+    return str(v);
   }
 }
 
@@ -336,13 +360,27 @@ std::string json_string(const std::string& s) {
   std::string out = "\"";
   for (char c : s) {
     switch (c) {
-    case '"': out += "\\\""; break;
-    case '\\': out += "\\\\"; break;
-    case '\n': out += "\\n"; break;
-    case '\r': out += "\\r"; break;
-    case '\t': out += "\\t"; break;
-    case '\b': out += "\\b"; break;
-    case '\f': out += "\\f"; break;
+    case '"':
+      out += "\\\"";
+      break;
+    case '\\':
+      out += "\\\\";
+      break;
+    case '\n':
+      out += "\\n";
+      break;
+    case '\r':
+      out += "\\r";
+      break;
+    case '\t':
+      out += "\\t";
+      break;
+    case '\b':
+      out += "\\b";
+      break;
+    case '\f':
+      out += "\\f";
+      break;
     default:
       if (static_cast<unsigned char>(c) < 0x20) {
         char buf[8];
@@ -364,14 +402,23 @@ void to_json(const value& v, int64_t indent, const std::string& item_sep,
       out += "\n" + std::string(static_cast<size_t>(indent * d), ' ');
   };
   switch (v.k) {
-  case value::kind::none: out += "null"; return;
-  case value::kind::boolean: out += v.b ? "true" : "false"; return;
-  case value::kind::integer: out += std::to_string(v.i); return;
-  case value::kind::floating:
-    out += std::isnan(v.f) ? "NaN" : std::isinf(v.f) ? (v.f > 0 ? "Infinity" : "-Infinity")
-                                                      : float_repr(v.f);
+  case value::kind::none:
+    out += "null";
     return;
-  case value::kind::string: out += json_string(v.s); return;
+  case value::kind::boolean:
+    out += v.b ? "true" : "false";
+    return;
+  case value::kind::integer:
+    out += std::to_string(v.i);
+    return;
+  case value::kind::floating:
+    out += std::isnan(v.f)   ? "NaN"
+           : std::isinf(v.f) ? (v.f > 0 ? "Infinity" : "-Infinity")
+                             : float_repr(v.f);
+    return;
+  case value::kind::string:
+    out += json_string(v.s);
+    return;
   case value::kind::list:
     if (v.l->empty()) {
       out += "[]";
@@ -408,21 +455,30 @@ void to_json(const value& v, int64_t indent, const std::string& item_sep,
     out += "}";
     return;
   }
-  default: fail(std::string{"tojson: a value of type "} + type_name(v) + " is not JSON serializable");
+  default:
+    fail(std::string{"tojson: a value of type "} + type_name(v) + " is not JSON serializable");
   }
 }
 
 bool truthy(const value& v) {
   switch (v.k) {
   case value::kind::undefined:
-  case value::kind::none: return false;
-  case value::kind::boolean: return v.b;
-  case value::kind::integer: return v.i != 0;
-  case value::kind::floating: return v.f != 0;
-  case value::kind::string: return !v.s.empty();
-  case value::kind::list: return !v.l->empty();
-  case value::kind::object: return v.is_namespace || !v.o->items.empty();
-  case value::kind::function: return true;
+  case value::kind::none:
+    return false;
+  case value::kind::boolean:
+    return v.b;
+  case value::kind::integer:
+    return v.i != 0;
+  case value::kind::floating:
+    return v.f != 0;
+  case value::kind::string:
+    return !v.s.empty();
+  case value::kind::list:
+    return !v.l->empty();
+  case value::kind::object:
+    return v.is_namespace || !v.o->items.empty();
+  case value::kind::function:
+    return true;
   }
   return false;
 }
@@ -434,8 +490,10 @@ bool equal(const value& a, const value& b) {
     return false;
   switch (a.k) {
   case value::kind::undefined:
-  case value::kind::none: return true;
-  case value::kind::string: return a.s == b.s;
+  case value::kind::none:
+    return true;
+  case value::kind::string:
+    return a.s == b.s;
   case value::kind::list:
     if (a.l->size() != b.l->size())
       return false;
@@ -454,7 +512,8 @@ bool equal(const value& a, const value& b) {
         return false;
     }
     return true;
-  default: return a.fn == b.fn;
+  default:
+    return a.fn == b.fn;
   }
 }
 
@@ -519,7 +578,8 @@ std::vector<token> tokenize(const std::string& src, int line) {
       bool is_float = false;
       while (j < src.size() && (std::isdigit(static_cast<unsigned char>(src[j])) || src[j] == '_'))
         ++j;
-      if (j + 1 < src.size() && src[j] == '.' && std::isdigit(static_cast<unsigned char>(src[j + 1]))) {
+      if (j + 1 < src.size() && src[j] == '.' &&
+          std::isdigit(static_cast<unsigned char>(src[j + 1]))) {
         is_float = true;
         ++j;
         while (j < src.size() && std::isdigit(static_cast<unsigned char>(src[j])))
@@ -558,16 +618,35 @@ std::vector<token> tokenize(const std::string& src, int line) {
         }
         char e = src[++j];
         switch (e) {
-        case 'n': s += '\n'; break;
-        case 't': s += '\t'; break;
-        case 'r': s += '\r'; break;
-        case '0': s += '\0'; break;
-        case 'b': s += '\b'; break;
-        case 'f': s += '\f'; break;
-        case '\\': s += '\\'; break;
-        case '\'': s += '\''; break;
-        case '"': s += '"'; break;
-        case '\n': break;
+        case 'n':
+          s += '\n';
+          break;
+        case 't':
+          s += '\t';
+          break;
+        case 'r':
+          s += '\r';
+          break;
+        case '0':
+          s += '\0';
+          break;
+        case 'b':
+          s += '\b';
+          break;
+        case 'f':
+          s += '\f';
+          break;
+        case '\\':
+          s += '\\';
+          break;
+        case '\'':
+          s += '\'';
+          break;
+        case '"':
+          s += '"';
+          break;
+        case '\n':
+          break;
         case 'x':
         case 'u':
         case 'U': {
@@ -578,7 +657,9 @@ std::vector<token> tokenize(const std::string& src, int line) {
           j += n;
           break;
         }
-        default: s += '\\'; s += e;
+        default:
+          s += '\\';
+          s += e;
         }
       }
       if (j >= src.size())
@@ -587,9 +668,9 @@ std::vector<token> tokenize(const std::string& src, int line) {
       t.text = s;
       i = j + 1;
     } else {
-      static const char* ops[] = {"**", "//", "==", "!=", "<=", ">=", "+", "-", "*", "/", "%",
-                                  "~",  "<",  ">",  "(",  ")",  "[",  "]", "{", "}", ",", ".",
-                                  ":",  "|",  "="};
+      static const char* ops[] = {"**", "//", "==", "!=", "<=", ">=", "+", "-", "*",
+                                  "/",  "%",  "~",  "<",  ">",  "(",  ")", "[", "]",
+                                  "{",  "}",  ",",  ".",  ":",  "|",  "="};
       bool found = false;
       for (auto* op : ops) {
         auto n = std::char_traits<char>::length(op);
@@ -720,8 +801,22 @@ using expr_ptr = std::shared_ptr<expr>;
 
 struct expr {
   enum class type {
-    literal, name, list, tuple, dict, attr, item, slice, call, filter, test, unary, binary,
-    conditional, logical_and, logical_or
+    literal,
+    name,
+    list,
+    tuple,
+    dict,
+    attr,
+    item,
+    slice,
+    call,
+    filter,
+    test,
+    unary,
+    binary,
+    conditional,
+    logical_and,
+    logical_or
   } t;
   value literal;
   std::string name; // a name, attribute, filter, test or operator
@@ -753,16 +848,18 @@ struct node {
 };
 
 const std::set<std::string> filters = {
-  "abs", "capitalize", "count", "d", "default", "dictsort", "e", "escape", "first", "float",
-  "indent", "int", "items", "join", "last", "length", "list", "lower", "map", "max", "min",
-  "reject", "rejectattr", "replace", "reverse", "round", "safe", "select", "selectattr",
-  "sort", "string", "sum", "title", "tojson", "trim", "unique", "upper", "wordcount"};
+  "abs",     "capitalize", "count",  "d",      "default",    "dictsort", "e",          "escape",
+  "first",   "float",      "indent", "int",    "items",      "join",     "last",       "length",
+  "list",    "lower",      "map",    "max",    "min",        "reject",   "rejectattr", "replace",
+  "reverse", "round",      "safe",   "select", "selectattr", "sort",     "string",     "sum",
+  "title",   "tojson",     "trim",   "unique", "upper",      "wordcount"};
 
 const std::set<std::string> tests = {
-  "boolean", "callable", "defined", "divisibleby", "eq", "equalto", "even", "false", "float",
-  "ge", "gt", "in", "integer", "iterable", "le", "lower", "lt", "mapping", "ne", "none",
-  "number", "odd", "sameas", "sequence", "string", "true", "undefined", "upper", "==", "!=",
-  "<", "<=", ">", ">="};
+  "boolean", "callable", "defined",  "divisibleby", "eq",   "equalto",   "even",
+  "false",   "float",    "ge",       "gt",          "in",   "integer",   "iterable",
+  "le",      "lower",    "lt",       "mapping",     "ne",   "none",      "number",
+  "odd",     "sameas",   "sequence", "string",      "true", "undefined", "upper",
+  "==",      "!=",       "<",        "<=",          ">",    ">="};
 
 class parser {
 public:
@@ -933,8 +1030,7 @@ private:
       expect_end();
     } else {
       throw troupe::error{errc::unsupported, "chat template, line " + std::to_string(line) +
-                                               ": the tag '" + keyword +
-                                               "' is not supported"};
+                                               ": the tag '" + keyword + "' is not supported"};
     }
     return n;
   }
@@ -984,11 +1080,16 @@ private:
   }
   static std::string describe(const token& t) {
     switch (t.t) {
-    case token::type::end: return "end of tag";
-    case token::type::string: return "'" + t.text + "'";
-    case token::type::integer: return std::to_string(t.i);
-    case token::type::floating: return float_repr(t.f);
-    default: return t.text;
+    case token::type::end:
+      return "end of tag";
+    case token::type::string:
+      return "'" + t.text + "'";
+    case token::type::integer:
+      return std::to_string(t.i);
+    case token::type::floating:
+      return float_repr(t.f);
+    default:
+      return t.text;
     }
   }
 
@@ -1065,8 +1166,8 @@ private:
     for (;;) {
       std::string op;
       if (peek().t == token::type::op &&
-          (peek().text == "==" || peek().text == "!=" || peek().text == "<" ||
-           peek().text == ">" || peek().text == "<=" || peek().text == ">=")) {
+          (peek().text == "==" || peek().text == "!=" || peek().text == "<" || peek().text == ">" ||
+           peek().text == "<=" || peek().text == ">=")) {
         op = next().text;
       } else if (is_name("in")) {
         next();
@@ -1295,8 +1396,7 @@ private:
           t->name = expect_name();
         if (!tests.count(t->name))
           throw troupe::error{errc::unsupported, "chat template, line " + std::to_string(line_) +
-                                                   ": the test '" + t->name +
-                                                   "' is not supported"};
+                                                   ": the test '" + t->name + "' is not supported"};
         t->args = {e};
         if (accept_op("(")) {
           parse_call_args(t);
@@ -1406,17 +1506,26 @@ private:
 
   flow exec(const node& n) {
     switch (n.t) {
-    case node::type::text: out_ += n.text; return flow::normal;
-    case node::type::output: out_ += str(eval(*n.value)); return flow::normal;
-    case node::type::block: return exec(n.body);
-    case node::type::break_: return flow::break_;
-    case node::type::continue_: return flow::continue_;
+    case node::type::text:
+      out_ += n.text;
+      return flow::normal;
+    case node::type::output:
+      out_ += str(eval(*n.value));
+      return flow::normal;
+    case node::type::block:
+      return exec(n.body);
+    case node::type::break_:
+      return flow::break_;
+    case node::type::continue_:
+      return flow::continue_;
     case node::type::if_:
       for (size_t i = 0; i < n.bodies.size(); ++i)
         if (i >= n.conditions.size() || truthy(eval(*n.conditions[i])))
           return exec(n.bodies[i]);
       return flow::normal;
-    case node::type::set: assign(n, eval(*n.value)); return flow::normal;
+    case node::type::set:
+      assign(n, eval(*n.value));
+      return flow::normal;
     case node::type::set_block: {
       std::string saved;
       std::swap(saved, out_);
@@ -1425,8 +1534,11 @@ private:
       assign(n, value::string(saved));
       return flow::normal;
     }
-    case node::type::macro: frames_.back()[n.text] = macro(n); return flow::normal;
-    case node::type::for_: return exec_for(n);
+    case node::type::macro:
+      frames_.back()[n.text] = macro(n);
+      return flow::normal;
+    case node::type::for_:
+      return exec_for(n);
     }
     return flow::normal;
   }
@@ -1435,8 +1547,8 @@ private:
     if (!n.attribute.empty()) {
       auto ns = lookup(n.targets[0]);
       if (ns.k != value::kind::object || !ns.is_namespace)
-        fail("line " + std::to_string(n.line) + ": cannot assign attribute on non-namespace object '" +
-             n.targets[0] + "'");
+        fail("line " + std::to_string(n.line) +
+             ": cannot assign attribute on non-namespace object '" + n.targets[0] + "'");
       ns.o->set(n.attribute, v);
       return;
     }
@@ -1483,8 +1595,10 @@ private:
 
   std::vector<value> iterate(const value& v, int line) {
     switch (v.k) {
-    case value::kind::undefined: return {};
-    case value::kind::list: return *v.l;
+    case value::kind::undefined:
+      return {};
+    case value::kind::list:
+      return *v.l;
     case value::kind::object: {
       std::vector<value> keys;
       for (auto& item : v.o->items)
@@ -1518,8 +1632,8 @@ private:
       }
       auto parts = iterate(item, n.line);
       if (parts.size() != n.targets.size())
-        fail("line " + std::to_string(n.line) + ": cannot unpack " +
-             std::to_string(parts.size()) + " values into " + std::to_string(n.targets.size()));
+        fail("line " + std::to_string(n.line) + ": cannot unpack " + std::to_string(parts.size()) +
+             " values into " + std::to_string(n.targets.size()));
       for (size_t i = 0; i < parts.size(); ++i)
         frames_.back()[n.targets[i]] = parts[i];
     };
@@ -1564,8 +1678,10 @@ private:
 
   value eval(const expr& e) {
     switch (e.t) {
-    case expr::type::literal: return e.literal;
-    case expr::type::name: return lookup(e.name);
+    case expr::type::literal:
+      return e.literal;
+    case expr::type::name:
+      return lookup(e.name);
     case expr::type::list:
     case expr::type::tuple: {
       auto out = value::list();
@@ -1579,11 +1695,16 @@ private:
         out.o->set(str(eval(*e.args[i])), eval(*e.args[i + 1]));
       return out;
     }
-    case expr::type::attr: return attribute(eval(*e.args[0]), e.name, e);
-    case expr::type::item: return item(eval(*e.args[0]), eval(*e.args[1]), e);
-    case expr::type::slice: return slice(e);
-    case expr::type::call: return call(e);
-    case expr::type::filter: return filter(e);
+    case expr::type::attr:
+      return attribute(eval(*e.args[0]), e.name, e);
+    case expr::type::item:
+      return item(eval(*e.args[0]), eval(*e.args[1]), e);
+    case expr::type::slice:
+      return slice(e);
+    case expr::type::call:
+      return call(e);
+    case expr::type::filter:
+      return filter(e);
     case expr::type::test: {
       bool result = test(e);
       return value::boolean(e.negated ? !result : result);
@@ -1598,7 +1719,8 @@ private:
         return v;
       return v.k == value::kind::floating ? value::floating(-v.f) : value::integer(-v.as_int());
     }
-    case expr::type::binary: return binary(e);
+    case expr::type::binary:
+      return binary(e);
     case expr::type::conditional:
       if (truthy(eval(*e.args[0])))
         return eval(*e.args[1]);
@@ -1639,7 +1761,8 @@ private:
     if (self.k == value::kind::string) {
       if (name == "strip" || name == "lstrip" || name == "rstrip")
         return bound([name, arg](const value& s, args_list& a, kwargs_list& kw) {
-          return value::string(strip(s.s, arg(a, kw, 0, "chars"), name != "rstrip", name != "lstrip"));
+          return value::string(
+            strip(s.s, arg(a, kw, 0, "chars"), name != "rstrip", name != "lstrip"));
         });
       if (name == "upper" || name == "lower")
         return bound([name](const value& s, args_list&, kwargs_list&) {
@@ -1657,12 +1780,14 @@ private:
         return bound([name](const value& s, args_list& a, kwargs_list&) {
           if (a.empty())
             fail(name + "() takes at least 1 argument");
-          std::vector<value> options = a[0].k == value::kind::list ? *a[0].l : std::vector<value>{a[0]};
+          std::vector<value> options =
+            a[0].k == value::kind::list ? *a[0].l : std::vector<value>{a[0]};
           for (auto& o : options) {
             auto& p = o.s;
-            bool hit = name == "startswith"
-                         ? s.s.compare(0, p.size(), p) == 0
-                         : s.s.size() >= p.size() && s.s.compare(s.s.size() - p.size(), p.size(), p) == 0;
+            bool hit =
+              name == "startswith"
+                ? s.s.compare(0, p.size(), p) == 0
+                : s.s.size() >= p.size() && s.s.compare(s.s.size() - p.size(), p.size(), p) == 0;
             if (hit)
               return value::boolean(true);
           }
@@ -1679,7 +1804,8 @@ private:
         return bound([](const value& s, args_list& a, kwargs_list&) {
           if (a.size() < 2)
             fail("replace() takes at least 2 arguments");
-          return value::string(replace_all(s.s, str(a[0]), str(a[1]), a.size() > 2 ? a[2].as_int() : -1));
+          return value::string(
+            replace_all(s.s, str(a[0]), str(a[1]), a.size() > 2 ? a[2].as_int() : -1));
         });
       if (name == "find" || name == "count")
         return bound([name](const value& s, args_list& a, kwargs_list&) {
@@ -1688,7 +1814,9 @@ private:
           auto needle = str(a[0]);
           if (name == "find") {
             auto at = s.s.find(needle);
-            return value::integer(at == std::string::npos ? -1 : static_cast<int64_t>(code_points(s.s.substr(0, at)).size()));
+            return value::integer(at == std::string::npos
+                                    ? -1
+                                    : static_cast<int64_t>(code_points(s.s.substr(0, at)).size()));
           }
           int64_t n = 0;
           for (size_t at = s.s.find(needle); !needle.empty() && at != std::string::npos;
@@ -1757,7 +1885,8 @@ private:
       auto m = method(obj, key.s);
       return m.defined() ? m : value::undefined(key.s);
     }
-    if (obj.k == value::kind::list && (key.k == value::kind::integer || key.k == value::kind::boolean)) {
+    if (obj.k == value::kind::list &&
+        (key.k == value::kind::integer || key.k == value::kind::boolean)) {
       auto i = index_of(key.as_int(), obj.l->size());
       return i < 0 ? value::undefined() : (*obj.l)[static_cast<size_t>(i)];
     }
@@ -1870,19 +1999,27 @@ private:
       double x = a.as_double(), y = b.as_double();
       if ((op == "//" || op == "%") && y == 0)
         fail(where(e) + "division by zero");
-      if (op == "+") return value::floating(x + y);
-      if (op == "-") return value::floating(x - y);
-      if (op == "*") return value::floating(x * y);
-      if (op == "//") return value::floating(std::floor(x / y));
-      if (op == "%") return value::floating(x - std::floor(x / y) * y);
+      if (op == "+")
+        return value::floating(x + y);
+      if (op == "-")
+        return value::floating(x - y);
+      if (op == "*")
+        return value::floating(x * y);
+      if (op == "//")
+        return value::floating(std::floor(x / y));
+      if (op == "%")
+        return value::floating(x - std::floor(x / y) * y);
       return value::floating(std::pow(x, y));
     }
     int64_t x = a.as_int(), y = b.as_int();
     if ((op == "//" || op == "%") && y == 0)
       fail(where(e) + "integer division or modulo by zero");
-    if (op == "+") return value::integer(x + y);
-    if (op == "-") return value::integer(x - y);
-    if (op == "*") return value::integer(x * y);
+    if (op == "+")
+      return value::integer(x + y);
+    if (op == "-")
+      return value::integer(x - y);
+    if (op == "*")
+      return value::integer(x * y);
     if (op == "//" || op == "%") {
       int64_t q = x / y;
       if ((x % y != 0) && ((x < 0) != (y < 0)))
@@ -1908,8 +2045,10 @@ private:
         if (equal(v, needle))
           return true;
       return false;
-    case value::kind::object: return needle.k == value::kind::string && haystack.o->find(needle.s);
-    case value::kind::undefined: return false;
+    case value::kind::object:
+      return needle.k == value::kind::string && haystack.o->find(needle.s);
+    case value::kind::undefined:
+      return false;
     default:
       fail(where(e) + "argument of type '" + type_name(haystack) + "' is not iterable");
     }
@@ -1919,15 +2058,24 @@ private:
     auto a = eval(*e.args[0]);
     auto b = eval(*e.args[1]);
     const auto& op = e.name;
-    if (op == "==") return value::boolean(equal(a, b));
-    if (op == "!=") return value::boolean(!equal(a, b));
-    if (op == "<") return value::boolean(less(a, b));
-    if (op == ">") return value::boolean(less(b, a));
-    if (op == "<=") return value::boolean(!less(b, a));
-    if (op == ">=") return value::boolean(!less(a, b));
-    if (op == "in") return value::boolean(contains(b, a, e));
-    if (op == "not in") return value::boolean(!contains(b, a, e));
-    if (op == "~") return value::string(str(a) + str(b));
+    if (op == "==")
+      return value::boolean(equal(a, b));
+    if (op == "!=")
+      return value::boolean(!equal(a, b));
+    if (op == "<")
+      return value::boolean(less(a, b));
+    if (op == ">")
+      return value::boolean(less(b, a));
+    if (op == "<=")
+      return value::boolean(!less(b, a));
+    if (op == ">=")
+      return value::boolean(!less(a, b));
+    if (op == "in")
+      return value::boolean(contains(b, a, e));
+    if (op == "not in")
+      return value::boolean(!contains(b, a, e));
+    if (op == "~")
+      return value::string(str(a) + str(b));
     return arithmetic(op, a, b, e);
   }
 
@@ -2042,36 +2190,61 @@ private:
         fail(where(e) + "the test '" + name + "' needs an argument");
       return args[i];
     };
-    if (name == "defined") return v.defined();
-    if (name == "undefined") return !v.defined();
-    if (name == "none") return v.k == value::kind::none;
-    if (name == "boolean") return v.k == value::kind::boolean;
-    if (name == "true") return v.k == value::kind::boolean && v.b;
-    if (name == "false") return v.k == value::kind::boolean && !v.b;
-    if (name == "string") return v.k == value::kind::string;
-    if (name == "number") return v.number();
-    if (name == "integer") return v.k == value::kind::integer;
-    if (name == "float") return v.k == value::kind::floating;
-    if (name == "mapping") return v.k == value::kind::object;
+    if (name == "defined")
+      return v.defined();
+    if (name == "undefined")
+      return !v.defined();
+    if (name == "none")
+      return v.k == value::kind::none;
+    if (name == "boolean")
+      return v.k == value::kind::boolean;
+    if (name == "true")
+      return v.k == value::kind::boolean && v.b;
+    if (name == "false")
+      return v.k == value::kind::boolean && !v.b;
+    if (name == "string")
+      return v.k == value::kind::string;
+    if (name == "number")
+      return v.number();
+    if (name == "integer")
+      return v.k == value::kind::integer;
+    if (name == "float")
+      return v.k == value::kind::floating;
+    if (name == "mapping")
+      return v.k == value::kind::object;
     if (name == "iterable")
       return v.k == value::kind::list || v.k == value::kind::object || v.k == value::kind::string ||
              !v.defined();
     if (name == "sequence")
       return v.k == value::kind::list || v.k == value::kind::object || v.k == value::kind::string;
-    if (name == "callable") return v.k == value::kind::function;
-    if (name == "odd") return v.as_int() % 2 != 0;
-    if (name == "even") return v.as_int() % 2 == 0;
-    if (name == "divisibleby") return arg(0).as_int() != 0 && v.as_int() % arg(0).as_int() == 0;
-    if (name == "eq" || name == "equalto" || name == "==") return equal(v, arg(0));
-    if (name == "ne" || name == "!=") return !equal(v, arg(0));
-    if (name == "lt" || name == "<") return less(v, arg(0));
-    if (name == "le" || name == "<=") return !less(arg(0), v);
-    if (name == "gt" || name == ">") return less(arg(0), v);
-    if (name == "ge" || name == ">=") return !less(v, arg(0));
-    if (name == "in") return contains(arg(0), v, e);
-    if (name == "sameas") return v.k == arg(0).k && equal(v, arg(0));
-    if (name == "lower") return v.k == value::kind::string && replace_case(v.s, false) == v.s;
-    if (name == "upper") return v.k == value::kind::string && replace_case(v.s, true) == v.s;
+    if (name == "callable")
+      return v.k == value::kind::function;
+    if (name == "odd")
+      return v.as_int() % 2 != 0;
+    if (name == "even")
+      return v.as_int() % 2 == 0;
+    if (name == "divisibleby")
+      return arg(0).as_int() != 0 && v.as_int() % arg(0).as_int() == 0;
+    if (name == "eq" || name == "equalto" || name == "==")
+      return equal(v, arg(0));
+    if (name == "ne" || name == "!=")
+      return !equal(v, arg(0));
+    if (name == "lt" || name == "<")
+      return less(v, arg(0));
+    if (name == "le" || name == "<=")
+      return !less(arg(0), v);
+    if (name == "gt" || name == ">")
+      return less(arg(0), v);
+    if (name == "ge" || name == ">=")
+      return !less(v, arg(0));
+    if (name == "in")
+      return contains(arg(0), v, e);
+    if (name == "sameas")
+      return v.k == arg(0).k && equal(v, arg(0));
+    if (name == "lower")
+      return v.k == value::kind::string && replace_case(v.s, false) == v.s;
+    if (name == "upper")
+      return v.k == value::kind::string && replace_case(v.s, true) == v.s;
     fail(where(e) + "the test '" + name + "' is not supported");
   }
 
@@ -2099,7 +2272,8 @@ private:
       if (!cur.defined())
         return cur;
       bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), ::isdigit);
-      cur = numeric ? item(cur, value::integer(std::stoll(part)), e) : item(cur, value::string(part), e);
+      cur = numeric ? item(cur, value::integer(std::stoll(part)), e)
+                    : item(cur, value::string(part), e);
     }
     return cur;
   }
@@ -2119,7 +2293,8 @@ private:
       return iterate(v, e.line);
     };
     if (f == "default" || f == "d") {
-      bool boolean = a.size() > 1 ? truthy(a[1]) : truthy(kwarg(kw, "boolean", value::boolean(false)));
+      bool boolean =
+        a.size() > 1 ? truthy(a[1]) : truthy(kwarg(kw, "boolean", value::boolean(false)));
       bool use_default = boolean ? !truthy(v) : !v.defined();
       return use_default ? (a.empty() ? value::string("") : a[0]) : v;
     }
@@ -2148,15 +2323,21 @@ private:
       to_json(v, n, item_sep, key_sep, truthy(sort), 0, out);
       return value::string(out);
     }
-    if (f == "string") return value::string(str(v));
-    if (f == "trim") return value::string(strip(str(v), a.empty() ? nullptr : &a[0], true, true));
-    if (f == "upper" || f == "lower") return value::string(replace_case(str(v), f == "upper"));
-    if (f == "title") return value::string(title_case(str(v)));
-    if (f == "capitalize") return value::string(capitalize(str(v)));
+    if (f == "string")
+      return value::string(str(v));
+    if (f == "trim")
+      return value::string(strip(str(v), a.empty() ? nullptr : &a[0], true, true));
+    if (f == "upper" || f == "lower")
+      return value::string(replace_case(str(v), f == "upper"));
+    if (f == "title")
+      return value::string(title_case(str(v)));
+    if (f == "capitalize")
+      return value::string(capitalize(str(v)));
     if (f == "replace") {
       if (a.size() < 2)
         fail(where(e) + "replace needs two arguments");
-      return value::string(replace_all(str(v), str(a[0]), str(a[1]), a.size() > 2 ? a[2].as_int() : -1));
+      return value::string(
+        replace_all(str(v), str(a[0]), str(a[1]), a.size() > 2 ? a[2].as_int() : -1));
     }
     if (f == "length" || f == "count") {
       if (v.k == value::kind::string)
@@ -2197,7 +2378,8 @@ private:
       return value::integer(std::llabs(v.as_int()));
     }
     if (f == "round") {
-      int64_t digits = a.empty() ? kwarg(kw, "precision", value::integer(0)).as_int() : a[0].as_int();
+      int64_t digits =
+        a.empty() ? kwarg(kw, "precision", value::integer(0)).as_int() : a[0].as_int();
       double scale = std::pow(10.0, static_cast<double>(digits));
       return value::floating(std::round(v.as_double() * scale) / scale);
     }
@@ -2224,9 +2406,12 @@ private:
       return value::string(out);
     }
     auto items = need_list();
-    if (f == "list") return value::list(items);
-    if (f == "first") return items.empty() ? value::undefined() : items.front();
-    if (f == "last") return items.empty() ? value::undefined() : items.back();
+    if (f == "list")
+      return value::list(items);
+    if (f == "first")
+      return items.empty() ? value::undefined() : items.front();
+    if (f == "last")
+      return items.empty() ? value::undefined() : items.back();
     if (f == "reverse") {
       if (v.k == value::kind::string) {
         auto cps = code_points(v.s);
@@ -2247,7 +2432,8 @@ private:
       if (v.k != value::kind::object)
         fail(where(e) + "dictsort needs a mapping, not " + type_name(v));
       auto pairs = v.o->items;
-      std::stable_sort(pairs.begin(), pairs.end(), [](auto& x, auto& y) { return x.first < y.first; });
+      std::stable_sort(pairs.begin(), pairs.end(),
+                       [](auto& x, auto& y) { return x.first < y.first; });
       auto out = value::list();
       for (auto& [k, x] : pairs)
         out.l->push_back(value::list({value::string(k), x}));
@@ -2272,7 +2458,9 @@ private:
     if (f == "sort" || f == "max" || f == "min") {
       bool reverse = truthy(kwarg(kw, "reverse", value::boolean(a.empty() ? false : truthy(a[0]))));
       auto attr = kwarg(kw, "attribute", value::none());
-      auto key = [&](const value& x) { return attr.k == value::kind::none ? x : path(x, str(attr), e); };
+      auto key = [&](const value& x) {
+        return attr.k == value::kind::none ? x : path(x, str(attr), e);
+      };
       std::stable_sort(items.begin(), items.end(),
                        [&](const value& x, const value& y) { return less(key(x), key(y)); });
       if (f == "max")
@@ -2336,11 +2524,13 @@ private:
       if (!test_name.empty() && !tests.count(test_name))
         throw troupe::error{errc::unsupported, "chat template, " + where(e) + "the test '" +
                                                  test_name + "' is not supported"};
-      args_list test_args(a.begin() + static_cast<std::ptrdiff_t>(std::min(a.size(), first_test + 1)), a.end());
+      args_list test_args(
+        a.begin() + static_cast<std::ptrdiff_t>(std::min(a.size(), first_test + 1)), a.end());
       auto out = value::list();
       for (auto& x : items) {
         auto subject = by_attr ? path(x, str(a[0]), e) : x;
-        bool pass = test_name.empty() ? truthy(subject) : apply_test(test_name, subject, test_args, e);
+        bool pass =
+          test_name.empty() ? truthy(subject) : apply_test(test_name, subject, test_args, e);
         if (pass == keep_if)
           out.l->push_back(x);
       }

@@ -15,8 +15,8 @@ namespace {
 /// products that overflow.
 size_t checked_bytes(int64_t per_block, int64_t blocks, const char* what) {
   int64_t bytes = 0;
-  if (blocks < 0 || blocks > std::numeric_limits<int32_t>::max()
-      || __builtin_mul_overflow(per_block, blocks, &bytes))
+  if (blocks < 0 || blocks > std::numeric_limits<int32_t>::max() ||
+      __builtin_mul_overflow(per_block, blocks, &bytes))
     throw error{errc::invalid_argument, std::string{"KV cache: "} + std::to_string(blocks) + " " +
                                           what + " blocks cannot be addressed"};
   return static_cast<size_t>(bytes);
@@ -37,21 +37,15 @@ std::unique_ptr<float[], void (*)(void*)> swap_space(size_t bytes) {
 
 kv_cache::kv_cache(device& dev, int64_t layers, int64_t kv_heads, int64_t head_dim,
                    int64_t block_size, int64_t device_blocks, int64_t swap_blocks)
-  : dev_(dev),
-    layers_(layers),
-    head_dim_(head_dim),
-    row_(kv_heads * head_dim),
-    block_size_(block_size),
-    device_blocks_(device_blocks),
-    swap_blocks_(swap_blocks),
+  : dev_(dev), layers_(layers), head_dim_(head_dim), row_(kv_heads * head_dim),
+    block_size_(block_size), device_blocks_(device_blocks), swap_blocks_(swap_blocks),
     device_memory_(dev,
                    checked_bytes(bytes_per_block(layers, kv_heads, head_dim, block_size),
                                  device_blocks, "device"),
                    memory_tag::kv_cache),
     base_(device_memory_.as<float>()),
     swap_(swap_space(checked_bytes(bytes_per_block(layers, kv_heads, head_dim, block_size),
-                                   swap_blocks, "swap"))) {
-}
+                                   swap_blocks, "swap"))) {}
 
 void kv_cache::validate(int64_t layers, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                         int64_t device_blocks, int64_t swap_blocks) {
@@ -81,15 +75,17 @@ void kv_cache::check(int64_t block, int64_t limit, const char* what) const {
 }
 
 void kv_cache::swap_out(const std::vector<block_move>& moves) {
-  move_blocks(moves, device_blocks_, "device", swap_blocks_, "swap",
-              [&](int64_t block, int64_t layer, int64_t kv) { return at(layer, kv, block, 0, 0); },
-              [&](int64_t block, int64_t layer, int64_t kv) { return swapped(block, layer, kv); });
+  move_blocks(
+    moves, device_blocks_, "device", swap_blocks_, "swap",
+    [&](int64_t block, int64_t layer, int64_t kv) { return at(layer, kv, block, 0, 0); },
+    [&](int64_t block, int64_t layer, int64_t kv) { return swapped(block, layer, kv); });
 }
 
 void kv_cache::swap_in(const std::vector<block_move>& moves) {
-  move_blocks(moves, swap_blocks_, "swap", device_blocks_, "device",
-              [&](int64_t block, int64_t layer, int64_t kv) { return swapped(block, layer, kv); },
-              [&](int64_t block, int64_t layer, int64_t kv) { return at(layer, kv, block, 0, 0); });
+  move_blocks(
+    moves, swap_blocks_, "swap", device_blocks_, "device",
+    [&](int64_t block, int64_t layer, int64_t kv) { return swapped(block, layer, kv); },
+    [&](int64_t block, int64_t layer, int64_t kv) { return at(layer, kv, block, 0, 0); });
 }
 
 void kv_cache::copy(const std::vector<block_move>& moves) {

@@ -57,8 +57,8 @@ public:
 
 private:
   float* at(int64_t layer, int64_t kv, int64_t block, int64_t slot, int64_t kv_head) {
-    return base_ + (((layer * 2 + kv) * device_blocks_ + block) * block_size_ + slot) * row_
-           + kv_head * head_dim_;
+    return base_ + (((layer * 2 + kv) * device_blocks_ + block) * block_size_ + slot) * row_ +
+           kv_head * head_dim_;
   }
 
   /// Floats of one block in one layer, for keys or values.

@@ -93,8 +93,8 @@ void read_cols(const tensor_view& t, int64_t row0, int64_t rows, int64_t col0, i
 
 /// Copies columns [col0, col0 + cols) (whole blocks) of rows [row0, row0 + rows) of `t` as
 /// stored to `dst`.
-void copy_stored_cols(const tensor_view& t, int64_t row0, int64_t rows, int64_t col0,
-                      int64_t cols, char* dst) {
+void copy_stored_cols(const tensor_view& t, int64_t row0, int64_t rows, int64_t col0, int64_t cols,
+                      char* dst) {
   auto stride = row_bytes(t);
   auto offset = storage_bytes(t.type, static_cast<size_t>(col0));
   auto width = storage_bytes(t.type, static_cast<size_t>(cols));
@@ -136,16 +136,12 @@ void parallel_each(size_t n, int threads, const std::function<void(size_t)>& fn)
 llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t world,
                          dtype weight_type, bool stored_types, bool int8_activations,
                          bool expert_parallel)
-  : cfg_(std::move(cfg)),
-    dev_(dev),
-    backend_(make_backend(dev, threads_per_rank(world), int8_activations)),
-    rank_(rank),
-    world_(world),
-    weight_type_(weight_type),
-    stored_types_(stored_types) {
+  : cfg_(std::move(cfg)), dev_(dev),
+    backend_(make_backend(dev, threads_per_rank(world), int8_activations)), rank_(rank),
+    world_(world), weight_type_(weight_type), stored_types_(stored_types) {
   if (!backend_->computes_in(weight_type))
-    throw error{errc::unsupported, dev.name() + " does not compute with " +
-                                     dtype_name(weight_type) + " weights"};
+    throw error{errc::unsupported,
+                dev.name() + " does not compute with " + dtype_name(weight_type) + " weights"};
   if (world < 1 || world > cfg_.num_attention_heads)
     throw error{errc::invalid_argument,
                 cfg_.architecture + " with " + std::to_string(cfg_.num_attention_heads) +
@@ -176,8 +172,9 @@ llama_model::llama_model(model_config cfg, device& dev, int32_t rank, int32_t wo
   inv_freq_ = base_inv_freq_;
   const auto rotated = cfg_.rotated_dims();
   for (int64_t i = 0; cfg_.local_rope_theta > 0 && i < rotated / 2; ++i)
-    local_inv_freq_.push_back(1.0 / std::pow(cfg_.local_rope_theta, static_cast<double>(2 * i) /
-                                                                     static_cast<double>(rotated)));
+    local_inv_freq_.push_back(
+      1.0 /
+      std::pow(cfg_.local_rope_theta, static_cast<double>(2 * i) / static_cast<double>(rotated)));
   if (cfg_.rope_scaling.type == rope_scaling_config::kind::longrope) {
     // rotary_frequencies gives the short ones.
     long_inv_freq_ = base_inv_freq_;
@@ -197,8 +194,9 @@ std::vector<double> llama_model::rotary_frequencies(double theta) const {
   double yarn_high = 0;
   if (rs.type == rope::yarn) {
     auto dim_of = [&](double rotations) {
-      return dim * std::log(static_cast<double>(rs.original_max_position_embeddings) /
-                            (rotations * 2 * M_PI)) /
+      return dim *
+             std::log(static_cast<double>(rs.original_max_position_embeddings) /
+                      (rotations * 2 * M_PI)) /
              (2 * std::log(theta));
     };
     yarn_low = dim_of(rs.beta_fast);
@@ -220,7 +218,8 @@ std::vector<double> llama_model::rotary_frequencies(double theta) const {
     } else if (rs.type == rope::longrope) {
       f /= rs.short_factor[static_cast<size_t>(i)];
     } else if (rs.type == rope::yarn) {
-      double ramp = std::clamp((static_cast<double>(i) - yarn_low) / (yarn_high - yarn_low), 0.0, 1.0);
+      double ramp =
+        std::clamp((static_cast<double>(i) - yarn_low) / (yarn_high - yarn_low), 0.0, 1.0);
       double extrapolated = 1.0 - ramp;
       f = f / rs.factor * (1.0 - extrapolated) + f * extrapolated;
     } else if (rs.type == rope::llama3) {
@@ -231,8 +230,8 @@ std::vector<double> llama_model::rotary_frequencies(double theta) const {
       if (wavelen > low_wavelen) {
         f /= rs.factor;
       } else if (wavelen >= high_wavelen) {
-        double smooth = (old_len / wavelen - rs.low_freq_factor)
-                        / (rs.high_freq_factor - rs.low_freq_factor);
+        double smooth =
+          (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor);
         f = (1.0 - smooth) * f / rs.factor + smooth * f;
       }
     }
@@ -300,20 +299,20 @@ std::vector<llama_model::weight_job> llama_model::plan_weights() {
     const bool sparse = cfg_.sparse(i);
     if (sparse) {
       const auto I = cfg_.moe_intermediate_size;
-      jobs.push_back({&l.router, router_weight_name(cfg_, i), {cfg_.num_experts, H}, part::whole,
-                      0, 0, wt});
+      jobs.push_back(
+        {&l.router, router_weight_name(cfg_, i), {cfg_.num_experts, H}, part::whole, 0, 0, wt});
       l.experts.resize(static_cast<size_t>(local_experts_));
       for (int64_t e = 0; e < local_experts_; ++e) {
         auto& x = l.experts[static_cast<size_t>(e)];
         auto name = [&](const char* proj) {
           return expert_weight_name(cfg_, i, expert_begin_ + e, proj);
         };
-        jobs.push_back({&x.gate, name("gate"), {I, H}, part::rows, moe_inter_begin_,
-                        local_moe_inter_, wt});
-        jobs.push_back({&x.up, name("up"), {I, H}, part::rows, moe_inter_begin_,
-                        local_moe_inter_, wt});
-        jobs.push_back({&x.down, name("down"), {H, I}, part::cols, moe_inter_begin_,
-                        local_moe_inter_, wt});
+        jobs.push_back(
+          {&x.gate, name("gate"), {I, H}, part::rows, moe_inter_begin_, local_moe_inter_, wt});
+        jobs.push_back(
+          {&x.up, name("up"), {I, H}, part::rows, moe_inter_begin_, local_moe_inter_, wt});
+        jobs.push_back(
+          {&x.down, name("down"), {H, I}, part::cols, moe_inter_begin_, local_moe_inter_, wt});
       }
     }
     for (size_t n = 0; n < projection_count; ++n) {
@@ -322,19 +321,28 @@ std::vector<llama_model::weight_job> llama_model::plan_weights() {
         continue;
       auto sh = shard_of(proj);
       auto parent = proj <= projection::o ? "self_attn." : "mlp.";
-      jobs.push_back({weights[n], p + parent + module_name(proj) + ".weight", {sh.out, sh.in},
-                      sh.by_rows ? part::rows : part::cols, sh.start, sh.count, wt});
+      jobs.push_back({weights[n],
+                      p + parent + module_name(proj) + ".weight",
+                      {sh.out, sh.in},
+                      sh.by_rows ? part::rows : part::cols,
+                      sh.start,
+                      sh.count,
+                      wt});
       // A bias of a column-parallel projection is split as its rows; one of a row-parallel
       // projection (o, down) is whole, added once the partial sums are reduced.
-      bool biased = proj <= projection::v ? cfg_.attention_bias
+      bool biased = proj <= projection::v   ? cfg_.attention_bias
                     : proj == projection::o ? cfg_.o_proj_bias
                                             : cfg_.mlp_bias;
       if (biased) {
-        tensor_slot* biases[] = {&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias,
+        tensor_slot* biases[] = {&l.q_bias,    &l.k_bias,  &l.v_bias,   &l.o_bias,
                                  &l.gate_bias, &l.up_bias, &l.down_bias};
-        jobs.push_back({biases[n], p + parent + module_name(proj) + ".bias", {sh.out},
-                        sh.by_rows ? part::rows : part::whole, sh.by_rows ? sh.start : 0,
-                        sh.by_rows ? sh.count : 0, f32});
+        jobs.push_back({biases[n],
+                        p + parent + module_name(proj) + ".bias",
+                        {sh.out},
+                        sh.by_rows ? part::rows : part::whole,
+                        sh.by_rows ? sh.start : 0,
+                        sh.by_rows ? sh.count : 0,
+                        f32});
       }
     }
   }
@@ -374,18 +382,19 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     wanted.insert(j.name);
   for (auto& name : ckpt.names())
     if (wanted.count(name) == 0 && !passed_over(name, presharded))
-      throw error{errc::invalid_argument,
-                  "model '" + ckpt.directory() + "': tensor '" + name +
-                    "' has no place in the model its config describes (" +
-                    std::to_string(cfg_.num_hidden_layers) + " layers" +
-                    (cfg_.attention_bias ? ", with" : ", without") + " attention biases)"};
+      throw error{errc::invalid_argument, "model '" + ckpt.directory() + "': tensor '" + name +
+                                            "' has no place in the model its config describes (" +
+                                            std::to_string(cfg_.num_hidden_layers) + " layers" +
+                                            (cfg_.attention_bias ? ", with" : ", without") +
+                                            " attention biases)"};
   inv_freq_ = base_inv_freq_;
   dynamic_freqs_.clear();
   if (ckpt.contains("rope_freqs.weight")) {
     auto& t = ckpt.at("rope_freqs.weight");
     if (t.shape != std::vector<int64_t>{static_cast<int64_t>(inv_freq_.size())})
       throw error{errc::invalid_argument, "model '" + ckpt.directory() +
-                                            "': rope_freqs.weight has shape " + shape_text(t.shape)};
+                                            "': rope_freqs.weight has shape " +
+                                            shape_text(t.shape)};
     std::vector<float> factors(inv_freq_.size());
     to_float(t.type, t.data, factors.data(), factors.size());
     for (size_t i = 0; i < factors.size(); ++i)
@@ -402,8 +411,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     auto& stored = ckpt.at(j.name);
     j.as_stored = stored_types_ && j.type == wt && stored.shape.size() == 2 &&
                   backend_->computes_in(stored.type) &&
-                  (presharded || j.split != part::cols ||
-                   whole_blocks(stored, j.start, j.count));
+                  (presharded || j.split != part::cols || whole_blocks(stored, j.start, j.count));
     if (j.as_stored)
       j.type = stored.type;
     // This rank's shape; a presharded checkpoint holds exactly that.
@@ -419,10 +427,10 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       numel *= static_cast<size_t>(d);
     // A weight goes into the backend's packed layout where it has one, but for a head split
     // by vocabulary (each rank reads it from its own first row).
-    bool sliced = world_ > 1 && (j.slot == &lm_head_ ||
-                                 (j.slot == &embed_ && cfg_.tie_word_embeddings));
-    j.packed = j.as_stored && local.size() == 2 && !sliced &&
-               backend_->packs(j.type, local[0], local[1]);
+    bool sliced =
+      world_ > 1 && (j.slot == &lm_head_ || (j.slot == &embed_ && cfg_.tie_word_embeddings));
+    j.packed =
+      j.as_stored && local.size() == 2 && !sliced && backend_->packs(j.type, local[0], local[1]);
     offsets.push_back(pack(total, storage_bytes(j.type, numel)));
     local_shapes.push_back(local);
   }
@@ -436,9 +444,8 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       auto& j = jobs[n];
       text += j.name + " " + dtype_name(j.type) + (j.packed ? " packed" : "") + " at " +
               std::to_string(offsets[n]) + " from " + std::to_string(j.start) + " split " +
-              std::to_string(static_cast<int>(j.split)) + " shape " +
-              shape_text(local_shapes[n]) + (j.offset != 0 ? " plus " + std::to_string(j.offset) : "") +
-              "\n";
+              std::to_string(static_cast<int>(j.split)) + " shape " + shape_text(local_shapes[n]) +
+              (j.offset != 0 ? " plus " + std::to_string(j.offset) : "") + "\n";
     }
     return text;
   };
@@ -477,8 +484,8 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
   auto keep = [&] {
     held_.clear();
     for (size_t n = 0; n < jobs.size(); ++n)
-      held_.push_back({jobs[n].name, local_shapes[n], jobs[n].type, jobs[n].slot->ptr,
-                       jobs[n].slot->packed});
+      held_.push_back(
+        {jobs[n].name, local_shapes[n], jobs[n].type, jobs[n].slot->ptr, jobs[n].slot->packed});
   };
   content_hash_ = 0;
   if (cached) {
@@ -560,8 +567,8 @@ void llama_model::write_weight(const weight_job& j, const tensor_view& t, char* 
       const char* src = nullptr;
       if (presharded || j.split != part::cols) {
         if (t.row_order.empty()) {
-          src = reinterpret_cast<const char*>(t.data) +
-                static_cast<size_t>(first + r0) * row_bytes(t);
+          src =
+            reinterpret_cast<const char*>(t.data) + static_cast<size_t>(first + r0) * row_bytes(t);
         } else {
           raw.resize(band_bytes);
           copy_stored_cols(t, first + r0, count, 0, cols, raw.data());
@@ -587,9 +594,9 @@ void llama_model::write_weight(const weight_job& j, const tensor_view& t, char* 
       read_cols(t, r0, count, j.start, j.count, staging.data());
     // A NaN or an infinity in a weight turns every logit into NaN (token 0 at every
     // step); the values pass through here once anyway.
-    auto bad = checked ? staging.end()
-                       : std::find_if(staging.begin(), staging.end(),
-                                      [](float x) { return !std::isfinite(x); });
+    auto bad = checked ? staging.end() : std::find_if(staging.begin(), staging.end(), [](float x) {
+      return !std::isfinite(x);
+    });
     if (bad != staging.end())
       refuse(r0 * cols + (bad - staging.begin()), std::isnan(*bad) ? "NaN" : "an infinity");
     if (j.offset != 0)
@@ -647,9 +654,9 @@ llama_model::plan_update(const checkpoint& src, const update_options& options) {
     by_name.erase(found);
   }
   if (options.whole && !by_name.empty())
-    throw error{errc::invalid_argument,
-                source + " lacks parameter '" + by_name.begin()->first + "' (and " +
-                  std::to_string(by_name.size() - 1) + " more)"};
+    throw error{errc::invalid_argument, source + " lacks parameter '" + by_name.begin()->first +
+                                          "' (and " + std::to_string(by_name.size() - 1) +
+                                          " more)"};
   if (options.check_values) {
     // In checkpoint order, so that the first bad tensor is the one named.
     std::vector<std::optional<size_t>> bad(planned.size());
@@ -695,18 +702,18 @@ llama_model::shard llama_model::shard_of(projection p) const {
   const auto KVH = cfg_.num_key_value_heads * D;
   const auto I = cfg_.intermediate_size;
   switch (p) {
-    case projection::q:
-      return {true, head_begin_ * D, local_heads_ * D, QH, H};
-    case projection::k:
-    case projection::v:
-      return {true, kv_offset_ * D, local_kv_ * D, KVH, H};
-    case projection::o:
-      return {false, head_begin_ * D, local_heads_ * D, H, QH};
-    case projection::gate:
-    case projection::up:
-      return {true, inter_begin_, local_inter_, I, H};
-    case projection::down:
-      return {false, inter_begin_, local_inter_, H, I};
+  case projection::q:
+    return {true, head_begin_ * D, local_heads_ * D, QH, H};
+  case projection::k:
+  case projection::v:
+    return {true, kv_offset_ * D, local_kv_ * D, KVH, H};
+  case projection::o:
+    return {false, head_begin_ * D, local_heads_ * D, H, QH};
+  case projection::gate:
+  case projection::up:
+    return {true, inter_begin_, local_inter_, I, H};
+  case projection::down:
+    return {false, inter_begin_, local_inter_, H, I};
   }
   throw error{errc::invalid_argument, "unknown projection"};
 }
@@ -723,8 +730,7 @@ void llama_model::upload(void* dst, const float* values, size_t count, dtype typ
 }
 
 llama_model::step_layout llama_model::layout_of(int64_t T, int64_t S, int64_t seqs,
-                                                int64_t max_blocks,
-                                                int64_t max_lora_rank) const {
+                                                int64_t max_blocks, int64_t max_lora_rank) const {
   const auto H = cfg_.hidden_size;
   const auto q_width = local_heads_ * cfg_.head_dim;
   const auto kv_width = local_kv_ * cfg_.head_dim;
@@ -774,8 +780,8 @@ llama_model::step_layout llama_model::layout_of(int64_t T, int64_t S, int64_t se
 int64_t llama_model::reserve(int64_t tokens, int64_t seqs, int64_t max_len, int64_t block_size,
                              int64_t max_lora_rank) {
   auto max_blocks = table_width((max_len + block_size - 1) / block_size);
-  auto layout = layout_of(tokens, std::min(seqs, tokens), std::min(seqs, tokens), max_blocks,
-                          max_lora_rank);
+  auto layout =
+    layout_of(tokens, std::min(seqs, tokens), std::min(seqs, tokens), max_blocks, max_lora_rank);
   auto bytes = static_cast<size_t>(layout.total) * sizeof(float);
   workspace(bytes);
   return static_cast<int64_t>(bytes);
@@ -817,18 +823,17 @@ lora_weights llama_model::load_lora(const std::string& path, int64_t max_rank) c
         continue;
       auto proj = static_cast<projection>(n);
       if (proj > projection::o && cfg_.sparse(static_cast<int64_t>(l)))
-        throw error{errc::unsupported,
-                    "adapter '" + path + "' adapts " + module_name(proj) + " of layer " +
-                      std::to_string(l) + ", whose MLP is a mixture of experts: troupe " +
-                      "adapts the attention projections of such layers only"};
+        throw error{errc::unsupported, "adapter '" + path + "' adapts " + module_name(proj) +
+                                         " of layer " + std::to_string(l) +
+                                         ", whose MLP is a mixture of experts: troupe " +
+                                         "adapts the attention projections of such layers only"};
       auto sh = shard_of(proj);
       auto rank = f.a->shape[0];
       if (f.a->shape[1] != sh.in || f.b->shape[0] != sh.out)
         throw error{errc::invalid_argument,
-                    "adapter '" + path + "': layer " + std::to_string(l) + " " +
-                      module_name(proj) + " factors are " + shape_text(f.b->shape) + " x " +
-                      shape_text(f.a->shape) + ", the model's weight is " +
-                      shape_text({sh.out, sh.in})};
+                    "adapter '" + path + "': layer " + std::to_string(l) + " " + module_name(proj) +
+                      " factors are " + shape_text(f.b->shape) + " x " + shape_text(f.a->shape) +
+                      ", the model's weight is " + shape_text({sh.out, sh.in})};
       out.layers[l][n].rank = rank;
       auto a_cols = sh.by_rows ? sh.in : sh.count;
       auto b_rows = sh.by_rows ? sh.count : sh.out;
@@ -911,10 +916,10 @@ void llama_model::rope_tables(int32_t position, const std::vector<double>& freqs
                               float* sin) const {
   // YaRN and LongRoPE scale both (transformers' attention_scaling); the others by 1.
   using rope = rope_scaling_config::kind;
-  const double scale = cfg_.rope_scaling.type == rope::yarn ||
-                           cfg_.rope_scaling.type == rope::longrope
-                         ? cfg_.rope_scaling.attention_factor
-                         : 1.0;
+  const double scale =
+    cfg_.rope_scaling.type == rope::yarn || cfg_.rope_scaling.type == rope::longrope
+      ? cfg_.rope_scaling.attention_factor
+      : 1.0;
   for (size_t i = 0; i < freqs.size(); ++i) {
     double angle = position * freqs[i];
     cos[i] = static_cast<float>(std::cos(angle) * scale);
@@ -924,7 +929,8 @@ void llama_model::rope_tables(int32_t position, const std::vector<double>& freqs
 
 const std::vector<double>& llama_model::step_frequencies(int64_t length) {
   const auto& rs = cfg_.rope_scaling;
-  if (rs.type == rope_scaling_config::kind::longrope && length > rs.original_max_position_embeddings)
+  if (rs.type == rope_scaling_config::kind::longrope &&
+      length > rs.original_max_position_embeddings)
     return long_inv_freq_;
   if (rs.type != rope_scaling_config::kind::dynamic || length <= cfg_.max_position_embeddings)
     return inv_freq_;
@@ -936,11 +942,10 @@ const std::vector<double>& llama_model::step_frequencies(int64_t length) {
   if (dynamic_freqs_.size() >= 64)
     dynamic_freqs_.clear();
   const double dim = static_cast<double>(cfg_.rotated_dims());
-  double theta = cfg_.rope_theta *
-                 std::pow(rs.factor * static_cast<double>(length) /
-                            static_cast<double>(cfg_.max_position_embeddings) -
-                          (rs.factor - 1),
-                          dim / (dim - 2));
+  double theta = cfg_.rope_theta * std::pow(rs.factor * static_cast<double>(length) /
+                                                static_cast<double>(cfg_.max_position_embeddings) -
+                                              (rs.factor - 1),
+                                            dim / (dim - 2));
   auto freqs = rotary_frequencies(theta);
   // A GGUF file's rope_freqs.weight divides these as it divides the base frequencies.
   for (size_t i = 0; i < freqs.size(); ++i)
@@ -958,8 +963,7 @@ void llama_model::run(const execute_model_request& req, kv_cache& cache,
   forward(batch, cache);
 }
 
-llama_model::step_buffers llama_model::upload_step(const step_batch& batch,
-                                                   const kv_cache& cache) {
+llama_model::step_buffers llama_model::upload_step(const step_batch& batch, const kv_cache& cache) {
   const auto half = cfg_.rotated_dims() / 2;
   const auto bs = cache.block_size();
   auto& tokens = batch.tokens;
@@ -1013,13 +1017,24 @@ llama_model::step_buffers llama_model::upload_step(const step_batch& batch,
     b.local_cos = b.sin + T * half;
     b.local_sin = b.local_cos + T * half;
   }
-  for (auto [buffer, offset] :
-       {std::pair{&b.x, parts.x}, {&b.h, parts.h}, {&b.q, parts.q}, {&b.k, parts.k},
-        {&b.v, parts.v}, {&b.attn, parts.attn}, {&b.gate, parts.gate}, {&b.up, parts.up},
-        {&b.mid, parts.mid}, {&b.last, parts.last}, {&b.logits, parts.logits},
-        {&b.router, parts.router}, {&b.moe_in, parts.moe_in}, {&b.expert_x, parts.expert_x},
-        {&b.expert_gate, parts.expert_gate}, {&b.expert_up, parts.expert_up},
-        {&b.expert_out, parts.expert_out}, {&b.route_weights, parts.route_weights}})
+  for (auto [buffer, offset] : {std::pair{&b.x, parts.x},
+                                {&b.h, parts.h},
+                                {&b.q, parts.q},
+                                {&b.k, parts.k},
+                                {&b.v, parts.v},
+                                {&b.attn, parts.attn},
+                                {&b.gate, parts.gate},
+                                {&b.up, parts.up},
+                                {&b.mid, parts.mid},
+                                {&b.last, parts.last},
+                                {&b.logits, parts.logits},
+                                {&b.router, parts.router},
+                                {&b.moe_in, parts.moe_in},
+                                {&b.expert_x, parts.expert_x},
+                                {&b.expert_gate, parts.expert_gate},
+                                {&b.expert_up, parts.expert_up},
+                                {&b.expert_out, parts.expert_out},
+                                {&b.route_weights, parts.route_weights}})
     *buffer = base + offset;
   b.routes = reinterpret_cast<int32_t*>(base + parts.routes);
   b.layout.block_tables = b.ints + parts.tables;
@@ -1061,8 +1076,7 @@ void llama_model::apply_lora(const step_batch& batch, const step_buffers& b, siz
   }
 }
 
-void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b,
-                            kv_cache& cache) {
+void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b, kv_cache& cache) {
   auto& be = *backend_;
   auto& l = layers_[li];
   const auto layer = static_cast<int64_t>(li);
@@ -1111,8 +1125,7 @@ void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b,
 }
 
 void llama_model::gate_up(const float* x, int64_t rows, const tensor_slot& gate,
-                          const tensor_slot& up, float* gate_out, float* up_out,
-                          int64_t width) {
+                          const tensor_slot& up, float* gate_out, float* up_out, int64_t width) {
   auto& be = *backend_;
   const auto H = cfg_.hidden_size;
   if (gate.type == up.type) {
@@ -1304,9 +1317,8 @@ void llama_model::forward(const step_batch& batch, kv_cache& cache) {
   // A decode step of one process is recorded once per shape and then replayed; steps with
   // adapters, all-reduces, prompts or experts (routed on the host) run call by call.
   bool replayable = graphs_.enabled() && world_ == 1 && batch.decode_only &&
-                    cfg_.num_experts == 0 &&
-                    T <= step_graphs::max_tokens && batch.lora_runs.empty() &&
-                    adapters.prompt.empty();
+                    cfg_.num_experts == 0 && T <= step_graphs::max_tokens &&
+                    batch.lora_runs.empty() && adapters.prompt.empty();
   if (replayable)
     graphs_.run(be,
                 {T, b.samples, static_cast<int64_t>(batch.tables.size()), b.layout.max_blocks,
@@ -1330,8 +1342,8 @@ void llama_model::sample(const std::vector<row_sampling>& params, std::vector<in
                          std::vector<float>& logprobs) {
   if (static_cast<int64_t>(params.size()) != logit_rows_)
     throw error{errc::invalid_argument, "sample: " + std::to_string(params.size()) +
-                                          " rows of parameters for " +
-                                          std::to_string(logit_rows_) + " rows of logits"};
+                                          " rows of parameters for " + std::to_string(logit_rows_) +
+                                          " rows of logits"};
   ids.resize(params.size());
   logprobs.resize(params.size());
   if (params.empty())
@@ -1343,8 +1355,7 @@ void llama_model::sample(const std::vector<row_sampling>& params, std::vector<in
   dev_.copy(logprobs.data(), sampled_logprobs_, logprobs.size() * sizeof(float));
 }
 
-std::vector<float> llama_model::prompt_logits(const std::vector<int32_t>& tokens,
-                                              kv_cache& cache) {
+std::vector<float> llama_model::prompt_logits(const std::vector<int32_t>& tokens, kv_cache& cache) {
   logits_ = nullptr;
   logit_rows_ = 0;
   auto blocks = (static_cast<int64_t>(tokens.size()) + cache.block_size() - 1) / cache.block_size();

@@ -264,8 +264,8 @@ private:
     /// `post_norm` comes before the MLP (Llama's post_attention_layernorm, Gemma's
     /// pre_feedforward_layernorm); with sandwich norms, `attn_out_norm` and `mlp_out_norm`
     /// norm the two halves' outputs.
-    tensor_slot input_norm, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, o, o_bias,
-      post_norm, gate, up, down, gate_bias, up_bias, down_bias, attn_out_norm, mlp_out_norm;
+    tensor_slot input_norm, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, o, o_bias, post_norm,
+      gate, up, down, gate_bias, up_bias, down_bias, attn_out_norm, mlp_out_norm;
     /// A sparse layer's router ([num_experts, hidden]) and this rank's experts.
     tensor_slot router;
     struct expert {
@@ -355,9 +355,8 @@ private:
     /// The sliding layers' tables where they rotate with a base of their own.
     const float* local_cos = nullptr;
     const float* local_sin = nullptr;
-    float *x = nullptr, *h = nullptr, *q = nullptr, *k = nullptr, *v = nullptr,
-          *attn = nullptr, *gate = nullptr, *up = nullptr, *mid = nullptr, *last = nullptr,
-          *logits = nullptr;
+    float *x = nullptr, *h = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *attn = nullptr,
+          *gate = nullptr, *up = nullptr, *mid = nullptr, *last = nullptr, *logits = nullptr;
     /// A sparse layer's: router logits, its input, one expert's rows (in, gate, up, out),
     /// and the routes (each local expert's tokens, then their weights).
     float *router = nullptr, *moe_in = nullptr, *expert_x = nullptr, *expert_gate = nullptr,

@@ -42,9 +42,9 @@ int open_regular(const std::string& path, const char* kind, std::size_t& size,
     std::error_code ec;
     auto absolute = std::filesystem::absolute(path, ec);
     *identity = (ec ? path : absolute.lexically_normal().string()) + " size " +
-                std::to_string(st.st_size) + " device " + std::to_string(st.st_dev) +
-                " inode " + std::to_string(st.st_ino) + " modified " +
-                std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec);
+                std::to_string(st.st_size) + " device " + std::to_string(st.st_dev) + " inode " +
+                std::to_string(st.st_ino) + " modified " + std::to_string(st.st_mtim.tv_sec) + "." +
+                std::to_string(st.st_mtim.tv_nsec);
   }
   return fd;
 }

@@ -63,22 +63,20 @@ std::vector<host_tensor> tensor_metadata(const caf::message& args, size_t first)
 
 std::function<lora_weights(const lora_request&)> lora_loader(const llama_model& model,
                                                              int64_t max_rank) {
-  return [&model, max_rank](const lora_request& r) {
-    return model.load_lora(r.lora_path, max_rank);
-  };
+  return
+    [&model, max_rank](const lora_request& r) { return model.load_lora(r.lora_path, max_rank); };
 }
 
 std::function<prompt_embeddings(const prompt_adapter_request&)>
 prompt_adapter_loader(const llama_model& model, int64_t max_tokens) {
   return [&model, max_tokens](const prompt_adapter_request& r) {
     auto loaded = model.load_prompt_adapter(r.prompt_adapter_local_path, max_tokens);
-    if (r.prompt_adapter_num_virtual_tokens != 0
-        && r.prompt_adapter_num_virtual_tokens != loaded.num_virtual_tokens)
-      throw error{errc::invalid_argument,
-                  "prompt adapter '" + r.prompt_adapter_local_path + "' has " +
-                    std::to_string(loaded.num_virtual_tokens) +
-                    " virtual tokens, the request says " +
-                    std::to_string(r.prompt_adapter_num_virtual_tokens)};
+    if (r.prompt_adapter_num_virtual_tokens != 0 &&
+        r.prompt_adapter_num_virtual_tokens != loaded.num_virtual_tokens)
+      throw error{errc::invalid_argument, "prompt adapter '" + r.prompt_adapter_local_path +
+                                            "' has " + std::to_string(loaded.num_virtual_tokens) +
+                                            " virtual tokens, the request says " +
+                                            std::to_string(r.prompt_adapter_num_virtual_tokens)};
     return loaded;
   };
 }
@@ -88,8 +86,7 @@ prompt_adapter_loader(const llama_model& model, int64_t max_tokens) {
 struct model_worker::state {
   explicit state(const model_worker_options& o)
     : loras("LoRA", static_cast<size_t>(std::max(0, o.max_loras))),
-      prompt_adapters("prompt adapter", static_cast<size_t>(std::max(0, o.max_prompt_adapters))) {
-  }
+      prompt_adapters("prompt adapter", static_cast<size_t>(std::max(0, o.max_prompt_adapters))) {}
 
   model_config config;
   std::unique_ptr<llama_model> model;
@@ -136,8 +133,7 @@ void model_worker_options::validate() const {
     bad("cpu_precision '" + cpu_precision + "' is neither exact nor fast");
   if (load_format != "auto" && load_format != "sharded_state")
     bad("load format '" + load_format + "' is not known (auto, sharded_state)");
-  if (max_loras < 1 || max_lora_rank < 1 || max_prompt_adapters < 1 ||
-      max_prompt_adapter_token < 0)
+  if (max_loras < 1 || max_lora_rank < 1 || max_prompt_adapters < 1 || max_prompt_adapter_token < 0)
     bad("max_loras, max_lora_rank and max_prompt_adapters must be at least 1, "
         "max_prompt_adapter_token not negative");
   if (max_num_batched_tokens < 1 || max_num_seqs < 1)
@@ -194,26 +190,25 @@ model_worker::model_worker(model_worker_options options)
                     static_cast<model_worker&>(w).destroy_weights_update_group();
                     return caf::message{};
                   });
-  register_method("check_weight_metadata", [](worker& w, const caf::message& args,
-                                              const caf::settings& kwargs) {
-    auto o = weight_update_options_of(kwargs);
-    o.metadata_only = true;
-    static_cast<model_worker&>(w).update_weights(tensor_metadata(args, 0), o);
-    return caf::message{};
-  });
-  register_method("receive_weights", [](worker& w, const caf::message& args,
-                                        const caf::settings&) {
+  register_method("check_weight_metadata",
+                  [](worker& w, const caf::message& args, const caf::settings& kwargs) {
+                    auto o = weight_update_options_of(kwargs);
+                    o.metadata_only = true;
+                    static_cast<model_worker&>(w).update_weights(tensor_metadata(args, 0), o);
+                    return caf::message{};
+                  });
+  register_method("receive_weights", [](worker& w, const caf::message& args, const caf::settings&) {
     if (args.empty() || !args.match_element<bool>(0))
       throw error{errc::bad_arguments, "receive_weights takes (go, names, dtypes, dims, ndims)"};
-    auto go = static_cast<model_worker&>(w).receive_weights(args.get_as<bool>(0),
-                                                            tensor_metadata(args, 1));
+    auto go =
+      static_cast<model_worker&>(w).receive_weights(args.get_as<bool>(0), tensor_metadata(args, 1));
     return caf::make_message(go);
   });
-  register_method("apply_received_weights", [](worker& w, const caf::message&,
-                                               const caf::settings& kwargs) {
-    static_cast<model_worker&>(w).apply_received_weights(weight_update_options_of(kwargs));
-    return caf::message{};
-  });
+  register_method(
+    "apply_received_weights", [](worker& w, const caf::message&, const caf::settings& kwargs) {
+      static_cast<model_worker&>(w).apply_received_weights(weight_update_options_of(kwargs));
+      return caf::message{};
+    });
   register_method("expert_load", [](worker& w, const caf::message&, const caf::settings&) {
     auto load = static_cast<model_worker&>(w).expert_load();
     return caf::make_message(load[0], load[1], load[2]);
@@ -236,10 +231,9 @@ void model_worker::load_model() {
   platform_of(device()).share(context().world_size);
   bool presharded = options_.load_format == "sharded_state";
   st.presharded = presharded;
-  st.model = std::make_unique<llama_model>(st.config, device(), rank(), context().world_size,
-                                           format.type, format.stored_types,
-                                           options_.cpu_precision == "fast",
-                                           options_.enable_expert_parallel);
+  st.model = std::make_unique<llama_model>(
+    st.config, device(), rank(), context().world_size, format.type, format.stored_types,
+    options_.cpu_precision == "fast", options_.enable_expert_parallel);
   st.model->capture_decode_steps(!options_.enforce_eager);
   st.model->use_weight_cache(options_.weight_cache);
   // Ranks compare every byte of the files they loaded (the hash is made while loading);
@@ -268,8 +262,7 @@ constexpr auto collective_timeout = std::chrono::seconds(60);
 std::vector<std::string> model_worker::prepare_collective() {
   auto& st = *state_;
   st.bootstrap = platform_of(device()).collective(device(), rank(), context().world_size,
-                                                  context().collective_host,
-                                                  collective_timeout);
+                                                  context().collective_host, collective_timeout);
   return st.bootstrap->prepare();
 }
 
@@ -284,9 +277,7 @@ void model_worker::connect_collective(const std::vector<std::vector<std::string>
     std::swap(st.group, group);
   }
   group.reset(); // the previous group, outside the lock
-  st.reduce = [comm = st.group.get()](float* data, size_t count) {
-    comm->all_reduce(data, count);
-  };
+  st.reduce = [comm = st.group.get()](float* data, size_t count) { comm->all_reduce(data, count); };
   if (st.model)
     st.model->set_all_reduce(st.reduce);
 }
@@ -300,8 +291,8 @@ void model_worker::abort_collective(const std::string& why) noexcept {
 
 void model_worker::require_awake(const char* what) {
   for (auto tag : device().sleeping_tags())
-    throw error{errc::sleeping, std::string{what} + " while tag " + to_string(tag) +
-                                  " sleeps; call wake_up first"};
+    throw error{errc::sleeping,
+                std::string{what} + " while tag " + to_string(tag) + " sleeps; call wake_up first"};
 }
 
 void model_worker::reload_weights() {
@@ -376,7 +367,8 @@ checkpoint model_worker::open_checkpoint() const {
   return open_checkpoint(options_.model_path, state_->config);
 }
 
-checkpoint model_worker::open_checkpoint(const std::string& path, const model_config& config) const {
+checkpoint model_worker::open_checkpoint(const std::string& path,
+                                         const model_config& config) const {
   // Opened for each load and dropped after it: the mappings stay resident while it lives.
   if (checkpoint::is_gguf(path))
     return checkpoint::from_gguf(path, config);
@@ -390,8 +382,9 @@ void model_worker::update_weights(const checkpoint& src, bool whole,
   // Names, shapes and types are checked while the weights sleep; values need them awake.
   for (auto tag : options.metadata_only ? std::vector<memory_tag>{} : device().sleeping_tags())
     if (tag == memory_tag::weights)
-      throw error{errc::sleeping,
-                  "update_weights while tag weights sleeps; call wake_up(tags=[\"weights\"]) first"};
+      throw error{
+        errc::sleeping,
+        "update_weights while tag weights sleeps; call wake_up(tags=[\"weights\"]) first"};
   llama_model::update_options o{whole, options.quantize_on_update,
                                 !options.metadata_only && !options.values_checked};
   if (options.check_only || options.metadata_only)
@@ -451,10 +444,9 @@ size_t byte_size(const host_tensor& t) {
   return storage_bytes(*type, numel);
 }
 
-void model_worker::init_weights_update_group(const std::string& master_address,
-                                             int32_t master_port, int32_t rank_offset,
-                                             int32_t world_size, const std::string& backend,
-                                             timeout_type timeout) {
+void model_worker::init_weights_update_group(const std::string& master_address, int32_t master_port,
+                                             int32_t rank_offset, int32_t world_size,
+                                             const std::string& backend, timeout_type timeout) {
   if (backend != "gloo")
     throw error{errc::unsupported, "init_weights_update_group: backend '" + backend +
                                      "' (troupe's weight-update group is Gloo's; NCCL's "
@@ -467,8 +459,8 @@ void model_worker::init_weights_update_group(const std::string& master_address,
                   std::to_string(world_size) + " (the trainer is member 0)"};
   auto& st = *state_;
   st.update_group.reset();
-  st.update_group = std::make_unique<weight_update_group>(master_address, master_port, member,
-                                                          world_size, timeout);
+  st.update_group =
+    std::make_unique<weight_update_group>(master_address, master_port, member, world_size, timeout);
   st.update_root = rank_offset;
 }
 
@@ -582,8 +574,8 @@ std::vector<std::string> model_worker::rank_shards() const {
   for (auto& entry : fs::directory_iterator(options_.model_path, ec)) {
     auto name = entry.path().filename().string();
     auto suffix = std::string{".safetensors"};
-    if (name.rfind(prefix, 0) != 0 || name.size() <= prefix.size() + suffix.size()
-        || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+    if (name.rfind(prefix, 0) != 0 || name.size() <= prefix.size() + suffix.size() ||
+        name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
       continue;
     auto number = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
     if (number.find_first_not_of("0123456789") != std::string::npos)
@@ -644,8 +636,13 @@ int64_t model_worker::profile_step_bytes() {
     g.token_chunk_size = static_cast<int32_t>(len);
     req.seq_group_metadata_list.push_back(std::move(g));
   }
-  kv_cache scratch{device(), st.config.num_hidden_layers, st.model->local_kv_heads(),
-                   st.config.head_dim, bs, blocks, 0};
+  kv_cache scratch{device(),
+                   st.config.num_hidden_layers,
+                   st.model->local_kv_heads(),
+                   st.config.head_dim,
+                   bs,
+                   blocks,
+                   0};
   std::vector<sample_row> rows;
   st.model->run(req, scratch, rows);
   std::vector<int32_t> ids;
@@ -658,9 +655,9 @@ cache_blocks model_worker::determine_num_available_blocks() {
   auto& st = *state_;
   require_model("determine_num_available_blocks");
   require_awake("determine_num_available_blocks");
-  auto block_bytes = kv_cache::bytes_per_block(st.config.num_hidden_layers,
-                                               st.model->local_kv_heads(), st.config.head_dim,
-                                               context().block_size);
+  auto block_bytes =
+    kv_cache::bytes_per_block(st.config.num_hidden_layers, st.model->local_kv_heads(),
+                              st.config.head_dim, context().block_size);
   int64_t budget = options_.kv_cache_memory_bytes;
   if (budget <= 0 && measures_memory()) {
     auto step = profile_step_bytes();
@@ -703,10 +700,9 @@ void model_worker::initialize_cache(const cache_blocks& blocks) {
   kv_cache::validate(st.config.num_hidden_layers, st.model->local_kv_heads(), st.config.head_dim,
                      context().block_size, blocks.num_device_blocks, blocks.num_swap_blocks);
   st.cache.reset(); // the old cache goes first: both at once may not fit
-  st.cache = std::make_unique<kv_cache>(device(), st.config.num_hidden_layers,
-                                        st.model->local_kv_heads(), st.config.head_dim,
-                                        context().block_size, blocks.num_device_blocks,
-                                        blocks.num_swap_blocks);
+  st.cache = std::make_unique<kv_cache>(
+    device(), st.config.num_hidden_layers, st.model->local_kv_heads(), st.config.head_dim,
+    context().block_size, blocks.num_device_blocks, blocks.num_swap_blocks);
 }
 
 std::vector<sampler_output> model_worker::execute_model(const execute_model_request& request) {
@@ -757,8 +753,8 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
   }
   if (failed)
     std::rethrow_exception(failed);
-  auto batch = prepare_batch(request, st.config, st.cache->block_size(),
-                             st.cache->device_blocks(), adapters);
+  auto batch =
+    prepare_batch(request, st.config, st.cache->block_size(), st.cache->device_blocks(), adapters);
   st.model->forward(batch, *st.cache);
   if (rank() != 0)
     return {}; // only the driver's output is used
@@ -832,10 +828,10 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
         };
         if (!mask.empty()) {
           if (static_cast<int64_t>(mask.size()) * 32 < vocab)
-            throw error{errc::invalid_argument,
-                        "request '" + group.request_id + "': its token mask covers " +
-                          std::to_string(mask.size() * 32) + " of the " +
-                          std::to_string(vocab) + " tokens"};
+            throw error{errc::invalid_argument, "request '" + group.request_id +
+                                                  "': its token mask covers " +
+                                                  std::to_string(mask.size() * 32) + " of the " +
+                                                  std::to_string(vocab) + " tokens"};
           apply_mask();
         }
         auto stop_ids = group.sampling.stop_token_ids;
@@ -844,8 +840,9 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
                           st.config.eos_token_ids.end());
         if (seq.first_token != 0 && reads_history(group.sampling))
           throw error{errc::invalid_argument,
-                      "request '" + group.request_id + "' samples with penalties or min_tokens, "
-                      "which read all its tokens, but sent them from position " +
+                      "request '" + group.request_id +
+                        "' samples with penalties or min_tokens, "
+                        "which read all its tokens, but sent them from position " +
                         std::to_string(seq.first_token)};
         process_logits(processed.data(), vocab, group.sampling, seq.token_ids,
                        static_cast<size_t>(seq.num_prompt_tokens), stop_ids);
@@ -856,12 +853,12 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
           processed.assign(raw, raw + vocab);
           apply_mask();
         }
-        group_out.samples.push_back(sample_token(raw, vocab, group.sampling, stream,
-                                                 step_of(seq), st.rng, processed.data()));
+        group_out.samples.push_back(
+          sample_token(raw, vocab, group.sampling, stream, step_of(seq), st.rng, processed.data()));
         group_out.samples.back().parent_seq_id = seq.seq_id;
       } else {
-        group_out.samples.push_back(sample_token(&logits[row * vocab], vocab, group.sampling,
-                                                 stream, step_of(seq), st.rng));
+        group_out.samples.push_back(
+          sample_token(&logits[row * vocab], vocab, group.sampling, stream, step_of(seq), st.rng));
         group_out.samples.back().parent_seq_id = seq.seq_id;
       }
     }
@@ -887,8 +884,8 @@ void model_worker::save_sharded_state(const sharded_state_request& request) {
                               {"{part}", std::to_string(part)}}) {
       auto at = name.find(key);
       if (at == std::string::npos)
-        throw error{errc::invalid_argument, "save_sharded_state: pattern '" + pattern +
-                                              "' lacks " + key};
+        throw error{errc::invalid_argument,
+                    "save_sharded_state: pattern '" + pattern + "' lacks " + key};
       name.replace(at, key.size(), value);
     }
     return (fs::path{request.path} / name).string();
@@ -905,7 +902,8 @@ void model_worker::save_sharded_state(const sharded_state_request& request) {
     auto type = t.type;
     if (is_quantized(type)) {
       // safetensors has no block formats: such weights are saved as float32.
-      size_t numel = host.back().size() / block_bytes(type) * static_cast<size_t>(block_elements(type));
+      size_t numel =
+        host.back().size() / block_bytes(type) * static_cast<size_t>(block_elements(type));
       std::vector<char> wide(numel * sizeof(float));
       to_float(type, host.back().data(), reinterpret_cast<float*>(wide.data()), numel);
       host.back() = std::move(wide);
@@ -998,8 +996,8 @@ model_worker_options model_worker_options_from(const caf::settings& settings) {
     };
     if constexpr (std::is_integral<value_type>::value) {
       auto v = caf::get_if<int64_t>(&at->second);
-      if (!v || *v < std::numeric_limits<value_type>::min()
-          || *v > std::numeric_limits<value_type>::max())
+      if (!v || *v < std::numeric_limits<value_type>::min() ||
+          *v > std::numeric_limits<value_type>::max())
         bad("an integer in range");
       value = static_cast<value_type>(*v);
     } else if constexpr (std::is_floating_point<value_type>::value) {

@@ -13,7 +13,6 @@
 #include <cstring>
 #include <fstream>
 
-
 namespace troupe {
 
 namespace {
@@ -74,16 +73,17 @@ safetensors_file::safetensors_file(const std::string& path)
             metadata_[key] = value.get<std::string>();
         continue;
       }
-      if (!desc.is_object() || !desc.contains("dtype") || !desc.contains("shape")
-          || !desc.contains("data_offsets"))
+      if (!desc.is_object() || !desc.contains("dtype") || !desc.contains("shape") ||
+          !desc.contains("data_offsets"))
         bad_tensor(path, name, "needs dtype, shape and data_offsets");
       auto& dt = desc["dtype"];
       if (!dt.is_string())
         bad_tensor(path, name, "dtype is not a string");
       auto type = parse_safetensors_dtype(dt.get<std::string>());
       if (!type)
-        bad_tensor(path, name, "unsupported dtype " + dt.get<std::string>() +
-                                 " (troupe loads F32, F16 and BF16)");
+        bad_tensor(path, name,
+                   "unsupported dtype " + dt.get<std::string>() +
+                     " (troupe loads F32, F16 and BF16)");
       tensor_view view;
       view.name = name;
       view.type = *type;
@@ -92,26 +92,27 @@ safetensors_file::safetensors_file(const std::string& path)
         bad_tensor(path, name, "shape is not a list");
       for (auto& d : desc["shape"]) {
         // Bounded so that no size computed from the shape overflows.
-        if (!d.is_number_integer() || d.get<int64_t>() < 0
-            || __builtin_mul_overflow(numel, d.get<uint64_t>(), &numel)
-            || numel > (uint64_t{1} << 40))
+        if (!d.is_number_integer() || d.get<int64_t>() < 0 ||
+            __builtin_mul_overflow(numel, d.get<uint64_t>(), &numel) || numel > (uint64_t{1} << 40))
           bad_tensor(path, name, "shape has a bad or impossible dimension");
         view.shape.push_back(d.get<int64_t>());
       }
       auto& offsets = desc["data_offsets"];
-      if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned()
-          || !offsets[1].is_number_unsigned())
+      if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+          !offsets[1].is_number_unsigned())
         bad_tensor(path, name, "data_offsets must be two non-negative integers");
       auto begin = offsets[0].get<uint64_t>();
       auto end = offsets[1].get<uint64_t>();
       if (begin > end || end > data_size)
-        bad_tensor(path, name, "data_offsets [" + std::to_string(begin) + ", " +
-                                 std::to_string(end) + "] lie outside the " +
-                                 std::to_string(data_size) + " bytes of data (truncated file?)");
+        bad_tensor(path, name,
+                   "data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                     "] lie outside the " + std::to_string(data_size) +
+                     " bytes of data (truncated file?)");
       auto expected = storage_bytes(*type, numel);
       if (end - begin != expected)
-        bad_tensor(path, name, std::to_string(end - begin) + " bytes of data, but its shape of " +
-                                 dt.get<std::string>() + " needs " + std::to_string(expected));
+        bad_tensor(path, name,
+                   std::to_string(end - begin) + " bytes of data, but its shape of " +
+                     dt.get<std::string>() + " needs " + std::to_string(expected));
       view.data = data + begin;
       view.bytes = end - begin;
       tensors_.push_back(std::move(view));
@@ -144,14 +145,14 @@ void safetensors_writer::add(const std::string& name, dtype type, std::vector<in
   uint64_t numel = 1;
   for (auto d : shape) {
     if (d < 0)
-      throw error{errc::invalid_argument, "safetensors writer: tensor '" + name +
-                                            "' has a negative dimension"};
+      throw error{errc::invalid_argument,
+                  "safetensors writer: tensor '" + name + "' has a negative dimension"};
     numel *= static_cast<uint64_t>(d);
   }
   if (storage_bytes(type, numel) != bytes)
-    throw error{errc::invalid_argument,
-                "safetensors writer: tensor '" + name + "' has " + std::to_string(bytes) +
-                  " bytes, its shape needs " + std::to_string(storage_bytes(type, numel))};
+    throw error{errc::invalid_argument, "safetensors writer: tensor '" + name + "' has " +
+                                          std::to_string(bytes) + " bytes, its shape needs " +
+                                          std::to_string(storage_bytes(type, numel))};
   entries_.push_back({name, type, std::move(shape), data, bytes});
 }
 
@@ -189,8 +190,8 @@ void safetensors_writer::write(const std::string& path) const {
   {
     std::ofstream out{tmp, std::ios::binary | std::ios::trunc};
     if (!out)
-      throw error{errc::invalid_argument, "cannot write safetensors file '" + path +
-                                            "': " + std::strerror(errno)};
+      throw error{errc::invalid_argument,
+                  "cannot write safetensors file '" + path + "': " + std::strerror(errno)};
     auto text = header();
     uint64_t len = text.size();
     char len_bytes[8];
@@ -209,8 +210,8 @@ void safetensors_writer::write(const std::string& path) const {
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::remove(tmp.c_str());
-    throw error{errc::invalid_argument, "cannot move '" + tmp + "' to '" + path + "': " +
-                                          std::strerror(errno)};
+    throw error{errc::invalid_argument,
+                "cannot move '" + tmp + "' to '" + path + "': " + std::strerror(errno)};
   }
 }
 

@@ -67,20 +67,20 @@ public:
   }
   void skip() {
     switch (wire_) {
-      case 0:
-        varint();
-        break;
-      case 1:
-        advance(8);
-        break;
-      case 2:
-        bytes();
-        break;
-      case 5:
-        advance(4);
-        break;
-      default:
-        fail("wire type " + std::to_string(wire_) + " is not protobuf's");
+    case 0:
+      varint();
+      break;
+    case 1:
+      advance(8);
+      break;
+    case 2:
+      bytes();
+      break;
+    case 5:
+      advance(4);
+      break;
+    default:
+      fail("wire type " + std::to_string(wire_) + " is not protobuf's");
     }
   }
 
@@ -142,25 +142,49 @@ sentencepiece_model read_sentencepiece_model(const std::string& path) {
       wire_reader spec{model.bytes(), path};
       while (spec.next()) {
         switch (spec.field()) {
-          case 3: m.model_type = spec.int32(); break;
-          case 24: m.treat_whitespace_as_suffix = spec.boolean(); break;
-          case 35: m.byte_fallback = spec.boolean(); break;
-          case 40: m.unk_id = spec.int32(); break;
-          case 41: m.bos_id = spec.int32(); break;
-          case 42: m.eos_id = spec.int32(); break;
-          default: spec.skip();
+        case 3:
+          m.model_type = spec.int32();
+          break;
+        case 24:
+          m.treat_whitespace_as_suffix = spec.boolean();
+          break;
+        case 35:
+          m.byte_fallback = spec.boolean();
+          break;
+        case 40:
+          m.unk_id = spec.int32();
+          break;
+        case 41:
+          m.bos_id = spec.int32();
+          break;
+        case 42:
+          m.eos_id = spec.int32();
+          break;
+        default:
+          spec.skip();
         }
       }
     } else if (model.field() == 3) { // normalizer_spec
       wire_reader spec{model.bytes(), path};
       while (spec.next()) {
         switch (spec.field()) {
-          case 1: m.normalizer_name = std::string{spec.bytes()}; break;
-          case 2: m.has_charsmap = !spec.bytes().empty(); break;
-          case 3: m.add_dummy_prefix = spec.boolean(); break;
-          case 4: m.remove_extra_whitespaces = spec.boolean(); break;
-          case 5: m.escape_whitespaces = spec.boolean(); break;
-          default: spec.skip();
+        case 1:
+          m.normalizer_name = std::string{spec.bytes()};
+          break;
+        case 2:
+          m.has_charsmap = !spec.bytes().empty();
+          break;
+        case 3:
+          m.add_dummy_prefix = spec.boolean();
+          break;
+        case 4:
+          m.remove_extra_whitespaces = spec.boolean();
+          break;
+        case 5:
+          m.escape_whitespaces = spec.boolean();
+          break;
+        default:
+          spec.skip();
         }
       }
     } else {

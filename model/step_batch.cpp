@@ -24,9 +24,9 @@ int64_t table_width(int64_t blocks) {
 }
 
 int64_t step_batch::max_blocks() const {
-  return table_blocks.empty() ? 1
-                              : table_width(*std::max_element(table_blocks.begin(),
-                                                              table_blocks.end()));
+  return table_blocks.empty()
+           ? 1
+           : table_width(*std::max_element(table_blocks.begin(), table_blocks.end()));
 }
 
 std::vector<int64_t> step_batch::lengths() const {
@@ -39,8 +39,7 @@ std::vector<int64_t> step_batch::lengths() const {
 }
 
 step_batch prepare_batch(const execute_model_request& req, const model_config& cfg,
-                         int64_t block_size, int64_t device_blocks,
-                         const step_adapters& adapters) {
+                         int64_t block_size, int64_t device_blocks, const step_adapters& adapters) {
   const auto groups = req.seq_group_metadata_list.size();
   if ((!adapters.lora.empty() && adapters.lora.size() != groups) ||
       (!adapters.prompt.empty() && adapters.prompt.size() != groups))
@@ -94,9 +93,8 @@ step_batch prepare_batch(const execute_model_request& req, const model_config& c
         // The next prompt token's logprob comes from this token's logits.
         if (prompt_logprobs && p + 1 < seq.num_prompt_tokens && p + 1 < seq.length()) {
           prompt_tokens.push_back(static_cast<int32_t>(b.tokens.size()) - 1);
-          b.prompt_rows.push_back(
-            {g, static_cast<int32_t>(p + 1),
-             seq.token_ids[static_cast<size_t>(p + 1 - seq.first_token)]});
+          b.prompt_rows.push_back({g, static_cast<int32_t>(p + 1),
+                                   seq.token_ids[static_cast<size_t>(p + 1 - seq.first_token)]});
         }
       }
       if (group.do_sample) {

@@ -81,8 +81,8 @@ struct step_batch {
 /// The batch of `req` for a model of `cfg` with a cache of `device_blocks` blocks of
 /// `block_size` positions. Throws `invalid_argument` naming the request for a malformed
 /// one: adapters for another number of groups, a chunk past its tokens or the model's
-/// positions or before the first token sent, a block table too short or naming a block outside the cache, a token outside
-/// the vocabulary.
+/// positions or before the first token sent, a block table too short or naming a block outside the
+/// cache, a token outside the vocabulary.
 step_batch prepare_batch(const execute_model_request& req, const model_config& cfg,
                          int64_t block_size, int64_t device_blocks,
                          const step_adapters& adapters = {});

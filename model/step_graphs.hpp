@@ -33,9 +33,8 @@ public:
     uint64_t scratch_epoch;
     bool operator<(const shape& o) const {
       return std::tie(tokens, samples, seqs, max_blocks, cache, cache_blocks, block_size,
-                      scratch_epoch) <
-             std::tie(o.tokens, o.samples, o.seqs, o.max_blocks, o.cache, o.cache_blocks,
-                      o.block_size, o.scratch_epoch);
+                      scratch_epoch) < std::tie(o.tokens, o.samples, o.seqs, o.max_blocks, o.cache,
+                                                o.cache_blocks, o.block_size, o.scratch_epoch);
     }
   };
 

@@ -76,9 +76,12 @@ constexpr const char* gpt2_pattern =
 /// categories are spelled out by their two-letter ones, inside a bracket or as one.
 boost::u32regex tokenizer_regex(const std::string& pattern, const std::string& origin) {
   static const std::map<char, const char*> categories = {
-    {'L', "[:Lu:][:Ll:][:Lt:][:Lm:][:Lo:]"}, {'N', "[:Nd:][:Nl:][:No:]"},
-    {'M', "[:Mn:][:Mc:][:Me:]"}, {'P', "[:Pc:][:Pd:][:Ps:][:Pe:][:Pi:][:Pf:][:Po:]"},
-    {'S', "[:Sm:][:Sc:][:Sk:][:So:]"}, {'Z', "[:Zs:][:Zl:][:Zp:]"}};
+    {'L', "[:Lu:][:Ll:][:Lt:][:Lm:][:Lo:]"},
+    {'N', "[:Nd:][:Nl:][:No:]"},
+    {'M', "[:Mn:][:Mc:][:Me:]"},
+    {'P', "[:Pc:][:Pd:][:Ps:][:Pe:][:Pi:][:Pf:][:Po:]"},
+    {'S', "[:Sm:][:Sc:][:Sk:][:So:]"},
+    {'Z', "[:Zs:][:Zl:][:Zp:]"}};
   std::string out;
   bool in_class = false;
   for (size_t i = 0; i < pattern.size(); ++i) {
@@ -207,8 +210,8 @@ void for_each_step(const nlohmann::json& t, const char* list, const F& read, int
   if (type != "Sequence")
     return read(t, type);
   if (depth > 16)
-    throw error{errc::invalid_argument, std::string{"tokenizer: "} + list +
-                                          " nest Sequences more than 16 deep"};
+    throw error{errc::invalid_argument,
+                std::string{"tokenizer: "} + list + " nest Sequences more than 16 deep"};
   for (auto& inner : t.value(list, nlohmann::json::array()))
     for_each_step(inner, list, read, depth + 1);
 }
@@ -268,8 +271,14 @@ struct tokenizer::pipeline {
 
   /// A decoder step, over the tokens' texts in turn (tokenizers' decode chain).
   struct decoder {
-    enum class kind { byte_level, replace, byte_fallback, fuse, strip, metaspace } what =
-      kind::byte_level;
+    enum class kind {
+      byte_level,
+      replace,
+      byte_fallback,
+      fuse,
+      strip,
+      metaspace
+    } what = kind::byte_level;
     std::string pattern; // replace: literal; strip: the character; metaspace: replacement
     std::string content;
     size_t start = 0; // strip: at most this many from the front, `stop` from the back
@@ -302,8 +311,8 @@ struct tokenizer::pipeline {
           text = n.text + text;
       } else if (n.what == normalizer::kind::replace) {
         if (n.regex)
-          text = boost::u32regex_replace(text, n.re, n.content,
-                                         boost::regex_constants::format_literal);
+          text =
+            boost::u32regex_replace(text, n.re, n.content, boost::regex_constants::format_literal);
         else
           replace_all(text, n.text, n.content);
       } else {
@@ -326,90 +335,90 @@ struct tokenizer::pipeline {
     auto text = [&](const std::string& bytes) { return raw ? bytes : valid_utf8(bytes); };
     for (auto& d : decoders) {
       switch (d.what) {
-        case decoder::kind::byte_level: {
-          // Each character of a token stands for one byte; other characters (an added
-          // token's) stand for themselves.
-          std::string joined;
-          for (auto& token : tokens)
-            for (size_t i = 0; i < token.size();) {
-              auto n = std::max<size_t>(1, sequence_length(static_cast<unsigned char>(token[i])));
-              auto b = bytes().to_byte.find(token.substr(i, n));
-              if (b != bytes().to_byte.end())
-                joined.push_back(static_cast<char>(b->second));
-              else
-                joined += token.substr(i, n);
-              i += n;
-            }
-          tokens = {text(joined)};
-          break;
-        }
-        case decoder::kind::replace:
-          for (auto& token : tokens)
-            replace_all(token, d.pattern, d.content);
-          break;
-        case decoder::kind::byte_fallback: {
-          // Runs of byte pieces become their bytes; a run that is not UTF-8 becomes one
-          // U+FFFD per byte, as the tokenizers library does.
-          std::vector<std::string> next;
-          std::string run;
-          size_t run_pieces = 0;
-          auto flush = [&] {
-            if (run_pieces == 0)
-              return;
-            bool ok = raw || valid_utf8(run) == run;
-            if (ok) {
-              next.push_back(run);
-            } else {
-              for (size_t k = 0; k < run_pieces; ++k)
-                next.emplace_back("\xef\xbf\xbd");
-            }
-            run.clear();
-            run_pieces = 0;
-          };
-          for (auto& token : tokens) {
-            auto b = fallback_byte(token);
-            if (b >= 0) {
-              run.push_back(static_cast<char>(b));
-              ++run_pieces;
-            } else {
-              flush();
-              next.push_back(token);
-            }
+      case decoder::kind::byte_level: {
+        // Each character of a token stands for one byte; other characters (an added
+        // token's) stand for themselves.
+        std::string joined;
+        for (auto& token : tokens)
+          for (size_t i = 0; i < token.size();) {
+            auto n = std::max<size_t>(1, sequence_length(static_cast<unsigned char>(token[i])));
+            auto b = bytes().to_byte.find(token.substr(i, n));
+            if (b != bytes().to_byte.end())
+              joined.push_back(static_cast<char>(b->second));
+            else
+              joined += token.substr(i, n);
+            i += n;
           }
-          flush();
-          tokens = std::move(next);
-          break;
-        }
-        case decoder::kind::fuse: {
-          std::string joined;
-          for (auto& token : tokens)
-            joined += token;
-          tokens = {joined};
-          break;
-        }
-        case decoder::kind::strip:
-          if (raw)
-            break;
-          for (auto& token : tokens) {
-            size_t front = 0;
-            while (front < d.start && token.compare(front * d.pattern.size(), d.pattern.size(),
-                                                    d.pattern) == 0)
-              ++front;
-            token.erase(0, front * d.pattern.size());
-            for (size_t back = 0; back < d.stop && token.size() >= d.pattern.size() &&
-                                  token.compare(token.size() - d.pattern.size(),
-                                                d.pattern.size(), d.pattern) == 0;
-                 ++back)
-              token.resize(token.size() - d.pattern.size());
+        tokens = {text(joined)};
+        break;
+      }
+      case decoder::kind::replace:
+        for (auto& token : tokens)
+          replace_all(token, d.pattern, d.content);
+        break;
+      case decoder::kind::byte_fallback: {
+        // Runs of byte pieces become their bytes; a run that is not UTF-8 becomes one
+        // U+FFFD per byte, as the tokenizers library does.
+        std::vector<std::string> next;
+        std::string run;
+        size_t run_pieces = 0;
+        auto flush = [&] {
+          if (run_pieces == 0)
+            return;
+          bool ok = raw || valid_utf8(run) == run;
+          if (ok) {
+            next.push_back(run);
+          } else {
+            for (size_t k = 0; k < run_pieces; ++k)
+              next.emplace_back("\xef\xbf\xbd");
           }
-          break;
-        case decoder::kind::metaspace:
-          for (size_t i = 0; i < tokens.size(); ++i) {
-            replace_all(tokens[i], d.pattern, " ");
-            if (i == 0 && !raw && d.strip_first && !tokens[i].empty() && tokens[i][0] == ' ')
-              tokens[i].erase(0, 1);
+          run.clear();
+          run_pieces = 0;
+        };
+        for (auto& token : tokens) {
+          auto b = fallback_byte(token);
+          if (b >= 0) {
+            run.push_back(static_cast<char>(b));
+            ++run_pieces;
+          } else {
+            flush();
+            next.push_back(token);
           }
+        }
+        flush();
+        tokens = std::move(next);
+        break;
+      }
+      case decoder::kind::fuse: {
+        std::string joined;
+        for (auto& token : tokens)
+          joined += token;
+        tokens = {joined};
+        break;
+      }
+      case decoder::kind::strip:
+        if (raw)
           break;
+        for (auto& token : tokens) {
+          size_t front = 0;
+          while (front < d.start &&
+                 token.compare(front * d.pattern.size(), d.pattern.size(), d.pattern) == 0)
+            ++front;
+          token.erase(0, front * d.pattern.size());
+          for (size_t back = 0;
+               back < d.stop && token.size() >= d.pattern.size() &&
+               token.compare(token.size() - d.pattern.size(), d.pattern.size(), d.pattern) == 0;
+               ++back)
+            token.resize(token.size() - d.pattern.size());
+        }
+        break;
+      case decoder::kind::metaspace:
+        for (size_t i = 0; i < tokens.size(); ++i) {
+          replace_all(tokens[i], d.pattern, " ");
+          if (i == 0 && !raw && d.strip_first && !tokens[i].empty() && tokens[i][0] == ' ')
+            tokens[i].erase(0, 1);
+        }
+        break;
       }
     }
     std::string out;
@@ -432,8 +441,8 @@ private:
     if (s.what == step::kind::metaspace) {
       auto text = part;
       replace_all(text, " ", s.replacement);
-      bool prepend = s.scheme == step::prepend::always ||
-                     (s.scheme == step::prepend::first && at_start);
+      bool prepend =
+        s.scheme == step::prepend::always || (s.scheme == step::prepend::first && at_start);
       if (prepend && text.compare(0, s.replacement.size(), s.replacement) != 0)
         text = s.replacement + text;
       if (!s.split) {
@@ -550,8 +559,7 @@ void tokenizer::read_pipeline(const nlohmann::json& j, const std::string& origin
       isolate(tokenizer_regex(pattern, origin));
     } else if (type == "Digits") {
       // Rust's char::is_numeric, as the tokenizers library uses: Unicode's N categories.
-      isolate(tokenizer_regex(t.value("individual_digits", false) ? "\\p{N}" : "\\p{N}+",
-                              origin));
+      isolate(tokenizer_regex(t.value("individual_digits", false) ? "\\p{N}" : "\\p{N}+", origin));
     } else if (type == "Metaspace") {
       auto& s = p->steps.emplace_back();
       s.what = step::kind::metaspace;
@@ -745,8 +753,8 @@ tokenizer tokenizer::read_json(const std::string& path) {
   return t;
 }
 
-void tokenizer::read_pieces(const std::vector<std::string>& pieces,
-                            const std::vector<int>& types, const std::string& origin) {
+void tokenizer::read_pieces(const std::vector<std::string>& pieces, const std::vector<int>& types,
+                            const std::string& origin) {
   using type = sentencepiece_model::piece_type;
   id_to_token_ = pieces;
   for (size_t i = 0; i < types.size(); ++i) {
@@ -760,9 +768,8 @@ void tokenizer::read_pieces(const std::vector<std::string>& pieces,
 }
 
 nlohmann::json tokenizer::sentencepiece_pipeline(const std::vector<double>& scores,
-                                                 const std::vector<int>& types,
-                                                 bool dummy_prefix, bool trim_spaces,
-                                                 const std::string& origin) {
+                                                 const std::vector<int>& types, bool dummy_prefix,
+                                                 bool trim_spaces, const std::string& origin) {
   // Merges as transformers' converter makes them from the scores: every split of a normal
   // piece into two normal pieces, by the piece's score. (Pieces longer than 256 bytes are
   // not split: SentencePiece makes none longer than 16 characters, and splitting is
@@ -804,8 +811,8 @@ nlohmann::json tokenizer::sentencepiece_pipeline(const std::vector<double>& scor
     normalizers.push_back(replace("Regex", "\\A +", ""));
     normalizers.push_back(replace("Regex", " {2,}", " "));
   }
-  nlohmann::json decoders = {replace("String", meta_space, " "), {{"type", "ByteFallback"}},
-                             {{"type", "Fuse"}}};
+  nlohmann::json decoders = {
+    replace("String", meta_space, " "), {{"type", "ByteFallback"}}, {{"type", "Fuse"}}};
   if (dummy_prefix) {
     normalizers.push_back({{"type", "Prepend"}, {"prepend", meta_space}});
     decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
@@ -896,9 +903,8 @@ tokenizer tokenizer::read_gguf(const std::string& path) {
         t.add_merge(m, rank++, path);
     }
     auto split = [](const char* pattern) {
-      return nlohmann::json{{"type", "Split"},
-                            {"pattern", {{"Regex", pattern}}},
-                            {"behavior", "Isolated"}};
+      return nlohmann::json{
+        {"type", "Split"}, {"pattern", {{"Regex", pattern}}}, {"behavior", "Isolated"}};
     };
     auto byte_level = [](bool use_regex) {
       return nlohmann::json{{"type", "ByteLevel"}, {"use_regex", use_regex}};
@@ -925,8 +931,8 @@ tokenizer tokenizer::read_gguf(const std::string& path) {
   } else {
     auto scores = file.numbers("tokenizer.ggml.scores");
     if (!scores || scores->size() != tokens->size())
-      bad(path, "has no tokenizer.ggml.scores for its " + std::to_string(tokens->size()) +
-                  " tokens");
+      bad(path,
+          "has no tokenizer.ggml.scores for its " + std::to_string(tokens->size()) + " tokens");
     // llama.cpp puts a space before the text as SentencePiece does, and keeps spaces.
     j = t.sentencepiece_pipeline(*scores, types, flag("tokenizer.ggml.add_space_prefix", true),
                                  false, path);
@@ -949,7 +955,9 @@ tokenizer tokenizer::read_sentencepiece(const std::string& path) {
   auto m = read_sentencepiece_model(path);
   if (m.model_type != 2)
     bad(path, std::string{"SentencePiece model type '"} +
-                (m.model_type == 1 ? "unigram" : m.model_type == 3 ? "word" : "char") +
+                (m.model_type == 1   ? "unigram"
+                 : m.model_type == 3 ? "word"
+                                     : "char") +
                 "' is not supported (bpe)");
   if (m.has_charsmap)
     bad(path, "SentencePiece normalization '" + m.normalizer_name +
@@ -1008,16 +1016,16 @@ void tokenizer::encode_piece(const std::string& piece, std::vector<int32_t>& out
       push(id);
       continue;
     }
-    if (byte_fallback_ &&
-        std::all_of(ch.begin(), ch.end(),
-                    [&](char c) { return byte_ids_[static_cast<unsigned char>(c)] >= 0; })) {
+    if (byte_fallback_ && std::all_of(ch.begin(), ch.end(), [&](char c) {
+          return byte_ids_[static_cast<unsigned char>(c)] >= 0;
+        })) {
       for (unsigned char c : ch)
         push(byte_ids_[c]);
       continue;
     }
     if (unk_ < 0)
-      throw error{errc::invalid_argument, "tokenizer: no token for '" + ch +
-                                            "' and no unknown token to stand for it"};
+      throw error{errc::invalid_argument,
+                  "tokenizer: no token for '" + ch + "' and no unknown token to stand for it"};
     if (!(fuse_unk_ && !symbols.empty() && symbols.back().id == unk_))
       push(unk_);
   }

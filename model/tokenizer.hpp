@@ -56,8 +56,8 @@ public:
   static tokenizer from_sentencepiece(const std::string& path);
 
   /// Token ids of `text`; added tokens written in the text become their ids (special ones
-  /// only when `parse_special`); the post-processor's template applies with `add_special_tokens` (as
-  /// transformers' `add_special_tokens`).
+  /// only when `parse_special`); the post-processor's template applies with `add_special_tokens`
+  /// (as transformers' `add_special_tokens`).
   std::vector<int32_t> encode(std::string_view text, bool parse_special = true,
                               bool add_special_tokens = false) const;
 

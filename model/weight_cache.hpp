@@ -38,8 +38,7 @@ public:
   /// nullopt, with a warning in the log, where the directory cannot be written or the disk
   /// lacks the room.
   static std::optional<weight_cache_file> create(const std::string& directory,
-                                                 const weight_cache_key& key,
-                                                 std::size_t bytes);
+                                                 const weight_cache_key& key, std::size_t bytes);
 
   weight_cache_file(weight_cache_file&& other) noexcept;
   weight_cache_file& operator=(weight_cache_file&& other) noexcept;

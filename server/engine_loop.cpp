@@ -20,8 +20,7 @@ http_error from_engine(const error& e) {
 }
 
 engine_loop::engine_loop(llm& model, server_metrics& metrics, int64_t capacity)
-  : model_(model), metrics_(metrics), capacity_(capacity), thread_([this] { run(); }) {
-}
+  : model_(model), metrics_(metrics), capacity_(capacity), thread_([this] { run(); }) {}
 
 engine_loop::~engine_loop() {
   {
@@ -199,8 +198,7 @@ void engine_loop::fail_all(const error& e) {
   // Aborted in the engine too, so that its counts (and /metrics) no longer show them
   // running or waiting.
   while (!sinks_.empty())
-    drop(sinks_.begin(),
-         {503, "server_error", std::string{"the engine failed: "} + e.what()});
+    drop(sinks_.begin(), {503, "server_error", std::string{"the engine failed: "} + e.what()});
 }
 
 } // namespace troupe

@@ -88,8 +88,7 @@ private:
   void run();
   void dispatch(const generation_update& u);
   /// Ends the request of `at` with `why` in the engine and at its sink.
-  void drop(std::map<int64_t, std::shared_ptr<request_sink>>::iterator at,
-            const http_error& why);
+  void drop(std::map<int64_t, std::shared_ptr<request_sink>>::iterator at, const http_error& why);
   /// A step failed and the engine can go on (the workers sleep, say): the requests in the
   /// engine get the error and are aborted there.
   void fail_requests(const http_error& why);

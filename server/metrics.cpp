@@ -11,7 +11,7 @@ const std::vector<double> first_token_bounds{0.001, 0.005, 0.01, 0.02, 0.04, 0.0
                                              0.25,  0.5,   0.75, 1.0,  2.5,  5.0,  7.5,  10.0};
 const std::vector<double> between_token_bounds{0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                                                0.4,  0.5,   0.75, 1.0,   2.5, 5.0,  7.5, 10.0};
-const std::vector<double> total_bounds{0.3,  0.5,  0.8,  1.0,  1.5,  2.0,  2.5,  5.0,
+const std::vector<double> total_bounds{0.3,  0.5,  0.8,  1.0,  1.5,  2.0,  2.5, 5.0,
                                        10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0};
 
 /// A label value with Prometheus' escapes.
@@ -44,8 +44,7 @@ server_metrics::server_metrics(std::string model_name)
   : label_("model_name=\"" + escaped(model_name) + "\""),
     first_token_{first_token_bounds, std::vector<int64_t>(first_token_bounds.size() + 1)},
     between_tokens_{between_token_bounds, std::vector<int64_t>(between_token_bounds.size() + 1)},
-    total_{total_bounds, std::vector<int64_t>(total_bounds.size() + 1)} {
-}
+    total_{total_bounds, std::vector<int64_t>(total_bounds.size() + 1)} {}
 
 void server_metrics::finished(const std::string& reason, double first_token,
                               const std::vector<double>& gaps, double total) {

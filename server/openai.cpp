@@ -40,17 +40,19 @@ std::optional<T> field(const Json& body, const char* key, const char* what) {
   } else if constexpr (std::is_integral_v<T>) {
     if (!at->is_number_integer())
       wrong();
-    bool fits = at->is_number_unsigned()
-                  ? at->template get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
-                  : at->template get<int64_t>() >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
-                      at->template get<int64_t>() <= static_cast<int64_t>(std::numeric_limits<T>::max());
+    bool fits =
+      at->is_number_unsigned()
+        ? at->template get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
+        : at->template get<int64_t>() >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
+            at->template get<int64_t>() <= static_cast<int64_t>(std::numeric_limits<T>::max());
     if (!fits)
       bad(std::string{"'"} + key + "' is out of range: " + at->dump(), key);
   } else if constexpr (std::is_floating_point_v<T>) {
     if (!at->is_number())
       wrong();
     // Compared as a double: a cast of a value beyond T's range is undefined.
-    if (!(std::fabs(at->template get<double>()) <= static_cast<double>(std::numeric_limits<T>::max())))
+    if (!(std::fabs(at->template get<double>()) <=
+          static_cast<double>(std::numeric_limits<T>::max())))
       bad(std::string{"'"} + key + "' is out of range: " + at->dump(), key);
   } else if constexpr (std::is_same_v<T, std::string>) {
     if (!at->is_string())
@@ -71,7 +73,8 @@ template <class Json>
 std::vector<int32_t> token_ids(const Json& array, const char* key) {
   std::vector<int32_t> ids;
   for (auto& t : array) {
-    if (!t.is_number_integer() || t.template get<int64_t>() < 0 || t.template get<int64_t>() > INT32_MAX)
+    if (!t.is_number_integer() || t.template get<int64_t>() < 0 ||
+        t.template get<int64_t>() > INT32_MAX)
       bad(std::string{"'"} + key + "' holds a token id that is not a non-negative integer", key);
     ids.push_back(t.template get<int32_t>());
   }
@@ -138,8 +141,10 @@ void structured_output_of(const nlohmann::ordered_json& body, sampling_params& s
       sp.guided_json = schema_text(spec["schema"], "response_format");
       ++given;
     } else if (type != "text") {
-      bad("'response_format' type '" + type + "' is not supported (text, json_object, "
-          "json_schema)", "response_format");
+      bad("'response_format' type '" + type +
+            "' is not supported (text, json_object, "
+            "json_schema)",
+          "response_format");
     }
   }
   if (auto f = body.find("guided_json"); f != body.end() && !f->is_null()) {
@@ -174,8 +179,7 @@ void structured_output_of(const nlohmann::ordered_json& body, sampling_params& s
       else if (key == "regex")
         sp.guided_regex = regex(value, "structured_outputs");
       else
-        bad("'structured_outputs." + key +
-              "' is not supported (json, choice, regex, json_object)",
+        bad("'structured_outputs." + key + "' is not supported (json, choice, regex, json_object)",
             "structured_outputs");
       ++given;
     }
@@ -193,16 +197,36 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
   // template renders messages and tools as they were written.
   auto body = parse_object<nlohmann::ordered_json>(text);
   // A field troupe would not act on is refused, never ignored.
-  static const std::set<std::string> shared = {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n", "stop",
-    "stop_token_ids", "stream", "stream_options", "logprobs", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "bad_words",
-    "prompt_logprobs", "response_format", "guided_json", "guided_choice", "guided_regex",
-    "structured_outputs"};
+  static const std::set<std::string> shared = {"model",
+                                               "max_tokens",
+                                               "temperature",
+                                               "top_p",
+                                               "top_k",
+                                               "seed",
+                                               "ignore_eos",
+                                               "n",
+                                               "stop",
+                                               "stop_token_ids",
+                                               "stream",
+                                               "stream_options",
+                                               "logprobs",
+                                               "repetition_penalty",
+                                               "presence_penalty",
+                                               "frequency_penalty",
+                                               "min_p",
+                                               "min_tokens",
+                                               "logit_bias",
+                                               "bad_words",
+                                               "prompt_logprobs",
+                                               "response_format",
+                                               "guided_json",
+                                               "guided_choice",
+                                               "guided_regex",
+                                               "structured_outputs"};
   static const std::set<std::string> completion_only = {"prompt", "echo", "best_of"};
   static const std::set<std::string> chat_only = {
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-    "chat_template_kwargs", "add_generation_prompt"};
+    "messages",    "max_completion_tokens", "top_logprobs",         "tools",
+    "tool_choice", "chat_template_kwargs",  "add_generation_prompt"};
   for (auto& [key, value] : body.items())
     if (!shared.count(key) && !(chat ? chat_only : completion_only).count(key))
       bad("'" + key + "' is not supported", key);
@@ -245,7 +269,8 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
           bad("'tools' must be an array of tool definitions", "tools");
       req.conversation.tools_json = tools->dump();
     }
-    if (auto kwargs = body.find("chat_template_kwargs"); kwargs != body.end() && !kwargs->is_null()) {
+    if (auto kwargs = body.find("chat_template_kwargs");
+        kwargs != body.end() && !kwargs->is_null()) {
       if (!kwargs->is_object())
         bad("'chat_template_kwargs' must be an object", "chat_template_kwargs");
       req.conversation.variables_json = kwargs->dump();
@@ -253,7 +278,8 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
     req.conversation.add_generation_prompt =
       field<bool>(body, "add_generation_prompt", "a boolean").value_or(true);
     // The tools go into the prompt; the model decides whether to call one.
-    if (auto choice = field<std::string>(body, "tool_choice", "a string"); choice && *choice != "auto")
+    if (auto choice = field<std::string>(body, "tool_choice", "a string");
+        choice && *choice != "auto")
       bad("'tool_choice' must be \"auto\": the tools are shown to the model, which decides",
           "tool_choice");
     req.logprobs = field<bool>(body, "logprobs", "a boolean").value_or(false);
@@ -384,20 +410,15 @@ openai_request parse_openai_request(const std::string& text, bool chat) {
     req.include_usage = field<bool>(*opts, "include_usage", "a boolean").value_or(false);
   }
   if (req.stream && sp.best_of > sp.n)
-    bad("'best_of' above 'n' cannot stream: the best samples are known only at the end",
-        "best_of");
+    bad("'best_of' above 'n' cannot stream: the best samples are known only at the end", "best_of");
   return req;
 }
 
 openai_response::openai_response(const openai_request& req, std::string id, int64_t created,
                                  const llm& model)
-  : req_(req),
-    id_(std::move(id)),
-    created_(created),
-    model_(model),
+  : req_(req), id_(std::move(id)), created_(created), model_(model),
     role_sent_(static_cast<size_t>(req.generation.sampling.n), false),
-    text_sent_(static_cast<size_t>(req.generation.sampling.n), 0) {
-}
+    text_sent_(static_cast<size_t>(req.generation.sampling.n), 0) {}
 
 json openai_response::envelope(bool streaming) const {
   return {{"id", id_},
@@ -432,9 +453,7 @@ json openai_response::logprobs_of(const std::vector<int32_t>& ids,
       if (i < top.size())
         for (auto& alt : top[i]) {
           auto a = text(alt.token);
-          alternatives.push_back({{"token", a},
-                                  {"logprob", alt.logprob},
-                                  {"bytes", bytes_of(a)}});
+          alternatives.push_back({{"token", a}, {"logprob", alt.logprob}, {"bytes", bytes_of(a)}});
         }
       content.push_back({{"token", t},
                          {"logprob", logprobs[i]},
@@ -494,9 +513,8 @@ std::string openai_response::complete(const std::vector<generation_output>& outs
     json choice = {{"index", out.index}, {"finish_reason", out.finish_reason}};
     if (req_.prompt_logprobs && !req_.chat)
       choice["prompt_logprobs"] = prompt_logprobs_of(out.prompt_logprobs);
-    choice["logprobs"] = req_.logprobs
-                           ? logprobs_of(out.token_ids, out.logprobs, out.top_logprobs, 0)
-                           : json(nullptr);
+    choice["logprobs"] =
+      req_.logprobs ? logprobs_of(out.token_ids, out.logprobs, out.top_logprobs, 0) : json(nullptr);
     if (req_.chat)
       choice["message"] = {{"role", "assistant"}, {"content", out.text}};
     else
@@ -532,9 +550,9 @@ std::string openai_response::chunk(const generation_update& u) {
     choice["delta"] = text.empty() ? json::object() : json{{"content", text}};
   else
     choice["text"] = text;
-  choice["logprobs"] =
-    req_.logprobs ? logprobs_of(u.token_ids, u.logprobs, u.top_logprobs, sent - text.size())
-                  : json(nullptr);
+  choice["logprobs"] = req_.logprobs
+                         ? logprobs_of(u.token_ids, u.logprobs, u.top_logprobs, sent - text.size())
+                         : json(nullptr);
   choice["token_ids"] = u.token_ids;
   choice["finish_reason"] = u.finished ? json(u.output->finish_reason) : json(nullptr);
   // With the first token, as vLLM streams them.

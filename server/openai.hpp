@@ -20,8 +20,7 @@ std::string dumped(const nlohmann::json& j);
 /// A request the server refuses: the HTTP status and OpenAI's error object.
 struct http_error : std::runtime_error {
   http_error(int status, std::string type, const std::string& message, std::string param = {})
-    : std::runtime_error(message), status(status), type(std::move(type)), param(std::move(param)) {
-  }
+    : std::runtime_error(message), status(status), type(std::move(type)), param(std::move(param)) {}
   int status;
   std::string type;
   std::string param;
@@ -67,8 +66,7 @@ openai_request parse_openai_request(const std::string& body, bool chat);
 /// What a finished or streaming request sends, given its id and creation time.
 class openai_response {
 public:
-  openai_response(const openai_request& req, std::string id, int64_t created,
-                  const llm& model);
+  openai_response(const openai_request& req, std::string id, int64_t created, const llm& model);
 
   /// The whole response of a request that did not stream: a choice for each sample.
   std::string complete(const std::vector<generation_output>& outs) const;

@@ -47,22 +47,33 @@ constexpr size_t write_limit = 16 << 20;
 
 const char* reason_of(int status) {
   switch (status) {
-  case 200: return "OK";
-  case 400: return "Bad Request";
-  case 401: return "Unauthorized";
-  case 404: return "Not Found";
-  case 405: return "Method Not Allowed";
-  case 409: return "Conflict";
-  case 413: return "Payload Too Large";
-  case 429: return "Too Many Requests";
-  case 431: return "Request Header Fields Too Large";
-  case 503: return "Service Unavailable";
-  default: return "Internal Server Error";
+  case 200:
+    return "OK";
+  case 400:
+    return "Bad Request";
+  case 401:
+    return "Unauthorized";
+  case 404:
+    return "Not Found";
+  case 405:
+    return "Method Not Allowed";
+  case 409:
+    return "Conflict";
+  case 413:
+    return "Payload Too Large";
+  case 429:
+    return "Too Many Requests";
+  case 431:
+    return "Request Header Fields Too Large";
+  case 503:
+    return "Service Unavailable";
+  default:
+    return "Internal Server Error";
   }
 }
 
-std::string head(int status, const std::string& type, bool keep_alive,
-                 std::optional<size_t> length, bool chunked = true) {
+std::string head(int status, const std::string& type, bool keep_alive, std::optional<size_t> length,
+                 bool chunked = true) {
   std::string h = "HTTP/1.1 " + std::to_string(status) + " " + reason_of(status) +
                   "\r\nServer: troupe\r\nContent-Type: " + type + "\r\n";
   h += keep_alive ? "Connection: keep-alive\r\n" : "Connection: close\r\n";
@@ -87,7 +98,6 @@ bool same_key(const std::string& given, const std::string& expected) {
   SHA256(reinterpret_cast<const unsigned char*>(expected.data()), expected.size(), b);
   return CRYPTO_memcmp(a, b, sizeof a) == 0;
 }
-
 
 /// Threads that run jobs from one queue, in order of arrival.
 class job_threads {
@@ -233,8 +243,8 @@ std::vector<std::string> query_values(const std::string& query, const std::strin
 class session : public std::enable_shared_from_this<session> {
 public:
   session(tcp::socket socket, server_core& srv)
-    : socket_(std::move(socket)), strand_(socket_.get_executor()), deadline_(strand_),
-      srv_(srv), buffer_(read_buffer_limit) {
+    : socket_(std::move(socket)), strand_(socket_.get_executor()), deadline_(strand_), srv_(srv),
+      buffer_(read_buffer_limit) {
     ++srv_.connections;
   }
 
@@ -246,11 +256,11 @@ public:
     if (srv_.connections > srv_.cfg.max_connections) {
       // Closed at once, without lingering: a flood must not hold descriptors.
       keep_alive_ = false;
-      return respond(503, http_error{503, "server_error",
-                                     "too many connections: " +
-                                       std::to_string(srv_.cfg.max_connections) +
-                                       " are open; try again later"}
-                            .body());
+      return respond(
+        503, http_error{503, "server_error",
+                        "too many connections: " + std::to_string(srv_.cfg.max_connections) +
+                          " are open; try again later"}
+               .body());
     }
     read();
   }
@@ -279,15 +289,14 @@ private:
   /// Closes the connection if `wait` passes before `disarm` or the next `arm`.
   void arm(std::chrono::milliseconds wait) {
     deadline_.expires_after(wait);
-    deadline_.async_wait(
-      [self = shared_from_this(), epoch = ++epoch_](beast::error_code ec) {
-        if (ec || epoch != self->epoch_)
-          return;
-        if (self->sink_)
-          self->srv_.engine->abort(self->sink_);
-        self->sink_.reset();
-        self->close();
-      });
+    deadline_.async_wait([self = shared_from_this(), epoch = ++epoch_](beast::error_code ec) {
+      if (ec || epoch != self->epoch_)
+        return;
+      if (self->sink_)
+        self->srv_.engine->abort(self->sink_);
+      self->sink_.reset();
+      self->close();
+    });
   }
 
   void disarm() {
@@ -305,21 +314,22 @@ private:
     if (buffer_.size() > 0) // pipelined: it began already
       return read_header();
     arm(srv_.cfg.idle_timeout);
-    socket_.async_wait(tcp::socket::wait_read,
-                       net::bind_executor(strand_, [self = shared_from_this()](beast::error_code ec) {
-                         if (ec)
-                           return self->close();
-                         self->read_header();
-                       }));
+    socket_.async_wait(
+      tcp::socket::wait_read,
+      net::bind_executor(strand_, [self = shared_from_this()](beast::error_code ec) {
+        if (ec)
+          return self->close();
+        self->read_header();
+      }));
   }
 
   void read_header() {
     arm(srv_.cfg.header_timeout);
-    http::async_read_header(socket_, buffer_, *parser_,
-                            net::bind_executor(strand_, [self = shared_from_this()](
-                                                          beast::error_code ec, size_t) {
-                              self->on_header(ec);
-                            }));
+    http::async_read_header(
+      socket_, buffer_, *parser_,
+      net::bind_executor(strand_, [self = shared_from_this()](beast::error_code ec, size_t) {
+        self->on_header(ec);
+      }));
   }
 
   /// The header is in: the key is checked before a byte of the body is read.
@@ -339,13 +349,13 @@ private:
     if (parser_->is_done())
       return on_read();
     arm(srv_.cfg.body_timeout);
-    http::async_read(socket_, buffer_, *parser_,
-                     net::bind_executor(strand_, [self = shared_from_this()](
-                                                   beast::error_code ec, size_t) {
-                       if (ec)
-                         return self->on_read_error(ec);
-                       self->on_read();
-                     }));
+    http::async_read(
+      socket_, buffer_, *parser_,
+      net::bind_executor(strand_, [self = shared_from_this()](beast::error_code ec, size_t) {
+        if (ec)
+          return self->on_read_error(ec);
+        self->on_read();
+      }));
   }
 
   /// A request that could not be read: what was too large is answered (and the
@@ -373,9 +383,9 @@ private:
                             .body());
     if (ec.category() == http::make_error_code(http::error::end_of_stream).category() &&
         ec != http::error::end_of_stream && ec != http::error::partial_message)
-      return respond(400, http_error{400, "invalid_request_error",
-                                     "a malformed HTTP request: " + ec.message()}
-                            .body());
+      return respond(
+        400, http_error{400, "invalid_request_error", "a malformed HTTP request: " + ec.message()}
+               .body());
     close();
   }
 
@@ -396,9 +406,9 @@ private:
     return path == "/sleep" || path == "/wake_up" || path == "/collective_rpc" ||
            path == "/reset_prefix_cache" || path == "/flush_cache" ||
            path == "/update_weights_from_disk" || path == "/init_weights_update_group" ||
-           path == "/update_weights_from_distributed" ||
-           path == "/destroy_weights_update_group" || path == "/update_weights_from_tensor" ||
-           path == "/v1/load_lora_adapter" || path == "/v1/unload_lora_adapter";
+           path == "/update_weights_from_distributed" || path == "/destroy_weights_update_group" ||
+           path == "/update_weights_from_tensor" || path == "/v1/load_lora_adapter" ||
+           path == "/v1/unload_lora_adapter";
   }
 
   /// Whether `path` is behind the API key (the API and the admin endpoints); /health,
@@ -592,16 +602,15 @@ private:
     auto name = body["lora_name"].get<std::string>();
     if (path == "/v1/load_lora_adapter") {
       if (!body.contains("lora_path") || !body["lora_path"].is_string())
-        throw http_error{400, "invalid_request_error", "'lora_path' must be a string",
-                         "lora_path"};
+        throw http_error{400, "invalid_request_error", "'lora_path' must be a string", "lora_path"};
       auto lora_path = body["lora_path"].get<std::string>();
       return on_engine([srv, name, lora_path](llm& m) -> json {
         int64_t id = 0;
         {
           std::lock_guard<std::mutex> lk{srv->lora_mtx};
           if (srv->loras.count(name) > 0 || name == srv->cfg.served_model_name)
-            throw http_error{400, "invalid_request_error",
-                             "the model name '" + name + "' is taken", "lora_name"};
+            throw http_error{400, "invalid_request_error", "the model name '" + name + "' is taken",
+                             "lora_name"};
           id = srv->next_lora_id++;
         }
         m.executor().add_lora({name, id, lora_path});
@@ -635,16 +644,17 @@ private:
     auto* srv = &srv_;
     auto text = [&](const char* key) {
       if (!body.contains(key) || !body[key].is_string())
-        throw http_error{400, "invalid_request_error", std::string{"'"} + key +
-                                                        "' must be a string", key};
+        throw http_error{400, "invalid_request_error",
+                         std::string{"'"} + key + "' must be a string", key};
       return body[key].get<std::string>();
     };
     auto integer = [&](const char* key, int64_t low, int64_t high) {
-      if (!body.contains(key) || !body[key].is_number_integer() ||
-          body[key].get<int64_t>() < low || body[key].get<int64_t>() > high)
+      if (!body.contains(key) || !body[key].is_number_integer() || body[key].get<int64_t>() < low ||
+          body[key].get<int64_t>() > high)
         throw http_error{400, "invalid_request_error",
                          std::string{"'"} + key + "' must be an integer in [" +
-                           std::to_string(low) + ", " + std::to_string(high) + "]", key};
+                           std::to_string(low) + ", " + std::to_string(high) + "]",
+                         key};
       return static_cast<int32_t>(body[key].get<int64_t>());
     };
     auto done = [srv](llm& m, const std::string& message) -> json {
@@ -694,14 +704,16 @@ private:
         auto& shape = body["shapes"][i];
         if (!name.is_string() || !dtype.is_string() || !shape.is_array())
           throw http_error{400, "invalid_request_error",
-                           "tensor " + std::to_string(i) + ": a name, a dtype and a shape", "names"};
+                           "tensor " + std::to_string(i) + ": a name, a dtype and a shape",
+                           "names"};
         host_tensor t;
         t.name = name.get<std::string>();
         t.dtype = dtype.get<std::string>();
         if (t.dtype.rfind("torch.", 0) == 0)
           t.dtype = t.dtype.substr(6);
         for (auto& d : shape) {
-          if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > (int64_t{1} << 40))
+          if (!d.is_number_integer() || d.get<int64_t>() < 0 ||
+              d.get<int64_t>() > (int64_t{1} << 40))
             throw http_error{400, "invalid_request_error",
                              "tensor '" + t.name + "': dimensions are non-negative integers",
                              "shapes"};
@@ -766,8 +778,8 @@ private:
       std::lock_guard<std::mutex> lk{srv_.lora_mtx};
       auto at = srv_.loras.find(req.model);
       if (at == srv_.loras.end())
-        throw http_error{404, "not_found_error",
-                         "the model '" + req.model + "' does not exist", "model"};
+        throw http_error{404, "not_found_error", "the model '" + req.model + "' does not exist",
+                         "model"};
       g.lora = lora_request{at->first, at->second.first, at->second.second};
     }
     if (req.chat) {
@@ -991,8 +1003,8 @@ private:
     // one I/O thread reads into it one read at a time.
     static char dropped[16 << 10];
     socket_.async_read_some(net::buffer(dropped),
-                            net::bind_executor(strand_, [self = shared_from_this(), budget](
-                                                          beast::error_code ec, size_t n) {
+                            net::bind_executor(strand_, [self = shared_from_this(),
+                                                         budget](beast::error_code ec, size_t n) {
                               if (ec || n >= budget)
                                 return self->close();
                               self->drop_input(budget - n);
@@ -1005,31 +1017,31 @@ private:
     writing_ = true;
     arm(srv_.cfg.send_timeout);
     auto& front = writes_.front();
-    socket_.async_write_some(net::buffer(front.data() + written_, front.size() - written_),
-                     net::bind_executor(strand_, [self = shared_from_this()](
-                                                   beast::error_code ec, size_t n) {
-                       self->written_ += n;
-                       if (self->written_ == self->writes_.front().size()) {
-                         self->queued_bytes_ -= self->writes_.front().size();
-                         self->writes_.pop_front();
-                         self->written_ = 0;
-                       }
-                       if (ec) {
-                         // The client is gone: its generation stops.
-                         if (self->sink_)
-                           self->srv_.engine->abort(self->sink_);
-                         self->sink_.reset();
-                         self->writing_ = false;
-                         self->close();
-                         return;
-                       }
-                       if (!self->writes_.empty())
-                         return self->write_next();
-                       self->writing_ = false;
-                       self->disarm();
-                       if (self->response_done_)
-                         self->after_response();
-                     }));
+    socket_.async_write_some(
+      net::buffer(front.data() + written_, front.size() - written_),
+      net::bind_executor(strand_, [self = shared_from_this()](beast::error_code ec, size_t n) {
+        self->written_ += n;
+        if (self->written_ == self->writes_.front().size()) {
+          self->queued_bytes_ -= self->writes_.front().size();
+          self->writes_.pop_front();
+          self->written_ = 0;
+        }
+        if (ec) {
+          // The client is gone: its generation stops.
+          if (self->sink_)
+            self->srv_.engine->abort(self->sink_);
+          self->sink_.reset();
+          self->writing_ = false;
+          self->close();
+          return;
+        }
+        if (!self->writes_.empty())
+          return self->write_next();
+        self->writing_ = false;
+        self->disarm();
+        if (self->response_done_)
+          self->after_response();
+      }));
   }
 
   void close() {
@@ -1213,8 +1225,8 @@ void server_config::validate() const {
   auto positive = [](std::chrono::milliseconds t, const char* name) {
     if (t.count() <= 0)
       throw error{errc::invalid_argument, std::string{"serve: "} + name +
-                                            " must be positive, got " +
-                                            std::to_string(t.count()) + " ms"};
+                                            " must be positive, got " + std::to_string(t.count()) +
+                                            " ms"};
   };
   positive(idle_timeout, "idle_timeout");
   positive(header_timeout, "header_timeout");

@@ -15,11 +15,11 @@ namespace troupe::testing {
 /// The tiny transformers fixtures (tests/fixtures, one per family and feature) whose
 /// reference.json holds the prompts' logits and greedy tokens.
 inline const std::vector<std::string> fixture_models = {
-  "llama-gqa",        "llama3-rope-tied",   "qwen2-bias",      "llama-odd-heads",
+  "llama-gqa",         "llama3-rope-tied",   "qwen2-bias",      "llama-odd-heads",
   "llama-rope-linear", "llama-rope-dynamic", "llama-rope-yarn", "llama-bias",
-  "mistral-window",   "qwen2-window",       "qwen3-norms",     "phi3-fused",
-  "phi3-longrope",    "gemma3-layers",      "gemma2-softcap",  "gemma2-standard",
-  "gemma3-standard",  "mixtral-experts",    "qwen3-moe",       "qwen3-moe-mixed",
+  "mistral-window",    "qwen2-window",       "qwen3-norms",     "phi3-fused",
+  "phi3-longrope",     "gemma3-layers",      "gemma2-softcap",  "gemma2-standard",
+  "gemma3-standard",   "mixtral-experts",    "qwen3-moe",       "qwen3-moe-mixed",
   "phi4-partial"};
 
 struct model_runner {
@@ -31,11 +31,10 @@ struct model_runner {
   /// holds its shard of the model (whole experts with `expert_parallel`); `reduce` sums over
   /// the ranks (needed when `world` > 1).
   model_runner(device& dev, const model_config& cfg, const checkpoint& ckpt,
-               dtype type = dtype::f32, int64_t block_size = 4, int32_t rank = 0,
-               int32_t world = 1, all_reduce_fn reduce = {}, bool expert_parallel = false)
+               dtype type = dtype::f32, int64_t block_size = 4, int32_t rank = 0, int32_t world = 1,
+               all_reduce_fn reduce = {}, bool expert_parallel = false)
     : model(cfg, dev, rank, world, type, false, false, expert_parallel),
-      cache(dev, cfg.num_hidden_layers, model.local_kv_heads(), cfg.head_dim, block_size, 64,
-            0) {
+      cache(dev, cfg.num_hidden_layers, model.local_kv_heads(), cfg.head_dim, block_size, 64, 0) {
     if (reduce)
       model.set_all_reduce(std::move(reduce));
     model.load(ckpt);

@@ -80,7 +80,8 @@ int main(int argc, char** argv) {
   cfg.kinds["test"] = [](int32_t rank, const caf::settings&) {
     return troupe::testing::test_factory()(rank);
   };
-  cfg.kinds["model"] = [](int32_t, const caf::settings& settings) -> std::unique_ptr<troupe::worker> {
+  cfg.kinds["model"] = [](int32_t,
+                          const caf::settings& settings) -> std::unique_ptr<troupe::worker> {
     return std::make_unique<faulty_node_worker>(troupe::model_worker_options_from(settings));
   };
   troupe::node n{cfg};
@@ -98,5 +99,4 @@ int main(int argc, char** argv) {
     std::_Exit(1);
   }
   std::_Exit(0); // the stdin thread may still be reading
-
 }

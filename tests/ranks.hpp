@@ -20,8 +20,8 @@ namespace troupe::testing {
 /// Runs `each(runner, rank)` on every rank of a group of `world` over `ckpt` (whole
 /// experts a rank when `expert_parallel`); a rank's exception fails the test, naming it.
 template <class Each>
-void on_ranks(const model_config& cfg, const checkpoint& ckpt, int32_t world,
-              bool expert_parallel, Each each) {
+void on_ranks(const model_config& cfg, const checkpoint& ckpt, int32_t world, bool expert_parallel,
+              Each each) {
   std::vector<std::unique_ptr<gloo_communicator>> comms;
   std::vector<std::vector<std::string>> table;
   for (int32_t rank = 0; rank < world; ++rank) {

@@ -55,8 +55,7 @@ prompt_adapter_request prompt_tuning(int64_t id) {
 
 /// The last-position logits of `prompt` on one rank, with the given adapters.
 std::vector<float> prefill_logits(llama_model& model, kv_cache& cache,
-                                  const std::vector<int32_t>& prompt,
-                                  const step_adapters& with) {
+                                  const std::vector<int32_t>& prompt, const step_adapters& with) {
   execute_model_request req;
   sequence_group_metadata g;
   g.request_id = "r";
@@ -106,7 +105,10 @@ int32_t first_token(executor& exec, std::vector<int32_t> prompt, int64_t lora_id
   sequence_group_metadata g;
   g.request_id = "r";
   g.is_prompt = true;
-  g.seqs.push_back({0, prompt, static_cast<int32_t>(prompt.size()), 0,
+  g.seqs.push_back({0,
+                    prompt,
+                    static_cast<int32_t>(prompt.size()),
+                    0,
                     {first_block, first_block + 1, first_block + 2, first_block + 3}});
   g.token_chunk_size = static_cast<int32_t>(prompt.size());
   g.sampling = greedy(1);
@@ -258,7 +260,8 @@ TEST_CASE("with fewer LoRA slots than adapters the steps take turns and outputs 
   CHECK(model->executor().list_loras().size() == 1);
 }
 
-TEST_CASE("LoRA slots evict the least recently used unpinned adapter and refuse when all are pinned") {
+TEST_CASE(
+  "LoRA slots evict the least recently used unpinned adapter and refuse when all are pinned") {
   auto ref = reference();
   auto exec = make_executor(2, 2);
   auto ids = [&] { return exec->list_loras(); };
@@ -267,7 +270,7 @@ TEST_CASE("LoRA slots evict the least recently used unpinned adapter and refuse 
   CHECK(ids() == std::vector<int64_t>{1, 2});
   CHECK(exec->add_lora(lora("lora-mlp", 3))); // evicts 1, the least recently used
   CHECK(ids() == std::vector<int64_t>{2, 3});
-  CHECK(exec->add_lora(lora("lora-qv", 2))); // already loaded: only marked used
+  CHECK(exec->add_lora(lora("lora-qv", 2)));  // already loaded: only marked used
   CHECK(exec->add_lora(lora("lora-all", 1))); // evicts 3 now, not 2
   CHECK(ids() == std::vector<int64_t>{1, 2});
   CHECK(exec->pin_lora(1));
@@ -286,7 +289,10 @@ TEST_CASE("LoRA slots evict the least recently used unpinned adapter and refuse 
   sequence_group_metadata g;
   g.request_id = "r";
   g.is_prompt = true;
-  g.seqs.push_back({0, prompt_of(ref, 1), static_cast<int32_t>(prompt_of(ref, 1).size()), 0,
+  g.seqs.push_back({0,
+                    prompt_of(ref, 1),
+                    static_cast<int32_t>(prompt_of(ref, 1).size()),
+                    0,
                     {0, 1, 2, 3, 4, 5, 6, 7}});
   g.token_chunk_size = static_cast<int32_t>(g.seqs[0].token_ids.size());
   g.sampling = greedy(1);
@@ -298,8 +304,7 @@ TEST_CASE("LoRA slots evict the least recently used unpinned adapter and refuse 
   CHECK(ids() == std::vector<int64_t>{1, 2});
 
   req.seq_group_metadata_list[0].lora_int_id = 3; // removed
-  CHECK_THROWS_WITH_AS(exec->execute_model(req), doctest::Contains("LoRA 3 was not added"),
-                       error);
+  CHECK_THROWS_WITH_AS(exec->execute_model(req), doctest::Contains("LoRA 3 was not added"), error);
   CHECK(exec->add_lora(lora("lora-mlp", 3))); // 1 is pinned: 2 goes
   CHECK(ids() == std::vector<int64_t>{1, 3});
   auto both = req;
@@ -314,8 +319,7 @@ TEST_CASE("LoRA slots evict the least recently used unpinned adapter and refuse 
   both.seq_group_metadata_list[2].seqs[0].seq_id = 2;
   both.seq_group_metadata_list[2].seqs[0].block_table = {12, 13, 14, 15};
   both.seq_group_metadata_list[2].request_id = "r3";
-  CHECK_THROWS_WITH_AS(exec->execute_model(both), doctest::Contains("a step uses 3 LoRAs"),
-                       error);
+  CHECK_THROWS_WITH_AS(exec->execute_model(both), doctest::Contains("a step uses 3 LoRAs"), error);
 }
 
 TEST_CASE("LoRA and prompt adapters survive a level-2 sleep through reload_weights") {
@@ -359,7 +363,8 @@ TEST_CASE("bad adapters are refused naming the adapter and what is wrong, and no
     float a[4 * 64] = {};
     w.add("base_model.model.lm_head.lora_A.weight", dtype::f32, {4, 64}, a, sizeof(a));
     w.write((odd.dir / "adapter_model.safetensors").string());
-    refused({"odd", 2, odd.dir.string()}, "'base_model.model.lm_head.lora_A.weight' is not a LoRA factor");
+    refused({"odd", 2, odd.dir.string()},
+            "'base_model.model.lm_head.lora_A.weight' is not a LoRA factor");
     safetensors_writer half;
     half.add("base_model.model.model.layers.1.mlp.up_proj.lora_A.weight", dtype::f32, {4, 64}, a,
              sizeof(a));

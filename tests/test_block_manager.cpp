@@ -11,14 +11,14 @@
 using namespace troupe;
 
 TEST_CASE("prompts get whole blocks and the watermark keeps room to grow") {
-  block_manager bm{4, 10, 4, 0.1}; // watermark: 1 block
+  block_manager bm{4, 10, 4, 0.1};                            // watermark: 1 block
   CHECK(bm.can_allocate(9) == block_manager::allocation::ok); // 3 blocks
   bm.allocate(1, 9);
   CHECK(bm.block_table(1).size() == 3);
   CHECK(bm.free_device_blocks() == 7);
-  CHECK(bm.can_allocate(24) == block_manager::allocation::ok);     // 6 of 7, 1 left
-  CHECK(bm.can_allocate(28) == block_manager::allocation::later);  // 7 of 7 would eat the watermark
-  CHECK(bm.can_allocate(40) == block_manager::allocation::never);  // more than the device has
+  CHECK(bm.can_allocate(24) == block_manager::allocation::ok);    // 6 of 7, 1 left
+  CHECK(bm.can_allocate(28) == block_manager::allocation::later); // 7 of 7 would eat the watermark
+  CHECK(bm.can_allocate(40) == block_manager::allocation::never); // more than the device has
   bm.free(1);
   CHECK(bm.free_device_blocks() == 10);
   CHECK_THROWS_AS(bm.free(1), error);

@@ -73,7 +73,7 @@ TEST_CASE("whitespace: trim_blocks, lstrip_blocks and the - and + markers") {
   CHECK(render("  {%+ if true %}x{% endif %}") == "  x");
   CHECK(render("a  {{- ' b ' -}}  c") == "a b c");
   CHECK(render("a {# note #}\nb") == "a b");
-  CHECK(render("{{ 'x' }}\ny") == "x\ny"); // trim_blocks leaves expressions alone
+  CHECK(render("{{ 'x' }}\ny") == "x\ny");                 // trim_blocks leaves expressions alone
   CHECK(render("x  {% if true %}y{% endif %}") == "x  y"); // not at a line's start
 }
 
@@ -105,9 +105,11 @@ TEST_CASE("expressions as Python evaluates them") {
   CHECK(render("{{ '<think>x</think>y'.split('</think>')[-1].lstrip('\\n') }}") == "y");
   CHECK(render("{{ {'b': [1, 2.5, 'ü', none, true]} | tojson }}") ==
         "{\"b\": [1, 2.5, \"ü\", null, true]}");
-  CHECK(render("{{ {'a': {'b': 1}} | tojson(indent=2) }}") == "{\n  \"a\": {\n    \"b\": 1\n  }\n}");
-  CHECK(render("{{ [{'r': 'u'}, {'r': 'a'}] | selectattr('r', 'equalto', 'u') | list | length }}") ==
-        "1");
+  CHECK(render("{{ {'a': {'b': 1}} | tojson(indent=2) }}") ==
+        "{\n  \"a\": {\n    \"b\": 1\n  }\n}");
+  CHECK(
+    render("{{ [{'r': 'u'}, {'r': 'a'}] | selectattr('r', 'equalto', 'u') | list | length }}") ==
+    "1");
   CHECK(render("{{ ['a', 'b'] | map('upper') | join('-') }} {{ x | default('d') }}") == "A-B d");
   CHECK(render("{{ x is defined }} {{ none is none }} {{ 'a' is string }} {{ {} is mapping }}") ==
         "False True True True");
@@ -162,11 +164,12 @@ TEST_CASE("a Hugging Face directory's template: chat_template.jinja, else tokeni
     std::ofstream{d / name} << text;
   };
   CHECK_FALSE(chat_template::of_model(d.string(), nullptr));
-  json config = {{"bos_token", {{"content", "<s>"}, {"lstrip", false}}},
-                 {"eos_token", "</s>"},
-                 {"chat_template",
-                  json::array({{{"name", "default"}, {"template", "{{ bos_token }}d{{ eos_token }}"}},
-                               {{"name", "tool_use"}, {"template", "t{{ tools | length }}"}}})}};
+  json config = {
+    {"bos_token", {{"content", "<s>"}, {"lstrip", false}}},
+    {"eos_token", "</s>"},
+    {"chat_template",
+     json::array({{{"name", "default"}, {"template", "{{ bos_token }}d{{ eos_token }}"}},
+                  {{"name", "tool_use"}, {"template", "t{{ tools | length }}"}}})}};
   write("tokenizer_config.json", config.dump());
   auto messages = json::array({{{"role", "user"}, {"content", "hi"}}});
   auto tmpl = chat_template::of_model(d.string(), nullptr);

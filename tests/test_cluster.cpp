@@ -63,8 +63,7 @@ struct node_process : child_process {
   explicit node_process(int32_t devices = 2, int32_t timeout_ms = 1000,
                         uint64_t max_message_bytes = 64 << 20)
     : child_process(TROUPE_NODE_HOST, {secret, std::to_string(devices), std::to_string(timeout_ms),
-                                       std::to_string(max_message_bytes)}) {
-  }
+                                       std::to_string(max_message_bytes)}) {}
 };
 
 /// A node with one worker slot that kills (`how` "kill") or stops ("stop") itself as its
@@ -72,8 +71,7 @@ struct node_process : child_process {
 struct faulty_node : child_process {
   faulty_node(const std::string& how, int at)
     : child_process(TROUPE_NODE_HOST,
-                    {"--fault=" + how + "@" + std::to_string(at), secret, "1", "1000"}) {
-  }
+                    {"--fault=" + how + "@" + std::to_string(at), secret, "1", "1000"}) {}
 };
 
 /// Resident memory of a process in KiB.
@@ -117,8 +115,8 @@ std::set<uint16_t> listening_ports(pid_t pid) {
       fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
         timeout >> inode;
       if (state == "0A" && inodes.count(inode) > 0)
-        ports.insert(static_cast<uint16_t>(std::stoul(local.substr(local.find(':') + 1),
-                                                      nullptr, 16)));
+        ports.insert(
+          static_cast<uint16_t>(std::stoul(local.substr(local.find(':') + 1), nullptr, 16)));
     }
   }
   return ports;
@@ -254,8 +252,8 @@ std::vector<std::string> run_suite(executor& exec) {
   // Every rank fails: which one is named depends on who answers first.
   add("unknown", to_string(code_of([&] { exec.collective_rpc("no_such_method"); })));
   auto blocks = exec.determine_num_available_blocks();
-  add("blocks", std::to_string(blocks.num_device_blocks) + "/" +
-                  std::to_string(blocks.num_swap_blocks));
+  add("blocks",
+      std::to_string(blocks.num_device_blocks) + "/" + std::to_string(blocks.num_swap_blocks));
   exec.initialize_cache(blocks);
   execute_model_request req;
   sequence_group_metadata g;
@@ -264,7 +262,8 @@ std::vector<std::string> run_suite(executor& exec) {
   g.token_chunk_size = 3;
   req.seq_group_metadata_list.push_back(g);
   for (int i = 0; i < 3; ++i)
-    add("execute_model", std::to_string(exec.execute_model(req)[0].outputs[0].samples[0].output_token));
+    add("execute_model",
+        std::to_string(exec.execute_model(req)[0].outputs[0].samples[0].output_token));
   exec.stop_remote_worker_execution_loop();
   add("steps", text(exec.collective_rpc_as<int64_t>("steps")));
   exec.add_lora({"a", 3, "/nowhere"});
@@ -292,9 +291,8 @@ TEST_CASE("two nodes and local workers give the results of an all-local executor
   }
   node_process a;
   node_process b;
-  auto exec = std::make_unique<executor>(mixed_config(2, {{"127.0.0.1", a.port(), 1},
-                                                          {"127.0.0.1", b.port(), 1}}),
-                                         test_factory());
+  auto exec = std::make_unique<executor>(
+    mixed_config(2, {{"127.0.0.1", a.port(), 1}, {"127.0.0.1", b.port(), 1}}), test_factory());
   auto workers = exec->workers();
   REQUIRE(workers.size() == 4);
   CHECK(workers[0].pid == workers[1].pid);
@@ -305,9 +303,10 @@ TEST_CASE("two nodes and local workers give the results of an all-local executor
   for (size_t i = 0; i < local.size(); ++i)
     CHECK(mixed[i] == local[i]);
   // Callables never cross the network.
-  CHECK(code_of([&] { exec->collective_rpc([](worker&, const caf::message&, const caf::settings&) {
-    return caf::message{};
-  }); }) == errc::remote_callable);
+  CHECK(code_of([&] {
+          exec->collective_rpc(
+            [](worker&, const caf::message&, const caf::settings&) { return caf::message{}; });
+        }) == errc::remote_callable);
 }
 
 TEST_CASE("calls to nodes give the same answers whether network threads linger or sleep") {
@@ -316,8 +315,8 @@ TEST_CASE("calls to nodes give the same answers whether network threads linger o
   child_process sleeper{TROUPE_NODE_HOST, {"--network-linger-us=0", secret, "1", "1000"}};
   node_process lingerer{1};
   for (auto linger : {0us, 100us, 2000us}) {
-    auto cfg = mixed_config(1, {{"127.0.0.1", sleeper.port(), 1},
-                                {"127.0.0.1", lingerer.port(), 1}});
+    auto cfg =
+      mixed_config(1, {{"127.0.0.1", sleeper.port(), 1}, {"127.0.0.1", lingerer.port(), 1}});
     cfg.network_linger = linger;
     auto exec = lease_again_with(cfg, 10);
     for (int i = 0; i < 50; ++i) {
@@ -408,8 +407,8 @@ TEST_CASE("a stopped node (SIGSTOP) is noticed by heartbeat within the timeout")
   CHECK(code_of([&] { exec.collective_rpc("sleep_ms", opts); }) == errc::worker_died);
   auto took = seconds_since(start);
   auto what = what_of([&] { exec.collective_rpc("sleep_ms", opts); }); // the same failure
-  CHECK_MESSAGE(what.find("rank 1 on node 127.0.0.1:" + std::to_string(n.port())) !=
-                  std::string::npos, what);
+  CHECK_MESSAGE(
+    what.find("rank 1 on node 127.0.0.1:" + std::to_string(n.port())) != std::string::npos, what);
   CHECK_MESSAGE(what.find("no heartbeat within the timeout") != std::string::npos, what);
   MESSAGE("SIGSTOP noticed after " << took << " s (node_timeout 1 s)");
   CHECK(took < 2.0); // node_timeout 1 s and the heartbeat's tick; the call's deadline is 20 s
@@ -418,8 +417,8 @@ TEST_CASE("a stopped node (SIGSTOP) is noticed by heartbeat within the timeout")
 
 TEST_CASE("peers without the secret are refused and the legitimate executor is unaffected") {
   node_process n{2};
-  auto legit = std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}),
-                                          test_factory());
+  auto legit =
+    std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}), test_factory());
   CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 
   auto wrong = mixed_config(0, {{"127.0.0.1", n.port(), 1}});
@@ -467,8 +466,9 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
     REQUIRE(gate);
     caf::error err;
     auto holder = sys.spawn([]() -> caf::behavior { return {[](caf::ok_atom) {}}; });
-    self->request(*gate, 5s, lease_atom::value, std::string{"test"}, caf::settings{}, int32_t{1},
-                  holder)
+    self
+      ->request(*gate, 5s, lease_atom::value, std::string{"test"}, caf::settings{}, int32_t{1},
+                holder)
       .receive([](std::vector<caf::actor>&, std::string&) {}, [&](caf::error& e) { err = e; });
     CHECK(render(err).find("a lease before authentication") != std::string::npos);
     err = caf::error{};
@@ -489,7 +489,8 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
       .receive([&](std::string& c) { challenge = c; }, [&](caf::error& e) { err = e; });
     std::this_thread::sleep_for(1200ms);
     err = caf::error{};
-    self->request(*gate, 5s, auth_atom::value, secret_proof(secret, challenge, to_string(sys.node())))
+    self
+      ->request(*gate, 5s, auth_atom::value, secret_proof(secret, challenge, to_string(sys.node())))
       .receive([](caf::ok_atom) {}, [&](caf::error& e) { err = e; });
     CHECK_MESSAGE(render(err).find("after the connection timeout") != std::string::npos,
                   render(err));
@@ -542,8 +543,8 @@ std::vector<int> connections_to(uint16_t port) {
   while (std::getline(tcp, line)) {
     std::istringstream fields{line};
     std::string slot, local, peer, state, queues, timer, retransmits, uid, timeout, inode;
-    fields >> slot >> local >> peer >> state >> queues >> timer >> retransmits >> uid >>
-      timeout >> inode;
+    fields >> slot >> local >> peer >> state >> queues >> timer >> retransmits >> uid >> timeout >>
+      inode;
     if (peer == remote && state == "01")
       inodes.insert(inode);
   }
@@ -587,12 +588,12 @@ enum class link_via { tcp, unix_socket, shared_memory };
 
 const char* to_string(link_via via) {
   switch (via) {
-    case link_via::tcp:
-      return "tcp";
-    case link_via::unix_socket:
-      return "unix socket";
-    default:
-      return "shared memory";
+  case link_via::tcp:
+    return "tcp";
+  case link_via::unix_socket:
+    return "unix socket";
+  default:
+    return "shared memory";
   }
 }
 
@@ -605,8 +606,8 @@ void link_broke_under(node& n, executor& exec, Call call) {
     FAIL("the call survived its link");
   } catch (const error& e) {
     CHECK(e.code() == errc::worker_died);
-    CHECK_MESSAGE(std::string{e.what()}.find("its call link to node 127.0.0.1:" +
-                                             std::to_string(n.port()) + " closed") !=
+    CHECK_MESSAGE(std::string{e.what()}.find(
+                    "its call link to node 127.0.0.1:" + std::to_string(n.port()) + " closed") !=
                     std::string::npos,
                   e.what());
   }
@@ -676,9 +677,8 @@ TEST_CASE("the call link to a node on this host goes over its local socket, and 
     CHECK(connections_to(n.port()).size() == (local ? 1u : 2u));
     CHECK(accepted_at(n.local_address()).size() == (local ? 1u : 0u));
     // With shared memory both ends map the rings: the node's and the executor's mapping.
-    CHECK(eventually([&] {
-      return shared_ring_mappings().size() == (via == link_via::shared_memory ? 2u : 0u);
-    }));
+    CHECK(eventually(
+      [&] { return shared_ring_mappings().size() == (via == link_via::shared_memory ? 2u : 0u); }));
     auto linked = n.linked_requests();
     CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
     CHECK(n.linked_requests() == linked + 2);
@@ -914,8 +914,8 @@ TEST_CASE("a node's local socket takes only call links that prove the secret and
     REQUIRE(recv(fd, greeting.data(), greeting.size(), MSG_WAITALL) ==
             static_cast<ssize_t>(greeting.size()));
     auto challenge = random_challenge();
-    auto answer = challenge + " " + peer_proof(secret, challenge_of_greeting(greeting), challenge) +
-                  "\n";
+    auto answer =
+      challenge + " " + peer_proof(secret, challenge_of_greeting(greeting), challenge) + "\n";
     REQUIRE(send(fd, answer.data(), answer.size(), MSG_NOSIGNAL) ==
             static_cast<ssize_t>(answer.size()));
     CHECK(read_until_closed(fd).rfind("no ", 0) == 0);
@@ -949,8 +949,8 @@ TEST_CASE("a start refused by a node stops at once, its local workers included")
 
 TEST_CASE("nothing from a peer without the secret reaches an actor, during a lease too") {
   node_process n{1, 1000};
-  auto legit = std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}),
-                                          test_factory());
+  auto legit =
+    std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}), test_factory());
   // A plain CAF client (no proof): the node's first bytes are no BASP handshake, so it never
   // gets a handle on the gate, let alone a way to send it an exit message.
   {
@@ -978,8 +978,8 @@ TEST_CASE("nothing from a peer without the secret reaches an actor, during a lea
     REQUIRE(recv(fd, greeting.data(), greeting.size(), MSG_WAITALL) ==
             static_cast<ssize_t>(greeting_size));
     auto challenge = random_challenge();
-    auto answer = challenge + " " + peer_proof("guess", challenge_of_greeting(greeting), challenge) +
-                  "\n";
+    auto answer =
+      challenge + " " + peer_proof("guess", challenge_of_greeting(greeting), challenge) + "\n";
     REQUIRE(send(fd, answer.data(), answer.size(), MSG_NOSIGNAL) ==
             static_cast<ssize_t>(answer.size()));
     CHECK(read_until_closed(fd) == "no wrong secret\n");
@@ -1032,8 +1032,8 @@ TEST_CASE("1000 idle connections cost no thread and little memory, and an execut
 
 TEST_CASE("an oversized message is refused without the node allocating it") {
   node_process n{2, 1000, 1 << 20};
-  auto legit = std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}),
-                                          test_factory());
+  auto legit =
+    std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}), test_factory());
   // A message under the bound passes.
   rpc_call_options small;
   small.kwargs["pad"] = std::string(512 << 10, 'x');
@@ -1099,15 +1099,13 @@ TEST_CASE("a node whose executor is killed or stopped releases its workers for t
     CHECK_THROWS_WITH_AS(lease_now(), doctest::Contains("another executor"), error);
     killed.kill_now();
     // The closed connection tells the node at once.
-    MESSAGE("after kill -9 of its executor the node leased again in " << lease_within(1.0)
-                                                                        << " s");
+    MESSAGE("after kill -9 of its executor the node leased again in " << lease_within(1.0) << " s");
   }
   {
     child_process stopped{TROUPE_EXECUTOR_HOST, {std::to_string(n.port()), secret}};
     stopped.signal(SIGSTOP);
     // The node's heartbeat timeout (1 s) tells it.
-    MESSAGE("after SIGSTOP of its executor the node leased again in " << lease_within(2.0)
-                                                                        << " s");
+    MESSAGE("after SIGSTOP of its executor the node leased again in " << lease_within(2.0) << " s");
   }
 }
 
@@ -1157,8 +1155,8 @@ TEST_CASE("mutual TLS: only executors with a certificate of the node's CA get wo
     return cfg;
   };
   // A certificate of another CA, and no TLS at all: no connection.
-  CHECK(code_of([&] { executor(config_with("stranger", "ca"), test_factory()); })
-        == errc::worker_died);
+  CHECK(code_of([&] { executor(config_with("stranger", "ca"), test_factory()); }) ==
+        errc::worker_died);
   auto plain = mixed_config(1, {{"127.0.0.1", n.port(), 1}});
   plain.startup_timeout = 5s;
   CHECK_THROWS_WITH_AS(executor(plain, test_factory()), doctest::Contains("wants TLS"), error);
@@ -1293,8 +1291,8 @@ struct raw_basp_peer {
 TEST_CASE("a peer with the secret but not the lease reaches only the gate and cannot speak as "
           "the node, and a node whose gate is killed stops and says so") {
   node_process n{1, 1000};
-  auto legit = std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}),
-                                          test_factory());
+  auto legit =
+    std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}), test_factory());
   client_system client;
   auto& sys = *client.sys;
   caf::scoped_actor self{sys};
@@ -1335,8 +1333,8 @@ TEST_CASE("a peer with the secret but not the lease reaches only the gate and ca
 
 TEST_CASE("the gate ignores exit messages, even from a peer that proved the secret") {
   node_process n{1, 1000};
-  auto legit = std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}),
-                                          test_factory());
+  auto legit =
+    std::make_unique<executor>(mixed_config(1, {{"127.0.0.1", n.port(), 1}}), test_factory());
   {
     client_system client;
     auto& sys = *client.sys;

@@ -89,7 +89,7 @@ TEST_CASE("a rank whose communicator goes (its worker died) fails the others' wa
     local_communicator leaving{1, 2, "leave-test", 60s};
     while (joined == 0)
       std::this_thread::yield();
-  } // destroyed without reducing, as when its worker dies
+  }                // destroyed without reducing, as when its worker dies
   survivor.join(); // long before the 60 s timeout
   CHECK(what == "all-reduce: a rank of this process left the group (its worker died)");
 }

@@ -167,8 +167,7 @@ TEST_CASE("a file mapped copy-on-write reads as the file, never writes it, sleep
   CHECK(file.holds_fill(n, 5));
   // Level 1: the contents come back as they were, the write included.
   dev.sleep(sleep_level::offload_weights);
-  CHECK(usage_of(dev, memory_tag::weights, &memory_usage::backup_bytes) ==
-        static_cast<int64_t>(n));
+  CHECK(usage_of(dev, memory_tag::weights, &memory_usage::backup_bytes) == static_cast<int64_t>(n));
   dev.wake_up({});
   static_cast<unsigned char*>(w)[1000] ^= 0xff;
   CHECK(same_as_fill(w, n, 5));

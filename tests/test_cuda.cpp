@@ -106,8 +106,8 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
     }
   want = q;
   auto want_k = k;
-  cpu->rotary(want.data(), heads, want_k.data(), kv_heads, rows, head_dim, rotary_dim,
-              cos.data(), sin.data());
+  cpu->rotary(want.data(), heads, want_k.data(), kv_heads, rows, head_dim, rotary_dim, cos.data(),
+              sin.data());
   auto dq = upload(dev, q);
   auto dk = upload(dev, k);
   gpu->rotary(dq, heads, dk, kv_heads, rows, head_dim, rotary_dim, upload(dev, cos),
@@ -182,8 +182,8 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
   auto dspecial_ids = upload(dev, std::vector<int32_t>(4));
   auto dspecial_logprobs = zeros(4);
   for (float u : {0.05f, 0.45f, 0.95f}) {
-    std::vector<row_sampling> params{{1.0f, 20, 1.0f, u}, {0.9f, 20, 0.5f, u},
-                                     {1.0f, 1, 1.0f, u}, {1.0f, 5000, 0.7f, u}};
+    std::vector<row_sampling> params{
+      {1.0f, 20, 1.0f, u}, {0.9f, 20, 0.5f, u}, {1.0f, 1, 1.0f, u}, {1.0f, 5000, 0.7f, u}};
     std::vector<int32_t> want_ids(4);
     std::vector<float> want_logprob(4);
     cpu->sample(special.data(), 4, small, params.data(), want_ids.data(), want_logprob.data());
@@ -248,9 +248,10 @@ TEST_CASE("sleep gives the memory back to the GPU and wake-up restores the weigh
     CHECK(returned >= 0.95);
     CHECK(dev.sleeping_tags().size() == 2);
     dev.wake_up({});
-    CHECK(download(dev, weights + (weight_bytes / sizeof(float)) - pattern.size(), pattern.size())
-          == std::vector<float>(pattern.end() - static_cast<std::ptrdiff_t>(pattern.size()),
-                                pattern.end()));
+    CHECK(
+      download(dev, weights + (weight_bytes / sizeof(float)) - pattern.size(), pattern.size()) ==
+      std::vector<float>(pattern.end() - static_cast<std::ptrdiff_t>(pattern.size()),
+                         pattern.end()));
     CHECK(download(dev, static_cast<float*>(kv), 16) == std::vector<float>(16, 0.0f));
   }
   dev.deallocate(weights);
@@ -324,7 +325,8 @@ TEST_CASE("paged attention over a paged cache matches the CPU attention, GQA and
       auto& table = tables[token_seq[t]];
       auto at = [&](std::vector<float>& cache) {
         return [&, kv](int64_t p) {
-          return &cache[(table[p / block_size] * block_size + p % block_size) * row + kv * head_dim];
+          return &cache[(table[p / block_size] * block_size + p % block_size) * row +
+                        kv * head_dim];
         };
       };
       cpu::attend(&q[(t * heads + h) * head_dim], head_dim, positions[t] + 1, scale, at(k_host),
@@ -364,8 +366,8 @@ TEST_CASE("paged attention over a paged cache matches the CPU attention, GQA and
   cpu_layout.token_seq = first_seq.data();
   cpu_layout.positions = long_position.data();
   want.assign(long_q.size(), 0.0f);
-  cpu_backend->paged_attention(long_q.data(), want.data(), long_k.data(), long_v.data(),
-                               cpu_layout, 1, scale);
+  cpu_backend->paged_attention(long_q.data(), want.data(), long_k.data(), long_v.data(), cpu_layout,
+                               1, scale);
   paged_layout gpu_layout = cpu_layout;
   gpu_layout.block_tables = upload(dev, long_table);
   gpu_layout.token_seq = upload(dev, first_seq);

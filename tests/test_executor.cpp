@@ -64,10 +64,10 @@ TEST_CASE("collective_rpc passes args and kwargs") {
   executor exec{config(2), test_factory()};
   rpc_call_options opts;
   opts.kwargs["name"] = std::string{"troupe"};
-  CHECK(exec.collective_rpc_as<std::string>("kwarg", opts)
-        == std::vector<std::string>{"troupe", "troupe"});
-  CHECK(exec.collective_rpc_as<std::string>("kwarg")
-        == std::vector<std::string>{"missing", "missing"});
+  CHECK(exec.collective_rpc_as<std::string>("kwarg", opts) ==
+        std::vector<std::string>{"troupe", "troupe"});
+  CHECK(exec.collective_rpc_as<std::string>("kwarg") ==
+        std::vector<std::string>{"missing", "missing"});
 }
 
 TEST_CASE("the failing rank is named and unknown methods are reported as such") {
@@ -79,8 +79,8 @@ TEST_CASE("the failing rank is named and unknown methods are reported as such") 
   CHECK(what.find("failed on purpose") != std::string::npos);
   CHECK(code_of([&] { exec.collective_rpc("fail_on", opts); }) == errc::worker_error);
   CHECK(code_of([&] { exec.collective_rpc("no_such_method"); }) == errc::unknown_method);
-  CHECK(what_of([&] { exec.collective_rpc("no_such_method"); }).find("no_such_method")
-        != std::string::npos);
+  CHECK(what_of([&] { exec.collective_rpc("no_such_method"); }).find("no_such_method") !=
+        std::string::npos);
   // A failed call leaves the executor usable.
   CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1, 2});
 }
@@ -95,9 +95,11 @@ TEST_CASE("arguments of the wrong type are an error naming the method not a cras
 
 TEST_CASE("a callable runs in-process on every worker object") {
   executor exec{config(3), test_factory()};
-  auto results = exec.collective_rpc([](worker& w, const caf::message& args, const caf::settings&) {
-    return caf::make_message(w.rank() * args.get_as<int32_t>(0));
-  }, {caf::make_message(int32_t{10}), {}, {}, {}});
+  auto results = exec.collective_rpc(
+    [](worker& w, const caf::message& args, const caf::settings&) {
+      return caf::make_message(w.rank() * args.get_as<int32_t>(0));
+    },
+    {caf::make_message(int32_t{10}), {}, {}, {}});
   REQUIRE(results.size() == 3);
   CHECK(results[2].get_as<int32_t>(0) == 20);
   auto models = exec.apply_model([](model& m) { return caf::make_message(m.architecture()); });
@@ -118,7 +120,8 @@ TEST_CASE("max_concurrent_workers bounds how many workers are asked at once") {
   CHECK(ranks == std::vector<int32_t>{0, 1, 2, 3});
 }
 
-TEST_CASE("determine_num_available_blocks is the minimum over workers and initialize_cache allocates") {
+TEST_CASE(
+  "determine_num_available_blocks is the minimum over workers and initialize_cache allocates") {
   executor exec{config(3), test_factory()};
   auto blocks = exec.determine_num_available_blocks();
   CHECK(blocks.num_device_blocks == 800); // rank 2: 1000 - 200
@@ -176,8 +179,9 @@ TEST_CASE("a pending token is the driver's last sample, on every rank") {
     CHECK(tokens == std::vector<int32_t>{5, 5, 10});
   // Only a sequence the last step sampled may have its last token pending.
   exec.execute_model(one_step(5));
-  CHECK(what_of([&] { exec.execute_model(ahead({5, pending_token}, 9)); })
-          .find("sequence 9") != std::string::npos);
+  CHECK(what_of([&] {
+          exec.execute_model(ahead({5, pending_token}, 9));
+        }).find("sequence 9") != std::string::npos);
   exec.stop_remote_worker_execution_loop();
 }
 
@@ -231,13 +235,13 @@ TEST_CASE("LoRA and prompt-adapter management with ids checked before anything i
     CHECK(code_of([&] { exec.add_lora({"x", bad, "/x"}); }) == errc::invalid_argument);
     CHECK(code_of([&] { exec.remove_lora(bad); }) == errc::invalid_argument);
     CHECK(code_of([&] { exec.pin_lora(bad); }) == errc::invalid_argument);
-    CHECK(code_of([&] { exec.add_prompt_adapter({"p", bad, "/p", 4}); })
-          == errc::invalid_argument);
+    CHECK(code_of([&] { exec.add_prompt_adapter({"p", bad, "/p", 4}); }) == errc::invalid_argument);
     CHECK(code_of([&] { exec.remove_prompt_adapter(bad); }) == errc::invalid_argument);
     CHECK(code_of([&] { exec.pin_prompt_adapter(bad); }) == errc::invalid_argument);
   }
-  CHECK(what_of([&] { exec.add_lora({"x", 0, "/x"}); }).find("lora_id must be greater than 0")
-        != std::string::npos);
+  CHECK(what_of([&] {
+          exec.add_lora({"x", 0, "/x"});
+        }).find("lora_id must be greater than 0") != std::string::npos);
   CHECK(exec.add_prompt_adapter({"p", 5, "/p", 4}));
   CHECK(exec.list_prompt_adapters() == std::vector<int64_t>{5});
   CHECK(exec.pin_prompt_adapter(5));
@@ -311,15 +315,14 @@ TEST_CASE("invalid sleep and wake requests warn or fail and change nothing") {
   CHECK(code_of([&] { exec.sleep(3); }) == errc::invalid_argument);
   // A level that arrives as a message (from a peer that does not check it) is checked too.
   CHECK(code_of([&] {
-          exec.collective_rpc("sleep",
-                              {caf::make_message(sleep_request{static_cast<sleep_level>(3)}),
-                               {}, {}, {}});
+          exec.collective_rpc(
+            "sleep", {caf::make_message(sleep_request{static_cast<sleep_level>(3)}), {}, {}, {}});
         }) == errc::invalid_argument);
   CHECK(!exec.is_sleeping());
   exec.wake_up(); // awake: a warning, nothing else
   CHECK(!exec.is_sleeping());
   exec.sleep(1);
-  exec.sleep(2); // already sleeping: a warning; still level-1 asleep
+  exec.sleep(2);                 // already sleeping: a warning; still level-1 asleep
   exec.wake_up({"activations"}); // unknown tag: a warning, nothing woken
   CHECK(exec.sleep_state().sleeping_tags.size() == 2);
   exec.wake_up({"kv_cache"});
@@ -332,7 +335,8 @@ TEST_CASE("invalid sleep and wake requests warn or fail and change nothing") {
 }
 
 TEST_CASE("profiling writes one trace per worker and stopping without starting is an error") {
-  auto dir = std::filesystem::temp_directory_path() / ("troupe-profile-" + std::to_string(getpid()));
+  auto dir =
+    std::filesystem::temp_directory_path() / ("troupe-profile-" + std::to_string(getpid()));
   std::filesystem::create_directories(dir);
   auto cfg = config(2);
   cfg.profile_dir = dir.string();
@@ -366,13 +370,14 @@ TEST_CASE("save_sharded_state reaches every worker and bad arguments are errors"
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("save_sharded_state is all or nothing: when one rank cannot write, no rank's files stay") {
+TEST_CASE(
+  "save_sharded_state is all or nothing: when one rank cannot write, no rank's files stay") {
   namespace fs = std::filesystem;
   auto dir = fs::temp_directory_path() / ("troupe-all-or-none-" + std::to_string(getpid()));
   fs::create_directories(dir);
   executor exec{config(3), test_factory()};
-  exec.collective_rpc("save_into_on", {caf::make_message(int32_t{1}, std::string{"/nonexistent"}),
-                                       {}, {}, {}});
+  exec.collective_rpc("save_into_on",
+                      {caf::make_message(int32_t{1}, std::string{"/nonexistent"}), {}, {}, {}});
   CHECK_THROWS_WITH_AS(exec.save_sharded_state(dir.string()),
                        doctest::Contains("cannot write '/nonexistent/test-rank-1.bin'"), error);
   CHECK_THROWS_AS(exec.save_sharded_state_async(dir.string()).get(), error);
@@ -425,8 +430,10 @@ TEST_CASE("the async API returns futures for every call") {
   std::filesystem::create_directories(dir);
   exec.save_sharded_state_async(dir.string()).get();
   std::filesystem::remove_all(dir);
-  auto callable = exec.collective_rpc_async(
-    [](worker& w, const caf::message&, const caf::settings&) { return caf::make_message(w.rank()); });
+  auto callable =
+    exec.collective_rpc_async([](worker& w, const caf::message&, const caf::settings&) {
+      return caf::make_message(w.rank());
+    });
   CHECK(callable.get()[1].get_as<int32_t>(0) == 1);
 }
 
@@ -437,8 +444,8 @@ TEST_CASE("async calls reach the workers in the order they were made") {
   auto order = std::make_shared<std::vector<int>>();
   std::vector<std::future<std::vector<caf::message>>> calls;
   for (int i = 0; i < 300; ++i)
-    calls.push_back(exec.collective_rpc_async(
-      [i, order](worker& w, const caf::message&, const caf::settings&) {
+    calls.push_back(
+      exec.collective_rpc_async([i, order](worker& w, const caf::message&, const caf::settings&) {
         if (w.rank() == 0)
           order->push_back(i);
         return caf::message{};
@@ -500,8 +507,8 @@ TEST_CASE("calls made directly and through the supervisor keep their order") {
   std::vector<std::future<std::vector<caf::message>>> calls;
   for (int32_t i = 0; i < 400; ++i) {
     if (i % 2 == 0) {
-      calls.push_back(exec.collective_rpc_async(
-        [i](worker& w, const caf::message&, const caf::settings&) {
+      calls.push_back(
+        exec.collective_rpc_async([i](worker& w, const caf::message&, const caf::settings&) {
           static_cast<troupe::testing::test_worker&>(w).note(i);
           return caf::message{};
         }));
@@ -553,7 +560,9 @@ TEST_CASE("bad configurations are refused with the reason") {
   auto cfg = config(0);
   CHECK(code_of([&] { executor exec(cfg, test_factory()); }) == errc::invalid_argument);
   CHECK(code_of([&] { executor exec(config(1), nullptr); }) == errc::invalid_argument);
-  auto failing = [](int32_t) -> std::unique_ptr<worker> { throw std::runtime_error("no device today"); };
+  auto failing = [](int32_t) -> std::unique_ptr<worker> {
+    throw std::runtime_error("no device today");
+  };
   auto what = what_of([&] { executor exec(config(2), failing); });
   CHECK(what.find("no device today") != std::string::npos);
   for (auto linger : {-1us, 1000001us}) {
@@ -619,9 +628,11 @@ TEST_CASE("a step during a sleep or on a sleeping worker is refused instead of c
   busy.get();
   // A raw collective_rpc("sleep") bypasses the executor's state: the worker still refuses.
   exec.wake_up();
-  exec.collective_rpc("sleep", {caf::make_message(sleep_request{sleep_level::discard}), {}, {}, {}});
-  CHECK(code_of([&] { exec.collective_rpc("execute_model", {caf::make_message(one_step(1)), {}, {}, {}}); })
-        == errc::sleeping);
+  exec.collective_rpc("sleep",
+                      {caf::make_message(sleep_request{sleep_level::discard}), {}, {}, {}});
+  CHECK(code_of([&] {
+          exec.collective_rpc("execute_model", {caf::make_message(one_step(1)), {}, {}, {}});
+        }) == errc::sleeping);
   exec.collective_rpc("wake_up", {caf::make_message(wake_request{}), {}, {}, {}});
 }
 
@@ -824,8 +835,8 @@ TEST_CASE("a worker that dies during initialize_cache or save_sharded_state is r
     CAPTURE(rank);
     // The blocks asked for hold on every rank, the replacement's too, whatever the call
     // says; the retry changes nothing.
-    exec.collective_rpc("die_in_on", {caf::make_message(rank, std::string{"initialize_cache"}),
-                                      {}, {}, {}});
+    exec.collective_rpc("die_in_on",
+                        {caf::make_message(rank, std::string{"initialize_cache"}), {}, {}, {}});
     auto code = code_of([&] { exec.initialize_cache({20, 1}); });
     CHECK((code == errc::none || code == errc::worker_replaced));
     auto twenty = exec.collective_rpc_as<int64_t>("kv_bytes");
@@ -835,8 +846,8 @@ TEST_CASE("a worker that dies during initialize_cache or save_sharded_state is r
     CHECK(exec.collective_rpc_as<int64_t>("kv_bytes") == twenty);
     exec.initialize_cache({10, 1});
     // A save during which a rank dies leaves no file, and its retry lands whole.
-    exec.collective_rpc("die_in_on", {caf::make_message(rank, std::string{"save_sharded_state"}),
-                                      {}, {}, {}});
+    exec.collective_rpc("die_in_on",
+                        {caf::make_message(rank, std::string{"save_sharded_state"}), {}, {}, {}});
     CHECK(code_of([&] { exec.save_sharded_state(dir.string()); }) == errc::worker_replaced);
     CHECK(fs::is_empty(dir));
     exec.save_sharded_state(dir.string());

@@ -41,8 +41,7 @@ rpc_call_options sleep_ms(int32_t ms) {
 
 /// A test worker published by another process (tests/worker_host.cpp).
 struct worker_process : testing::child_process {
-  worker_process() : child_process(TROUPE_WORKER_HOST) {
-  }
+  worker_process() : child_process(TROUPE_WORKER_HOST) {}
 };
 
 } // namespace
@@ -110,8 +109,8 @@ TEST_CASE("a callable is refused for a worker in another process and named metho
     CHECK(e.code() == errc::remote_callable);
     CHECK(std::string{e.what()}.find("rank(s) 1") != std::string::npos);
   }
-  CHECK(code_of([&] { exec.apply_model([](model&) { return caf::message{}; }); })
-        == errc::remote_callable);
+  CHECK(code_of([&] { exec.apply_model([](model&) { return caf::message{}; }); }) ==
+        errc::remote_callable);
   // Sleep, wake and the execution loop work across the process boundary too.
   exec.sleep(1);
   exec.wake_up();
@@ -122,7 +121,8 @@ TEST_CASE("a callable is refused for a worker in another process and named metho
   CHECK(exec.collective_rpc_as<int64_t>("steps") == std::vector<int64_t>{1, 1});
 }
 
-TEST_CASE("a worker killed mid-call fails the call with worker_died at once and later calls fail fast") {
+TEST_CASE(
+  "a worker killed mid-call fails the call with worker_died at once and later calls fail fast") {
   worker_process remote;
   auto cfg = config(2);
   cfg.remote_workers = {{"127.0.0.1", remote.port()}};

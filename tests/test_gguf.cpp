@@ -60,8 +60,14 @@ std::vector<float> prefill_logits(llama_model& model, device& dev, const model_c
   kv_cache cache{dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 16, 4, 0};
   execute_model_request req;
   req.seq_group_metadata_list.push_back(
-    {"r", true, {{0, prompt, static_cast<int32_t>(prompt.size()), 0, {0, 1, 2, 3}}}, {},
-     static_cast<int32_t>(prompt.size()), true, 0, 0});
+    {"r",
+     true,
+     {{0, prompt, static_cast<int32_t>(prompt.size()), 0, {0, 1, 2, 3}}},
+     {},
+     static_cast<int32_t>(prompt.size()),
+     true,
+     0,
+     0});
   std::vector<sample_row> rows;
   return model.run_logits(req, cache, rows);
 }
@@ -178,7 +184,8 @@ namespace {
 
 /// A family fixture's GGUF file against transformers on its weights: prefill logits exact
 /// (1e-4; also split over 2, 3 and 4 ranks) and fast (1e-3 nats), and the greedy tokens.
-void check_family_file(const std::string& path, const model_config& cfg, const nlohmann::json& runs) {
+void check_family_file(const std::string& path, const model_config& cfg,
+                       const nlohmann::json& runs) {
   auto ckpt = checkpoint::from_gguf(path, cfg);
   for (int32_t world : {2, 3, 4}) {
     if (world > cfg.num_attention_heads)
@@ -195,8 +202,8 @@ void check_family_file(const std::string& path, const model_config& cfg, const n
       }
     });
     for (size_t i = 0; i < runs.size(); ++i) {
-      auto error = testing::relative_error(logits[i].data(),
-                                           runs[i]["last_logits"].get<std::vector<float>>());
+      auto error =
+        testing::relative_error(logits[i].data(), runs[i]["last_logits"].get<std::vector<float>>());
       CHECK_MESSAGE(error < 1e-4, "prompt " << i << ": relative error " << error);
     }
   }
@@ -244,30 +251,30 @@ void check_family_files(std::initializer_list<const char*> names, Check check) {
 
 TEST_CASE("Qwen3 files of llama.cpp's converter (per-head q and k norms, head_dim apart from "
           "the hidden size): transformers' logits and greedy tokens, exact and fast") {
-  check_family_files({"qwen3-norms"}, [](const std::string& path, const model_config& cfg,
-                                         const model_config&) {
-    CHECK(cfg.qk_norm);
-    CHECK(cfg.head_dim == 32);
-    CHECK(cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size);
-    CHECK(checkpoint::from_gguf(path, cfg).contains("model.layers.1.self_attn.k_norm.weight"));
-  });
+  check_family_files(
+    {"qwen3-norms"}, [](const std::string& path, const model_config& cfg, const model_config&) {
+      CHECK(cfg.qk_norm);
+      CHECK(cfg.head_dim == 32);
+      CHECK(cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size);
+      CHECK(checkpoint::from_gguf(path, cfg).contains("model.layers.1.self_attn.k_norm.weight"));
+    });
 }
 
 TEST_CASE("Mixtral and Qwen3-MoE files of llama.cpp's converter (experts merged into one "
           "tensor per projection, Mixtral as llama with experts): transformers' logits and "
           "greedy tokens, exact and fast") {
-  check_family_files({"mixtral-experts", "qwen3-moe"}, [](const std::string& path,
-                                                         const model_config& cfg,
-                                                         const model_config& hf) {
-    CHECK(cfg.num_experts == hf.num_experts);
-    CHECK(cfg.num_experts_per_tok == hf.num_experts_per_tok);
-    CHECK(cfg.moe_intermediate_size == hf.moe_intermediate_size);
-    CHECK(cfg.norm_topk_prob);
-    auto ckpt = checkpoint::from_gguf(path, cfg);
-    CHECK(ckpt.contains(router_weight_name(cfg, 1)));
-    CHECK(ckpt.at(expert_weight_name(cfg, 1, cfg.num_experts - 1, "down")).shape ==
-          std::vector<int64_t>{cfg.hidden_size, cfg.moe_intermediate_size});
-  });
+  check_family_files({"mixtral-experts", "qwen3-moe"},
+                     [](const std::string& path, const model_config& cfg, const model_config& hf) {
+                       CHECK(cfg.num_experts == hf.num_experts);
+                       CHECK(cfg.num_experts_per_tok == hf.num_experts_per_tok);
+                       CHECK(cfg.moe_intermediate_size == hf.moe_intermediate_size);
+                       CHECK(cfg.norm_topk_prob);
+                       auto ckpt = checkpoint::from_gguf(path, cfg);
+                       CHECK(ckpt.contains(router_weight_name(cfg, 1)));
+                       CHECK(
+                         ckpt.at(expert_weight_name(cfg, 1, cfg.num_experts - 1, "down")).shape ==
+                         std::vector<int64_t>{cfg.hidden_size, cfg.moe_intermediate_size});
+                     });
   // Through the workers at tensor parallel size 2, the experts split or placed whole.
   for (std::string name : {"mixtral-experts", "qwen3-moe"}) {
     const std::string dir = TROUPE_SOURCE_DIR "/tests/fixtures/" + name + "-gguf";
@@ -280,8 +287,7 @@ TEST_CASE("Mixtral and Qwen3-MoE files of llama.cpp's converter (experts merged 
 }
 
 TEST_CASE("expert_load names each rank's experts and the tokens they took in the last step") {
-  const std::string path =
-    TROUPE_SOURCE_DIR "/tests/fixtures/qwen3-moe-gguf/qwen3-moe-q8_0.gguf";
+  const std::string path = TROUPE_SOURCE_DIR "/tests/fixtures/qwen3-moe-gguf/qwen3-moe-q8_0.gguf";
   auto model = checkpoint::gguf_config(path);
   for (bool expert_parallel : {false, true}) {
     executor_config cfg;
@@ -324,41 +330,40 @@ TEST_CASE("expert_load names each rank's experts and the tokens they took in the
 TEST_CASE("Phi-3 files of llama.cpp's converter (qkv and gate-up fused, LongRoPE's factors as "
           "tensors, a sliding window, Phi-4-mini's partial rotation): transformers' logits and "
           "greedy tokens, exact and fast") {
-  check_family_files({"phi3-fused", "phi3-longrope", "phi4-partial"}, [](const std::string& path,
-                                                         const model_config& cfg,
-                                                         const model_config& hf) {
-    CHECK(cfg.sliding_window == hf.sliding_window);
-    CHECK(cfg.rotary_dim == hf.rotary_dim);
-    CHECK(cfg.rope_scaling.type == hf.rope_scaling.type);
-    CHECK(cfg.rope_scaling.original_max_position_embeddings ==
-          hf.rope_scaling.original_max_position_embeddings);
-    CHECK(cfg.rope_scaling.attention_factor == doctest::Approx(hf.rope_scaling.attention_factor));
-    CHECK(cfg.rope_scaling.long_factor == hf.rope_scaling.long_factor);
-    CHECK(cfg.rope_scaling.short_factor == hf.rope_scaling.short_factor);
-    auto ckpt = checkpoint::from_gguf(path, cfg);
-    CHECK(ckpt.contains("model.layers.1.self_attn.v_proj.weight"));
-    CHECK(ckpt.contains("model.layers.1.mlp.gate_proj.weight"));
-    CHECK_FALSE(ckpt.contains("model.layers.1.self_attn.qkv_proj.weight"));
-  });
+  check_family_files({"phi3-fused", "phi3-longrope", "phi4-partial"},
+                     [](const std::string& path, const model_config& cfg, const model_config& hf) {
+                       CHECK(cfg.sliding_window == hf.sliding_window);
+                       CHECK(cfg.rotary_dim == hf.rotary_dim);
+                       CHECK(cfg.rope_scaling.type == hf.rope_scaling.type);
+                       CHECK(cfg.rope_scaling.original_max_position_embeddings ==
+                             hf.rope_scaling.original_max_position_embeddings);
+                       CHECK(cfg.rope_scaling.attention_factor ==
+                             doctest::Approx(hf.rope_scaling.attention_factor));
+                       CHECK(cfg.rope_scaling.long_factor == hf.rope_scaling.long_factor);
+                       CHECK(cfg.rope_scaling.short_factor == hf.rope_scaling.short_factor);
+                       auto ckpt = checkpoint::from_gguf(path, cfg);
+                       CHECK(ckpt.contains("model.layers.1.self_attn.v_proj.weight"));
+                       CHECK(ckpt.contains("model.layers.1.mlp.gate_proj.weight"));
+                       CHECK_FALSE(ckpt.contains("model.layers.1.self_attn.qkv_proj.weight"));
+                     });
 }
 
 TEST_CASE("Gemma 2 and 3 files of llama.cpp's converter (norms stored as 1 + w, soft-capping, "
           "sliding layers by llama.cpp's pattern, Gemma 3's local rope base): transformers' "
           "logits and greedy tokens, exact and fast") {
   // The file and llama.cpp's reading of it say what config.json says.
-  check_family_files({"gemma2-standard", "gemma3-standard"}, [](const std::string&,
-                                                                const model_config& cfg,
-                                                                const model_config& hf) {
-    CHECK(cfg.sliding_window == hf.sliding_window);
-    CHECK(cfg.sliding_layers == hf.sliding_layers);
-    CHECK(cfg.query_pre_attn_scalar == hf.query_pre_attn_scalar);
-    CHECK(cfg.local_rope_theta == hf.local_rope_theta);
-    CHECK(cfg.rope_scaling.type == hf.rope_scaling.type);
-    CHECK(cfg.attn_logit_softcapping == hf.attn_logit_softcapping);
-    CHECK(cfg.final_logit_softcapping == hf.final_logit_softcapping);
-    CHECK(cfg.qk_norm == hf.qk_norm);
-    CHECK(cfg.norm_weight_offset == 0);
-  });
+  check_family_files({"gemma2-standard", "gemma3-standard"},
+                     [](const std::string&, const model_config& cfg, const model_config& hf) {
+                       CHECK(cfg.sliding_window == hf.sliding_window);
+                       CHECK(cfg.sliding_layers == hf.sliding_layers);
+                       CHECK(cfg.query_pre_attn_scalar == hf.query_pre_attn_scalar);
+                       CHECK(cfg.local_rope_theta == hf.local_rope_theta);
+                       CHECK(cfg.rope_scaling.type == hf.rope_scaling.type);
+                       CHECK(cfg.attn_logit_softcapping == hf.attn_logit_softcapping);
+                       CHECK(cfg.final_logit_softcapping == hf.final_logit_softcapping);
+                       CHECK(cfg.qk_norm == hf.qk_norm);
+                       CHECK(cfg.norm_weight_offset == 0);
+                     });
 }
 
 TEST_CASE("llama.cpp's k-quant files (Q4_K, Q5_K, Q6_K): transformers' logits and greedy "
@@ -394,7 +399,6 @@ TEST_CASE("llama.cpp's k-quant files (Q4_K, Q5_K, Q6_K): transformers' logits an
   }
 }
 
-
 TEST_CASE("the fast CPU path (8-bit activations) stays close to transformers' next-token "
           "distribution on Q8_0, Q4_0, Q4_1, Q4_K_M and Q6_K files") {
   // Spec: rounding the activations costs less than an 8-bit weight quantization does
@@ -428,7 +432,8 @@ TEST_CASE("the fast CPU path (8-bit activations) stays close to transformers' ne
       if (t.packed) {
         auto& stored = ckpt.at(t.name);
         auto bytes = model.download(t);
-        REQUIRE(bytes.size() == storage_bytes(t.type, static_cast<size_t>(t.shape[0] * t.shape[1])));
+        REQUIRE(bytes.size() ==
+                storage_bytes(t.type, static_cast<size_t>(t.shape[0] * t.shape[1])));
         CHECK(same_as_stored(bytes, stored));
         ++packed_tensors;
       }
@@ -464,9 +469,9 @@ TEST_CASE("the fast CPU path on BF16 weights: packed, read back as stored, and c
   c.num_key_value_heads = 2;
   c.head_dim = 16;
   c.tie_word_embeddings = true;
-  auto dir = (std::filesystem::temp_directory_path() /
-              ("troupe-bf16-fast-" + std::to_string(::getpid())))
-               .string();
+  auto dir =
+    (std::filesystem::temp_directory_path() / ("troupe-bf16-fast-" + std::to_string(::getpid())))
+      .string();
   write_random_model(c, dir, dtype::bf16, 3);
   auto cfg = load_model_config(dir);
   checkpoint ckpt{dir};
@@ -477,8 +482,8 @@ TEST_CASE("the fast CPU path on BF16 weights: packed, read back as stored, and c
   exact.load(ckpt);
   int packed = 0;
   for (auto& t : fast.tensors()) {
-    CHECK(t.packed == (cpu::has_packed_layout(dtype::bf16) && t.type == dtype::bf16 &&
-                       t.shape.size() == 2));
+    CHECK(t.packed ==
+          (cpu::has_packed_layout(dtype::bf16) && t.type == dtype::bf16 && t.shape.size() == 2));
     if (t.packed) {
       auto bytes = fast.download(t);
       CHECK(same_as_stored(bytes, ckpt.at(t.name)));
@@ -622,8 +627,8 @@ TEST_CASE("the weight cache: a later load maps what the first packed and compute
 }
 
 TEST_CASE("broken GGUF files are errors naming the file and the tensor") {
-  auto path = (std::filesystem::temp_directory_path() / ("troupe-gguf-" + std::to_string(getpid())))
-                .string();
+  auto path =
+    (std::filesystem::temp_directory_path() / ("troupe-gguf-" + std::to_string(getpid()))).string();
   std::ifstream in{file_of("Q8_0"), std::ios::binary};
   std::string whole{std::istreambuf_iterator<char>{in}, {}};
   auto write = [&](const std::string& bytes) {
@@ -647,9 +652,9 @@ TEST_CASE("broken GGUF files are errors naming the file and the tensor") {
 
 TEST_CASE("a weight kept as stored whose block scale is NaN or infinite is refused, naming "
           "the tensor and the element") {
-  auto path = (std::filesystem::temp_directory_path() / ("troupe-nan-" + std::to_string(getpid()) +
-                                                        ".gguf"))
-                .string();
+  auto path =
+    (std::filesystem::temp_directory_path() / ("troupe-nan-" + std::to_string(getpid()) + ".gguf"))
+      .string();
   for (auto type : {"Q4_0", "Q8_0"})
     for (uint16_t scale : {uint16_t{0x7e00}, uint16_t{0x7c00}}) { // NaN, infinity
       CAPTURE(type);
@@ -711,24 +716,26 @@ std::string raw(T v) {
 } // namespace
 
 TEST_CASE("hostile GGUF headers are refused without crashing") {
-  auto path = (std::filesystem::temp_directory_path() / ("troupe-gguf-h-" + std::to_string(getpid())))
-                .string();
+  auto path =
+    (std::filesystem::temp_directory_path() / ("troupe-gguf-h-" + std::to_string(getpid())))
+      .string();
   auto write = [&](const std::string& bytes) {
     std::ofstream out{path, std::ios::binary};
     out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
     out.close();
   };
   // Nested arrays.
-  write(gguf_bytes(0, 1, gguf_string("k") + raw(uint32_t{9}) + raw(uint32_t{9}) + raw(uint64_t{1})));
+  write(
+    gguf_bytes(0, 1, gguf_string("k") + raw(uint32_t{9}) + raw(uint32_t{9}) + raw(uint64_t{1})));
   CHECK(error_of(path).find("nested") != std::string::npos);
   // An array longer than the file.
-  write(gguf_bytes(0, 1, gguf_string("k") + raw(uint32_t{9}) + raw(uint32_t{4}) +
-                           raw(uint64_t{1} << 60)));
+  write(gguf_bytes(
+    0, 1, gguf_string("k") + raw(uint32_t{9}) + raw(uint32_t{4}) + raw(uint64_t{1} << 60)));
   CHECK(error_of(path).find("truncated") != std::string::npos);
   // Dimensions whose product overflows.
-  write(gguf_bytes(1, 0, gguf_string("blk.0.attn_q.weight") + raw(uint32_t{2}) +
-                           raw(uint64_t{1} << 32) + raw(uint64_t{1} << 32) + raw(uint32_t{0}) +
-                           raw(uint64_t{0})));
+  write(gguf_bytes(1, 0,
+                   gguf_string("blk.0.attn_q.weight") + raw(uint32_t{2}) + raw(uint64_t{1} << 32) +
+                     raw(uint64_t{1} << 32) + raw(uint32_t{0}) + raw(uint64_t{0})));
   CHECK(error_of(path).find("impossible size") != std::string::npos);
   // No attention heads.
   auto md = gguf_string("general.architecture") + raw(uint32_t{8}) + gguf_string("llama") +
@@ -741,8 +748,9 @@ TEST_CASE("hostile GGUF headers are refused without crashing") {
   CHECK_THROWS_WITH_AS(checkpoint::gguf_config(path), doctest::Contains("attention heads"), error);
   // One F32 tensor of 8 values at `offset`, with 64 bytes of data after the header's padding.
   auto one_tensor = [&](uint64_t offset) {
-    auto bytes = gguf_bytes(1, 0, gguf_string("blk.0.attn_q.weight") + raw(uint32_t{1}) +
-                                    raw(uint64_t{8}) + raw(uint32_t{0}) + raw(offset));
+    auto bytes = gguf_bytes(1, 0,
+                            gguf_string("blk.0.attn_q.weight") + raw(uint32_t{1}) +
+                              raw(uint64_t{8}) + raw(uint32_t{0}) + raw(offset));
     bytes.resize((bytes.size() + 31) / 32 * 32 + 64, '\0');
     return bytes;
   };
@@ -755,11 +763,13 @@ TEST_CASE("hostile GGUF headers are refused without crashing") {
   write(one_tensor(4));
   CHECK(error_of(path).find("is not a multiple of general.alignment 32") != std::string::npos);
   // A tensor no Llama-family model has.
-  auto mystery = gguf_bytes(1, 0, gguf_string("mystery.weight") + raw(uint32_t{1}) +
-                                    raw(uint64_t{8}) + raw(uint32_t{0}) + raw(uint64_t{0}));
+  auto mystery = gguf_bytes(1, 0,
+                            gguf_string("mystery.weight") + raw(uint32_t{1}) + raw(uint64_t{8}) +
+                              raw(uint32_t{0}) + raw(uint64_t{0}));
   mystery.resize((mystery.size() + 31) / 32 * 32 + 64, '\0');
   write(mystery);
-  CHECK_THROWS_WITH_AS(checkpoint::from_gguf(path, load_model_config(TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa")),
-                       doctest::Contains("tensor 'mystery.weight' has no place"), error);
+  CHECK_THROWS_WITH_AS(
+    checkpoint::from_gguf(path, load_model_config(TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa")),
+    doctest::Contains("tensor 'mystery.weight' has no place"), error);
   std::filesystem::remove(path);
 }

@@ -75,7 +75,7 @@ struct llama_gqa_case {
 /// Bytes resident on the workers' devices, over all tags.
 int64_t resident_bytes(executor& exec) {
   int64_t total = 0;
-  for (auto& m : exec.collective_rpc([](worker& w, const caf::message&, const caf::settings&) {
+  for (auto& m : exec.collective_rpc([](worker&w, const caf::message&, const caf::settings&) {
          int64_t bytes = 0;
          for (auto& u : w.device().usage())
            bytes += u.resident_bytes;
@@ -126,8 +126,7 @@ TEST_CASE("tiny models on the GPU: transformers' logits and tokens in float32, c
       CHECK_MESSAGE(err < 1e-4, name << " position " << p << ": relative error " << err);
     }
   }
-  MESSAGE("tiny models, prefill logits against transformers: float32 " << worst_f32
-                                                                       << ", bfloat16 "
+  MESSAGE("tiny models, prefill logits against transformers: float32 " << worst_f32 << ", bfloat16 "
                                                                        << worst_bf16);
 }
 
@@ -173,17 +172,16 @@ TEST_CASE("SmolLM2-135M on the GPU: the CPU's greedy tokens, logits within bf16 
   }
   CHECK(worst_f32 < 1e-4);
   CHECK(worst_bf16 < 5e-2);
-  MESSAGE("SmolLM2 prefill logits against the CPU: float32 " << worst_f32 << ", bfloat16 "
-                                                             << worst_bf16 << "; bfloat16 greedy "
-                                                             << same_bf16 << "/" << count
-                                                             << " tokens before parting");
+  MESSAGE("SmolLM2 prefill logits against the CPU: float32 "
+          << worst_f32 << ", bfloat16 " << worst_bf16 << "; bfloat16 greedy " << same_bf16 << "/"
+          << count << " tokens before parting");
 }
 
 TEST_CASE("a model worker on the GPU: gpu_memory_utilization, sleep gives the memory back") {
   if (!have_gpu())
     return;
-  auto dir = std::filesystem::temp_directory_path()
-             / ("troupe-gpu-smollm2-" + std::to_string(::getpid()));
+  auto dir =
+    std::filesystem::temp_directory_path() / ("troupe-gpu-smollm2-" + std::to_string(::getpid()));
   write_random_model(smollm2_135m_config(), dir.string(), dtype::bf16, 7);
   executor_config cfg;
   cfg.device_kind = "cuda";

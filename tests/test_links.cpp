@@ -92,7 +92,8 @@ std::vector<char> pattern(size_t size, unsigned seed) {
 
 /// Why the next read on `end` fails, once something came: empty when it succeeds.
 std::string why_read_fails(link_socket& end) {
-  REQUIRE(end.wait(5s, [] { return false; }, -1, true));
+  REQUIRE(end.wait(
+    5s, [] { return false; }, -1, true));
   link_socket::frame f;
   std::string why;
   return end.read(f, why) ? std::string{} : why;
@@ -135,7 +136,8 @@ TEST_CASE("frames go through shared rings in order, across the wrap, and larger 
       CAPTURE(i);
       link_socket::frame f;
       std::string why;
-      REQUIRE(reader.wait(5s, [] { return true; }, -1, true));
+      REQUIRE(reader.wait(
+        5s, [] { return true; }, -1, true));
       REQUIRE_MESSAGE(reader.read(f, why), why);
       CHECK(f.type == link_socket::request);
       CHECK(f.key == i);
@@ -159,7 +161,8 @@ TEST_CASE("a reader asleep on shared rings wakes for a frame, and for the peer's
     // Woken by the frame's doorbell, not by the limit (after which it would find the frame
     // too).
     auto start = clock_type::now();
-    REQUIRE(link.node->wait(3s, [] { return false; }, -1, true));
+    REQUIRE(link.node->wait(
+      3s, [] { return false; }, -1, true));
     CHECK(clock_type::now() - start < 3s);
     link_socket::frame f;
     std::string why;
@@ -170,7 +173,8 @@ TEST_CASE("a reader asleep on shared rings wakes for a frame, and for the peer's
   }
   // Nothing comes: a wait with a limit returns at it.
   auto start = clock_type::now();
-  CHECK_FALSE(link.node->wait(50ms, [] { return false; }, -1, true));
+  CHECK_FALSE(link.node->wait(
+    50ms, [] { return false; }, -1, true));
   CHECK(clock_type::now() - start >= 40ms);
   // Two frames, then the executor's end goes away: both are read, then the close.
   REQUIRE(link.executor->write(link_socket::request, 1, 2, pattern(300, 1)));
@@ -179,7 +183,8 @@ TEST_CASE("a reader asleep on shared rings wakes for a frame, and for the peer's
   for (uint64_t key : {1, 2}) {
     link_socket::frame f;
     std::string why;
-    REQUIRE(link.node->wait(5s, [] { return false; }, -1, true));
+    REQUIRE(link.node->wait(
+      5s, [] { return false; }, -1, true));
     REQUIRE_MESSAGE(link.node->read(f, why), why);
     CHECK(f.key == key);
   }
@@ -196,8 +201,9 @@ TEST_CASE("through shared rings a ping-pong of thousands of rounds between threa
     for (int i = 0; i < 3000; ++i) {
       link_socket::frame f;
       std::string why;
-      if (!link.node->wait(5s, [] { return false; }, -1, true) || !link.node->read(f, why) ||
-          f.key != static_cast<uint64_t>(i) ||
+      if (!link.node->wait(
+            5s, [] { return false; }, -1, true) ||
+          !link.node->read(f, why) || f.key != static_cast<uint64_t>(i) ||
           !link.node->write(link_socket::pong, f.key, 0, f.payload))
         return i;
     }
@@ -208,7 +214,8 @@ TEST_CASE("through shared rings a ping-pong of thousands of rounds between threa
     link_socket::frame f;
     std::string why;
     if (!link.executor->write(link_socket::ping, round, 0, pattern(round % 50, round)) ||
-        !link.executor->wait(5s, [] { return false; }, -1, true) ||
+        !link.executor->wait(
+          5s, [] { return false; }, -1, true) ||
         !link.executor->read(f, why) || f.key != static_cast<uint64_t>(round) ||
         f.payload != pattern(round % 50, round))
       break;
@@ -222,9 +229,10 @@ TEST_CASE("shut wakes a thread asleep on shared rings, and a peer that floods th
   {
     link_pair link{true, 4096};
     REQUIRE(link.shared);
-    auto waited = std::async(std::launch::async,
-                             [&] { return link.node->wait(std::chrono::milliseconds(-1),
-                                                          [] { return false; }, -1, true); });
+    auto waited = std::async(std::launch::async, [&] {
+      return link.node->wait(
+        std::chrono::milliseconds(-1), [] { return false; }, -1, true);
+    });
     std::this_thread::sleep_for(20ms);
     link.node->shut();
     REQUIRE(waited.wait_for(5s) == std::future_status::ready);
@@ -264,8 +272,7 @@ TEST_CASE("shared rings refuse a capacity out of range, and memory that could sh
   CHECK(code_of([] { shared_rings::create(uint64_t{1} << 30); }) == errc::invalid_argument);
   auto rings = shared_rings::create(4096);
   // The size the node gave is part of the answer: another one is refused.
-  CHECK(code_of([&] { shared_rings::adopt(dup(rings->fd()), 8192); }) ==
-        errc::invalid_argument);
+  CHECK(code_of([&] { shared_rings::adopt(dup(rings->fd()), 8192); }) == errc::invalid_argument);
   CHECK(shared_rings::adopt(dup(rings->fd()), 4096) != nullptr);
   // A memfd without seals: the peer could shrink it and fault this process.
   int unsealed = memfd_create("unsealed", MFD_CLOEXEC);

@@ -43,8 +43,7 @@ struct runner {
   testing::model_runner run;
 
   explicit runner(const std::string& name)
-    : ckpt(fixtures + "/" + name), run(dev, load_model_config(fixtures + "/" + name), ckpt) {
-  }
+    : ckpt(fixtures + "/" + name), run(dev, load_model_config(fixtures + "/" + name), ckpt) {}
 };
 
 int32_t argmax(const std::vector<float>& v) {
@@ -193,9 +192,8 @@ TEST_CASE("greedy continuations of 32 tokens are identical to transformers") {
       // Past LongRoPE's original length the sequence is computed again with the long
       // factors, as transformers' generate and troupe's engine do.
       auto& rs = r.run.model.config().rope_scaling;
-      auto restart_at = rs.type == rope_scaling_config::kind::longrope
-                          ? rs.original_max_position_embeddings
-                          : -1;
+      auto restart_at =
+        rs.type == rope_scaling_config::kind::longrope ? rs.original_max_position_embeddings : -1;
       std::vector<int32_t> generated;
       for (int i = 0; i < 32; ++i) {
         auto next = argmax(logits);
@@ -218,7 +216,8 @@ TEST_CASE("greedy continuations of 32 tokens are identical to transformers") {
 TEST_CASE("malformed requests are errors naming the request") {
   runner r{"llama-gqa"};
   r.run.seq.token_ids = {1, 2, 300};
-  CHECK_THROWS_WITH_AS(r.run.step(3), doctest::Contains("token 300 is outside the vocabulary"), error);
+  CHECK_THROWS_WITH_AS(r.run.step(3), doctest::Contains("token 300 is outside the vocabulary"),
+                       error);
   r.run.seq.token_ids = {1, 2};
   CHECK_THROWS_WITH_AS(r.run.step(5), doctest::Contains("does not fit"), error);
   r.run.seq.block_table = {0};
@@ -238,7 +237,8 @@ TEST_CASE("a mixture's config that does not hold together is refused, naming the
   refused("num_experts_per_tok", 9, "num_experts_per_tok must be in [1, 8]");
   refused("num_local_experts", 0, "num_local_experts must be a positive integer");
   refused("moe_intermediate_size", -3, "moe_intermediate_size must be a positive integer");
-  refused("mlp_only_layers", nlohmann::json::array({2}), "mlp_only_layers names 2, not a layer of 2");
+  refused("mlp_only_layers", nlohmann::json::array({2}),
+          "mlp_only_layers names 2, not a layer of 2");
   refused("mlp_only_layers", "all", "mlp_only_layers must be a list of layers");
   // Every other layer sparse: layers 1, 3, … (transformers' (layer + 1) % step).
   auto j = good;
@@ -270,8 +270,8 @@ TEST_CASE("a mixture's config that does not hold together is refused, naming the
 }
 
 TEST_CASE("configs and checkpoints that do not fit are errors naming the file") {
-  CHECK_THROWS_WITH_AS(load_model_config("/nonexistent"), doctest::Contains("/nonexistent/config.json"),
-                       error);
+  CHECK_THROWS_WITH_AS(load_model_config("/nonexistent"),
+                       doctest::Contains("/nonexistent/config.json"), error);
   CHECK_THROWS_WITH_AS(parse_model_config(R"({"architectures":["GPT2LMHeadModel"]})", "x.json"),
                        doctest::Contains("GPT2LMHeadModel is not supported"), error);
   CHECK_THROWS_WITH_AS(
@@ -297,11 +297,13 @@ TEST_CASE("configs and weights that would compute garbage are refused, naming th
   // llama3 rope scaling that divides by zero.
   CHECK_THROWS_WITH_AS(
     parse_model_config(config_text(R"({"rope_parameters":{"rope_type":"llama3","factor":0,
-      "rope_theta":10000}})"), "c.json"),
+      "rope_theta":10000}})"),
+                       "c.json"),
     doctest::Contains("rope_scaling.factor must be positive"), error);
   CHECK_THROWS_WITH_AS(
     parse_model_config(config_text(R"({"rope_parameters":{"rope_type":"llama3","factor":8,
-      "low_freq_factor":2,"high_freq_factor":2,"rope_theta":10000}})"), "c.json"),
+      "low_freq_factor":2,"high_freq_factor":2,"rope_theta":10000}})"),
+                       "c.json"),
     doctest::Contains("low_freq_factor < high_freq_factor"), error);
   // Special tokens outside the vocabulary (256 tokens).
   CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"eos_token_id":256})"), "c.json"),
@@ -311,11 +313,13 @@ TEST_CASE("configs and weights that would compute garbage are refused, naming th
   // max_position_embeddings. Mistral's window (no switch) slides.
   auto qwen2 = parse_model_config(config_text(R"({"architectures":["Qwen2ForCausalLM"],
       "model_type":"qwen2","use_sliding_window":false,"sliding_window":128,
-      "max_position_embeddings":512})"), "c.json");
+      "max_position_embeddings":512})"),
+                                  "c.json");
   CHECK(qwen2.max_position_embeddings == 512);
   CHECK(qwen2.sliding_window == 0);
   auto mistral = parse_model_config(config_text(R"({"architectures":["MistralForCausalLM"],
-      "model_type":"mistral","sliding_window":128,"max_position_embeddings":512})"), "c.json");
+      "model_type":"mistral","sliding_window":128,"max_position_embeddings":512})"),
+                                    "c.json");
   CHECK(mistral.max_position_embeddings == 512);
   CHECK(mistral.sliding_window == 128);
   CHECK(mistral.window_of(0) == 128);
@@ -323,22 +327,27 @@ TEST_CASE("configs and weights that would compute garbage are refused, naming th
   // Qwen2's window, when on, slides in the layers from max_window_layers on (llama-gqa has
   // 2 layers), or in those layer_types names.
   auto sliding = parse_model_config(config_text(R"({"use_sliding_window":true,
-      "sliding_window":128,"max_window_layers":1})"), "c.json");
+      "sliding_window":128,"max_window_layers":1})"),
+                                    "c.json");
   CHECK(sliding.window_of(0) == 0);
   CHECK(sliding.window_of(1) == 128);
   auto typed = parse_model_config(config_text(R"({"use_sliding_window":true,"sliding_window":128,
-      "layer_types":["sliding_attention","full_attention"]})"), "c.json");
+      "layer_types":["sliding_attention","full_attention"]})"),
+                                  "c.json");
   CHECK(typed.window_of(0) == 128);
   CHECK(typed.window_of(1) == 0);
-  CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"layer_types":["full_attention"]})"),
-                                          "c.json"),
-                       doctest::Contains("1 entries for 2 layers"), error);
+  CHECK_THROWS_WITH_AS(
+    parse_model_config(config_text(R"({"layer_types":["full_attention"]})"), "c.json"),
+    doctest::Contains("1 entries for 2 layers"), error);
   CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"layer_types":["chunked_attention",
-      "full_attention"]})"), "c.json"), doctest::Contains("'chunked_attention'"), error);
+      "full_attention"]})"),
+                                          "c.json"),
+                       doctest::Contains("'chunked_attention'"), error);
   // End tokens come as one or as a list (Llama 3), all kept, each once.
   CHECK(parse_model_config(config_text(R"({"eos_token_id":[2, 7, 2]})"), "c.json").eos_token_ids ==
         std::vector<int32_t>{2, 7});
-  CHECK(parse_model_config(config_text(R"({"eos_token_id":null})"), "c.json").eos_token_ids.empty());
+  CHECK(
+    parse_model_config(config_text(R"({"eos_token_id":null})"), "c.json").eos_token_ids.empty());
   CHECK_THROWS_WITH_AS(parse_model_config(config_text(R"({"eos_token_id":[2, 300]})"), "c.json"),
                        doctest::Contains("eos_token_id 300 is outside the vocabulary of 256"),
                        error);
@@ -384,9 +393,9 @@ TEST_CASE("make-model writes a sharded checkpoint that loads and runs, in every 
       c.num_experts_per_tok = 2;
       c.moe_intermediate_size = arch == "MixtralForCausalLM" ? 48 : 16;
     }
-    auto dir = (std::filesystem::temp_directory_path() /
-                ("troupe-make-model-" + std::to_string(::getpid())))
-                 .string();
+    auto dir =
+      (std::filesystem::temp_directory_path() / ("troupe-make-model-" + std::to_string(::getpid())))
+        .string();
     write_random_model(c, dir, dtype::bf16, 7, 4096); // small shards: an index is written
     CHECK(std::ifstream{dir + "/model.safetensors.index.json"}.good());
     cpu_device dev{0};

@@ -102,8 +102,11 @@ TEST_CASE("a configuration out of range is refused naming the field, before anyt
   refused([](llm_config& c) { c.executor.tensor_parallel_size = 0; },
           "tensor_parallel_size must be at least 1");
   refused([](llm_config& c) { c.executor.device_kind = "tpu"; }, "device kind 'tpu'");
-  refused([](llm_config& c) { c.executor.nodes.push_back({"127.0.0.1", 1, 1}); },
-          "worker nodes need node_secret or TLS");
+  refused(
+    [](llm_config& c) {
+      c.executor.nodes.push_back({"127.0.0.1", 1, 1});
+    },
+    "worker nodes need node_secret or TLS");
   llm_config fine;
   fine.worker.model_path = "x";
   CHECK_NOTHROW(fine.validate());
@@ -123,7 +126,8 @@ TEST_CASE("every end token of config.json and generation_config.json ends a sequ
   auto config = read_json(fixtures + "/llama-gqa/config.json");
   config["eos_token_id"] = {2, run[4]};
   std::ofstream{dir / "config.json"} << config.dump();
-  std::ofstream{dir / "generation_config.json"} << nlohmann::json{{"eos_token_id", {run[2], 2}}}.dump();
+  std::ofstream{dir / "generation_config.json"}
+    << nlohmann::json{{"eos_token_id", {run[2], 2}}}.dump();
   auto cfg = tiny(dir.string());
   llm model{cfg};
   auto sp = greedy(32);
@@ -212,9 +216,9 @@ TEST_CASE("a worker that dies mid-generation is replaced and the outputs stay tr
     int32_t max_num_batched_tokens;
     int32_t tensor_parallel_size;
   };
-  for (auto f : {fault{1, 5, false, 2048, 2}, fault{0, 9, false, 2048, 2},
-                 fault{1, 6, true, 2048, 2}, fault{1, 12, false, 12, 2},
-                 fault{2, 7, false, 2048, 3}}) {
+  for (auto f :
+       {fault{1, 5, false, 2048, 2}, fault{0, 9, false, 2048, 2}, fault{1, 6, true, 2048, 2},
+        fault{1, 12, false, 12, 2}, fault{2, 7, false, 2048, 3}}) {
     CAPTURE(f.rank);
     CAPTURE(f.at);
     CAPTURE(f.async_scheduling);
@@ -250,9 +254,8 @@ TEST_CASE("a worker that dies mid-generation is replaced and the outputs stay tr
     auto options = run.worker;
     options.max_num_batched_tokens = run.scheduler.max_num_batched_tokens;
     options.max_num_seqs = run.scheduler.max_num_seqs;
-    llm model{run, [=](int32_t) {
-                return std::make_unique<faulty_model_worker>(options, 1, 3, faults);
-              }};
+    llm model{
+      run, [=](int32_t) { return std::make_unique<faulty_model_worker>(options, 1, 3, faults); }};
     CHECK_THROWS_WITH_AS(model.generate(reqs), doctest::Contains("not replaced"), error);
   }
 }
@@ -302,8 +305,7 @@ TEST_CASE("a chat template given in the config renders conversations, and others
   cfg.worker.kv_cache_memory_bytes = 1 << 20;
   {
     llm plain{cfg};
-    CHECK_THROWS_WITH_AS(plain.chat_prompt("hi"), doctest::Contains("has no chat template"),
-                         error);
+    CHECK_THROWS_WITH_AS(plain.chat_prompt("hi"), doctest::Contains("has no chat template"), error);
   }
   // ChatML with a default system message, as SmolLM2's and Qwen's templates have, and a
   // refusal of its own.
@@ -318,8 +320,8 @@ TEST_CASE("a chat template given in the config renders conversations, and others
   CHECK(model.chat_prompt("hi") ==
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
         "<|im_start|>assistant\n");
-  CHECK(model.chat_prompt({{"system", "Be long."}, {"user", "hi"}, {"assistant", "Hello!"},
-                           {"user", "more"}}) ==
+  CHECK(model.chat_prompt(
+          {{"system", "Be long."}, {"user", "hi"}, {"assistant", "Hello!"}, {"user", "more"}}) ==
         "<|im_start|>system\nBe long.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
         "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n"
         "<|im_start|>assistant\n");
@@ -350,8 +352,7 @@ TEST_CASE("greedy runs under vLLM's penalties, logit_bias and bad words give the
     sp.frequency_penalty = p.value("frequency_penalty", 0.0f);
     sp.logit_bias_ids = p.value("logit_bias_ids", std::vector<int32_t>{});
     sp.logit_bias_values = p.value("logit_bias_values", std::vector<float>{});
-    sp.bad_words_token_ids =
-      p.value("bad_words_token_ids", std::vector<std::vector<int32_t>>{});
+    sp.bad_words_token_ids = p.value("bad_words_token_ids", std::vector<std::vector<int32_t>>{});
     auto prompt = run["prompt"].get<std::vector<int32_t>>();
     auto penalized = model.generate({generation_request{"", prompt, sp, {}}})[0];
     auto plain = model.generate({generation_request{"", prompt, greedy(16), {}}})[0];
@@ -411,13 +412,14 @@ TEST_CASE("prompt logprobs are transformers' log-softmax at every prompt positio
       CHECK(p.token == prompt[i + 1]);
       CHECK(p.logprob == doctest::Approx(want(i + 1, p.token)).epsilon(1e-4));
       auto& row = all[i];
-      CHECK(p.rank == 1 + std::count_if(row.begin(), row.end(),
-                                        [&](float x) { return x > row[p.token]; }));
+      CHECK(p.rank ==
+            1 + std::count_if(row.begin(), row.end(), [&](float x) { return x > row[p.token]; }));
       REQUIRE(p.top_logprobs.size() == static_cast<size_t>(top));
       auto best = std::max_element(row.begin(), row.end()) - row.begin();
       if (top > 0) {
         CHECK(p.top_logprobs[0].token == best);
-        CHECK(p.top_logprobs[0].logprob == doctest::Approx(want(i + 1, static_cast<int32_t>(best))).epsilon(1e-4));
+        CHECK(p.top_logprobs[0].logprob ==
+              doctest::Approx(want(i + 1, static_cast<int32_t>(best))).epsilon(1e-4));
       }
     }
     CHECK(out.token_ids == ref["greedy"].get<std::vector<int32_t>>());
@@ -429,8 +431,8 @@ TEST_CASE("prompt logprobs are transformers' log-softmax at every prompt positio
     llm model{cfg};
     // The same prompt twice: the second finds the first's blocks in the cache, and
     // computes its prompt all the same.
-    auto outs = model.generate({generation_request{"", prompt, sp, {}},
-                                generation_request{"", prompt, sp, {}}});
+    auto outs = model.generate(
+      {generation_request{"", prompt, sp, {}}, generation_request{"", prompt, sp, {}}});
     for (auto& out : outs)
       check(out, top);
     auto plain = model.generate({generation_request{"", prompt, greedy(4), {}}})[0];
@@ -465,7 +467,8 @@ TEST_CASE("bad_words become the token sequences vLLM makes of them") {
         f["bad_words"]["token_ids"].get<std::vector<std::vector<int32_t>>>());
 }
 
-TEST_CASE("streamed text adds up to the whole output's decode, and stop strings cut where they first are") {
+TEST_CASE(
+  "streamed text adds up to the whole output's decode, and stop strings cut where they first are") {
   auto path = troupe::testing::smollm2_or_skip();
   if (path.empty())
     return;
@@ -662,7 +665,8 @@ TEST_CASE("prefix caching on and off give the same greedy tokens and logprobs") 
     for (size_t i = 0; i < with_adapters.size(); ++i)
       if (i % 3 > 0) {
         auto name = i % 3 == 1 ? std::string{"lora-all"} : std::string{"lora-qv"};
-        with_adapters[i].lora = lora_request{name, static_cast<int64_t>(i % 3), adapters + "/" + name};
+        with_adapters[i].lora =
+          lora_request{name, static_cast<int64_t>(i % 3), adapters + "/" + name};
       }
     auto run = cfg;
     run.worker.max_loras = 2;
@@ -725,7 +729,8 @@ TEST_CASE("requests running when the workers sleep through the executor are comp
     CHECK(outs[i].token_ids == want[i].token_ids);
 }
 
-TEST_CASE("a seeded request draws the same tokens whenever it is sent and whatever runs beside it") {
+TEST_CASE(
+  "a seeded request draws the same tokens whenever it is sent and whatever runs beside it") {
   auto cfg = tiny(fixtures + "/llama-gqa");
   llm model{cfg};
   sampling_params hot;

@@ -29,8 +29,7 @@ run_outcome outcome;
 struct assertion_watch : doctest::IReporter {
   const doctest::TestCaseData* current = nullptr;
 
-  explicit assertion_watch(const doctest::ContextOptions&) {
-  }
+  explicit assertion_watch(const doctest::ContextOptions&) {}
   void test_case_start(const doctest::TestCaseData& tc) override {
     current = &tc;
     ++outcome.ran;
@@ -42,26 +41,16 @@ struct assertion_watch : doctest::IReporter {
     else if (stats.numAssertsCurrentTest == 0 && current)
       outcome.without_assertions.push_back(current->m_name);
   }
-  void report_query(const doctest::QueryData&) override {
-  }
-  void test_run_start() override {
-  }
-  void test_run_end(const doctest::TestRunStats&) override {
-  }
-  void test_case_reenter(const doctest::TestCaseData&) override {
-  }
-  void test_case_exception(const doctest::TestCaseException&) override {
-  }
-  void subcase_start(const doctest::SubcaseSignature&) override {
-  }
-  void subcase_end() override {
-  }
-  void log_assert(const doctest::AssertData&) override {
-  }
-  void log_message(const doctest::MessageData&) override {
-  }
-  void test_case_skipped(const doctest::TestCaseData&) override {
-  }
+  void report_query(const doctest::QueryData&) override {}
+  void test_run_start() override {}
+  void test_run_end(const doctest::TestRunStats&) override {}
+  void test_case_reenter(const doctest::TestCaseData&) override {}
+  void test_case_exception(const doctest::TestCaseException&) override {}
+  void subcase_start(const doctest::SubcaseSignature&) override {}
+  void subcase_end() override {}
+  void log_assert(const doctest::AssertData&) override {}
+  void log_message(const doctest::MessageData&) override {}
+  void test_case_skipped(const doctest::TestCaseData&) override {}
 };
 
 REGISTER_LISTENER("assertion_watch", 1, assertion_watch);

@@ -134,7 +134,8 @@ TEST_CASE("Mistral's sliding window generates transformers' tokens past the wind
     check_greedy("mistral-window", tp); // a window of 6; sequences of up to 41 positions
 }
 
-TEST_CASE("Qwen2's sliding window, in the layers from max_window_layers on, generates transformers' tokens at TP 1-3") {
+TEST_CASE("Qwen2's sliding window, in the layers from max_window_layers on, generates "
+          "transformers' tokens at TP 1-3") {
   for (int32_t tp : {1, 2, 3})
     check_greedy("qwen2-window", tp); // layer 0 full, layers 1 and 2 a window of 5
 }
@@ -364,8 +365,8 @@ TEST_CASE("sharded state is written in vLLM's file names with parts of at most m
   int64_t largest = 0;
   for (; fs::exists(dir / ("model-rank-0-part-" + std::to_string(parts) + ".safetensors"));
        ++parts) {
-    safetensors_file part{(dir / ("model-rank-0-part-" + std::to_string(parts) +
-                                  ".safetensors")).string()};
+    safetensors_file part{
+      (dir / ("model-rank-0-part-" + std::to_string(parts) + ".safetensors")).string()};
     int64_t bytes = 0;
     for (auto& t : part.tensors())
       bytes += static_cast<int64_t>(t.bytes);

@@ -35,7 +35,8 @@ logprob_file random_chunks(int32_t vocab, uint32_t ctx, int32_t count) {
   f.chunks = count;
   std::mt19937 rng{11};
   for (size_t i = 0; i < static_cast<size_t>(ctx) * static_cast<size_t>(count); ++i)
-    f.tokens.push_back(i % ctx == 0 ? 1 : static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
+    f.tokens.push_back(i % ctx == 0 ? 1
+                                    : static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
   return f;
 }
 
@@ -120,7 +121,8 @@ TEST_CASE("perplexity and KL divergence from a saved base: zero against itself, 
   // The perplexity over positions 16 … 30 of each chunk, computed here from the logits.
   double nll = 0;
   for (int32_t c = 0; c < 3; ++c) {
-    std::vector<int32_t> tokens(chunks.tokens.begin() + c * 32, chunks.tokens.begin() + (c + 1) * 32);
+    std::vector<int32_t> tokens(chunks.tokens.begin() + c * 32,
+                                chunks.tokens.begin() + (c + 1) * 32);
     auto logits = exact.prompt_logits(tokens, cache);
     for (int p = 16; p <= 30; ++p)
       nll += nll_of(&logits[static_cast<size_t>(p) * static_cast<size_t>(cfg.vocab_size)],
@@ -143,8 +145,8 @@ TEST_CASE("perplexity and KL divergence from a saved base: zero against itself, 
   saved.clear();
   saved.seekg(rows_at);
   auto quick = perplexity(fast, cache, header, -1, &saved);
-  MESSAGE("the fast path's KL divergence from the exact one: " << quick.kld.mean_kld
-                                                              << ", same top " << quick.kld.same_top);
+  MESSAGE("the fast path's KL divergence from the exact one: "
+          << quick.kld.mean_kld << ", same top " << quick.kld.same_top);
   CHECK(quick.kld.mean_kld <= 1e-3);
   if (cpu::has_int8_kernel(dtype::q4_k))
     CHECK(quick.kld.mean_kld > std::abs(self.kld.mean_kld));

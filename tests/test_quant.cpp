@@ -53,8 +53,8 @@ struct products {
 
 /// Requires that y[m × n], computed for the weight rows [begin, n) over a y of ones, holds
 /// `want` there and its ones elsewhere.
-void require_rows_from(const std::vector<float>& y, const products& want, int64_t begin,
-                       int64_t m, int64_t n) {
+void require_rows_from(const std::vector<float>& y, const products& want, int64_t begin, int64_t m,
+                       int64_t n) {
   for (int64_t r = 0; r < m; ++r)
     for (int64_t c = 0; c < n; ++c) {
       auto at = static_cast<size_t>(r * n + c);
@@ -65,8 +65,8 @@ void require_rows_from(const std::vector<float>& y, const products& want, int64_
     }
 }
 
-products reference(const std::vector<float>& w, const std::vector<float>& x, int64_t n,
-                   int64_t m, int64_t k) {
+products reference(const std::vector<float>& w, const std::vector<float>& x, int64_t n, int64_t m,
+                   int64_t k) {
   products p;
   p.y.resize(static_cast<size_t>(m * n));
   p.magnitude.resize(p.y.size());
@@ -145,7 +145,8 @@ TEST_CASE("k-quants: quantize then dequantize stays within a step of each sub-bl
   }
 }
 
-TEST_CASE("block-format kernels: every instruction set gives float32's sums on the dequantized weights") {
+TEST_CASE(
+  "block-format kernels: every instruction set gives float32's sums on the dequantized weights") {
   // Shapes with a single block, odd row counts, and activation row counts that exercise
   // every tile (12, 8 and 4 rows) and their tails.
   for (auto s : {shape{1, 1, 32}, shape{7, 3, 96}, shape{33, 5, 576}, shape{64, 9, 1536},
@@ -165,8 +166,8 @@ TEST_CASE("block-format kernels: every instruction set gives float32's sums on t
       to_float(t, wq.data(), wd.data(), w.size());
       auto exact = reference(wd, x, s.n, s.m, s.k);
       for (auto i : available()) {
-        INFO(std::string{dtype_name(t)} << " on " << std::string{cpu::isa_name(i)} << ", n "
-                                        << s.n << " m " << s.m << " k " << s.k);
+        INFO(std::string{dtype_name(t)} << " on " << std::string{cpu::isa_name(i)} << ", n " << s.n
+                                        << " m " << s.m << " k " << s.k);
         std::vector<float> y(exact.y.size(), 1.0f);
         // Only rows [1, n) are written when n > 1: the first must keep its value.
         int64_t begin = s.n > 1 ? 1 : 0;
@@ -239,8 +240,8 @@ TEST_CASE("integer kernels: the sums of the rounded activations, on every tile a
       if (t == dtype::q4_1)
         continue; // a packed kernel only: the next test
       if (!cpu::has_int8_kernel(t)) {
-        MESSAGE("no integer instructions on this CPU: the vector kernel of "
-                << dtype_name(t) << " is not run");
+        MESSAGE("no integer instructions on this CPU: the vector kernel of " << dtype_name(t)
+                                                                             << " is not run");
         continue;
       }
       // Only rows [1, n) are written when n > 1: the first keeps its value.
@@ -363,8 +364,8 @@ TEST_CASE("16-bit kernels: every instruction set gives float32's sums on the wid
       to_float(t, wh.data(), wd.data(), w.size());
       auto exact = reference(wd, x, s.n, s.m, s.k);
       for (auto i : available()) {
-        INFO(std::string{dtype_name(t)} << " on " << std::string{cpu::isa_name(i)} << ", n "
-                                        << s.n << " k " << s.k);
+        INFO(std::string{dtype_name(t)} << " on " << std::string{cpu::isa_name(i)} << ", n " << s.n
+                                        << " k " << s.k);
         std::vector<float> y(exact.y.size());
         cpu::dot_rows_half(i, t, wh.data(), x.data(), s.m, s.k, y.data(), s.n, 0, s.n, false);
         for (size_t at = 0; at < y.size(); ++at)
@@ -452,7 +453,7 @@ TEST_CASE("log-partition: every instruction set gives the portable value") {
 }
 
 TEST_CASE("first_non_finite finds the first infinity or NaN of a float tensor, across chunks") {
-  const size_t count = 10000; // more than two chunks of the scan
+  const size_t count = 10000;                          // more than two chunks of the scan
   std::vector<uint32_t> f32(count, 0x3f800000u);       // 1.0f
   std::vector<uint16_t> f16(count, uint16_t{0x3c00});  // 1.0
   std::vector<uint16_t> bf16(count, uint16_t{0x3f80}); // 1.0

@@ -171,9 +171,9 @@ TEST_CASE("broken files are errors naming the file and the tensor") {
                                 std::string(4, '\0')));
   CHECK(error_of(path).find("impossible dimension") != std::string::npos);
   // A shape whose element count overflows is refused, not wrapped around.
-  write_bytes(path, with_header(
-    R"({"w":{"dtype":"F32","shape":[4611686018427387905],"data_offsets":[0,4]}})",
-    std::string(4, '\0')));
+  write_bytes(
+    path, with_header(R"({"w":{"dtype":"F32","shape":[4611686018427387905],"data_offsets":[0,4]}})",
+                      std::string(4, '\0')));
   CHECK(error_of(path).find("impossible dimension") != std::string::npos);
   write_bytes(path, with_header(R"({"w":{"dtype":"F32"}})", ""));
   CHECK(error_of(path).find("needs dtype, shape and data_offsets") != std::string::npos);
@@ -183,6 +183,6 @@ TEST_CASE("broken files are errors naming the file and the tensor") {
   write_bytes(path, whole.substr(0, whole.size() - 5));
   CHECK(error_of(path).find("truncated") != std::string::npos);
   fs::remove(path);
-  CHECK(error_of("/nonexistent/model.safetensors").find("/nonexistent/model.safetensors")
-        != std::string::npos);
+  CHECK(error_of("/nonexistent/model.safetensors").find("/nonexistent/model.safetensors") !=
+        std::string::npos);
 }

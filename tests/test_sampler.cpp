@@ -153,8 +153,7 @@ TEST_CASE("bad words, penalties, logit_bias and min_tokens change the logits as 
                    c["params"].value("stop_ids", std::vector<int32_t>{}));
     auto want = c["processed"];
     for (int64_t i = 0; i < vocab; ++i) {
-      if (want[i].is_null() || std::isinf(want[i].get<double>()) ||
-          want[i].get<double>() < -1e30) {
+      if (want[i].is_null() || std::isinf(want[i].get<double>()) || want[i].get<double>() < -1e30) {
         CHECK(std::isinf(x[i]));
         continue;
       }
@@ -205,7 +204,11 @@ TEST_CASE("the new parameters out of range are refused, naming them") {
   refused([](sampling_params& p) { p.frequency_penalty = NAN; }, "frequency_penalty");
   refused([](sampling_params& p) { p.min_p = 1.5f; }, "min_p");
   refused([](sampling_params& p) { p.min_tokens = -1; }, "min_tokens");
-  refused([](sampling_params& p) { p.logit_bias_ids = {100}; p.logit_bias_values = {1}; },
-          "logit_bias names token 100");
+  refused(
+    [](sampling_params& p) {
+      p.logit_bias_ids = {100};
+      p.logit_bias_values = {1};
+    },
+    "logit_bias names token 100");
   refused([](sampling_params& p) { p.logit_bias_ids = {1}; }, "logit_bias");
 }

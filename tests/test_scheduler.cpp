@@ -185,7 +185,8 @@ TEST_CASE("stop tokens, end of sequence and impossible prompts finish requests")
   CHECK_THROWS_AS(sched.add(empty), error);
 }
 
-TEST_CASE("a step holds at most max_loras distinct adapters and passed-over requests keep their turn") {
+TEST_CASE(
+  "a step holds at most max_loras distinct adapters and passed-over requests keep their turn") {
   scheduler_limits limits;
   limits.max_loras = 2;
   scheduler sched{{}, limits, block_size, 64, 0, {2}};
@@ -331,8 +332,8 @@ TEST_CASE("a sequence that grows past restart_at is computed again from its firs
       }
     }
   }
-  CHECK(shapes == std::vector<std::pair<int32_t, int32_t>>{
-                    {0, 4}, {4, 1}, {5, 1}, {0, 7}, {7, 1}, {8, 1}});
+  CHECK(shapes ==
+        std::vector<std::pair<int32_t, int32_t>>{{0, 4}, {4, 1}, {5, 1}, {0, 7}, {7, 1}, {8, 1}});
   auto done = sched.take_finished();
   REQUIRE(done.size() == 1);
   CHECK(done[0].output.size() == 6);

@@ -237,13 +237,13 @@ TEST_CASE("bad requests get OpenAI's error objects with the right status, and th
     int status;
     const char* param;
   };
-  for (auto& b : {bad{{{"prompt", {1, 2}}, {"max_tokens", "many"}}, 400, "max_tokens"},
-                  bad{{{"prompt", {1, 2}}, {"temperature", -1}}, 400, "temperature"},
-                  bad{{{"prompt", {1, -2}}}, 400, "prompt"},
-                  bad{{{"max_tokens", 2}}, 400, "prompt"},
-                  bad{{{"prompt", {1, 2}}, {"n", 0}}, 400, "n"},
-                  bad{{{"prompt", {1, 2}}, {"model", "nope"}}, 404, "model"},
-                  bad{{{"prompt", std::vector<int>(600, 1)}}, 400, ""}}) {
+  for (auto& b :
+       {bad{{{"prompt", {1, 2}}, {"max_tokens", "many"}}, 400, "max_tokens"},
+        bad{{{"prompt", {1, 2}}, {"temperature", -1}}, 400, "temperature"},
+        bad{{{"prompt", {1, -2}}}, 400, "prompt"}, bad{{{"max_tokens", 2}}, 400, "prompt"},
+        bad{{{"prompt", {1, 2}}, {"n", 0}}, 400, "n"},
+        bad{{{"prompt", {1, 2}}, {"model", "nope"}}, 404, "model"},
+        bad{{{"prompt", std::vector<int>(600, 1)}}, 400, ""}}) {
     CAPTURE(b.body.dump());
     auto r = post(s, "/v1/completions", b.body, key);
     CHECK(r.status == b.status);
@@ -254,8 +254,8 @@ TEST_CASE("bad requests get OpenAI's error objects with the right status, and th
     if (*b.param)
       CHECK(e["error"]["param"] == b.param);
   }
-  auto r = curl(key + " -H 'Content-Type: application/json' -d '{not json' " +
-                url(s, "/v1/completions"));
+  auto r =
+    curl(key + " -H 'Content-Type: application/json' -d '{not json' " + url(s, "/v1/completions"));
   CHECK(r.status == 400);
   CHECK(json::parse(r.body)["error"]["type"] == "invalid_request_error");
   CHECK(curl(key + " " + url(s, "/v1/nothing")).status == 404);
@@ -344,8 +344,10 @@ TEST_CASE("64 concurrent streams share steps and get their own tokens, and clien
 TEST_CASE("sampling fields act or are refused: penalties change tokens, unknown fields are 400s") {
   llm model{tiny()};
   server s{model, on_any_port()};
-  json plain = {{"prompt", {1, 15, 27, 99, 3, 15, 27}}, {"max_tokens", 16},
-                {"temperature", 0}, {"ignore_eos", true}};
+  json plain = {{"prompt", {1, 15, 27, 99, 3, 15, 27}},
+                {"max_tokens", 16},
+                {"temperature", 0},
+                {"ignore_eos", true}};
   auto tokens = [&](const json& body) {
     auto r = post(s, "/v1/completions", body);
     REQUIRE_MESSAGE(r.status == 200, r.body);
@@ -435,8 +437,12 @@ TEST_CASE("sampling fields act or are refused: penalties change tokens, unknown 
 TEST_CASE("n samples come as n choices, streamed or not, and best_of keeps the most likely") {
   llm model{tiny()};
   server s{model, on_any_port()};
-  json body = {{"prompt", {1, 15, 27, 99, 3, 15, 27}}, {"max_tokens", 12}, {"temperature", 1.2},
-               {"seed", 21},         {"ignore_eos", true}, {"logprobs", 0}};
+  json body = {{"prompt", {1, 15, 27, 99, 3, 15, 27}},
+               {"max_tokens", 12},
+               {"temperature", 1.2},
+               {"seed", 21},
+               {"ignore_eos", true},
+               {"logprobs", 0}};
   auto one = [&](int64_t seed) {
     auto single = body;
     single["seed"] = seed;
@@ -527,8 +533,8 @@ TEST_CASE("a chat its template refuses is a 400 with the template's message") {
   cfg.chat_template.assign(std::istreambuf_iterator<char>{in}, std::istreambuf_iterator<char>{});
   llm model{cfg};
   server s{model, on_any_port()};
-  json body = {{"messages", {{{"role", "user"}, {"content", "One."}},
-                             {{"role", "user"}, {"content", "Two."}}}},
+  json body = {{"messages",
+                {{{"role", "user"}, {"content", "One."}}, {{"role", "user"}, {"content", "Two."}}}},
                {"max_tokens", 4}};
   auto r = post(s, "/v1/chat/completions", body);
   CHECK(r.status == 400);
@@ -607,11 +613,12 @@ TEST_CASE("chat completions of SmolLM2 through the server are troupe generate's"
     CHECK(texts[i] == want.text);
   }
   // Tools and template variables reach the model's template: the prompt is render_chat's.
-  json tools = json::array({{{"type", "function"},
-                             {"function", {{"name", "get_weather"},
-                                           {"parameters", {{"type", "object"}}}}}}});
+  json tools =
+    json::array({{{"type", "function"},
+                  {"function", {{"name", "get_weather"}, {"parameters", {{"type", "object"}}}}}}});
   json with_tools = {{"messages", {{{"role", "user"}, {"content", question}}}},
-                     {"max_tokens", 2}, {"tools", tools},
+                     {"max_tokens", 2},
+                     {"tools", tools},
                      {"chat_template_kwargs", {{"enable_thinking", false}}}};
   chat_request conversation;
   conversation.messages_json = with_tools["messages"].dump();
@@ -621,8 +628,11 @@ TEST_CASE("chat completions of SmolLM2 through the server are troupe generate's"
   auto tool_reply = json::parse(post(s, "/v1/chat/completions", with_tools).body);
   CHECK(tool_reply["usage"]["prompt_tokens"] == rendered.size());
   // A text completion with a stop string: cut there, streamed or not.
-  json cut = {{"model", "tiny"}, {"prompt", "The capital of France is"}, {"max_tokens", 20},
-              {"temperature", 0}, {"stop", "."}};
+  json cut = {{"model", "tiny"},
+              {"prompt", "The capital of France is"},
+              {"max_tokens", 20},
+              {"temperature", 0},
+              {"stop", "."}};
   auto plain = json::parse(post(s, "/v1/completions", cut).body);
   CHECK(plain["choices"][0]["text"] == " Paris");
   CHECK(plain["choices"][0]["finish_reason"] == "stop");
@@ -634,8 +644,11 @@ TEST_CASE("chat completions of SmolLM2 through the server are troupe generate's"
   CHECK(streamed_text == " Paris");
   // Logprobs of the sampled tokens and the two most likely, as generate computes them.
   auto lp = json::parse(post(s, "/v1/completions",
-                             {{"prompt", "The capital of France is"}, {"max_tokens", 5},
-                              {"temperature", 0}, {"ignore_eos", true}, {"logprobs", 2}})
+                             {{"prompt", "The capital of France is"},
+                              {"max_tokens", 5},
+                              {"temperature", 0},
+                              {"ignore_eos", true},
+                              {"logprobs", 2}})
                           .body)["choices"][0]["logprobs"];
   REQUIRE(lp["token_logprobs"].size() == 5);
   for (size_t i = 0; i < 5; ++i) {
@@ -744,14 +757,15 @@ TEST_CASE("beyond the running and waiting bounds a request gets 429, and nothing
   // engine until the fourth has its answer, however slowly this machine runs.
   auto cfg = tiny(2);
   auto gate = std::make_shared<gated_model_worker::gate>();
-  llm model{cfg, [&](int32_t) {
-              return std::make_unique<gated_model_worker>(cfg.worker, gate);
-            }};
+  llm model{cfg, [&](int32_t) { return std::make_unique<gated_model_worker>(cfg.worker, gate); }};
   auto sc = on_any_port();
   sc.max_waiting_requests = 1; // 2 running + 1 waiting
   server s{model, sc};
-  json held = {{"prompt", {1, 2, 3}}, {"max_tokens", 20}, {"temperature", 0},
-               {"ignore_eos", true}, {"stream", true}};
+  json held = {{"prompt", {1, 2, 3}},
+               {"max_tokens", 20},
+               {"temperature", 0},
+               {"ignore_eos", true},
+               {"stream", true}};
   gate->set(true);
   std::vector<std::unique_ptr<raw_stream>> streams;
   for (int c = 0; c < 3; ++c) {
@@ -777,12 +791,14 @@ TEST_CASE("when the engine fails, its requests get 503 and /metrics counts none 
   // One request runs and three wait when the worker dies.
   auto cfg = tiny(1);
   auto gate = std::make_shared<gated_model_worker::gate>();
-  llm model{cfg, [&](int32_t) {
-              return std::make_unique<gated_model_worker>(cfg.worker, gate, 3);
-            }};
+  llm model{cfg,
+            [&](int32_t) { return std::make_unique<gated_model_worker>(cfg.worker, gate, 3); }};
   server s{model, on_any_port()};
-  json held = {{"prompt", {1, 2, 3}}, {"max_tokens", 20}, {"temperature", 0},
-               {"ignore_eos", true}, {"stream", true}};
+  json held = {{"prompt", {1, 2, 3}},
+               {"max_tokens", 20},
+               {"temperature", 0},
+               {"ignore_eos", true},
+               {"stream", true}};
   gate->set(true);
   std::vector<std::unique_ptr<raw_stream>> streams;
   for (int c = 0; c < 4; ++c) {
@@ -816,7 +832,10 @@ TEST_CASE("the admin endpoints: sleep and wake, LoRA adapters by name, collectiv
   auto prompt = ref["prompts"][0];
   auto with_lora = [&](const std::string& name) {
     auto r = post(s, "/v1/completions",
-                  {{"model", name}, {"prompt", prompt}, {"max_tokens", 16}, {"temperature", 0},
+                  {{"model", name},
+                   {"prompt", prompt},
+                   {"max_tokens", 16},
+                   {"temperature", 0},
                    {"ignore_eos", true}});
     REQUIRE_MESSAGE(r.status == 200, r.body);
     return json::parse(r.body)["choices"][0]["token_ids"].get<std::vector<int32_t>>();
@@ -831,7 +850,8 @@ TEST_CASE("the admin endpoints: sleep and wake, LoRA adapters by name, collectiv
   CHECK(post(s, "/v1/completions", {{"model", "qv"}, {"prompt", prompt}}).status == 404);
   CHECK(post(s, "/v1/unload_lora_adapter", {{"lora_name", "qv"}}).status == 404);
   // Sleep: /health says 503 and a completion fails cleanly; wake_up brings it back.
-  auto plain = post(s, "/v1/completions", {{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0}});
+  auto plain =
+    post(s, "/v1/completions", {{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0}});
   CHECK(curl("-X POST " + url(s, "/sleep?level=1")).status == 200);
   CHECK(json::parse(curl(url(s, "/is_sleeping")).body)["is_sleeping"] == true);
   CHECK(curl(url(s, "/health")).status == 503);
@@ -840,7 +860,8 @@ TEST_CASE("the admin endpoints: sleep and wake, LoRA adapters by name, collectiv
   CHECK(curl("-X POST " + url(s, "/wake_up")).status == 200);
   CHECK(json::parse(curl(url(s, "/is_sleeping")).body)["is_sleeping"] == false);
   CHECK(curl(url(s, "/health")).status == 200);
-  auto again = post(s, "/v1/completions", {{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0}});
+  auto again =
+    post(s, "/v1/completions", {{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0}});
   CHECK(json::parse(again.body)["choices"][0]["token_ids"] ==
         json::parse(plain.body)["choices"][0]["token_ids"]);
   // collective_rpc of a named method; a wrong one is the worker's error.
@@ -856,13 +877,18 @@ TEST_CASE("pipelined requests on one connection are all answered in order, and o
   server s{model, on_any_port()};
   auto request = [](const std::string& body, bool last) {
     return "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-           "Content-Length: " + std::to_string(body.size()) + "\r\n" +
-           (last ? "Connection: close\r\n" : "") + "\r\n" + body;
+           "Content-Length: " +
+           std::to_string(body.size()) + "\r\n" + (last ? "Connection: close\r\n" : "") + "\r\n" +
+           body;
   };
-  std::string first = json{{"prompt", {1, 2, 3}}, {"max_tokens", 4}, {"temperature", 0},
-                           {"ignore_eos", true}, {"stream", true}}.dump();
-  std::string second = json{{"prompt", {4, 5}}, {"max_tokens", 3}, {"temperature", 0},
-                            {"ignore_eos", true}}.dump();
+  std::string first = json{
+    {"prompt", {1, 2, 3}},
+    {"max_tokens", 4},
+    {"temperature", 0},
+    {"ignore_eos", true},
+    {"stream", true}}.dump();
+  std::string second =
+    json{{"prompt", {4, 5}}, {"max_tokens", 3}, {"temperature", 0}, {"ignore_eos", true}}.dump();
   // Both in one write: the second is in the buffer while the first streams.
   auto got = raw_exchange(s.port(), request(first, false) + request(second, true));
   auto at = got.find("HTTP/1.1 200", 1);
@@ -871,7 +897,8 @@ TEST_CASE("pipelined requests on one connection are all answered in order, and o
   CHECK(got.find("data: [DONE]") < at);
   CHECK(got.find("\"completion_tokens\":3", at) != std::string::npos);
   // A raw byte that is not UTF-8 in the path.
-  auto odd = raw_exchange(s.port(), "GET /\xff\xfe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  auto odd =
+    raw_exchange(s.port(), "GET /\xff\xfe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   CHECK(odd.rfind("HTTP/1.1 404", 0) == 0);
   CHECK(curl(url(s, "/health")).status == 200); // still serving
 }
@@ -879,8 +906,11 @@ TEST_CASE("pipelined requests on one connection are all answered in order, and o
 TEST_CASE("a client that reads slowly holds up no other stream") {
   llm model{tiny()};
   server s{model, on_any_port()};
-  json slow = {{"prompt", {1, 2, 3}}, {"max_tokens", 500}, {"temperature", 0},
-               {"ignore_eos", true}, {"stream", true}};
+  json slow = {{"prompt", {1, 2, 3}},
+               {"max_tokens", 500},
+               {"temperature", 0},
+               {"ignore_eos", true},
+               {"stream", true}};
   // Reads 2 KB a second of a stream of about 100 KB, and gives up after 3 s.
   std::thread crawler([&] {
     curl("--limit-rate 2k --max-time 3 -H 'Content-Type: application/json' -d " + quoted(slow) +
@@ -888,8 +918,11 @@ TEST_CASE("a client that reads slowly holds up no other stream") {
   });
   std::this_thread::sleep_for(300ms);
   auto quick = post(s, "/v1/completions",
-                    {{"prompt", {4, 5}}, {"max_tokens", 50}, {"temperature", 0},
-                     {"ignore_eos", true}, {"stream", true}});
+                    {{"prompt", {4, 5}},
+                     {"max_tokens", 50},
+                     {"temperature", 0},
+                     {"ignore_eos", true},
+                     {"stream", true}});
   auto [ids, reason] = streamed(events(quick.body));
   CHECK(quick.status == 200);
   CHECK(ids.size() == 50);

@@ -38,8 +38,8 @@ sequence_group_metadata group(const std::string& id, int64_t seq_id, std::vector
 TEST_CASE("a batch flattens the scheduled tokens with their positions, tables and sampled rows") {
   execute_model_request req;
   req.seq_group_metadata_list.push_back(group("prompt", 0, {1, 2, 3, 4, 5}, 0, 5, {3, 7}));
-  req.seq_group_metadata_list.push_back(group("decode", 1, {9, 8, 7, 6, 5, 4, 3, 2, 1}, 8, 1,
-                                              {0, 1, 2}));
+  req.seq_group_metadata_list.push_back(
+    group("decode", 1, {9, 8, 7, 6, 5, 4, 3, 2, 1}, 8, 1, {0, 1, 2}));
   auto b = prepare_batch(req, tiny(), 4, 8);
   REQUIRE(b.tokens.size() == 6);
   CHECK(b.tokens[0].id == 1);
@@ -100,8 +100,8 @@ TEST_CASE("a malformed request is refused naming the request and what is wrong")
 
 TEST_CASE("a sequence sent from its first computed position flattens as the whole one does") {
   execute_model_request whole;
-  whole.seq_group_metadata_list.push_back(group("decode", 1, {9, 8, 7, 6, 5, 4, 3, 2, 1}, 6, 3,
-                                                {0, 1, 2}));
+  whole.seq_group_metadata_list.push_back(
+    group("decode", 1, {9, 8, 7, 6, 5, 4, 3, 2, 1}, 6, 3, {0, 1, 2}));
   auto cut = whole;
   auto& seq = cut.seq_group_metadata_list[0].seqs[0];
   seq.token_ids = {3, 2, 1};

@@ -65,9 +65,8 @@ std::string walk(const sampling_params& p, uint64_t seed, int limit = 20000) {
         allowed.push_back(t);
     REQUIRE(!allowed.empty());
     // The end as soon as it is allowed: walks end.
-    int32_t t = allows(mask, end_token)
-                  ? end_token
-                  : allowed[static_cast<size_t>(rng() % allowed.size())];
+    int32_t t =
+      allows(mask, end_token) ? end_token : allowed[static_cast<size_t>(rng() % allowed.size())];
     if (t == end_token)
       return tiny().decode(ids);
     guide->accept(t);
@@ -79,16 +78,16 @@ std::string walk(const sampling_params& p, uint64_t seed, int limit = 20000) {
 } // namespace
 
 TEST_CASE("a schema's valid texts pass token by token and end, invalid ones are refused") {
-  auto person = schema({{"type", "object"},
-                        {"properties",
-                         {{"name", {{"type", "string"}, {"maxLength", 12}}},
-                          {"age", {{"type", "integer"}}},
-                          {"tags", {{"type", "array"}, {"items", {{"type", "string"}}},
-                                    {"maxItems", 3}}},
-                          {"kind", {{"enum", {"cat", "dog", 3}}}},
-                          {"score", {{"type", "number"}}},
-                          {"ok", {{"type", "boolean"}}}}},
-                        {"required", {"name", "age"}}});
+  auto person =
+    schema({{"type", "object"},
+            {"properties",
+             {{"name", {{"type", "string"}, {"maxLength", 12}}},
+              {"age", {{"type", "integer"}}},
+              {"tags", {{"type", "array"}, {"items", {{"type", "string"}}}, {"maxItems", 3}}},
+              {"kind", {{"enum", {"cat", "dog", 3}}}},
+              {"score", {{"type", "number"}}},
+              {"ok", {{"type", "boolean"}}}}},
+            {"required", {"name", "age"}}});
   for (auto text : {R"({"name":"Zoë","age":3})",
                     R"({ "name" : "a\"b\\c\u00e9", "age" : -12, "tags" : [ "x" , "y" ] })",
                     R"({"name":"","age":0,"kind":"dog","score":-1.5e+3,"ok":false})",
@@ -102,16 +101,17 @@ TEST_CASE("a schema's valid texts pass token by token and end, invalid ones are 
   CHECK_FALSE(short_name(R"(\ude00)"));
   CHECK_FALSE(short_name(R"(\ud83d\ud83d)"));
   CHECK_FALSE(short_name(R"(\ud83dx)"));
-  for (auto text : {R"({"age":3,"name":"x"})",             // out of order
-                    R"({"name":"x"})",                     // age missing
-                    R"({"name":"x","age":3.5})",           // not an integer
-                    R"({"name":"x","age":03})",            // a leading zero
-                    R"({"name":"x","age":3,"other":1})",   // not a property
+  for (auto text : {R"({"age":3,"name":"x"})",           // out of order
+                    R"({"name":"x"})",                   // age missing
+                    R"({"name":"x","age":3.5})",         // not an integer
+                    R"({"name":"x","age":03})",          // a leading zero
+                    R"({"name":"x","age":3,"other":1})", // not a property
                     R"({"name":"this is too long","age":3})",
                     R"({"name":"x","age":3,"tags":["a","b","c","d"]})",
-                    R"({"name":"x","age":3,"kind":"cow"})",
-                    R"({"name":"x","age":3,"ok":nope})",
-                    R"({"name":"a)" "\n" R"(b","age":3})",     // a raw newline in a string
+                    R"({"name":"x","age":3,"kind":"cow"})", R"({"name":"x","age":3,"ok":nope})",
+                    R"({"name":"a)"
+                    "\n"
+                    R"(b","age":3})", // a raw newline in a string
                     R"({"name":"x","age":3} trailing)"})
     CHECK_FALSE_MESSAGE(takes(person, text), text);
   // A number at the top level may end where it is complete.
@@ -131,7 +131,8 @@ TEST_CASE("JSON mode, choices, unions and references") {
   CHECK(takes(choice, "no"));
   CHECK_FALSE(takes(choice, "nope"));
   CHECK_FALSE(takes(choice, " yes")); // the whole output: nothing before it
-  auto either = schema({{"anyOf", {{{"type", "string"}}, {{"type", "array"}, {"items", {{"type", "integer"}}}}}}});
+  auto either = schema(
+    {{"anyOf", {{{"type", "string"}}, {{"type", "array"}, {"items", {{"type", "integer"}}}}}}});
   CHECK(takes(either, R"("x")"));
   CHECK(takes(either, "[1,2]"));
   CHECK_FALSE(takes(either, "[1.5]"));
@@ -141,9 +142,11 @@ TEST_CASE("JSON mode, choices, unions and references") {
   CHECK_FALSE(takes(strings, "1"));
   // Alternatives that stay alike for ever: the stacks are merged and capped, not multiplied.
   auto same = schema({{"$defs",
-                       {{"a", {{"anyOf", {{{"type", "array"}, {"items", {{"$ref", "#/$defs/a"}}}},
-                                          {{"type", "array"}, {"items", {{"$ref", "#/$defs/a"}}}},
-                                          {{"type", "integer"}}}}}}}},
+                       {{"a",
+                         {{"anyOf",
+                           {{{"type", "array"}, {"items", {{"$ref", "#/$defs/a"}}}},
+                            {{"type", "array"}, {"items", {{"$ref", "#/$defs/a"}}}},
+                            {{"type", "integer"}}}}}}}},
                       {"$ref", "#/$defs/a"}});
   CHECK(takes(same, "[[[[[[[[[[[[1]]]]]]]]]]]]"));
   auto nullable = schema({{"type", {"integer", "null"}}});
@@ -163,15 +166,17 @@ TEST_CASE("JSON mode, choices, unions and references") {
 }
 
 TEST_CASE("random walks through the masks write JSON that holds to the schema") {
-  auto s = json{{"type", "object"},
-                {"properties",
-                 {{"id", {{"type", "integer"}}},
-                  {"label", {{"type", "string"}, {"maxLength", 8}}},
-                  {"point", {{"type", "object"},
-                             {"properties", {{"x", {{"type", "number"}}}, {"y", {{"type", "number"}}}}},
-                             {"required", {"x", "y"}}}},
-                  {"colors", {{"type", "array"}, {"items", {{"enum", {"red", "green"}}}}, {"maxItems", 4}}}}},
-                {"required", {"id", "point"}}};
+  auto s = json{
+    {"type", "object"},
+    {"properties",
+     {{"id", {{"type", "integer"}}},
+      {"label", {{"type", "string"}, {"maxLength", 8}}},
+      {"point",
+       {{"type", "object"},
+        {"properties", {{"x", {{"type", "number"}}}, {"y", {{"type", "number"}}}}},
+        {"required", {"x", "y"}}}},
+      {"colors", {{"type", "array"}, {"items", {{"enum", {"red", "green"}}}}, {"maxItems", 4}}}}},
+    {"required", {"id", "point"}}};
   for (uint64_t seed = 1; seed <= 40; ++seed) {
     auto text = walk(schema(s), seed);
     CAPTURE(text);

@@ -31,20 +31,20 @@ std::string random_utf8(std::mt19937& rng, size_t chars) {
   for (size_t i = 0; i < chars; ++i) {
     uint32_t cp = 0;
     switch (kind(rng)) {
-      case 0:
-        cp = std::uniform_int_distribution<uint32_t>{0, 0x7f}(rng);
-        break;
-      case 1:
-        cp = std::uniform_int_distribution<uint32_t>{0x80, 0x7ff}(rng);
-        break;
-      case 2:
-        cp = std::uniform_int_distribution<uint32_t>{0x800, 0xd7ff}(rng);
-        break;
-      case 3:
-        cp = std::uniform_int_distribution<uint32_t>{0xe000, 0xfffd}(rng);
-        break;
-      default:
-        cp = std::uniform_int_distribution<uint32_t>{0x10000, 0x10ffff}(rng);
+    case 0:
+      cp = std::uniform_int_distribution<uint32_t>{0, 0x7f}(rng);
+      break;
+    case 1:
+      cp = std::uniform_int_distribution<uint32_t>{0x80, 0x7ff}(rng);
+      break;
+    case 2:
+      cp = std::uniform_int_distribution<uint32_t>{0x800, 0xd7ff}(rng);
+      break;
+    case 3:
+      cp = std::uniform_int_distribution<uint32_t>{0xe000, 0xfffd}(rng);
+      break;
+    default:
+      cp = std::uniform_int_distribution<uint32_t>{0x10000, 0x10ffff}(rng);
     }
     if (cp < 0x80) {
       s.push_back(static_cast<char>(cp));
@@ -165,22 +165,22 @@ const char* const byte_level_pipelines[] = {"qwen2", "llama3", "smollm"};
 
 } // namespace
 
-TEST_CASE("tokenizer.json pipelines as Qwen2, Llama 3 and SmolLM2 ship them give transformers' ids") {
+TEST_CASE(
+  "tokenizer.json pipelines as Qwen2, Llama 3 and SmolLM2 ship them give transformers' ids") {
   // Qwen2's NFC and Split regex; Llama 3's Split regex, whole-word lookup and the template
   // that puts <|begin_of_text|> first; SmolLM2's single digits (Unicode's, not ASCII's).
   for (std::string name : byte_level_pipelines)
-    check_pipeline(tokenizer::from_json(fixtures + "/tokenizer-pipelines/" + name +
-                                        "/tokenizer.json"),
-                   name);
+    check_pipeline(
+      tokenizer::from_json(fixtures + "/tokenizer-pipelines/" + name + "/tokenizer.json"), name);
 }
 
-TEST_CASE("a GGUF file's tokenizer.ggml.pre names the pipeline of the tokenizer.json it came from") {
+TEST_CASE(
+  "a GGUF file's tokenizer.ggml.pre names the pipeline of the tokenizer.json it came from") {
   // The same tokenizers written as GGUF files with llama.cpp's names (qwen2, llama-bpe,
   // smollm): the same ids as their tokenizer.json.
   for (std::string name : byte_level_pipelines)
-    check_pipeline(tokenizer::from_gguf(fixtures + "/tokenizer-pipelines/" + name +
-                                        "/tokenizer.gguf"),
-                   name);
+    check_pipeline(
+      tokenizer::from_gguf(fixtures + "/tokenizer-pipelines/" + name + "/tokenizer.gguf"), name);
 }
 
 TEST_CASE("SentencePiece BPE with byte fallback, as Llama 2 and Mistral ship it") {
@@ -263,10 +263,15 @@ TEST_CASE("a malformed or hostile tokenizer file is an error naming it, never a 
   // A SentencePiece model whose one piece scores NaN (protobuf written by hand: piece "a"
   // with score NaN, a BPE trainer spec with <unk> at 0 and no <s> or </s>).
   auto bytes = [](auto& literal) { return std::string(literal, sizeof literal - 1); };
-  auto piece = bytes("\x0a\x01" "a" "\x15\x00\x00\xc0\x7f" "\x18\x01");
+  auto piece = bytes("\x0a\x01"
+                     "a"
+                     "\x15\x00\x00\xc0\x7f"
+                     "\x18\x01");
   auto minus_one = bytes("\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01");
-  auto spec = bytes("\x18\x02" "\xc0\x02\x00" "\xc8\x02") + minus_one + bytes("\xd0\x02") +
-              minus_one;
+  auto spec = bytes("\x18\x02"
+                    "\xc0\x02\x00"
+                    "\xc8\x02") +
+              minus_one + bytes("\xd0\x02") + minus_one;
   auto model = bytes("\x0a") + std::string(1, static_cast<char>(piece.size())) + piece +
                bytes("\x12") + std::string(1, static_cast<char>(spec.size())) + spec;
   auto sp_path = path + ".model";

@@ -69,8 +69,10 @@ llm_config tiny(const std::string& model_path, int32_t tp = 1) {
 std::vector<generation_request> prompts(const nlohmann::json& ref) {
   std::vector<generation_request> reqs;
   for (auto& p : ref["prompts"])
-    reqs.push_back({"", p["token_ids"].get<std::vector<int32_t>>(),
-                    greedy(static_cast<int32_t>(p["greedy"].size())), {}});
+    reqs.push_back({"",
+                    p["token_ids"].get<std::vector<int32_t>>(),
+                    greedy(static_cast<int32_t>(p["greedy"].size())),
+                    {}});
   return reqs;
 }
 

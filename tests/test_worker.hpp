@@ -24,8 +24,7 @@ namespace troupe::testing {
 
 class test_model : public troupe::model {
 public:
-  explicit test_model(int64_t params) : params_(params) {
-  }
+  explicit test_model(int64_t params) : params_(params) {}
   std::string architecture() const override {
     return "TestModel";
   }
@@ -269,12 +268,12 @@ private:
         static_cast<test_worker&>(w).die_in_ = args.get_as<std::string>(1);
       return caf::message{};
     });
-    register_method("fail_next_sleep_on", [](worker& w, const caf::message& args,
-                                             const caf::settings&) {
-      if (w.rank() == int_arg(args, 0, 0))
-        static_cast<test_worker&>(w).fail_next_sleep_ = true;
-      return caf::message{};
-    });
+    register_method("fail_next_sleep_on",
+                    [](worker& w, const caf::message& args, const caf::settings&) {
+                      if (w.rank() == int_arg(args, 0, 0))
+                        static_cast<test_worker&>(w).fail_next_sleep_ = true;
+                      return caf::message{};
+                    });
     // (rank, dir): that rank writes its sharded state into `dir` instead, as a rank whose
     // machine has another file system would.
     register_method("save_into_on", [](worker& w, const caf::message& args, const caf::settings&) {
@@ -282,12 +281,12 @@ private:
         static_cast<test_worker&>(w).save_dir_ = args.get_as<std::string>(1);
       return caf::message{};
     });
-    register_method("fail_next_step_on", [](worker& w, const caf::message& args,
-                                            const caf::settings&) {
-      if (w.rank() == int_arg(args, 0, 0))
-        static_cast<test_worker&>(w).fail_next_step_ = true;
-      return caf::message{};
-    });
+    register_method("fail_next_step_on",
+                    [](worker& w, const caf::message& args, const caf::settings&) {
+                      if (w.rank() == int_arg(args, 0, 0))
+                        static_cast<test_worker&>(w).fail_next_step_ = true;
+                      return caf::message{};
+                    });
     register_method("add_lora_on", [](worker& w, const caf::message& args, const caf::settings&) {
       if (w.rank() == int_arg(args, 0, 0))
         static_cast<test_worker&>(w).loras_.insert(99);

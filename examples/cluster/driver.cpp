@@ -25,8 +25,8 @@ int main(int argc, char** argv) {
       std::cerr << "cluster_driver: '" << spec << "' is not HOST:PORT\n";
       return 2;
     }
-    cfg.executor.nodes.push_back({spec.substr(0, colon),
-                         static_cast<uint16_t>(std::stoi(spec.substr(colon + 1))), 1});
+    cfg.executor.nodes.push_back(
+      {spec.substr(0, colon), static_cast<uint16_t>(std::stoi(spec.substr(colon + 1))), 1});
   }
   // Rank 0 here, one rank on each node.
   cfg.executor.tensor_parallel_size = 1 + static_cast<int32_t>(cfg.executor.nodes.size());
@@ -35,10 +35,9 @@ int main(int argc, char** argv) {
     troupe::sampling_params greedy;
     greedy.temperature = 0.0f;
     greedy.max_tokens = 32;
-    auto outputs = model.generate(
-      {model.chat_prompt("What is the capital of France?"),
-       model.chat_prompt("Name three primary colours.")},
-      greedy);
+    auto outputs = model.generate({model.chat_prompt("What is the capital of France?"),
+                                   model.chat_prompt("Name three primary colours.")},
+                                  greedy);
     for (auto& out : outputs)
       std::cout << out.text << "\n";
     auto workers = model.executor().workers();

@@ -79,8 +79,7 @@ public:
 
   /// Allocates `bytes` under `tag` on `dev`.
   device_buffer(device& dev, std::size_t bytes, memory_tag tag)
-    : dev_(&dev), ptr_(dev.allocate(bytes, tag)), size_(bytes) {
-  }
+    : dev_(&dev), ptr_(dev.allocate(bytes, tag)), size_(bytes) {}
 
   /// `device::map_file` as a buffer; an empty one where the device cannot map files.
   static device_buffer map_file(device& dev, int fd, std::size_t offset, std::size_t bytes,

@@ -193,8 +193,8 @@ public:
 
   // -- async variants -------------------------------------------------------------
 
-  std::future<std::vector<caf::message>>
-  collective_rpc_async(const std::string& method, const rpc_call_options& opts = {});
+  std::future<std::vector<caf::message>> collective_rpc_async(const std::string& method,
+                                                              const rpc_call_options& opts = {});
   /// The async form runs `fn` whenever each worker gets to it, even after the future was
   /// dropped: capture by value.
   std::future<std::vector<caf::message>> collective_rpc_async(worker_method fn,
@@ -215,8 +215,7 @@ public:
   std::future<void> start_profile_async();
   std::future<void> stop_profile_async();
   std::future<void> save_sharded_state_async(const std::string& path,
-                                             const std::string& pattern = {},
-                                             int64_t max_size = 0);
+                                             const std::string& pattern = {}, int64_t max_size = 0);
   std::future<void> check_health_async();
   std::future<void> sleep_async(int32_t level = 1);
   std::future<void> wake_up_async(const std::vector<std::string>& tags = {});
@@ -233,8 +232,8 @@ private:
     for (size_t rank = 0; rank < results.size(); ++rank) {
       auto& msg = results[rank];
       if (msg.size() != 1 || !msg.match_element<T>(0))
-        throw error{errc::bad_arguments, "rank " + std::to_string(rank) + ": method '" +
-                                           method + "' returned (" + to_string(msg) +
+        throw error{errc::bad_arguments, "rank " + std::to_string(rank) + ": method '" + method +
+                                           "' returned (" + to_string(msg) +
                                            "), not the expected type"};
       out.push_back(msg.get_as<T>(0));
     }

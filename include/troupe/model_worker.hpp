@@ -191,8 +191,7 @@ public:
 
   /// The same from a checkpoint of the same model shape (a Hugging Face directory or a
   /// GGUF file), which must hold every weight. Adapters are kept as loaded.
-  void update_weights_from_disk(const std::string& path,
-                                const weight_update_options& options = {});
+  void update_weights_from_disk(const std::string& path, const weight_update_options& options = {});
 
   /// Joins a weight-update group (`weight_update_group`) as its member
   /// `rank_offset + rank()` of `world_size` (SGLang's `init_weights_update_group`); the

@@ -66,8 +66,8 @@ struct server_config {
 class server {
 public:
   /// Starts listening and the engine's thread. Throws `troupe::error` (`invalid_argument`)
-  /// when `config` is out of range or the address cannot be bound. The model must outlive the server, and nothing
-  /// else may use it meanwhile.
+  /// when `config` is out of range or the address cannot be bound. The model must outlive the
+  /// server, and nothing else may use it meanwhile.
   server(llm& model, server_config config);
   /// Stops at once (see `drain` for a graceful end).
   ~server();

@@ -137,10 +137,9 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, sampling_params& x) {
   return f(caf::meta::type_name("sampling_params"), x.temperature, x.top_p, x.top_k, x.seed,
            x.max_tokens, x.logprobs, x.stop_token_ids, x.ignore_eos, x.repetition_penalty,
-           x.presence_penalty, x.frequency_penalty, x.min_p, x.logit_bias_ids,
-           x.logit_bias_values, x.min_tokens, x.n, x.best_of, x.bad_words,
-           x.bad_words_token_ids, x.prompt_logprobs, x.guided_json, x.guided_json_object,
-           x.guided_choice, x.guided_regex);
+           x.presence_penalty, x.frequency_penalty, x.min_p, x.logit_bias_ids, x.logit_bias_values,
+           x.min_tokens, x.n, x.best_of, x.bad_words, x.bad_words_token_ids, x.prompt_logprobs,
+           x.guided_json, x.guided_json_object, x.guided_choice, x.guided_regex);
 }
 
 // -- execute-model request ----------------------------------------------------
@@ -345,8 +344,7 @@ struct prompt_adapter_request {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, prompt_adapter_request& x) {
   return f(caf::meta::type_name("prompt_adapter_request"), x.prompt_adapter_name,
-           x.prompt_adapter_id, x.prompt_adapter_local_path,
-           x.prompt_adapter_num_virtual_tokens);
+           x.prompt_adapter_id, x.prompt_adapter_local_path, x.prompt_adapter_num_virtual_tokens);
 }
 
 // -- cache, memory, state -----------------------------------------------------
@@ -434,8 +432,8 @@ struct worker_info {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, worker_info& x) {
-  return f(caf::meta::type_name("worker_info"), x.rank, x.world_size, x.device, x.hostname,
-           x.pid, x.model, x.model_fingerprint);
+  return f(caf::meta::type_name("worker_info"), x.rank, x.world_size, x.device, x.hostname, x.pid,
+           x.model, x.model_fingerprint);
 }
 
 /// Answer of a worker's health check.

@@ -63,9 +63,8 @@ class worker;
 
 /// A named worker method: receives the worker, the positional arguments and the keyword
 /// arguments, returns the result. Throw `troupe::error` (or any exception) to fail the call.
-using worker_method
-  = std::function<caf::message(worker& self, const caf::message& args,
-                               const caf::settings& kwargs)>;
+using worker_method =
+  std::function<caf::message(worker& self, const caf::message& args, const caf::settings& kwargs)>;
 
 /// Base class of every worker. The worker actor calls it from its own thread only, one call
 /// at a time. Every built-in method below is also registered by name, so `collective_rpc`
@@ -184,8 +183,7 @@ public:
 
   /// Runs a registered method. Throws `troupe::error` (`unknown_method`) for an unknown
   /// name and lets the method's own exceptions through. Records the call while profiling.
-  caf::message call(const std::string& name, const caf::message& args,
-                    const caf::settings& kwargs);
+  caf::message call(const std::string& name, const caf::message& args, const caf::settings& kwargs);
 
   /// Runs `fn` under the profiler like a named method.
   caf::message call_local(const std::string& label, const std::function<caf::message(worker&)>& fn);

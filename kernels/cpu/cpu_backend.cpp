@@ -81,7 +81,8 @@ public:
     }
     if (quantized) {
       if (k % block_elements(w_type) != 0)
-        throw error{errc::unsupported, std::string{dtype_name(w_type)} + " weights need rows "
+        throw error{errc::unsupported, std::string{dtype_name(w_type)} +
+                                         " weights need rows "
                                          "of whole blocks of " +
                                          std::to_string(block_elements(w_type)) + ", not " +
                                          std::to_string(k)};
@@ -156,9 +157,8 @@ public:
     cpu::rms_norm(x, weight, y, rows, dim, eps);
   }
 
-  void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
-              int64_t head_dim, int64_t rotary_dim, const float* cos,
-              const float* sin) override {
+  void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows, int64_t head_dim,
+              int64_t rotary_dim, const float* cos, const float* sin) override {
     auto half = rotary_dim / 2;
     for (int64_t r = 0; r < rows; ++r) {
       cpu::rotary(q + r * q_heads * head_dim, q_heads, head_dim, rotary_dim, cos + r * half,

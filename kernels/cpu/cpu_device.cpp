@@ -30,8 +30,8 @@ std::size_t round_to_pages(std::size_t bytes) {
 
 [[noreturn]] void fail(const char* call, std::size_t bytes) {
   throw error{errc::memory_error, std::string{"cpu device: "} + call + " of " +
-                                    std::to_string(bytes) + " bytes failed: " +
-                                    std::strerror(errno)};
+                                    std::to_string(bytes) +
+                                    " bytes failed: " + std::strerror(errno)};
 }
 
 /// `huge`: the range is used whole (weights), so huge pages cost nothing extra and a 2 MiB
@@ -122,8 +122,8 @@ void* cpu_device::map_file_region(region& r, int fd, std::size_t offset, bool sh
   // folios map whole (one TLB entry where 512 small pages would take 512: decode reads
   // every weight each step).
   constexpr std::size_t huge = std::size_t{2} << 20;
-  auto room = mmap(nullptr, r.mapped + huge, PROT_NONE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  auto room =
+    mmap(nullptr, r.mapped + huge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (room == MAP_FAILED)
     fail("mmap", r.mapped + huge);
   auto start = reinterpret_cast<uintptr_t>(room);
@@ -132,10 +132,9 @@ void* cpu_device::map_file_region(region& r, int fd, std::size_t offset, bool sh
     munmap(room, at - start);
   if (auto tail = start + r.mapped + huge - (at + r.mapped); tail > 0)
     munmap(reinterpret_cast<void*>(at + r.mapped), tail);
-  auto ptr = mmap(reinterpret_cast<void*>(at), r.mapped,
-                  shared ? PROT_READ | PROT_WRITE : PROT_READ,
-                  MAP_FIXED | (shared ? MAP_SHARED : MAP_PRIVATE), fd,
-                  static_cast<off_t>(offset));
+  auto ptr =
+    mmap(reinterpret_cast<void*>(at), r.mapped, shared ? PROT_READ | PROT_WRITE : PROT_READ,
+         MAP_FIXED | (shared ? MAP_SHARED : MAP_PRIVATE), fd, static_cast<off_t>(offset));
   if (ptr == MAP_FAILED) {
     auto err = errno;
     munmap(reinterpret_cast<void*>(at), r.mapped);
@@ -179,8 +178,8 @@ void cpu_device::release(void* ptr, region& r) {
   if (r.file && !r.backed_up) {
     // A file's pages would come back with the file's contents, not the zeros a wake-up
     // without a backup promises: the range becomes anonymous memory, with no pages.
-    if (mmap(ptr, r.mapped, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-             -1, 0) == MAP_FAILED)
+    if (mmap(ptr, r.mapped, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1,
+             0) == MAP_FAILED)
       fail("mmap over a file's range", r.mapped);
     if (r.tag == memory_tag::weights)
       madvise(ptr, r.mapped, MADV_HUGEPAGE);

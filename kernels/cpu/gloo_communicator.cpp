@@ -176,14 +176,14 @@ std::vector<std::string> gloo_communicator::prepare() {
 void gloo_communicator::connect(const std::vector<std::vector<std::string>>& table) {
   if (table.size() != static_cast<size_t>(size_))
     throw error{errc::invalid_argument, "gloo connect: " + std::to_string(table.size()) +
-                                          " address lists for a group of " +
-                                          std::to_string(size_)};
+                                          " address lists for a group of " + std::to_string(size_)};
   guarded("connect", [&] {
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank_)
         continue;
       auto& mine = table[static_cast<size_t>(peer)][static_cast<size_t>(rank_)];
-      impl_->context->transport().getPair(peer)->connect(std::vector<char>(mine.begin(), mine.end()));
+      impl_->context->transport().getPair(peer)->connect(
+        std::vector<char>(mine.begin(), mine.end()));
     }
     return 0;
   });

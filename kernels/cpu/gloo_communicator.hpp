@@ -17,8 +17,7 @@ namespace troupe {
 class gloo_communicator final : public communicator {
 public:
   /// A group of `size` ranks, this one `rank`, listening on `host`.
-  gloo_communicator(int rank, int size, const std::string& host,
-                    std::chrono::milliseconds timeout);
+  gloo_communicator(int rank, int size, const std::string& host, std::chrono::milliseconds timeout);
   ~gloo_communicator() override;
 
   /// The address of this rank's pair for each peer (empty for itself).

@@ -67,12 +67,11 @@ struct local_communicator::group {
   /// or `timeout` passed first.
   void barrier(std::chrono::milliseconds timeout, const char* what) {
     if (!arrive(timeout))
-      throw error{errc::worker_died,
-                  std::string{what} + ": " +
-                    (abandoned.load(std::memory_order_acquire)
-                       ? abandoned_why()
-                       : "a rank of this process did not arrive within " +
-                           std::to_string(timeout.count()) + " ms")};
+      throw error{errc::worker_died, std::string{what} + ": " +
+                                       (abandoned.load(std::memory_order_acquire)
+                                          ? abandoned_why()
+                                          : "a rank of this process did not arrive within " +
+                                              std::to_string(timeout.count()) + " ms")};
   }
 
   bool arrive(std::chrono::milliseconds timeout) {
@@ -115,8 +114,9 @@ local_communicator::local_communicator(int rank, int size, const std::string& ke
       entry = group_;
     }
     if (group_->size != size)
-      throw error{errc::invalid_argument, "local collective '" + key + "': ranks disagree on "
-                                          "the group size"};
+      throw error{errc::invalid_argument, "local collective '" + key +
+                                            "': ranks disagree on "
+                                            "the group size"};
   }
   // Every rank must be there before the first reduction (a missing one is a dead worker).
   group_->barrier(timeout_, "local collective: joining");

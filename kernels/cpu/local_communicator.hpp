@@ -23,8 +23,7 @@ const std::string& process_token();
 /// instead of waiting for ever.
 class local_communicator final : public communicator {
 public:
-  local_communicator(int rank, int size, const std::string& key,
-                     std::chrono::milliseconds timeout);
+  local_communicator(int rank, int size, const std::string& key, std::chrono::milliseconds timeout);
   ~local_communicator() override;
 
   local_communicator(const local_communicator&) = delete;

@@ -15,13 +15,12 @@ void gemm_nt(const float* x, const float* w, float* y, int64_t m, int64_t n, int
   if (m == 0 || n == 0)
     return;
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(m),
-              static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, x, static_cast<blasint>(k),
-              w, static_cast<blasint>(k), accumulate ? 1.0f : 0.0f, y,
+              static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, x, static_cast<blasint>(k), w,
+              static_cast<blasint>(k), accumulate ? 1.0f : 0.0f, y,
               static_cast<blasint>(ldy > 0 ? ldy : n));
 }
 
-void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,
-              float eps) {
+void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* in = x + r * dim;
     float* out = y + r * dim;

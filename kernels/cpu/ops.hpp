@@ -21,8 +21,7 @@ void gemm_nt(const float* x, const float* w, float* y, int64_t m, int64_t n, int
              bool accumulate = false, int64_t ldy = 0);
 
 /// y[i] = x[i] / rms(x) · weight, per row of `rows` × `dim`.
-void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,
-              float eps);
+void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps);
 
 /// Adds `bias[n]` to every row of y[m×n].
 void add_bias(float* y, const float* bias, int64_t m, int64_t n);

@@ -18,18 +18,18 @@
 namespace troupe::cpu {
 
 #if TROUPE_X86_KERNELS
-#define TROUPE_DECLARE_ISA(ns)                                                                 \
-  namespace ns {                                                                               \
-  void dot_rows_quantized(int kind, const unsigned char* w, int64_t blocks, const float* x,    \
-                          const float* xsums, const float* halves, int64_t m, float* y,        \
-                          int64_t ldy, int64_t begin, int64_t end, bool accumulate);           \
-  void dot_rows_half(bool bf16, const uint16_t* w, const float* x, int64_t m, int64_t k,       \
-                     float* y, int64_t ldy, int64_t begin, int64_t end, bool accumulate);     \
-  void attend(const float* query, int64_t head_dim, int64_t len, float scale,                 \
-              const float* keys, const float* values, const int64_t* offsets, float* scores,   \
-              float* out, float softcap);                                                      \
-  void silu_mul(const float* gate, const float* up, float* out, int64_t n);                   \
-  float log_partition(const float* x, int64_t n);                                              \
+#define TROUPE_DECLARE_ISA(ns)                                                                     \
+  namespace ns {                                                                                   \
+  void dot_rows_quantized(int kind, const unsigned char* w, int64_t blocks, const float* x,        \
+                          const float* xsums, const float* halves, int64_t m, float* y,            \
+                          int64_t ldy, int64_t begin, int64_t end, bool accumulate);               \
+  void dot_rows_half(bool bf16, const uint16_t* w, const float* x, int64_t m, int64_t k, float* y, \
+                     int64_t ldy, int64_t begin, int64_t end, bool accumulate);                    \
+  void attend(const float* query, int64_t head_dim, int64_t len, float scale, const float* keys,   \
+              const float* values, const int64_t* offsets, float* scores, float* out,              \
+              float softcap);                                                                      \
+  void silu_mul(const float* gate, const float* up, float* out, int64_t n);                        \
+  float log_partition(const float* x, int64_t n);                                                  \
   }
 TROUPE_DECLARE_ISA(avx2)
 TROUPE_DECLARE_ISA(avx512)
@@ -42,24 +42,24 @@ namespace {
 /// the block formats.
 int kind_of(dtype t) {
   switch (t) {
-    case dtype::q8_0:
-      return 0;
-    case dtype::q4_0:
-      return 1;
-    case dtype::q4_1:
-      return 2;
-    case dtype::q5_0:
-      return 3;
-    case dtype::q5_1:
-      return 4;
-    case dtype::q4_k:
-      return 5;
-    case dtype::q5_k:
-      return 6;
-    case dtype::q6_k:
-      return 7;
-    default:
-      throw error{errc::unsupported, std::string{"no block-format kernel for "} + dtype_name(t)};
+  case dtype::q8_0:
+    return 0;
+  case dtype::q4_0:
+    return 1;
+  case dtype::q4_1:
+    return 2;
+  case dtype::q5_0:
+    return 3;
+  case dtype::q5_1:
+    return 4;
+  case dtype::q4_k:
+    return 5;
+  case dtype::q5_k:
+    return 6;
+  case dtype::q6_k:
+    return 7;
+  default:
+    throw error{errc::unsupported, std::string{"no block-format kernel for "} + dtype_name(t)};
   }
 }
 
@@ -141,12 +141,12 @@ isa best_isa() {
 
 const char* isa_name(isa i) {
   switch (i) {
-    case isa::portable:
-      return "portable";
-    case isa::avx2:
-      return "avx2";
-    case isa::avx512:
-      return "avx512";
+  case isa::portable:
+    return "portable";
+  case isa::avx2:
+    return "avx2";
+  case isa::avx512:
+    return "avx512";
   }
   return "?";
 }
@@ -168,11 +168,11 @@ void dot_rows_quantized(isa i, dtype w_type, const void* w, const float* x, cons
   auto bytes = static_cast<const unsigned char*>(w);
 #if TROUPE_X86_KERNELS
   if (i == isa::avx512)
-    return avx512::dot_rows_quantized(kind, bytes, blocks, x, xsums, half_table(), m, y, ldy,
-                                      begin, end, accumulate);
+    return avx512::dot_rows_quantized(kind, bytes, blocks, x, xsums, half_table(), m, y, ldy, begin,
+                                      end, accumulate);
   if (i == isa::avx2)
-    return avx2::dot_rows_quantized(kind, bytes, blocks, x, xsums, half_table(), m, y, ldy,
-                                    begin, end, accumulate);
+    return avx2::dot_rows_quantized(kind, bytes, blocks, x, xsums, half_table(), m, y, ldy, begin,
+                                    end, accumulate);
 #else
   (void)kind;
 #endif
@@ -212,11 +212,9 @@ void attend(isa i, const float* query, int64_t head_dim, int64_t len, float scal
             float* out, float softcap) {
 #if TROUPE_X86_KERNELS
   if (i == isa::avx512)
-    return avx512::attend(query, head_dim, len, scale, keys, values, offsets, scores, out,
-                          softcap);
+    return avx512::attend(query, head_dim, len, scale, keys, values, offsets, scores, out, softcap);
   if (i == isa::avx2)
-    return avx2::attend(query, head_dim, len, scale, keys, values, offsets, scores, out,
-                        softcap);
+    return avx2::attend(query, head_dim, len, scale, keys, values, offsets, scores, out, softcap);
 #else
   (void)i;
 #endif

@@ -4,8 +4,8 @@
 /// Products of float32 activations with weights kept as stored: GGUF's block formats (Q8_0,
 /// Q4_0, Q4_1, Q5_0, Q5_1 widened to floats in registers and scaled once a block; the
 /// k-quants Q4_K, Q5_K, Q6_K dequantized a super-block at a time into a buffer the row
-/// tile reuses), and float16/bfloat16 widened the same way. The activations stay float32, so the result is
-/// float32's on the dequantized weights up to the order of the sums (integer products on
+/// tile reuses), and float16/bfloat16 widened the same way. The activations stay float32, so the
+/// result is float32's on the dequantized weights up to the order of the sums (integer products on
 /// activations rounded to 8 bits, as llama.cpp computes them, shift greedy choices that are
 /// near a tie). Each kernel has a portable version and x86 versions (AVX2 with FMA and F16C,
 /// AVX-512), chosen once from the CPU's features.

@@ -64,8 +64,8 @@ inline uint16_t* a_tile(uint16_t* packed, int64_t steps, int half, int64_t step)
 /// [from, to): tiles 0-3 start from `sums` (4 tiles of 16 × 16, no gap) or zero, and go
 /// back there.
 template <bool two_groups, bool two_blocks>
-void span(const unsigned char* g0, uint16_t* a, int64_t k, int64_t from, int64_t to,
-          float* sums, bool zero) {
+void span(const unsigned char* g0, uint16_t* a, int64_t k, int64_t from, int64_t to, float* sums,
+          bool zero) {
   const unsigned char* g1 = g0 + 32 * k;
   const int64_t steps = k / 32;
   if (zero) {

@@ -13,20 +13,20 @@ namespace troupe::cpu {
 namespace vnni {
 void dot_rows(dtype w_type, const unsigned char* w, const int8_rows& x, float* y, int64_t ldy,
               int64_t begin, int64_t end, bool accumulate);
-void dot_packed(dtype w_type, const unsigned char* w, const int8_rows& x, float* y,
-                int64_t ldy, int64_t begin, int64_t end, bool accumulate);
+void dot_packed(dtype w_type, const unsigned char* w, const int8_rows& x, float* y, int64_t ldy,
+                int64_t begin, int64_t end, bool accumulate);
 void to_bf16(const float* x, int64_t count, uint16_t* out);
 void quantize(const float* x, int64_t blocks, int64_t block, int8_t* q, float* scale,
               int16_t* sums);
 void dot_packed_bf16(const unsigned char* w, const uint16_t* x, int64_t m, int64_t k, float* y,
                      int64_t ldy, int64_t begin, int64_t end, bool accumulate);
-}
+} // namespace vnni
 namespace amx {
 bool available();
 void to_tiles(const float* x, int64_t m, int64_t k, uint16_t* out);
 void dot_packed_bf16(const unsigned char* w, const uint16_t* x, int64_t m, int64_t k, float* y,
                      int64_t ldy, int64_t begin, int64_t end, bool accumulate);
-}
+} // namespace amx
 #endif
 
 namespace {
@@ -119,8 +119,8 @@ float reference_dot(dtype t, const unsigned char* w, const int8_rows& x, int64_t
       const unsigned char* q = block + quants;
       int32_t dot = 0;
       for (int i = 0; i < 32; ++i) {
-        int wi = t == dtype::q8_0 ? static_cast<int8_t>(q[i])
-                                  : (i < 16 ? q[i] & 0x0f : q[i - 16] >> 4);
+        int wi =
+          t == dtype::q8_0 ? static_cast<int8_t>(q[i]) : (i < 16 ? q[i] & 0x0f : q[i - 16] >> 4);
         dot += wi * xq[32 * b + i];
       }
       const int32_t sum = sums[2 * b] + sums[2 * b + 1];
@@ -159,7 +159,8 @@ float reference_dot(dtype t, const unsigned char* w, const int8_rows& x, int64_t
         int32_t part = 0;
         for (int l = first; l < first + 16; ++l) {
           unsigned char low = block[64 * h + l + 32 * (k % 2)];
-          int q = (k < 2 ? low & 0x0f : low >> 4) | (((block[128 + 32 * h + l] >> (2 * k)) & 3) << 4);
+          int q =
+            (k < 2 ? low & 0x0f : low >> 4) | (((block[128 + 32 * h + l] >> (2 * k)) & 3) << 4);
           part += q * xs[128 * h + 32 * k + l];
         }
         dot += scales[sub] * (part - 32 * sum16[sub]);
@@ -181,8 +182,7 @@ void dot_rows_int8(dtype w_type, const void* w, const int8_rows& x, float* y, in
   if (!has_int8_kernel(w_type))
     no_kernel(w_type);
 #if TROUPE_X86_KERNELS
-  vnni::dot_rows(w_type, static_cast<const unsigned char*>(w), x, y, ldy, begin, end,
-                 accumulate);
+  vnni::dot_rows(w_type, static_cast<const unsigned char*>(w), x, y, ldy, begin, end, accumulate);
 #else
   (void)w;
   (void)x;
@@ -209,10 +209,11 @@ void check_packable(dtype t, int64_t rows, int64_t cols) {
   if (!packed_format(t))
     throw error{errc::unsupported, std::string{"no packed layout for "} + dtype_name(t)};
   if (rows % packed_rows != 0 || cols % pack_block(t) != 0)
-    throw error{errc::invalid_argument,
-                std::string{"a packed "} + dtype_name(t) + " matrix has rows in groups of 16 and "
-                "columns in whole blocks of " + std::to_string(pack_block(t)) + ", not " +
-                  std::to_string(rows) + " x " + std::to_string(cols)};
+    throw error{errc::invalid_argument, std::string{"a packed "} + dtype_name(t) +
+                                          " matrix has rows in groups of 16 and "
+                                          "columns in whole blocks of " +
+                                          std::to_string(pack_block(t)) + ", not " +
+                                          std::to_string(rows) + " x " + std::to_string(cols)};
 }
 
 /// `bytes` (2 or 4) bytes at `stored` in a row's block go to `packed` + bytes · row in its
@@ -234,38 +235,38 @@ std::vector<unit> units_of(dtype t) {
       u.push_back({stored + 4 * w, packed + 64 * w, 4, flip});
   };
   switch (t) {
-    case dtype::bf16:
-      u.push_back({0, 0, 4});
-      break;
-    case dtype::q8_0:
-      u.push_back({0, 0, 2});
-      words(2, 32, 8, true);
-      break;
-    case dtype::q4_0:
-      u.push_back({0, 0, 2});
-      words(2, 32, 4);
-      break;
-    case dtype::q4_1:
-      u.push_back({0, 0, 2});
-      u.push_back({2, 32, 2});
-      words(4, 64, 4);
-      break;
-    case dtype::q4_k:
-      u.push_back({0, 0, 2});
-      u.push_back({2, 32, 2});
-      words(4, 64, 3);
-      words(16, 256, 32);
-      break;
-    default: // Q6_K: ql, qh in triples as the kernel reads them, scales, d
-      for (size_t w = 0; w < 32; ++w) { // ql word 16h + 8c + g: triple 8h + g, slot c
-        size_t h = w / 16, c = w / 8 % 2, g = w % 8;
-        u.push_back({4 * w, 288 + 192 * (8 * h + g) + 64 * c, 4});
-      }
-      for (size_t w = 0; w < 16; ++w) // qh word 8h + g: triple 8h + g, slot 2
-        u.push_back({128 + 4 * w, 288 + 192 * w + 128, 4});
-      words(192, 32, 4);
-      u.push_back({208, 0, 2});
-      break;
+  case dtype::bf16:
+    u.push_back({0, 0, 4});
+    break;
+  case dtype::q8_0:
+    u.push_back({0, 0, 2});
+    words(2, 32, 8, true);
+    break;
+  case dtype::q4_0:
+    u.push_back({0, 0, 2});
+    words(2, 32, 4);
+    break;
+  case dtype::q4_1:
+    u.push_back({0, 0, 2});
+    u.push_back({2, 32, 2});
+    words(4, 64, 4);
+    break;
+  case dtype::q4_k:
+    u.push_back({0, 0, 2});
+    u.push_back({2, 32, 2});
+    words(4, 64, 3);
+    words(16, 256, 32);
+    break;
+  default:                            // Q6_K: ql, qh in triples as the kernel reads them, scales, d
+    for (size_t w = 0; w < 32; ++w) { // ql word 16h + 8c + g: triple 8h + g, slot c
+      size_t h = w / 16, c = w / 8 % 2, g = w % 8;
+      u.push_back({4 * w, 288 + 192 * (8 * h + g) + 64 * c, 4});
+    }
+    for (size_t w = 0; w < 16; ++w) // qh word 8h + g: triple 8h + g, slot 2
+      u.push_back({128 + 4 * w, 288 + 192 * w + 128, 4});
+    words(192, 32, 4);
+    u.push_back({208, 0, 2});
+    break;
   }
   return u;
 }
@@ -357,8 +358,7 @@ void dot_packed_int8(dtype w_type, const void* w, const int8_rows& x, float* y, 
     throw error{errc::invalid_argument, "packed rows go in groups of 16, not [" +
                                           std::to_string(begin) + ", " + std::to_string(end) + ")"};
 #if TROUPE_X86_KERNELS
-  vnni::dot_packed(w_type, static_cast<const unsigned char*>(w), x, y, ldy, begin, end,
-                   accumulate);
+  vnni::dot_packed(w_type, static_cast<const unsigned char*>(w), x, y, ldy, begin, end, accumulate);
 #else
   (void)w;
   (void)x;
@@ -407,15 +407,15 @@ void to_bf16(const float* x, int64_t m, int64_t k, bf16_layout layout, uint16_t*
 #endif
 }
 
-void dot_packed_bf16(const void* w, const uint16_t* x, bf16_layout layout, int64_t m,
-                     int64_t k, float* y, int64_t ldy, int64_t begin, int64_t end,
-                     bool accumulate) {
+void dot_packed_bf16(const void* w, const uint16_t* x, bf16_layout layout, int64_t m, int64_t k,
+                     float* y, int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
   if (!has_packed_layout(dtype::bf16))
     throw error{errc::unsupported, "no BF16 instructions on this CPU"};
   if (begin % packed_rows != 0 || end % packed_rows != 0 || k % 2 != 0)
     throw error{errc::invalid_argument, "packed BF16 rows go in groups of 16 and columns in "
-                                        "pairs, not [" + std::to_string(begin) + ", " +
-                                          std::to_string(end) + ") x " + std::to_string(k)};
+                                        "pairs, not [" +
+                                          std::to_string(begin) + ", " + std::to_string(end) +
+                                          ") x " + std::to_string(k)};
   if (layout == bf16_layout::tiles && bf16_layout_for(m, k) != bf16_layout::tiles)
     throw error{errc::unsupported, "no AMX-BF16 for " + std::to_string(m) + " x " +
                                      std::to_string(k) + " bfloat16 tiles"};
@@ -435,8 +435,8 @@ void dot_packed_bf16(const void* w, const uint16_t* x, bf16_layout layout, int64
 #endif
 }
 
-void dot_rows_int8_reference(dtype w_type, const void* w, const int8_rows& x, float* y,
-                             int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
+void dot_rows_int8_reference(dtype w_type, const void* w, const int8_rows& x, float* y, int64_t ldy,
+                             int64_t begin, int64_t end, bool accumulate) {
   if (!int8_format(w_type) && w_type != dtype::q4_1)
     no_kernel(w_type);
   const auto stride = static_cast<int64_t>(storage_bytes(w_type, static_cast<size_t>(x.k)));

@@ -52,8 +52,8 @@ void dot_rows_int8(dtype w_type, const void* w, const int8_rows& x, float* y, in
 /// The same, one block at a time in plain C++: the definition the vector kernels are
 /// tested against (equal up to the order of float sums). Any CPU; Q4_1 too (its packed
 /// kernel's definition).
-void dot_rows_int8_reference(dtype w_type, const void* w, const int8_rows& x, float* y,
-                             int64_t ldy, int64_t begin, int64_t end, bool accumulate);
+void dot_rows_int8_reference(dtype w_type, const void* w, const int8_rows& x, float* y, int64_t ldy,
+                             int64_t begin, int64_t end, bool accumulate);
 
 /// The packed layout: weights rearranged in groups of `packed_rows` rows so that one vector
 /// load holds 4 bytes of each of the 16 rows and every product of a `vpdpbusd` adds into
@@ -113,9 +113,8 @@ void to_bf16(const float* x, int64_t m, int64_t k, bf16_layout layout, uint16_t*
 /// `layout`), for the rows i in [begin, end) (multiples of `packed_rows`), summed in
 /// float32 (AVX-512 BF16 or AMX). The fast path for BF16 weights: llama.cpp rounds the
 /// activations the same way.
-void dot_packed_bf16(const void* w, const uint16_t* x, bf16_layout layout, int64_t m,
-                     int64_t k, float* y, int64_t ldy, int64_t begin, int64_t end,
-                     bool accumulate);
+void dot_packed_bf16(const void* w, const uint16_t* x, bf16_layout layout, int64_t m, int64_t k,
+                     float* y, int64_t ldy, int64_t begin, int64_t end, bool accumulate);
 
 /// Row `row` of packed rows of `cols` elements at `w`, written to `dst` as stored.
 void unpack_row(dtype w_type, const void* w, int64_t row, int64_t cols, void* dst);

@@ -139,8 +139,8 @@ void blocks_of_32(const unsigned char* w, const rows_at& a, float* out) {
   // What the unsigned quants carry above the signed ones: Σ offset · q over each block.
   constexpr float offset = Q8 ? 128.0f : 8.0f;
   const float* table = halves();
-  const __m256i offsets = _mm256_setr_epi32(0, bytes, 2 * bytes, 3 * bytes, 4 * bytes,
-                                            5 * bytes, 6 * bytes, 7 * bytes);
+  const __m256i offsets =
+    _mm256_setr_epi32(0, bytes, 2 * bytes, 3 * bytes, 4 * bytes, 5 * bytes, 6 * bytes, 7 * bytes);
   const __m256i ones = _mm256_set1_epi16(1);
   __m512 acc[R];
   __m256 shift[R]; // Σ d · activation scale · sum of the block, times `offset` at the end
@@ -164,9 +164,9 @@ void blocks_of_32(const unsigned char* w, const rows_at& a, float* out) {
       __m256 scales = _mm256_mul_ps(d, _mm256_loadu_ps(a.scale(r, b)));
       __m512 wide = _mm512_castps256_ps512(scales);
       for (int j = 0; j < 4; ++j)
-        acc[r] = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(dot(q[j], load512(a.q(r, b + 2 * j)))),
-          _mm512_permutexvar_ps(_mm512_load_si512(pair_lanes[j]), wide), acc[r]);
+        acc[r] =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot(q[j], load512(a.q(r, b + 2 * j)))),
+                          _mm512_permutexvar_ps(_mm512_load_si512(pair_lanes[j]), wide), acc[r]);
       shift[r] = _mm256_fmadd_ps(
         scales, _mm256_cvtepi32_ps(_mm256_madd_epi16(load256(a.sums(r, 2 * b)), ones)), shift[r]);
     }
@@ -192,7 +192,8 @@ void blocks_of_32(const unsigned char* w, const rows_at& a, float* out) {
       int32_t sum = 0;
       for (int i = 0; i < 32; ++i)
         sum += (Q8 ? static_cast<int8_t>(block[2 + i])
-                   : (i < 16 ? block[2 + i] & 0x0f : block[2 + i - 16] >> 4) - 8) * x[i];
+                   : (i < 16 ? block[2 + i] & 0x0f : block[2 + i - 16] >> 4) - 8) *
+               x[i];
       tail[r] += d * *a.scale(r, b) * static_cast<float>(sum);
     }
   }
@@ -213,8 +214,10 @@ alignas(64) const int16_t q4k_lanes[4][32] = {
 alignas(64) const int16_t q6k_lanes[4][32] = {
   {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
   {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
-  {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
-  {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15},
+  {8,  8,  8,  8,  8,  8,  8,  8,  9,  9,  9,  9,  9,  9,  9,  9,
+   10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+  {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13,
+   14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15},
 };
 /// Each of 8 16-bit values twice: Q4_K's minimums against the sums of 16.
 alignas(32) const int16_t pairs_of_8[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
@@ -450,9 +453,10 @@ void blocks_of_32_packed(const unsigned char* group, const rows_at& a, __m512* o
       const int16_t* s16 = a.sums(r, 2 * b);
       const int sum = s16[0] + s16[1];
       const float xs = *a.scale(r, b);
-      __m512i shifted = offset ? _mm512_sub_epi32(sums[r], _mm512_set1_epi32(offset * sum)) : sums[r];
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted), _mm512_mul_ps(d, _mm512_set1_ps(xs)),
-                               acc[r]);
+      __m512i shifted =
+        offset ? _mm512_sub_epi32(sums[r], _mm512_set1_epi32(offset * sum)) : sums[r];
+      acc[r] =
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(shifted), _mm512_mul_ps(d, _mm512_set1_ps(xs)), acc[r]);
       if constexpr (with_min)
         acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(load256(p + 32)),
                                  _mm512_set1_ps(xs * static_cast<float>(sum)), acc[r]);
@@ -469,8 +473,8 @@ void blocks_of_32_packed(const unsigned char* group, const rows_at& a, __m512* o
 /// `sums`. One quarter's sums a row keep the registers free for tiles of 4 rows, over which
 /// the unpacking is shared.
 template <int R, int H, int Second>
-inline void q6_k_half(const unsigned char* b, const rows_at& a, int64_t s,
-                      const __m512i* scales, __m512i* sums) {
+inline void q6_k_half(const unsigned char* b, const rows_at& a, int64_t s, const __m512i* scales,
+                      __m512i* sums) {
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i bits45 = _mm512_set1_epi8(0x30);
 #pragma GCC unroll 4
@@ -486,14 +490,14 @@ inline void q6_k_half(const unsigned char* b, const rows_at& a, int64_t s,
       __m512i ql = load512(triple + 64 * (k % 2));
       __m512i qh = load512(triple + 128);
       __m512i nibbles = _mm512_and_si512(k < 2 ? ql : _mm512_srli_epi16(ql, 4), low4);
-      __m512i high = k == 0 ? _mm512_slli_epi16(qh, 4)
-                   : k == 1 ? _mm512_slli_epi16(qh, 2)
-                   : k == 2 ? qh
-                            : _mm512_srli_epi16(qh, 2);
+      __m512i high = k == 0   ? _mm512_slli_epi16(qh, 4)
+                     : k == 1 ? _mm512_slli_epi16(qh, 2)
+                     : k == 2 ? qh
+                              : _mm512_srli_epi16(qh, 2);
       __m512i w = _mm512_ternarylogic_epi32(nibbles, high, bits45, 0xf8);
       for (int r = 0; r < R; ++r)
-        part[r] = _mm512_dpbusd_epi32(part[r], w,
-                                      broadcast32(a.q(r, 8 * s) + 128 * H + 4 * g + 32 * k));
+        part[r] =
+          _mm512_dpbusd_epi32(part[r], w, broadcast32(a.q(r, 8 * s) + 128 * H + 4 * g + 32 * k));
     }
     const int j = 8 * H + 2 * k + Second;
     __m512i scale = signed_byte_of(scales[j / 4], j % 4);
@@ -525,9 +529,9 @@ void q6_k_packed(const unsigned char* group, const rows_at& a, __m512* out) {
     // Σ scale · sum of 16, a pair of sub-blocks per dpwssd.
 #pragma GCC unroll 8
     for (int j = 0; j < 16; j += 2) {
-      __m512i pair = _mm512_or_si512(
-        _mm512_and_si512(signed_byte_of(scales[j / 4], j % 4), low16),
-        _mm512_slli_epi32(signed_byte_of(scales[j / 4], j % 4 + 1), 16));
+      __m512i pair =
+        _mm512_or_si512(_mm512_and_si512(signed_byte_of(scales[j / 4], j % 4), low16),
+                        _mm512_slli_epi32(signed_byte_of(scales[j / 4], j % 4 + 1), 16));
       for (int r = 0; r < R; ++r)
         offsets[r] = _mm512_dpwssd_epi32(offsets[r], pair, broadcast32(a.sums(r, 16 * s + j)));
     }
@@ -545,30 +549,30 @@ void q6_k_packed(const unsigned char* group, const rows_at& a, __m512* out) {
 template <int R>
 void one_group(dtype t, const unsigned char* group, const rows_at& a, __m512* out) {
   switch (t) {
-    case dtype::q8_0:
-      return blocks_of_32_packed<dtype::q8_0, R>(group, a, out);
-    case dtype::q4_0:
-      return blocks_of_32_packed<dtype::q4_0, R>(group, a, out);
-    case dtype::q4_1:
-      return blocks_of_32_packed<dtype::q4_1, R>(group, a, out);
-    case dtype::q4_k:
-      return q4_k_packed<R>(group, a, out);
-    default:
-      return q6_k_packed<R>(group, a, out);
+  case dtype::q8_0:
+    return blocks_of_32_packed<dtype::q8_0, R>(group, a, out);
+  case dtype::q4_0:
+    return blocks_of_32_packed<dtype::q4_0, R>(group, a, out);
+  case dtype::q4_1:
+    return blocks_of_32_packed<dtype::q4_1, R>(group, a, out);
+  case dtype::q4_k:
+    return q4_k_packed<R>(group, a, out);
+  default:
+    return q6_k_packed<R>(group, a, out);
   }
 }
 
 template <int R>
 void one_row(dtype t, const unsigned char* w, const rows_at& a, float* out) {
   switch (t) {
-    case dtype::q8_0:
-      return blocks_of_32<true, R>(w, a, out);
-    case dtype::q4_0:
-      return blocks_of_32<false, R>(w, a, out);
-    case dtype::q4_k:
-      return q4_k<R>(w, a, out);
-    default:
-      return q6_k<R>(w, a, out);
+  case dtype::q8_0:
+    return blocks_of_32<true, R>(w, a, out);
+  case dtype::q4_0:
+    return blocks_of_32<false, R>(w, a, out);
+  case dtype::q4_k:
+    return q4_k<R>(w, a, out);
+  default:
+    return q6_k<R>(w, a, out);
   }
 }
 
@@ -605,10 +609,11 @@ void dot_rows(dtype w_type, const unsigned char* w, const int8_rows& x, float* y
   }
 }
 
-void dot_packed(dtype w_type, const unsigned char* w, const int8_rows& x, float* y,
-                int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
+void dot_packed(dtype w_type, const unsigned char* w, const int8_rows& x, float* y, int64_t ldy,
+                int64_t begin, int64_t end, bool accumulate) {
   const int64_t blocks = x.k / x.block;
-  const auto group_bytes = 16 * static_cast<int64_t>(storage_bytes(w_type, static_cast<size_t>(x.k)));
+  const auto group_bytes =
+    16 * static_cast<int64_t>(storage_bytes(w_type, static_cast<size_t>(x.k)));
   __m512 out[4];
   auto put = [&](int64_t first, int64_t row, int count) {
     for (int r = 0; r < count; ++r) {
@@ -657,8 +662,8 @@ void quantize(const float* x, int64_t blocks, int64_t block, int8_t* q, float* s
     const __m512 inverse = _mm512_set1_ps(m != 0.0f ? -128.0f / m : 0.0f);
     scale[b] = m / -128.0f;
     for (int64_t i = 0; i < block; i += 16) {
-      __m512i v = _mm512_min_epi32(
-        _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inverse)), top);
+      __m512i v =
+        _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inverse)), top);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + block * b + i), _mm512_cvtepi32_epi8(v));
       sums[(block * b + i) / 16] = static_cast<int16_t>(_mm512_reduce_add_epi32(v));
     }
@@ -701,7 +706,8 @@ void bf16_group(const unsigned char* group, const uint16_t* x, int64_t k, __m512
     for (int c = 0; c < C; ++c) {
       __m512i w = load512(group + 64 * (p + c));
       for (int r = 0; r < R; ++r)
-        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bf16(w), as_bf16(broadcast32(x + r * k + 2 * (p + c))));
+        acc[r][c] =
+          _mm512_dpbf16_ps(acc[r][c], as_bf16(w), as_bf16(broadcast32(x + r * k + 2 * (p + c))));
     }
   for (; p < pairs; ++p) {
     __m512i w = load512(group + 64 * p);

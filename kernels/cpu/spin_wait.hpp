@@ -28,10 +28,10 @@ inline void spin_pause() {
 /// wake; then sleeps on `wake` under `mtx`, counted in `sleeping` so that whoever makes
 /// `done()` true knows to notify. Returns false when `until` passes first.
 template <class Done>
-bool spin_then_wait(Done done, std::chrono::microseconds spin, std::mutex& mtx,
-                    std::condition_variable& wake, int& sleeping,
-                    std::chrono::steady_clock::time_point until =
-                      std::chrono::steady_clock::time_point::max()) {
+bool spin_then_wait(
+  Done done, std::chrono::microseconds spin, std::mutex& mtx, std::condition_variable& wake,
+  int& sleeping,
+  std::chrono::steady_clock::time_point until = std::chrono::steady_clock::time_point::max()) {
   auto start = std::chrono::steady_clock::now();
   int polls = 0;
   while (!done()) {

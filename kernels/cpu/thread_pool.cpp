@@ -66,9 +66,8 @@ void thread_pool::run(int64_t parts, const std::function<void(int64_t)>& part) {
 void thread_pool::help() {
   uint64_t seen = 0;
   for (;;) {
-    spin_then_wait(
-      [&] { return generation_.load(std::memory_order_acquire) != seen || stop_; }, spin_for,
-      mtx_, wake_, sleeping_);
+    spin_then_wait([&] { return generation_.load(std::memory_order_acquire) != seen || stop_; },
+                   spin_for, mtx_, wake_, sleeping_);
     if (stop_)
       return;
     seen = generation_.load(std::memory_order_acquire);

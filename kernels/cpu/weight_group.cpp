@@ -30,8 +30,7 @@ constexpr int32_t max_world = 4096;
 /// A socket closed with the object.
 struct socket_fd {
   int fd = -1;
-  explicit socket_fd(int f = -1) : fd(f) {
-  }
+  explicit socket_fd(int f = -1) : fd(f) {}
   socket_fd(socket_fd&& o) noexcept : fd(o.fd) {
     o.fd = -1;
   }
@@ -174,8 +173,8 @@ weight_update_group::weight_update_group(const std::string& master_address, int3
     fail(errc::invalid_argument, "world_size must be in [2, " + std::to_string(max_world) +
                                    "], not " + std::to_string(world_size));
   if (rank < 0 || rank >= world_size)
-    fail(errc::invalid_argument, "rank " + std::to_string(rank) + " is outside a world of " +
-                                   std::to_string(world_size));
+    fail(errc::invalid_argument,
+         "rank " + std::to_string(rank) + " is outside a world of " + std::to_string(world_size));
   if (master_port < 1 || master_port > 65535)
     fail(errc::invalid_argument, "master_port " + std::to_string(master_port) + " is no port");
   impl_->rank = rank;
@@ -208,7 +207,8 @@ weight_update_group::weight_update_group(const std::string& master_address, int3
       // A stranger's bytes end its own connection, not the meeting.
       try {
         char said[sizeof magic];
-        read_exact(conn.fd, said, sizeof said, std::min(deadline, clock::now() + std::chrono::seconds(10)));
+        read_exact(conn.fd, said, sizeof said,
+                   std::min(deadline, clock::now() + std::chrono::seconds(10)));
         if (std::memcmp(said, magic, sizeof magic) != 0)
           continue;
         auto r = read_u32(conn.fd, deadline);
@@ -239,8 +239,8 @@ weight_update_group::weight_update_group(const std::string& master_address, int3
                               std::to_string(master_port) + " in time");
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    impl_->group = std::make_unique<gloo_communicator>(rank, world_size, local_host(conn.fd),
-                                                       gloo_timeout);
+    impl_->group =
+      std::make_unique<gloo_communicator>(rank, world_size, local_host(conn.fd), gloo_timeout);
     std::string hello{magic, sizeof magic};
     write_u32(hello, static_cast<uint32_t>(rank));
     write_u32(hello, static_cast<uint32_t>(world_size));
@@ -256,8 +256,8 @@ weight_update_group::~weight_update_group() = default;
 
 void weight_update_group::broadcast(void* data, size_t bytes, int32_t root) {
   if (root < 0 || root >= impl_->world)
-    fail(errc::invalid_argument, "root " + std::to_string(root) + " is outside a world of " +
-                                   std::to_string(impl_->world));
+    fail(errc::invalid_argument,
+         "root " + std::to_string(root) + " is outside a world of " + std::to_string(impl_->world));
   impl_->group->broadcast(data, bytes, root);
 }
 

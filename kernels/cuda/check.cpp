@@ -11,9 +11,8 @@ void fail(const char* domain, int code, const char* what, bool out_of_memory, co
   int device = -1;
   cudaGetDevice(&device);
   auto message = std::string{domain} + " error " + std::to_string(code) +
-                 (what && *what ? std::string{" ("} + what + ")" : std::string{}) + " in " +
-                 call + " at " + file + ":" + std::to_string(line) + " on cuda:" +
-                 std::to_string(device);
+                 (what && *what ? std::string{" ("} + what + ")" : std::string{}) + " in " + call +
+                 " at " + file + ":" + std::to_string(line) + " on cuda:" + std::to_string(device);
   throw error{out_of_memory ? errc::memory_error : errc::worker_error, message};
 }
 

@@ -18,20 +18,19 @@ namespace troupe::cuda {
 
 inline void check(cudaError_t e, const char* call, const char* file, int line) {
   if (e != cudaSuccess)
-    fail("CUDA", static_cast<int>(e), cudaGetErrorString(e), e == cudaErrorMemoryAllocation,
-         call, file, line);
+    fail("CUDA", static_cast<int>(e), cudaGetErrorString(e), e == cudaErrorMemoryAllocation, call,
+         file, line);
 }
 
 inline void check(CUresult e, const char* call, const char* file, int line) {
   if (e != CUDA_SUCCESS)
-    fail("CUDA driver", static_cast<int>(e), "", e == CUDA_ERROR_OUT_OF_MEMORY, call, file,
-         line);
+    fail("CUDA driver", static_cast<int>(e), "", e == CUDA_ERROR_OUT_OF_MEMORY, call, file, line);
 }
 
 inline void check(cublasStatus_t e, const char* call, const char* file, int line) {
   if (e != CUBLAS_STATUS_SUCCESS)
-    fail("cuBLAS", static_cast<int>(e), cublasGetStatusString(e),
-         e == CUBLAS_STATUS_ALLOC_FAILED, call, file, line);
+    fail("cuBLAS", static_cast<int>(e), cublasGetStatusString(e), e == CUBLAS_STATUS_ALLOC_FAILED,
+         call, file, line);
 }
 
 inline void check(ncclResult_t e, const char* call, const char* file, int line) {

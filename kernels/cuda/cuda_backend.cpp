@@ -15,8 +15,7 @@ constexpr size_t blas_workspace_bytes = size_t{32} << 20;
 /// A CUDA graph, instantiated.
 class cuda_graph final : public captured_calls {
 public:
-  cuda_graph(cudaGraphExec_t exec, cudaStream_t stream) : exec_(exec), stream_(stream) {
-  }
+  cuda_graph(cudaGraphExec_t exec, cudaStream_t stream) : exec_(exec), stream_(stream) {}
   ~cuda_graph() override {
     cudaGraphExecDestroy(exec_);
   }
@@ -36,8 +35,7 @@ public:
     TROUPE_CUDA_CHECK(cublasCreate(&blas_));
     try {
       TROUPE_CUDA_CHECK(cublasSetStream(blas_, dev.stream()));
-      TROUPE_CUDA_CHECK(
-        cublasSetWorkspace(blas_, blas_workspace_.data(), blas_workspace_.size()));
+      TROUPE_CUDA_CHECK(cublasSetWorkspace(blas_, blas_workspace_.data(), blas_workspace_.size()));
     } catch (...) {
       cublasDestroy(blas_);
       throw;
@@ -66,8 +64,8 @@ public:
     cudaGraph_t graph = nullptr;
     auto ended = cudaStreamEndCapture(stream, &graph);
     cudaGraphExec_t exec = nullptr;
-    bool ok = recorded && ended == cudaSuccess && graph != nullptr
-              && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+    bool ok = recorded && ended == cudaSuccess && graph != nullptr &&
+              cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
     if (graph != nullptr)
       cudaGraphDestroy(graph);
     if (!ok) {
@@ -105,13 +103,11 @@ public:
     auto x_half = scratch(half_, storage_bytes(w_type, static_cast<size_t>(m * k)));
     cuda::to_half(x, x_half, w_type, m * k, dev_.stream());
     for (auto& o : outputs)
-      cuda::gemm_nt_half(blas_, x_half, o.w, w_type, o.y, m, o.n, k, o.accumulate,
-                         o.row_stride());
+      cuda::gemm_nt_half(blas_, x_half, o.w, w_type, o.y, m, o.n, k, o.accumulate, o.row_stride());
   }
 
   void zero(float* y, int64_t n) override {
-    TROUPE_CUDA_CHECK(cudaMemsetAsync(y, 0, static_cast<size_t>(n) * sizeof(float),
-                                      dev_.stream()));
+    TROUPE_CUDA_CHECK(cudaMemsetAsync(y, 0, static_cast<size_t>(n) * sizeof(float), dev_.stream()));
   }
 
   void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim,
@@ -132,9 +128,8 @@ public:
     cuda::add_rms_norm(x, h, weight, y, rows, dim, eps, dev_.stream());
   }
 
-  void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
-              int64_t head_dim, int64_t rotary_dim, const float* cos,
-              const float* sin) override {
+  void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows, int64_t head_dim,
+              int64_t rotary_dim, const float* cos, const float* sin) override {
     cuda::rotary(q, q_heads, k, k_heads, rows, head_dim, rotary_dim, cos, sin, dev_.stream());
   }
 

@@ -116,8 +116,8 @@ void cuda_device::map(void* ptr, region& r) {
 }
 
 void* cuda_device::map_new(region& r) {
-  r.mapped = ((r.requested == 0 ? 1 : r.requested) + granularity_ - 1) / granularity_ *
-             granularity_;
+  r.mapped =
+    ((r.requested == 0 ? 1 : r.requested) + granularity_ - 1) / granularity_ * granularity_;
   CUdeviceptr base = 0;
   TROUPE_CUDA_CHECK(driver().address_reserve(&base, r.mapped, granularity_, 0, 0));
   auto ptr = reinterpret_cast<void*>(base);

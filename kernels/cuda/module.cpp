@@ -14,8 +14,7 @@ class nccl_rank final : public communicator {
 public:
   nccl_rank(cuda_device& dev, int rank, int world, const std::string& id,
             std::chrono::milliseconds timeout)
-    : comm_(rank, world, id, timeout), stream_(dev.stream()) {
-  }
+    : comm_(rank, world, id, timeout), stream_(dev.stream()) {}
 
   void all_reduce(float* data, std::size_t count) override {
     comm_.all_reduce(data, count, stream_);
@@ -36,8 +35,7 @@ const cuda_module entry_points{
   [] { return nccl_communicator::make_id(); },
   [](device& dev, int rank, int world, const std::string& id,
      std::chrono::milliseconds timeout) -> std::unique_ptr<communicator> {
-    return std::make_unique<nccl_rank>(dynamic_cast<cuda_device&>(dev), rank, world, id,
-                                       timeout);
+    return std::make_unique<nccl_rank>(dynamic_cast<cuda_device&>(dev), rank, world, id, timeout);
   },
   [](std::size_t bytes) -> void* {
     void* p = nullptr;

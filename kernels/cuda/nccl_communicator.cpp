@@ -73,8 +73,8 @@ void nccl_communicator::wait(const char* what, Done done) {
     if (abort_requested_.load()) {
       abort();
       std::lock_guard<std::mutex> lk{why_mtx_};
-      throw error{errc::worker_died, "NCCL rank " + std::to_string(rank_) + ": " + what +
-                                       " aborted: " + why_};
+      throw error{errc::worker_died,
+                  "NCCL rank " + std::to_string(rank_) + ": " + what + " aborted: " + why_};
     }
     if (std::chrono::steady_clock::now() > deadline) {
       abort();

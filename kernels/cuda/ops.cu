@@ -89,8 +89,7 @@ __global__ void silu_mul_kernel(const float* gate, const float* up, float* out, 
   }
 }
 
-__global__ void gelu_tanh_mul_kernel(const float* gate, const float* up, float* out,
-                                     int64_t n) {
+__global__ void gelu_tanh_mul_kernel(const float* gate, const float* up, float* out, int64_t n) {
   int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n) {
     float x = gate[i];
@@ -128,8 +127,8 @@ __global__ void gather_rows_kernel(const int32_t* ids, const T* table, float* ou
     out[i] = as_float(table[static_cast<int64_t>(ids[i / dim]) * dim + i % dim]);
 }
 
-__global__ void scatter_add_rows_kernel(const float* x, const int32_t* rows,
-                                        const float* weights, float* y, int64_t n, int64_t dim) {
+__global__ void scatter_add_rows_kernel(const float* x, const int32_t* rows, const float* weights,
+                                        float* y, int64_t n, int64_t dim) {
   int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n * dim) {
     auto r = i / dim;
@@ -202,8 +201,9 @@ constexpr int sample_threads = 1024;
 // the logits found by bisection (then snapped to the logit at the cut), and the draw found
 // in the running sum of the kept weights in token order: each thread sums a contiguous
 // chunk, and the thread whose chunk holds u × total walks it.
-__global__ void __launch_bounds__(sample_threads) sample_kernel(const float* x, const row_sampling* params, int32_t* ids,
-                              float* logprobs, int64_t cols) {
+__global__ void __launch_bounds__(sample_threads)
+  sample_kernel(const float* x, const row_sampling* params, int32_t* ids, float* logprobs,
+                int64_t cols) {
   __shared__ float scratch[sample_threads];
   __shared__ int64_t at[sample_threads];
   // The draw sums in double, as the CPU's choose_token does: a float target of u × mass
@@ -309,8 +309,8 @@ __global__ void __launch_bounds__(sample_threads) sample_kernel(const float* x, 
     // u < 1 (the host clamps it; so does this) and the top token's weight is 1, so the
     // target lies below the mass and exactly one chunk holds it.
     double target = fmin(static_cast<double>(p.u), 0x1.fffffep-1) * kept_mass;
-    bool mine = local > 0.0 && prefix[threadIdx.x] <= target
-                && target < prefix[threadIdx.x] + local;
+    bool mine =
+      local > 0.0 && prefix[threadIdx.x] <= target && target < prefix[threadIdx.x] + local;
     __syncthreads();
     if (mine) {
       double acc = prefix[threadIdx.x];
@@ -495,9 +495,8 @@ __global__ void gemv_kernel(const float* x, int64_t k, gemv_args args) {
       auto xv = reinterpret_cast<const float4*>(x + i * k + c);
       float4 a = xv[0];
       float4 b = xv[1];
-      acc[i] += wf[0] * rounded(a.x, T{}) + wf[1] * rounded(a.y, T{}) +
-                wf[2] * rounded(a.z, T{}) + wf[3] * rounded(a.w, T{}) +
-                wf[4] * rounded(b.x, T{}) + wf[5] * rounded(b.y, T{}) +
+      acc[i] += wf[0] * rounded(a.x, T{}) + wf[1] * rounded(a.y, T{}) + wf[2] * rounded(a.z, T{}) +
+                wf[3] * rounded(a.w, T{}) + wf[4] * rounded(b.x, T{}) + wf[5] * rounded(b.y, T{}) +
                 wf[6] * rounded(b.z, T{}) + wf[7] * rounded(b.w, T{});
     }
   }
@@ -519,35 +518,49 @@ template <class T>
 void launch_gemv(const float* x, int64_t m, int64_t k, const gemv_args& args, unsigned blocks,
                  cudaStream_t stream) {
   switch (m) {
-  case 1: gemv_kernel<T, 1><<<blocks, threads, 0, stream>>>(x, k, args); break;
-  case 2: gemv_kernel<T, 2><<<blocks, threads, 0, stream>>>(x, k, args); break;
-  case 3: gemv_kernel<T, 3><<<blocks, threads, 0, stream>>>(x, k, args); break;
-  case 4: gemv_kernel<T, 4><<<blocks, threads, 0, stream>>>(x, k, args); break;
-  case 5: gemv_kernel<T, 5><<<blocks, threads, 0, stream>>>(x, k, args); break;
-  case 6: gemv_kernel<T, 6><<<blocks, threads, 0, stream>>>(x, k, args); break;
-  case 7: gemv_kernel<T, 7><<<blocks, threads, 0, stream>>>(x, k, args); break;
-  default: gemv_kernel<T, 8><<<blocks, threads, 0, stream>>>(x, k, args); break;
+  case 1:
+    gemv_kernel<T, 1><<<blocks, threads, 0, stream>>>(x, k, args);
+    break;
+  case 2:
+    gemv_kernel<T, 2><<<blocks, threads, 0, stream>>>(x, k, args);
+    break;
+  case 3:
+    gemv_kernel<T, 3><<<blocks, threads, 0, stream>>>(x, k, args);
+    break;
+  case 4:
+    gemv_kernel<T, 4><<<blocks, threads, 0, stream>>>(x, k, args);
+    break;
+  case 5:
+    gemv_kernel<T, 5><<<blocks, threads, 0, stream>>>(x, k, args);
+    break;
+  case 6:
+    gemv_kernel<T, 6><<<blocks, threads, 0, stream>>>(x, k, args);
+    break;
+  case 7:
+    gemv_kernel<T, 7><<<blocks, threads, 0, stream>>>(x, k, args);
+    break;
+  default:
+    gemv_kernel<T, 8><<<blocks, threads, 0, stream>>>(x, k, args);
+    break;
   }
 }
 
 } // namespace
 
-void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,
-              const int32_t* slots, int64_t tokens, int64_t row, cudaStream_t stream) {
+void write_kv(const float* k, const float* v, float* k_cache, float* v_cache, const int32_t* slots,
+              int64_t tokens, int64_t row, cudaStream_t stream) {
   if (tokens * row == 0)
     return;
-  write_kv_kernel<<<blocks_for(tokens * row), threads, 0, stream>>>(k, v, k_cache, v_cache,
-                                                                    slots, tokens, row);
+  write_kv_kernel<<<blocks_for(tokens * row), threads, 0, stream>>>(k, v, k_cache, v_cache, slots,
+                                                                    tokens, row);
   launched("write_kv_kernel");
 }
 
 void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
-                     const paged_layout& layout, int64_t tokens, float scale,
-                     cudaStream_t stream) {
+                     const paged_layout& layout, int64_t tokens, float scale, cudaStream_t stream) {
   if (layout.head_dim > max_head_dim)
-    throw error{errc::unsupported, "paged_attention: head_dim " +
-                                     std::to_string(layout.head_dim) + " is above " +
-                                     std::to_string(max_head_dim)};
+    throw error{errc::unsupported, "paged_attention: head_dim " + std::to_string(layout.head_dim) +
+                                     " is above " + std::to_string(max_head_dim)};
   if (tokens * layout.heads == 0)
     return;
   paged_attention_kernel<<<static_cast<unsigned>(tokens * layout.heads), threads, 0, stream>>>(
@@ -569,8 +582,8 @@ void add_rms_norm(float* x, const float* h, const float* weight, float* y, int64
                   int64_t dim, float eps, cudaStream_t stream) {
   if (rows == 0)
     return;
-  rms_norm_kernel<true><<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, h, weight, y,
-                                                                             dim, eps);
+  rms_norm_kernel<true>
+    <<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, h, weight, y, dim, eps);
   launched("add_rms_norm_kernel");
 }
 
@@ -581,9 +594,8 @@ void add_bias(float* y, const float* bias, int64_t m, int64_t n, cudaStream_t st
   launched("add_bias_kernel");
 }
 
-void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
-            int64_t head_dim, int64_t rotary_dim, const float* cos, const float* sin,
-            cudaStream_t stream) {
+void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows, int64_t head_dim,
+            int64_t rotary_dim, const float* cos, const float* sin, cudaStream_t stream) {
   auto n = rows * (q_heads + k_heads) * (rotary_dim / 2);
   if (n == 0)
     return;
@@ -599,8 +611,7 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n, cudaStr
   launched("silu_mul_kernel");
 }
 
-void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n,
-                   cudaStream_t stream) {
+void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream) {
   if (n == 0)
     return;
   gelu_tanh_mul_kernel<<<blocks_for(n), threads, 0, stream>>>(gate, up, out, n);
@@ -632,8 +643,7 @@ void scatter_add_rows(const float* x, const int32_t* rows, const float* weights,
                       int64_t n, int64_t dim, cudaStream_t stream) {
   if (n * dim == 0)
     return;
-  scatter_add_rows_kernel<<<blocks_for(n * dim), threads, 0, stream>>>(x, rows, weights, y, n,
-                                                                       dim);
+  scatter_add_rows_kernel<<<blocks_for(n * dim), threads, 0, stream>>>(x, rows, weights, y, n, dim);
   launched("scatter_add_rows_kernel");
 }
 
@@ -643,28 +653,28 @@ void gather_rows(const int32_t* ids, const void* table, dtype type, float* out, 
     return;
   auto blocks = blocks_for(rows * dim);
   switch (type) {
-    case dtype::f32:
-      gather_rows_kernel<<<blocks, threads, 0, stream>>>(ids, static_cast<const float*>(table),
-                                                         out, rows, dim);
-      break;
-    case dtype::f16:
-      gather_rows_kernel<<<blocks, threads, 0, stream>>>(ids, static_cast<const __half*>(table),
-                                                         out, rows, dim);
-      break;
-    case dtype::bf16:
-      gather_rows_kernel<<<blocks, threads, 0, stream>>>(
-        ids, static_cast<const __nv_bfloat16*>(table), out, rows, dim);
-      break;
+  case dtype::f32:
+    gather_rows_kernel<<<blocks, threads, 0, stream>>>(ids, static_cast<const float*>(table), out,
+                                                       rows, dim);
+    break;
+  case dtype::f16:
+    gather_rows_kernel<<<blocks, threads, 0, stream>>>(ids, static_cast<const __half*>(table), out,
+                                                       rows, dim);
+    break;
+  case dtype::bf16:
+    gather_rows_kernel<<<blocks, threads, 0, stream>>>(
+      ids, static_cast<const __nv_bfloat16*>(table), out, rows, dim);
+    break;
   }
   launched("gather_rows_kernel");
 }
 
-void sample(const float* x, const row_sampling* params, int32_t* ids, float* logprobs,
-            int64_t rows, int64_t cols, cudaStream_t stream) {
+void sample(const float* x, const row_sampling* params, int32_t* ids, float* logprobs, int64_t rows,
+            int64_t cols, cudaStream_t stream) {
   if (rows == 0)
     return;
-  sample_kernel<<<static_cast<unsigned>(rows), sample_threads, 0, stream>>>(x, params, ids, logprobs,
-                                                                      cols);
+  sample_kernel<<<static_cast<unsigned>(rows), sample_threads, 0, stream>>>(x, params, ids,
+                                                                            logprobs, cols);
   launched("sample_kernel");
 }
 
@@ -707,8 +717,8 @@ bool gemv_half(const float* x, dtype type, int64_t m, int64_t k, const gemv_outp
   return true;
 }
 
-void gemm_nt(cublasHandle_t handle, const float* x, const float* w, float* y, int64_t m,
-             int64_t n, int64_t k, bool accumulate, int64_t ldy) {
+void gemm_nt(cublasHandle_t handle, const float* x, const float* w, float* y, int64_t m, int64_t n,
+             int64_t k, bool accumulate, int64_t ldy) {
   if (m == 0 || n == 0)
     return;
   // Row-major y = x · wᵀ is column-major yᵀ = w · xᵀ: w is a column-major k×n matrix used
@@ -731,12 +741,10 @@ void gemm_nt_half(cublasHandle_t handle, const void* x, const void* w, dtype typ
   float alpha = 1.0f;
   float beta = accumulate ? 1.0f : 0.0f;
   // The same transposition as gemm_nt; float32 output and accumulation.
-  TROUPE_CUDA_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
-                                 static_cast<int>(m), static_cast<int>(k), &alpha, w, in_type,
-                                 static_cast<int>(k), x, in_type, static_cast<int>(k), &beta, y,
-                                 CUDA_R_32F, static_cast<int>(ldy > 0 ? ldy : n),
-                                 CUBLAS_COMPUTE_32F,
-                                 CUBLAS_GEMM_DEFAULT));
+  TROUPE_CUDA_CHECK(cublasGemmEx(
+    handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
+    &alpha, w, in_type, static_cast<int>(k), x, in_type, static_cast<int>(k), &beta, y, CUDA_R_32F,
+    static_cast<int>(ldy > 0 ? ldy : n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 } // namespace troupe::cuda

@@ -31,16 +31,14 @@ void add_rms_norm(float* x, const float* h, const float* weight, float* y, int64
 /// of `q` and `k_heads` of `k` (heads of `head_dim`, "rotate half" layout within them) in
 /// one launch, with per-row cos/sin tables of rotary_dim/2 entries
 /// (`cos[row * rotary_dim/2 + i]`).
-void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
-            int64_t head_dim, int64_t rotary_dim, const float* cos, const float* sin,
-            cudaStream_t stream);
+void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows, int64_t head_dim,
+            int64_t rotary_dim, const float* cos, const float* sin, cudaStream_t stream);
 
 /// out[i] = silu(gate[i]) · up[i].
 void silu_mul(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream);
 
 /// out[i] = gelu(gate[i]) · up[i], GELU in its tanh form.
-void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n,
-                   cudaStream_t stream);
+void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream);
 
 /// y[i] *= factor.
 void scale(float* y, float factor, int64_t n, cudaStream_t stream);
@@ -64,8 +62,8 @@ void gather_rows(const int32_t* ids, const void* table, dtype type, float* out, 
 /// `choose_token` (model/sampler.hpp), with the top-k and top-p cuts found by bisection on
 /// the value instead of a sort (ties at a cut are all kept) and `u` found in the running sum
 /// in token order. One block per row.
-void sample(const float* x, const row_sampling* params, int32_t* ids, float* logprobs,
-            int64_t rows, int64_t cols, cudaStream_t stream);
+void sample(const float* x, const row_sampling* params, int32_t* ids, float* logprobs, int64_t rows,
+            int64_t cols, cudaStream_t stream);
 
 /// y[i] = x[i] rounded to `type` (f16 or bf16, to nearest even).
 void to_half(const float* x, void* y, dtype type, int64_t n, cudaStream_t stream);
@@ -73,16 +71,15 @@ void to_half(const float* x, void* y, dtype type, int64_t n, cudaStream_t stream
 /// Writes the keys and values of `tokens` tokens (rows of `row` = kv_heads × head_dim
 /// floats) into one layer's paged cache: token t goes to slot `slots[t]` (block × block_size
 /// + offset) of `k_cache` / `v_cache` ([blocks × block_size, row]).
-void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,
-              const int32_t* slots, int64_t tokens, int64_t row, cudaStream_t stream);
+void write_kv(const float* k, const float* v, float* k_cache, float* v_cache, const int32_t* slots,
+              int64_t tokens, int64_t row, cudaStream_t stream);
 
 /// Causal grouped-query attention of `tokens` query rows ([tokens, heads, head_dim], head_dim
 /// at most 256) over one layer's paged cache, for prefill and decode alike. One block per
 /// (token, head), over the positions a chunk at a time with a running softmax (max, sum,
 /// weighted values), so no scratch memory is needed for any length.
 void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
-                     const paged_layout& layout, int64_t tokens, float scale,
-                     cudaStream_t stream);
+                     const paged_layout& layout, int64_t tokens, float scale, cudaStream_t stream);
 
 /// One weight matrix of `gemv_half`: y[m×n] (+)= x[m×k] · w[n×k]ᵀ, y's rows `ldy` apart.
 struct gemv_output {
@@ -107,8 +104,8 @@ bool gemv_half(const float* x, dtype type, int64_t m, int64_t k, const gemv_outp
 
 /// y[m×n] = x[m×k] · w[n×k]ᵀ (+ y when `accumulate`), y's rows `ldy` apart (0: n), through
 /// cuBLAS on `handle`'s stream.
-void gemm_nt(cublasHandle_t handle, const float* x, const float* w, float* y, int64_t m,
-             int64_t n, int64_t k, bool accumulate = false, int64_t ldy = 0);
+void gemm_nt(cublasHandle_t handle, const float* x, const float* w, float* y, int64_t m, int64_t n,
+             int64_t k, bool accumulate = false, int64_t ldy = 0);
 
 /// The same with x and w in `type` (f16 or bf16) and y in float32, accumulating in float32
 /// (cublasGemmEx).

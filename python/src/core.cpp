@@ -60,9 +60,13 @@ caf::message to_message(const nb::tuple& args) {
             return false;
         return n > 0;
       };
-      if (all([](nb::handle x) { return nb::isinstance<nb::int_>(x) && !nb::isinstance<nb::bool_>(x); }))
+      if (all([](nb::handle x) {
+            return nb::isinstance<nb::int_>(x) && !nb::isinstance<nb::bool_>(x);
+          }))
         mb.append(nb::cast<std::vector<int64_t>>(a));
-      else if (all([](nb::handle x) { return nb::isinstance<nb::float_>(x) || nb::isinstance<nb::int_>(x); }))
+      else if (all([](nb::handle x) {
+                 return nb::isinstance<nb::float_>(x) || nb::isinstance<nb::int_>(x);
+               }))
         mb.append(nb::cast<std::vector<double>>(a));
       else if (all([](nb::handle x) { return nb::isinstance<nb::str>(x); }))
         mb.append(nb::cast<std::vector<std::string>>(a));
@@ -194,7 +198,8 @@ std::optional<timeout_type> to_timeout(std::optional<double> seconds) {
     return std::nullopt;
   if (!std::isfinite(*seconds) || *seconds <= 0 || *seconds > 1e9)
     throw error{errc::invalid_argument, "collective_rpc: timeout must be a positive number of "
-                                        "seconds, not " + std::to_string(*seconds)};
+                                        "seconds, not " +
+                                          std::to_string(*seconds)};
   return std::chrono::duration_cast<timeout_type>(std::chrono::duration<double>(*seconds));
 }
 
@@ -503,10 +508,11 @@ NB_MODULE(_core, m) {
                             "that call only.")
     .def_prop_ro("rank", [](const worker_handle& h) { return h.get().rank(); })
     .def_prop_ro("world_size", [](const worker_handle& h) { return h.get().context().world_size; })
-    .def_prop_ro("device", [](const worker_handle& h) {
-      auto& c = h.get().context();
-      return c.device_kind + ":" + std::to_string(c.device_index);
-    })
+    .def_prop_ro("device",
+                 [](const worker_handle& h) {
+                   auto& c = h.get().context();
+                   return c.device_kind + ":" + std::to_string(c.device_index);
+                 })
     .def("method_names", [](const worker_handle& h) { return h.get().method_names(); })
     .def(
       "call",
@@ -521,10 +527,11 @@ NB_MODULE(_core, m) {
         return from_message(r);
       },
       "method"_a, "args"_a, "kwargs"_a, "Runs a named method of this worker, in its thread.")
-    .def_prop_ro("model_architecture", [](const worker_handle& h) {
-      auto* model = h.get().get_model();
-      return model ? model->architecture() : std::string{};
-    })
+    .def_prop_ro("model_architecture",
+                 [](const worker_handle& h) {
+                   auto* model = h.get().get_model();
+                   return model ? model->architecture() : std::string{};
+                 })
     .def_prop_ro("num_parameters", [](const worker_handle& h) {
       auto* model = h.get().get_model();
       return model ? model->num_parameters() : int64_t{0};
@@ -565,24 +572,28 @@ NB_MODULE(_core, m) {
   nb::class_<engine>(m, "Engine")
     .def(nb::init<llm_config>(), "config"_a)
     .def("generate", &engine::generate, "requests"_a)
-    .def("render_chat",
-         [](engine& e, const std::string& messages, const std::string& tools,
-            const std::string& variables, bool add_generation_prompt) {
-           chat_request r{messages, tools, variables, add_generation_prompt};
-           return e.call([&](llm& m) { return m.render_chat(r); });
-         },
-         "messages_json"_a, "tools_json"_a, "variables_json"_a, "add_generation_prompt"_a)
-    .def("tokenize",
-         [](engine& e, const std::string& text, bool add_special_tokens) {
-           return e.call([&](llm& m) { return m.tokenize(text, add_special_tokens); });
-         },
-         "text"_a, "add_special_tokens"_a = true)
-    .def("decode",
-         [](engine& e, const std::vector<int32_t>& ids) {
-           return e.call([&](llm& m) { return m.decode(ids); });
-         },
-         "token_ids"_a)
-    .def("has_tokenizer", [](engine& e) { return e.call([](llm& m) { return m.has_tokenizer(); }); })
+    .def(
+      "render_chat",
+      [](engine& e, const std::string& messages, const std::string& tools,
+         const std::string& variables, bool add_generation_prompt) {
+        chat_request r{messages, tools, variables, add_generation_prompt};
+        return e.call([&](llm& m) { return m.render_chat(r); });
+      },
+      "messages_json"_a, "tools_json"_a, "variables_json"_a, "add_generation_prompt"_a)
+    .def(
+      "tokenize",
+      [](engine& e, const std::string& text, bool add_special_tokens) {
+        return e.call([&](llm& m) { return m.tokenize(text, add_special_tokens); });
+      },
+      "text"_a, "add_special_tokens"_a = true)
+    .def(
+      "decode",
+      [](engine& e, const std::vector<int32_t>& ids) {
+        return e.call([&](llm& m) { return m.decode(ids); });
+      },
+      "token_ids"_a)
+    .def("has_tokenizer",
+         [](engine& e) { return e.call([](llm& m) { return m.has_tokenizer(); }); })
     .def("vocab_size", [](engine& e) { return e.call([](llm& m) { return m.vocab_size(); }); })
     .def("max_model_len",
          [](engine& e) { return e.call([](llm& m) { return m.max_model_len(); }); })
@@ -590,22 +601,24 @@ NB_MODULE(_core, m) {
          [](engine& e) { return e.call([](llm& m) { return m.executor().world_size(); }); })
     .def("last_tokens_per_second",
          [](engine& e) { return e.call([](llm& m) { return m.last_tokens_per_second(); }); })
-    .def("sleep",
-         [](engine& e, int32_t level) {
-           e.call([&](llm& m) {
-             m.sleep(level);
-             return 0;
-           });
-         },
-         "level"_a)
-    .def("wake_up",
-         [](engine& e, const std::vector<std::string>& tags) {
-           e.call([&](llm& m) {
-             m.executor().wake_up(tags);
-             return 0;
-           });
-         },
-         "tags"_a)
+    .def(
+      "sleep",
+      [](engine& e, int32_t level) {
+        e.call([&](llm& m) {
+          m.sleep(level);
+          return 0;
+        });
+      },
+      "level"_a)
+    .def(
+      "wake_up",
+      [](engine& e, const std::vector<std::string>& tags) {
+        e.call([&](llm& m) {
+          m.executor().wake_up(tags);
+          return 0;
+        });
+      },
+      "tags"_a)
     .def("sleeping_tags",
          [](engine& e) {
            return e.call([](llm& m) { return m.executor().sleep_state().sleeping_tags; });
@@ -619,48 +632,53 @@ NB_MODULE(_core, m) {
          })
     .def("collective_rpc", &engine::collective_rpc, "method"_a, "args"_a, "kwargs"_a,
          "timeout"_a.none())
-    .def("collective_rpc_callable", &engine::collective_rpc_callable, "fn"_a, "args"_a,
-         "kwargs"_a, "timeout"_a.none())
-    .def("add_lora",
-         [](engine& e, const lora_request& r) {
-           return e.call([&](llm& m) { return m.executor().add_lora(r); });
-         },
-         "request"_a)
-    .def("remove_lora",
-         [](engine& e, int64_t id) {
-           return e.call([&](llm& m) { return m.executor().remove_lora(id); });
-         },
-         "lora_id"_a)
-    .def("pin_lora",
-         [](engine& e, int64_t id) {
-           return e.call([&](llm& m) { return m.executor().pin_lora(id); });
-         },
-         "lora_id"_a)
+    .def("collective_rpc_callable", &engine::collective_rpc_callable, "fn"_a, "args"_a, "kwargs"_a,
+         "timeout"_a.none())
+    .def(
+      "add_lora",
+      [](engine& e, const lora_request& r) {
+        return e.call([&](llm& m) { return m.executor().add_lora(r); });
+      },
+      "request"_a)
+    .def(
+      "remove_lora",
+      [](engine& e, int64_t id) {
+        return e.call([&](llm& m) { return m.executor().remove_lora(id); });
+      },
+      "lora_id"_a)
+    .def(
+      "pin_lora",
+      [](engine& e, int64_t id) {
+        return e.call([&](llm& m) { return m.executor().pin_lora(id); });
+      },
+      "lora_id"_a)
     .def("list_loras",
          [](engine& e) { return e.call([](llm& m) { return m.executor().list_loras(); }); })
     .def("update_weights_from_tensors", &engine::update_weights_from_tensors, "named_tensors"_a,
          "quantize_on_update"_a)
-    .def("update_weights_from_disk",
-         [](engine& e, const std::string& path, bool quantize_on_update) {
-           weight_update_options o;
-           o.quantize_on_update = quantize_on_update;
-           e.call([&](llm& m) {
-             m.update_weights_from_disk(path, o);
-             return 0;
-           });
-         },
-         "path"_a, "quantize_on_update"_a)
-    .def("init_weights_update_group",
-         [](engine& e, const std::string& address, int32_t port, int32_t rank_offset,
-            int32_t world_size, const std::string& backend, double timeout) {
-           e.call([&](llm& m) {
-             m.init_weights_update_group(address, port, rank_offset, world_size, backend,
-                                         to_timeout(timeout).value());
-             return 0;
-           });
-         },
-         "master_address"_a, "master_port"_a, "rank_offset"_a, "world_size"_a, "backend"_a,
-         "timeout"_a)
+    .def(
+      "update_weights_from_disk",
+      [](engine& e, const std::string& path, bool quantize_on_update) {
+        weight_update_options o;
+        o.quantize_on_update = quantize_on_update;
+        e.call([&](llm& m) {
+          m.update_weights_from_disk(path, o);
+          return 0;
+        });
+      },
+      "path"_a, "quantize_on_update"_a)
+    .def(
+      "init_weights_update_group",
+      [](engine& e, const std::string& address, int32_t port, int32_t rank_offset,
+         int32_t world_size, const std::string& backend, double timeout) {
+        e.call([&](llm& m) {
+          m.init_weights_update_group(address, port, rank_offset, world_size, backend,
+                                      to_timeout(timeout).value());
+          return 0;
+        });
+      },
+      "master_address"_a, "master_port"_a, "rank_offset"_a, "world_size"_a, "backend"_a,
+      "timeout"_a)
     .def("destroy_weights_update_group",
          [](engine& e) {
            e.call([](llm& m) {
@@ -668,25 +686,25 @@ NB_MODULE(_core, m) {
              return 0;
            });
          })
-    .def("update_weights_from_distributed",
-         [](engine& e, const std::vector<std::string>& names,
-            const std::vector<std::string>& dtypes,
-            const std::vector<std::vector<int64_t>>& shapes, bool quantize_on_update) {
-           if (dtypes.size() != names.size() || shapes.size() != names.size())
-             throw error{errc::invalid_argument,
-                         "update_weights_from_distributed: names, dtypes and shapes differ "
-                         "in length"};
-           std::vector<host_tensor> tensors;
-           for (size_t i = 0; i < names.size(); ++i)
-             tensors.push_back({names[i], dtypes[i], shapes[i], nullptr});
-           weight_update_options o;
-           o.quantize_on_update = quantize_on_update;
-           e.call([&](llm& m) {
-             m.update_weights_from_distributed(tensors, o);
-             return 0;
-           });
-         },
-         "names"_a, "dtypes"_a, "shapes"_a, "quantize_on_update"_a)
+    .def(
+      "update_weights_from_distributed",
+      [](engine& e, const std::vector<std::string>& names, const std::vector<std::string>& dtypes,
+         const std::vector<std::vector<int64_t>>& shapes, bool quantize_on_update) {
+        if (dtypes.size() != names.size() || shapes.size() != names.size())
+          throw error{errc::invalid_argument,
+                      "update_weights_from_distributed: names, dtypes and shapes differ "
+                      "in length"};
+        std::vector<host_tensor> tensors;
+        for (size_t i = 0; i < names.size(); ++i)
+          tensors.push_back({names[i], dtypes[i], shapes[i], nullptr});
+        weight_update_options o;
+        o.quantize_on_update = quantize_on_update;
+        e.call([&](llm& m) {
+          m.update_weights_from_distributed(tensors, o);
+          return 0;
+        });
+      },
+      "names"_a, "dtypes"_a, "shapes"_a, "quantize_on_update"_a)
     .def("weight_version",
          [](engine& e) { return e.call([](llm& m) { return m.weight_version(); }); })
     .def("worker_healths",
