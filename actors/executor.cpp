@@ -318,9 +318,9 @@ struct executor::impl {
   }
 
   /// execute_model, made through `send_direct`.
-  auto step_of(const execute_model_request& request) {
-    return [request, t = cfg.rpc_timeout](supervisor_access& access,
-                                          reply_to<std::vector<sampler_output>> reply) mutable {
+  auto step_of(execute_model_request request) {
+    return [request = std::move(request), t = cfg.rpc_timeout](
+             supervisor_access& access, reply_to<std::vector<sampler_output>> reply) mutable {
       access.execute_model(std::move(request), t, std::move(reply));
     };
   }
@@ -693,15 +693,17 @@ std::future<void> executor::initialize_cache_async(const cache_blocks& blocks) {
   return impl_->ask_async<void>(init_cache_atom::value, blocks);
 }
 
-std::vector<sampler_output> executor::execute_model(const execute_model_request& request) {
+std::vector<sampler_output> executor::execute_model(execute_model_request request) {
   auto& d = *impl_;
-  return d.ask_direct<std::vector<sampler_output>>(d.cfg.rpc_timeout, d.step_of(request));
+  return d.ask_direct<std::vector<sampler_output>>(d.cfg.rpc_timeout,
+                                                   d.step_of(std::move(request)));
 }
 
 std::future<std::vector<sampler_output>>
-executor::execute_model_async(const execute_model_request& request) {
+executor::execute_model_async(execute_model_request request) {
   auto& d = *impl_;
-  return d.ask_async_direct<std::vector<sampler_output>>(d.cfg.rpc_timeout, d.step_of(request));
+  return d.ask_async_direct<std::vector<sampler_output>>(d.cfg.rpc_timeout,
+                                                         d.step_of(std::move(request)));
 }
 
 void executor::stop_remote_worker_execution_loop() {

@@ -124,7 +124,12 @@ struct llm::impl {
     /// The request it is a sample of (its id), and which.
     int64_t request = 0;
     int32_t index = 0;
+    /// What the caller gets at the end; the tokens, logprobs and top logprobs are taken
+    /// from the scheduler's request then (kept once: a step touches as few lines of memory
+    /// as it can, since the attention between steps evicts them at long lengths).
     generation_output out;
+    /// Output tokens sent in updates so far.
+    size_t reported = 0;
     std::vector<std::string> stop;
     /// Stop strings count from here in the text: after the output's first min_tokens
     /// tokens (less a stop string's length, for one that ends past them); unknown (-1)
@@ -275,7 +280,7 @@ void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
   generation_update u;
   u.request_id = l.request;
   u.index = l.index;
-  if (out.token_ids.empty() && !r.output.empty() && !r.prompt_logprobs.empty()) {
+  if (l.reported == 0 && !r.output.empty() && !r.prompt_logprobs.empty()) {
     // The prompt is computed: its logprobs, past a prompt adapter's virtual tokens.
     auto virtual_tokens = static_cast<int32_t>(r.prompt.size() - out.prompt_token_ids.size());
     for (auto p : r.prompt_logprobs)
@@ -285,16 +290,13 @@ void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
       }
     u.prompt_logprobs = out.prompt_logprobs;
   }
-  for (size_t i = out.token_ids.size(); i < r.output.size(); ++i) {
-    u.token_ids.push_back(r.output[i]);
-    u.logprobs.push_back(r.logprobs[i]);
-    u.top_logprobs.push_back(r.top_logprobs[i]);
-    out.token_ids.push_back(r.output[i]);
-    out.logprobs.push_back(r.logprobs[i]);
-    out.top_logprobs.push_back(r.top_logprobs[i]);
-  }
+  auto from = static_cast<std::ptrdiff_t>(l.reported);
+  u.token_ids.assign(r.output.begin() + from, r.output.end());
+  u.logprobs.assign(r.logprobs.begin() + from, r.logprobs.end());
+  u.top_logprobs.assign(r.top_logprobs.begin() + from, r.top_logprobs.end());
+  l.reported = r.output.size();
   counts.generation_tokens += static_cast<int64_t>(u.token_ids.size());
-  if (out.first_token_seconds == 0 && !out.token_ids.empty())
+  if (out.first_token_seconds == 0 && l.reported > 0)
     out.first_token_seconds = since();
   size_t keep = l.text.size();
   if (finished) {
@@ -321,6 +323,9 @@ void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
     l.sent = keep;
   }
   if (finished) {
+    out.token_ids = r.output;
+    out.logprobs = r.logprobs;
+    out.top_logprobs = r.top_logprobs;
     out.text = std::move(l.text);
     out.index = l.index;
     out.finish_reason = r.finish_reason;
@@ -390,10 +395,10 @@ void llm::impl::apply(const std::vector<sampler_output>& result, bool samples,
   std::vector<int64_t> stopped;
   for (auto& [seq, r] : sched->unfinished()) {
     auto& l = live.at(seq);
-    if (r.output.size() == l.out.token_ids.size())
+    if (r.output.size() == l.reported)
       continue; // nothing new (waiting, swapped, a prefill chunk)
     if (l.guide)
-      for (auto i = l.out.token_ids.size(); i < r.output.size(); ++i)
+      for (auto i = l.reported; i < r.output.size(); ++i)
         l.guide->accept(r.output[i]);
     detokenize(l, r, false);
     if (find_stop(l, r) != std::string::npos)
@@ -756,8 +761,10 @@ std::vector<generation_update> llm::step() {
   auto& d = *impl_;
   auto& sched = *d.sched;
   std::vector<generation_update> updates;
-  auto send = [&](const execute_model_request& step) {
-    d.steps.push_back({d.exec->execute_model_async(step), !step.seq_group_metadata_list.empty()});
+  updates.reserve(d.live.size());
+  auto send = [&](execute_model_request& step) {
+    bool samples = !step.seq_group_metadata_list.empty();
+    d.steps.push_back({d.exec->execute_model_async(std::move(step)), samples});
   };
   auto count = [&](const execute_model_request& step) {
     ++d.counts.steps;
@@ -812,7 +819,7 @@ std::vector<generation_update> llm::step() {
       // blocking call, which costs fewer hops.
       auto ahead = d.cfg.scheduler.async_scheduling ? sched.schedule_ahead() : std::nullopt;
       if (!ahead) {
-        d.apply(wait([&] { return d.exec->execute_model(step); }), samples, updates);
+        d.apply(wait([&] { return d.exec->execute_model(std::move(step)); }), samples, updates);
         return updates;
       }
       send(step);

@@ -127,6 +127,7 @@ execute_model_request scheduler::schedule() {
     throw error{errc::invalid_argument,
                 "scheduler: schedule() while a step is in flight; update() it first"};
   execute_model_request step;
+  step.seq_group_metadata_list.reserve(running_.size() + swapped_.size() + waiting_.size());
   scheduled_.clear();
   int64_t budget = config_.max_num_batched_tokens;
   // Prompt logprobs come from a row of logits per prompt token (a vocabulary of floats to the
@@ -311,6 +312,7 @@ std::optional<execute_model_request> scheduler::schedule_ahead() {
       new_blocks > blocks_.free_device_blocks())
     return std::nullopt;
   execute_model_request step;
+  step.seq_group_metadata_list.reserve(seqs.size());
   scheduled_.clear();
   for (auto seq : seqs) {
     auto& r = requests_.at(seq);
@@ -332,6 +334,16 @@ void scheduler::update(const sampler_output& output) {
     throw error{errc::invalid_argument, "scheduler: " + std::to_string(output.outputs.size()) +
                                           " outputs for " + std::to_string(seqs.size()) +
                                           " scheduled sequences"};
+  // The ends of the outputs this step appends to, asked for all at once: between steps the
+  // attention of long sequences evicts them, and one miss after another would cost a
+  // request's worth of memory latency each.
+  for (auto seq : seqs)
+    if (auto found = requests_.find(seq); found != requests_.end()) {
+      auto& r = found->second;
+      __builtin_prefetch(r.output.data() + r.output.size(), 1);
+      __builtin_prefetch(r.logprobs.data() + r.logprobs.size(), 1);
+      __builtin_prefetch(r.top_logprobs.data() + r.top_logprobs.size(), 1);
+    }
   for (size_t i = 0; i < seqs.size(); ++i) {
     auto seq = seqs[i];
     auto found = requests_.find(seq);

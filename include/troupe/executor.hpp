@@ -105,7 +105,8 @@ public:
   /// Runs one step and returns the driver's output. The first call starts the execution
   /// loop on the other workers; later steps go to the driver, which hands them on.
   /// Errors: `sleeping` while any memory tag sleeps, the loop's error if a peer failed.
-  std::vector<sampler_output> execute_model(const execute_model_request& request);
+  /// Taken by value: a caller done with its request moves it in, and nothing copies it.
+  std::vector<sampler_output> execute_model(execute_model_request request);
 
   /// Stops the execution loop of the non-driver workers and waits for it to end; does
   /// nothing when no loop runs.
@@ -201,8 +202,7 @@ public:
                                                               const rpc_call_options& opts = {});
   std::future<cache_blocks> determine_num_available_blocks_async();
   std::future<void> initialize_cache_async(const cache_blocks& blocks);
-  std::future<std::vector<sampler_output>>
-  execute_model_async(const execute_model_request& request);
+  std::future<std::vector<sampler_output>> execute_model_async(execute_model_request request);
   std::future<void> stop_remote_worker_execution_loop_async();
   std::future<bool> add_lora_async(const lora_request& request);
   std::future<bool> remove_lora_async(int64_t lora_id);
