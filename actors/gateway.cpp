@@ -311,7 +311,7 @@ private:
       settings_->log->warn("refused {}: a message forged as from this node", peer_);
       return close();
     }
-    if (!peer_node_.empty() && peer_node_ == policy.holder())
+    if (!peer_node_.empty() && policy.holds(peer_node_))
       return pass();
     // Anyone else speaks for itself, to the gate.
     uint64_t dest = 0;

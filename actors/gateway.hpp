@@ -33,9 +33,9 @@ struct frame_policy {
   std::string this_node;
   /// The gate's actor id.
   uint64_t gate = 0;
-  /// The lease holder's node id, as CAF serializes it; empty while nobody holds the lease.
-  /// Called on the gateway's thread.
-  std::function<std::string()> holder;
+  /// Whether `node` (a node id as CAF serializes it) is the lease holder's; false while
+  /// nobody holds the lease. Called on the gateway's thread, for every frame of a peer.
+  std::function<bool(const std::string& node)> holds;
 };
 
 /// How a node's gateway listens and whom it lets through.

@@ -104,10 +104,10 @@ struct node_lease {
     token_ = random_challenge();
   }
 
-  /// The holder's node id as CAF serializes it (`frame_policy::holder`); empty when none.
-  std::string holder_node() {
+  /// Whether `node` (serialized) is the holder's (`frame_policy::holds`).
+  bool held_by(const std::string& node) {
     std::lock_guard<std::mutex> guard{mtx_};
-    return holder_node_;
+    return !holder_node_.empty() && node == holder_node_;
   }
 
   std::string token() {
@@ -437,7 +437,7 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   auto policy = std::make_shared<frame_policy>();
   policy->this_node = serialized(*d.sys, d.sys->node());
   policy->gate = d.gate.id();
-  policy->holder = [lease = d.lease] { return lease->holder_node(); };
+  policy->holds = [lease = d.lease](const std::string& node) { return lease->held_by(node); };
   listen.policy = std::move(policy);
   // The middleman listens nowhere: the gateway is the node's only socket, and hands it
   // each connection it accepted (TLS ended, frames bounded) over a private socket pair, as
