@@ -336,20 +336,20 @@ void scheduler::update(const sampler_output& output) {
                                           " scheduled sequences"};
   // The ends of the outputs this step appends to, asked for all at once: between steps the
   // attention of long sequences evicts them, and one miss after another would cost a
-  // request's worth of memory latency each.
-  for (auto seq : seqs)
-    if (auto found = requests_.find(seq); found != requests_.end()) {
-      auto& r = found->second;
+  // request's worth of memory latency each. Null: finished after this step was sent.
+  std::vector<engine_request*> stepped(seqs.size(), nullptr);
+  for (size_t i = 0; i < seqs.size(); ++i)
+    if (auto found = requests_.find(seqs[i]); found != requests_.end()) {
+      auto& r = *(stepped[i] = &found->second);
       __builtin_prefetch(r.output.data() + r.output.size(), 1);
       __builtin_prefetch(r.logprobs.data() + r.logprobs.size(), 1);
       __builtin_prefetch(r.top_logprobs.data() + r.top_logprobs.size(), 1);
     }
   for (size_t i = 0; i < seqs.size(); ++i) {
     auto seq = seqs[i];
-    auto found = requests_.find(seq);
-    if (found == requests_.end())
-      continue; // finished after this step was sent
-    auto& r = found->second;
+    if (stepped[i] == nullptr)
+      continue;
+    auto& r = *stepped[i];
     // Prompt logprobs come in position order; a recomputation's again.
     for (auto& p : output.outputs[i].prompt_logprobs)
       if (p.position == static_cast<int32_t>(r.prompt_logprobs.size()) + 1)

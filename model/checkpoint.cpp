@@ -321,29 +321,22 @@ uint64_t hash_bytes(const void* data, size_t size) {
 
 std::string checkpoint::fingerprint(const std::string& config_text, bool tensors,
                                     uint64_t content) const {
-  uint64_t hash = 14695981039346656037ull; // FNV-1a
-  auto mix = [&](const void* data, size_t size) {
-    auto p = static_cast<const unsigned char*>(data);
-    for (size_t i = 0; i < size; ++i)
-      hash = (hash ^ p[i]) * 1099511628211ull;
-  };
-  mix(config_text.data(), config_text.size());
+  auto hash = hash_bytes(config_text.data(), config_text.size());
   for (auto& [name, t] : index_) {
     if (!tensors)
       break;
-    mix(name.data(), name.size());
-    mix(&t->type, sizeof t->type);
+    hash = mix_hash(hash, hash_bytes(name.data(), name.size()));
+    hash = mix_hash(hash, static_cast<uint64_t>(t->type));
     for (auto d : t->shape)
-      mix(&d, sizeof d);
+      hash = mix_hash(hash, static_cast<uint64_t>(d));
   }
-  mix(&content, sizeof content);
+  hash = mix_hash(hash, content);
   char text[17];
   std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(hash));
   return text;
 }
 
-uint64_t checkpoint::tensor_hash(const std::string& name) const {
-  auto& t = at(name);
+uint64_t checkpoint::tensor_hash(const tensor_view& t) {
   return hash_bytes(t.data, t.bytes);
 }
 
@@ -351,7 +344,7 @@ uint64_t checkpoint::content_hash(std::map<std::string, uint64_t> known) const {
   uint64_t combined = 0;
   for (auto& [name, t] : index_) {
     auto i = known.find(name);
-    auto hash = i != known.end() ? i->second : hash_bytes(t->data, t->bytes);
+    auto hash = i != known.end() ? i->second : tensor_hash(*t);
     if (i == known.end())
       release(*t);
     combined = mix_hash(combined ^ hash_bytes(name.data(), name.size()), hash);

@@ -67,8 +67,8 @@ public:
   std::string fingerprint(const std::string& config_text, bool tensors = true,
                           uint64_t content = 0) const;
 
-  /// A hash of every byte of the tensor called `name`, as stored (file order).
-  uint64_t tensor_hash(const std::string& name) const;
+  /// A hash of every byte of `t`, as stored (file order).
+  static uint64_t tensor_hash(const tensor_view& t);
 
   /// `tensor_hash`es of every tensor combined in name order: those in `known` (by name)
   /// taken as they are, the others computed (and their pages given back).

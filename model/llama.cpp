@@ -502,7 +502,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     auto& t = ckpt.at(jobs[n].name);
     // Hashed as it is read for the copy: the file is read from the disk once.
     if (hash_weights_)
-      hashes[jobs[n].name] = ckpt.tensor_hash(jobs[n].name);
+      hashes[jobs[n].name] = checkpoint::tensor_hash(t);
     write_weight(jobs[n], t, static_cast<char*>(weights_.data()) + offsets[n], presharded,
                  "model '" + ckpt.directory() + "'");
     ckpt.release(t);
