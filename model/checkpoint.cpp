@@ -261,6 +261,21 @@ void checkpoint::release(const tensor_view& t) const {
       f->file().release(t.data, t.bytes);
 }
 
+std::optional<checkpoint::file_place> checkpoint::place_of(const std::byte* p) const {
+  auto in = [&](const mapped_file& f) -> std::optional<file_place> {
+    if (!f.contains(p))
+      return std::nullopt;
+    return file_place{f.fd(), static_cast<std::size_t>(p - f.data())};
+  };
+  if (gguf_)
+    if (auto at = in(gguf_->file()))
+      return at;
+  for (auto& f : files_)
+    if (auto at = in(f->file()))
+      return at;
+  return std::nullopt;
+}
+
 const tensor_view& checkpoint::at(const std::string& name) const {
   auto i = index_.find(name);
   if (i == index_.end())

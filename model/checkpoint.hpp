@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,14 @@ public:
   /// a mapped file; it stays readable (from the file). See `mapped_file::release`.
   void release(const tensor_view& t) const;
 
+  /// Where the bytes at `p` lie in one of this checkpoint's files: its descriptor (open as
+  /// long as the checkpoint is) and the offset of `p` in it.
+  struct file_place {
+    int fd;
+    std::size_t offset;
+  };
+  /// The file place of `p` (a tensor's data); none for tensors in memory.
+  std::optional<file_place> place_of(const std::byte* p) const;
   /// Every tensor name, sorted.
   std::vector<std::string> names() const;
 

@@ -5,6 +5,7 @@
 #include "troupe/errors.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -15,6 +16,8 @@
 #include <optional>
 #include <set>
 #include <thread>
+
+#include <unistd.h>
 
 namespace troupe {
 
@@ -403,8 +406,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
   // Every shape is checked and placed first, so that a checkpoint that does not fit changes
   // nothing; a reload finds the same layout and writes into the same memory.
   std::vector<std::vector<int64_t>> local_shapes;
-  std::vector<size_t> offsets;
-  size_t total = 0;
+  std::vector<size_t> sizes;
   for (auto& j : jobs) {
     // A weight (not a norm or a bias) keeps the checkpoint's type when asked to, when the
     // device computes in it and when this rank's part is whole blocks of it.
@@ -431,9 +433,15 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       world_ > 1 && (j.slot == &lm_head_ || (j.slot == &embed_ && cfg_.tie_word_embeddings));
     j.packed =
       j.as_stored && local.size() == 2 && !sliced && backend_->packs(j.type, local[0], local[1]);
-    offsets.push_back(pack(total, storage_bytes(j.type, numel)));
+    sizes.push_back(storage_bytes(j.type, numel));
     local_shapes.push_back(local);
   }
+  auto in_place = map_in_place(ckpt, jobs, local_shapes, presharded);
+  std::vector<size_t> offsets(jobs.size(), 0);
+  size_t total = 0;
+  for (size_t n = 0; n < jobs.size(); ++n)
+    if (in_place[n] == nullptr)
+      offsets[n] = pack(total, sizes[n]);
   // What the weights' bytes are made of, for the weight cache: a file holds them only
   // under exactly this description.
   auto layout = [&] {
@@ -442,8 +450,9 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
                        std::to_string(total) + "\n";
     for (size_t n = 0; n < jobs.size(); ++n) {
       auto& j = jobs[n];
-      text += j.name + " " + dtype_name(j.type) + (j.packed ? " packed" : "") + " at " +
-              std::to_string(offsets[n]) + " from " + std::to_string(j.start) + " split " +
+      text += j.name + " " + dtype_name(j.type) + (j.packed ? " packed" : "") +
+              (in_place[n] != nullptr ? " in place" : " at " + std::to_string(offsets[n])) +
+              " from " + std::to_string(j.start) + " split " +
               std::to_string(static_cast<int>(j.split)) + " shape " + shape_text(local_shapes[n]) +
               (j.offset != 0 ? " plus " + std::to_string(j.offset) : "") + "\n";
     }
@@ -454,7 +463,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
   if (weights_.size() != total) {
     graphs_.clear();
     weights_.reset();
-    if (!cache_directory_.empty()) {
+    if (!cache_directory_.empty() && total > 0) {
       std::error_code ec;
       auto model = std::filesystem::absolute(ckpt.directory(), ec).lexically_normal().string();
       weight_cache_key key{model, ckpt.identity(), layout()};
@@ -475,7 +484,8 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
   }
   auto place = [&] {
     for (size_t n = 0; n < jobs.size(); ++n) {
-      jobs[n].slot->ptr = static_cast<char*>(weights_.data()) + offsets[n];
+      jobs[n].slot->ptr =
+        in_place[n] != nullptr ? in_place[n] : static_cast<char*>(weights_.data()) + offsets[n];
       jobs[n].slot->type = jobs[n].type;
       jobs[n].slot->packed = jobs[n].packed;
     }
@@ -497,14 +507,31 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     keep();
     return;
   }
+  const auto source = "model '" + ckpt.directory() + "'";
+  // In place, the values are checked where they are, as a copy's are as it is made; on all
+  // of the rank's threads, as they only read.
+  std::vector<size_t> used_in_place;
+  for (size_t n = 0; n < jobs.size(); ++n)
+    if (in_place[n] != nullptr)
+      used_in_place.push_back(n);
+  parallel_each(used_in_place.size(), threads_per_rank(world_), [&](size_t i) {
+    auto n = used_in_place[i];
+    auto& j = jobs[n];
+    auto elements = local_shapes[n][0] * local_shapes[n][1];
+    if (auto at = first_non_finite(j.type, in_place[n], static_cast<size_t>(elements)))
+      throw error{errc::invalid_argument, source + ": tensor '" + j.name +
+                                            "' holds NaN or an infinity (element " +
+                                            std::to_string(*at) + " of this rank's part)"};
+  });
   std::map<std::string, uint64_t> hashes;
   for (size_t n = 0; n < jobs.size(); ++n) {
     auto& t = ckpt.at(jobs[n].name);
     // Hashed as it is read for the copy: the file is read from the disk once.
     if (hash_weights_)
       hashes[jobs[n].name] = checkpoint::tensor_hash(t);
-    write_weight(jobs[n], t, static_cast<char*>(weights_.data()) + offsets[n], presharded,
-                 "model '" + ckpt.directory() + "'");
+    if (in_place[n] == nullptr)
+      write_weight(jobs[n], t, static_cast<char*>(weights_.data()) + offsets[n], presharded,
+                   source);
     ckpt.release(t);
     if (progress)
       progress(n + 1, jobs.size());
@@ -524,6 +551,61 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     place();
   }
   keep();
+}
+
+std::vector<char*> llama_model::map_in_place(const checkpoint& ckpt,
+                                             const std::vector<weight_job>& jobs,
+                                             const std::vector<std::vector<int64_t>>& local_shapes,
+                                             bool presharded) {
+  if (!mapped_.empty())
+    graphs_.clear(); // recorded against the old mappings
+  mapped_.clear();
+  // A weight kept as stored, in the file's row order and of whole rows, is used where the
+  // file has it, as llama.cpp does: a private mapping of the file, whose pages are the page
+  // cache's, shared with every process that maps it, rather than a copy into fresh
+  // memory. What is written into it (an update) stays in this process.
+  struct stored_part {
+    size_t job;
+    std::size_t offset;
+    std::size_t bytes;
+  };
+  std::map<int, std::vector<stored_part>> by_file;
+  for (size_t n = 0; n < jobs.size(); ++n) {
+    auto& j = jobs[n];
+    auto& t = ckpt.at(j.name);
+    bool whole_rows = presharded || j.split != part::cols || j.count == t.shape[1];
+    if (!j.as_stored || j.packed || local_shapes[n].size() != 2 || !t.row_order.empty() ||
+        !whole_rows)
+      continue;
+    auto first = presharded || j.split != part::rows ? 0 : j.start;
+    auto stride = row_bytes(t);
+    if (auto at = ckpt.place_of(t.data + static_cast<size_t>(first) * stride))
+      by_file[at->fd].push_back({n, at->offset, static_cast<size_t>(local_shapes[n][0]) * stride});
+  }
+  std::vector<char*> in_place(jobs.size(), nullptr);
+  static const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  for (auto& [fd, parts] : by_file) {
+    std::size_t lo = SIZE_MAX;
+    std::size_t hi = 0;
+    std::size_t used = 0;
+    for (auto& p : parts) {
+      lo = std::min(lo, p.offset);
+      hi = std::max(hi, p.offset + p.bytes);
+      used += p.bytes;
+    }
+    lo = lo / page * page;
+    // The whole span is mapped and resident: where the weights used in place are a small
+    // part of it (the fast path packs most), they are copied instead.
+    if (used * 2 < hi - lo)
+      continue;
+    auto mapping = device_buffer::map_file(dev_, fd, lo, hi - lo, memory_tag::weights, false);
+    if (mapping.size() == 0)
+      continue; // a device whose memory is not the host's
+    for (auto& p : parts)
+      in_place[p.job] = static_cast<char*>(mapping.data()) + (p.offset - lo);
+    mapped_.push_back(std::move(mapping));
+  }
+  return in_place;
 }
 
 void llama_model::write_weight(const weight_job& j, const tensor_view& t, char* dst,

@@ -316,6 +316,12 @@ private:
   /// the same: a buffer (`rope_freqs.weight`, `inv_freq`), an output head beside tied
   /// embeddings, another rank's expert (unless `presharded`).
   bool passed_over(const std::string& name, bool presharded) const;
+  /// Maps the checkpoint's pages of the jobs that are used in place (`mapped_`, replacing
+  /// any earlier) and returns where each job's weight is in them; nullptr for a job that is
+  /// copied. `local_shapes`: each job's.
+  std::vector<char*> map_in_place(const checkpoint& ckpt, const std::vector<weight_job>& jobs,
+                                  const std::vector<std::vector<int64_t>>& local_shapes,
+                                  bool presharded);
   /// Writes this rank's part of `t` (as `j` says) at `dst`; `presharded`: `t` is the part.
   /// Throws `invalid_argument` naming `j.name` and `source` for NaN or an infinity, unless
   /// `checked` (an update looked at every value before writing any).
@@ -436,6 +442,9 @@ private:
   /// Every weight of this rank in one allocation under `memory_tag::weights`: a GPU maps
   /// memory in 2 MiB granules, so one allocation per tensor would round each small one up.
   device_buffer weights_;
+  /// The checkpoint files' pages that weights kept as stored are used from in place (one
+  /// private mapping a file, under `memory_tag::weights`): no copy, no fresh memory.
+  std::vector<device_buffer> mapped_;
   /// `use_weight_cache`.
   std::string cache_directory_;
   bool hash_weights_ = false;

@@ -55,15 +55,15 @@ mapped_file::mapped_file(const std::string& path, const char* kind, std::size_t 
   auto fail = [&](const std::string& what) {
     throw error{errc::invalid_argument, std::string{kind} + " '" + path + "': " + what};
   };
-  int fd = open_regular(path, kind, size_, &identity_);
+  fd_ = open_regular(path, kind, size_, &identity_);
   if (size_ < min_size) {
-    ::close(fd);
+    ::close(fd_);
     fail("only " + std::to_string(size_) + " bytes, too short for a header");
   }
-  map_ = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  auto err = errno;
-  ::close(fd);
+  map_ = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd_, 0);
   if (map_ == MAP_FAILED) {
+    auto err = errno;
+    ::close(fd_);
     map_ = nullptr;
     fail(std::string{"mmap failed: "} + std::strerror(err));
   }
@@ -111,8 +111,8 @@ void mapped_file::release(const void* p, std::size_t bytes) const {
 }
 
 mapped_file::~mapped_file() {
-  if (map_ != nullptr)
-    munmap(map_, size_);
+  munmap(map_, size_);
+  ::close(fd_);
 }
 
 } // namespace troupe

@@ -29,6 +29,11 @@ public:
     return identity_;
   }
 
+  /// The open file (read-only), for a second mapping of its pages: the same file as the
+  /// mapping's, whatever happens to its path meanwhile.
+  int fd() const {
+    return fd_;
+  }
   /// Whether `p` points into the mapping.
   bool contains(const void* p) const;
 
@@ -40,6 +45,7 @@ public:
 private:
   void* map_ = nullptr;
   std::size_t size_ = 0;
+  int fd_ = -1;
   std::string identity_;
 };
 

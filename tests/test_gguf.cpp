@@ -29,6 +29,7 @@
 #include <set>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -624,6 +625,82 @@ TEST_CASE("the weight cache: a later load maps what the first packed and compute
   }
   CHECK(cache_files().size() == 4);
   fs::remove_all(root);
+}
+
+/// The file `p` is mapped from, as /proc/self/maps says; empty for memory that is no file's.
+std::string mapped_from(const void* p) {
+  std::ifstream maps{"/proc/self/maps"};
+  auto at = reinterpret_cast<uintptr_t>(p);
+  for (std::string line; std::getline(maps, line);) {
+    std::istringstream in{line}; // begin-end perms offset device inode path
+    std::string range, perms, offset, device, inode, path;
+    in >> range >> perms >> offset >> device >> inode;
+    std::getline(in >> std::ws, path);
+    auto dash = range.find('-');
+    if (at >= std::stoull(range.substr(0, dash), nullptr, 16) &&
+        at < std::stoull(range.substr(dash + 1), nullptr, 16))
+      return path;
+  }
+  return "";
+}
+
+TEST_CASE("weights kept as stored are used from the file's pages, not copied, and what an "
+          "update writes or a sleep drops stays in the process") {
+  namespace fs = std::filesystem;
+  auto path =
+    (fs::temp_directory_path() / ("troupe-in-place-" + std::to_string(getpid()) + ".gguf"))
+      .string();
+  const std::vector<int32_t> prompt{1, 17, 42, 99, 150, 3, 8};
+  auto bytes_of = [](const std::string& p) {
+    std::ifstream in{p, std::ios::binary};
+    return std::string{std::istreambuf_iterator<char>{in}, {}};
+  };
+  for (auto type : {"F16", "Q8_0", "Q4_0"}) {
+    CAPTURE(type);
+    fs::copy_file(file_of(type), path, fs::copy_options::overwrite_existing);
+    auto on_disk = bytes_of(path);
+    auto cfg = checkpoint::gguf_config(path);
+    cpu_device dev{0};
+    llama_model model{cfg, dev, 0, 1, dtype::f32, true};
+    model.load(checkpoint::from_gguf(path, cfg));
+    auto held = [&](const std::string& name) {
+      for (auto& t : model.tensors())
+        if (t.name == name)
+          return t.data;
+      FAIL("no tensor " << name);
+      return static_cast<const void*>(nullptr);
+    };
+    const std::string down = "model.layers.0.mlp.down_proj.weight";
+    // The down projection is the file's; q, whose rows the file keeps in llama.cpp's rotary
+    // order, is a copy in Hugging Face's.
+    CHECK(mapped_from(held(down)) == path);
+    CHECK(mapped_from(held("model.layers.0.self_attn.q_proj.weight")) != path);
+    auto want = prefill_logits(model, dev, cfg, prompt);
+    // An update writes layer 1's down projection over layer 0's: the logits change, the
+    // file does not, and a new load reads the file's.
+    auto ckpt = checkpoint::from_gguf(path, cfg);
+    auto other = ckpt.at("model.layers.1.mlp.down_proj.weight");
+    other.name = down;
+    model.update(checkpoint::from_tensors("update", {other}, cfg), {});
+    auto updated = prefill_logits(model, dev, cfg, prompt);
+    CHECK(updated != want);
+    CHECK(bytes_of(path) == on_disk);
+    {
+      llama_model again{cfg, dev, 0, 1, dtype::f32, true};
+      again.load(ckpt);
+      CHECK(prefill_logits(again, dev, cfg, prompt) == want);
+    }
+    // Level 1 keeps the updated weights; level 2 drops them, and a reload maps the file again.
+    dev.sleep(sleep_level::offload_weights);
+    dev.wake_up({});
+    CHECK(prefill_logits(model, dev, cfg, prompt) == updated);
+    dev.sleep(sleep_level::discard);
+    dev.wake_up({});
+    model.load(ckpt);
+    CHECK(mapped_from(held(down)) == path);
+    CHECK(prefill_logits(model, dev, cfg, prompt) == want);
+  }
+  fs::remove(path);
 }
 
 TEST_CASE("broken GGUF files are errors naming the file and the tensor") {
