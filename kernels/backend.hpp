@@ -212,10 +212,13 @@ public:
   virtual void scatter_add_rows(const float* x, const int32_t* rows, const float* weights, float* y,
                                 int64_t n, int64_t dim) = 0;
 
-  /// Writes `tokens` rows of `row` floats of keys and values into one layer's cache
-  /// ([slots, row]): token t goes to slot `slots[t]` (block × block_size + offset).
+  /// Writes `tokens` rows of keys and values (`kv_heads` × `head_dim` floats each, as
+  /// `layout` says) into one layer's cache: token t goes to slot `slots[t]` (block ×
+  /// block_size + offset). Where in its block a slot's floats go is the backend's own
+  /// layout, the one its `paged_attention` reads; a block is a whole: block moves copy it as
+  /// bytes.
   virtual void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,
-                        const int32_t* slots, int64_t tokens, int64_t row) = 0;
+                        const int32_t* slots, int64_t tokens, const paged_layout& layout) = 0;
 
   /// Causal grouped-query attention of `tokens` query rows ([tokens, heads, head_dim]) over
   /// one layer's paged cache.

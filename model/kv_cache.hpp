@@ -30,8 +30,9 @@ public:
   static int64_t bytes_per_block(int64_t layers, int64_t kv_heads, int64_t head_dim,
                                  int64_t block_size);
 
-  /// The keys (values) of `layer`: [device blocks × block_size slots, kv_heads × head_dim],
-  /// slot = block × block_size + offset.
+  /// The keys (values) of `layer`: device blocks of block_size slots, kv_heads × head_dim
+  /// floats a slot (slot = block × block_size + offset), laid out within each block as the
+  /// backend writes them (`backend::write_kv`).
   float* keys(int64_t layer) {
     return at(layer, 0, 0, 0, 0);
   }

@@ -1194,7 +1194,7 @@ void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b,
   bool local = b.local_cos && b.layout.window > 0;
   be.rotary(b.q, local_heads_, b.k, local_kv_, T, cfg_.head_dim, cfg_.rotated_dims(),
             local ? b.local_cos : b.cos, local ? b.local_sin : b.sin);
-  be.write_kv(b.k, b.v, cache.keys(layer), cache.values(layer), b.slots, T, kv_width);
+  be.write_kv(b.k, b.v, cache.keys(layer), cache.values(layer), b.slots, T, b.layout);
   const double scaled_by = cfg_.query_pre_attn_scalar > 0 ? cfg_.query_pre_attn_scalar
                                                           : static_cast<double>(cfg_.head_dim);
   const auto scale = static_cast<float>(1.0 / std::sqrt(scaled_by));

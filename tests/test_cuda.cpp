@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <numeric>
 #include <vector>
 
 using namespace troupe;
@@ -365,16 +366,26 @@ TEST_CASE("paged attention over a paged cache matches the CPU attention, GQA and
   cpu_layout.max_blocks = long_blocks;
   cpu_layout.token_seq = first_seq.data();
   cpu_layout.positions = long_position.data();
+  // The same keys and values (slot by slot) through each backend's write_kv: where a slot
+  // lies in a block is each backend's own layout.
+  std::vector<int32_t> every_slot(static_cast<size_t>(long_blocks * block_size));
+  std::iota(every_slot.begin(), every_slot.end(), 0);
+  std::vector<float> cpu_k(long_k.size()), cpu_v(long_v.size());
+  cpu_backend->write_kv(long_k.data(), long_v.data(), cpu_k.data(), cpu_v.data(), every_slot.data(),
+                        static_cast<int64_t>(every_slot.size()), cpu_layout);
   want.assign(long_q.size(), 0.0f);
-  cpu_backend->paged_attention(long_q.data(), want.data(), long_k.data(), long_v.data(), cpu_layout,
+  cpu_backend->paged_attention(long_q.data(), want.data(), cpu_k.data(), cpu_v.data(), cpu_layout,
                                1, scale);
   paged_layout gpu_layout = cpu_layout;
   gpu_layout.block_tables = upload(dev, long_table);
   gpu_layout.token_seq = upload(dev, first_seq);
   gpu_layout.positions = upload(dev, long_position);
   auto long_out = upload(dev, std::vector<float>(long_q.size()));
-  cuda::paged_attention(upload(dev, long_q), long_out, upload(dev, long_k), upload(dev, long_v),
-                        gpu_layout, 1, scale, s);
+  auto gpu_k = upload(dev, std::vector<float>(long_k.size()));
+  auto gpu_v = upload(dev, std::vector<float>(long_v.size()));
+  cuda::write_kv(upload(dev, long_k), upload(dev, long_v), gpu_k, gpu_v, upload(dev, every_slot),
+                 static_cast<int64_t>(every_slot.size()), row, s);
+  cuda::paged_attention(upload(dev, long_q), long_out, gpu_k, gpu_v, gpu_layout, 1, scale, s);
   CHECK(max_relative_error(download(dev, long_out, long_q.size()), want) < 1e-5);
 }
 

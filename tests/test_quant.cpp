@@ -389,32 +389,45 @@ TEST_CASE("the thread pool runs every part once, call after call") {
   }
 }
 
-TEST_CASE("attention: every instruction set gives the portable attention's outputs") {
+TEST_CASE("attention: every instruction set gives the portable attention's outputs, for "
+          "query heads alone and in groups that share keys and values") {
   // Head sizes of whole vectors (2, 4, 8 of them: held in registers) and with a tail;
-  // positions scattered as a paged cache has them (offsets into one buffer, out of order).
+  // positions scattered as a paged cache has them (offsets into one buffer, out of order);
+  // groups of 1 to 9 heads (taken 4 at a time, the rest after).
   for (int64_t head_dim : {64, 24, 7, 32, 128}) {
     for (int64_t len : {1, 5, 130}) {
-      const int64_t row = 3 * head_dim;
-      auto keys = random_floats(static_cast<size_t>(len * row), 8);
-      auto values = random_floats(static_cast<size_t>(len * row), 9);
-      auto query = random_floats(static_cast<size_t>(head_dim), 10);
-      std::vector<int64_t> offsets(static_cast<size_t>(len));
-      for (int64_t p = 0; p < len; ++p)
-        offsets[static_cast<size_t>(p)] = ((p * 7) % len) * row + head_dim;
-      std::vector<float> scores(static_cast<size_t>(len));
-      std::vector<float> want(static_cast<size_t>(head_dim));
-      auto at = [&](const std::vector<float>& cache) {
-        return [&](int64_t p) { return cache.data() + offsets[static_cast<size_t>(p)]; };
-      };
-      cpu::attend(query.data(), head_dim, len, 0.125f, at(keys), at(values), scores.data(),
-                  want.data());
-      for (auto i : available()) {
-        INFO(std::string{cpu::isa_name(i)} << ", head_dim " << head_dim << " len " << len);
-        std::vector<float> got(static_cast<size_t>(head_dim), -1.0f);
-        cpu::attend(i, query.data(), head_dim, len, 0.125f, keys.data(), values.data(),
-                    offsets.data(), scores.data(), got.data());
-        for (size_t d = 0; d < got.size(); ++d)
-          REQUIRE(std::fabs(got[d] - want[d]) <= 1e-5f * (1.0f + std::fabs(want[d])));
+      for (int64_t heads : {1, 3, 4, 9}) {
+        const int64_t row = 3 * head_dim;
+        auto keys = random_floats(static_cast<size_t>(len * row), 8);
+        auto values = random_floats(static_cast<size_t>(len * row), 9);
+        auto query = random_floats(static_cast<size_t>(heads * head_dim), 10);
+        std::vector<int64_t> offsets(static_cast<size_t>(len));
+        for (int64_t p = 0; p < len; ++p)
+          offsets[static_cast<size_t>(p)] = ((p * 7) % len) * row + head_dim;
+        std::vector<float> scores(static_cast<size_t>(heads * len));
+        std::vector<float> want(static_cast<size_t>(heads * head_dim));
+        auto at = [&](const std::vector<float>& cache) {
+          return [&](int64_t p) { return cache.data() + offsets[static_cast<size_t>(p)]; };
+        };
+        for (int64_t g = 0; g < heads; ++g)
+          cpu::attend(query.data() + g * head_dim, head_dim, len, 0.125f, at(keys), at(values),
+                      scores.data(), want.data() + g * head_dim);
+        for (auto i : available()) {
+          INFO(std::string{cpu::isa_name(i)} << ", head_dim " << head_dim << " len " << len
+                                             << " heads " << heads);
+          std::vector<float> got(want.size(), -1.0f);
+          cpu::attend(i, query.data(), head_dim, heads, len, 0.125f, keys.data(), values.data(),
+                      offsets.data(), scores.data(), got.data());
+          for (size_t d = 0; d < got.size(); ++d)
+            REQUIRE(std::fabs(got[d] - want[d]) <= 1e-5f * (1.0f + std::fabs(want[d])));
+          // Each head of a group computes what it computes alone, to the bit.
+          if (heads > 1) {
+            std::vector<float> alone(static_cast<size_t>(head_dim));
+            cpu::attend(i, query.data() + (heads - 1) * head_dim, head_dim, 1, len, 0.125f,
+                        keys.data(), values.data(), offsets.data(), scores.data(), alone.data());
+            REQUIRE(std::equal(alone.begin(), alone.end(), got.end() - head_dim));
+          }
+        }
       }
     }
   }

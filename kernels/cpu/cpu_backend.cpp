@@ -223,38 +223,61 @@ public:
     }
   }
 
+  // A block holds each KV head's slots together ([kv_heads, block_size, head_dim]), so that
+  // attention reads one head's keys and values in runs of block_size · head_dim floats: a
+  // row of every head between a head's positions is a stride the hardware's prefetchers do
+  // not follow.
   void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,
-                const int32_t* slots, int64_t tokens, int64_t row) override {
-    auto bytes = static_cast<size_t>(row) * sizeof(float);
+                const int32_t* slots, int64_t tokens, const paged_layout& l) override {
+    const auto row = l.kv_heads * l.head_dim;
+    const auto bytes = static_cast<size_t>(l.head_dim) * sizeof(float);
     for (int64_t t = 0; t < tokens; ++t) {
-      std::memcpy(k_cache + slots[t] * row, k + t * row, bytes);
-      std::memcpy(v_cache + slots[t] * row, v + t * row, bytes);
+      auto block = slots[t] / l.block_size;
+      auto at = block * l.block_size * row + slots[t] % l.block_size * l.head_dim;
+      for (int64_t h = 0; h < l.kv_heads; ++h) {
+        auto dst = at + h * l.block_size * l.head_dim;
+        std::memcpy(k_cache + dst, k + t * row + h * l.head_dim, bytes);
+        std::memcpy(v_cache + dst, v + t * row + h * l.head_dim, bytes);
+      }
     }
   }
 
   void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
                        const paged_layout& l, int64_t tokens, float scale) override {
     const auto row = l.kv_heads * l.head_dim;
-    // One part per (query token, head), spread over the worker's threads.
-    pool_.run(tokens * l.heads, [&](int64_t part) {
-      auto t = part / l.heads;
-      auto head = part % l.heads;
+    // Query heads that share a KV head attend together, so that each key and value is read
+    // once for them all; in runs small enough that every thread has parts to take.
+    const auto run_heads = std::max<int64_t>(
+      1, std::min(l.group_size, (tokens * l.heads + 4 * pool_.size() - 1) / (4 * pool_.size())));
+    runs_.clear();
+    for (int64_t h = 0; h < l.heads; ++h) {
+      auto kv_head = (l.head_begin + h) / l.group_size - l.kv_offset;
+      if (runs_.empty() || runs_.back().kv_head != kv_head || runs_.back().heads == run_heads)
+        runs_.push_back({h, 0, kv_head});
+      ++runs_.back().heads;
+    }
+    const auto runs = static_cast<int64_t>(runs_.size());
+    // One part per (query token, run), spread over the worker's threads.
+    pool_.run(tokens * runs, [&](int64_t part) {
+      auto t = part / runs;
+      auto& run = runs_[static_cast<size_t>(part % runs)];
       const int32_t* table = l.block_tables + l.token_seq[t] * l.max_blocks;
       const auto end = l.positions[t] + int64_t{1};
       const auto first = l.window > 0 ? std::max<int64_t>(0, end - l.window) : 0;
       const auto len = end - first;
       thread_local std::vector<float> scores;
       thread_local std::vector<int64_t> offsets;
-      scores.resize(static_cast<size_t>(len));
+      scores.resize(static_cast<size_t>(len * run.heads));
       offsets.resize(static_cast<size_t>(len));
-      auto kv_head = (l.head_begin + head) / l.group_size - l.kv_offset;
-      for (int64_t p = first; p < end; ++p) {
-        auto slot = int64_t{table[p / l.block_size]} * l.block_size + p % l.block_size;
-        offsets[static_cast<size_t>(p - first)] = slot * row + kv_head * l.head_dim;
-      }
-      auto offset = (t * l.heads + head) * l.head_dim;
-      cpu::attend(isa_, q + offset, l.head_dim, len, scale, k_cache, v_cache, offsets.data(),
-                  scores.data(), out + offset, l.softcap);
+      // write_kv's layout.
+      auto head_at = run.kv_head * l.block_size * l.head_dim;
+      for (int64_t p = first; p < end; ++p)
+        offsets[static_cast<size_t>(p - first)] =
+          int64_t{table[p / l.block_size]} * l.block_size * row + head_at +
+          p % l.block_size * l.head_dim;
+      auto offset = (t * l.heads + run.first) * l.head_dim;
+      cpu::attend(isa_, q + offset, l.head_dim, run.heads, len, scale, k_cache, v_cache,
+                  offsets.data(), scores.data(), out + offset, l.softcap);
     });
   }
 
@@ -282,6 +305,13 @@ private:
   std::vector<uint16_t> xb_;
   /// The first part of each output of a gemm_nt_shared call, and the end.
   std::vector<int64_t> starts_;
+  /// Consecutive query heads that read one KV head, as paged_attention takes them.
+  struct head_run {
+    int64_t first;
+    int64_t heads;
+    int64_t kv_head;
+  };
+  std::vector<head_run> runs_;
 };
 
 } // namespace

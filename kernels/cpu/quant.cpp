@@ -25,9 +25,9 @@ namespace troupe::cpu {
                           int64_t ldy, int64_t begin, int64_t end, bool accumulate);               \
   void dot_rows_half(bool bf16, const uint16_t* w, const float* x, int64_t m, int64_t k, float* y, \
                      int64_t ldy, int64_t begin, int64_t end, bool accumulate);                    \
-  void attend(const float* query, int64_t head_dim, int64_t len, float scale, const float* keys,   \
-              const float* values, const int64_t* offsets, float* scores, float* out,              \
-              float softcap);                                                                      \
+  void attend(const float* query, int64_t head_dim, int64_t heads, int64_t len, float scale,       \
+              const float* keys, const float* values, const int64_t* offsets, float* scores,       \
+              float* out, float softcap);                                                          \
   void silu_mul(const float* gate, const float* up, float* out, int64_t n);                        \
   float log_partition(const float* x, int64_t n);                                                  \
   }
@@ -207,20 +207,24 @@ void dot_rows_half(isa i, dtype w_type, const void* w, const float* x, int64_t m
     }
 }
 
-void attend(isa i, const float* query, int64_t head_dim, int64_t len, float scale,
+void attend(isa i, const float* query, int64_t head_dim, int64_t heads, int64_t len, float scale,
             const float* keys, const float* values, const int64_t* offsets, float* scores,
             float* out, float softcap) {
 #if TROUPE_X86_KERNELS
   if (i == isa::avx512)
-    return avx512::attend(query, head_dim, len, scale, keys, values, offsets, scores, out, softcap);
+    return avx512::attend(query, head_dim, heads, len, scale, keys, values, offsets, scores, out,
+                          softcap);
   if (i == isa::avx2)
-    return avx2::attend(query, head_dim, len, scale, keys, values, offsets, scores, out, softcap);
+    return avx2::attend(query, head_dim, heads, len, scale, keys, values, offsets, scores, out,
+                        softcap);
 #else
   (void)i;
 #endif
-  cpu::attend(
-    query, head_dim, len, scale, [&](int64_t p) { return keys + offsets[p]; },
-    [&](int64_t p) { return values + offsets[p]; }, scores, out, softcap);
+  for (int64_t g = 0; g < heads; ++g)
+    cpu::attend(
+      query + g * head_dim, head_dim, len, scale, [&](int64_t p) { return keys + offsets[p]; },
+      [&](int64_t p) { return values + offsets[p]; }, scores + g * len, out + g * head_dim,
+      softcap);
 }
 
 float log_partition(isa i, const float* logits, int64_t n) {

@@ -41,12 +41,14 @@ void dot_rows_quantized(isa i, dtype w_type, const void* w, const float* x, cons
 void dot_rows_half(isa i, dtype w_type, const void* w, const float* x, int64_t m, int64_t k,
                    float* y, int64_t ldy, int64_t begin, int64_t end, bool accumulate);
 
-/// Attention of one query row (head_dim floats) over `len` cached positions: the key and
-/// value of position p start at keys + offsets[p] and values + offsets[p]. The scores
-/// (scaled, then softmax weights) go to `scores` (room for `len`); the weighted sum of the
-/// values to `out`; scores soft-capped at `softcap` where it is positive. The portable
-/// version is `cpu::attend` (ops.hpp).
-void attend(isa i, const float* query, int64_t head_dim, int64_t len, float scale,
+/// Attention of `heads` query rows (head_dim floats each, one after another) that share
+/// their keys and values (a GQA group) over `len` cached positions: the key and value of
+/// position p start at keys + offsets[p] and values + offsets[p], and each is read once for
+/// all the heads. Head g's scores (scaled, then softmax weights) go to scores + g · len (room
+/// for heads · len); its weighted sum of the values to out + g · head_dim; scores soft-capped
+/// at `softcap` where it is positive. Each head's outputs are those it would have alone.
+/// The portable version (one head) is `cpu::attend` (ops.hpp).
+void attend(isa i, const float* query, int64_t head_dim, int64_t heads, int64_t len, float scale,
             const float* keys, const float* values, const int64_t* offsets, float* scores,
             float* out, float softcap = 0);
 

@@ -160,8 +160,10 @@ public:
   }
 
   void write_kv(const float* k, const float* v, float* k_cache, float* v_cache,
-                const int32_t* slots, int64_t tokens, int64_t row) override {
-    cuda::write_kv(k, v, k_cache, v_cache, slots, tokens, row, dev_.stream());
+                const int32_t* slots, int64_t tokens, const paged_layout& layout) override {
+    // Slot-major: a slot's row of every KV head together.
+    cuda::write_kv(k, v, k_cache, v_cache, slots, tokens, layout.kv_heads * layout.head_dim,
+                   dev_.stream());
   }
 
   void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
