@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # troupe next to llama.cpp's own tools, built natively from source, on the same GGUF files
-# and the same threads, in one run with alternating processes: decode at batch 1 and
+# and the same threads, in one run with alternating processes: decode at batch 1 after 512
+# tokens of context (troupe decodes after its prefill, llama-bench at `-d 512`) and
 # prefill of 512 tokens (`llama-bench` against `troupe bench step`), batched decode at 8
 # and 32 (`llama-batched-bench`), start-up to one token with its peak resident memory
 # (`llama-simple` against `troupe generate`, the file in the page cache; troupe's with its
@@ -94,7 +95,7 @@ for model in "${models[@]}"; do
   cat "$model" > /dev/null
   for round in $(seq 1 "$rounds"); do
     {
-      llama_bench "$model" -p 0 -n 32
+      llama_bench "$model" -p 0 -n 32 -d 512
       troupe_step "$model" --prompt-len 512 --decode-steps 32
       llama_bench "$model" -p 512 -n 0
       troupe_step "$model" --batch 8 --prompt-len 16 --decode-steps 32

@@ -64,19 +64,21 @@ default_models() {
   local shape f16 types type out
   for shape in ${TROUPE_SCALE_SHAPES:-llama-1b}; do
     f16=$scale/$shape-f16.gguf
-    if [ ! -f "$f16" ]; then
-      echo "writing $f16 (random weights at $shape's shape)" >&2
-      if ! python3 -c "import numpy, gguf" 2> /dev/null; then
-        python3 -m pip install --quiet numpy gguf >&2
-      fi
-      python3 ../shared/tools/make-scale-gguf.py "$f16.part" --shape "$shape" >&2
-      mv "$f16.part" "$f16"
-    fi
     types="Q4_K_M Q4_0 Q8_0 BF16"
     [ "$shape" = llama-8b ] && types="Q4_K_M Q8_0"
     for type in $types; do
       out=$scale/$shape-${type,,}.gguf
       if [ ! -f "$out" ]; then
+        # The F16 file only while a copy is missing: the 8B one is 16 GB, and may be
+        # deleted once its copies are made.
+        if [ ! -f "$f16" ]; then
+          echo "writing $f16 (random weights at $shape's shape)" >&2
+          if ! python3 -c "import numpy, gguf" 2> /dev/null; then
+            python3 -m pip install --quiet numpy gguf >&2
+          fi
+          python3 ../shared/tools/make-scale-gguf.py "$f16.part" --shape "$shape" >&2
+          mv "$f16.part" "$f16"
+        fi
         "$bin/llama-quantize" "$f16" "$out.part" "$type" "$threads" > /dev/null 2>&1
         mv "$out.part" "$out"
       fi
