@@ -370,8 +370,69 @@ bool llama_model::passed_over(const std::string& name, bool presharded) const {
 }
 
 void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bool presharded) {
+  auto plan = plan_load(ckpt, presharded);
+  plan.in_place = map_in_place(ckpt, plan, presharded);
+  plan.offsets.assign(plan.jobs.size(), 0);
+  for (size_t n = 0; n < plan.jobs.size(); ++n)
+    if (plan.in_place[n] == nullptr)
+      plan.offsets[n] = pack(plan.total, plan.sizes[n]);
+  // The rest goes into one allocation; a reload of the same layout writes into the same
+  // memory.
+  const auto total = plan.total;
+  std::optional<weight_cache_file> cache;
+  bool cached = false;
+  if (weights_.size() != total) {
+    graphs_.clear();
+    weights_.reset();
+    if (!cache_directory_.empty() && total > 0) {
+      std::error_code ec;
+      auto model = std::filesystem::absolute(ckpt.directory(), ec).lexically_normal().string();
+      weight_cache_key key{model, ckpt.identity(), layout_text(plan)};
+      if ((cache = weight_cache_file::find(cache_directory_, key, total))) {
+        weights_ = device_buffer::map_file(dev_, cache->fd(), cache->data_offset(), total,
+                                           memory_tag::weights, false);
+        cached = weights_.size() == total;
+      } else if ((cache = weight_cache_file::create(cache_directory_, key, total))) {
+        // Packed straight into the file's pages: no fresh memory beside them.
+        weights_ = device_buffer::map_file(dev_, cache->fd(), cache->data_offset(), total,
+                                           memory_tag::weights, true);
+      }
+      if (weights_.size() != total)
+        cache.reset(); // a device that does not map files
+    }
+    if (weights_.size() != total)
+      weights_ = device_buffer(dev_, total, memory_tag::weights);
+  }
+  point_slots(plan);
+  content_hash_ = 0;
+  if (cached) {
+    // A file written without the hash (hashing was off then) is hashed now.
+    if (hash_weights_)
+      content_hash_ = cache->content_hash() != 0 ? cache->content_hash() : ckpt.content_hash({});
+    if (progress)
+      progress(plan.jobs.size(), plan.jobs.size());
+    return;
+  }
+  read_weights(ckpt, plan, presharded, progress);
+  if (cache) {
+    // Named for the next start, then mapped copy-on-write from the page cache: what this
+    // process writes into its weights from now on (an update, a reload) never reaches the
+    // file. The pages are the ones just written, so nothing is read or copied.
+    // The shared mapping goes first: both at once would count the pages twice in the
+    // process's resident memory.
+    cache->commit(content_hash_);
+    weights_.reset();
+    weights_ = device_buffer::map_file(dev_, cache->fd(), cache->data_offset(), total,
+                                       memory_tag::weights, false);
+    point_slots(plan);
+  }
+}
+
+llama_model::load_plan llama_model::plan_load(const checkpoint& ckpt, bool presharded) {
   const auto wt = weight_type_;
-  auto jobs = plan_weights();
+  load_plan plan;
+  auto& jobs = plan.jobs;
+  jobs = plan_weights();
   // A sharded state holds the norms as loaded.
   if (presharded)
     for (auto& j : jobs)
@@ -403,10 +464,7 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     for (size_t i = 0; i < factors.size(); ++i)
       inv_freq_[i] /= factors[i];
   }
-  // Every shape is checked and placed first, so that a checkpoint that does not fit changes
-  // nothing; a reload finds the same layout and writes into the same memory.
-  std::vector<std::vector<int64_t>> local_shapes;
-  std::vector<size_t> sizes;
+  // Every shape is checked first, so that a checkpoint that does not fit changes nothing.
   for (auto& j : jobs) {
     // A weight (not a norm or a bias) keeps the checkpoint's type when asked to, when the
     // device computes in it and when this rank's part is whole blocks of it.
@@ -433,92 +491,56 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
       world_ > 1 && (j.slot == &lm_head_ || (j.slot == &embed_ && cfg_.tie_word_embeddings));
     j.packed =
       j.as_stored && local.size() == 2 && !sliced && backend_->packs(j.type, local[0], local[1]);
-    sizes.push_back(storage_bytes(j.type, numel));
-    local_shapes.push_back(local);
+    plan.sizes.push_back(storage_bytes(j.type, numel));
+    plan.local_shapes.push_back(local);
   }
-  auto in_place = map_in_place(ckpt, jobs, local_shapes, presharded);
-  std::vector<size_t> offsets(jobs.size(), 0);
-  size_t total = 0;
-  for (size_t n = 0; n < jobs.size(); ++n)
-    if (in_place[n] == nullptr)
-      offsets[n] = pack(total, sizes[n]);
-  // What the weights' bytes are made of, for the weight cache: a file holds them only
-  // under exactly this description.
-  auto layout = [&] {
-    std::string text = "world " + std::to_string(world_) + " rank " + std::to_string(rank_) +
-                       " pack_group " + std::to_string(backend_->pack_group()) + " total " +
-                       std::to_string(total) + "\n";
-    for (size_t n = 0; n < jobs.size(); ++n) {
-      auto& j = jobs[n];
-      text += j.name + " " + dtype_name(j.type) + (j.packed ? " packed" : "") +
-              (in_place[n] != nullptr ? " in place" : " at " + std::to_string(offsets[n])) +
-              " from " + std::to_string(j.start) + " split " +
-              std::to_string(static_cast<int>(j.split)) + " shape " + shape_text(local_shapes[n]) +
-              (j.offset != 0 ? " plus " + std::to_string(j.offset) : "") + "\n";
-    }
-    return text;
-  };
-  std::optional<weight_cache_file> cache;
-  bool cached = false;
-  if (weights_.size() != total) {
-    graphs_.clear();
-    weights_.reset();
-    if (!cache_directory_.empty() && total > 0) {
-      std::error_code ec;
-      auto model = std::filesystem::absolute(ckpt.directory(), ec).lexically_normal().string();
-      weight_cache_key key{model, ckpt.identity(), layout()};
-      if ((cache = weight_cache_file::find(cache_directory_, key, total))) {
-        weights_ = device_buffer::map_file(dev_, cache->fd(), cache->data_offset(), total,
-                                           memory_tag::weights, false);
-        cached = weights_.size() == total;
-      } else if ((cache = weight_cache_file::create(cache_directory_, key, total))) {
-        // Packed straight into the file's pages: no fresh memory beside them.
-        weights_ = device_buffer::map_file(dev_, cache->fd(), cache->data_offset(), total,
-                                           memory_tag::weights, true);
-      }
-      if (weights_.size() != total)
-        cache.reset(); // a device that does not map files
-    }
-    if (weights_.size() != total)
-      weights_ = device_buffer(dev_, total, memory_tag::weights);
+  return plan;
+}
+
+std::string llama_model::layout_text(const load_plan& plan) const {
+  std::string text = "world " + std::to_string(world_) + " rank " + std::to_string(rank_) +
+                     " pack_group " + std::to_string(backend_->pack_group()) + " total " +
+                     std::to_string(plan.total) + "\n";
+  for (size_t n = 0; n < plan.jobs.size(); ++n) {
+    auto& j = plan.jobs[n];
+    text += j.name + " " + dtype_name(j.type) + (j.packed ? " packed" : "") +
+            (plan.in_place[n] != nullptr ? " in place" : " at " + std::to_string(plan.offsets[n])) +
+            " from " + std::to_string(j.start) + " split " +
+            std::to_string(static_cast<int>(j.split)) + " shape " +
+            shape_text(plan.local_shapes[n]) +
+            (j.offset != 0 ? " plus " + std::to_string(j.offset) : "") + "\n";
   }
-  auto place = [&] {
-    for (size_t n = 0; n < jobs.size(); ++n) {
-      jobs[n].slot->ptr =
-        in_place[n] != nullptr ? in_place[n] : static_cast<char*>(weights_.data()) + offsets[n];
-      jobs[n].slot->type = jobs[n].type;
-      jobs[n].slot->packed = jobs[n].packed;
-    }
-  };
-  place();
-  auto keep = [&] {
-    held_.clear();
-    for (size_t n = 0; n < jobs.size(); ++n)
-      held_.push_back(
-        {jobs[n].name, local_shapes[n], jobs[n].type, jobs[n].slot->ptr, jobs[n].slot->packed});
-  };
-  content_hash_ = 0;
-  if (cached) {
-    // A file written without the hash (hashing was off then) is hashed now.
-    if (hash_weights_)
-      content_hash_ = cache->content_hash() != 0 ? cache->content_hash() : ckpt.content_hash({});
-    if (progress)
-      progress(jobs.size(), jobs.size());
-    keep();
-    return;
+  return text;
+}
+
+void llama_model::point_slots(const load_plan& plan) {
+  held_.clear();
+  for (size_t n = 0; n < plan.jobs.size(); ++n) {
+    auto& j = plan.jobs[n];
+    j.slot->ptr = plan.in_place[n] != nullptr
+                    ? plan.in_place[n]
+                    : static_cast<char*>(weights_.data()) + plan.offsets[n];
+    j.slot->type = j.type;
+    j.slot->packed = j.packed;
+    held_.push_back({j.name, plan.local_shapes[n], j.type, j.slot->ptr, j.packed});
   }
+}
+
+void llama_model::read_weights(const checkpoint& ckpt, const load_plan& plan, bool presharded,
+                               const load_progress& progress) {
+  auto& jobs = plan.jobs;
   const auto source = "model '" + ckpt.directory() + "'";
   // In place, the values are checked where they are, as a copy's are as it is made; on all
   // of the rank's threads, as they only read.
   std::vector<size_t> used_in_place;
   for (size_t n = 0; n < jobs.size(); ++n)
-    if (in_place[n] != nullptr)
+    if (plan.in_place[n] != nullptr)
       used_in_place.push_back(n);
   parallel_each(used_in_place.size(), threads_per_rank(world_), [&](size_t i) {
     auto n = used_in_place[i];
     auto& j = jobs[n];
-    auto elements = local_shapes[n][0] * local_shapes[n][1];
-    if (auto at = first_non_finite(j.type, in_place[n], static_cast<size_t>(elements)))
+    auto elements = plan.local_shapes[n][0] * plan.local_shapes[n][1];
+    if (auto at = first_non_finite(j.type, plan.in_place[n], static_cast<size_t>(elements)))
       throw error{errc::invalid_argument, source + ": tensor '" + j.name +
                                             "' holds NaN or an infinity (element " +
                                             std::to_string(*at) + " of this rank's part)"};
@@ -529,8 +551,8 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
     // Hashed as it is read for the copy: the file is read from the disk once.
     if (hash_weights_)
       hashes[jobs[n].name] = checkpoint::tensor_hash(t);
-    if (in_place[n] == nullptr)
-      write_weight(jobs[n], t, static_cast<char*>(weights_.data()) + offsets[n], presharded,
+    if (plan.in_place[n] == nullptr)
+      write_weight(jobs[n], t, static_cast<char*>(weights_.data()) + plan.offsets[n], presharded,
                    source);
     ckpt.release(t);
     if (progress)
@@ -538,25 +560,12 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
   }
   if (hash_weights_)
     content_hash_ = ckpt.content_hash(std::move(hashes));
-  if (cache) {
-    // Named for the next start, then mapped copy-on-write from the page cache: what this
-    // process writes into its weights from now on (an update, a reload) never reaches the
-    // file. The pages are the ones just written, so nothing is read or copied.
-    // The shared mapping goes first: both at once would count the pages twice in the
-    // process's resident memory.
-    cache->commit(content_hash_);
-    weights_.reset();
-    weights_ = device_buffer::map_file(dev_, cache->fd(), cache->data_offset(), total,
-                                       memory_tag::weights, false);
-    place();
-  }
-  keep();
 }
 
-std::vector<char*> llama_model::map_in_place(const checkpoint& ckpt,
-                                             const std::vector<weight_job>& jobs,
-                                             const std::vector<std::vector<int64_t>>& local_shapes,
+std::vector<char*> llama_model::map_in_place(const checkpoint& ckpt, const load_plan& plan,
                                              bool presharded) {
+  auto& jobs = plan.jobs;
+  auto& local_shapes = plan.local_shapes;
   if (!mapped_.empty())
     graphs_.clear(); // recorded against the old mappings
   mapped_.clear();

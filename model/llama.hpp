@@ -316,12 +316,36 @@ private:
   /// the same: a buffer (`rope_freqs.weight`, `inv_freq`), an output head beside tied
   /// embeddings, another rank's expert (unless `presharded`).
   bool passed_over(const std::string& name, bool presharded) const;
+  /// What a load reads and where it puts it.
+  struct load_plan {
+    /// Every weight in load order, its type and layout chosen.
+    std::vector<weight_job> jobs;
+    /// This rank's shape of each, and its bytes.
+    std::vector<std::vector<int64_t>> local_shapes;
+    std::vector<size_t> sizes;
+    /// Where each is used from the checkpoint's file (nullptr: not), else its offset in
+    /// `weights_`, of `total` bytes.
+    std::vector<char*> in_place;
+    std::vector<size_t> offsets;
+    size_t total = 0;
+  };
+  /// The jobs of a load of `ckpt`, each weight's type and layout chosen, after checking
+  /// its names and shapes against the config (`invalid_argument` naming the tensor);
+  /// changes nothing but the rotary frequencies (`rope_freqs.weight`).
+  load_plan plan_load(const checkpoint& ckpt, bool presharded);
   /// Maps the checkpoint's pages of the jobs that are used in place (`mapped_`, replacing
   /// any earlier) and returns where each job's weight is in them; nullptr for a job that is
-  /// copied. `local_shapes`: each job's.
-  std::vector<char*> map_in_place(const checkpoint& ckpt, const std::vector<weight_job>& jobs,
-                                  const std::vector<std::vector<int64_t>>& local_shapes,
-                                  bool presharded);
+  /// copied.
+  std::vector<char*> map_in_place(const checkpoint& ckpt, const load_plan& plan, bool presharded);
+  /// What the weights' bytes are made of, for the weight cache: a file holds them only
+  /// under exactly this description.
+  std::string layout_text(const load_plan& plan) const;
+  /// Points the slots (and `held_`) at the places `plan` gives them.
+  void point_slots(const load_plan& plan);
+  /// Checks the values used in place and writes the others where `plan` says, hashing each
+  /// as it is read when `hash_weights_`.
+  void read_weights(const checkpoint& ckpt, const load_plan& plan, bool presharded,
+                    const load_progress& progress);
   /// Writes this rank's part of `t` (as `j` says) at `dst`; `presharded`: `t` is the part.
   /// Throws `invalid_argument` naming `j.name` and `source` for NaN or an infinity, unless
   /// `checked` (an update looked at every value before writing any).
