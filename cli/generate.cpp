@@ -118,7 +118,7 @@ void add_device_options(CLI::App& app, device_options& o) {
                 "exact: float activations against the weights as stored; fast: weights "
                 "repacked at load, activations rounded to 8-bit integers and integer "
                 "products for Q8_0, Q4_0, Q4_1, Q4_K, Q6_K (CPUs with AVX-512 VNNI), to "
-                "bfloat16 for BF16 (AVX-512 BF16)")
+                "bfloat16 for BF16 (AVX-512 BF16); F16 repacked only")
     ->check(CLI::IsMember({"exact", "fast"}))
     ->capture_default_str();
   app.add_flag("--enable-expert-parallel", o.expert_parallel,

@@ -457,6 +457,37 @@ TEST_CASE("the fast CPU path (8-bit activations) stays close to transformers' ne
     CHECK(packed_tensors > 0);
 }
 
+TEST_CASE("the fast CPU path on F16 weights: packed, read back as stored, and float32's "
+          "logits up to the order of the sums") {
+  auto path = file_of("F16");
+  auto cfg = checkpoint::gguf_config(path);
+  auto ckpt = checkpoint::from_gguf(path, cfg);
+  cpu_device dev{0};
+  llama_model fast{cfg, dev, 0, 1, dtype::f32, true, true};
+  fast.load(ckpt);
+  llama_model exact{cfg, dev, 0, 1, dtype::f32, true, false};
+  exact.load(ckpt);
+  int packed = 0;
+  for (auto& t : fast.tensors())
+    if (t.packed) {
+      CHECK(t.type == dtype::f16);
+      CHECK(same_as_stored(fast.download(t), ckpt.at(t.name)));
+      ++packed;
+    }
+  if (!cpu::has_packed_layout(dtype::f16)) {
+    MESSAGE("no AVX-512 VNNI on this CPU: F16 weights stay as stored on the fast path");
+    CHECK(packed == 0);
+    return;
+  }
+  CHECK(packed > 0);
+  for (auto& run : reference()["F16"]) {
+    auto prompt = run["token_ids"].get<std::vector<int32_t>>();
+    auto got = prefill_logits(fast, dev, cfg, prompt);
+    auto want = prefill_logits(exact, dev, cfg, prompt);
+    CHECK(testing::relative_error(got.data(), want) < 1e-5);
+  }
+}
+
 TEST_CASE("the fast CPU path on BF16 weights: packed, read back as stored, and close to the "
           "exact path's next-token distribution") {
   // Spec: as for the block formats, at most 1e-3 nats; activations rounded to bfloat16.

@@ -345,6 +345,34 @@ TEST_CASE("packed layouts: they round-trip, and their kernels give the row kerne
         REQUIRE(want.close(at, acc[at], 2.0));
     }
   }
+  // F16: float32 sums of the widened weights and the float32 activations, as the row kernel
+  // (another order).
+  for (auto s : {shape{16, 1, 2}, shape{32, 3, 64}, shape{48, 9, 130}, shape{16, 17, 576},
+                 shape{64, 2, 1536}}) {
+    INFO("F16, n " << s.n << " m " << s.m << " k " << s.k);
+    auto w = random_floats(static_cast<size_t>(s.n * s.k), 25);
+    auto x = random_floats(static_cast<size_t>(s.m * s.k), 26);
+    std::vector<char> stored(storage_bytes(dtype::f16, w.size()));
+    from_float(dtype::f16, w.data(), stored.data(), w.size());
+    std::vector<char> packed(stored.size()), back(stored.size());
+    cpu::pack_rows(dtype::f16, stored.data(), packed.data(), s.n, s.k);
+    cpu::unpack_rows(dtype::f16, packed.data(), back.data(), s.n, s.k);
+    REQUIRE(back == stored);
+    if (!cpu::has_packed_layout(dtype::f16)) {
+      MESSAGE("no AVX-512 VNNI on this CPU: the packed F16 kernel is not run");
+      break;
+    }
+    std::vector<float> wd(w.size());
+    to_float(dtype::f16, stored.data(), wd.data(), w.size());
+    auto want = reference(wd, x, s.n, s.m, s.k);
+    std::vector<float> y(want.y.size(), 1.0f);
+    cpu::dot_packed_f16(packed.data(), x.data(), s.m, s.k, y.data(), s.n, 16, s.n, false);
+    require_rows_from(y, want, 16, s.m, s.n);
+    std::vector<float> acc(want.y.size(), 2.0f);
+    cpu::dot_packed_f16(packed.data(), x.data(), s.m, s.k, acc.data(), s.n, 0, s.n, true);
+    for (size_t at = 0; at < acc.size(); ++at)
+      REQUIRE(want.close(at, acc[at], 2.0));
+  }
   std::vector<char> odd(storage_bytes(dtype::q4_k, 16 * 256)), out(odd.size());
   CHECK_THROWS_WITH(cpu::pack_rows(dtype::q4_k, odd.data(), out.data(), 8, 256),
                     doctest::Contains("rows in groups of 16"));

@@ -44,7 +44,8 @@ struct model_worker_options {
   /// `"fast"`: the weights repacked at load for the CPU's GEMMs, activations rounded to
   /// 8-bit integers (per block of 32, or 256 for the k-quants) and products summed as
   /// integers for Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights (CPUs with AVX-512 VNNI), rounded
-  /// to bfloat16 for BF16 weights (AVX-512 BF16); other formats and CPUs compute exactly. As
+  /// to bfloat16 for BF16 weights (AVX-512 BF16), F16 weights repacked only (float32
+  /// products, exact's up to the order of sums); other formats and CPUs compute exactly. As
   /// llama.cpp computes them: logits move slightly, as far as llama.cpp's do (`troupe
   /// perplexity` and scripts/fidelity.sh measure it), which can flip a near-tie.
   std::string cpu_precision = "exact";

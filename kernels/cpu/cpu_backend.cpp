@@ -25,8 +25,8 @@ public:
     return true;
   }
 
-  /// On the fast path, the block formats of the integer GEMM and BF16 in groups of 16 rows
-  /// (quant_int8.hpp).
+  /// On the fast path, the block formats of the integer GEMM, BF16 and F16 in groups of 16
+  /// rows (quant_int8.hpp).
   bool packs(dtype t, int64_t rows, int64_t cols) const override {
     return int8_ && cpu::packs(t, rows, cols);
   }
@@ -74,6 +74,7 @@ public:
     bool rounded = integer || (quantized && any_packed);
     bool float_sums = quantized && !integer && !all_packed;
     bool packed_bf16 = w_type == dtype::bf16 && any_packed;
+    bool packed_f16 = w_type == dtype::f16 && any_packed;
     auto layout = cpu::bf16_layout_for(m, k);
     if (packed_bf16) {
       xb_.resize(cpu::bf16_elements(layout, m, k));
@@ -120,6 +121,8 @@ public:
       if (o.packed && packed_bf16)
         cpu::dot_packed_bf16(o.w, xb_.data(), layout, m, k, o.y, o.row_stride(), begin, end,
                              o.accumulate);
+      else if (o.packed && packed_f16)
+        cpu::dot_packed_f16(o.w, x, m, k, o.y, o.row_stride(), begin, end, o.accumulate);
       else if (o.packed)
         cpu::dot_packed_int8(w_type, o.w, xq_, o.y, o.row_stride(), begin, end, o.accumulate);
       else if (integer)

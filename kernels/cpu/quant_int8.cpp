@@ -20,6 +20,8 @@ void quantize(const float* x, int64_t blocks, int64_t block, int8_t* q, float* s
               int16_t* sums);
 void dot_packed_bf16(const unsigned char* w, const uint16_t* x, int64_t m, int64_t k, float* y,
                      int64_t ldy, int64_t begin, int64_t end, bool accumulate);
+void dot_packed_f16(const unsigned char* w, const float* x, int64_t m, int64_t k, float* y,
+                    int64_t ldy, int64_t begin, int64_t end, bool accumulate);
 } // namespace vnni
 namespace amx {
 bool available();
@@ -197,12 +199,12 @@ void dot_rows_int8(dtype w_type, const void* w, const int8_rows& x, float* y, in
 namespace {
 
 bool packed_format(dtype t) {
-  return t == dtype::bf16 || t == dtype::q4_1 || int8_format(t);
+  return t == dtype::bf16 || t == dtype::f16 || t == dtype::q4_1 || int8_format(t);
 }
 
-/// Elements of a row that move together: a block, or BF16's pair.
+/// Elements of a row that move together: a block, or a 16-bit format's pair.
 int64_t pack_block(dtype t) {
-  return t == dtype::bf16 ? 2 : block_elements(t);
+  return t == dtype::bf16 || t == dtype::f16 ? 2 : block_elements(t);
 }
 
 void check_packable(dtype t, int64_t rows, int64_t cols) {
@@ -236,6 +238,7 @@ std::vector<unit> units_of(dtype t) {
   };
   switch (t) {
   case dtype::bf16:
+  case dtype::f16:
     u.push_back({0, 0, 4});
     break;
   case dtype::q8_0:
@@ -425,6 +428,28 @@ void dot_packed_bf16(const void* w, const uint16_t* x, bf16_layout layout, int64
     amx::dot_packed_bf16(bytes, x, m, k, y, ldy, begin, end, accumulate);
   else
     vnni::dot_packed_bf16(bytes, x, m, k, y, ldy, begin, end, accumulate);
+#else
+  (void)w;
+  (void)x;
+  (void)m;
+  (void)y;
+  (void)ldy;
+  (void)accumulate;
+#endif
+}
+
+void dot_packed_f16(const void* w, const float* x, int64_t m, int64_t k, float* y, int64_t ldy,
+                    int64_t begin, int64_t end, bool accumulate) {
+  if (!has_packed_layout(dtype::f16))
+    throw error{errc::unsupported, "no AVX-512 VNNI on this CPU: no packed F16 kernel"};
+  if (begin % packed_rows != 0 || end % packed_rows != 0 || k % 2 != 0)
+    throw error{errc::invalid_argument, "packed F16 rows go in groups of 16 and columns in "
+                                        "pairs, not [" +
+                                          std::to_string(begin) + ", " + std::to_string(end) +
+                                          ") x " + std::to_string(k)};
+#if TROUPE_X86_KERNELS
+  vnni::dot_packed_f16(static_cast<const unsigned char*>(w), x, m, k, y, ldy, begin, end,
+                       accumulate);
 #else
   (void)w;
   (void)x;

@@ -71,11 +71,13 @@ void dot_rows_int8_reference(dtype w_type, const void* w, const int8_rows& x, fl
 /// - Q6_K: d at 0; the 16 scales from 32 (4 vectors); from 288, 16 triples of vectors in
 ///   the order the kernel reads them: triple 8h + g holds `ql` words 16h + g and
 ///   16h + 8 + g and `qh` word 8h + g (h the half of the super-block);
-/// - BF16: blocks of two elements, one vector each (`vdpbf16ps` takes them in pairs).
+/// - BF16 and F16: blocks of two elements, one vector each (`vdpbf16ps` takes them in
+///   pairs; F16's widen to float32 pairs).
 constexpr int64_t packed_rows = 16;
 
 /// Whether `w_type` has a packed layout and this CPU the kernel that reads it: the formats
-/// and CPUs of `has_int8_kernel` and Q4_1, and BF16 where the CPU also has AVX-512 BF16.
+/// and CPUs of `has_int8_kernel`, Q4_1 and F16, and BF16 where the CPU also has AVX-512
+/// BF16.
 bool has_packed_layout(dtype w_type);
 
 /// Whether `has_packed_layout(w_type)` and `rows` × `cols` fit it: whole groups of rows,
@@ -115,6 +117,13 @@ void to_bf16(const float* x, int64_t m, int64_t k, bf16_layout layout, uint16_t*
 /// activations the same way.
 void dot_packed_bf16(const void* w, const uint16_t* x, bf16_layout layout, int64_t m, int64_t k,
                      float* y, int64_t ldy, int64_t begin, int64_t end, bool accumulate);
+
+/// y[r·ldy + i] (+)= row i of F16 weights `w`, packed, · row r of the float32 x[m × k], for
+/// the rows i in [begin, end) (multiples of `packed_rows`): the weights widened to float32,
+/// the products summed in float32, so the row kernel's result up to the order of the sums
+/// (the even and the odd columns of a row sum apart). The fast path for F16 weights.
+void dot_packed_f16(const void* w, const float* x, int64_t m, int64_t k, float* y, int64_t ldy,
+                    int64_t begin, int64_t end, bool accumulate);
 
 /// Row `row` of packed rows of `cols` elements at `w`, written to `dst` as stored.
 void unpack_row(dtype w_type, const void* w, int64_t row, int64_t cols, void* dst);

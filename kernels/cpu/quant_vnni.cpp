@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 namespace troupe::cpu::vnni {
 
@@ -721,39 +722,108 @@ void bf16_group(const unsigned char* group, const uint16_t* x, int64_t k, __m512
   }
 }
 
+/// A group of 16 packed F16 rows against R float32 activation rows: a vector's pairs of
+/// the 16 rows widen into two vectors (rows 0-7 and 8-15, a row's pair in two lanes), each
+/// times the pair of activations broadcast; C accumulators a row where the tile is too
+/// small to hide the latency of the multiply-adds. Each row's lanes sum at the end.
+template <int R>
+void f16_group(const unsigned char* group, const float* x, int64_t k, __m512* out) {
+  constexpr int C = R >= 4 ? 1 : 4 / R;
+  __m512 lo[R][C], hi[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      lo[r][c] = _mm512_setzero_ps();
+      hi[r][c] = _mm512_setzero_ps();
+    }
+  auto step = [&](int64_t p, int c) {
+    __m512i w = load512(group + 64 * p);
+    __m512 wl = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
+    __m512 wh = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
+    for (int r = 0; r < R; ++r) {
+      double pair;
+      std::memcpy(&pair, x + r * k + 2 * p, sizeof pair);
+      __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
+      lo[r][c] = _mm512_fmadd_ps(wl, xp, lo[r][c]);
+      hi[r][c] = _mm512_fmadd_ps(wh, xp, hi[r][c]);
+    }
+  };
+  const int64_t pairs = k / 2;
+  int64_t p = 0;
+  for (; p + C <= pairs; p += C)
+    for (int c = 0; c < C; ++c)
+      step(p + c, c);
+  for (; p < pairs; ++p)
+    step(p, 0);
+  // Lanes 2i and 2i + 1 of (lo, hi) are row i's.
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int r = 0; r < R; ++r) {
+    __m512 l = lo[r][0];
+    __m512 h = hi[r][0];
+    for (int c = 1; c < C; ++c) {
+      l = _mm512_add_ps(l, lo[r][c]);
+      h = _mm512_add_ps(h, hi[r][c]);
+    }
+    out[r] = _mm512_add_ps(_mm512_permutex2var_ps(l, even, h), _mm512_permutex2var_ps(l, odd, h));
+  }
+}
+
+/// y[(row + r)·ldy + first ...] (+)= the 16 sums of sums[r], r < count.
+inline void store_rows(float* y, int64_t ldy, int64_t first, int64_t row, const __m512* sums,
+                       int count, bool accumulate) {
+  for (int r = 0; r < count; ++r) {
+    float* dst = y + (row + r) * ldy + first;
+    _mm512_storeu_ps(dst, accumulate ? _mm512_add_ps(_mm512_loadu_ps(dst), sums[r]) : sums[r]);
+  }
+}
+
+/// Tiles of 8 activation rows (8 accumulators hide the latency), then 4, 2, 1 over the
+/// groups of [begin, end), each tile's sums through `put`.
+template <class Group, class Put>
+void packed_tiles(int64_t m, int64_t begin, int64_t end, Group group_tile, Put put) {
+  for (int64_t first = begin; first < end; first += 16) {
+    int64_t r = 0;
+    for (; r + 8 <= m; r += 8)
+      put(first, r, group_tile(first, r, std::integral_constant<int, 8>{}), 8);
+    for (; r + 4 <= m; r += 4)
+      put(first, r, group_tile(first, r, std::integral_constant<int, 4>{}), 4);
+    for (; r + 2 <= m; r += 2)
+      put(first, r, group_tile(first, r, std::integral_constant<int, 2>{}), 2);
+    for (; r < m; ++r)
+      put(first, r, group_tile(first, r, std::integral_constant<int, 1>{}), 1);
+  }
+}
+
 } // namespace
+
+void dot_packed_f16(const unsigned char* w, const float* x, int64_t m, int64_t k, float* y,
+                    int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
+  const int64_t group_bytes = 16 * 2 * k;
+  __m512 out[8];
+  packed_tiles(
+    m, begin, end,
+    [&](int64_t first, int64_t r, auto rows) {
+      f16_group<decltype(rows)::value>(w + first / 16 * group_bytes, x + r * k, k, out);
+      return out;
+    },
+    [&](int64_t first, int64_t row, const __m512* sums, int count) {
+      store_rows(y, ldy, first, row, sums, count, accumulate);
+    });
+}
 
 void dot_packed_bf16(const unsigned char* w, const uint16_t* x, int64_t m, int64_t k, float* y,
                      int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
   const int64_t group_bytes = 16 * 2 * k;
   __m512 out[8];
-  auto put = [&](int64_t first, int64_t row, int count) {
-    for (int r = 0; r < count; ++r) {
-      float* dst = y + (row + r) * ldy + first;
-      _mm512_storeu_ps(dst, accumulate ? _mm512_add_ps(_mm512_loadu_ps(dst), out[r]) : out[r]);
-    }
-  };
-  // Tiles of 8 activation rows (8 accumulators hide the latency), then 4, 2, 1.
-  for (int64_t first = begin; first < end; first += 16) {
-    const unsigned char* group = w + first / 16 * group_bytes;
-    int64_t r = 0;
-    for (; r + 8 <= m; r += 8) {
-      bf16_group<8>(group, x + r * k, k, out);
-      put(first, r, 8);
-    }
-    for (; r + 4 <= m; r += 4) {
-      bf16_group<4>(group, x + r * k, k, out);
-      put(first, r, 4);
-    }
-    for (; r + 2 <= m; r += 2) {
-      bf16_group<2>(group, x + r * k, k, out);
-      put(first, r, 2);
-    }
-    for (; r < m; ++r) {
-      bf16_group<1>(group, x + r * k, k, out);
-      put(first, r, 1);
-    }
-  }
+  packed_tiles(
+    m, begin, end,
+    [&](int64_t first, int64_t r, auto rows) {
+      bf16_group<decltype(rows)::value>(w + first / 16 * group_bytes, x + r * k, k, out);
+      return out;
+    },
+    [&](int64_t first, int64_t row, const __m512* sums, int count) {
+      store_rows(y, ldy, first, row, sums, count, accumulate);
+    });
 }
 
 } // namespace troupe::cpu::vnni
