@@ -419,10 +419,10 @@ TEST_CASE("the thread pool runs every part once, call after call") {
 
 TEST_CASE("attention: every instruction set gives the portable attention's outputs, for "
           "query heads alone and in groups that share keys and values") {
-  // Head sizes of whole vectors (2, 4, 8 of them: held in registers) and with a tail;
+  // Head sizes of whole vectors (1, 2, 4, 8 of them: held in registers) and with a tail;
   // positions scattered as a paged cache has them (offsets into one buffer, out of order);
   // groups of 1 to 9 heads (taken 4 at a time, the rest after).
-  for (int64_t head_dim : {64, 24, 7, 32, 128}) {
+  for (int64_t head_dim : {64, 24, 7, 16, 32, 128}) {
     for (int64_t len : {1, 5, 130}) {
       for (int64_t heads : {1, 3, 4, 9}) {
         const int64_t row = 3 * head_dim;
