@@ -207,6 +207,15 @@ int64_t pack_block(dtype t) {
   return t == dtype::bf16 || t == dtype::f16 ? 2 : block_elements(t);
 }
 
+/// Rows [begin, end) of a packed 16-bit product: whole groups, and columns in pairs.
+void check_pairs(dtype t, int64_t begin, int64_t end, int64_t k) {
+  if (begin % packed_rows != 0 || end % packed_rows != 0 || k % 2 != 0)
+    throw error{errc::invalid_argument, std::string{"packed "} + dtype_name(t) +
+                                          " rows go in groups of 16 and columns in pairs, not [" +
+                                          std::to_string(begin) + ", " + std::to_string(end) +
+                                          ") x " + std::to_string(k)};
+}
+
 void check_packable(dtype t, int64_t rows, int64_t cols) {
   if (!packed_format(t))
     throw error{errc::unsupported, std::string{"no packed layout for "} + dtype_name(t)};
@@ -414,11 +423,7 @@ void dot_packed_bf16(const void* w, const uint16_t* x, bf16_layout layout, int64
                      float* y, int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
   if (!has_packed_layout(dtype::bf16))
     throw error{errc::unsupported, "no BF16 instructions on this CPU"};
-  if (begin % packed_rows != 0 || end % packed_rows != 0 || k % 2 != 0)
-    throw error{errc::invalid_argument, "packed BF16 rows go in groups of 16 and columns in "
-                                        "pairs, not [" +
-                                          std::to_string(begin) + ", " + std::to_string(end) +
-                                          ") x " + std::to_string(k)};
+  check_pairs(dtype::bf16, begin, end, k);
   if (layout == bf16_layout::tiles && bf16_layout_for(m, k) != bf16_layout::tiles)
     throw error{errc::unsupported, "no AMX-BF16 for " + std::to_string(m) + " x " +
                                      std::to_string(k) + " bfloat16 tiles"};
@@ -442,11 +447,7 @@ void dot_packed_f16(const void* w, const float* x, int64_t m, int64_t k, float* 
                     int64_t begin, int64_t end, bool accumulate) {
   if (!has_packed_layout(dtype::f16))
     throw error{errc::unsupported, "no AVX-512 VNNI on this CPU: no packed F16 kernel"};
-  if (begin % packed_rows != 0 || end % packed_rows != 0 || k % 2 != 0)
-    throw error{errc::invalid_argument, "packed F16 rows go in groups of 16 and columns in "
-                                        "pairs, not [" +
-                                          std::to_string(begin) + ", " + std::to_string(end) +
-                                          ") x " + std::to_string(k)};
+  check_pairs(dtype::f16, begin, end, k);
 #if TROUPE_X86_KERNELS
   vnni::dot_packed_f16(static_cast<const unsigned char*>(w), x, m, k, y, ldy, begin, end,
                        accumulate);

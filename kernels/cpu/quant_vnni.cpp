@@ -794,16 +794,22 @@ void packed_tiles(int64_t m, int64_t begin, int64_t end, Group group_tile, Put p
   }
 }
 
-} // namespace
-
-void dot_packed_f16(const unsigned char* w, const float* x, int64_t m, int64_t k, float* y,
-                    int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
+/// A packed 16-bit product (F16 widened against float32 activations, or BF16 against
+/// bfloat16 ones) over the tiles of [begin, end).
+template <bool F16, class X>
+void packed_pairs(const unsigned char* w, const X* x, int64_t m, int64_t k, float* y, int64_t ldy,
+                  int64_t begin, int64_t end, bool accumulate) {
   const int64_t group_bytes = 16 * 2 * k;
   __m512 out[8];
   packed_tiles(
     m, begin, end,
     [&](int64_t first, int64_t r, auto rows) {
-      f16_group<decltype(rows)::value>(w + first / 16 * group_bytes, x + r * k, k, out);
+      constexpr int R = decltype(rows)::value;
+      auto group = w + first / 16 * group_bytes;
+      if constexpr (F16)
+        f16_group<R>(group, x + r * k, k, out);
+      else
+        bf16_group<R>(group, x + r * k, k, out);
       return out;
     },
     [&](int64_t first, int64_t row, const __m512* sums, int count) {
@@ -811,19 +817,16 @@ void dot_packed_f16(const unsigned char* w, const float* x, int64_t m, int64_t k
     });
 }
 
+} // namespace
+
+void dot_packed_f16(const unsigned char* w, const float* x, int64_t m, int64_t k, float* y,
+                    int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
+  packed_pairs<true>(w, x, m, k, y, ldy, begin, end, accumulate);
+}
+
 void dot_packed_bf16(const unsigned char* w, const uint16_t* x, int64_t m, int64_t k, float* y,
                      int64_t ldy, int64_t begin, int64_t end, bool accumulate) {
-  const int64_t group_bytes = 16 * 2 * k;
-  __m512 out[8];
-  packed_tiles(
-    m, begin, end,
-    [&](int64_t first, int64_t r, auto rows) {
-      bf16_group<decltype(rows)::value>(w + first / 16 * group_bytes, x + r * k, k, out);
-      return out;
-    },
-    [&](int64_t first, int64_t row, const __m512* sums, int count) {
-      store_rows(y, ldy, first, row, sums, count, accumulate);
-    });
+  packed_pairs<false>(w, x, m, k, y, ldy, begin, end, accumulate);
 }
 
 } // namespace troupe::cpu::vnni
