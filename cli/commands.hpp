@@ -25,6 +25,9 @@ struct command {
 /// `troupe bench rpc`: collective_rpc latency of a no-op method.
 std::shared_ptr<command> add_bench_rpc(CLI::App& bench);
 
+/// `troupe bench kernels`: the CPU's attention and 16-bit row product at a model's shapes.
+std::shared_ptr<command> add_bench_kernels(CLI::App& bench);
+
 /// `troupe bench step`: prefill and decode throughput of a model.
 std::shared_ptr<command> add_bench_step(CLI::App& bench);
 

@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   auto run_sleep = troupe::cli::add_bench_sleep(*bench);
   auto run_recovery = troupe::cli::add_bench_recovery(*bench);
   auto run_serve = troupe::cli::add_bench_serve(*bench);
+  auto run_kernels = troupe::cli::add_bench_kernels(*bench);
   auto make_model = troupe::cli::add_make_model(app);
   auto generate = troupe::cli::add_generate(app);
   auto node = troupe::cli::add_node(app);
@@ -29,7 +30,7 @@ int main(int argc, char** argv) {
   }
   try {
     for (auto& cmd : {generate, serve, node, run_rpc, run_step, run_generate, run_sleep,
-                      run_recovery, run_serve, make_model, perplexity})
+                      run_recovery, run_serve, run_kernels, make_model, perplexity})
       if (*cmd)
         return cmd->run();
   } catch (const std::exception& e) {
