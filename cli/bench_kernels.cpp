@@ -75,11 +75,15 @@ std::shared_ptr<command> add_bench_kernels(CLI::App& bench) {
   sub->add_option("--layers", o->layers, "Layers (each its own cache)")
     ->check(CLI::Range(1, 1024))
     ->capture_default_str();
-  sub->add_option("--heads", o->heads, "Query heads")->check(CLI::Range(1, 1024))->capture_default_str();
+  sub->add_option("--heads", o->heads, "Query heads")
+    ->check(CLI::Range(1, 1024))
+    ->capture_default_str();
   sub->add_option("--kv-heads", o->kv_heads, "Key-value heads (dividing --heads)")
     ->check(CLI::Range(1, 1024))
     ->capture_default_str();
-  sub->add_option("--head-dim", o->head_dim, "Head size")->check(CLI::Range(1, 1024))->capture_default_str();
+  sub->add_option("--head-dim", o->head_dim, "Head size")
+    ->check(CLI::Range(1, 1024))
+    ->capture_default_str();
   sub->add_option("--block-size", o->block_size, "Slots of a cache block")
     ->check(CLI::Range(1, 1024))
     ->capture_default_str();
