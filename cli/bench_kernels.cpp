@@ -36,17 +36,10 @@ double best_of(int rounds, F&& f) {
   return best;
 }
 
-/// Seconds to sum `bytes` of `data` as 64-bit words, one thread (the read floor).
+/// Seconds one thread takes to read `data` (the read floor).
 double read_seconds(const std::vector<float>& data, int rounds) {
-  volatile uint64_t sink = 0;
-  auto words = reinterpret_cast<const uint64_t*>(data.data());
-  auto count = data.size() * sizeof(float) / sizeof(uint64_t);
-  return best_of(rounds, [&] {
-    uint64_t sum = 0;
-    for (size_t i = 0; i < count; ++i)
-      sum += words[i];
-    sink = sink + sum;
-  });
+  auto bytes = data.size() * sizeof(float);
+  return static_cast<double>(bytes) / cpu_read_bandwidth(data.data(), bytes, 1, rounds);
 }
 
 } // namespace

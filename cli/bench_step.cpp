@@ -48,27 +48,32 @@ double gpu_copy_bandwidth() {
   return best;
 }
 
-/// Bytes per second of a large memcpy (best of a few), the bandwidth a decode step that
-/// streams every weight once can hope for.
 /// The bandwidth a decode step's weights can be read at: on the CPU, every core summing
 /// its share of a buffer larger than the caches (a read, as the weights are read); on a
 /// GPU, a device-to-device copy.
 double read_bandwidth(const std::string& device) {
   if (device == "cuda")
     return gpu_copy_bandwidth();
-  const size_t words = (size_t{512} << 20) / sizeof(uint64_t);
-  std::vector<uint64_t> buffer(words, 1);
-  const auto threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<uint64_t> buffer((size_t{512} << 20) / sizeof(uint64_t), 1);
+  return cpu_read_bandwidth(buffer.data(), buffer.size() * sizeof(uint64_t),
+                            std::max(1u, std::thread::hardware_concurrency()), 5);
+}
+
+} // namespace
+
+double cpu_read_bandwidth(const void* data, size_t bytes, unsigned threads, int rounds) {
+  const size_t words = bytes / sizeof(uint64_t);
+  auto at = static_cast<const uint64_t*>(data);
   std::vector<uint64_t> sums(threads);
   double best = 0;
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < rounds; ++i) {
     auto start = clock_type::now();
     std::vector<std::thread> readers;
     for (unsigned t = 0; t < threads; ++t)
       readers.emplace_back([&, t] {
         uint64_t sum = 0;
         for (size_t w = words * t / threads; w < words * (t + 1) / threads; ++w)
-          sum += buffer[w];
+          sum += at[w];
         sums[t] = sum;
       });
     for (auto& r : readers)
@@ -81,8 +86,6 @@ double read_bandwidth(const std::string& device) {
   (void)total;
   return best;
 }
-
-} // namespace
 
 std::shared_ptr<command> add_bench_step(CLI::App& bench) {
   struct options {

@@ -22,6 +22,10 @@ struct command {
   }
 };
 
+/// Bytes per second at which `threads` threads sum the 64-bit words of `bytes` at `data`,
+/// each its share, the best of `rounds`: the read floor the benchmarks compare with.
+double cpu_read_bandwidth(const void* data, size_t bytes, unsigned threads, int rounds);
+
 /// `troupe bench rpc`: collective_rpc latency of a no-op method.
 std::shared_ptr<command> add_bench_rpc(CLI::App& bench);
 

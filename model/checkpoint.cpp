@@ -253,27 +253,25 @@ bool checkpoint::contains(const std::string& name) const {
   return index_.count(name) > 0;
 }
 
-void checkpoint::release(const tensor_view& t) const {
-  if (gguf_ && gguf_->file().contains(t.data))
-    gguf_->file().release(t.data, t.bytes);
+const mapped_file* checkpoint::file_of(const void* p) const {
+  if (gguf_ && gguf_->file().contains(p))
+    return &gguf_->file();
   for (auto& f : files_)
-    if (f->file().contains(t.data))
-      f->file().release(t.data, t.bytes);
+    if (f->file().contains(p))
+      return &f->file();
+  return nullptr;
+}
+
+void checkpoint::release(const tensor_view& t) const {
+  if (auto f = file_of(t.data))
+    f->release(t.data, t.bytes);
 }
 
 std::optional<checkpoint::file_place> checkpoint::place_of(const std::byte* p) const {
-  auto in = [&](const mapped_file& f) -> std::optional<file_place> {
-    if (!f.contains(p))
-      return std::nullopt;
-    return file_place{f.fd(), static_cast<std::size_t>(p - f.data())};
-  };
-  if (gguf_)
-    if (auto at = in(gguf_->file()))
-      return at;
-  for (auto& f : files_)
-    if (auto at = in(f->file()))
-      return at;
-  return std::nullopt;
+  auto f = file_of(p);
+  if (f == nullptr)
+    return std::nullopt;
+  return file_place{f->fd(), static_cast<std::size_t>(p - f->data())};
 }
 
 const tensor_view& checkpoint::at(const std::string& name) const {

@@ -93,6 +93,8 @@ public:
 
 private:
   void open(const std::vector<std::string>& paths);
+  /// The mapped file that holds `p`; nullptr for memory that is no file's.
+  const mapped_file* file_of(const void* p) const;
   /// Adds a GGUF file's merged expert tensor (`blk.N.ffn_gate_exps.weight` …, `merged`
   /// under its GGUF name) as a view of each expert's matrix under its Hugging Face name;
   /// false when `merged` is none.
