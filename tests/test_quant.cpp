@@ -306,8 +306,9 @@ TEST_CASE("packed layouts: they round-trip, and their kernels give the row kerne
   // BF16: float32 sums of the bfloat16 activations and weights.
   // AMX (where the CPU has it) takes 4 rows or more when k is whole tiles of 32: one group
   // or two, one block of 16 rows or two, short blocks, and k in spans (600 rows).
-  for (auto s : {shape{16, 1, 2}, shape{32, 3, 64}, shape{48, 9, 130}, shape{16, 17, 512},
-                 shape{48, 40, 96}, shape{80, 33, 64}, shape{32, 16, 32}, shape{32, 600, 1024}}) {
+  for (auto s :
+       {shape{16, 1, 2}, shape{32, 3, 64}, shape{48, 9, 130}, shape{16, 17, 512}, shape{48, 40, 96},
+        shape{80, 33, 64}, shape{32, 16, 32}, shape{32, 600, 1024}, shape{64, 13, 96}}) {
     INFO("BF16, n " << s.n << " m " << s.m << " k " << s.k);
     auto w = random_floats(static_cast<size_t>(s.n * s.k), 23);
     auto x = random_floats(static_cast<size_t>(s.m * s.k), 24);
@@ -346,9 +347,10 @@ TEST_CASE("packed layouts: they round-trip, and their kernels give the row kerne
     }
   }
   // F16: float32 sums of the widened weights and the float32 activations, as the row kernel
-  // (another order).
+  // (another order). Pairs of groups against tiles of 6 rows where there are both (the
+  // widened copy of one pair must not leak into the next), the rest one group at a time.
   for (auto s : {shape{16, 1, 2}, shape{32, 3, 64}, shape{48, 9, 130}, shape{16, 17, 576},
-                 shape{64, 2, 1536}}) {
+                 shape{64, 2, 1536}, shape{80, 20, 576}}) {
     INFO("F16, n " << s.n << " m " << s.m << " k " << s.k);
     auto w = random_floats(static_cast<size_t>(s.n * s.k), 25);
     auto x = random_floats(static_cast<size_t>(s.m * s.k), 26);

@@ -101,9 +101,10 @@ public:
     int64_t total = 0;
     for (auto& o : outputs)
       total += o.n;
-    // Whole groups of packed rows (16); as many rows for the others.
-    const int64_t rows_per_part =
-      (std::max<int64_t>(16, (total + wanted - 1) / wanted) + 15) / 16 * 16;
+    // Whole groups of packed rows (16), pairs of them where parts are larger (the 16-bit
+    // kernels take two groups at a time); as many rows for the others.
+    const int64_t even = (total + wanted - 1) / wanted;
+    const int64_t rows_per_part = even <= 16 ? 16 : (even + 31) / 32 * 32;
     starts_.clear();
     int64_t parts = 0;
     for (auto& o : outputs) {

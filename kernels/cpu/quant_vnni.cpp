@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace troupe::cpu::vnni {
 
@@ -691,6 +692,13 @@ inline __m512bh as_bf16(__m512i v) {
   return reinterpret_cast<__m512bh>(v);
 }
 
+/// Lanes 2i and 2i + 1 of (lo, hi) summed into lane i: a row's even and odd columns.
+inline __m512 sum_pairs(__m512 lo, __m512 hi) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return _mm512_add_ps(_mm512_permutex2var_ps(lo, even, hi), _mm512_permutex2var_ps(lo, odd, hi));
+}
+
 /// A group of 16 packed BF16 rows against R activation rows: a pair of elements of the 16
 /// rows per vector, each pair of the activations broadcast; C accumulators a row where the
 /// tile is too small to hide `vdpbf16ps`'s latency.
@@ -754,9 +762,6 @@ void f16_group(const unsigned char* group, const float* x, int64_t k, __m512* ou
       step(p + c, c);
   for (; p < pairs; ++p)
     step(p, 0);
-  // Lanes 2i and 2i + 1 of (lo, hi) are row i's.
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   for (int r = 0; r < R; ++r) {
     __m512 l = lo[r][0];
     __m512 h = hi[r][0];
@@ -764,7 +769,7 @@ void f16_group(const unsigned char* group, const float* x, int64_t k, __m512* ou
       l = _mm512_add_ps(l, lo[r][c]);
       h = _mm512_add_ps(h, hi[r][c]);
     }
-    out[r] = _mm512_add_ps(_mm512_permutex2var_ps(l, even, h), _mm512_permutex2var_ps(l, odd, h));
+    out[r] = sum_pairs(l, h);
   }
 }
 
@@ -777,44 +782,123 @@ inline void store_rows(float* y, int64_t ldy, int64_t first, int64_t row, const 
   }
 }
 
-/// Tiles of 8 activation rows (8 accumulators hide the latency), then 4, 2, 1 over the
-/// groups of [begin, end), each tile's sums through `put`.
-template <class Group, class Put>
-void packed_tiles(int64_t m, int64_t begin, int64_t end, Group group_tile, Put put) {
-  for (int64_t first = begin; first < end; first += 16) {
-    int64_t r = 0;
-    for (; r + 8 <= m; r += 8)
-      put(first, r, group_tile(first, r, std::integral_constant<int, 8>{}), 8);
-    for (; r + 4 <= m; r += 4)
-      put(first, r, group_tile(first, r, std::integral_constant<int, 4>{}), 4);
-    for (; r + 2 <= m; r += 2)
-      put(first, r, group_tile(first, r, std::integral_constant<int, 2>{}), 2);
-    for (; r < m; ++r)
-      put(first, r, group_tile(first, r, std::integral_constant<int, 1>{}), 1);
+/// Two groups of packed BF16 rows (32 outputs, `group_bytes` apart) against 8 activation
+/// rows: each weight vector serves 8 rows and each broadcast pair of activations both
+/// groups, so the loads stay well under the multiply-adds. out[2r + g]: row r, group g.
+void bf16_two_groups(const unsigned char* group, int64_t group_bytes, const uint16_t* x, int64_t k,
+                     __m512* out) {
+  constexpr int R = 8;
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k / 2; ++p) {
+    __m512i w0 = load512(group + 64 * p);
+    __m512i w1 = load512(group + group_bytes + 64 * p);
+    for (int r = 0; r < R; ++r) {
+      __m512bh pair = as_bf16(broadcast32(x + r * k + 2 * p));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], as_bf16(w0), pair);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], as_bf16(w1), pair);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    out[2 * r] = acc[r][0];
+    out[2 * r + 1] = acc[r][1];
+  }
+}
+
+/// Two groups of packed F16 rows widened to float32 once, in the order `f16_two_groups`
+/// reads them: for each pair of columns, four vectors (group 0's rows 0-7 and 8-15, then
+/// group 1's). Widening inside the tile loop would cost a conversion per 8 multiply-adds.
+void widen_two_groups(const unsigned char* group, int64_t group_bytes, int64_t k, float* wide) {
+  for (int64_t p = 0; p < k / 2; ++p)
+    for (int g = 0; g < 2; ++g) {
+      __m512i w = load512(group + g * group_bytes + 64 * p);
+      _mm512_storeu_ps(wide + 64 * p + 32 * g, _mm512_cvtph_ps(_mm512_castsi512_si256(w)));
+      _mm512_storeu_ps(wide + 64 * p + 32 * g + 16,
+                       _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1)));
+    }
+}
+
+/// Two groups of F16 rows, widened by `widen_two_groups`, against 6 float32 activation
+/// rows: 24 accumulators, each pair of activations broadcast once for the four vectors.
+/// out[2r + g]: row r, group g.
+void f16_two_groups(const float* wide, const float* x, int64_t k, __m512* out) {
+  constexpr int R = 6;
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v)
+      acc[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k / 2; ++p) {
+    __m512 w[4];
+    for (int v = 0; v < 4; ++v)
+      w[v] = _mm512_loadu_ps(wide + 64 * p + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      double pair;
+      std::memcpy(&pair, x + r * k + 2 * p, sizeof pair);
+      __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
+      for (int v = 0; v < 4; ++v)
+        acc[r][v] = _mm512_fmadd_ps(w[v], xp, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    out[2 * r] = sum_pairs(acc[r][0], acc[r][1]);
+    out[2 * r + 1] = sum_pairs(acc[r][2], acc[r][3]);
   }
 }
 
 /// A packed 16-bit product (F16 widened against float32 activations, or BF16 against
-/// bfloat16 ones) over the tiles of [begin, end).
+/// bfloat16 ones) over the groups of [begin, end). Where there are rows enough, pairs of
+/// groups go through the two-group tiles (for F16 widened once per pair into this thread's
+/// buffer); the rows left over, and a decode step's few, through one group at a time in
+/// tiles of 8, 4, 2 and 1 rows.
 template <bool F16, class X>
 void packed_pairs(const unsigned char* w, const X* x, int64_t m, int64_t k, float* y, int64_t ldy,
                   int64_t begin, int64_t end, bool accumulate) {
   const int64_t group_bytes = 16 * 2 * k;
-  __m512 out[8];
-  packed_tiles(
-    m, begin, end,
-    [&](int64_t first, int64_t r, auto rows) {
+  constexpr int64_t two_group_rows = F16 ? 6 : 8;
+  __m512 out[2 * two_group_rows];
+  auto one_group = [&](int64_t first, int64_t r) {
+    auto group = w + first / 16 * group_bytes;
+    auto tile = [&](auto rows) {
       constexpr int R = decltype(rows)::value;
+      for (; r + R <= m; r += R) {
+        if constexpr (F16)
+          f16_group<R>(group, x + r * k, k, out);
+        else
+          bf16_group<R>(group, x + r * k, k, out);
+        store_rows(y, ldy, first, r, out, R, accumulate);
+      }
+    };
+    tile(std::integral_constant<int, 8>{});
+    tile(std::integral_constant<int, 4>{});
+    tile(std::integral_constant<int, 2>{});
+    tile(std::integral_constant<int, 1>{});
+  };
+  int64_t first = begin;
+  if (m >= two_group_rows) {
+    thread_local std::vector<float> wide;
+    if (F16)
+      wide.resize(static_cast<size_t>(32 * k));
+    for (; first + 32 <= end; first += 32) {
       auto group = w + first / 16 * group_bytes;
       if constexpr (F16)
-        f16_group<R>(group, x + r * k, k, out);
-      else
-        bf16_group<R>(group, x + r * k, k, out);
-      return out;
-    },
-    [&](int64_t first, int64_t row, const __m512* sums, int count) {
-      store_rows(y, ldy, first, row, sums, count, accumulate);
-    });
+        widen_two_groups(group, group_bytes, k, wide.data());
+      int64_t r = 0;
+      for (; r + two_group_rows <= m; r += two_group_rows) {
+        if constexpr (F16)
+          f16_two_groups(wide.data(), x + r * k, k, out);
+        else
+          bf16_two_groups(group, group_bytes, x + r * k, k, out);
+        for (int i = 0; i < two_group_rows; ++i)
+          for (int g = 0; g < 2; ++g)
+            store_rows(y, ldy, first + 16 * g, r + i, out + 2 * i + g, 1, accumulate);
+      }
+      one_group(first, r);
+      one_group(first + 16, r);
+    }
+  }
+  for (; first < end; first += 16)
+    one_group(first, 0);
 }
 
 } // namespace
