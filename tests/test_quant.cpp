@@ -463,6 +463,75 @@ TEST_CASE("attention: every instruction set gives the portable attention's outpu
   }
 }
 
+TEST_CASE("attention of a prefill's tokens together: each token's heads give the portable "
+          "attention's outputs over its own positions, and to the bit their own alone") {
+  // Whole vectors a head (held in registers) and not (a token at a time); one token to 17
+  // (rows in tiles of 4 and the rest); context before the tokens; a sliding window and a
+  // soft cap; the tokens' rows of other heads between them (stride), left alone.
+  for (int64_t head_dim : {64, 16, 32, 128, 24}) {
+    for (int64_t heads : {1, 3, 4}) {
+      for (int64_t tokens : {1, 2, 5, 17}) {
+        for (int64_t before : {0, 3, 40}) {
+          for (int64_t window : {0, 6}) {
+            const float softcap = window > 0 ? 3.0f : 0.0f;
+            const int64_t len = before + tokens;
+            const int64_t row = 2 * head_dim;
+            const int64_t stride = (heads + 2) * head_dim;
+            auto keys = random_floats(static_cast<size_t>(len * row), 11);
+            auto values = random_floats(static_cast<size_t>(len * row), 12);
+            auto query = random_floats(static_cast<size_t>(tokens * stride), 13);
+            std::vector<int64_t> offsets(static_cast<size_t>(len)), first, end;
+            for (int64_t p = 0; p < len; ++p)
+              offsets[static_cast<size_t>(p)] = ((p * 5) % len) * row + head_dim;
+            for (int64_t t = 0; t < tokens; ++t) {
+              end.push_back(before + t + 1);
+              first.push_back(window > 0 ? std::max<int64_t>(0, end.back() - window) : 0);
+            }
+            std::vector<float> want(query.size(), -1.0f), scores(static_cast<size_t>(len));
+            auto at = [&](const std::vector<float>& cache) {
+              return [&](int64_t p) { return cache.data() + offsets[static_cast<size_t>(p)]; };
+            };
+            for (int64_t t = 0; t < tokens; ++t)
+              for (int64_t g = 0; g < heads; ++g) {
+                auto f = first[static_cast<size_t>(t)];
+                auto n = end[static_cast<size_t>(t)] - f;
+                cpu::attend(
+                  query.data() + t * stride + g * head_dim, head_dim, n, 0.125f,
+                  [&](int64_t p) { return at(keys)(f + p); },
+                  [&](int64_t p) { return at(values)(f + p); }, scores.data(),
+                  want.data() + t * stride + g * head_dim, softcap);
+              }
+            for (auto i : available()) {
+              INFO(std::string{cpu::isa_name(i)} << ", head_dim " << head_dim << " heads " << heads
+                                                 << " tokens " << tokens << " before " << before
+                                                 << " window " << window);
+              std::vector<float> got(query.size(), -1.0f);
+              cpu::attend_tokens(i, query.data(), stride, head_dim, heads, tokens, first.data(),
+                                 end.data(), len, 0.125f, keys.data(), values.data(),
+                                 offsets.data(), got.data(), softcap);
+              for (size_t d = 0; d < got.size(); ++d)
+                REQUIRE(std::fabs(got[d] - want[d]) <= 1e-5f * (1.0f + std::fabs(want[d])));
+              // To the bit what the token computes alone, as a decode step does: a
+              // prompt's outputs do not depend on how it is cut into steps (prefix caching,
+              // chunks, recomputation).
+              std::vector<float> alone(query.size(), -1.0f);
+              std::vector<float> head_scores(static_cast<size_t>(heads * len));
+              for (int64_t t = 0; t < tokens; ++t) {
+                auto f = first[static_cast<size_t>(t)];
+                cpu::attend(i, query.data() + t * stride, head_dim, heads,
+                            end[static_cast<size_t>(t)] - f, 0.125f, keys.data(), values.data(),
+                            offsets.data() + f, head_scores.data(), alone.data() + t * stride,
+                            softcap);
+              }
+              REQUIRE(alone == got);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("silu: every instruction set gives the portable values, over the whole range") {
   auto gate = random_floats(1000, 11);
   for (size_t i = 0; i < gate.size(); ++i)

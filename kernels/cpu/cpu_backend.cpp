@@ -249,10 +249,26 @@ public:
   void paged_attention(const float* q, float* out, const float* k_cache, const float* v_cache,
                        const paged_layout& l, int64_t tokens, float scale) override {
     const auto row = l.kv_heads * l.head_dim;
+    // Tiles: up to `tile_tokens` consecutive tokens of one sequence (a prefill's) attend
+    // together, each key and value read once for them all; a decode step's tokens alone.
+    tiles_.clear();
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (!tiles_.empty()) {
+        auto& last = tiles_.back();
+        auto prev = last.first + last.tokens - 1;
+        if (last.tokens < tile_tokens && l.token_seq[t] == l.token_seq[prev] &&
+            l.positions[t] == l.positions[prev] + 1) {
+          ++last.tokens;
+          continue;
+        }
+      }
+      tiles_.push_back({t, 1});
+    }
+    const auto tiles = static_cast<int64_t>(tiles_.size());
     // Query heads that share a KV head attend together, so that each key and value is read
     // once for them all; in runs small enough that every thread has parts to take.
     const auto run_heads = std::max<int64_t>(
-      1, std::min(l.group_size, (tokens * l.heads + 4 * pool_.size() - 1) / (4 * pool_.size())));
+      1, std::min(l.group_size, (tiles * l.heads + 4 * pool_.size() - 1) / (4 * pool_.size())));
     runs_.clear();
     for (int64_t h = 0; h < l.heads; ++h) {
       auto kv_head = (l.head_begin + h) / l.group_size - l.kv_offset;
@@ -261,27 +277,43 @@ public:
       ++runs_.back().heads;
     }
     const auto runs = static_cast<int64_t>(runs_.size());
-    // One part per (query token, run), spread over the worker's threads.
-    pool_.run(tokens * runs, [&](int64_t part) {
-      auto t = part / runs;
+    auto first_of = [&](int64_t t) {
+      const int64_t end = l.positions[t] + int64_t{1};
+      return l.window > 0 ? std::max<int64_t>(0, end - l.window) : 0;
+    };
+    // One part per (tile, run), spread over the worker's threads.
+    pool_.run(tiles * runs, [&](int64_t part) {
+      auto& tile = tiles_[static_cast<size_t>(part / runs)];
       auto& run = runs_[static_cast<size_t>(part % runs)];
-      const int32_t* table = l.block_tables + l.token_seq[t] * l.max_blocks;
-      const auto end = l.positions[t] + int64_t{1};
-      const auto first = l.window > 0 ? std::max<int64_t>(0, end - l.window) : 0;
-      const auto len = end - first;
+      const auto t0 = tile.first;
+      const int32_t* table = l.block_tables + l.token_seq[t0] * l.max_blocks;
+      const auto lo = first_of(t0);
+      const auto hi = l.positions[t0 + tile.tokens - 1] + int64_t{1};
+      thread_local std::vector<int64_t> offsets, first, end;
       thread_local std::vector<float> scores;
-      thread_local std::vector<int64_t> offsets;
-      scores.resize(static_cast<size_t>(len * run.heads));
-      offsets.resize(static_cast<size_t>(len));
+      offsets.resize(static_cast<size_t>(hi - lo));
       // write_kv's layout.
       auto head_at = run.kv_head * l.block_size * l.head_dim;
-      for (int64_t p = first; p < end; ++p)
-        offsets[static_cast<size_t>(p - first)] =
+      for (int64_t p = lo; p < hi; ++p)
+        offsets[static_cast<size_t>(p - lo)] =
           int64_t{table[p / l.block_size]} * l.block_size * row + head_at +
           p % l.block_size * l.head_dim;
-      auto offset = (t * l.heads + run.first) * l.head_dim;
-      cpu::attend(isa_, q + offset, l.head_dim, run.heads, len, scale, k_cache, v_cache,
-                  offsets.data(), scores.data(), out + offset, l.softcap);
+      auto offset = (t0 * l.heads + run.first) * l.head_dim;
+      if (tile.tokens == 1) {
+        scores.resize(static_cast<size_t>((hi - lo) * run.heads));
+        cpu::attend(isa_, q + offset, l.head_dim, run.heads, hi - lo, scale, k_cache, v_cache,
+                    offsets.data(), scores.data(), out + offset, l.softcap);
+        return;
+      }
+      first.clear();
+      end.clear();
+      for (int64_t t = t0; t < t0 + tile.tokens; ++t) {
+        first.push_back(first_of(t) - lo);
+        end.push_back(l.positions[t] + 1 - lo);
+      }
+      cpu::attend_tokens(isa_, q + offset, l.heads * l.head_dim, l.head_dim, run.heads, tile.tokens,
+                         first.data(), end.data(), hi - lo, scale, k_cache, v_cache, offsets.data(),
+                         out + offset, l.softcap);
     });
   }
 
@@ -316,6 +348,13 @@ private:
     int64_t kv_head;
   };
   std::vector<head_run> runs_;
+  /// Consecutive query tokens of one sequence, as paged_attention takes them.
+  struct token_tile {
+    int64_t first;
+    int64_t tokens;
+  };
+  static constexpr int64_t tile_tokens = 16;
+  std::vector<token_tile> tiles_;
 };
 
 } // namespace

@@ -28,6 +28,10 @@ namespace troupe::cpu {
   void attend(const float* query, int64_t head_dim, int64_t heads, int64_t len, float scale,       \
               const float* keys, const float* values, const int64_t* offsets, float* scores,       \
               float* out, float softcap);                                                          \
+  bool attend_tokens(const float* query, int64_t stride, int64_t head_dim, int64_t heads,          \
+                     int64_t tokens, const int64_t* first, const int64_t* end, int64_t len,        \
+                     float scale, const float* keys, const float* values, const int64_t* offsets,  \
+                     float* out, float softcap);                                                   \
   void silu_mul(const float* gate, const float* up, float* out, int64_t n);                        \
   float log_partition(const float* x, int64_t n);                                                  \
   }
@@ -225,6 +229,27 @@ void attend(isa i, const float* query, int64_t head_dim, int64_t heads, int64_t 
       query + g * head_dim, head_dim, len, scale, [&](int64_t p) { return keys + offsets[p]; },
       [&](int64_t p) { return values + offsets[p]; }, scores + g * len, out + g * head_dim,
       softcap);
+}
+
+void attend_tokens(isa i, const float* query, int64_t stride, int64_t head_dim, int64_t heads,
+                   int64_t tokens, const int64_t* first, const int64_t* end, int64_t len,
+                   float scale, const float* keys, const float* values, const int64_t* offsets,
+                   float* out, float softcap) {
+#if TROUPE_X86_KERNELS
+  if (i == isa::avx512 && avx512::attend_tokens(query, stride, head_dim, heads, tokens, first, end,
+                                                len, scale, keys, values, offsets, out, softcap))
+    return;
+  if (i == isa::avx2 && avx2::attend_tokens(query, stride, head_dim, heads, tokens, first, end, len,
+                                            scale, keys, values, offsets, out, softcap))
+    return;
+#endif
+  // A token at a time, its heads together.
+  thread_local std::vector<float> scores;
+  for (int64_t t = 0; t < tokens; ++t) {
+    scores.resize(static_cast<size_t>(heads * (end[t] - first[t])));
+    attend(i, query + t * stride, head_dim, heads, end[t] - first[t], scale, keys, values,
+           offsets + first[t], scores.data(), out + t * stride, softcap);
+  }
 }
 
 float log_partition(isa i, const float* logits, int64_t n) {
