@@ -5,9 +5,9 @@
 # prefill of 512 tokens (`llama-bench` against `troupe bench step`), batched decode at 8
 # and 32 (`llama-batched-bench`), start-up to one token with its peak resident memory
 # (`llama-simple` against `troupe generate`, the file in the page cache; troupe's with its
-# weight cache written by the runs before, and its first start, which writes the cache, as
-# "startup_first"), and the bandwidth
-# floor of this machine (the weights' bytes over the read bandwidth of every core, which
+# weight cache written by the runs before, its first start, which writes the cache, as
+# "startup_first", and the command line's default exact path without a cache as
+# "startup_exact"), and the bandwidth floor of this machine (the weights' bytes over the read bandwidth of every core, which
 # `troupe bench step` measures in the same process). Prints one JSON object per
 # measurement, then a table of medians and ratios. A benchmark, not a test: the llama.cpp
 # build takes minutes once, the model files a few minutes once (both cached).
@@ -109,6 +109,11 @@ for model in "${models[@]}"; do
         --prompt "Hello world" --max-tokens 1 --cpu-precision "$precision" \
         --kv-cache-memory $((64 << 20)) --weight-cache "$weight_cache/first"
       rm -rf "$weight_cache/first"
+      # The command line's default precision (exact): the weights used from the file's
+      # pages where their layout allows, no weight cache.
+      startup troupe "$model" startup_exact "$troupe" generate --model "$model" \
+        --prompt "Hello world" --max-tokens 1 --cpu-precision exact \
+        --kv-cache-memory $((64 << 20)) --weight-cache off
     } | tee -a "$results"
   done
 done
@@ -123,10 +128,13 @@ median = {k: statistics.median(v) for k, v in runs.items()}
 print(f"\n{'model':34} {'measure':16} {'troupe':>8} {'llama.cpp':>9} {'ratio':>6} {'floor':>7}")
 for model in dict.fromkeys(k[0] for k in median):
     for what in ("decode", "prefill", "decode_batch8", "decode_batch32", "startup_s",
-                 "startup_peak_mib", "startup_first_s", "startup_first_peak_mib"):
-        # A first start is compared with llama.cpp's start, which has no cache to write.
+                 "startup_peak_mib", "startup_first_s", "startup_first_peak_mib",
+                 "startup_exact_s", "startup_exact_peak_mib"):
+        # A first start, and the exact path's, are compared with llama.cpp's start, which
+        # has no cache to write.
         ours = median.get((model, what, "troupe"))
-        theirs = median.get((model, what.replace("_first", ""), "llama.cpp"))
+        theirs = median.get((model, what.replace("_first", "").replace("_exact", ""),
+                            "llama.cpp"))
         if ours is None or theirs is None:
             continue
         floor = median.get((model, what, "floor"))
