@@ -290,7 +290,6 @@ public:
       const auto lo = first_of(t0);
       const auto hi = l.positions[t0 + tile.tokens - 1] + int64_t{1};
       thread_local std::vector<int64_t> offsets, first, end;
-      thread_local std::vector<float> scores;
       offsets.resize(static_cast<size_t>(hi - lo));
       // write_kv's layout.
       auto head_at = run.kv_head * l.block_size * l.head_dim;
@@ -299,12 +298,6 @@ public:
           int64_t{table[p / l.block_size]} * l.block_size * row + head_at +
           p % l.block_size * l.head_dim;
       auto offset = (t0 * l.heads + run.first) * l.head_dim;
-      if (tile.tokens == 1) {
-        scores.resize(static_cast<size_t>((hi - lo) * run.heads));
-        cpu::attend(isa_, q + offset, l.head_dim, run.heads, hi - lo, scale, k_cache, v_cache,
-                    offsets.data(), scores.data(), out + offset, l.softcap);
-        return;
-      }
       first.clear();
       end.clear();
       for (int64_t t = t0; t < t0 + tile.tokens; ++t) {

@@ -236,11 +236,13 @@ void attend_tokens(isa i, const float* query, int64_t stride, int64_t head_dim, 
                    float scale, const float* keys, const float* values, const int64_t* offsets,
                    float* out, float softcap) {
 #if TROUPE_X86_KERNELS
-  if (i == isa::avx512 && avx512::attend_tokens(query, stride, head_dim, heads, tokens, first, end,
-                                                len, scale, keys, values, offsets, out, softcap))
-    return;
-  if (i == isa::avx2 && avx2::attend_tokens(query, stride, head_dim, heads, tokens, first, end, len,
-                                            scale, keys, values, offsets, out, softcap))
+  // A single token (a decode step's) reads its keys once as they are, untransposed.
+  if (tokens > 1 &&
+      ((i == isa::avx512 &&
+        avx512::attend_tokens(query, stride, head_dim, heads, tokens, first, end, len, scale, keys,
+                              values, offsets, out, softcap)) ||
+       (i == isa::avx2 && avx2::attend_tokens(query, stride, head_dim, heads, tokens, first, end,
+                                              len, scale, keys, values, offsets, out, softcap))))
     return;
 #endif
   // A token at a time, its heads together.

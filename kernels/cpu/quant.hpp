@@ -59,7 +59,8 @@ void attend(isa i, const float* query, int64_t head_dim, int64_t heads, int64_t 
 /// offsets[p]; `first` and `end` do not decrease with t. Outputs go to out + t · stride
 /// likewise. Each key and value is read once for the whole tile and the scores are computed
 /// as tiles of rows × positions (the keys transposed once), so that the work per score is
-/// a few multiply-adds; each row equals `attend` up to the order of float sums.
+/// a few multiply-adds; each token's outputs equal those `attend` gives it alone, to the
+/// bit. A single token goes to `attend`.
 void attend_tokens(isa i, const float* query, int64_t stride, int64_t head_dim, int64_t heads,
                    int64_t tokens, const int64_t* first, const int64_t* end, int64_t len,
                    float scale, const float* keys, const float* values, const int64_t* offsets,
