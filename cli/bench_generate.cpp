@@ -164,26 +164,30 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
       std::map<int64_t, size_t> index;
       for (size_t i = 0; i < reqs.size(); ++i)
         index[model.add_request(reqs[i])] = i;
-      std::vector<double> host_ms;
+      std::vector<double> host_ms, host_cpu_ms;
       while (model.has_unfinished_requests()) {
         for (auto& u : model.step())
           if (u.finished)
             outs[index.at(u.request_id)] = std::move(*u.output);
         host_ms.push_back(model.stats().last_step_host_seconds * 1e3);
+        host_cpu_ms.push_back(model.stats().last_step_host_cpu_seconds * 1e3);
       }
       model.executor().stop_remote_worker_execution_loop();
       std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
       // The engine's time per step early in the outputs (steps 100-199, or the first tenth)
       // and at their end (the last hundred), median each: flat when nothing grows with the
       // output's length.
-      auto median_of = [&](size_t from, size_t to) {
-        to = std::min(to, host_ms.size());
+      auto median_of = [&](const std::vector<double>& ms, size_t from, size_t to) {
+        to = std::min(to, ms.size());
         from = std::min(from, to);
-        return quantile(std::vector<double>(host_ms.begin() + from, host_ms.begin() + to), 0.5);
+        return quantile(std::vector<double>(ms.begin() + from, ms.begin() + to), 0.5);
       };
       size_t early = host_ms.size() >= 400 ? 100 : host_ms.size() / 10;
-      double host_early = median_of(early, early + 100);
-      double host_late = median_of(host_ms.size() > 100 ? host_ms.size() - 100 : 0, host_ms.size());
+      size_t late = host_ms.size() > 100 ? host_ms.size() - 100 : 0;
+      double host_early = median_of(host_ms, early, early + 100);
+      double host_late = median_of(host_ms, late, host_ms.size());
+      double host_cpu_early = median_of(host_cpu_ms, early, early + 100);
+      double host_cpu_late = median_of(host_cpu_ms, late, host_cpu_ms.size());
       auto after = model.stats();
       size_t tokens = 0;
       std::vector<double> tpot_ms, ttft_ms;
@@ -222,6 +226,8 @@ std::shared_ptr<command> add_bench_generate(CLI::App& bench) {
         {"steps", host_ms.size()},
         {"host_ms_per_step_early", host_early},
         {"host_ms_per_step_late", host_late},
+        {"host_cpu_ms_per_step_early", host_cpu_early},
+        {"host_cpu_ms_per_step_late", host_cpu_late},
       };
       if (!o->guided_json.empty()) {
         // The masks' share of a step: their time over the steps', both per step.

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <deque>
 #include <future>
 #include <limits>
@@ -20,6 +21,13 @@
 namespace troupe {
 
 namespace {
+
+/// Seconds of CPU this thread has used.
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
 
 /// One round of an update: checking, or writing what the checking round looked at (its
 /// values are not looked at again).
@@ -771,25 +779,33 @@ std::vector<generation_update> llm::step() {
     d.counts.last_step_requests = static_cast<int64_t>(step.seq_group_metadata_list.size());
     d.counts.max_step_requests = std::max(d.counts.max_step_requests, d.counts.last_step_requests);
   };
-  // The engine's own time: all of the step but the waits for the workers.
+  // The engine's own time: all of the step but the waits for the workers, on the wall
+  // clock and on this thread's CPU clock.
   using clock = std::chrono::steady_clock;
   auto host_start = clock::now();
+  auto cpu_start = thread_cpu_seconds();
   clock::duration waited{};
+  double waited_cpu = 0;
   auto wait = [&](auto&& f) {
     auto t = clock::now();
+    auto c = thread_cpu_seconds();
     auto result = f();
     waited += clock::now() - t;
+    waited_cpu += thread_cpu_seconds() - c;
     return result;
   };
   struct host_time {
     engine_stats& counts;
     clock::time_point start;
     clock::duration& waited;
+    double cpu_start;
+    double& waited_cpu;
     ~host_time() {
       counts.last_step_host_seconds =
         std::chrono::duration<double>(clock::now() - start - waited).count();
+      counts.last_step_host_cpu_seconds = thread_cpu_seconds() - cpu_start - waited_cpu;
     }
-  } timing{d.counts, host_start, waited};
+  } timing{d.counts, host_start, waited, cpu_start, waited_cpu};
   try {
     if (d.steps.empty()) {
       auto sleeps = d.exec->sleep_count();

@@ -196,6 +196,9 @@ struct engine_stats {
   /// The engine's own time in the last step, without the workers': scheduling, and
   /// taking the outputs in (detokenizing, stop strings, updates).
   double last_step_host_seconds = 0;
+  /// The same on the engine thread's CPU clock: its own work, without the time other
+  /// threads (the workers' among them, on a machine with few cores) held its core.
+  double last_step_host_cpu_seconds = 0;
   /// Seconds the engine spent on structured output's masks, in all (part of the host's
   /// time of the steps).
   double structured_output_seconds = 0;
