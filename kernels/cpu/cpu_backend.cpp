@@ -266,9 +266,16 @@ public:
     }
     const auto tiles = static_cast<int64_t>(tiles_.size());
     // Query heads that share a KV head attend together, so that each key and value is read
-    // once for them all; in runs small enough that every thread has parts to take.
-    const auto run_heads = std::max<int64_t>(
-      1, std::min(l.group_size, (tiles * l.heads + 4 * pool_.size() - 1) / (4 * pool_.size())));
+    // once for them all: whole groups, unless there are fewer tiles × groups than threads
+    // (then groups are cut so that every thread has a part). A cut group reads its keys
+    // and values once a run: at batch 1 SmolLM2's 3 groups cut in runs of 2 + 1 heads read
+    // the cache twice, slower than two threads taking 2 + 1 whole groups.
+    const auto pool = static_cast<int64_t>(pool_.size());
+    const auto groups = (l.heads + l.group_size - 1) / l.group_size;
+    const auto run_heads =
+      tiles * groups >= pool
+        ? l.group_size
+        : std::max<int64_t>(1, std::min(l.group_size, (tiles * l.heads + pool - 1) / pool));
     runs_.clear();
     for (int64_t h = 0; h < l.heads; ++h) {
       auto kv_head = (l.head_begin + h) / l.group_size - l.kv_offset;
