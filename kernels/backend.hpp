@@ -55,6 +55,11 @@ struct row_sampling {
 };
 static_assert(sizeof(row_sampling) % sizeof(float) == 0, "laid out in 4-byte units");
 
+/// Which entries of a head rotate together: Hugging Face's halves (entry i with
+/// i + rotary_dim/2) or neighbours (2i with 2i + 1), the order in which llama.cpp's
+/// converter stores a llama model's q and k rows.
+enum class rope_pairs { halves, neighbours };
+
 /// Calls recorded once by `backend::capture`, run again by `replay` with the same arguments
 /// (the memory they name must still be there; its contents may change).
 class captured_calls {
@@ -181,12 +186,18 @@ public:
   virtual void add_rms_norm(float* x, const float* h, const float* weight, float* y, int64_t rows,
                             int64_t dim, float eps) = 0;
 
+  /// Whether `rotary` takes `pairs` (every backend takes `rope_pairs::halves`).
+  virtual bool rotates(rope_pairs pairs) const {
+    return pairs == rope_pairs::halves;
+  }
+
   /// Rotates, in place, the first `rotary_dim` entries of `q_heads` heads of each of `rows`
-  /// rows of `q` and `k_heads` of `k` (heads of `head_dim`, "rotate half" layout within
-  /// those entries; the rest pass through), with per-row cos/sin tables of rotary_dim/2
-  /// entries.
+  /// rows of `q` and `k_heads` of `k` (heads of `head_dim`, entries paired as `pairs` says;
+  /// the rest pass through), with per-row cos/sin tables of rotary_dim/2 entries (pair i
+  /// turns by angle i).
   virtual void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows,
-                      int64_t head_dim, int64_t rotary_dim, const float* cos, const float* sin) = 0;
+                      int64_t head_dim, int64_t rotary_dim, const float* cos, const float* sin,
+                      rope_pairs pairs) = 0;
 
   /// out[i] = silu(gate[i]) · up[i].
   virtual void silu_mul(const float* gate, const float* up, float* out, int64_t n) = 0;

@@ -120,7 +120,7 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
   checkpoint result;
   result.directory_ = path;
   result.gguf_ = file;
-  bool interleaved_rope =
+  result.neighbour_pairs_ =
     config.architecture == "LlamaForCausalLM" || config.architecture == "MixtralForCausalLM";
   for (auto& t : file->tensors()) {
     // LongRoPE's factors are the config's (gguf_file::config reads them).
@@ -147,11 +147,12 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
     view->shape = t.shape;
     view->data = file->data(t);
     view->bytes = t.bytes;
-    bool is_q = name.find("self_attn.q_proj.weight") != std::string::npos;
-    bool is_k = name.find("self_attn.k_proj.weight") != std::string::npos;
-    if (interleaved_rope && (is_q || is_k) && t.shape.size() == 2) {
-      // Within each head, GGUF row 2i + j is Hugging Face row j * head_dim / 2 + i. The
-      // rows are read in that order where they are used, not copied here.
+    bool is_q = name.find("self_attn.q_proj.") != std::string::npos;
+    bool is_k = name.find("self_attn.k_proj.") != std::string::npos;
+    if (result.neighbour_pairs_ && (is_q || is_k) && !t.shape.empty()) {
+      // Within each head, GGUF row (a bias's entry) 2i + j is Hugging Face row
+      // j * head_dim / 2 + i: read in Hugging Face's order through row_order, or as stored
+      // by a model that rotates neighbouring pairs.
       auto heads = is_q ? config.num_attention_heads : config.num_key_value_heads;
       auto rows = t.shape[0];
       auto head_dim = rows / heads;

@@ -48,6 +48,13 @@ public:
   /// The model shape of `path`: a GGUF file's metadata, or a directory's `config.json`.
   static model_config config_of(const std::string& path);
 
+  /// Whether q's and k's rows are stored with each head's rotated entries in neighbouring
+  /// pairs (llama.cpp's order, a GGUF llama file's); their views read them in Hugging Face's
+  /// order all the same (`tensor_view::row_order`).
+  bool neighbour_pairs() const {
+    return neighbour_pairs_;
+  }
+
   /// Whether any file holds `name`.
   bool contains(const std::string& name) const;
 
@@ -111,6 +118,7 @@ private:
   /// `index_` points into `views_`.
   std::vector<std::unique_ptr<tensor_view>> views_;
   std::map<std::string, const tensor_view*> index_;
+  bool neighbour_pairs_ = false;
 };
 
 } // namespace troupe

@@ -324,6 +324,7 @@ std::vector<llama_model::weight_job> llama_model::plan_weights() {
         continue;
       auto sh = shard_of(proj);
       auto parent = proj <= projection::o ? "self_attn." : "mlp.";
+      const bool rotated = proj == projection::q || proj == projection::k;
       jobs.push_back({weights[n],
                       p + parent + module_name(proj) + ".weight",
                       {sh.out, sh.in},
@@ -331,6 +332,7 @@ std::vector<llama_model::weight_job> llama_model::plan_weights() {
                       sh.start,
                       sh.count,
                       wt});
+      jobs.back().rotated = rotated;
       // A bias of a column-parallel projection is split as its rows; one of a row-parallel
       // projection (o, down) is whole, added once the partial sums are reduced.
       bool biased = proj <= projection::v   ? cfg_.attention_bias
@@ -346,6 +348,7 @@ std::vector<llama_model::weight_job> llama_model::plan_weights() {
                         sh.by_rows ? sh.start : 0,
                         sh.by_rows ? sh.count : 0,
                         f32});
+        jobs.back().rotated = rotated;
       }
     }
   }
@@ -430,6 +433,11 @@ void llama_model::load(const checkpoint& ckpt, const load_progress& progress, bo
 
 llama_model::load_plan llama_model::plan_load(const checkpoint& ckpt, bool presharded) {
   const auto wt = weight_type_;
+  if (!pairs_)
+    pairs_ = ckpt.neighbour_pairs() && backend_->rotates(rope_pairs::neighbours) &&
+                 cfg_.rotated_dims() == cfg_.head_dim && !cfg_.qk_norm
+               ? rope_pairs::neighbours
+               : rope_pairs::halves;
   load_plan plan;
   auto& jobs = plan.jobs;
   jobs = plan_weights();
@@ -498,9 +506,10 @@ llama_model::load_plan llama_model::plan_load(const checkpoint& ckpt, bool presh
 }
 
 std::string llama_model::layout_text(const load_plan& plan) const {
-  std::string text = "world " + std::to_string(world_) + " rank " + std::to_string(rank_) +
-                     " pack_group " + std::to_string(backend_->pack_group()) + " total " +
-                     std::to_string(plan.total) + "\n";
+  std::string text =
+    "world " + std::to_string(world_) + " rank " + std::to_string(rank_) + " pack_group " +
+    std::to_string(backend_->pack_group()) + " total " + std::to_string(plan.total) +
+    (pairs_ == rope_pairs::neighbours ? " q and k in neighbouring pairs" : "") + "\n";
   for (size_t n = 0; n < plan.jobs.size(); ++n) {
     auto& j = plan.jobs[n];
     text += j.name + " " + dtype_name(j.type) + (j.packed ? " packed" : "") +
@@ -522,7 +531,8 @@ void llama_model::point_slots(const load_plan& plan) {
                     : static_cast<char*>(weights_.data()) + plan.offsets[n];
     j.slot->type = j.type;
     j.slot->packed = j.packed;
-    held_.push_back({j.name, plan.local_shapes[n], j.type, j.slot->ptr, j.packed});
+    held_.push_back({j.name, plan.local_shapes[n], j.type, j.slot->ptr, j.packed,
+                     j.rotated && pairs_ == rope_pairs::neighbours});
   }
 }
 
@@ -551,9 +561,10 @@ void llama_model::read_weights(const checkpoint& ckpt, const load_plan& plan, bo
     // Hashed as it is read for the copy: the file is read from the disk once.
     if (hash_weights_)
       hashes[jobs[n].name] = checkpoint::tensor_hash(t);
+    tensor_view reordered;
     if (plan.in_place[n] == nullptr)
-      write_weight(jobs[n], t, static_cast<char*>(weights_.data()) + plan.offsets[n], presharded,
-                   source);
+      write_weight(jobs[n], in_model_order(jobs[n].rotated, t, reordered),
+                   static_cast<char*>(weights_.data()) + plan.offsets[n], presharded, source);
     ckpt.release(t);
     if (progress)
       progress(n + 1, jobs.size());
@@ -581,7 +592,8 @@ std::vector<char*> llama_model::map_in_place(const checkpoint& ckpt, const load_
   std::map<int, std::vector<stored_part>> by_file;
   for (size_t n = 0; n < jobs.size(); ++n) {
     auto& j = jobs[n];
-    auto& t = ckpt.at(j.name);
+    tensor_view reordered;
+    auto& t = in_model_order(j.rotated, ckpt.at(j.name), reordered);
     bool whole_rows = presharded || j.split != part::cols || j.count == t.shape[1];
     if (!j.as_stored || j.packed || local_shapes[n].size() != 2 || !t.row_order.empty() ||
         !whole_rows)
@@ -704,7 +716,28 @@ void llama_model::write_weight(const weight_job& j, const tensor_view& t, char* 
   }
 }
 
-std::vector<std::pair<llama_model::weight_job, const tensor_view*>>
+const tensor_view& llama_model::in_model_order(bool rotated, const tensor_view& t,
+                                               tensor_view& reordered) const {
+  if (!rotated || pairs_ != rope_pairs::neighbours)
+    return t;
+  const auto D = cfg_.head_dim;
+  const auto rows = t.shape[0];
+  reordered = t;
+  reordered.row_order.resize(static_cast<size_t>(rows));
+  bool as_stored = true;
+  for (int64_t s = 0; s < rows; ++s) {
+    auto within = s % D;
+    auto hf = s - within + within % 2 * (D / 2) + within / 2;
+    auto stored = t.row_order.empty() ? hf : t.row_order[static_cast<size_t>(hf)];
+    reordered.row_order[static_cast<size_t>(s)] = stored;
+    as_stored = as_stored && stored == s;
+  }
+  if (as_stored)
+    reordered.row_order.clear();
+  return reordered;
+}
+
+std::vector<std::pair<llama_model::weight_job, tensor_view>>
 llama_model::plan_update(const checkpoint& src, const update_options& options) {
   if (held_.empty())
     throw error{errc::unsupported, "no weights are loaded to update"};
@@ -713,7 +746,7 @@ llama_model::plan_update(const checkpoint& src, const update_options& options) {
   for (size_t n = 0; n < jobs.size(); ++n)
     by_name[jobs[n].name] = n;
   const std::string source = "weight update from " + src.directory();
-  std::vector<std::pair<weight_job, const tensor_view*>> planned;
+  std::vector<std::pair<weight_job, tensor_view>> planned;
   for (auto& name : src.names()) {
     auto found = by_name.find(name);
     if (found == by_name.end()) {
@@ -741,7 +774,9 @@ llama_model::plan_update(const checkpoint& src, const update_options& options) {
                     "; an update in " + dtype_name(t.type) +
                     " would quantize it again: ask for that (quantize_on_update), or load the "
                     "model with a float dtype"};
-    planned.emplace_back(std::move(j), &t);
+    tensor_view reordered;
+    auto& ordered = in_model_order(j.rotated, t, reordered);
+    planned.emplace_back(std::move(j), ordered);
     by_name.erase(found);
   }
   if (options.whole && !by_name.empty())
@@ -752,7 +787,7 @@ llama_model::plan_update(const checkpoint& src, const update_options& options) {
     // In checkpoint order, so that the first bad tensor is the one named.
     std::vector<std::optional<size_t>> bad(planned.size());
     parallel_each(planned.size(), threads_per_rank(world_), [&](size_t i) {
-      auto& t = *planned[i].second;
+      auto& t = planned[i].second;
       bad[i] = first_non_finite(t.type, t.data, static_cast<size_t>(t.numel()));
     });
     for (size_t i = 0; i < planned.size(); ++i)
@@ -773,7 +808,7 @@ void llama_model::update(const checkpoint& src, const update_options& options) {
   auto planned = plan_update(src, options);
   auto write = [&](size_t i) {
     auto& [j, t] = planned[i];
-    write_weight(j, *t, static_cast<char*>(j.slot->ptr), false, source, true);
+    write_weight(j, t, static_cast<char*>(j.slot->ptr), false, source, true);
   };
   // Packing runs on the backend's own threads (one call at a time): those tensors go one
   // after another; the copies go on this rank's threads.
@@ -945,8 +980,11 @@ lora_weights llama_model::load_lora(const std::string& path, int64_t max_rank) c
     std::vector<float> a(static_cast<size_t>(rank * (sh.by_rows ? sh.in : sh.count)));
     std::vector<float> b(static_cast<size_t>((sh.by_rows ? sh.count : sh.out) * rank));
     if (sh.by_rows) {
+      auto proj = static_cast<projection>(at.proj);
+      tensor_view reordered;
       read_rows(*f.a, 0, rank, a.data());
-      read_rows(*f.b, sh.start, sh.count, b.data());
+      read_rows(in_model_order(proj == projection::q || proj == projection::k, *f.b, reordered),
+                sh.start, sh.count, b.data());
     } else {
       read_cols(*f.a, 0, f.a->shape[0], sh.start, sh.count, a.data());
       read_rows(*f.b, 0, sh.out, b.data());
@@ -996,11 +1034,25 @@ std::vector<char> llama_model::download(const local_tensor& t) const {
     numel *= static_cast<size_t>(d);
   std::vector<char> host(storage_bytes(t.type, numel));
   dev_.copy(host.data(), t.data, host.size());
-  if (!t.packed)
+  if (t.packed) {
+    std::vector<char> stored(host.size());
+    backend_->unpack(t.type, host.data(), stored.data(), t.shape[0], t.shape[1]);
+    host.swap(stored);
+  }
+  if (!t.neighbour_pairs)
     return host;
-  std::vector<char> stored(host.size());
-  backend_->unpack(t.type, host.data(), stored.data(), t.shape[0], t.shape[1]);
-  return stored;
+  // Row 2i + p of each head back to Hugging Face's p·D/2 + i.
+  const auto D = cfg_.head_dim;
+  const auto rows = t.shape[0];
+  const auto row = host.size() / static_cast<size_t>(rows);
+  std::vector<char> hf(host.size());
+  for (int64_t s = 0; s < rows; ++s) {
+    auto within = s % D;
+    auto to = s - within + within % 2 * (D / 2) + within / 2;
+    std::memcpy(hf.data() + static_cast<size_t>(to) * row,
+                host.data() + static_cast<size_t>(s) * row, row);
+  }
+  return hf;
 }
 
 void llama_model::rope_tables(int32_t position, const std::vector<double>& freqs, float* cos,
@@ -1202,7 +1254,8 @@ void llama_model::attention(size_t li, const step_batch& batch, step_buffers& b,
   // Gemma 3's sliding layers rotate with their own base.
   bool local = b.local_cos && b.layout.window > 0;
   be.rotary(b.q, local_heads_, b.k, local_kv_, T, cfg_.head_dim, cfg_.rotated_dims(),
-            local ? b.local_cos : b.cos, local ? b.local_sin : b.sin);
+            local ? b.local_cos : b.cos, local ? b.local_sin : b.sin,
+            pairs_.value_or(rope_pairs::halves));
   be.write_kv(b.k, b.v, cache.keys(layer), cache.values(layer), b.slots, T, b.layout);
   const double scaled_by = cfg_.query_pre_attn_scalar > 0 ? cfg_.query_pre_attn_scalar
                                                           : static_cast<double>(cfg_.head_dim);

@@ -14,6 +14,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -230,6 +231,9 @@ public:
     const void* data = nullptr;
     /// In the backend's packed layout: `download` gives it as stored.
     bool packed = false;
+    /// q's or k's rows (a bias's entries) in neighbouring pairs within each head
+    /// (`rope_pairs::neighbours`): `download` gives them in Hugging Face's order.
+    bool neighbour_pairs = false;
   };
 
   /// Every weight this rank holds, as the last `load` placed them.
@@ -307,8 +311,15 @@ private:
     bool packed = false;
     /// Added to every value (a norm's `model_config::norm_weight_offset`).
     float offset = 0;
+    /// q's or k's weight or bias: its rows (entries) are a head's rotated pairs.
+    bool rotated = false;
     std::vector<int64_t> local_shape() const;
   };
+  /// `t` with its rows in the order this model holds them: where a `rotated` tensor's pairs
+  /// are neighbours (`pairs_`), `reordered` reads Hugging Face's row p·D/2 + i of each head
+  /// as row 2i + p (a GGUF llama file's own order needs no reordering); otherwise `t`.
+  const tensor_view& in_model_order(bool rotated, const tensor_view& t,
+                                    tensor_view& reordered) const;
   /// Every weight of the config, in load order, split for this rank; types and layouts
   /// are a load's to choose.
   std::vector<weight_job> plan_weights();
@@ -352,9 +363,9 @@ private:
   void write_weight(const weight_job& j, const tensor_view& t, char* dst, bool presharded,
                     const std::string& source, bool checked = false) const;
   /// The jobs of an update from `src`, `as_stored` and the slots' types and layouts set,
-  /// each with its tensor, after every check.
-  std::vector<std::pair<weight_job, const tensor_view*>> plan_update(const checkpoint& src,
-                                                                     const update_options& options);
+  /// each with its tensor in the model's row order, after every check.
+  std::vector<std::pair<weight_job, tensor_view>> plan_update(const checkpoint& src,
+                                                              const update_options& options);
 
   /// The step's scratch memory of at least `bytes`, grown as needed.
   void* workspace(size_t bytes);
@@ -478,6 +489,10 @@ private:
   tensor_slot lm_head_; // empty when tied
   std::vector<layer_weights> layers_;
   std::vector<local_tensor> held_;
+  /// How q's and k's entries pair up in rotation, chosen by the first load: neighbours where
+  /// the checkpoint stores them so (a GGUF llama file) and the backend rotates them so,
+  /// for those weights to be used as stored (in place, not copied); halves otherwise.
+  std::optional<rope_pairs> pairs_;
   all_reduce_fn all_reduce_;
   /// Activations and step metadata, under `memory_tag::kv_cache` (it sleeps with the cache).
   device_buffer workspace_;

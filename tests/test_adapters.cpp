@@ -151,16 +151,24 @@ TEST_CASE("LoRA and prompt-tuning prefill logits match peft within 1e-4") {
   model.load(checkpoint{base_model});
   kv_cache cache{dev, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, 16, 0};
   double worst = 0;
-  for (auto& name : lora_names) {
-    auto weights = model.load_lora(adapters + "/" + name, 16);
-    for (size_t i = 0; i < ref["prompts"].size(); ++i) {
-      auto logits = prefill_logits(model, cache, prompt_of(ref, i), {{&weights}, {}});
-      auto want = ref["adapters"][name][i]["last_logits"].get<std::vector<float>>();
-      auto err = relative_error(logits.data(), want);
-      worst = std::max(worst, err);
-      CHECK_MESSAGE(err < 1e-4, name << " prompt " << i << ": relative error " << err);
+  // The same base as a GGUF file too, whose q and k rows are held in llama.cpp's order: the
+  // adapters' q and k factors follow it.
+  const auto gguf = fixtures + "/llama-gqa-gguf/llama-gqa-f32.gguf";
+  auto gguf_cfg = checkpoint::gguf_config(gguf);
+  llama_model from_gguf{gguf_cfg, dev, 0, 1, dtype::f32, true};
+  from_gguf.load(checkpoint::from_gguf(gguf, gguf_cfg));
+  for (auto* base : {&model, &from_gguf})
+    for (auto& name : lora_names) {
+      auto weights = base->load_lora(adapters + "/" + name, 16);
+      for (size_t i = 0; i < ref["prompts"].size(); ++i) {
+        auto logits = prefill_logits(*base, cache, prompt_of(ref, i), {{&weights}, {}});
+        auto want = ref["adapters"][name][i]["last_logits"].get<std::vector<float>>();
+        auto err = relative_error(logits.data(), want);
+        worst = std::max(worst, err);
+        CHECK_MESSAGE(err < 1e-4, (base == &model ? "" : "GGUF base, ")
+                                    << name << " prompt " << i << ": relative error " << err);
+      }
     }
-  }
   auto embeddings = model.load_prompt_adapter(adapters + "/prompt-tuning", 0);
   CHECK(embeddings.num_virtual_tokens == virtual_tokens);
   for (size_t i = 0; i < ref["prompts"].size(); ++i) {

@@ -108,11 +108,11 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
   want = q;
   auto want_k = k;
   cpu->rotary(want.data(), heads, want_k.data(), kv_heads, rows, head_dim, rotary_dim, cos.data(),
-              sin.data());
+              sin.data(), rope_pairs::halves);
   auto dq = upload(dev, q);
   auto dk = upload(dev, k);
   gpu->rotary(dq, heads, dk, kv_heads, rows, head_dim, rotary_dim, upload(dev, cos),
-              upload(dev, sin));
+              upload(dev, sin), rope_pairs::halves);
   CHECK(max_relative_error(download(dev, dq, q.size()), want) < 1e-5);
   CHECK(max_relative_error(download(dev, dk, k.size()), want_k) < 1e-5);
 

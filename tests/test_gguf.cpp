@@ -702,14 +702,44 @@ TEST_CASE("weights kept as stored are used from the file's pages, not copied, an
       return static_cast<const void*>(nullptr);
     };
     const std::string down = "model.layers.0.mlp.down_proj.weight";
-    // The down projection is the file's; q, whose rows the file keeps in llama.cpp's rotary
-    // order, is a copy in Hugging Face's.
+    const std::string q = "model.layers.0.self_attn.q_proj.weight";
+    // The down projection is the file's, and so is q, whose rows the file keeps in
+    // llama.cpp's order (a head's rotated entries in neighbouring pairs): read back, they
+    // come in Hugging Face's.
     CHECK(mapped_from(held(down)) == path);
-    CHECK(mapped_from(held("model.layers.0.self_attn.q_proj.weight")) != path);
+    CHECK(mapped_from(held(q)) == path);
+    auto ckpt = checkpoint::from_gguf(path, cfg);
+    for (auto& t : model.tensors())
+      if (t.name == q)
+        CHECK(same_as_stored(model.download(t), ckpt.at(q)));
     auto want = prefill_logits(model, dev, cfg, prompt);
+    {
+      // Layer 1's q written over layer 0's, once as the file's view and once as plain bytes
+      // in Hugging Face's order (as a trainer sends them): the same logits.
+      auto file_order = ckpt.at("model.layers.1.self_attn.q_proj.weight");
+      file_order.name = q;
+      auto row = file_order.bytes / static_cast<size_t>(file_order.shape[0]);
+      std::string hf_rows;
+      for (int64_t r = 0; r < file_order.shape[0]; ++r)
+        hf_rows.append(reinterpret_cast<const char*>(file_order.row(r, row)), row);
+      auto hf_order = file_order;
+      hf_order.row_order.clear();
+      hf_order.data = reinterpret_cast<const std::byte*>(hf_rows.data());
+      llama_model a{cfg, dev, 0, 1, dtype::f32, true};
+      a.load(ckpt);
+      a.update(checkpoint::from_tensors("file order", {file_order}, cfg), {});
+      llama_model b{cfg, dev, 0, 1, dtype::f32, true};
+      b.load(ckpt);
+      b.update(checkpoint::from_tensors("Hugging Face order", {hf_order}, cfg), {});
+      auto logits = prefill_logits(a, dev, cfg, prompt);
+      CHECK(logits != want);
+      CHECK(prefill_logits(b, dev, cfg, prompt) == logits);
+      for (auto& t : b.tensors())
+        if (t.name == q)
+          CHECK(same_as_stored(b.download(t), file_order));
+    }
     // An update writes layer 1's down projection over layer 0's: the logits change, the
     // file does not, and a new load reads the file's.
-    auto ckpt = checkpoint::from_gguf(path, cfg);
     auto other = ckpt.at("model.layers.1.mlp.down_proj.weight");
     other.name = down;
     model.update(checkpoint::from_tensors("update", {other}, cfg), {});

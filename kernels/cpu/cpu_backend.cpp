@@ -161,14 +161,20 @@ public:
     cpu::rms_norm(x, weight, y, rows, dim, eps);
   }
 
+  /// Both: a GGUF llama file's q and k are used as stored, in neighbouring pairs.
+  bool rotates(rope_pairs) const override {
+    return true;
+  }
+
   void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows, int64_t head_dim,
-              int64_t rotary_dim, const float* cos, const float* sin) override {
+              int64_t rotary_dim, const float* cos, const float* sin, rope_pairs pairs) override {
+    auto rotate = pairs == rope_pairs::neighbours ? cpu::rotary_neighbours : cpu::rotary;
     auto half = rotary_dim / 2;
     for (int64_t r = 0; r < rows; ++r) {
-      cpu::rotary(q + r * q_heads * head_dim, q_heads, head_dim, rotary_dim, cos + r * half,
-                  sin + r * half);
-      cpu::rotary(k + r * k_heads * head_dim, k_heads, head_dim, rotary_dim, cos + r * half,
-                  sin + r * half);
+      rotate(q + r * q_heads * head_dim, q_heads, head_dim, rotary_dim, cos + r * half,
+             sin + r * half);
+      rotate(k + r * k_heads * head_dim, k_heads, head_dim, rotary_dim, cos + r * half,
+             sin + r * half);
     }
   }
 

@@ -53,6 +53,19 @@ void rotary(float* x, int64_t heads, int64_t head_dim, int64_t rotary_dim, const
   }
 }
 
+void rotary_neighbours(float* x, int64_t heads, int64_t head_dim, int64_t rotary_dim,
+                       const float* cos, const float* sin) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * head_dim;
+    for (int64_t i = 0; i < rotary_dim / 2; ++i) {
+      float a = v[2 * i];
+      float b = v[2 * i + 1];
+      v[2 * i] = a * cos[i] - b * sin[i];
+      v[2 * i + 1] = b * cos[i] + a * sin[i];
+    }
+  }
+}
+
 void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
     out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];

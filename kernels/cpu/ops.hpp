@@ -32,6 +32,10 @@ void add_bias(float* y, const float* bias, int64_t m, int64_t n);
 void rotary(float* x, int64_t heads, int64_t head_dim, int64_t rotary_dim, const float* cos,
             const float* sin);
 
+/// `rotary` with neighbouring entries paired (2i with 2i + 1: llama.cpp's order).
+void rotary_neighbours(float* x, int64_t heads, int64_t head_dim, int64_t rotary_dim,
+                       const float* cos, const float* sin);
+
 /// out[i] = silu(gate[i]) · up[i].
 void silu_mul(const float* gate, const float* up, float* out, int64_t n);
 

@@ -3,6 +3,7 @@
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/cuda_device.hpp"
 #include "kernels/cuda/ops.hpp"
+#include "troupe/errors.hpp"
 
 namespace troupe {
 
@@ -129,7 +130,9 @@ public:
   }
 
   void rotary(float* q, int64_t q_heads, float* k, int64_t k_heads, int64_t rows, int64_t head_dim,
-              int64_t rotary_dim, const float* cos, const float* sin) override {
+              int64_t rotary_dim, const float* cos, const float* sin, rope_pairs pairs) override {
+    if (pairs != rope_pairs::halves)
+      throw error{errc::unsupported, "the CUDA rotary kernel pairs halves only"};
     cuda::rotary(q, q_heads, k, k_heads, rows, head_dim, rotary_dim, cos, sin, dev_.stream());
   }
 
