@@ -2,7 +2,8 @@
 # troupe next to llama.cpp's own tools, built natively from source, on the same GGUF files
 # and the same threads, in one run with alternating processes: decode at batch 1 after 512
 # tokens of context (troupe decodes after its prefill, llama-bench at `-d 512`) and
-# prefill of 512 tokens (`llama-bench` against `troupe bench step`), batched decode at 8
+# prefill of 512 tokens (`llama-bench` against `troupe bench step`, each after one
+# prefill to warm up), batched decode at 8
 # and 32 (`llama-batched-bench`), start-up to one token with its peak resident memory
 # (`llama-simple` against `troupe generate`, the file in the page cache; troupe's with its
 # weight cache written by the runs before, its first start, which writes the cache, as
@@ -81,6 +82,9 @@ startup() { # engine, model, what (startup or startup_first), then the command: 
   # seconds and peak resident bytes
   local engine=$1 model=$2 what=$3
   shift 3
+  # Each start from the file in the page cache: a start before may have pushed some of it
+  # out (the 8B files and a weight cache beside them do not all fit in 24 GB).
+  cat "$model" > /dev/null
   /usr/bin/time -f "%e %M" -o "$results.time" "$@" > /dev/null 2>&1
   python3 -c 'import json, sys
 seconds, kib = open(sys.argv[4]).read().split()[-2:]
