@@ -41,6 +41,13 @@ size_t row_bytes(const tensor_view& t) {
                              : storage_bytes(t.type, 1);
 }
 
+/// Hugging Face's row of row `s` of q or k held with each head's rotated entries in
+/// neighbouring pairs: row 2i + p of a head of `head_dim` rows is its row p·head_dim/2 + i.
+int64_t halves_row(int64_t s, int64_t head_dim) {
+  auto within = s % head_dim;
+  return s - within + within % 2 * (head_dim / 2) + within / 2;
+}
+
 /// Copies rows [row0, row0 + rows) of a 2-D (or 1-D: elements) tensor as float32.
 void read_rows(const tensor_view& t, int64_t row0, int64_t rows, float* dst) {
   int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
@@ -726,8 +733,7 @@ const tensor_view& llama_model::in_model_order(bool rotated, const tensor_view& 
   reordered.row_order.resize(static_cast<size_t>(rows));
   bool as_stored = true;
   for (int64_t s = 0; s < rows; ++s) {
-    auto within = s % D;
-    auto hf = s - within + within % 2 * (D / 2) + within / 2;
+    auto hf = halves_row(s, D);
     auto stored = t.row_order.empty() ? hf : t.row_order[static_cast<size_t>(hf)];
     reordered.row_order[static_cast<size_t>(s)] = stored;
     as_stored = as_stored && stored == s;
@@ -1041,14 +1047,13 @@ std::vector<char> llama_model::download(const local_tensor& t) const {
   }
   if (!t.neighbour_pairs)
     return host;
-  // Row 2i + p of each head back to Hugging Face's p·D/2 + i.
+  // Back in Hugging Face's order.
   const auto D = cfg_.head_dim;
   const auto rows = t.shape[0];
   const auto row = host.size() / static_cast<size_t>(rows);
   std::vector<char> hf(host.size());
   for (int64_t s = 0; s < rows; ++s) {
-    auto within = s % D;
-    auto to = s - within + within % 2 * (D / 2) + within / 2;
+    auto to = halves_row(s, D);
     std::memcpy(hf.data() + static_cast<size_t>(to) * row,
                 host.data() + static_cast<size_t>(s) * row, row);
   }
