@@ -3,6 +3,7 @@
 #include "kernels/platform.hpp"
 #include "model/weight_cache.hpp"
 #include "troupe/errors.hpp"
+#include "kernels/host_pages.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -611,7 +612,7 @@ std::vector<char*> llama_model::map_in_place(const checkpoint& ckpt, const load_
       by_file[at->fd].push_back({n, at->offset, static_cast<size_t>(local_shapes[n][0]) * stride});
   }
   std::vector<char*> in_place(jobs.size(), nullptr);
-  static const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  const auto page = host_page_size();
   for (auto& [fd, parts] : by_file) {
     std::size_t lo = SIZE_MAX;
     std::size_t hi = 0;

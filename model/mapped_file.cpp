@@ -1,6 +1,7 @@
 #include "model/mapped_file.hpp"
 
 #include "troupe/errors.hpp"
+#include "kernels/host_pages.hpp"
 
 #include <cerrno>
 #include <cstdint>
@@ -102,7 +103,7 @@ bool mapped_file::contains(const void* p) const {
 }
 
 void mapped_file::release(const void* p, std::size_t bytes) const {
-  static const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto page = static_cast<uintptr_t>(host_page_size());
   auto begin = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
   auto end = (reinterpret_cast<uintptr_t>(p) + bytes) / page * page;
   // Advice only: a failure leaves the pages resident, which is what happened before.

@@ -1,6 +1,7 @@
 #include "model/weight_cache.hpp"
 
 #include "kernels/log.hpp"
+#include "kernels/host_pages.hpp"
 
 #include <cerrno>
 #include <cstdint>
@@ -20,11 +21,6 @@ namespace {
 
 /// Bumped whenever the bytes a layout description stands for change (a packed format).
 constexpr const char* format_line = "troupe weights 2\n";
-
-std::size_t page_size() {
-  static const auto size = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
-  return size;
-}
 
 std::string file_name(const weight_cache_key& key) {
   uint64_t hash = 14695981039346656037ull; // FNV-1a
@@ -53,7 +49,7 @@ constexpr std::size_t hash_bytes = sizeof(uint64_t);
 std::string header(const weight_cache_key& key, std::size_t bytes) {
   auto text = std::string{format_line} + "bytes " + std::to_string(bytes) + "\n" + key.files +
               "\n" + key.layout + "\n";
-  auto page = page_size();
+  auto page = host_page_size();
   text.resize(((text.size() + hash_bytes) / page + 1) * page, '\0');
   return text;
 }
@@ -162,7 +158,7 @@ std::optional<weight_cache_file> weight_cache_file::create(const std::string& di
   file.hash_at_ = head.size() - hash_bytes;
   // The blocks are taken now: a full disk under a mapping would kill the process (SIGBUS)
   // at the first write that finds no room.
-  auto total = file.data_offset_ + (bytes + page_size() - 1) / page_size() * page_size();
+  auto total = file.data_offset_ + round_to_host_pages(bytes);
   if (int err = posix_fallocate(fd, 0, static_cast<off_t>(total)); err != 0) {
     warn("no room for " + std::to_string(total >> 20) + " MiB in '" + directory +
          "': " + std::strerror(err));

@@ -1,6 +1,7 @@
 #include "kernels/cpu/cpu_device.hpp"
 
 #include "troupe/errors.hpp"
+#include "kernels/host_pages.hpp"
 
 #include <algorithm>
 #include <cerrno>
@@ -17,16 +18,6 @@
 namespace troupe {
 
 namespace {
-
-std::size_t page_size() {
-  static const auto size = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
-  return size;
-}
-
-std::size_t round_to_pages(std::size_t bytes) {
-  auto page = page_size();
-  return ((bytes + page - 1) / page) * page;
-}
 
 [[noreturn]] void fail(const char* call, std::size_t bytes) {
   throw error{errc::memory_error, std::string{"cpu device: "} + call + " of " +
@@ -109,12 +100,12 @@ std::string cpu_device::name() const {
 }
 
 void* cpu_device::map_new(region& r) {
-  r.mapped = round_to_pages(r.requested == 0 ? 1 : r.requested);
+  r.mapped = round_to_host_pages(r.requested == 0 ? 1 : r.requested);
   return reserve(r.mapped, r.tag == memory_tag::weights);
 }
 
 void* cpu_device::map_file_region(region& r, int fd, std::size_t offset, bool shared) {
-  r.mapped = round_to_pages(r.requested == 0 ? 1 : r.requested);
+  r.mapped = round_to_host_pages(r.requested == 0 ? 1 : r.requested);
   // A private mapping is mapped whole right away (its pages are the page cache's: one call
   // beats a fault per page), read-only while it is: populating a writable private mapping
   // copies every page, as if written. A shared one is about to be written.
