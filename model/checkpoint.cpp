@@ -115,6 +115,11 @@ checkpoint checkpoint::from_tensors(std::string label, std::vector<tensor_view> 
   return result;
 }
 
+int64_t halves_row(int64_t s, int64_t head_dim) {
+  auto within = s % head_dim;
+  return s - within + within % 2 * (head_dim / 2) + within / 2;
+}
+
 checkpoint checkpoint::from_gguf(const std::string& path, const model_config& config) {
   auto file = std::make_shared<gguf_file>(path);
   checkpoint result;
@@ -155,13 +160,9 @@ checkpoint checkpoint::from_gguf(const std::string& path, const model_config& co
       // by a model that rotates neighbouring pairs.
       auto heads = is_q ? config.num_attention_heads : config.num_key_value_heads;
       auto rows = t.shape[0];
-      auto head_dim = rows / heads;
       view->row_order.resize(static_cast<size_t>(rows));
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t i = 0; i < head_dim / 2; ++i)
-          for (int64_t j = 0; j < 2; ++j)
-            view->row_order[static_cast<size_t>(h * head_dim + j * head_dim / 2 + i)] =
-              h * head_dim + 2 * i + j;
+      for (int64_t s = 0; s < rows; ++s)
+        view->row_order[static_cast<size_t>(halves_row(s, rows / heads))] = s;
     }
     result.index_[name] = view.get();
     result.views_.push_back(std::move(view));

@@ -14,6 +14,11 @@ namespace troupe {
 
 class gguf_file;
 
+/// Hugging Face's row of row `s` of a q or k whose heads (of `head_dim` rows) hold their
+/// rotated entries in neighbouring pairs, as a GGUF llama file stores them: row 2i + p of a
+/// head is its row p·head_dim/2 + i. A bias's entries likewise.
+int64_t halves_row(int64_t s, int64_t head_dim);
+
 /// The weights of a Hugging Face model directory: `model.safetensors`, or the shards listed
 /// by `model.safetensors.index.json`, all memory-mapped. Throws `troupe::error`
 /// (`invalid_argument`) naming the file for a missing or broken file. Fused projections

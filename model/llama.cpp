@@ -42,11 +42,9 @@ size_t row_bytes(const tensor_view& t) {
                              : storage_bytes(t.type, 1);
 }
 
-/// Hugging Face's row of row `s` of q or k held with each head's rotated entries in
-/// neighbouring pairs: row 2i + p of a head of `head_dim` rows is its row p·head_dim/2 + i.
-int64_t halves_row(int64_t s, int64_t head_dim) {
-  auto within = s % head_dim;
-  return s - within + within % 2 * (head_dim / 2) + within / 2;
+/// q and k, whose entries the rotary embedding turns.
+bool rotated(projection p) {
+  return p == projection::q || p == projection::k;
 }
 
 /// Copies rows [row0, row0 + rows) of a 2-D (or 1-D: elements) tensor as float32.
@@ -332,7 +330,6 @@ std::vector<llama_model::weight_job> llama_model::plan_weights() {
         continue;
       auto sh = shard_of(proj);
       auto parent = proj <= projection::o ? "self_attn." : "mlp.";
-      const bool rotated = proj == projection::q || proj == projection::k;
       jobs.push_back({weights[n],
                       p + parent + module_name(proj) + ".weight",
                       {sh.out, sh.in},
@@ -340,7 +337,7 @@ std::vector<llama_model::weight_job> llama_model::plan_weights() {
                       sh.start,
                       sh.count,
                       wt});
-      jobs.back().rotated = rotated;
+      jobs.back().rotated = rotated(proj);
       // A bias of a column-parallel projection is split as its rows; one of a row-parallel
       // projection (o, down) is whole, added once the partial sums are reduced.
       bool biased = proj <= projection::v   ? cfg_.attention_bias
@@ -356,7 +353,7 @@ std::vector<llama_model::weight_job> llama_model::plan_weights() {
                         sh.by_rows ? sh.start : 0,
                         sh.by_rows ? sh.count : 0,
                         f32});
-        jobs.back().rotated = rotated;
+        jobs.back().rotated = rotated(proj);
       }
     }
   }
@@ -987,10 +984,9 @@ lora_weights llama_model::load_lora(const std::string& path, int64_t max_rank) c
     std::vector<float> a(static_cast<size_t>(rank * (sh.by_rows ? sh.in : sh.count)));
     std::vector<float> b(static_cast<size_t>((sh.by_rows ? sh.count : sh.out) * rank));
     if (sh.by_rows) {
-      auto proj = static_cast<projection>(at.proj);
       tensor_view reordered;
       read_rows(*f.a, 0, rank, a.data());
-      read_rows(in_model_order(proj == projection::q || proj == projection::k, *f.b, reordered),
+      read_rows(in_model_order(rotated(static_cast<projection>(at.proj)), *f.b, reordered),
                 sh.start, sh.count, b.data());
     } else {
       read_cols(*f.a, 0, f.a->shape[0], sh.start, sh.count, a.data());
