@@ -68,6 +68,15 @@ const std::vector<int32_t>& block_manager::block_table(int64_t seq) const {
   return t.blocks;
 }
 
+void block_manager::blocks_to_send(int64_t seq, int32_t& first, std::vector<int32_t>& blocks) {
+  auto& t = get(seq);
+  if (t.swapped)
+    misuse("sequence " + std::to_string(seq) + " is swapped out");
+  first = static_cast<int32_t>(t.sent);
+  blocks.assign(t.blocks.begin() + t.sent, t.blocks.end());
+  t.sent = static_cast<int64_t>(t.blocks.size());
+}
+
 block_manager::allocation block_manager::can_allocate(int64_t tokens, prefix_hit hit) const {
   auto needed = blocks_for(tokens);
   if (device_blocks_ - needed < watermark_blocks_)
@@ -258,6 +267,7 @@ void block_manager::append_slot(int64_t seq, int64_t tokens, std::vector<block_m
     --device_refs_[static_cast<size_t>(last)];
     copies.push_back({last, fresh});
     last = fresh;
+    t.sent = std::min<int64_t>(t.sent, static_cast<int64_t>(t.blocks.size()) - 1);
   }
 }
 
@@ -269,7 +279,8 @@ void block_manager::fork(int64_t parent, int64_t child) {
     misuse("sequence " + std::to_string(child) + " already holds blocks");
   for (auto b : p.blocks)
     ++device_refs_[static_cast<size_t>(b)];
-  tables_.emplace(child, p);
+  auto& c = tables_.emplace(child, p).first->second;
+  c.sent = 0; // the ranks know the child by its own id
 }
 
 void block_manager::release(int32_t block, bool swapped) {
@@ -346,6 +357,7 @@ std::vector<block_move> block_manager::move(const std::vector<int64_t>& seqs, bo
     // Blocks come back elsewhere: cache_computed makes them known again.
     t.hashes.clear();
     t.swapped = to_swap;
+    t.sent = 0;
   }
   return moves;
 }

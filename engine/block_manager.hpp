@@ -118,6 +118,13 @@ public:
   /// The device block table of a sequence; throws when it is unknown or swapped out.
   const std::vector<int32_t>& block_table(int64_t seq) const;
 
+  /// What a step sends of the block table of `seq` when the ranks keep tables between
+  /// steps (`execute_model_request::keep_block_tables`): sets `first` to the number of
+  /// leading blocks the ranks already hold as they are and `blocks` to the rest. From now
+  /// on the ranks hold them all. A new table (allocated, forked, swapped) is sent whole; a
+  /// copied-on-write last block from its place on.
+  void blocks_to_send(int64_t seq, int32_t& first, std::vector<int32_t>& blocks);
+
   bool is_swapped(int64_t seq) const;
   bool contains(int64_t seq) const;
 
@@ -138,6 +145,8 @@ private:
     /// The hash of each full computed block, in order.
     std::vector<uint64_t> hashes;
     bool swapped = false;
+    /// Leading blocks a step sent before and unchanged since (`blocks_to_send`).
+    int64_t sent = 0;
   };
   /// What a cached block holds, to tell it from another whose hash is the same.
   struct cached_block {

@@ -75,7 +75,7 @@ void scheduler::append_group(engine_request& r, int64_t chunk, bool is_prompt,
     ++r.pending;
   else
     r.chunk = chunk;
-  seq.block_table = blocks_.block_table(r.seq_id);
+  blocks_.blocks_to_send(r.seq_id, seq.first_block, seq.block_table);
   // The blocks this step fills are known to the requests scheduled after it, in this step
   // too: each layer writes the whole step's keys and values before any token attends.
   blocks_.cache_computed(r.seq_id, tokens_of(r), seq.num_computed_tokens + chunk);
@@ -243,6 +243,7 @@ execute_model_request scheduler::schedule() {
       waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
       r.finished = true;
       r.finish_reason = "abort";
+      untold_finished_.push_back(r.request_id); // sent before, if it was recomputed
       finished_.push_back(std::move(r));
       requests_.erase(seq);
       continue;
@@ -278,16 +279,24 @@ execute_model_request scheduler::schedule() {
       l.take(r);
     budget -= chunk;
   }
-  if (!scheduled_.empty())
-    in_flight_.push_back(std::move(scheduled_));
-  scheduled_.clear();
+  seal(step);
   return step;
+}
+
+void scheduler::seal(execute_model_request& step) {
+  step.keep_block_tables = true;
+  if (!scheduled_.empty()) {
+    step.finished_requests_ids = untold_finished_;
+    in_flight_.push_back({std::move(scheduled_), std::move(untold_finished_)});
+    untold_finished_.clear();
+  }
+  scheduled_.clear();
 }
 
 std::optional<execute_model_request> scheduler::schedule_ahead() {
   if (in_flight_.size() != 1 || !waiting_.empty() || !swapped_.empty())
     return std::nullopt;
-  auto& flying = in_flight_.front();
+  auto& flying = in_flight_.front().seqs;
   std::vector<int64_t> seqs;
   int64_t new_blocks = 0;
   for (auto seq : running_) {
@@ -320,15 +329,14 @@ std::optional<execute_model_request> scheduler::schedule_ahead() {
     append_group(r, 1, false, step);
   }
   ++steps_ahead_;
-  in_flight_.push_back(std::move(scheduled_));
-  scheduled_.clear();
+  seal(step);
   return step;
 }
 
 void scheduler::update(const sampler_output& output) {
   if (in_flight_.empty())
     throw error{errc::invalid_argument, "scheduler: an output, but no step is in flight"};
-  auto seqs = std::move(in_flight_.front());
+  auto seqs = std::move(in_flight_.front().seqs);
   in_flight_.pop_front();
   if (output.outputs.size() != seqs.size())
     throw error{errc::invalid_argument, "scheduler: " + std::to_string(output.outputs.size()) +
@@ -380,6 +388,7 @@ void scheduler::update(const sampler_output& output) {
       r.pending = 0;
       blocks_.free(seq);
       running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
+      untold_finished_.push_back(r.request_id);
       finished_.push_back(std::move(r));
       requests_.erase(seq);
     }
@@ -387,6 +396,9 @@ void scheduler::update(const sampler_output& output) {
 }
 
 size_t scheduler::recompute_all() {
+  // The lost steps may not have told the ranks of the requests that finished.
+  for (auto& f : in_flight_)
+    untold_finished_.insert(untold_finished_.end(), f.finished_ids.begin(), f.finished_ids.end());
   in_flight_.clear();
   scheduled_.clear();
   std::vector<int64_t> again(running_.begin(), running_.end());
@@ -422,6 +434,7 @@ void scheduler::finish(int64_t seq, const std::string& reason) {
   r.finished = true;
   r.finish_reason = reason;
   r.pending = 0;
+  untold_finished_.push_back(r.request_id);
   finished_.push_back(std::move(r));
   requests_.erase(i);
 }

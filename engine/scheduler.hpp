@@ -202,11 +202,23 @@ private:
   std::deque<int64_t> waiting_;
   std::vector<int64_t> running_;
   std::deque<int64_t> swapped_;
-  /// The sequences of each step in flight, oldest first, in request order; `scheduled_`
-  /// collects those of the step being made.
-  std::deque<std::vector<int64_t>> in_flight_;
+  /// A step in flight: its sequences in request order, and the finished requests whose
+  /// kept block tables it tells the ranks to drop (told again if the step is lost).
+  struct flight {
+    std::vector<int64_t> seqs;
+    std::vector<std::string> finished_ids;
+  };
+  /// Puts the step's sequences (`scheduled_`) in flight, with the finished requests not
+  /// yet told; a step of no sequences is not sent and tells nothing.
+  void seal(execute_model_request& step);
+
+  /// The steps in flight, oldest first; `scheduled_` collects the sequences of the step
+  /// being made.
+  std::deque<flight> in_flight_;
   std::vector<int64_t> scheduled_;
   std::vector<engine_request> finished_;
+  /// Requests finished since the last step sent: the ranks still keep their block tables.
+  std::vector<std::string> untold_finished_;
   int64_t preemptions_ = 0;
   int64_t steps_ahead_ = 0;
   int64_t prefill_tokens_ = 0;

@@ -8,6 +8,7 @@
 #include "model/kv_cache.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
+#include "model/step_batch.hpp"
 #include "troupe/errors.hpp"
 #include "troupe/weight_group.hpp"
 
@@ -93,6 +94,8 @@ struct model_worker::state {
   adapter_slots<lora_request, lora_weights> loras;
   adapter_slots<prompt_adapter_request, prompt_embeddings> prompt_adapters;
   std::unique_ptr<kv_cache> cache;
+  /// The block tables of the engine's sequences, into `cache`.
+  kept_block_tables kept;
   std::mt19937_64 rng{std::random_device{}()};
   /// This rank's side of the group between `prepare_collective` and `connect_collective`.
   std::unique_ptr<collective_bootstrap> bootstrap;
@@ -700,6 +703,7 @@ void model_worker::initialize_cache(const cache_blocks& blocks) {
   kv_cache::validate(st.config.num_hidden_layers, st.model->local_kv_heads(), st.config.head_dim,
                      context().block_size, blocks.num_device_blocks, blocks.num_swap_blocks);
   st.cache.reset(); // the old cache goes first: both at once may not fit
+  st.kept.clear();
   st.cache = std::make_unique<kv_cache>(
     device(), st.config.num_hidden_layers, st.model->local_kv_heads(), st.config.head_dim,
     context().block_size, blocks.num_device_blocks, blocks.num_swap_blocks);
@@ -712,6 +716,7 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
   st.cache->swap_in(request.blocks_to_swap_in);
   st.cache->swap_out(request.blocks_to_swap_out);
   st.cache->copy(request.blocks_to_copy);
+  st.kept.update(request, st.cache->device_blocks());
   if (request.seq_group_metadata_list.empty())
     return {};
   // The adapters of the step's groups, loading evicted ones that the step names again.
@@ -753,8 +758,8 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
   }
   if (failed)
     std::rethrow_exception(failed);
-  auto batch =
-    prepare_batch(request, st.config, st.cache->block_size(), st.cache->device_blocks(), adapters);
+  auto batch = prepare_batch(request, st.config, st.cache->block_size(), st.cache->device_blocks(),
+                             adapters, &st.kept);
   st.model->forward(batch, *st.cache);
   if (rank() != 0)
     return {}; // only the driver's output is used

@@ -38,8 +38,50 @@ std::vector<int64_t> step_batch::lengths() const {
   return length;
 }
 
+void kept_block_tables::update(const execute_model_request& req, int64_t device_blocks) {
+  auto& finished = req.finished_requests_ids;
+  for (auto i = tables_.begin(); !finished.empty() && i != tables_.end();) {
+    if (std::find(finished.begin(), finished.end(), i->second.request_id) != finished.end())
+      i = tables_.erase(i);
+    else
+      ++i;
+  }
+  // All checked before any is changed.
+  for (auto& group : req.seq_group_metadata_list)
+    for (auto& seq : group.seqs) {
+      for (auto b : seq.block_table)
+        if (b < 0 || b >= device_blocks)
+          bad_request("request '" + group.request_id + "': block " + std::to_string(b) +
+                      " is not a device block");
+      auto found = tables_.find(seq.seq_id);
+      size_t have =
+        req.keep_block_tables && found != tables_.end() ? found->second.blocks.size() : 0;
+      if (seq.first_block < 0 || static_cast<size_t>(seq.first_block) > have)
+        bad_request("request '" + group.request_id + "': its block table starts at block " +
+                    std::to_string(seq.first_block) + ", but this rank keeps " +
+                    std::to_string(have) + " blocks of sequence " + std::to_string(seq.seq_id));
+    }
+  if (!req.keep_block_tables)
+    return;
+  for (auto& group : req.seq_group_metadata_list)
+    for (auto& seq : group.seqs) {
+      auto& k = tables_[seq.seq_id];
+      k.request_id = group.request_id;
+      k.blocks.resize(static_cast<size_t>(seq.first_block));
+      k.blocks.insert(k.blocks.end(), seq.block_table.begin(), seq.block_table.end());
+    }
+}
+
+const std::vector<int32_t>& kept_block_tables::of(int64_t seq_id) const {
+  auto found = tables_.find(seq_id);
+  if (found == tables_.end())
+    bad_request("sequence " + std::to_string(seq_id) + ": no block table kept");
+  return found->second.blocks;
+}
+
 step_batch prepare_batch(const execute_model_request& req, const model_config& cfg,
-                         int64_t block_size, int64_t device_blocks, const step_adapters& adapters) {
+                         int64_t block_size, int64_t device_blocks, const step_adapters& adapters,
+                         const kept_block_tables* kept) {
   const auto groups = req.seq_group_metadata_list.size();
   if ((!adapters.lora.empty() && adapters.lora.size() != groups) ||
       (!adapters.prompt.empty() && adapters.prompt.size() != groups))
@@ -68,19 +110,24 @@ step_batch prepare_batch(const execute_model_request& req, const model_config& c
                     std::to_string(start + chunk) + ", past the model's " +
                     std::to_string(cfg.max_sequence_length()) + " positions");
       auto blocks_needed = (start + chunk + bs - 1) / bs;
-      if (static_cast<int64_t>(seq.block_table.size()) < blocks_needed)
+      // Kept tables were checked block by block as they came (update).
+      const bool keeps = req.keep_block_tables && kept != nullptr;
+      if (!keeps && seq.first_block != 0)
+        bad_request("request '" + group.request_id + "': its block table starts at block " +
+                    std::to_string(seq.first_block) + ", but no tables are kept");
+      auto& table = keeps ? kept->of(seq.seq_id) : seq.block_table;
+      if (static_cast<int64_t>(table.size()) < blocks_needed)
         bad_request("request '" + group.request_id + "': block table has " +
-                    std::to_string(seq.block_table.size()) + " blocks, " +
-                    std::to_string(blocks_needed) + " needed");
-      for (int64_t k = 0; k < blocks_needed; ++k)
-        if (seq.block_table[static_cast<size_t>(k)] < 0 ||
-            seq.block_table[static_cast<size_t>(k)] >= device_blocks)
-          bad_request("request '" + group.request_id + "': block " +
-                      std::to_string(seq.block_table[static_cast<size_t>(k)]) +
-                      " is not a device block");
+                    std::to_string(table.size()) + " blocks, " + std::to_string(blocks_needed) +
+                    " needed");
+      if (!keeps)
+        for (int64_t k = 0; k < blocks_needed; ++k)
+          if (table[static_cast<size_t>(k)] < 0 || table[static_cast<size_t>(k)] >= device_blocks)
+            bad_request("request '" + group.request_id + "': block " +
+                        std::to_string(table[static_cast<size_t>(k)]) + " is not a device block");
       b.decode_only = b.decode_only && chunk == 1;
       auto seq_index = static_cast<int32_t>(b.tables.size());
-      b.tables.push_back(seq.block_table.data());
+      b.tables.push_back(table.data());
       b.table_blocks.push_back(blocks_needed);
       b.known_lengths.push_back(seq.length());
       const bool prompt_logprobs = group.is_prompt && group.sampling.prompt_logprobs >= 0;

@@ -10,6 +10,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace troupe {
@@ -78,14 +80,47 @@ struct step_batch {
   std::vector<int64_t> lengths() const;
 };
 
+/// The block tables a rank keeps between steps that `keep_block_tables`, so that each
+/// step sends only the blocks added or changed since (`sequence_data::first_block`).
+class kept_block_tables {
+public:
+  /// Drops the tables of `req.finished_requests_ids`; then, when `req` keeps tables, puts
+  /// in each sequence's blocks from its `first_block` on. Throws `invalid_argument` naming
+  /// the request for a block outside a cache of `device_blocks` blocks, or a `first_block`
+  /// past the blocks kept of its sequence (or above 0 in a step that keeps none).
+  void update(const execute_model_request& req, int64_t device_blocks);
+
+  /// The whole table of `seq_id`, a sequence of the last step that kept tables.
+  const std::vector<int32_t>& of(int64_t seq_id) const;
+
+  /// Forgets every table (the cache they point into is gone).
+  void clear() {
+    tables_.clear();
+  }
+
+  /// Sequences whose tables are kept.
+  size_t size() const {
+    return tables_.size();
+  }
+
+private:
+  struct kept {
+    std::string request_id;
+    std::vector<int32_t> blocks;
+  };
+  std::unordered_map<int64_t, kept> tables_;
+};
+
 /// The batch of `req` for a model of `cfg` with a cache of `device_blocks` blocks of
-/// `block_size` positions. Throws `invalid_argument` naming the request for a malformed
-/// one: adapters for another number of groups, a chunk past its tokens or the model's
-/// positions or before the first token sent, a block table too short or naming a block outside the
-/// cache, a token outside the vocabulary.
+/// `block_size` positions; when `req` keeps block tables, each sequence's table is the
+/// one in `kept` (updated with `req` first). Throws `invalid_argument` naming the request
+/// for a malformed one: adapters for another number of groups, a chunk past its tokens or
+/// the model's positions or before the first token sent, a block table too short or naming
+/// a block outside the cache, a token outside the vocabulary.
 step_batch prepare_batch(const execute_model_request& req, const model_config& cfg,
                          int64_t block_size, int64_t device_blocks,
-                         const step_adapters& adapters = {});
+                         const step_adapters& adapters = {},
+                         const kept_block_tables* kept = nullptr);
 
 /// The width of block tables for sequences of up to `blocks` blocks (a power of two).
 int64_t table_width(int64_t blocks);

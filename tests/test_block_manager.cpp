@@ -59,6 +59,46 @@ TEST_CASE("forked sequences share blocks until one writes into a shared block") 
   CHECK(bm.free_device_blocks() == 8);
 }
 
+TEST_CASE("a step sends the blocks the ranks do not hold yet") {
+  block_manager bm{4, 16, 4, 0.0};
+  int32_t first = -1;
+  std::vector<int32_t> blocks;
+  auto send = [&](int64_t seq) {
+    bm.blocks_to_send(seq, first, blocks);
+    return first;
+  };
+  bm.allocate(1, 6);
+  CHECK(send(1) == 0);
+  CHECK(blocks == bm.block_table(1)); // new: whole
+  std::vector<block_move> copies;
+  bm.append_slot(1, 7, copies); // fits the last block
+  CHECK(send(1) == 2);
+  CHECK(blocks.empty());
+  bm.append_slot(1, 8, copies);
+  bm.append_slot(1, 9, copies); // a new block
+  CHECK(send(1) == 2);
+  CHECK(blocks == std::vector<int32_t>{bm.block_table(1)[2]});
+  // A fork is new to the ranks; its copy-on-write changes only its last block.
+  bm.fork(1, 2);
+  CHECK(send(2) == 0);
+  CHECK(blocks == bm.block_table(1));
+  bm.append_slot(2, 10, copies);
+  REQUIRE(copies.size() == 1);
+  CHECK(send(2) == 2);
+  CHECK(blocks == std::vector<int32_t>{copies[0].dst});
+  // Swapped out and in, the blocks are elsewhere: whole again.
+  bm.swap_out({1});
+  CHECK_THROWS_AS(send(1), error);
+  bm.swap_in({1});
+  CHECK(send(1) == 0);
+  CHECK(blocks == bm.block_table(1));
+  // Freed and allocated again under the same id: whole.
+  bm.free(2);
+  bm.allocate(2, 3);
+  CHECK(send(2) == 0);
+  CHECK(blocks.size() == 1);
+}
+
 TEST_CASE("swapping out and in moves every block once and keeps the accounting") {
   block_manager bm{4, 8, 6, 0.0};
   bm.allocate(1, 8);

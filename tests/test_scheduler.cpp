@@ -248,7 +248,10 @@ TEST_CASE("a step ahead decodes the running requests with their last token pendi
   CHECK(g.seqs[0].first_token == 4);
   CHECK(g.seqs[0].length() == 5);
   CHECK(g.seqs[0].num_computed_tokens == 4);
-  CHECK(g.seqs[0].block_table.size() == 2);
+  // Only its new block goes out: the ranks keep the one the first step sent.
+  CHECK(ahead->keep_block_tables);
+  CHECK(g.seqs[0].first_block == 1);
+  CHECK(g.seqs[0].block_table.size() == 1);
   CHECK_FALSE(sched.schedule_ahead()); // one step ahead at most
   auto sample = [](const execute_model_request& step, std::vector<int32_t> tokens) {
     sampler_output out;
@@ -270,6 +273,9 @@ TEST_CASE("a step ahead decodes the running requests with their last token pendi
   CHECK(next.token_ids == std::vector<int32_t>{pending_token});
   CHECK(next.first_token == 5);
   CHECK(next.num_computed_tokens == 5);
+  // The ranks drop what they keep of req-0 (its block table) at the step after its end.
+  CHECK(ahead->finished_requests_ids.empty());
+  CHECK(third->finished_requests_ids == std::vector<std::string>{"req-0"});
   // A request that ends while steps after it are in flight: their tokens are dropped.
   sched.finish(1, "stop");
   sched.update(sample(*ahead, {42}));
@@ -288,6 +294,33 @@ TEST_CASE("a step ahead decodes the running requests with their last token pendi
   narrow.add(reqs[2]);
   narrow.schedule();
   CHECK_FALSE(narrow.schedule_ahead());
+}
+
+TEST_CASE("after lost steps, every block table is sent whole and every finished request told") {
+  scheduler sched{{}, {}, block_size, 8, 0, {2}};
+  auto reqs = requests(2);
+  reqs[0].sampling.max_tokens = 1;
+  sched.add(reqs[0]);
+  sched.add(reqs[1]);
+  auto first = sched.schedule();
+  sampler_output out;
+  for (auto& g : first.seq_group_metadata_list) {
+    sequence_output s;
+    s.output_token = 7;
+    out.outputs.push_back({g.request_id, {s}});
+  }
+  sched.update(out); // req-0 ends
+  auto second = sched.schedule();
+  CHECK(second.finished_requests_ids == std::vector<std::string>{"req-0"});
+  REQUIRE(second.seq_group_metadata_list.size() == 1);
+  CHECK(second.seq_group_metadata_list[0].seqs[0].first_block > 0);
+  sched.recompute_all(); // the second step was lost
+  auto again = sched.schedule();
+  CHECK(again.finished_requests_ids == std::vector<std::string>{"req-0"});
+  REQUIRE(again.seq_group_metadata_list.size() == 1);
+  auto& seq = again.seq_group_metadata_list[0].seqs[0];
+  CHECK(seq.first_block == 0);
+  CHECK(static_cast<int64_t>(seq.block_table.size()) * block_size >= seq.length());
 }
 
 TEST_CASE("a sequence that grows past restart_at is computed again from its first token") {

@@ -121,3 +121,55 @@ TEST_CASE("a sequence sent from its first computed position flattens as the whol
   CHECK_THROWS_WITH_AS(prepare_batch(cut, tiny(), 4, 8), doctest::Contains("from position 7"),
                        error);
 }
+
+TEST_CASE("kept block tables: a step sends only new blocks, finished requests are dropped") {
+  kept_block_tables kept;
+  execute_model_request req;
+  req.keep_block_tables = true;
+  req.seq_group_metadata_list.push_back(group("a", 0, {1, 2, 3, 4, 5}, 0, 5, {3, 7}));
+  req.seq_group_metadata_list.push_back(group("b", 1, {1, 2}, 0, 2, {5}));
+  kept.update(req, 8);
+  auto b = prepare_batch(req, tiny(), 4, 8, {}, &kept);
+  CHECK(b.tables[0] == kept.of(0).data());
+  CHECK(kept.of(0) == std::vector<int32_t>{3, 7});
+  // Decodes: "a" needs no new block, "b" one; each sends what it adds.
+  execute_model_request next;
+  next.keep_block_tables = true;
+  next.seq_group_metadata_list.push_back(group("a", 0, {6}, 5, 1, {}));
+  next.seq_group_metadata_list[0].seqs[0].first_token = 5;
+  next.seq_group_metadata_list[0].seqs[0].first_block = 2;
+  next.seq_group_metadata_list.push_back(group("b", 1, {3}, 2, 1, {}));
+  next.seq_group_metadata_list[1].seqs[0].first_token = 2;
+  next.seq_group_metadata_list[1].seqs[0].first_block = 1;
+  kept.update(next, 8);
+  b = prepare_batch(next, tiny(), 4, 8, {}, &kept);
+  CHECK(b.table_blocks == std::vector<int64_t>{2, 1});
+  CHECK(kept.of(0) == std::vector<int32_t>{3, 7});
+  // A changed last block replaces the kept one from its place on.
+  next.seq_group_metadata_list[1].seqs[0].block_table = {6};
+  next.seq_group_metadata_list[1].seqs[0].first_block = 0;
+  next.seq_group_metadata_list[0].seqs[0].block_table = {2};
+  next.seq_group_metadata_list[0].seqs[0].first_block = 1;
+  kept.update(next, 8);
+  CHECK(kept.of(0) == std::vector<int32_t>{3, 2});
+  CHECK(kept.of(1) == std::vector<int32_t>{6});
+  // Past what is kept, or a block outside the cache: refused, nothing changed.
+  next.seq_group_metadata_list[0].seqs[0].first_block = 3;
+  CHECK_THROWS_AS(kept.update(next, 8), error);
+  next.seq_group_metadata_list[0].seqs[0].first_block = 2;
+  next.seq_group_metadata_list[1].seqs[0].block_table = {8};
+  CHECK_THROWS_AS(kept.update(next, 8), error);
+  CHECK(kept.of(0) == std::vector<int32_t>{3, 2});
+  CHECK(kept.of(1) == std::vector<int32_t>{6});
+  // A step that keeps nothing sends whole tables.
+  next.keep_block_tables = false;
+  next.seq_group_metadata_list[1].seqs[0].block_table = {6};
+  CHECK_THROWS_AS(kept.update(next, 8), error);
+  CHECK_THROWS_AS(prepare_batch(next, tiny(), 4, 8, {}, &kept), error);
+  // Finished requests' tables go.
+  execute_model_request finished;
+  finished.finished_requests_ids = {"a"};
+  kept.update(finished, 8);
+  CHECK(kept.size() == 1);
+  CHECK_THROWS_AS(kept.of(0), error);
+}

@@ -163,8 +163,13 @@ struct sequence_data {
   int32_t num_prompt_tokens = 0;
   /// Tokens whose keys and values are already in the cache (the first position of this step).
   int32_t num_computed_tokens = 0;
-  /// Physical KV-cache block of each logical block of the sequence.
+  /// Physical KV-cache block of each logical block of the sequence, from block
+  /// `first_block` on.
   std::vector<int32_t> block_table;
+  /// The index of `block_table[0]` among the sequence's blocks. Above 0 only in a step that
+  /// `keep_block_tables`: the blocks before it are those the ranks kept from earlier steps,
+  /// so that a step's request does not grow with its sequences.
+  int32_t first_block = 0;
   /// The position of `token_ids[0]` in the sequence. The tokens before it are left out (at
   /// most up to `num_computed_tokens`, and only where the group's sampling does not
   /// `reads_history`), so that a step's request does not grow with its sequences.
@@ -179,7 +184,7 @@ struct sequence_data {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, sequence_data& x) {
   return f(caf::meta::type_name("sequence_data"), x.seq_id, x.token_ids, x.num_prompt_tokens,
-           x.num_computed_tokens, x.block_table, x.first_token);
+           x.num_computed_tokens, x.block_table, x.first_token, x.first_block);
 }
 
 /// The positions of the tokens a sequence computes in a step of `token_chunk_size` tokens.
@@ -237,13 +242,18 @@ struct execute_model_request {
   int32_t virtual_engine = 0;
   /// Requests that finished since the last step; workers drop their per-request state.
   std::vector<std::string> finished_requests_ids;
+  /// The ranks keep each sequence's block table after the step, until its request is among
+  /// `finished_requests_ids` (or the cache is initialized again), and later steps send only
+  /// the blocks added or changed since (`sequence_data::first_block`), as vLLM V1's cached
+  /// requests do. A sequence sent with `first_block` 0 replaces what they kept of it.
+  bool keep_block_tables = false;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, execute_model_request& x) {
   return f(caf::meta::type_name("execute_model_request"), x.seq_group_metadata_list,
            x.blocks_to_swap_in, x.blocks_to_swap_out, x.blocks_to_copy, x.num_lookahead_slots,
-           x.running_queue_size, x.virtual_engine, x.finished_requests_ids);
+           x.running_queue_size, x.virtual_engine, x.finished_requests_ids, x.keep_block_tables);
 }
 
 // -- sampler output -----------------------------------------------------------
