@@ -257,6 +257,8 @@ struct supervisor_state {
   /// arrive wait in `waiting_calls` until it is done or their time is up.
   bool recovering = false;
   int32_t replacing = -1;
+  /// The dead worker of `replacing` is still in `workers`: its replacement is not up yet.
+  bool dead_in_place = false;
   std::string replacing_cause;
   clock_type::time_point replacing_started;
   /// A worker was replaced while no step was in flight: the next execute_model fails with
@@ -268,6 +270,9 @@ struct supervisor_state {
     clock_type::time_point until;
   };
   std::vector<waiting_call> waiting_calls;
+  /// What waits for the replacement in progress to end (with its error, if it failed):
+  /// work the dead rank left behind, for its replacement to finish.
+  std::vector<std::function<void(caf::error)>> after_replacement;
   /// Where the workers' replies of direct gathers go.
   std::unique_ptr<reply_sink> sink;
   /// The call links, which blocking callers read too.
@@ -339,6 +344,11 @@ struct supervisor_state {
     if (failure) {
       g->finished = true;
       conclude(*g, failure);
+      return g;
+    }
+    if (dead_in_place && std::find(g->ranks.begin(), g->ranks.end(), replacing) != g->ranks.end()) {
+      g->finished = true; // what is sent to a dead worker is never answered
+      conclude(*g, work_lost());
       return g;
     }
     if (g->ranks.empty()) {
@@ -469,6 +479,15 @@ struct supervisor_state {
   void fail_all(caf::error why) {
     failure = std::move(why);
     fail_pending(failure);
+    end_after_replacement(failure);
+  }
+
+  /// Runs what waited for the replacement (`failed`: why there is none).
+  void end_after_replacement(const caf::error& failed) {
+    auto hooks = std::move(after_replacement);
+    after_replacement.clear();
+    for (auto& hook : hooks)
+      hook(failed);
   }
 
   /// What a call in flight at the death of the worker being replaced fails with.
@@ -825,17 +844,29 @@ struct supervisor_state {
     auto finish = [st, req, token](bool commit) {
       return calling("finish_sharded_state", caf::make_message(req.path, token, commit));
     };
-    // A failed save is cleaned up rank by rank, and answered once every rank that can has
-    // removed its part: a rank that died (or is being replaced) fails its cleanup at once,
-    // and must not cut the others' short.
+    // A failed save is cleaned up rank by rank, and answered once every rank has removed
+    // its part: a rank that died fails its cleanup at once and must not cut the others'
+    // short; the part it may have staged is removed by its replacement (same rank, same
+    // folder).
     auto clean_up = [st, finish](std::function<void()> then) {
       auto left = std::make_shared<size_t>(st->workers.size());
+      auto one_done = [left, then] {
+        if (--*left == 0)
+          then();
+      };
       for (auto rank : st->all_ranks())
-        st->start_gather("save_sharded_state", {rank}, finish(false), st->cfg.rpc_timeout, 0,
-                         [left, then](gather_result) {
-                           if (--*left == 0)
-                             then();
-                         });
+        st->start_gather(
+          "save_sharded_state", {rank}, finish(false), st->cfg.rpc_timeout, 0,
+          [st, rank, finish, one_done](gather_result res) {
+            if (res || !st->recovering || st->replacing != rank)
+              return one_done();
+            st->after_replacement.push_back([st, rank, finish, one_done](caf::error failed) {
+              if (failed)
+                return one_done();
+              st->start_gather("save_sharded_state", {rank}, finish(false), st->cfg.rpc_timeout, 0,
+                               [one_done](gather_result) { one_done(); });
+            });
+          });
     };
     caf::settings staged;
     staged["staging"] = token;
@@ -1407,6 +1438,7 @@ struct supervisor_state {
   void replace(int32_t rank, const std::string& cause) {
     recovering = true;
     replacing = rank;
+    dead_in_place = true;
     replacing_cause = cause;
     replacing_started = clock_type::now();
     restarts.push_back(replacing_started);
@@ -1501,6 +1533,7 @@ struct supervisor_state {
   void bring_up(int32_t rank, worker_actor fresh) {
     self->monitor(fresh);
     workers[static_cast<size_t>(rank)] = fresh;
+    dead_in_place = false;
     use_link(static_cast<size_t>(rank));
     auto steps = std::make_shared<std::vector<step_fn>>();
     steps->push_back(gather_step("init", {rank}, init_request(rank)));
@@ -1547,6 +1580,7 @@ struct supervisor_state {
 
   void end_replacement(int32_t rank, caf::error err) {
     recovering = false;
+    dead_in_place = false;
     if (err) {
       if (!failure)
         fail_all(caf::make_error(errc::worker_died,
@@ -1561,6 +1595,7 @@ struct supervisor_state {
                 ms, place.host.empty() ? "in this process" : "on " + place_name(place),
                 rank_restarts[static_cast<size_t>(rank)], replacing_cause);
     }
+    end_after_replacement(err ? failure : caf::error{});
     auto calls = std::move(waiting_calls);
     waiting_calls.clear();
     for (auto& w : calls)

@@ -1549,6 +1549,92 @@ TEST_CASE("a node worker that dies during sleep, wake_up, initialize_cache or "
   fs::remove_all(dir);
 }
 
+TEST_CASE("a node killed (SIGKILL) or stopped (SIGSTOP) during sleep, wake_up, "
+          "initialize_cache, save_sharded_state or add_lora is replaced from a spare and every "
+          "rank ends alike") {
+  namespace fs = std::filesystem;
+  const std::vector<std::string> calls{"sleep", "wake_up", "initialize_cache", "save_sharded_state",
+                                       "add_lora"};
+  // Rank 1's node, and a spare for each loss.
+  std::vector<std::unique_ptr<node_process>> nodes;
+  for (size_t i = 0; i <= 2 * calls.size(); ++i)
+    nodes.push_back(std::make_unique<node_process>(1));
+  auto cfg = mixed_config(1, {{"127.0.0.1", nodes[0]->port(), 1}});
+  for (size_t i = 1; i < nodes.size(); ++i)
+    cfg.spare_nodes.push_back({"127.0.0.1", nodes[i]->port(), 1});
+  cfg.restart.max_restarts = static_cast<int32_t>(2 * calls.size());
+  captured_log log;
+  executor exec{cfg, test_factory()};
+  exec.initialize_cache({10, 1});
+  auto kv = exec.collective_rpc_as<int64_t>("kv_bytes");
+  auto dir = fs::temp_directory_path() / ("troupe-node-loss-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  auto alike = [&] {
+    auto health = exec.worker_healths();
+    REQUIRE(health.size() == 2);
+    CHECK(health[0].sleeping_tags == health[1].sleeping_tags);
+    CHECK(exec.is_sleeping() == !health[0].sleeping_tags.empty());
+    auto bytes = exec.collective_rpc_as<int64_t>("kv_bytes");
+    CHECK(bytes[0] == bytes[1]);
+    auto loras = exec.collective_rpc_as<std::vector<int64_t>>("list_loras");
+    CHECK(loras[0] == loras[1]);
+  };
+  int64_t lora = 0;
+  for (int sig : {SIGKILL, SIGSTOP})
+    for (auto& call : calls) {
+      CAPTURE(sig);
+      CAPTURE(call);
+      exec.collective_rpc("signal_in_on",
+                          {caf::make_message(int32_t{1}, call, int32_t{sig}), {}, {}, {}});
+      if (call == "wake_up")
+        exec.sleep(1);
+      errc code = errc::none;
+      if (call == "sleep")
+        code = code_of([&] { exec.sleep(1); });
+      else if (call == "wake_up")
+        code = code_of([&] { exec.wake_up(); });
+      else if (call == "initialize_cache")
+        code = code_of([&] { exec.initialize_cache({20, 1}); });
+      else if (call == "add_lora")
+        code = code_of([&] { exec.add_lora({"adapter", ++lora, "/nonexistent"}); });
+      if (call == "save_sharded_state") {
+        // A save the loss cut short leaves no file; its retry lands whole.
+        CHECK(code_of([&] { exec.save_sharded_state(dir.string()); }) == errc::worker_replaced);
+        std::string left;
+        for (auto& e : fs::recursive_directory_iterator(dir))
+          left += e.path().string() + " ";
+        CAPTURE(left);
+        CHECK(fs::is_empty(dir));
+        exec.save_sharded_state(dir.string());
+        CHECK(fs::exists(dir / "test-rank-1.bin"));
+        fs::remove_all(dir);
+        fs::create_directories(dir);
+      } else {
+        // Done, or `worker_replaced` with every rank in the state the executor reports.
+        CHECK((code == errc::none || code == errc::worker_replaced));
+      }
+      alike();
+      // The call's own effect holds, on the replacement too, or a retry gives it.
+      if (call == "sleep")
+        CHECK(exec.is_sleeping());
+      if (exec.is_sleeping())
+        exec.wake_up();
+      if (call == "initialize_cache")
+        CHECK(exec.collective_rpc_as<int64_t>("kv_bytes")[1] == 2 * kv[1]);
+      if (call == "add_lora") {
+        exec.add_lora({"adapter", lora, "/nonexistent"});
+        auto loras = exec.collective_rpc_as<std::vector<int64_t>>("list_loras");
+        CHECK(std::count(loras[1].begin(), loras[1].end(), lora) == 1);
+      }
+      alike();
+      exec.initialize_cache({10, 1});
+    }
+  INFO(log.text());
+  CHECK(exec.worker_healths()[1].restarts == static_cast<int32_t>(2 * calls.size()));
+  CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  fs::remove_all(dir);
+}
+
 TEST_CASE("a second death beyond max_restarts fails the generation with worker_died naming "
           "the node, and nothing hangs") {
   faulty_node first{"kill", 6};

@@ -14,6 +14,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <fstream>
 #include <set>
@@ -89,8 +90,7 @@ public:
   }
 
   void initialize_cache(const cache_blocks& blocks) override {
-    if (die_in_ == "initialize_cache")
-      throw worker_fault{"died during initialize_cache on purpose"};
+    fault_point("initialize_cache");
     kv_ = device_buffer(device(), static_cast<size_t>(blocks.num_device_blocks) * block_bytes_,
                         memory_tag::kv_cache);
   }
@@ -121,6 +121,7 @@ public:
   }
 
   bool add_lora(const lora_request& req) override {
+    fault_point("add_lora");
     loras_.insert(req.lora_int_id);
     return true;
   }
@@ -148,8 +149,7 @@ public:
   }
 
   void save_sharded_state(const sharded_state_request& req) override {
-    if (die_in_ == "save_sharded_state")
-      throw worker_fault{"died during save_sharded_state on purpose"};
+    fault_point("save_sharded_state");
     auto dir = save_dir_.empty() ? req.path : save_dir_;
     auto path = dir + "/test-rank-" + std::to_string(rank()) + ".bin";
     std::ofstream out{path, std::ios::binary};
@@ -163,15 +163,23 @@ public:
       fail_next_sleep_ = false;
       throw std::runtime_error("sleep failed on purpose");
     }
-    if (die_in_ == "sleep")
-      throw worker_fault{"died during sleep on purpose"};
+    fault_point("sleep");
     worker::sleep(level);
   }
 
   void wake_up(const std::vector<memory_tag>& tags) override {
-    if (die_in_ == "wake_up")
-      throw worker_fault{"died during wake_up on purpose"};
+    fault_point("wake_up");
     worker::wake_up(tags);
+  }
+
+  /// Where `die_in_on` and `signal_in_on` strike: in `call`.
+  void fault_point(const std::string& call) {
+    if (signal_in_ == call) {
+      signal_in_.clear();
+      raise(signal_);
+    }
+    if (die_in_ == call)
+      throw worker_fault{"died during " + call + " on purpose"};
   }
 
   /// Records that call `i` ran here, for tests of the order in which calls arrive.
@@ -262,10 +270,20 @@ private:
       return caf::message{};
     });
     // (rank, call): that rank dies (worker_fault) in its next `call` ("sleep", "wake_up",
-    // "initialize_cache", "save_sharded_state").
+    // "initialize_cache", "save_sharded_state", "add_lora").
     register_method("die_in_on", [](worker& w, const caf::message& args, const caf::settings&) {
       if (w.rank() == int_arg(args, 0, 0) && args.size() > 1 && args.match_element<std::string>(1))
         static_cast<test_worker&>(w).die_in_ = args.get_as<std::string>(1);
+      return caf::message{};
+    });
+    // (rank, call, signal): that rank's process gets `signal` (SIGKILL, SIGSTOP) as the rank
+    // starts its next `call`: for workers on a node, the node lost during the call.
+    register_method("signal_in_on", [](worker& w, const caf::message& args, const caf::settings&) {
+      if (w.rank() == int_arg(args, 0, 0) && args.size() > 2 &&
+          args.match_element<std::string>(1)) {
+        static_cast<test_worker&>(w).signal_in_ = args.get_as<std::string>(1);
+        static_cast<test_worker&>(w).signal_ = int_arg(args, 2, 0);
+      }
       return caf::message{};
     });
     register_method("fail_next_sleep_on",
@@ -347,6 +365,8 @@ private:
   bool fail_next_sleep_ = false;
   /// A call this worker dies in ("sleep", "wake_up"), or none.
   std::string die_in_;
+  std::string signal_in_;
+  int signal_ = 0;
   std::string save_dir_;
   std::vector<int32_t> notes_;
 };
