@@ -1541,18 +1541,9 @@ struct supervisor_state {
       steps->push_back(
         gather_step("the driver's peers", {0}, asking(peers_atom::value, peer_handles())));
     auto* st = this;
-    if (cfg.on_replacement && is_local(fresh)) {
-      local_call call{
-        "on_replacement",
-        [fn = cfg.on_replacement](worker& w, const caf::message&, const caf::settings&) {
-          fn(w);
-          return caf::message{};
-        },
-        {},
-        {},
-        std::make_shared<local_call::guard_type>()};
-      steps->push_back(gather_step("on_replacement", {rank}, asking(call_atom::value, call)));
-    }
+    if (cfg.replacement_calls)
+      for (auto& c : cfg.replacement_calls())
+        steps->push_back(gather_step(c.method, {rank}, calling(c.method, c.args, c.kwargs)));
     steps->push_back([st](std::function<void(caf::error)> next) { st->form_collective(next); });
     if (cache)
       steps->push_back(gather_step("initialize_cache", {rank},

@@ -48,42 +48,53 @@ struct weight_history {
   std::string path;
   struct tensor {
     host_tensor meta;
-    std::vector<char> bytes;
+    std::string bytes;
   };
   std::map<std::string, tensor> tensors;
+  /// Whether an update wrote float tensors into weights kept in a block format.
+  bool quantized = false;
 
-  void record(const std::string& from) {
+  void record(const std::string& from, bool quantize_on_update) {
     std::lock_guard<std::mutex> lk{mtx};
     path = from;
     tensors.clear();
+    quantized = quantize_on_update;
   }
 
-  void record(const std::vector<host_tensor>& written) {
+  void record(const std::vector<host_tensor>& written, bool quantize_on_update) {
     std::lock_guard<std::mutex> lk{mtx};
     for (auto& t : written) {
       auto& kept = tensors[t.name];
       kept.meta = t;
       kept.meta.data = nullptr;
-      auto* bytes = static_cast<const char*>(t.data);
-      kept.bytes.assign(bytes, bytes + byte_size(t));
+      kept.bytes.assign(static_cast<const char*>(t.data), byte_size(t));
     }
+    quantized = quantized || quantize_on_update;
   }
 
-  /// Applies the updates to `w` (a replacement, its checkpoint just loaded).
-  void replay(worker& w) {
-    auto* mw = dynamic_cast<model_worker*>(&w);
+  /// The named calls that bring a replacement, its checkpoint just loaded, to these weights.
+  std::vector<replay_call> calls() {
     std::lock_guard<std::mutex> lk{mtx};
-    if (mw == nullptr || (path.empty() && tensors.empty()))
-      return;
+    std::vector<replay_call> out;
+    weight_update_options options;
+    options.quantize_on_update = quantized;
     if (!path.empty())
-      mw->update_weights_from_disk(path);
-    std::vector<host_tensor> kept;
+      out.push_back({"update_weights_from_disk", caf::make_message(path), to_kwargs(options)});
+    if (tensors.empty())
+      return out;
+    std::vector<std::string> names, dtypes, bytes;
+    std::vector<int64_t> dims, ndims;
     for (auto& [name, t] : tensors) {
-      kept.push_back(t.meta);
-      kept.back().data = t.bytes.data();
+      names.push_back(name);
+      dtypes.push_back(t.meta.dtype);
+      dims.insert(dims.end(), t.meta.shape.begin(), t.meta.shape.end());
+      ndims.push_back(static_cast<int64_t>(t.meta.shape.size()));
+      bytes.push_back(t.bytes);
     }
-    if (!kept.empty())
-      mw->update_weights(kept);
+    out.push_back({"update_weights_from_bytes",
+                   caf::make_message(names, dtypes, dims, ndims, std::move(bytes)),
+                   to_kwargs(options)});
+    return out;
   }
 };
 
@@ -467,7 +478,7 @@ llm::llm(llm_config config, worker_factory factory) : impl_(std::make_unique<imp
   if (ec.restart.max_restarts > 0) {
     // A replacement loads the checkpoint, then the updates its predecessor had.
     d.history = std::make_shared<weight_history>();
-    ec.on_replacement = [history = d.history](worker& w) { history->replay(w); };
+    ec.replacement_calls = [history = d.history] { return history->calls(); };
   }
   if (!factory)
     factory = model_worker_factory(d.cfg.worker);
@@ -921,7 +932,7 @@ void llm::update_weights_from_tensors(const std::vector<host_tensor>& tensors,
         return caf::message{};
       });
     },
-    [&](weight_history& h) { h.record(tensors); });
+    [&](weight_history& h) { h.record(tensors, options.quantize_on_update); });
 }
 
 void llm::update_weights_from_disk(const std::string& path, const weight_update_options& options) {
@@ -932,7 +943,7 @@ void llm::update_weights_from_disk(const std::string& path, const weight_update_
       call.kwargs = to_kwargs(update_round(check_only, options));
       impl_->exec->collective_rpc("update_weights_from_disk", call);
     },
-    [&](weight_history& h) { h.record(path); });
+    [&](weight_history& h) { h.record(path, options.quantize_on_update); });
 }
 
 void llm::init_weights_update_group(const std::string& master_address, int32_t master_port,
@@ -993,9 +1004,9 @@ void llm::update_weights_from_distributed(const std::vector<host_tensor>& tensor
     },
     [&](weight_history& h) {
       // Rank 0 received every tensor whole.
-      d.exec->collective_rpc([&h](worker& w, const caf::message&, const caf::settings&) {
+      d.exec->collective_rpc([&h, &options](worker& w, const caf::message&, const caf::settings&) {
         if (auto* mw = dynamic_cast<model_worker*>(&w); mw != nullptr && w.rank() == 0)
-          h.record(mw->received_weights());
+          h.record(mw->received_weights(), options.quantize_on_update);
         return caf::message{};
       });
     });

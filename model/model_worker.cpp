@@ -25,11 +25,11 @@ namespace troupe {
 namespace {
 
 /// Tensors without data from a method's arguments from `first` on: names, dtypes, every
-/// dimension in order, and each tensor's number of dimensions.
-std::vector<host_tensor> tensor_metadata(const caf::message& args, size_t first) {
+/// dimension in order, and each tensor's number of dimensions; `after` arguments follow.
+std::vector<host_tensor> tensor_metadata(const caf::message& args, size_t first, size_t after = 0) {
   using strings = std::vector<std::string>;
   using ints = std::vector<int64_t>;
-  if (args.size() != first + 4 || !args.match_element<strings>(first) ||
+  if (args.size() != first + 4 + after || !args.match_element<strings>(first) ||
       !args.match_element<strings>(first + 1) || !args.match_element<ints>(first + 2) ||
       !args.match_element<ints>(first + 3))
     throw error{errc::bad_arguments, "tensors are described by (names, dtypes, dims, ndims)"};
@@ -200,6 +200,30 @@ model_worker::model_worker(model_worker_options options)
                     static_cast<model_worker&>(w).update_weights(tensor_metadata(args, 0), o);
                     return caf::message{};
                   });
+  // (names, dtypes, dims, ndims, bytes): tensors whose elements come in the message, each
+  // as a string of its bytes (how a replacement, leased from a node too, gets the updates
+  // the replaced worker had).
+  register_method("update_weights_from_bytes", [](worker& w, const caf::message& args,
+                                                  const caf::settings& kwargs) {
+    auto tensors = tensor_metadata(args, 0, 1);
+    if (!args.match_element<std::vector<std::string>>(4))
+      throw error{errc::bad_arguments,
+                  "update_weights_from_bytes takes (names, dtypes, dims, ndims, bytes)"};
+    auto& bytes = args.get_as<std::vector<std::string>>(4);
+    if (bytes.size() != tensors.size())
+      throw error{errc::invalid_argument, "a weight update names " +
+                                            std::to_string(tensors.size()) + " tensors but gives " +
+                                            std::to_string(bytes.size()) + " byte strings"};
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (bytes[i].size() != byte_size(tensors[i]))
+        throw error{errc::invalid_argument,
+                    "tensor '" + tensors[i].name + "': " + std::to_string(bytes[i].size()) +
+                      " bytes for " + std::to_string(byte_size(tensors[i]))};
+      tensors[i].data = bytes[i].data();
+    }
+    static_cast<model_worker&>(w).update_weights(tensors, weight_update_options_of(kwargs));
+    return caf::message{};
+  });
   register_method("receive_weights", [](worker& w, const caf::message& args, const caf::settings&) {
     if (args.empty() || !args.match_element<bool>(0))
       throw error{errc::bad_arguments, "receive_weights takes (go, names, dtypes, dims, ndims)"};

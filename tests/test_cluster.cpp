@@ -7,6 +7,8 @@
 #include "actors/node_link.hpp"
 #include "actors/remoting.hpp"
 #include "messages/messages.hpp"
+#include "model/config.hpp"
+#include "model/make_model.hpp"
 #include "tests/child_process.hpp"
 #include "tests/generation.hpp"
 #include "tests/skip.hpp"
@@ -1462,6 +1464,44 @@ TEST_CASE("a node killed mid-generation is replaced from a spare and the tokens 
   CHECK(log.count("on node 127.0.0.1:" + std::to_string(spare.port()) + " (replacement 1") == 1);
   CHECK(log.count("rank 2 on node 127.0.0.1:" + std::to_string(dying.port()) + " went down") >= 1);
   CHECK(model.executor().workers().size() == 3);
+}
+
+TEST_CASE("a node lost after a weight update is replaced with the update: the tokens stay the "
+          "updated model's") {
+  namespace fs = std::filesystem;
+  const std::string fixture = TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa";
+  auto dir = fs::temp_directory_path() / ("troupe-node-update-" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  write_random_model(load_model_config(fixture), dir.string(), dtype::f32, 29);
+  fs::copy_file(fixture + "/config.json", dir / "config.json",
+                fs::copy_options::overwrite_existing);
+  auto [reqs, want] = fixture_prompts();
+  // What the new weights give, from a model started on them.
+  std::vector<std::vector<int32_t>> updated;
+  {
+    llm_config cfg;
+    cfg.worker.model_path = dir.string();
+    cfg.worker.kv_cache_memory_bytes = 2 << 20;
+    cfg.executor.block_size = 4;
+    cfg.executor.tensor_parallel_size = 3;
+    llm fresh{cfg};
+    for (auto& out : fresh.generate(reqs))
+      updated.push_back(out.token_ids);
+  }
+  REQUIRE(updated != want);
+  faulty_node dying{"kill", 6};
+  node_process spare{1};
+  captured_log log;
+  llm model{recovering_llm(dying.port(), {spare.port()}, 1)};
+  model.update_weights_from_disk(dir.string());
+  auto outs = model.generate(reqs);
+  REQUIRE(outs.size() == updated.size());
+  for (size_t i = 0; i < outs.size(); ++i)
+    CHECK(outs[i].token_ids == updated[i]);
+  INFO(log.text());
+  CHECK(model.executor().worker_healths()[2].restarts == 1);
+  CHECK(log.count("on node 127.0.0.1:" + std::to_string(spare.port()) + " (replacement 1") == 1);
+  fs::remove_all(dir);
 }
 
 TEST_CASE("a node stopped mid-step (SIGSTOP) is noticed by heartbeat, the survivors' step is "

@@ -4,6 +4,8 @@
 /// Configuration of an executor: how many workers, where they live, default deadlines.
 
 #include <caf/actor_system_config.hpp>
+#include <caf/message.hpp>
+#include <caf/settings.hpp>
 
 #include <chrono>
 #include <cstdint>
@@ -12,8 +14,6 @@
 #include <vector>
 
 namespace troupe {
-
-class worker;
 
 /// Deadline of a call. `wait_forever` must be asked for explicitly.
 using timeout_type = std::chrono::microseconds;
@@ -24,6 +24,14 @@ inline constexpr timeout_type wait_forever = timeout_type::max();
 /// The longest `executor_config::linger`, `executor_config::network_linger` and
 /// `node_config::network_linger` accepted.
 inline constexpr timeout_type max_linger = std::chrono::seconds(1);
+
+/// A call of a worker's named method (`collective_rpc`'s method, positional and keyword
+/// arguments), as `executor_config::replacement_calls` gives them.
+struct replay_call {
+  std::string method;
+  caf::message args;
+  caf::settings kwargs;
+};
 
 /// A worker actor published by another actor system (`troupe::publish_worker`), reached
 /// through CAF's middleman.
@@ -97,11 +105,11 @@ struct executor_config {
   timeout_type startup_timeout = std::chrono::seconds(300);
   /// Whether and how often a dead worker is replaced.
   restart_policy restart;
-  /// Run on a replacement of this process's own, in its thread, once its model is loaded
-  /// and before it joins the others: state the supervisor does not know of, which the
-  /// caller brings back (the engine applies the weight updates its predecessor had). A
-  /// throw fails the replacement. Workers leased from nodes do not run it.
-  std::function<void(worker&)> on_replacement;
+  /// Asked at each replacement (in this process or leased from a node), once its model is
+  /// loaded and before it joins the others: the workers' named methods that bring back state
+  /// the supervisor does not know of (the engine gives the weight updates the replaced
+  /// worker had). A call that fails fails the replacement. Called on the supervisor's thread.
+  std::function<std::vector<replay_call>()> replacement_calls;
   /// Tokens per KV-cache block (vLLM's `cache_config.block_size`).
   int32_t block_size = 16;
   /// Longest sequence the model serves (vLLM's `model_config.max_model_len`).
