@@ -1,9 +1,10 @@
 // Test helper: a worker node (troupe::node) on 127.0.0.1 with the test and model worker
-// kinds. Usage: node_host [--fault=kill@N|stop@N] [--network-linger-us=N] SECRET DEVICES
-// [TIMEOUT_MS [MAX_MESSAGE_BYTES [CERT KEY CA]]] (SECRET "-" for none). Prints its port,
-// then runs until stdin closes or SIGTERM/SIGINT arrives. With --fault the process kills
-// (SIGKILL) or stops (SIGSTOP) itself as its model workers start their N-th step: a node
-// lost mid-step, at a step the test chooses.
+// kinds. Usage: node_host [--fault=kill@N|stop@N|kill@update|stop@update]
+// [--network-linger-us=N] SECRET DEVICES [TIMEOUT_MS [MAX_MESSAGE_BYTES [CERT KEY CA]]]
+// (SECRET "-" for none). Prints its port, then runs until stdin closes or SIGTERM/SIGINT
+// arrives. With --fault the process kills (SIGKILL) or stops (SIGSTOP) itself as its model
+// workers start their N-th step, or start writing an update from disk: a node lost in the
+// middle, at a point the test chooses.
 
 #include "tests/test_worker.hpp"
 #include "troupe/model_worker.hpp"
@@ -19,15 +20,28 @@
 
 namespace {
 
-/// The signal a --fault sends and the step it comes at (0: none).
+/// The signal a --fault sends and the step it comes at (0: none), or at an update.
 int fault_signal = 0;
 int fault_step = 0;
+bool fault_in_update = false;
 std::atomic<int> steps{0};
 
-/// A model worker that brings its node down at the chosen step.
+/// A model worker that brings its node down at the chosen step or update.
 class faulty_node_worker : public troupe::model_worker {
 public:
-  using model_worker::model_worker;
+  explicit faulty_node_worker(troupe::model_worker_options options)
+    : model_worker(std::move(options)) {
+    if (!fault_in_update)
+      return;
+    register_method("update_weights_from_disk", [](troupe::worker& w, const caf::message& args,
+                                                   const caf::settings& kwargs) {
+      auto options = troupe::weight_update_options_of(kwargs);
+      if (!options.check_only)
+        raise(fault_signal); // the first round checked: the node goes as the writes begin
+      static_cast<model_worker&>(w).update_weights_from_disk(args.get_as<std::string>(0), options);
+      return caf::message{};
+    });
+  }
 
   std::vector<troupe::sampler_output>
   execute_model(const troupe::execute_model_request& request) override {
@@ -52,16 +66,18 @@ int main(int argc, char** argv) {
                   ? flag.substr(8, at == std::string::npos ? std::string::npos : at - 8)
                   : std::string{};
     fault_signal = what == "kill" ? SIGKILL : what == "stop" ? SIGSTOP : 0;
-    fault_step = at == std::string::npos ? 0 : std::atoi(flag.c_str() + at + 1);
-    if (fault_signal == 0 || fault_step < 1) {
-      std::cerr << "node_host: --fault=kill@N, --fault=stop@N (N >= 1) or "
-                   "--network-linger-us=N, not "
+    fault_in_update = at != std::string::npos && flag.substr(at + 1) == "update";
+    fault_step = at == std::string::npos || fault_in_update ? 0 : std::atoi(flag.c_str() + at + 1);
+    if (fault_signal == 0 || (fault_step < 1 && !fault_in_update)) {
+      std::cerr << "node_host: --fault=kill@N, --fault=stop@N (N >= 1), --fault=kill@update, "
+                   "--fault=stop@update or --network-linger-us=N, not "
                 << flag << "\n";
       return 2;
     }
   }
   if (argc < 3) {
-    std::cerr << "usage: node_host [--fault=kill@N|stop@N] [--network-linger-us=N] SECRET "
+    std::cerr << "usage: node_host [--fault=kill@N|stop@N|kill@update|stop@update] "
+                 "[--network-linger-us=N] SECRET "
                  "DEVICES [TIMEOUT_MS [MAX_MESSAGE_BYTES [CERT KEY CA]]]\n";
     return 2;
   }

@@ -71,9 +71,10 @@ struct node_process : child_process {
 /// A node with one worker slot that kills (`how` "kill") or stops ("stop") itself as its
 /// worker starts step `at` (tests/node_host.cpp's --fault).
 struct faulty_node : child_process {
-  faulty_node(const std::string& how, int at)
-    : child_process(TROUPE_NODE_HOST,
-                    {"--fault=" + how + "@" + std::to_string(at), secret, "1", "1000"}) {}
+  faulty_node(const std::string& how, int at) : faulty_node(how, std::to_string(at)) {}
+  /// At "update": as its model worker starts writing an update from disk.
+  faulty_node(const std::string& how, const std::string& at)
+    : child_process(TROUPE_NODE_HOST, {"--fault=" + how + "@" + at, secret, "1", "1000"}) {}
 };
 
 /// Resident memory of a process in KiB.
@@ -1466,42 +1467,87 @@ TEST_CASE("a node killed mid-generation is replaced from a spare and the tokens 
   CHECK(model.executor().workers().size() == 3);
 }
 
-TEST_CASE("a node lost after a weight update is replaced with the update: the tokens stay the "
-          "updated model's") {
-  namespace fs = std::filesystem;
-  const std::string fixture = TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa";
-  auto dir = fs::temp_directory_path() / ("troupe-node-update-" + std::to_string(getpid()));
-  fs::remove_all(dir);
-  write_random_model(load_model_config(fixture), dir.string(), dtype::f32, 29);
-  fs::copy_file(fixture + "/config.json", dir / "config.json",
-                fs::copy_options::overwrite_existing);
-  auto [reqs, want] = fixture_prompts();
-  // What the new weights give, from a model started on them.
-  std::vector<std::vector<int32_t>> updated;
-  {
+namespace {
+
+/// A model of the llama-gqa fixture's shape with random weights, in a folder removed with
+/// the object, and the tokens it gives for the fixture's prompts.
+struct updated_model {
+  std::filesystem::path dir;
+  std::vector<std::vector<int32_t>> tokens;
+
+  updated_model() {
+    namespace fs = std::filesystem;
+    const std::string fixture = TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa";
+    dir = fs::temp_directory_path() / ("troupe-node-update-" + std::to_string(getpid()));
+    fs::remove_all(dir);
+    write_random_model(load_model_config(fixture), dir.string(), dtype::f32, 29);
+    fs::copy_file(fixture + "/config.json", dir / "config.json",
+                  fs::copy_options::overwrite_existing);
     llm_config cfg;
     cfg.worker.model_path = dir.string();
     cfg.worker.kv_cache_memory_bytes = 2 << 20;
     cfg.executor.block_size = 4;
     cfg.executor.tensor_parallel_size = 3;
     llm fresh{cfg};
-    for (auto& out : fresh.generate(reqs))
-      updated.push_back(out.token_ids);
+    for (auto& out : fresh.generate(fixture_prompts().first))
+      tokens.push_back(out.token_ids);
   }
-  REQUIRE(updated != want);
+  ~updated_model() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
+};
+
+std::vector<std::vector<int32_t>> tokens_of(llm& model) {
+  std::vector<std::vector<int32_t>> out;
+  for (auto& o : model.generate(fixture_prompts().first))
+    out.push_back(o.token_ids);
+  return out;
+}
+
+} // namespace
+
+TEST_CASE("a node lost after a weight update is replaced with the update: the tokens stay the "
+          "updated model's") {
+  updated_model other;
+  REQUIRE(other.tokens != fixture_prompts().second);
   faulty_node dying{"kill", 6};
   node_process spare{1};
   captured_log log;
   llm model{recovering_llm(dying.port(), {spare.port()}, 1)};
-  model.update_weights_from_disk(dir.string());
-  auto outs = model.generate(reqs);
-  REQUIRE(outs.size() == updated.size());
-  for (size_t i = 0; i < outs.size(); ++i)
-    CHECK(outs[i].token_ids == updated[i]);
+  model.update_weights_from_disk(other.dir.string());
+  CHECK(tokens_of(model) == other.tokens);
   INFO(log.text());
   CHECK(model.executor().worker_healths()[2].restarts == 1);
   CHECK(log.count("on node 127.0.0.1:" + std::to_string(spare.port()) + " (replacement 1") == 1);
-  fs::remove_all(dir);
+}
+
+TEST_CASE("a node killed or stopped as it writes a weight update is replaced with the update") {
+  updated_model other;
+  auto want = fixture_prompts().second;
+  for (std::string how : {"kill", "stop"}) {
+    CAPTURE(how);
+    faulty_node dying{how, "update"};
+    node_process spare{1};
+    captured_log log;
+    llm model{recovering_llm(dying.port(), {spare.port()}, 1)};
+    // The call says that a worker was replaced; every rank holds the update regardless.
+    errc code = errc::none;
+    try {
+      model.update_weights_from_disk(other.dir.string());
+    } catch (const error& e) {
+      code = e.code();
+    }
+    CHECK(code == errc::worker_replaced);
+    CHECK(tokens_of(model) == other.tokens);
+    // A retry is safe, and so is going back.
+    model.update_weights_from_disk(other.dir.string());
+    CHECK(tokens_of(model) == other.tokens);
+    model.update_weights_from_disk(TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa");
+    CHECK(tokens_of(model) == want);
+    INFO(log.text());
+    CHECK(model.executor().worker_healths()[2].restarts == 1);
+  }
 }
 
 TEST_CASE("a node stopped mid-step (SIGSTOP) is noticed by heartbeat, the survivors' step is "
