@@ -9,6 +9,7 @@
 #include "messages/messages.hpp"
 #include "model/config.hpp"
 #include "model/make_model.hpp"
+#include "model/safetensors.hpp"
 #include "tests/child_process.hpp"
 #include "tests/generation.hpp"
 #include "tests/skip.hpp"
@@ -1520,6 +1521,27 @@ TEST_CASE("a node lost after a weight update is replaced with the update: the to
   INFO(log.text());
   CHECK(model.executor().worker_healths()[2].restarts == 1);
   CHECK(log.count("on node 127.0.0.1:" + std::to_string(spare.port()) + " (replacement 1") == 1);
+}
+
+TEST_CASE("update_weights_from_bytes reaches a node's worker with the tensors in the message") {
+  updated_model other;
+  node_process n{1};
+  llm model{recovering_llm(n.port(), {}, 0)};
+  safetensors_file file{(other.dir / "model.safetensors").string()};
+  std::vector<std::string> names, dtypes, bytes;
+  std::vector<int64_t> dims, ndims;
+  for (auto& t : file.tensors()) {
+    names.push_back(t.name);
+    dtypes.push_back(dtype_name(t.type));
+    dims.insert(dims.end(), t.shape.begin(), t.shape.end());
+    ndims.push_back(static_cast<int64_t>(t.shape.size()));
+    bytes.emplace_back(reinterpret_cast<const char*>(t.data), t.bytes);
+  }
+  rpc_call_options call;
+  call.args = caf::make_message(names, dtypes, dims, ndims, bytes);
+  model.executor().collective_rpc("update_weights_from_bytes", call);
+  model.reset_prefix_cache();
+  CHECK(tokens_of(model) == other.tokens);
 }
 
 TEST_CASE("a node killed or stopped as it writes a weight update is replaced with the update") {

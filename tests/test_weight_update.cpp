@@ -289,6 +289,48 @@ TEST_CASE("a worker replaced after updates holds the updated weights, not the ch
   CHECK(model.executor().worker_healths()[1].restarts == 2);
 }
 
+TEST_CASE("update_weights_from_bytes writes the tensors its message carries, on every rank") {
+  auto ref = read_json(fixtures + "/llama-gqa/reference.json");
+  scratch dir{"bytes"};
+  llm model{tiny(other_model("llama-gqa", dir, 19), 2)};
+  CHECK(!gives_reference(model, ref));
+  safetensors_file file{fixtures + "/llama-gqa/model.safetensors"};
+  auto tensors = host_tensors(file);
+  auto message = [](const std::vector<host_tensor>& ts, int64_t trim) {
+    std::vector<std::string> names, dtypes, bytes;
+    std::vector<int64_t> dims, ndims;
+    for (auto& t : ts) {
+      names.push_back(t.name);
+      dtypes.push_back(t.dtype);
+      dims.insert(dims.end(), t.shape.begin(), t.shape.end());
+      ndims.push_back(static_cast<int64_t>(t.shape.size()));
+      bytes.emplace_back(static_cast<const char*>(t.data), byte_size(t) - trim);
+    }
+    rpc_call_options call;
+    call.args = caf::make_message(names, dtypes, dims, ndims, bytes);
+    return call;
+  };
+  auto code = [&](const rpc_call_options& call) {
+    try {
+      model.executor().collective_rpc("update_weights_from_bytes", call);
+    } catch (const error& e) {
+      return std::make_pair(e.code(), std::string{e.what()});
+    }
+    return std::make_pair(errc::none, std::string{});
+  };
+  // A short tensor is refused naming it; arguments of another form, naming the form.
+  auto short_one = code(message({tensors[0]}, 4));
+  CHECK(short_one.first == errc::invalid_argument);
+  CHECK(short_one.second.find(tensors[0].name) != std::string::npos);
+  rpc_call_options bare;
+  bare.args = caf::make_message(std::vector<std::string>{tensors[0].name});
+  CHECK(code(bare).first == errc::bad_arguments);
+  CHECK(!gives_reference(model, ref));
+  CHECK(code(message(tensors, 0)).first == errc::none);
+  model.reset_prefix_cache();
+  CHECK(gives_reference(model, ref));
+}
+
 namespace {
 
 /// A model worker whose rank `dying` dies (worker_fault) as it begins to write an update
