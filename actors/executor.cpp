@@ -3,6 +3,7 @@
 
 #include "troupe/executor.hpp"
 
+#include "actors/caller_unit.hpp"
 #include "actors/executor_actor.hpp"
 #include "actors/lease.hpp"
 #include "actors/linger.hpp"

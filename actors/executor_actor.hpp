@@ -90,11 +90,4 @@ supervisor_actor spawn_supervisor(caf::actor_system& sys, const executor_config&
                                   std::shared_ptr<replacement_list> replacements,
                                   std::shared_ptr<link_set> links);
 
-/// Hands `call` to the supervisor. When the supervisor is idle, the calling thread runs it
-/// (up to a few messages) instead of waking a scheduler thread for it: the caller would
-/// only wait meanwhile, and on a small machine each thread wake-up is the largest cost of
-/// a call. A supervisor that is busy gets the call in its mailbox, as any message.
-void hand_to_supervisor(caf::actor_system& sys, const supervisor_actor& supervisor,
-                        async_call call);
-
 } // namespace troupe
