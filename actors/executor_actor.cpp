@@ -264,6 +264,9 @@ struct supervisor_state {
   /// A worker was replaced while no step was in flight: the next execute_model fails with
   /// `worker_replaced`, so that the engine learns that the KV cache is gone.
   bool kv_lost = false;
+  /// A worker was replaced, and no step since sent every block table whole: steps that
+  /// send only new blocks were made before it and are refused.
+  bool tables_lost = false;
   struct waiting_call {
     async_call call;
     /// `time_point::max()` when the call may wait for ever.
@@ -348,6 +351,8 @@ struct supervisor_state {
     }
     if (dead_in_place && std::find(g->ranks.begin(), g->ranks.end(), replacing) != g->ranks.end()) {
       g->finished = true; // what is sent to a dead worker is never answered
+      if (g->label == "execute_model")
+        kv_lost = false; // this step tells the engine
       conclude(*g, work_lost());
       return g;
     }
@@ -1044,6 +1049,19 @@ struct supervisor_state {
                                    replacing_cause + "; it was replaced and the KV cache went "
                                                      "with it: compute the requests again"));
     }
+    if (tables_lost && req.keep_block_tables) {
+      // A step made before the replacement (sent ahead of the step that learned of it)
+      // counts on block tables the ranks kept; the replacement kept none. The first step
+      // made after it sends every table whole.
+      for (auto& g : req.seq_group_metadata_list)
+        for (auto& seq : g.seqs)
+          if (seq.first_block != 0)
+            return reply(caf::make_error(errc::worker_replaced,
+                                         replacing_cause + "; a step made before the "
+                                                           "replacement: compute the requests "
+                                                           "again"));
+      tables_lost = false;
+    }
     start_loop();
     auto id = loop_id;
     auto* st = this;
@@ -1447,6 +1465,7 @@ struct supervisor_state {
     // A step in flight tells the engine that the KV cache is gone; without one, the next
     // step does.
     kv_lost = true;
+    tables_lost = true;
     for (auto& entry : pending)
       if (entry.second->label == "execute_model" && claim(*entry.second))
         kv_lost = false; // and the step fails below

@@ -80,20 +80,32 @@ struct weight_history {
     options.quantize_on_update = quantized;
     if (!path.empty())
       out.push_back({"update_weights_from_disk", caf::make_message(path), to_kwargs(options)});
-    if (tensors.empty())
-      return out;
+    // In calls of up to `part` bytes: a node's link carries a frame of under 4 GiB.
+    constexpr size_t part = size_t{256} << 20;
     std::vector<std::string> names, dtypes, bytes;
     std::vector<int64_t> dims, ndims;
+    size_t held = 0;
+    auto flush = [&] {
+      if (names.empty())
+        return;
+      out.push_back({"update_weights_from_bytes",
+                     caf::make_message(std::move(names), std::move(dtypes), std::move(dims),
+                                       std::move(ndims), std::move(bytes)),
+                     to_kwargs(options)});
+      names = {}, dtypes = {}, bytes = {}, dims = {}, ndims = {};
+      held = 0;
+    };
     for (auto& [name, t] : tensors) {
+      if (held > 0 && held + t.bytes.size() > part)
+        flush();
       names.push_back(name);
       dtypes.push_back(t.meta.dtype);
       dims.insert(dims.end(), t.meta.shape.begin(), t.meta.shape.end());
       ndims.push_back(static_cast<int64_t>(t.meta.shape.size()));
       bytes.push_back(t.bytes);
+      held += t.bytes.size();
     }
-    out.push_back({"update_weights_from_bytes",
-                   caf::make_message(names, dtypes, dims, ndims, std::move(bytes)),
-                   to_kwargs(options)});
+    flush();
     return out;
   }
 };

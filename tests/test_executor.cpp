@@ -682,6 +682,15 @@ TEST_CASE("under a restart policy a dead worker is replaced and brought to the o
     CHECK(exec.list_loras() == std::vector<int64_t>{4});
     // No step was in flight: the next one says that the KV cache went with the worker.
     CHECK(code_of([&] { exec.execute_model(one_step(5)); }) == errc::worker_replaced);
+    // A step made before the replacement, counting on kept block tables, is refused too;
+    // the first that sends every table whole is taken, and those after it.
+    auto kept = one_step(5);
+    kept.keep_block_tables = true;
+    auto delta = kept;
+    delta.seq_group_metadata_list[0].seqs[0].first_block = 1;
+    CHECK(code_of([&] { exec.execute_model(delta); }) == errc::worker_replaced);
+    CHECK(exec.execute_model(kept)[0].outputs[0].samples[0].output_token == 10);
+    CHECK(code_of([&] { exec.execute_model(delta); }) == errc::none);
     CHECK(exec.execute_model(one_step(5))[0].outputs[0].samples[0].output_token == 10);
     exec.stop_remote_worker_execution_loop();
   }
