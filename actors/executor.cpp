@@ -150,6 +150,15 @@ struct executor::impl {
   std::shared_mutex lifecycle;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
 
+  /// Start-up, in order: the actor system; the local workers, those leased from nodes and
+  /// the published ones; the supervisor, which brings them up. Throws what failed, with
+  /// everything started so far stopped.
+  void start(worker_factory factory);
+  void start_system();
+  void lease_from_nodes(std::vector<worker_actor>& workers, std::vector<worker_place>& places);
+  void connect_remote_workers(std::vector<worker_actor>& workers,
+                              std::vector<worker_place>& places);
+
   error translate(const caf::error& err) const {
     return translated(err, *shut);
   }
@@ -523,84 +532,95 @@ void executor_config::validate() const {
     throw error{errc::invalid_argument, "restart.window must be positive"};
 }
 
-executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl) {
-  auto& d = *impl_;
-  cfg.validate();
-  auto tls = wants_tls(cfg.tls_certificate, cfg.tls_key, cfg.tls_ca);
-  auto local_count = cfg.tensor_parallel_size - remote_count(cfg);
-  if (local_count > 0 && !factory)
-    throw error{errc::invalid_argument, "local workers need a worker factory"};
-  d.cfg = std::move(cfg);
-  register_messages(*d.sys_cfg);
-  configure_scheduler(*d.sys_cfg, d.cfg.scheduler_threads, d.cfg.scheduler_poll_attempts);
-  d.caller_linger = d.cfg.linger;
-  if (!d.cfg.remote_workers.empty() || !d.cfg.nodes.empty() || !d.cfg.spare_nodes.empty()) {
-    d.caller_linger = std::max(d.cfg.linger, d.cfg.network_linger);
-    load_middleman(*d.sys_cfg, d.cfg.node_timeout, d.cfg.network_linger);
-    if (tls)
-      configure_tls(*d.sys_cfg, d.cfg.tls_certificate, d.cfg.tls_key, d.cfg.tls_ca);
+void executor::impl::start_system() {
+  register_messages(*sys_cfg);
+  configure_scheduler(*sys_cfg, cfg.scheduler_threads, cfg.scheduler_poll_attempts);
+  caller_linger = cfg.linger;
+  if (!cfg.remote_workers.empty() || !cfg.nodes.empty() || !cfg.spare_nodes.empty()) {
+    caller_linger = std::max(cfg.linger, cfg.network_linger);
+    load_middleman(*sys_cfg, cfg.node_timeout, cfg.network_linger);
+    if (wants_tls(cfg.tls_certificate, cfg.tls_key, cfg.tls_ca))
+      configure_tls(*sys_cfg, cfg.tls_certificate, cfg.tls_key, cfg.tls_ca);
   }
-  if (d.cfg.configure_system)
-    d.cfg.configure_system(*d.sys_cfg);
-  d.sys = std::make_unique<caf::actor_system>(*d.sys_cfg);
+  if (cfg.configure_system)
+    cfg.configure_system(*sys_cfg);
+  sys = std::make_unique<caf::actor_system>(*sys_cfg);
   // The constructing thread, too, keeps a reference to the system's logger (see
   // logger_release).
   caf::logger::set_current_actor_system(nullptr);
-  std::vector<worker_actor> workers;
-  std::vector<worker_place> places;
-  for (int32_t i = 0; i < local_count; ++i) {
-    workers.push_back(spawn_worker(*d.sys, factory));
-    d.local_workers.push_back(workers.back());
-    places.emplace_back();
-  }
-  if (!d.cfg.nodes.empty()) {
-    // The nodes watch this actor: when it goes (shutdown, death, lost connection) they
-    // release the workers.
-    d.lease_holder = d.sys->spawn([]() -> caf::behavior { return {[](caf::ok_atom) {}}; });
-    // startup_timeout bounds the connections and handshakes with every node together.
-    auto deadline = std::chrono::steady_clock::now() + d.cfg.startup_timeout;
-    try {
-      logger_release release;
-      caf::scoped_actor self{*d.sys};
-      for (auto& n : d.cfg.nodes) {
-        auto grant = lease_workers(self.ptr(), d.cfg, n, n.workers, d.lease_holder, deadline);
-        for (auto& w : grant.workers) {
-          workers.push_back(caf::actor_cast<worker_actor>(std::move(w)));
-          d.leased_workers.push_back(workers.back());
-          places.push_back({"node", n.host, n.port, grant.link});
-        }
-      }
-    } catch (...) {
-      // A handle held here would keep its detached worker's thread, and so stop, waiting.
-      workers.clear();
-      d.stop();
-      throw;
+}
+
+void executor::impl::lease_from_nodes(std::vector<worker_actor>& workers,
+                                      std::vector<worker_place>& places) {
+  if (cfg.nodes.empty())
+    return;
+  // The nodes watch this actor: when it goes (shutdown, death, lost connection) they
+  // release the workers.
+  lease_holder = sys->spawn([]() -> caf::behavior { return {[](caf::ok_atom) {}}; });
+  // startup_timeout bounds the connections and handshakes with every node together.
+  auto deadline = std::chrono::steady_clock::now() + cfg.startup_timeout;
+  logger_release release;
+  caf::scoped_actor self{*sys};
+  for (auto& n : cfg.nodes) {
+    auto grant = lease_workers(self.ptr(), cfg, n, n.workers, lease_holder, deadline);
+    for (auto& w : grant.workers) {
+      workers.push_back(caf::actor_cast<worker_actor>(std::move(w)));
+      leased_workers.push_back(workers.back());
+      places.push_back({"node", n.host, n.port, grant.link});
     }
   }
-  for (auto& rw : d.cfg.remote_workers) {
+}
+
+void executor::impl::connect_remote_workers(std::vector<worker_actor>& workers,
+                                            std::vector<worker_place>& places) {
+  for (auto& rw : cfg.remote_workers) {
     // Checks the published actor's interface on connect.
-    auto handle = d.sys->middleman().remote_actor<worker_actor>(rw.host, rw.port);
+    auto handle = sys->middleman().remote_actor<worker_actor>(rw.host, rw.port);
     caf::logger::set_current_actor_system(nullptr); // see logger_release
-    if (!handle) {
-      auto what = "cannot reach remote worker " + rw.host + ":" + std::to_string(rw.port) + ": " +
-                  render(handle.error());
-      workers.clear();
-      d.stop();
-      throw error{errc::worker_died, what};
-    }
+    if (!handle)
+      throw error{errc::worker_died, "cannot reach remote worker " + rw.host + ":" +
+                                       std::to_string(rw.port) + ": " + render(handle.error())};
     workers.push_back(*handle);
     places.push_back({"worker host", rw.host, rw.port, nullptr});
   }
-  d.supervisor = spawn_supervisor(*d.sys, d.cfg, std::move(workers), std::move(places),
-                                  std::move(factory), d.lease_holder, d.replacements, d.links);
+}
+
+void executor::impl::start(worker_factory factory) {
+  start_system();
+  std::vector<worker_actor> workers;
+  std::vector<worker_place> places;
+  for (int32_t i = 0; i < cfg.tensor_parallel_size - remote_count(cfg); ++i) {
+    workers.push_back(spawn_worker(*sys, factory));
+    local_workers.push_back(workers.back());
+    places.emplace_back();
+  }
   try {
-    // Three steps, each within startup_timeout: init, and the collective's two rounds.
-    d.infos = d.ask<std::vector<worker_info>>(times(d.cfg.startup_timeout, 3), init_atom::value);
+    lease_from_nodes(workers, places);
+    connect_remote_workers(workers, places);
   } catch (...) {
-    d.stop();
+    // A handle held here would keep its detached worker's thread, and so stop, waiting.
+    workers.clear();
+    stop();
     throw;
   }
-  d.log->info("executor ready: {} worker(s), driver on {}", d.infos.size(), d.infos[0].device);
+  supervisor = spawn_supervisor(*sys, cfg, std::move(workers), std::move(places),
+                                std::move(factory), lease_holder, replacements, links);
+  try {
+    // Three steps, each within startup_timeout: init, and the collective's two rounds.
+    infos = ask<std::vector<worker_info>>(times(cfg.startup_timeout, 3), init_atom::value);
+  } catch (...) {
+    stop();
+    throw;
+  }
+  log->info("executor ready: {} worker(s), driver on {}", infos.size(), infos[0].device);
+}
+
+executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl) {
+  cfg.validate();
+  if (cfg.tensor_parallel_size > remote_count(cfg) && !factory)
+    throw error{errc::invalid_argument, "local workers need a worker factory"};
+  impl_->cfg = std::move(cfg);
+  impl_->start(std::move(factory));
 }
 
 executor::~executor() {
