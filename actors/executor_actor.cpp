@@ -273,6 +273,8 @@ struct supervisor_state {
     clock_type::time_point until;
   };
   std::vector<waiting_call> waiting_calls;
+  /// Nodes (host, port) on which a worker died: tried last for later replacements.
+  std::set<std::pair<std::string, uint16_t>> lost_nodes;
   /// What waits for the replacement in progress to end (with its error, if it failed):
   /// work the dead rank left behind, for its replacement to finish.
   std::vector<std::function<void(caf::error)>> after_replacement;
@@ -1523,6 +1525,12 @@ struct supervisor_state {
         if (!known)
           candidates.push_back({n.host, n.port, 1});
       }
+    // The dead worker's node first (a worker may die while its node lives), then those
+    // that lost no worker yet: a node that is gone or stopped costs a timeout each try.
+    std::stable_partition(candidates.begin() + 1, candidates.end(), [&](const node_address& n) {
+      return lost_nodes.count({n.host, n.port}) == 0;
+    });
+    lost_nodes.insert({dead.host, dead.port});
     auto link = std::make_shared<std::shared_ptr<node_link>>();
     auto helper =
       self->spawn<caf::detached>(lease_one, cfg, candidates, lease_holder,
