@@ -16,7 +16,8 @@
 #   bash scripts/bench-vs-llamacpp.sh [--rounds N] [--precision fast|exact] [MODEL.gguf ...]
 #
 # Without files it compares on the models of scripts/llamacpp-lib.sh (SmolLM2, and the 1B
-# shape as Q4_K_M, Q4_0, Q8_0 and BF16; TROUPE_SCALE_SHAPES adds the 8B), which also says
+# shape as Q4_K_M, Q4_0, Q8_0 and BF16; TROUPE_SCALE_SHAPES="llama-1b llama-8b"
+# adds the 8B: the variable is the list of shapes), which also says
 # where llama.cpp and the models are cached.
 set -euo pipefail
 cd "$(dirname "$0")/.."
