@@ -82,26 +82,25 @@ struct weight_history {
       out.push_back({"update_weights_from_disk", caf::make_message(path), to_kwargs(options)});
     // In calls of up to `part` bytes: a node's link carries a frame of under 4 GiB.
     constexpr size_t part = size_t{256} << 20;
-    std::vector<std::string> names, dtypes, bytes;
-    std::vector<int64_t> dims, ndims;
+    tensor_descriptions described;
+    std::vector<std::string> bytes;
     size_t held = 0;
     auto flush = [&] {
-      if (names.empty())
+      if (bytes.empty())
         return;
-      out.push_back({"update_weights_from_bytes",
-                     caf::make_message(std::move(names), std::move(dtypes), std::move(dims),
-                                       std::move(ndims), std::move(bytes)),
-                     to_kwargs(options)});
-      names = {}, dtypes = {}, bytes = {}, dims = {}, ndims = {};
+      out.push_back(
+        {"update_weights_from_bytes",
+         caf::make_message(std::move(described.names), std::move(described.dtypes),
+                           std::move(described.dims), std::move(described.ndims), std::move(bytes)),
+         to_kwargs(options)});
+      described = {};
+      bytes = {};
       held = 0;
     };
     for (auto& [name, t] : tensors) {
       if (held > 0 && held + t.bytes.size() > part)
         flush();
-      names.push_back(name);
-      dtypes.push_back(t.meta.dtype);
-      dims.insert(dims.end(), t.meta.shape.begin(), t.meta.shape.end());
-      ndims.push_back(static_cast<int64_t>(t.meta.shape.size()));
+      described.add(t.meta);
       bytes.push_back(t.bytes);
       held += t.bytes.size();
     }
@@ -977,28 +976,23 @@ void llm::destroy_weights_update_group() {
 void llm::update_weights_from_distributed(const std::vector<host_tensor>& tensors,
                                           const weight_update_options& options) {
   auto& d = *impl_;
-  std::vector<std::string> names, dtypes;
-  std::vector<int64_t> dims, ndims;
-  for (auto& t : tensors) {
-    names.push_back(t.name);
-    dtypes.push_back(t.dtype);
-    dims.insert(dims.end(), t.shape.begin(), t.shape.end());
-    ndims.push_back(static_cast<int64_t>(t.shape.size()));
-  }
+  tensor_descriptions described{tensors};
   // Whatever refuses the update is found before the group hears of it, and the trainer is
   // told "no" rather than left waiting to send.
   std::exception_ptr refused;
   try {
     d.require_idle_for_update();
     rpc_call_options check;
-    check.args = caf::make_message(names, dtypes, dims, ndims);
+    check.args =
+      caf::make_message(described.names, described.dtypes, described.dims, described.ndims);
     check.kwargs = to_kwargs(options);
     d.exec->collective_rpc("check_weight_metadata", check);
   } catch (const error&) {
     refused = std::current_exception();
   }
   rpc_call_options receive;
-  receive.args = caf::make_message(!refused, names, dtypes, dims, ndims);
+  receive.args =
+    caf::make_message(!refused, described.names, described.dtypes, described.dims, described.ndims);
   try {
     d.exec->collective_rpc("receive_weights", receive);
   } catch (const error&) {

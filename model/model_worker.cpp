@@ -456,6 +456,18 @@ caf::settings to_kwargs(const weight_update_options& options) {
   return kwargs;
 }
 
+tensor_descriptions::tensor_descriptions(const std::vector<host_tensor>& tensors) {
+  for (auto& t : tensors)
+    add(t);
+}
+
+void tensor_descriptions::add(const host_tensor& t) {
+  names.push_back(t.name);
+  dtypes.push_back(t.dtype);
+  dims.insert(dims.end(), t.shape.begin(), t.shape.end());
+  ndims.push_back(static_cast<int64_t>(t.shape.size()));
+}
+
 size_t byte_size(const host_tensor& t) {
   auto type = parse_dtype_name(t.dtype);
   if (!type)

@@ -1528,17 +1528,15 @@ TEST_CASE("update_weights_from_bytes reaches a node's worker with the tensors in
   node_process n{1};
   llm model{recovering_llm(n.port(), {}, 0)};
   safetensors_file file{(other.dir / "model.safetensors").string()};
-  std::vector<std::string> names, dtypes, bytes;
-  std::vector<int64_t> dims, ndims;
+  tensor_descriptions described;
+  std::vector<std::string> bytes;
   for (auto& t : file.tensors()) {
-    names.push_back(t.name);
-    dtypes.push_back(dtype_name(t.type));
-    dims.insert(dims.end(), t.shape.begin(), t.shape.end());
-    ndims.push_back(static_cast<int64_t>(t.shape.size()));
+    described.add({t.name, dtype_name(t.type), t.shape, t.data});
     bytes.emplace_back(reinterpret_cast<const char*>(t.data), t.bytes);
   }
   rpc_call_options call;
-  call.args = caf::make_message(names, dtypes, dims, ndims, bytes);
+  call.args =
+    caf::make_message(described.names, described.dtypes, described.dims, described.ndims, bytes);
   model.executor().collective_rpc("update_weights_from_bytes", call);
   model.reset_prefix_cache();
   CHECK(tokens_of(model) == other.tokens);

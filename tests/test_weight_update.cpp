@@ -297,17 +297,13 @@ TEST_CASE("update_weights_from_bytes writes the tensors its message carries, on 
   safetensors_file file{fixtures + "/llama-gqa/model.safetensors"};
   auto tensors = host_tensors(file);
   auto message = [](const std::vector<host_tensor>& ts, int64_t trim) {
-    std::vector<std::string> names, dtypes, bytes;
-    std::vector<int64_t> dims, ndims;
-    for (auto& t : ts) {
-      names.push_back(t.name);
-      dtypes.push_back(t.dtype);
-      dims.insert(dims.end(), t.shape.begin(), t.shape.end());
-      ndims.push_back(static_cast<int64_t>(t.shape.size()));
+    tensor_descriptions described{ts};
+    std::vector<std::string> bytes;
+    for (auto& t : ts)
       bytes.emplace_back(static_cast<const char*>(t.data), byte_size(t) - trim);
-    }
     rpc_call_options call;
-    call.args = caf::make_message(names, dtypes, dims, ndims, bytes);
+    call.args =
+      caf::make_message(described.names, described.dtypes, described.dims, described.ndims, bytes);
     return call;
   };
   auto code = [&](const rpc_call_options& call) {

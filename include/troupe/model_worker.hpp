@@ -106,6 +106,20 @@ struct host_tensor {
 /// other than those above or a negative dimension.
 size_t byte_size(const host_tensor& t);
 
+/// Tensors described as the named update methods take them (`check_weight_metadata`,
+/// `receive_weights`, `update_weights_from_bytes`): the names, the dtypes, every dimension
+/// in order, and each tensor's number of dimensions.
+struct tensor_descriptions {
+  std::vector<std::string> names;
+  std::vector<std::string> dtypes;
+  std::vector<int64_t> dims;
+  std::vector<int64_t> ndims;
+
+  tensor_descriptions() = default;
+  explicit tensor_descriptions(const std::vector<host_tensor>& tensors);
+  void add(const host_tensor& t);
+};
+
 /// How a weight update goes (`model_worker::update_weights`).
 struct weight_update_options {
   /// Check everything and change nothing (the first round of an update over the ranks).
