@@ -14,6 +14,12 @@ namespace {
   throw error{errc::invalid_argument, what};
 }
 
+void check_device_block(const std::string& request_id, int32_t block, int64_t device_blocks) {
+  if (block < 0 || block >= device_blocks)
+    bad_request("request '" + request_id + "': block " + std::to_string(block) +
+                " is not a device block");
+}
+
 } // namespace
 
 int64_t table_width(int64_t blocks) {
@@ -50,9 +56,7 @@ void kept_block_tables::update(const execute_model_request& req, int64_t device_
   for (auto& group : req.seq_group_metadata_list)
     for (auto& seq : group.seqs) {
       for (auto b : seq.block_table)
-        if (b < 0 || b >= device_blocks)
-          bad_request("request '" + group.request_id + "': block " + std::to_string(b) +
-                      " is not a device block");
+        check_device_block(group.request_id, b, device_blocks);
       auto found = tables_.find(seq.seq_id);
       size_t have =
         req.keep_block_tables && found != tables_.end() ? found->second.blocks.size() : 0;
@@ -122,9 +126,7 @@ step_batch prepare_batch(const execute_model_request& req, const model_config& c
                     " needed");
       if (!keeps)
         for (int64_t k = 0; k < blocks_needed; ++k)
-          if (table[static_cast<size_t>(k)] < 0 || table[static_cast<size_t>(k)] >= device_blocks)
-            bad_request("request '" + group.request_id + "': block " +
-                        std::to_string(table[static_cast<size_t>(k)]) + " is not a device block");
+          check_device_block(group.request_id, table[static_cast<size_t>(k)], device_blocks);
       b.decode_only = b.decode_only && chunk == 1;
       auto seq_index = static_cast<int32_t>(b.tables.size());
       b.tables.push_back(table.data());
