@@ -1,6 +1,7 @@
 #include "actors/gateway.hpp"
 
 #include "actors/linger.hpp"
+#include "actors/link_tls.hpp"
 #include "actors/node_auth.hpp"
 #include "troupe/errors.hpp"
 
@@ -64,6 +65,8 @@ struct relay_settings {
   frame_gateway::connect_fn connect;
   frame_gateway::link_fn link;
   std::shared_ptr<spdlog::logger> log;
+  /// Under TLS: the node's context, for the sessions of call links.
+  std::shared_ptr<ssl_ctx_st> tls;
 };
 
 struct relay_base {
@@ -97,20 +100,22 @@ public:
         self->close();
       }
     });
-    if constexpr (std::is_same_v<Stream, tls_stream>) {
-      client_.async_handshake(asio::ssl::stream_base::server,
-                              [self](const boost::system::error_code& ec) {
-                                if (self->closed_)
-                                  return;
-                                if (ec) {
-                                  self->settings_->log->warn("refused {}: TLS handshake failed: {}",
-                                                             self->peer_, ec.message());
-                                  self->close();
-                                  return;
-                                }
-                                // The certificates were the proof.
-                                self->proven();
-                              });
+    if constexpr (is_tls) {
+      // A TLS connection's first byte starts a handshake record; a call link's, its preamble.
+      raw().async_wait(tcp::socket::wait_read, [self](const boost::system::error_code& ec) {
+        if (self->closed_)
+          return;
+        unsigned char first = 0;
+        auto n = ec ? -1 : ::recv(self->raw().native_handle(), &first, 1, MSG_PEEK);
+        if (n <= 0)
+          return self->close();
+        if (first == tls_handshake_record)
+          self->handshake_for_basp();
+        else
+          self->handshake_for_link();
+      });
+    } else if (is_local && settings_->tls) {
+      handshake_for_link();
     } else {
       greet();
     }
@@ -128,6 +133,87 @@ public:
   }
 
 private:
+  static constexpr bool is_tls = std::is_same_v<Stream, tls_stream>;
+
+  /// The socket itself, below TLS.
+  auto& raw() {
+    if constexpr (is_tls)
+      return client_.next_layer();
+    else
+      return client_;
+  }
+
+  void handshake_for_basp() {
+    if constexpr (is_tls) {
+      auto self = this->shared_from_this();
+      client_.async_handshake(asio::ssl::stream_base::server,
+                              [self](const boost::system::error_code& ec) {
+                                if (self->closed_)
+                                  return;
+                                if (ec) {
+                                  self->settings_->log->warn("refused {}: TLS handshake failed: {}",
+                                                             self->peer_, ec.message());
+                                  self->close();
+                                  return;
+                                }
+                                // The certificates were the proof.
+                                self->proven();
+                              });
+    }
+  }
+
+  /// A call link under TLS: its preamble, then the TLS handshake through a session of the
+  /// link's own, which goes on with the link.
+  void handshake_for_link() {
+    auto self = this->shared_from_this();
+    line_.assign(tls_link_preamble_size, '\0');
+    asio::async_read(
+      raw(), asio::buffer(line_), [self](const boost::system::error_code& ec, size_t) {
+        if (ec)
+          return self->close();
+        if (self->line_ != std::string{tls_link_preamble} || !self->settings_->link) {
+          self->settings_->log->warn("refused {}: {}", self->peer_,
+                                     self->settings_->link ? "neither TLS nor a call link"
+                                                           : "a call link, and links are off");
+          return self->close();
+        }
+        self->session_ = std::make_unique<tls_session>(self->settings_->tls, tls_role::server);
+        self->up_.resize(16 << 10);
+        self->link_handshake_step();
+      });
+  }
+
+  void link_handshake_step() {
+    auto self = this->shared_from_this();
+    down_.clear();
+    auto step = session_->handshake(down_);
+    if (step == tls_session::progress::failed)
+      settings_->log->warn("refused {}: TLS handshake failed: {}", peer_, session_->why());
+    auto next = [self, step] {
+      if (step == tls_session::progress::done)
+        self->hand_over();
+      else if (step == tls_session::progress::failed)
+        self->close();
+      else
+        self->raw().async_read_some(asio::buffer(self->up_),
+                                    [self](const boost::system::error_code& ec, size_t n) {
+                                      if (ec)
+                                        return self->close();
+                                      self->session_->give(self->up_.data(), n);
+                                      self->link_handshake_step();
+                                    });
+    };
+    if (down_.empty())
+      return next();
+    // The flight (or the alert that says why not) goes out first.
+    asio::async_write(raw(), asio::buffer(down_),
+                      [self, next](const boost::system::error_code& ec, size_t) {
+                        if (ec)
+                          return self->close();
+                        next();
+                      });
+  }
+
   /// The connection handshake (`actors/node_auth.hpp`): greeting, the peer's answer, the
   /// verdict.
   void greet() {
@@ -185,21 +271,18 @@ private:
                       });
   }
 
-  /// Gives a proven link's socket to the node: it carries no BASP, so nothing is relayed.
+  /// Gives a proven link's socket (and its TLS session) to the node: it carries no BASP,
+  /// so nothing is relayed.
   void hand_over() {
     deadline_.cancel();
     proved = true;
-    if constexpr (!std::is_same_v<Stream, tls_stream>) {
-      int fd = ::fcntl(client_.native_handle(), F_DUPFD_CLOEXEC, 0);
-      if (fd < 0)
-        settings_->log->error("link from {}: cannot take its socket: {}", peer_,
-                              std::strerror(errno));
-      close();
-      if (fd >= 0)
-        settings_->link(fd, peer_);
-    } else {
-      close(); // links come only through the secret's handshake, never under TLS
-    }
+    int fd = ::fcntl(raw().native_handle(), F_DUPFD_CLOEXEC, 0);
+    if (fd < 0)
+      settings_->log->error("link from {}: cannot take its socket: {}", peer_,
+                            std::strerror(errno));
+    close();
+    if (fd >= 0)
+      settings_->link(fd, std::move(session_), peer_);
   }
 
   void proven() {
@@ -402,6 +485,8 @@ private:
   std::string challenge_;
   /// The handshake's line in flight.
   std::string line_;
+  /// A call link's TLS session while it goes through its handshake.
+  std::unique_ptr<tls_session> session_;
   /// The relay's buffers, made once the peer proved itself.
   std::vector<char> up_;
   std::vector<char> down_;
@@ -468,7 +553,7 @@ struct frame_gateway::impl {
     });
   }
 
-  /// A call link from this host: no TLS, and only the link's handshake.
+  /// A call link from this host: only links, through the secret's handshake or TLS.
   void start_relay(local_socket socket) {
     ucred cred{};
     socklen_t size = sizeof cred;
@@ -554,27 +639,20 @@ frame_gateway::frame_gateway(gateway_options options, connect_fn connect, link_f
   d.linger = options.linger;
   if (!tls && options.secret.empty())
     throw error{errc::invalid_argument, "node: a gateway needs a secret or TLS"};
-  d.settings = std::make_shared<const relay_settings>(
-    relay_settings{std::move(options), std::move(connect), std::move(link), std::move(log)});
-  auto where = host + ":" + std::to_string(port);
+  std::shared_ptr<ssl_ctx_st> tls_context;
   if (tls) {
     try {
-      using ctx = asio::ssl::context;
-      d.tls = std::make_unique<ctx>(ctx::tls_server);
-      d.tls->set_options(ctx::default_workarounds | ctx::no_sslv2 | ctx::no_sslv3 | ctx::no_tlsv1 |
-                         ctx::no_tlsv1_1);
-      d.tls->use_certificate_chain_file(tls->certificate);
-      d.tls->use_private_key_file(tls->key, ctx::pem);
-      d.tls->load_verify_file(tls->ca);
-      d.tls->set_verify_mode(asio::ssl::verify_peer | asio::ssl::verify_fail_if_no_peer_cert);
-      // What caf-openssl's peers offer when certificates are in use.
-      if (SSL_CTX_set_cipher_list(d.tls->native_handle(), "HIGH:!aNULL:!MD5") != 1)
-        throw error{errc::worker_error, "node: TLS: no usable cipher"};
-    } catch (const boost::system::system_error& e) {
-      throw error{errc::worker_error,
-                  "node: TLS: cannot load the certificate, key or CA: " + std::string{e.what()}};
+      tls_context = make_tls_context(tls_role::server, tls->certificate, tls->key, tls->ca);
+    } catch (const error& e) {
+      throw error{errc::worker_error, "node: " + std::string{e.what()}};
     }
+    // BASP's connections go through Asio's streams, which take a reference of their own.
+    SSL_CTX_up_ref(tls_context.get());
+    d.tls = std::make_unique<asio::ssl::context>(tls_context.get());
   }
+  d.settings = std::make_shared<const relay_settings>(relay_settings{
+    std::move(options), std::move(connect), std::move(link), std::move(log), tls_context});
+  auto where = host + ":" + std::to_string(port);
   try {
     tcp::resolver resolver{d.io};
     auto found = resolver.resolve(host, std::to_string(port), tcp::resolver::passive);
@@ -599,7 +677,7 @@ frame_gateway::frame_gateway(gateway_options options, connect_fn connect, link_f
   } catch (const boost::system::system_error& e) {
     throw error{errc::worker_error, "node: cannot resolve '" + host + "': " + e.what()};
   }
-  if (!tls && d.settings->link)
+  if (d.settings->link)
     d.listen_locally();
   d.accept(d.acceptor);
   if (d.local_acceptor.is_open())

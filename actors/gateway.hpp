@@ -1,5 +1,6 @@
 #pragma once
 
+#include "actors/link_tls.hpp"
 #include "troupe/config.hpp"
 
 #include <spdlog/logger.h>
@@ -63,7 +64,8 @@ struct gateway_options {
 
 /// The listening sockets of a node: its TCP port and, for call links from this host, a
 /// local socket (`local_address`). It accepts TCP connections, ends TLS or checks the
-/// connection handshake, hands a call link that proved the secret to `link`, and relays each other
+/// connection handshake, hands a call link that proved the secret or went through its TLS
+/// handshake (`actors/link_tls.hpp`) to `link`, and relays each other
 /// connection that proved itself to the node's middleman over a private socket pair (`connect`
 /// hands the middleman one end and returns the other): nothing reaches CAF, not even a BASP
 /// handshake, from a peer that has not proved the secret or a certificate of the node's CA. It
@@ -79,9 +81,10 @@ class frame_gateway {
 public:
   /// The gateway's end of a new private connection to the middleman, or -1.
   using connect_fn = std::function<int()>;
-  /// Takes a call link (`actors/node_link.hpp`) that proved the secret: its socket and the
-  /// peer's address. Called on the gateway's thread.
-  using link_fn = std::function<void(int fd, std::string peer)>;
+  /// Takes a call link (`actors/node_link.hpp`) that proved the secret or a certificate:
+  /// its socket, its TLS session (none without TLS) and the peer's address. Called on the
+  /// gateway's thread.
+  using link_fn = std::function<void(int fd, std::unique_ptr<tls_session> tls, std::string peer)>;
 
   /// Binds and starts accepting. Throws `worker_error` when the address cannot be bound or
   /// the TLS files cannot be loaded. Without `link`, links are refused.
@@ -95,8 +98,9 @@ public:
   uint16_t port() const;
 
   /// Where processes on this host open call links, skipping TCP: "@name", a name in the
-  /// abstract Unix namespace; empty without links, under TLS, or when it could not be made.
-  /// That socket takes call links only, which prove the secret as they do over TCP.
+  /// abstract Unix namespace; empty without links, or when it could not be made. That
+  /// socket takes call links only, which prove the secret or go through the TLS handshake
+  /// as they do over TCP.
   const std::string& local_address() const;
 
   /// Stops accepting and closes every relayed connection; idempotent.

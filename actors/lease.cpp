@@ -95,11 +95,15 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
       },
       fail);
   checked();
-  if (cfg.node_links && cfg.tls_certificate.empty()) {
+  if (cfg.node_links) {
     try {
+      link_credentials credentials{cfg.node_secret, nullptr};
+      if (!cfg.tls_certificate.empty())
+        credentials.tls =
+          make_tls_context(tls_role::client, cfg.tls_certificate, cfg.tls_key, cfg.tls_ca);
       grant.link = node_link::open(n.host, n.port, cfg.node_local_links ? local_address : "",
-                                   cfg.node_shared_memory, cfg.node_secret, token,
-                                   cfg.network_linger, cfg.node_timeout, deadline);
+                                   cfg.node_shared_memory, credentials, token, cfg.network_linger,
+                                   cfg.node_timeout, deadline);
     } catch (const error& e) {
       // The workers are leased and BASP reaches them: the calls go that way.
       get_logger("troupe.executor")

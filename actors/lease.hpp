@@ -17,8 +17,8 @@ namespace troupe {
 
 class node_link;
 
-/// What a node gave: the workers, and the call link to them (none under TLS, with
-/// `node_links` off, or when the node refused it; calls then go over BASP).
+/// What a node gave: the workers, and the call link to them (none with `node_links` off,
+/// or when the node refused it; calls then go over BASP).
 struct node_grant {
   std::vector<caf::actor> workers;
   std::shared_ptr<node_link> link;
@@ -26,7 +26,8 @@ struct node_grant {
 
 /// Connects to node `n` (the secret proved before any BASP byte, or TLS), proves the
 /// secret to its gate and leases `count` workers of `cfg.node_worker_kind` for `holder`
-/// (the actor whose end releases them), then opens the call link to them, all before
+/// (the actor whose end releases them), then opens the call link to them (proving the
+/// secret or, under TLS, the executor's certificate), all before
 /// `deadline`. `self` makes the requests and blocks for the replies: the facade's scoped
 /// actor, or a helper of the supervisor. Throws `troupe::error`: `worker_died` when the
 /// node cannot be reached or does not answer in time, `invalid_argument` when it refuses.

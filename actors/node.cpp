@@ -479,7 +479,8 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   auto max_payload = listen.max_frame_bytes;
   auto link_linger = listen.linger;
   auto link_timeout = listen.handshake_timeout;
-  auto link = [node_impl, max_payload, link_linger, link_timeout](int fd, std::string peer) {
+  auto link = [node_impl, max_payload, link_linger,
+               link_timeout](int fd, std::unique_ptr<tls_session> tls, std::string peer) {
     auto& n = *node_impl;
     auto lease = n.lease;
     auto find = [lease](const std::string& token, uint64_t id) { return lease->find(token, id); };
@@ -488,8 +489,8 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
                                  [](const std::unique_ptr<link_server>& l) { return l->done(); }),
                   n.links.end());
     try {
-      n.links.push_back(std::make_unique<link_server>(*n.sys, fd, std::move(peer), find,
-                                                      link_linger, max_payload, link_timeout,
+      n.links.push_back(std::make_unique<link_server>(*n.sys, fd, std::move(tls), std::move(peer),
+                                                      find, link_linger, max_payload, link_timeout,
                                                       n.linked_requests, lease->readers, n.log));
     } catch (const std::exception& e) {
       n.log->warn("{}", e.what()); // its executor's calls go over BASP

@@ -52,8 +52,10 @@ T get_le(const char* at) {
 
 // -- link_socket ----------------------------------------------------------------------
 
-link_socket::link_socket(int fd, timeout_type linger, uint64_t max_payload, timeout_type stall)
-  : fd_(fd), stall_(stall), linger_(linger), max_payload_(max_payload), ahead_(16 << 10) {
+link_socket::link_socket(int fd, timeout_type linger, uint64_t max_payload, timeout_type stall,
+                         std::unique_ptr<tls_session> tls)
+  : fd_(fd), stall_(stall), tls_(std::move(tls)), linger_(linger), max_payload_(max_payload),
+    ahead_(16 << 10) {
   // Blocking reads and writes, each bounded by `stall`; waits for a frame poll instead.
   int flags = fcntl(fd_, F_GETFL, 0);
   if (flags >= 0)
@@ -114,11 +116,46 @@ bool link_socket::write(kind type, uint64_t key, uint64_t target,
     ring_doorbell();
     return pushed;
   }
+  if (tls_)
+    return write_sealed(header, payload);
   iovec parts[2] = {{header, header_size}, {const_cast<char*>(payload.data()), payload.size()}};
+  return send_all(parts, payload.empty() ? 1 : 2);
+}
+
+bool link_socket::write_sealed(const char* header, const std::vector<char>& payload) {
+  // A small frame goes as one record; a large one in parts, so that its ciphertext is never
+  // all in memory at once.
+  constexpr size_t part = size_t{1} << 20;
+  sealed_.clear();
+  bool ok = true;
+  if (payload.size() <= part) {
+    plain_.assign(header, header + header_size);
+    plain_.insert(plain_.end(), payload.begin(), payload.end());
+    ok = tls_->seal(plain_.data(), plain_.size(), sealed_);
+  } else {
+    ok = tls_->seal(header, header_size, sealed_);
+    for (size_t at = 0; ok && at < payload.size(); at += part) {
+      ok = tls_->seal(payload.data() + at, std::min(part, payload.size() - at), sealed_);
+      iovec all{sealed_.data(), sealed_.size()};
+      ok = ok && send_all(&all, 1);
+      sealed_.clear();
+    }
+  }
+  iovec all{sealed_.data(), sealed_.size()};
+  if (!ok || !send_all(&all, 1)) {
+    shut(); // part of a frame may have gone: nothing may follow it
+    return false;
+  }
+  return true;
+}
+
+bool link_socket::send_all(iovec* parts, size_t count) {
   msghdr msg{};
   msg.msg_iov = parts;
-  msg.msg_iovlen = payload.empty() ? 1 : 2;
-  size_t left = header_size + payload.size();
+  msg.msg_iovlen = count;
+  size_t left = 0;
+  for (size_t i = 0; i < count; ++i)
+    left += parts[i].iov_len;
   while (left > 0) {
     if (shut_.load(std::memory_order_acquire))
       return false;
@@ -134,14 +171,14 @@ bool link_socket::write(kind type, uint64_t key, uint64_t target,
     // Skips what went out of the parts.
     auto sent = static_cast<size_t>(n);
     while (sent > 0 && msg.msg_iovlen > 0) {
-      auto& part = msg.msg_iov[0];
-      if (sent >= part.iov_len) {
-        sent -= part.iov_len;
+      auto& first = msg.msg_iov[0];
+      if (sent >= first.iov_len) {
+        sent -= first.iov_len;
         ++msg.msg_iov;
         --msg.msg_iovlen;
       } else {
-        part.iov_base = static_cast<char*>(part.iov_base) + sent;
-        part.iov_len -= sent;
+        first.iov_base = static_cast<char*>(first.iov_base) + sent;
+        first.iov_len -= sent;
         sent = 0;
       }
     }
@@ -270,7 +307,25 @@ ssize_t link_socket::take_from_rings(char* data, size_t size, bool wait) {
 ssize_t link_socket::take_some(char* data, size_t size, bool wait) {
   if (has_rings())
     return take_from_rings(data, size, wait);
+  if (tls_)
+    return take_sealed(data, size, wait);
   return recv(fd_, data, size, wait ? 0 : MSG_DONTWAIT);
+}
+
+ssize_t link_socket::take_sealed(char* data, size_t size, bool wait) {
+  char in[16 << 10];
+  for (;;) {
+    // Readers that poll come here often with nothing held: the socket alone answers them.
+    if (tls_->ready()) {
+      auto n = tls_->open(data, size);
+      if (n >= 0 || errno != EAGAIN)
+        return n;
+    }
+    auto got = recv(fd_, in, sizeof in, wait ? 0 : MSG_DONTWAIT);
+    if (got <= 0)
+      return got;
+    tls_->give(in, static_cast<size_t>(got));
+  }
 }
 
 bool link_socket::fill(char* data, size_t size, std::string& why) {
@@ -301,7 +356,8 @@ bool link_socket::fill(char* data, size_t size, std::string& why) {
       why = "the rest of a frame did not come in time";
       return false;
     } else if (errno == EPROTO) {
-      why = "the peer broke the shared-memory protocol";
+      why =
+        has_rings() || !tls_ ? "the peer broke the shared-memory protocol" : "TLS: " + tls_->why();
       return false;
     } else if (errno != EINTR) {
       why = std::string{"the connection broke: "} + std::strerror(errno);
@@ -348,13 +404,19 @@ bool link_socket::whole_frame() {
   if (auto* rings = rings_.load(std::memory_order_acquire))
     return have() + rings->incoming() >= header_size + length();
   int queued = 0;
-  return ioctl(fd_, FIONREAD, &queued) == 0 && queued >= 0 &&
-         have() + static_cast<size_t>(queued) >= header_size + length();
+  if (ioctl(fd_, FIONREAD, &queued) != 0 || queued < 0)
+    return false;
+  // Under TLS the ciphertext is a little larger than the frame: at worst `read` then waits
+  // for a record on its way.
+  auto waiting = static_cast<size_t>(queued) + (tls_ ? tls_->held() : 0);
+  return have() + waiting >= header_size + length();
 }
 
 bool link_socket::arrived() const {
   if (auto* rings = rings_.load(std::memory_order_acquire))
     return rings->incoming() > 0 || closed_lately();
+  if (tls_ && tls_->ready())
+    return true;
   pollfd p{fd_, POLLIN, 0};
   return ::poll(&p, 1, 0) > 0;
 }
@@ -362,6 +424,8 @@ bool link_socket::arrived() const {
 bool link_socket::block(int timeout_ms, int also) {
   if (has_rings())
     return block_on_rings(timeout_ms, also);
+  if (tls_ && tls_->ready())
+    return !is_shut();
   pollfd p[2] = {{fd_, POLLIN, 0}, {also, POLLIN, 0}};
   while (::poll(p, 2, timeout_ms) < 0 && errno == EINTR) {
   }
@@ -456,7 +520,15 @@ bool link_socket::offer_rings(uint64_t capacity, std::string& why) {
   char frame[header_size + sizeof(uint64_t)];
   put_header(frame, share, 0, 0, made ? sizeof(uint64_t) : 0);
   put_le(frame + header_size, capacity);
-  iovec part{frame, made ? sizeof frame : header_size};
+  size_t size = made ? sizeof frame : header_size;
+  std::lock_guard<std::mutex> lk{write_mtx_};
+  // Under TLS the answer is one record, and the descriptor comes with its bytes.
+  std::vector<char> bytes;
+  if (tls_ ? !tls_->seal(frame, size, bytes) : (bytes.assign(frame, frame + size), false)) {
+    shut();
+    return false;
+  }
+  iovec part{bytes.data(), bytes.size()};
   msghdr msg{};
   msg.msg_iov = &part;
   msg.msg_iovlen = 1;
@@ -471,7 +543,6 @@ bool link_socket::offer_rings(uint64_t capacity, std::string& why) {
     int fd = made->fd();
     std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
   }
-  std::lock_guard<std::mutex> lk{write_mtx_};
   // The frame is tiny: a socket that takes only part of it is one to give up on.
   ssize_t n;
   while ((n = sendmsg(fd_, &msg, MSG_NOSIGNAL)) < 0 && errno == EINTR) {
@@ -492,14 +563,12 @@ bool link_socket::ask_rings(std::chrono::steady_clock::time_point deadline, std:
     why = "the request for shared memory could not be written";
     return false;
   }
-  if (ahead_begin_ != ahead_end_) {
+  if (ahead_begin_ != ahead_end_ || (tls_ && tls_->held() > 0)) {
     why = "bytes after the hello";
     return false;
   }
-  // Read with the descriptor that comes with it: exactly the answer, nothing beyond.
-  char frame[header_size + sizeof(uint64_t)];
-  size_t want = header_size;
-  size_t got = 0;
+  // Read with the descriptor that comes with it: exactly the answer, nothing beyond (after
+  // it the socket only carries doorbells).
   int passed = -1;
   auto keep = [&passed](int fd) {
     if (passed < 0)
@@ -507,47 +576,72 @@ bool link_socket::ask_rings(std::chrono::steady_clock::time_point deadline, std:
     else
       ::close(fd);
   };
-  while (got < want) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                  deadline - std::chrono::steady_clock::now())
-                  .count();
-    pollfd p{fd_, POLLIN, 0};
-    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) == 0) {
-      why = "no answer to the request for shared memory in time";
-      break;
-    }
-    iovec part{frame + got, want - got};
-    msghdr msg{};
-    msg.msg_iov = &part;
-    msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    auto n = recvmsg(fd_, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
-    if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
-      continue;
-    if (n <= 0) {
-      why = n == 0 ? "the node closed the connection" : std::strerror(errno);
-      break;
-    }
-    for (auto* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c))
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
-        for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++i) {
-          int fd;
-          std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-          keep(fd);
-        }
-    got += static_cast<size_t>(n);
-    if (got == header_size) {
-      auto length = get_le<uint32_t>(frame);
-      if (static_cast<uint8_t>(frame[4]) != share || (length != 0 && length != sizeof(uint64_t))) {
-        why = "an answer to the request for shared memory that is not one";
-        break;
+  auto read_exactly = [&](char* into, size_t want) {
+    size_t got = 0;
+    while (got < want) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                    deadline - std::chrono::steady_clock::now())
+                    .count();
+      pollfd p{fd_, POLLIN, 0};
+      if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) == 0) {
+        why = "no answer to the request for shared memory in time";
+        return false;
       }
-      want += length;
+      iovec part{into + got, want - got};
+      msghdr msg{};
+      msg.msg_iov = &part;
+      msg.msg_iovlen = 1;
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+      msg.msg_control = control;
+      msg.msg_controllen = sizeof control;
+      auto n = recvmsg(fd_, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
+        continue;
+      if (n <= 0) {
+        why = n == 0 ? "the node closed the connection" : std::strerror(errno);
+        return false;
+      }
+      for (auto* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c))
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+          for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++i) {
+            int fd;
+            std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+            keep(fd);
+          }
+      got += static_cast<size_t>(n);
     }
+    return true;
+  };
+  char frame[header_size + sizeof(uint64_t)];
+  size_t length = 0;
+  auto answer_is_one = [&] {
+    length = get_le<uint32_t>(frame);
+    if (static_cast<uint8_t>(frame[4]) == share && (length == 0 || length == sizeof(uint64_t)))
+      return true;
+    why = "an answer to the request for shared memory that is not one";
+    return false;
+  };
+  if (tls_) {
+    // One record: its 5-byte header says how long it is.
+    std::vector<char> record(5);
+    if (read_exactly(record.data(), record.size())) {
+      record.resize(5 + ((static_cast<size_t>(static_cast<unsigned char>(record[3])) << 8) |
+                         static_cast<unsigned char>(record[4])));
+      if (read_exactly(record.data() + 5, record.size() - 5)) {
+        tls_->give(record.data(), record.size());
+        auto n = tls_->open(frame, sizeof frame);
+        if (n < 0 && errno == EPROTO)
+          why = "TLS: " + tls_->why();
+        else if ((n < static_cast<ssize_t>(header_size) || !answer_is_one() ||
+                  static_cast<size_t>(n) != header_size + length) &&
+                 why.empty())
+          why = "an answer to the request for shared memory that is not one";
+      }
+    }
+  } else if (read_exactly(frame, header_size) && answer_is_one()) {
+    read_exactly(frame + header_size, length);
   }
-  if (!why.empty() || want == header_size) {
+  if (!why.empty() || length == 0) {
     // Declined (the node says why in its log), or no answer: the socket carries the frames.
     if (passed >= 0)
       ::close(passed);
@@ -587,17 +681,40 @@ node_link::node_link(std::unique_ptr<link_socket> socket, std::string name)
 
 std::shared_ptr<node_link> node_link::open(const std::string& host, uint16_t port,
                                            const std::string& local_address, bool shared_memory,
-                                           const std::string& secret, const std::string& token,
-                                           timeout_type linger, timeout_type stall,
+                                           const link_credentials& credentials,
+                                           const std::string& token, timeout_type linger,
+                                           timeout_type stall,
                                            std::chrono::steady_clock::time_point deadline) {
   auto name = "node " + host + ":" + std::to_string(port);
+  std::unique_ptr<tls_session> tls;
+  // Connects with `connect` and proves the credentials on the connection.
+  auto dial = [&](auto connect, const std::string& where,
+                  std::chrono::steady_clock::time_point until) {
+    if (!credentials.tls)
+      return connect(until);
+    int fd = -1;
+    try {
+      fd = connect(until);
+      tls = tls_connect(fd, credentials.tls, where, until);
+    } catch (...) {
+      if (fd >= 0)
+        ::close(fd);
+      throw;
+    }
+    return fd;
+  };
   int fd = -1;
   if (!local_address.empty()) {
     // Half the time left at most, so that TCP still has the rest when the local socket
     // does not answer in time.
     auto now = std::chrono::steady_clock::now();
     try {
-      fd = dial_local_link(local_address, secret, now + (deadline - now) / 2);
+      fd = dial(
+        [&](auto until) {
+          return credentials.tls ? connect_local(local_address, until)
+                                 : dial_local_link(local_address, credentials.secret, until);
+        },
+        "the node at " + local_address, now + (deadline - now) / 2);
     } catch (const error& e) {
       // Nothing there (another host, or another network namespace), or a refusal or
       // silence there: TCP, as from anywhere else, says what it has to say.
@@ -606,10 +723,15 @@ std::shared_ptr<node_link> node_link::open(const std::string& host, uint16_t por
     }
   }
   if (fd < 0)
-    fd = dial_node(host, port, secret, deadline, true);
+    fd = dial(
+      [&](auto until) {
+        return credentials.tls ? connect_node(host, port, until)
+                               : dial_node(host, port, credentials.secret, until, true);
+      },
+      name, deadline);
   // Replies are bounded by the node's own bound on what it reads, which it proved to know
   // the secret to set; this one only keeps a length from being absurd.
-  auto socket = std::make_unique<link_socket>(fd, linger, uint64_t{1} << 32, stall);
+  auto socket = std::make_unique<link_socket>(fd, linger, uint64_t{1} << 32, stall, std::move(tls));
   link_socket::frame ack;
   std::string why;
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -1003,13 +1125,13 @@ void link_readers::remove(link_server* link) {
 
 // -- link_server ------------------------------------------------------------------------
 
-link_server::link_server(caf::actor_system& sys, int fd, std::string peer, find_fn find,
-                         timeout_type linger, uint64_t max_payload, timeout_type timeout,
-                         std::shared_ptr<std::atomic<uint64_t>> requests,
+link_server::link_server(caf::actor_system& sys, int fd, std::unique_ptr<tls_session> tls,
+                         std::string peer, find_fn find, timeout_type linger, uint64_t max_payload,
+                         timeout_type timeout, std::shared_ptr<std::atomic<uint64_t>> requests,
                          std::shared_ptr<link_readers> readers, std::shared_ptr<spdlog::logger> log)
   : sys_(sys), peer_(std::move(peer)), find_(std::move(find)), log_(std::move(log)),
     linger_(linger), timeout_(timeout), max_payload_(max_payload),
-    socket_(std::make_shared<link_socket>(fd, linger, max_payload, timeout)),
+    socket_(std::make_shared<link_socket>(fd, linger, max_payload, timeout, std::move(tls))),
     requests_(std::move(requests)), readers_(std::move(readers)) {
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0)

@@ -10,8 +10,9 @@
 ///
 /// A link proves the node's secret as a BASP connection does (`actors/node_auth.hpp`, with
 /// the kind "link"), then presents the lease's token, which the node gave only to the
-/// executor holding its lease (over the BASP connection that proved the secret). Nodes
-/// under TLS have no links: their calls go over BASP.
+/// executor holding its lease (over the BASP connection that proved the secret). Under
+/// mutual TLS the link proves a certificate of the node's CA instead (`actors/link_tls.hpp`)
+/// and its frames go encrypted, then presents the token the same way.
 ///
 /// Frames, both ways: a 24-byte header (payload length u32, kind u8, 3 zero bytes, key u64,
 /// target u64; integers little-endian) and the payload. A request's target is the worker's
@@ -27,6 +28,7 @@
 /// reader that sleeps (one byte, a doorbell) and tells either end that the other closed.
 
 #include "actors/linger.hpp"
+#include "actors/link_tls.hpp"
 #include "actors/shared_rings.hpp"
 #include "troupe/config.hpp"
 
@@ -53,6 +55,8 @@
 
 #include <sys/types.h>
 
+struct iovec;
+
 namespace troupe {
 
 /// One end of a link's socket: whole frames in, whole frames out. Any thread writes; one at
@@ -72,8 +76,11 @@ public:
   /// Takes `fd`, a connected stream socket; `linger`: how long `wait` polls before it
   /// sleeps; frames whose payload is larger than `max_payload` are refused. A read of the
   /// rest of a frame, and a write, that make no progress for `stall` fail (a peer stopped
-  /// mid-frame, or one that reads nothing, never holds a thread for good).
-  link_socket(int fd, timeout_type linger, uint64_t max_payload, timeout_type stall);
+  /// mid-frame, or one that reads nothing, never holds a thread for good). `tls`: the
+  /// session whose handshake the socket went through; the frames go encrypted (until
+  /// they go through shared rings, which stay on this host).
+  link_socket(int fd, timeout_type linger, uint64_t max_payload, timeout_type stall,
+              std::unique_ptr<tls_session> tls = nullptr);
 
   /// Changes the bound on payloads (the hello's is small).
   void bound(uint64_t max_payload) {
@@ -161,6 +168,12 @@ private:
   bool block(int timeout_ms, int also);
   bool block_on_rings(int timeout_ms, int also);
   bool fill(char* data, size_t size, std::string& why);
+  /// Sends all of `parts`; false (and the socket shut) when it cannot. Holds `write_mtx_`.
+  bool send_all(iovec* parts, size_t count);
+  /// `write` under TLS. Holds `write_mtx_`.
+  bool write_sealed(const char* header, const std::vector<char>& payload);
+  /// `take_some` under TLS: plaintext the session holds, else what the socket brings.
+  ssize_t take_sealed(char* data, size_t size, bool wait);
   /// Reads into `data` what came, at most `size` bytes: from the rings, or the socket.
   /// -1 (with errno) when nothing came yet or on error, 0 at the end of the stream.
   ssize_t take_some(char* data, size_t size, bool wait);
@@ -184,6 +197,10 @@ private:
 
   int fd_;
   timeout_type stall_;
+  std::unique_ptr<tls_session> tls_;
+  /// A frame's plaintext and ciphertext under TLS; under `write_mtx_`.
+  std::vector<char> plain_;
+  std::vector<char> sealed_;
   std::unique_ptr<shared_rings> owned_rings_;
   /// Set once, under both the read and the write side, when the rings take over.
   std::atomic<shared_rings*> rings_{nullptr};
@@ -213,23 +230,30 @@ private:
 std::vector<char> serialize_message(caf::actor_system& sys, const caf::message& msg,
                                     std::string& why);
 
+/// How a call link proves itself to a node: the secret's handshake, or mutual TLS.
+struct link_credentials {
+  /// The node's shared secret (`actors/node_auth.hpp`), when `tls` is none.
+  std::string secret;
+  /// This side's context (`make_tls_context` as the client), for a node under TLS.
+  std::shared_ptr<ssl_ctx_st> tls;
+};
+
 /// The executor's end of the link to one node: it carries what this process sends to the
 /// node's workers (through their stubs, `make_link_stub`), in order, and routes each reply
 /// to its request's sender.
 class node_link {
 public:
   /// Dials the node at `host`:`port` (first at `local_address`, its local socket, when
-  /// that is given and reachable: the node is on this host), proves `secret`, presents
+  /// that is given and reachable: the node is on this host), proves `credentials`, presents
   /// `token` and has the node accept it, all before `deadline`; over the local socket,
   /// with `shared_memory`, it then asks for rings in shared memory. Its reader polls for
   /// `linger` before it sleeps, and a frame or write stalled for `stall` breaks the link.
   /// Throws `troupe::error` (as `dial_node`; `invalid_argument` when the node refuses the
-  /// token).
-  static std::shared_ptr<node_link> open(const std::string& host, uint16_t port,
-                                         const std::string& local_address, bool shared_memory,
-                                         const std::string& secret, const std::string& token,
-                                         timeout_type linger, timeout_type stall,
-                                         std::chrono::steady_clock::time_point deadline);
+  /// token or a certificate).
+  static std::shared_ptr<node_link>
+  open(const std::string& host, uint16_t port, const std::string& local_address, bool shared_memory,
+       const link_credentials& credentials, const std::string& token, timeout_type linger,
+       timeout_type stall, std::chrono::steady_clock::time_point deadline);
   ~node_link();
 
   node_link(const node_link&) = delete;
@@ -443,11 +467,11 @@ public:
   };
   using find_fn = std::function<lookup(const std::string& token, uint64_t id)>;
 
-  /// Serves `fd` (a connection that proved the node's secret) from `peer`, whose hello
-  /// must come within `timeout`; counts the requests it hands to workers in `requests`;
-  /// once open, the workers of `readers` read it too.
-  link_server(caf::actor_system& sys, int fd, std::string peer, find_fn find, timeout_type linger,
-              uint64_t max_payload, timeout_type timeout,
+  /// Serves `fd` (a connection that proved the node's secret, or went through `tls`'s
+  /// handshake) from `peer`, whose hello must come within `timeout`; counts the requests
+  /// it hands to workers in `requests`; once open, the workers of `readers` read it too.
+  link_server(caf::actor_system& sys, int fd, std::unique_ptr<tls_session> tls, std::string peer,
+              find_fn find, timeout_type linger, uint64_t max_payload, timeout_type timeout,
               std::shared_ptr<std::atomic<uint64_t>> requests,
               std::shared_ptr<link_readers> readers, std::shared_ptr<spdlog::logger> log);
   ~link_server();

@@ -165,18 +165,6 @@ int ms_left(std::chrono::steady_clock::time_point deadline) {
   return static_cast<int>(std::max<int64_t>(left.count(), 0));
 }
 
-/// Waits for `events` on `fd` until `deadline`; false when it passed.
-bool wait_for(int fd, short events, std::chrono::steady_clock::time_point deadline) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    int ready = poll(&p, 1, ms_left(deadline));
-    if (ready > 0)
-      return true;
-    if (ready == 0 || errno != EINTR)
-      return false;
-  }
-}
-
 /// Goes through the node's connection handshake on `fd`, a connected non-blocking socket,
 /// before `deadline`; throws as `dial_node` when it fails.
 void prove_connection(int fd, const std::string& where, const std::string& secret,
@@ -197,7 +185,7 @@ void prove_connection(int fd, const std::string& where, const std::string& secre
       } else if (n == 0) {
         break;
       } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        if (!wait_for(fd, POLLIN, deadline))
+        if (!poll_until(fd, POLLIN, deadline))
           throw late();
       } else if (errno != EINTR) {
         break;
@@ -212,7 +200,7 @@ void prove_connection(int fd, const std::string& where, const std::string& secre
       if (n > 0)
         sent += static_cast<size_t>(n);
       else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        if (!wait_for(fd, POLLOUT, deadline))
+        if (!poll_until(fd, POLLOUT, deadline))
           throw late();
       } else if (n < 0 && errno != EINTR)
         throw error{errc::worker_died, where + ": connection lost during the handshake"};
@@ -244,7 +232,7 @@ void connect_before(int fd, const sockaddr* addr, socklen_t size, const std::str
   int connected = connect(fd, addr, size);
   int err = connected == 0 ? 0 : errno;
   if (err == EINPROGRESS) {
-    if (!wait_for(fd, POLLOUT, deadline))
+    if (!poll_until(fd, POLLOUT, deadline))
       throw error{errc::worker_died, "cannot reach " + where + ": no answer in time"};
     socklen_t len = sizeof err;
     getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
@@ -267,8 +255,19 @@ int ready_or_closed(int fd, Steps connect_and_prove) {
 
 } // namespace
 
-int dial_node(const std::string& host, uint16_t port, const std::string& secret,
-              std::chrono::steady_clock::time_point deadline, bool link) {
+bool poll_until(int fd, short events, std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    int ready = poll(&p, 1, ms_left(deadline));
+    if (ready > 0)
+      return true;
+    if (ready == 0 || errno != EINTR)
+      return false;
+  }
+}
+
+int connect_node(const std::string& host, uint16_t port,
+                 std::chrono::steady_clock::time_point deadline) {
   auto where = "node " + host + ":" + std::to_string(port);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -284,14 +283,12 @@ int dial_node(const std::string& host, uint16_t port, const std::string& secret,
   std::unique_ptr<addrinfo, void (*)(addrinfo*)> freed{found, freeaddrinfo};
   return ready_or_closed(fd, [&](int s) {
     connect_before(s, found->ai_addr, found->ai_addrlen, where, deadline);
-    prove_connection(s, where, secret, deadline, link);
     int one = 1;
     setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   });
 }
 
-int dial_local_link(const std::string& address, const std::string& secret,
-                    std::chrono::steady_clock::time_point deadline) {
+int connect_local(const std::string& address, std::chrono::steady_clock::time_point deadline) {
   auto where = "the node at " + address;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -306,7 +303,20 @@ int dial_local_link(const std::string& address, const std::string& secret,
     throw error{errc::worker_died, "cannot reach " + where + ": " + std::strerror(errno)};
   return ready_or_closed(fd, [&](int s) {
     connect_before(s, reinterpret_cast<sockaddr*>(&addr), size, where, deadline);
-    prove_connection(s, where, secret, deadline, true);
+  });
+}
+
+int dial_node(const std::string& host, uint16_t port, const std::string& secret,
+              std::chrono::steady_clock::time_point deadline, bool link) {
+  auto where = "node " + host + ":" + std::to_string(port);
+  return ready_or_closed(connect_node(host, port, deadline),
+                         [&](int s) { prove_connection(s, where, secret, deadline, link); });
+}
+
+int dial_local_link(const std::string& address, const std::string& secret,
+                    std::chrono::steady_clock::time_point deadline) {
+  return ready_or_closed(connect_local(address, deadline), [&](int s) {
+    prove_connection(s, "the node at " + address, secret, deadline, true);
   });
 }
 

@@ -36,6 +36,19 @@ bool wants_tls(const std::string& certificate, const std::string& key, const std
 /// `tls`: the peer speaks TLS, so it never speaks first and the last two look alike.
 std::string why_connection_lost(const std::string& host, uint16_t port, bool tls);
 
+/// Waits for `events` on `fd` until `deadline`; false when it passed.
+bool poll_until(int fd, short events, std::chrono::steady_clock::time_point deadline);
+
+/// Connects to `host`:`port` before `deadline`: a non-blocking TCP socket, with no delay
+/// on small writes, that has proved nothing yet. Throws `worker_died` naming the node when
+/// it cannot.
+int connect_node(const std::string& host, uint16_t port,
+                 std::chrono::steady_clock::time_point deadline);
+
+/// Connects to `address` ("@name", a name in the abstract Unix namespace) before
+/// `deadline`, as `connect_node`; `invalid_argument` when it is no such name.
+int connect_local(const std::string& address, std::chrono::steady_clock::time_point deadline);
+
 /// Connects to the node at `host`:`port` and goes through its connection handshake
 /// (`actors/node_auth.hpp`), both sides proving `secret`, before `deadline`. Returns the
 /// connected socket, ready for BASP. Throws `troupe::error`: `worker_died` when the node

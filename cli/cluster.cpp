@@ -68,8 +68,7 @@ void add_node_options(CLI::App& app, node_options& o) {
   app
     .add_option("--node-links", o.node_links,
                 "Whether collective_rpc and execute_model reach the nodes' workers over "
-                "connections of their own (call links) rather than over BASP; nodes under "
-                "TLS have none")
+                "connections of their own (call links) rather than over BASP")
     ->capture_default_str();
   app
     .add_option("--node-local-links", o.node_local_links,

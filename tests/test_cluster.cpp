@@ -13,6 +13,7 @@
 #include "tests/child_process.hpp"
 #include "tests/generation.hpp"
 #include "tests/skip.hpp"
+#include "tests/test_pki.hpp"
 #include "tests/test_worker.hpp"
 #include "troupe/executor.hpp"
 #include "troupe/llm.hpp"
@@ -54,6 +55,7 @@ using troupe::testing::code_of;
 using troupe::testing::concurrency_probe;
 using troupe::testing::one_step;
 using troupe::testing::test_factory;
+using troupe::testing::test_pki;
 using troupe::testing::what_of;
 using clock_type = std::chrono::steady_clock;
 
@@ -699,8 +701,8 @@ TEST_CASE("the call link to a node on this host goes over its local socket, and 
   auto log = troupe::get_logger("troupe.node");
   log->sinks().push_back(std::make_shared<spdlog::sinks::ostream_sink_mt>(logged));
   CHECK(code_of([&] {
-          node_link::open("127.0.0.1", n.port(), "@troupe-node-nobody-here", true, secret,
-                          std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
+          node_link::open("127.0.0.1", n.port(), "@troupe-node-nobody-here", true,
+                          {secret, nullptr}, std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
         }) == errc::invalid_argument);
   log->sinks().pop_back();
   INFO(logged.str());
@@ -867,8 +869,8 @@ TEST_CASE("a call link without the secret or the lease's token reaches no worker
     CHECK_FALSE(link.read(f, why));
   }
   CHECK(code_of([&] {
-          node_link::open("127.0.0.1", n.port(), "", true, secret, std::string(64, '0'), 0us, 5s,
-                          clock_type::now() + 5s);
+          node_link::open("127.0.0.1", n.port(), "", true, {secret, nullptr}, std::string(64, '0'),
+                          0us, 5s, clock_type::now() + 5s);
         }) == errc::invalid_argument);
   CHECK(steps() == std::vector<int64_t>{0, 0});
 
@@ -928,7 +930,7 @@ TEST_CASE("a node's local socket takes only call links that prove the secret and
   // The secret without the lease's token: the node closes the link at its hello.
   auto linked = n.linked_requests();
   CHECK(code_of([&] {
-          node_link::open("127.0.0.1", n.port(), n.local_address(), true, secret,
+          node_link::open("127.0.0.1", n.port(), n.local_address(), true, {secret, nullptr},
                           std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
         }) == errc::invalid_argument);
   // The executor's own link, on the same socket, still carries its calls.
@@ -1115,35 +1117,108 @@ TEST_CASE("a node whose executor is killed or stopped releases its workers for t
 
 namespace {
 
-/// A CA and certificates it signed, made with the openssl command in a scratch directory;
-/// and a second CA's certificate that the first does not vouch for.
-struct test_pki {
-  std::string dir = "/tmp/troupe-pki-" + std::to_string(getpid());
+/// An in-process node under mutual TLS alone (no secret), as `in_process_node`.
+node_config tls_node(const test_pki& pki) {
+  auto ncfg = in_process_node();
+  ncfg.secret.clear();
+  ncfg.tls_certificate = pki.pem("node");
+  ncfg.tls_key = pki.key("node");
+  ncfg.tls_ca = pki.pem("ca");
+  return ncfg;
+}
 
-  test_pki() {
-    auto script = "set -e; mkdir -p " + dir + "; cd " + dir + R"(;
-      make_ca() { openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=$1" \
-                    -keyout $1.key -out $1.pem 2>/dev/null; }
-      make_cert() { openssl req -newkey rsa:2048 -nodes -subj "/CN=$1" -keyout $1.key \
-                      -out $1.csr 2>/dev/null;
-                    openssl x509 -req -in $1.csr -CA $2.pem -CAkey $2.key -CAcreateserial \
-                      -days 2 -out $1.pem 2>/dev/null; }
-      make_ca ca; make_ca other-ca
-      make_cert node ca; make_cert executor ca; make_cert stranger other-ca)";
-    REQUIRE(std::system(("bash -c '" + script + "'").c_str()) == 0);
-  }
-  ~test_pki() {
-    std::system(("rm -rf " + dir).c_str());
-  }
-  std::string pem(const std::string& name) const {
-    return dir + "/" + name + ".pem";
-  }
-  std::string key(const std::string& name) const {
-    return dir + "/" + name + ".key";
-  }
-};
+/// `cfg` with `who`'s certificate of `pki` and no secret.
+executor_config under_tls(executor_config cfg, const test_pki& pki,
+                          const std::string& who = "executor") {
+  cfg.node_secret.clear();
+  cfg.tls_certificate = pki.pem(who);
+  cfg.tls_key = pki.key(who);
+  cfg.tls_ca = pki.pem("ca");
+  return cfg;
+}
 
 } // namespace
+
+TEST_CASE("under mutual TLS calls go over the call link, over TCP, the local socket and shared "
+          "memory, and give the answers they give over BASP") {
+  test_pki pki;
+  node n{tls_node(pki)};
+  REQUIRE(n.local_address().rfind("@troupe-node-", 0) == 0);
+  auto cfg = under_tls(mixed_config(1, {{"127.0.0.1", n.port(), 2}}), pki);
+  cfg.node_links = false;
+  std::vector<std::string> over_basp;
+  {
+    auto exec = lease_again_with(cfg, 10);
+    CHECK(n.call_links() == 0);
+    auto linked = n.linked_requests();
+    over_basp = run_suite(*exec);
+    CHECK(n.linked_requests() == linked);
+  }
+  cfg.node_links = true;
+  for (auto via : {link_via::shared_memory, link_via::unix_socket, link_via::tcp}) {
+    CAPTURE(to_string(via));
+    bool local = via != link_via::tcp;
+    cfg.node_local_links = local;
+    cfg.node_shared_memory = via == link_via::shared_memory;
+    REQUIRE(eventually([&] { return n.call_links() == 0 && n.leased_workers() == 0; }));
+    auto exec = lease_again_with(cfg, 10);
+    REQUIRE(eventually([&] { return n.call_links() == 1; }));
+    CHECK(connections_to(n.port()).size() == (local ? 1u : 2u));
+    CHECK(accepted_at(n.local_address()).size() == (local ? 1u : 0u));
+    CHECK(eventually(
+      [&] { return shared_ring_mappings().size() == (via == link_via::shared_memory ? 2u : 0u); }));
+    auto linked = n.linked_requests();
+    CHECK(run_suite(*exec) == over_basp);
+    // The suite's seven named collective_rpc reach both of the node's workers.
+    CHECK(n.linked_requests() >= linked + 14);
+    exec.reset();
+    CHECK(eventually([&] { return n.call_links() == 0; }));
+  }
+}
+
+TEST_CASE("under mutual TLS a call link needs a certificate of the node's CA and the lease's "
+          "token") {
+  test_pki pki;
+  node n{tls_node(pki)};
+  auto legit = lease_again_with(under_tls(mixed_config(0, {{"127.0.0.1", n.port(), 2}}), pki), 10);
+  REQUIRE(eventually([&] { return n.call_links() == 1; }));
+  auto credentials_of = [&](const std::string& who) {
+    return link_credentials{
+      "", make_tls_context(tls_role::client, pki.pem(who), pki.key(who), pki.pem("ca"))};
+  };
+  for (auto local : {std::string{}, n.local_address()}) {
+    CAPTURE(local);
+    // A certificate of another CA: refused at the handshake, no worker reached.
+    CHECK(code_of([&] {
+            node_link::open("127.0.0.1", n.port(), local, true, credentials_of("stranger"),
+                            std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
+          }) == errc::invalid_argument);
+    // The CA's certificate but not the lease's token: the node closes the link at its hello.
+    CHECK(code_of([&] {
+            node_link::open("127.0.0.1", n.port(), local, true, credentials_of("executor"),
+                            std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
+          }) == errc::invalid_argument);
+  }
+  // A link that proves a secret instead finds no handshake of that kind there.
+  CHECK(code_of([&] {
+          close(dial_node("127.0.0.1", n.port(), secret, clock_type::now() + 5s, true));
+        }) == errc::invalid_argument);
+  // Neither TLS nor a link's preamble: closed.
+  {
+    int fd = connect_node("127.0.0.1", n.port(), clock_type::now() + 5s);
+    std::string bytes(64, 'x');
+    REQUIRE(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) ==
+            static_cast<ssize_t>(bytes.size()));
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    CHECK(read_until_closed(fd).empty());
+    close(fd);
+  }
+  // The legitimate executor's calls still go over its own link.
+  auto linked = n.linked_requests();
+  CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
+  CHECK(n.linked_requests() == linked + 2);
+  CHECK(n.call_links() == 1);
+}
 
 TEST_CASE("mutual TLS: only executors with a certificate of the node's CA get workers") {
   test_pki pki;

@@ -3,12 +3,15 @@
 // can do.
 
 #include "actors/node_link.hpp"
+#include "actors/link_tls.hpp"
 #include "actors/shared_rings.hpp"
+#include "tests/test_pki.hpp"
 #include "tests/test_worker.hpp"
 #include "troupe/errors.hpp"
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <future>
@@ -26,6 +29,7 @@
 using namespace troupe;
 using namespace std::chrono_literals;
 using troupe::testing::code_of;
+using troupe::testing::test_pki;
 
 namespace {
 
@@ -54,22 +58,79 @@ std::pair<int, int> connected_pair(bool unix_socket) {
   return {server, client};
 }
 
+std::vector<char> pattern(size_t size, unsigned seed) {
+  std::vector<char> bytes(size);
+  for (size_t i = 0; i < size; ++i)
+    bytes[i] = static_cast<char>((i * 131 + seed * 7) & 0xff);
+  return bytes;
+}
+
+/// The node's side of a call link's TLS handshake on `fd` (blocking), as its gateway goes
+/// through it: the preamble, then the handshake. None when it fails.
+std::unique_ptr<tls_session> accept_tls(int fd, const std::shared_ptr<ssl_ctx_st>& context) {
+  std::string preamble(tls_link_preamble_size, '\0');
+  if (recv(fd, preamble.data(), preamble.size(), MSG_WAITALL) !=
+        static_cast<ssize_t>(preamble.size()) ||
+      preamble != tls_link_preamble)
+    return nullptr;
+  auto session = std::make_unique<tls_session>(context, tls_role::server);
+  std::vector<char> out;
+  char in[16 << 10];
+  for (;;) {
+    out.clear();
+    auto step = session->handshake(out);
+    if (!out.empty() &&
+        send(fd, out.data(), out.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(out.size()))
+      return nullptr;
+    if (step == tls_session::progress::done)
+      return session;
+    if (step == tls_session::progress::failed)
+      return nullptr;
+    auto n = recv(fd, in, sizeof in, 0);
+    if (n <= 0)
+      return nullptr;
+    session->give(in, static_cast<size_t>(n));
+  }
+}
+
 /// A node's end and an executor's end of one link, the executor having asked for shared
-/// rings of `capacity` bytes; `linger`: how long their waits poll before they sleep.
+/// rings of `capacity` bytes (`ask`); `linger`: how long their waits poll before they
+/// sleep. With `pki`, the ends went through the TLS handshake first, as a link to a node
+/// under TLS does.
 struct link_pair {
   std::unique_ptr<link_socket> node;
   std::unique_ptr<link_socket> executor;
-  /// The executor's descriptor, for bytes that no link socket would write.
+  /// The ends' descriptors, for bytes that no link socket would write or read.
+  int node_fd = -1;
   int executor_fd = -1;
   /// What `ask_rings` returned, and its `why`.
   bool shared = false;
   std::string why;
 
-  link_pair(bool unix_socket, uint64_t capacity, timeout_type linger = 0us) {
+  link_pair(bool unix_socket, uint64_t capacity, timeout_type linger = 0us,
+            const test_pki* pki = nullptr, bool ask = true) {
     auto fds = connected_pair(unix_socket);
+    node_fd = fds.first;
     executor_fd = fds.second;
-    node = std::make_unique<link_socket>(fds.first, linger, 64 << 20, 5s);
-    executor = std::make_unique<link_socket>(fds.second, linger, 64 << 20, 5s);
+    std::unique_ptr<tls_session> node_tls;
+    std::unique_ptr<tls_session> executor_tls;
+    if (pki) {
+      auto accepted = std::async(std::launch::async, [&] {
+        return accept_tls(node_fd, make_tls_context(tls_role::server, pki->pem("node"),
+                                                    pki->key("node"), pki->pem("ca")));
+      });
+      executor_tls = tls_connect(executor_fd,
+                                 make_tls_context(tls_role::client, pki->pem("executor"),
+                                                  pki->key("executor"), pki->pem("ca")),
+                                 "the node", clock_type::now() + 5s);
+      node_tls = accepted.get();
+      REQUIRE(node_tls);
+    }
+    node = std::make_unique<link_socket>(node_fd, linger, 64 << 20, 5s, std::move(node_tls));
+    executor =
+      std::make_unique<link_socket>(executor_fd, linger, 64 << 20, 5s, std::move(executor_tls));
+    if (!ask)
+      return;
     // The node answers the request as its link's reader does.
     auto answer = std::async(std::launch::async, [&] {
       link_socket::frame f;
@@ -83,11 +144,41 @@ struct link_pair {
   }
 };
 
-std::vector<char> pattern(size_t size, unsigned seed) {
-  std::vector<char> bytes(size);
-  for (size_t i = 0; i < size; ++i)
-    bytes[i] = static_cast<char>((i * 131 + seed * 7) & 0xff);
-  return bytes;
+/// Frames of many sizes each way over `link`, in order, both ends reading and writing at
+/// once: those around the ring's 4 KiB and the read-ahead's 16 KiB, many times round the
+/// ring, and (`large`) some larger than a TLS record and the 1 MiB part of a sealed write.
+void frames_both_ways(link_pair& link, bool large) {
+  std::vector<size_t> sizes{0, 1, 100, 4072, 4073, 5000, 16384, 100000, 3, 70000};
+  if (large)
+    sizes.insert(sizes.end(), {(size_t{1} << 20) - 24, size_t{1} << 20, (size_t{3} << 20) + 5});
+  for (int round = 0; round < 3; ++round)
+    for (size_t i = 0; i < 10; ++i)
+      sizes.push_back((i * 977 + round * 313) % 9000);
+  auto send_all = [&sizes](link_socket& writer) {
+    for (size_t i = 0; i < sizes.size(); ++i)
+      if (!writer.write(link_socket::request, i, i * 3, pattern(sizes[i], i)))
+        return false;
+    return true;
+  };
+  auto read_all = [&sizes](link_socket& reader) {
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      link_socket::frame f;
+      std::string why;
+      if (!reader.wait(
+            5s, [] { return true; }, -1, true) ||
+          !reader.read(f, why) || f.type != link_socket::request || f.key != i ||
+          f.target != i * 3 || f.payload != pattern(sizes[i], i))
+        return "frame " + std::to_string(i) + ": " + (why.empty() ? "not the one sent" : why);
+    }
+    return std::string{};
+  };
+  auto to_node = std::async(std::launch::async, [&] { return send_all(*link.executor); });
+  auto from_node = std::async(std::launch::async, [&] { return send_all(*link.node); });
+  auto node_read = std::async(std::launch::async, [&] { return read_all(*link.node); });
+  CHECK(read_all(*link.executor) == "");
+  CHECK(node_read.get() == "");
+  CHECK(to_node.get());
+  CHECK(from_node.get());
 }
 
 /// Why the next read on `end` fails, once something came: empty when it succeeds.
@@ -117,35 +208,143 @@ TEST_CASE("frames go through shared rings in order, across the wrap, and larger 
   CHECK(link.why.empty());
   CHECK(link.node->has_rings());
   CHECK(link.executor->has_rings());
-  // Sizes around the ring's 4 KiB and the read-ahead's 16 KiB, many times round the ring.
-  std::vector<size_t> sizes{0, 1, 100, 4072, 4073, 5000, 16384, 100000, 3, 70000};
-  for (int round = 0; round < 3; ++round)
-    for (size_t i = 0; i < 10; ++i)
-      sizes.push_back((i * 977 + round * 313) % 9000);
-  for (bool to_node : {true, false}) {
-    CAPTURE(to_node);
-    auto& writer = to_node ? *link.executor : *link.node;
-    auto& reader = to_node ? *link.node : *link.executor;
-    auto wrote = std::async(std::launch::async, [&] {
-      for (size_t i = 0; i < sizes.size(); ++i)
-        if (!writer.write(link_socket::request, i, i * 3, pattern(sizes[i], i)))
-          return false;
-      return true;
+  frames_both_ways(link, false);
+}
+
+TEST_CASE("under TLS frames go encrypted, in order, over TCP and a Unix socket, and over a "
+          "Unix socket move to shared rings") {
+  test_pki pki;
+  SUBCASE("TCP") {
+    link_pair link{false, 4096, 0us, &pki};
+    CHECK_FALSE(link.shared);
+    CHECK(link.why.empty());
+    frames_both_ways(link, true);
+  }
+  SUBCASE("a Unix socket") {
+    link_pair link{true, 4096, 0us, &pki, false};
+    frames_both_ways(link, true);
+  }
+  SUBCASE("shared rings, asked for and given through TLS") {
+    link_pair link{true, 4096, 0us, &pki};
+    REQUIRE_MESSAGE(link.shared, link.why);
+    CHECK(link.node->has_rings());
+    CHECK(link.executor->has_rings());
+    frames_both_ways(link, true);
+  }
+  SUBCASE("what goes on the socket is TLS records, not the frame") {
+    link_pair link{false, 4096, 0us, &pki, false};
+    auto payload = pattern(1000, 9);
+    REQUIRE(link.executor->write(link_socket::request, 1, 2, payload));
+    std::vector<char> wire(4096);
+    auto n = recv(link.node_fd, wire.data(), wire.size(), 0);
+    REQUIRE(n > 1000);
+    wire.resize(static_cast<size_t>(n));
+    CHECK(static_cast<unsigned char>(wire[0]) == 0x17); // application data
+    CHECK(std::search(wire.begin(), wire.end(), payload.begin(), payload.begin() + 64) ==
+          wire.end());
+  }
+  SUBCASE("a record changed on the way breaks the link, naming TLS") {
+    link_pair link{false, 4096, 0us, &pki, false};
+    REQUIRE(link.executor->write(link_socket::request, 1, 2, pattern(1000, 9)));
+    std::vector<char> wire(4096);
+    auto n = recv(link.node_fd, wire.data(), wire.size(), 0);
+    REQUIRE(n > 100);
+    wire[static_cast<size_t>(n) / 2] ^= 1;
+    // Sent again from the executor's side, as a peer in the middle would.
+    REQUIRE(send(link.executor_fd, wire.data(), static_cast<size_t>(n), MSG_NOSIGNAL) == n);
+    auto why = why_read_fails(*link.node);
+    CHECK_MESSAGE(why.rfind("TLS: ", 0) == 0, why);
+  }
+}
+
+TEST_CASE("a call link's TLS handshake refuses a certificate of another CA, both ways") {
+  test_pki pki;
+  for (bool stranger_is_node : {false, true}) {
+    CAPTURE(stranger_is_node);
+    auto fds = connected_pair(false);
+    auto node_cert = stranger_is_node ? "stranger" : "node";
+    auto executor_cert = stranger_is_node ? "executor" : "stranger";
+    auto accepted = std::async(std::launch::async, [&] {
+      auto session = accept_tls(fds.first, make_tls_context(tls_role::server, pki.pem(node_cert),
+                                                            pki.key(node_cert), pki.pem("ca")));
+      close(fds.first);
+      return session != nullptr;
     });
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      CAPTURE(i);
+    // Under TLS 1.3 the client is done before the node judges its certificate: the node's
+    // refusal closes the connection.
+    std::unique_ptr<tls_session> session;
+    auto code = code_of([&] {
+      session = tls_connect(fds.second,
+                            make_tls_context(tls_role::client, pki.pem(executor_cert),
+                                             pki.key(executor_cert), pki.pem("ca")),
+                            "the node", clock_type::now() + 5s);
+    });
+    CHECK_FALSE(accepted.get());
+    if (stranger_is_node) {
+      CHECK(code == errc::invalid_argument);
+    } else {
+      link_socket end{fds.second, 0us, 1 << 20, 5s, std::move(session)};
+      CHECK(why_read_fails(end) != "");
+      fds.second = -1; // closed by `end`
+    }
+    if (fds.second >= 0)
+      close(fds.second);
+  }
+  CHECK(code_of([&] {
+          make_tls_context(tls_role::client, pki.pem("executor"), pki.key("node"), pki.pem("ca"));
+        }) == errc::invalid_argument);
+  CHECK(code_of([&] {
+          make_tls_context(tls_role::client, pki.dir + "/none.pem", pki.key("executor"),
+                           pki.pem("ca"));
+        }) == errc::invalid_argument);
+}
+
+TEST_CASE("under TLS one end reads while three threads write, and no frame is lost or torn") {
+  test_pki pki;
+  link_pair link{false, 4096, 50us, &pki, false};
+  constexpr int per_writer = 400;
+  // The node echoes every frame; the executor's three writers share its end with its reader.
+  auto echo = std::async(std::launch::async, [&] {
+    for (int i = 0; i < 3 * per_writer; ++i) {
       link_socket::frame f;
       std::string why;
-      REQUIRE(reader.wait(
-        5s, [] { return true; }, -1, true));
-      REQUIRE_MESSAGE(reader.read(f, why), why);
-      CHECK(f.type == link_socket::request);
-      CHECK(f.key == i);
-      CHECK(f.target == i * 3);
-      CHECK(f.payload == pattern(sizes[i], i));
+      if (!link.node->wait(
+            5s, [] { return true; }, -1, true) ||
+          !link.node->read(f, why) || !link.node->write(link_socket::reply, f.key, 0, f.payload))
+        return i;
     }
-    CHECK(wrote.get());
+    return 3 * per_writer;
+  });
+  std::vector<std::future<bool>> writers;
+  for (uint64_t w = 0; w < 3; ++w)
+    writers.push_back(std::async(std::launch::async, [&, w] {
+      for (uint64_t i = 0; i < per_writer; ++i) {
+        auto key = w * per_writer + i;
+        if (!link.executor->write(link_socket::request, key, 0,
+                                  pattern((key * 37) % 20000, static_cast<unsigned>(key))))
+          return false;
+      }
+      return true;
+    }));
+  std::vector<bool> seen(3 * per_writer);
+  int good = 0;
+  for (int i = 0; i < 3 * per_writer; ++i) {
+    link_socket::frame f;
+    std::string why;
+    if (!link.executor->wait(
+          5s, [] { return true; }, -1, true) ||
+        !link.executor->read(f, why))
+      break;
+    if (f.key < seen.size() && !seen[f.key] &&
+        f.payload == pattern((f.key * 37) % 20000, static_cast<unsigned>(f.key))) {
+      seen[f.key] = true;
+      ++good;
+    }
   }
+  CHECK(good == 3 * per_writer);
+  CHECK(echo.get() == 3 * per_writer);
+  for (auto& w : writers)
+    CHECK(w.get());
 }
 
 TEST_CASE("a reader asleep on shared rings wakes for a frame, and for the peer's close only "

@@ -83,8 +83,9 @@ struct executor_config {
   std::vector<node_address> spare_nodes;
   /// The shared secret the nodes expect (may be empty when they use TLS only).
   std::string node_secret;
-  /// Mutual TLS with the nodes (caf-openssl): this executor's certificate and key and the
-  /// CA the nodes' certificates are signed by (PEM files; all three or none).
+  /// Mutual TLS with the nodes (caf-openssl for BASP, OpenSSL for the call links): this
+  /// executor's certificate and key and the CA the nodes' certificates are signed by (PEM
+  /// files; all three or none).
   std::string tls_certificate;
   std::string tls_key;
   std::string tls_ca;
@@ -145,7 +146,7 @@ struct executor_config {
   /// Whether the requests of `collective_rpc` (of a named method) and `execute_model` go to
   /// the workers of a node over a connection of their own (a call link), which skips the
   /// middleman's and the node's gateway threads, rather than over BASP with everything else.
-  /// Links need the shared secret: under TLS calls go over BASP.
+  /// A link proves the shared secret or, under TLS, this executor's certificate.
   bool node_links = true;
   /// Whether the call link to a node on this host goes over the node's local socket (a Unix
   /// socket: on a small VM a round trip takes about 1 µs less than over loopback TCP

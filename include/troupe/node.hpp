@@ -49,8 +49,9 @@ struct node_config {
   std::string secret;
   /// Mutual TLS: this node's certificate and key, and the CA that executors' certificates
   /// must be signed by (PEM files; all three or none). Peers without such a certificate
-  /// cannot connect; executors connect with caf-openssl. A peer that has not finished its
-  /// TLS handshake within `connection_timeout` is closed.
+  /// cannot connect; executors connect with caf-openssl, and their call links prove the
+  /// same certificates. A peer that has not finished its TLS handshake within
+  /// `connection_timeout` is closed.
   std::string tls_certificate;
   std::string tls_key;
   std::string tls_ca;
@@ -93,7 +94,8 @@ public:
 
   /// Where executors on this host open their call links (`executor_config::node_local_links`):
   /// "@name", a name in the abstract Unix namespace, given to an executor with its lease.
-  /// Empty under TLS or when the socket could not be made (links then come over TCP).
+  /// Under TLS, links on it go through the TLS handshake as over TCP. Empty when the socket
+  /// could not be made (links then come over TCP).
   std::string local_address() const;
 
   /// Workers leased to an executor right now.
