@@ -278,6 +278,13 @@ struct supervisor_state {
   /// What waits for the replacement in progress to end (with its error, if it failed):
   /// work the dead rank left behind, for its replacement to finish.
   std::vector<std::function<void(caf::error)>> after_replacement;
+  /// A call that a rank could not make, for its next replacement to make first (a save's
+  /// staged part it did not remove: same rank, same folder).
+  struct leftover {
+    std::string label;
+    ask_fn ask;
+  };
+  std::map<int32_t, std::vector<leftover>> leftovers;
   /// Where the workers' replies of direct gathers go.
   std::unique_ptr<reply_sink> sink;
   /// The call links, which blocking callers read too.
@@ -853,8 +860,9 @@ struct supervisor_state {
     };
     // A failed save is cleaned up rank by rank, and answered once every rank has removed
     // its part: a rank that died fails its cleanup at once and must not cut the others'
-    // short; the part it may have staged is removed by its replacement (same rank, same
-    // folder).
+    // short. The part of a rank whose cleanup failed is removed by its next replacement
+    // (same rank, same folder); the save waits for the replacement under way, and does
+    // not for one that may never come (a rank not known to be dead, or not yet).
     auto clean_up = [st, finish](std::function<void()> then) {
       auto left = std::make_shared<size_t>(st->workers.size());
       auto one_done = [left, then] {
@@ -862,18 +870,23 @@ struct supervisor_state {
           then();
       };
       for (auto rank : st->all_ranks())
-        st->start_gather(
-          "save_sharded_state", {rank}, finish(false), st->cfg.rpc_timeout, 0,
-          [st, rank, finish, one_done](gather_result res) {
-            if (res || !st->recovering || st->replacing != rank)
-              return one_done();
-            st->after_replacement.push_back([st, rank, finish, one_done](caf::error failed) {
-              if (failed)
-                return one_done();
-              st->start_gather("save_sharded_state", {rank}, finish(false), st->cfg.rpc_timeout, 0,
-                               [one_done](gather_result) { one_done(); });
-            });
-          });
+        st->start_gather("save_sharded_state", {rank}, finish(false), st->cfg.rpc_timeout, 0,
+                         [st, rank, finish, one_done](gather_result res) {
+                           if (res)
+                             return one_done();
+                           st->leftovers[rank].push_back({"save_sharded_state", finish(false)});
+                           if (!st->recovering || st->replacing != rank) {
+                             st->log->warn("rank {} did not remove its part of a failed save "
+                                           "({}): its next replacement will",
+                                           rank, render(res.error()));
+                             return one_done();
+                           }
+                           st->after_replacement.push_back([st, rank, one_done](caf::error failed) {
+                             if (failed)
+                               return one_done();
+                             st->make_leftover_calls(rank, one_done);
+                           });
+                         });
     };
     caf::settings staged;
     staged["staging"] = token;
@@ -1568,6 +1581,9 @@ struct supervisor_state {
       steps->push_back(
         gather_step("the driver's peers", {0}, asking(peers_atom::value, peer_handles())));
     auto* st = this;
+    steps->push_back([st, rank](std::function<void(caf::error)> next) {
+      st->make_leftover_calls(rank, [next] { next(caf::none); });
+    });
     if (cfg.replacement_calls)
       for (auto& c : cfg.replacement_calls())
         steps->push_back(gather_step(c.method, {rank}, calling(c.method, c.args, c.kwargs)));
@@ -1594,6 +1610,27 @@ struct supervisor_state {
           gather_step("wake_up", {rank}, calling("wake_up", caf::make_message(woken))));
     }
     run_steps(steps, 0, [st, rank](caf::error err) { st->end_replacement(rank, std::move(err)); });
+  }
+
+  /// Makes the calls that `rank` left (`leftovers`) on the worker now in its place, then
+  /// `then`. A failed one is logged and not made again: what it would have removed stays.
+  void make_leftover_calls(int32_t rank, std::function<void()> then) {
+    auto found = leftovers.find(rank);
+    if (found == leftovers.end())
+      return then();
+    auto calls = std::move(found->second);
+    leftovers.erase(found);
+    auto left = std::make_shared<size_t>(calls.size());
+    auto* st = this;
+    for (auto& call : calls)
+      start_gather("replacement: " + call.label, {rank}, call.ask, cfg.startup_timeout, 0,
+                   [st, rank, label = call.label, left, then](gather_result res) {
+                     if (!res)
+                       st->log->warn("rank {}: the {} its predecessor left failed: {}", rank, label,
+                                     render(res.error()));
+                     if (--*left == 0)
+                       then();
+                   });
   }
 
   void end_replacement(int32_t rank, caf::error err) {

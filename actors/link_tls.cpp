@@ -114,8 +114,8 @@ std::string tls_session::explain(int result) {
   std::string what = queued_error();
   auto verified = SSL_get_verify_result(ssl_);
   if (verified != X509_V_OK)
-    what += std::string{what.empty() ? "" : ": "} + "the peer's certificate: " +
-            X509_verify_cert_error_string(verified);
+    what += std::string{what.empty() ? "" : ": "} +
+            "the peer's certificate: " + X509_verify_cert_error_string(verified);
   if (what.empty())
     what = kind == SSL_ERROR_SYSCALL ? "the stream ended" : "error " + std::to_string(kind);
   return what;

@@ -1816,6 +1816,51 @@ TEST_CASE("a node killed (SIGKILL) or stopped (SIGSTOP) during sleep, wake_up, "
   fs::remove_all(dir);
 }
 
+TEST_CASE("a rank stopped during a save and found dead only after the save failed has its "
+          "staged part removed by its replacement") {
+  namespace fs = std::filesystem;
+  node_process first{1};
+  node_process spare{1};
+  auto cfg = mixed_config(1, {{"127.0.0.1", first.port(), 1}});
+  cfg.spare_nodes.push_back({"127.0.0.1", spare.port(), 1});
+  cfg.restart.max_restarts = 1;
+  // The save, and its cleanup, time out long before the stopped node is found dead.
+  cfg.rpc_timeout = 1s;
+  cfg.node_timeout = 4s;
+  executor exec{cfg, test_factory()};
+  auto dir = fs::temp_directory_path() / ("troupe-late-death-" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  exec.collective_rpc(
+    "signal_in_on",
+    {caf::make_message(int32_t{1}, std::string{"save_sharded_state"}, int32_t{SIGSTOP}),
+     {},
+     {},
+     {}});
+  CHECK(code_of([&] { exec.save_sharded_state(dir.string()); }) == errc::timeout);
+  CHECK_FALSE(fs::is_empty(dir)); // rank 1's staging folder: its cleanup timed out too
+  auto replaced = [&] {
+    for (auto until = clock_type::now() + 20s; clock_type::now() < until;
+         std::this_thread::sleep_for(50ms))
+      try {
+        if (exec.worker_healths()[1].restarts == 1 && exec.recovery().empty())
+          return true;
+      } catch (const error&) {
+        // the stopped rank does not answer until it is replaced
+      }
+    return false;
+  };
+  REQUIRE(replaced());
+  std::string left;
+  for (auto& e : fs::recursive_directory_iterator(dir))
+    left += e.path().string() + " ";
+  CAPTURE(left);
+  CHECK(fs::is_empty(dir));
+  exec.save_sharded_state(dir.string());
+  CHECK(fs::exists(dir / "test-rank-1.bin"));
+  fs::remove_all(dir);
+}
+
 TEST_CASE("a second death beyond max_restarts fails the generation with worker_died naming "
           "the node, and nothing hangs") {
   faulty_node first{"kill", 6};
