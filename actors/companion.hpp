@@ -1,7 +1,7 @@
 #pragma once
 
 // Actors whose mailbox is a function: the reply sink, the stubs of linked workers and a
-// node's link replies (`actors/reply_sink`, `actors/node_link`).
+// node's link replies (`actors/reply_sink`, `actors/cluster/link_*`).
 
 #include <caf/actor_companion.hpp>
 #include <caf/actor_system.hpp>

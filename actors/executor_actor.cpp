@@ -5,13 +5,13 @@
 #include "actors/executor_actor.hpp"
 
 #include "actors/companion.hpp"
-#include "actors/lease.hpp"
+#include "actors/cluster/lease.hpp"
 
 #include "kernels/log.hpp"
-#include "actors/node_auth.hpp"
-#include "actors/node_link.hpp"
+#include "actors/cluster/node_auth.hpp"
+#include "actors/cluster/link_client.hpp"
 #include "actors/reply_sink.hpp"
-#include "actors/remoting.hpp"
+#include "actors/cluster/remoting.hpp"
 #include "actors/sleep_state.hpp"
 #include "actors/worker_actor.hpp"
 #include "troupe/errors.hpp"
@@ -176,7 +176,7 @@ std::string place_name(const worker_place& place) {
 void lease_one(caf::blocking_actor* self, executor_config cfg, std::vector<node_address> candidates,
                caf::actor holder, clock_type::time_point deadline,
                std::shared_ptr<std::atomic<bool>> cancelled,
-               std::shared_ptr<std::shared_ptr<node_link>> link) {
+               std::shared_ptr<std::shared_ptr<link_client>> link) {
   self->receive([&](lease_atom) -> caf::result<caf::actor, int32_t> {
     std::string refusals;
     for (size_t i = 0; i < candidates.size() && !*cancelled; ++i) {
@@ -1544,7 +1544,7 @@ struct supervisor_state {
       return lost_nodes.count({n.host, n.port}) == 0;
     });
     lost_nodes.insert({dead.host, dead.port});
-    auto link = std::make_shared<std::shared_ptr<node_link>>();
+    auto link = std::make_shared<std::shared_ptr<link_client>>();
     auto helper =
       self->spawn<caf::detached>(lease_one, cfg, candidates, lease_holder,
                                  clock_type::now() + cfg.startup_timeout, leases_cancelled, link);

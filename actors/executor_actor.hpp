@@ -16,7 +16,7 @@
 namespace troupe {
 
 class link_set;
-class node_link;
+class link_client;
 
 /// Where a worker runs, for the report of its death: `host` is empty for a worker of this
 /// process, else the `kind` of peer ("node", "worker host") at `host`:`port`.
@@ -24,8 +24,8 @@ struct worker_place {
   std::string kind;
   std::string host;
   uint16_t port = 0;
-  /// The call link to the worker's node, if any (`actors/node_link.hpp`).
-  std::shared_ptr<node_link> link;
+  /// The call link to the worker's node, if any (`actors/cluster/link_socket.hpp`).
+  std::shared_ptr<link_client> link;
 };
 
 struct supervisor_state;

@@ -2,7 +2,6 @@
 
 #include "actors/linger.hpp"
 #include "kernels/log.hpp"
-#include "actors/node_link.hpp"
 #include "messages/protocols.hpp"
 #include "troupe/errors.hpp"
 
@@ -73,7 +72,7 @@ struct worker_actor_state {
   /// A `linger_atom` waits in the mailbox.
   bool linger_queued = false;
   /// A leased worker's part in reading its node's call links as it lingers.
-  std::unique_ptr<link_readers::member> reader;
+  std::shared_ptr<linger_reader> reader;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.worker");
 
   static inline const char* name = "troupe.worker";
@@ -225,11 +224,10 @@ void end_loop(worker_self self, caf::error err) {
 worker_actor::behavior_type worker_behavior(worker_self self, worker_factory factory,
                                             std::optional<caf::node_id> owner,
                                             std::optional<node_placement> placement,
-                                            std::shared_ptr<link_readers> readers) {
+                                            std::shared_ptr<linger_reader> reader) {
   self->state.factory = std::move(factory);
   self->state.placement = std::move(placement);
-  if (readers)
-    self->state.reader = std::make_unique<link_readers::member>(std::move(readers));
+  self->state.reader = std::move(reader);
   if (owner) {
     // Its own node (the node daemon releasing it) and its executor's.
     self->state.allowed.insert(self->node());
@@ -420,14 +418,14 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
 worker_actor spawn_worker(caf::actor_system& sys, worker_factory factory) {
   return sys.spawn<caf::detached>(worker_behavior, std::move(factory),
                                   std::optional<caf::node_id>{}, std::optional<node_placement>{},
-                                  std::shared_ptr<link_readers>{});
+                                  std::shared_ptr<linger_reader>{});
 }
 
 worker_actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory, caf::node_id owner,
-                                 node_placement placement, std::shared_ptr<link_readers> readers) {
+                                 node_placement placement, std::shared_ptr<linger_reader> reader) {
   return sys.spawn<caf::detached>(
     worker_behavior, std::move(factory), std::optional<caf::node_id>{std::move(owner)},
-    std::optional<node_placement>{std::move(placement)}, std::move(readers));
+    std::optional<node_placement>{std::move(placement)}, std::move(reader));
 }
 
 caf::error worker_failure(int32_t rank, const std::string& method) {

@@ -14,7 +14,16 @@
 
 namespace troupe {
 
-class link_readers;
+/// What a leased worker reads besides its mailbox while it lingers (its node's call links:
+/// `link_readers::member`, `actors/cluster/link_server.hpp`), from its spawn to its end.
+class linger_reader {
+public:
+  virtual ~linger_reader() = default;
+  /// The worker starts (true) or stops (false) reading as it lingers.
+  virtual void reading(bool on) = 0;
+  /// Reads what came and hands it on; true when any came.
+  virtual bool pump() = 0;
+};
 
 /// Spawns a detached worker actor (its own OS thread), with the interface `worker_actor`
 /// (`messages/protocols.hpp`). The worker object is created with `factory` on that thread
@@ -33,9 +42,9 @@ struct node_placement {
 /// A worker a node leased to the executor on node `owner`: it serves only messages from
 /// that node, its own node and, after init, its peers' nodes; others are refused and
 /// logged (exit messages included). Its device and collective address are the node's
-/// `placement`. While it lingers it reads the node's call links (`readers`).
+/// `placement`. While it lingers it reads the node's call links (`reader`, its own).
 worker_actor spawn_leased_worker(caf::actor_system& sys, worker_factory factory, caf::node_id owner,
-                                 node_placement placement, std::shared_ptr<link_readers> readers);
+                                 node_placement placement, std::shared_ptr<linger_reader> reader);
 
 /// Turns an exception thrown inside a worker into an error reply that names the rank and
 /// the method.

@@ -8,7 +8,7 @@
 
 #include "cli/commands.hpp"
 
-#include "actors/node_auth.hpp"
+#include "actors/cluster/node_auth.hpp"
 
 #include "troupe/errors.hpp"
 #include "troupe/llm.hpp"

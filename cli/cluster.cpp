@@ -3,7 +3,7 @@
 
 #include "cli/commands.hpp"
 
-#include "actors/node_auth.hpp"
+#include "actors/cluster/node_auth.hpp"
 #include "troupe/errors.hpp"
 #include "troupe/model_worker.hpp"
 #include "troupe/node.hpp"

@@ -3,9 +3,9 @@
 // (kill -9, SIGSTOP) within the heartbeat timeout, and peers without the secret refused.
 
 #include "kernels/log.hpp"
-#include "actors/node_auth.hpp"
-#include "actors/node_link.hpp"
-#include "actors/remoting.hpp"
+#include "actors/cluster/node_auth.hpp"
+#include "actors/cluster/link_client.hpp"
+#include "actors/cluster/remoting.hpp"
 #include "messages/messages.hpp"
 #include "model/config.hpp"
 #include "model/make_model.hpp"
@@ -701,8 +701,9 @@ TEST_CASE("the call link to a node on this host goes over its local socket, and 
   auto log = troupe::get_logger("troupe.node");
   log->sinks().push_back(std::make_shared<spdlog::sinks::ostream_sink_mt>(logged));
   CHECK(code_of([&] {
-          node_link::open("127.0.0.1", n.port(), "@troupe-node-nobody-here", true,
-                          {secret, nullptr}, std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
+          link_client::open("127.0.0.1", n.port(), "@troupe-node-nobody-here", true,
+                            {secret, nullptr}, std::string(64, '0'), 0us, 5s,
+                            clock_type::now() + 5s);
         }) == errc::invalid_argument);
   log->sinks().pop_back();
   INFO(logged.str());
@@ -869,8 +870,8 @@ TEST_CASE("a call link without the secret or the lease's token reaches no worker
     CHECK_FALSE(link.read(f, why));
   }
   CHECK(code_of([&] {
-          node_link::open("127.0.0.1", n.port(), "", true, {secret, nullptr}, std::string(64, '0'),
-                          0us, 5s, clock_type::now() + 5s);
+          link_client::open("127.0.0.1", n.port(), "", true, {secret, nullptr},
+                            std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
         }) == errc::invalid_argument);
   CHECK(steps() == std::vector<int64_t>{0, 0});
 
@@ -930,8 +931,8 @@ TEST_CASE("a node's local socket takes only call links that prove the secret and
   // The secret without the lease's token: the node closes the link at its hello.
   auto linked = n.linked_requests();
   CHECK(code_of([&] {
-          node_link::open("127.0.0.1", n.port(), n.local_address(), true, {secret, nullptr},
-                          std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
+          link_client::open("127.0.0.1", n.port(), n.local_address(), true, {secret, nullptr},
+                            std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
         }) == errc::invalid_argument);
   // The executor's own link, on the same socket, still carries its calls.
   CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
@@ -1190,13 +1191,13 @@ TEST_CASE("under mutual TLS a call link needs a certificate of the node's CA and
     CAPTURE(local);
     // A certificate of another CA: refused at the handshake, no worker reached.
     CHECK(code_of([&] {
-            node_link::open("127.0.0.1", n.port(), local, true, credentials_of("stranger"),
-                            std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
+            link_client::open("127.0.0.1", n.port(), local, true, credentials_of("stranger"),
+                              std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
           }) == errc::invalid_argument);
     // The CA's certificate but not the lease's token: the node closes the link at its hello.
     CHECK(code_of([&] {
-            node_link::open("127.0.0.1", n.port(), local, true, credentials_of("executor"),
-                            std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
+            link_client::open("127.0.0.1", n.port(), local, true, credentials_of("executor"),
+                              std::string(64, '0'), 0us, 5s, clock_type::now() + 5s);
           }) == errc::invalid_argument);
   }
   // A link that proves a secret instead finds no handshake of that kind there.

@@ -2,9 +2,9 @@
 // rings in shared memory that links on one host move to, and what a peer that breaks them
 // can do.
 
-#include "actors/node_link.hpp"
-#include "actors/link_tls.hpp"
-#include "actors/shared_rings.hpp"
+#include "actors/cluster/link_socket.hpp"
+#include "actors/cluster/link_tls.hpp"
+#include "actors/cluster/shared_rings.hpp"
 #include "tests/test_pki.hpp"
 #include "tests/test_worker.hpp"
 #include "troupe/errors.hpp"

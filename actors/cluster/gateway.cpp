@@ -1,8 +1,8 @@
-#include "actors/gateway.hpp"
+#include "actors/cluster/gateway.hpp"
 
 #include "actors/linger.hpp"
-#include "actors/link_tls.hpp"
-#include "actors/node_auth.hpp"
+#include "actors/cluster/link_tls.hpp"
+#include "actors/cluster/node_auth.hpp"
 #include "troupe/errors.hpp"
 
 #include <boost/asio.hpp>
@@ -214,7 +214,7 @@ private:
                       });
   }
 
-  /// The connection handshake (`actors/node_auth.hpp`): greeting, the peer's answer, the
+  /// The connection handshake (`actors/cluster/node_auth.hpp`): greeting, the peer's answer, the
   /// verdict.
   void greet() {
     auto self = this->shared_from_this();

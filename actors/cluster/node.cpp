@@ -1,11 +1,11 @@
 #include "troupe/node.hpp"
 
-#include "actors/gateway.hpp"
+#include "actors/cluster/gateway.hpp"
 #include "actors/linger.hpp"
 #include "kernels/log.hpp"
-#include "actors/node_auth.hpp"
-#include "actors/node_link.hpp"
-#include "actors/remoting.hpp"
+#include "actors/cluster/node_auth.hpp"
+#include "actors/cluster/link_server.hpp"
+#include "actors/cluster/remoting.hpp"
 #include "actors/teardown.hpp"
 #include "actors/worker_actor.hpp"
 #include "messages/messages.hpp"
@@ -339,7 +339,7 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
           sender->node(),
           {st.cfg.device_kind, st.cfg.device_indices[static_cast<size_t>(slot)],
            st.cfg.collective_host},
-          st.lease->readers)));
+          std::make_shared<link_readers::member>(st.lease->readers))));
         self->monitor(leased.back());
         st.lease->add(leased.back(), slot);
       }

@@ -50,12 +50,12 @@ int connect_node(const std::string& host, uint16_t port,
 int connect_local(const std::string& address, std::chrono::steady_clock::time_point deadline);
 
 /// Connects to the node at `host`:`port` and goes through its connection handshake
-/// (`actors/node_auth.hpp`), both sides proving `secret`, before `deadline`. Returns the
+/// (`actors/cluster/node_auth.hpp`), both sides proving `secret`, before `deadline`. Returns the
 /// connected socket, ready for BASP. Throws `troupe::error`: `worker_died` when the node
 /// cannot be reached or does not answer in time, `invalid_argument` naming what failed
 /// when it refuses the proof (wrong secret), does not prove the secret itself, or does not
 /// speak the handshake (not a node, or one that wants TLS). `link`: the connection is a
-/// call link (`actors/node_link.hpp`) rather than one for BASP.
+/// call link (`actors/cluster/link_socket.hpp`) rather than one for BASP.
 int dial_node(const std::string& host, uint16_t port, const std::string& secret,
               std::chrono::steady_clock::time_point deadline, bool link = false);
 

@@ -1,4 +1,4 @@
-#include "actors/shared_rings.hpp"
+#include "actors/cluster/shared_rings.hpp"
 
 #include "troupe/errors.hpp"
 

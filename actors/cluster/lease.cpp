@@ -1,9 +1,9 @@
-#include "actors/lease.hpp"
+#include "actors/cluster/lease.hpp"
 
 #include "kernels/log.hpp"
-#include "actors/node_auth.hpp"
-#include "actors/node_link.hpp"
-#include "actors/remoting.hpp"
+#include "actors/cluster/node_auth.hpp"
+#include "actors/cluster/link_client.hpp"
+#include "actors/cluster/remoting.hpp"
 #include "messages/messages.hpp"
 #include "troupe/errors.hpp"
 
@@ -101,9 +101,9 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
       if (!cfg.tls_certificate.empty())
         credentials.tls =
           make_tls_context(tls_role::client, cfg.tls_certificate, cfg.tls_key, cfg.tls_ca);
-      grant.link = node_link::open(n.host, n.port, cfg.node_local_links ? local_address : "",
-                                   cfg.node_shared_memory, credentials, token, cfg.network_linger,
-                                   cfg.node_timeout, deadline);
+      grant.link = link_client::open(n.host, n.port, cfg.node_local_links ? local_address : "",
+                                     cfg.node_shared_memory, credentials, token, cfg.network_linger,
+                                     cfg.node_timeout, deadline);
     } catch (const error& e) {
       // The workers are leased and BASP reaches them: the calls go that way.
       get_logger("troupe.executor")

@@ -1,4 +1,4 @@
-#include "actors/node_auth.hpp"
+#include "actors/cluster/node_auth.hpp"
 
 #include "troupe/errors.hpp"
 

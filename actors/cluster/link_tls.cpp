@@ -1,6 +1,6 @@
-#include "actors/link_tls.hpp"
+#include "actors/cluster/link_tls.hpp"
 
-#include "actors/remoting.hpp"
+#include "actors/cluster/remoting.hpp"
 #include "troupe/errors.hpp"
 
 #include <openssl/err.h>

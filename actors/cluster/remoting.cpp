@@ -1,7 +1,7 @@
-#include "actors/remoting.hpp"
+#include "actors/cluster/remoting.hpp"
 
 #include "actors/linger.hpp"
-#include "actors/node_auth.hpp"
+#include "actors/cluster/node_auth.hpp"
 #include "troupe/errors.hpp"
 
 #include <caf/io/middleman.hpp>

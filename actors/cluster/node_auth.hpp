@@ -33,7 +33,7 @@ bool same_proof(const std::string& a, const std::string& b);
 //
 //   node -> peer: greeting  "trp1" + 4 zero bytes + node challenge (64 hex) + "\n"
 //   peer -> node: answer    peer challenge (64 hex) + " " + peer proof (64 hex) + "\n"
-//                           (a call link, `actors/node_link.hpp`: "+" and the link proof)
+//                           (a call link, `actors/cluster/link_socket.hpp`: "+" and the link proof)
 //   node -> peer: verdict   "ok " + node proof (64 hex) + "\n", or "no " + reason + "\n"
 
 /// Bytes of the greeting and of the answer. A BASP client that reads the greeting as a

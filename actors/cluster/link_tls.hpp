@@ -1,7 +1,7 @@
 #pragma once
 
 /// @file
-/// TLS for call links (`actors/node_link.hpp`) under mutual TLS: OpenSSL driven through
+/// TLS for call links (`actors/cluster/link_socket.hpp`) under mutual TLS: OpenSSL driven through
 /// memory buffers, so that the link's own code moves the bytes and keeps its waits, its
 /// bounds and its threads. Both ends prove a certificate of the CA, as the node's BASP
 /// connections do, and the link then presents the lease's token as it does after the

@@ -1,6 +1,6 @@
 #pragma once
 
-#include "actors/link_tls.hpp"
+#include "actors/cluster/link_tls.hpp"
 #include "troupe/config.hpp"
 
 #include <spdlog/logger.h>
@@ -46,7 +46,7 @@ struct gateway_options {
   /// End TLS here (both certificates verified); none: plain TCP.
   std::optional<gateway_tls> tls;
   /// Without TLS: the shared secret every connection proves before any byte reaches CAF
-  /// (`actors/node_auth.hpp`, the connection handshake). Under TLS the certificates are
+  /// (`actors/cluster/node_auth.hpp`, the connection handshake). Under TLS the certificates are
   /// the connection's proof.
   std::string secret;
   /// What BASP peers may send; none: anything that proved itself is relayed.
@@ -65,7 +65,7 @@ struct gateway_options {
 /// The listening sockets of a node: its TCP port and, for call links from this host, a
 /// local socket (`local_address`). It accepts TCP connections, ends TLS or checks the
 /// connection handshake, hands a call link that proved the secret or went through its TLS
-/// handshake (`actors/link_tls.hpp`) to `link`, and relays each other
+/// handshake (`actors/cluster/link_tls.hpp`) to `link`, and relays each other
 /// connection that proved itself to the node's middleman over a private socket pair (`connect`
 /// hands the middleman one end and returns the other): nothing reaches CAF, not even a BASP
 /// handshake, from a peer that has not proved the secret or a certificate of the node's CA. It
@@ -81,7 +81,7 @@ class frame_gateway {
 public:
   /// The gateway's end of a new private connection to the middleman, or -1.
   using connect_fn = std::function<int()>;
-  /// Takes a call link (`actors/node_link.hpp`) that proved the secret or a certificate:
+  /// Takes a call link (`actors/cluster/link_socket.hpp`) that proved the secret or a certificate:
   /// its socket, its TLS session (none without TLS) and the peer's address. Called on the
   /// gateway's thread.
   using link_fn = std::function<void(int fd, std::unique_ptr<tls_session> tls, std::string peer)>;

@@ -1,7 +1,7 @@
 #pragma once
 
 /// @file
-/// The executor's half of a lease (the node's half is the gate in `actors/node.cpp`).
+/// The executor's half of a lease (the node's half is the gate in `actors/cluster/node.cpp`).
 
 #include "troupe/config.hpp"
 
@@ -15,13 +15,13 @@
 
 namespace troupe {
 
-class node_link;
+class link_client;
 
 /// What a node gave: the workers, and the call link to them (none with `node_links` off,
 /// or when the node refused it; calls then go over BASP).
 struct node_grant {
   std::vector<caf::actor> workers;
-  std::shared_ptr<node_link> link;
+  std::shared_ptr<link_client> link;
 };
 
 /// Connects to node `n` (the secret proved before any BASP byte, or TLS), proves the
