@@ -213,17 +213,7 @@ std::unique_ptr<tls_session> tls_connect(int fd, const std::shared_ptr<ssl_ctx_s
     return error{errc::worker_died, "cannot reach " + where + ": no TLS handshake in time"};
   };
   auto send_all = [&](const char* data, size_t size) {
-    size_t sent = 0;
-    while (sent < size) {
-      auto n = send(fd, data + sent, size - sent, MSG_NOSIGNAL);
-      if (n > 0)
-        sent += static_cast<size_t>(n);
-      else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        if (!poll_until(fd, POLLOUT, deadline))
-          throw late();
-      } else if (n < 0 && errno != EINTR)
-        throw error{errc::worker_died, where + ": connection lost during the TLS handshake"};
-    }
+    send_before(fd, data, size, where, "the TLS handshake", deadline);
   };
   send_all(tls_link_preamble, tls_link_preamble_size);
   auto session = std::make_unique<tls_session>(context, tls_role::client);

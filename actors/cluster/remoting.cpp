@@ -194,17 +194,7 @@ void prove_connection(int fd, const std::string& where, const std::string& secre
     return got;
   };
   auto write_all = [&](const std::string& data) {
-    size_t sent = 0;
-    while (sent < data.size()) {
-      auto n = send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
-      if (n > 0)
-        sent += static_cast<size_t>(n);
-      else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        if (!poll_until(fd, POLLOUT, deadline))
-          throw late();
-      } else if (n < 0 && errno != EINTR)
-        throw error{errc::worker_died, where + ": connection lost during the handshake"};
-    }
+    send_before(fd, data.data(), data.size(), where, "the handshake", deadline);
   };
   auto node_challenge = challenge_of_greeting(read_some(greeting_size, false));
   if (node_challenge.empty())
@@ -263,6 +253,21 @@ bool poll_until(int fd, short events, std::chrono::steady_clock::time_point dead
       return true;
     if (ready == 0 || errno != EINTR)
       return false;
+  }
+}
+
+void send_before(int fd, const char* data, size_t size, const std::string& where,
+                 const std::string& during, std::chrono::steady_clock::time_point deadline) {
+  size_t sent = 0;
+  while (sent < size) {
+    auto n = send(fd, data + sent, size - sent, MSG_NOSIGNAL);
+    if (n > 0)
+      sent += static_cast<size_t>(n);
+    else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!poll_until(fd, POLLOUT, deadline))
+        throw error{errc::worker_died, "cannot reach " + where + ": no answer in time"};
+    } else if (n < 0 && errno != EINTR)
+      throw error{errc::worker_died, where + ": connection lost during " + during};
   }
 }
 

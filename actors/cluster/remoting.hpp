@@ -39,6 +39,12 @@ std::string why_connection_lost(const std::string& host, uint16_t port, bool tls
 /// Waits for `events` on `fd` until `deadline`; false when it passed.
 bool poll_until(int fd, short events, std::chrono::steady_clock::time_point deadline);
 
+/// Sends all `size` bytes of `data` on `fd` (non-blocking) before `deadline`. Throws
+/// `worker_died`: the node at `where` takes nothing in time, or the connection broke
+/// `during` (what was under way, for the message).
+void send_before(int fd, const char* data, size_t size, const std::string& where,
+                 const std::string& during, std::chrono::steady_clock::time_point deadline);
+
 /// Connects to `host`:`port` before `deadline`: a non-blocking TCP socket, with no delay
 /// on small writes, that has proved nothing yet. Throws `worker_died` naming the node when
 /// it cannot.
