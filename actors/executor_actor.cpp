@@ -5,6 +5,7 @@
 #include "actors/executor_actor.hpp"
 
 #include "actors/companion.hpp"
+#include "actors/gather_table.hpp"
 #include "actors/cluster/lease.hpp"
 
 #include "kernels/log.hpp"
@@ -37,115 +38,12 @@ namespace {
 using clock_type = std::chrono::steady_clock;
 using supervisor_self = supervisor_actor::stateful_pointer<supervisor_state>;
 
-/// How a gather asks one worker: sends it the request, then hands on its reply or error.
-using reply_fn = std::function<void(caf::ok_atom, caf::message&)>;
-using error_fn = std::function<void(caf::error&)>;
-using ask_fn =
-  std::function<void(supervisor_actor::pointer, const worker_actor&, reply_fn, error_fn)>;
-
-/// The request `xs...` as a gather sends it to each worker (checked against the worker's
-/// interface where it is made). No CAF timeout: the gather's deadline covers it.
-template <class... Ts>
-ask_fn asking(Ts... xs) {
-  return [=](supervisor_actor::pointer self, const worker_actor& w, reply_fn ok, error_fn fail) {
-    self->request(w, caf::infinite, xs...).then(std::move(ok), std::move(fail));
-  };
-}
-
-ask_fn calling(std::string method, caf::message args = {}, caf::settings kwargs = {}) {
-  return asking(call_atom::value, std::move(method), std::move(args), std::move(kwargs));
-}
-
-/// The request `xs...` as a message for a direct gather (see `reply_sink`), checked against
-/// the worker's interface as `asking` is.
-template <class... Ts>
-caf::message worker_request(Ts&&... xs) {
-  using token =
-    caf::detail::type_list<typename caf::detail::implicit_conversions<std::decay_t<Ts>>::type...>;
-  static_assert(caf::response_type_unbox<caf::signatures_of_t<worker_actor>, token>::valid,
-                "a worker does not accept this request");
-  return caf::make_message(std::forward<Ts>(xs)...);
-}
-
-/// One collective call in flight: the request, who still owes a reply, what came back.
-struct gather {
-  uint64_t id = 0;
-  std::string label;
-  std::vector<int32_t> ranks;
-  ask_fn ask;
-  /// When set, the request for `ranks[i]` (instead of `ask` for all).
-  std::vector<ask_fn> per_rank;
-  /// A direct gather's: the request sent to every rank, and what its sink shares. Its
-  /// replies go to the sink, which finishes the call on the last worker's thread; the
-  /// supervisor still watches its deadline and reports its errors.
-  caf::message request;
-  std::shared_ptr<direct_reply> direct;
-  /// The supervisor took the direct gather from its sink (see `claim`).
-  bool claimed = false;
-  bool forever = false;
-  clock_type::time_point deadline;
-  timeout_type timeout{0};
-  size_t max_concurrent = 0;
-  size_t next = 0;
-  size_t in_flight = 0;
-  size_t remaining = 0;
-  std::vector<caf::message> results;
-  /// Which of `ranks` replied (a reply may be an empty message).
-  std::vector<bool> answered;
-  std::function<void(gather_result)> done;
-  bool finished = false;
-  /// Under a restart policy, an error saying that a worker is gone, held until `settle_at`
-  /// for the death to be reported: the call then fails with `worker_replaced`.
-  caf::error held;
-  clock_type::time_point settle_at;
-};
-
-using gather_ptr = std::shared_ptr<gather>;
-
 template <class... Ts>
 using promise = caf::typed_response_promise<Ts...>;
-
-std::string ms_text(timeout_type t) {
-  auto ms = std::chrono::duration<double, std::milli>(t).count();
-  auto whole = static_cast<int64_t>(ms);
-  if (static_cast<double>(whole) == ms)
-    return std::to_string(whole) + " ms";
-  char text[64];
-  std::snprintf(text, sizeof text, "%.3f ms", ms);
-  return text;
-}
 
 /// The deadline of a call; the facade has already refused zero and negative ones.
 timeout_type from_us(int64_t us) {
   return us == wait_forever.count() ? wait_forever : timeout_type{std::max<int64_t>(us, 1)};
-}
-
-/// Maps the error of one request to the error of the whole call, naming the rank.
-caf::error rank_error(const gather& g, int32_t rank, const caf::error& err) {
-  if (err == caf::sec::request_timeout)
-    return caf::make_error(errc::timeout, g.label + ": rank " + std::to_string(rank) +
-                                            " did not answer within " + ms_text(g.timeout));
-  if (err == caf::sec::request_receiver_down) {
-    // A call link that closed under the request says why.
-    auto& how = err.context();
-    return caf::make_error(errc::worker_died, g.label + ": rank " + std::to_string(rank) +
-                                                " is down" +
-                                                (how.match_elements<std::string>()
-                                                   ? " (" + how.get_as<std::string>(0) + ")"
-                                                   : std::string{}));
-  }
-  if (err.category() == caf::atom("troupe"))
-    return err; // The worker already named its rank.
-  return caf::make_error(errc::worker_error,
-                         g.label + ": rank " + std::to_string(rank) + ": " + render(err));
-}
-
-/// The first rank of `g` that has not replied: the one a missed deadline is blamed on.
-int32_t first_silent_rank(const gather& g) {
-  for (size_t i = 0; i < g.ranks.size(); ++i)
-    if (g.direct ? !g.direct->answered(i) : !g.answered[i])
-      return g.ranks[i];
-  return g.ranks.front();
 }
 
 /// The result of `rank` as a `T`, or a `bad_arguments` error naming the rank and method.
@@ -200,18 +98,15 @@ void lease_one(caf::blocking_actor* self, executor_config cfg, std::vector<node_
 
 } // namespace
 
-struct supervisor_state {
+struct supervisor_state : gather_host {
   supervisor_self self = nullptr;
   executor_config cfg;
   std::vector<worker_actor> workers;
   std::vector<worker_place> places;
   /// Set when a worker went down or the executor shut down; every call fails with it.
   caf::error failure;
-  uint64_t next_id = 1;
-  std::unordered_map<uint64_t, gather_ptr> pending;
-  /// The deadline timer in flight that fires first, if any (see `arm_deadline`).
-  bool timer_armed = false;
-  clock_type::time_point timer_at;
+  /// The calls in flight to the workers (made once `self` and `sink` are).
+  std::unique_ptr<gather_table> gathers;
   troupe::sleep_state sleep;
   /// A sleep or wake_up is being carried out on the workers.
   bool transition = false;
@@ -307,192 +202,32 @@ struct supervisor_state {
         place.link->close();
   }
 
-  // -- scatter-gather ---------------------------------------------------------------
+  // -- what the gathers ask of the supervisor -----------------------------------------
 
-  /// Scatters `ask` to `ranks` and calls `done` once with every reply (in the order of
-  /// `ranks`) or with the first error.
-  gather_ptr start_gather(std::string label, std::vector<int32_t> ranks, ask_fn ask,
-                          timeout_type timeout, size_t max_concurrent,
-                          std::function<void(gather_result)> done,
-                          std::vector<ask_fn> per_rank = {}) {
-    return launch(std::move(label), std::move(ranks), std::move(ask), timeout, max_concurrent,
-                  std::move(done), std::move(per_rank), {});
-  }
-
-  /// Scatters `request` to `ranks`, whose replies go to the sink: `done` is called once,
-  /// from the last worker's thread with every reply, or from the supervisor's with the
-  /// first error. Its success must therefore touch no state of the supervisor.
-  gather_ptr start_direct_gather(std::string label, std::vector<int32_t> ranks,
-                                 caf::message request, timeout_type timeout,
-                                 std::function<void(gather_result)> done) {
-    return launch(std::move(label), std::move(ranks), nullptr, timeout, 0, std::move(done), {},
-                  std::move(request));
-  }
-
-  gather_ptr launch(std::string label, std::vector<int32_t> ranks, ask_fn ask, timeout_type timeout,
-                    size_t max_concurrent, std::function<void(gather_result)> done,
-                    std::vector<ask_fn> per_rank, caf::message request) {
-    sweep();
-    auto g = std::make_shared<gather>();
-    g->id = next_id++;
-    g->label = std::move(label);
-    g->ranks = std::move(ranks);
-    g->ask = std::move(ask);
-    g->per_rank = std::move(per_rank);
-    g->timeout = timeout;
-    g->forever = timeout == wait_forever;
-    if (!g->forever)
-      g->deadline = clock_type::now() + timeout;
-    g->max_concurrent = max_concurrent;
-    g->remaining = g->ranks.size();
-    if (request.empty()) {
-      g->results.resize(g->ranks.size());
-      g->answered.resize(g->ranks.size());
-      g->done = std::move(done);
-    } else {
-      g->request = std::move(request);
-      g->direct = std::make_shared<direct_reply>(g->id, g->ranks.size(), std::move(done));
-    }
-    if (failure) {
-      g->finished = true;
-      conclude(*g, failure);
-      return g;
-    }
-    if (dead_in_place && std::find(g->ranks.begin(), g->ranks.end(), replacing) != g->ranks.end()) {
-      g->finished = true; // what is sent to a dead worker is never answered
-      if (g->label == "execute_model")
+  caf::error refusal(const gather& g) override {
+    if (failure)
+      return failure;
+    if (dead_in_place && std::find(g.ranks.begin(), g.ranks.end(), replacing) != g.ranks.end()) {
+      // What is sent to a dead worker is never answered.
+      if (g.label == "execute_model")
         kv_lost = false; // this step tells the engine
-      conclude(*g, work_lost());
-      return g;
+      return lost_work();
     }
-    if (g->ranks.empty()) {
-      g->finished = true;
-      conclude(*g, std::vector<caf::message>{});
-      return g;
-    }
-    pending.emplace(g->id, g);
-    if (!g->forever)
-      arm_deadline(g->deadline);
-    send_next(g);
-    return g;
+    return {};
   }
 
-  void send_next(const gather_ptr& g) {
-    if (g->direct) {
-      // The last rank gets the gather's own copy: a worker that finds the message unshared
-      // takes its contents instead of copying them (a step's request, every step).
-      for (size_t index = 0; index < g->ranks.size(); ++index) {
-        auto rank = static_cast<size_t>(g->ranks[index]);
-        sink->ask(g->direct, index, caf::actor_cast<caf::actor>(target(rank)),
-                  index + 1 < g->ranks.size() ? g->request : std::move(g->request),
-                  self->context());
-      }
-      return;
-    }
-    while (!g->finished && g->next < g->ranks.size() &&
-           (g->max_concurrent == 0 || g->in_flight < g->max_concurrent)) {
-      auto index = g->next++;
-      ++g->in_flight;
-      auto& ask = g->per_rank.empty() ? g->ask : g->per_rank[index];
-      auto* st = this;
-      ask(
-        self, target(static_cast<size_t>(g->ranks[index])),
-        [st, g, index](caf::ok_atom, caf::message& result) {
-          if (g->finished)
-            return;
-          --g->in_flight;
-          g->answered[index] = true;
-          g->results[index] = std::move(result);
-          if (--g->remaining == 0)
-            st->finish(g, std::move(g->results));
-          else
-            st->send_next(g);
-        },
-        [st, g, index](caf::error& err) { st->rank_failed(g, index, err); });
-    }
+  bool replaces_workers() const override {
+    return cfg.restart.max_restarts > 0;
   }
 
-  /// Rank `ranks[index]` of `g` answered `err`.
-  void rank_failed(const gather_ptr& g, size_t index, const caf::error& err) {
-    auto why = rank_error(*g, g->ranks[index], err);
-    if (cfg.restart.max_restarts > 0 && to_errc(why) == errc::worker_died)
-      hold(g, std::move(why));
-    else
-      finish(g, std::move(why));
-  }
-
-  /// The sink passed on the error of a direct gather's rank.
-  void direct_failed(uint64_t id, uint64_t index, const caf::error& err) {
-    auto i = pending.find(id);
-    if (i == pending.end() || i->second->direct->taken())
-      return;
-    auto g = i->second;
-    rank_failed(g, static_cast<size_t>(index), err);
-  }
-
-  /// Hands `g` its result: to `done`, or, for a direct gather, to the sink's `done` unless
-  /// the sink already finished it (the sink then forgets the replies still owed).
-  void conclude(gather& g, gather_result result) {
-    if (!g.direct) {
-      g.done(std::move(result));
-      return;
-    }
-    sink->forget(*g.direct);
-    if (claim(g))
-      g.direct->done(std::move(result));
-  }
-
-  /// Whether the supervisor has `g` to finish: always, unless it is a direct gather that
-  /// its last worker finished already. A claimed gather is the supervisor's for good.
-  static bool claim(gather& g) {
-    if (g.direct && !g.claimed)
-      g.claimed = g.direct->take();
-    return !g.direct || g.claimed;
-  }
-
-  /// Drops the direct gathers that their last worker finished.
-  void sweep() {
-    for (auto i = pending.begin(); i != pending.end();) {
-      auto& g = *i->second;
-      if (g.direct && !g.claimed && g.direct->taken()) { // every reply came: no key is left
-        g.finished = true;
-        i = pending.erase(i);
-      } else {
-        ++i;
-      }
-    }
-  }
-
-  /// How long a call that a worker's death failed waits for that death to be reported.
-  static constexpr auto settle_time = std::chrono::seconds(1);
-
-  /// Keeps `g` pending with `why` for `settle_time`: a worker reported that a peer is gone
-  /// (a collective it left), or a request found its worker gone, and the death that will
-  /// follow decides how the call fails.
-  void hold(const gather_ptr& g, caf::error why) {
-    if (g->finished || g->held)
-      return;
-    if (recovering) { // the death is known: the worker is being replaced
-      finish(g, work_lost());
-      return;
-    }
-    g->held = std::move(why);
-    g->settle_at = clock_type::now() + settle_time;
-    arm_deadline(g->settle_at);
-  }
-
-  void finish(const gather_ptr& g, gather_result result) {
-    if (g->finished)
-      return;
-    g->finished = true;
-    pending.erase(g->id);
-    conclude(*g, std::move(result));
+  caf::error work_lost() const override {
+    return recovering ? lost_work() : caf::error{};
   }
 
   /// Fails every pending call with `why`, which every later call also gets.
   void fail_all(caf::error why) {
     failure = std::move(why);
-    fail_pending(failure);
+    gathers->fail_all(failure);
     end_after_replacement(failure);
   }
 
@@ -505,55 +240,17 @@ struct supervisor_state {
   }
 
   /// What a call in flight at the death of the worker being replaced fails with.
-  caf::error work_lost() const {
+  caf::error lost_work() const {
     return caf::make_error(errc::worker_replaced, replacing_cause +
                                                     "; the call's work is lost, a replacement is "
                                                     "starting");
   }
 
-  /// Fails every pending call with `why`.
-  void fail_pending(const caf::error& why) {
-    auto calls = std::move(pending);
-    pending.clear();
-    for (auto& [id, g] : calls) {
-      g->finished = true;
-      conclude(*g, why);
-    }
-  }
-
-  /// Makes sure a deadline check reaches the supervisor by `at`. The deadlines of calls
-  /// are the supervisor's own, checked by one timer for all of them: a CAF 0.17 request
-  /// timeout stays in the actor clock, holding a reference to its sender, until it fires,
-  /// even when the reply came long before, so one per request grows memory with the call
-  /// rate.
-  void arm_deadline(clock_type::time_point at) {
-    if (timer_armed && timer_at <= at)
-      return;
-    timer_armed = true;
-    timer_at = at;
-    auto in = std::max(at - clock_type::now(), clock_type::duration::zero());
-    self->delayed_send(self, in, deadline_atom::value,
-                       static_cast<int64_t>(at.time_since_epoch().count()));
-  }
-
-  /// The timer set for `at` fired: fails the calls whose deadline passed, naming the first
-  /// rank that did not answer, and arms the timer for the next deadline.
+  /// The deadline timer fired: the gathers' deadlines, and those of calls waiting for a
+  /// replacement.
   void check_deadlines(int64_t at) {
-    if (timer_armed && timer_at.time_since_epoch().count() == at)
-      timer_armed = false;
-    sweep();
+    gathers->check_deadlines(at);
     auto now = clock_type::now();
-    std::vector<gather_ptr> expired;
-    std::vector<gather_ptr> settled;
-    for (auto& entry : pending) {
-      auto& g = entry.second;
-      if (g->held && g->settle_at <= now)
-        settled.push_back(g);
-      else if (!g->forever && g->deadline <= now)
-        expired.push_back(g);
-    }
-    for (auto& g : settled)
-      finish(g, g->held);
     // Calls that waited for a replacement as long as they may.
     auto late = std::stable_partition(waiting_calls.begin(), waiting_calls.end(),
                                       [&](const waiting_call& w) { return w.until > now; });
@@ -566,15 +263,7 @@ struct supervisor_state {
                          std::to_string(replacing) + ", which is still in progress"));
     for (auto& w : waiting_calls)
       if (w.until != clock_type::time_point::max())
-        arm_deadline(w.until);
-    for (auto& g : expired)
-      finish(g, rank_error(*g, first_silent_rank(*g), caf::sec::request_timeout));
-    for (auto& entry : pending) {
-      if (entry.second->held)
-        arm_deadline(entry.second->settle_at);
-      if (!entry.second->forever)
-        arm_deadline(entry.second->deadline);
-    }
+        gathers->arm_deadline(w.until);
   }
 
   std::vector<int32_t> all_ranks() const {
@@ -619,18 +308,18 @@ struct supervisor_state {
   promise<T> call_all(const std::string& method, caf::message args,
                       std::function<T(std::vector<caf::message>&)> reduce) {
     auto rp = self->template make_response_promise<T>();
-    start_gather(method, all_ranks(), calling(method, std::move(args)), cfg.rpc_timeout, 0,
-                 [=](gather_result res) mutable {
-                   if (!res) {
-                     rp.deliver(res.error());
-                     return;
-                   }
-                   try {
-                     rp.deliver(reduce(*res));
-                   } catch (const error& e) {
-                     rp.deliver(caf::make_error(e.code(), std::string{e.what()}));
-                   }
-                 });
+    gathers->start(method, all_ranks(), calling(method, std::move(args)), cfg.rpc_timeout, 0,
+                   [=](gather_result res) mutable {
+                     if (!res) {
+                       rp.deliver(res.error());
+                       return;
+                     }
+                     try {
+                       rp.deliver(reduce(*res));
+                     } catch (const error& e) {
+                       rp.deliver(caf::make_error(e.code(), std::string{e.what()}));
+                     }
+                   });
     return rp;
   }
 
@@ -692,7 +381,7 @@ struct supervisor_state {
     for (int32_t rank = 0; rank < world; ++rank)
       requests.push_back(init_request(rank));
     auto* st = this;
-    start_gather(
+    gathers->start(
       "init", all_ranks(), nullptr, cfg.startup_timeout, 0,
       [=](gather_result res) mutable {
         if (!res) {
@@ -734,18 +423,18 @@ struct supervisor_state {
       return;
     }
     auto* st = this;
-    start_gather("group", all_ranks(), asking(group_atom::value, handles(0)), cfg.startup_timeout,
-                 0, [st, then](gather_result res) {
-                   if (!res)
-                     return then(res.error());
-                   st->prepare_collective(then);
-                 });
+    gathers->start("group", all_ranks(), asking(group_atom::value, handles(0)), cfg.startup_timeout,
+                   0, [st, then](gather_result res) {
+                     if (!res)
+                       return then(res.error());
+                     st->prepare_collective(then);
+                   });
   }
 
   void prepare_collective(std::function<void(caf::error)> then) {
     auto* st = this;
     const std::string prepare = "prepare_collective";
-    start_gather(
+    gathers->start(
       prepare, all_ranks(), calling(prepare), cfg.startup_timeout, 0,
       [st, then, prepare](gather_result res) {
         if (!res)
@@ -762,10 +451,10 @@ struct supervisor_state {
         }
         if (!needed)
           return then(caf::none);
-        st->start_gather("connect_collective", st->all_ranks(),
-                         calling("connect_collective", caf::make_message(std::move(table))),
-                         st->cfg.startup_timeout, 0,
-                         [then](gather_result done) { then(done ? caf::none : done.error()); });
+        st->gathers->start("connect_collective", st->all_ranks(),
+                           calling("connect_collective", caf::make_message(std::move(table))),
+                           st->cfg.startup_timeout, 0,
+                           [then](gather_result done) { then(done ? caf::none : done.error()); });
       });
   }
 
@@ -775,10 +464,10 @@ struct supervisor_state {
                   reply_to<std::vector<caf::message>> reply) {
     auto label = "collective_rpc '" + method + "'";
     if (opts.max_concurrent_workers > 0)
-      start_gather(std::move(label), all_ranks(), calling(method, args, kwargs), timeout,
-                   static_cast<size_t>(opts.max_concurrent_workers), std::move(reply));
+      gathers->start(std::move(label), all_ranks(), calling(method, args, kwargs), timeout,
+                     static_cast<size_t>(opts.max_concurrent_workers), std::move(reply));
     else
-      start_direct_gather(
+      gathers->start_direct(
         std::move(label), all_ranks(),
         worker_request(call_atom::value, method, std::move(args), std::move(kwargs)), timeout,
         std::move(reply));
@@ -788,14 +477,14 @@ struct supervisor_state {
   promise<std::vector<caf::message>> collective(std::string label, ask_fn ask,
                                                 const rpc_options& opts) {
     auto rp = self->template make_response_promise<std::vector<caf::message>>();
-    start_gather(std::move(label), all_ranks(), std::move(ask), from_us(opts.timeout_us),
-                 static_cast<size_t>(std::max(opts.max_concurrent_workers, 0)),
-                 [=](gather_result res) mutable {
-                   if (res)
-                     rp.deliver(std::move(*res));
-                   else
-                     rp.deliver(res.error());
-                 });
+    gathers->start(std::move(label), all_ranks(), std::move(ask), from_us(opts.timeout_us),
+                   static_cast<size_t>(std::max(opts.max_concurrent_workers, 0)),
+                   [=](gather_result res) mutable {
+                     if (res)
+                       rp.deliver(std::move(*res));
+                     else
+                       rp.deliver(res.error());
+                   });
     return rp;
   }
 
@@ -870,41 +559,42 @@ struct supervisor_state {
           then();
       };
       for (auto rank : st->all_ranks())
-        st->start_gather("save_sharded_state", {rank}, finish(false), st->cfg.rpc_timeout, 0,
-                         [st, rank, finish, one_done](gather_result res) {
-                           if (res)
-                             return one_done();
-                           st->leftovers[rank].push_back({"save_sharded_state", finish(false)});
-                           if (!st->recovering || st->replacing != rank) {
-                             st->log->warn("rank {} did not remove its part of a failed save "
-                                           "({}): its next replacement will",
-                                           rank, render(res.error()));
-                             return one_done();
-                           }
-                           st->after_replacement.push_back([st, rank, one_done](caf::error failed) {
-                             if (failed)
+        st->gathers->start("save_sharded_state", {rank}, finish(false), st->cfg.rpc_timeout, 0,
+                           [st, rank, finish, one_done](gather_result res) {
+                             if (res)
                                return one_done();
-                             st->make_leftover_calls(rank, one_done);
+                             st->leftovers[rank].push_back({"save_sharded_state", finish(false)});
+                             if (!st->recovering || st->replacing != rank) {
+                               st->log->warn("rank {} did not remove its part of a failed save "
+                                             "({}): its next replacement will",
+                                             rank, render(res.error()));
+                               return one_done();
+                             }
+                             st->after_replacement.push_back(
+                               [st, rank, one_done](caf::error failed) {
+                                 if (failed)
+                                   return one_done();
+                                 st->make_leftover_calls(rank, one_done);
+                               });
                            });
-                         });
     };
     caf::settings staged;
     staged["staging"] = token;
-    start_gather("save_sharded_state", all_ranks(),
-                 calling("save_sharded_state", caf::make_message(req), std::move(staged)),
-                 cfg.rpc_timeout, 0, [=](gather_result res) mutable {
-                   if (!res) {
-                     clean_up([=, failure = res.error()]() mutable { rp.deliver(failure); });
-                     return;
-                   }
-                   st->start_gather("save_sharded_state", st->all_ranks(), finish(true),
-                                    st->cfg.rpc_timeout, 0, [=](gather_result done) mutable {
-                                      if (done)
-                                        rp.deliver(caf::ok_atom::value);
-                                      else
-                                        rp.deliver(done.error());
-                                    });
-                 });
+    gathers->start("save_sharded_state", all_ranks(),
+                   calling("save_sharded_state", caf::make_message(req), std::move(staged)),
+                   cfg.rpc_timeout, 0, [=](gather_result res) mutable {
+                     if (!res) {
+                       clean_up([=, failure = res.error()]() mutable { rp.deliver(failure); });
+                       return;
+                     }
+                     st->gathers->start("save_sharded_state", st->all_ranks(), finish(true),
+                                        st->cfg.rpc_timeout, 0, [=](gather_result done) mutable {
+                                          if (done)
+                                            rp.deliver(caf::ok_atom::value);
+                                          else
+                                            rp.deliver(done.error());
+                                        });
+                   });
     return rp;
   }
 
@@ -958,41 +648,42 @@ struct supervisor_state {
   void reconcile_adapters(const std::string& kind, std::function<void(caf::error)> next) {
     auto list = "list_" + kind + "s";
     auto* st = this;
-    start_gather("replacement: " + list, all_ranks(), calling(list), cfg.startup_timeout, 0,
-                 [st, kind, list, next](gather_result res) {
-                   if (!res)
-                     return next(res.error());
-                   std::vector<std::set<int64_t>> held;
-                   try {
-                     for (size_t rank = 0; rank < res->size(); ++rank) {
-                       auto ids = result_as<std::vector<int64_t>>((*res)[rank], rank, list);
-                       held.emplace_back(ids.begin(), ids.end());
-                     }
-                   } catch (const error& e) {
-                     return next(caf::make_error(e.code(), std::string{e.what()}));
-                   }
-                   auto common = held[0];
-                   for (auto& ids : held)
-                     for (auto i = common.begin(); i != common.end();)
-                       i = ids.count(*i) > 0 ? std::next(i) : common.erase(i);
-                   auto remove = "remove_" + kind;
-                   auto steps = std::make_shared<std::vector<step_fn>>();
-                   std::set<int64_t> partial;
-                   for (size_t rank = 0; rank < held.size(); ++rank)
-                     for (auto id : held[rank])
-                       if (common.count(id) == 0) {
-                         partial.insert(id);
-                         steps->push_back(st->gather_step(remove, {static_cast<int32_t>(rank)},
-                                                          calling(remove, caf::make_message(id))));
+    gathers->start("replacement: " + list, all_ranks(), calling(list), cfg.startup_timeout, 0,
+                   [st, kind, list, next](gather_result res) {
+                     if (!res)
+                       return next(res.error());
+                     std::vector<std::set<int64_t>> held;
+                     try {
+                       for (size_t rank = 0; rank < res->size(); ++rank) {
+                         auto ids = result_as<std::vector<int64_t>>((*res)[rank], rank, list);
+                         held.emplace_back(ids.begin(), ids.end());
                        }
-                   for (auto id : partial) {
-                     st->note_adapter_call(remove, {}, id);
-                     st->log->warn("{} {} was held by some ranks only after the replacement (a "
-                                   "call was in flight); removed from all",
-                                   kind, id);
-                   }
-                   st->run_steps(steps, 0, next);
-                 });
+                     } catch (const error& e) {
+                       return next(caf::make_error(e.code(), std::string{e.what()}));
+                     }
+                     auto common = held[0];
+                     for (auto& ids : held)
+                       for (auto i = common.begin(); i != common.end();)
+                         i = ids.count(*i) > 0 ? std::next(i) : common.erase(i);
+                     auto remove = "remove_" + kind;
+                     auto steps = std::make_shared<std::vector<step_fn>>();
+                     std::set<int64_t> partial;
+                     for (size_t rank = 0; rank < held.size(); ++rank)
+                       for (auto id : held[rank])
+                         if (common.count(id) == 0) {
+                           partial.insert(id);
+                           steps->push_back(
+                             st->gather_step(remove, {static_cast<int32_t>(rank)},
+                                             calling(remove, caf::make_message(id))));
+                         }
+                     for (auto id : partial) {
+                       st->note_adapter_call(remove, {}, id);
+                       st->log->warn("{} {} was held by some ranks only after the replacement (a "
+                                     "call was in flight); removed from all",
+                                     kind, id);
+                     }
+                     st->run_steps(steps, 0, next);
+                   });
   }
 
   /// list_loras / list_prompt_adapters: every worker must hold the same set.
@@ -1080,20 +771,20 @@ struct supervisor_state {
     start_loop();
     auto id = loop_id;
     auto* st = this;
-    start_direct_gather("execute_model", {0}, worker_request(execute_atom::value, std::move(req)),
-                        timeout, [reply, id, st](gather_result res) {
-                          if (!res) { // on the supervisor's thread
-                            st->abandon_loop(id);
-                            return reply(res.error());
-                          }
-                          try {
-                            auto& out = (*res)[0];
-                            (void)result_as<std::vector<sampler_output>>(out, 0, "execute_model");
-                            reply(std::move(out.get_mutable_as<std::vector<sampler_output>>(0)));
-                          } catch (const error& e) {
-                            reply(caf::make_error(e.code(), std::string{e.what()}));
-                          }
-                        });
+    gathers->start_direct("execute_model", {0}, worker_request(execute_atom::value, std::move(req)),
+                          timeout, [reply, id, st](gather_result res) {
+                            if (!res) { // on the supervisor's thread
+                              st->abandon_loop(id);
+                              return reply(res.error());
+                            }
+                            try {
+                              auto& out = (*res)[0];
+                              (void)result_as<std::vector<sampler_output>>(out, 0, "execute_model");
+                              reply(std::move(out.get_mutable_as<std::vector<sampler_output>>(0)));
+                            } catch (const error& e) {
+                              reply(caf::make_error(e.code(), std::string{e.what()}));
+                            }
+                          });
   }
 
   /// stop_remote_worker_execution_loop: answered when the loop's tasks have ended.
@@ -1114,14 +805,14 @@ struct supervisor_state {
     stop_waiters.push_back(rp);
     auto tasks = loop;
     auto* st = this;
-    start_gather("stop_remote_worker_execution_loop", {0},
-                 asking(execute_atom::value, stop_loop_atom::value, loop_id), cfg.rpc_timeout, 0,
-                 [st, tasks](gather_result res) {
-                   // The driver could not pass the stop on: end the loop's tasks here,
-                   // which also tells the peers to leave the loop.
-                   if (!res)
-                     st->finish(tasks, res.error());
-                 });
+    gathers->start("stop_remote_worker_execution_loop", {0},
+                   asking(execute_atom::value, stop_loop_atom::value, loop_id), cfg.rpc_timeout, 0,
+                   [st, tasks](gather_result res) {
+                     // The driver could not pass the stop on: end the loop's tasks here,
+                     // which also tells the peers to leave the loop.
+                     if (!res)
+                       st->gathers->finish(tasks, res.error());
+                   });
     return rp;
   }
 
@@ -1132,8 +823,8 @@ struct supervisor_state {
     auto* st = this;
     // The tasks end only when the loop is stopped; a dead worker still fails them at once.
     auto g =
-      start_gather("execution loop", peer_ranks(), asking(loop_atom::value, id), wait_forever, 0,
-                   [st, id](gather_result res) { st->loop_ended(id, std::move(res)); });
+      gathers->start("execution loop", peer_ranks(), asking(loop_atom::value, id), wait_forever, 0,
+                     [st, id](gather_result res) { st->loop_ended(id, std::move(res)); });
     if (!g->finished)
       loop = g;
   }
@@ -1252,19 +943,19 @@ struct supervisor_state {
     transition = true;
     auto start = clock_type::now();
     auto* st = this;
-    start_gather(method, all_ranks(), calling(method, args(verdict)), cfg.rpc_timeout, 0,
-                 [=](gather_result res) mutable {
-                   st->transition = false;
-                   auto err = res ? caf::error{} : res.error();
-                   commit(verdict, err);
-                   if (err) {
-                     rp.deliver(err);
-                     return;
-                   }
-                   std::chrono::duration<double> seconds = clock_type::now() - start;
-                   st->log->info("{}", took(verdict, seconds.count()));
-                   rp.deliver(caf::ok_atom::value);
-                 });
+    gathers->start(method, all_ranks(), calling(method, args(verdict)), cfg.rpc_timeout, 0,
+                   [=](gather_result res) mutable {
+                     st->transition = false;
+                     auto err = res ? caf::error{} : res.error();
+                     commit(verdict, err);
+                     if (err) {
+                       rp.deliver(err);
+                       return;
+                     }
+                     std::chrono::duration<double> seconds = clock_type::now() - start;
+                     st->log->info("{}", took(verdict, seconds.count()));
+                     rp.deliver(caf::ok_atom::value);
+                   });
     return rp;
   }
 
@@ -1324,7 +1015,7 @@ struct supervisor_state {
   }
 
   /// Where `rank`'s messages go: the stub of its call link, if it has one, else the worker.
-  worker_actor target(size_t rank) const {
+  worker_actor target(size_t rank) const override {
     return stubs[rank] ? caf::actor_cast<worker_actor>(stubs[rank]) : workers[rank];
   }
 
@@ -1459,8 +1150,8 @@ struct supervisor_state {
   step_fn gather_step(std::string label, std::vector<int32_t> ranks, ask_fn ask) {
     auto* st = this;
     return [st, label, ranks, ask](std::function<void(caf::error)> next) {
-      st->start_gather("replacement: " + label, ranks, ask, st->cfg.startup_timeout, 0,
-                       [next](gather_result res) { next(res ? caf::none : res.error()); });
+      st->gathers->start("replacement: " + label, ranks, ask, st->cfg.startup_timeout, 0,
+                         [next](gather_result res) { next(res ? caf::none : res.error()); });
     };
   }
 
@@ -1476,15 +1167,12 @@ struct supervisor_state {
     replacing_started = clock_type::now();
     restarts.push_back(replacing_started);
     log->warn("{}; replacing it", cause);
-    auto lost = work_lost();
-    // A step in flight tells the engine that the KV cache is gone; without one, the next
-    // step does.
-    kv_lost = true;
+    auto lost = lost_work();
+    // A step in flight tells the engine that the KV cache is gone (it fails below);
+    // without one, the next step does.
+    kv_lost = !gathers->claim_any("execute_model");
     tables_lost = true;
-    for (auto& entry : pending)
-      if (entry.second->label == "execute_model" && claim(*entry.second))
-        kv_lost = false; // and the step fails below
-    fail_pending(lost);
+    gathers->fail_all(lost);
     // The execution loop ended with the death; the survivors leave it.
     if (loop)
       tell_peers_to_leave(loop_id);
@@ -1623,14 +1311,14 @@ struct supervisor_state {
     auto left = std::make_shared<size_t>(calls.size());
     auto* st = this;
     for (auto& call : calls)
-      start_gather("replacement: " + call.label, {rank}, call.ask, cfg.startup_timeout, 0,
-                   [st, rank, label = call.label, left, then](gather_result res) {
-                     if (!res)
-                       st->log->warn("rank {}: the {} its predecessor left failed: {}", rank, label,
-                                     render(res.error()));
-                     if (--*left == 0)
-                       then();
-                   });
+      gathers->start("replacement: " + call.label, {rank}, call.ask, cfg.startup_timeout, 0,
+                     [st, rank, label = call.label, left, then](gather_result res) {
+                       if (!res)
+                         st->log->warn("rank {}: the {} its predecessor left failed: {}", rank,
+                                       label, render(res.error()));
+                       if (--*left == 0)
+                         then();
+                     });
   }
 
   void end_replacement(int32_t rank, caf::error err) {
@@ -1664,7 +1352,7 @@ struct supervisor_state {
       auto at = until.value_or(clock_type::time_point::max());
       if (!until && call.timeout != wait_forever) {
         at = clock_type::now() + call.timeout;
-        arm_deadline(at);
+        gathers->arm_deadline(at);
       }
       waiting_calls.push_back({std::move(call), at});
       return;
@@ -1719,6 +1407,7 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
   st.workers = std::move(workers);
   st.places = std::move(places);
   st.sink = std::make_unique<reply_sink>(self->system(), caf::actor_cast<caf::actor>(self));
+  st.gathers = std::make_unique<gather_table>(self, st, *st.sink);
   st.stubs.resize(st.workers.size());
   for (size_t rank = 0; rank < st.workers.size(); ++rank)
     st.use_link(rank);
@@ -1752,7 +1441,7 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
     [self](async_call& call) { self->state.run_call(std::move(call)); },
     [self](replace_atom, int32_t rank) { self->state.start_replacement(rank); },
     [self](reply_error_atom, uint64_t id, uint64_t index, caf::error& err) {
-      self->state.direct_failed(id, index, err);
+      self->state.gathers->direct_failed(id, index, err);
     },
   };
 }
