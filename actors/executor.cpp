@@ -4,7 +4,7 @@
 #include "troupe/executor.hpp"
 
 #include "actors/caller_unit.hpp"
-#include "actors/executor_actor.hpp"
+#include "actors/supervisor.hpp"
 #include "actors/cluster/lease.hpp"
 #include "actors/linger.hpp"
 #include "kernels/log.hpp"

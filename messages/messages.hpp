@@ -41,7 +41,7 @@ struct local_call {
 };
 
 /// What an `async_call` gets to make its request with; defined by the supervisor
-/// (`actors/executor_actor.hpp`).
+/// (`actors/supervisor.hpp`).
 struct supervisor_access;
 
 /// A call of the facade. The host thread hands it to the supervisor (and runs the

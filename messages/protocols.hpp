@@ -45,7 +45,7 @@ using worker_actor = caf::typed_actor<
   /// sleeps.
   caf::reacts_to<linger_atom>>;
 
-/// The supervisor of an executor (`actors/executor_actor`), as the facade
+/// The supervisor of an executor (`actors/supervisor`), as the facade
 /// (`actors/executor.cpp`) talks to it.
 using supervisor_actor = caf::typed_actor<
   /// Starts every worker; their infos in rank order.
@@ -73,7 +73,7 @@ using supervisor_actor = caf::typed_actor<
   /// The replacement under way ("recovering rank N (cause)"), or empty; answered at once.
   caf::replies_to<recovery_atom>::with<std::string>,
   caf::replies_to<health_atom>::with<std::vector<worker_health>>,
-  /// The supervisor's own deadline timer (see `executor_actor.cpp`).
+  /// The supervisor's own deadline timer (see `supervisor.cpp`).
   caf::reacts_to<deadline_atom, int64_t>,
   /// A call of the facade's async API (see `async_call`).
   caf::reacts_to<async_call>,

@@ -6,7 +6,7 @@
 #   actors          messages/, include/, and of kernels/ the device interface and the log
 #                   (the named loggers, kernels/log.hpp, which model/ uses too); in it,
 #                   actors/cluster/ (nodes, their gateway and leases, call links) is a floor
-#                   of its own: the supervisor (executor, executor_actor, caller_unit) uses it,
+#                   of its own: the supervisor (executor, supervisor, caller_unit) uses it,
 #                   and it uses only the workers' part of actors/ (worker_actor, teardown,
 #                   linger, companion)
 #   model           kernels/, include/
@@ -59,7 +59,7 @@ for rule in "${rules[@]}"; do
              xargs -0 -r grep -Hn '^[[:space:]]*#[[:space:]]*include[[:space:]]*["<]' || true)
 done
 # Of actors/, only the supervisor's files stand above actors/cluster/.
-supervisor='^actors/(executor|executor_actor|caller_unit)\.(hpp|cpp)$'
+supervisor='^actors/(executor|supervisor|caller_unit)\.(hpp|cpp)$'
 while IFS= read -r hit; do
   [[ -z $hit || ${hit%%:*} =~ $supervisor ]] && continue
   echo "upward include: ${hit%%:#*} includes actors/cluster/ (only the supervisor's files may)"

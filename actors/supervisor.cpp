@@ -1,8 +1,9 @@
-// The supervisor actor of an executor: scatter-gather, supervision, the distributed
-// execution loop and the sleep state machine. Its interface is `supervisor_actor`
+// The supervisor actor of an executor: supervision and the replacement of dead workers,
+// the distributed execution loop and the sleep state machine, over the calls in flight of
+// its `gather_table` (actors/gather_table). Its interface is `supervisor_actor`
 // (messages/protocols.hpp); each handler calls one member function of its state.
 
-#include "actors/executor_actor.hpp"
+#include "actors/supervisor.hpp"
 
 #include "actors/companion.hpp"
 #include "actors/gather_table.hpp"
