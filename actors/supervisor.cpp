@@ -7,6 +7,7 @@
 
 #include "actors/companion.hpp"
 #include "actors/gather_table.hpp"
+#include "actors/recovery.hpp"
 #include "actors/cluster/lease.hpp"
 
 #include "kernels/log.hpp"
@@ -99,7 +100,7 @@ void lease_one(caf::blocking_actor* self, executor_config cfg, std::vector<node_
 
 } // namespace
 
-struct supervisor_state : gather_host {
+struct supervisor_state : gather_host, recovery_host {
   supervisor_self self = nullptr;
   executor_config cfg;
   std::vector<worker_actor> workers;
@@ -145,42 +146,16 @@ struct supervisor_state : gather_host {
     int64_t id = 0;
   };
   std::vector<adapter_call> adapter_calls;
-  /// When the replacements within the restart window happened.
-  std::deque<clock_type::time_point> restarts;
-  /// Replacements so far, by rank (reported by check_health).
-  std::vector<int32_t> rank_restarts;
-  /// A worker is being replaced (rank `replacing`, dead of `replacing_cause`): calls that
-  /// arrive wait in `waiting_calls` until it is done or their time is up.
-  bool recovering = false;
-  int32_t replacing = -1;
-  /// The dead worker of `replacing` is still in `workers`: its replacement is not up yet.
-  bool dead_in_place = false;
-  std::string replacing_cause;
-  clock_type::time_point replacing_started;
   /// A worker was replaced while no step was in flight: the next execute_model fails with
   /// `worker_replaced`, so that the engine learns that the KV cache is gone.
   bool kv_lost = false;
   /// A worker was replaced, and no step since sent every block table whole: steps that
   /// send only new blocks were made before it and are refused.
   bool tables_lost = false;
-  struct waiting_call {
-    async_call call;
-    /// `time_point::max()` when the call may wait for ever.
-    clock_type::time_point until;
-  };
-  std::vector<waiting_call> waiting_calls;
   /// Nodes (host, port) on which a worker died: tried last for later replacements.
   std::set<std::pair<std::string, uint16_t>> lost_nodes;
-  /// What waits for the replacement in progress to end (with its error, if it failed):
-  /// work the dead rank left behind, for its replacement to finish.
-  std::vector<std::function<void(caf::error)>> after_replacement;
-  /// A call that a rank could not make, for its next replacement to make first (a save's
-  /// staged part it did not remove: same rank, same folder).
-  struct leftover {
-    std::string label;
-    ask_fn ask;
-  };
-  std::map<int32_t, std::vector<leftover>> leftovers;
+  /// Where a replacement stands, and what waits for it (made with `gathers`).
+  std::unique_ptr<recovery> recov;
   /// Where the workers' replies of direct gathers go.
   std::unique_ptr<reply_sink> sink;
   /// The call links, which blocking callers read too.
@@ -208,11 +183,12 @@ struct supervisor_state : gather_host {
   caf::error refusal(const gather& g) override {
     if (failure)
       return failure;
-    if (dead_in_place && std::find(g.ranks.begin(), g.ranks.end(), replacing) != g.ranks.end()) {
+    if (recov->dead_in_place() &&
+        std::find(g.ranks.begin(), g.ranks.end(), recov->rank()) != g.ranks.end()) {
       // What is sent to a dead worker is never answered.
       if (g.label == "execute_model")
         kv_lost = false; // this step tells the engine
-      return lost_work();
+      return recov->lost_work();
     }
     return {};
   }
@@ -222,49 +198,21 @@ struct supervisor_state : gather_host {
   }
 
   caf::error work_lost() const override {
-    return recovering ? lost_work() : caf::error{};
+    return recov->under_way() ? recov->lost_work() : caf::error{};
   }
 
   /// Fails every pending call with `why`, which every later call also gets.
   void fail_all(caf::error why) {
     failure = std::move(why);
     gathers->fail_all(failure);
-    end_after_replacement(failure);
-  }
-
-  /// Runs what waited for the replacement (`failed`: why there is none).
-  void end_after_replacement(const caf::error& failed) {
-    auto hooks = std::move(after_replacement);
-    after_replacement.clear();
-    for (auto& hook : hooks)
-      hook(failed);
-  }
-
-  /// What a call in flight at the death of the worker being replaced fails with.
-  caf::error lost_work() const {
-    return caf::make_error(errc::worker_replaced, replacing_cause +
-                                                    "; the call's work is lost, a replacement is "
-                                                    "starting");
+    recov->run_hooks(failure);
   }
 
   /// The deadline timer fired: the gathers' deadlines, and those of calls waiting for a
   /// replacement.
   void check_deadlines(int64_t at) {
     gathers->check_deadlines(at);
-    auto now = clock_type::now();
-    // Calls that waited for a replacement as long as they may.
-    auto late = std::stable_partition(waiting_calls.begin(), waiting_calls.end(),
-                                      [&](const waiting_call& w) { return w.until > now; });
-    std::vector<waiting_call> gone(std::make_move_iterator(late),
-                                   std::make_move_iterator(waiting_calls.end()));
-    waiting_calls.erase(late, waiting_calls.end());
-    for (auto& w : gone)
-      w.call.fail(caf::make_error(
-        errc::timeout, "waited " + ms_text(w.call.timeout) + " for the replacement of rank " +
-                         std::to_string(replacing) + ", which is still in progress"));
-    for (auto& w : waiting_calls)
-      if (w.until != clock_type::time_point::max())
-        gathers->arm_deadline(w.until);
+    recov->expire_waiting(clock_type::now());
   }
 
   std::vector<int32_t> all_ranks() const {
@@ -365,7 +313,7 @@ struct supervisor_state : gather_host {
     std::vector<ask_fn> requests;
     int32_t local_index = 0;
     contexts.clear();
-    rank_restarts.assign(workers.size(), 0);
+    recov->started(workers.size());
     for (int32_t rank = 0; rank < world; ++rank) {
       worker_context ctx;
       ctx.rank = rank;
@@ -564,19 +512,18 @@ struct supervisor_state : gather_host {
                            [st, rank, finish, one_done](gather_result res) {
                              if (res)
                                return one_done();
-                             st->leftovers[rank].push_back({"save_sharded_state", finish(false)});
-                             if (!st->recovering || st->replacing != rank) {
+                             st->recov->leave(rank, "save_sharded_state", finish(false));
+                             if (!st->recov->under_way() || st->recov->rank() != rank) {
                                st->log->warn("rank {} did not remove its part of a failed save "
                                              "({}): its next replacement will",
                                              rank, render(res.error()));
                                return one_done();
                              }
-                             st->after_replacement.push_back(
-                               [st, rank, one_done](caf::error failed) {
-                                 if (failed)
-                                   return one_done();
-                                 st->make_leftover_calls(rank, one_done);
-                               });
+                             st->recov->after([st, rank, one_done](caf::error failed) {
+                               if (failed)
+                                 return one_done();
+                               st->recov->make_leftover_calls(rank, one_done);
+                             });
                            });
     };
     caf::settings staged;
@@ -673,9 +620,9 @@ struct supervisor_state : gather_host {
                        for (auto id : held[rank])
                          if (common.count(id) == 0) {
                            partial.insert(id);
-                           steps->push_back(
-                             st->gather_step(remove, {static_cast<int32_t>(rank)},
-                                             calling(remove, caf::make_message(id))));
+                           steps->push_back(gather_step(
+                             *st->gathers, remove, {static_cast<int32_t>(rank)},
+                             calling(remove, caf::make_message(id)), st->cfg.startup_timeout));
                          }
                      for (auto id : partial) {
                        st->note_adapter_call(remove, {}, id);
@@ -683,7 +630,7 @@ struct supervisor_state : gather_host {
                                      "call was in flight); removed from all",
                                      kind, id);
                      }
-                     st->run_steps(steps, 0, next);
+                     run_steps(steps, next);
                    });
   }
 
@@ -718,8 +665,7 @@ struct supervisor_state : gather_host {
         std::string unhealthy;
         for (size_t rank = 0; rank < results.size(); ++rank) {
           reports.push_back(result_as<worker_health>(results[rank], rank, method));
-          if (rank < st->rank_restarts.size())
-            reports.back().restarts = st->rank_restarts[rank];
+          reports.back().restarts = st->recov->restarts(rank);
           if (!reports.back().healthy)
             unhealthy += (unhealthy.empty() ? "rank " : "; rank ") + std::to_string(rank) + ": " +
                          reports.back().detail;
@@ -753,8 +699,8 @@ struct supervisor_state : gather_host {
     if (kv_lost) {
       kv_lost = false;
       return reply(caf::make_error(errc::worker_replaced,
-                                   replacing_cause + "; it was replaced and the KV cache went "
-                                                     "with it: compute the requests again"));
+                                   recov->cause() + "; it was replaced and the KV cache went "
+                                                    "with it: compute the requests again"));
     }
     if (tables_lost && req.keep_block_tables) {
       // A step made before the replacement (sent ahead of the step that learned of it)
@@ -764,9 +710,9 @@ struct supervisor_state : gather_host {
         for (auto& seq : g.seqs)
           if (seq.first_block != 0)
             return reply(caf::make_error(errc::worker_replaced,
-                                         replacing_cause + "; a step made before the "
-                                                           "replacement: compute the requests "
-                                                           "again"));
+                                         recov->cause() + "; a step made before the "
+                                                          "replacement: compute the requests "
+                                                          "again"));
       tables_lost = false;
     }
     start_loop();
@@ -961,12 +907,8 @@ struct supervisor_state : gather_host {
   }
 
   /// The replacement under way, in words; empty when none is.
-  std::string recovery() const {
-    if (!recovering)
-      return {};
-    std::chrono::duration<double> took = clock_type::now() - replacing_started;
-    return fmt::format("recovering rank {} for {:.1f} s ({})", replacing, took.count(),
-                       replacing_cause);
+  std::string recovery_status() const {
+    return recov->status();
   }
 
   /// The sleeping tags by name; empty when awake (vLLM's is_sleeping is "any tag sleeps").
@@ -1096,7 +1038,7 @@ struct supervisor_state : gather_host {
     if (cfg.restart.max_restarts > 0) {
       auto refusal = cannot_replace(rank);
       if (refusal.empty()) {
-        replace(rank, cause);
+        recov->begin(rank, cause);
         return;
       }
       cause += "; not replaced: " + refusal;
@@ -1105,7 +1047,7 @@ struct supervisor_state : gather_host {
     log->error("{}", render(failure));
   }
 
-  // -- replacing a worker -------------------------------------------------------------
+  // -- replacing a worker (what `recovery` asks of the supervisor) ----------------------
 
   /// Why a dead `rank` cannot be replaced under the restart policy; empty when it can.
   std::string cannot_replace(int32_t rank) {
@@ -1117,58 +1059,10 @@ struct supervisor_state : gather_host {
     if (!local && places[static_cast<size_t>(rank)].kind != "node" && !factory)
       return "a worker published on its own is replaced by one of this process, and there "
              "is no worker factory to make it";
-    if (recovering)
-      return "it died while another worker was being replaced";
-    auto now = clock_type::now();
-    while (!restarts.empty() && now - restarts.front() >= cfg.restart.window)
-      restarts.pop_front();
-    if (static_cast<int32_t>(restarts.size()) >= cfg.restart.max_restarts)
-      return std::to_string(restarts.size()) + " replacement(s) within the last " +
-             ms_text(cfg.restart.window) + " already (max_restarts " +
-             std::to_string(cfg.restart.max_restarts) + ")";
-    return {};
+    return recov->refusal();
   }
 
-  using step_fn = std::function<void(std::function<void(caf::error)>)>;
-
-  /// Runs `steps` one after another; `done` gets the first error, or none.
-  void run_steps(std::shared_ptr<std::vector<step_fn>> steps, size_t i,
-                 std::function<void(caf::error)> done) {
-    if (i == steps->size()) {
-      done(caf::none);
-      return;
-    }
-    auto* st = this;
-    (*steps)[i]([st, steps, i, done](caf::error err) {
-      if (err)
-        done(std::move(err));
-      else
-        st->run_steps(steps, i + 1, done);
-    });
-  }
-
-  /// A gather of `ask` on `ranks` as a step of a replacement.
-  step_fn gather_step(std::string label, std::vector<int32_t> ranks, ask_fn ask) {
-    auto* st = this;
-    return [st, label, ranks, ask](std::function<void(caf::error)> next) {
-      st->gathers->start("replacement: " + label, ranks, ask, st->cfg.startup_timeout, 0,
-                         [next](gather_result res) { next(res ? caf::none : res.error()); });
-    };
-  }
-
-  /// Replaces the dead `rank` with a new worker of this process and brings it to the
-  /// others' state: model, the driver's peers, the tensor-parallel group (re-formed by all
-  /// ranks), KV-cache blocks, adapters. The calls in flight fail with `worker_replaced`;
-  /// calls that arrive meanwhile wait and run once it is done.
-  void replace(int32_t rank, const std::string& cause) {
-    recovering = true;
-    replacing = rank;
-    dead_in_place = true;
-    replacing_cause = cause;
-    replacing_started = clock_type::now();
-    restarts.push_back(replacing_started);
-    log->warn("{}; replacing it", cause);
-    auto lost = lost_work();
+  void lose_work(int32_t, const caf::error& lost) override {
     // A step in flight tells the engine that the KV cache is gone (it fails below);
     // without one, the next step does.
     kv_lost = !gathers->claim_any("execute_model");
@@ -1180,43 +1074,43 @@ struct supervisor_state : gather_host {
     loop.reset();
     loop_error = caf::error{};
     wake_stop_waiters(lost);
-    // Requests already in the mailbox run first (and fail: their rank is gone); calls made
-    // from now on wait for the replacement.
+  }
+
+  void start_later(int32_t rank) override {
     self->send(self, replace_atom::value, rank);
   }
 
-  /// Spawns (or leases) the replacement of `rank` and brings it to the others' state.
-  void start_replacement(int32_t rank) {
-    if (!recovering || failure)
-      return; // not asked for, or the executor failed meanwhile
+  /// A worker of this process takes the place of one of this process, or of one published
+  /// on its own (which nothing here can start again); a node's is leased
+  /// (`lease_replacement`).
+  void make_worker(int32_t rank, std::function<void(worker_actor)> made,
+                   std::function<void(caf::error)> failed) override {
     auto& place = places[static_cast<size_t>(rank)];
     if (place.kind == "node") {
-      lease_replacement(rank);
+      lease_replacement(rank, std::move(made), std::move(failed));
       return;
     }
-    // A worker of this process takes the place of one of this process, or of one
-    // published on its own (which nothing here can start again).
     place = worker_place{};
     worker_actor fresh;
     try {
       fresh = spawn_worker(self->system(), factory);
     } catch (const std::exception& e) {
-      end_replacement(rank,
-                      caf::make_error(errc::worker_died, std::string{"cannot spawn: "} + e.what()));
+      failed(caf::make_error(errc::worker_died, std::string{"cannot spawn: "} + e.what()));
       return;
     }
     {
       std::lock_guard<std::mutex> lk{replacements->mtx};
       replacements->workers.push_back(fresh);
     }
-    bring_up(rank, fresh);
+    made(fresh);
   }
 
   /// Leases the replacement of `rank`, which a node gave: from that node if it is back,
   /// else from the first spare node that gives one, else from another of the executor's
   /// nodes with a free device. A helper does it on a thread of its own, as connecting
   /// blocks; this actor goes on meanwhile.
-  void lease_replacement(int32_t rank) {
+  void lease_replacement(int32_t rank, std::function<void(worker_actor)> made,
+                         std::function<void(caf::error)> failed) {
     auto& dead = places[static_cast<size_t>(rank)];
     std::vector<node_address> candidates{{dead.host, dead.port, 1}};
     for (auto* list : {&cfg.spare_nodes, &cfg.nodes})
@@ -1240,8 +1134,8 @@ struct supervisor_state : gather_host {
     auto* st = this;
     self->request(helper, caf::infinite, lease_atom::value)
       .then(
-        [st, rank, candidates, link](caf::actor& leased, int32_t which) {
-          if (!st->recovering || st->failure)
+        [st, rank, candidates, link, made](caf::actor& leased, int32_t which) {
+          if (!st->recov->under_way() || st->failure)
             return; // the lease ends with the holder
           auto fresh = caf::actor_cast<worker_actor>(leased);
           auto& n = candidates[static_cast<size_t>(which)];
@@ -1250,114 +1144,83 @@ struct supervisor_state : gather_host {
             std::lock_guard<std::mutex> lk{st->replacements->mtx};
             st->replacements->leased.push_back(fresh);
           }
-          st->bring_up(rank, fresh);
+          made(fresh);
         },
-        [st, rank](caf::error& err) {
-          if (st->recovering && !st->failure)
-            st->end_replacement(rank, std::move(err));
+        [st, failed](caf::error& err) {
+          if (st->recov->under_way() && !st->failure)
+            failed(std::move(err));
         });
   }
 
-  /// Puts `fresh` in the place of the dead `rank` and brings it to the others' state.
-  void bring_up(int32_t rank, worker_actor fresh) {
+  void install(int32_t rank, worker_actor fresh) override {
     self->monitor(fresh);
     workers[static_cast<size_t>(rank)] = fresh;
-    dead_in_place = false;
     use_link(static_cast<size_t>(rank));
-    auto steps = std::make_shared<std::vector<step_fn>>();
-    steps->push_back(gather_step("init", {rank}, init_request(rank)));
-    if (rank != 0)
-      steps->push_back(
-        gather_step("the driver's peers", {0}, asking(peers_atom::value, peer_handles())));
+  }
+
+  /// Brings the worker in `rank`'s place to the others' state: model, the driver's peers,
+  /// what its predecessor left, the weight updates, the tensor-parallel group (re-formed
+  /// by all ranks), KV-cache blocks, adapters, sleep.
+  std::vector<step_fn> catch_up(int32_t rank) override {
+    std::vector<step_fn> steps;
     auto* st = this;
-    steps->push_back([st, rank](std::function<void(caf::error)> next) {
-      st->make_leftover_calls(rank, [next] { next(caf::none); });
+    auto step = [st](std::string label, std::vector<int32_t> ranks, ask_fn ask) {
+      return gather_step(*st->gathers, std::move(label), std::move(ranks), std::move(ask),
+                         st->cfg.startup_timeout);
+    };
+    steps.push_back(step("init", {rank}, init_request(rank)));
+    if (rank != 0)
+      steps.push_back(step("the driver's peers", {0}, asking(peers_atom::value, peer_handles())));
+    steps.push_back([st, rank](std::function<void(caf::error)> next) {
+      st->recov->make_leftover_calls(rank, [next] { next(caf::none); });
     });
     if (cfg.replacement_calls)
       for (auto& c : cfg.replacement_calls())
-        steps->push_back(gather_step(c.method, {rank}, calling(c.method, c.args, c.kwargs)));
-    steps->push_back([st](std::function<void(caf::error)> next) { st->form_collective(next); });
+        steps.push_back(step(c.method, {rank}, calling(c.method, c.args, c.kwargs)));
+    steps.push_back([st](std::function<void(caf::error)> next) { st->form_collective(next); });
     if (cache)
-      steps->push_back(gather_step("initialize_cache", {rank},
-                                   calling("initialize_cache", caf::make_message(*cache))));
+      steps.push_back(
+        step("initialize_cache", {rank}, calling("initialize_cache", caf::make_message(*cache))));
     for (auto& call : adapter_calls)
-      steps->push_back(gather_step(call.method, {rank}, calling(call.method, call.args)));
+      steps.push_back(step(call.method, {rank}, calling(call.method, call.args)));
     for (std::string kind : {"lora", "prompt_adapter"})
-      steps->push_back(
+      steps.push_back(
         [st, kind](std::function<void(caf::error)> next) { st->reconcile_adapters(kind, next); });
     // The same sleep as the others: asleep at their level, with the tags they woke awake.
     if (sleep.is_sleeping()) {
       sleep_request asleep{to_sleep_level(sleep.level())};
-      steps->push_back(gather_step("sleep", {rank}, calling("sleep", caf::make_message(asleep))));
+      steps.push_back(step("sleep", {rank}, calling("sleep", caf::make_message(asleep))));
       auto sleeping = sleep.sleeping_tags();
       wake_request woken;
       for (auto tag : all_memory_tags)
         if (std::find(sleeping.begin(), sleeping.end(), tag) == sleeping.end())
           woken.tags.push_back(tag);
       if (!woken.tags.empty())
-        steps->push_back(
-          gather_step("wake_up", {rank}, calling("wake_up", caf::make_message(woken))));
+        steps.push_back(step("wake_up", {rank}, calling("wake_up", caf::make_message(woken))));
     }
-    run_steps(steps, 0, [st, rank](caf::error err) { st->end_replacement(rank, std::move(err)); });
+    return steps;
   }
 
-  /// Makes the calls that `rank` left (`leftovers`) on the worker now in its place, then
-  /// `then`. A failed one is logged and not made again: what it would have removed stays.
-  void make_leftover_calls(int32_t rank, std::function<void()> then) {
-    auto found = leftovers.find(rank);
-    if (found == leftovers.end())
-      return then();
-    auto calls = std::move(found->second);
-    leftovers.erase(found);
-    auto left = std::make_shared<size_t>(calls.size());
-    auto* st = this;
-    for (auto& call : calls)
-      gathers->start("replacement: " + call.label, {rank}, call.ask, cfg.startup_timeout, 0,
-                     [st, rank, label = call.label, left, then](gather_result res) {
-                       if (!res)
-                         st->log->warn("rank {}: the {} its predecessor left failed: {}", rank,
-                                       label, render(res.error()));
-                       if (--*left == 0)
-                         then();
-                     });
+  caf::error fail(caf::error why) override {
+    if (!failure)
+      fail_all(std::move(why));
+    return failure;
   }
 
-  void end_replacement(int32_t rank, caf::error err) {
-    recovering = false;
-    dead_in_place = false;
-    if (err) {
-      if (!failure)
-        fail_all(caf::make_error(errc::worker_died,
-                                 replacing_cause + "; its replacement failed: " + render(err)));
-      log->error("{}", render(failure));
-    } else {
-      ++rank_restarts[static_cast<size_t>(rank)];
-      auto ms =
-        std::chrono::duration<double, std::milli>(clock_type::now() - replacing_started).count();
-      auto& place = places[static_cast<size_t>(rank)];
-      log->warn("rank {} replaced in {:.1f} ms, {} (replacement {} of this rank) after: {}", rank,
-                ms, place.host.empty() ? "in this process" : "on " + place_name(place),
-                rank_restarts[static_cast<size_t>(rank)], replacing_cause);
-    }
-    end_after_replacement(err ? failure : caf::error{});
-    auto calls = std::move(waiting_calls);
-    waiting_calls.clear();
-    for (auto& w : calls)
-      run_call(std::move(w.call), w.until);
+  std::string whereabouts(int32_t rank) const override {
+    auto& place = places[static_cast<size_t>(rank)];
+    return place.host.empty() ? "in this process" : "on " + place_name(place);
+  }
+
+  void resume(async_call call, clock_type::time_point until) override {
+    run_call(std::move(call), until);
   }
 
   /// A call of the facade: made now, or once the replacement in progress is done. `until`:
   /// its deadline, once it has waited (it then gets only what is left of it).
   void run_call(async_call call, std::optional<clock_type::time_point> until = std::nullopt) {
-    if (recovering && !call.admitted) {
-      auto at = until.value_or(clock_type::time_point::max());
-      if (!until && call.timeout != wait_forever) {
-        at = clock_type::now() + call.timeout;
-        gathers->arm_deadline(at);
-      }
-      waiting_calls.push_back({std::move(call), at});
+    if (recov->defer(call, until))
       return;
-    }
     supervisor_access access{self, this};
     if (until && *until != clock_type::time_point::max())
       access.left = std::max(std::chrono::duration_cast<timeout_type>(*until - clock_type::now()),
@@ -1409,6 +1272,8 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
   st.places = std::move(places);
   st.sink = std::make_unique<reply_sink>(self->system(), caf::actor_cast<caf::actor>(self));
   st.gathers = std::make_unique<gather_table>(self, st, *st.sink);
+  st.recov =
+    std::make_unique<recovery>(st, *st.gathers, st.cfg.restart, st.cfg.startup_timeout, st.log);
   st.stubs.resize(st.workers.size());
   for (size_t rank = 0; rank < st.workers.size(); ++rank)
     st.use_link(rank);
@@ -1436,11 +1301,14 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
       return self->state.wake_up(std::move(tags));
     },
     [self](sleep_state_atom) { return self->state.sleeping_tag_names(); },
-    [self](recovery_atom) { return self->state.recovery(); },
+    [self](recovery_atom) { return self->state.recovery_status(); },
     [self](health_atom) { return self->state.check_health(); },
     [self](deadline_atom, int64_t at) { self->state.check_deadlines(at); },
     [self](async_call& call) { self->state.run_call(std::move(call)); },
-    [self](replace_atom, int32_t rank) { self->state.start_replacement(rank); },
+    [self](replace_atom, int32_t rank) {
+      if (!self->state.failure)
+        self->state.recov->start(rank);
+    },
     [self](reply_error_atom, uint64_t id, uint64_t index, caf::error& err) {
       self->state.gathers->direct_failed(id, index, err);
     },
