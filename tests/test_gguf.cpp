@@ -480,7 +480,9 @@ TEST_CASE("the fast CPU path on F16 weights: packed, read back as stored, and fl
     return;
   }
   CHECK(packed > 0);
-  for (auto& run : reference()["F16"]) {
+  // The reference outlives the loop: a range over a member of a temporary would not.
+  auto ref = reference();
+  for (auto& run : ref["F16"]) {
     auto prompt = run["token_ids"].get<std::vector<int32_t>>();
     auto got = prefill_logits(fast, dev, cfg, prompt);
     auto want = prefill_logits(exact, dev, cfg, prompt);
