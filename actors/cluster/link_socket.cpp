@@ -115,29 +115,27 @@ bool link_socket::write(kind type, uint64_t key, uint64_t target,
 }
 
 bool link_socket::write_sealed(const char* header, const std::vector<char>& payload) {
-  // A small frame goes as one record; a large one in parts, so that its ciphertext is never
-  // all in memory at once.
+  // The header goes with the payload's first part; a large payload goes in parts, so that
+  // its ciphertext is never all in memory at once.
   constexpr size_t part = size_t{1} << 20;
-  sealed_.clear();
-  bool ok = true;
-  if (payload.size() <= part) {
-    plain_.assign(header, header + header_size);
-    plain_.insert(plain_.end(), payload.begin(), payload.end());
-    ok = tls_->seal(plain_.data(), plain_.size(), sealed_);
-  } else {
-    ok = tls_->seal(header, header_size, sealed_);
-    for (size_t at = 0; ok && at < payload.size(); at += part) {
-      ok = tls_->seal(payload.data() + at, std::min(part, payload.size() - at), sealed_);
-      iovec all{sealed_.data(), sealed_.size()};
-      ok = ok && send_all(&all, 1);
-      sealed_.clear();
+  size_t at = 0;
+  do {
+    auto n = std::min(part, payload.size() - at);
+    plain_.clear();
+    if (at == 0)
+      plain_.assign(header, header + header_size);
+    plain_.insert(plain_.end(), payload.begin() + static_cast<std::ptrdiff_t>(at),
+                  payload.begin() + static_cast<std::ptrdiff_t>(at + n));
+    sealed_.clear();
+    if (!tls_->seal(plain_.data(), plain_.size(), sealed_)) {
+      shut(); // part of a frame may have gone: nothing may follow it
+      return false;
     }
-  }
-  iovec all{sealed_.data(), sealed_.size()};
-  if (!ok || !send_all(&all, 1)) {
-    shut(); // part of a frame may have gone: nothing may follow it
-    return false;
-  }
+    iovec all{sealed_.data(), sealed_.size()};
+    if (!send_all(&all, 1))
+      return false; // and the socket is shut
+    at += n;
+  } while (at < payload.size());
   return true;
 }
 
