@@ -56,7 +56,7 @@ void server_metrics::finished(const std::string& reason, double first_token,
   total_.observe(total);
 }
 
-void server_metrics::engine(const engine_stats& stats) {
+void server_metrics::stepped(const engine_stats& stats) {
   std::lock_guard<std::mutex> lk{mtx_};
   stats_ = stats;
 }

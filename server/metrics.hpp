@@ -3,6 +3,7 @@
 /// @file
 /// The server's Prometheus metrics, under vLLM's names where vLLM has them.
 
+#include "troupe/engine_loop.hpp"
 #include "troupe/llm.hpp"
 
 #include <map>
@@ -14,17 +15,17 @@ namespace troupe {
 
 /// Counts requests and their latencies (from the engine's thread) and renders them, with
 /// the engine's last counts, in Prometheus' text format (from any thread).
-class server_metrics {
+class server_metrics : public engine_loop_observer {
 public:
   explicit server_metrics(std::string model_name);
 
   /// A request ended: why, and its times in seconds (to the first token, between tokens,
   /// in all).
   void finished(const std::string& reason, double first_token, const std::vector<double>& gaps,
-                double total);
+                double total) override;
 
   /// The engine's counts after a step.
-  void engine(const engine_stats& stats);
+  void stepped(const engine_stats& stats) override;
 
   /// The exposition: `# HELP`, `# TYPE` and the samples of every metric.
   std::string render() const;

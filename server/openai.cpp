@@ -20,6 +20,40 @@ std::string http_error::body() const {
   return dumped(json{{"error", e}});
 }
 
+http_error from_engine(errc code, const std::string& message) {
+  switch (code) {
+  case errc::invalid_argument:
+  case errc::unsupported:
+  case errc::unknown_method:
+  case errc::bad_arguments:
+  case errc::remote_callable:
+    return {400, "invalid_request_error", message};
+  case errc::sleeping:
+    return {503, "server_error", message};
+  default:
+    return {500, "server_error", message};
+  }
+}
+
+http_error from_engine(const request_failure& f) {
+  switch (f.kind) {
+  case request_failure_kind::engine_error:
+    return from_engine(f.code, f.what());
+  case request_failure_kind::overloaded:
+    return {429, "rate_limit_error", f.what()};
+  case request_failure_kind::adapter_unloaded:
+    return {409, "invalid_request_error", f.what(), "model"};
+  case request_failure_kind::adapter_missing:
+    return {404, "not_found_error", f.what(), "model"};
+  case request_failure_kind::engine_failed:
+  case request_failure_kind::stopped:
+    return {503, "server_error", f.what()};
+  case request_failure_kind::internal:
+    break;
+  }
+  return {500, "server_error", f.what()};
+}
+
 namespace {
 
 [[noreturn]] void bad(const std::string& message, const std::string& param = {}) {

@@ -3,6 +3,7 @@
 /// @file
 /// OpenAI's request and response shapes for completions and chat completions.
 
+#include "troupe/engine_loop.hpp"
 #include "troupe/llm.hpp"
 
 #include <nlohmann/json.hpp>
@@ -28,6 +29,14 @@ struct http_error : std::runtime_error {
   /// `{"error": {"message", "type", "param", "code"}}`.
   std::string body() const;
 };
+
+/// The http_error of an error from the engine or the executor: the client's own mistakes
+/// are 400, a sleeping model 503, the rest 500.
+http_error from_engine(errc code, const std::string& message);
+
+/// The http_error of a request the engine's loop refused or ended: 429 beyond its
+/// capacity, 503 when the engine failed or stopped, 409 / 404 for an unloaded adapter.
+http_error from_engine(const request_failure& f);
 
 /// A request body that must be a JSON object; throws `http_error` (400) naming what is
 /// wrong.

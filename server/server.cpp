@@ -4,7 +4,8 @@
 
 #include "troupe/server.hpp"
 
-#include "server/engine_loop.hpp"
+#include "server/metrics.hpp"
+#include "server/openai.hpp"
 
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
@@ -212,8 +213,11 @@ std::pair<int, std::string> error_reply() {
     throw;
   } catch (const http_error& e) {
     return {e.status, e.body()};
-  } catch (const error& e) {
+  } catch (const request_failure& e) {
     auto he = from_engine(e);
+    return {he.status, he.body()};
+  } catch (const error& e) {
+    auto he = from_engine(e.code(), e.what());
     return {he.status, he.body()};
   } catch (const std::exception& e) {
     return {500, http_error{500, "server_error", e.what()}.body()};
@@ -278,8 +282,8 @@ private:
           s->on_update(u);
       });
     }
-    void fail(const http_error& e) override {
-      net::post(strand, [o = owner, e] {
+    void fail(const request_failure& f) override {
+      net::post(strand, [o = owner, e = from_engine(f)] {
         if (auto s = o.lock())
           s->on_failed(e);
       });
@@ -630,9 +634,8 @@ private:
         srv->loras.erase(at);
       }
       // Its requests end here; the others go on.
-      srv->engine->unload_lora(
-        id, {409, "invalid_request_error",
-             "the LoRA adapter '" + name + "' was unloaded while the request ran", "model"});
+      srv->engine->unload_lora(id, "the LoRA adapter '" + name +
+                                     "' was unloaded while the request ran");
       m.executor().remove_lora(id);
       return json::object();
     });

@@ -4,6 +4,7 @@
 #include "tests/generation.hpp"
 #include "model/tokenizer.hpp"
 #include "tests/model_runner.hpp"
+#include "troupe/engine_loop.hpp"
 #include "troupe/llm.hpp"
 #include "troupe/model_worker.hpp"
 
@@ -12,13 +13,18 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <set>
 
 #include <unistd.h>
@@ -842,4 +848,139 @@ TEST_CASE("n samples are the same seeds run one by one, share the prompt's block
   bad.best_of = 1;
   CHECK_THROWS_WITH_AS(model.add_request({"", prompt, bad, {}}), doctest::Contains("best_of"),
                        error);
+}
+
+namespace {
+
+/// A request's updates as the engine's loop hands them on.
+struct collecting_sink : request_sink {
+  std::mutex mtx;
+  std::condition_variable cv;
+  std::vector<int32_t> tokens;
+  std::string finish_reason;
+  std::optional<request_failure> failure;
+  bool done = false;
+  /// Runs on the loop's thread at the first update.
+  std::function<void()> at_first;
+
+  void update(const generation_update& u) override {
+    if (at_first && tokens.empty() && !u.token_ids.empty())
+      at_first();
+    std::lock_guard<std::mutex> lk{mtx};
+    tokens.insert(tokens.end(), u.token_ids.begin(), u.token_ids.end());
+    if (u.finished) {
+      finish_reason = u.output->finish_reason;
+      done = true;
+      cv.notify_all();
+    }
+  }
+
+  void fail(const request_failure& f) override {
+    std::lock_guard<std::mutex> lk{mtx};
+    failure = f;
+    done = true;
+    cv.notify_all();
+  }
+
+  /// Whether it finished or failed within a minute (a hung loop fails the test, not CI).
+  bool wait() {
+    std::unique_lock<std::mutex> lk{mtx};
+    return cv.wait_for(lk, std::chrono::minutes(1), [&] { return done; });
+  }
+};
+
+struct counting_observer : engine_loop_observer {
+  std::mutex mtx;
+  std::vector<std::string> reasons;
+  /// Whether every finished request's times were in order (checked on the test's thread).
+  bool times_in_order = true;
+  std::atomic<int64_t> rounds{0};
+
+  void finished(const std::string& reason, double first_token, const std::vector<double>&,
+                double total) override {
+    std::lock_guard<std::mutex> lk{mtx};
+    reasons.push_back(reason);
+    times_in_order = times_in_order && first_token >= 0 && total >= first_token;
+  }
+
+  void stepped(const engine_stats&) override {
+    ++rounds;
+  }
+};
+
+} // namespace
+
+TEST_CASE("engine_loop: requests that join between steps get transformers' tokens, and the "
+          "capacity, a refused request and a stopped loop each end as they say") {
+  llm model{tiny(fixtures + "/qwen2-bias")};
+  auto ref = read_json(fixtures + "/qwen2-bias/reference.json");
+  counting_observer observer;
+  auto loop = std::make_unique<engine_loop>(model, observer, 3);
+
+  // The loop's thread held in a command while four requests come: three queue, the fourth
+  // is beyond the capacity.
+  std::promise<void> release;
+  auto held = release.get_future().share();
+  loop->post([held](llm&) { held.wait(); });
+  std::vector<std::shared_ptr<collecting_sink>> sinks;
+  for (size_t i = 0; i < 3; ++i) {
+    sinks.push_back(std::make_shared<collecting_sink>());
+    std::vector<int32_t> prompt = ref["prompts"][i]["token_ids"];
+    loop->submit({"", prompt, greedy(32), {}}, sinks.back());
+  }
+  CHECK(loop->active() == 3);
+  auto extra = std::make_shared<collecting_sink>();
+  try {
+    loop->submit({"", {1, 2, 3}, greedy(4), {}}, extra);
+    FAIL("a request beyond the capacity was taken");
+  } catch (const request_failure& f) {
+    CHECK(f.kind == request_failure_kind::overloaded);
+    CHECK(std::string{f.what()}.find("too many requests: 3") != std::string::npos);
+  }
+  release.set_value();
+  for (size_t i = 0; i < 3; ++i) {
+    REQUIRE(sinks[i]->wait());
+    CHECK(!sinks[i]->failure);
+    CHECK(sinks[i]->tokens == ref["prompts"][i]["greedy"].get<std::vector<int32_t>>());
+    CHECK(sinks[i]->finish_reason == "length");
+  }
+
+  // A token id out of the vocabulary: that request fails with the engine's error.
+  auto bad = std::make_shared<collecting_sink>();
+  loop->submit({"", {1, 1 << 20}, greedy(4), {}}, bad);
+  REQUIRE(bad->wait());
+  REQUIRE(bad->failure);
+  CHECK(bad->failure->kind == request_failure_kind::engine_error);
+  CHECK(bad->failure->code == errc::invalid_argument);
+
+  // The loop stopped while one request runs and another is queued: both fail as stopped
+  // (the queued one either added and ended, or failed before it was added), and both are
+  // aborted in the engine, which outlives the loop.
+  std::promise<void> reached, stopping;
+  auto go = stopping.get_future().share();
+  auto running = std::make_shared<collecting_sink>();
+  running->at_first = [&reached, go] {
+    reached.set_value();
+    go.wait();
+  };
+  loop->submit({"", {1, 2, 3}, greedy(400), {}}, running);
+  reached.get_future().wait(); // the loop's thread is inside the running request's update
+  auto queued = std::make_shared<collecting_sink>();
+  loop->submit({"", {4, 5, 6}, greedy(400), {}}, queued);
+  stopping.set_value();
+  loop.reset();
+  for (auto* sink : {running.get(), queued.get()}) {
+    REQUIRE(sink->wait());
+    REQUIRE(sink->failure);
+    CHECK(sink->failure->kind == request_failure_kind::stopped);
+    CHECK(sink->tokens.size() < 400);
+  }
+  while (model.has_unfinished_requests())
+    for (auto& u : model.step())
+      if (u.finished)
+        CHECK(u.output->finish_reason == "abort");
+  std::lock_guard<std::mutex> lk{observer.mtx};
+  CHECK(observer.reasons == std::vector<std::string>(3, "length"));
+  CHECK(observer.times_in_order);
+  CHECK(observer.rounds > 0);
 }

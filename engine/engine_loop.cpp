@@ -1,26 +1,11 @@
-#include "server/engine_loop.hpp"
+#include "troupe/engine_loop.hpp"
 
 #include <iostream>
 
 namespace troupe {
 
-http_error from_engine(const error& e) {
-  switch (e.code()) {
-  case errc::invalid_argument:
-  case errc::unsupported:
-  case errc::unknown_method:
-  case errc::bad_arguments:
-  case errc::remote_callable:
-    return {400, "invalid_request_error", e.what()};
-  case errc::sleeping:
-    return {503, "server_error", e.what()};
-  default:
-    return {500, "server_error", e.what()};
-  }
-}
-
-engine_loop::engine_loop(llm& model, server_metrics& metrics, int64_t capacity)
-  : model_(model), metrics_(metrics), capacity_(capacity), thread_([this] { run(); }) {}
+engine_loop::engine_loop(llm& model, engine_loop_observer& observer, int64_t capacity)
+  : model_(model), observer_(observer), capacity_(capacity), thread_([this] { run(); }) {}
 
 engine_loop::~engine_loop() {
   {
@@ -41,12 +26,12 @@ void engine_loop::post(std::function<void(llm&)> f) {
 
 void engine_loop::submit(generation_request g, std::shared_ptr<request_sink> sink) {
   if (failed_)
-    throw http_error{503, "server_error", "the engine failed: " + failure()};
+    throw engine_failed();
   if (active_.fetch_add(1) >= capacity_) {
     --active_;
-    throw http_error{429, "rate_limit_error",
-                     "too many requests: " + std::to_string(capacity_) +
-                       " are running or waiting; try again later"};
+    throw request_failure{request_failure_kind::overloaded,
+                          "too many requests: " + std::to_string(capacity_) +
+                            " are running or waiting; try again later"};
   }
   sink->lora_id = g.lora ? g.lora->lora_int_id : 0;
   sink->samples_left = g.sampling.n;
@@ -55,14 +40,20 @@ void engine_loop::submit(generation_request g, std::shared_ptr<request_sink> sin
       --active_;
       return;
     }
+    if (stop_) { // queued when the loop stopped
+      --active_;
+      sink->fail(stopped());
+      return;
+    }
     if (failed_) { // the engine failed after the request came
       --active_;
-      sink->fail({503, "server_error", "the engine failed: " + failure()});
+      sink->fail(engine_failed());
       return;
     }
     if (unloaded_loras_.count(sink->lora_id) > 0) {
       --active_;
-      sink->fail({404, "not_found_error", "the request's LoRA adapter was unloaded", "model"});
+      sink->fail(
+        {request_failure_kind::adapter_missing, "the request's LoRA adapter was unloaded"});
       return;
     }
     try {
@@ -70,10 +61,10 @@ void engine_loop::submit(generation_request g, std::shared_ptr<request_sink> sin
       sinks_[sink->id] = sink;
     } catch (const error& e) {
       --active_;
-      sink->fail(from_engine(e));
+      sink->fail({request_failure_kind::engine_error, e.what(), e.code()});
     } catch (const std::exception& e) {
       --active_;
-      sink->fail({500, "server_error", e.what()});
+      sink->fail({request_failure_kind::internal, e.what()});
     }
   });
 }
@@ -93,7 +84,8 @@ void engine_loop::abort_all() {
   });
 }
 
-void engine_loop::unload_lora(int64_t lora_id, const http_error& why) {
+void engine_loop::unload_lora(int64_t lora_id, const std::string& message) {
+  request_failure why{request_failure_kind::adapter_unloaded, message};
   unloaded_loras_.insert(lora_id); // ids are never given again
   for (auto at = sinks_.begin(); at != sinks_.end();) {
     auto next = std::next(at);
@@ -109,26 +101,27 @@ std::string engine_loop::failure() const {
 }
 
 void engine_loop::run() {
-  for (;;) {
+  for (bool last = false; !last;) {
     std::deque<std::function<void(llm&)>> todo;
     {
       std::unique_lock<std::mutex> lk{mtx_};
       cv_.wait(lk, [&] {
         return stop_ || !commands_.empty() || (!failed_ && model_.has_unfinished_requests());
       });
-      if (stop_)
-        break;
+      last = stop_;
       todo.swap(commands_);
     }
+    // Commands queued when the loop stops still run (a generation queued then fails at its
+    // sink), so that nobody waits on one forever.
     for (auto& c : todo) {
       try {
         c(model_);
       } catch (const std::exception& e) {
         // Commands answer their own errors; this is a bug's last stop, not the thread's.
-        std::cerr << "troupe serve: a command failed: " << e.what() << std::endl;
+        std::cerr << "troupe: a command on the engine's thread failed: " << e.what() << std::endl;
       }
     }
-    if (!failed_ && model_.has_unfinished_requests()) {
+    if (!last && !failed_ && model_.has_unfinished_requests()) {
       try {
         for (auto& u : model_.step())
           dispatch(u);
@@ -136,15 +129,16 @@ void engine_loop::run() {
         if (e.code() == errc::worker_died || e.code() == errc::shut_down)
           fail_all(e);
         else
-          fail_requests(from_engine(e));
+          fail_requests({request_failure_kind::engine_error, e.what(), e.code()});
       } catch (const std::exception& e) {
-        fail_requests({500, "server_error", e.what()});
+        fail_requests({request_failure_kind::internal, e.what()});
       }
     }
-    metrics_.engine(model_.stats());
+    observer_.stepped(model_.stats());
   }
-  for (auto& [id, sink] : sinks_)
-    sink->fail({503, "server_error", "the server stopped"});
+  // Aborted in the engine too: the model outlives the loop.
+  while (!sinks_.empty())
+    drop(sinks_.begin(), stopped());
 }
 
 void engine_loop::dispatch(const generation_update& u) {
@@ -164,15 +158,14 @@ void engine_loop::dispatch(const generation_update& u) {
   }
   sink->update(u);
   if (u.finished && --sink->samples_left == 0) {
-    metrics_.finished(u.output->finish_reason, std::max(0.0, sink->first_token), sink->gaps,
-                      std::chrono::duration<double>(now - sink->arrived).count());
+    observer_.finished(u.output->finish_reason, std::max(0.0, sink->first_token), sink->gaps,
+                       std::chrono::duration<double>(now - sink->arrived).count());
     sinks_.erase(at);
     --active_;
   }
 }
 
-void engine_loop::drop(std::map<int64_t, std::shared_ptr<request_sink>>::iterator at,
-                       const http_error& why) {
+void engine_loop::drop(sink_map::iterator at, const request_failure& why) {
   // The engine hands out the aborted request at its next step; its sink is gone by then.
   model_.abort_request(at->first);
   at->second->fail(why);
@@ -180,7 +173,7 @@ void engine_loop::drop(std::map<int64_t, std::shared_ptr<request_sink>>::iterato
   --active_;
 }
 
-void engine_loop::fail_requests(const http_error& why) {
+void engine_loop::fail_requests(const request_failure& why) {
   while (!sinks_.empty())
     drop(sinks_.begin(), why);
   try {
@@ -198,7 +191,15 @@ void engine_loop::fail_all(const error& e) {
   // Aborted in the engine too, so that its counts (and /metrics) no longer show them
   // running or waiting.
   while (!sinks_.empty())
-    drop(sinks_.begin(), {503, "server_error", std::string{"the engine failed: "} + e.what()});
+    drop(sinks_.begin(), engine_failed());
+}
+
+request_failure engine_loop::stopped() {
+  return {request_failure_kind::stopped, "the engine's loop stopped"};
+}
+
+request_failure engine_loop::engine_failed() const {
+  return {request_failure_kind::engine_failed, "the engine failed: " + failure()};
 }
 
 } // namespace troupe
