@@ -12,6 +12,7 @@
 #include "actors/reply_sink.hpp"
 #include "messages/protocols.hpp"
 #include "troupe/config.hpp"
+#include "troupe/errors.hpp"
 
 #include <caf/typed_actor.hpp>
 #include <caf/typed_event_based_actor.hpp>
@@ -92,6 +93,16 @@ struct gather {
 };
 
 using gather_ptr = std::shared_ptr<gather>;
+
+/// The reply of `rank` as a `T`; throws a `bad_arguments` error naming the rank and
+/// method when it is something else.
+template <class T>
+const T& result_as(const caf::message& msg, size_t rank, const std::string& method) {
+  if (msg.size() != 1 || !msg.match_element<T>(0))
+    throw error{errc::bad_arguments, method + ": rank " + std::to_string(rank) + " returned (" +
+                                       to_string(msg) + "), not the expected type"};
+  return msg.get_as<T>(0);
+}
 
 /// What the gathers need to know of the supervisor.
 class gather_host {

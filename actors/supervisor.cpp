@@ -1,11 +1,14 @@
-// The supervisor actor of an executor: supervision and the replacement of dead workers,
-// the distributed execution loop and the sleep state machine, over the calls in flight of
-// its `gather_table` (actors/gather_table). Its interface is `supervisor_actor`
-// (messages/protocols.hpp); each handler calls one member function of its state.
+// The supervisor actor of an executor: supervision and the replacement of dead workers
+// over the calls in flight of its `gather_table`, with the objects that each keep one part
+// of the workers' common state (`recovery`, `execution_loop`, `sleep_control`,
+// `adapter_log`). Its interface is `supervisor_actor` (messages/protocols.hpp); each
+// handler calls one member function of its state.
 
 #include "actors/supervisor.hpp"
 
+#include "actors/adapter_log.hpp"
 #include "actors/companion.hpp"
+#include "actors/execution_loop.hpp"
 #include "actors/gather_table.hpp"
 #include "actors/recovery.hpp"
 #include "actors/cluster/lease.hpp"
@@ -15,7 +18,7 @@
 #include "actors/cluster/link_client.hpp"
 #include "actors/reply_sink.hpp"
 #include "actors/cluster/remoting.hpp"
-#include "actors/sleep_state.hpp"
+#include "actors/sleep_control.hpp"
 #include "actors/worker_actor.hpp"
 #include "troupe/errors.hpp"
 
@@ -46,15 +49,6 @@ using promise = caf::typed_response_promise<Ts...>;
 /// The deadline of a call; the facade has already refused zero and negative ones.
 timeout_type from_us(int64_t us) {
   return us == wait_forever.count() ? wait_forever : timeout_type{std::max<int64_t>(us, 1)};
-}
-
-/// The result of `rank` as a `T`, or a `bad_arguments` error naming the rank and method.
-template <class T>
-const T& result_as(const caf::message& msg, size_t rank, const std::string& method) {
-  if (msg.size() != 1 || !msg.match_element<T>(0))
-    throw error{errc::bad_arguments, method + ": rank " + std::to_string(rank) + " returned (" +
-                                       to_string(msg) + "), not the expected type"};
-  return msg.get_as<T>(0);
 }
 
 caf::error invalid_id(const char* what, int64_t id) {
@@ -109,20 +103,10 @@ struct supervisor_state : gather_host, recovery_host {
   caf::error failure;
   /// The calls in flight to the workers (made once `self` and `sink` are).
   std::unique_ptr<gather_table> gathers;
-  troupe::sleep_state sleep;
-  /// A sleep or wake_up is being carried out on the workers.
-  bool transition = false;
-  /// The parallel worker tasks of the execution loop (vLLM's parallel_worker_tasks).
-  gather_ptr loop;
-  /// Id of the running loop; each loop has its own, so that late news of an old loop
-  /// never touches a newer one.
-  int64_t loop_id = 0;
-  /// A loop task that failed; reported by the next execute_model or stop.
-  caf::error loop_error;
-  /// The loop `loop_error` came from.
-  int64_t loop_error_id = 0;
-  /// Callers of stop_remote_worker_execution_loop waiting for the tasks to end.
-  std::vector<promise<caf::ok_atom>> stop_waiters;
+  /// Sleep and wake-up on every worker (made with `gathers`).
+  std::unique_ptr<sleep_control> sleep;
+  /// The execution loop of the driver's peers (made with `gathers`).
+  std::unique_ptr<execution_loop> loop;
 
   // What a replacement needs (`executor_config::restart`).
   /// Spawns the replacement of a worker of this process.
@@ -137,15 +121,8 @@ struct supervisor_state : gather_host, recovery_host {
   std::vector<worker_context> contexts;
   /// The blocks of the last initialize_cache.
   std::optional<cache_blocks> cache;
-  /// An adapter call that every worker accepted; replayed in order on a replacement.
-  struct adapter_call {
-    std::string method;
-    caf::message args;
-    /// "lora" or "prompt_adapter", and the adapter's id: a removal drops the entries.
-    std::string kind;
-    int64_t id = 0;
-  };
-  std::vector<adapter_call> adapter_calls;
+  /// The adapter calls a replacement repeats (made with `gathers`).
+  std::unique_ptr<adapter_log> adapters;
   /// A worker was replaced while no step was in flight: the next execute_model fails with
   /// `worker_replaced`, so that the engine learns that the KV cache is gone.
   bool kv_lost = false;
@@ -558,80 +535,17 @@ struct supervisor_state : gather_host, recovery_host {
       id = args.get_as<prompt_adapter_request>(0).prompt_adapter_id;
     if (id <= 0)
       return refuse<bool>(invalid_id(
-        method.find("prompt_adapter") != std::string::npos ? "prompt_adapter_id" : "lora_id", id));
+        adapter_kind_of(method) == adapter_kind::prompt_adapter ? "prompt_adapter_id" : "lora_id",
+        id));
     auto* st = this;
     return call_all<bool>(method, args, [st, method, args, id](std::vector<caf::message>& results) {
       bool all = true;
       for (size_t rank = 0; rank < results.size(); ++rank)
         all = result_as<bool>(results[rank], rank, method) && all;
       if (all)
-        st->note_adapter_call(method, args, id);
+        st->adapters->note(method, args, id);
       return all;
     });
-  }
-
-  /// Keeps what a replacement must repeat to hold the adapters the others hold.
-  void note_adapter_call(const std::string& method, const caf::message& args, int64_t id) {
-    auto kind = method.substr(method.find('_') + 1);
-    if (method.rfind("remove_", 0) == 0) {
-      adapter_calls.erase(
-        std::remove_if(adapter_calls.begin(), adapter_calls.end(),
-                       [&](const adapter_call& c) { return c.kind == kind && c.id == id; }),
-        adapter_calls.end());
-      return;
-    }
-    // Adding or pinning again what the log already holds changes nothing.
-    for (auto& c : adapter_calls)
-      if (c.method == method && c.id == id) {
-        c.args = args;
-        return;
-      }
-    adapter_calls.push_back({method, args, kind, id});
-  }
-
-  /// The last step of a replacement: an adapter call (`kind` "lora" or "prompt_adapter")
-  /// in flight at the death may have reached some ranks and not others. Its caller was told
-  /// `worker_replaced` (its work may be lost), so every rank keeps just the adapters all of
-  /// them hold, and the log forgets the others.
-  void reconcile_adapters(const std::string& kind, std::function<void(caf::error)> next) {
-    auto list = "list_" + kind + "s";
-    auto* st = this;
-    gathers->start("replacement: " + list, all_ranks(), calling(list), cfg.startup_timeout, 0,
-                   [st, kind, list, next](gather_result res) {
-                     if (!res)
-                       return next(res.error());
-                     std::vector<std::set<int64_t>> held;
-                     try {
-                       for (size_t rank = 0; rank < res->size(); ++rank) {
-                         auto ids = result_as<std::vector<int64_t>>((*res)[rank], rank, list);
-                         held.emplace_back(ids.begin(), ids.end());
-                       }
-                     } catch (const error& e) {
-                       return next(caf::make_error(e.code(), std::string{e.what()}));
-                     }
-                     auto common = held[0];
-                     for (auto& ids : held)
-                       for (auto i = common.begin(); i != common.end();)
-                         i = ids.count(*i) > 0 ? std::next(i) : common.erase(i);
-                     auto remove = "remove_" + kind;
-                     auto steps = std::make_shared<std::vector<step_fn>>();
-                     std::set<int64_t> partial;
-                     for (size_t rank = 0; rank < held.size(); ++rank)
-                       for (auto id : held[rank])
-                         if (common.count(id) == 0) {
-                           partial.insert(id);
-                           steps->push_back(gather_step(
-                             *st->gathers, remove, {static_cast<int32_t>(rank)},
-                             calling(remove, caf::make_message(id)), st->cfg.startup_timeout));
-                         }
-                     for (auto id : partial) {
-                       st->note_adapter_call(remove, {}, id);
-                       st->log->warn("{} {} was held by some ranks only after the replacement (a "
-                                     "call was in flight); removed from all",
-                                     kind, id);
-                     }
-                     run_steps(steps, next);
-                   });
   }
 
   /// list_loras / list_prompt_adapters: every worker must hold the same set.
@@ -684,18 +598,10 @@ struct supervisor_state : gather_host, recovery_host {
                      timeout_type timeout) {
     if (failure)
       return reply(failure);
-    if (transition)
-      return reply(caf::make_error(errc::sleeping, std::string{"execute_model while a sleep or "
-                                                               "wake_up is in progress"}));
-    if (sleep.is_sleeping())
-      return reply(caf::make_error(errc::sleeping, "execute_model while tags " +
-                                                     describe(sleep.sleeping_tags()) +
-                                                     " sleep; call wake_up first"));
-    if (loop_error) {
-      auto err = std::move(loop_error);
-      loop_error = caf::error{};
+    if (auto err = sleep->step_refusal())
       return reply(err);
-    }
+    if (auto err = loop->take_error())
+      return reply(err);
     if (kv_lost) {
       kv_lost = false;
       return reply(caf::make_error(errc::worker_replaced,
@@ -715,13 +621,12 @@ struct supervisor_state : gather_host, recovery_host {
                                                           "again"));
       tables_lost = false;
     }
-    start_loop();
-    auto id = loop_id;
+    auto id = loop->start();
     auto* st = this;
     gathers->start_direct("execute_model", {0}, worker_request(execute_atom::value, std::move(req)),
                           timeout, [reply, id, st](gather_result res) {
                             if (!res) { // on the supervisor's thread
-                              st->abandon_loop(id);
+                              st->loop->abandon(id);
                               return reply(res.error());
                             }
                             try {
@@ -738,185 +643,32 @@ struct supervisor_state : gather_host, recovery_host {
   promise<caf::ok_atom> stop_loop() {
     bool refused = false;
     auto rp = respond<caf::ok_atom>(&refused);
-    if (refused)
-      return rp;
-    if (!loop) {
-      auto err = std::move(loop_error);
-      loop_error = caf::error{};
-      if (err)
-        rp.deliver(err);
-      else
-        rp.deliver(caf::ok_atom::value);
-      return rp;
-    }
-    stop_waiters.push_back(rp);
-    auto tasks = loop;
-    auto* st = this;
-    gathers->start("stop_remote_worker_execution_loop", {0},
-                   asking(execute_atom::value, stop_loop_atom::value, loop_id), cfg.rpc_timeout, 0,
-                   [st, tasks](gather_result res) {
-                     // The driver could not pass the stop on: end the loop's tasks here,
-                     // which also tells the peers to leave the loop.
-                     if (!res)
-                       st->gathers->finish(tasks, res.error());
-                   });
+    if (!refused)
+      loop->stop(rp);
     return rp;
-  }
-
-  void start_loop() {
-    if (loop || workers.size() < 2)
-      return;
-    auto id = ++loop_id;
-    auto* st = this;
-    // The tasks end only when the loop is stopped; a dead worker still fails them at once.
-    auto g =
-      gathers->start("execution loop", peer_ranks(), asking(loop_atom::value, id), wait_forever, 0,
-                     [st, id](gather_result res) { st->loop_ended(id, std::move(res)); });
-    if (!g->finished)
-      loop = g;
-  }
-
-  void tell_peers_to_leave(int64_t id) {
-    for (auto rank : peer_ranks())
-      self->send(target(static_cast<size_t>(rank)), step_atom::value, stop_loop_atom::value, id);
-  }
-
-  void wake_stop_waiters(const caf::error& err) {
-    for (auto& rp : stop_waiters) {
-      if (err)
-        rp.deliver(err);
-      else
-        rp.deliver(caf::ok_atom::value);
-    }
-    stop_waiters.clear();
-  }
-
-  /// The tasks of loop `id` ended (normally or not): wake the callers of stop. After a
-  /// failure the peers still in that loop are told to leave it, so the next loop starts
-  /// clean.
-  void loop_ended(int64_t id, gather_result res) {
-    if (!loop || loop_id != id)
-      return; // news of an older loop
-    loop.reset();
-    caf::error err = res ? caf::error{} : res.error();
-    if (err) {
-      tell_peers_to_leave(id);
-      if (stop_waiters.empty()) {
-        loop_error = err;
-        loop_error_id = id;
-      }
-    }
-    wake_stop_waiters(err);
-  }
-
-  /// A step the driver failed leaves loop `id` suspect: its peers are told to leave it, and
-  /// a failure they report for it is the one the caller already got, not news for the next
-  /// call.
-  void abandon_loop(int64_t id) {
-    if (loop_error && loop_error_id == id)
-      loop_error = caf::error{};
-    if (!loop || loop_id != id)
-      return;
-    loop.reset();
-    tell_peers_to_leave(id);
-    wake_stop_waiters(caf::error{});
   }
 
   // -- sleep and wake -----------------------------------------------------------------
 
   promise<caf::ok_atom> fall_asleep(sleep_request asked) {
-    auto level = asked.level;
-    auto* st = this;
-    return change_state(
-      "sleep", [st] { return st->sleep.check_sleep(); },
-      [asked](const sleep_state::decision&) { return caf::make_message(asked); },
-      [st, level](const sleep_state::decision&, const caf::error& err) {
-        // Even when some rank failed, others may be asleep: only wake_up may lead back to
-        // awake (waking an awake worker does nothing). A worker that died during the sleep
-        // is replaced asleep, as the others are.
-        st->sleep.commit_sleep(level);
-        if (err)
-          st->log->error("sleep failed; call wake_up before the next step: {}", render(err));
-      },
-      [](const sleep_state::decision&, double took) {
-        return fmt::format("It took {:.6f} seconds to fall asleep.", took);
-      });
+    bool refused = false;
+    auto rp = respond<caf::ok_atom>(&refused);
+    if (!refused)
+      sleep->sleep(asked, rp);
+    return rp;
   }
 
   promise<caf::ok_atom> wake_up(std::vector<std::string> tags) {
-    auto* st = this;
-    return change_state(
-      "wake_up", [st, tags] { return st->sleep.check_wake(tags); },
-      [](const sleep_state::decision& verdict) {
-        return caf::make_message(wake_request{verdict.tags});
-      },
-      [st](const sleep_state::decision& verdict, const caf::error& err) {
-        // After a failure the tags still count as asleep; waking them again is harmless.
-        // A worker that died during the wake-up is replaced awake, and the others finish
-        // theirs: all are awake.
-        if (!err || to_errc(err) == errc::worker_replaced)
-          st->sleep.commit_wake(verdict.tags);
-      },
-      [](const sleep_state::decision& verdict, double took) {
-        return fmt::format("It took {:.6f} seconds to wake up tags {}.", took,
-                           describe(verdict.tags));
-      });
-  }
-
-  /// A sleep or a wake-up on every worker, the one transition routine: refused after a
-  /// failure or while another runs; `check` asks the state machine (a refusal is a warning,
-  /// and success); `args` are the workers' arguments for its verdict; `commit` records the
-  /// outcome; `took` words the log line.
-  promise<caf::ok_atom>
-  change_state(std::string method, std::function<sleep_state::decision()> check,
-               std::function<caf::message(const sleep_state::decision&)> args,
-               std::function<void(const sleep_state::decision&, const caf::error&)> commit,
-               std::function<std::string(const sleep_state::decision&, double)> took) {
     bool refused = false;
     auto rp = respond<caf::ok_atom>(&refused);
-    if (refused)
-      return rp;
-    if (transition) {
-      rp.deliver(caf::make_error(errc::invalid_argument,
-                                 std::string{"another sleep or wake_up is in progress"}));
-      return rp;
-    }
-    auto verdict = check();
-    if (!verdict.proceed) {
-      log->warn("{}", verdict.warning);
-      rp.deliver(caf::ok_atom::value);
-      return rp;
-    }
-    transition = true;
-    auto start = clock_type::now();
-    auto* st = this;
-    gathers->start(method, all_ranks(), calling(method, args(verdict)), cfg.rpc_timeout, 0,
-                   [=](gather_result res) mutable {
-                     st->transition = false;
-                     auto err = res ? caf::error{} : res.error();
-                     commit(verdict, err);
-                     if (err) {
-                       rp.deliver(err);
-                       return;
-                     }
-                     std::chrono::duration<double> seconds = clock_type::now() - start;
-                     st->log->info("{}", took(verdict, seconds.count()));
-                     rp.deliver(caf::ok_atom::value);
-                   });
+    if (!refused)
+      sleep->wake_up(tags, rp);
     return rp;
   }
 
   /// The replacement under way, in words; empty when none is.
   std::string recovery_status() const {
     return recov->status();
-  }
-
-  /// The sleeping tags by name; empty when awake (vLLM's is_sleeping is "any tag sleeps").
-  std::vector<std::string> sleeping_tag_names() const {
-    std::vector<std::string> names;
-    for (auto tag : sleep.sleeping_tags())
-      names.emplace_back(to_string(tag));
-    return names;
   }
 
   // -- supervision --------------------------------------------------------------------
@@ -1068,12 +820,7 @@ struct supervisor_state : gather_host, recovery_host {
     kv_lost = !gathers->claim_any("execute_model");
     tables_lost = true;
     gathers->fail_all(lost);
-    // The execution loop ended with the death; the survivors leave it.
-    if (loop)
-      tell_peers_to_leave(loop_id);
-    loop.reset();
-    loop_error = caf::error{};
-    wake_stop_waiters(lost);
+    loop->lost(lost);
   }
 
   void start_later(int32_t rank) override {
@@ -1181,23 +928,9 @@ struct supervisor_state : gather_host, recovery_host {
     if (cache)
       steps.push_back(
         step("initialize_cache", {rank}, calling("initialize_cache", caf::make_message(*cache))));
-    for (auto& call : adapter_calls)
-      steps.push_back(step(call.method, {rank}, calling(call.method, call.args)));
-    for (std::string kind : {"lora", "prompt_adapter"})
-      steps.push_back(
-        [st, kind](std::function<void(caf::error)> next) { st->reconcile_adapters(kind, next); });
-    // The same sleep as the others: asleep at their level, with the tags they woke awake.
-    if (sleep.is_sleeping()) {
-      sleep_request asleep{to_sleep_level(sleep.level())};
-      steps.push_back(step("sleep", {rank}, calling("sleep", caf::make_message(asleep))));
-      auto sleeping = sleep.sleeping_tags();
-      wake_request woken;
-      for (auto tag : all_memory_tags)
-        if (std::find(sleeping.begin(), sleeping.end(), tag) == sleeping.end())
-          woken.tags.push_back(tag);
-      if (!woken.tags.empty())
-        steps.push_back(step("wake_up", {rank}, calling("wake_up", caf::make_message(woken))));
-    }
+    adapters->catch_up(rank, steps);
+    for (auto& [method, args] : sleep->catch_up())
+      steps.push_back(step(method, {rank}, calling(method, args)));
     return steps;
   }
 
@@ -1274,6 +1007,15 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
   st.gathers = std::make_unique<gather_table>(self, st, *st.sink);
   st.recov =
     std::make_unique<recovery>(st, *st.gathers, st.cfg.restart, st.cfg.startup_timeout, st.log);
+  st.adapters =
+    std::make_unique<adapter_log>(*st.gathers, st.all_ranks(), st.cfg.startup_timeout, st.log);
+  st.sleep =
+    std::make_unique<sleep_control>(*st.gathers, st.all_ranks(), st.cfg.rpc_timeout, st.log);
+  st.loop = std::make_unique<execution_loop>(
+    *st.gathers, st.peer_ranks(), st.cfg.rpc_timeout, [self](int32_t rank, int64_t id) {
+      self->send(self->state.target(static_cast<size_t>(rank)), step_atom::value,
+                 stop_loop_atom::value, id);
+    });
   st.stubs.resize(st.workers.size());
   for (size_t rank = 0; rank < st.workers.size(); ++rank)
     st.use_link(rank);
@@ -1300,7 +1042,7 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
     [self](wake_atom, std::vector<std::string> tags) {
       return self->state.wake_up(std::move(tags));
     },
-    [self](sleep_state_atom) { return self->state.sleeping_tag_names(); },
+    [self](sleep_state_atom) { return self->state.sleep->sleeping_tag_names(); },
     [self](recovery_atom) { return self->state.recovery_status(); },
     [self](health_atom) { return self->state.check_health(); },
     [self](deadline_atom, int64_t at) { self->state.check_deadlines(at); },

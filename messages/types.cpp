@@ -83,6 +83,16 @@ sleep_level to_sleep_level(int64_t level) {
   return static_cast<sleep_level>(level);
 }
 
+const char* to_string(adapter_kind kind) {
+  switch (kind) {
+  case adapter_kind::lora:
+    return "lora";
+  case adapter_kind::prompt_adapter:
+    return "prompt_adapter";
+  }
+  return "unknown";
+}
+
 const char* to_string(memory_tag tag) {
   switch (tag) {
   case memory_tag::weights:

@@ -47,8 +47,19 @@ enum class sleep_level : int32_t {
 /// or 2, got N") for any other. Every number from outside passes here, once.
 sleep_level to_sleep_level(int64_t level);
 
+/// The two kinds of adapter a worker holds by id: LoRA (vLLM's `LoRARequest`) and prompt
+/// tuning (vLLM's `PromptAdapterRequest`).
+enum class adapter_kind : uint8_t {
+  lora = 0,
+  prompt_adapter = 1,
+};
+
+/// `"lora"` or `"prompt_adapter"`: the stem of the kind's methods (`add_lora`,
+/// `list_prompt_adapters`).
+const char* to_string(adapter_kind kind);
+
 // CAF 0.17 serialises enums by their underlying value; an inspect() overload for an enum
-// is ambiguous there, so memory_tag and sleep_level have none.
+// is ambiguous there, so memory_tag, sleep_level and adapter_kind have none.
 
 // -- sampling -----------------------------------------------------------------
 
