@@ -7,34 +7,28 @@
 #include "actors/supervisor.hpp"
 
 #include "actors/adapter_log.hpp"
-#include "actors/companion.hpp"
+#include "actors/cluster/lease.hpp"
+#include "actors/cluster/link_client.hpp"
+#include "actors/cluster/node_auth.hpp"
+#include "actors/cluster/remoting.hpp"
+#include "actors/cluster/worker_routes.hpp"
 #include "actors/execution_loop.hpp"
 #include "actors/gather_table.hpp"
 #include "actors/recovery.hpp"
-#include "actors/cluster/lease.hpp"
-
-#include "kernels/log.hpp"
-#include "actors/cluster/node_auth.hpp"
-#include "actors/cluster/link_client.hpp"
 #include "actors/reply_sink.hpp"
-#include "actors/cluster/remoting.hpp"
 #include "actors/sleep_control.hpp"
 #include "actors/worker_actor.hpp"
+#include "kernels/log.hpp"
 #include "troupe/errors.hpp"
 
 #include <caf/all.hpp>
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
-#include <deque>
 #include <functional>
-#include <map>
 #include <memory>
-#include <atomic>
+#include <mutex>
 #include <optional>
-#include <set>
-#include <unordered_map>
 
 namespace troupe {
 
@@ -61,37 +55,6 @@ std::string place_name(const worker_place& place) {
   return place.kind + " " + place.host + ":" + std::to_string(place.port);
 }
 
-/// A helper of the supervisor: answers one `lease_atom` with a worker leased from the first
-/// of `candidates` that gives one, and which, or an error naming what each said. Each is
-/// asked for at most `cfg.node_timeout` (a lease only spawns an actor: a node that is up
-/// answers at once, a stopped one never); everything ends by `deadline`, and no candidate
-/// is asked once `cancelled` is set (the supervisor is gone).
-/// The call link to the worker leased, if any, is left in `link` before the reply.
-void lease_one(caf::blocking_actor* self, executor_config cfg, std::vector<node_address> candidates,
-               caf::actor holder, clock_type::time_point deadline,
-               std::shared_ptr<std::atomic<bool>> cancelled,
-               std::shared_ptr<std::shared_ptr<link_client>> link) {
-  self->receive([&](lease_atom) -> caf::result<caf::actor, int32_t> {
-    std::string refusals;
-    for (size_t i = 0; i < candidates.size() && !*cancelled; ++i) {
-      auto until = std::min(deadline, clock_type::now() + cfg.node_timeout);
-      try {
-        auto grant = lease_workers(self, cfg, candidates[i], 1, holder, until);
-        auto& leased = grant.workers;
-        if (leased.size() == 1) {
-          *link = std::move(grant.link);
-          return {leased[0], static_cast<int32_t>(i)};
-        }
-        refusals += (refusals.empty() ? "" : "; ") + node_name(candidates[i]) + ": gave " +
-                    std::to_string(leased.size()) + " workers for 1";
-      } catch (const error& e) {
-        refusals += (refusals.empty() ? "" : "; ") + std::string{e.what()};
-      }
-    }
-    return caf::make_error(errc::worker_died, "no node gave a replacement (" + refusals + ")");
-  });
-}
-
 } // namespace
 
 struct supervisor_state : gather_host, recovery_host {
@@ -111,11 +74,8 @@ struct supervisor_state : gather_host, recovery_host {
   // What a replacement needs (`executor_config::restart`).
   /// Spawns the replacement of a worker of this process.
   worker_factory factory;
-  /// What the nodes watch for a lease's end: a replacement leased from a node is held by
-  /// it too.
-  caf::actor lease_holder;
-  /// Set as the supervisor stops: a lease helper asks no further node.
-  std::shared_ptr<std::atomic<bool>> leases_cancelled = std::make_shared<std::atomic<bool>>(false);
+  /// The replacements of workers that nodes gave.
+  std::unique_ptr<replacement_leases> leases;
   std::shared_ptr<replacement_list> replacements;
   /// Each rank's init context.
   std::vector<worker_context> contexts;
@@ -129,27 +89,19 @@ struct supervisor_state : gather_host, recovery_host {
   /// A worker was replaced, and no step since sent every block table whole: steps that
   /// send only new blocks were made before it and are refused.
   bool tables_lost = false;
-  /// Nodes (host, port) on which a worker died: tried last for later replacements.
-  std::set<std::pair<std::string, uint16_t>> lost_nodes;
   /// Where a replacement stands, and what waits for it (made with `gathers`).
   std::unique_ptr<recovery> recov;
   /// Where the workers' replies of direct gathers go.
   std::unique_ptr<reply_sink> sink;
-  /// The call links, which blocking callers read too.
-  std::shared_ptr<link_set> links;
-  /// Per rank, the stub that stands for a worker with a call link (`use_link`), or null.
-  std::vector<caf::strong_actor_ptr> stubs;
-  /// Deaths of workers held for their call link (see `wait_for_link`): true once handled.
-  std::map<caf::actor_addr, bool> link_downs;
+  /// Where each rank's messages go (its worker, or its call link's stub).
+  std::unique_ptr<worker_routes> routes;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
 
   static inline const char* name = "troupe.executor";
 
   ~supervisor_state() {
     // The links' readers hand responses to the sink, which is destroyed first.
-    for (auto& stub : stubs)
-      if (stub)
-        end_companion(stub);
+    routes.reset();
     for (auto& place : places)
       if (place.link)
         place.link->close();
@@ -701,30 +653,8 @@ struct supervisor_state : gather_host, recovery_host {
     return {};
   }
 
-  /// Messages that go to a node's worker over BASP even when it has a call link: those
-  /// that carry actor handles, which only BASP resolves. They start workers, peers and
-  /// groups, when no call is in flight (calls wait for a replacement).
-  static bool carries_handles(const caf::message& msg) {
-    return msg.match_element<init_atom>(0) || msg.match_element<peers_atom>(0) ||
-           msg.match_element<group_atom>(0);
-  }
-
-  /// Where `rank`'s messages go: the stub of its call link, if it has one, else the worker.
   worker_actor target(size_t rank) const override {
-    return stubs[rank] ? caf::actor_cast<worker_actor>(stubs[rank]) : workers[rank];
-  }
-
-  /// Puts `rank`'s messages on its call link, if it has one (its reader starts once).
-  void use_link(size_t rank) {
-    if (stubs[rank])
-      end_companion(stubs[rank]);
-    stubs[rank] = nullptr;
-    auto& link = places[rank].link;
-    if (!link)
-      return;
-    links->add(link, self->system());
-    stubs[rank] = make_link_stub(self->system(), link, caf::actor_cast<caf::actor>(workers[rank]),
-                                 carries_handles);
+    return routes->target(rank);
   }
 
   /// The rank of the worker at `addr`, or -1.
@@ -735,46 +665,12 @@ struct supervisor_state : gather_host, recovery_host {
     return -1;
   }
 
-  /// How long a death waits for its worker's call link at most (see `wait_for_link`): a node
-  /// that is stopped or hung never answers the ping.
-  static constexpr auto link_flush_time = std::chrono::milliseconds(100);
-
-  /// Whether the death in `msg` waits for the call link of its worker first. A worker that
-  /// replied and then died wrote its reply to the link before BASP carried its death: the
-  /// death is handled once the link has handed on what came before it (a ping answered,
-  /// or the link closed), or after `link_flush_time` at the latest.
-  bool wait_for_link(const caf::down_msg& msg) {
-    // A held death comes back twice (the flush and the timer): the first is handled, the
-    // second forgets it.
-    auto seen = link_downs.find(msg.source);
-    if (seen != link_downs.end()) {
-      if (seen->second) {
-        link_downs.erase(seen);
-        return true;
-      }
-      seen->second = true;
-      return false;
-    }
-    auto rank = rank_of(msg.source);
-    auto link = rank < 0 ? nullptr : places[static_cast<size_t>(rank)].link;
-    if (!link || !link->owes(msg.source.id()))
-      return false;
-    link_downs.emplace(msg.source, false);
-    auto me = caf::actor_cast<caf::actor>(self);
-    link->flush([me, msg] { caf::anon_send(me, msg); });
-    caf::delayed_anon_send(me, link_flush_time, msg);
-    return true;
-  }
-
   void on_worker_down(const caf::down_msg& msg) {
-    if (wait_for_link(msg))
-      return;
     auto rank = rank_of(msg.source);
-    if (rank < 0)
+    if (routes->hold_death(msg, rank, caf::actor_cast<caf::actor>(self)) || rank < 0)
       return;
     // Nothing more comes from it over its link.
-    if (auto& link = places[static_cast<size_t>(rank)].link)
-      link->forget(msg.source.id());
+    routes->forget(static_cast<size_t>(rank), msg.source);
     if (failure)
       return;
     auto what = "rank " + std::to_string(rank);
@@ -852,57 +748,35 @@ struct supervisor_state : gather_host, recovery_host {
     made(fresh);
   }
 
-  /// Leases the replacement of `rank`, which a node gave: from that node if it is back,
-  /// else from the first spare node that gives one, else from another of the executor's
-  /// nodes with a free device. A helper does it on a thread of its own, as connecting
-  /// blocks; this actor goes on meanwhile.
+  /// Leases the replacement of `rank`, which a node gave (see `replacement_leases`).
   void lease_replacement(int32_t rank, std::function<void(worker_actor)> made,
                          std::function<void(caf::error)> failed) {
     auto& dead = places[static_cast<size_t>(rank)];
-    std::vector<node_address> candidates{{dead.host, dead.port, 1}};
-    for (auto* list : {&cfg.spare_nodes, &cfg.nodes})
-      for (auto& n : *list) {
-        bool known = false;
-        for (auto& c : candidates)
-          known = known || (c.host == n.host && c.port == n.port);
-        if (!known)
-          candidates.push_back({n.host, n.port, 1});
-      }
-    // The dead worker's node first (a worker may die while its node lives), then those
-    // that lost no worker yet: a node that is gone or stopped costs a timeout each try.
-    std::stable_partition(candidates.begin() + 1, candidates.end(), [&](const node_address& n) {
-      return lost_nodes.count({n.host, n.port}) == 0;
-    });
-    lost_nodes.insert({dead.host, dead.port});
-    auto link = std::make_shared<std::shared_ptr<link_client>>();
-    auto helper =
-      self->spawn<caf::detached>(lease_one, cfg, candidates, lease_holder,
-                                 clock_type::now() + cfg.startup_timeout, leases_cancelled, link);
     auto* st = this;
-    self->request(helper, caf::infinite, lease_atom::value)
-      .then(
-        [st, rank, candidates, link, made](caf::actor& leased, int32_t which) {
-          if (!st->recov->under_way() || st->failure)
-            return; // the lease ends with the holder
-          auto fresh = caf::actor_cast<worker_actor>(leased);
-          auto& n = candidates[static_cast<size_t>(which)];
-          st->places[static_cast<size_t>(rank)] = {"node", n.host, n.port, *link};
-          {
-            std::lock_guard<std::mutex> lk{st->replacements->mtx};
-            st->replacements->leased.push_back(fresh);
-          }
-          made(fresh);
-        },
-        [st, failed](caf::error& err) {
-          if (st->recov->under_way() && !st->failure)
-            failed(std::move(err));
-        });
+    leases->lease(
+      self, {dead.host, dead.port, 1},
+      [st, rank, made](caf::actor& leased, const node_address& n,
+                       std::shared_ptr<link_client> link) {
+        if (!st->recov->under_way() || st->failure)
+          return; // the lease ends with the holder
+        auto fresh = caf::actor_cast<worker_actor>(leased);
+        st->places[static_cast<size_t>(rank)] = {"node", n.host, n.port, std::move(link)};
+        {
+          std::lock_guard<std::mutex> lk{st->replacements->mtx};
+          st->replacements->leased.push_back(fresh);
+        }
+        made(fresh);
+      },
+      [st, failed](caf::error& err) {
+        if (st->recov->under_way() && !st->failure)
+          failed(std::move(err));
+      });
   }
 
   void install(int32_t rank, worker_actor fresh) override {
     self->monitor(fresh);
     workers[static_cast<size_t>(rank)] = fresh;
-    use_link(static_cast<size_t>(rank));
+    routes->route(static_cast<size_t>(rank), fresh, places[static_cast<size_t>(rank)].link);
   }
 
   /// Brings the worker in `rank`'s place to the others' state: model, the driver's peers,
@@ -964,7 +838,7 @@ struct supervisor_state : gather_host, recovery_host {
   /// Shutdown: fail what is pending, stop every local worker, then stop; later calls find
   /// the supervisor gone.
   void on_exit(const caf::exit_msg& msg) {
-    *leases_cancelled = true;
+    leases.reset();
     fail_all(failure ? failure
                      : caf::make_error(errc::shut_down, std::string{"executor is shut down"}));
     for (auto& w : workers) {
@@ -995,11 +869,10 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
            std::vector<worker_place> places, worker_factory factory, caf::actor lease_holder,
            std::shared_ptr<replacement_list> replacements, std::shared_ptr<link_set> links) {
   auto& st = self->state;
-  st.links = std::move(links);
   st.self = self;
   st.cfg = std::move(cfg);
   st.factory = std::move(factory);
-  st.lease_holder = std::move(lease_holder);
+  st.leases = std::make_unique<replacement_leases>(st.cfg, std::move(lease_holder));
   st.replacements = std::move(replacements);
   st.workers = std::move(workers);
   st.places = std::move(places);
@@ -1016,9 +889,9 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
       self->send(self->state.target(static_cast<size_t>(rank)), step_atom::value,
                  stop_loop_atom::value, id);
     });
-  st.stubs.resize(st.workers.size());
+  st.routes = std::make_unique<worker_routes>(self->system(), std::move(links), st.workers.size());
   for (size_t rank = 0; rank < st.workers.size(); ++rank)
-    st.use_link(rank);
+    st.routes->route(rank, st.workers[rank], st.places[rank].link);
   for (auto& w : st.workers)
     self->monitor(w);
   self->set_down_handler([self](caf::down_msg& msg) { self->state.on_worker_down(msg); });

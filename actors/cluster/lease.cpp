@@ -13,6 +13,7 @@
 #include <caf/io/network/default_multiplexer.hpp>
 #include <caf/openssl/all.hpp>
 
+#include <algorithm>
 #include <set>
 
 namespace troupe {
@@ -111,6 +112,48 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
     }
   }
   return grant;
+}
+
+void lease_one(caf::blocking_actor* self, executor_config cfg, std::vector<node_address> candidates,
+               caf::actor holder, std::chrono::steady_clock::time_point deadline,
+               std::shared_ptr<std::atomic<bool>> cancelled,
+               std::shared_ptr<std::shared_ptr<link_client>> link) {
+  self->receive([&](lease_atom) -> caf::result<caf::actor, int32_t> {
+    std::string refusals;
+    for (size_t i = 0; i < candidates.size() && !*cancelled; ++i) {
+      auto until = std::min(deadline, std::chrono::steady_clock::now() + cfg.node_timeout);
+      try {
+        auto grant = lease_workers(self, cfg, candidates[i], 1, holder, until);
+        auto& leased = grant.workers;
+        if (leased.size() == 1) {
+          *link = std::move(grant.link);
+          return {leased[0], static_cast<int32_t>(i)};
+        }
+        refusals += (refusals.empty() ? "" : "; ") + node_name(candidates[i]) + ": gave " +
+                    std::to_string(leased.size()) + " workers for 1";
+      } catch (const error& e) {
+        refusals += (refusals.empty() ? "" : "; ") + std::string{e.what()};
+      }
+    }
+    return caf::make_error(errc::worker_died, "no node gave a replacement (" + refusals + ")");
+  });
+}
+
+std::vector<node_address> replacement_leases::order(const node_address& dead) {
+  std::vector<node_address> candidates{dead};
+  for (auto* list : {&cfg_.spare_nodes, &cfg_.nodes})
+    for (auto& n : *list) {
+      bool known = false;
+      for (auto& c : candidates)
+        known = known || (c.host == n.host && c.port == n.port);
+      if (!known)
+        candidates.push_back({n.host, n.port, 1});
+    }
+  std::stable_partition(candidates.begin() + 1, candidates.end(), [&](const node_address& n) {
+    return lost_.count({n.host, n.port}) == 0;
+  });
+  lost_.insert({dead.host, dead.port});
+  return candidates;
 }
 
 } // namespace troupe
