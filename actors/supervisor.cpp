@@ -18,6 +18,7 @@
 #include "actors/reply_sink.hpp"
 #include "actors/sleep_control.hpp"
 #include "actors/worker_actor.hpp"
+#include "actors/worker_group.hpp"
 #include "kernels/log.hpp"
 #include "troupe/errors.hpp"
 
@@ -57,7 +58,7 @@ std::string place_name(const worker_place& place) {
 
 } // namespace
 
-struct supervisor_state : gather_host, recovery_host {
+struct supervisor_state : gather_host, recovery_host, group_host {
   supervisor_self self = nullptr;
   executor_config cfg;
   std::vector<worker_actor> workers;
@@ -77,8 +78,8 @@ struct supervisor_state : gather_host, recovery_host {
   /// The replacements of workers that nodes gave.
   std::unique_ptr<replacement_leases> leases;
   std::shared_ptr<replacement_list> replacements;
-  /// Each rank's init context.
-  std::vector<worker_context> contexts;
+  /// The workers as one tensor-parallel group (made with `gathers`).
+  std::unique_ptr<worker_group> group;
   /// The blocks of the last initialize_cache.
   std::optional<cache_blocks> cache;
   /// The adapter calls a replacement repeats (made with `gathers`).
@@ -207,133 +208,53 @@ struct supervisor_state : gather_host, recovery_host {
                                   [](std::vector<caf::message>&) { return caf::ok_atom::value; });
   }
 
-  // -- the handlers -----------------------------------------------------------------
+  // -- what the group asks of the supervisor -------------------------------------------
 
-  /// The handles of ranks `first`..: 1 for the driver's peers, 0 for the whole group.
-  std::vector<caf::actor> handles(size_t first) const {
-    std::vector<caf::actor> peers;
-    for (size_t i = first; i < workers.size(); ++i)
-      peers.push_back(caf::actor_cast<caf::actor>(workers[i]));
-    return peers;
+  std::vector<caf::actor> members() const override {
+    std::vector<caf::actor> handles;
+    for (auto& w : workers)
+      handles.push_back(caf::actor_cast<caf::actor>(w));
+    return handles;
   }
 
-  /// The driver's peers: a driver of this process sends its steps to the stubs of linked
-  /// peers, so that they share the link's stream with what the supervisor sends them.
-  std::vector<caf::actor> peer_handles() const {
-    if (workers.empty() || !is_local(workers[0]))
-      return handles(1);
+  /// A driver of this process sends its steps to the stubs of linked peers, so that they
+  /// share the link's stream with what the supervisor sends them.
+  std::vector<caf::actor> driver_peers() const override {
     std::vector<caf::actor> peers;
+    bool local = !workers.empty() && is_local(workers[0]);
     for (size_t i = 1; i < workers.size(); ++i)
-      peers.push_back(caf::actor_cast<caf::actor>(target(i)));
+      peers.push_back(caf::actor_cast<caf::actor>(local ? target(i) : workers[i]));
     return peers;
   }
 
-  /// The init request of `rank`.
-  ask_fn init_request(int32_t rank) const {
-    return asking(init_atom::value, contexts[static_cast<size_t>(rank)],
-                  rank == 0 ? peer_handles() : std::vector<caf::actor>{});
+  bool in_process(size_t rank) const override {
+    return is_local(workers[rank]);
   }
+
+  /// Where rank `rank` runs, for messages: its host and process, and its node if leased.
+  std::string where(const worker_info& info) const override {
+    auto text = "rank " + std::to_string(info.rank) + " on " + info.hostname + " (pid " +
+                std::to_string(info.pid);
+    auto& place = places[static_cast<size_t>(info.rank)];
+    if (!place.host.empty())
+      text += ", " + place_name(place);
+    return text + ")";
+  }
+
+  // -- the handlers -----------------------------------------------------------------
 
   /// Starts every worker (device, model, rank and peers), then forms their tensor-parallel
   /// group.
   promise<std::vector<worker_info>> init_workers() {
     auto rp = self->template make_response_promise<std::vector<worker_info>>();
-    auto world = static_cast<int32_t>(workers.size());
-    std::vector<ask_fn> requests;
-    int32_t local_index = 0;
-    contexts.clear();
     recov->started(workers.size());
-    for (int32_t rank = 0; rank < world; ++rank) {
-      worker_context ctx;
-      ctx.rank = rank;
-      ctx.world_size = world;
-      ctx.device_kind = cfg.device_kind;
-      ctx.device_index = is_local(workers[static_cast<size_t>(rank)]) ? local_index++ : 0;
-      ctx.block_size = cfg.block_size;
-      ctx.max_model_len = cfg.max_model_len;
-      ctx.profile_dir = cfg.profile_dir;
-      ctx.collective_host = cfg.collective_host;
-      ctx.linger_us = cfg.linger.count();
-      contexts.push_back(ctx);
-    }
-    for (int32_t rank = 0; rank < world; ++rank)
-      requests.push_back(init_request(rank));
-    auto* st = this;
-    gathers->start(
-      "init", all_ranks(), nullptr, cfg.startup_timeout, 0,
-      [=](gather_result res) mutable {
-        if (!res) {
-          rp.deliver(res.error());
-          return;
-        }
-        std::vector<worker_info> infos;
-        for (size_t rank = 0; rank < res->size(); ++rank) {
-          auto& info = (*res)[rank];
-          if (!info.match_elements<worker_info>()) {
-            rp.deliver(caf::make_error(errc::bad_arguments,
-                                       "rank " + std::to_string(rank) + " answered init with (" +
-                                         to_string(info) + "), not a worker_info"));
-            return;
-          }
-          infos.push_back(info.get_as<worker_info>(0));
-        }
-        if (auto err = different_models(infos)) {
-          rp.deliver(std::move(err));
-          return;
-        }
-        st->form_collective([rp, infos](caf::error err) mutable {
-          if (err)
-            rp.deliver(std::move(err));
-          else
-            rp.deliver(std::move(infos));
-        });
-      },
-      std::move(requests));
+    group->start([rp](caf::expected<std::vector<worker_info>> infos) mutable {
+      if (infos)
+        rp.deliver(std::move(*infos));
+      else
+        rp.deliver(infos.error());
+    });
     return rp;
-  }
-
-  /// Forms the workers' tensor-parallel group: each rank learns the members (whose deaths
-  /// abort its collective) and prepares its side, then every rank connects with the table of
-  /// all (skipped when no rank needs one).
-  void form_collective(std::function<void(caf::error)> then) {
-    if (workers.size() < 2) {
-      then(caf::none);
-      return;
-    }
-    auto* st = this;
-    gathers->start("group", all_ranks(), asking(group_atom::value, handles(0)), cfg.startup_timeout,
-                   0, [st, then](gather_result res) {
-                     if (!res)
-                       return then(res.error());
-                     st->prepare_collective(then);
-                   });
-  }
-
-  void prepare_collective(std::function<void(caf::error)> then) {
-    auto* st = this;
-    const std::string prepare = "prepare_collective";
-    gathers->start(
-      prepare, all_ranks(), calling(prepare), cfg.startup_timeout, 0,
-      [st, then, prepare](gather_result res) {
-        if (!res)
-          return then(res.error());
-        std::vector<std::vector<std::string>> table;
-        bool needed = false;
-        try {
-          for (size_t rank = 0; rank < res->size(); ++rank) {
-            table.push_back(result_as<std::vector<std::string>>((*res)[rank], rank, prepare));
-            needed = needed || !table.back().empty();
-          }
-        } catch (const error& e) {
-          return then(caf::make_error(e.code(), std::string{e.what()}));
-        }
-        if (!needed)
-          return then(caf::none);
-        st->gathers->start("connect_collective", st->all_ranks(),
-                           calling("connect_collective", caf::make_message(std::move(table))),
-                           st->cfg.startup_timeout, 0,
-                           [then](gather_result done) { then(done ? caf::none : done.error()); });
-      });
   }
 
   /// collective_rpc of a named method, answered through `reply` (see `start_direct_gather`).
@@ -625,34 +546,6 @@ struct supervisor_state : gather_host, recovery_host {
 
   // -- supervision --------------------------------------------------------------------
 
-  /// Where rank `rank` runs, for messages: its host and process, and its node if leased.
-  std::string where_rank(const worker_info& info) const {
-    auto text = "rank " + std::to_string(info.rank) + " on " + info.hostname + " (pid " +
-                std::to_string(info.pid);
-    auto& place = places[static_cast<size_t>(info.rank)];
-    if (!place.host.empty())
-      text += ", " + place_name(place);
-    return text + ")";
-  }
-
-  /// An `inconsistent_workers` error when two ranks loaded different models (one host has
-  /// another version of the files at the same path): they would compute garbage together.
-  caf::error different_models(const std::vector<worker_info>& infos) const {
-    for (auto& info : infos) {
-      auto& first = infos.front();
-      if (first.model_fingerprint.empty() || info.model_fingerprint.empty() ||
-          info.model_fingerprint == first.model_fingerprint)
-        continue;
-      return caf::make_error(errc::inconsistent_workers,
-                             where_rank(first) + " and " + where_rank(info) +
-                               " loaded different models from '" + first.model + "' and '" +
-                               info.model +
-                               "': their configs or files differ (names, shapes, "
-                               "types or bytes of the tensors); every host needs the same files");
-    }
-    return {};
-  }
-
   worker_actor target(size_t rank) const override {
     return routes->target(rank);
   }
@@ -699,7 +592,7 @@ struct supervisor_state : gather_host, recovery_host {
 
   /// Why a dead `rank` cannot be replaced under the restart policy; empty when it can.
   std::string cannot_replace(int32_t rank) {
-    if (contexts.size() != workers.size())
+    if (!group->started())
       return "it died before the executor had started";
     bool local = is_local(workers[static_cast<size_t>(rank)]);
     if (local && !factory)
@@ -789,16 +682,16 @@ struct supervisor_state : gather_host, recovery_host {
       return gather_step(*st->gathers, std::move(label), std::move(ranks), std::move(ask),
                          st->cfg.startup_timeout);
     };
-    steps.push_back(step("init", {rank}, init_request(rank)));
+    steps.push_back(step("init", {rank}, group->init_request(rank)));
     if (rank != 0)
-      steps.push_back(step("the driver's peers", {0}, asking(peers_atom::value, peer_handles())));
+      steps.push_back(step("the driver's peers", {0}, asking(peers_atom::value, driver_peers())));
     steps.push_back([st, rank](std::function<void(caf::error)> next) {
       st->recov->make_leftover_calls(rank, [next] { next(caf::none); });
     });
     if (cfg.replacement_calls)
       for (auto& c : cfg.replacement_calls())
         steps.push_back(step(c.method, {rank}, calling(c.method, c.args, c.kwargs)));
-    steps.push_back([st](std::function<void(caf::error)> next) { st->form_collective(next); });
+    steps.push_back([st](std::function<void(caf::error)> next) { st->group->form(next); });
     if (cache)
       steps.push_back(
         step("initialize_cache", {rank}, calling("initialize_cache", caf::make_message(*cache))));
@@ -880,6 +773,7 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
   st.gathers = std::make_unique<gather_table>(self, st, *st.sink);
   st.recov =
     std::make_unique<recovery>(st, *st.gathers, st.cfg.restart, st.cfg.startup_timeout, st.log);
+  st.group = std::make_unique<worker_group>(*st.gathers, st, st.cfg, st.workers.size());
   st.adapters =
     std::make_unique<adapter_log>(*st.gathers, st.all_ranks(), st.cfg.startup_timeout, st.log);
   st.sleep =
