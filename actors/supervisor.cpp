@@ -16,6 +16,7 @@
 #include "actors/gather_table.hpp"
 #include "actors/recovery.hpp"
 #include "actors/reply_sink.hpp"
+#include "actors/sharded_save.hpp"
 #include "actors/sleep_control.hpp"
 #include "actors/worker_actor.hpp"
 #include "actors/worker_group.hpp"
@@ -335,64 +336,16 @@ struct supervisor_state : gather_host, recovery_host, group_host {
     return call_all_ok("initialize_cache", caf::make_message(blocks));
   }
 
-  /// save_sharded_state, all or nothing: every rank writes its files aside; they are moved
-  /// into place only once every rank has succeeded, and removed otherwise.
+  /// save_sharded_state, all or nothing (see `save_sharded`).
   promise<caf::ok_atom> save_sharded_state(sharded_state_request req) {
     auto rp = self->template make_response_promise<caf::ok_atom>();
-    // Names this save's staging folders; random, so that executors sharing a folder never
-    // mix their parts.
-    auto token = random_challenge().substr(0, 16);
-    auto* st = this;
-    auto finish = [st, req, token](bool commit) {
-      return calling("finish_sharded_state", caf::make_message(req.path, token, commit));
-    };
-    // A failed save is cleaned up rank by rank, and answered once every rank has removed
-    // its part: a rank that died fails its cleanup at once and must not cut the others'
-    // short. The part of a rank whose cleanup failed is removed by its next replacement
-    // (same rank, same folder); the save waits for the replacement under way, and does
-    // not for one that may never come (a rank not known to be dead, or not yet).
-    auto clean_up = [st, finish](std::function<void()> then) {
-      auto left = std::make_shared<size_t>(st->workers.size());
-      auto one_done = [left, then] {
-        if (--*left == 0)
-          then();
-      };
-      for (auto rank : st->all_ranks())
-        st->gathers->start("save_sharded_state", {rank}, finish(false), st->cfg.rpc_timeout, 0,
-                           [st, rank, finish, one_done](gather_result res) {
-                             if (res)
-                               return one_done();
-                             st->recov->leave(rank, "save_sharded_state", finish(false));
-                             if (!st->recov->under_way() || st->recov->rank() != rank) {
-                               st->log->warn("rank {} did not remove its part of a failed save "
-                                             "({}): its next replacement will",
-                                             rank, render(res.error()));
-                               return one_done();
-                             }
-                             st->recov->after([st, rank, one_done](caf::error failed) {
-                               if (failed)
-                                 return one_done();
-                               st->recov->make_leftover_calls(rank, one_done);
-                             });
-                           });
-    };
-    caf::settings staged;
-    staged["staging"] = token;
-    gathers->start("save_sharded_state", all_ranks(),
-                   calling("save_sharded_state", caf::make_message(req), std::move(staged)),
-                   cfg.rpc_timeout, 0, [=](gather_result res) mutable {
-                     if (!res) {
-                       clean_up([=, failure = res.error()]() mutable { rp.deliver(failure); });
-                       return;
-                     }
-                     st->gathers->start("save_sharded_state", st->all_ranks(), finish(true),
-                                        st->cfg.rpc_timeout, 0, [=](gather_result done) mutable {
-                                          if (done)
-                                            rp.deliver(caf::ok_atom::value);
-                                          else
-                                            rp.deliver(done.error());
-                                        });
-                   });
+    save_sharded(*gathers, *recov, all_ranks(), cfg.rpc_timeout, log, std::move(req),
+                 random_challenge().substr(0, 16), [rp](caf::error err) mutable {
+                   if (err)
+                     rp.deliver(std::move(err));
+                   else
+                     rp.deliver(caf::ok_atom::value);
+                 });
     return rp;
   }
 
