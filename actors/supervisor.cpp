@@ -15,6 +15,7 @@
 #include "actors/execution_loop.hpp"
 #include "actors/gather_table.hpp"
 #include "actors/recovery.hpp"
+#include "actors/reductions.hpp"
 #include "actors/reply_sink.hpp"
 #include "actors/sharded_save.hpp"
 #include "actors/sleep_control.hpp"
@@ -305,18 +306,7 @@ struct supervisor_state : gather_host, recovery_host, group_host {
 
   /// determine_num_available_blocks: the least over the workers of both numbers.
   promise<cache_blocks> available_blocks() {
-    const std::string method = "determine_num_available_blocks";
-    return call_all<cache_blocks>(method, {}, [method](std::vector<caf::message>& results) {
-      cache_blocks least;
-      for (size_t rank = 0; rank < results.size(); ++rank) {
-        auto& b = result_as<cache_blocks>(results[rank], rank, method);
-        if (rank == 0 || b.num_device_blocks < least.num_device_blocks)
-          least.num_device_blocks = b.num_device_blocks;
-        if (rank == 0 || b.num_swap_blocks < least.num_swap_blocks)
-          least.num_swap_blocks = b.num_swap_blocks;
-      }
-      return least;
-    });
+    return call_all<cache_blocks>("determine_num_available_blocks", {}, least_blocks);
   }
 
   promise<caf::ok_atom> initialize_cache(cache_blocks blocks) {
@@ -364,10 +354,8 @@ struct supervisor_state : gather_host, recovery_host, group_host {
         adapter_kind_of(method) == adapter_kind::prompt_adapter ? "prompt_adapter_id" : "lora_id",
         id));
     auto* st = this;
-    return call_all<bool>(method, args, [st, method, args, id](std::vector<caf::message>& results) {
-      bool all = true;
-      for (size_t rank = 0; rank < results.size(); ++rank)
-        all = result_as<bool>(results[rank], rank, method) && all;
+    return call_all<bool>(method, args, [st, method, args, id](std::vector<caf::message>& replies) {
+      bool all = troupe::all_true(method, replies);
       if (all)
         st->adapters->note(method, args, id);
       return all;
@@ -376,43 +364,17 @@ struct supervisor_state : gather_host, recovery_host, group_host {
 
   /// list_loras / list_prompt_adapters: every worker must hold the same set.
   promise<std::vector<int64_t>> same_set(std::string method) {
-    return call_all<std::vector<int64_t>>(method, {}, [method](std::vector<caf::message>& results) {
-      auto first = result_as<std::vector<int64_t>>(results[0], 0, method);
-      std::sort(first.begin(), first.end());
-      std::string differing;
-      for (size_t rank = 1; rank < results.size(); ++rank) {
-        auto set = result_as<std::vector<int64_t>>(results[rank], rank, method);
-        std::sort(set.begin(), set.end());
-        if (set != first)
-          differing += (differing.empty() ? "" : ", ") + std::to_string(rank);
-      }
-      if (!differing.empty())
-        throw error{errc::inconsistent_workers, method + ": rank(s) " + differing +
-                                                  " disagree with rank 0 (" +
-                                                  to_string(caf::make_message(first)) +
-                                                  "); all workers should hold the same set"};
-      return first;
+    return call_all<std::vector<int64_t>>(method, {}, [method](std::vector<caf::message>& replies) {
+      return troupe::same_set(method, replies);
     });
   }
 
   /// check_health: every report in rank order, or an error naming the unhealthy ranks.
   promise<std::vector<worker_health>> check_health() {
-    const std::string method = "check_health";
     auto* st = this;
     return call_all<std::vector<worker_health>>(
-      method, {}, [st, method](std::vector<caf::message>& results) {
-        std::vector<worker_health> reports;
-        std::string unhealthy;
-        for (size_t rank = 0; rank < results.size(); ++rank) {
-          reports.push_back(result_as<worker_health>(results[rank], rank, method));
-          reports.back().restarts = st->recov->restarts(rank);
-          if (!reports.back().healthy)
-            unhealthy += (unhealthy.empty() ? "rank " : "; rank ") + std::to_string(rank) + ": " +
-                         reports.back().detail;
-        }
-        if (!unhealthy.empty())
-          throw error{errc::worker_error, "unhealthy workers: " + unhealthy};
-        return reports;
+      "check_health", {}, [st](std::vector<caf::message>& replies) {
+        return all_healthy(replies, [st](size_t rank) { return st->recov->restarts(rank); });
       });
   }
 

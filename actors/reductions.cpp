@@ -1,0 +1,64 @@
+#include "actors/reductions.hpp"
+
+#include "actors/gather_table.hpp"
+#include "troupe/errors.hpp"
+
+#include <algorithm>
+
+namespace troupe {
+
+cache_blocks least_blocks(const std::vector<caf::message>& replies) {
+  const std::string method = "determine_num_available_blocks";
+  cache_blocks least;
+  for (size_t rank = 0; rank < replies.size(); ++rank) {
+    auto& b = result_as<cache_blocks>(replies[rank], rank, method);
+    if (rank == 0 || b.num_device_blocks < least.num_device_blocks)
+      least.num_device_blocks = b.num_device_blocks;
+    if (rank == 0 || b.num_swap_blocks < least.num_swap_blocks)
+      least.num_swap_blocks = b.num_swap_blocks;
+  }
+  return least;
+}
+
+bool all_true(const std::string& method, const std::vector<caf::message>& replies) {
+  bool all = true;
+  for (size_t rank = 0; rank < replies.size(); ++rank)
+    all = result_as<bool>(replies[rank], rank, method) && all;
+  return all;
+}
+
+std::vector<int64_t> same_set(const std::string& method, const std::vector<caf::message>& replies) {
+  auto sorted = [&](size_t rank) {
+    auto set = result_as<std::vector<int64_t>>(replies[rank], rank, method);
+    std::sort(set.begin(), set.end());
+    return set;
+  };
+  auto first = sorted(0);
+  std::string differing;
+  for (size_t rank = 1; rank < replies.size(); ++rank)
+    if (sorted(rank) != first)
+      differing += (differing.empty() ? "" : ", ") + std::to_string(rank);
+  if (!differing.empty())
+    throw error{errc::inconsistent_workers,
+                method + ": rank(s) " + differing + " disagree with rank 0 (" +
+                  to_string(caf::make_message(first)) + "); all workers should hold the same set"};
+  return first;
+}
+
+std::vector<worker_health> all_healthy(const std::vector<caf::message>& replies,
+                                       const std::function<int32_t(size_t)>& restarts) {
+  std::vector<worker_health> reports;
+  std::string unhealthy;
+  for (size_t rank = 0; rank < replies.size(); ++rank) {
+    reports.push_back(result_as<worker_health>(replies[rank], rank, "check_health"));
+    reports.back().restarts = restarts(rank);
+    if (!reports.back().healthy)
+      unhealthy += (unhealthy.empty() ? "rank " : "; rank ") + std::to_string(rank) + ": " +
+                   reports.back().detail;
+  }
+  if (!unhealthy.empty())
+    throw error{errc::worker_error, "unhealthy workers: " + unhealthy};
+  return reports;
+}
+
+} // namespace troupe
