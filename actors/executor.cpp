@@ -502,9 +502,6 @@ void executor_config::validate() const {
   positive("tensor_parallel_size", tensor_parallel_size);
   positive("block_size", block_size);
   positive("max_model_len", max_model_len);
-  if (device_kind != "cpu" && device_kind != "cuda")
-    throw error{errc::invalid_argument,
-                "device kind '" + device_kind + "' is not known (\"cpu\" or \"cuda\")"};
   for (auto& n : nodes)
     if (n.workers < 1)
       throw error{errc::invalid_argument,

@@ -69,7 +69,7 @@ worker::~worker() = default;
 // -- lifecycle ----------------------------------------------------------------
 
 void worker::init_device(const worker_context& ctx) {
-  bind_device(ctx, make_device(ctx.device_kind, ctx.device_index));
+  bind_device(ctx, make_device(ctx.device_type, ctx.device_index));
 }
 
 void worker::bind_device(const worker_context& ctx, std::unique_ptr<troupe::device> dev) {

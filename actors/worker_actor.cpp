@@ -258,7 +258,7 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
       for (auto& peer : peers)
         st.peers.push_back(caf::actor_cast<worker_actor>(peer));
       if (st.placement) {
-        ctx.device_kind = st.placement->device_kind;
+        ctx.device_type = st.placement->device_type;
         ctx.device_index = st.placement->device_index;
         if (!st.placement->collective_host.empty())
           ctx.collective_host = st.placement->collective_host;

@@ -32,8 +32,8 @@ worker_actor spawn_worker(caf::actor_system& sys, worker_factory factory);
 
 /// What a node decides for a worker it leases, whatever the executor's context says.
 struct node_placement {
-  /// The device the worker owns on the node ("cpu" or "cuda", and its index).
-  std::string device_kind = "cpu";
+  /// The device the worker owns on the node, and its index.
+  device_kind device_type = device_kind::cpu;
   int32_t device_index = 0;
   /// Where its collective listens (the node's address).
   std::string collective_host;

@@ -24,7 +24,7 @@ void worker_group::start(std::function<void(caf::expected<std::vector<worker_inf
     worker_context ctx;
     ctx.rank = rank;
     ctx.world_size = world;
-    ctx.device_kind = cfg_.device_kind;
+    ctx.device_type = cfg_.device_type;
     ctx.device_index = host_.in_process(static_cast<size_t>(rank)) ? local_index++ : 0;
     ctx.block_size = cfg_.block_size;
     ctx.max_model_len = cfg_.max_model_len;

@@ -70,7 +70,7 @@ std::shared_ptr<command> add_bench_sleep(CLI::App& bench) {
     ->capture_default_str();
   cmd->app->add_flag("--json", o->json, "Print only JSON");
   cmd->run = [o] {
-    auto dev = make_device(o->device, 0);
+    auto dev = make_device(parse_device_kind(o->device), 0);
     auto bytes = static_cast<std::size_t>(o->gib * (1 << 30));
     auto weights = dev->allocate(bytes, memory_tag::weights);
     host_buffer host{*dev, bytes};

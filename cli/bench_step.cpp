@@ -29,7 +29,7 @@ using clock_type = std::chrono::steady_clock;
 /// The same on GPU 0: a copy of 1 GiB between two of its buffers, best of a few.
 double gpu_copy_bandwidth() {
   const size_t bytes = size_t{1} << 30;
-  auto dev = make_device("cuda", 0);
+  auto dev = make_device(device_kind::cuda, 0);
   device_buffer src;
   device_buffer dst;
   try {

@@ -225,7 +225,7 @@ std::shared_ptr<command> add_node(CLI::App& app) {
         throw bad();
       }
     }
-    cfg.device_kind = kind;
+    cfg.device_type = parse_device_kind(kind);
     if (kind == "cpu" && numbers.size() == 1 && numbers[0] > 0)
       cfg.devices = numbers[0];
     else if (kind == "cuda" && !numbers.empty())

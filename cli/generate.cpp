@@ -136,7 +136,7 @@ void add_device_options(CLI::App& app, device_options& o) {
 
 void apply_device_options(const device_options& o, executor_config& executor,
                           model_worker_options& worker) {
-  executor.device_kind = o.device;
+  executor.device_type = parse_device_kind(o.device);
   worker.dtype = o.dtype;
   worker.gpu_memory_utilization = o.gpu_memory_utilization;
   worker.enforce_eager = o.enforce_eager;

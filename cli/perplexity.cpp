@@ -113,7 +113,7 @@ std::shared_ptr<command> add_perplexity(CLI::App& app) {
     checked.dtype = o->device.dtype;
     checked.cpu_precision = o->device.cpu_precision;
     checked.validate();
-    auto dev = make_device(o->device.device, 0);
+    auto dev = make_device(parse_device_kind(o->device.device), 0);
     auto format = weight_format_for(*dev, o->device.dtype, cfg.torch_dtype);
     platform_of(*dev).share(1);
     llama_model model{

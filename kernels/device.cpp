@@ -12,13 +12,10 @@ void* device::map_file(int, std::size_t, std::size_t, memory_tag, bool) {
   return nullptr;
 }
 
-std::unique_ptr<device> make_device(const std::string& kind, int32_t index) {
-  if (kind == "cpu")
-    return std::make_unique<cpu_device>(index);
-  if (kind == "cuda")
+std::unique_ptr<device> make_device(device_kind kind, int32_t index) {
+  if (kind == device_kind::cuda)
     return cuda().make_device(index);
-  throw error{errc::invalid_argument,
-              "device kind '" + kind + "' is not known (\"cpu\" or \"cuda\")"};
+  return std::make_unique<cpu_device>(index);
 }
 
 } // namespace troupe

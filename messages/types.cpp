@@ -83,6 +83,25 @@ sleep_level to_sleep_level(int64_t level) {
   return static_cast<sleep_level>(level);
 }
 
+const char* to_string(device_kind kind) {
+  switch (kind) {
+  case device_kind::cpu:
+    return "cpu";
+  case device_kind::cuda:
+    return "cuda";
+  }
+  return "unknown";
+}
+
+device_kind parse_device_kind(std::string_view name) {
+  if (name == "cpu")
+    return device_kind::cpu;
+  if (name == "cuda")
+    return device_kind::cuda;
+  throw error{errc::invalid_argument,
+              "device kind '" + std::string{name} + "' is not known (\"cpu\" or \"cuda\")"};
+}
+
 const char* to_string(adapter_kind kind) {
   switch (kind) {
   case adapter_kind::lora:

@@ -217,6 +217,7 @@ TEST_CASE("the pool refuses what it cannot do with the reason") {
 }
 
 TEST_CASE("make_device knows the cpu and names what it does not know") {
-  CHECK(make_device("cpu", 2)->name() == "cpu:2");
-  CHECK_THROWS_WITH_AS(make_device("tpu", 0), doctest::Contains("'tpu'"), error);
+  CHECK(make_device(device_kind::cpu, 2)->name() == "cpu:2");
+  CHECK(make_device(parse_device_kind("cpu"), 0)->name() == "cpu:0");
+  CHECK_THROWS_WITH_AS(parse_device_kind("tpu"), doctest::Contains("'tpu'"), error);
 }

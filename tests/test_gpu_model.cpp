@@ -184,7 +184,7 @@ TEST_CASE("a model worker on the GPU: gpu_memory_utilization, sleep gives the me
     std::filesystem::temp_directory_path() / ("troupe-gpu-smollm2-" + std::to_string(::getpid()));
   write_random_model(smollm2_135m_config(), dir.string(), dtype::bf16, 7);
   executor_config cfg;
-  cfg.device_kind = "cuda";
+  cfg.device_type = device_kind::cuda;
   cfg.max_model_len = 512;
   model_worker_options mw;
   mw.model_path = dir.string();
@@ -234,7 +234,7 @@ TEST_CASE("the executor on the GPU: greedy tokens and logprobs as on the CPU") {
   // those logprobs with the CPU's.
   auto logprobs_of = [&](const std::string& kind) {
     executor_config cfg;
-    cfg.device_kind = kind;
+    cfg.device_type = parse_device_kind(kind);
     executor exec{cfg, model_worker_factory(c.options)};
     exec.initialize_cache(exec.determine_num_available_blocks());
     CHECK(testing::greedy_tokens(exec, c.prompt, c.greedy.size()) == c.greedy);
@@ -265,7 +265,7 @@ TEST_CASE("tensor parallelism over GPUs with NCCL gives the tokens of one GPU") 
     return testing::skip("one GPU visible; tensor parallelism over NCCL needs a GPU per rank");
   llama_gqa_case c;
   executor_config cfg;
-  cfg.device_kind = "cuda";
+  cfg.device_type = device_kind::cuda;
   cfg.tensor_parallel_size = 2;
   executor exec{cfg, model_worker_factory(c.options)};
   exec.initialize_cache(exec.determine_num_available_blocks());
@@ -281,7 +281,7 @@ std::vector<std::vector<int32_t>> generated(const std::string& name, const std::
                                             const std::vector<generation_request>& requests) {
   llm_config cfg;
   cfg.worker.model_path = fixtures + "/" + name;
-  cfg.executor.device_kind = device;
+  cfg.executor.device_type = parse_device_kind(device);
   cfg.worker.dtype = "float32";
   cfg.worker.enforce_eager = eager;
   cfg.worker.kv_cache_memory_bytes = 16 << 20;

@@ -77,7 +77,7 @@ std::vector<caf::message> every_type() {
     caf::make_message(memory_usage{memory_tag::weights, 10, 5, 1}),
     caf::make_message(worker_info{1, 2, "cpu:1", "host", 42}),
     caf::make_message(sample_health()),
-    caf::make_message(worker_context{1, 2, "cpu", 1, 16, 2048, "/tmp", "127.0.0.1"}),
+    caf::make_message(worker_context{1, 2, device_kind::cuda, 1, 16, 2048, "/tmp", "127.0.0.1"}),
     caf::make_message(std::vector<sampler_output>{sample_output(), sample_output()}),
     caf::make_message(std::vector<memory_tag>{memory_tag::kv_cache}),
     caf::make_message(std::vector<worker_health>{sample_health()}),

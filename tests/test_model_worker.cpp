@@ -192,7 +192,7 @@ TEST_CASE("a CPU run maps no CUDA library and keeps its swap space unwritten unt
 TEST_CASE("a bad dtype, device or gpu_memory_utilization is refused at start, naming it") {
   auto start = [](const std::string& device, const std::string& dtype, double utilization) {
     executor_config cfg;
-    cfg.device_kind = device;
+    cfg.device_type = parse_device_kind(device);
     model_worker_options opts;
     opts.model_path = fixtures + "/llama-gqa";
     opts.dtype = dtype;

@@ -337,7 +337,7 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
         leased.push_back(caf::actor_cast<caf::actor>(spawn_leased_worker(
           self->home_system(), [make, options](int32_t rank) { return make(rank, options); },
           sender->node(),
-          {st.cfg.device_kind, st.cfg.device_indices[static_cast<size_t>(slot)],
+          {st.cfg.device_type, st.cfg.device_indices[static_cast<size_t>(slot)],
            st.cfg.collective_host},
           std::make_shared<link_readers::member>(st.lease->readers))));
         self->monitor(leased.back());

@@ -3,6 +3,8 @@
 /// @file
 /// Configuration of an executor: how many workers, where they live, default deadlines.
 
+#include "troupe/types.hpp"
+
 #include <caf/actor_system_config.hpp>
 #include <caf/message.hpp>
 #include <caf/settings.hpp>
@@ -71,9 +73,9 @@ struct restart_policy {
 struct executor_config {
   /// Number of workers; rank 0 is the driver (vLLM's `tensor_parallel_size`).
   int32_t tensor_parallel_size = 1;
-  /// The device each local worker owns: `"cpu"`, or `"cuda"` (the i-th local worker takes
-  /// GPU i). Workers leased from nodes own the devices their node gives them.
-  std::string device_kind = "cpu";
+  /// The device each local worker owns: the CPU, or a GPU (the i-th local worker takes GPU
+  /// i). Workers leased from nodes own the devices their node gives them.
+  device_kind device_type = device_kind::cpu;
   /// Worker nodes to lease workers from: their workers take the ranks after the local
   /// ones, node by node in this order. Local workers are the ones the nodes do not give.
   std::vector<node_address> nodes;

@@ -67,10 +67,9 @@ public:
   virtual std::size_t total_memory() const = 0;
 };
 
-/// Creates the device a worker of the given rank owns: `"cpu"` for host memory, `"cuda"` for
-/// GPU `index` (when built with CUDA).
-/// Throws `troupe::error` (`invalid_argument`) for a kind this build does not support.
-std::unique_ptr<device> make_device(const std::string& kind, int32_t index);
+/// Creates the device a worker of the given rank owns: host memory, or GPU `index`.
+/// Throws `troupe::error` when this build or machine has no such device.
+std::unique_ptr<device> make_device(device_kind kind, int32_t index);
 
 /// Memory from a device, freed when the buffer goes away.
 class device_buffer {

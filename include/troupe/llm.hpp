@@ -60,7 +60,7 @@ struct llm_config {
   /// The model (`worker.model_path`: a Hugging Face directory or a GGUF file) and how each
   /// worker holds it: dtype, KV-cache and swap sizes, adapter slots, load progress.
   model_worker_options worker;
-  /// How many workers and where: `tensor_parallel_size`, `device_kind`, `nodes` and their
+  /// How many workers and where: `tensor_parallel_size`, `device_type`, `nodes` and their
   /// secret or TLS, `block_size`, timeouts. `max_model_len` 0 (the engine's default) takes
   /// the model's longest sequence (max_position_embeddings stretched by its rope scaling,
   /// as vLLM does); a larger value is cut to it.

@@ -38,10 +38,10 @@ struct node_config {
   /// after decryption). The node listens on `host:port` only: its middleman has no port of
   /// its own, so nothing bypasses the bound.
   uint64_t max_message_bytes = uint64_t{64} << 20;
-  /// The devices the node hosts workers on, one worker each: `device_kind` "cpu" (N of
-  /// them: `cpu:N`) or "cuda" (`cuda:0,1` gives indices 0 and 1). Empty indices with
-  /// `devices` = N mean 0..N-1.
-  std::string device_kind = "cpu";
+  /// The devices the node hosts workers on, one worker each: the CPU (N of them: `cpu:N`)
+  /// or GPUs (`cuda:0,1` gives indices 0 and 1). Empty indices with `devices` = N mean
+  /// 0..N-1.
+  device_kind device_type = device_kind::cpu;
   std::vector<int32_t> device_indices;
   int32_t devices = 1;
   /// The shared secret an executor proves before anything else is served. Required

@@ -47,6 +47,19 @@ enum class sleep_level : int32_t {
 /// or 2, got N") for any other. Every number from outside passes here, once.
 sleep_level to_sleep_level(int64_t level);
 
+/// What a worker computes on (vLLM's `device_config.device_type`).
+enum class device_kind : uint8_t {
+  cpu = 0,
+  cuda = 1,
+};
+
+/// `"cpu"` or `"cuda"`.
+const char* to_string(device_kind kind);
+
+/// The kind of a name; throws `invalid_argument` ("device kind 'tpu' is not known ...")
+/// for any other. Every name from outside (a flag, Python) passes here, once.
+device_kind parse_device_kind(std::string_view name);
+
 /// The two kinds of adapter a worker holds by id: LoRA (vLLM's `LoRARequest`) and prompt
 /// tuning (vLLM's `PromptAdapterRequest`).
 enum class adapter_kind : uint8_t {
@@ -59,7 +72,7 @@ enum class adapter_kind : uint8_t {
 const char* to_string(adapter_kind kind);
 
 // CAF 0.17 serialises enums by their underlying value; an inspect() overload for an enum
-// is ambiguous there, so memory_tag, sleep_level and adapter_kind have none.
+// is ambiguous there, so memory_tag, sleep_level, device_kind and adapter_kind have none.
 
 // -- sampling -----------------------------------------------------------------
 

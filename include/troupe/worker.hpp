@@ -25,8 +25,8 @@ namespace troupe {
 struct worker_context {
   int32_t rank = 0;
   int32_t world_size = 1;
-  /// Device kind, `"cpu"` or `"cuda"`; the device index is the rank on its node.
-  std::string device_kind = "cpu";
+  /// What the worker computes on; the device index is the rank on its node.
+  device_kind device_type = device_kind::cpu;
   int32_t device_index = 0;
   int32_t block_size = 16;
   int32_t max_model_len = 2048;
@@ -41,7 +41,7 @@ struct worker_context {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, worker_context& x) {
-  return f(caf::meta::type_name("worker_context"), x.rank, x.world_size, x.device_kind,
+  return f(caf::meta::type_name("worker_context"), x.rank, x.world_size, x.device_type,
            x.device_index, x.block_size, x.max_model_len, x.profile_dir, x.collective_host,
            x.linger_us);
 }
@@ -84,7 +84,7 @@ public:
   // -- lifecycle ----------------------------------------------------------------
 
   /// Binds the device. Runs on the worker's own thread before anything else. The default
-  /// creates `make_device(ctx.device_kind, ctx.device_index)`.
+  /// creates `make_device(ctx.device_type, ctx.device_index)`.
   virtual void init_device(const worker_context& ctx);
 
   /// Loads the model onto the device. The default does nothing.

@@ -487,7 +487,6 @@ NB_MODULE(_core, m) {
   field("max_loras", worker, &W::max_loras);
   field("max_lora_rank", worker, &W::max_lora_rank);
   field("tensor_parallel_size", executor, &E::tensor_parallel_size);
-  field("device", executor, &E::device_kind);
   field("max_model_len", executor, &E::max_model_len);
   field("block_size", executor, &E::block_size);
   field("max_num_seqs", scheduling, &S::max_num_seqs);
@@ -495,6 +494,9 @@ NB_MODULE(_core, m) {
   field("enable_prefix_caching", scheduling, &S::enable_prefix_caching);
   field("async_scheduling", scheduling, &S::async_scheduling);
   config
+    .def_prop_rw(
+      "device", [](llm_config& c) { return std::string{to_string(c.executor.device_type)}; },
+      [](llm_config& c, const std::string& v) { c.executor.device_type = parse_device_kind(v); })
     .def_prop_rw(
       "max_restarts", [](llm_config& c) { return c.executor.restart.max_restarts; },
       [](llm_config& c, int32_t v) { c.executor.restart.max_restarts = v; })
@@ -511,7 +513,7 @@ NB_MODULE(_core, m) {
     .def_prop_ro("device",
                  [](const worker_handle& h) {
                    auto& c = h.get().context();
-                   return c.device_kind + ":" + std::to_string(c.device_index);
+                   return to_string(c.device_type) + (":" + std::to_string(c.device_index));
                  })
     .def("method_names", [](const worker_handle& h) { return h.get().method_names(); })
     .def(
