@@ -68,6 +68,22 @@ const std::vector<int32_t>& block_manager::block_table(int64_t seq) const {
   return t.blocks;
 }
 
+void block_manager::note_hot(int64_t seq, hot_set& hot) const {
+  auto at = tables_.find(seq);
+  if (at == tables_.end())
+    return;
+  hot.add_node(*at);
+  auto& t = at->second;
+  hot.add_end(t.blocks);
+  hot.add_end(t.hashes);
+  if (!t.blocks.empty() && !t.swapped) {
+    auto last = static_cast<size_t>(t.blocks.back());
+    hot.add(device_refs_[last]);
+    if (last < blocks_.size())
+      hot.add(blocks_[last]);
+  }
+}
+
 void block_manager::blocks_to_send(int64_t seq, int32_t& first, std::vector<int32_t>& blocks) {
   auto& t = get(seq);
   if (t.swapped)

@@ -1,5 +1,6 @@
 #pragma once
 
+#include "engine/hot_set.hpp"
 #include "troupe/types.hpp"
 
 #include <cstdint>
@@ -117,6 +118,10 @@ public:
 
   /// The device block table of a sequence; throws when it is unknown or swapped out.
   const std::vector<int32_t>& block_table(int64_t seq) const;
+
+  /// Notes in `hot` what the next step of `seq` reads here: its table, the ends of its
+  /// blocks and hashes, and the state of its last block.
+  void note_hot(int64_t seq, hot_set& hot) const;
 
   /// What a step sends of the block table of `seq` when the ranks keep tables between
   /// steps (`execute_model_request::keep_block_tables`): sets `first` to the number of

@@ -182,6 +182,8 @@ struct llm::impl {
     std::shared_ptr<output_guide> guide;
   };
   std::map<int64_t, live_request> live;
+  /// What the next step's `apply` reads of `live` (see `hot_set`).
+  hot_set hot;
   /// A request of more than one sample: its samples' sequences are its id and the ones
   /// after it. With best_of above n, the finished ones wait in `drawn` for the rest.
   struct sample_group {
@@ -415,6 +417,9 @@ void llm::impl::choose_best(int64_t request, int32_t n, std::vector<generation_o
 
 void llm::impl::apply(const std::vector<sampler_output>& result, bool samples,
                       std::vector<generation_update>& updates) {
+  // The state this phase reads, asked for at once (see `hot_set`).
+  sched->prefetch();
+  hot.prefetch();
   if (samples) {
     if (result.empty())
       throw error{errc::worker_error, "execute_model returned no output for a step"};
@@ -441,6 +446,12 @@ void llm::impl::apply(const std::vector<sampler_output>& result, bool samples,
   for (auto& r : sched->take_finished()) {
     detokenize(live.at(r.seq_id), r, true);
     report(r.seq_id, r, true, updates);
+  }
+  hot.clear();
+  for (auto& [seq, l] : live) {
+    hot.add_node(l);
+    if (!l.text.empty())
+      hot.add(&l.text.back(), 1);
   }
 }
 

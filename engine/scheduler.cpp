@@ -285,6 +285,17 @@ execute_model_request scheduler::schedule() {
 
 void scheduler::seal(execute_model_request& step) {
   step.keep_block_tables = true;
+  // What the update of this step and the next schedule read, while it is in the caches.
+  hot_.clear();
+  hot_.add(running_.data(), running_.size() * sizeof(int64_t));
+  for (auto seq : scheduled_) {
+    auto& r = *requests_.find(seq);
+    hot_.add_node(r);
+    hot_.add_end(r.second.output);
+    hot_.add_end(r.second.logprobs);
+    hot_.add_end(r.second.top_logprobs);
+    blocks_.note_hot(seq, hot_);
+  }
   if (!scheduled_.empty()) {
     step.finished_requests_ids = untold_finished_;
     in_flight_.push_back({std::move(scheduled_), std::move(untold_finished_)});
@@ -342,22 +353,13 @@ void scheduler::update(const sampler_output& output) {
     throw error{errc::invalid_argument, "scheduler: " + std::to_string(output.outputs.size()) +
                                           " outputs for " + std::to_string(seqs.size()) +
                                           " scheduled sequences"};
-  // The ends of the outputs this step appends to, asked for all at once: between steps the
-  // attention of long sequences evicts them, and one miss after another would cost a
-  // request's worth of memory latency each. Null: finished after this step was sent.
-  std::vector<engine_request*> stepped(seqs.size(), nullptr);
-  for (size_t i = 0; i < seqs.size(); ++i)
-    if (auto found = requests_.find(seqs[i]); found != requests_.end()) {
-      auto& r = *(stepped[i] = &found->second);
-      __builtin_prefetch(r.output.data() + r.output.size(), 1);
-      __builtin_prefetch(r.logprobs.data() + r.logprobs.size(), 1);
-      __builtin_prefetch(r.top_logprobs.data() + r.top_logprobs.size(), 1);
-    }
+  // The memory read here was asked for as the result came (`prefetch`).
   for (size_t i = 0; i < seqs.size(); ++i) {
     auto seq = seqs[i];
-    if (stepped[i] == nullptr)
-      continue;
-    auto& r = *stepped[i];
+    auto found = requests_.find(seq);
+    if (found == requests_.end())
+      continue; // finished after this step was sent
+    auto& r = found->second;
     // Prompt logprobs come in position order; a recomputation's again.
     for (auto& p : output.outputs[i].prompt_logprobs)
       if (p.position == static_cast<int32_t>(r.prompt_logprobs.size()) + 1)

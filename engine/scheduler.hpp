@@ -164,6 +164,12 @@ public:
     return prefill_tokens_;
   }
 
+  /// Asks for the memory that the update of the step in flight and the next schedule read
+  /// (see `hot_set`): called as the step's result comes.
+  void prefetch() const {
+    hot_.prefetch();
+  }
+
   /// Forgets the prefix cache (the workers' KV caches were discarded, by a sleep say).
   void reset_prefix_cache() {
     blocks_.reset_cache();
@@ -219,6 +225,7 @@ private:
   std::vector<engine_request> finished_;
   /// Requests finished since the last step sent: the ranks still keep their block tables.
   std::vector<std::string> untold_finished_;
+  hot_set hot_;
   int64_t preemptions_ = 0;
   int64_t steps_ahead_ = 0;
   int64_t prefill_tokens_ = 0;
