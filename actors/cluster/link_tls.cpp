@@ -210,7 +210,8 @@ std::unique_ptr<tls_session> tls_connect(int fd, const std::shared_ptr<ssl_ctx_s
                                          const std::string& where,
                                          std::chrono::steady_clock::time_point deadline) {
   auto late = [&] {
-    return error{errc::worker_died, "cannot reach " + where + ": no TLS handshake in time"};
+    return error{errc::worker_died,
+                 "cannot reach " + where + ": the TLS handshake did not end in time"};
   };
   auto send_all = [&](const char* data, size_t size) {
     send_before(fd, data, size, where, "the TLS handshake", deadline);

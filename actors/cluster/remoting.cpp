@@ -170,7 +170,8 @@ int ms_left(std::chrono::steady_clock::time_point deadline) {
 void prove_connection(int fd, const std::string& where, const std::string& secret,
                       std::chrono::steady_clock::time_point deadline, bool link) {
   auto late = [&] {
-    return error{errc::worker_died, "cannot reach " + where + ": no answer in time"};
+    return error{errc::worker_died,
+                 "cannot reach " + where + ": the handshake did not end in time"};
   };
   // Reads exactly `size` bytes, or up to a newline when `line`.
   auto read_some = [&](size_t size, bool line) {
@@ -223,7 +224,8 @@ void connect_before(int fd, const sockaddr* addr, socklen_t size, const std::str
   int err = connected == 0 ? 0 : errno;
   if (err == EINPROGRESS) {
     if (!poll_until(fd, POLLOUT, deadline))
-      throw error{errc::worker_died, "cannot reach " + where + ": no answer in time"};
+      throw error{errc::worker_died,
+                  "cannot reach " + where + ": the connection did not open in time"};
     socklen_t len = sizeof err;
     getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
   }
@@ -265,7 +267,8 @@ void send_before(int fd, const char* data, size_t size, const std::string& where
       sent += static_cast<size_t>(n);
     else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       if (!poll_until(fd, POLLOUT, deadline))
-        throw error{errc::worker_died, "cannot reach " + where + ": no answer in time"};
+        throw error{errc::worker_died,
+                    "cannot reach " + where + ": " + during + " did not end in time"};
     } else if (n < 0 && errno != EINTR)
       throw error{errc::worker_died, where + ": connection lost during " + during};
   }
