@@ -8,23 +8,36 @@ engine_loop::engine_loop(llm& model, engine_loop_observer& observer, int64_t cap
   : model_(model), observer_(observer), capacity_(capacity), thread_([this] { run(); }) {}
 
 engine_loop::~engine_loop() {
+  stop();
+  thread_.join();
+}
+
+void engine_loop::stop() {
   {
     std::lock_guard<std::mutex> lk{mtx_};
     stop_ = true;
   }
   cv_.notify_all();
-  thread_.join();
 }
 
 void engine_loop::post(std::function<void(llm&)> f) {
+  enqueue(std::move(f), false);
+}
+
+bool engine_loop::enqueue(std::function<void(llm&)> f, bool at_stop) {
   {
     std::lock_guard<std::mutex> lk{mtx_};
-    commands_.push_back(std::move(f));
+    if (ended_)
+      return false;
+    commands_.push_back({std::move(f), at_stop});
   }
   cv_.notify_all();
+  return true;
 }
 
 void engine_loop::submit(generation_request g, std::shared_ptr<request_sink> sink) {
+  if (stop_)
+    throw stopped();
   if (failed_)
     throw engine_failed();
   if (active_.fetch_add(1) >= capacity_) {
@@ -35,38 +48,44 @@ void engine_loop::submit(generation_request g, std::shared_ptr<request_sink> sin
   }
   sink->lora_id = g.lora ? g.lora->lora_int_id : 0;
   sink->samples_left = g.sampling.n;
-  post([this, g = std::move(g), sink](llm& m) {
-    if (sink->cancelled) {
-      --active_;
-      return;
-    }
-    if (stop_) { // queued when the loop stopped
-      --active_;
-      sink->fail(stopped());
-      return;
-    }
-    if (failed_) { // the engine failed after the request came
-      --active_;
-      sink->fail(engine_failed());
-      return;
-    }
-    if (unloaded_loras_.count(sink->lora_id) > 0) {
-      --active_;
-      sink->fail(
-        {request_failure_kind::adapter_missing, "the request's LoRA adapter was unloaded"});
-      return;
-    }
-    try {
-      sink->id = m.add_request(g);
-      sinks_[sink->id] = sink;
-    } catch (const error& e) {
-      --active_;
-      sink->fail({request_failure_kind::engine_error, e.what(), e.code()});
-    } catch (const std::exception& e) {
-      --active_;
-      sink->fail({request_failure_kind::internal, e.what()});
-    }
-  });
+  auto queued = enqueue(
+    [this, g = std::move(g), sink](llm& m) {
+      if (sink->cancelled) {
+        --active_;
+        return;
+      }
+      if (stop_) { // queued when the loop stopped
+        --active_;
+        sink->fail(stopped());
+        return;
+      }
+      if (failed_) { // the engine failed after the request came
+        --active_;
+        sink->fail(engine_failed());
+        return;
+      }
+      if (unloaded_loras_.count(sink->lora_id) > 0) {
+        --active_;
+        sink->fail(
+          {request_failure_kind::adapter_missing, "the request's LoRA adapter was unloaded"});
+        return;
+      }
+      try {
+        sink->id = m.add_request(g);
+        sinks_[sink->id] = sink;
+      } catch (const error& e) {
+        --active_;
+        sink->fail({request_failure_kind::engine_error, e.what(), e.code()});
+      } catch (const std::exception& e) {
+        --active_;
+        sink->fail({request_failure_kind::internal, e.what()});
+      }
+    },
+    true);
+  if (!queued) { // the loop took its last commands already
+    --active_;
+    throw stopped();
+  }
 }
 
 void engine_loop::abort(std::shared_ptr<request_sink> sink) {
@@ -102,20 +121,23 @@ std::string engine_loop::failure() const {
 
 void engine_loop::run() {
   for (bool last = false; !last;) {
-    std::deque<std::function<void(llm&)>> todo;
+    std::deque<command> todo;
     {
       std::unique_lock<std::mutex> lk{mtx_};
       cv_.wait(lk, [&] {
         return stop_ || !commands_.empty() || (!failed_ && model_.has_unfinished_requests());
       });
       last = stop_;
+      ended_ = last;
       todo.swap(commands_);
     }
-    // Commands queued when the loop stops still run (a generation queued then fails at its
-    // sink), so that nobody waits on one forever.
+    // When the loop stops, the generations queued still come to their sinks (as stopped),
+    // so that none waits forever; other commands (admin calls) are dropped.
     for (auto& c : todo) {
+      if (last && !c.at_stop)
+        continue;
       try {
-        c(model_);
+        c.run(model_);
       } catch (const std::exception& e) {
         // Commands answer their own errors; this is a bug's last stop, not the thread's.
         std::cerr << "troupe: a command on the engine's thread failed: " << e.what() << std::endl;

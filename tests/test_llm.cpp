@@ -953,27 +953,30 @@ TEST_CASE("engine_loop: requests that join between steps get transformers' token
   CHECK(bad->failure->kind == request_failure_kind::engine_error);
   CHECK(bad->failure->code == errc::invalid_argument);
 
-  // The loop stopped while one request runs and another is queued: both fail as stopped
-  // (the queued one either added and ended, or failed before it was added), and both are
-  // aborted in the engine, which outlives the loop.
-  std::promise<void> reached, stopping;
-  auto go = stopping.get_future().share();
+  // The loop stopped while one request runs and another is queued (both from inside the
+  // running request's first update, on the loop's thread): both fail as stopped, neither
+  // stays in the engine, which outlives the loop, and a later submission is refused.
   auto running = std::make_shared<collecting_sink>();
-  running->at_first = [&reached, go] {
-    reached.set_value();
-    go.wait();
+  auto queued = std::make_shared<collecting_sink>();
+  auto* l = loop.get();
+  running->at_first = [l, queued] {
+    l->submit({"", {4, 5, 6}, greedy(400), {}}, queued);
+    l->stop();
   };
   loop->submit({"", {1, 2, 3}, greedy(400), {}}, running);
-  reached.get_future().wait(); // the loop's thread is inside the running request's update
-  auto queued = std::make_shared<collecting_sink>();
-  loop->submit({"", {4, 5, 6}, greedy(400), {}}, queued);
-  stopping.set_value();
+  REQUIRE(running->wait());
+  try {
+    loop->submit({"", {1, 2, 3}, greedy(4), {}}, std::make_shared<collecting_sink>());
+    FAIL("a request was taken after the loop stopped");
+  } catch (const request_failure& f) {
+    CHECK(f.kind == request_failure_kind::stopped);
+  }
   loop.reset();
   for (auto* sink : {running.get(), queued.get()}) {
     REQUIRE(sink->wait());
     REQUIRE(sink->failure);
     CHECK(sink->failure->kind == request_failure_kind::stopped);
-    CHECK(sink->tokens.size() < 400);
+    CHECK(sink->tokens.size() <= 1);
   }
   while (model.has_unfinished_requests())
     for (auto& u : model.step())

@@ -99,20 +99,25 @@ public:
   /// Starts the thread over `model` (which must outlive the loop). At most `capacity`
   /// requests run or wait at once.
   engine_loop(llm& model, engine_loop_observer& observer, int64_t capacity);
-  /// Stops the thread: commands already queued run, and requests not finished (queued
-  /// ones too) fail with `request_failure_kind::stopped` and are aborted in the engine.
+  /// Stops (see `stop`) and waits for the thread to end.
   ~engine_loop();
 
   engine_loop(const engine_loop&) = delete;
   engine_loop& operator=(const engine_loop&) = delete;
 
+  /// Has the thread end after its current round, from any thread (the loop's too):
+  /// requests not finished, queued ones included, fail with `request_failure_kind::stopped`
+  /// and are aborted in the engine; commands of `post` not yet run are dropped; later
+  /// submissions are refused as stopped.
+  void stop();
+
   /// Runs `f` on the engine's thread, between steps. An exception out of `f` is logged,
-  /// so `f` answers its own errors.
+  /// so `f` answers its own errors. Dropped if the loop stops first.
   void post(std::function<void(llm&)> f);
 
-  /// Queues a generation. Throws `request_failure` (`overloaded`) beyond the capacity and
-  /// (`engine_failed`) once the executor failed. A request the engine refuses (a bad token
-  /// id, say) fails at its own sink and touches no other.
+  /// Queues a generation. Throws `request_failure` (`overloaded`) beyond the capacity,
+  /// (`engine_failed`) once the executor failed and (`stopped`) once the loop stopped. A request
+  /// the engine refuses (a bad token id, say) fails at its own sink and touches no other.
   void submit(generation_request g, std::shared_ptr<request_sink> sink);
 
   /// Aborts the request of `sink` (its client went away).
@@ -142,6 +147,15 @@ public:
 
 private:
   using sink_map = std::map<int64_t, std::shared_ptr<request_sink>>;
+  struct command {
+    std::function<void(llm&)> run;
+    /// Runs in the round the loop stops in too (a generation, which then fails at its
+    /// sink).
+    bool at_stop = false;
+  };
+
+  /// False once the loop's last round took its commands (the command never runs).
+  bool enqueue(std::function<void(llm&)> f, bool at_stop);
 
   void run();
   void dispatch(const generation_update& u);
@@ -160,9 +174,11 @@ private:
   const int64_t capacity_;
   mutable std::mutex mtx_;
   std::condition_variable cv_;
-  std::deque<std::function<void(llm&)>> commands_;
+  std::deque<command> commands_;
   /// Set under `mtx_`; read by commands on the loop's thread too.
   std::atomic<bool> stop_{false};
+  /// The last round took its commands (under `mtx_`).
+  bool ended_ = false;
   std::atomic<bool> failed_{false};
   std::string failure_;
   std::atomic<int64_t> active_{0};
