@@ -225,13 +225,13 @@ std::shared_ptr<command> add_node(CLI::App& app) {
         throw bad();
       }
     }
-    cfg.device_type = parse_device_kind(kind);
     if (kind == "cpu" && numbers.size() == 1 && numbers[0] > 0)
       cfg.devices = numbers[0];
     else if (kind == "cuda" && !numbers.empty())
       cfg.device_indices.assign(numbers.begin(), numbers.end());
     else
       throw bad();
+    cfg.device_type = parse_device_kind(kind);
     if (!o->secret_file.empty())
       cfg.secret = read_secret(o->secret_file);
     cfg.tls_certificate = o->tls_certificate;

@@ -72,7 +72,7 @@ void block_manager::note_hot(int64_t seq, hot_set& hot) const {
   auto at = tables_.find(seq);
   if (at == tables_.end())
     return;
-  hot.add_node(*at);
+  hot.add_hash_node(*at);
   auto& t = at->second;
   hot.add_end(t.blocks);
   hot.add_end(t.hashes);

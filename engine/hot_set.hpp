@@ -22,7 +22,7 @@ public:
 
   /// `bytes` from `at`.
   void add(const void* at, size_t bytes) {
-    spans_.push_back({static_cast<const char*>(at), bytes});
+    add(reinterpret_cast<uintptr_t>(at), bytes);
   }
 
   /// The whole of `x`.
@@ -31,12 +31,19 @@ public:
     add(&x, sizeof(T));
   }
 
-  /// The whole of `x`, an element of a node-based container, with the node's links that
-  /// precede it (a tree node's: colour, parent and children).
+  /// The whole of `x`, an element of a `std::map` or `std::set` (a `value_type`), with the
+  /// tree node's links that precede it (colour, parent and children).
   template <class T>
-  void add_node(const T& x) {
+  void add_tree_node(const T& x) {
     constexpr size_t links = 4 * sizeof(void*);
-    add(reinterpret_cast<const char*>(&x) - links, sizeof(T) + links);
+    add(reinterpret_cast<uintptr_t>(&x) - links, sizeof(T) + links);
+  }
+
+  /// The whole of `x`, an element of a `std::unordered_map` (a `value_type`), with the
+  /// node's link that precedes it.
+  template <class T>
+  void add_hash_node(const T& x) {
+    add(reinterpret_cast<uintptr_t>(&x) - sizeof(void*), sizeof(T) + sizeof(void*));
   }
 
   /// The last element of `v` and the one a `push_back` writes next.
@@ -50,16 +57,22 @@ public:
   void prefetch() const {
     constexpr size_t line = 64;
     for (auto& s : spans_) {
-      auto first = reinterpret_cast<uintptr_t>(s.at) & ~uintptr_t{line - 1};
-      auto end = reinterpret_cast<uintptr_t>(s.at) + s.bytes;
+      auto first = s.at & ~uintptr_t{line - 1};
+      auto end = s.at + s.bytes;
       for (auto p = first; p < end; p += line)
         __builtin_prefetch(reinterpret_cast<const void*>(p), 1);
     }
   }
 
 private:
+  // Addresses as integers: a node's links lie before the element handed in, and pointer
+  // arithmetic may not step outside an object.
+  void add(uintptr_t at, size_t bytes) {
+    spans_.push_back({at, bytes});
+  }
+
   struct span {
-    const char* at;
+    uintptr_t at;
     size_t bytes;
   };
   std::vector<span> spans_;

@@ -448,10 +448,10 @@ void llm::impl::apply(const std::vector<sampler_output>& result, bool samples,
     report(r.seq_id, r, true, updates);
   }
   hot.clear();
-  for (auto& [seq, l] : live) {
-    hot.add_node(l);
-    if (!l.text.empty())
-      hot.add(&l.text.back(), 1);
+  for (auto& entry : live) {
+    hot.add_tree_node(entry);
+    if (!entry.second.text.empty())
+      hot.add(&entry.second.text.back(), 1);
   }
 }
 

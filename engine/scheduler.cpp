@@ -289,11 +289,13 @@ void scheduler::seal(execute_model_request& step) {
   hot_.clear();
   hot_.add(running_.data(), running_.size() * sizeof(int64_t));
   for (auto seq : scheduled_) {
-    auto& r = *requests_.find(seq);
-    hot_.add_node(r);
-    hot_.add_end(r.second.output);
-    hot_.add_end(r.second.logprobs);
-    hot_.add_end(r.second.top_logprobs);
+    auto at = requests_.find(seq);
+    if (at == requests_.end())
+      continue;
+    hot_.add_tree_node(*at);
+    hot_.add_end(at->second.output);
+    hot_.add_end(at->second.logprobs);
+    hot_.add_end(at->second.top_logprobs);
     blocks_.note_hot(seq, hot_);
   }
   if (!scheduled_.empty()) {

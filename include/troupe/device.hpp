@@ -68,7 +68,8 @@ public:
 };
 
 /// Creates the device a worker of the given rank owns: host memory, or GPU `index`.
-/// Throws `troupe::error` when this build or machine has no such device.
+/// Throws `troupe::error` when this build or machine has no such device, or `kind` is none
+/// of the enum's values.
 std::unique_ptr<device> make_device(device_kind kind, int32_t index);
 
 /// Memory from a device, freed when the buffer goes away.
