@@ -417,7 +417,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
            {"text", out.text},
            {"token_ids", out.token_ids},
            {"logprobs", out.logprobs},
-           {"finish_reason", out.finish_reason},
+           {"finish_reason", to_string(out.finish_reason)},
            {"lora", loras[i] ? nlohmann::json(loras[i]->lora_name) : nlohmann::json()}});
         if (sp.prompt_logprobs >= 0) {
           auto& list = all.back()["prompt_logprobs"] = nlohmann::json::array({nullptr});

@@ -180,8 +180,8 @@ void engine_loop::dispatch(const generation_update& u) {
   }
   sink->update(u);
   if (u.finished && --sink->samples_left == 0) {
-    observer_.finished(u.output->finish_reason, std::max(0.0, sink->first_token), sink->gaps,
-                       std::chrono::duration<double>(now - sink->arrived).count());
+    observer_.finished(to_string(u.output->finish_reason), std::max(0.0, sink->first_token),
+                       sink->gaps, std::chrono::duration<double>(now - sink->arrived).count());
     sinks_.erase(at);
     --active_;
   }

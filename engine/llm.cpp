@@ -442,7 +442,7 @@ void llm::impl::apply(const std::vector<sampler_output>& result, bool samples,
       report(seq, r, false, updates);
   }
   for (auto seq : stopped)
-    sched->finish(seq, "stop");
+    sched->finish(seq, finish_reason::stop);
   for (auto& r : sched->take_finished()) {
     detokenize(live.at(r.seq_id), r, true);
     report(r.seq_id, r, true, updates);
@@ -791,7 +791,7 @@ void llm::abort_request(int64_t id) {
   }
   for (auto seq = id; seq < id + samples; ++seq)
     if (d.live.count(seq) > 0 && d.sched->unfinished().count(seq) > 0)
-      d.sched->finish(seq, "abort");
+      d.sched->finish(seq, finish_reason::abort);
 }
 
 bool llm::has_unfinished_requests() const {

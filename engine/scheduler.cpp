@@ -242,7 +242,7 @@ execute_model_request scheduler::schedule() {
         blocks_.can_allocate(tokens) == block_manager::allocation::never) {
       waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
       r.finished = true;
-      r.finish_reason = "abort";
+      r.finish_reason = finish_reason::abort;
       untold_finished_.push_back(r.request_id); // sent before, if it was recomputed
       finished_.push_back(std::move(r));
       requests_.erase(seq);
@@ -388,7 +388,7 @@ void scheduler::update(const sampler_output& output) {
       static_cast<int64_t>(r.output.size()) >= sp.max_tokens || r.length() >= limits_.max_model_len;
     if (stop || length) {
       r.finished = true;
-      r.finish_reason = stop ? "stop" : "length";
+      r.finish_reason = stop ? finish_reason::stop : finish_reason::length;
       r.pending = 0;
       blocks_.free(seq);
       running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
@@ -424,7 +424,7 @@ size_t scheduler::recompute_all() {
   return again.size();
 }
 
-void scheduler::finish(int64_t seq, const std::string& reason) {
+void scheduler::finish(int64_t seq, troupe::finish_reason reason) {
   auto i = requests_.find(seq);
   if (i == requests_.end())
     throw error{errc::invalid_argument,

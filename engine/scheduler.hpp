@@ -55,9 +55,8 @@ struct engine_request {
   /// request) longer than a step's token budget is computed over several steps.
   int64_t chunk = 0;
   bool finished = false;
-  /// Why it finished: "length", "stop" (EOS or a stop token) or "abort" (it can never fit
-  /// in the model's length or the cache).
-  std::string finish_reason;
+  /// Why it finished (`abort`: it can never fit in the model's length or the cache).
+  troupe::finish_reason finish_reason = finish_reason::length;
 
   int64_t length() const {
     return static_cast<int64_t>(prompt.size() + output.size());
@@ -115,7 +114,7 @@ public:
   size_t recompute_all();
 
   /// Finishes an unfinished request now (e.g. a stop string appeared), freeing its blocks.
-  void finish(int64_t seq, const std::string& reason);
+  void finish(int64_t seq, troupe::finish_reason reason);
 
   /// The unfinished requests, by sequence id.
   const std::map<int64_t, engine_request>& unfinished() const {

@@ -102,6 +102,18 @@ device_kind parse_device_kind(std::string_view name) {
               "device kind '" + std::string{name} + "' is not known (\"cpu\" or \"cuda\")"};
 }
 
+const char* to_string(finish_reason reason) {
+  switch (reason) {
+  case finish_reason::length:
+    return "length";
+  case finish_reason::stop:
+    return "stop";
+  case finish_reason::abort:
+    return "abort";
+  }
+  return "unknown";
+}
+
 const char* to_string(adapter_kind kind) {
   switch (kind) {
   case adapter_kind::lora:

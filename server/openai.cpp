@@ -544,7 +544,7 @@ std::string openai_response::complete(const std::vector<generation_output>& outs
   if (req_.prompt_logprobs && req_.chat && !outs.empty())
     body["prompt_logprobs"] = prompt_logprobs_of(outs[0].prompt_logprobs);
   for (auto& out : outs) {
-    json choice = {{"index", out.index}, {"finish_reason", out.finish_reason}};
+    json choice = {{"index", out.index}, {"finish_reason", to_string(out.finish_reason)}};
     if (req_.prompt_logprobs && !req_.chat)
       choice["prompt_logprobs"] = prompt_logprobs_of(out.prompt_logprobs);
     choice["logprobs"] =
@@ -588,7 +588,7 @@ std::string openai_response::chunk(const generation_update& u) {
                          ? logprobs_of(u.token_ids, u.logprobs, u.top_logprobs, sent - text.size())
                          : json(nullptr);
   choice["token_ids"] = u.token_ids;
-  choice["finish_reason"] = u.finished ? json(u.output->finish_reason) : json(nullptr);
+  choice["finish_reason"] = u.finished ? json(to_string(u.output->finish_reason)) : json(nullptr);
   // With the first token, as vLLM streams them.
   if (req_.prompt_logprobs && !u.prompt_logprobs.empty()) {
     if (req_.chat)

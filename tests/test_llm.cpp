@@ -71,7 +71,7 @@ TEST_CASE("a batch of token-id prompts gives transformers' greedy tokens") {
     for (size_t i = 0; i < outs.size(); ++i) {
       CHECK(outs[i].token_ids == ref["prompts"][i]["greedy"].get<std::vector<int32_t>>());
       CHECK(outs[i].logprobs.size() == 32);
-      CHECK(outs[i].finish_reason == "length");
+      CHECK(outs[i].finish_reason == finish_reason::length);
     }
   };
   check(model);
@@ -142,7 +142,7 @@ TEST_CASE("every end token of config.json and generation_config.json ends a sequ
   auto out = model.generate({{"", prompt, sp, {}}})[0];
   // The run reaches generation_config's end first, then config.json's second one.
   CHECK(out.token_ids == std::vector<int32_t>(run.begin(), run.begin() + 3));
-  CHECK(out.finish_reason == "stop");
+  CHECK(out.finish_reason == finish_reason::stop);
   sp.ignore_eos = true;
   CHECK(model.generate({{"", prompt, sp, {}}})[0].token_ids == run);
   fs::remove_all(dir);
@@ -170,10 +170,10 @@ TEST_CASE("SmolLM2: chat prompts and generation as transformers does them") {
   sp.ignore_eos = false;
   auto answer = model.generate({model.chat_prompt("What is the capital of France?")}, sp);
   CHECK(answer[0].text == "The capital of France is Paris.");
-  CHECK(answer[0].finish_reason == "stop");
+  CHECK(answer[0].finish_reason == finish_reason::stop);
   auto cut = model.generate({{"The capital of France is", {}, greedy(20), {"."}}});
   CHECK(cut[0].text == " Paris");
-  CHECK(cut[0].finish_reason == "stop");
+  CHECK(cut[0].finish_reason == finish_reason::stop);
 }
 
 namespace {
@@ -516,7 +516,7 @@ TEST_CASE(
   auto stop = whole.text.substr(space, 4);
   auto cut = run({{"The capital of France is", {}, sp, {stop}}})[0];
   CHECK(cut.text == whole.text.substr(0, whole.text.find(stop)));
-  CHECK(cut.finish_reason == "stop");
+  CHECK(cut.finish_reason == finish_reason::stop);
   // A prompt of no tokens is refused, and nothing stays queued.
   generation_request nothing{"", {}, sp, {}};
   nothing.add_special_tokens = false;
@@ -838,7 +838,7 @@ TEST_CASE("n samples are the same seeds run one by one, share the prompt's block
   while (model.has_unfinished_requests())
     for (auto& u : model.step())
       if (u.finished) {
-        CHECK(u.output->finish_reason == "abort");
+        CHECK(u.output->finish_reason == finish_reason::abort);
         CHECK(u.output->index == u.index);
         finished.insert(u.index);
       }
@@ -869,7 +869,7 @@ struct collecting_sink : request_sink {
     std::lock_guard<std::mutex> lk{mtx};
     tokens.insert(tokens.end(), u.token_ids.begin(), u.token_ids.end());
     if (u.finished) {
-      finish_reason = u.output->finish_reason;
+      finish_reason = to_string(u.output->finish_reason);
       done = true;
       cv.notify_all();
     }
@@ -981,7 +981,7 @@ TEST_CASE("engine_loop: requests that join between steps get transformers' token
   while (model.has_unfinished_requests())
     for (auto& u : model.step())
       if (u.finished)
-        CHECK(u.output->finish_reason == "abort");
+        CHECK(u.output->finish_reason == finish_reason::abort);
   std::lock_guard<std::mutex> lk{observer.mtx};
   CHECK(observer.reasons == std::vector<std::string>(3, "length"));
   CHECK(observer.times_in_order);

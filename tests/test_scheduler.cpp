@@ -74,7 +74,7 @@ outcome run(executor& exec, const std::vector<engine_request>& reqs, int64_t dev
   outcome o;
   for (auto& r : sched.take_finished()) {
     o.tokens[r.request_id] = r.output;
-    o.reasons[r.request_id] = r.finish_reason;
+    o.reasons[r.request_id] = to_string(r.finish_reason);
   }
   o.preemptions = sched.preemptions();
   o.steps_ahead = sched.steps_ahead();
@@ -277,7 +277,7 @@ TEST_CASE("a step ahead decodes the running requests with their last token pendi
   CHECK(ahead->finished_requests_ids.empty());
   CHECK(third->finished_requests_ids == std::vector<std::string>{"req-0"});
   // A request that ends while steps after it are in flight: their tokens are dropped.
-  sched.finish(1, "stop");
+  sched.finish(1, finish_reason::stop);
   sched.update(sample(*ahead, {42}));
   sched.update(sample(*third, {43}));
   done = sched.take_finished();

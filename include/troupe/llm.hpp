@@ -139,8 +139,8 @@ struct generation_output {
   /// With `sampling.prompt_logprobs`: the logprob of each prompt token from position 1 on
   /// (positions in `prompt_token_ids`).
   std::vector<prompt_logprob> prompt_logprobs;
-  /// "length", "stop" or "abort" (the prompt can never fit, or `abort_request`).
-  std::string finish_reason;
+  /// Why it ended (`to_string` gives OpenAI's and vLLM's name).
+  troupe::finish_reason finish_reason = finish_reason::length;
   /// Seconds from the request's arrival (`add_request`, or the start of `generate`) to
   /// the first generated token and to the end.
   double first_token_seconds = 0;

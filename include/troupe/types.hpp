@@ -60,6 +60,19 @@ const char* to_string(device_kind kind);
 /// for any other. Every name from outside (a flag, Python) passes here, once.
 device_kind parse_device_kind(std::string_view name);
 
+/// Why a sequence ended (vLLM's `CompletionOutput.finish_reason`).
+enum class finish_reason : uint8_t {
+  /// It reached `max_tokens` or the model's length.
+  length = 0,
+  /// An end-of-sequence or stop token, or a stop string.
+  stop = 1,
+  /// `abort_request`, or a prompt that can never fit in the model's length or the cache.
+  abort = 2,
+};
+
+/// `"length"`, `"stop"` or `"abort"`, as OpenAI's API and vLLM name them.
+const char* to_string(finish_reason reason);
+
 /// The two kinds of adapter a worker holds by id: LoRA (vLLM's `LoRARequest`) and prompt
 /// tuning (vLLM's `PromptAdapterRequest`).
 enum class adapter_kind : uint8_t {
@@ -72,7 +85,8 @@ enum class adapter_kind : uint8_t {
 const char* to_string(adapter_kind kind);
 
 // CAF 0.17 serialises enums by their underlying value; an inspect() overload for an enum
-// is ambiguous there, so memory_tag, sleep_level, device_kind and adapter_kind have none.
+// is ambiguous there, so memory_tag, sleep_level, device_kind, finish_reason and adapter_kind
+// have none.
 
 // -- sampling -----------------------------------------------------------------
 

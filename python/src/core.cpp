@@ -453,7 +453,8 @@ NB_MODULE(_core, m) {
     .def_ro("logprobs", &generation_output::logprobs)
     .def_ro("top_logprobs", &generation_output::top_logprobs)
     .def_ro("prompt_logprobs", &generation_output::prompt_logprobs)
-    .def_ro("finish_reason", &generation_output::finish_reason)
+    .def_prop_ro("finish_reason",
+                 [](const generation_output& o) { return std::string{to_string(o.finish_reason)}; })
     .def_ro("first_token_seconds", &generation_output::first_token_seconds)
     .def_ro("finished_seconds", &generation_output::finished_seconds);
 
