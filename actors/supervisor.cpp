@@ -173,13 +173,15 @@ struct supervisor_state : gather_host, recovery_host, group_host {
     return rp;
   }
 
-  /// A promise for the current request, already failed when the executor is.
-  template <class... Ts>
-  promise<Ts...> respond(bool* refused) {
-    auto rp = self->template make_response_promise<Ts...>();
-    *refused = static_cast<bool>(failure);
-    if (*refused)
+  /// A promise for the current request: failed at once when the executor is, else handed
+  /// to `answer`, which delivers it.
+  template <class F>
+  promise<caf::ok_atom> unless_failed(F answer) {
+    auto rp = self->template make_response_promise<caf::ok_atom>();
+    if (failure)
       rp.deliver(failure);
+    else
+      answer(rp);
     return rp;
   }
 
@@ -429,29 +431,17 @@ struct supervisor_state : gather_host, recovery_host, group_host {
 
   /// stop_remote_worker_execution_loop: answered when the loop's tasks have ended.
   promise<caf::ok_atom> stop_loop() {
-    bool refused = false;
-    auto rp = respond<caf::ok_atom>(&refused);
-    if (!refused)
-      loop->stop(rp);
-    return rp;
+    return unless_failed([this](promise<caf::ok_atom> rp) { loop->stop(rp); });
   }
 
   // -- sleep and wake -----------------------------------------------------------------
 
   promise<caf::ok_atom> fall_asleep(sleep_request asked) {
-    bool refused = false;
-    auto rp = respond<caf::ok_atom>(&refused);
-    if (!refused)
-      sleep->sleep(asked, rp);
-    return rp;
+    return unless_failed([this, asked](promise<caf::ok_atom> rp) { sleep->sleep(asked, rp); });
   }
 
   promise<caf::ok_atom> wake_up(std::vector<std::string> tags) {
-    bool refused = false;
-    auto rp = respond<caf::ok_atom>(&refused);
-    if (!refused)
-      sleep->wake_up(tags, rp);
-    return rp;
+    return unless_failed([this, &tags](promise<caf::ok_atom> rp) { sleep->wake_up(tags, rp); });
   }
 
   /// The replacement under way, in words; empty when none is.
@@ -688,7 +678,7 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
   st.gathers = std::make_unique<gather_table>(self, st, *st.sink);
   st.recov =
     std::make_unique<recovery>(st, *st.gathers, st.cfg.restart, st.cfg.startup_timeout, st.log);
-  st.group = std::make_unique<worker_group>(*st.gathers, st, st.cfg, st.workers.size());
+  st.group = std::make_unique<worker_group>(*st.gathers, st, st.cfg, st.all_ranks());
   st.adapters =
     std::make_unique<adapter_log>(*st.gathers, st.all_ranks(), st.cfg.startup_timeout, st.log);
   st.sleep =

@@ -5,11 +5,8 @@
 namespace troupe {
 
 worker_group::worker_group(gather_table& gathers, group_host& host, const executor_config& cfg,
-                           size_t world_size)
-  : gathers_(gathers), host_(host), cfg_(cfg), world_size_(world_size) {
-  for (size_t rank = 0; rank < world_size; ++rank)
-    ranks_.push_back(static_cast<int32_t>(rank));
-}
+                           std::vector<int32_t> ranks)
+  : gathers_(gathers), host_(host), cfg_(cfg), ranks_(std::move(ranks)) {}
 
 ask_fn worker_group::init_request(int32_t rank) const {
   return asking(init_atom::value, contexts_[static_cast<size_t>(rank)],
@@ -17,7 +14,7 @@ ask_fn worker_group::init_request(int32_t rank) const {
 }
 
 void worker_group::start(std::function<void(caf::expected<std::vector<worker_info>>)> done) {
-  auto world = static_cast<int32_t>(world_size_);
+  auto world = static_cast<int32_t>(ranks_.size());
   int32_t local_index = 0;
   contexts_.clear();
   for (int32_t rank = 0; rank < world; ++rank) {
@@ -63,7 +60,7 @@ void worker_group::start(std::function<void(caf::expected<std::vector<worker_inf
 }
 
 void worker_group::form(std::function<void(caf::error)> then) {
-  if (world_size_ < 2)
+  if (ranks_.size() < 2)
     return then(caf::none);
   gathers_.start("group", ranks_, asking(group_atom::value, host_.members()), cfg_.startup_timeout,
                  0, [this, then](gather_result res) {

@@ -40,9 +40,10 @@ public:
 
 class worker_group {
 public:
-  /// The group's calls are gathers of `gathers` bounded by `cfg.startup_timeout`.
+  /// The group of `ranks` (all of them, in order); its calls are gathers of `gathers`
+  /// bounded by `cfg.startup_timeout`.
   worker_group(gather_table& gathers, group_host& host, const executor_config& cfg,
-               size_t world_size);
+               std::vector<int32_t> ranks);
 
   /// Makes each rank's init context, starts every worker, checks that they loaded one
   /// model, then forms the collective; `done` gets the workers' descriptions in rank order.
@@ -50,7 +51,7 @@ public:
 
   /// Whether `start` made the contexts (a worker that died before cannot be replaced).
   bool started() const {
-    return contexts_.size() == world_size_;
+    return contexts_.size() == ranks_.size();
   }
 
   /// The init request of `rank` (the driver's with its peers).
@@ -70,7 +71,6 @@ private:
   gather_table& gathers_;
   group_host& host_;
   const executor_config& cfg_;
-  size_t world_size_;
   std::vector<int32_t> ranks_;
   std::vector<worker_context> contexts_;
 };
