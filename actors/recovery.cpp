@@ -32,6 +32,14 @@ void run_steps(std::shared_ptr<std::vector<step_fn>> steps, std::function<void(c
   run_from(std::move(steps), 0, std::move(done));
 }
 
+std::function<void()> after_calls(size_t n, std::function<void()> then) {
+  auto left = std::make_shared<size_t>(n);
+  return [left, then] {
+    if (--*left == 0)
+      then();
+  };
+}
+
 step_fn gather_step(gather_table& gathers, std::string label, std::vector<int32_t> ranks,
                     ask_fn ask, timeout_type timeout) {
   return [&gathers, label, ranks, ask, timeout](std::function<void(caf::error)> next) {
@@ -154,16 +162,15 @@ void recovery::make_leftover_calls(int32_t rank, std::function<void()> then) {
     return then();
   auto calls = std::move(found->second);
   leftovers_.erase(found);
-  auto left = std::make_shared<size_t>(calls.size());
+  auto one_done = after_calls(calls.size(), std::move(then));
   auto log = log_;
   for (auto& call : calls)
     gathers_.start("replacement: " + call.label, {rank}, call.ask, step_timeout_, 0,
-                   [log, rank, label = call.label, left, then](gather_result res) {
+                   [log, rank, label = call.label, one_done](gather_result res) {
                      if (!res)
                        log->warn("rank {}: the {} its predecessor left failed: {}", rank, label,
                                  render(res.error()));
-                     if (--*left == 0)
-                       then();
+                     one_done();
                    });
 }
 

@@ -34,6 +34,10 @@ using step_fn = std::function<void(std::function<void(caf::error)>)>;
 /// Runs `steps` one after another; `done` gets the first error, or none.
 void run_steps(std::shared_ptr<std::vector<step_fn>> steps, std::function<void(caf::error)> done);
 
+/// A callable that runs `then` at its `n`-th call (`n` > 0): the end of `n` calls made
+/// side by side.
+std::function<void()> after_calls(size_t n, std::function<void()> then);
+
 /// A gather of `ask` on `ranks` (labelled "replacement: `label`") as a step, bounded by
 /// `timeout`.
 step_fn gather_step(gather_table& gathers, std::string label, std::vector<int32_t> ranks,

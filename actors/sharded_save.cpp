@@ -14,11 +14,7 @@ void save_sharded(gather_table& gathers, recovery& recov, std::vector<int32_t> r
   auto* table = &gathers;
   auto* rec = &recov;
   auto clean_up = [table, rec, ranks, timeout, log, finish](std::function<void()> then) {
-    auto left = std::make_shared<size_t>(ranks.size());
-    auto one_done = [left, then] {
-      if (--*left == 0)
-        then();
-    };
+    auto one_done = after_calls(ranks.size(), std::move(then));
     for (auto rank : ranks)
       table->start("save_sharded_state", {rank}, finish(false), timeout, 0,
                    [rec, rank, log, finish, one_done](gather_result res) {
