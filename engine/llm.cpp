@@ -218,7 +218,10 @@ struct llm::impl {
   /// Adds the text of `r`'s new tokens to `l.text` (at the end, `finished`, a cut-off
   /// character too). A token the tokenizer does not know (a model whose vocabulary is
   /// larger) leaves the text as it is.
-  void detokenize(live_request& l, const engine_request& r, bool finished) const;
+  void detokenize(live_request& l, const engine_request& r, bool finished);
+  /// `detokenize`'s texts of the window before the new tokens and with them, kept for
+  /// their memory.
+  std::string window_before, window;
   /// Where `l`'s stop strings begin in `l.text` (npos for none), looking only where a new
   /// one can be (from `l.searched`, and from `l.stop_from` on, which is set once the
   /// output holds min_tokens tokens).
@@ -244,15 +247,16 @@ size_t without_incomplete(const std::string& text) {
 
 } // namespace
 
-void llm::impl::detokenize(live_request& l, const engine_request& r, bool finished) const {
+void llm::impl::detokenize(live_request& l, const engine_request& r, bool finished) {
   const auto& ids = r.output;
   if (!tok || l.read_offset >= ids.size())
     return;
   try {
-    auto begin = ids.begin() + static_cast<std::ptrdiff_t>(l.prefix_offset);
-    auto prefix =
-      tok->decode({begin, ids.begin() + static_cast<std::ptrdiff_t>(l.read_offset)}, true);
-    auto whole = tok->decode({begin, ids.end()}, true);
+    auto begin = ids.data() + l.prefix_offset;
+    tok->decode_into(begin, l.read_offset - l.prefix_offset, true, window_before);
+    tok->decode_into(begin, ids.size() - l.prefix_offset, true, window);
+    const auto& prefix = window_before;
+    const auto& whole = window;
     if (whole.size() <= prefix.size())
       return; // nothing new to show (special tokens skipped)
     if (!finished && without_incomplete(whole) < whole.size())

@@ -171,6 +171,17 @@ size_t utf8_char(std::string_view text, size_t i, size_t* bad) {
   return n;
 }
 
+bool is_utf8(std::string_view text) {
+  size_t bad = 0;
+  for (size_t i = 0; i < text.size();) {
+    auto n = utf8_char(text, i, &bad);
+    if (n == 0)
+      return false;
+    i += n;
+  }
+  return true;
+}
+
 void check_utf8(std::string_view text) {
   for (size_t i = 0; i < text.size();) {
     size_t bad = 0;
@@ -286,6 +297,11 @@ struct tokenizer::pipeline {
     bool strip_first = false; // metaspace: the first token loses a leading space
   };
   std::vector<decoder> decoders;
+
+  /// Whether a text is its tokens' decoded bytes joined, each token decoded alone.
+  bool joins_tokens() const {
+    return decoders.size() == 1 && decoders[0].what == decoder::kind::byte_level;
+  }
 
   /// What the template puts before and after the text's ids (add_special_tokens).
   std::vector<int32_t> prefix;
@@ -675,6 +691,16 @@ void tokenizer::add_merge(const std::string& left, const std::string& right, int
 }
 
 void tokenizer::finish(const std::string& origin) {
+  if (pipeline_->joins_tokens()) {
+    piece_at_.reserve(id_to_token_.size() + 1);
+    piece_at_.push_back(0);
+    for (auto& token : id_to_token_) {
+      piece_bytes_ += pipeline_->decode({token}, true);
+      if (piece_bytes_.size() > std::numeric_limits<uint32_t>::max())
+        bad(origin, "has more than 4 GiB of token text");
+      piece_at_.push_back(static_cast<uint32_t>(piece_bytes_.size()));
+    }
+  }
   for (auto id : added_ids_)
     added_.emplace_back(id_to_token_[static_cast<size_t>(id)], id);
   std::sort(added_.begin(), added_.end(),
@@ -1146,20 +1172,44 @@ std::string valid_utf8(std::string_view bytes) {
   return out;
 }
 
+void tokenizer::check_id(int32_t id) const {
+  if (id < 0 || static_cast<size_t>(id) >= id_to_token_.size())
+    throw error{errc::invalid_argument, "tokenizer: id " + std::to_string(id) +
+                                          " is outside the vocabulary of " +
+                                          std::to_string(id_to_token_.size())};
+}
+
 std::string tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special) const {
-  std::vector<std::string> tokens;
-  tokens.reserve(ids.size());
-  for (auto id : ids) {
-    if (id < 0 || static_cast<size_t>(id) >= id_to_token_.size())
-      throw error{errc::invalid_argument, "tokenizer: id " + std::to_string(id) +
-                                            " is outside the vocabulary of " +
-                                            std::to_string(id_to_token_.size())};
-    if (!(skip_special && special_ids_.count(id)))
-      tokens.push_back(id_to_token_[static_cast<size_t>(id)]);
-  }
+  std::string out;
+  decode_into(ids.data(), ids.size(), skip_special, out);
+  return out;
+}
+
+void tokenizer::decode_into(const int32_t* ids, size_t count, bool skip_special,
+                            std::string& out) const {
+  auto kept = [&](int32_t id) { return !(skip_special && special_ids_.count(id)); };
   // Ids that end inside a character (an emoji over two tokens, a cut-off generation) give
   // bytes that are not UTF-8: as transformers, each broken sequence becomes U+FFFD.
-  return pipeline_->decode(std::move(tokens));
+  if (!piece_at_.empty()) {
+    out.clear();
+    for (size_t i = 0; i < count; ++i) {
+      check_id(ids[i]);
+      auto id = static_cast<size_t>(ids[i]);
+      if (kept(ids[i]))
+        out.append(piece_bytes_, piece_at_[id], piece_at_[id + 1] - piece_at_[id]);
+    }
+    if (!is_utf8(out))
+      out = valid_utf8(out);
+    return;
+  }
+  std::vector<std::string> tokens;
+  tokens.reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    check_id(ids[i]);
+    if (kept(ids[i]))
+      tokens.push_back(id_to_token_[static_cast<size_t>(ids[i])]);
+  }
+  out = pipeline_->decode(std::move(tokens));
 }
 
 std::string tokenizer::token_bytes(int32_t id) const {

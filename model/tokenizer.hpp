@@ -65,6 +65,10 @@ public:
   /// when `skip_special`.
   std::string decode(const std::vector<int32_t>& ids, bool skip_special = false) const;
 
+  /// `decode` of the `count` ids from `ids`, written over `out` (whose memory is reused):
+  /// the engine decodes a few tokens of every sequence at each step.
+  void decode_into(const int32_t* ids, size_t count, bool skip_special, std::string& out) const;
+
   /// The bytes token `id` adds inside a text, UTF-8 or not (a byte-level token may hold
   /// part of a character); throws `invalid_argument` for an id outside the vocabulary.
   std::string token_bytes(int32_t id) const;
@@ -123,6 +127,8 @@ private:
   /// Reads tokenizer.json's normalizer, pre-tokenizer, post-processor and decoder.
   void read_pipeline(const nlohmann::json& j, const std::string& origin);
   void finish(const std::string& origin);
+  /// Throws `invalid_argument` for an id outside the vocabulary.
+  void check_id(int32_t id) const;
   void encode_piece(const std::string& piece, std::vector<int32_t>& out) const;
 
   std::unordered_map<std::string, int32_t> vocab_;
@@ -133,6 +139,12 @@ private:
   };
   /// Merges by the ids of the pair (`pair_key`).
   std::unordered_map<uint64_t, merge> merges_;
+  /// Where the decoder is ByteLevel alone, a text is its tokens' bytes joined (then made
+  /// valid UTF-8): each token's bytes, one after another, token i's from `piece_at_[i]` to
+  /// `piece_at_[i + 1]`. Empty for other decoders, whose tokens change by their
+  /// neighbours (a leading space stripped, byte pieces that join into a character).
+  std::string piece_bytes_;
+  std::vector<uint32_t> piece_at_;
   /// Pieces map bytes to GPT-2's printable characters first (a ByteLevel pre-tokenizer).
   bool byte_level_ = false;
   /// A character without a token becomes the `<0xXX>` pieces of its bytes.
