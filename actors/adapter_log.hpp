@@ -7,6 +7,7 @@
 
 #include "actors/gather_table.hpp"
 #include "actors/recovery.hpp"
+#include "messages/worker_calls.hpp"
 #include "troupe/types.hpp"
 
 #include <spdlog/logger.h>
@@ -19,10 +20,6 @@
 
 namespace troupe {
 
-/// The kind of adapter a worker method is about: `prompt_adapter` for the methods named
-/// after prompt adapters (`add_prompt_adapter`, `list_prompt_adapters`), else `lora`.
-adapter_kind adapter_kind_of(const std::string& method);
-
 class adapter_log {
 public:
   /// Replays and reconciliations are gathers of `gathers` on `ranks` (all of them), each
@@ -30,21 +27,25 @@ public:
   adapter_log(gather_table& gathers, std::vector<int32_t> ranks, timeout_type timeout,
               std::shared_ptr<spdlog::logger> log);
 
-  /// Every worker accepted `method` (add_, pin_ or remove_ of a kind) with `args` for
-  /// adapter `id`.
-  void note(const std::string& method, const caf::message& args, int64_t id);
+  /// Every worker accepted `call`.
+  void note(const adapter_request& call);
+  void note(const adapter_change& call);
 
   /// Appends the steps that bring the fresh worker of `rank` to the adapters the others
   /// hold: the log replayed on it, then each kind reconciled on all ranks.
   void catch_up(int32_t rank, std::vector<step_fn>& steps);
 
 private:
+  /// An add or a pin, as the replacement is asked it.
   struct entry {
     std::string method;
-    caf::message args;
+    ask_fn ask;
     adapter_kind kind;
     int64_t id = 0;
   };
+
+  /// Keeps `method` on adapter `id` (`ask`, once: a later one replaces it).
+  void keep(std::string method, ask_fn ask, adapter_kind kind, int64_t id);
 
   /// An adapter call of `kind` in flight at the death may have reached some ranks and not
   /// others. Its caller was told `worker_replaced` (its work may be lost), so every rank

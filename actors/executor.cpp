@@ -364,14 +364,19 @@ struct executor::impl {
     }
   }
 
-  /// A method whose answer is true when every worker said true.
-  std::future<bool> all_true(const char* method, caf::message args) {
-    return ask_async<bool>(all_true_atom::value, std::string{method}, std::move(args));
+  /// An adapter call whose answer is true when every worker said true.
+  template <class Call>
+  std::future<bool> all_true(Call call) {
+    return ask_async<bool>(all_true_atom::value, std::move(call));
   }
 
-  /// A method whose answer is a set every worker must agree on.
-  std::future<std::vector<int64_t>> same_set(const char* method) {
-    return ask_async<std::vector<int64_t>>(same_set_atom::value, std::string{method});
+  /// The adapters of `kind` every worker holds (they must agree).
+  std::future<std::vector<int64_t>> same_set(adapter_kind kind) {
+    return ask_async<std::vector<int64_t>>(same_set_atom::value, adapter_list{kind});
+  }
+
+  std::future<bool> change(adapter_kind kind, adapter_action action, int64_t id) {
+    return all_true(adapter_change{kind, action, id});
   }
 
   rpc_options options(const rpc_call_options& opts) const {
@@ -741,7 +746,7 @@ bool executor::add_lora(const lora_request& request) {
 }
 
 std::future<bool> executor::add_lora_async(const lora_request& request) {
-  return impl_->all_true("add_lora", caf::make_message(request));
+  return impl_->all_true(to_adapter_request(request));
 }
 
 bool executor::remove_lora(int64_t lora_id) {
@@ -749,7 +754,7 @@ bool executor::remove_lora(int64_t lora_id) {
 }
 
 std::future<bool> executor::remove_lora_async(int64_t lora_id) {
-  return impl_->all_true("remove_lora", caf::make_message(lora_id));
+  return impl_->change(adapter_kind::lora, adapter_action::remove, lora_id);
 }
 
 bool executor::pin_lora(int64_t lora_id) {
@@ -757,7 +762,7 @@ bool executor::pin_lora(int64_t lora_id) {
 }
 
 std::future<bool> executor::pin_lora_async(int64_t lora_id) {
-  return impl_->all_true("pin_lora", caf::make_message(lora_id));
+  return impl_->change(adapter_kind::lora, adapter_action::pin, lora_id);
 }
 
 std::vector<int64_t> executor::list_loras() {
@@ -765,7 +770,7 @@ std::vector<int64_t> executor::list_loras() {
 }
 
 std::future<std::vector<int64_t>> executor::list_loras_async() {
-  return impl_->same_set("list_loras");
+  return impl_->same_set(adapter_kind::lora);
 }
 
 bool executor::add_prompt_adapter(const prompt_adapter_request& request) {
@@ -773,7 +778,7 @@ bool executor::add_prompt_adapter(const prompt_adapter_request& request) {
 }
 
 std::future<bool> executor::add_prompt_adapter_async(const prompt_adapter_request& request) {
-  return impl_->all_true("add_prompt_adapter", caf::make_message(request));
+  return impl_->all_true(to_adapter_request(request));
 }
 
 bool executor::remove_prompt_adapter(int64_t adapter_id) {
@@ -781,7 +786,7 @@ bool executor::remove_prompt_adapter(int64_t adapter_id) {
 }
 
 std::future<bool> executor::remove_prompt_adapter_async(int64_t adapter_id) {
-  return impl_->all_true("remove_prompt_adapter", caf::make_message(adapter_id));
+  return impl_->change(adapter_kind::prompt_adapter, adapter_action::remove, adapter_id);
 }
 
 bool executor::pin_prompt_adapter(int64_t adapter_id) {
@@ -789,7 +794,7 @@ bool executor::pin_prompt_adapter(int64_t adapter_id) {
 }
 
 std::future<bool> executor::pin_prompt_adapter_async(int64_t adapter_id) {
-  return impl_->all_true("pin_prompt_adapter", caf::make_message(adapter_id));
+  return impl_->change(adapter_kind::prompt_adapter, adapter_action::pin, adapter_id);
 }
 
 std::vector<int64_t> executor::list_prompt_adapters() {
@@ -797,7 +802,7 @@ std::vector<int64_t> executor::list_prompt_adapters() {
 }
 
 std::future<std::vector<int64_t>> executor::list_prompt_adapters_async() {
-  return impl_->same_set("list_prompt_adapters");
+  return impl_->same_set(adapter_kind::prompt_adapter);
 }
 
 // -- profiling, sharded state, health -----------------------------------------------

@@ -22,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -42,7 +43,33 @@ ask_fn asking(Ts... xs) {
   };
 }
 
-/// A named method of the workers, as a gather's request.
+/// A call of the library's own (`messages/worker_calls.hpp`) as a gather's request; its
+/// reply is handed on as a message of the call's reply type (none for `void`).
+template <class Call>
+ask_fn typed_call(Call call) {
+  using reply = typename call_traits<Call>::reply;
+  return [call = std::move(call)](supervisor_actor::pointer self, const worker_actor& w,
+                                  reply_fn ok, error_fn fail) {
+    auto sent = self->request(w, caf::infinite, call_atom::value, call);
+    if constexpr (std::is_void_v<reply>)
+      sent.then(
+        [ok](caf::ok_atom) {
+          caf::message none;
+          ok(caf::ok_atom::value, none);
+        },
+        std::move(fail));
+    else
+      sent.then(
+        [ok](caf::ok_atom, reply& r) {
+          auto m = caf::make_message(std::move(r));
+          ok(caf::ok_atom::value, m);
+        },
+        std::move(fail));
+  };
+}
+
+/// A named method of the workers, as a gather's request (users' methods; the library's
+/// own go as `typed_call`s).
 ask_fn calling(std::string method, caf::message args = {}, caf::settings kwargs = {});
 
 /// The request `xs...` as a message for a direct gather, checked against the worker's

@@ -9,7 +9,7 @@ void save_sharded(gather_table& gathers, recovery& recov, std::vector<int32_t> r
                   sharded_state_request req, std::string token,
                   std::function<void(caf::error)> done) {
   auto finish = [req, token](bool commit) {
-    return calling("finish_sharded_state", caf::make_message(req.path, token, commit));
+    return typed_call(staged_finish{req.path, token, commit});
   };
   auto* table = &gathers;
   auto* rec = &recov;
@@ -34,11 +34,8 @@ void save_sharded(gather_table& gathers, recovery& recov, std::vector<int32_t> r
                      });
                    });
   };
-  caf::settings staged;
-  staged["staging"] = token;
-  gathers.start("save_sharded_state", ranks,
-                calling("save_sharded_state", caf::make_message(req), std::move(staged)), timeout,
-                0, [=](gather_result res) {
+  gathers.start("save_sharded_state", ranks, typed_call(staged_save{req, token}), timeout, 0,
+                [=](gather_result res) {
                   if (!res) {
                     auto failure = res.error();
                     clean_up([done, failure] { done(failure); });

@@ -16,7 +16,7 @@ sleep_control::sleep_control(gather_table& gathers, std::vector<int32_t> ranks,
 void sleep_control::sleep(sleep_request asked, caf::typed_response_promise<caf::ok_atom> rp) {
   auto level = asked.level;
   change(
-    "sleep", state_.check_sleep(), caf::make_message(asked),
+    "sleep", state_.check_sleep(), typed_call(asked),
     [this, level](const caf::error& err) {
       // Even when some rank failed, others may be asleep: only wake_up may lead back to
       // awake (waking an awake worker does nothing). A worker that died during the sleep
@@ -34,7 +34,7 @@ void sleep_control::wake_up(const std::vector<std::string>& tags,
   auto verdict = state_.check_wake(tags);
   auto woken = verdict.tags;
   change(
-    "wake_up", verdict, caf::make_message(wake_request{woken}),
+    "wake_up", verdict, typed_call(wake_request{woken}),
     [this, woken](const caf::error& err) {
       // After a failure the tags still count as asleep; waking them again is harmless. A
       // worker that died during the wake-up is replaced awake, and the others finish
@@ -48,8 +48,8 @@ void sleep_control::wake_up(const std::vector<std::string>& tags,
     std::move(rp));
 }
 
-void sleep_control::change(const std::string& method, sleep_state::decision verdict,
-                           caf::message args, std::function<void(const caf::error&)> commit,
+void sleep_control::change(const std::string& method, sleep_state::decision verdict, ask_fn ask,
+                           std::function<void(const caf::error&)> commit,
                            std::function<std::string(double)> done,
                            caf::typed_response_promise<caf::ok_atom> rp) {
   if (transition_) {
@@ -64,19 +64,18 @@ void sleep_control::change(const std::string& method, sleep_state::decision verd
   }
   transition_ = true;
   auto start = std::chrono::steady_clock::now();
-  gathers_.start(method, ranks_, calling(method, std::move(args)), timeout_, 0,
-                 [=](gather_result res) mutable {
-                   transition_ = false;
-                   auto err = res ? caf::error{} : res.error();
-                   commit(err);
-                   if (err) {
-                     rp.deliver(err);
-                     return;
-                   }
-                   std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
-                   log_->info("{}", done(seconds.count()));
-                   rp.deliver(caf::ok_atom::value);
-                 });
+  gathers_.start(method, ranks_, std::move(ask), timeout_, 0, [=](gather_result res) mutable {
+    transition_ = false;
+    auto err = res ? caf::error{} : res.error();
+    commit(err);
+    if (err) {
+      rp.deliver(err);
+      return;
+    }
+    std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
+    log_->info("{}", done(seconds.count()));
+    rp.deliver(caf::ok_atom::value);
+  });
 }
 
 caf::error sleep_control::step_refusal() const {
@@ -97,18 +96,18 @@ std::vector<std::string> sleep_control::sleeping_tag_names() const {
   return names;
 }
 
-std::vector<std::pair<std::string, caf::message>> sleep_control::catch_up() const {
-  std::vector<std::pair<std::string, caf::message>> calls;
+std::vector<std::pair<std::string, ask_fn>> sleep_control::catch_up() const {
+  std::vector<std::pair<std::string, ask_fn>> calls;
   if (!state_.is_sleeping())
     return calls;
-  calls.emplace_back("sleep", caf::make_message(sleep_request{to_sleep_level(state_.level())}));
+  calls.emplace_back("sleep", typed_call(sleep_request{to_sleep_level(state_.level())}));
   auto sleeping = state_.sleeping_tags();
   wake_request woken;
   for (auto tag : all_memory_tags)
     if (std::find(sleeping.begin(), sleeping.end(), tag) == sleeping.end())
       woken.tags.push_back(tag);
   if (!woken.tags.empty())
-    calls.emplace_back("wake_up", caf::make_message(woken));
+    calls.emplace_back("wake_up", typed_call(woken));
   return calls;
 }
 

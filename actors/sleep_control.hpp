@@ -40,15 +40,15 @@ public:
   /// The sleeping tags by name; empty when awake (vLLM's is_sleeping is "any tag sleeps").
   std::vector<std::string> sleeping_tag_names() const;
 
-  /// The calls (method, arguments) that bring a fresh worker to the others' sleep: asleep
+  /// The calls (method, request) that bring a fresh worker to the others' sleep: asleep
   /// at their level, with the tags they woke awake. None while awake.
-  std::vector<std::pair<std::string, caf::message>> catch_up() const;
+  std::vector<std::pair<std::string, ask_fn>> catch_up() const;
 
 private:
   /// The one transition routine: refused while another runs; `verdict` is the state
   /// machine's (a refusal is a warning, and success); `commit` records the outcome;
   /// `done` words the log line from the seconds it took.
-  void change(const std::string& method, sleep_state::decision verdict, caf::message args,
+  void change(const std::string& method, sleep_state::decision verdict, ask_fn ask,
               std::function<void(const caf::error&)> commit,
               std::function<std::string(double)> done,
               caf::typed_response_promise<caf::ok_atom> rp);

@@ -185,13 +185,12 @@ struct supervisor_state : gather_host, recovery_host, group_host {
     return rp;
   }
 
-  /// Calls `method` on every worker with the default deadline; `reduce` turns the replies
+  /// Makes `call` on every worker with the default deadline; `reduce` turns the replies
   /// into the answer (throwing `troupe::error` to refuse them).
-  template <class T>
-  promise<T> call_all(const std::string& method, caf::message args,
-                      std::function<T(std::vector<caf::message>&)> reduce) {
+  template <class T, class Call>
+  promise<T> call_all(const Call& call, std::function<T(std::vector<caf::message>&)> reduce) {
     auto rp = self->template make_response_promise<T>();
-    gathers->start(method, all_ranks(), calling(method, std::move(args)), cfg.rpc_timeout, 0,
+    gathers->start(method_name(call), all_ranks(), typed_call(call), cfg.rpc_timeout, 0,
                    [=](gather_result res) mutable {
                      if (!res) {
                        rp.deliver(res.error());
@@ -204,12 +203,6 @@ struct supervisor_state : gather_host, recovery_host, group_host {
                      }
                    });
     return rp;
-  }
-
-  /// Calls `method` on every worker; answers `ok_atom` when all succeeded.
-  promise<caf::ok_atom> call_all_ok(const std::string& method, caf::message args) {
-    return call_all<caf::ok_atom>(method, std::move(args),
-                                  [](std::vector<caf::message>&) { return caf::ok_atom::value; });
   }
 
   // -- what the group asks of the supervisor -------------------------------------------
@@ -308,7 +301,7 @@ struct supervisor_state : gather_host, recovery_host, group_host {
 
   /// determine_num_available_blocks: the least over the workers of both numbers.
   promise<cache_blocks> available_blocks() {
-    return call_all<cache_blocks>("determine_num_available_blocks", {}, least_blocks);
+    return call_all<cache_blocks>(blocks_query{}, least_blocks);
   }
 
   promise<caf::ok_atom> initialize_cache(cache_blocks blocks) {
@@ -325,7 +318,8 @@ struct supervisor_state : gather_host, recovery_host, group_host {
     log->info("Maximum concurrency for {} tokens per request: {:.2f}x", cfg.max_model_len,
               concurrency);
     cache = blocks;
-    return call_all_ok("initialize_cache", caf::make_message(blocks));
+    return call_all<caf::ok_atom>(cache_init{blocks},
+                                  [](std::vector<caf::message>&) { return caf::ok_atom::value; });
   }
 
   /// save_sharded_state, all or nothing (see `save_sharded`).
@@ -341,33 +335,26 @@ struct supervisor_state : gather_host, recovery_host, group_host {
     return rp;
   }
 
-  /// add/remove/pin of adapters: true when every worker said true. The id is checked first
-  /// (vLLM asserts it; here it is an error).
-  promise<bool> all_true(std::string method, caf::message args) {
-    int64_t id = 0;
-    if (args.match_elements<int64_t>())
-      id = args.get_as<int64_t>(0);
-    else if (args.match_elements<lora_request>())
-      id = args.get_as<lora_request>(0).lora_int_id;
-    else if (args.match_elements<prompt_adapter_request>())
-      id = args.get_as<prompt_adapter_request>(0).prompt_adapter_id;
-    if (id <= 0)
+  /// add, remove or pin of an adapter: true when every worker said true. The id is checked
+  /// first (vLLM asserts it; here it is an error).
+  template <class Call>
+  promise<bool> all_true(Call call) {
+    if (call.id <= 0)
       return refuse<bool>(invalid_id(
-        adapter_kind_of(method) == adapter_kind::prompt_adapter ? "prompt_adapter_id" : "lora_id",
-        id));
+        call.kind == adapter_kind::prompt_adapter ? "prompt_adapter_id" : "lora_id", call.id));
     auto* st = this;
-    return call_all<bool>(method, args, [st, method, args, id](std::vector<caf::message>& replies) {
-      bool all = troupe::all_true(method, replies);
+    return call_all<bool>(call, [st, call](std::vector<caf::message>& replies) {
+      bool all = troupe::all_true(method_name(call), replies);
       if (all)
-        st->adapters->note(method, args, id);
+        st->adapters->note(call);
       return all;
     });
   }
 
   /// list_loras / list_prompt_adapters: every worker must hold the same set.
-  promise<std::vector<int64_t>> same_set(std::string method) {
-    return call_all<std::vector<int64_t>>(method, {}, [method](std::vector<caf::message>& replies) {
-      return troupe::same_set(method, replies);
+  promise<std::vector<int64_t>> same_set(adapter_list call) {
+    return call_all<std::vector<int64_t>>(call, [call](std::vector<caf::message>& replies) {
+      return troupe::same_set(method_name(call), replies);
     });
   }
 
@@ -375,7 +362,7 @@ struct supervisor_state : gather_host, recovery_host, group_host {
   promise<std::vector<worker_health>> check_health() {
     auto* st = this;
     return call_all<std::vector<worker_health>>(
-      "check_health", {}, [st](std::vector<caf::message>& replies) {
+      health_query{}, [st](std::vector<caf::message>& replies) {
         return all_healthy(replies, [st](size_t rank) { return st->recov->restarts(rank); });
       });
   }
@@ -598,11 +585,10 @@ struct supervisor_state : gather_host, recovery_host, group_host {
         steps.push_back(step(c.method, {rank}, calling(c.method, c.args, c.kwargs)));
     steps.push_back([st](std::function<void(caf::error)> next) { st->group->form(next); });
     if (cache)
-      steps.push_back(
-        step("initialize_cache", {rank}, calling("initialize_cache", caf::make_message(*cache))));
+      steps.push_back(step("initialize_cache", {rank}, typed_call(cache_init{*cache})));
     adapters->catch_up(rank, steps);
-    for (auto& [method, args] : sleep->catch_up())
-      steps.push_back(step(method, {rank}, calling(method, args)));
+    for (auto& [method, ask] : sleep->catch_up())
+      steps.push_back(step(method, {rank}, ask));
     return steps;
   }
 
@@ -705,10 +691,9 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
     [self](save_state_atom, sharded_state_request req) {
       return self->state.save_sharded_state(std::move(req));
     },
-    [self](all_true_atom, std::string method, caf::message args) {
-      return self->state.all_true(std::move(method), std::move(args));
-    },
-    [self](same_set_atom, std::string method) { return self->state.same_set(std::move(method)); },
+    [self](all_true_atom, adapter_request call) { return self->state.all_true(std::move(call)); },
+    [self](all_true_atom, adapter_change call) { return self->state.all_true(call); },
+    [self](same_set_atom, adapter_list call) { return self->state.same_set(call); },
     [self](stop_loop_atom) { return self->state.stop_loop(); },
     [self](sleep_atom, sleep_request req) { return self->state.fall_asleep(req); },
     [self](wake_atom, std::vector<std::string> tags) {

@@ -2,6 +2,7 @@
 
 #include "troupe/worker.hpp"
 
+#include "actors/worker_calls.hpp"
 #include "troupe/errors.hpp"
 
 #include <caf/config_value.hpp>
@@ -9,7 +10,6 @@
 #include <caf/settings.hpp>
 
 #include <algorithm>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -29,13 +29,6 @@ const T& arg(const caf::message& args, size_t i, const std::string& method, cons
                                        std::to_string(i) + " of type " + expected + ", got (" +
                                        to_string(args) + ")"};
   return args.get_as<T>(i);
-}
-
-/// Where a rank's part of a staged `save_sharded_state` is written before the executor
-/// commits it: a hidden folder next to the final files, so that the commit is a rename.
-std::filesystem::path staging_dir(const std::string& path, const std::string& token, int32_t rank) {
-  return std::filesystem::path{path} /
-         (".troupe-staging-" + token + "-rank-" + std::to_string(rank));
 }
 
 /// An id argument given as int64 or int32.
@@ -298,82 +291,83 @@ caf::message worker::call_local(const std::string& label,
 
 void worker::register_builtins() {
   using caf::make_message;
+  // Each reads its arguments and runs what the library's typed call of the same method
+  // runs (actors/worker_calls.hpp).
   auto& m = methods_;
   m["load_model"] = [](worker& w, const caf::message&, const caf::settings&) {
     w.load_model();
     return caf::message{};
   };
   m["prepare_collective"] = [](worker& w, const caf::message&, const caf::settings&) {
-    return make_message(w.prepare_collective());
+    return make_message(run_call(w, collective_prepare{}));
   };
   m["connect_collective"] = [](worker& w, const caf::message& args, const caf::settings&) {
-    w.connect_collective(arg<std::vector<std::vector<std::string>>>(args, 0, "connect_collective",
-                                                                    "list of address lists"));
+    run_call(w, collective_connect{arg<std::vector<std::vector<std::string>>>(
+                  args, 0, "connect_collective", "list of address lists")});
     return caf::message{};
   };
   m["determine_num_available_blocks"] = [](worker& w, const caf::message&, const caf::settings&) {
-    return make_message(w.determine_num_available_blocks());
+    return make_message(run_call(w, blocks_query{}));
   };
   m["initialize_cache"] = [](worker& w, const caf::message& args, const caf::settings&) {
+    cache_init call;
     if (args.size() == 2 && args.match_elements<int64_t, int64_t>())
-      w.initialize_cache(cache_blocks{args.get_as<int64_t>(0), args.get_as<int64_t>(1)});
+      call.blocks = cache_blocks{args.get_as<int64_t>(0), args.get_as<int64_t>(1)};
     else
-      w.initialize_cache(arg<cache_blocks>(args, 0, "initialize_cache", "cache_blocks"));
+      call.blocks = arg<cache_blocks>(args, 0, "initialize_cache", "cache_blocks");
+    run_call(w, call);
     return caf::message{};
   };
   m["execute_model"] = [](worker& w, const caf::message& args, const caf::settings&) {
     return make_message(
       w.run_step(arg<execute_model_request>(args, 0, "execute_model", "execute_model_request")));
   };
-  m["add_lora"] = [](worker& w, const caf::message& args, const caf::settings&) {
-    return make_message(w.add_lora(arg<lora_request>(args, 0, "add_lora", "lora_request")));
-  };
-  m["remove_lora"] = [](worker& w, const caf::message& args, const caf::settings&) {
-    return make_message(w.remove_lora(id_arg(args, "remove_lora")));
-  };
-  m["pin_lora"] = [](worker& w, const caf::message& args, const caf::settings&) {
-    return make_message(w.pin_lora(id_arg(args, "pin_lora")));
-  };
-  m["list_loras"] = [](worker& w, const caf::message&, const caf::settings&) {
-    return make_message(w.list_loras());
-  };
-  m["add_prompt_adapter"] = [](worker& w, const caf::message& args, const caf::settings&) {
-    return make_message(w.add_prompt_adapter(
-      arg<prompt_adapter_request>(args, 0, "add_prompt_adapter", "prompt_adapter_request")));
-  };
-  m["remove_prompt_adapter"] = [](worker& w, const caf::message& args, const caf::settings&) {
-    return make_message(w.remove_prompt_adapter(id_arg(args, "remove_prompt_adapter")));
-  };
-  m["pin_prompt_adapter"] = [](worker& w, const caf::message& args, const caf::settings&) {
-    return make_message(w.pin_prompt_adapter(id_arg(args, "pin_prompt_adapter")));
-  };
-  m["list_prompt_adapters"] = [](worker& w, const caf::message&, const caf::settings&) {
-    return make_message(w.list_prompt_adapters());
-  };
+  for (auto kind : {adapter_kind::lora, adapter_kind::prompt_adapter}) {
+    auto add = method_name(adapter_request{kind});
+    m[add] = [kind, add](worker& w, const caf::message& args, const caf::settings&) {
+      adapter_request call;
+      if (kind == adapter_kind::lora)
+        call = to_adapter_request(arg<lora_request>(args, 0, add, "lora_request"));
+      else
+        call =
+          to_adapter_request(arg<prompt_adapter_request>(args, 0, add, "prompt_adapter_request"));
+      return make_message(run_call(w, call));
+    };
+    for (auto action : {adapter_action::remove, adapter_action::pin}) {
+      auto name = method_name(adapter_change{kind, action});
+      m[name] = [kind, action, name](worker& w, const caf::message& args, const caf::settings&) {
+        return make_message(run_call(w, adapter_change{kind, action, id_arg(args, name)}));
+      };
+    }
+    m[method_name(adapter_list{kind})] = [kind](worker& w, const caf::message&,
+                                                const caf::settings&) {
+      return make_message(run_call(w, adapter_list{kind}));
+    };
+  }
   m["sleep"] = [](worker& w, const caf::message& args, const caf::settings& kwargs) {
     // vLLM passes the level as a keyword; typed callers pass a sleep_request.
+    sleep_request call;
     if (auto level = caf::get_if<int64_t>(&kwargs, "level"))
-      w.sleep(to_sleep_level(*level));
+      call.level = to_sleep_level(*level);
     else
-      // A level from the wire is checked like a number from anywhere else.
-      w.sleep(to_sleep_level(
-        static_cast<int64_t>(arg<sleep_request>(args, 0, "sleep", "sleep_request").level)));
+      call = arg<sleep_request>(args, 0, "sleep", "sleep_request");
+    run_call(w, call);
     return caf::message{};
   };
   m["wake_up"] = [](worker& w, const caf::message& args, const caf::settings& kwargs) {
-    std::vector<memory_tag> tags;
+    wake_request call;
     if (auto names = caf::get_if<caf::config_value::list>(&kwargs, "tags")) {
       for (auto& name : *names) {
         auto str = caf::get_if<std::string>(&name);
         auto tag = str ? parse_memory_tag(*str) : std::nullopt;
         if (!tag)
           throw error{errc::invalid_argument, "unknown memory tag " + to_string(name)};
-        tags.push_back(*tag);
+        call.tags.push_back(*tag);
       }
     } else if (!args.empty()) {
-      tags = arg<wake_request>(args, 0, "wake_up", "wake_request").tags;
+      call = arg<wake_request>(args, 0, "wake_up", "wake_request");
     }
-    w.wake_up(tags);
+    run_call(w, call);
     return caf::message{};
   };
   m["save_sharded_state"] = [](worker& w, const caf::message& args, const caf::settings& kwargs) {
@@ -387,52 +381,7 @@ void worker::register_builtins() {
     }
     if (req.path.empty())
       throw error{errc::invalid_argument, "save_sharded_state needs a path"};
-    auto token = caf::get_or(kwargs, "staging", std::string{});
-    if (token.empty()) {
-      w.save_sharded_state(req);
-      return caf::message{};
-    }
-    // Staged (the executor's all-or-nothing save): written aside, moved into place by
-    // finish_sharded_state once every rank has succeeded.
-    namespace fs = std::filesystem;
-    if (!fs::is_directory(req.path))
-      throw error{errc::invalid_argument,
-                  "save_sharded_state: '" + req.path + "' is not a directory"};
-    auto staging = staging_dir(req.path, token, w.rank());
-    std::error_code ec;
-    fs::create_directory(staging, ec);
-    if (ec)
-      throw error{errc::invalid_argument,
-                  "save_sharded_state: cannot write into '" + req.path + "': " + ec.message()};
-    req.path = staging.string();
-    try {
-      w.save_sharded_state(req);
-    } catch (...) {
-      fs::remove_all(staging, ec);
-      throw;
-    }
-    return caf::message{};
-  };
-  // (path, staging token, commit): moves this rank's staged files into `path`, or removes
-  // them; a rank that staged nothing has nothing to do.
-  m["finish_sharded_state"] = [](worker& w, const caf::message& args, const caf::settings&) {
-    namespace fs = std::filesystem;
-    auto& path = arg<std::string>(args, 0, "finish_sharded_state", "string");
-    auto staging =
-      staging_dir(path, arg<std::string>(args, 1, "finish_sharded_state", "string"), w.rank());
-    std::error_code ec;
-    if (!fs::is_directory(staging, ec))
-      return caf::message{};
-    if (arg<bool>(args, 2, "finish_sharded_state", "bool")) {
-      for (auto& entry : fs::directory_iterator(staging)) {
-        fs::rename(entry.path(), fs::path{path} / entry.path().filename(), ec);
-        if (ec)
-          throw error{errc::invalid_argument, "save_sharded_state: cannot move " +
-                                                entry.path().filename().string() + " into '" +
-                                                path + "': " + ec.message()};
-      }
-    }
-    fs::remove_all(staging, ec);
+    w.save_sharded_state(req);
     return caf::message{};
   };
   m["start_profile"] = [](worker& w, const caf::message&, const caf::settings&) {
@@ -443,7 +392,7 @@ void worker::register_builtins() {
     return make_message(w.stop_profile());
   };
   m["check_health"] = [](worker& w, const caf::message&, const caf::settings&) {
-    return make_message(w.check_health());
+    return make_message(run_call(w, health_query{}));
   };
   m["info"] = [](worker& w, const caf::message&, const caf::settings&) {
     return make_message(w.info());

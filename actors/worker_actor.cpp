@@ -1,5 +1,7 @@
 #include "actors/worker_actor.hpp"
 
+#include "actors/worker_calls.hpp"
+
 #include "actors/linger.hpp"
 #include "kernels/log.hpp"
 #include "messages/protocols.hpp"
@@ -142,22 +144,33 @@ caf::error failed(worker_self self, const std::string& method) {
   return err;
 }
 
-/// Runs `f` on the worker object and wraps its result or exception into the reply.
-template <class F>
-caf::result<caf::ok_atom, caf::message> guarded(worker_self self, const std::string& method,
-                                                F&& f) {
+/// Runs `f` on the worker object and wraps its result (none for an empty `Ts`) or
+/// exception into the reply.
+template <class... Ts, class F>
+caf::result<caf::ok_atom, Ts...> guarded_with(worker_self self, const std::string& method, F&& f) {
   auto& st = self->state;
   if (!st.obj)
     return not_initialised();
   try {
-    return {caf::ok_atom::value, f(*st.obj)};
+    if constexpr (sizeof...(Ts) == 0) {
+      f(*st.obj);
+      return caf::ok_atom::value;
+    } else {
+      return {caf::ok_atom::value, f(*st.obj)};
+    }
   } catch (...) {
     bool fault = fault_in_flight();
     auto err = failed(self, method);
     if (fault)
-      return caf::delegated<caf::ok_atom, caf::message>{}; // no answer: its death fails the call
+      return caf::delegated<caf::ok_atom, Ts...>{}; // no answer: its death fails the call
     return err;
   }
+}
+
+template <class F>
+caf::result<caf::ok_atom, caf::message> guarded(worker_self self, const std::string& method,
+                                                F&& f) {
+  return guarded_with<caf::message>(self, method, std::forward<F>(f));
 }
 
 /// Whether the current message comes from a node this worker does not serve; logs it.
@@ -176,6 +189,39 @@ bool refused(worker_self self) {
 caf::error refusal() {
   return caf::make_error(errc::invalid_argument,
                          std::string{"this worker serves only the executor that leased it"});
+}
+
+/// The handler of a library call (`messages/worker_calls.hpp`): runs what the named
+/// built-in of its method runs, timed as a call of that method, and answers its reply.
+template <class Call>
+auto on_call(worker_self self) {
+  using reply = typename call_traits<Call>::reply;
+  auto run = [self](const Call& call) {
+    auto method = method_name(call);
+    if constexpr (std::is_void_v<reply>) {
+      return guarded_with<>(self, method, [&](worker& w) {
+        w.call_local(method, [&](worker& ref) {
+          run_call(ref, call);
+          return caf::message{};
+        });
+      });
+    } else {
+      return guarded_with<reply>(self, method, [&](worker& w) {
+        reply out;
+        w.call_local(method, [&](worker& ref) {
+          out = run_call(ref, call);
+          return caf::message{};
+        });
+        return out;
+      });
+    }
+  };
+  return [self, run](call_atom, const Call& call) -> decltype(run(call)) {
+    if (refused(self))
+      return refusal();
+    linger_after(self);
+    return run(call);
+  };
 }
 
 /// Puts the driver's last samples in for the pending tokens of `req`; an error names a
@@ -308,6 +354,18 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
       st.loop_task = self->make_response_promise<caf::ok_atom, caf::message>();
       return st.loop_task;
     },
+    on_call<blocks_query>(self),
+    on_call<cache_init>(self),
+    on_call<health_query>(self),
+    on_call<collective_prepare>(self),
+    on_call<collective_connect>(self),
+    on_call<sleep_request>(self),
+    on_call<wake_request>(self),
+    on_call<staged_save>(self),
+    on_call<staged_finish>(self),
+    on_call<adapter_request>(self),
+    on_call<adapter_change>(self),
+    on_call<adapter_list>(self),
     [=](call_atom, const local_call& call) -> caf::result<caf::ok_atom, caf::message> {
       if (refused(self))
         return refusal();

@@ -71,28 +71,26 @@ void worker_group::form(std::function<void(caf::error)> then) {
 }
 
 void worker_group::connect(std::function<void(caf::error)> then) {
-  const std::string prepare = "prepare_collective";
+  const auto prepare = method_name(collective_prepare{});
   gathers_.start(
-    prepare, ranks_, calling(prepare), cfg_.startup_timeout, 0,
+    prepare, ranks_, typed_call(collective_prepare{}), cfg_.startup_timeout, 0,
     [this, then, prepare](gather_result res) {
       if (!res)
         return then(res.error());
-      std::vector<std::vector<std::string>> table;
+      collective_connect call;
       bool needed = false;
       try {
         for (size_t rank = 0; rank < res->size(); ++rank) {
-          table.push_back(result_as<std::vector<std::string>>((*res)[rank], rank, prepare));
-          needed = needed || !table.back().empty();
+          call.table.push_back(result_as<std::vector<std::string>>((*res)[rank], rank, prepare));
+          needed = needed || !call.table.back().empty();
         }
       } catch (const error& e) {
         return then(caf::make_error(e.code(), std::string{e.what()}));
       }
       if (!needed)
         return then(caf::none);
-      gathers_.start("connect_collective", ranks_,
-                     calling("connect_collective", caf::make_message(std::move(table))),
-                     cfg_.startup_timeout, 0,
-                     [then](gather_result done) { then(done ? caf::none : done.error()); });
+      gathers_.start(method_name(call), ranks_, typed_call(std::move(call)), cfg_.startup_timeout,
+                     0, [then](gather_result done) { then(done ? caf::none : done.error()); });
     });
 }
 

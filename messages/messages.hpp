@@ -5,6 +5,7 @@
 /// type-id block that registers every type that crosses an actor-system boundary.
 /// The block is append-only: new entries go at its end.
 
+#include "messages/worker_calls.hpp"
 #include "troupe/config.hpp"
 #include "troupe/types.hpp"
 #include "troupe/worker.hpp"
@@ -134,6 +135,16 @@ CAF_ADD_ATOM(troupe, troupe, group_atom, "t_group")
 CAF_ADD_ATOM(troupe, troupe, reply_error_atom, "t_rerror")
 CAF_ADD_ATOM(troupe, troupe, linger_atom, "t_linger")
 CAF_ADD_ATOM(troupe, troupe, recovery_atom, "t_recovery")
+CAF_ADD_TYPE_ID(troupe, (troupe::blocks_query))
+CAF_ADD_TYPE_ID(troupe, (troupe::cache_init))
+CAF_ADD_TYPE_ID(troupe, (troupe::health_query))
+CAF_ADD_TYPE_ID(troupe, (troupe::collective_prepare))
+CAF_ADD_TYPE_ID(troupe, (troupe::collective_connect))
+CAF_ADD_TYPE_ID(troupe, (troupe::staged_save))
+CAF_ADD_TYPE_ID(troupe, (troupe::staged_finish))
+CAF_ADD_TYPE_ID(troupe, (troupe::adapter_request))
+CAF_ADD_TYPE_ID(troupe, (troupe::adapter_change))
+CAF_ADD_TYPE_ID(troupe, (troupe::adapter_list))
 
 CAF_END_TYPE_ID_BLOCK(troupe)
 

@@ -14,6 +14,21 @@
 
 namespace troupe {
 
+/// The signature of a library call (`messages/worker_calls.hpp`): `(call_atom, Call)`
+/// answered `(ok_atom, reply)`, or `(ok_atom)` for a call with no reply.
+template <class Call, class Reply = typename call_traits<Call>::reply>
+struct call_signature {
+  using type = typename caf::replies_to<call_atom, Call>::template with<caf::ok_atom, Reply>;
+};
+
+template <class Call>
+struct call_signature<Call, void> {
+  using type = typename caf::replies_to<call_atom, Call>::template with<caf::ok_atom>;
+};
+
+template <class Call>
+using call_signature_t = typename call_signature<Call>::type;
+
 /// A worker actor (`actors/worker_actor`): hosts one worker object on its own thread.
 /// Every request is answered `(ok_atom, result)` or with an error naming the rank.
 using worker_actor = caf::typed_actor<
@@ -24,6 +39,12 @@ using worker_actor = caf::typed_actor<
   /// A registered method with its arguments.
   caf::replies_to<call_atom, std::string, caf::message, caf::settings>::with<caf::ok_atom,
                                                                              caf::message>,
+  /// The library's own calls, each with its reply.
+  call_signature_t<blocks_query>, call_signature_t<cache_init>, call_signature_t<health_query>,
+  call_signature_t<collective_prepare>, call_signature_t<collective_connect>,
+  call_signature_t<sleep_request>, call_signature_t<wake_request>, call_signature_t<staged_save>,
+  call_signature_t<staged_finish>, call_signature_t<adapter_request>,
+  call_signature_t<adapter_change>, call_signature_t<adapter_list>,
   /// An in-process callable (never serialised).
   caf::replies_to<call_atom, local_call>::with<caf::ok_atom, caf::message>,
   /// Joins execution loop `id` (a peer): answered when the loop stops, with its steps.
@@ -59,10 +80,11 @@ using supervisor_actor = caf::typed_actor<
   caf::replies_to<init_cache_atom, cache_blocks>::with<caf::ok_atom>,
   /// save_sharded_state, all ranks or none.
   caf::replies_to<save_state_atom, sharded_state_request>::with<caf::ok_atom>,
-  /// add/remove/pin of an adapter (method, its argument): whether every worker said yes.
-  caf::replies_to<all_true_atom, std::string, caf::message>::with<bool>,
-  /// list_loras / list_prompt_adapters (method): the set every worker holds.
-  caf::replies_to<same_set_atom, std::string>::with<std::vector<int64_t>>,
+  /// add/remove/pin of an adapter: whether every worker said yes.
+  caf::replies_to<all_true_atom, adapter_request>::with<bool>,
+  caf::replies_to<all_true_atom, adapter_change>::with<bool>,
+  /// list_loras / list_prompt_adapters: the set every worker holds.
+  caf::replies_to<same_set_atom, adapter_list>::with<std::vector<int64_t>>,
   /// stop_remote_worker_execution_loop.
   caf::replies_to<stop_loop_atom>::with<caf::ok_atom>,
   caf::replies_to<sleep_atom, sleep_request>::with<caf::ok_atom>,
