@@ -805,6 +805,14 @@ std::future<std::vector<int64_t>> executor::list_prompt_adapters_async() {
   return impl_->same_set(adapter_kind::prompt_adapter);
 }
 
+int32_t executor::prompt_adapter_virtual_tokens(int64_t adapter_id) {
+  return prompt_adapter_virtual_tokens_async(adapter_id).get();
+}
+
+std::future<int32_t> executor::prompt_adapter_virtual_tokens_async(int64_t adapter_id) {
+  return impl_->ask_async<int32_t>(agree_atom::value, adapter_tokens{adapter_id});
+}
+
 // -- profiling, sharded state, health -----------------------------------------------
 
 void executor::start_profile() {

@@ -27,22 +27,39 @@ bool all_true(const std::string& method, const std::vector<caf::message>& replie
   return all;
 }
 
-std::vector<int64_t> same_set(const std::string& method, const std::vector<caf::message>& replies) {
-  auto sorted = [&](size_t rank) {
-    auto set = result_as<std::vector<int64_t>>(replies[rank], rank, method);
-    std::sort(set.begin(), set.end());
-    return set;
-  };
-  auto first = sorted(0);
+namespace {
+
+/// The reply every worker gave (each made `normal` first); the ranks that differ from
+/// rank 0 are named.
+template <class T, class Normal>
+T agreed(const std::string& method, const std::vector<caf::message>& replies, Normal normal,
+         const char* should) {
+  auto reply = [&](size_t rank) { return normal(result_as<T>(replies[rank], rank, method)); };
+  auto first = reply(0);
   std::string differing;
   for (size_t rank = 1; rank < replies.size(); ++rank)
-    if (sorted(rank) != first)
+    if (reply(rank) != first)
       differing += (differing.empty() ? "" : ", ") + std::to_string(rank);
   if (!differing.empty())
     throw error{errc::inconsistent_workers,
                 method + ": rank(s) " + differing + " disagree with rank 0 (" +
-                  to_string(caf::make_message(first)) + "); all workers should hold the same set"};
+                  to_string(caf::make_message(first)) + "); all workers should " + should};
   return first;
+}
+
+} // namespace
+
+std::vector<int64_t> same_set(const std::string& method, const std::vector<caf::message>& replies) {
+  auto sorted = [](std::vector<int64_t> set) {
+    std::sort(set.begin(), set.end());
+    return set;
+  };
+  return agreed<std::vector<int64_t>>(method, replies, sorted, "hold the same set");
+}
+
+int32_t same_count(const std::string& method, const std::vector<caf::message>& replies) {
+  return agreed<int32_t>(
+    method, replies, [](int32_t n) { return n; }, "say the same");
 }
 
 std::vector<worker_health> all_healthy(const std::vector<caf::message>& replies,

@@ -27,6 +27,10 @@ bool all_true(const std::string& method, const std::vector<caf::message>& replie
 /// hold another set are named.
 std::vector<int64_t> same_set(const std::string& method, const std::vector<caf::message>& replies);
 
+/// prompt_adapter_virtual_tokens: the count every worker gives; workers that give another
+/// are named.
+int32_t same_count(const std::string& method, const std::vector<caf::message>& replies);
+
 /// check_health: every report in rank order, with `restarts(rank)`; the unhealthy ranks
 /// are named with their details.
 std::vector<worker_health> all_healthy(const std::vector<caf::message>& replies,

@@ -358,6 +358,13 @@ struct supervisor_state : gather_host, recovery_host, group_host {
     });
   }
 
+  /// prompt_adapter_virtual_tokens: every worker must say the same.
+  promise<int32_t> virtual_tokens(adapter_tokens call) {
+    return call_all<int32_t>(call, [call](std::vector<caf::message>& replies) {
+      return same_count(method_name(call), replies);
+    });
+  }
+
   /// check_health: every report in rank order, or an error naming the unhealthy ranks.
   promise<std::vector<worker_health>> check_health() {
     auto* st = this;
@@ -694,6 +701,7 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
     [self](all_true_atom, adapter_request call) { return self->state.all_true(std::move(call)); },
     [self](all_true_atom, adapter_change call) { return self->state.all_true(call); },
     [self](same_set_atom, adapter_list call) { return self->state.same_set(call); },
+    [self](agree_atom, adapter_tokens call) { return self->state.virtual_tokens(call); },
     [self](stop_loop_atom) { return self->state.stop_loop(); },
     [self](sleep_atom, sleep_request req) { return self->state.fall_asleep(req); },
     [self](wake_atom, std::vector<std::string> tags) {

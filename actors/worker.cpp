@@ -153,6 +153,10 @@ std::vector<int64_t> worker::list_prompt_adapters() {
   unsupported("list_prompt_adapters");
 }
 
+int32_t worker::prompt_adapter_virtual_tokens(int64_t) {
+  unsupported("prompt_adapter_virtual_tokens");
+}
+
 void worker::save_sharded_state(const sharded_state_request&) {
   unsupported("save_sharded_state");
 }
@@ -344,6 +348,10 @@ void worker::register_builtins() {
       return make_message(run_call(w, adapter_list{kind}));
     };
   }
+  m["prompt_adapter_virtual_tokens"] = [](worker& w, const caf::message& args,
+                                          const caf::settings&) {
+    return make_message(run_call(w, adapter_tokens{id_arg(args, "prompt_adapter_virtual_tokens")}));
+  };
   m["sleep"] = [](worker& w, const caf::message& args, const caf::settings& kwargs) {
     // vLLM passes the level as a keyword; typed callers pass a sleep_request.
     sleep_request call;

@@ -366,6 +366,7 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
     on_call<adapter_request>(self),
     on_call<adapter_change>(self),
     on_call<adapter_list>(self),
+    on_call<adapter_tokens>(self),
     [=](call_atom, const local_call& call) -> caf::result<caf::ok_atom, caf::message> {
       if (refused(self))
         return refusal();

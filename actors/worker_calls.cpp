@@ -103,4 +103,8 @@ std::vector<int64_t> run_call(worker& w, const adapter_list& call) {
   return call.kind == adapter_kind::prompt_adapter ? w.list_prompt_adapters() : w.list_loras();
 }
 
+int32_t run_call(worker& w, const adapter_tokens& call) {
+  return w.prompt_adapter_virtual_tokens(call.id);
+}
+
 } // namespace troupe

@@ -27,5 +27,6 @@ void run_call(worker& w, const staged_finish& call);
 bool run_call(worker& w, const adapter_request& call);
 bool run_call(worker& w, const adapter_change& call);
 std::vector<int64_t> run_call(worker& w, const adapter_list& call);
+int32_t run_call(worker& w, const adapter_tokens& call);
 
 } // namespace troupe

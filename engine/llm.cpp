@@ -2,7 +2,6 @@
 
 #include "engine/scheduler.hpp"
 #include "engine/structured_output.hpp"
-#include "model/adapters.hpp"
 #include "model/chat_template.hpp"
 #include "model/checkpoint.hpp"
 #include "model/tokenizer.hpp"
@@ -132,6 +131,8 @@ struct llm::impl {
   /// The adapter directory of every id used so far: an id keeps its adapter.
   std::map<int64_t, std::string> lora_paths;
   std::map<int64_t, std::string> prompt_adapter_paths;
+  /// The virtual tokens of each prompt adapter id, as the workers read them.
+  std::map<int64_t, int64_t> virtual_tokens;
   double tokens_per_second = 0;
   int64_t weight_version = 0;
   /// The updates since the checkpoint, for replacements; under a restart policy only.
@@ -652,14 +653,7 @@ std::map<int64_t, int64_t> llm::load_adapters(const std::vector<generation_reque
       auto& pa = *req.prompt_adapter;
       bind_adapter_id(d.prompt_adapter_paths, "prompt adapter", pa.prompt_adapter_id,
                       pa.prompt_adapter_local_path);
-      if (prompt_adapters.emplace(pa.prompt_adapter_id, pa).second) {
-        // The workers check that the adapter has as many virtual tokens as the engine
-        // puts placeholders for.
-        virtual_tokens[pa.prompt_adapter_id] =
-          read_prompt_tuning_config(pa.prompt_adapter_local_path).num_virtual_tokens;
-        prompt_adapters[pa.prompt_adapter_id].prompt_adapter_num_virtual_tokens =
-          static_cast<int32_t>(virtual_tokens[pa.prompt_adapter_id]);
-      }
+      prompt_adapters.emplace(pa.prompt_adapter_id, pa);
     }
   }
   // Adapters the workers have not loaded are added; evicted ones come back when a step
@@ -672,9 +666,15 @@ std::map<int64_t, int64_t> llm::load_adapters(const std::vector<generation_reque
   }
   if (!prompt_adapters.empty()) {
     auto loaded = exec.list_prompt_adapters();
-    for (auto& [id, req] : prompt_adapters)
+    for (auto& [id, req] : prompt_adapters) {
       if (std::find(loaded.begin(), loaded.end(), id) == loaded.end())
         exec.add_prompt_adapter(req);
+      // The workers read the adapter: as many placeholders as they found virtual tokens.
+      auto known = d.virtual_tokens.find(id);
+      if (known == d.virtual_tokens.end())
+        known = d.virtual_tokens.emplace(id, exec.prompt_adapter_virtual_tokens(id)).first;
+      virtual_tokens[id] = known->second;
+    }
   }
   return virtual_tokens;
 }

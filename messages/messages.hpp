@@ -145,6 +145,8 @@ CAF_ADD_TYPE_ID(troupe, (troupe::staged_finish))
 CAF_ADD_TYPE_ID(troupe, (troupe::adapter_request))
 CAF_ADD_TYPE_ID(troupe, (troupe::adapter_change))
 CAF_ADD_TYPE_ID(troupe, (troupe::adapter_list))
+CAF_ADD_TYPE_ID(troupe, (troupe::adapter_tokens))
+CAF_ADD_ATOM(troupe, troupe, agree_atom, "t_agree")
 
 CAF_END_TYPE_ID_BLOCK(troupe)
 

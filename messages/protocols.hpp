@@ -45,6 +45,7 @@ using worker_actor = caf::typed_actor<
   call_signature_t<sleep_request>, call_signature_t<wake_request>, call_signature_t<staged_save>,
   call_signature_t<staged_finish>, call_signature_t<adapter_request>,
   call_signature_t<adapter_change>, call_signature_t<adapter_list>,
+  call_signature_t<adapter_tokens>,
   /// An in-process callable (never serialised).
   caf::replies_to<call_atom, local_call>::with<caf::ok_atom, caf::message>,
   /// Joins execution loop `id` (a peer): answered when the loop stops, with its steps.
@@ -85,6 +86,8 @@ using supervisor_actor = caf::typed_actor<
   caf::replies_to<all_true_atom, adapter_change>::with<bool>,
   /// list_loras / list_prompt_adapters: the set every worker holds.
   caf::replies_to<same_set_atom, adapter_list>::with<std::vector<int64_t>>,
+  /// prompt_adapter_virtual_tokens: what every worker says.
+  caf::replies_to<agree_atom, adapter_tokens>::with<int32_t>,
   /// stop_remote_worker_execution_loop.
   caf::replies_to<stop_loop_atom>::with<caf::ok_atom>,
   caf::replies_to<sleep_atom, sleep_request>::with<caf::ok_atom>,

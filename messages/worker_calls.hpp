@@ -135,6 +135,16 @@ typename Inspector::result_type inspect(Inspector& f, adapter_list& x) {
   return f(caf::meta::type_name("adapter_list"), x.kind);
 }
 
+/// prompt_adapter_virtual_tokens.
+struct adapter_tokens {
+  int64_t id = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, adapter_tokens& x) {
+  return f(caf::meta::type_name("adapter_tokens"), x.id);
+}
+
 /// The method a call stands for (profiles and errors name it), and the type of its
 /// reply (`void`: `ok_atom` alone).
 template <class Call>
@@ -159,6 +169,7 @@ TROUPE_WORKER_CALL(staged_finish, void, "finish_sharded_state")
 TROUPE_WORKER_CALL(adapter_request, bool, "add_adapter")
 TROUPE_WORKER_CALL(adapter_change, bool, "change_adapter")
 TROUPE_WORKER_CALL(adapter_list, std::vector<int64_t>, "list_adapters")
+TROUPE_WORKER_CALL(adapter_tokens, int32_t, "prompt_adapter_virtual_tokens")
 
 #undef TROUPE_WORKER_CALL
 

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <random>
 #include <set>
@@ -93,6 +94,8 @@ struct model_worker::state {
   std::unique_ptr<llama_model> model;
   adapter_slots<lora_request, lora_weights> loras;
   adapter_slots<prompt_adapter_request, prompt_embeddings> prompt_adapters;
+  /// The virtual tokens of each prompt adapter added (loaded now or evicted).
+  std::map<int64_t, int32_t> virtual_tokens;
   std::unique_ptr<kv_cache> cache;
   /// The block tables of the engine's sequences, into `cache`.
   kept_block_tables kept;
@@ -366,14 +369,28 @@ std::vector<int64_t> model_worker::list_loras() {
 bool model_worker::add_prompt_adapter(const prompt_adapter_request& request) {
   require_model("add_prompt_adapter");
   require_awake("add_prompt_adapter");
+  auto load = prompt_adapter_loader(*state_->model, options_.max_prompt_adapter_token);
+  auto& counts = state_->virtual_tokens;
   state_->prompt_adapters.add(
-    request.prompt_adapter_id, request,
-    prompt_adapter_loader(*state_->model, options_.max_prompt_adapter_token));
+    request.prompt_adapter_id, request, [&](const prompt_adapter_request& r) {
+      auto loaded = load(r);
+      counts[r.prompt_adapter_id] = static_cast<int32_t>(loaded.num_virtual_tokens);
+      return loaded;
+    });
   return true;
 }
 
 bool model_worker::remove_prompt_adapter(int64_t adapter_id) {
+  state_->virtual_tokens.erase(adapter_id);
   return state_->prompt_adapters.remove(adapter_id);
+}
+
+int32_t model_worker::prompt_adapter_virtual_tokens(int64_t adapter_id) {
+  auto at = state_->virtual_tokens.find(adapter_id);
+  if (at == state_->virtual_tokens.end())
+    throw error{errc::invalid_argument,
+                "prompt adapter " + std::to_string(adapter_id) + " was never added"};
+  return at->second;
 }
 
 bool model_worker::pin_prompt_adapter(int64_t adapter_id) {

@@ -342,6 +342,19 @@ TEST_CASE("LoRA and prompt adapters survive a level-2 sleep through reload_weigh
   CHECK(first_token(*exec, prompt_of(ref, 0), 0, 1, 4) == greedy_of(ref, "prompt-tuning", 0)[0]);
 }
 
+TEST_CASE("every worker reports a prompt adapter's virtual tokens from its files") {
+  auto exec = make_executor(2, 1);
+  // The request leaves the count out (0): the workers read it.
+  exec->add_prompt_adapter({"p", 3, adapters + "/prompt-tuning", 0});
+  CHECK(exec->prompt_adapter_virtual_tokens(3) == 4);
+  // Evicted from its slot by another, it is still known.
+  exec->add_prompt_adapter({"q", 4, adapters + "/prompt-tuning", 4});
+  CHECK(exec->prompt_adapter_virtual_tokens(3) == 4);
+  CHECK(exec->remove_prompt_adapter(3));
+  CHECK_THROWS_WITH_AS(exec->prompt_adapter_virtual_tokens(3),
+                       doctest::Contains("prompt adapter 3 was never added"), error);
+}
+
 TEST_CASE("bad adapters are refused naming the adapter and what is wrong, and nothing is lost") {
   auto exec = make_executor(1, 2, 4);
   CHECK(exec->add_lora(lora("lora-qv", 1)));

@@ -98,6 +98,7 @@ std::vector<caf::message> every_type() {
     caf::make_message(call_atom::value,
                       adapter_change{adapter_kind::prompt_adapter, adapter_action::pin, 2}),
     caf::make_message(call_atom::value, adapter_list{adapter_kind::lora}),
+    caf::make_message(agree_atom::value, adapter_tokens{9}),
     // The shapes of the worker protocol.
     caf::make_message(init_atom::value, worker_context{}, std::vector<caf::actor>{}),
     caf::make_message(call_atom::value, std::string{"execute_model"},
@@ -118,7 +119,7 @@ caf::actor_system_config& with_messages(caf::actor_system_config& cfg) {
 
 TEST_CASE("the type-id block covers every type of the vocabulary") {
   using block = caf::id_block::troupe;
-  CHECK(block::end - block::begin == 37);
+  CHECK(block::end - block::begin == 38);
 }
 
 TEST_CASE("every message type survives a binary round trip") {

@@ -125,6 +125,10 @@ public:
   bool remove_prompt_adapter(int64_t adapter_id);
   bool pin_prompt_adapter(int64_t adapter_id);
   std::vector<int64_t> list_prompt_adapters();
+  /// The virtual tokens of prompt adapter `adapter_id`, as every worker read them from its
+  /// files (`inconsistent_workers` when they differ): a prompt that uses it starts with as
+  /// many placeholders. Not in vLLM, whose caller reads the adapter's config itself.
+  int32_t prompt_adapter_virtual_tokens(int64_t adapter_id);
 
   // -- profiling, sharded state, health -------------------------------------------
 
@@ -212,6 +216,7 @@ public:
   std::future<bool> remove_prompt_adapter_async(int64_t adapter_id);
   std::future<bool> pin_prompt_adapter_async(int64_t adapter_id);
   std::future<std::vector<int64_t>> list_prompt_adapters_async();
+  std::future<int32_t> prompt_adapter_virtual_tokens_async(int64_t adapter_id);
   std::future<void> start_profile_async();
   std::future<void> stop_profile_async();
   std::future<void> save_sharded_state_async(const std::string& path,

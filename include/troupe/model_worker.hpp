@@ -188,6 +188,7 @@ public:
   bool remove_prompt_adapter(int64_t adapter_id) override;
   bool pin_prompt_adapter(int64_t adapter_id) override;
   std::vector<int64_t> list_prompt_adapters() override;
+  int32_t prompt_adapter_virtual_tokens(int64_t adapter_id) override;
 
   /// Reads the weights again from the checkpoint, into the memory they occupy, and the
   /// loaded adapters from their directories.

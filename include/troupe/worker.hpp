@@ -137,6 +137,9 @@ public:
   virtual bool pin_prompt_adapter(int64_t adapter_id);
   /// Loaded prompt adapter ids, ascending.
   virtual std::vector<int64_t> list_prompt_adapters();
+  /// The virtual tokens of prompt adapter `adapter_id` (added, loaded now or not), as its
+  /// files say: a prompt that uses it starts with as many placeholders.
+  virtual int32_t prompt_adapter_virtual_tokens(int64_t adapter_id);
 
   // -- memory -------------------------------------------------------------------
 
