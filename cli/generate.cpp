@@ -140,7 +140,7 @@ void apply_device_options(const device_options& o, executor_config& executor,
   worker.dtype = o.dtype;
   worker.gpu_memory_utilization = o.gpu_memory_utilization;
   worker.enforce_eager = o.enforce_eager;
-  worker.cpu_precision = o.cpu_precision;
+  worker.cpu_precision = parse_cpu_precision(o.cpu_precision);
   worker.enable_expert_parallel = o.expert_parallel;
   worker.weight_cache = o.weight_cache_directory();
 }

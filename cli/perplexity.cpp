@@ -111,7 +111,7 @@ std::shared_ptr<command> add_perplexity(CLI::App& app) {
 
     model_worker_options checked;
     checked.dtype = o->device.dtype;
-    checked.cpu_precision = o->device.cpu_precision;
+    checked.cpu_precision = parse_cpu_precision(o->device.cpu_precision);
     checked.validate();
     auto dev = make_device(parse_device_kind(o->device.device), 0);
     auto format = weight_format_for(*dev, o->device.dtype, cfg.torch_dtype);

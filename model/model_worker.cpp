@@ -129,16 +129,36 @@ struct model_worker::state {
   std::string fingerprint;
 };
 
+const char* to_string(load_format_kind format) {
+  return format == load_format_kind::sharded_state ? "sharded_state" : "auto";
+}
+
+load_format_kind parse_load_format(std::string_view name) {
+  for (auto k : {load_format_kind::automatic, load_format_kind::sharded_state})
+    if (name == to_string(k))
+      return k;
+  throw error{errc::invalid_argument,
+              "load format '" + std::string{name} + "' is not known (auto, sharded_state)"};
+}
+
+const char* to_string(cpu_precision_kind precision) {
+  return precision == cpu_precision_kind::fast ? "fast" : "exact";
+}
+
+cpu_precision_kind parse_cpu_precision(std::string_view name) {
+  for (auto k : {cpu_precision_kind::exact, cpu_precision_kind::fast})
+    if (name == to_string(k))
+      return k;
+  throw error{errc::invalid_argument,
+              "cpu_precision '" + std::string{name} + "' is neither exact nor fast"};
+}
+
 void model_worker_options::validate() const {
   auto bad = [](const std::string& what) {
     throw error{errc::invalid_argument, "model_worker: " + what};
   };
   if (dtype != "auto" && !parse_dtype_name(dtype))
     bad("dtype '" + dtype + "' is not known (auto, float32, float16, bfloat16)");
-  if (cpu_precision != "exact" && cpu_precision != "fast")
-    bad("cpu_precision '" + cpu_precision + "' is neither exact nor fast");
-  if (load_format != "auto" && load_format != "sharded_state")
-    bad("load format '" + load_format + "' is not known (auto, sharded_state)");
   if (max_loras < 1 || max_lora_rank < 1 || max_prompt_adapters < 1 || max_prompt_adapter_token < 0)
     bad("max_loras, max_lora_rank and max_prompt_adapters must be at least 1, "
         "max_prompt_adapter_token not negative");
@@ -259,11 +279,11 @@ void model_worker::load_model() {
   // validate() checked the dtype's name.
   auto format = weight_format_for(device(), options_.dtype, st.config.torch_dtype);
   platform_of(device()).share(context().world_size);
-  bool presharded = options_.load_format == "sharded_state";
+  bool presharded = options_.load_format == load_format_kind::sharded_state;
   st.presharded = presharded;
   st.model = std::make_unique<llama_model>(
     st.config, device(), rank(), context().world_size, format.type, format.stored_types,
-    options_.cpu_precision == "fast", options_.enable_expert_parallel);
+    options_.cpu_precision == cpu_precision_kind::fast, options_.enable_expert_parallel);
   st.model->capture_decode_steps(!options_.enforce_eager);
   st.model->use_weight_cache(options_.weight_cache);
   // Ranks compare every byte of the files they loaded (the hash is made while loading);
@@ -406,7 +426,8 @@ std::vector<int64_t> model_worker::list_prompt_adapters() {
 }
 
 checkpoint model_worker::open_checkpoint() const {
-  if (options_.load_format == "sharded_state" && !checkpoint::is_gguf(options_.model_path))
+  if (options_.load_format == load_format_kind::sharded_state &&
+      !checkpoint::is_gguf(options_.model_path))
     return checkpoint{options_.model_path, rank_shards()};
   return open_checkpoint(options_.model_path, state_->config);
 }
@@ -1004,6 +1025,15 @@ namespace troupe {
 
 namespace {
 
+/// An enum option's value from its name (the second argument picks the parser).
+load_format_kind parse_option(const std::string& name, load_format_kind) {
+  return parse_load_format(name);
+}
+
+cpu_precision_kind parse_option(const std::string& name, cpu_precision_kind) {
+  return parse_cpu_precision(name);
+}
+
 // One list of the options that travel, used both ways.
 template <class F>
 void each_option(model_worker_options& o, F&& f) {
@@ -1033,7 +1063,9 @@ caf::settings to_settings(const model_worker_options& options) {
   auto copy = options;
   each_option(copy, [&](const char* key, auto& value) {
     using value_type = std::decay_t<decltype(value)>;
-    if constexpr (std::is_integral<value_type>::value)
+    if constexpr (std::is_enum<value_type>::value)
+      caf::put(out, key, std::string{to_string(value)});
+    else if constexpr (std::is_integral<value_type>::value)
       caf::put(out, key, static_cast<int64_t>(value));
     else
       caf::put(out, key, value);
@@ -1052,7 +1084,12 @@ model_worker_options model_worker_options_from(const caf::settings& settings) {
       throw error{errc::invalid_argument,
                   std::string{"model worker option '"} + key + "' must be " + want};
     };
-    if constexpr (std::is_integral<value_type>::value) {
+    if constexpr (std::is_enum<value_type>::value) {
+      auto v = caf::get_if<std::string>(&at->second);
+      if (!v)
+        bad("a string");
+      value = parse_option(*v, value);
+    } else if constexpr (std::is_integral<value_type>::value) {
       auto v = caf::get_if<int64_t>(&at->second);
       if (!v || *v < std::numeric_limits<value_type>::min() ||
           *v > std::numeric_limits<value_type>::max())

@@ -33,7 +33,7 @@ int main() {
     cfg.block_size = 16;
     model_worker_options opts;
     opts.model_path = model.string();
-    opts.cpu_precision = "exact"; // transformers' numbers
+    opts.cpu_precision = cpu_precision_kind::exact; // transformers' numbers
     opts.kv_cache_memory_bytes = 64 << 20;
     executor exec{cfg, model_worker_factory(opts)};
     exec.initialize_cache(exec.determine_num_available_blocks());

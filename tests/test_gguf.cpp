@@ -102,7 +102,8 @@ void check_greedy_runs(const std::string& path, const nlohmann::json& runs,
   cfg.executor.tensor_parallel_size = tensor_parallel_size;
   cfg.worker.model_path = path;
   cfg.worker.enable_expert_parallel = expert_parallel;
-  cfg.worker.cpu_precision = "exact"; // transformers' numbers, whatever the format
+  cfg.worker.cpu_precision =
+    cpu_precision_kind::exact; // transformers' numbers, whatever the format
   cfg.worker.kv_cache_memory_bytes = 4 << 20;
   llm engine{cfg};
   std::vector<generation_request> requests;

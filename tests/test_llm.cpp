@@ -153,7 +153,7 @@ TEST_CASE("SmolLM2: chat prompts and generation as transformers does them") {
   if (path.empty())
     return;
   auto cfg = smollm2(path);
-  cfg.worker.cpu_precision = "exact"; // transformers' numbers
+  cfg.worker.cpu_precision = cpu_precision_kind::exact; // transformers' numbers
   llm model{cfg};
   auto ref = read_json(fixtures + "/smollm2-reference.json")["runs"];
   CHECK(model.chat_prompt("What is the capital of France?") == ref[0]["text"].get<std::string>());

@@ -28,7 +28,7 @@ constexpr int32_t block_size = 4;
 
 executor make_executor(const std::string& model, int64_t kv_bytes = 4 << 20,
                        int64_t swap_bytes = 1 << 20, int32_t tp = 1,
-                       const std::string& load_format = "auto") {
+                       load_format_kind load_format = load_format_kind::automatic) {
   executor_config cfg;
   cfg.tensor_parallel_size = tp;
   cfg.block_size = block_size;
@@ -432,7 +432,7 @@ TEST_CASE("a sharded state loads back and gives the same outputs at tensor paral
   }
   fs::copy_file(fs::path{fixtures} / "qwen2-bias" / "config.json", dir / "config.json");
   CHECK(fs::exists(dir / "model-rank-1-part-0.safetensors"));
-  auto exec = make_executor(dir.string(), 4 << 20, 1 << 20, 2, "sharded_state");
+  auto exec = make_executor(dir.string(), 4 << 20, 1 << 20, 2, load_format_kind::sharded_state);
   exec.initialize_cache(exec.determine_num_available_blocks());
   auto after = exec.execute_model(b.request())[0].outputs[0].samples[0];
   CHECK(after.output_token == before.output_token);
@@ -440,10 +440,12 @@ TEST_CASE("a sharded state loads back and gives the same outputs at tensor paral
   exec.stop_remote_worker_execution_loop();
   exec.shutdown();
   // Loading another tensor parallel size's shards is refused, naming the tensor.
-  CHECK_THROWS_AS(make_executor(dir.string(), 4 << 20, 1 << 20, 1, "sharded_state"), error);
+  CHECK_THROWS_AS(make_executor(dir.string(), 4 << 20, 1 << 20, 1, load_format_kind::sharded_state),
+                  error);
   fs::remove_all(dir);
-  CHECK_THROWS_WITH_AS(make_executor(dir.string(), 4 << 20, 1 << 20, 1, "sharded_state"),
-                       doctest::Contains("no such file or directory"), error);
+  CHECK_THROWS_WITH_AS(
+    make_executor(dir.string(), 4 << 20, 1 << 20, 1, load_format_kind::sharded_state),
+    doctest::Contains("no such file or directory"), error);
 }
 
 TEST_CASE("prefill and decode in the same step give the outputs they give apart") {
@@ -526,4 +528,28 @@ TEST_CASE("weight loading reports its progress through the callback") {
   REQUIRE(!calls->empty());
   CHECK(calls->back().first == calls->back().second);
   CHECK(calls->front().first == 1);
+}
+
+TEST_CASE("model worker options travel to a node by name, and an unknown name is refused") {
+  model_worker_options opts;
+  opts.model_path = "/models/m";
+  opts.load_format = load_format_kind::sharded_state;
+  opts.cpu_precision = cpu_precision_kind::fast;
+  opts.max_loras = 3;
+  auto settings = to_settings(opts);
+  CHECK(caf::get_or(settings, "load_format", std::string{}) == "sharded_state");
+  CHECK(caf::get_or(settings, "cpu_precision", std::string{}) == "fast");
+  auto back = model_worker_options_from(settings);
+  CHECK(back.model_path == "/models/m");
+  CHECK(back.load_format == load_format_kind::sharded_state);
+  CHECK(back.cpu_precision == cpu_precision_kind::fast);
+  CHECK(back.max_loras == 3);
+  caf::put(settings, "load_format", std::string{"pt"});
+  CHECK_THROWS_WITH_AS(model_worker_options_from(settings),
+                       doctest::Contains("load format 'pt' is not known (auto, sharded_state)"),
+                       error);
+  caf::put(settings, "load_format", std::string{"auto"});
+  caf::put(settings, "cpu_precision", int64_t{1});
+  CHECK_THROWS_WITH_AS(model_worker_options_from(settings),
+                       doctest::Contains("'cpu_precision' must be a string"), error);
 }

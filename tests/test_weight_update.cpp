@@ -243,7 +243,7 @@ TEST_CASE("quantized weights take float tensors only when asked to quantize them
   CHECK(tokens_of(model, ref) == before);
   // The CPU's fast path keeps the blocks packed for its GEMMs: an update packs them again.
   auto fast_cfg = tiny(gguf);
-  fast_cfg.worker.cpu_precision = "fast";
+  fast_cfg.worker.cpu_precision = cpu_precision_kind::fast;
   llm fast{fast_cfg};
   auto fast_before = tokens_of(fast, ref);
   fast.update_weights_from_disk(fixtures + "/llama-gqa-gguf/llama-gqa-f32.gguf", requantize);

@@ -12,11 +12,39 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 
 namespace troupe {
 
 class checkpoint;
 struct model_config;
+
+/// How a model worker reads its checkpoint (vLLM's `load_format`).
+enum class load_format_kind : uint8_t {
+  /// "auto": the Hugging Face checkpoint or GGUF file, split for this rank at load.
+  automatic = 0,
+  /// "sharded_state": this rank's files as `save_sharded_state` wrote them.
+  sharded_state = 1,
+};
+
+/// "auto" or "sharded_state".
+const char* to_string(load_format_kind format);
+
+/// The format of a name; throws `invalid_argument` naming the known ones for any other.
+load_format_kind parse_load_format(std::string_view name);
+
+/// How the CPU multiplies weights kept in a block format (see
+/// `model_worker_options::cpu_precision`).
+enum class cpu_precision_kind : uint8_t {
+  exact = 0,
+  fast = 1,
+};
+
+/// "exact" or "fast".
+const char* to_string(cpu_precision_kind precision);
+
+/// The precision of a name; throws `invalid_argument` naming the known ones for any other.
+cpu_precision_kind parse_cpu_precision(std::string_view name);
 
 /// What a model worker loads and how much memory it may use.
 struct model_worker_options {
@@ -24,10 +52,10 @@ struct model_worker_options {
   /// (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors; see
   /// `dtype`).
   std::string model_path;
-  /// `"auto"`: the Hugging Face checkpoint, split for this rank at load. `"sharded_state"`:
-  /// this rank's `model-rank-{rank}-part-{part}.safetensors` files as `save_sharded_state`
-  /// wrote them (next to a `config.json`), loaded as they are.
-  std::string load_format = "auto";
+  /// `automatic`: the Hugging Face checkpoint, split for this rank at load.
+  /// `sharded_state`: this rank's `model-rank-{rank}-part-{part}.safetensors` files as
+  /// `save_sharded_state` wrote them (next to a `config.json`), loaded as they are.
+  load_format_kind load_format = load_format_kind::automatic;
   /// The element type of the weights (vLLM's `dtype`): `"float32"`, `"float16"`,
   /// `"bfloat16"`, or `"auto"`: on the CPU the type the checkpoint stores each weight in
   /// (GGUF's block formats, 16-bit or 32-bit floats),
@@ -39,16 +67,16 @@ struct model_worker_options {
   /// Run every step call by call (vLLM's `enforce_eager`); otherwise a GPU records each
   /// decode shape once as a CUDA graph and replays it.
   bool enforce_eager = false;
-  /// How the CPU multiplies weights kept in a block format. `"exact"`: float32 activations
+  /// How the CPU multiplies weights kept in a block format. `exact`: float32 activations
   /// against the dequantized weights (transformers' numbers up to the order of sums).
-  /// `"fast"`: the weights repacked at load for the CPU's GEMMs, activations rounded to
+  /// `fast`: the weights repacked at load for the CPU's GEMMs, activations rounded to
   /// 8-bit integers (per block of 32, or 256 for the k-quants) and products summed as
   /// integers for Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights (CPUs with AVX-512 VNNI), rounded
   /// to bfloat16 for BF16 weights (AVX-512 BF16), F16 weights repacked only (float32
   /// products, exact's up to the order of sums); other formats and CPUs compute exactly. As
   /// llama.cpp computes them: logits move slightly, as far as llama.cpp's do (`troupe
   /// perplexity` and scripts/fidelity.sh measure it), which can flip a near-tie.
-  std::string cpu_precision = "exact";
+  cpu_precision_kind cpu_precision = cpu_precision_kind::exact;
   /// How a mixture of experts (Mixtral, Qwen3-MoE) is split over the tensor-parallel ranks
   /// (vLLM's `enable_expert_parallel`): off, every expert's columns across the ranks, as a
   /// dense MLP's; on, whole experts, a near-even share of them on each rank. Either way

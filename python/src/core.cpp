@@ -476,9 +476,7 @@ NB_MODULE(_core, m) {
   auto executor = &llm_config::executor;
   auto scheduling = &llm_config::scheduler;
   field("model", worker, &W::model_path);
-  field("load_format", worker, &W::load_format);
   field("dtype", worker, &W::dtype);
-  field("cpu_precision", worker, &W::cpu_precision);
   field("enforce_eager", worker, &W::enforce_eager);
   field("enable_expert_parallel", worker, &W::enable_expert_parallel);
   field("weight_cache", worker, &W::weight_cache);
@@ -494,7 +492,14 @@ NB_MODULE(_core, m) {
   field("max_num_batched_tokens", scheduling, &S::max_num_batched_tokens);
   field("enable_prefix_caching", scheduling, &S::enable_prefix_caching);
   field("async_scheduling", scheduling, &S::async_scheduling);
+  // Closed sets by their names, each name checked once here.
   config
+    .def_prop_rw(
+      "load_format", [](llm_config& c) { return std::string{to_string(c.worker.load_format)}; },
+      [](llm_config& c, const std::string& v) { c.worker.load_format = parse_load_format(v); })
+    .def_prop_rw(
+      "cpu_precision", [](llm_config& c) { return std::string{to_string(c.worker.cpu_precision)}; },
+      [](llm_config& c, const std::string& v) { c.worker.cpu_precision = parse_cpu_precision(v); })
     .def_prop_rw(
       "device", [](llm_config& c) { return std::string{to_string(c.executor.device_type)}; },
       [](llm_config& c, const std::string& v) { c.executor.device_type = parse_device_kind(v); })
