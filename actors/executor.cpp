@@ -191,7 +191,7 @@ struct executor::impl {
   /// then reaches it without a hand-off from the link's thread; it says so before its
   /// request goes, so that the link's thread is not woken for the reply.
   std::optional<link_set::helping> read_links() {
-    if (cfg.nodes.empty() || caller_linger <= timeout_type::zero())
+    if (cfg.cluster.nodes.empty() || caller_linger <= timeout_type::zero())
       return std::nullopt;
     return links->help();
   }
@@ -490,23 +490,15 @@ struct executor::impl {
 namespace {
 
 int32_t remote_count(const executor_config& cfg) {
-  auto count = static_cast<int32_t>(cfg.remote_workers.size());
-  for (auto& n : cfg.nodes)
+  auto count = static_cast<int32_t>(cfg.cluster.remote_workers.size());
+  for (auto& n : cfg.cluster.nodes)
     count += n.workers;
   return count;
 }
 
 } // namespace
 
-void executor_config::validate() const {
-  auto positive = [](const char* name, int64_t v) {
-    if (v < 1)
-      throw error{errc::invalid_argument,
-                  std::string{name} + " must be at least 1, got " + std::to_string(v)};
-  };
-  positive("tensor_parallel_size", tensor_parallel_size);
-  positive("block_size", block_size);
-  positive("max_model_len", max_model_len);
+void cluster_config::validate() const {
   for (auto& n : nodes)
     if (n.workers < 1)
       throw error{errc::invalid_argument,
@@ -519,12 +511,28 @@ void executor_config::validate() const {
     check_secret(node_secret, "node_secret");
   if (node_timeout <= timeout_type::zero())
     throw error{errc::invalid_argument, "node_timeout must be positive"};
+  check_linger(network_linger, "network_linger");
+}
+
+bool cluster_config::empty() const {
+  return remote_workers.empty() && nodes.empty() && spare_nodes.empty();
+}
+
+void executor_config::validate() const {
+  auto positive = [](const char* name, int64_t v) {
+    if (v < 1)
+      throw error{errc::invalid_argument,
+                  std::string{name} + " must be at least 1, got " + std::to_string(v)};
+  };
+  positive("tensor_parallel_size", tensor_parallel_size);
+  positive("block_size", block_size);
+  positive("max_model_len", max_model_len);
+  cluster.validate();
   if (remote_count(*this) > tensor_parallel_size)
     throw error{errc::invalid_argument, std::to_string(remote_count(*this)) +
                                           " remote workers do not fit tensor_parallel_size " +
                                           std::to_string(tensor_parallel_size)};
   check_linger(linger, "linger");
-  check_linger(network_linger, "network_linger");
   if (rpc_timeout <= timeout_type::zero() || startup_timeout <= timeout_type::zero())
     throw error{errc::invalid_argument, "rpc_timeout and startup_timeout must be positive"};
   if (restart.max_restarts < 0)
@@ -538,11 +546,11 @@ void executor::impl::start_system() {
   register_messages(*sys_cfg);
   configure_scheduler(*sys_cfg, cfg.scheduler_threads, cfg.scheduler_poll_attempts);
   caller_linger = cfg.linger;
-  if (!cfg.remote_workers.empty() || !cfg.nodes.empty() || !cfg.spare_nodes.empty()) {
-    caller_linger = std::max(cfg.linger, cfg.network_linger);
-    load_middleman(*sys_cfg, cfg.node_timeout, cfg.network_linger);
-    if (wants_tls(cfg.tls_certificate, cfg.tls_key, cfg.tls_ca))
-      configure_tls(*sys_cfg, cfg.tls_certificate, cfg.tls_key, cfg.tls_ca);
+  if (!cfg.cluster.empty()) {
+    caller_linger = std::max(cfg.linger, cfg.cluster.network_linger);
+    load_middleman(*sys_cfg, cfg.cluster.node_timeout, cfg.cluster.network_linger);
+    if (wants_tls(cfg.cluster.tls_certificate, cfg.cluster.tls_key, cfg.cluster.tls_ca))
+      configure_tls(*sys_cfg, cfg.cluster.tls_certificate, cfg.cluster.tls_key, cfg.cluster.tls_ca);
   }
   if (cfg.configure_system)
     cfg.configure_system(*sys_cfg);
@@ -554,7 +562,7 @@ void executor::impl::start_system() {
 
 void executor::impl::lease_from_nodes(std::vector<worker_actor>& workers,
                                       std::vector<worker_place>& places) {
-  if (cfg.nodes.empty())
+  if (cfg.cluster.nodes.empty())
     return;
   // The nodes watch this actor: when it goes (shutdown, death, lost connection) they
   // release the workers.
@@ -563,7 +571,7 @@ void executor::impl::lease_from_nodes(std::vector<worker_actor>& workers,
   auto deadline = std::chrono::steady_clock::now() + cfg.startup_timeout;
   logger_release release;
   caf::scoped_actor self{*sys};
-  for (auto& n : cfg.nodes) {
+  for (auto& n : cfg.cluster.nodes) {
     auto grant = lease_workers(self.ptr(), cfg, n, n.workers, lease_holder, deadline);
     for (auto& w : grant.workers) {
       workers.push_back(caf::actor_cast<worker_actor>(std::move(w)));
@@ -575,7 +583,7 @@ void executor::impl::lease_from_nodes(std::vector<worker_actor>& workers,
 
 void executor::impl::connect_remote_workers(std::vector<worker_actor>& workers,
                                             std::vector<worker_place>& places) {
-  for (auto& rw : cfg.remote_workers) {
+  for (auto& rw : cfg.cluster.remote_workers) {
     // Checks the published actor's interface on connect.
     auto handle = sys->middleman().remote_actor<worker_actor>(rw.host, rw.port);
     caf::logger::set_current_actor_system(nullptr); // see logger_release

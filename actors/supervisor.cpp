@@ -472,7 +472,7 @@ struct supervisor_state : gather_host, recovery_host, group_host {
       what += " on " + place_name(place);
       // CAF says only that the connection is gone; asking the peer's port again tells how.
       if (msg.reason == caf::exit_reason::remote_link_unreachable)
-        why = why_connection_lost(place.host, place.port, !cfg.tls_certificate.empty());
+        why = why_connection_lost(place.host, place.port, !cfg.cluster.tls_certificate.empty());
     }
     auto cause = what + " went down: " + why;
     if (cfg.restart.max_restarts > 0) {

@@ -205,10 +205,11 @@ std::shared_ptr<command> add_bench_recovery(CLI::App& bench) {
       if (fd < 0)
         throw error{errc::worker_error, "bench recovery: cannot write a secret file"};
       std::string secret_path = path;
-      cfg.executor.node_secret = random_challenge();
-      auto written = write(fd, cfg.executor.node_secret.data(), cfg.executor.node_secret.size());
+      cfg.executor.cluster.node_secret = random_challenge();
+      auto written =
+        write(fd, cfg.executor.cluster.node_secret.data(), cfg.executor.cluster.node_secret.size());
       close(fd);
-      if (written != static_cast<ssize_t>(cfg.executor.node_secret.size()))
+      if (written != static_cast<ssize_t>(cfg.executor.cluster.node_secret.size()))
         throw error{errc::worker_error, "bench recovery: cannot write a secret file"};
       try {
         node = std::make_unique<node_process>(secret_path);
@@ -218,8 +219,8 @@ std::shared_ptr<command> add_bench_recovery(CLI::App& bench) {
         throw;
       }
       std::remove(secret_path.c_str()); // the nodes read it as they started
-      cfg.executor.nodes = {{"127.0.0.1", node->port(), 1}};
-      cfg.executor.spare_nodes = {{"127.0.0.1", spare->port(), 1}};
+      cfg.executor.cluster.nodes = {{"127.0.0.1", node->port(), 1}};
+      cfg.executor.cluster.spare_nodes = {{"127.0.0.1", spare->port(), 1}};
       // The driver is the one to count steps; the node dies as it starts step `at`.
       rank = 0;
       auto* victim = node.get();

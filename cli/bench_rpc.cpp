@@ -354,7 +354,7 @@ stats tcp_round_trip_floor(int iterations) {
 }
 
 /// The round trip over a Unix socket: the least a call to a node on this host can cost
-/// over the node's local socket (`executor_config::node_local_links`).
+/// over the node's local socket (`cluster_config::node_local_links`).
 stats unix_round_trip_floor(int iterations) {
   int pair[2];
   if (socketpair(AF_UNIX, SOCK_STREAM, 0, pair) != 0)
@@ -434,13 +434,13 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
     executor_config cfg;
     cfg.tensor_parallel_size = opts->workers;
     apply_node_options(opts->nodes, cfg);
-    cfg.node_worker_kind = "bench";
+    cfg.cluster.node_worker_kind = "bench";
     cfg.scheduler_threads = opts->scheduler_threads;
     cfg.scheduler_poll_attempts = opts->poll_attempts;
     cfg.linger = std::chrono::microseconds(opts->linger_us);
     executor exec{cfg, [](int32_t) { return make_bench_worker(); }};
     int32_t remote = 0;
-    for (auto& n : cfg.nodes)
+    for (auto& n : cfg.cluster.nodes)
       remote += n.workers;
 
     // A hand-off to a middle thread that has no workers to ask: one thread wake-up round
@@ -523,7 +523,7 @@ std::shared_ptr<command> add_bench_rpc(CLI::App& bench) {
                 << "  floor (loopback TCP round trip): p50 " << tcp_floor.p50_us << " us\n"
                 << "  floor (Unix socket round trip): p50 " << unix_floor.p50_us << " us\n";
       if (remote > 0)
-        std::cout << "  " << remote << " of the workers on " << cfg.nodes.size()
+        std::cout << "  " << remote << " of the workers on " << cfg.cluster.nodes.size()
                   << " node(s); idle p50 / TCP floor " << idle.p50_us / tcp_floor.p50_us
                   << ", / Unix floor " << idle.p50_us / unix_floor.p50_us << "\n";
     }

@@ -137,8 +137,8 @@ std::shared_ptr<command> add_bench_step(CLI::App& bench) {
     auto blocks_per_seq =
       (o->prompt_len + warmup_steps + o->decode_steps + block_size) / block_size;
     // Ranks on nodes run the same model worker with the same options.
-    cfg.node_worker_kind = "model";
-    cfg.node_worker_options = to_settings(mw);
+    cfg.cluster.node_worker_kind = "model";
+    cfg.cluster.node_worker_options = to_settings(mw);
     executor exec{cfg, model_worker_factory(mw)};
     // What the loaded model costs this process (its local workers, their weights).
     auto resident_after_load = resident_bytes();

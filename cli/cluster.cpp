@@ -105,7 +105,7 @@ std::string read_secret(const std::string& path) {
 void apply_node_options(const node_options& o, executor_config& cfg) {
   for (auto& spec : o.spare_nodes) {
     auto [host, port] = host_and_port("--spare-nodes", spec);
-    cfg.spare_nodes.push_back({host, port, 1});
+    cfg.cluster.spare_nodes.push_back({host, port, 1});
   }
   for (auto& spec : o.nodes) {
     node_address n;
@@ -127,24 +127,24 @@ void apply_node_options(const node_options& o, executor_config& cfg) {
       if (n.workers < 1)
         throw error{errc::invalid_argument, "--nodes: '" + spec + "' asks for no workers"};
     }
-    cfg.nodes.push_back(n);
+    cfg.cluster.nodes.push_back(n);
   }
-  cfg.tls_certificate = o.tls_certificate;
-  cfg.tls_key = o.tls_key;
-  cfg.tls_ca = o.tls_ca;
-  if (!cfg.nodes.empty() || !cfg.spare_nodes.empty()) {
+  cfg.cluster.tls_certificate = o.tls_certificate;
+  cfg.cluster.tls_key = o.tls_key;
+  cfg.cluster.tls_ca = o.tls_ca;
+  if (!cfg.cluster.nodes.empty() || !cfg.cluster.spare_nodes.empty()) {
     if (o.secret_file.empty() && o.tls_certificate.empty())
       throw error{errc::invalid_argument,
-                  std::string{cfg.nodes.empty() ? "--spare-nodes" : "--nodes"} +
+                  std::string{cfg.cluster.nodes.empty() ? "--spare-nodes" : "--nodes"} +
                     " needs --secret-file or --tls-cert/--tls-key/--tls-ca"};
     if (!o.secret_file.empty())
-      cfg.node_secret = read_secret(o.secret_file);
+      cfg.cluster.node_secret = read_secret(o.secret_file);
   }
-  cfg.node_timeout = std::chrono::milliseconds(o.timeout_ms);
-  cfg.network_linger = std::chrono::microseconds(o.network_linger_us);
-  cfg.node_links = o.node_links;
-  cfg.node_local_links = o.node_local_links;
-  cfg.node_shared_memory = o.node_shared_memory;
+  cfg.cluster.node_timeout = std::chrono::milliseconds(o.timeout_ms);
+  cfg.cluster.network_linger = std::chrono::microseconds(o.network_linger_us);
+  cfg.cluster.node_links = o.node_links;
+  cfg.cluster.node_local_links = o.node_local_links;
+  cfg.cluster.node_shared_memory = o.node_shared_memory;
 }
 
 std::shared_ptr<command> add_node(CLI::App& app) {

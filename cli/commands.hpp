@@ -79,10 +79,10 @@ struct node_options {
   std::string tls_key;
   std::string tls_ca;
   int timeout_ms = 3000;
-  int64_t network_linger_us = executor_config{}.network_linger.count();
-  bool node_links = executor_config{}.node_links;
-  bool node_local_links = executor_config{}.node_local_links;
-  bool node_shared_memory = executor_config{}.node_shared_memory;
+  int64_t network_linger_us = executor_config{}.cluster.network_linger.count();
+  bool node_links = executor_config{}.cluster.node_links;
+  bool node_local_links = executor_config{}.cluster.node_local_links;
+  bool node_shared_memory = executor_config{}.cluster.node_shared_memory;
 };
 
 /// Adds --nodes, --spare-nodes, --secret-file, --tls-cert/--tls-key/--tls-ca,

@@ -500,8 +500,8 @@ llm::llm(llm_config config, worker_factory factory) : impl_(std::make_unique<imp
   auto longest = d.model.max_sequence_length();
   ec.max_model_len = static_cast<int32_t>(
     ec.max_model_len > 0 ? std::min<int64_t>(ec.max_model_len, longest) : longest);
-  ec.node_worker_kind = "model";
-  ec.node_worker_options = to_settings(d.cfg.worker);
+  ec.cluster.node_worker_kind = "model";
+  ec.cluster.node_worker_options = to_settings(d.cfg.worker);
   if (ec.restart.max_restarts > 0) {
     // A replacement loads the checkpoint, then the updates its predecessor had.
     d.history = std::make_shared<weight_history>();

@@ -17,10 +17,10 @@ int main(int argc, char** argv) {
   }
   troupe::executor_config cfg;
   cfg.tensor_parallel_size = 1;
-  cfg.nodes = {{"127.0.0.1", static_cast<uint16_t>(std::stoi(argv[1])), 1}};
-  cfg.node_secret = argv[2];
-  cfg.node_worker_kind = "test";
-  cfg.node_timeout = std::chrono::seconds(1);
+  cfg.cluster.nodes = {{"127.0.0.1", static_cast<uint16_t>(std::stoi(argv[1])), 1}};
+  cfg.cluster.node_secret = argv[2];
+  cfg.cluster.node_worker_kind = "test";
+  cfg.cluster.node_timeout = std::chrono::seconds(1);
   troupe::executor exec{cfg, troupe::testing::test_factory()};
   std::cout << getpid() << std::endl;
   std::atomic<bool> done{false};

@@ -196,14 +196,14 @@ std::string read_until_closed(int fd) {
 
 executor_config mixed_config(int32_t local, const std::vector<node_address>& nodes) {
   executor_config cfg;
-  cfg.nodes = nodes;
+  cfg.cluster.nodes = nodes;
   int32_t remote = 0;
   for (auto& n : nodes)
     remote += n.workers;
   cfg.tensor_parallel_size = local + remote;
-  cfg.node_secret = secret;
-  cfg.node_worker_kind = "test";
-  cfg.node_timeout = 1s;
+  cfg.cluster.node_secret = secret;
+  cfg.cluster.node_worker_kind = "test";
+  cfg.cluster.node_timeout = 1s;
   cfg.rpc_timeout = 20s;
   cfg.startup_timeout = 20s;
   return cfg;
@@ -323,7 +323,7 @@ TEST_CASE("calls to nodes give the same answers whether network threads linger o
   for (auto linger : {0us, 100us, 2000us}) {
     auto cfg =
       mixed_config(1, {{"127.0.0.1", sleeper.port(), 1}, {"127.0.0.1", lingerer.port(), 1}});
-    cfg.network_linger = linger;
+    cfg.cluster.network_linger = linger;
     auto exec = lease_again_with(cfg, 10);
     for (int i = 0; i < 50; ++i) {
       CHECK(exec->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1, 2});
@@ -342,7 +342,7 @@ TEST_CASE("linger out of range is refused by a node and by an executor's network
     cfg.network_linger = linger;
     CHECK(what_of([&] { node n{cfg}; }).find("network_linger") != std::string::npos);
     auto bad = mixed_config(1, {{"127.0.0.1", 1, 1}});
-    bad.network_linger = linger;
+    bad.cluster.network_linger = linger;
     CHECK(what_of([&] { executor exec(bad, test_factory()); }).find("network_linger") !=
           std::string::npos);
   }
@@ -351,12 +351,12 @@ TEST_CASE("linger out of range is refused by a node and by an executor's network
 TEST_CASE("a model split across processes generates transformers' greedy tokens") {
   node_process n;
   auto cfg = mixed_config(1, {{"127.0.0.1", n.port(), 1}});
-  cfg.node_worker_kind = "model";
+  cfg.cluster.node_worker_kind = "model";
   cfg.block_size = 4;
   model_worker_options opts;
   opts.model_path = TROUPE_SOURCE_DIR "/tests/fixtures/llama-gqa";
   opts.kv_cache_memory_bytes = 1 << 20;
-  cfg.node_worker_options = to_settings(opts);
+  cfg.cluster.node_worker_options = to_settings(opts);
   executor exec{cfg, model_worker_factory(opts)};
   exec.initialize_cache(exec.determine_num_available_blocks());
   auto ref = testing::read_json(opts.model_path + "/reference.json");
@@ -428,10 +428,10 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
   CHECK(legit->collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 
   auto wrong = mixed_config(0, {{"127.0.0.1", n.port(), 1}});
-  wrong.node_secret = "a guess long enough to be tried";
+  wrong.cluster.node_secret = "a guess long enough to be tried";
   CHECK_THROWS_WITH_AS(executor(wrong, test_factory()), doctest::Contains("wrong secret"), error);
   // A secret too short to hold up against a guess offline is refused before any connection.
-  wrong.node_secret = "guess";
+  wrong.cluster.node_secret = "guess";
   CHECK_THROWS_WITH_AS(executor(wrong, test_factory()), doctest::Contains("at least 16"), error);
 
   // Right secret, but the node's workers are leased: refused, nothing spawned.
@@ -635,8 +635,8 @@ bool eventually(Holds holds) {
 /// says, is open.
 std::unique_ptr<executor> linked_executor(node& n, link_via via) {
   auto cfg = mixed_config(0, {{"127.0.0.1", n.port(), 2}});
-  cfg.node_local_links = via != link_via::tcp;
-  cfg.node_shared_memory = via == link_via::shared_memory;
+  cfg.cluster.node_local_links = via != link_via::tcp;
+  cfg.cluster.node_shared_memory = via == link_via::shared_memory;
   auto exec = lease_again_with(cfg, 10);
   REQUIRE(eventually([&] { return n.call_links() == 1; }));
   return exec;
@@ -651,7 +651,7 @@ TEST_CASE("calls go to a node's workers over a call link, and give the answers t
   for (bool links : {true, false}) {
     CAPTURE(links);
     auto cfg = mixed_config(1, {{"127.0.0.1", n.port(), 2}});
-    cfg.node_links = links;
+    cfg.cluster.node_links = links;
     auto exec = lease_again_with(cfg, 10);
     CHECK(eventually([&] { return n.call_links() == (links ? 1 : 0); }));
     auto before = n.linked_requests();
@@ -942,7 +942,7 @@ TEST_CASE("a node's local socket takes only call links that prove the secret and
 TEST_CASE("a start refused by a node stops at once, its local workers included") {
   node_process n{1};
   auto cfg = mixed_config(1, {{"127.0.0.1", n.port(), 1}});
-  cfg.node_secret = "a guess long enough to be tried";
+  cfg.cluster.node_secret = "a guess long enough to be tried";
   std::ostringstream logged;
   auto log = troupe::get_logger("troupe.executor");
   log->sinks().push_back(std::make_shared<spdlog::sinks::ostream_sink_mt>(logged));
@@ -1131,10 +1131,10 @@ node_config tls_node(const test_pki& pki) {
 /// `cfg` with `who`'s certificate of `pki` and no secret.
 executor_config under_tls(executor_config cfg, const test_pki& pki,
                           const std::string& who = "executor") {
-  cfg.node_secret.clear();
-  cfg.tls_certificate = pki.pem(who);
-  cfg.tls_key = pki.key(who);
-  cfg.tls_ca = pki.pem("ca");
+  cfg.cluster.node_secret.clear();
+  cfg.cluster.tls_certificate = pki.pem(who);
+  cfg.cluster.tls_key = pki.key(who);
+  cfg.cluster.tls_ca = pki.pem("ca");
   return cfg;
 }
 
@@ -1146,7 +1146,7 @@ TEST_CASE("under mutual TLS calls go over the call link, over TCP, the local soc
   node n{tls_node(pki)};
   REQUIRE(n.local_address().rfind("@troupe-node-", 0) == 0);
   auto cfg = under_tls(mixed_config(1, {{"127.0.0.1", n.port(), 2}}), pki);
-  cfg.node_links = false;
+  cfg.cluster.node_links = false;
   std::vector<std::string> over_basp;
   {
     auto exec = lease_again_with(cfg, 10);
@@ -1155,12 +1155,12 @@ TEST_CASE("under mutual TLS calls go over the call link, over TCP, the local soc
     over_basp = run_suite(*exec);
     CHECK(n.linked_requests() == linked);
   }
-  cfg.node_links = true;
+  cfg.cluster.node_links = true;
   for (auto via : {link_via::shared_memory, link_via::unix_socket, link_via::tcp}) {
     CAPTURE(to_string(via));
     bool local = via != link_via::tcp;
-    cfg.node_local_links = local;
-    cfg.node_shared_memory = via == link_via::shared_memory;
+    cfg.cluster.node_local_links = local;
+    cfg.cluster.node_shared_memory = via == link_via::shared_memory;
     REQUIRE(eventually([&] { return n.call_links() == 0 && n.leased_workers() == 0; }));
     auto exec = lease_again_with(cfg, 10);
     REQUIRE(eventually([&] { return n.call_links() == 1; }));
@@ -1227,10 +1227,10 @@ TEST_CASE("mutual TLS: only executors with a certificate of the node's CA get wo
                   {"-", "1", "1000", "1048576", pki.pem("node"), pki.key("node"), pki.pem("ca")}};
   auto config_with = [&](const std::string& who, const std::string& ca) {
     auto cfg = mixed_config(1, {{"127.0.0.1", n.port(), 1}});
-    cfg.node_secret.clear();
-    cfg.tls_certificate = pki.pem(who);
-    cfg.tls_key = pki.key(who);
-    cfg.tls_ca = pki.pem(ca);
+    cfg.cluster.node_secret.clear();
+    cfg.cluster.tls_certificate = pki.pem(who);
+    cfg.cluster.tls_key = pki.key(who);
+    cfg.cluster.tls_ca = pki.pem(ca);
     cfg.startup_timeout = 5s;
     return cfg;
   };
@@ -1297,10 +1297,10 @@ TEST_CASE("under TLS the size bound holds after decryption, before anything is a
   CHECK(took < 2.0);
   // The node still serves an executor with a certificate of its CA.
   auto cfg = mixed_config(1, {{"127.0.0.1", n.port(), 1}});
-  cfg.node_secret.clear();
-  cfg.tls_certificate = pki.pem("executor");
-  cfg.tls_key = pki.key("executor");
-  cfg.tls_ca = pki.pem("ca");
+  cfg.cluster.node_secret.clear();
+  cfg.cluster.tls_certificate = pki.pem("executor");
+  cfg.cluster.tls_key = pki.key("executor");
+  cfg.cluster.tls_ca = pki.pem("ca");
   executor exec{cfg, test_factory()};
   CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
 }
@@ -1446,7 +1446,7 @@ TEST_CASE("a node that does not answer fails the start within the startup deadli
   auto port = ntohs(addr.sin_port);
   auto cfg = mixed_config(0, {{"127.0.0.1", port, 1}});
   cfg.startup_timeout = 1s;
-  cfg.node_timeout = 30s; // the deadline, not a lost connection, ends the wait
+  cfg.cluster.node_timeout = 30s; // the deadline, not a lost connection, ends the wait
   auto start = clock_type::now();
   auto where = "cannot reach node 127.0.0.1:" + std::to_string(port);
   CHECK_THROWS_WITH_AS(executor(cfg, test_factory()), doctest::Contains(where.c_str()), error);
@@ -1470,11 +1470,11 @@ llm_config recovering_llm(uint16_t port, const std::vector<uint16_t>& spares,
   cfg.worker.kv_cache_memory_bytes = 2 << 20;
   cfg.executor.block_size = 4;
   cfg.executor.tensor_parallel_size = 3;
-  cfg.executor.nodes = {{"127.0.0.1", port, 1}};
+  cfg.executor.cluster.nodes = {{"127.0.0.1", port, 1}};
   for (auto spare : spares)
-    cfg.executor.spare_nodes.push_back({"127.0.0.1", spare, 1});
-  cfg.executor.node_secret = secret;
-  cfg.executor.node_timeout = 1s;
+    cfg.executor.cluster.spare_nodes.push_back({"127.0.0.1", spare, 1});
+  cfg.executor.cluster.node_secret = secret;
+  cfg.executor.cluster.node_timeout = 1s;
   cfg.executor.startup_timeout = 30s;
   cfg.executor.restart.max_restarts = max_restarts;
   return cfg;
@@ -1755,7 +1755,7 @@ TEST_CASE("a node killed (SIGKILL) or stopped (SIGSTOP) during sleep, wake_up, "
     nodes.push_back(std::make_unique<node_process>(1));
   auto cfg = mixed_config(1, {{"127.0.0.1", nodes[0]->port(), 1}});
   for (size_t i = 1; i < nodes.size(); ++i)
-    cfg.spare_nodes.push_back({"127.0.0.1", nodes[i]->port(), 1});
+    cfg.cluster.spare_nodes.push_back({"127.0.0.1", nodes[i]->port(), 1});
   cfg.restart.max_restarts = static_cast<int32_t>(2 * calls.size());
   captured_log log;
   executor exec{cfg, test_factory()};
@@ -1831,11 +1831,11 @@ TEST_CASE("a rank stopped during a save and found dead only after the save faile
   node_process first{1};
   node_process spare{1};
   auto cfg = mixed_config(1, {{"127.0.0.1", first.port(), 1}});
-  cfg.spare_nodes.push_back({"127.0.0.1", spare.port(), 1});
+  cfg.cluster.spare_nodes.push_back({"127.0.0.1", spare.port(), 1});
   cfg.restart.max_restarts = 1;
   // The save, and its cleanup, time out long before the stopped node is found dead.
   cfg.rpc_timeout = 1s;
-  cfg.node_timeout = 4s;
+  cfg.cluster.node_timeout = 4s;
   executor exec{cfg, test_factory()};
   auto dir = fs::temp_directory_path() / ("troupe-late-death-" + std::to_string(getpid()));
   fs::remove_all(dir);

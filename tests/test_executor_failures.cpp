@@ -95,7 +95,7 @@ TEST_CASE("the default deadline comes from the config and waiting forever must b
 TEST_CASE("a callable is refused for a worker in another process and named methods work there") {
   worker_process remote;
   auto cfg = config(2);
-  cfg.remote_workers = {{"127.0.0.1", remote.port()}};
+  cfg.cluster.remote_workers = {{"127.0.0.1", remote.port()}};
   executor exec{cfg, test_factory()};
   CHECK(exec.workers()[1].pid != exec.workers()[0].pid);
   CHECK(exec.collective_rpc_as<int32_t>("rank") == std::vector<int32_t>{0, 1});
@@ -125,7 +125,7 @@ TEST_CASE(
   "a worker killed mid-call fails the call with worker_died at once and later calls fail fast") {
   worker_process remote;
   auto cfg = config(2);
-  cfg.remote_workers = {{"127.0.0.1", remote.port()}};
+  cfg.cluster.remote_workers = {{"127.0.0.1", remote.port()}};
   executor exec{cfg, test_factory()};
   auto pending = exec.collective_rpc_async("sleep_ms", sleep_ms(10000));
   std::this_thread::sleep_for(300ms);
@@ -159,7 +159,7 @@ TEST_CASE("under a restart policy a dead worker published on its own is replaced
           "this process") {
   worker_process remote;
   auto cfg = config(2);
-  cfg.remote_workers = {{"127.0.0.1", remote.port()}};
+  cfg.cluster.remote_workers = {{"127.0.0.1", remote.port()}};
   cfg.restart.max_restarts = 1;
   executor exec{cfg, test_factory()};
   exec.initialize_cache({10, 1});

@@ -110,7 +110,7 @@ TEST_CASE("a configuration out of range is refused naming the field, before anyt
   CHECK_THROWS_WITH_AS(parse_device_kind("tpu"), doctest::Contains("device kind 'tpu'"), error);
   refused(
     [](llm_config& c) {
-      c.executor.nodes.push_back({"127.0.0.1", 1, 1});
+      c.executor.cluster.nodes.push_back({"127.0.0.1", 1, 1});
     },
     "worker nodes need node_secret or TLS");
   llm_config fine;

@@ -47,11 +47,11 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
   auto take_gate = [&](caf::node_id&, caf::strong_actor_ptr& ptr, std::set<std::string>&) {
     gate = caf::actor_cast<caf::actor>(std::move(ptr));
   };
-  if (cfg.tls_certificate.empty()) {
+  if (cfg.cluster.tls_certificate.empty()) {
     // The connection proves the secret before any BASP byte; then the middleman takes
     // it over as if it had connected itself.
     left();
-    auto fd = dial_node(n.host, n.port, cfg.node_secret, deadline);
+    auto fd = dial_node(n.host, n.port, cfg.cluster.node_secret, deadline);
     auto& mm = sys.middleman();
     auto basp = mm.named_broker<caf::io::basp_broker>(caf::atom("BASP"));
     self->request(basp, left(), caf::connect_atom::value, mm.backend().new_scribe(fd), n.port)
@@ -73,12 +73,12 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
       err.category() == caf::atom("troupe") ? static_cast<errc>(err.code()) : errc::worker_died;
     throw error{code == errc::timeout ? errc::worker_died : code, where + ": " + why()};
   };
-  if (!cfg.node_secret.empty()) {
+  if (!cfg.cluster.node_secret.empty()) {
     std::string challenge;
     self->request(gate, left(), hello_atom::value)
       .receive([&](std::string& c) { challenge = std::move(c); }, fail);
     checked();
-    auto proof = secret_proof(cfg.node_secret, challenge, to_string(sys.node()));
+    auto proof = secret_proof(cfg.cluster.node_secret, challenge, to_string(sys.node()));
     self->request(gate, left(), auth_atom::value, proof).receive([](caf::ok_atom) {}, fail);
     checked();
   }
@@ -86,8 +86,8 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
   std::string token;
   std::string local_address;
   self
-    ->request(gate, left(), lease_atom::value, cfg.node_worker_kind, cfg.node_worker_options, count,
-              holder)
+    ->request(gate, left(), lease_atom::value, cfg.cluster.node_worker_kind,
+              cfg.cluster.node_worker_options, count, holder)
     .receive(
       [&](std::vector<caf::actor>& ws, std::string& t, std::string& local) {
         grant.workers = std::move(ws);
@@ -96,15 +96,16 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
       },
       fail);
   checked();
-  if (cfg.node_links) {
+  if (cfg.cluster.node_links) {
     try {
-      link_credentials credentials{cfg.node_secret, nullptr};
-      if (!cfg.tls_certificate.empty())
-        credentials.tls =
-          make_tls_context(tls_role::client, cfg.tls_certificate, cfg.tls_key, cfg.tls_ca);
-      grant.link = link_client::open(n.host, n.port, cfg.node_local_links ? local_address : "",
-                                     cfg.node_shared_memory, credentials, token, cfg.network_linger,
-                                     cfg.node_timeout, deadline);
+      link_credentials credentials{cfg.cluster.node_secret, nullptr};
+      if (!cfg.cluster.tls_certificate.empty())
+        credentials.tls = make_tls_context(tls_role::client, cfg.cluster.tls_certificate,
+                                           cfg.cluster.tls_key, cfg.cluster.tls_ca);
+      grant.link =
+        link_client::open(n.host, n.port, cfg.cluster.node_local_links ? local_address : "",
+                          cfg.cluster.node_shared_memory, credentials, token,
+                          cfg.cluster.network_linger, cfg.cluster.node_timeout, deadline);
     } catch (const error& e) {
       // The workers are leased and BASP reaches them: the calls go that way.
       get_logger("troupe.executor")
@@ -121,7 +122,7 @@ void lease_one(caf::blocking_actor* self, executor_config cfg, std::vector<node_
   self->receive([&](lease_atom) -> caf::result<caf::actor, int32_t> {
     std::string refusals;
     for (size_t i = 0; i < candidates.size() && !*cancelled; ++i) {
-      auto until = std::min(deadline, std::chrono::steady_clock::now() + cfg.node_timeout);
+      auto until = std::min(deadline, std::chrono::steady_clock::now() + cfg.cluster.node_timeout);
       try {
         auto grant = lease_workers(self, cfg, candidates[i], 1, holder, until);
         auto& leased = grant.workers;
@@ -141,7 +142,7 @@ void lease_one(caf::blocking_actor* self, executor_config cfg, std::vector<node_
 
 std::vector<node_address> replacement_leases::order(const node_address& dead) {
   std::vector<node_address> candidates{dead};
-  for (auto* list : {&cfg_.spare_nodes, &cfg_.nodes})
+  for (auto* list : {&cfg_.cluster.spare_nodes, &cfg_.cluster.nodes})
     for (auto& n : *list) {
       bool known = false;
       for (auto& c : candidates)

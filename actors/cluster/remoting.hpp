@@ -21,7 +21,7 @@ void configure_scheduler(caf::actor_system_config& cfg, size_t threads, size_t p
 /// for `timeout` dropped (so that a peer that is cut off or stopped is noticed), messages
 /// from the network delivered by the middleman's own thread, and that thread polling its
 /// sockets for `linger` after each event before it sleeps in `epoll_wait`
-/// (`executor_config::network_linger`, `node_config::network_linger`; 0: it sleeps at once, as
+/// (`cluster_config::network_linger`, `node_config::network_linger`; 0: it sleeps at once, as
 /// CAF's does).
 void load_middleman(caf::actor_system_config& cfg, timeout_type timeout, timeout_type linger);
 

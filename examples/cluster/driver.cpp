@@ -17,7 +17,7 @@ int main(int argc, char** argv) {
   troupe::llm_config cfg;
   cfg.worker.model_path = argv[1];
   std::ifstream secret{argv[2]};
-  std::getline(secret, cfg.executor.node_secret);
+  std::getline(secret, cfg.executor.cluster.node_secret);
   for (int i = 3; i < argc; ++i) {
     std::string spec = argv[i];
     auto colon = spec.rfind(':');
@@ -25,11 +25,11 @@ int main(int argc, char** argv) {
       std::cerr << "cluster_driver: '" << spec << "' is not HOST:PORT\n";
       return 2;
     }
-    cfg.executor.nodes.push_back(
+    cfg.executor.cluster.nodes.push_back(
       {spec.substr(0, colon), static_cast<uint16_t>(std::stoi(spec.substr(colon + 1))), 1});
   }
   // Rank 0 here, one rank on each node.
-  cfg.executor.tensor_parallel_size = 1 + static_cast<int32_t>(cfg.executor.nodes.size());
+  cfg.executor.tensor_parallel_size = 1 + static_cast<int32_t>(cfg.executor.cluster.nodes.size());
   try {
     troupe::llm model{cfg};
     troupe::sampling_params greedy;

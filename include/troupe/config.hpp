@@ -23,7 +23,7 @@ using timeout_type = std::chrono::microseconds;
 /// Asks a call to wait without a deadline (it still fails at once when a worker dies).
 inline constexpr timeout_type wait_forever = timeout_type::max();
 
-/// The longest `executor_config::linger`, `executor_config::network_linger` and
+/// The longest `executor_config::linger`, `cluster_config::network_linger` and
 /// `node_config::network_linger` accepted.
 inline constexpr timeout_type max_linger = std::chrono::seconds(1);
 
@@ -55,7 +55,7 @@ struct node_address {
 /// the replacement brought to the others' state (model, tensor-parallel group, KV-cache
 /// blocks, adapters, sleep); the calls in flight fail with `worker_replaced` and calls made
 /// meanwhile wait for it. A worker of this process is spawned anew; one leased from a node
-/// is leased again: from its own node if it is back, else from `executor_config::spare_nodes`
+/// is leased again: from its own node if it is back, else from `cluster_config::spare_nodes`
 /// in order, else from another of `nodes` with a free device (each asked for at most
 /// `node_timeout`, all within `startup_timeout`). A death
 /// beyond `max_restarts` within `window`, and a replacement that fails or is not to be had
@@ -68,14 +68,10 @@ struct restart_policy {
   timeout_type window = std::chrono::seconds(60);
 };
 
-/// Everything an executor needs to start (the counterpart of the parts of vLLM's
-/// `VllmConfig` that the executor layer reads).
-struct executor_config {
-  /// Number of workers; rank 0 is the driver (vLLM's `tensor_parallel_size`).
-  int32_t tensor_parallel_size = 1;
-  /// The device each local worker owns: the CPU, or a GPU (the i-th local worker takes GPU
-  /// i). Workers leased from nodes own the devices their node gives them.
-  device_kind device_type = device_kind::cpu;
+/// Where an executor's workers beyond this process are, and how it reaches them: worker
+/// nodes (`troupe node`) leased with a shared secret or mutual TLS, and worker actors
+/// published on their own. Empty: every worker lives in this process.
+struct cluster_config {
   /// Worker nodes to lease workers from: their workers take the ranks after the local
   /// ones, node by node in this order. Local workers are the ones the nodes do not give.
   std::vector<node_address> nodes;
@@ -101,6 +97,49 @@ struct executor_config {
   /// Worker actors published on their own (`publish_worker`, no authentication; for
   /// trusted set-ups and tests): they take the last ranks.
   std::vector<remote_worker> remote_workers;
+  /// `executor_config::linger` for the thread that talks to nodes and remote workers
+  /// (CAF's middleman), after each message it sends or receives. It is longer because a
+  /// reply that crosses a network takes longer to come: on a small VM's loopback, a call
+  /// to a node took 45-100 µs with 100 here (and the node's own
+  /// `node_config::network_linger` as long), 120-190 µs with 30 and 300 µs with 0. A
+  /// blocking caller of an executor with such workers waits for its reply this long too.
+  /// 0 turns it off; at most 1 s.
+  timeout_type network_linger = std::chrono::microseconds(100);
+  /// Whether the requests of `collective_rpc` (of a named method) and `execute_model` go to
+  /// the workers of a node over a connection of their own (a call link), which skips the
+  /// middleman's and the node's gateway threads, rather than over BASP with everything else.
+  /// A link proves the shared secret or, under TLS, this executor's certificate.
+  bool node_links = true;
+  /// Whether the call link to a node on this host goes over the node's local socket (a Unix
+  /// socket: on a small VM a round trip takes about 1 µs less than over loopback TCP
+  /// between threads that block, 2 µs less between threads that poll) rather than TCP. A
+  /// node on another host has none that this process can reach: its link is TCP.
+  bool node_local_links = true;
+  /// Whether a call link over the local socket moves its frames to memory shared with the
+  /// node (two rings; the socket then only wakes a side that sleeps): on a small VM a
+  /// round trip between threads that poll takes 0.3-0.4 µs through shared memory against
+  /// 3.4 µs through a Unix socket.
+  bool node_shared_memory = true;
+
+  /// Whether every worker lives in this process (no nodes, spares or remote workers).
+  bool empty() const;
+
+  /// Throws `troupe::error` (`invalid_argument`) naming what is wrong: a node without
+  /// workers, nodes without a secret or TLS, half a TLS set-up, a timeout or linger out of
+  /// range.
+  void validate() const;
+};
+
+/// Everything an executor needs to start (the counterpart of the parts of vLLM's
+/// `VllmConfig` that the executor layer reads).
+struct executor_config {
+  /// Number of workers; rank 0 is the driver (vLLM's `tensor_parallel_size`).
+  int32_t tensor_parallel_size = 1;
+  /// The device each local worker owns: the CPU, or a GPU (the i-th local worker takes GPU
+  /// i). Workers leased from nodes own the devices their node gives them.
+  device_kind device_type = device_kind::cpu;
+  /// The workers of other processes and hosts.
+  cluster_config cluster;
   /// Deadline of calls that do not name one. Finite by default: no call waits forever
   /// unless `wait_forever` is given.
   timeout_type rpc_timeout = std::chrono::seconds(60);
@@ -138,34 +177,12 @@ struct executor_config {
   /// thread costs tens of microseconds on a virtual machine. An idle executor uses no CPU:
   /// threads linger only around a call. 0 turns it off; at most 1 s.
   timeout_type linger = std::chrono::microseconds(30);
-  /// The same for the thread that talks to nodes and remote workers (CAF's middleman),
-  /// after each message it sends or receives. It is longer than `linger` because a reply
-  /// that crosses a network takes longer to come: on a small VM's loopback, a call to a
-  /// node took 45-100 µs with 100 here (and the node's own `node_config::network_linger` as long),
-  /// 120-190 µs with 30 and 300 µs with 0. A blocking caller of an executor with such
-  /// workers waits for its reply this long too. 0 turns it off; at most 1 s.
-  timeout_type network_linger = std::chrono::microseconds(100);
-  /// Whether the requests of `collective_rpc` (of a named method) and `execute_model` go to
-  /// the workers of a node over a connection of their own (a call link), which skips the
-  /// middleman's and the node's gateway threads, rather than over BASP with everything else.
-  /// A link proves the shared secret or, under TLS, this executor's certificate.
-  bool node_links = true;
-  /// Whether the call link to a node on this host goes over the node's local socket (a Unix
-  /// socket: on a small VM a round trip takes about 1 µs less than over loopback TCP
-  /// between threads that block, 2 µs less between threads that poll) rather than TCP. A
-  /// node on another host has none that this process can reach: its link is TCP.
-  bool node_local_links = true;
-  /// Whether a call link over the local socket moves its frames to memory shared with the
-  /// node (two rings; the socket then only wakes a side that sleeps): on a small VM a
-  /// round trip between threads that poll takes 0.3-0.4 µs through shared memory against
-  /// 3.4 µs through a Unix socket.
-  bool node_shared_memory = true;
   /// Lets the host add settings or message types to the executor's actor system.
   std::function<void(caf::actor_system_config&)> configure_system;
 
   /// Throws `troupe::error` (`invalid_argument`) naming the first field that is out of
-  /// range: sizes and timeouts that are not positive, a node without workers, more remote
-  /// workers than ranks, nodes without a secret or TLS, half a TLS set-up.
+  /// range: sizes and timeouts that are not positive, more remote workers than ranks, and
+  /// what `cluster_config::validate` refuses.
   void validate() const;
 };
 

@@ -300,7 +300,7 @@ private:
 /// A factory for `executor` that gives every rank a `model_worker` with `options`.
 worker_factory model_worker_factory(model_worker_options options);
 
-/// `options` as settings under their field names (for `executor_config::node_worker_options`;
+/// `options` as settings under their field names (for `cluster_config::node_worker_options`;
 /// the progress callback stays behind).
 caf::settings to_settings(const model_worker_options& options);
 

@@ -21,7 +21,7 @@
 namespace troupe {
 
 /// Builds the worker of one kind for `rank` from the options the executor sent
-/// (`executor_config::node_worker_options`).
+/// (`cluster_config::node_worker_options`).
 using node_worker_factory =
   std::function<std::unique_ptr<worker>(int32_t rank, const caf::settings& options)>;
 
@@ -61,7 +61,7 @@ struct node_config {
   /// it): an executor that disappears releases the node's workers.
   timeout_type connection_timeout = std::chrono::seconds(3);
   /// How long the node's network threads (its gateway's and its middleman's) poll for the
-  /// next message after one before they sleep, as `executor_config::network_linger` does
+  /// next message after one before they sleep, as `cluster_config::network_linger` does
   /// for the executor's (the workers linger as the executor's `executor_config::linger`
   /// says). 0 turns it off; at most 1 s.
   timeout_type network_linger = std::chrono::microseconds(100);
@@ -92,7 +92,7 @@ public:
   /// The port the node listens on.
   uint16_t port() const;
 
-  /// Where executors on this host open their call links (`executor_config::node_local_links`):
+  /// Where executors on this host open their call links (`cluster_config::node_local_links`):
   /// "@name", a name in the abstract Unix namespace, given to an executor with its lease.
   /// Under TLS, links on it go through the TLS handshake as over TCP. Empty when the socket
   /// could not be made (links then come over TCP).
@@ -101,7 +101,7 @@ public:
   /// Workers leased to an executor right now.
   int32_t leased_workers() const;
 
-  /// Call links open right now (`executor_config::node_links`): connections of the lease
+  /// Call links open right now (`cluster_config::node_links`): connections of the lease
   /// holder that carry its calls to the workers.
   int32_t call_links() const;
 
