@@ -7,7 +7,6 @@
 #include "actors/supervisor.hpp"
 
 #include "actors/adapter_log.hpp"
-#include "actors/cluster/lease.hpp"
 #include "actors/cluster/link_client.hpp"
 #include "actors/cluster/node_auth.hpp"
 #include "actors/cluster/remoting.hpp"
@@ -21,6 +20,7 @@
 #include "actors/sleep_control.hpp"
 #include "actors/worker_actor.hpp"
 #include "actors/worker_group.hpp"
+#include "actors/worker_maker.hpp"
 #include "kernels/log.hpp"
 #include "troupe/errors.hpp"
 
@@ -74,12 +74,8 @@ struct supervisor_state : gather_host, recovery_host, group_host {
   /// The execution loop of the driver's peers (made with `gathers`).
   std::unique_ptr<execution_loop> loop;
 
-  // What a replacement needs (`executor_config::restart`).
-  /// Spawns the replacement of a worker of this process.
-  worker_factory factory;
-  /// The replacements of workers that nodes gave.
-  std::unique_ptr<replacement_leases> leases;
-  std::shared_ptr<replacement_list> replacements;
+  /// Where a replacement comes from (`executor_config::restart`).
+  std::unique_ptr<worker_maker> maker;
   /// The workers as one tensor-parallel group (made with `gathers`).
   std::unique_ptr<worker_group> group;
   /// The blocks of the last initialize_cache.
@@ -493,13 +489,8 @@ struct supervisor_state : gather_host, recovery_host, group_host {
   std::string cannot_replace(int32_t rank) {
     if (!group->started())
       return "it died before the executor had started";
-    bool local = is_local(workers[static_cast<size_t>(rank)]);
-    if (local && !factory)
-      return "no worker factory to make a worker of this process";
-    if (!local && places[static_cast<size_t>(rank)].kind != "node" && !factory)
-      return "a worker published on its own is replaced by one of this process, and there "
-             "is no worker factory to make it";
-    return recov->refusal();
+    auto why = maker->refusal(rank, is_local(workers[static_cast<size_t>(rank)]));
+    return why.empty() ? recov->refusal() : why;
   }
 
   void lose_work(int32_t, const caf::error& lost) override {
@@ -515,54 +506,12 @@ struct supervisor_state : gather_host, recovery_host, group_host {
     self->send(self, replace_atom::value, rank);
   }
 
-  /// A worker of this process takes the place of one of this process, or of one published
-  /// on its own (which nothing here can start again); a node's is leased
-  /// (`lease_replacement`).
   void make_worker(int32_t rank, std::function<void(worker_actor)> made,
                    std::function<void(caf::error)> failed) override {
-    auto& place = places[static_cast<size_t>(rank)];
-    if (place.kind == "node") {
-      lease_replacement(rank, std::move(made), std::move(failed));
-      return;
-    }
-    place = worker_place{};
-    worker_actor fresh;
-    try {
-      fresh = spawn_worker(self->system(), factory);
-    } catch (const std::exception& e) {
-      failed(caf::make_error(errc::worker_died, std::string{"cannot spawn: "} + e.what()));
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lk{replacements->mtx};
-      replacements->workers.push_back(fresh);
-    }
-    made(fresh);
-  }
-
-  /// Leases the replacement of `rank`, which a node gave (see `replacement_leases`).
-  void lease_replacement(int32_t rank, std::function<void(worker_actor)> made,
-                         std::function<void(caf::error)> failed) {
-    auto& dead = places[static_cast<size_t>(rank)];
     auto* st = this;
-    leases->lease(
-      self, {dead.host, dead.port, 1},
-      [st, rank, made](caf::actor& leased, const node_address& n,
-                       std::shared_ptr<link_client> link) {
-        if (!st->recov->under_way() || st->failure)
-          return; // the lease ends with the holder
-        auto fresh = caf::actor_cast<worker_actor>(leased);
-        st->places[static_cast<size_t>(rank)] = {"node", n.host, n.port, std::move(link)};
-        {
-          std::lock_guard<std::mutex> lk{st->replacements->mtx};
-          st->replacements->leased.push_back(fresh);
-        }
-        made(fresh);
-      },
-      [st, failed](caf::error& err) {
-        if (st->recov->under_way() && !st->failure)
-          failed(std::move(err));
-      });
+    maker->make(
+      self, rank, [st] { return st->recov->under_way() && !st->failure; }, std::move(made),
+      std::move(failed));
   }
 
   void install(int32_t rank, worker_actor fresh) override {
@@ -629,7 +578,7 @@ struct supervisor_state : gather_host, recovery_host, group_host {
   /// Shutdown: fail what is pending, stop every local worker, then stop; later calls find
   /// the supervisor gone.
   void on_exit(const caf::exit_msg& msg) {
-    leases.reset();
+    maker->stop();
     fail_all(failure ? failure
                      : caf::make_error(errc::shut_down, std::string{"executor is shut down"}));
     for (auto& w : workers) {
@@ -662,11 +611,10 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
   auto& st = self->state;
   st.self = self;
   st.cfg = std::move(cfg);
-  st.factory = std::move(factory);
-  st.leases = std::make_unique<replacement_leases>(st.cfg, std::move(lease_holder));
-  st.replacements = std::move(replacements);
   st.workers = std::move(workers);
   st.places = std::move(places);
+  st.maker = std::make_unique<worker_maker>(st.cfg, std::move(factory), std::move(lease_holder),
+                                            std::move(replacements), st.places);
   st.sink = std::make_unique<reply_sink>(self->system(), caf::actor_cast<caf::actor>(self));
   st.gathers = std::make_unique<gather_table>(self, st, *st.sink);
   st.recov =

@@ -6,12 +6,13 @@
 #   actors          messages/, include/, and of kernels/ the device interface and the log
 #                   (the named loggers, kernels/log.hpp, which model/ uses too); in it,
 #                   actors/cluster/ (nodes, their gateway and leases, call links) is a floor
-#                   of its own: the supervisor (executor, supervisor, caller_unit) uses it,
+#                   of its own: the supervisor (executor, supervisor, caller_unit, and
+#                   worker_maker, where its replacements come from) uses it,
 #                   and it uses only the workers' part of actors/ (worker_actor, teardown,
 #                   linger, companion)
 #   model           kernels/, include/
-#   engine          include/, and of model/ the loaders (config, checkpoint, adapters, tokenizer,
-#                   chat template)
+#   engine          include/, and of model/ the loaders (config, checkpoint, tokenizer, chat
+#                   template)
 #   server          include/
 #   cli, tests, examples: anything
 # Prints each upward include as file:line and exits 1 when there is one.
@@ -26,7 +27,7 @@ rules=(
   "actors|messages/ troupe/ kernels/device.hpp kernels/log.hpp"
   "actors/cluster|actors/worker_actor.hpp actors/teardown.hpp actors/linger.hpp actors/companion.hpp messages/ troupe/ kernels/device.hpp kernels/log.hpp"
   "model|kernels/ troupe/"
-  "engine|troupe/ model/config.hpp model/checkpoint.hpp model/adapters.hpp model/tokenizer.hpp model/chat_template.hpp"
+  "engine|troupe/ model/config.hpp model/checkpoint.hpp model/tokenizer.hpp model/chat_template.hpp"
   "server|troupe/"
 )
 
@@ -59,7 +60,7 @@ for rule in "${rules[@]}"; do
              xargs -0 -r grep -Hn '^[[:space:]]*#[[:space:]]*include[[:space:]]*["<]' || true)
 done
 # Of actors/, only the supervisor's files stand above actors/cluster/.
-supervisor='^actors/(executor|supervisor|caller_unit)\.(hpp|cpp)$'
+supervisor='^actors/(executor|supervisor|caller_unit|worker_maker)\.(hpp|cpp)$'
 while IFS= read -r hit; do
   [[ -z $hit || ${hit%%:*} =~ $supervisor ]] && continue
   echo "upward include: ${hit%%:#*} includes actors/cluster/ (only the supervisor's files may)"
