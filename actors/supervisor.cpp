@@ -13,6 +13,7 @@
 #include "actors/cluster/worker_routes.hpp"
 #include "actors/execution_loop.hpp"
 #include "actors/gather_table.hpp"
+#include "actors/lost_cache.hpp"
 #include "actors/recovery.hpp"
 #include "actors/reductions.hpp"
 #include "actors/reply_sink.hpp"
@@ -82,12 +83,8 @@ struct supervisor_state : gather_host, recovery_host, group_host {
   std::optional<cache_blocks> cache;
   /// The adapter calls a replacement repeats (made with `gathers`).
   std::unique_ptr<adapter_log> adapters;
-  /// A worker was replaced while no step was in flight: the next execute_model fails with
-  /// `worker_replaced`, so that the engine learns that the KV cache is gone.
-  bool kv_lost = false;
-  /// A worker was replaced, and no step since sent every block table whole: steps that
-  /// send only new blocks were made before it and are refused.
-  bool tables_lost = false;
+  /// What a replacement took from the steps.
+  lost_cache cache_loss;
   /// Where a replacement stands, and what waits for it (made with `gathers`).
   std::unique_ptr<recovery> recov;
   /// Where the workers' replies of direct gathers go.
@@ -115,7 +112,7 @@ struct supervisor_state : gather_host, recovery_host, group_host {
         std::find(g.ranks.begin(), g.ranks.end(), recov->rank()) != g.ranks.end()) {
       // What is sent to a dead worker is never answered.
       if (g.label == "execute_model")
-        kv_lost = false; // this step tells the engine
+        cache_loss.told(); // this step tells the engine
       return recov->lost_work();
     }
     return {};
@@ -382,25 +379,8 @@ struct supervisor_state : gather_host, recovery_host, group_host {
       return reply(err);
     if (auto err = loop->take_error())
       return reply(err);
-    if (kv_lost) {
-      kv_lost = false;
-      return reply(caf::make_error(errc::worker_replaced,
-                                   recov->cause() + "; it was replaced and the KV cache went "
-                                                    "with it: compute the requests again"));
-    }
-    if (tables_lost && req.keep_block_tables) {
-      // A step made before the replacement (sent ahead of the step that learned of it)
-      // counts on block tables the ranks kept; the replacement kept none. The first step
-      // made after it sends every table whole.
-      for (auto& g : req.seq_group_metadata_list)
-        for (auto& seq : g.seqs)
-          if (seq.first_block != 0)
-            return reply(caf::make_error(errc::worker_replaced,
-                                         recov->cause() + "; a step made before the "
-                                                          "replacement: compute the requests "
-                                                          "again"));
-      tables_lost = false;
-    }
+    if (auto err = cache_loss.refusal(req, recov->cause()))
+      return reply(err);
     auto id = loop->start();
     auto* st = this;
     gathers->start_direct("execute_model", {0}, worker_request(execute_atom::value, std::move(req)),
@@ -496,8 +476,7 @@ struct supervisor_state : gather_host, recovery_host, group_host {
   void lose_work(int32_t, const caf::error& lost) override {
     // A step in flight tells the engine that the KV cache is gone (it fails below);
     // without one, the next step does.
-    kv_lost = !gathers->claim_any("execute_model");
-    tables_lost = true;
+    cache_loss.replaced(gathers->claim_any("execute_model"));
     gathers->fail_all(lost);
     loop->lost(lost);
   }
