@@ -354,19 +354,6 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
       st.loop_task = self->make_response_promise<caf::ok_atom, caf::message>();
       return st.loop_task;
     },
-    on_call<blocks_query>(self),
-    on_call<cache_init>(self),
-    on_call<health_query>(self),
-    on_call<collective_prepare>(self),
-    on_call<collective_connect>(self),
-    on_call<sleep_request>(self),
-    on_call<wake_request>(self),
-    on_call<staged_save>(self),
-    on_call<staged_finish>(self),
-    on_call<adapter_request>(self),
-    on_call<adapter_change>(self),
-    on_call<adapter_list>(self),
-    on_call<adapter_tokens>(self),
     [=](call_atom, const local_call& call) -> caf::result<caf::ok_atom, caf::message> {
       if (refused(self))
         return refusal();
@@ -469,7 +456,13 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
       // Otherwise the loop already ended (by an error): nothing to do.
       st.newest_loop = std::max(st.newest_loop, loop_id);
     },
-  };
+    // The library's calls, after the handlers of every step and named call: a message is
+    // matched against the handlers in order, and these are rare.
+    on_call<blocks_query>(self), on_call<cache_init>(self), on_call<health_query>(self),
+    on_call<collective_prepare>(self), on_call<collective_connect>(self),
+    on_call<sleep_request>(self), on_call<wake_request>(self), on_call<staged_save>(self),
+    on_call<staged_finish>(self), on_call<adapter_request>(self), on_call<adapter_change>(self),
+    on_call<adapter_list>(self), on_call<adapter_tokens>(self)};
 }
 
 } // namespace

@@ -667,12 +667,16 @@ std::map<int64_t, int64_t> llm::load_adapters(const std::vector<generation_reque
   if (!prompt_adapters.empty()) {
     auto loaded = exec.list_prompt_adapters();
     for (auto& [id, req] : prompt_adapters) {
-      if (std::find(loaded.begin(), loaded.end(), id) == loaded.end())
-        exec.add_prompt_adapter(req);
-      // The workers read the adapter: as many placeholders as they found virtual tokens.
+      // The workers read the adapter: as many placeholders as they found virtual tokens,
+      // asked again whenever it is added (another program may have put another adapter
+      // under the id meanwhile, through the executor).
       auto known = d.virtual_tokens.find(id);
+      if (std::find(loaded.begin(), loaded.end(), id) == loaded.end()) {
+        exec.add_prompt_adapter(req);
+        known = d.virtual_tokens.end();
+      }
       if (known == d.virtual_tokens.end())
-        known = d.virtual_tokens.emplace(id, exec.prompt_adapter_virtual_tokens(id)).first;
+        known = d.virtual_tokens.insert_or_assign(id, exec.prompt_adapter_virtual_tokens(id)).first;
       virtual_tokens[id] = known->second;
     }
   }

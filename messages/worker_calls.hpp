@@ -165,10 +165,11 @@ TROUPE_WORKER_CALL(collective_connect, void, "connect_collective")
 TROUPE_WORKER_CALL(sleep_request, void, "sleep")
 TROUPE_WORKER_CALL(wake_request, void, "wake_up")
 TROUPE_WORKER_CALL(staged_save, void, "save_sharded_state")
-TROUPE_WORKER_CALL(staged_finish, void, "finish_sharded_state")
-TROUPE_WORKER_CALL(adapter_request, bool, "add_adapter")
-TROUPE_WORKER_CALL(adapter_change, bool, "change_adapter")
-TROUPE_WORKER_CALL(adapter_list, std::vector<int64_t>, "list_adapters")
+TROUPE_WORKER_CALL(staged_finish, void, "save_sharded_state")
+// The adapter calls name their method by kind (`method_name` below).
+TROUPE_WORKER_CALL(adapter_request, bool, "add_lora or add_prompt_adapter")
+TROUPE_WORKER_CALL(adapter_change, bool, "remove_ or pin_ of a kind")
+TROUPE_WORKER_CALL(adapter_list, std::vector<int64_t>, "list_loras or list_prompt_adapters")
 TROUPE_WORKER_CALL(adapter_tokens, int32_t, "prompt_adapter_virtual_tokens")
 
 #undef TROUPE_WORKER_CALL

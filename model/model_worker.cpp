@@ -3,6 +3,7 @@
 #include "kernels/platform.hpp"
 #include "kernels/sampler.hpp"
 #include "model/adapter_slots.hpp"
+#include "model/adapters.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config.hpp"
 #include "model/kv_cache.hpp"
@@ -389,14 +390,21 @@ std::vector<int64_t> model_worker::list_loras() {
 bool model_worker::add_prompt_adapter(const prompt_adapter_request& request) {
   require_model("add_prompt_adapter");
   require_awake("add_prompt_adapter");
+  // The count goes with the request the slots keep, so that a reload (after an eviction,
+  // a level-2 sleep) checks the files against it again.
+  auto checked = request;
+  if (checked.prompt_adapter_num_virtual_tokens == 0)
+    checked.prompt_adapter_num_virtual_tokens = static_cast<int32_t>(
+      read_prompt_tuning_config(request.prompt_adapter_local_path).num_virtual_tokens);
   auto load = prompt_adapter_loader(*state_->model, options_.max_prompt_adapter_token);
-  auto& counts = state_->virtual_tokens;
-  state_->prompt_adapters.add(
-    request.prompt_adapter_id, request, [&](const prompt_adapter_request& r) {
-      auto loaded = load(r);
-      counts[r.prompt_adapter_id] = static_cast<int32_t>(loaded.num_virtual_tokens);
-      return loaded;
-    });
+  bool loaded = false;
+  state_->prompt_adapters.add(checked.prompt_adapter_id, checked,
+                              [&](const prompt_adapter_request& r) {
+                                loaded = true;
+                                return load(r);
+                              });
+  if (loaded) // else the id's adapter was in its slot already, and keeps its count
+    state_->virtual_tokens[checked.prompt_adapter_id] = checked.prompt_adapter_num_virtual_tokens;
   return true;
 }
 

@@ -31,7 +31,7 @@ struct node_grant {
 };
 
 /// Connects to node `n` (the secret proved before any BASP byte, or TLS), proves the
-/// secret to its gate and leases `count` workers of `cfg.node_worker_kind` for `holder`
+/// secret to its gate and leases `count` workers of `cfg.cluster.node_worker_kind` for `holder`
 /// (the actor whose end releases them), then opens the call link to them (proving the
 /// secret or, under TLS, the executor's certificate), all before
 /// `deadline`. `self` makes the requests and blocks for the replies: the facade's scoped
@@ -46,7 +46,7 @@ std::string node_name(const node_address& n);
 
 /// A helper actor's body: answers one `lease_atom` with a worker leased from the first of
 /// `candidates` that gives one, and its index, or an error naming what each said. Each is
-/// asked for at most `cfg.node_timeout` (a lease only spawns an actor: a node that is up
+/// asked for at most `cfg.cluster.node_timeout` (a lease only spawns an actor: a node that is up
 /// answers at once, a stopped one never); everything ends by `deadline`, and no candidate
 /// is asked once `cancelled` is set. The call link to the worker leased, if any, is left
 /// in `link` before the reply.

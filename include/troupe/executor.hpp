@@ -57,7 +57,7 @@ class executor {
 public:
   /// Starts an actor system, spawns the local workers (each creates its worker object with
   /// `factory` on its own thread, binds its device and loads its model), connects to the
-  /// remote ones in `cfg.remote_workers`. Blocks until every worker is ready or
+  /// remote ones in `cfg.cluster.remote_workers`. Blocks until every worker is ready or
   /// `cfg.startup_timeout` passes. Throws `troupe::error` when a worker cannot start.
   executor(executor_config cfg, worker_factory factory);
 

@@ -36,7 +36,9 @@ load_format_kind parse_load_format(std::string_view name);
 /// How the CPU multiplies weights kept in a block format (see
 /// `model_worker_options::cpu_precision`).
 enum class cpu_precision_kind : uint8_t {
+  /// "exact": float32 activations against the weights as stored.
   exact = 0,
+  /// "fast": weights repacked, activations rounded to 8-bit integers or bfloat16.
   fast = 1,
 };
 

@@ -175,7 +175,10 @@ public:
 
   // -- the method registry ------------------------------------------------------
 
-  /// Registers (or replaces) a named method.
+  /// Registers (or replaces) a named method, for `collective_rpc` by name. The executor's
+  /// own calls (sleep, wake_up, initialize_cache, check_health, the adapters, ...) reach the
+  /// virtual methods above directly: a method registered under one of their names changes
+  /// only what `collective_rpc` of that name does.
   void register_method(const std::string& name, worker_method fn);
 
   /// Whether a method of that name exists.
