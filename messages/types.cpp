@@ -94,10 +94,9 @@ const char* to_string(device_kind kind) {
 }
 
 device_kind parse_device_kind(std::string_view name) {
-  if (name == "cpu")
-    return device_kind::cpu;
-  if (name == "cuda")
-    return device_kind::cuda;
+  const device_kind kinds[] = {device_kind::cpu, device_kind::cuda};
+  if (auto kind = value_named(name, kinds))
+    return *kind;
   throw error{errc::invalid_argument,
               "device kind '" + std::string{name} + "' is not known (\"cpu\" or \"cuda\")"};
 }
@@ -135,10 +134,7 @@ const char* to_string(memory_tag tag) {
 }
 
 std::optional<memory_tag> parse_memory_tag(std::string_view name) {
-  for (auto tag : all_memory_tags)
-    if (name == to_string(tag))
-      return tag;
-  return std::nullopt;
+  return value_named(name, all_memory_tags);
 }
 
 std::vector<int32_t> step_positions(const sequence_data& seq, int32_t token_chunk_size) {

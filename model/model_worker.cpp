@@ -135,9 +135,9 @@ const char* to_string(load_format_kind format) {
 }
 
 load_format_kind parse_load_format(std::string_view name) {
-  for (auto k : {load_format_kind::automatic, load_format_kind::sharded_state})
-    if (name == to_string(k))
-      return k;
+  const load_format_kind formats[] = {load_format_kind::automatic, load_format_kind::sharded_state};
+  if (auto format = value_named(name, formats))
+    return *format;
   throw error{errc::invalid_argument,
               "load format '" + std::string{name} + "' is not known (auto, sharded_state)"};
 }
@@ -147,9 +147,9 @@ const char* to_string(cpu_precision_kind precision) {
 }
 
 cpu_precision_kind parse_cpu_precision(std::string_view name) {
-  for (auto k : {cpu_precision_kind::exact, cpu_precision_kind::fast})
-    if (name == to_string(k))
-      return k;
+  const cpu_precision_kind precisions[] = {cpu_precision_kind::exact, cpu_precision_kind::fast};
+  if (auto precision = value_named(name, precisions))
+    return *precision;
   throw error{errc::invalid_argument,
               "cpu_precision '" + std::string{name} + "' is neither exact nor fast"};
 }

@@ -8,6 +8,7 @@
 
 #include <caf/meta/type_name.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -25,6 +26,16 @@ enum class memory_tag : uint8_t {
   /// The paged KV cache: discarded by every sleep, zeroed on wake-up.
   kv_cache = 1,
 };
+
+/// The one of `values` (an enum's values, each named by its `to_string`) that is called
+/// `name`; none when no value is. The parsers of the closed sets read names through this.
+template <class E, size_t N>
+std::optional<E> value_named(std::string_view name, const E (&values)[N]) {
+  for (auto v : values)
+    if (name == to_string(v))
+      return v;
+  return std::nullopt;
+}
 
 /// Every tag, in order.
 inline constexpr memory_tag all_memory_tags[] = {memory_tag::weights, memory_tag::kv_cache};
