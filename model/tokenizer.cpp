@@ -1213,11 +1213,11 @@ void tokenizer::decode_into(const int32_t* ids, size_t count, bool skip_special,
 }
 
 std::string tokenizer::token_bytes(int32_t id) const {
-  if (id < 0 || static_cast<size_t>(id) >= id_to_token_.size())
-    throw error{errc::invalid_argument, "tokenizer: id " + std::to_string(id) +
-                                          " is outside the vocabulary of " +
-                                          std::to_string(id_to_token_.size())};
-  return pipeline_->decode({id_to_token_[static_cast<size_t>(id)]}, true);
+  check_id(id);
+  auto i = static_cast<size_t>(id);
+  if (!piece_at_.empty()) // the same decoding, made once at load
+    return piece_bytes_.substr(piece_at_[i], piece_at_[i + 1] - piece_at_[i]);
+  return pipeline_->decode({id_to_token_[i]}, true);
 }
 
 std::vector<std::vector<int32_t>> bad_words_token_ids(const tokenizer& tok,
