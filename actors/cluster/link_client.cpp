@@ -87,8 +87,12 @@ std::shared_ptr<link_client> link_client::open(const std::string& host, uint16_t
   std::string why;
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
     deadline - std::chrono::steady_clock::now());
-  if (!socket->write(link_socket::hello, 0, 0, std::vector<char>(token.begin(), token.end())) ||
-      !socket->wait(
+  // A node that closed the connection refused it, whether its close came before the hello
+  // went (the write fails) or after (the read finds no hello back).
+  if (!socket->write(link_socket::hello, 0, 0, std::vector<char>(token.begin(), token.end())))
+    throw error{errc::invalid_argument,
+                name + " refused the call link (it closed the connection before the hello)"};
+  if (!socket->wait(
         std::max(left, std::chrono::milliseconds(1)), [] { return false; }, -1, true))
     throw error{errc::worker_died, name + ": no answer to the call link's hello in time"};
   if (!socket->read(ack, why) || ack.type != link_socket::hello)
