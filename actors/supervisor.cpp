@@ -1,8 +1,8 @@
 // The supervisor actor of an executor: supervision and the replacement of dead workers
 // over the calls in flight of its `gather_table`, with the objects that each keep one part
 // of the workers' common state (`recovery`, `execution_loop`, `sleep_control`,
-// `adapter_log`). Its interface is `supervisor_actor` (messages/protocols.hpp); each
-// handler calls one member function of its state.
+// `adapter_log`) or one kind of call (`collective_calls`, `worker_group`). Its interface is
+// `supervisor_actor` (messages/protocols.hpp); each handler calls one member function of its state.
 
 #include "actors/supervisor.hpp"
 
@@ -11,11 +11,11 @@
 #include "actors/cluster/node_auth.hpp"
 #include "actors/cluster/remoting.hpp"
 #include "actors/cluster/worker_routes.hpp"
+#include "actors/collective_calls.hpp"
 #include "actors/execution_loop.hpp"
 #include "actors/gather_table.hpp"
 #include "actors/lost_cache.hpp"
 #include "actors/recovery.hpp"
-#include "actors/reductions.hpp"
 #include "actors/reply_sink.hpp"
 #include "actors/sharded_save.hpp"
 #include "actors/sleep_control.hpp"
@@ -31,7 +31,6 @@
 #include <chrono>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 
 namespace troupe {
@@ -43,16 +42,6 @@ using supervisor_self = supervisor_actor::stateful_pointer<supervisor_state>;
 
 template <class... Ts>
 using promise = caf::typed_response_promise<Ts...>;
-
-/// The deadline of a call; the facade has already refused zero and negative ones.
-timeout_type from_us(int64_t us) {
-  return us == wait_forever.count() ? wait_forever : timeout_type{std::max<int64_t>(us, 1)};
-}
-
-caf::error invalid_id(const char* what, int64_t id) {
-  return caf::make_error(errc::invalid_argument,
-                         std::string{what} + " must be greater than 0, got " + std::to_string(id));
-}
 
 /// "node HOST:PORT" or "worker host HOST:PORT": where a remote worker runs.
 std::string place_name(const worker_place& place) {
@@ -79,14 +68,14 @@ struct supervisor_state : gather_host, recovery_host, group_host {
   std::unique_ptr<worker_maker> maker;
   /// The workers as one tensor-parallel group (made with `gathers`).
   std::unique_ptr<worker_group> group;
-  /// The blocks of the last initialize_cache.
-  std::optional<cache_blocks> cache;
   /// The adapter calls a replacement repeats (made with `gathers`).
   std::unique_ptr<adapter_log> adapters;
   /// What a replacement took from the steps.
   lost_cache cache_loss;
   /// Where a replacement stands, and what waits for it (made with `gathers`).
   std::unique_ptr<recovery> recov;
+  /// The calls answered by one gather to every worker (made with `adapters`).
+  std::unique_ptr<collective_calls> calls;
   /// Where the workers' replies of direct gathers go.
   std::unique_ptr<reply_sink> sink;
   /// Where each rank's messages go (its worker, or its call link's stub).
@@ -158,14 +147,6 @@ struct supervisor_state : gather_host, recovery_host, group_host {
     return w.node() == self->node();
   }
 
-  /// The current request, answered at once with `err`.
-  template <class... Ts>
-  promise<Ts...> refuse(caf::error err) {
-    auto rp = self->template make_response_promise<Ts...>();
-    rp.deliver(std::move(err));
-    return rp;
-  }
-
   /// A promise for the current request: failed at once when the executor is, else handed
   /// to `answer`, which delivers it.
   template <class F>
@@ -175,26 +156,6 @@ struct supervisor_state : gather_host, recovery_host, group_host {
       rp.deliver(failure);
     else
       answer(rp);
-    return rp;
-  }
-
-  /// Makes `call` on every worker with the default deadline; `reduce` turns the replies
-  /// into the answer (throwing `troupe::error` to refuse them).
-  template <class T, class Call>
-  promise<T> call_all(const Call& call, std::function<T(std::vector<caf::message>&)> reduce) {
-    auto rp = self->template make_response_promise<T>();
-    gathers->start(method_name(call), all_ranks(), typed_call(call), cfg.rpc_timeout, 0,
-                   [=](gather_result res) mutable {
-                     if (!res) {
-                       rp.deliver(res.error());
-                       return;
-                     }
-                     try {
-                       rp.deliver(reduce(*res));
-                     } catch (const error& e) {
-                       rp.deliver(caf::make_error(e.code(), std::string{e.what()}));
-                     }
-                   });
     return rp;
   }
 
@@ -247,74 +208,6 @@ struct supervisor_state : gather_host, recovery_host, group_host {
     return rp;
   }
 
-  /// collective_rpc of a named method, answered through `reply` (see `start_direct_gather`).
-  void collective(const std::string& method, caf::message args, caf::settings kwargs,
-                  const rpc_options& opts, timeout_type timeout,
-                  reply_to<std::vector<caf::message>> reply) {
-    auto label = "collective_rpc '" + method + "'";
-    if (opts.max_concurrent_workers > 0)
-      gathers->start(std::move(label), all_ranks(), calling(method, args, kwargs), timeout,
-                     static_cast<size_t>(opts.max_concurrent_workers), std::move(reply));
-    else
-      gathers->start_direct(
-        std::move(label), all_ranks(),
-        worker_request(call_atom::value, method, std::move(args), std::move(kwargs)), timeout,
-        std::move(reply));
-  }
-
-  /// collective_rpc: every reply, in rank order.
-  promise<std::vector<caf::message>> collective(std::string label, ask_fn ask,
-                                                const rpc_options& opts) {
-    auto rp = self->template make_response_promise<std::vector<caf::message>>();
-    gathers->start(std::move(label), all_ranks(), std::move(ask), from_us(opts.timeout_us),
-                   static_cast<size_t>(std::max(opts.max_concurrent_workers, 0)),
-                   [=](gather_result res) mutable {
-                     if (res)
-                       rp.deliver(std::move(*res));
-                     else
-                       rp.deliver(res.error());
-                   });
-    return rp;
-  }
-
-  /// collective_rpc with a callable: refused when any worker lives in another process.
-  promise<std::vector<caf::message>> collective_callable(local_call call, const rpc_options& opts) {
-    std::string remote;
-    for (size_t rank = 0; rank < workers.size(); ++rank)
-      if (!is_local(workers[rank]))
-        remote += (remote.empty() ? "" : ", ") + std::to_string(rank);
-    if (!remote.empty())
-      return refuse<std::vector<caf::message>>(caf::make_error(
-        errc::remote_callable, "callable '" + call.label + "' cannot run on rank(s) " + remote +
-                                 ": they live in another process and callables are never "
-                                 "serialised; register a named method instead"));
-    auto label = "collective_rpc callable '" + call.label + "'";
-    return collective(std::move(label), asking(call_atom::value, std::move(call)), opts);
-  }
-
-  /// determine_num_available_blocks: the least over the workers of both numbers.
-  promise<cache_blocks> available_blocks() {
-    return call_all<cache_blocks>(blocks_query{}, least_blocks);
-  }
-
-  promise<caf::ok_atom> initialize_cache(cache_blocks blocks) {
-    if (blocks.num_device_blocks <= 0 || blocks.num_swap_blocks < 0)
-      return refuse<caf::ok_atom>(caf::make_error(
-        errc::invalid_argument,
-        "initialize_cache needs num_device_blocks > 0 and num_swap_blocks >= 0, got " +
-          std::to_string(blocks.num_device_blocks) + " and " +
-          std::to_string(blocks.num_swap_blocks)));
-    log->info("# device blocks: {}, # CPU blocks: {}", blocks.num_device_blocks,
-              blocks.num_swap_blocks);
-    auto concurrency =
-      static_cast<double>(blocks.num_device_blocks) * cfg.block_size / cfg.max_model_len;
-    log->info("Maximum concurrency for {} tokens per request: {:.2f}x", cfg.max_model_len,
-              concurrency);
-    cache = blocks;
-    return call_all<caf::ok_atom>(cache_init{blocks},
-                                  [](std::vector<caf::message>&) { return caf::ok_atom::value; });
-  }
-
   /// save_sharded_state, all or nothing (see `save_sharded`).
   promise<caf::ok_atom> save_sharded_state(sharded_state_request req) {
     auto rp = self->template make_response_promise<caf::ok_atom>();
@@ -326,45 +219,6 @@ struct supervisor_state : gather_host, recovery_host, group_host {
                      rp.deliver(caf::ok_atom::value);
                  });
     return rp;
-  }
-
-  /// add, remove or pin of an adapter: true when every worker said true. The id is checked
-  /// first (vLLM asserts it; here it is an error).
-  template <class Call>
-  promise<bool> all_true(Call call) {
-    if (call.id <= 0)
-      return refuse<bool>(invalid_id(
-        call.kind == adapter_kind::prompt_adapter ? "prompt_adapter_id" : "lora_id", call.id));
-    auto* st = this;
-    return call_all<bool>(call, [st, call](std::vector<caf::message>& replies) {
-      bool all = troupe::all_true(method_name(call), replies);
-      if (all)
-        st->adapters->note(call);
-      return all;
-    });
-  }
-
-  /// list_loras / list_prompt_adapters: every worker must hold the same set.
-  promise<std::vector<int64_t>> same_set(adapter_list call) {
-    return call_all<std::vector<int64_t>>(call, [call](std::vector<caf::message>& replies) {
-      return troupe::same_set(method_name(call), replies);
-    });
-  }
-
-  /// prompt_adapter_virtual_tokens: every worker must say the same.
-  promise<int32_t> virtual_tokens(adapter_tokens call) {
-    return call_all<int32_t>(call, [call](std::vector<caf::message>& replies) {
-      return same_count(method_name(call), replies);
-    });
-  }
-
-  /// check_health: every report in rank order, or an error naming the unhealthy ranks.
-  promise<std::vector<worker_health>> check_health() {
-    auto* st = this;
-    return call_all<std::vector<worker_health>>(
-      health_query{}, [st](std::vector<caf::message>& replies) {
-        return all_healthy(replies, [st](size_t rank) { return st->recov->restarts(rank); });
-      });
   }
 
   // -- the execution loop -------------------------------------------------------------
@@ -519,7 +373,7 @@ struct supervisor_state : gather_host, recovery_host, group_host {
       for (auto& c : cfg.replacement_calls())
         steps.push_back(step(c.method, {rank}, calling(c.method, c.args, c.kwargs)));
     steps.push_back([st](std::function<void(caf::error)> next) { st->group->form(next); });
-    if (cache)
+    if (auto& cache = calls->cache())
       steps.push_back(step("initialize_cache", {rank}, typed_call(cache_init{*cache})));
     adapters->catch_up(rank, steps);
     for (auto& [method, ask] : sleep->catch_up())
@@ -572,8 +426,8 @@ struct supervisor_state : gather_host, recovery_host, group_host {
 void supervisor_access::collective_rpc(const std::string& method, caf::message args,
                                        caf::settings kwargs, const rpc_options& opts,
                                        reply_to<std::vector<caf::message>> reply) {
-  state->collective(method, std::move(args), std::move(kwargs), opts,
-                    within(from_us(opts.timeout_us)), std::move(reply));
+  state->calls->named(method, std::move(args), std::move(kwargs), opts,
+                      within(from_us(opts.timeout_us)), std::move(reply));
 }
 
 void supervisor_access::execute_model(execute_model_request req, timeout_type timeout,
@@ -601,6 +455,9 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
   st.group = std::make_unique<worker_group>(*st.gathers, st, st.cfg, st.all_ranks());
   st.adapters =
     std::make_unique<adapter_log>(*st.gathers, st.all_ranks(), st.cfg.startup_timeout, st.log);
+  st.calls = std::make_unique<collective_calls>(
+    self, *st.gathers, st.all_ranks(), st.cfg, *st.adapters, *st.recov,
+    [&st](size_t rank) { return st.in_process(rank); }, st.log);
   st.sleep =
     std::make_unique<sleep_control>(*st.gathers, st.all_ranks(), st.cfg.rpc_timeout, st.log);
   st.loop = std::make_unique<execution_loop>(
@@ -618,17 +475,21 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
   return {
     [self](init_atom) { return self->state.init_workers(); },
     [self](rpc_atom, local_call call, rpc_options opts) {
-      return self->state.collective_callable(std::move(call), opts);
+      return self->state.calls->callable(std::move(call), opts);
     },
-    [self](blocks_atom) { return self->state.available_blocks(); },
-    [self](init_cache_atom, cache_blocks blocks) { return self->state.initialize_cache(blocks); },
+    [self](blocks_atom) { return self->state.calls->available_blocks(); },
+    [self](init_cache_atom, cache_blocks blocks) {
+      return self->state.calls->initialize_cache(blocks);
+    },
     [self](save_state_atom, sharded_state_request req) {
       return self->state.save_sharded_state(std::move(req));
     },
-    [self](all_true_atom, adapter_request call) { return self->state.all_true(std::move(call)); },
-    [self](all_true_atom, adapter_change call) { return self->state.all_true(call); },
-    [self](same_set_atom, adapter_list call) { return self->state.same_set(call); },
-    [self](agree_atom, adapter_tokens call) { return self->state.virtual_tokens(call); },
+    [self](all_true_atom, adapter_request call) {
+      return self->state.calls->all_true(std::move(call));
+    },
+    [self](all_true_atom, adapter_change call) { return self->state.calls->all_true(call); },
+    [self](same_set_atom, adapter_list call) { return self->state.calls->same_set(call); },
+    [self](agree_atom, adapter_tokens call) { return self->state.calls->virtual_tokens(call); },
     [self](stop_loop_atom) { return self->state.stop_loop(); },
     [self](sleep_atom, sleep_request req) { return self->state.fall_asleep(req); },
     [self](wake_atom, std::vector<std::string> tags) {
@@ -636,7 +497,7 @@ supervisor(supervisor_self self, executor_config cfg, std::vector<worker_actor> 
     },
     [self](sleep_state_atom) { return self->state.sleep->sleeping_tag_names(); },
     [self](recovery_atom) { return self->state.recovery_status(); },
-    [self](health_atom) { return self->state.check_health(); },
+    [self](health_atom) { return self->state.calls->check_health(); },
     [self](deadline_atom, int64_t at) { self->state.check_deadlines(at); },
     [self](async_call& call) { self->state.run_call(std::move(call)); },
     [self](replace_atom, int32_t rank) {
