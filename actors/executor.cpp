@@ -574,7 +574,7 @@ void executor::impl::lease_from_nodes(std::vector<worker_actor>& workers,
   for (auto& n : cfg.cluster.nodes) {
     auto grant = lease_workers(self.ptr(), cfg, n, n.workers, lease_holder, deadline);
     for (auto& w : grant.workers) {
-      workers.push_back(caf::actor_cast<worker_actor>(std::move(w)));
+      workers.push_back(w);
       leased_workers.push_back(workers.back());
       places.push_back({"node", n.host, n.port, grant.link});
     }

@@ -22,7 +22,6 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -34,38 +33,49 @@ using error_fn = std::function<void(caf::error&)>;
 using ask_fn =
   std::function<void(supervisor_actor::pointer, const worker_actor&, reply_fn, error_fn)>;
 
-/// The request `xs...` as a gather sends it to each worker (checked against the worker's
-/// interface where it is made). No CAF timeout: the gather's deadline covers it.
+namespace detail {
+
+/// Hands a worker's reply `(ok_atom, rs...)` on as the message of `rs...` (a reply that is
+/// a message already, a named method's, as it is).
+template <class Reply>
+struct hand_on;
+
+template <class... Rs>
+struct hand_on<caf::detail::type_list<caf::ok_atom, Rs...>> {
+  static auto to(reply_fn ok) {
+    return [ok = std::move(ok)](caf::ok_atom, Rs&... rs) {
+      auto m = caf::make_message(std::move(rs)...);
+      ok(caf::ok_atom::value, m);
+    };
+  }
+};
+
+template <>
+struct hand_on<caf::detail::type_list<caf::ok_atom, caf::message>> {
+  static reply_fn to(reply_fn ok) {
+    return ok;
+  }
+};
+
+} // namespace detail
+
+/// The request `xs...` as a gather sends it to each worker, checked against the worker's
+/// interface; its reply is handed on as a message of what follows the `ok_atom`. No CAF
+/// timeout: the gather's deadline covers it.
 template <class... Ts>
 ask_fn asking(Ts... xs) {
+  using reply =
+    caf::response_type_unbox_t<caf::signatures_of_t<worker_actor>, caf::detail::type_list<Ts...>>;
   return [=](supervisor_actor::pointer self, const worker_actor& w, reply_fn ok, error_fn fail) {
-    self->request(w, caf::infinite, xs...).then(std::move(ok), std::move(fail));
+    self->request(w, caf::infinite, xs...)
+      .then(detail::hand_on<reply>::to(std::move(ok)), std::move(fail));
   };
 }
 
-/// A call of the library's own (`messages/worker_calls.hpp`) as a gather's request; its
-/// reply is handed on as a message of the call's reply type (none for `void`).
+/// A call of the library's own (`messages/worker_calls.hpp`) as a gather's request.
 template <class Call>
 ask_fn typed_call(Call call) {
-  using reply = typename call_traits<Call>::reply;
-  return [call = std::move(call)](supervisor_actor::pointer self, const worker_actor& w,
-                                  reply_fn ok, error_fn fail) {
-    auto sent = self->request(w, caf::infinite, call_atom::value, call);
-    if constexpr (std::is_void_v<reply>)
-      sent.then(
-        [ok](caf::ok_atom) {
-          caf::message none;
-          ok(caf::ok_atom::value, none);
-        },
-        std::move(fail));
-    else
-      sent.then(
-        [ok](caf::ok_atom, reply& r) {
-          auto m = caf::make_message(std::move(r));
-          ok(caf::ok_atom::value, m);
-        },
-        std::move(fail));
-  };
+  return asking(call_atom::value, std::move(call));
 }
 
 /// A named method of the workers, as a gather's request (users' methods; the library's

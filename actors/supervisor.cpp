@@ -161,20 +161,17 @@ struct supervisor_state : gather_host, recovery_host, group_host {
 
   // -- what the group asks of the supervisor -------------------------------------------
 
-  std::vector<caf::actor> members() const override {
-    std::vector<caf::actor> handles;
-    for (auto& w : workers)
-      handles.push_back(caf::actor_cast<caf::actor>(w));
-    return handles;
+  worker_handles members() const override {
+    return {workers};
   }
 
   /// A driver of this process sends its steps to the stubs of linked peers, so that they
   /// share the link's stream with what the supervisor sends them.
-  std::vector<caf::actor> driver_peers() const override {
-    std::vector<caf::actor> peers;
+  worker_handles driver_peers() const override {
+    worker_handles peers;
     bool local = !workers.empty() && is_local(workers[0]);
     for (size_t i = 1; i < workers.size(); ++i)
-      peers.push_back(caf::actor_cast<caf::actor>(local ? target(i) : workers[i]));
+      peers.ranks.push_back(local ? target(i) : workers[i]);
     return peers;
   }
 

@@ -53,7 +53,7 @@ struct worker_actor_state {
   std::vector<worker_actor> peers;
   int32_t rank = -1;
   /// The parallel worker task of vLLM: answered when the execution loop stops.
-  caf::typed_response_promise<caf::ok_atom, caf::message> loop_task;
+  caf::typed_response_promise<caf::ok_atom, int64_t> loop_task;
   /// Id of the running loop; 0 when none runs.
   int64_t loop_id = 0;
   /// The highest loop id this worker has heard of (started or stopped).
@@ -262,7 +262,7 @@ void end_loop(worker_self self, caf::error err) {
   if (err)
     st.loop_task.deliver(std::move(err));
   else
-    st.loop_task.deliver(caf::ok_atom::value, caf::make_message(st.loop_steps));
+    st.loop_task.deliver(caf::ok_atom::value, st.loop_steps);
   // A delivered promise still holds the requester; let it go.
   st.loop_task = {};
 }
@@ -289,20 +289,19 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
   }
   return {
     [=](init_atom, worker_context ctx,
-        std::vector<caf::actor> peers) -> caf::result<caf::ok_atom, caf::message> {
+        worker_handles& peers) -> caf::result<caf::ok_atom, worker_info> {
       auto& st = self->state;
       if (refused(self))
         return refusal();
       if (!st.allowed.empty())
-        for (auto& peer : peers)
+        for (auto& peer : peers.ranks)
           st.allowed.insert(peer.node());
       if (st.obj)
         return caf::make_error(errc::invalid_argument,
                                "rank " + std::to_string(st.rank) + ": worker already initialised");
       st.rank = ctx.rank;
       st.linger = std::clamp(timeout_type{ctx.linger_us}, timeout_type::zero(), max_linger);
-      for (auto& peer : peers)
-        st.peers.push_back(caf::actor_cast<worker_actor>(peer));
+      st.peers = std::move(peers.ranks);
       if (st.placement) {
         ctx.device_type = st.placement->device_type;
         ctx.device_index = st.placement->device_index;
@@ -322,7 +321,7 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
       st.watch->set(st.obj.get());
       auto info = st.obj->info();
       st.log->debug("rank {} ready on {} (pid {})", info.rank, info.device, info.pid);
-      return {caf::ok_atom::value, caf::make_message(std::move(info))};
+      return {caf::ok_atom::value, std::move(info)};
     },
     [=](call_atom, const std::string& method, const caf::message& args,
         const caf::settings& kwargs) -> caf::result<caf::ok_atom, caf::message> {
@@ -331,7 +330,7 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
       linger_after(self);
       return guarded(self, method, [&](worker& w) { return w.call(method, args, kwargs); });
     },
-    [=](loop_atom, int64_t id) -> caf::result<caf::ok_atom, caf::message> {
+    [=](loop_atom, int64_t id) -> caf::result<caf::ok_atom, int64_t> {
       auto& st = self->state;
       if (refused(self))
         return refusal();
@@ -343,7 +342,7 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
                                  std::to_string(id));
       st.newest_loop = std::max(st.newest_loop, id);
       if (st.early_stops.erase(id) > 0)
-        return {caf::ok_atom::value, caf::make_message(int64_t{0})};
+        return {caf::ok_atom::value, int64_t{0}};
       if (st.loop_id != 0)
         end_loop(self, caf::make_error(errc::worker_error,
                                        "rank " + std::to_string(st.rank) + ": execution loop " +
@@ -351,7 +350,7 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
                                          std::to_string(id)));
       st.loop_id = id;
       st.loop_steps = 0;
-      st.loop_task = self->make_response_promise<caf::ok_atom, caf::message>();
+      st.loop_task = self->make_response_promise<caf::ok_atom, int64_t>();
       return st.loop_task;
     },
     [=](call_atom, const local_call& call) -> caf::result<caf::ok_atom, caf::message> {
@@ -389,12 +388,12 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
         });
       });
     },
-    [=](execute_atom, stop_loop_atom, int64_t loop_id) -> caf::result<caf::ok_atom, caf::message> {
+    [=](execute_atom, stop_loop_atom, int64_t loop_id) -> caf::result<caf::ok_atom> {
       if (refused(self))
         return refusal();
       for (auto& peer : self->state.peers)
         self->send(peer, step_atom::value, stop_loop_atom::value, loop_id);
-      return {caf::ok_atom::value, caf::message{}};
+      return caf::ok_atom::value;
     },
     [=](step_atom, const execute_model_request& req) {
       auto& st = self->state;
@@ -414,24 +413,22 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
       }
     },
     [=](linger_atom) { linger(self); },
-    [=](peers_atom, std::vector<caf::actor> peers) -> caf::result<caf::ok_atom, caf::message> {
+    [=](peers_atom, worker_handles& peers) -> caf::result<caf::ok_atom> {
       auto& st = self->state;
       if (refused(self))
         return refusal();
-      st.peers.clear();
-      for (auto& peer : peers) {
-        if (!st.allowed.empty())
+      if (!st.allowed.empty())
+        for (auto& peer : peers.ranks)
           st.allowed.insert(peer.node());
-        st.peers.push_back(caf::actor_cast<worker_actor>(peer));
-      }
-      return {caf::ok_atom::value, caf::message{}};
+      st.peers = std::move(peers.ranks);
+      return caf::ok_atom::value;
     },
-    [=](group_atom, std::vector<caf::actor> members) -> caf::result<caf::ok_atom, caf::message> {
+    [=](group_atom, const worker_handles& members) -> caf::result<caf::ok_atom> {
       auto& st = self->state;
       if (refused(self))
         return refusal();
-      for (size_t rank = 0; rank < members.size(); ++rank) {
-        auto& member = members[rank];
+      for (size_t rank = 0; rank < members.ranks.size(); ++rank) {
+        auto& member = members.ranks[rank];
         if (!member || member.address() == self->address() ||
             !st.watched.insert(member.address()).second)
           continue;
@@ -443,7 +440,7 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
             w->abort("rank " + std::to_string(rank) + " went down (" + render(reason) + ")");
         });
       }
-      return {caf::ok_atom::value, caf::message{}};
+      return caf::ok_atom::value;
     },
     [=](step_atom, stop_loop_atom, int64_t loop_id) {
       auto& st = self->state;

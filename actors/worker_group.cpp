@@ -10,7 +10,7 @@ worker_group::worker_group(gather_table& gathers, group_host& host, const execut
 
 ask_fn worker_group::init_request(int32_t rank) const {
   return asking(init_atom::value, contexts_[static_cast<size_t>(rank)],
-                rank == 0 ? host_.driver_peers() : std::vector<caf::actor>{});
+                rank == 0 ? host_.driver_peers() : worker_handles{});
 }
 
 void worker_group::start(std::function<void(caf::expected<std::vector<worker_info>>)> done) {

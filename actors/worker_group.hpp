@@ -26,10 +26,10 @@ public:
   virtual ~group_host() = default;
 
   /// The members' handles in rank order (the workers themselves, which peers resolve).
-  virtual std::vector<caf::actor> members() const = 0;
+  virtual worker_handles members() const = 0;
 
   /// The driver's peers (ranks 1..) as its steps reach them.
-  virtual std::vector<caf::actor> driver_peers() const = 0;
+  virtual worker_handles driver_peers() const = 0;
 
   /// Whether `rank`'s worker is of this process.
   virtual bool in_process(size_t rank) const = 0;

@@ -34,11 +34,10 @@ void worker_maker::make(supervisor_actor::pointer self, int32_t rank, std::funct
     auto replacements = replacements_;
     leases_->lease(
       self, {place.host, place.port, 1},
-      [places, replacements, rank, wanted, made](caf::actor& leased, const node_address& n,
+      [places, replacements, rank, wanted, made](worker_actor& fresh, const node_address& n,
                                                  std::shared_ptr<link_client> link) {
         if (!wanted())
           return; // the lease ends with the holder
-        auto fresh = caf::actor_cast<worker_actor>(leased);
         (*places)[static_cast<size_t>(rank)] = {"node", n.host, n.port, std::move(link)};
         {
           std::lock_guard<std::mutex> lk{replacements->mtx};

@@ -1,4 +1,4 @@
-#include "messages/messages.hpp"
+#include "messages/protocols.hpp"
 
 #include "troupe/errors.hpp"
 

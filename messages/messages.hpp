@@ -61,6 +61,9 @@ struct async_call {
   bool admitted = false;
 };
 
+/// The workers of a group in rank order, as typed handles (`messages/protocols.hpp`).
+struct worker_handles;
+
 /// Deadline and fan-out of one collective call (executor-internal).
 struct rpc_options {
   /// Microseconds; `wait_forever.count()` for no deadline.
@@ -147,6 +150,7 @@ CAF_ADD_TYPE_ID(troupe, (troupe::adapter_change))
 CAF_ADD_TYPE_ID(troupe, (troupe::adapter_list))
 CAF_ADD_TYPE_ID(troupe, (troupe::adapter_tokens))
 CAF_ADD_ATOM(troupe, troupe, agree_atom, "t_agree")
+CAF_ADD_TYPE_ID(troupe, (troupe::worker_handles))
 
 CAF_END_TYPE_ID_BLOCK(troupe)
 

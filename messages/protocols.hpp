@@ -34,8 +34,7 @@ using call_signature_t = typename call_signature<Call>::type;
 using worker_actor = caf::typed_actor<
   /// Creates the worker object, binds the device, loads the model; replies `worker_info`.
   /// The driver (rank 0) gets the other ranks as peers, for the execution loop.
-  caf::replies_to<init_atom, worker_context, std::vector<caf::actor>>::with<caf::ok_atom,
-                                                                            caf::message>,
+  caf::replies_to<init_atom, worker_context, worker_handles>::with<caf::ok_atom, worker_info>,
   /// A registered method with its arguments.
   caf::replies_to<call_atom, std::string, caf::message, caf::settings>::with<caf::ok_atom,
                                                                              caf::message>,
@@ -49,23 +48,48 @@ using worker_actor = caf::typed_actor<
   /// An in-process callable (never serialised).
   caf::replies_to<call_atom, local_call>::with<caf::ok_atom, caf::message>,
   /// Joins execution loop `id` (a peer): answered when the loop stops, with its steps.
-  caf::replies_to<loop_atom, int64_t>::with<caf::ok_atom, caf::message>,
+  caf::replies_to<loop_atom, int64_t>::with<caf::ok_atom, int64_t>,
   /// A driver step: handed on to the peers, then computed; replies the sampler outputs.
   caf::replies_to<execute_atom, execute_model_request>::with<caf::ok_atom, caf::message>,
   /// The driver tells every peer to leave loop `id`.
-  caf::replies_to<execute_atom, stop_loop_atom, int64_t>::with<caf::ok_atom, caf::message>,
+  caf::replies_to<execute_atom, stop_loop_atom, int64_t>::with<caf::ok_atom>,
   /// From the driver to a peer in the loop: a step, or the end of loop `id`.
   caf::reacts_to<step_atom, execute_model_request>,
   caf::reacts_to<step_atom, stop_loop_atom, int64_t>,
   /// The driver's new peers, after one was replaced.
-  caf::replies_to<peers_atom, std::vector<caf::actor>>::with<caf::ok_atom, caf::message>,
+  caf::replies_to<peers_atom, worker_handles>::with<caf::ok_atom>,
   /// Every member of the tensor-parallel group, in rank order: a member that goes down
   /// aborts this worker's collective (`worker::abort_collective`), so that a reduction
   /// waiting for it fails at once instead of at the collective's timeout.
-  caf::replies_to<group_atom, std::vector<caf::actor>>::with<caf::ok_atom, caf::message>,
+  caf::replies_to<group_atom, worker_handles>::with<caf::ok_atom>,
   /// A worker's own, after a call: waits a little for the next message before its thread
   /// sleeps.
   caf::reacts_to<linger_atom>>;
+
+/// The workers of a group in rank order (a driver's peers: ranks 1 on). A driver's peer
+/// may be the stub of its call link (`actors/cluster/link_client.hpp`), which takes a
+/// worker's messages on its behalf.
+struct worker_handles {
+  std::vector<worker_actor> ranks;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, worker_handles& x) {
+  return f(caf::meta::type_name("worker_handles"), x.ranks);
+}
+
+/// A node's gate (`actors/cluster/node.cpp`), the one actor a node publishes: an executor
+/// proves the node's secret (a challenge, then its proof) and leases workers.
+using node_gate_actor = caf::typed_actor<
+  /// A challenge for the secret's proof.
+  caf::replies_to<hello_atom>::with<std::string>,
+  /// The proof (`secret_proof`, actors/cluster/node_auth.hpp).
+  caf::replies_to<auth_atom, std::string>::with<caf::ok_atom>,
+  /// `count` workers of the node's `kind` made with `options`, for `holder` (whose end
+  /// releases them): the workers, the lease's token for call links, and the node's local
+  /// link address (empty: none).
+  caf::replies_to<lease_atom, std::string, caf::settings, int32_t,
+                  caf::actor>::with<worker_handles, std::string, std::string>>;
 
 /// The supervisor of an executor (`actors/supervisor`), as the facade
 /// (`actors/executor.cpp`) talks to it.

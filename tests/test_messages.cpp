@@ -1,7 +1,7 @@
 // The wire vocabulary: every type survives a binary round trip, and every type crosses
 // between two actor systems over loopback (the only way to catch a missing registration).
 
-#include "messages/messages.hpp"
+#include "messages/protocols.hpp"
 
 #include "troupe/errors.hpp"
 
@@ -100,7 +100,10 @@ std::vector<caf::message> every_type() {
     caf::make_message(call_atom::value, adapter_list{adapter_kind::lora}),
     caf::make_message(agree_atom::value, adapter_tokens{9}),
     // The shapes of the worker protocol.
-    caf::make_message(init_atom::value, worker_context{}, std::vector<caf::actor>{}),
+    caf::make_message(init_atom::value, worker_context{}, worker_handles{{worker_actor{}}}),
+    caf::make_message(peers_atom::value, worker_handles{}),
+    caf::make_message(caf::ok_atom::value, worker_info{}),
+    caf::make_message(caf::ok_atom::value, int64_t{42}),
     caf::make_message(call_atom::value, std::string{"execute_model"},
                       caf::make_message(sample_request()), caf::settings{}),
     caf::make_message(caf::ok_atom::value, caf::make_message(std::vector<int64_t>{1})),
@@ -119,7 +122,7 @@ caf::actor_system_config& with_messages(caf::actor_system_config& cfg) {
 
 TEST_CASE("the type-id block covers every type of the vocabulary") {
   using block = caf::id_block::troupe;
-  CHECK(block::end - block::begin == 38);
+  CHECK(block::end - block::begin == 39);
 }
 
 TEST_CASE("every message type survives a binary round trip") {

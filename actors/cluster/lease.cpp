@@ -43,9 +43,11 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
   caf::error err;
   auto why = [&] { return err == caf::sec::request_timeout ? late : render(err); };
   auto fail = [&](caf::error& e) { err = std::move(e); };
-  caf::actor gate;
-  auto take_gate = [&](caf::node_id&, caf::strong_actor_ptr& ptr, std::set<std::string>&) {
-    gate = caf::actor_cast<caf::actor>(std::move(ptr));
+  node_gate_actor gate;
+  std::set<std::string> interface;
+  auto take_gate = [&](caf::node_id&, caf::strong_actor_ptr& ptr, std::set<std::string>& ifs) {
+    gate = caf::actor_cast<node_gate_actor>(std::move(ptr));
+    interface = std::move(ifs);
   };
   if (cfg.cluster.tls_certificate.empty()) {
     // The connection proves the secret before any BASP byte; then the middleman takes
@@ -66,6 +68,9 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
   if (err || !gate)
     throw error{errc::worker_died,
                 "cannot reach " + where + ": " + (err ? why() : "it published nothing")};
+  if (interface != sys.message_types<node_gate_actor>())
+    throw error{errc::worker_died, where + " is no troupe node of this version (its gate speaks " +
+                                     "another protocol)"};
   auto checked = [&] {
     if (!err)
       return;
@@ -89,8 +94,8 @@ node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
     ->request(gate, left(), lease_atom::value, cfg.cluster.node_worker_kind,
               cfg.cluster.node_worker_options, count, holder)
     .receive(
-      [&](std::vector<caf::actor>& ws, std::string& t, std::string& local) {
-        grant.workers = std::move(ws);
+      [&](worker_handles& ws, std::string& t, std::string& local) {
+        grant.workers = std::move(ws.ranks);
         token = std::move(t);
         local_address = std::move(local);
       },
@@ -119,7 +124,7 @@ void lease_one(caf::blocking_actor* self, executor_config cfg, std::vector<node_
                caf::actor holder, std::chrono::steady_clock::time_point deadline,
                std::shared_ptr<std::atomic<bool>> cancelled,
                std::shared_ptr<std::shared_ptr<link_client>> link) {
-  self->receive([&](lease_atom) -> caf::result<caf::actor, int32_t> {
+  self->receive([&](lease_atom) -> caf::result<worker_actor, int32_t> {
     std::string refusals;
     for (size_t i = 0; i < candidates.size() && !*cancelled; ++i) {
       auto until = std::min(deadline, std::chrono::steady_clock::now() + cfg.cluster.node_timeout);

@@ -3,7 +3,7 @@
 /// @file
 /// The executor's half of a lease (the node's half is the gate in `actors/cluster/node.cpp`).
 
-#include "messages/messages.hpp"
+#include "messages/protocols.hpp"
 #include "troupe/config.hpp"
 
 #include <caf/actor.hpp>
@@ -26,7 +26,7 @@ class link_client;
 /// What a node gave: the workers, and the call link to them (none with `node_links` off,
 /// or when the node refused it; calls then go over BASP).
 struct node_grant {
-  std::vector<caf::actor> workers;
+  std::vector<worker_actor> workers;
   std::shared_ptr<link_client> link;
 };
 
@@ -87,7 +87,7 @@ public:
       cancelled_, link);
     self->request(helper, caf::infinite, lease_atom::value)
       .then(
-        [candidates, link, made](caf::actor& leased, int32_t which) mutable {
+        [candidates, link, made](worker_actor& leased, int32_t which) mutable {
           made(leased, candidates[static_cast<size_t>(which)], *link);
         },
         [failed](caf::error& err) mutable { failed(err); });

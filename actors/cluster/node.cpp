@@ -8,7 +8,7 @@
 #include "actors/cluster/remoting.hpp"
 #include "actors/teardown.hpp"
 #include "actors/worker_actor.hpp"
-#include "messages/messages.hpp"
+#include "messages/protocols.hpp"
 #include "troupe/errors.hpp"
 
 #include <caf/all.hpp>
@@ -206,16 +206,16 @@ struct gate_state {
   static inline const char* name = "troupe.node";
 };
 
-using gate_self = caf::stateful_actor<gate_state>;
+using gate_self = node_gate_actor::stateful_pointer<gate_state>;
 
-std::string peer_of(gate_self* self) {
+std::string peer_of(gate_self self) {
   auto& sender = self->current_sender();
   return sender ? to_string(sender->node()) : std::string{"an anonymous sender"};
 }
 
 /// Forgets the handshakes older than the connection timeout (those of the lease holder
 /// stay).
-void forget_stale(gate_self* self) {
+void forget_stale(gate_self self) {
   auto& st = self->state;
   auto oldest = gate_clock::now() - st.cfg.connection_timeout;
   for (auto i = st.challenges.begin(); i != st.challenges.end();)
@@ -226,7 +226,7 @@ void forget_stale(gate_self* self) {
           : std::next(i);
 }
 
-void release(gate_self* self, const std::string& why) {
+void release(gate_self self, const std::string& why) {
   auto& st = self->state;
   if (st.lease->holder) {
     st.authenticated.erase(st.lease->holder.node());
@@ -235,12 +235,13 @@ void release(gate_self* self, const std::string& why) {
   st.lease->release(self->home_system(), *st.log, why);
 }
 
-caf::error refused(gate_self* self, const std::string& why) {
+caf::error refused(gate_self self, const std::string& why) {
   self->state.log->warn("refused {}: {}", peer_of(self), why);
   return caf::make_error(errc::invalid_argument, "node: " + why);
 }
 
-caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease> lease) {
+node_gate_actor::behavior_type gate(gate_self self, node_config cfg,
+                                    std::shared_ptr<node_lease> lease) {
   self->state.cfg = std::move(cfg);
   lease->gate = self->address();
   self->state.lease = lease;
@@ -301,7 +302,7 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
       return caf::ok_atom::value;
     },
     [=](lease_atom, const std::string& kind, const caf::settings& options, int32_t count,
-        caf::actor holder) -> caf::result<std::vector<caf::actor>, std::string, std::string> {
+        caf::actor holder) -> caf::result<worker_handles, std::string, std::string> {
       auto& st = self->state;
       auto& sender = self->current_sender();
       // Without a secret the node runs TLS only: its peers proved their certificates.
@@ -331,17 +332,17 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
       if (holder.node() != sender->node())
         return refused(self, "a lease for a holder in another process");
       auto make = factory->second;
-      std::vector<caf::actor> leased;
+      worker_handles leased;
       for (int32_t i = 0; i < count; ++i) {
         auto slot = free[static_cast<size_t>(i)];
-        leased.push_back(caf::actor_cast<caf::actor>(spawn_leased_worker(
+        leased.ranks.push_back(spawn_leased_worker(
           self->home_system(), [make, options](int32_t rank) { return make(rank, options); },
           sender->node(),
           {st.cfg.device_type, st.cfg.device_indices[static_cast<size_t>(slot)],
            st.cfg.collective_host},
-          std::make_shared<link_readers::member>(st.lease->readers))));
-        self->monitor(leased.back());
-        st.lease->add(leased.back(), slot);
+          std::make_shared<link_readers::member>(st.lease->readers)));
+        self->monitor(leased.ranks.back());
+        st.lease->add(caf::actor_cast<caf::actor>(leased.ranks.back()), slot);
       }
       if (!st.lease->holder) {
         st.lease->hold(holder, serialized(self->home_system(), holder.node()));
@@ -358,7 +359,7 @@ caf::behavior gate(gate_self* self, node_config cfg, std::shared_ptr<node_lease>
 struct node::impl {
   std::unique_ptr<caf::actor_system_config> sys_cfg = std::make_unique<caf::actor_system_config>();
   std::unique_ptr<caf::actor_system> sys;
-  caf::actor gate;
+  node_gate_actor gate;
   uint16_t port = 0;
   std::shared_ptr<node_lease> lease = std::make_shared<node_lease>();
   std::mutex mtx;
@@ -445,17 +446,19 @@ node::node(node_config config) : impl_(std::make_unique<impl>()) {
   auto& mm = d.sys->middleman();
   auto basp = mm.named_broker<caf::io::basp_broker>(caf::atom("BASP"));
   auto gate_ptr = caf::actor_cast<caf::strong_actor_ptr>(d.gate);
-  auto connect = [&mm, basp, gate_ptr]() -> int {
+  // Its interface goes with it: an executor checks it against its own.
+  auto interface = d.sys->message_types<node_gate_actor>();
+  auto connect = [&mm, basp, gate_ptr, interface]() -> int {
     int pair[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0)
       return -1;
     auto theirs = pair[0];
-    mm.backend().dispatch([&mm, basp, gate_ptr, theirs] {
+    mm.backend().dispatch([&mm, basp, gate_ptr, interface, theirs] {
       // BASP files published actors by port; with no listening port of its own, any fixed
       // number names the gate.
       constexpr uint16_t gate_key = 1;
       caf::anon_send(basp, caf::publish_atom::value, mm.backend().new_scribe(theirs), gate_key,
-                     gate_ptr, std::set<std::string>{});
+                     gate_ptr, interface);
     });
     return pair[1];
   };
