@@ -4,19 +4,16 @@
 #include "troupe/executor.hpp"
 
 #include "actors/caller_unit.hpp"
+#include "actors/executor_system.hpp"
 #include "actors/supervisor.hpp"
-#include "actors/cluster/lease.hpp"
 #include "actors/linger.hpp"
 #include "kernels/log.hpp"
 #include "actors/cluster/node_auth.hpp"
 #include "actors/cluster/link_client.hpp"
 #include "actors/cluster/remoting.hpp"
-#include "actors/teardown.hpp"
-#include "actors/worker_actor.hpp"
 #include "messages/messages.hpp"
 
 #include <caf/all.hpp>
-#include <caf/io/all.hpp>
 
 #include <atomic>
 #include <future>
@@ -106,41 +103,14 @@ struct reply<void> {
   }
 };
 
-/// Creating a scoped_actor leaves a reference to the system's logger in a thread-local of
-/// the calling thread, and ~actor_system waits until every such reference is gone. Declared
-/// before the scoped_actor, this drops the reference once the scoped_actor is destroyed, so
-/// that host threads never keep the system from shutting down.
-struct logger_release {
-  logger_release() = default;
-  logger_release(const logger_release&) = delete;
-  logger_release& operator=(const logger_release&) = delete;
-  ~logger_release() {
-    caf::logger::set_current_actor_system(nullptr);
-  }
-};
-
 } // namespace
 
 struct executor::impl {
   executor_config cfg;
   /// Sleeps asked for (`sleep_count`).
   std::atomic<int64_t> sleeps{0};
-  /// How long a blocking caller stays awake for its reply: `linger`, or `network_linger`
-  /// when some workers are across a network, whose replies take longer.
-  timeout_type caller_linger{0};
-  // On the heap: a system abandoned by shutdown keeps using its config.
-  std::unique_ptr<caf::actor_system_config> sys_cfg = std::make_unique<caf::actor_system_config>();
-  std::unique_ptr<caf::actor_system> sys;
-  supervisor_actor supervisor;
-  /// Watched by the nodes that leased workers to this executor.
-  caf::actor lease_holder;
-  std::vector<worker_actor> local_workers;
-  /// Workers the supervisor spawned to replace dead ones.
-  std::shared_ptr<replacement_list> replacements = std::make_shared<replacement_list>();
-  /// The call links to the nodes, which a blocking caller reads while it waits.
-  std::shared_ptr<link_set> links = std::make_shared<link_set>();
-  /// Workers leased from nodes, which release them when the lease holder goes.
-  std::vector<worker_actor> leased_workers;
+  /// The actor system and the actors it runs.
+  executor_system actors;
   std::vector<worker_info> infos;
   /// Shared with the helpers of async calls, which may outlive the facade.
   std::shared_ptr<std::atomic<bool>> shut = std::make_shared<std::atomic<bool>>(false);
@@ -150,14 +120,9 @@ struct executor::impl {
   std::shared_mutex lifecycle;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
 
-  /// Start-up, in order: the actor system; the local workers, those leased from nodes and
-  /// the published ones; the supervisor, which brings them up. Throws what failed, with
-  /// everything started so far stopped.
+  /// Starts the actors (`executor_system::start`) and brings the workers up. Throws what
+  /// failed, with everything started so far stopped.
   void start(worker_factory factory);
-  void start_system();
-  void lease_from_nodes(std::vector<worker_actor>& workers, std::vector<worker_place>& places);
-  void connect_remote_workers(std::vector<worker_actor>& workers,
-                              std::vector<worker_place>& places);
 
   error translate(const caf::error& err) const {
     return translated(err, *shut);
@@ -191,9 +156,9 @@ struct executor::impl {
   /// then reaches it without a hand-off from the link's thread; it says so before its
   /// request goes, so that the link's thread is not woken for the reply.
   std::optional<link_set::helping> read_links() {
-    if (cfg.cluster.nodes.empty() || caller_linger <= timeout_type::zero())
+    if (cfg.cluster.nodes.empty() || actors.caller_linger() <= timeout_type::zero())
       return std::nullopt;
-    return links->help();
+    return actors.links()->help();
   }
 
   /// The answer of a call whose deadline is `t`.
@@ -201,13 +166,14 @@ struct executor::impl {
   T wait_for(timeout_type t, std::future<T> fut, std::optional<link_set::helping> reading) {
     // Past a year a deadline is as good as none (and the clock arithmetic would overflow).
     bool bounded = t != wait_forever && t < std::chrono::hours(24 * 365);
-    // A reply that comes within `caller_linger` finds this thread awake.
+    // A reply that comes within the caller's linger finds this thread awake.
+    auto linger = actors.caller_linger();
     auto ready = [&] { return fut.wait_for(timeout_type::zero()) == std::future_status::ready; };
     if (!reading)
-      linger_for(caller_linger, ready);
+      linger_for(linger, ready);
     else
-      linger_for(caller_linger, [&] {
-        links->pump();
+      linger_for(linger, [&] {
+        actors.links()->pump();
         return ready();
       });
     reading.reset();
@@ -283,7 +249,7 @@ struct executor::impl {
     call.request = make_request(slot, fail);
     call.fail = fail;
     call.timeout = timeout;
-    hand_to_supervisor(*sys, supervisor, std::move(call));
+    hand_to_supervisor(actors.system(), actors.supervisor(), std::move(call));
     return fut;
   }
 
@@ -397,106 +363,20 @@ struct executor::impl {
     return opts.timeout.value_or(cfg.rpc_timeout);
   }
 
+  /// Shutdown: calls in flight fail (the supervisor stops first), later ones find the
+  /// executor shut; then every actor stops.
   void stop() {
     if (shut->exchange(true))
       return;
     {
       std::shared_lock<std::shared_mutex> guard{lifecycle};
-      if (supervisor)
+      if (auto& supervisor = actors.supervisor())
         caf::anon_send_exit(supervisor, caf::exit_reason::user_shutdown);
     }
     std::unique_lock<std::shared_mutex> guard{lifecycle};
-    if (!sys)
-      return;
-    size_t left = 0;
-    {
-      logger_release release;
-      caf::scoped_actor self{*sys};
-      for (auto& w : local_workers) {
-        self->monitor(w);
-        ++left;
-      }
-      if (supervisor) {
-        self->monitor(supervisor);
-        ++left;
-      }
-      // Waiting for the nodes to release their workers lets the middleman finish with
-      // those connections before the system is destroyed; destroyed earlier, it now and
-      // then kept a reference to the supervisor and waited for it forever.
-      std::vector<worker_actor> leased = leased_workers;
-      {
-        std::lock_guard<std::mutex> lk{replacements->mtx};
-        leased.insert(leased.end(), replacements->leased.begin(), replacements->leased.end());
-      }
-      for (auto& w : leased) {
-        self->monitor(w);
-        ++left;
-      }
-      // The supervisor stops the workers; this covers a supervisor that is already gone.
-      for (auto& w : local_workers)
-        self->send_exit(w, caf::exit_reason::user_shutdown);
-      // Tells the nodes to release their workers. Its end is awaited too: the nodes watch
-      // it, and hear of its end through the middleman, which must still run then.
-      if (lease_holder) {
-        self->monitor(lease_holder);
-        ++left;
-        self->send_exit(lease_holder, caf::exit_reason::user_shutdown);
-      }
-      auto deadline = std::chrono::steady_clock::now() + shutdown_grace;
-      bool timed_out = false;
-      while (left > 0 && !timed_out) {
-        auto remaining = deadline - std::chrono::steady_clock::now();
-        if (remaining <= decltype(remaining)::zero())
-          break;
-        self->receive(
-          [&](caf::down_msg&) { --left; },
-          caf::after(std::chrono::duration_cast<std::chrono::microseconds>(remaining)) >>
-            [&] { timed_out = true; });
-      }
-    }
-    {
-      // The supervisor is gone (or abandoned): it replaces no more workers, and stopped
-      // those it made.
-      std::lock_guard<std::mutex> lk{replacements->mtx};
-      for (auto& w : replacements->workers)
-        local_workers.push_back(w);
-      replacements->workers.clear();
-      replacements->leased.clear();
-    }
-    // Actors that remote nodes have seen stay in the registry for as long as those nodes
-    // keep a proxy; drop them so that destroying the system does not wait for the peers.
-    for (auto& w : local_workers)
-      sys->registry().erase(w.id());
-    if (supervisor)
-      sys->registry().erase(supervisor.id());
-    if (lease_holder)
-      sys->registry().erase(lease_holder.id());
-    supervisor = nullptr;
-    lease_holder = nullptr;
-    local_workers.clear();
-    leased_workers.clear();
-    if (left > 0)
-      log->error("shutdown: {} actor(s) still busy after {} s; abandoning them", left,
-                 shutdown_grace.count());
-    // Destroying the system waits for every actor; rather than hang the host, a system
-    // that takes too long is left behind.
-    auto wait = left > 0 ? std::chrono::seconds(0) : shutdown_grace;
-    if (!destroy_within(sys, sys_cfg, wait) && left == 0)
-      log->error("shutdown: the actor system did not stop within {} s; leaving it behind",
-                 shutdown_grace.count());
+    actors.stop();
   }
 };
-
-namespace {
-
-int32_t remote_count(const executor_config& cfg) {
-  auto count = static_cast<int32_t>(cfg.cluster.remote_workers.size());
-  for (auto& n : cfg.cluster.nodes)
-    count += n.workers;
-  return count;
-}
-
-} // namespace
 
 void cluster_config::validate() const {
   for (auto& n : nodes)
@@ -518,6 +398,13 @@ bool cluster_config::empty() const {
   return remote_workers.empty() && nodes.empty() && spare_nodes.empty();
 }
 
+int32_t cluster_config::remote_count() const {
+  auto count = static_cast<int32_t>(remote_workers.size());
+  for (auto& n : nodes)
+    count += n.workers;
+  return count;
+}
+
 void executor_config::validate() const {
   auto positive = [](const char* name, int64_t v) {
     if (v < 1)
@@ -528,8 +415,8 @@ void executor_config::validate() const {
   positive("block_size", block_size);
   positive("max_model_len", max_model_len);
   cluster.validate();
-  if (remote_count(*this) > tensor_parallel_size)
-    throw error{errc::invalid_argument, std::to_string(remote_count(*this)) +
+  if (cluster.remote_count() > tensor_parallel_size)
+    throw error{errc::invalid_argument, std::to_string(cluster.remote_count()) +
                                           " remote workers do not fit tensor_parallel_size " +
                                           std::to_string(tensor_parallel_size)};
   check_linger(linger, "linger");
@@ -542,79 +429,8 @@ void executor_config::validate() const {
     throw error{errc::invalid_argument, "restart.window must be positive"};
 }
 
-void executor::impl::start_system() {
-  register_messages(*sys_cfg);
-  configure_scheduler(*sys_cfg, cfg.scheduler_threads, cfg.scheduler_poll_attempts);
-  caller_linger = cfg.linger;
-  if (!cfg.cluster.empty()) {
-    caller_linger = std::max(cfg.linger, cfg.cluster.network_linger);
-    load_middleman(*sys_cfg, cfg.cluster.node_timeout, cfg.cluster.network_linger);
-    if (wants_tls(cfg.cluster.tls_certificate, cfg.cluster.tls_key, cfg.cluster.tls_ca))
-      configure_tls(*sys_cfg, cfg.cluster.tls_certificate, cfg.cluster.tls_key, cfg.cluster.tls_ca);
-  }
-  if (cfg.configure_system)
-    cfg.configure_system(*sys_cfg);
-  sys = std::make_unique<caf::actor_system>(*sys_cfg);
-  // The constructing thread, too, keeps a reference to the system's logger (see
-  // logger_release).
-  caf::logger::set_current_actor_system(nullptr);
-}
-
-void executor::impl::lease_from_nodes(std::vector<worker_actor>& workers,
-                                      std::vector<worker_place>& places) {
-  if (cfg.cluster.nodes.empty())
-    return;
-  // The nodes watch this actor: when it goes (shutdown, death, lost connection) they
-  // release the workers.
-  lease_holder = sys->spawn([]() -> caf::behavior { return {[](caf::ok_atom) {}}; });
-  // startup_timeout bounds the connections and handshakes with every node together.
-  auto deadline = std::chrono::steady_clock::now() + cfg.startup_timeout;
-  logger_release release;
-  caf::scoped_actor self{*sys};
-  for (auto& n : cfg.cluster.nodes) {
-    auto grant = lease_workers(self.ptr(), cfg, n, n.workers, lease_holder, deadline);
-    for (auto& w : grant.workers) {
-      workers.push_back(w);
-      leased_workers.push_back(workers.back());
-      places.push_back({"node", n.host, n.port, grant.link});
-    }
-  }
-}
-
-void executor::impl::connect_remote_workers(std::vector<worker_actor>& workers,
-                                            std::vector<worker_place>& places) {
-  for (auto& rw : cfg.cluster.remote_workers) {
-    // Checks the published actor's interface on connect.
-    auto handle = sys->middleman().remote_actor<worker_actor>(rw.host, rw.port);
-    caf::logger::set_current_actor_system(nullptr); // see logger_release
-    if (!handle)
-      throw error{errc::worker_died, "cannot reach remote worker " + rw.host + ":" +
-                                       std::to_string(rw.port) + ": " + render(handle.error())};
-    workers.push_back(*handle);
-    places.push_back({"worker host", rw.host, rw.port, nullptr});
-  }
-}
-
 void executor::impl::start(worker_factory factory) {
-  start_system();
-  std::vector<worker_actor> workers;
-  std::vector<worker_place> places;
-  for (int32_t i = 0; i < cfg.tensor_parallel_size - remote_count(cfg); ++i) {
-    workers.push_back(spawn_worker(*sys, factory));
-    local_workers.push_back(workers.back());
-    places.emplace_back();
-  }
-  try {
-    lease_from_nodes(workers, places);
-    connect_remote_workers(workers, places);
-  } catch (...) {
-    // A handle held here would keep its detached worker's thread, and so stop, waiting.
-    workers.clear();
-    stop();
-    throw;
-  }
-  supervisor = spawn_supervisor(*sys, cfg, std::move(workers), std::move(places),
-                                std::move(factory), lease_holder, replacements, links);
+  actors.start(cfg, std::move(factory));
   try {
     // Three steps, each within startup_timeout: init, and the collective's two rounds.
     infos = ask<std::vector<worker_info>>(times(cfg.startup_timeout, 3), init_atom::value);
@@ -627,7 +443,7 @@ void executor::impl::start(worker_factory factory) {
 
 executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl) {
   cfg.validate();
-  if (cfg.tensor_parallel_size > remote_count(cfg) && !factory)
+  if (cfg.tensor_parallel_size > cfg.cluster.remote_count() && !factory)
     throw error{errc::invalid_argument, "local workers need a worker factory"};
   impl_->cfg = std::move(cfg);
   impl_->start(std::move(factory));
@@ -659,7 +475,7 @@ const executor_config& executor::config() const {
 
 caf::actor_system& executor::system() {
   impl_->check_open();
-  return *impl_->sys;
+  return impl_->actors.system();
 }
 
 // -- collective calls -----------------------------------------------------------
@@ -925,8 +741,8 @@ std::string executor::recovery() {
   caf::error failed;
   {
     logger_release release;
-    caf::scoped_actor self{*d.sys};
-    self->request(d.supervisor, d.cfg.rpc_timeout, recovery_atom::value)
+    caf::scoped_actor self{d.actors.system()};
+    self->request(d.actors.supervisor(), d.cfg.rpc_timeout, recovery_atom::value)
       .receive([&](std::string& text) { answer = std::move(text); },
                [&](caf::error& e) { failed = std::move(e); });
   }

@@ -124,6 +124,9 @@ struct cluster_config {
   /// Whether every worker lives in this process (no nodes, spares or remote workers).
   bool empty() const;
 
+  /// The workers that live in other processes: those of `nodes` and `remote_workers`.
+  int32_t remote_count() const;
+
   /// Throws `troupe::error` (`invalid_argument`) naming what is wrong: a node without
   /// workers, nodes without a secret or TLS, half a TLS set-up, a timeout or linger out of
   /// range.
