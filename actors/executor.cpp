@@ -1,5 +1,5 @@
-// The host-facing facade: owns the actor system, turns calls into messages to the
-// supervisor and replies into values, exceptions or futures.
+// The host-facing facade: turns calls into messages to the supervisor (of the actors that
+// `executor_system` runs) and replies into values, exceptions or futures.
 
 #include "troupe/executor.hpp"
 
