@@ -267,6 +267,16 @@ void end_loop(worker_self self, caf::error err) {
   st.loop_task = {};
 }
 
+/// The driver's peers, which get its steps; a leased worker takes exit messages from
+/// their nodes too.
+void take_peers(worker_self self, worker_handles peers) {
+  auto& st = self->state;
+  if (!st.allowed.empty())
+    for (auto& peer : peers.ranks)
+      st.allowed.insert(peer.node());
+  st.peers = std::move(peers.ranks);
+}
+
 worker_actor::behavior_type worker_behavior(worker_self self, worker_factory factory,
                                             std::optional<caf::node_id> owner,
                                             std::optional<node_placement> placement,
@@ -293,15 +303,12 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
       auto& st = self->state;
       if (refused(self))
         return refusal();
-      if (!st.allowed.empty())
-        for (auto& peer : peers.ranks)
-          st.allowed.insert(peer.node());
       if (st.obj)
         return caf::make_error(errc::invalid_argument,
                                "rank " + std::to_string(st.rank) + ": worker already initialised");
       st.rank = ctx.rank;
       st.linger = std::clamp(timeout_type{ctx.linger_us}, timeout_type::zero(), max_linger);
-      st.peers = std::move(peers.ranks);
+      take_peers(self, std::move(peers));
       if (st.placement) {
         ctx.device_type = st.placement->device_type;
         ctx.device_index = st.placement->device_index;
@@ -414,13 +421,9 @@ worker_actor::behavior_type worker_behavior(worker_self self, worker_factory fac
     },
     [=](linger_atom) { linger(self); },
     [=](peers_atom, worker_handles& peers) -> caf::result<caf::ok_atom> {
-      auto& st = self->state;
       if (refused(self))
         return refusal();
-      if (!st.allowed.empty())
-        for (auto& peer : peers.ranks)
-          st.allowed.insert(peer.node());
-      st.peers = std::move(peers.ranks);
+      take_peers(self, std::move(peers));
       return caf::ok_atom::value;
     },
     [=](group_atom, const worker_handles& members) -> caf::result<caf::ok_atom> {
