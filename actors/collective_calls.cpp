@@ -75,15 +75,16 @@ collective_calls::callable(local_call call, const rpc_options& opts) {
                                ": they live in another process and callables are never "
                                "serialised; register a named method instead"));
   auto rp = self_->make_response_promise<std::vector<caf::message>>();
-  gathers_.start("collective_rpc callable '" + call.label + "'", ranks_,
-                 asking(call_atom::value, std::move(call)), from_us(opts.timeout_us),
-                 static_cast<size_t>(std::max(opts.max_concurrent_workers, 0)),
-                 [=](gather_result res) mutable {
-                   if (res)
-                     rp.deliver(std::move(*res));
-                   else
-                     rp.deliver(res.error());
-                 });
+  // Named before `call` moves into the request (the arguments' order is unspecified).
+  auto label = "collective_rpc callable '" + call.label + "'";
+  gathers_.start(
+    std::move(label), ranks_, asking(call_atom::value, std::move(call)), from_us(opts.timeout_us),
+    static_cast<size_t>(std::max(opts.max_concurrent_workers, 0)), [=](gather_result res) mutable {
+      if (res)
+        rp.deliver(std::move(*res));
+      else
+        rp.deliver(res.error());
+    });
   return rp;
 }
 

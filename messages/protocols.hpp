@@ -30,7 +30,8 @@ template <class Call>
 using call_signature_t = typename call_signature<Call>::type;
 
 /// A worker actor (`actors/worker_actor`): hosts one worker object on its own thread.
-/// Every request is answered `(ok_atom, result)` or with an error naming the rank.
+/// Every request is answered `(ok_atom)`, `(ok_atom, result)` or with an error naming the
+/// rank.
 using worker_actor = caf::typed_actor<
   /// Creates the worker object, binds the device, loads the model; replies `worker_info`.
   /// The driver (rank 0) gets the other ranks as peers, for the execution loop.

@@ -6,7 +6,7 @@
 #include "actors/cluster/node_auth.hpp"
 #include "actors/cluster/link_client.hpp"
 #include "actors/cluster/remoting.hpp"
-#include "messages/messages.hpp"
+#include "messages/protocols.hpp"
 #include "model/config.hpp"
 #include "model/make_model.hpp"
 #include "model/safetensors.hpp"
@@ -154,17 +154,21 @@ struct client_system {
 
 /// The node's gate, reached as an executor reaches it: the connection handshake with the
 /// secret, then BASP over that connection. Null when the node refuses.
-std::optional<caf::actor> connect_with_proof(caf::actor_system& sys, caf::scoped_actor& self,
-                                             uint16_t port,
-                                             const std::string& with_secret = secret) {
+/// The node's gate, once the interface it publishes is `node_gate_actor`'s.
+std::optional<node_gate_actor> connect_with_proof(caf::actor_system& sys, caf::scoped_actor& self,
+                                                  uint16_t port,
+                                                  const std::string& with_secret = secret) {
   auto fd = dial_node("127.0.0.1", port, with_secret, clock_type::now() + 5s);
   auto& mm = sys.middleman();
   auto basp = mm.named_broker<caf::io::basp_broker>(caf::atom("BASP"));
-  std::optional<caf::actor> gate;
+  std::optional<node_gate_actor> gate;
   self->request(basp, 5s, caf::connect_atom::value, mm.backend().new_scribe(fd), port)
-    .receive([&](caf::node_id&, caf::strong_actor_ptr& ptr,
-                 std::set<std::string>&) { gate = caf::actor_cast<caf::actor>(ptr); },
-             [](caf::error&) {});
+    .receive(
+      [&](caf::node_id&, caf::strong_actor_ptr& ptr, std::set<std::string>& interface) {
+        CHECK(interface == sys.message_types<node_gate_actor>());
+        gate = caf::actor_cast<node_gate_actor>(ptr);
+      },
+      [](caf::error&) {});
   return gate;
 }
 
@@ -475,7 +479,7 @@ TEST_CASE("peers without the secret are refused and the legitimate executor is u
     self
       ->request(*gate, 5s, lease_atom::value, std::string{"test"}, caf::settings{}, int32_t{1},
                 holder)
-      .receive([](std::vector<caf::actor>&, std::string&) {}, [&](caf::error& e) { err = e; });
+      .receive([](worker_handles&, std::string&, std::string&) {}, [&](caf::error& e) { err = e; });
     CHECK(render(err).find("a lease before authentication") != std::string::npos);
     err = caf::error{};
     self->request(*gate, 5s, auth_atom::value, std::string(64, '0'))

@@ -106,6 +106,22 @@ TEST_CASE("a callable runs in-process on every worker object") {
   CHECK(models[1].get_as<std::string>(0) == "TestModel");
 }
 
+TEST_CASE("a callable that misses its deadline is named in the error") {
+  executor exec{config(2), test_factory()};
+  rpc_call_options hurried;
+  hurried.timeout = 100ms;
+  auto what = what_of([&] {
+    exec.collective_rpc(
+      [](worker&, const caf::message&, const caf::settings&) {
+        std::this_thread::sleep_for(300ms);
+        return caf::message{};
+      },
+      hurried);
+  });
+  CHECK(what.find("collective_rpc callable 'callable': rank") != std::string::npos);
+  CHECK(what.find("did not answer within 100 ms") != std::string::npos);
+}
+
 TEST_CASE("max_concurrent_workers bounds how many workers are asked at once") {
   executor exec{config(4), test_factory()};
   auto& peak = troupe::testing::concurrency_probe::peak();

@@ -36,7 +36,8 @@ struct node_grant {
 /// secret or, under TLS, the executor's certificate), all before
 /// `deadline`. `self` makes the requests and blocks for the replies: the facade's scoped
 /// actor, or a helper of the supervisor. Throws `troupe::error`: `worker_died` when the
-/// node cannot be reached or does not answer in time, `invalid_argument` when it refuses.
+/// node cannot be reached, does not answer in time or publishes a gate of another
+/// interface (another version of troupe), `invalid_argument` when it refuses.
 node_grant lease_workers(caf::blocking_actor* self, const executor_config& cfg,
                          const node_address& n, int32_t count, const caf::actor& holder,
                          std::chrono::steady_clock::time_point deadline);
