@@ -3,13 +3,11 @@
 
 #include "troupe/executor.hpp"
 
-#include "actors/caller_unit.hpp"
 #include "actors/executor_system.hpp"
 #include "actors/supervisor.hpp"
-#include "actors/linger.hpp"
+#include "actors/supervisor_client.hpp"
 #include "kernels/log.hpp"
 #include "actors/cluster/node_auth.hpp"
-#include "actors/cluster/link_client.hpp"
 #include "actors/cluster/remoting.hpp"
 #include "messages/messages.hpp"
 
@@ -26,17 +24,6 @@ namespace troupe {
 
 namespace {
 
-/// The facade waits a little longer than the supervisor, which enforces the real deadline
-/// and reports it with context.
-constexpr auto facade_grace = std::chrono::seconds(5);
-
-/// The exception for a call's error: a supervisor gone after shutdown means `shut_down`.
-error translated(const caf::error& err, bool shut) {
-  if (shut && err == caf::sec::request_receiver_down)
-    return error{errc::shut_down, "executor is shut down"};
-  return error::from(err);
-}
-
 /// A deadline for a call made of `n` steps, each bounded by `t`.
 timeout_type times(timeout_type t, int64_t n) {
   return t >= wait_forever / n ? wait_forever : n * t;
@@ -46,229 +33,24 @@ int64_t to_us(timeout_type t) {
   return t == wait_forever ? wait_forever.count() : t.count();
 }
 
-/// The promise behind the future of an async call. One that is dropped unanswered (its
-/// call never reached the supervisor: the executor shut down) fails with `shut_down`
-/// instead of leaving the future broken.
-template <class T>
-class async_slot {
-public:
-  std::future<T> future() {
-    return p_.get_future();
-  }
-  template <class... Us>
-  void set(Us&&... xs) {
-    if (!std::exchange(done_, true))
-      p_.set_value(std::forward<Us>(xs)...);
-  }
-  void fail(const error& e) {
-    if (!std::exchange(done_, true))
-      p_.set_exception(std::make_exception_ptr(e));
-  }
-  ~async_slot() {
-    fail(error{errc::shut_down, "executor is shut down"});
-  }
-
-private:
-  std::promise<T> p_;
-  bool done_ = false;
-};
-
-/// Handler type that receives a reply of type T (nothing for void).
-template <class T>
-struct reply {
-  template <class P>
-  static auto async_handler(P slot) {
-    return [slot](T& x) { slot->set(std::move(x)); };
-  }
-};
-
-/// A call whose answer, of type H, only says that it succeeded: its future is `void`.
-template <class H>
-struct discarded {};
-
-template <class H>
-struct reply<discarded<H>> {
-  template <class P>
-  static auto async_handler(P slot) {
-    return [slot](H&) { slot->set(); };
-  }
-};
-
-/// Calls with nothing to return are answered `ok_atom`.
-template <>
-struct reply<void> {
-  template <class P>
-  static auto async_handler(P slot) {
-    return [slot](caf::ok_atom) { slot->set(); };
-  }
-};
-
 } // namespace
 
 struct executor::impl {
+  explicit impl(executor_config c) : cfg(std::move(c)) {}
+
   executor_config cfg;
   /// Sleeps asked for (`sleep_count`).
   std::atomic<int64_t> sleeps{0};
   /// The actor system and the actors it runs.
   executor_system actors;
+  /// How this facade's calls reach the supervisor.
+  supervisor_client client{actors, !cfg.cluster.nodes.empty(), cfg.rpc_timeout};
   std::vector<worker_info> infos;
-  /// Shared with the helpers of async calls, which may outlive the facade.
-  std::shared_ptr<std::atomic<bool>> shut = std::make_shared<std::atomic<bool>>(false);
-  /// Calls hold it shared while they use the system; shutdown takes it exclusively
-  /// (after telling the supervisor to stop, which makes calls in flight return) before it
-  /// tears the system down.
-  std::shared_mutex lifecycle;
   std::shared_ptr<spdlog::logger> log = get_logger("troupe.executor");
 
   /// Starts the actors (`executor_system::start`) and brings the workers up. Throws what
   /// failed, with everything started so far stopped.
   void start(worker_factory factory);
-
-  error translate(const caf::error& err) const {
-    return translated(err, *shut);
-  }
-
-  void check_open() const {
-    if (*shut)
-      throw error{errc::shut_down, "executor is shut down"};
-  }
-
-  /// Sends a request to the supervisor and blocks for the reply (see `send`). The facade
-  /// waits a grace longer than the deadline, which the supervisor enforces and reports.
-  template <class T, class... Ts>
-  T ask(timeout_type t, Ts&&... xs) {
-    std::shared_lock<std::shared_mutex> guard{lifecycle};
-    check_open();
-    auto reading = read_links();
-    return wait_for(t, send<T>(t, std::forward<Ts>(xs)...), std::move(reading));
-  }
-
-  /// `ask` for a call made through `supervisor_access` (see `send_direct`).
-  template <class T, class Make>
-  T ask_direct(timeout_type t, Make make) {
-    std::shared_lock<std::shared_mutex> guard{lifecycle};
-    check_open();
-    auto reading = read_links();
-    return wait_for(t, send_direct<T>(t, std::move(make)), std::move(reading));
-  }
-
-  /// With call links, a caller reads them itself while it lingers for its reply, which
-  /// then reaches it without a hand-off from the link's thread; it says so before its
-  /// request goes, so that the link's thread is not woken for the reply.
-  std::optional<link_set::helping> read_links() {
-    if (cfg.cluster.nodes.empty() || actors.caller_linger() <= timeout_type::zero())
-      return std::nullopt;
-    return actors.links()->help();
-  }
-
-  /// The answer of a call whose deadline is `t`.
-  template <class T>
-  T wait_for(timeout_type t, std::future<T> fut, std::optional<link_set::helping> reading) {
-    // Past a year a deadline is as good as none (and the clock arithmetic would overflow).
-    bool bounded = t != wait_forever && t < std::chrono::hours(24 * 365);
-    // A reply that comes within the caller's linger finds this thread awake.
-    auto linger = actors.caller_linger();
-    auto ready = [&] { return fut.wait_for(timeout_type::zero()) == std::future_status::ready; };
-    if (!reading)
-      linger_for(linger, ready);
-    else
-      linger_for(linger, [&] {
-        actors.links()->pump();
-        return ready();
-      });
-    reading.reset();
-    if (bounded && fut.wait_for(t + facade_grace) == std::future_status::timeout)
-      throw translate(caf::sec::request_timeout);
-    return fut.get();
-  }
-
-  using fail_fn = std::function<void(const caf::error&)>;
-
-  /// Hands a call to the supervisor, which makes its request to itself and fills the
-  /// future with the reply. Calls made one after another (from one thread, or ordered by
-  /// the host) reach the supervisor in that order, which lets a caller queue the next step
-  /// behind the one in flight. A call that the supervisor drops unanswered (it shut down)
-  /// fails with `shut_down`; one that waits for a replacement longer than `timeout` fails
-  /// with `timeout`. The caller holds `lifecycle` and has checked `shut`.
-  template <class T, class Reply = T, class... Ts>
-  std::future<T> send(timeout_type timeout, Ts... xs) {
-    return hand_over<T>(timeout, [&](std::shared_ptr<async_slot<T>> slot, fail_fn fail) {
-      return [=](supervisor_access& access) mutable {
-        auto me = caf::actor_cast<supervisor_actor>(access.self);
-        access.self->request(me, access.request_timeout(), std::move(xs)...)
-          .then(reply<Reply>::async_handler(slot), [fail](caf::error& e) { fail(e); });
-      };
-    });
-  }
-
-  /// `send` for a call that `make(access, reply)` makes through `supervisor_access`: its
-  /// answer reaches the future straight from the thread that finishes the call, usually
-  /// the last worker to reply, without a hop through the supervisor.
-  template <class T, class Make>
-  std::future<T> send_direct(timeout_type timeout, Make make) {
-    return hand_over<T>(timeout, [&](std::shared_ptr<async_slot<T>> slot, fail_fn fail) {
-      auto closed = shut;
-      reply_to<T> reply = [slot, closed](caf::expected<T> res) {
-        if (!res)
-          slot->fail(translated(res.error(), *closed));
-        else if constexpr (std::is_void_v<T>)
-          slot->set();
-        else
-          slot->set(std::move(*res));
-      };
-      return [make = std::move(make), reply, fail](supervisor_access& access) mutable {
-        // Made behind what the supervisor's mailbox holds, as the requests to itself of
-        // the calls before it are: calls from one thread reach the workers in order. With
-        // nothing there, nothing can be overtaken: it is made at once.
-        if (access.self->mailbox().empty()) {
-          make(access, reply);
-          return;
-        }
-        async_call made;
-        made.admitted = true;
-        made.request = [make = std::move(make), reply,
-                        left = access.left](supervisor_access& now) mutable {
-          now.left = left;
-          make(now, reply);
-        };
-        made.fail = fail;
-        access.self->send(caf::actor_cast<supervisor_actor>(access.self), std::move(made));
-      };
-    });
-  }
-
-  /// Hands the supervisor a call whose request `make_request(slot, fail)` makes; the
-  /// future is the slot's. `fail` fails the slot with a translated error.
-  template <class T, class MakeRequest>
-  std::future<T> hand_over(timeout_type timeout, MakeRequest make_request) {
-    auto slot = std::make_shared<async_slot<T>>();
-    auto fut = slot->future();
-    auto closed = shut;
-    fail_fn fail = [slot, closed](const caf::error& e) { slot->fail(translated(e, *closed)); };
-    async_call call;
-    call.request = make_request(slot, fail);
-    call.fail = fail;
-    call.timeout = timeout;
-    hand_to_supervisor(actors.system(), actors.supervisor(), std::move(call));
-    return fut;
-  }
-
-  /// `send_direct` for the async API: a closed executor's future fails with `shut_down`.
-  template <class T, class Make>
-  std::future<T> ask_async_direct(timeout_type t, Make make) {
-    return if_open<T>([&] { return send_direct<T>(t, std::move(make)); });
-  }
-
-  /// What `send` gives, or for a closed executor a future that fails with `shut_down`.
-  template <class T, class Send>
-  std::future<T> if_open(Send send) {
-    std::shared_lock<std::shared_mutex> guard{lifecycle};
-    if (*shut) {
-      async_slot<T> closed;
-      return closed.future(); // fails with shut_down as `closed` goes
-    }
-    return send();
-  }
 
   /// collective_rpc of a named method, made through `send_direct`.
   auto rpc_of(const std::string& method, const rpc_call_options& opts) {
@@ -282,7 +64,7 @@ struct executor::impl {
   /// (when given) gets the replies first, on whichever thread finishes the call.
   std::future<void> rpc_done_async(const std::string& method,
                                    std::function<void(const std::vector<caf::message>&)> seen) {
-    return ask_async_direct<void>(
+    return client.ask_async_direct<void>(
       cfg.rpc_timeout,
       [rpc = rpc_of(method, {}), seen](supervisor_access& access, reply_to<void> reply) mutable {
         rpc(access, [reply, seen](caf::expected<std::vector<caf::message>> res) {
@@ -301,19 +83,6 @@ struct executor::impl {
     };
   }
 
-  /// `send` for the async API, for a call whose deadline is `t`: a closed executor's
-  /// future fails with `shut_down`.
-  template <class T, class Reply = T, class... Ts>
-  std::future<T> ask_async_within(timeout_type t, Ts... xs) {
-    return if_open<T>([&] { return send<T, Reply>(t, std::move(xs)...); });
-  }
-
-  /// `ask_async_within` the default deadline.
-  template <class T, class Reply = T, class... Ts>
-  std::future<T> ask_async(Ts... xs) {
-    return ask_async_within<T, Reply>(cfg.rpc_timeout, std::move(xs)...);
-  }
-
   /// Runs a callable on every worker and waits. If the call fails (deadline, an error of
   /// one rank), workers that have not run the callable yet skip it: it may refer to the
   /// caller's stack, which is gone once this returns.
@@ -321,8 +90,8 @@ struct executor::impl {
     auto guard = std::make_shared<local_call::guard_type>();
     call.guard = guard;
     try {
-      return ask<std::vector<caf::message>>(call_timeout(opts), rpc_atom::value, std::move(call),
-                                            options(opts));
+      return client.ask<std::vector<caf::message>>(call_timeout(opts), rpc_atom::value,
+                                                   std::move(call), options(opts));
     } catch (...) {
       std::unique_lock<std::shared_mutex> cancel{guard->mtx};
       guard->cancelled = true;
@@ -333,12 +102,12 @@ struct executor::impl {
   /// An adapter call whose answer is true when every worker said true.
   template <class Call>
   std::future<bool> all_true(Call call) {
-    return ask_async<bool>(all_true_atom::value, std::move(call));
+    return client.ask_async<bool>(all_true_atom::value, std::move(call));
   }
 
   /// The adapters of `kind` every worker holds (they must agree).
   std::future<std::vector<int64_t>> same_set(adapter_kind kind) {
-    return ask_async<std::vector<int64_t>>(same_set_atom::value, adapter_list{kind});
+    return client.ask_async<std::vector<int64_t>>(same_set_atom::value, adapter_list{kind});
   }
 
   std::future<bool> change(adapter_kind kind, adapter_action action, int64_t id) {
@@ -363,18 +132,8 @@ struct executor::impl {
     return opts.timeout.value_or(cfg.rpc_timeout);
   }
 
-  /// Shutdown: calls in flight fail (the supervisor stops first), later ones find the
-  /// executor shut; then every actor stops.
   void stop() {
-    if (shut->exchange(true))
-      return;
-    {
-      std::shared_lock<std::shared_mutex> guard{lifecycle};
-      if (auto& supervisor = actors.supervisor())
-        caf::anon_send_exit(supervisor, caf::exit_reason::user_shutdown);
-    }
-    std::unique_lock<std::shared_mutex> guard{lifecycle};
-    actors.stop();
+    client.close();
   }
 };
 
@@ -433,7 +192,7 @@ void executor::impl::start(worker_factory factory) {
   actors.start(cfg, std::move(factory));
   try {
     // Three steps, each within startup_timeout: init, and the collective's two rounds.
-    infos = ask<std::vector<worker_info>>(times(cfg.startup_timeout, 3), init_atom::value);
+    infos = client.ask<std::vector<worker_info>>(times(cfg.startup_timeout, 3), init_atom::value);
   } catch (...) {
     stop();
     throw;
@@ -441,11 +200,11 @@ void executor::impl::start(worker_factory factory) {
   log->info("executor ready: {} worker(s), driver on {}", infos.size(), infos[0].device);
 }
 
-executor::executor(executor_config cfg, worker_factory factory) : impl_(new impl) {
+executor::executor(executor_config cfg, worker_factory factory) {
   cfg.validate();
   if (cfg.tensor_parallel_size > cfg.cluster.remote_count() && !factory)
     throw error{errc::invalid_argument, "local workers need a worker factory"};
-  impl_->cfg = std::move(cfg);
+  impl_.reset(new impl{std::move(cfg)});
   impl_->start(std::move(factory));
 }
 
@@ -474,7 +233,7 @@ const executor_config& executor::config() const {
 }
 
 caf::actor_system& executor::system() {
-  impl_->check_open();
+  impl_->client.check_open();
   return impl_->actors.system();
 }
 
@@ -483,7 +242,8 @@ caf::actor_system& executor::system() {
 std::vector<caf::message> executor::collective_rpc(const std::string& method,
                                                    const rpc_call_options& opts) {
   auto& d = *impl_;
-  return d.ask_direct<std::vector<caf::message>>(d.call_timeout(opts), d.rpc_of(method, opts));
+  return d.client.ask_direct<std::vector<caf::message>>(d.call_timeout(opts),
+                                                        d.rpc_of(method, opts));
 }
 
 std::vector<caf::message> executor::collective_rpc(worker_method fn, const rpc_call_options& opts) {
@@ -510,14 +270,14 @@ std::vector<caf::message> executor::apply_model(std::function<caf::message(troup
 std::future<std::vector<caf::message>>
 executor::collective_rpc_async(const std::string& method, const rpc_call_options& opts) {
   auto& d = *impl_;
-  return d.ask_async_direct<std::vector<caf::message>>(d.call_timeout(opts),
-                                                       d.rpc_of(method, opts));
+  return d.client.ask_async_direct<std::vector<caf::message>>(d.call_timeout(opts),
+                                                              d.rpc_of(method, opts));
 }
 
 std::future<std::vector<caf::message>>
 executor::collective_rpc_async(worker_method fn, const rpc_call_options& opts) {
   auto& d = *impl_;
-  return d.ask_async_within<std::vector<caf::message>>(
+  return d.client.ask_async_within<std::vector<caf::message>>(
     d.call_timeout(opts), rpc_atom::value,
     local_call{"callable", std::move(fn), opts.args, opts.kwargs, nullptr}, d.options(opts));
 }
@@ -529,36 +289,36 @@ cache_blocks executor::determine_num_available_blocks() {
 }
 
 std::future<cache_blocks> executor::determine_num_available_blocks_async() {
-  return impl_->ask_async<cache_blocks>(blocks_atom::value);
+  return impl_->client.ask_async<cache_blocks>(blocks_atom::value);
 }
 
 void executor::initialize_cache(const cache_blocks& blocks) {
-  impl_->ask<void>(impl_->cfg.rpc_timeout, init_cache_atom::value, blocks);
+  impl_->client.ask<void>(impl_->cfg.rpc_timeout, init_cache_atom::value, blocks);
 }
 
 std::future<void> executor::initialize_cache_async(const cache_blocks& blocks) {
-  return impl_->ask_async<void>(init_cache_atom::value, blocks);
+  return impl_->client.ask_async<void>(init_cache_atom::value, blocks);
 }
 
 std::vector<sampler_output> executor::execute_model(execute_model_request request) {
   auto& d = *impl_;
-  return d.ask_direct<std::vector<sampler_output>>(d.cfg.rpc_timeout,
-                                                   d.step_of(std::move(request)));
+  return d.client.ask_direct<std::vector<sampler_output>>(d.cfg.rpc_timeout,
+                                                          d.step_of(std::move(request)));
 }
 
 std::future<std::vector<sampler_output>>
 executor::execute_model_async(execute_model_request request) {
   auto& d = *impl_;
-  return d.ask_async_direct<std::vector<sampler_output>>(d.cfg.rpc_timeout,
-                                                         d.step_of(std::move(request)));
+  return d.client.ask_async_direct<std::vector<sampler_output>>(d.cfg.rpc_timeout,
+                                                                d.step_of(std::move(request)));
 }
 
 void executor::stop_remote_worker_execution_loop() {
-  impl_->ask<void>(impl_->cfg.rpc_timeout, stop_loop_atom::value);
+  impl_->client.ask<void>(impl_->cfg.rpc_timeout, stop_loop_atom::value);
 }
 
 std::future<void> executor::stop_remote_worker_execution_loop_async() {
-  return impl_->ask_async<void>(stop_loop_atom::value);
+  return impl_->client.ask_async<void>(stop_loop_atom::value);
 }
 
 // -- adapters ---------------------------------------------------------------------
@@ -634,7 +394,7 @@ int32_t executor::prompt_adapter_virtual_tokens(int64_t adapter_id) {
 }
 
 std::future<int32_t> executor::prompt_adapter_virtual_tokens_async(int64_t adapter_id) {
-  return impl_->ask_async<int32_t>(agree_atom::value, adapter_tokens{adapter_id});
+  return impl_->client.ask_async<int32_t>(agree_atom::value, adapter_tokens{adapter_id});
 }
 
 // -- profiling, sharded state, health -----------------------------------------------
@@ -678,18 +438,18 @@ void executor::save_sharded_state(const std::string& path, const std::string& pa
                                   int64_t max_size) {
   auto& d = *impl_;
   // A staged save is two collective calls.
-  d.ask<void>(times(d.cfg.rpc_timeout, 2), save_state_atom::value,
-              sharded_state(path, pattern, max_size));
+  d.client.ask<void>(times(d.cfg.rpc_timeout, 2), save_state_atom::value,
+                     sharded_state(path, pattern, max_size));
 }
 
 std::future<void> executor::save_sharded_state_async(const std::string& path,
                                                      const std::string& pattern, int64_t max_size) {
   auto& d = *impl_;
-  return d.ask_async<void>(save_state_atom::value, sharded_state(path, pattern, max_size));
+  return d.client.ask_async<void>(save_state_atom::value, sharded_state(path, pattern, max_size));
 }
 
 std::vector<worker_health> executor::worker_healths() {
-  return impl_->ask<std::vector<worker_health>>(impl_->cfg.rpc_timeout, health_atom::value);
+  return impl_->client.ask<std::vector<worker_health>>(impl_->cfg.rpc_timeout, health_atom::value);
 }
 
 void executor::check_health() {
@@ -697,7 +457,7 @@ void executor::check_health() {
 }
 
 std::future<void> executor::check_health_async() {
-  return impl_->ask_async<void, discarded<std::vector<worker_health>>>(health_atom::value);
+  return impl_->client.ask_async<void, discarded<std::vector<worker_health>>>(health_atom::value);
 }
 
 // -- sleep and wake -------------------------------------------------------------------
@@ -708,7 +468,8 @@ int64_t executor::sleep_count() const {
 
 void executor::sleep(int32_t level) {
   ++impl_->sleeps;
-  impl_->ask<void>(impl_->cfg.rpc_timeout, sleep_atom::value, sleep_request{to_sleep_level(level)});
+  impl_->client.ask<void>(impl_->cfg.rpc_timeout, sleep_atom::value,
+                          sleep_request{to_sleep_level(level)});
 }
 
 std::future<void> executor::sleep_async(int32_t level) {
@@ -721,21 +482,20 @@ std::future<void> executor::sleep_async(int32_t level) {
     return refused.get_future();
   }
   ++impl_->sleeps;
-  return impl_->ask_async<void>(sleep_atom::value, request);
+  return impl_->client.ask_async<void>(sleep_atom::value, request);
 }
 
 void executor::wake_up(const std::vector<std::string>& tags) {
-  impl_->ask<void>(impl_->cfg.rpc_timeout, wake_atom::value, tags);
+  impl_->client.ask<void>(impl_->cfg.rpc_timeout, wake_atom::value, tags);
 }
 
 std::future<void> executor::wake_up_async(const std::vector<std::string>& tags) {
-  return impl_->ask_async<void>(wake_atom::value, tags);
+  return impl_->client.ask_async<void>(wake_atom::value, tags);
 }
 
 std::string executor::recovery() {
   auto& d = *impl_;
-  std::shared_lock<std::shared_mutex> guard{d.lifecycle};
-  d.check_open();
+  auto open = d.client.hold_open();
   // A message of its own, not a call: calls made during a replacement wait for it.
   std::string answer;
   caf::error failed;
@@ -754,7 +514,7 @@ std::string executor::recovery() {
 sleep_status executor::sleep_state() {
   sleep_status status;
   status.sleeping_tags =
-    impl_->ask<std::vector<std::string>>(impl_->cfg.rpc_timeout, sleep_state_atom::value);
+    impl_->client.ask<std::vector<std::string>>(impl_->cfg.rpc_timeout, sleep_state_atom::value);
   status.is_sleeping = !status.sleeping_tags.empty();
   return status;
 }

@@ -7,8 +7,9 @@
 #                   (the named loggers, kernels/log.hpp, which model/ uses too); in it,
 #                   actors/cluster/ (nodes, their gateway and leases, call links) is a floor
 #                   of its own: the supervisor (executor, executor_system, where the
-#                   workers start, supervisor, caller_unit, and worker_maker, where its
-#                   replacements come from) uses it,
+#                   workers start, supervisor_client, how the facade calls, supervisor,
+#                   caller_unit, and worker_maker, where its replacements come from)
+#                   uses it,
 #                   and it uses only the workers' part of actors/ (worker_actor, teardown,
 #                   linger, companion)
 #   model           kernels/, include/
@@ -61,7 +62,7 @@ for rule in "${rules[@]}"; do
              xargs -0 -r grep -Hn '^[[:space:]]*#[[:space:]]*include[[:space:]]*["<]' || true)
 done
 # Of actors/, only the supervisor's files stand above actors/cluster/.
-supervisor='^actors/(executor|executor_system|supervisor|caller_unit|worker_maker)\.(hpp|cpp)$'
+supervisor='^actors/(executor|executor_system|supervisor|supervisor_client|caller_unit|worker_maker)\.(hpp|cpp)$'
 while IFS= read -r hit; do
   [[ -z $hit || ${hit%%:*} =~ $supervisor ]] && continue
   echo "upward include: ${hit%%:#*} includes actors/cluster/ (only the supervisor's files may)"
