@@ -95,6 +95,7 @@ struct reply<void> {
   }
 };
 
+/// One executor's calls of its supervisor, from any host thread.
 class supervisor_client {
 public:
   /// Calls of `actors`' supervisor; `reads_links`: whether the workers of some calls are
@@ -140,8 +141,7 @@ public:
   /// waits a grace longer than the deadline, which the supervisor enforces and reports.
   template <class T, class... Ts>
   T ask(timeout_type t, Ts&&... xs) {
-    std::shared_lock<std::shared_mutex> guard{lifecycle_};
-    check_open();
+    auto open = hold_open();
     auto reading = read_links();
     return wait_for(t, send<T>(t, std::forward<Ts>(xs)...), std::move(reading));
   }
@@ -149,8 +149,7 @@ public:
   /// `ask` for a call made through `supervisor_access` (see `send_direct`).
   template <class T, class Make>
   T ask_direct(timeout_type t, Make make) {
-    std::shared_lock<std::shared_mutex> guard{lifecycle_};
-    check_open();
+    auto open = hold_open();
     auto reading = read_links();
     return wait_for(t, send_direct<T>(t, std::move(make)), std::move(reading));
   }
