@@ -31,10 +31,15 @@ namespace troupe {
 /// and reports it with context.
 constexpr auto facade_grace = std::chrono::seconds(5);
 
+/// What a call of an executor that is shut down fails with.
+inline error shut_down_error() {
+  return error{errc::shut_down, "executor is shut down"};
+}
+
 /// The exception for a call's error: a supervisor gone after shutdown means `shut_down`.
 inline error translated(const caf::error& err, bool shut) {
   if (shut && err == caf::sec::request_receiver_down)
-    return error{errc::shut_down, "executor is shut down"};
+    return shut_down_error();
   return error::from(err);
 }
 
@@ -57,7 +62,7 @@ public:
       p_.set_exception(std::make_exception_ptr(e));
   }
   ~async_slot() {
-    fail(error{errc::shut_down, "executor is shut down"});
+    fail(shut_down_error());
   }
 
 private:
@@ -112,7 +117,7 @@ public:
   /// Throws `shut_down` once the executor is.
   void check_open() const {
     if (*shut_)
-      throw error{errc::shut_down, "executor is shut down"};
+      throw shut_down_error();
   }
 
   /// Holds the system open for a call of the caller's own (shutdown waits for it to end);
