@@ -421,9 +421,9 @@ std::optional<std::size_t> first_non_finite(dtype t, const void* data, std::size
         std::memcpy(&w, bytes + (at + i) * sizeof(W), sizeof w);
         return w;
       };
-      unsigned any = 0;
+      W any = 0; // of the words' own width, which vectorizes where an unsigned does not
       for (std::size_t i = 0; i < n; ++i)
-        any |= (word_at(i) & exponent) == exponent;
+        any |= W((word_at(i) & exponent) == exponent);
       if (any != 0)
         for (std::size_t i = 0; i < n; ++i)
           if ((word_at(i) & exponent) == exponent)
