@@ -40,7 +40,6 @@ build_llamacpp
 # cache is the run's own.
 results=$(mktemp)
 weight_cache=$(mktemp -d)
-export TROUPE_WEIGHT_CACHE=$weight_cache/warm
 trap 'rm -rf "$results" "$results.time" "$weight_cache"' EXIT
 llama_bench() { # model, then llama-bench's shape flags
   local model=$1
@@ -83,9 +82,13 @@ startup() { # engine, model, what (startup or startup_first), then the command: 
   # seconds and peak resident bytes
   local engine=$1 model=$2 what=$3
   shift 3
-  # Each start from the file in the page cache: a start before may have pushed some of it
-  # out (the 8B files and a weight cache beside them do not all fit in 24 GB).
+  # Each start from the files it reads in the page cache: a start before may have pushed
+  # some of them out (the 8B files, a first start's cache and the warm one do not all fit
+  # in 24 GB). A start with troupe's weight cache reads the cache file too.
   cat "$model" > /dev/null
+  if [ "$engine $what" = "troupe startup" ]; then
+    cat "$TROUPE_WEIGHT_CACHE"/* > /dev/null 2>&1 || true
+  fi
   /usr/bin/time -f "%e %M" -o "$results.time" "$@" > /dev/null 2>&1
   python3 -c 'import json, sys
 seconds, kib = open(sys.argv[4]).read().split()[-2:]
@@ -96,6 +99,8 @@ print(json.dumps({"engine": sys.argv[1], "model": sys.argv[2],
     "$engine" "$model" "$what" "$results.time"
 }
 for model in "${models[@]}"; do
+  # Each model's cache in a folder of its own, so a start warms only its own.
+  export TROUPE_WEIGHT_CACHE=$weight_cache/warm/$(basename "$model")
   # The file into the page cache first: both sides start from it.
   cat "$model" > /dev/null
   for round in $(seq 1 "$rounds"); do
