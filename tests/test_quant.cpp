@@ -466,12 +466,14 @@ TEST_CASE("attention: every instruction set gives the portable attention's outpu
 TEST_CASE("attention of a prefill's tokens together: each token's heads give the portable "
           "attention's outputs over its own positions, and to the bit their own alone") {
   // Whole vectors a head (held in registers) and not (a token at a time); one token to 17
-  // (rows in tiles of 4 and the rest); context before the tokens; a sliding window and a
-  // soft cap; the tokens' rows of other heads between them (stride), left alone.
+  // (rows in tiles of 4 and the rest); context before the tokens, also past the 256
+  // positions whose keys are transposed at a time; a sliding window and a soft cap; the
+  // tokens' rows of other heads between them (stride), left alone. A single token is a
+  // decode step's tile, which must give the bits of the per-position kernel (`attend`).
   for (int64_t head_dim : {64, 16, 32, 128, 24}) {
     for (int64_t heads : {1, 3, 4}) {
       for (int64_t tokens : {1, 2, 5, 17}) {
-        for (int64_t before : {0, 3, 40}) {
+        for (int64_t before : {0, 3, 40, 300}) {
           for (int64_t window : {0, 6}) {
             const float softcap = window > 0 ? 3.0f : 0.0f;
             const int64_t len = before + tokens;

@@ -236,8 +236,12 @@ void attend_tokens(isa i, const float* query, int64_t stride, int64_t head_dim, 
                    float scale, const float* keys, const float* values, const int64_t* offsets,
                    float* out, float softcap) {
 #if TROUPE_X86_KERNELS
-  // A single token (a decode step's) reads its keys once as they are, untransposed.
-  if (tokens > 1 &&
+  // A single token (a decode step's) too, up to 2,048 positions: sixteen positions' keys
+  // loaded at once for the transposition keep more reads in flight than a position at a
+  // time, and its scores need no sum across a vector. Past that, `attend`'s prefetches keep
+  // up better with a context streamed from memory (the two give the same bits).
+  constexpr int64_t tiled_decode_positions = 2048;
+  if ((tokens > 1 || len <= tiled_decode_positions) &&
       ((i == isa::avx512 &&
         avx512::attend_tokens(query, stride, head_dim, heads, tokens, first, end, len, scale, keys,
                               values, offsets, out, softcap)) ||

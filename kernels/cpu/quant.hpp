@@ -52,15 +52,16 @@ void attend(isa i, const float* query, int64_t head_dim, int64_t heads, int64_t 
             const float* keys, const float* values, const int64_t* offsets, float* scores,
             float* out, float softcap = 0);
 
-/// Attention of several consecutive tokens of one sequence (a prefill's) that share their
-/// cached positions: token t's `heads` query rows (a GQA group, head_dim floats each, one
+/// Attention of consecutive tokens of one sequence (a prefill's, or a decode step's one) that share
+/// their cached positions: token t's `heads` query rows (a GQA group, head_dim floats each, one
 /// after another) start at query + t · stride and attend to positions [first[t], end[t]) of
 /// the `len` positions whose keys and values start at keys + offsets[p] and values +
 /// offsets[p]; `first` and `end` do not decrease with t. Outputs go to out + t · stride
 /// likewise. Each key and value is read once for the whole tile and the scores are computed
 /// as tiles of rows × positions (the keys transposed once), so that the work per score is
 /// a few multiply-adds; each token's outputs equal those `attend` gives it alone, to the
-/// bit. A single token goes to `attend`.
+/// bit. A single token attending to more than 2,048 positions, and heads of a size that is
+/// not a whole number of vectors, go to `attend`.
 void attend_tokens(isa i, const float* query, int64_t stride, int64_t head_dim, int64_t heads,
                    int64_t tokens, const int64_t* first, const int64_t* end, int64_t len,
                    float scale, const float* keys, const float* values, const int64_t* offsets,
