@@ -5,11 +5,11 @@
 #
 # llama.cpp: the tree inside PyPI's llama-cpp-python sdist, configured as its own project
 # with the CPU's native instructions, cached in $TROUPE_LLAMACPP_DIR (default
-# ~/.cache/troupe/llamacpp). Models: SmolLM2-135M (Q4_1, as fetched) and random-weight
-# models at Llama-3.2-1B's shape (../shared/tools/make-scale-gguf.py writes the F16 file,
-# llama-quantize the Q4_K_M, Q4_0, Q8_0 and BF16 copies), cached in $TROUPE_SCALE_DIR
-# (~/.cache/troupe/scale); TROUPE_SCALE_SHAPES="llama-1b llama-8b" adds the 8B shape (16 GB
-# as F16; its Q4_K_M and Q8_0 copies).
+# ~/.cache/troupe/llamacpp). Models: SmolLM2-135M (Q4_1, as fetched, and F16) and
+# random-weight models at Llama-3.2-1B's shape (../shared/tools/make-scale-gguf.py writes
+# the F16 file, llama-quantize the Q4_K_M, Q4_0, Q8_0 and BF16 copies), cached in
+# $TROUPE_SCALE_DIR (~/.cache/troupe/scale); TROUPE_SCALE_SHAPES="llama-1b llama-8b" adds
+# the 8B shape (16 GB as F16; its Q4_K_M and Q8_0 copies).
 
 troupe=${TROUPE_BIN:-build/troupe}
 threads=$(nproc)
@@ -59,9 +59,17 @@ build_llamacpp_in() { # folder, extra compiler flags
 }
 
 default_models() {
-  models+=("$(bash scripts/fetch-smollm2.sh)")
+  local smollm2 shape f16 types type out
+  smollm2=$(bash scripts/fetch-smollm2.sh)
   mkdir -p "$scale"
-  local shape f16 types type out
+  # SmolLM2 in F16 too (its Q4_1 weights dequantized by llama-quantize): the 16-bit kernels
+  # at a size that sits in the caches.
+  out=$scale/smollm2-135m-f16.gguf
+  if [ ! -f "$out" ]; then
+    "$bin/llama-quantize" --allow-requantize "$smollm2" "$out.part" F16 "$threads" > /dev/null 2>&1
+    mv "$out.part" "$out"
+  fi
+  models+=("$smollm2" "$out")
   for shape in ${TROUPE_SCALE_SHAPES:-llama-1b}; do
     f16=$scale/$shape-f16.gguf
     types="Q4_K_M Q4_0 Q8_0 BF16"
