@@ -9,6 +9,7 @@
 #include "kernels/dtype.hpp"
 #include "troupe/device.hpp"
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
@@ -41,9 +42,17 @@ struct paged_layout {
   float softcap = 0;
 };
 
+#ifdef __CUDACC__
+#define TROUPE_HOST_DEVICE __host__ __device__
+#else
+#define TROUPE_HOST_DEVICE
+#endif
+
 /// How `backend::sample` picks the token of one row: the most likely when `temperature` is
-/// below `greedy_below`, else a draw at `temperature` among the `top_k` most likely (all when <= 0)
-/// cut to `top_p` of their mass, with `u` in [0, 1).
+/// below `greedy_below`, else a draw at `temperature` among the `top_k` most likely (all when
+/// <= 0) whose probability is at least `min_p` times the most likely one's, cut to `top_p`
+/// of their mass, with `u` in [0, 1). A row that is `edited` is drawn from the logits
+/// `backend::edit_logits` made of it; its logprob is still the model's.
 struct row_sampling {
   /// Temperatures below this pick the most likely token (vLLM's `_SAMPLING_EPS`).
   static constexpr float greedy_below = 1e-5f;
@@ -52,8 +61,40 @@ struct row_sampling {
   int32_t top_k = -1;
   float top_p = 1.0f;
   float u = 0.0f;
+  float min_p = 0.0f;
+  /// Whether the row has edits or a mask (`backend::edit_logits`), and whether a mask.
+  int32_t edited = 0;
+  int32_t masked = 0;
 };
 static_assert(sizeof(row_sampling) % sizeof(float) == 0, "laid out in 4-byte units");
+
+/// What the logits processors do to one token of one row before the draw (vLLM's order:
+/// the bias, then the repetition penalty, then the frequency and presence penalties; a
+/// banned token, a bad word's last one or a stop token under min_tokens, gets -inf). Made
+/// on the host from the request's parameters and tokens (`logit_edits`), one per token a
+/// row changes, and applied where the logits are.
+struct logit_edit {
+  int32_t row = 0;
+  int32_t token = 0;
+  float bias = 0.0f;
+  /// 1: none.
+  float repetition = 1.0f;
+  /// frequency_penalty × the token's count in the output + presence_penalty.
+  float subtract = 0.0f;
+  int32_t banned = 0;
+};
+static_assert(sizeof(logit_edit) % sizeof(float) == 0, "laid out in 4-byte units");
+
+/// The logit `x` after `e`: each operation in float, alone, so that every device gets the
+/// same bits.
+TROUPE_HOST_DEVICE inline float edited_logit(float x, const logit_edit& e) {
+  if (e.banned != 0)
+    return -INFINITY;
+  x += e.bias;
+  if (e.repetition != 1.0f)
+    x = x > 0.0f ? x / e.repetition : x * e.repetition;
+  return x - e.subtract;
+}
 
 /// Which entries of a head rotate together: Hugging Face's halves (entry i with
 /// i + rotary_dim/2) or neighbours (2i with 2i + 1), the order in which llama.cpp's
@@ -237,10 +278,20 @@ public:
                                const float* v_cache, const paged_layout& layout, int64_t tokens,
                                float scale) = 0;
 
+  /// Writes to `processed` each row of `logits` whose `params[r].edited` is set: the row
+  /// with the tokens its mask leaves out at -inf (where `masked`: `masks` holds
+  /// `mask_words` words a row, bit t of word t / 32 allowing token t), then `edits`
+  /// (`edited_logit`; the tokens of a row distinct, the rows in order). Other rows of
+  /// `processed` are left as they are.
+  virtual void edit_logits(const float* logits, float* processed, int64_t rows, int64_t cols,
+                           const row_sampling* params, const logit_edit* edits, int64_t num_edits,
+                           const uint32_t* masks, int64_t mask_words) = 0;
+
   /// For each of `rows` rows of `cols` logits, the token `params` picks (the most likely,
-  /// or the draw of `choose_token` in model/sampler.hpp) and its log-softmax.
-  virtual void sample(const float* logits, int64_t rows, int64_t cols, const row_sampling* params,
-                      int32_t* ids, float* logprobs) = 0;
+  /// or the draw of `choose_token` in model/sampler.hpp) and its log-softmax; an `edited`
+  /// row is drawn from its row of `processed`, its log-softmax still that of `logits`.
+  virtual void sample(const float* logits, const float* processed, int64_t rows, int64_t cols,
+                      const row_sampling* params, int32_t* ids, float* logprobs) = 0;
 
 private:
   [[noreturn]] static void throw_no_packing();

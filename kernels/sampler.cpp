@@ -6,61 +6,99 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <unordered_map>
 #include <vector>
 
 namespace troupe {
 
 bool processes_logits(const sampling_params& p) {
   return p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f ||
-         p.frequency_penalty != 0.0f || p.min_p > 0.0f || !p.logit_bias_ids.empty() ||
-         p.min_tokens > 0 || !p.bad_words_token_ids.empty();
+         p.frequency_penalty != 0.0f || !p.logit_bias_ids.empty() || p.min_tokens > 0 ||
+         !p.bad_words_token_ids.empty();
 }
 
-void process_logits(float* logits, int64_t vocab, const sampling_params& p,
-                    const std::vector<int32_t>& tokens, size_t prompt_len,
-                    const std::vector<int32_t>& stop_ids) {
+void logit_edits(const sampling_params& p, int64_t vocab, const std::vector<int32_t>& tokens,
+                 size_t prompt_len, const std::vector<int32_t>& stop_ids, int32_t row,
+                 std::vector<logit_edit>& edits) {
   auto in_vocab = [&](int32_t t) { return t >= 0 && t < vocab; };
   auto output_len = tokens.size() - std::min(prompt_len, tokens.size());
+  auto first = edits.size();
+  // The edit of token t, made on first use.
+  std::unordered_map<int32_t, size_t> at;
+  auto of = [&](int32_t t) -> logit_edit& {
+    auto [i, fresh] = at.emplace(t, edits.size());
+    if (fresh) {
+      logit_edit e;
+      e.row = row;
+      e.token = t;
+      edits.push_back(e);
+    }
+    return edits[i->second];
+  };
   // A bad word's last token, where the output ends with the rest of it.
   for (auto& word : p.bad_words_token_ids) {
     auto rest = word.size() - 1;
     if (word.empty() || rest > output_len || !in_vocab(word.back()))
       continue;
     if (std::equal(word.begin(), word.end() - 1, tokens.end() - static_cast<std::ptrdiff_t>(rest)))
-      logits[word.back()] = -INFINITY;
+      of(word.back()).banned = 1;
   }
   for (size_t i = 0; i < p.logit_bias_ids.size(); ++i) {
     auto t = p.logit_bias_ids[i];
     if (!in_vocab(t))
       throw error{errc::invalid_argument, "logit_bias names token " + std::to_string(t) +
                                             ", outside the vocabulary of " + std::to_string(vocab)};
-    logits[t] += p.logit_bias_values[i];
+    of(t).bias = p.logit_bias_values[i];
   }
   if (static_cast<int64_t>(output_len) < p.min_tokens)
     for (auto t : stop_ids)
       if (in_vocab(t))
-        logits[t] = -INFINITY;
-  if (p.repetition_penalty != 1.0f) {
-    std::vector<bool> seen(static_cast<size_t>(vocab), false);
+        of(t).banned = 1;
+  if (p.repetition_penalty != 1.0f)
     for (auto t : tokens)
       if (in_vocab(t))
-        seen[static_cast<size_t>(t)] = true;
-    for (int64_t t = 0; t < vocab; ++t)
-      if (seen[static_cast<size_t>(t)])
-        logits[t] =
-          logits[t] > 0 ? logits[t] / p.repetition_penalty : logits[t] * p.repetition_penalty;
-  }
+        of(t).repetition = p.repetition_penalty;
   if (p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f) {
-    std::vector<int32_t> counts(static_cast<size_t>(vocab), 0);
+    std::unordered_map<int32_t, int32_t> counts;
     for (size_t i = prompt_len; i < tokens.size(); ++i)
       if (in_vocab(tokens[i]))
-        ++counts[static_cast<size_t>(tokens[i])];
-    for (int64_t t = 0; t < vocab; ++t) {
-      auto n = counts[static_cast<size_t>(t)];
-      if (n > 0)
-        logits[t] -= p.frequency_penalty * static_cast<float>(n) + p.presence_penalty;
-    }
+        ++counts[tokens[i]];
+    for (auto [t, n] : counts)
+      of(t).subtract = p.frequency_penalty * static_cast<float>(n) + p.presence_penalty;
   }
+  std::sort(edits.begin() + static_cast<std::ptrdiff_t>(first), edits.end(),
+            [](const logit_edit& a, const logit_edit& b) { return a.token < b.token; });
+}
+
+namespace {
+
+bool allows(const uint32_t* mask, int64_t t) {
+  return (mask[t / 32] >> (t % 32) & 1) != 0;
+}
+
+} // namespace
+
+bool bans_every_allowed(const logit_edit* edits, size_t count, const uint32_t* mask,
+                        int64_t vocab) {
+  int64_t allowed = 0;
+  for (int64_t t = 0; t < vocab; ++t)
+    allowed += allows(mask, t) ? 1 : 0;
+  int64_t banned = 0;
+  for (size_t i = 0; i < count; ++i)
+    banned += edits[i].banned != 0 && allows(mask, edits[i].token) ? 1 : 0;
+  return banned == allowed;
+}
+
+void edit_row(const float* logits, float* out, int64_t vocab, const uint32_t* mask,
+              const logit_edit* edits, size_t count) {
+  if (mask != nullptr) {
+    for (int64_t t = 0; t < vocab; ++t)
+      out[t] = allows(mask, t) ? logits[t] : -INFINITY;
+  } else if (out != logits) {
+    std::copy(logits, logits + vocab, out);
+  }
+  for (size_t i = 0; i < count; ++i)
+    out[edits[i].token] = edited_logit(out[edits[i].token], edits[i]);
 }
 
 float log_partition(const float* logits, int64_t vocab) {

@@ -1,5 +1,6 @@
 #pragma once
 
+#include "kernels/backend.hpp"
 #include "troupe/types.hpp"
 
 #include <cstdint>
@@ -17,8 +18,8 @@ namespace troupe {
 /// of generated tokens), so a seeded request gives the same tokens however it is batched
 /// and whenever it is sent, as in vLLM; without a seed the draw comes from `rng`. The
 /// caller sets the output's `parent_seq_id`.
-/// `processed`, when given, holds the logits after `process_logits`: the token is drawn
-/// from them, the logprobs still from `logits`.
+/// `processed`, when given, holds the logits after `edit_row`: the token is drawn from
+/// them, the logprobs still from `logits`.
 sequence_output sample_token(const float* logits, int64_t vocab, const sampling_params& params,
                              int64_t stream, int64_t step, std::mt19937_64& rng,
                              const float* processed = nullptr);
@@ -33,19 +34,28 @@ prompt_logprob prompt_logprob_of(const float* logits, int64_t vocab, int32_t pos
                                  int32_t token, int32_t top);
 
 /// Whether `params` change the logits before the draw (bad words, penalties, logit_bias,
-/// min_tokens) or cut by min_p: then a row is sampled on the host, from `process_logits`'
-/// logits.
+/// min_tokens): then `logit_edits` has work.
 bool processes_logits(const sampling_params& params);
 
-/// vLLM's processing of one row's logits before the temperature, in its order: bad words
-/// (a word's last token at -inf where the output ends with the rest of it); logit_bias;
-/// min_tokens (the `stop_ids`, EOS and the request's stop tokens, get -inf while the output
-/// is shorter); the repetition penalty over the prompt and the output; the frequency and
-/// presence penalties over the output. `tokens` holds the prompt's `prompt_len` tokens, then
-/// the output's.
-void process_logits(float* logits, int64_t vocab, const sampling_params& params,
-                    const std::vector<int32_t>& tokens, size_t prompt_len,
-                    const std::vector<int32_t>& stop_ids);
+/// vLLM's processing of one row's logits before the temperature, as edits of row `row`
+/// (one per token changed, in token order, appended to `edits`; see `logit_edit`): bad
+/// words (a word's last token banned where the output ends with the rest of it);
+/// logit_bias; min_tokens (the `stop_ids`, EOS and the request's stop tokens, banned while
+/// the output is shorter); the repetition penalty over the prompt and the output; the
+/// frequency and presence penalties over the output. `tokens` holds the prompt's
+/// `prompt_len` tokens, then the output's.
+void logit_edits(const sampling_params& params, int64_t vocab, const std::vector<int32_t>& tokens,
+                 size_t prompt_len, const std::vector<int32_t>& stop_ids, int32_t row,
+                 std::vector<logit_edit>& edits);
+
+/// Whether `count` edits of a row ban every token that `mask` (`vocab` bits) allows: then
+/// the mask alone decides (structured output's end, which min_tokens holds back).
+bool bans_every_allowed(const logit_edit* edits, size_t count, const uint32_t* mask, int64_t vocab);
+
+/// One row of `logits` into `out`: the tokens `mask` leaves out (when not null) at -inf,
+/// then `count` edits of the row.
+void edit_row(const float* logits, float* out, int64_t vocab, const uint32_t* mask,
+              const logit_edit* edits, size_t count);
 
 /// log Σ exp(logits): a logit less this is its log-softmax (the logprob reported).
 float log_partition(const float* logits, int64_t vocab);

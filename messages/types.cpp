@@ -61,6 +61,11 @@ void validate(const sampling_params& params, int64_t vocab) {
     if (!std::isfinite(params.logit_bias_values[i]))
       bad("logit_bias of token " + std::to_string(id) + " is not a finite number");
   }
+  // A token's bias once, as in OpenAI's map of them.
+  std::vector<int32_t> biased = params.logit_bias_ids;
+  std::sort(biased.begin(), biased.end());
+  if (auto twice = std::adjacent_find(biased.begin(), biased.end()); twice != biased.end())
+    bad("logit_bias names token " + std::to_string(*twice) + " twice");
   if (params.prompt_logprobs < -1 || params.prompt_logprobs > 20)
     bad("prompt_logprobs must be -1 (none) or between 0 and 20, got " +
         std::to_string(params.prompt_logprobs));

@@ -891,6 +891,8 @@ llama_model::step_layout llama_model::layout_of(int64_t T, int64_t S, int64_t se
   l.mid = take(T * max_lora_rank);
   l.last = take(S * H);
   l.logits = take(S * cfg_.vocab_size);
+  l.processed = take(S * cfg_.vocab_size);
+  l.masks = take(S * mask_words());
   l.sampling = take(S * static_cast<int64_t>(sizeof(row_sampling) / sizeof(float)));
   l.sampled_ids = take(S);
   l.sampled_logprobs = take(S);
@@ -1198,6 +1200,8 @@ llama_model::step_buffers llama_model::upload_step(const step_batch& batch, cons
   sampling_ = reinterpret_cast<row_sampling*>(base + parts.sampling);
   sampled_ids_ = reinterpret_cast<int32_t*>(base + parts.sampled_ids);
   sampled_logprobs_ = base + parts.sampled_logprobs;
+  processed_ = base + parts.processed;
+  masks_ = reinterpret_cast<uint32_t*>(base + parts.masks);
   return b;
 }
 
@@ -1485,17 +1489,51 @@ std::vector<float> llama_model::logits() const {
 }
 
 void llama_model::sample(const std::vector<row_sampling>& params, std::vector<int32_t>& ids,
-                         std::vector<float>& logprobs) {
-  if (static_cast<int64_t>(params.size()) != logit_rows_)
+                         std::vector<float>& logprobs, const std::vector<logit_edit>& edits,
+                         const std::vector<uint32_t>& masks) {
+  auto rows = static_cast<int64_t>(params.size());
+  if (rows != logit_rows_)
     throw error{errc::invalid_argument, "sample: " + std::to_string(params.size()) +
                                           " rows of parameters for " + std::to_string(logit_rows_) +
                                           " rows of logits"};
+  const auto vocab = cfg_.vocab_size;
+  bool edited = false;
+  for (auto& p : params) {
+    edited = edited || p.edited != 0;
+    if (p.masked != 0 && static_cast<int64_t>(masks.size()) != rows * mask_words())
+      throw error{errc::invalid_argument, "sample: " + std::to_string(masks.size()) +
+                                            " mask words for " + std::to_string(rows) +
+                                            " rows of " + std::to_string(mask_words())};
+  }
+  for (size_t i = 0; i < edits.size(); ++i) {
+    auto& e = edits[i];
+    if (e.row < 0 || e.row >= rows || params[static_cast<size_t>(e.row)].edited == 0 ||
+        e.token < 0 || e.token >= vocab || (i > 0 && e.row < edits[i - 1].row))
+      throw error{errc::invalid_argument,
+                  "sample: edit " + std::to_string(i) + " (row " + std::to_string(e.row) +
+                    ", token " + std::to_string(e.token) +
+                    ") is outside the edited rows or the vocabulary, or out of row order"};
+  }
   ids.resize(params.size());
   logprobs.resize(params.size());
   if (params.empty())
     return;
   dev_.copy(sampling_, params.data(), params.size() * sizeof(row_sampling));
-  backend_->sample(logits_, logit_rows_, cfg_.vocab_size, sampling_, sampled_ids_,
+  if (edited) {
+    auto bytes = edits.size() * sizeof(logit_edit);
+    if (edits_.size() < bytes) {
+      edits_.reset();
+      edits_ = device_buffer(dev_, bytes, memory_tag::kv_cache);
+    }
+    if (bytes > 0)
+      dev_.copy(edits_.data(), edits.data(), bytes);
+    if (!masks.empty())
+      dev_.copy(masks_, masks.data(), masks.size() * sizeof(uint32_t));
+    backend_->edit_logits(logits_, processed_, rows, vocab, sampling_,
+                          static_cast<const logit_edit*>(edits_.data()),
+                          static_cast<int64_t>(edits.size()), masks_, mask_words());
+  }
+  backend_->sample(logits_, processed_, logit_rows_, vocab, sampling_, sampled_ids_,
                    sampled_logprobs_);
   dev_.copy(ids.data(), sampled_ids_, ids.size() * sizeof(int32_t));
   dev_.copy(logprobs.data(), sampled_logprobs_, logprobs.size() * sizeof(float));

@@ -179,9 +179,17 @@ public:
   std::vector<float> logits() const;
 
   /// The token each row of the last `run` samples (`params`, one per row) and its logprob,
-  /// picked on the device; only these come back to the host.
+  /// picked on the device; only these come back to the host. The rows `edited` are drawn
+  /// after their `edits` (in row order) and, where `masked`, their mask (`masks`: a row of
+  /// `mask_words()` words for each row, any content in the others), applied on the device.
   void sample(const std::vector<row_sampling>& params, std::vector<int32_t>& ids,
-              std::vector<float>& logprobs);
+              std::vector<float>& logprobs, const std::vector<logit_edit>& edits = {},
+              const std::vector<uint32_t>& masks = {});
+
+  /// Words of a row's token mask (`sample`).
+  int64_t mask_words() const {
+    return (cfg_.vocab_size + 31) / 32;
+  }
 
   /// Grows the step workspace to what any step within these bounds needs: `tokens` tokens
   /// in at most `seqs` sequences of up to `max_len` positions in blocks of `block_size`,
@@ -376,9 +384,9 @@ private:
   /// block tables, the sampled rows) are at their offsets within it.
   struct step_layout {
     int64_t ids, positions, slots, token_seq, tables, samples, int_count;
-    int64_t ints, rope, x, h, q, k, v, attn, gate, up, mid, last, logits, sampling, sampled_ids,
-      sampled_logprobs, router, moe_in, expert_x, expert_gate, expert_up, expert_out, routes,
-      route_weights, total;
+    int64_t ints, rope, x, h, q, k, v, attn, gate, up, mid, last, logits, processed, masks,
+      sampling, sampled_ids, sampled_logprobs, router, moe_in, expert_x, expert_gate, expert_up,
+      expert_out, routes, route_weights, total;
   };
   step_layout layout_of(int64_t tokens, int64_t samples, int64_t seqs, int64_t max_blocks,
                         int64_t max_lora_rank) const;
@@ -503,6 +511,10 @@ private:
   row_sampling* sampling_ = nullptr;
   int32_t* sampled_ids_ = nullptr;
   float* sampled_logprobs_ = nullptr;
+  /// The edited rows' logits and the rows' masks (in the workspace), and the edits.
+  float* processed_ = nullptr;
+  uint32_t* masks_ = nullptr;
+  device_buffer edits_;
 };
 
 } // namespace troupe

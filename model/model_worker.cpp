@@ -846,108 +846,127 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
   if (rank() != 0)
     return {}; // only the driver's output is used
   auto& rows = batch.rows;
+  auto vocab = st.config.vocab_size;
+  auto& groups = request.seq_group_metadata_list;
   // Unless a group asks for top logprobs or prompt logprobs, every row is sampled on the
-  // device and only the tokens come back; otherwise the logits do, for the host sampler
-  // (which picks alike).
+  // device, after its logits processors and structured output's mask, and only the tokens
+  // come back; otherwise the logits do, for the host sampler (which picks alike).
   bool on_device = batch.prompt_rows.empty();
-  for (auto& g : request.seq_group_metadata_list)
+  for (auto& g : groups)
     if (g.do_sample) {
-      validate(g.sampling, st.config.vocab_size);
-      on_device = on_device && g.sampling.logprobs <= 0 && !processes_logits(g.sampling) &&
-                  g.allowed_tokens.empty();
+      validate(g.sampling, vocab);
+      on_device = on_device && g.sampling.logprobs <= 0;
     }
   auto step_of = [](const sequence_data& seq) { return seq.length() - seq.num_prompt_tokens; };
+  // What each row's processors change (its edits, from `edits_from[row]` on), and whether
+  // its mask applies.
+  std::vector<logit_edit> edits;
+  std::vector<size_t> edits_from(rows.size() + 1, 0);
+  std::vector<char> masked(rows.size(), 0);
+  for (size_t row = 0; row < rows.size(); ++row) {
+    auto& group = groups[rows[row].group];
+    auto& seq = group.seqs[rows[row].seq];
+    auto& mask = group.allowed_tokens;
+    edits_from[row] = edits.size();
+    if (!mask.empty() && static_cast<int64_t>(mask.size()) * 32 < vocab)
+      throw error{errc::invalid_argument, "request '" + group.request_id +
+                                            "': its token mask covers " +
+                                            std::to_string(mask.size() * 32) + " of the " +
+                                            std::to_string(vocab) + " tokens"};
+    if (processes_logits(group.sampling)) {
+      if (seq.first_token != 0 && reads_history(group.sampling))
+        throw error{errc::invalid_argument,
+                    "request '" + group.request_id +
+                      "' samples with penalties or min_tokens, "
+                      "which read all its tokens, but sent them from position " +
+                      std::to_string(seq.first_token)};
+      auto stop_ids = group.sampling.stop_token_ids;
+      if (!group.sampling.ignore_eos)
+        stop_ids.insert(stop_ids.end(), st.config.eos_token_ids.begin(),
+                        st.config.eos_token_ids.end());
+      logit_edits(group.sampling, vocab, seq.token_ids, static_cast<size_t>(seq.num_prompt_tokens),
+                  stop_ids, static_cast<int32_t>(row), edits);
+    }
+    masked[row] = !mask.empty();
+    // The processing would leave nothing the mask allows (min_tokens holding back the end
+    // a complete structured output allows only): the mask decides.
+    if (masked[row] && bans_every_allowed(edits.data() + edits_from[row],
+                                          edits.size() - edits_from[row], mask.data(), vocab))
+      edits.resize(edits_from[row]);
+  }
+  edits_from[rows.size()] = edits.size();
+  auto edited = [&](size_t row) {
+    return masked[row] != 0 || edits_from[row + 1] > edits_from[row];
+  };
   std::vector<float> logits;
   std::vector<int32_t> ids;
   std::vector<float> logprobs;
   if (on_device) {
     std::vector<row_sampling> params;
-    for (auto& r : rows) {
-      auto& group = request.seq_group_metadata_list[r.group];
-      auto& seq = group.seqs[r.seq];
+    std::vector<uint32_t> masks;
+    auto words = st.model->mask_words();
+    for (size_t row = 0; row < rows.size(); ++row) {
+      auto& group = groups[rows[row].group];
+      auto& seq = group.seqs[rows[row].seq];
       row_sampling p;
       if (!is_greedy(group.sampling)) {
         p.temperature = group.sampling.temperature;
         p.top_k = group.sampling.top_k;
         p.top_p = group.sampling.top_p;
-        p.u = draw_uniform(group.sampling, static_cast<int64_t>(r.seq), step_of(seq), st.rng);
+        p.min_p = group.sampling.min_p;
+        p.u =
+          draw_uniform(group.sampling, static_cast<int64_t>(rows[row].seq), step_of(seq), st.rng);
+      }
+      p.edited = edited(row) ? 1 : 0;
+      p.masked = masked[row];
+      if (masked[row] != 0) {
+        masks.resize(rows.size() * static_cast<size_t>(words));
+        std::copy_n(group.allowed_tokens.begin(), words,
+                    masks.begin() + static_cast<std::ptrdiff_t>(row) * words);
       }
       params.push_back(p);
     }
-    st.model->sample(params, ids, logprobs);
+    st.model->sample(params, ids, logprobs, edits, masks);
   } else {
     logits = st.model->logits();
   }
   sampler_output out;
-  auto vocab = st.config.vocab_size;
   // The prompt positions' logprobs, from the rows after the sampled ones.
-  std::vector<std::vector<prompt_logprob>> prompt_logprobs(request.seq_group_metadata_list.size());
+  std::vector<std::vector<prompt_logprob>> prompt_logprobs(groups.size());
   for (size_t k = 0; k < batch.prompt_rows.size(); ++k) {
     auto& p = batch.prompt_rows[k];
-    prompt_logprobs[p.group].push_back(prompt_logprob_of(
-      &logits[(rows.size() + k) * static_cast<size_t>(vocab)], vocab, p.position, p.token,
-      request.seq_group_metadata_list[p.group].sampling.prompt_logprobs));
+    prompt_logprobs[p.group].push_back(
+      prompt_logprob_of(&logits[(rows.size() + k) * static_cast<size_t>(vocab)], vocab, p.position,
+                        p.token, groups[p.group].sampling.prompt_logprobs));
   }
+  std::vector<float> processed;
   size_t row = 0;
-  for (size_t g = 0; g < request.seq_group_metadata_list.size(); ++g) {
-    auto& group = request.seq_group_metadata_list[g];
+  for (size_t g = 0; g < groups.size(); ++g) {
+    auto& group = groups[g];
     sequence_group_output group_out;
     group_out.request_id = group.request_id;
     group_out.prompt_logprobs = std::move(prompt_logprobs[g]);
     for (; row < rows.size() && rows[row].group == g; ++row) {
       auto& seq = group.seqs[rows[row].seq];
-      auto stream = static_cast<int64_t>(rows[row].seq);
+      sequence_output sample;
       if (on_device) {
-        sequence_output sample;
-        sample.parent_seq_id = seq.seq_id;
         sample.output_token = ids[row];
         sample.logprob = logprobs[row];
-        group_out.samples.push_back(sample);
-      } else if (processes_logits(group.sampling) || !group.allowed_tokens.empty()) {
-        const float* raw = &logits[row * vocab];
-        std::vector<float> processed(raw, raw + vocab);
-        // Structured output's mask first: what it leaves out is never drawn.
-        auto& mask = group.allowed_tokens;
-        auto apply_mask = [&] {
-          for (int64_t t = 0; t < vocab; ++t)
-            if (!(mask[static_cast<size_t>(t) / 32] >> (t % 32) & 1))
-              processed[static_cast<size_t>(t)] = -INFINITY;
-        };
-        if (!mask.empty()) {
-          if (static_cast<int64_t>(mask.size()) * 32 < vocab)
-            throw error{errc::invalid_argument, "request '" + group.request_id +
-                                                  "': its token mask covers " +
-                                                  std::to_string(mask.size() * 32) + " of the " +
-                                                  std::to_string(vocab) + " tokens"};
-          apply_mask();
-        }
-        auto stop_ids = group.sampling.stop_token_ids;
-        if (!group.sampling.ignore_eos)
-          stop_ids.insert(stop_ids.end(), st.config.eos_token_ids.begin(),
-                          st.config.eos_token_ids.end());
-        if (seq.first_token != 0 && reads_history(group.sampling))
-          throw error{errc::invalid_argument,
-                      "request '" + group.request_id +
-                        "' samples with penalties or min_tokens, "
-                        "which read all its tokens, but sent them from position " +
-                        std::to_string(seq.first_token)};
-        process_logits(processed.data(), vocab, group.sampling, seq.token_ids,
-                       static_cast<size_t>(seq.num_prompt_tokens), stop_ids);
-        // The mask and the processing left nothing (min_tokens holding back the end a
-        // complete structured output allows only): the mask decides.
-        if (!mask.empty() && std::all_of(processed.begin(), processed.end(),
-                                         [](float x) { return std::isinf(x) && x < 0; })) {
-          processed.assign(raw, raw + vocab);
-          apply_mask();
-        }
-        group_out.samples.push_back(
-          sample_token(raw, vocab, group.sampling, stream, step_of(seq), st.rng, processed.data()));
-        group_out.samples.back().parent_seq_id = seq.seq_id;
       } else {
-        group_out.samples.push_back(
-          sample_token(&logits[row * vocab], vocab, group.sampling, stream, step_of(seq), st.rng));
-        group_out.samples.back().parent_seq_id = seq.seq_id;
+        const float* raw = &logits[row * vocab];
+        const float* drawn_from = nullptr;
+        if (edited(row)) {
+          processed.resize(static_cast<size_t>(vocab));
+          edit_row(raw, processed.data(), vocab,
+                   masked[row] != 0 ? group.allowed_tokens.data() : nullptr,
+                   edits.data() + edits_from[row], edits_from[row + 1] - edits_from[row]);
+          drawn_from = processed.data();
+        }
+        sample = sample_token(raw, vocab, group.sampling, static_cast<int64_t>(rows[row].seq),
+                              step_of(seq), st.rng, drawn_from);
       }
+      sample.parent_seq_id = seq.seq_id;
+      group_out.samples.push_back(std::move(sample));
     }
     out.outputs.push_back(std::move(group_out));
   }

@@ -9,6 +9,7 @@
 #include "kernels/cuda/nccl_communicator.hpp"
 #include "kernels/cuda/ops.hpp"
 #include "kernels/dtype.hpp"
+#include "kernels/sampler.hpp"
 #include "tests/gpu.hpp"
 #include "troupe/errors.hpp"
 
@@ -164,9 +165,10 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
     params[4] = {1.0f, 200, 0.8f, u};
     std::vector<int32_t> want_ids(rows);
     std::vector<float> want_logprob(rows);
-    cpu->sample(logits.data(), rows, vocab, params.data(), want_ids.data(), want_logprob.data());
+    cpu->sample(logits.data(), nullptr, rows, vocab, params.data(), want_ids.data(),
+                want_logprob.data());
     CHECK(want_ids[2] == 777);
-    gpu->sample(dlogits, rows, vocab, upload(dev, params), dsampled, dlogprob);
+    gpu->sample(dlogits, nullptr, rows, vocab, upload(dev, params), dsampled, dlogprob);
     CHECK_MESSAGE(download(dev, dsampled, rows) == want_ids, "u = " << u);
     CHECK(max_relative_error(download(dev, dlogprob, rows), want_logprob) < 1e-4);
   }
@@ -187,9 +189,58 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
       {1.0f, 20, 1.0f, u}, {0.9f, 20, 0.5f, u}, {1.0f, 1, 1.0f, u}, {1.0f, 5000, 0.7f, u}};
     std::vector<int32_t> want_ids(4);
     std::vector<float> want_logprob(4);
-    cpu->sample(special.data(), 4, small, params.data(), want_ids.data(), want_logprob.data());
-    gpu->sample(dspecial, 4, small, upload(dev, params), dspecial_ids, dspecial_logprobs);
+    cpu->sample(special.data(), nullptr, 4, small, params.data(), want_ids.data(),
+                want_logprob.data());
+    gpu->sample(dspecial, nullptr, 4, small, upload(dev, params), dspecial_ids, dspecial_logprobs);
     CHECK_MESSAGE(download(dev, dspecial_ids, 4) == want_ids, "u = " << u);
+  }
+
+  // The logits processors and structured output's mask on the device: penalties, a bias,
+  // bans and a mask edit rows into the processed logits (the same bits as the CPU's), min_p
+  // cuts the draw, and the logprobs stay the model's.
+  {
+    sampling_params sp;
+    sp.repetition_penalty = 1.3f;
+    sp.frequency_penalty = 0.4f;
+    sp.presence_penalty = 0.2f;
+    sp.logit_bias_ids = {5, 777};
+    sp.logit_bias_values = {3.5f, -2.0f};
+    sp.min_tokens = 8;
+    sp.bad_words_token_ids = {{11, 12}};
+    std::vector<int32_t> tokens{1, 2, 3, 777, 9, 9, 11, 40, 40, 40, 11};
+    std::vector<logit_edit> edits;
+    for (int32_t row : {0, 2, 3})
+      logit_edits(sp, vocab, tokens, 4, {0, 13}, row, edits);
+    auto words = (vocab + 31) / 32;
+    std::vector<uint32_t> masks(rows * words, ~0u);
+    for (int64_t w = 0; w < words; ++w)
+      masks[3 * words + w] = w % 3 == 0 ? 0x0f0f0f0fu : 0u;
+    for (float u : {0.02f, 0.5f, 0.97f}) {
+      std::vector<row_sampling> params(rows);
+      params[0] = {0.0f, -1, 1.0f, u, 0.0f, 1, 0};
+      params[1] = {1.0f, -1, 1.0f, u, 0.3f, 0, 0};
+      params[2] = {0.9f, 40, 0.9f, u, 0.05f, 1, 0};
+      params[3] = {1.2f, -1, 1.0f, u, 0.01f, 1, 1};
+      std::vector<float> processed(logits.size());
+      cpu->edit_logits(logits.data(), processed.data(), rows, vocab, params.data(), edits.data(),
+                       static_cast<int64_t>(edits.size()), masks.data(), words);
+      std::vector<int32_t> want_ids(rows);
+      std::vector<float> want_logprob(rows);
+      cpu->sample(logits.data(), processed.data(), rows, vocab, params.data(), want_ids.data(),
+                  want_logprob.data());
+      auto dparams = upload(dev, params);
+      auto dprocessed = zeros(logits.size());
+      gpu->edit_logits(dlogits, dprocessed, rows, vocab, dparams, upload(dev, edits),
+                       static_cast<int64_t>(edits.size()), upload(dev, masks), words);
+      auto got = download(dev, dprocessed, logits.size());
+      for (int64_t r : {0, 2, 3})
+        CHECK(std::equal(
+          got.begin() + r * vocab, got.begin() + (r + 1) * vocab, processed.begin() + r * vocab,
+          [](float a, float b) { return a == b || (std::isnan(a) && std::isnan(b)); }));
+      gpu->sample(dlogits, dprocessed, rows, vocab, dparams, dsampled, dlogprob);
+      CHECK_MESSAGE(download(dev, dsampled, rows) == want_ids, "u = " << u);
+      CHECK(max_relative_error(download(dev, dlogprob, rows), want_logprob) < 1e-4);
+    }
   }
 
   // GEMMs: float32 (plain and accumulating), and half-precision weights, whose reference

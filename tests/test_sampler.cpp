@@ -4,7 +4,9 @@
 // scripts/make-sampling-fixtures.py).
 
 #include "kernels/sampler.hpp"
+#include "kernels/cpu/cpu_device.hpp"
 #include "tests/generation.hpp"
+#include "tests/random.hpp"
 #include "troupe/errors.hpp"
 
 #include <doctest/doctest.h>
@@ -148,9 +150,11 @@ TEST_CASE("bad words, penalties, logit_bias and min_tokens change the logits as 
     CAPTURE(c["params"].dump());
     auto p = from_json(c["params"]);
     CHECK(processes_logits(p));
+    std::vector<logit_edit> edits;
+    logit_edits(p, vocab, tokens, prompt.size(),
+                c["params"].value("stop_ids", std::vector<int32_t>{}), 0, edits);
     auto x = raw;
-    process_logits(x.data(), vocab, p, tokens, prompt.size(),
-                   c["params"].value("stop_ids", std::vector<int32_t>{}));
+    edit_row(raw.data(), x.data(), vocab, nullptr, edits.data(), edits.size());
     auto want = c["processed"];
     for (int64_t i = 0; i < vocab; ++i) {
       if (want[i].is_null() || std::isinf(want[i].get<double>()) || want[i].get<double>() < -1e30) {
@@ -161,6 +165,94 @@ TEST_CASE("bad words, penalties, logit_bias and min_tokens change the logits as 
     }
   }
   CHECK_FALSE(processes_logits(sampling_params{}));
+}
+
+TEST_CASE("the CPU backend draws rows under edits, masks and min_p as the host sampler does") {
+  cpu_device host{0};
+  auto cpu = make_backend(host, 2);
+  const int64_t rows = 5, vocab = 3000, words = (vocab + 31) / 32;
+  auto logits = testing::random_floats(rows * vocab, 31, 2.0f);
+  std::vector<int32_t> tokens{1, 2, 3, 777, 9, 9, 11, 40, 40, 40, 11, 2999};
+  const size_t prompt_len = 4;
+  std::vector<sampling_params> sp(rows);
+  sp[0].temperature = 0.0f; // greedy, penalised
+  sp[0].repetition_penalty = 1.5f;
+  sp[1].temperature = 1.0f; // min_p alone: no edits
+  sp[1].min_p = 0.2f;
+  sp[2].temperature = 0.8f;
+  sp[2].top_k = 50;
+  sp[2].top_p = 0.9f;
+  sp[2].frequency_penalty = 0.5f;
+  sp[2].presence_penalty = -0.3f;
+  sp[2].logit_bias_ids = {5, 777};
+  sp[2].logit_bias_values = {4.0f, -1.0f};
+  sp[2].min_p = 0.01f;
+  sp[3].temperature = 1.1f; // masked, with bans
+  sp[3].min_tokens = 20;
+  sp[3].bad_words_token_ids = {{11, 12}};
+  sp[4].temperature = 1.0f; // masked to stop tokens that min_tokens bans: the mask decides
+  sp[4].min_tokens = 20;
+  std::vector<uint32_t> masks(rows * words, ~0u);
+  for (int64_t w = 0; w < words; ++w) {
+    masks[3 * words + w] = w % 2 == 0 ? 0x00ff00ffu : 0u;
+    masks[4 * words + w] = 0u;
+  }
+  masks[4 * words] = 1u << 7; // token 7 only, a stop token
+  const std::vector<int32_t> stop_ids{7, 12, 0};
+  for (int64_t seed : {1, 2, 3, 4}) {
+    std::mt19937_64 rng{1};
+    std::vector<logit_edit> edits;
+    std::vector<row_sampling> params(rows);
+    std::vector<std::vector<float>> processed(rows);
+    std::vector<sequence_output> want;
+    for (int64_t r = 0; r < rows; ++r) {
+      auto p = sp[static_cast<size_t>(r)];
+      p.seed = seed;
+      auto first = edits.size();
+      logit_edits(p, vocab, tokens, prompt_len, stop_ids, static_cast<int32_t>(r), edits);
+      const uint32_t* mask = r >= 3 ? &masks[static_cast<size_t>(r * words)] : nullptr;
+      if (mask != nullptr &&
+          bans_every_allowed(edits.data() + first, edits.size() - first, mask, vocab))
+        edits.resize(first);
+      auto& row = params[static_cast<size_t>(r)];
+      if (!is_greedy(p))
+        row = {p.temperature, p.top_k, p.top_p, draw_uniform(p, r, 3, rng), p.min_p, 0, 0};
+      row.masked = mask != nullptr ? 1 : 0;
+      row.edited = mask != nullptr || edits.size() > first ? 1 : 0;
+      const float* raw = &logits[static_cast<size_t>(r * vocab)];
+      const float* drawn_from = nullptr;
+      if (row.edited != 0) {
+        processed[static_cast<size_t>(r)].resize(vocab);
+        edit_row(raw, processed[static_cast<size_t>(r)].data(), vocab, mask, edits.data() + first,
+                 edits.size() - first);
+        drawn_from = processed[static_cast<size_t>(r)].data();
+      }
+      want.push_back(sample_token(raw, vocab, p, r, 3, rng, drawn_from));
+    }
+    CHECK(params[1].edited == 0);
+    CHECK(params[4].edited == 1);
+    std::vector<float> edited(logits.size());
+    cpu->edit_logits(logits.data(), edited.data(), rows, vocab, params.data(), edits.data(),
+                     static_cast<int64_t>(edits.size()), masks.data(), words);
+    std::vector<int32_t> ids(rows);
+    std::vector<float> logprobs(rows);
+    cpu->sample(logits.data(), edited.data(), rows, vocab, params.data(), ids.data(),
+                logprobs.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      CAPTURE(r);
+      CAPTURE(seed);
+      auto& w = want[static_cast<size_t>(r)];
+      CHECK(ids[static_cast<size_t>(r)] == w.output_token);
+      CHECK(logprobs[static_cast<size_t>(r)] == doctest::Approx(w.logprob).epsilon(1e-5));
+      if (params[static_cast<size_t>(r)].edited != 0)
+        CHECK(std::equal(processed[static_cast<size_t>(r)].begin(),
+                         processed[static_cast<size_t>(r)].end(), edited.begin() + r * vocab));
+    }
+    // The mask decides row 4; row 3 draws only what its mask allows and min_tokens does not ban.
+    CHECK(ids[4] == 7);
+    CHECK((masks[static_cast<size_t>(3 * words + ids[3] / 32)] >> (ids[3] % 32) & 1) == 1);
+    CHECK(std::find(stop_ids.begin(), stop_ids.end(), ids[3]) == stop_ids.end());
+  }
 }
 
 TEST_CASE("min_p keeps the tokens transformers' MinPLogitsWarper keeps") {

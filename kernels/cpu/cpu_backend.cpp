@@ -323,18 +323,37 @@ public:
     });
   }
 
-  void sample(const float* logits, int64_t rows, int64_t cols, const row_sampling* params,
-              int32_t* ids, float* logprobs) override {
+  void edit_logits(const float* logits, float* processed, int64_t rows, int64_t cols,
+                   const row_sampling* params, const logit_edit* edits, int64_t num_edits,
+                   const uint32_t* masks, int64_t mask_words) override {
+    auto edits_of = [&](int64_t r) {
+      return std::lower_bound(edits, edits + num_edits, r,
+                              [](const logit_edit& e, int64_t row) { return e.row < row; });
+    };
+    pool_.run(rows, [&](int64_t r) {
+      auto& p = params[r];
+      if (p.edited == 0)
+        return;
+      auto first = edits_of(r);
+      edit_row(logits + r * cols, processed + r * cols, cols,
+               p.masked != 0 ? masks + r * mask_words : nullptr, first,
+               static_cast<size_t>(edits_of(r + 1) - first));
+    });
+  }
+
+  void sample(const float* logits, const float* processed, int64_t rows, int64_t cols,
+              const row_sampling* params, int32_t* ids, float* logprobs) override {
     // A row each: a batch's rows are independent (each draws with its own uniform).
     pool_.run(rows, [&](int64_t r) {
-      const float* row = logits + r * cols;
+      const float* raw = logits + r * cols;
       auto& p = params[r];
+      const float* row = p.edited != 0 ? processed + r * cols : raw;
       auto chosen = p.temperature < row_sampling::greedy_below
                       ? std::max_element(row, row + cols) - row // the first of equal maxima
-                      : choose_token(row, cols, p.temperature, p.top_k, p.top_p, p.u);
+                      : choose_token(row, cols, p.temperature, p.top_k, p.top_p, p.u, p.min_p);
       ids[r] = static_cast<int32_t>(chosen);
       // As sample_token reports it, on the vector unit.
-      logprobs[r] = row[chosen] - cpu::log_partition(isa_, row, cols);
+      logprobs[r] = raw[chosen] - cpu::log_partition(isa_, raw, cols);
     });
   }
 

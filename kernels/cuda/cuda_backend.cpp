@@ -174,9 +174,16 @@ public:
     cuda::paged_attention(q, out, k_cache, v_cache, layout, tokens, scale, dev_.stream());
   }
 
-  void sample(const float* logits, int64_t rows, int64_t cols, const row_sampling* params,
-              int32_t* ids, float* logprobs) override {
-    cuda::sample(logits, params, ids, logprobs, rows, cols, dev_.stream());
+  void edit_logits(const float* logits, float* processed, int64_t rows, int64_t cols,
+                   const row_sampling* params, const logit_edit* edits, int64_t num_edits,
+                   const uint32_t* masks, int64_t mask_words) override {
+    cuda::edit_logits(logits, processed, rows, cols, params, edits, num_edits, masks, mask_words,
+                      dev_.stream());
+  }
+
+  void sample(const float* logits, const float* processed, int64_t rows, int64_t cols,
+              const row_sampling* params, int32_t* ids, float* logprobs) override {
+    cuda::sample(logits, processed, params, ids, logprobs, rows, cols, dev_.stream());
   }
 
 private:

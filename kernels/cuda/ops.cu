@@ -202,8 +202,8 @@ constexpr int sample_threads = 1024;
 // in the running sum of the kept weights in token order: each thread sums a contiguous
 // chunk, and the thread whose chunk holds u × total walks it.
 __global__ void __launch_bounds__(sample_threads)
-  sample_kernel(const float* x, const row_sampling* params, int32_t* ids, float* logprobs,
-                int64_t cols) {
+  sample_kernel(const float* x, const float* processed, const row_sampling* params, int32_t* ids,
+                float* logprobs, int64_t cols) {
   __shared__ float scratch[sample_threads];
   __shared__ int64_t at[sample_threads];
   // The draw sums in double, as the CPU's choose_token does: a float target of u × mass
@@ -213,8 +213,9 @@ __global__ void __launch_bounds__(sample_threads)
   __shared__ double kept_mass;
   __shared__ int64_t pick;
   auto row = blockIdx.x;
-  const float* in = x + row * cols;
   row_sampling p = params[row];
+  const float* raw = x + row * cols;
+  const float* in = p.edited != 0 ? processed + row * cols : raw;
   float b = -INFINITY;
   int64_t a = cols;
 #pragma unroll 8
@@ -277,6 +278,27 @@ __global__ void __launch_bounds__(sample_threads)
           count += order_key(in[i]) >= k ? 1.0f : 0.0f;
         return block_reduce(count, scratch, add_op{}) >= static_cast<float>(p.top_k);
       });
+    if (p.min_p > 0.0f) {
+      // The lowest kept key whose weight (in double, as the CPU's) reaches min_p; the most
+      // likely token's is 1, so there is one.
+      uint32_t least = ~0u;
+      for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+        auto k = order_key(in[i]);
+        if (k >= cut && k < least &&
+            exp(static_cast<double>(in[i] - max_value) / static_cast<double>(p.temperature)) >=
+              static_cast<double>(p.min_p))
+          least = k;
+      }
+      at[threadIdx.x] = least;
+      __syncthreads();
+      for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if (threadIdx.x < stride && at[threadIdx.x + stride] < at[threadIdx.x])
+          at[threadIdx.x] = at[threadIdx.x + stride];
+        __syncthreads();
+      }
+      cut = static_cast<uint32_t>(at[0]);
+      __syncthreads();
+    }
     auto mass_from = [&](uint32_t k) {
       float m = 0.0f;
       for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
@@ -332,10 +354,45 @@ __global__ void __launch_bounds__(sample_threads)
     __syncthreads();
   }
   __syncthreads();
+  // The model's log-softmax: an edited row's from the logits before the edits.
+  if (p.edited != 0) {
+    float m = -INFINITY;
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
+      m = fmaxf(m, raw[i]);
+    max_value = block_reduce(m, scratch, max_op{});
+    float z = 0.0f;
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
+      z += expf(raw[i] - max_value);
+    sum = block_reduce(z, scratch, add_op{});
+  }
   if (threadIdx.x == 0) {
     ids[row] = static_cast<int32_t>(pick);
-    logprobs[row] = in[pick] - max_value - logf(sum);
+    logprobs[row] = raw[pick] - max_value - logf(sum);
   }
+}
+
+// A block per row: an edited row copied, the tokens its mask leaves out at -inf.
+__global__ void masked_copy_kernel(const float* x, float* processed, const row_sampling* params,
+                                   const uint32_t* masks, int64_t mask_words, int64_t cols) {
+  auto row = blockIdx.x;
+  if (params[row].edited == 0)
+    return;
+  const float* in = x + row * cols;
+  float* out = processed + row * cols;
+  const uint32_t* mask = params[row].masked != 0 ? masks + row * mask_words : nullptr;
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
+    out[i] = mask == nullptr || (mask[i / 32] >> (i % 32) & 1u) != 0 ? in[i] : -INFINITY;
+}
+
+// A thread per edit (the tokens of a row are distinct).
+__global__ void apply_edits_kernel(float* processed, const logit_edit* edits, int64_t n,
+                                   int64_t cols) {
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n)
+    return;
+  auto e = edits[i];
+  float* v = processed + e.row * cols + e.token;
+  *v = edited_logit(*v, e);
 }
 
 __global__ void write_kv_kernel(const float* k, const float* v, float* k_cache, float* v_cache,
@@ -669,12 +726,27 @@ void gather_rows(const int32_t* ids, const void* table, dtype type, float* out, 
   launched("gather_rows_kernel");
 }
 
-void sample(const float* x, const row_sampling* params, int32_t* ids, float* logprobs, int64_t rows,
-            int64_t cols, cudaStream_t stream) {
+void edit_logits(const float* x, float* processed, int64_t rows, int64_t cols,
+                 const row_sampling* params, const logit_edit* edits, int64_t num_edits,
+                 const uint32_t* masks, int64_t mask_words, cudaStream_t stream) {
   if (rows == 0)
     return;
-  sample_kernel<<<static_cast<unsigned>(rows), sample_threads, 0, stream>>>(x, params, ids,
-                                                                            logprobs, cols);
+  masked_copy_kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(x, processed, params,
+                                                                          masks, mask_words, cols);
+  launched("masked_copy_kernel");
+  if (num_edits == 0)
+    return;
+  apply_edits_kernel<<<blocks_for(num_edits), threads, 0, stream>>>(processed, edits, num_edits,
+                                                                    cols);
+  launched("apply_edits_kernel");
+}
+
+void sample(const float* x, const float* processed, const row_sampling* params, int32_t* ids,
+            float* logprobs, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows == 0)
+    return;
+  sample_kernel<<<static_cast<unsigned>(rows), sample_threads, 0, stream>>>(x, processed, params,
+                                                                            ids, logprobs, cols);
   launched("sample_kernel");
 }
 

@@ -57,13 +57,20 @@ void scatter_add_rows(const float* x, const int32_t* rows, const float* weights,
 void gather_rows(const int32_t* ids, const void* table, dtype type, float* out, int64_t rows,
                  int64_t dim, cudaStream_t stream);
 
+/// `backend::edit_logits`: the edited rows of `x` copied to `processed` under their masks
+/// (a block per row), then a thread per edit.
+void edit_logits(const float* x, float* processed, int64_t rows, int64_t cols,
+                 const row_sampling* params, const logit_edit* edits, int64_t num_edits,
+                 const uint32_t* masks, int64_t mask_words, cudaStream_t stream);
+
 /// For each of `rows` rows of `cols` logits, the token `params[row]` picks and its
 /// log-softmax: the largest (the first on ties) at temperature 0; else the draw of
-/// `choose_token` (model/sampler.hpp), with the top-k and top-p cuts found by bisection on
-/// the value instead of a sort (ties at a cut are all kept) and `u` found in the running sum
-/// in token order. One block per row.
-void sample(const float* x, const row_sampling* params, int32_t* ids, float* logprobs, int64_t rows,
-            int64_t cols, cudaStream_t stream);
+/// `choose_token` (model/sampler.hpp), with the top-k, min-p and top-p cuts found as
+/// thresholds on the value instead of a sort (ties at a cut are all kept) and `u` found in
+/// the running sum in token order. An edited row is drawn from `processed`; the log-softmax
+/// is `x`'s. One block per row.
+void sample(const float* x, const float* processed, const row_sampling* params, int32_t* ids,
+            float* logprobs, int64_t rows, int64_t cols, cudaStream_t stream);
 
 /// y[i] = x[i] rounded to `type` (f16 or bf16, to nearest even).
 void to_half(const float* x, void* y, dtype type, int64_t n, cudaStream_t stream);
