@@ -85,15 +85,22 @@ struct logit_edit {
 };
 static_assert(sizeof(logit_edit) % sizeof(float) == 0, "laid out in 4-byte units");
 
-/// The logit `x` after `e`: each operation in float, alone, so that every device gets the
-/// same bits.
+/// The logit `x` after `e`: each operation in float, alone (never fused), so that every
+/// device gets the same bits.
 TROUPE_HOST_DEVICE inline float edited_logit(float x, const logit_edit& e) {
   if (e.banned != 0)
     return -INFINITY;
+#ifdef __CUDA_ARCH__
+  x = __fadd_rn(x, e.bias);
+  if (e.repetition != 1.0f)
+    x = x > 0.0f ? __fdiv_rn(x, e.repetition) : __fmul_rn(x, e.repetition);
+  return __fsub_rn(x, e.subtract);
+#else
   x += e.bias;
   if (e.repetition != 1.0f)
     x = x > 0.0f ? x / e.repetition : x * e.repetition;
   return x - e.subtract;
+#endif
 }
 
 /// Which entries of a head rotate together: Hugging Face's halves (entry i with

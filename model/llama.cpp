@@ -1497,22 +1497,26 @@ void llama_model::sample(const std::vector<row_sampling>& params, std::vector<in
                                           " rows of parameters for " + std::to_string(logit_rows_) +
                                           " rows of logits"};
   const auto vocab = cfg_.vocab_size;
-  bool edited = false;
+  bool edited = false, masked = false;
   for (auto& p : params) {
     edited = edited || p.edited != 0;
-    if (p.masked != 0 && static_cast<int64_t>(masks.size()) != rows * mask_words())
-      throw error{errc::invalid_argument, "sample: " + std::to_string(masks.size()) +
-                                            " mask words for " + std::to_string(rows) +
-                                            " rows of " + std::to_string(mask_words())};
+    masked = masked || p.masked != 0;
   }
+  if ((masked || !masks.empty()) && static_cast<int64_t>(masks.size()) != rows * mask_words())
+    throw error{errc::invalid_argument, "sample: " + std::to_string(masks.size()) +
+                                          " mask words for " + std::to_string(rows) + " rows of " +
+                                          std::to_string(mask_words())};
   for (size_t i = 0; i < edits.size(); ++i) {
     auto& e = edits[i];
+    bool in_order = i == 0 || e.row > edits[i - 1].row ||
+                    (e.row == edits[i - 1].row && e.token > edits[i - 1].token);
     if (e.row < 0 || e.row >= rows || params[static_cast<size_t>(e.row)].edited == 0 ||
-        e.token < 0 || e.token >= vocab || (i > 0 && e.row < edits[i - 1].row))
+        e.token < 0 || e.token >= vocab || !in_order)
       throw error{errc::invalid_argument,
                   "sample: edit " + std::to_string(i) + " (row " + std::to_string(e.row) +
                     ", token " + std::to_string(e.token) +
-                    ") is outside the edited rows or the vocabulary, or out of row order"};
+                    ") is outside the edited rows or the vocabulary, or not after the edit "
+                    "before it (rows in order, a row's tokens rising)"};
   }
   ids.resize(params.size());
   logprobs.resize(params.size());
@@ -1520,10 +1524,12 @@ void llama_model::sample(const std::vector<row_sampling>& params, std::vector<in
     return;
   dev_.copy(sampling_, params.data(), params.size() * sizeof(row_sampling));
   if (edited) {
+    // Grown by doubling: penalties add an edit with most new tokens.
     auto bytes = edits.size() * sizeof(logit_edit);
     if (edits_.size() < bytes) {
+      auto grown = std::max({bytes, 2 * edits_.size(), size_t{64} << 10});
       edits_.reset();
-      edits_ = device_buffer(dev_, bytes, memory_tag::kv_cache);
+      edits_ = device_buffer(dev_, grown, memory_tag::kv_cache);
     }
     if (bytes > 0)
       dev_.copy(edits_.data(), edits.data(), bytes);

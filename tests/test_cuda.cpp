@@ -208,19 +208,23 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
     sp.min_tokens = 8;
     sp.bad_words_token_ids = {{11, 12}};
     std::vector<int32_t> tokens{1, 2, 3, 777, 9, 9, 11, 40, 40, 40, 11};
+    // Row 2 (two logits of 100) stays a plain greedy row; row 1 is masked alone (as when
+    // the mask decides), rows 0, 3 and 4 are edited, row 3 masked too.
     std::vector<logit_edit> edits;
-    for (int32_t row : {0, 2, 3})
+    for (int32_t row : {0, 3, 4})
       logit_edits(sp, vocab, tokens, 4, {0, 13}, row, edits);
     auto words = (vocab + 31) / 32;
     std::vector<uint32_t> masks(rows * words, ~0u);
-    for (int64_t w = 0; w < words; ++w)
+    for (int64_t w = 0; w < words; ++w) {
+      masks[1 * words + w] = w % 5 == 1 ? 0xf0f0f0f0u : 0u;
       masks[3 * words + w] = w % 3 == 0 ? 0x0f0f0f0fu : 0u;
+    }
     for (float u : {0.02f, 0.5f, 0.97f}) {
       std::vector<row_sampling> params(rows);
       params[0] = {0.0f, -1, 1.0f, u, 0.0f, 1, 0};
-      params[1] = {1.0f, -1, 1.0f, u, 0.3f, 0, 0};
-      params[2] = {0.9f, 40, 0.9f, u, 0.05f, 1, 0};
+      params[1] = {1.0f, -1, 1.0f, u, 0.3f, 1, 1};
       params[3] = {1.2f, -1, 1.0f, u, 0.01f, 1, 1};
+      params[4] = {0.9f, 40, 0.9f, u, 0.05f, 1, 0};
       std::vector<float> processed(logits.size());
       cpu->edit_logits(logits.data(), processed.data(), rows, vocab, params.data(), edits.data(),
                        static_cast<int64_t>(edits.size()), masks.data(), words);
@@ -233,7 +237,7 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
       gpu->edit_logits(dlogits, dprocessed, rows, vocab, dparams, upload(dev, edits),
                        static_cast<int64_t>(edits.size()), upload(dev, masks), words);
       auto got = download(dev, dprocessed, logits.size());
-      for (int64_t r : {0, 2, 3})
+      for (int64_t r : {0, 1, 3, 4})
         CHECK(std::equal(
           got.begin() + r * vocab, got.begin() + (r + 1) * vocab, processed.begin() + r * vocab,
           [](float a, float b) { return a == b || (std::isnan(a) && std::isnan(b)); }));

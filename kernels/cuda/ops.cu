@@ -241,11 +241,14 @@ __global__ void __launch_bounds__(sample_threads)
   float max_value = scratch[0];
   int64_t best = at[0] < cols ? at[0] : 0;
   __syncthreads();
+  // The log-softmax's sum (an edited row's comes from its raw logits, below).
   float sum = 0.0f;
+  if (p.edited == 0) {
 #pragma unroll 8
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
-    sum += expf(in[i] - max_value);
-  sum = block_reduce(sum, scratch, add_op{});
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
+      sum += expf(in[i] - max_value);
+    sum = block_reduce(sum, scratch, add_op{});
+  }
   if (threadIdx.x == 0)
     pick = best;
   if (p.temperature >= row_sampling::greedy_below) {
