@@ -85,6 +85,11 @@ struct logit_edit {
 };
 static_assert(sizeof(logit_edit) % sizeof(float) == 0, "laid out in 4-byte units");
 
+/// Whether a row's token mask (bit t of word t / 32) allows token `t`.
+TROUPE_HOST_DEVICE inline bool token_allowed(const uint32_t* mask, int64_t t) {
+  return (mask[t / 32] >> (t % 32) & 1u) != 0;
+}
+
 /// The logit `x` after `e`: each operation in float, alone (never fused), so that every
 /// device gets the same bits.
 TROUPE_HOST_DEVICE inline float edited_logit(float x, const logit_edit& e) {

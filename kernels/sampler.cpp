@@ -70,22 +70,14 @@ void logit_edits(const sampling_params& p, int64_t vocab, const std::vector<int3
             [](const logit_edit& a, const logit_edit& b) { return a.token < b.token; });
 }
 
-namespace {
-
-bool allows(const uint32_t* mask, int64_t t) {
-  return (mask[t / 32] >> (t % 32) & 1) != 0;
-}
-
-} // namespace
-
 bool bans_every_allowed(const logit_edit* edits, size_t count, const uint32_t* mask,
                         int64_t vocab) {
   int64_t allowed = 0;
   for (int64_t t = 0; t < vocab; ++t)
-    allowed += allows(mask, t) ? 1 : 0;
+    allowed += token_allowed(mask, t) ? 1 : 0;
   int64_t banned = 0;
   for (size_t i = 0; i < count; ++i)
-    banned += edits[i].banned != 0 && allows(mask, edits[i].token) ? 1 : 0;
+    banned += edits[i].banned != 0 && token_allowed(mask, edits[i].token) ? 1 : 0;
   return banned == allowed;
 }
 
@@ -93,7 +85,7 @@ void edit_row(const float* logits, float* out, int64_t vocab, const uint32_t* ma
               const logit_edit* edits, size_t count) {
   if (mask != nullptr) {
     for (int64_t t = 0; t < vocab; ++t)
-      out[t] = allows(mask, t) ? logits[t] : -INFINITY;
+      out[t] = token_allowed(mask, t) ? logits[t] : -INFINITY;
   } else if (out != logits) {
     std::copy(logits, logits + vocab, out);
   }

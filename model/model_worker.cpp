@@ -858,11 +858,14 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
       on_device = on_device && g.sampling.logprobs <= 0;
     }
   auto step_of = [](const sequence_data& seq) { return seq.length() - seq.num_prompt_tokens; };
-  // What each row's processors change (its edits, from `edits_from[row]` on), and whether
-  // its mask applies.
+  // Structured output's mask of each row, if any.
+  auto mask_of = [&](size_t row) -> const uint32_t* {
+    auto& mask = groups[rows[row].group].allowed_tokens;
+    return mask.empty() ? nullptr : mask.data();
+  };
+  // What each row's processors change: its edits, from `edits_from[row]` on.
   std::vector<logit_edit> edits;
   std::vector<size_t> edits_from(rows.size() + 1, 0);
-  std::vector<char> masked(rows.size(), 0);
   for (size_t row = 0; row < rows.size(); ++row) {
     auto& group = groups[rows[row].group];
     auto& seq = group.seqs[rows[row].seq];
@@ -887,16 +890,15 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
       logit_edits(group.sampling, vocab, seq.token_ids, static_cast<size_t>(seq.num_prompt_tokens),
                   stop_ids, static_cast<int32_t>(row), edits);
     }
-    masked[row] = !mask.empty();
     // The processing would leave nothing the mask allows (min_tokens holding back the end
     // a complete structured output allows only): the mask decides.
-    if (masked[row] && bans_every_allowed(edits.data() + edits_from[row],
-                                          edits.size() - edits_from[row], mask.data(), vocab))
+    if (!mask.empty() && bans_every_allowed(edits.data() + edits_from[row],
+                                            edits.size() - edits_from[row], mask.data(), vocab))
       edits.resize(edits_from[row]);
   }
   edits_from[rows.size()] = edits.size();
   auto edited = [&](size_t row) {
-    return masked[row] != 0 || edits_from[row + 1] > edits_from[row];
+    return mask_of(row) != nullptr || edits_from[row + 1] > edits_from[row];
   };
   std::vector<float> logits;
   std::vector<int32_t> ids;
@@ -918,8 +920,8 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
           draw_uniform(group.sampling, static_cast<int64_t>(rows[row].seq), step_of(seq), st.rng);
       }
       p.edited = edited(row) ? 1 : 0;
-      p.masked = masked[row];
-      if (masked[row] != 0) {
+      p.masked = mask_of(row) != nullptr ? 1 : 0;
+      if (p.masked != 0) {
         masks.resize(rows.size() * static_cast<size_t>(words));
         std::copy_n(group.allowed_tokens.begin(), words,
                     masks.begin() + static_cast<std::ptrdiff_t>(row) * words);
@@ -957,9 +959,8 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
         const float* drawn_from = nullptr;
         if (edited(row)) {
           processed.resize(static_cast<size_t>(vocab));
-          edit_row(raw, processed.data(), vocab,
-                   masked[row] != 0 ? group.allowed_tokens.data() : nullptr,
-                   edits.data() + edits_from[row], edits_from[row + 1] - edits_from[row]);
+          edit_row(raw, processed.data(), vocab, mask_of(row), edits.data() + edits_from[row],
+                   edits_from[row + 1] - edits_from[row]);
           drawn_from = processed.data();
         }
         sample = sample_token(raw, vocab, group.sampling, static_cast<int64_t>(rows[row].seq),

@@ -384,7 +384,7 @@ __global__ void masked_copy_kernel(const float* x, float* processed, const row_s
   float* out = processed + row * cols;
   const uint32_t* mask = params[row].masked != 0 ? masks + row * mask_words : nullptr;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
-    out[i] = mask == nullptr || (mask[i / 32] >> (i % 32) & 1u) != 0 ? in[i] : -INFINITY;
+    out[i] = mask == nullptr || token_allowed(mask, i) ? in[i] : -INFINITY;
 }
 
 // A thread per edit (the tokens of a row are distinct).
