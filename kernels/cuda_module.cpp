@@ -10,6 +10,7 @@
 namespace troupe {
 
 communicator::~communicator() = default;
+gpu_broadcaster::~gpu_broadcaster() = default;
 
 namespace {
 

@@ -7,6 +7,7 @@
 
 #include "kernels/backend.hpp"
 #include "kernels/communicator.hpp"
+#include "kernels/gpu_broadcaster.hpp"
 #include "troupe/device.hpp"
 
 #include <chrono>
@@ -29,6 +30,10 @@ struct cuda_module {
   std::unique_ptr<communicator> (*join_collective)(device& dev, int rank, int world,
                                                    const std::string& id,
                                                    std::chrono::milliseconds timeout);
+  /// A weight-update group's member on GPU `gpu`, to `join` next; `timeout` bounds the
+  /// join and each broadcast. Throws `invalid_argument` for a GPU that does not exist.
+  std::unique_ptr<gpu_broadcaster> (*make_broadcaster)(int32_t gpu,
+                                                       std::chrono::milliseconds timeout);
   /// Pinned host memory of `bytes` (as the sleep backups use); nullptr when none is left.
   void* (*allocate_pinned)(std::size_t bytes);
   /// Frees memory from `allocate_pinned`.

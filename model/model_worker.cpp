@@ -532,10 +532,11 @@ size_t byte_size(const host_tensor& t) {
 void model_worker::init_weights_update_group(const std::string& master_address, int32_t master_port,
                                              int32_t rank_offset, int32_t world_size,
                                              const std::string& backend, timeout_type timeout) {
-  if (backend != "gloo")
-    throw error{errc::unsupported, "init_weights_update_group: backend '" + backend +
-                                     "' (troupe's weight-update group is Gloo's; NCCL's "
-                                     "needs GPU workers)"};
+  if (backend == "nccl" && context().device_type != device_kind::cuda)
+    throw error{errc::unsupported, "init_weights_update_group: backend 'nccl' needs GPU "
+                                   "workers; rank " +
+                                     std::to_string(rank()) + " computes on " + device().name() +
+                                     " (use 'gloo')"};
   auto member = rank_offset + rank();
   if (rank_offset < 1 || member >= world_size)
     throw error{errc::invalid_argument,
@@ -544,8 +545,8 @@ void model_worker::init_weights_update_group(const std::string& master_address, 
                   std::to_string(world_size) + " (the trainer is member 0)"};
   auto& st = *state_;
   st.update_group.reset();
-  st.update_group =
-    std::make_unique<weight_update_group>(master_address, master_port, member, world_size, timeout);
+  st.update_group = std::make_unique<weight_update_group>(
+    master_address, master_port, member, world_size, timeout, backend, context().device_index);
   st.update_root = rank_offset;
 }
 

@@ -1,21 +1,31 @@
 // The CPU collectives. In one process: sums in rank order, the same bits on every rank, and
 // a rank that does not come is reported instead of waited on. Both kinds, Gloo over TCP
-// too: an abort (a member is known to be dead) ends a wait at once.
+// too: an abort (a member is known to be dead) ends a wait at once. The weight-update
+// group's meeting and its Gloo broadcasts (its NCCL ones are in test_cuda).
 
 #include "kernels/cpu/gloo_communicator.hpp"
 #include "kernels/cpu/local_communicator.hpp"
+#include "tests/ports.hpp"
 #include "tests/random.hpp"
 #include "troupe/errors.hpp"
+#include "troupe/weight_group.hpp"
 
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
 
 using namespace troupe;
 using namespace std::chrono_literals;
+using troupe::testing::free_port;
 
 TEST_CASE("ranks in one process all-reduce to the rank-order sum, the same bits on each") {
   const int size = 3;
@@ -152,4 +162,92 @@ TEST_CASE("abort ends a Gloo reduction that waits for a silent peer, naming why"
   // The group is done for every rank: b's next reduction fails too.
   CHECK_THROWS_AS(b.all_reduce(y.data(), y.size()), error);
   CHECK_THROWS_AS(a.all_reduce(x.data(), x.size()), error);
+}
+
+TEST_CASE("a weight-update group over Gloo gives every member the root's bytes") {
+  const int32_t world = 3;
+  const size_t sizes[] = {1, 4097, size_t{3} << 20};
+  auto port = free_port();
+  std::vector<std::vector<std::vector<uint8_t>>> got(world);
+  std::vector<std::string> backends(world);
+  std::vector<std::thread> members;
+  for (int32_t r = 0; r < world; ++r)
+    members.emplace_back([&, r] {
+      weight_update_group group{"127.0.0.1", port, r, world, 30s};
+      backends[static_cast<size_t>(r)] = group.backend();
+      for (auto bytes : sizes) {
+        std::vector<uint8_t> data(bytes, 0);
+        if (r == 1) // the root need not be member 0
+          for (size_t i = 0; i < bytes; ++i)
+            data[i] = static_cast<uint8_t>(i * 7 + bytes);
+        group.broadcast(data.data(), bytes, 1);
+        got[static_cast<size_t>(r)].push_back(std::move(data));
+      }
+      uint8_t byte = 0;
+      CHECK_THROWS_WITH_AS(group.broadcast_gpu(&byte, 1, 0),
+                           "weight-update group: GPU memory is broadcast by the nccl backend; "
+                           "this group's is gloo",
+                           error);
+    });
+  for (auto& m : members)
+    m.join();
+  for (size_t r = 0; r < world; ++r) {
+    CHECK(backends[r] == "gloo");
+    REQUIRE(got[r].size() == std::size(sizes));
+    for (size_t k = 0; k < std::size(sizes); ++k)
+      CHECK(got[r][k] == got[1][k]);
+  }
+  CHECK(got[0][2][12345] == static_cast<uint8_t>(12345 * 7 + (size_t{3} << 20)));
+}
+
+TEST_CASE("a weight-update group refuses a backend it has not, a GPU that is not there, and "
+          "a member of another backend, naming them") {
+  CHECK_THROWS_WITH_AS(weight_update_group("127.0.0.1", free_port(), 0, 2, 5s, "mpi"),
+                       doctest::Contains("backend 'mpi' (gloo or nccl)"), error);
+  // NCCL on a GPU this machine lacks (or a build without CUDA): refused before the meeting,
+  // which would otherwise wait for the others.
+  auto start = std::chrono::steady_clock::now();
+  try {
+    weight_update_group("127.0.0.1", free_port(), 1, 2, 30s, "nccl", 4096);
+    FAIL("joined NCCL on cuda:4096");
+  } catch (const error& e) {
+    MESSAGE(std::string{e.what()});
+    bool named = e.code() == errc::unsupported ||
+                 std::string{e.what()}.find("cuda:4096 does not exist") != std::string::npos;
+    CHECK(named);
+  }
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+
+  // A member that speaks NCCL comes to a Gloo group (its hello, as the meeting reads it).
+  auto port = free_port();
+  std::thread member([port] {
+    int fd = -1;
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    for (int tries = 0; tries < 200; ++tries) {
+      fd = ::socket(AF_INET, SOCK_STREAM, 0);
+      if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0)
+        break;
+      ::close(fd);
+      fd = -1;
+      std::this_thread::sleep_for(25ms);
+    }
+    REQUIRE(fd >= 0);
+    std::string hello{"troupe-weights2", 16};
+    for (uint32_t v : {1u, 2u, 2u, 0u}) { // rank 1 of 2, backend nccl, an empty entry
+      auto n = htonl(v);
+      hello.append(reinterpret_cast<const char*>(&n), 4);
+    }
+    CHECK(::send(fd, hello.data(), hello.size(), 0) == static_cast<ssize_t>(hello.size()));
+    char answer = 0;
+    CHECK(::recv(fd, &answer, 1, 0) <= 0); // closed (reset: its entry went unread), no table
+    ::close(fd);
+  });
+  CHECK_THROWS_WITH_AS(weight_update_group("127.0.0.1", port, 0, 2, 30s, "gloo"),
+                       "weight-update group: a member came with the nccl backend; this "
+                       "group's is gloo",
+                       error);
+  member.join();
 }

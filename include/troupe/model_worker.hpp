@@ -241,9 +241,9 @@ public:
 
   /// Joins a weight-update group (`weight_update_group`) as its member
   /// `rank_offset + rank()` of `world_size` (SGLang's `init_weights_update_group`); the
-  /// trainer is member 0. `backend` is `"gloo"` (NCCL would need a GPU worker and is
-  /// refused here). Blocks until every member has come, or `timeout`. Replaces a group
-  /// joined before.
+  /// trainer is member 0. `backend` is `"gloo"`, or `"nccl"` on GPU workers (each rank on
+  /// its GPU; what it receives is staged into host memory, as Gloo's is). Blocks until every
+  /// member has come, or `timeout`. Replaces a group joined before.
   void init_weights_update_group(const std::string& master_address, int32_t master_port,
                                  int32_t rank_offset, int32_t world_size,
                                  const std::string& backend, timeout_type timeout);

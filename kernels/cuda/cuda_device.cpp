@@ -61,11 +61,15 @@ int cuda_device::count() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
-cuda_device::cuda_device(int32_t index) : index_(index) {
+void cuda_device::check(int32_t index) {
   auto devices = count();
   if (index < 0 || index >= devices)
     throw error{errc::invalid_argument, "cuda:" + std::to_string(index) + " does not exist (" +
                                           std::to_string(devices) + " GPU(s) visible)"};
+}
+
+cuda_device::cuda_device(int32_t index) : index_(index) {
+  check(index);
   TROUPE_CUDA_CHECK(cudaSetDevice(index));
   TROUPE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;

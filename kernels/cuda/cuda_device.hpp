@@ -41,6 +41,9 @@ public:
   /// How many GPUs the process sees (0 without a driver or device).
   static int count();
 
+  /// Throws `invalid_argument` when GPU `index` does not exist.
+  static void check(int32_t index);
+
 private:
   void* map_new(region& r) override;
   void free_region(void* ptr, region& r) noexcept override;

@@ -2,6 +2,7 @@
 
 #include "kernels/cuda/cuda_backend.hpp"
 #include "kernels/cuda/cuda_device.hpp"
+#include "kernels/cuda/nccl_broadcaster.hpp"
 #include "kernels/cuda/nccl_communicator.hpp"
 #include "kernels/cuda_module.hpp"
 
@@ -36,6 +37,9 @@ const cuda_module entry_points{
   [](device& dev, int rank, int world, const std::string& id,
      std::chrono::milliseconds timeout) -> std::unique_ptr<communicator> {
     return std::make_unique<nccl_rank>(dynamic_cast<cuda_device&>(dev), rank, world, id, timeout);
+  },
+  [](int32_t gpu, std::chrono::milliseconds timeout) -> std::unique_ptr<gpu_broadcaster> {
+    return std::make_unique<nccl_broadcaster>(gpu, timeout);
   },
   [](std::size_t bytes) -> void* {
     void* p = nullptr;

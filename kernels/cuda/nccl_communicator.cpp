@@ -90,10 +90,20 @@ void nccl_communicator::wait(const char* what, Done done) {
 void nccl_communicator::all_reduce(float* data, std::size_t count, cudaStream_t stream) {
   if (comm_ == nullptr)
     throw error{errc::worker_died, "NCCL communicator was aborted"};
-  auto queued = ncclAllReduce(data, data, count, ncclFloat32, ncclSum, comm_, stream);
+  finish("an all-reduce", ncclAllReduce(data, data, count, ncclFloat32, ncclSum, comm_, stream),
+         stream);
+}
+
+void nccl_communicator::broadcast(void* data, std::size_t bytes, int root, cudaStream_t stream) {
+  if (comm_ == nullptr)
+    throw error{errc::worker_died, "NCCL communicator was aborted"};
+  finish("a broadcast", ncclBroadcast(data, data, bytes, ncclUint8, root, comm_, stream), stream);
+}
+
+void nccl_communicator::finish(const char* what, ncclResult_t queued, cudaStream_t stream) {
   if (queued != ncclSuccess && queued != ncclInProgress)
     TROUPE_CUDA_CHECK(queued);
-  wait("an all-reduce", [stream] {
+  wait(what, [stream] {
     auto e = cudaStreamQuery(stream);
     if (e == cudaErrorNotReady)
       return false;

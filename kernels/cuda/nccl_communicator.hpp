@@ -11,10 +11,11 @@
 
 namespace troupe {
 
-/// One rank of an NCCL communicator for tensor parallelism on GPUs. The unique id is made
-/// by rank 0 (`make_id`) and handed to every rank through collective_rpc, so all ranks
+/// One rank of an NCCL communicator on GPUs: tensor parallelism's sums, and the broadcasts
+/// of a weight-update group. The unique id is made by rank 0 (`make_id`) and handed to
+/// every rank (through collective_rpc, or the weight-update group's meeting), so all ranks
 /// initialise concurrently. The communicator is non-blocking: initialisation and every
-/// all-reduce are polled against a deadline, and a peer that never joins or died mid-call
+/// collective are polled against a deadline, and a peer that never joins or died mid-call
 /// makes this rank abort the communicator and throw `errc::worker_died` instead of hanging.
 class nccl_communicator {
 public:
@@ -34,6 +35,14 @@ public:
   /// `worker_died` (after aborting) when it does not finish within the timeout.
   void all_reduce(float* data, std::size_t count, cudaStream_t stream);
 
+  /// Copies `bytes` of GPU memory at `data` on rank `root` to `data` on every other rank,
+  /// on `stream`, and waits for it; fails as `all_reduce` does.
+  void broadcast(void* data, std::size_t bytes, int root, cudaStream_t stream);
+
+  int rank() const {
+    return rank_;
+  }
+
   /// Aborts the communicator: pending and later calls fail.
   void abort() noexcept;
 
@@ -45,6 +54,9 @@ private:
   /// Polls until the communicator's pending work is done, `done()` holds, or the deadline.
   template <class Done>
   void wait(const char* what, Done done);
+
+  /// Waits for the collective `what` that was queued on `stream` (`queued`: NCCL's answer).
+  void finish(const char* what, ncclResult_t queued, cudaStream_t stream);
 
   ncclComm_t comm_ = nullptr;
   int rank_;

@@ -550,12 +550,13 @@ NB_MODULE(_core, m) {
     .def(
       "__init__",
       [](weight_update_group* g, const std::string& address, int32_t port, int32_t rank,
-         int32_t world_size, double timeout) {
+         int32_t world_size, double timeout, const std::string& backend, int32_t gpu) {
         auto t = to_timeout(timeout).value();
         nb::gil_scoped_release release;
-        new (g) weight_update_group(address, port, rank, world_size, t);
+        new (g) weight_update_group(address, port, rank, world_size, t, backend, gpu);
       },
-      "master_address"_a, "master_port"_a, "rank"_a, "world_size"_a, "timeout"_a)
+      "master_address"_a, "master_port"_a, "rank"_a, "world_size"_a, "timeout"_a,
+      "backend"_a = "gloo", "gpu"_a = 0)
     .def(
       "broadcast",
       [](weight_update_group& g, const std::string& name, const host_array& array, int32_t root) {
@@ -566,6 +567,14 @@ NB_MODULE(_core, m) {
       },
       "name"_a, "array"_a, "root"_a)
     .def(
+      "broadcast_gpu",
+      [](weight_update_group& g, uintptr_t data, size_t bytes, int32_t root) {
+        // Only the root's bytes travel; a tensor's memory on the group's GPU (nccl).
+        nb::gil_scoped_release release;
+        g.broadcast_gpu(reinterpret_cast<void*>(data), bytes, root);
+      },
+      "data_ptr"_a, "nbytes"_a, "root"_a)
+    .def(
       "broadcast_flag",
       [](weight_update_group& g, bool value, int32_t root) {
         uint8_t flag = value ? 1 : 0;
@@ -575,7 +584,8 @@ NB_MODULE(_core, m) {
       },
       "value"_a, "root"_a)
     .def_prop_ro("rank", &weight_update_group::rank)
-    .def_prop_ro("world_size", &weight_update_group::world_size);
+    .def_prop_ro("world_size", &weight_update_group::world_size)
+    .def_prop_ro("backend", &weight_update_group::backend);
 
   nb::class_<engine>(m, "Engine")
     .def(nb::init<llm_config>(), "config"_a)

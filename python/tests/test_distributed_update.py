@@ -86,3 +86,17 @@ def test_a_trainer_that_never_comes_is_a_timeout():
     # The update's own mistake is the error said, not what it caused after.
     with pytest.raises(TroupeError, match="model.nope.weight"):
         llm.update_weights_from_distributed(["model.nope.weight"], ["float32"], [[64]])
+
+
+def test_nccl_is_for_gpus_and_an_unknown_backend_is_named():
+    llm = LLM(fixture("llama-gqa"), kv_cache_memory_bytes=2 << 20)
+    with pytest.raises(TroupeError, match="backend 'nccl' needs GPU workers; rank 0 computes on "
+                                          "cpu:0") as e:
+        llm.init_weights_update_group("127.0.0.1", free_port(), 1, 2, backend="nccl", timeout=5)
+    assert e.value.errc == "unsupported"
+    with pytest.raises(TroupeError, match=r"backend 'mpi' \(gloo or nccl\)"):
+        llm.init_weights_update_group("127.0.0.1", free_port(), 1, 2, backend="mpi", timeout=5)
+    # The trainer's end: a GPU that is not there is refused at once, not after the meeting.
+    with pytest.raises(TroupeError) as e:
+        WeightSender("127.0.0.1", free_port(), 2, backend="nccl", device="cuda:4096", timeout=30)
+    assert e.value.errc == "unsupported" or "cuda:4096 does not exist" in str(e.value)

@@ -347,8 +347,9 @@ class LLM:
         timeout: float = 60.0,
     ) -> None:
         """Joins every worker to the trainer's weight-update group (rank r as member
-        ``rank_offset + r``; the trainer's ``WeightSender`` is member 0). Blocks until all
-        members have come."""
+        ``rank_offset + r``; the trainer's ``WeightSender`` is member 0, with the same
+        ``backend``: ``"gloo"``, or ``"nccl"`` when the workers run on GPUs). Blocks until
+        all members have come."""
         self._engine.init_weights_update_group(master_address, int(master_port), int(rank_offset),
                                                int(world_size), backend, float(timeout))
 

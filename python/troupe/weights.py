@@ -38,11 +38,28 @@ def describe(named_tensors: NamedTensors) -> Tuple[List[str], List[str], List[Li
             [list(t.shape) for _, t in items])
 
 
+def gpu_index(device: Any) -> int:
+    """The GPU a ``WeightSender`` on NCCL uses: ``device`` as an index, ``"cuda:1"`` or a
+    ``torch.device``; ``None`` is PyTorch's current GPU (0 without PyTorch)."""
+    if device is None:
+        try:
+            import torch
+        except ImportError:
+            return 0
+        return torch.cuda.current_device() if torch.cuda.is_available() else 0
+    if isinstance(device, int):
+        return device
+    text = str(device)
+    if text.startswith("cuda"):
+        return int(text.partition(":")[2] or 0)
+    raise ValueError(f"device {device!r} is no GPU (an index, 'cuda:N' or a torch.device)")
+
+
 class WeightSender:
     """Member 0 of a weight-update group, in the trainer's process. The engine joins with
     ``LLM.init_weights_update_group(master_address, master_port, rank_offset=1,
-    world_size=1 + tensor_parallel_size)`` at the same time; both block until all members
-    have come (or ``timeout`` seconds)::
+    world_size=1 + tensor_parallel_size, backend=...)`` at the same time; both block until
+    all members have come (or ``timeout`` seconds)::
 
         sender = WeightSender("127.0.0.1", 29500, world_size=3)   # trainer process
         llm.init_weights_update_group("127.0.0.1", 29500, 1, 3)   # engine process
@@ -50,25 +67,52 @@ class WeightSender:
         # while the trainer calls
         sender.send(model.named_parameters())
 
-    ``send`` takes the tensors in the order the engine was told, PyTorch CPU tensors or
-    NumPy arrays (read in place); it raises ``TroupeError`` without sending when the engine
-    refuses the update (the engine's own exception names the parameter)."""
+    ``send`` takes the tensors in the order the engine was told, PyTorch tensors or NumPy
+    arrays (read in place); it raises ``TroupeError`` without sending when the engine
+    refuses the update (the engine's own exception names the parameter).
+
+    ``backend="gloo"`` (TCP) takes CPU tensors. ``backend="nccl"`` (the engine's workers on
+    GPUs, one GPU per member) sends from GPU ``device`` (PyTorch's current one by default):
+    CUDA tensors on it go as they are, after its current stream has finished them; CPU
+    tensors pass through the GPU."""
 
     def __init__(self, master_address: str, master_port: int, world_size: int,
-                 engine_rank_offset: int = 1, timeout: float = 60.0) -> None:
-        self._group = _core.WeightGroup(master_address, master_port, 0, world_size, timeout)
+                 engine_rank_offset: int = 1, timeout: float = 60.0, backend: str = "gloo",
+                 device: Any = None) -> None:
+        self._gpu = gpu_index(device) if backend == "nccl" else 0
+        self._group = _core.WeightGroup(master_address, master_port, 0, world_size, timeout,
+                                        backend, self._gpu)
         self._engine = engine_rank_offset
+        self._nccl = backend == "nccl"
+
+    def _prepared(self, name: str, tensor: Any) -> Any:
+        if self._nccl and type(tensor).__module__.startswith("torch") and tensor.is_cuda:
+            if tensor.device.index != self._gpu:
+                raise ValueError(f"tensor '{name}' is on {tensor.device}; this sender's GPU "
+                                 f"is cuda:{self._gpu}")
+            return tensor.detach().contiguous()
+        return host_array(name, tensor)
 
     def send(self, named_tensors: NamedTensors) -> None:
         items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-        arrays = [(name, host_array(name, t)) for name, t in items]
+        arrays = [(name, self._prepared(name, t)) for name, t in items]
+        on_gpu = [getattr(a, "is_cuda", False) for _, a in arrays]
+        if any(on_gpu):
+            import torch
+
+            # NCCL reads them on a stream of its own: what made them (and the copies
+            # `contiguous` queued) must be done.
+            torch.cuda.current_stream(self._gpu).synchronize()
         if not self._group.broadcast_flag(False, self._engine):
             error = _core.TroupeError("the engine refused the weight update (its exception "
                                       "names the parameter); nothing was sent")
             error.errc = "invalid_argument"
             raise error
-        for name, array in arrays:
-            self._group.broadcast(name, array, 0)
+        for (name, array), gpu in zip(arrays, on_gpu):
+            if gpu:
+                self._group.broadcast_gpu(array.data_ptr(), array.numel() * array.element_size(), 0)
+            else:
+                self._group.broadcast(name, array, 0)
 
     def close(self) -> None:
         """Leaves the group (the engine calls ``destroy_weights_update_group``)."""

@@ -1,11 +1,13 @@
 #include "troupe/weight_group.hpp"
 
 #include "kernels/cpu/gloo_communicator.hpp"
+#include "kernels/cuda_module.hpp"
 #include "troupe/errors.hpp"
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -22,7 +24,7 @@ namespace {
 
 using clock = std::chrono::steady_clock;
 
-constexpr char magic[16] = "troupe-weights1";
+constexpr char magic[16] = "troupe-weights2";
 /// A Gloo pair address is a few hundred bytes; anything longer is not one.
 constexpr uint32_t max_address = 4096;
 constexpr int32_t max_world = 4096;
@@ -112,20 +114,26 @@ uint32_t read_u32(int fd, clock::time_point deadline) {
   return ntohl(v);
 }
 
+/// A member's entry of the meeting's table: its count, then each string.
 void write_strings(std::string& out, const std::vector<std::string>& items) {
+  write_u32(out, static_cast<uint32_t>(items.size()));
   for (auto& s : items) {
     write_u32(out, static_cast<uint32_t>(s.size()));
     out += s;
   }
 }
 
-std::vector<std::string> read_strings(int fd, size_t count, clock::time_point deadline) {
+std::vector<std::string> read_strings(int fd, clock::time_point deadline) {
+  auto count = read_u32(fd, deadline);
+  if (count > static_cast<uint32_t>(max_world))
+    fail(errc::invalid_argument, "a member sent an entry of " + std::to_string(count) +
+                                   " strings (over the largest world)");
   std::vector<std::string> items(count);
   for (auto& s : items) {
     auto size = read_u32(fd, deadline);
     if (size > max_address)
       fail(errc::invalid_argument, "a member sent an address of " + std::to_string(size) +
-                                     " bytes (not a Gloo pair address)");
+                                     " bytes (not a Gloo pair address or an NCCL id)");
     s.resize(size);
     read_exact(fd, s.data(), size, deadline);
   }
@@ -158,16 +166,52 @@ std::string local_host(int fd) {
   return text;
 }
 
+/// The backends, as the meeting names them (members of different backends cannot pair).
+enum class transport : uint32_t { gloo = 1, nccl = 2 };
+
+transport transport_of(const std::string& backend) {
+  if (backend == "gloo")
+    return transport::gloo;
+  if (backend == "nccl")
+    return transport::nccl;
+  fail(errc::invalid_argument, "backend '" + backend + "' (gloo or nccl)");
+}
+
+const char* name_of(transport t) {
+  return t == transport::nccl ? "nccl" : "gloo";
+}
+
 } // namespace
 
 struct weight_update_group::impl {
   int32_t rank = 0;
   int32_t world = 0;
-  std::unique_ptr<gloo_communicator> group;
+  transport backend = transport::gloo;
+  std::chrono::milliseconds timeout{};
+  std::unique_ptr<gloo_communicator> gloo;
+  std::unique_ptr<gpu_broadcaster> gpu;
+
+  /// This member's entry of the meeting's table; `host`: where its Gloo pairs listen.
+  std::vector<std::string> entry(const std::string& host) {
+    if (backend == transport::nccl)
+      return rank == 0 ? std::vector<std::string>{cuda().make_collective_id()}
+                       : std::vector<std::string>{};
+    gloo = std::make_unique<gloo_communicator>(rank, world, host, timeout);
+    return gloo->prepare();
+  }
+
+  void connect(const std::vector<std::vector<std::string>>& table) {
+    if (backend == transport::gloo)
+      return gloo->connect(table);
+    if (table[0].size() != 1)
+      fail(errc::invalid_argument, "member 0 sent no NCCL id");
+    gpu->join(rank, world, table[0][0]);
+  }
 };
 
 weight_update_group::weight_update_group(const std::string& master_address, int32_t master_port,
-                                         int32_t rank, int32_t world_size, timeout_type timeout)
+                                         int32_t rank, int32_t world_size, timeout_type timeout,
+                                         const std::string& backend, int32_t gpu)
   : impl_(std::make_unique<impl>()) {
   if (world_size < 2 || world_size > max_world)
     fail(errc::invalid_argument, "world_size must be in [2, " + std::to_string(max_world) +
@@ -177,10 +221,15 @@ weight_update_group::weight_update_group(const std::string& master_address, int3
          "rank " + std::to_string(rank) + " is outside a world of " + std::to_string(world_size));
   if (master_port < 1 || master_port > 65535)
     fail(errc::invalid_argument, "master_port " + std::to_string(master_port) + " is no port");
-  impl_->rank = rank;
-  impl_->world = world_size;
+  auto& self = *impl_;
+  self.rank = rank;
+  self.world = world_size;
+  self.backend = transport_of(backend);
+  self.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
+  // A GPU that cannot take part is refused before the meeting, which would wait for it.
+  if (self.backend == transport::nccl)
+    self.gpu = cuda().make_broadcaster(gpu, self.timeout);
   auto deadline = clock::now() + timeout;
-  auto gloo_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
   auto W = static_cast<size_t>(world_size);
   std::vector<std::vector<std::string>> table(W);
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addrs{
@@ -193,8 +242,7 @@ weight_update_group::weight_update_group(const std::string& master_address, int3
         ::listen(listener.fd, world_size) != 0)
       fail(errc::invalid_argument, "cannot listen on " + master_address + ":" +
                                      std::to_string(master_port) + ": " + std::strerror(errno));
-    impl_->group = std::make_unique<gloo_communicator>(0, world_size, master_address, gloo_timeout);
-    table[0] = impl_->group->prepare();
+    table[0] = self.entry(master_address);
     std::vector<socket_fd> members(W);
     for (size_t joined = 1; joined < W;) {
       if (!wait_for(listener.fd, POLLIN, deadline))
@@ -204,6 +252,7 @@ weight_update_group::weight_update_group(const std::string& master_address, int3
       socket_fd conn{::accept4(listener.fd, nullptr, nullptr, SOCK_CLOEXEC)};
       if (conn.fd < 0)
         continue;
+      std::optional<transport> other; // a member of another backend
       // A stranger's bytes end its own connection, not the meeting.
       try {
         char said[sizeof magic];
@@ -213,15 +262,24 @@ weight_update_group::weight_update_group(const std::string& master_address, int3
           continue;
         auto r = read_u32(conn.fd, deadline);
         auto w = read_u32(conn.fd, deadline);
-        if (w != W || r == 0 || r >= W || members[r].fd >= 0)
+        auto came_with = static_cast<transport>(read_u32(conn.fd, deadline));
+        if (w != W || r == 0 || r >= W || members[r].fd >= 0 ||
+            (came_with != transport::gloo && came_with != transport::nccl))
           continue;
-        table[r] = read_strings(conn.fd, W, deadline);
-        members[r] = std::move(conn);
-        ++joined;
+        if (came_with != self.backend) {
+          other = came_with;
+        } else {
+          table[r] = read_strings(conn.fd, deadline);
+          members[r] = std::move(conn);
+          ++joined;
+        }
       } catch (const error& e) {
         if (e.code() == errc::timeout && clock::now() >= deadline)
           throw;
       }
+      if (other)
+        fail(errc::invalid_argument, std::string{"a member came with the "} + name_of(*other) +
+                                       " backend; this group's is " + name_of(self.backend));
     }
     std::string answer;
     for (auto& row : table)
@@ -239,26 +297,39 @@ weight_update_group::weight_update_group(const std::string& master_address, int3
                               std::to_string(master_port) + " in time");
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    impl_->group =
-      std::make_unique<gloo_communicator>(rank, world_size, local_host(conn.fd), gloo_timeout);
     std::string hello{magic, sizeof magic};
     write_u32(hello, static_cast<uint32_t>(rank));
     write_u32(hello, static_cast<uint32_t>(world_size));
-    write_strings(hello, impl_->group->prepare());
+    write_u32(hello, static_cast<uint32_t>(self.backend));
+    write_strings(hello, self.entry(local_host(conn.fd)));
     write_all(conn.fd, hello.data(), hello.size(), deadline);
     for (auto& row : table)
-      row = read_strings(conn.fd, W, deadline);
+      row = read_strings(conn.fd, deadline);
   }
-  impl_->group->connect(table);
+  self.connect(table);
 }
 
 weight_update_group::~weight_update_group() = default;
 
 void weight_update_group::broadcast(void* data, size_t bytes, int32_t root) {
+  send(data, bytes, root, false);
+}
+
+void weight_update_group::broadcast_gpu(void* data, size_t bytes, int32_t root) {
+  if (impl_->backend != transport::nccl)
+    fail(errc::invalid_argument, "GPU memory is broadcast by the nccl backend; this group's is " +
+                                   std::string{name_of(impl_->backend)});
+  send(data, bytes, root, true);
+}
+
+void weight_update_group::send(void* data, size_t bytes, int32_t root, bool on_gpu) {
   if (root < 0 || root >= impl_->world)
     fail(errc::invalid_argument,
          "root " + std::to_string(root) + " is outside a world of " + std::to_string(impl_->world));
-  impl_->group->broadcast(data, bytes, root);
+  if (impl_->gpu)
+    impl_->gpu->broadcast(data, bytes, root, on_gpu);
+  else
+    impl_->gloo->broadcast(data, bytes, root);
 }
 
 int32_t weight_update_group::rank() const {
@@ -267,6 +338,10 @@ int32_t weight_update_group::rank() const {
 
 int32_t weight_update_group::world_size() const {
   return impl_->world;
+}
+
+std::string weight_update_group::backend() const {
+  return name_of(impl_->backend);
 }
 
 } // namespace troupe
