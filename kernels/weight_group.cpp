@@ -123,8 +123,17 @@ void write_strings(std::string& out, const std::vector<std::string>& items) {
   }
 }
 
+/// In place of the table: the meeting is off, and why (a string follows).
+constexpr uint32_t refused = 0xffffffff;
+
+/// A member's entry of the table; throws what rank 0 said when it called the meeting off.
 std::vector<std::string> read_strings(int fd, clock::time_point deadline) {
   auto count = read_u32(fd, deadline);
+  if (count == refused) {
+    auto why = read_strings(fd, deadline);
+    fail(errc::invalid_argument,
+         "member 0 called the meeting off: " + (why.empty() ? std::string{"(no reason)"} : why[0]));
+  }
   if (count > static_cast<uint32_t>(max_world))
     fail(errc::invalid_argument, "a member sent an entry of " + std::to_string(count) +
                                    " strings (over the largest world)");
@@ -242,7 +251,6 @@ weight_update_group::weight_update_group(const std::string& master_address, int3
         ::listen(listener.fd, world_size) != 0)
       fail(errc::invalid_argument, "cannot listen on " + master_address + ":" +
                                      std::to_string(master_port) + ": " + std::strerror(errno));
-    table[0] = self.entry(master_address);
     std::vector<socket_fd> members(W);
     for (size_t joined = 1; joined < W;) {
       if (!wait_for(listener.fd, POLLIN, deadline))
@@ -253,23 +261,26 @@ weight_update_group::weight_update_group(const std::string& master_address, int3
       if (conn.fd < 0)
         continue;
       std::optional<transport> other; // a member of another backend
-      // A stranger's bytes end its own connection, not the meeting.
+      // A stranger's bytes end its own connection, not the meeting; nor does its silence
+      // hold the meeting past a few seconds.
       try {
+        auto hello_deadline = std::min(deadline, clock::now() + std::chrono::seconds(10));
         char said[sizeof magic];
-        read_exact(conn.fd, said, sizeof said,
-                   std::min(deadline, clock::now() + std::chrono::seconds(10)));
+        read_exact(conn.fd, said, sizeof said, hello_deadline);
         if (std::memcmp(said, magic, sizeof magic) != 0)
           continue;
-        auto r = read_u32(conn.fd, deadline);
-        auto w = read_u32(conn.fd, deadline);
-        auto came_with = static_cast<transport>(read_u32(conn.fd, deadline));
+        auto r = read_u32(conn.fd, hello_deadline);
+        auto w = read_u32(conn.fd, hello_deadline);
+        auto came_with = static_cast<transport>(read_u32(conn.fd, hello_deadline));
         if (w != W || r == 0 || r >= W || members[r].fd >= 0 ||
             (came_with != transport::gloo && came_with != transport::nccl))
           continue;
         if (came_with != self.backend) {
           other = came_with;
+          read_strings(conn.fd, hello_deadline); // read, so that closing does not reset it
+          members[r] = std::move(conn);          // told why below, with the others
         } else {
-          table[r] = read_strings(conn.fd, deadline);
+          table[r] = read_strings(conn.fd, hello_deadline);
           members[r] = std::move(conn);
           ++joined;
         }
@@ -277,10 +288,26 @@ weight_update_group::weight_update_group(const std::string& master_address, int3
         if (e.code() == errc::timeout && clock::now() >= deadline)
           throw;
       }
-      if (other)
-        fail(errc::invalid_argument, std::string{"a member came with the "} + name_of(*other) +
-                                       " backend; this group's is " + name_of(self.backend));
+      if (other) {
+        // Everyone who came hears why, rather than waiting out the timeout.
+        auto why = std::string{"a member came with the "} + name_of(*other) +
+                   " backend; this group's is " + name_of(self.backend);
+        std::string off;
+        write_u32(off, refused);
+        write_strings(off, {why});
+        for (auto& m : members)
+          if (m.fd >= 0) {
+            try {
+              write_all(m.fd, off.data(), off.size(), clock::now() + std::chrono::seconds(1));
+            } catch (const error&) {
+            }
+          }
+        fail(errc::invalid_argument, why);
+      }
     }
+    // Made once everyone has come: NCCL's id starts a listener that a failed meeting would
+    // leave behind.
+    table[0] = self.entry(master_address);
     std::string answer;
     for (auto& row : table)
       write_strings(answer, row);

@@ -543,10 +543,12 @@ void model_worker::init_weights_update_group(const std::string& master_address, 
                 "init_weights_update_group: rank_offset " + std::to_string(rank_offset) +
                   " puts rank " + std::to_string(rank()) + " outside a world of " +
                   std::to_string(world_size) + " (the trainer is member 0)"};
+  // Formed before the old group goes: a call that fails (a bad backend, a trainer that
+  // never comes) leaves the group that worked.
+  auto next = std::make_unique<weight_update_group>(master_address, master_port, member, world_size,
+                                                    timeout, backend, context().device_index);
   auto& st = *state_;
-  st.update_group.reset();
-  st.update_group = std::make_unique<weight_update_group>(
-    master_address, master_port, member, world_size, timeout, backend, context().device_index);
+  st.update_group = std::move(next);
   st.update_root = rank_offset;
 }
 

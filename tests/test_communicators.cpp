@@ -241,8 +241,18 @@ TEST_CASE("a weight-update group refuses a backend it has not, a GPU that is not
       hello.append(reinterpret_cast<const char*>(&n), 4);
     }
     CHECK(::send(fd, hello.data(), hello.size(), 0) == static_cast<ssize_t>(hello.size()));
-    char answer = 0;
-    CHECK(::recv(fd, &answer, 1, 0) <= 0); // closed (reset: its entry went unread), no table
+    // Told why: the refusal mark, then the reason as an entry of one string.
+    std::string answer(1024, '\0');
+    size_t got = 0;
+    for (;;) { // to the end: rank 0 closes after it
+      auto n = ::recv(fd, answer.data() + got, answer.size() - got, 0);
+      if (n <= 0)
+        break;
+      got += static_cast<size_t>(n);
+    }
+    REQUIRE(got > 12);
+    CHECK(answer.substr(0, 8) == std::string("\xff\xff\xff\xff\0\0\0\1", 8));
+    CHECK(answer.find("a member came with the nccl backend; this group's is gloo") == 12);
     ::close(fd);
   });
   CHECK_THROWS_WITH_AS(weight_update_group("127.0.0.1", port, 0, 2, 30s, "gloo"),

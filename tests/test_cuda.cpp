@@ -510,25 +510,31 @@ TEST_CASE("NCCL: a one-rank all-reduce, and a peer that never joins is reported,
                        doctest::Contains("hex digits"), error);
 }
 
-TEST_CASE("an NCCL broadcaster of one member keeps the root's bytes, host or GPU, past a piece") {
+TEST_CASE("two members of an NCCL weight-update group on one GPU are refused, saying so, "
+          "not left waiting") {
   if (!have_gpu())
     return;
-  // One GPU holds one member only (NCCL refuses two on one GPU); this runs every step of
-  // a broadcast but the receiving copy, which the two-GPU case below checks.
-  cuda_device dev{0};
-  nccl_broadcaster member{0, std::chrono::seconds(10)};
-  member.join(0, 1, nccl_communicator::make_id());
-  std::vector<uint8_t> host((size_t{32} << 20) + 5);
-  for (size_t i = 0; i < host.size(); ++i)
-    host[i] = static_cast<uint8_t>(i * 13);
-  auto want = host;
-  member.broadcast(host.data(), host.size(), 0, false);
-  CHECK(host == want);
-  auto* gpu = upload(dev, want);
-  member.broadcast(gpu, want.size(), 0, true);
-  CHECK(download(dev, gpu, want.size()) == want);
   CHECK_THROWS_WITH_AS(nccl_broadcaster(cuda_device::count(), std::chrono::seconds(1)),
                        doctest::Contains("does not exist"), error);
+  auto port = troupe::testing::free_port();
+  std::string failures[2];
+  auto member = [&](int32_t rank) {
+    try {
+      weight_update_group group{"127.0.0.1", port, rank, 2, std::chrono::seconds(20), "nccl", 0};
+    } catch (const std::exception& e) {
+      failures[rank] = e.what();
+    }
+  };
+  auto start = std::chrono::steady_clock::now();
+  std::thread other(member, 1);
+  member(0);
+  other.join();
+  std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+  MESSAGE("two NCCL members on cuda:0 were refused after " << took.count()
+                                                           << " s: " << failures[0]);
+  for (auto& f : failures)
+    CHECK(f.find("NCCL takes one member per GPU") != std::string::npos);
+  CHECK(took.count() < 15.0); // the refusal, not the 20 s deadline
 }
 
 TEST_CASE("a weight-update group over NCCL gives the other GPU the root's bytes, from host or "
@@ -537,31 +543,47 @@ TEST_CASE("a weight-update group over NCCL gives the other GPU the root's bytes,
     return;
   if (cuda_device::count() < 2)
     return troupe::testing::skip("two GPUs needed: NCCL takes one member per GPU");
-  const size_t bytes = (size_t{32} << 20) * 2 + 77; // three pieces
-  std::vector<uint8_t> sent(bytes);
-  for (size_t i = 0; i < bytes; ++i)
-    sent[i] = static_cast<uint8_t>(i * 31 + 7);
+  const size_t piece = nccl_broadcaster::piece;
+  // A flag, nothing, a piece exactly, and three pieces with a tail.
+  const size_t sizes[] = {1, 0, piece, 2 * piece + 77};
+  auto pattern = [](size_t bytes, int salt) {
+    std::vector<uint8_t> v(bytes);
+    for (size_t i = 0; i < bytes; ++i)
+      v[i] = static_cast<uint8_t>(i * 31 + 7 + salt);
+    return v;
+  };
   auto port = troupe::testing::free_port();
-  std::vector<uint8_t> into_host, into_gpu, from_gpu;
+  // got[kind][k]: what member 1 holds after size k went host to host, host to GPU, GPU to
+  // host; back: what member 0 holds after member 1 sent it.
+  std::vector<std::vector<uint8_t>> got[3], back;
   std::string failures[2];
   auto member = [&](int32_t rank) {
     try {
       cuda_device dev{rank};
       weight_update_group group{"127.0.0.1", port, rank, 2, std::chrono::seconds(60), "nccl", rank};
-      if (rank == 0) {
-        auto copy = sent;
-        group.broadcast(copy.data(), bytes, 0);
-        group.broadcast(copy.data(), bytes, 0);
-        group.broadcast_gpu(upload(dev, sent), bytes, 0);
-        return;
+      for (auto bytes : sizes) {
+        auto sent = pattern(bytes, 0);
+        if (rank == 0) {
+          group.broadcast(sent.data(), bytes, 0);
+          group.broadcast(sent.data(), bytes, 0);
+          group.broadcast_gpu(bytes ? upload(dev, sent) : nullptr, bytes, 0);
+          std::vector<uint8_t> mine(bytes);
+          group.broadcast(mine.data(), bytes, 1); // member 1 is the root now
+          back.push_back(std::move(mine));
+          continue;
+        }
+        std::vector<uint8_t> host(bytes);
+        group.broadcast(host.data(), bytes, 0);
+        got[0].push_back(std::move(host));
+        auto* gpu = bytes ? upload(dev, std::vector<uint8_t>(bytes)) : nullptr;
+        group.broadcast_gpu(gpu, bytes, 0);
+        got[1].push_back(bytes ? download(dev, gpu, bytes) : std::vector<uint8_t>{});
+        host.assign(bytes, 0);
+        group.broadcast(host.data(), bytes, 0);
+        got[2].push_back(std::move(host));
+        auto mine = pattern(bytes, 1);
+        group.broadcast_gpu(bytes ? upload(dev, mine) : nullptr, bytes, 1);
       }
-      into_host.assign(bytes, 0);
-      group.broadcast(into_host.data(), bytes, 0); // host memory to host memory
-      auto* gpu = upload(dev, std::vector<uint8_t>(bytes));
-      group.broadcast_gpu(gpu, bytes, 0); // host memory to GPU memory
-      into_gpu = download(dev, gpu, bytes);
-      from_gpu.assign(bytes, 0);
-      group.broadcast(from_gpu.data(), bytes, 0); // GPU memory to host memory
     } catch (const std::exception& e) {
       failures[rank] = e.what();
     }
@@ -571,7 +593,12 @@ TEST_CASE("a weight-update group over NCCL gives the other GPU the root's bytes,
   receiver.join();
   CHECK(failures[0] == "");
   CHECK(failures[1] == "");
-  CHECK(into_host == sent);
-  CHECK(into_gpu == sent);
-  CHECK(from_gpu == sent);
+  for (auto& kind : got) {
+    REQUIRE(kind.size() == std::size(sizes));
+    for (size_t k = 0; k < std::size(sizes); ++k)
+      CHECK(kind[k] == pattern(sizes[k], 0));
+  }
+  REQUIRE(back.size() == std::size(sizes));
+  for (size_t k = 0; k < std::size(sizes); ++k)
+    CHECK(back[k] == pattern(sizes[k], 1));
 }

@@ -1,6 +1,7 @@
 // The decoder on a GPU (label gpu; run by scripts/gpu-check.sh): transformers' logits and
-// greedy tokens on the tiny fixtures, the CPU's on SmolLM2-135M, and a model worker whose
-// KV cache follows gpu_memory_utilization and whose sleep gives the memory back.
+// greedy tokens on the tiny fixtures, the CPU's on SmolLM2-135M, a model worker whose
+// KV cache follows gpu_memory_utilization and whose sleep gives the memory back, and
+// weights updated in place in GPU memory.
 
 #include "kernels/cpu/cpu_device.hpp"
 #include "kernels/cuda/cuda_device.hpp"
@@ -11,6 +12,7 @@
 #include "tests/generation.hpp"
 #include "tests/model_runner.hpp"
 #include "tests/gpu.hpp"
+#include "tests/weight_updates.hpp"
 #include "troupe/errors.hpp"
 #include "troupe/executor.hpp"
 #include "troupe/llm.hpp"
@@ -325,5 +327,59 @@ TEST_CASE("seeded sampling on the GPU draws the tokens the CPU draws") {
     r.sampling.seed = 1234;
     reqs.push_back(r);
   }
-  CHECK(generated("llama-gqa", "cuda", false, reqs) == generated("llama-gqa", "cpu", false, reqs));
+  auto plain = generated("llama-gqa", "cuda", false, reqs);
+  CHECK(plain == generated("llama-gqa", "cpu", false, reqs));
+  // The logits processors, applied on the device that samples: penalties over prompt and
+  // output, logit_bias, min_p, min_tokens and a banned pair of tokens; greedy and seeded.
+  auto edited = reqs;
+  for (size_t i = 0; i < edited.size(); ++i) {
+    auto& p = edited[i].sampling;
+    auto greedy = ref["prompts"][i]["greedy"].get<std::vector<int32_t>>();
+    if (i % 2 == 1)
+      p.temperature = 0.0f;
+    p.repetition_penalty = 1.3f;
+    p.presence_penalty = 0.4f;
+    p.frequency_penalty = 0.5f;
+    p.min_p = 0.05f;
+    p.min_tokens = 8;
+    p.logit_bias_ids = {5, 17};
+    p.logit_bias_values = {2.0f, -100.0f};
+    p.bad_words_token_ids = {{greedy[0], greedy[1]}};
+  }
+  auto gpu = generated("llama-gqa", "cuda", false, edited);
+  CHECK(gpu == generated("llama-gqa", "cpu", false, edited));
+  CHECK(gpu != plain);
+}
+
+TEST_CASE("weights updated in place on the GPU, awake and asleep: transformers' tokens on the "
+          "new weights") {
+  if (!have_gpu())
+    return;
+  auto ref = read_json(fixtures + "/llama-gqa/reference.json");
+  testing::scratch dir{"gpu"};
+  auto other = testing::other_model(fixtures, "llama-gqa", dir, 29);
+  llm_config cfg;
+  cfg.worker.model_path = other;
+  cfg.worker.dtype = "float32";
+  cfg.worker.kv_cache_memory_bytes = 64 << 20;
+  cfg.executor.block_size = 4;
+  cfg.executor.device_type = device_kind::cuda;
+  llm model{cfg};
+  CHECK(!testing::gives_reference(model, ref));
+  model.update_weights_from_disk(fixtures + "/llama-gqa");
+  CHECK(testing::gives_reference(model, ref));
+  model.update_weights_from_disk(other);
+  CHECK(!testing::gives_reference(model, ref));
+  safetensors_file file{fixtures + "/llama-gqa/model.safetensors"};
+  model.update_weights_from_tensors(testing::host_tensors(file));
+  CHECK(testing::gives_reference(model, ref));
+  for (int32_t level : {1, 2}) {
+    CAPTURE(level);
+    model.update_weights_from_disk(other);
+    model.sleep(level);
+    model.update_weights_from_tensors(testing::host_tensors(file));
+    model.executor().wake_up();
+    CHECK(testing::gives_reference(model, ref));
+  }
+  CHECK(model.weight_version() == 7);
 }

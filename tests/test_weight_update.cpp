@@ -7,6 +7,7 @@
 #include "model/make_model.hpp"
 #include "model/safetensors.hpp"
 #include "tests/generation.hpp"
+#include "tests/weight_updates.hpp"
 #include "troupe/llm.hpp"
 #include "troupe/model_worker.hpp"
 
@@ -21,35 +22,18 @@
 #include <unistd.h>
 
 using namespace troupe;
+using troupe::testing::gives_reference;
 using troupe::testing::greedy;
+using troupe::testing::host_tensors;
+using troupe::testing::other_model;
+using troupe::testing::prompts;
 using troupe::testing::read_json;
+using troupe::testing::scratch;
+using troupe::testing::tokens_of;
 
 namespace {
 
 const std::string fixtures = TROUPE_SOURCE_DIR "/tests/fixtures";
-
-/// A scratch directory, removed with the object.
-struct scratch {
-  std::filesystem::path path;
-  explicit scratch(const std::string& name)
-    : path(std::filesystem::temp_directory_path() /
-           ("troupe-update-" + name + "-" + std::to_string(::getpid()))) {
-    std::filesystem::remove_all(path);
-  }
-  ~scratch() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
-
-/// Another model of `fixture`'s shape: random weights from `seed`, the fixture's config.
-std::string other_model(const std::string& fixture, const scratch& dir, uint64_t seed) {
-  write_random_model(load_model_config(fixtures + "/" + fixture), dir.path.string(), dtype::f32,
-                     seed);
-  std::filesystem::copy_file(fixtures + "/" + fixture + "/config.json", dir.path / "config.json",
-                             std::filesystem::copy_options::overwrite_existing);
-  return dir.path.string();
-}
 
 /// The GGUF fixture's reference for one file type, in the form of the others.
 nlohmann::json gguf_reference(const std::string& type) {
@@ -65,41 +49,6 @@ llm_config tiny(const std::string& model_path, int32_t tp = 1) {
   return cfg;
 }
 
-/// The fixture's prompts with greedy sampling of its reference's length.
-std::vector<generation_request> prompts(const nlohmann::json& ref) {
-  std::vector<generation_request> reqs;
-  for (auto& p : ref["prompts"])
-    reqs.push_back({"",
-                    p["token_ids"].get<std::vector<int32_t>>(),
-                    greedy(static_cast<int32_t>(p["greedy"].size())),
-                    {}});
-  return reqs;
-}
-
-/// Whether the model generates transformers' greedy tokens for every prompt of `ref`.
-bool gives_reference(llm& model, const nlohmann::json& ref) {
-  auto outs = model.generate(prompts(ref));
-  bool same = outs.size() == ref["prompts"].size();
-  for (size_t i = 0; same && i < outs.size(); ++i)
-    same = outs[i].token_ids == ref["prompts"][i]["greedy"].get<std::vector<int32_t>>();
-  return same;
-}
-
-std::vector<std::vector<int32_t>> tokens_of(llm& model, const nlohmann::json& ref) {
-  std::vector<std::vector<int32_t>> out;
-  for (auto& o : model.generate(prompts(ref)))
-    out.push_back(o.token_ids);
-  return out;
-}
-
-/// Every tensor of a safetensors file, as an update takes them (views of the mapping).
-std::vector<host_tensor> host_tensors(const safetensors_file& file) {
-  std::vector<host_tensor> out;
-  for (auto& t : file.tensors())
-    out.push_back({t.name, dtype_name(t.type), t.shape, t.data});
-  return out;
-}
-
 } // namespace
 
 TEST_CASE("an update from disk or from tensors gives transformers' tokens on the new weights, "
@@ -110,7 +59,7 @@ TEST_CASE("an update from disk or from tensors gives transformers' tokens on the
     CAPTURE(fixture);
     auto ref = read_json(fixtures + "/" + fixture + "/reference.json");
     scratch dir{fixture};
-    auto other = other_model(fixture, dir, 7);
+    auto other = other_model(fixtures, fixture, dir, 7);
     for (int32_t tp : {1, 2}) {
       CAPTURE(tp);
       llm model{tiny(other, tp)};
@@ -133,7 +82,7 @@ TEST_CASE("an update from disk or from tensors gives transformers' tokens on the
 TEST_CASE("a refused update names the parameter and leaves every rank on the old weights") {
   auto ref = read_json(fixtures + "/llama-gqa/reference.json");
   scratch dir{"refused"};
-  auto other = other_model("llama-gqa", dir, 11);
+  auto other = other_model(fixtures, "llama-gqa", dir, 11);
   llm model{tiny(other, 2)};
   auto before = tokens_of(model, ref);
   safetensors_file file{fixtures + "/llama-gqa/model.safetensors"};
@@ -198,7 +147,7 @@ TEST_CASE("a refused update names the parameter and leaves every rank on the old
 TEST_CASE("an update while asleep wakes the weights, and the KV cache after it") {
   auto ref = read_json(fixtures + "/llama-gqa/reference.json");
   scratch dir{"asleep"};
-  auto other = other_model("llama-gqa", dir, 13);
+  auto other = other_model(fixtures, "llama-gqa", dir, 13);
   llm model{tiny(other, 2)};
   safetensors_file file{fixtures + "/llama-gqa/model.safetensors"};
   for (int32_t level : {1, 2}) {
@@ -259,7 +208,7 @@ TEST_CASE("quantized weights take float tensors only when asked to quantize them
 TEST_CASE("a worker replaced after updates holds the updated weights, not the checkpoint's") {
   auto ref = read_json(fixtures + "/llama-gqa/reference.json");
   scratch dir{"replaced"};
-  auto other = other_model("llama-gqa", dir, 17);
+  auto other = other_model(fixtures, "llama-gqa", dir, 17);
   auto cfg = tiny(other, 2);
   cfg.executor.restart.max_restarts = 4;
   llm model{cfg};
@@ -292,7 +241,7 @@ TEST_CASE("a worker replaced after updates holds the updated weights, not the ch
 TEST_CASE("update_weights_from_bytes writes the tensors its message carries, on every rank") {
   auto ref = read_json(fixtures + "/llama-gqa/reference.json");
   scratch dir{"bytes"};
-  llm model{tiny(other_model("llama-gqa", dir, 19), 2)};
+  llm model{tiny(other_model(fixtures, "llama-gqa", dir, 19), 2)};
   CHECK(!gives_reference(model, ref));
   safetensors_file file{fixtures + "/llama-gqa/model.safetensors"};
   auto tensors = host_tensors(file);
@@ -356,7 +305,7 @@ private:
 TEST_CASE("a rank that dies while the others write an update is replaced with the update") {
   auto ref = read_json(fixtures + "/llama-gqa/reference.json");
   scratch dir{"dies-writing"};
-  auto other = other_model("llama-gqa", dir, 23);
+  auto other = other_model(fixtures, "llama-gqa", dir, 23);
   auto cfg = tiny(fixtures + "/llama-gqa", 2);
   cfg.executor.restart.max_restarts = 4;
   auto dying = std::make_shared<std::atomic<int>>(-1);

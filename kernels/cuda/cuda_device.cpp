@@ -11,7 +11,7 @@ namespace troupe {
 
 namespace {
 
-/// The driver calls of the pool, from the runtime's entry points.
+/// The driver calls of the pool (and a context's state), from the runtime's entry points.
 struct driver_api {
   PFN_cuMemAddressReserve_v10020 address_reserve = nullptr;
   PFN_cuMemAddressFree_v10020 address_free = nullptr;
@@ -21,6 +21,8 @@ struct driver_api {
   PFN_cuMemUnmap_v10020 unmap = nullptr;
   PFN_cuMemSetAccess_v10020 set_access = nullptr;
   PFN_cuMemGetAllocationGranularity_v10020 granularity = nullptr;
+  PFN_cuDeviceGet_v2000 device_get = nullptr;
+  PFN_cuDevicePrimaryCtxGetState_v7000 context_state = nullptr;
 };
 
 template <class F>
@@ -46,6 +48,8 @@ const driver_api& driver() {
     entry("cuMemUnmap", api.unmap);
     entry("cuMemSetAccess", api.set_access);
     entry("cuMemGetAllocationGranularity", api.granularity);
+    entry("cuDeviceGet", api.device_get);
+    entry("cuDevicePrimaryCtxGetState", api.context_state);
   });
   return api;
 }
@@ -66,6 +70,14 @@ void cuda_device::check(int32_t index) {
   if (index < 0 || index >= devices)
     throw error{errc::invalid_argument, "cuda:" + std::to_string(index) + " does not exist (" +
                                           std::to_string(devices) + " GPU(s) visible)"};
+}
+
+bool cuda_device::has_context(int32_t index) {
+  CUdevice dev = 0;
+  unsigned flags = 0;
+  int active = 0;
+  return driver().device_get(&dev, index) == CUDA_SUCCESS &&
+         driver().context_state(dev, &flags, &active) == CUDA_SUCCESS && active != 0;
 }
 
 cuda_device::cuda_device(int32_t index) : index_(index) {

@@ -44,6 +44,10 @@ public:
   /// Throws `invalid_argument` when GPU `index` does not exist.
   static void check(int32_t index);
 
+  /// Whether GPU `index`'s primary context is active in this process (making it current
+  /// would not create one).
+  static bool has_context(int32_t index);
+
 private:
   void* map_new(region& r) override;
   void free_region(void* ptr, region& r) noexcept override;

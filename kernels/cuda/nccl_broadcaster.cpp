@@ -10,21 +10,26 @@ namespace troupe {
 
 namespace {
 
-/// Makes a GPU current for a scope, then the caller's again.
+/// Makes a GPU current for a scope, then the caller's again, unless the caller's has no
+/// context: a thread that never chose a GPU reads as GPU 0, and making that current would
+/// create a context there (hundreds of MB on a GPU the process may not use).
 class current_gpu {
 public:
   explicit current_gpu(int32_t gpu) {
     TROUPE_CUDA_CHECK(cudaGetDevice(&before_));
+    restore_ = before_ != gpu && cuda_device::has_context(before_);
     TROUPE_CUDA_CHECK(cudaSetDevice(gpu));
   }
   ~current_gpu() {
-    cudaSetDevice(before_);
+    if (restore_)
+      cudaSetDevice(before_);
   }
   current_gpu(const current_gpu&) = delete;
   current_gpu& operator=(const current_gpu&) = delete;
 
 private:
   int before_ = 0;
+  bool restore_ = false;
 };
 
 } // namespace
@@ -34,6 +39,15 @@ nccl_broadcaster::nccl_broadcaster(int32_t gpu, std::chrono::milliseconds timeou
   cuda_device::check(gpu);
   current_gpu on{gpu_};
   TROUPE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  // Before the meeting, not in the middle of an update, where a failure would leave the
+  // other members waiting in a broadcast; and cudaFree would wait for the whole GPU.
+  if (cudaMalloc(&staging_, piece) != cudaSuccess) {
+    cudaGetLastError();
+    cudaStreamDestroy(stream_);
+    throw error{errc::memory_error, "weight-update group: no room for its " +
+                                      std::to_string(piece >> 20) +
+                                      " MiB staging buffer on cuda:" + std::to_string(gpu)};
+  }
 }
 
 nccl_broadcaster::~nccl_broadcaster() {
@@ -49,21 +63,23 @@ nccl_broadcaster::~nccl_broadcaster() {
 
 void nccl_broadcaster::join(int rank, int world, const std::string& id) {
   current_gpu on{gpu_};
-  comm_ = std::make_unique<nccl_communicator>(rank, world, id, timeout_);
+  try {
+    comm_ = std::make_unique<nccl_communicator>(rank, world, id, timeout_);
+  } catch (const error& e) {
+    // NCCL's words for two members on one GPU ("invalid usage") do not say so.
+    std::string what = e.what();
+    if (what.find("invalid usage") == std::string::npos)
+      throw;
+    throw error{e.code(), what + " (member " + std::to_string(rank) +
+                            " on cuda:" + std::to_string(gpu_) +
+                            "; NCCL takes one member per GPU: is another member on it?)"};
+  }
 }
 
 void nccl_broadcaster::broadcast(void* data, std::size_t bytes, int root, bool on_gpu) {
   if (!comm_)
     throw error{errc::invalid_argument, "NCCL broadcast before the group was joined"};
   current_gpu on{gpu_};
-  auto need = std::min(bytes, piece);
-  if (!on_gpu && staging_bytes_ < need) {
-    TROUPE_CUDA_CHECK(cudaFree(staging_));
-    staging_ = nullptr;
-    staging_bytes_ = 0;
-    TROUPE_CUDA_CHECK(cudaMalloc(&staging_, need));
-    staging_bytes_ = need;
-  }
   bool sends = comm_->rank() == root;
   for (std::size_t done = 0; done < bytes; done += piece) {
     auto n = std::min(piece, bytes - done);

@@ -15,14 +15,15 @@ namespace troupe {
 
 /// A weight-update group's member on one GPU: NCCL broadcasts on a stream of its own, cut
 /// into pieces of at most `piece` bytes (every member cuts alike, so their calls pair up
-/// whether each gives GPU or host memory); host memory passes through one staging buffer,
-/// allocated at the first such broadcast and kept. Each call makes the GPU current for
-/// itself and gives the caller's thread back the GPU it had (a trainer's PyTorch device).
+/// whether each gives GPU or host memory); host memory passes through one staging buffer
+/// of a piece, allocated with the member. Each call makes the GPU current for itself and
+/// gives the caller's thread back the GPU it had (a trainer's PyTorch device).
 class nccl_broadcaster final : public gpu_broadcaster {
 public:
   static constexpr std::size_t piece = std::size_t{32} << 20;
 
-  /// Throws `invalid_argument` when GPU `gpu` does not exist.
+  /// Throws `invalid_argument` when GPU `gpu` does not exist, `memory_error` when it has no
+  /// room for the staging buffer.
   nccl_broadcaster(int32_t gpu, std::chrono::milliseconds timeout);
   ~nccl_broadcaster() override;
 
@@ -38,7 +39,6 @@ private:
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<nccl_communicator> comm_;
   void* staging_ = nullptr;
-  std::size_t staging_bytes_ = 0;
 };
 
 } // namespace troupe
