@@ -575,8 +575,18 @@ bool model_worker::receive_weights(bool go, const std::vector<host_tensor>& meta
   } catch (...) {
     problem = std::current_exception();
   }
-  // The engine's rank 0 tells every member, the trainer included, whether the update goes
-  // ahead: a refused one must not leave the trainer waiting to send.
+  // The trainer says first whether it can send (a tensor it cannot read must not leave
+  // the engine waiting), then the engine's rank 0 whether the update goes ahead (a refused
+  // one must not leave the trainer waiting to send).
+  uint8_t ready = 0;
+  st.update_group->broadcast(&ready, 1, 0);
+  if (ready == 0) {
+    if (problem)
+      std::rethrow_exception(problem);
+    throw error{errc::invalid_argument,
+                "update_weights_from_distributed: the trainer called the update off (its "
+                "exception says why); nothing changed"};
+  }
   uint8_t flag = go && !problem ? 1 : 0;
   st.update_group->broadcast(&flag, 1, st.update_root);
   if (flag == 0) {

@@ -252,10 +252,11 @@ public:
   /// nothing when there is none.
   void destroy_weights_update_group();
 
-  /// One round of an update over the group: member `rank_offset` (the engine's rank 0)
-  /// broadcasts `go`; when it is true every member receives the tensors `metadata`
-  /// describes (names, types and shapes; no data), each broadcast by member 0 in turn, and
-  /// keeps them for `apply_received_weights`. Returns `go`.
+  /// One round of an update over the group: member 0 (the trainer) broadcasts whether it
+  /// can send (when not, this throws `invalid_argument`), then member `rank_offset` (the
+  /// engine's rank 0) broadcasts `go`; when it is true every member receives the tensors
+  /// `metadata` describes (names, types and shapes; no data), each broadcast by member 0 in
+  /// turn, and keeps them for `apply_received_weights`. Returns `go`.
   bool receive_weights(bool go, const std::vector<host_tensor>& metadata);
 
   /// `update_weights` with the tensors the last `receive_weights` received, once (not after

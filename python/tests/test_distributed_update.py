@@ -29,6 +29,8 @@ def trainer(port: int, world_size: int, updates: list, results) -> None:
                 results.put("sent")
             except TroupeError as e:
                 results.put(f"refused: {e}")
+            except TypeError as e:  # a tensor it cannot read
+                results.put(f"could not send: {e}")
     except Exception as e:  # reported to the test, which fails on it
         results.put(f"error: {type(e).__name__}: {e}")
 
@@ -45,13 +47,15 @@ def test_weights_from_a_trainer_process(other_model, tp):
     good = read_safetensors(fixture("llama-gqa") + "/model.safetensors")
     bad = dict(good)
     bad["model.layers.0.mlp.up_proj.weight"] = good["model.layers.0.mlp.up_proj.weight"][:8]
+    unreadable = dict(good)
+    unreadable["model.norm.weight"] = good["model.norm.weight"].tolist()
     llm = LLM(path, kv_cache_memory_bytes=2 << 20, block_size=4, tensor_parallel_size=tp)
     before = tokens(llm, ref)
     assert before != [p["greedy"] for p in ref["prompts"]]
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=trainer, args=(port, 1 + tp, [bad, good], results))
+    child = ctx.Process(target=trainer, args=(port, 1 + tp, [bad, unreadable, good], results))
     child.start()
     try:
         llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=1 + tp)
@@ -59,6 +63,11 @@ def test_weights_from_a_trainer_process(other_model, tp):
         with pytest.raises(TroupeError, match="up_proj"):
             llm.update_weights_from_distributed(*describe(bad))
         assert results.get(timeout=60).startswith("refused")
+        assert tokens(llm, ref) == before
+        # A tensor the trainer cannot read: it raises, the engine hears so at once.
+        with pytest.raises(TroupeError, match="the trainer called the update off"):
+            llm.update_weights_from_distributed(*describe(good))
+        assert results.get(timeout=60).startswith("could not send: tensor 'model.norm.weight'")
         assert tokens(llm, ref) == before
         llm.update_weights_from_distributed(*describe(good))
         assert results.get(timeout=60) == "sent"
@@ -100,3 +109,17 @@ def test_nccl_is_for_gpus_and_an_unknown_backend_is_named():
     with pytest.raises(TroupeError) as e:
         WeightSender("127.0.0.1", free_port(), 2, backend="nccl", device="cuda:4096", timeout=30)
     assert e.value.errc == "unsupported" or "cuda:4096 does not exist" in str(e.value)
+
+
+def test_the_senders_gpu_is_an_index_a_name_or_a_torch_device():
+    from troupe.weights import gpu_index
+
+    torch = pytest.importorskip("torch")
+    assert gpu_index(3) == 3
+    assert gpu_index("cuda:2") == 2
+    assert gpu_index(torch.device("cuda", 1)) == 1
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    assert gpu_index(None) == current
+    assert gpu_index("cuda") == current
+    with pytest.raises(ValueError, match="'cpu' is no GPU"):
+        gpu_index("cpu")

@@ -8,7 +8,7 @@ from . import _core
 from .lora import LoRARequest
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
-from .weights import dtype_name, host_array
+from .weights import before_cuda, dtype_name, host_array
 
 PromptType = Union[str, Dict[str, Any]]
 
@@ -101,6 +101,8 @@ class LLM:
             if name in _ENGINE_ARGS:
                 _ENGINE_ARGS[name](config, value)
         config.validate()
+        if str(engine_args.get("device", "cpu")).startswith("cuda"):
+            before_cuda()
         self._engine = _core.Engine(config)
         self._sleep_mode = enable_sleep_mode
         self._seed = seed

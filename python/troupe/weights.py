@@ -38,6 +38,17 @@ def describe(named_tensors: NamedTensors) -> Tuple[List[str], List[str], List[Li
             [list(t.shape) for _, t in items])
 
 
+def before_cuda() -> None:
+    """Imports PyTorch, where it is installed, before troupe's CUDA module loads. Both need
+    ``libnccl.so.2`` and a process keeps the first it loads: PyTorch's own import fails on
+    the CUDA toolkit's older NCCL (a symbol it lacks), while troupe's module works on
+    PyTorch's newer one."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+
+
 def gpu_index(device: Any) -> int:
     """The GPU a ``WeightSender`` on NCCL uses: ``device`` as an index, ``"cuda:1"`` or a
     ``torch.device``; ``None`` is PyTorch's current GPU (0 without PyTorch)."""
@@ -50,8 +61,10 @@ def gpu_index(device: Any) -> int:
     if isinstance(device, int):
         return device
     text = str(device)
-    if text.startswith("cuda"):
-        return int(text.partition(":")[2] or 0)
+    if text == "cuda":
+        return gpu_index(None)
+    if text.startswith("cuda:"):
+        return int(text.partition(":")[2])
     raise ValueError(f"device {device!r} is no GPU (an index, 'cuda:N' or a torch.device)")
 
 
@@ -69,7 +82,9 @@ class WeightSender:
 
     ``send`` takes the tensors in the order the engine was told, PyTorch tensors or NumPy
     arrays (read in place); it raises ``TroupeError`` without sending when the engine
-    refuses the update (the engine's own exception names the parameter).
+    refuses the update (the engine's own exception names the parameter). When ``send``
+    itself cannot read a tensor it raises, and tells the engine, whose update raises too;
+    the group stays usable either way.
 
     ``backend="gloo"`` (TCP) takes CPU tensors. ``backend="nccl"`` (the engine's workers on
     GPUs, one GPU per member) sends from GPU ``device`` (PyTorch's current one by default):
@@ -79,7 +94,10 @@ class WeightSender:
     def __init__(self, master_address: str, master_port: int, world_size: int,
                  engine_rank_offset: int = 1, timeout: float = 60.0, backend: str = "gloo",
                  device: Any = None) -> None:
-        self._gpu = gpu_index(device) if backend == "nccl" else 0
+        self._gpu = 0
+        if backend == "nccl":
+            before_cuda()
+            self._gpu = gpu_index(device)
         self._group = _core.WeightGroup(master_address, master_port, 0, world_size, timeout,
                                         backend, self._gpu)
         self._engine = engine_rank_offset
@@ -94,15 +112,22 @@ class WeightSender:
         return host_array(name, tensor)
 
     def send(self, named_tensors: NamedTensors) -> None:
-        items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-        arrays = [(name, self._prepared(name, t)) for name, t in items]
-        on_gpu = [getattr(a, "is_cuda", False) for _, a in arrays]
-        if any(on_gpu):
-            import torch
+        try:
+            items = list(named_tensors.items() if isinstance(named_tensors, dict)
+                         else named_tensors)
+            arrays = [(name, self._prepared(name, t)) for name, t in items]
+            on_gpu = [getattr(a, "is_cuda", False) for _, a in arrays]
+            if any(on_gpu):
+                import torch
 
-            # NCCL reads them on a stream of its own: what made them (and the copies
-            # `contiguous` queued) must be done.
-            torch.cuda.current_stream(self._gpu).synchronize()
+                # NCCL reads them on a stream of its own: what made them (and the copies
+                # `contiguous` queued) must be done.
+                torch.cuda.current_stream(self._gpu).synchronize()
+        except BaseException:
+            # The engine waits for the tensors: it hears that none come, and raises too.
+            self._group.broadcast_flag(False, 0)
+            raise
+        self._group.broadcast_flag(True, 0)
         if not self._group.broadcast_flag(False, self._engine):
             error = _core.TroupeError("the engine refused the weight update (its exception "
                                       "names the parameter); nothing was sent")
