@@ -126,14 +126,8 @@ void write_strings(std::string& out, const std::vector<std::string>& items) {
 /// In place of the table: the meeting is off, and why (a string follows).
 constexpr uint32_t refused = 0xffffffff;
 
-/// A member's entry of the table; throws what rank 0 said when it called the meeting off.
-std::vector<std::string> read_strings(int fd, clock::time_point deadline) {
-  auto count = read_u32(fd, deadline);
-  if (count == refused) {
-    auto why = read_strings(fd, deadline);
-    fail(errc::invalid_argument,
-         "member 0 called the meeting off: " + (why.empty() ? std::string{"(no reason)"} : why[0]));
-  }
+/// The `count` strings of an entry.
+std::vector<std::string> read_entry(int fd, uint32_t count, clock::time_point deadline) {
   if (count > static_cast<uint32_t>(max_world))
     fail(errc::invalid_argument, "a member sent an entry of " + std::to_string(count) +
                                    " strings (over the largest world)");
@@ -147,6 +141,17 @@ std::vector<std::string> read_strings(int fd, clock::time_point deadline) {
     read_exact(fd, s.data(), size, deadline);
   }
   return items;
+}
+
+/// A member's entry of the table; throws what rank 0 said when it called the meeting off.
+std::vector<std::string> read_strings(int fd, clock::time_point deadline) {
+  auto count = read_u32(fd, deadline);
+  if (count == refused) {
+    auto why = read_entry(fd, std::min<uint32_t>(read_u32(fd, deadline), 1), deadline);
+    fail(errc::invalid_argument,
+         "member 0 called the meeting off: " + (why.empty() ? std::string{"(no reason)"} : why[0]));
+  }
+  return read_entry(fd, count, deadline);
 }
 
 addrinfo* resolve(const std::string& host, int32_t port, bool passive) {

@@ -261,3 +261,48 @@ TEST_CASE("a weight-update group refuses a backend it has not, a GPU that is not
                        error);
   member.join();
 }
+
+TEST_CASE("a member hears why member 0 called the meeting off") {
+  // Member 0 as the meeting speaks it: it reads the hello, then answers with the refusal.
+  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&a), len) == 0);
+  REQUIRE(::listen(listener, 1) == 0);
+  REQUIRE(::getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  std::thread zero([listener] {
+    int fd = ::accept(listener, nullptr, nullptr);
+    auto take = [fd](size_t n) {
+      std::string bytes(n, '\0');
+      for (size_t got = 0; got < n;) {
+        auto r = ::recv(fd, bytes.data() + got, n - got, 0);
+        if (r <= 0)
+          break;
+        got += static_cast<size_t>(r);
+      }
+      return bytes;
+    };
+    auto u32 = [&] {
+      uint32_t v = 0;
+      std::memcpy(&v, take(4).data(), 4);
+      return ntohl(v);
+    };
+    take(16 + 12); // magic, rank, world, backend
+    for (auto count = u32(); count > 0; --count)
+      take(u32());
+    std::string off;
+    for (uint32_t v : {0xffffffffu, 1u, 12u}) {
+      auto n = htonl(v);
+      off.append(reinterpret_cast<const char*>(&n), 4);
+    }
+    off += "test: no way";
+    ::send(fd, off.data(), off.size(), MSG_NOSIGNAL);
+    ::close(fd);
+  });
+  CHECK_THROWS_WITH_AS(weight_update_group("127.0.0.1", ntohs(a.sin_port), 1, 2, 30s),
+                       "weight-update group: member 0 called the meeting off: test: no way", error);
+  zero.join();
+  ::close(listener);
+}
