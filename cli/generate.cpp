@@ -334,7 +334,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
   sub->add_option("--stop", o->stop, "Stop when the text contains this string (repeatable)");
   sub->add_flag("--chat", o->chat, "Wrap each prompt in the model's chat template");
   sub->add_flag("--json", o->json,
-                "Print JSON: per prompt the text, the token ids and their logprobs");
+                "Print JSON: per prompt the text, the token ids, their logprobs and ranks");
   sub->add_option("--lora", o->loras,
                   "A PEFT LoRA adapter directory as NAME=PATH (repeatable); one alone serves "
                   "every prompt");
@@ -417,6 +417,7 @@ std::shared_ptr<command> add_generate(CLI::App& app) {
            {"text", out.text},
            {"token_ids", out.token_ids},
            {"logprobs", out.logprobs},
+           {"ranks", out.ranks},
            {"finish_reason", to_string(out.finish_reason)},
            {"lora", loras[i] ? nlohmann::json(loras[i]->lora_name) : nlohmann::json()}});
         if (sp.prompt_logprobs >= 0) {

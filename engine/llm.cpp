@@ -330,6 +330,7 @@ void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
   auto from = static_cast<std::ptrdiff_t>(l.reported);
   u.token_ids.assign(r.output.begin() + from, r.output.end());
   u.logprobs.assign(r.logprobs.begin() + from, r.logprobs.end());
+  u.ranks.assign(r.ranks.begin() + from, r.ranks.end());
   u.top_logprobs.assign(r.top_logprobs.begin() + from, r.top_logprobs.end());
   l.reported = r.output.size();
   counts.generation_tokens += static_cast<int64_t>(u.token_ids.size());
@@ -362,6 +363,7 @@ void llm::impl::report(int64_t seq, const engine_request& r, bool finished,
   if (finished) {
     out.token_ids = r.output;
     out.logprobs = r.logprobs;
+    out.ranks = r.ranks;
     out.top_logprobs = r.top_logprobs;
     out.text = std::move(l.text);
     out.index = l.index;
@@ -411,6 +413,7 @@ void llm::impl::choose_best(int64_t request, int32_t n, std::vector<generation_o
     u.index = i;
     u.token_ids = out.token_ids;
     u.logprobs = out.logprobs;
+    u.ranks = out.ranks;
     u.top_logprobs = out.top_logprobs;
     u.prompt_logprobs = out.prompt_logprobs;
     u.text = out.text;

@@ -295,6 +295,7 @@ void scheduler::seal(execute_model_request& step) {
     hot_.add_tree_node(*at);
     hot_.add_end(at->second.output);
     hot_.add_end(at->second.logprobs);
+    hot_.add_end(at->second.ranks);
     hot_.add_end(at->second.top_logprobs);
     blocks_.note_hot(seq, hot_);
   }
@@ -378,6 +379,7 @@ void scheduler::update(const sampler_output& output) {
     r.num_computed = r.length();
     r.output.push_back(sample.output_token);
     r.logprobs.push_back(sample.logprob);
+    r.ranks.push_back(sample.rank);
     r.top_logprobs.push_back(sample.top_logprobs);
     auto& sp = r.sampling;
     auto among = [&](const std::vector<int32_t>& ids) {

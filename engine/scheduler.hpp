@@ -39,9 +39,10 @@ struct engine_request {
   int64_t lora_int_id = 0;
   /// Prompt adapter of the request; 0 for none. Its placeholder tokens are in `prompt`.
   int64_t prompt_adapter_id = 0;
-  /// Generated so far, with the logprob of each token.
+  /// Generated so far, with the logprob and rank of each token.
   std::vector<int32_t> output;
   std::vector<float> logprobs;
+  std::vector<int32_t> ranks;
   /// The most likely tokens at each step (`sampling.logprobs` of them).
   std::vector<std::vector<token_logprob>> top_logprobs;
   /// With `sampling.prompt_logprobs`: each prompt position's from 1 on, as far as computed

@@ -300,10 +300,12 @@ public:
                            const uint32_t* masks, int64_t mask_words) = 0;
 
   /// For each of `rows` rows of `cols` logits, the token `params` picks (the most likely,
-  /// or the draw of `choose_token` in model/sampler.hpp) and its log-softmax; an `edited`
-  /// row is drawn from its row of `processed`, its log-softmax still that of `logits`.
+  /// or the draw of `choose_token` in model/sampler.hpp), its log-softmax and its rank
+  /// (`rank_of`); an `edited` row is drawn from its row of `processed`, its log-softmax and
+  /// rank still those of `logits`.
   virtual void sample(const float* logits, const float* processed, int64_t rows, int64_t cols,
-                      const row_sampling* params, int32_t* ids, float* logprobs) = 0;
+                      const row_sampling* params, int32_t* ids, float* logprobs,
+                      int32_t* ranks) = 0;
 
 private:
   [[noreturn]] static void throw_no_packing();

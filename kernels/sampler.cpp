@@ -210,6 +210,7 @@ sequence_output sample_token(const float* logits, int64_t vocab, const sampling_
   sequence_output out;
   out.output_token = static_cast<int32_t>(chosen);
   out.logprob = logprob(chosen);
+  out.rank = rank_of(logits, vocab, chosen);
   if (params.logprobs > 0)
     out.top_logprobs = most_likely(logits, vocab, log_z, params.logprobs);
   return out;
@@ -229,6 +230,14 @@ std::vector<token_logprob> most_likely(const float* logits, int64_t vocab, float
   return out;
 }
 
+int32_t rank_of(const float* logits, int64_t vocab, int64_t token) {
+  auto at = logits[token];
+  int32_t above = 0;
+  for (int64_t i = 0; i < vocab; ++i)
+    above += logits[i] > at ? 1 : 0;
+  return 1 + above;
+}
+
 prompt_logprob prompt_logprob_of(const float* logits, int64_t vocab, int32_t position,
                                  int32_t token, int32_t top) {
   auto log_z = log_partition(logits, vocab);
@@ -236,8 +245,7 @@ prompt_logprob prompt_logprob_of(const float* logits, int64_t vocab, int32_t pos
   p.position = position;
   p.token = token;
   p.logprob = logits[token] - log_z;
-  p.rank = 1 + static_cast<int32_t>(
-                 std::count_if(logits, logits + vocab, [&](float x) { return x > logits[token]; }));
+  p.rank = rank_of(logits, vocab, token);
   if (top > 0)
     p.top_logprobs = most_likely(logits, vocab, log_z, top);
   return p;

@@ -28,6 +28,9 @@ sequence_output sample_token(const float* logits, int64_t vocab, const sampling_
 /// their log-softmax (`log_z` is `log_partition`'s).
 std::vector<token_logprob> most_likely(const float* logits, int64_t vocab, float log_z, int64_t n);
 
+/// 1 + the number of tokens more likely than `token` under `logits` (vLLM's rank).
+int32_t rank_of(const float* logits, int64_t vocab, int64_t token);
+
 /// Prompt token `token` at `position` under the logits of the position before it: its
 /// log-softmax, its rank, and the `top` most likely tokens there.
 prompt_logprob prompt_logprob_of(const float* logits, int64_t vocab, int32_t position,

@@ -896,6 +896,7 @@ llama_model::step_layout llama_model::layout_of(int64_t T, int64_t S, int64_t se
   l.sampling = take(S * static_cast<int64_t>(sizeof(row_sampling) / sizeof(float)));
   l.sampled_ids = take(S);
   l.sampled_logprobs = take(S);
+  l.sampled_ranks = take(S);
   // A sparse layer: one expert takes each token at most once.
   const bool moe = cfg_.num_experts > 0;
   l.router = take(moe ? T * cfg_.num_experts : 0);
@@ -1200,6 +1201,7 @@ llama_model::step_buffers llama_model::upload_step(const step_batch& batch, cons
   sampling_ = reinterpret_cast<row_sampling*>(base + parts.sampling);
   sampled_ids_ = reinterpret_cast<int32_t*>(base + parts.sampled_ids);
   sampled_logprobs_ = base + parts.sampled_logprobs;
+  sampled_ranks_ = reinterpret_cast<int32_t*>(base + parts.sampled_ranks);
   processed_ = base + parts.processed;
   masks_ = reinterpret_cast<uint32_t*>(base + parts.masks);
   return b;
@@ -1489,8 +1491,8 @@ std::vector<float> llama_model::logits() const {
 }
 
 void llama_model::sample(const std::vector<row_sampling>& params, std::vector<int32_t>& ids,
-                         std::vector<float>& logprobs, const std::vector<logit_edit>& edits,
-                         const std::vector<uint32_t>& masks) {
+                         std::vector<float>& logprobs, std::vector<int32_t>& ranks,
+                         const std::vector<logit_edit>& edits, const std::vector<uint32_t>& masks) {
   auto rows = static_cast<int64_t>(params.size());
   if (rows != logit_rows_)
     throw error{errc::invalid_argument, "sample: " + std::to_string(params.size()) +
@@ -1520,6 +1522,7 @@ void llama_model::sample(const std::vector<row_sampling>& params, std::vector<in
   }
   ids.resize(params.size());
   logprobs.resize(params.size());
+  ranks.resize(params.size());
   if (params.empty())
     return;
   dev_.copy(sampling_, params.data(), params.size() * sizeof(row_sampling));
@@ -1540,9 +1543,10 @@ void llama_model::sample(const std::vector<row_sampling>& params, std::vector<in
                           static_cast<int64_t>(edits.size()), masks_, mask_words());
   }
   backend_->sample(logits_, processed_, logit_rows_, vocab, sampling_, sampled_ids_,
-                   sampled_logprobs_);
+                   sampled_logprobs_, sampled_ranks_);
   dev_.copy(ids.data(), sampled_ids_, ids.size() * sizeof(int32_t));
   dev_.copy(logprobs.data(), sampled_logprobs_, logprobs.size() * sizeof(float));
+  dev_.copy(ranks.data(), sampled_ranks_, ranks.size() * sizeof(int32_t));
 }
 
 std::vector<float> llama_model::prompt_logits(const std::vector<int32_t>& tokens, kv_cache& cache) {

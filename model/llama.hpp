@@ -178,13 +178,13 @@ public:
   /// The logits of the last `run` (rows × vocab), copied to the host.
   std::vector<float> logits() const;
 
-  /// The token each row of the last `run` samples (`params`, one per row) and its logprob,
-  /// picked on the device; only these come back to the host. The rows `edited` are drawn
+  /// The token each row of the last `run` samples (`params`, one per row), its logprob and
+  /// its rank, picked on the device; only these come back to the host. The rows `edited` are drawn
   /// after their `edits` (in row order) and, where `masked`, their mask (`masks`: a row of
   /// `mask_words()` words for each row, any content in the others), applied on the device.
   void sample(const std::vector<row_sampling>& params, std::vector<int32_t>& ids,
-              std::vector<float>& logprobs, const std::vector<logit_edit>& edits = {},
-              const std::vector<uint32_t>& masks = {});
+              std::vector<float>& logprobs, std::vector<int32_t>& ranks,
+              const std::vector<logit_edit>& edits = {}, const std::vector<uint32_t>& masks = {});
 
   /// Words of a row's token mask (`sample`).
   int64_t mask_words() const {
@@ -385,8 +385,8 @@ private:
   struct step_layout {
     int64_t ids, positions, slots, token_seq, tables, samples, int_count;
     int64_t ints, rope, x, h, q, k, v, attn, gate, up, mid, last, logits, processed, masks,
-      sampling, sampled_ids, sampled_logprobs, router, moe_in, expert_x, expert_gate, expert_up,
-      expert_out, routes, route_weights, total;
+      sampling, sampled_ids, sampled_logprobs, sampled_ranks, router, moe_in, expert_x, expert_gate,
+      expert_up, expert_out, routes, route_weights, total;
   };
   step_layout layout_of(int64_t tokens, int64_t samples, int64_t seqs, int64_t max_blocks,
                         int64_t max_lora_rank) const;
@@ -511,6 +511,7 @@ private:
   row_sampling* sampling_ = nullptr;
   int32_t* sampled_ids_ = nullptr;
   float* sampled_logprobs_ = nullptr;
+  int32_t* sampled_ranks_ = nullptr;
   /// The edited rows' logits and the rows' masks (in the workspace), and the edits.
   float* processed_ = nullptr;
   uint32_t* masks_ = nullptr;

@@ -745,7 +745,8 @@ int64_t model_worker::profile_step_bytes() {
   st.model->run(req, scratch, rows);
   std::vector<int32_t> ids;
   std::vector<float> logprobs;
-  st.model->sample(std::vector<row_sampling>(rows.size()), ids, logprobs); // waits for it
+  std::vector<int32_t> ranks;
+  st.model->sample(std::vector<row_sampling>(rows.size()), ids, logprobs, ranks); // waits for it
   return std::max<int64_t>(0, before - static_cast<int64_t>(device().free_memory()));
 }
 
@@ -916,6 +917,7 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
   std::vector<float> logits;
   std::vector<int32_t> ids;
   std::vector<float> logprobs;
+  std::vector<int32_t> ranks;
   if (on_device) {
     std::vector<row_sampling> params;
     std::vector<uint32_t> masks;
@@ -941,7 +943,7 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
       }
       params.push_back(p);
     }
-    st.model->sample(params, ids, logprobs, edits, masks);
+    st.model->sample(params, ids, logprobs, ranks, edits, masks);
   } else {
     logits = st.model->logits();
   }
@@ -967,6 +969,7 @@ std::vector<sampler_output> model_worker::execute_model(const execute_model_requ
       if (on_device) {
         sample.output_token = ids[row];
         sample.logprob = logprobs[row];
+        sample.rank = ranks[row];
       } else {
         const float* raw = &logits[row * vocab];
         const float* drawn_from = nullptr;

@@ -162,6 +162,7 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
   auto dlogits = upload(dev, logits);
   auto dsampled = upload(dev, std::vector<int32_t>(rows));
   auto dlogprob = zeros(rows);
+  auto dranks = upload(dev, std::vector<int32_t>(rows));
   for (float u : {0.013f, 0.21f, 0.5f, 0.77f, 0.994f, 0x1.fffffep-1f}) {
     std::vector<row_sampling> params(rows);
     params[1] = {0.8f, 50, 1.0f, u};
@@ -169,12 +170,15 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
     params[4] = {1.0f, 200, 0.8f, u};
     std::vector<int32_t> want_ids(rows);
     std::vector<float> want_logprob(rows);
+    std::vector<int32_t> want_ranks(rows);
     cpu->sample(logits.data(), nullptr, rows, vocab, params.data(), want_ids.data(),
-                want_logprob.data());
+                want_logprob.data(), want_ranks.data());
     CHECK(want_ids[2] == 777);
-    gpu->sample(dlogits, nullptr, rows, vocab, upload(dev, params), dsampled, dlogprob);
+    CHECK(want_ranks[2] == 1);
+    gpu->sample(dlogits, nullptr, rows, vocab, upload(dev, params), dsampled, dlogprob, dranks);
     CHECK_MESSAGE(download(dev, dsampled, rows) == want_ids, "u = " << u);
     CHECK(max_relative_error(download(dev, dlogprob, rows), want_logprob) < 1e-4);
+    CHECK(download(dev, dranks, rows) == want_ranks);
   }
   // Ties at a cut (all are kept), -inf logits, top-k 1 and a top-k above the vocabulary.
   const int64_t small = 1000;
@@ -193,10 +197,13 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
       {1.0f, 20, 1.0f, u}, {0.9f, 20, 0.5f, u}, {1.0f, 1, 1.0f, u}, {1.0f, 5000, 0.7f, u}};
     std::vector<int32_t> want_ids(4);
     std::vector<float> want_logprob(4);
+    std::vector<int32_t> want_ranks(4);
     cpu->sample(special.data(), nullptr, 4, small, params.data(), want_ids.data(),
-                want_logprob.data());
-    gpu->sample(dspecial, nullptr, 4, small, upload(dev, params), dspecial_ids, dspecial_logprobs);
+                want_logprob.data(), want_ranks.data());
+    gpu->sample(dspecial, nullptr, 4, small, upload(dev, params), dspecial_ids, dspecial_logprobs,
+                dranks);
     CHECK_MESSAGE(download(dev, dspecial_ids, 4) == want_ids, "u = " << u);
+    CHECK(download(dev, dranks, 4) == want_ranks);
   }
 
   // The logits processors and structured output's mask on the device: penalties, a bias,
@@ -234,8 +241,9 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
                        static_cast<int64_t>(edits.size()), masks.data(), words);
       std::vector<int32_t> want_ids(rows);
       std::vector<float> want_logprob(rows);
+      std::vector<int32_t> want_ranks(rows);
       cpu->sample(logits.data(), processed.data(), rows, vocab, params.data(), want_ids.data(),
-                  want_logprob.data());
+                  want_logprob.data(), want_ranks.data());
       auto dparams = upload(dev, params);
       auto dprocessed = zeros(logits.size());
       gpu->edit_logits(dlogits, dprocessed, rows, vocab, dparams, upload(dev, edits),
@@ -245,9 +253,10 @@ TEST_CASE("every GPU kernel matches its CPU counterpart") {
         CHECK(std::equal(
           got.begin() + r * vocab, got.begin() + (r + 1) * vocab, processed.begin() + r * vocab,
           [](float a, float b) { return a == b || (std::isnan(a) && std::isnan(b)); }));
-      gpu->sample(dlogits, dprocessed, rows, vocab, dparams, dsampled, dlogprob);
+      gpu->sample(dlogits, dprocessed, rows, vocab, dparams, dsampled, dlogprob, dranks);
       CHECK_MESSAGE(download(dev, dsampled, rows) == want_ids, "u = " << u);
       CHECK(max_relative_error(download(dev, dlogprob, rows), want_logprob) < 1e-4);
+      CHECK(download(dev, dranks, rows) == want_ranks);
     }
   }
 

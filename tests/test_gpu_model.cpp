@@ -47,8 +47,9 @@ std::vector<int32_t> generate(testing::model_runner& r, const std::vector<int32_
   std::vector<int32_t> out;
   std::vector<int32_t> ids;
   std::vector<float> logprobs;
+  std::vector<int32_t> ranks;
   for (int i = 0; i < steps; ++i) {
-    r.model.sample(std::vector<row_sampling>(1), ids, logprobs);
+    r.model.sample(std::vector<row_sampling>(1), ids, logprobs, ranks);
     out.push_back(ids[0]);
     r.seq.token_ids.push_back(ids[0]);
     if (i + 1 < steps)

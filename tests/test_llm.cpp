@@ -396,6 +396,41 @@ TEST_CASE("greedy runs under vLLM's penalties, logit_bias and bad words give the
                        doctest::Contains("bad_words_token_ids names token 256"), error);
 }
 
+TEST_CASE("each sampled token carries its rank, on the device's path and the host's alike") {
+  auto ref = read_json(fixtures + "/qwen2-bias/reference.json")["prompts"][0];
+  auto prompt = ref["token_ids"].get<std::vector<int32_t>>();
+  llm model{tiny(fixtures + "/qwen2-bias")};
+  auto g = model.generate({generation_request{"", prompt, greedy(16), {}}})[0];
+  CHECK(g.ranks == std::vector<int32_t>(g.token_ids.size(), 1));
+  // Seeded draws: without top logprobs the device samples; with them, the host, from the
+  // same uniforms. Where the drawn token is among the top 20, its rank is its place there.
+  auto sp = greedy(24);
+  sp.temperature = 1.5f;
+  sp.seed = 7;
+  auto device = model.generate({generation_request{"", prompt, sp, {}}})[0];
+  sp.logprobs = 20;
+  auto host = model.generate({generation_request{"", prompt, sp, {}}})[0];
+  REQUIRE(device.token_ids == host.token_ids);
+  CHECK(device.ranks == host.ranks);
+  REQUIRE(host.ranks.size() == host.token_ids.size());
+  int above_one = 0, placed = 0;
+  for (size_t i = 0; i < host.token_ids.size(); ++i) {
+    CAPTURE(i);
+    auto& top = host.top_logprobs[i];
+    auto at = std::find_if(top.begin(), top.end(),
+                           [&](const token_logprob& t) { return t.token == host.token_ids[i]; });
+    if (at != top.end()) {
+      CHECK(host.ranks[i] == at - top.begin() + 1);
+      ++placed;
+    } else {
+      CHECK(host.ranks[i] > 20);
+    }
+    above_one += host.ranks[i] > 1 ? 1 : 0;
+  }
+  CHECK(above_one > 0); // the draws were not all the most likely token
+  CHECK(placed > 0);
+}
+
 TEST_CASE("prompt logprobs are transformers' log-softmax at every prompt position, once each, "
           "chunked, preempted or with a cached prefix") {
   // qwen2-bias's first prompt with every position's logits from transformers.

@@ -41,7 +41,7 @@ execute_model_request sample_request() {
 
 sampler_output sample_output() {
   sampler_output out;
-  out.outputs.push_back({"req-1", {{7, 42, -0.25f, {{42, -0.25f}, {7, -2.5f}}}}});
+  out.outputs.push_back({"req-1", {{7, 42, -0.25f, 3, {{42, -0.25f}, {7, -2.5f}}}}});
   return out;
 }
 

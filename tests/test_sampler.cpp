@@ -236,14 +236,16 @@ TEST_CASE("the CPU backend draws rows under edits, masks and min_p as the host s
                      static_cast<int64_t>(edits.size()), masks.data(), words);
     std::vector<int32_t> ids(rows);
     std::vector<float> logprobs(rows);
+    std::vector<int32_t> ranks(rows);
     cpu->sample(logits.data(), edited.data(), rows, vocab, params.data(), ids.data(),
-                logprobs.data());
+                logprobs.data(), ranks.data());
     for (int64_t r = 0; r < rows; ++r) {
       CAPTURE(r);
       CAPTURE(seed);
       auto& w = want[static_cast<size_t>(r)];
       CHECK(ids[static_cast<size_t>(r)] == w.output_token);
       CHECK(logprobs[static_cast<size_t>(r)] == doctest::Approx(w.logprob).epsilon(1e-5));
+      CHECK(ranks[static_cast<size_t>(r)] == w.rank);
       if (params[static_cast<size_t>(r)].edited != 0)
         CHECK(std::equal(processed[static_cast<size_t>(r)].begin(),
                          processed[static_cast<size_t>(r)].end(), edited.begin() + r * vocab));

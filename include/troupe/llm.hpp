@@ -132,8 +132,9 @@ struct generation_output {
   /// Generated text (empty for a model without a tokenizer).
   std::string text;
   std::vector<int32_t> token_ids;
-  /// Logprob of each generated token.
+  /// Logprob of each generated token, and its rank (1 + the tokens more likely there).
   std::vector<float> logprobs;
+  std::vector<int32_t> ranks;
   /// The `sampling.logprobs` most likely tokens at each step, most likely first.
   std::vector<std::vector<token_logprob>> top_logprobs;
   /// With `sampling.prompt_logprobs`: the logprob of each prompt token from position 1 on
@@ -153,9 +154,10 @@ struct generation_update {
   /// The sample it is about (`generation_output::index`).
   int32_t index = 0;
   /// Tokens sampled for it in the step (one, none for a prefill chunk, or more when steps
-  /// overlap), with their logprobs.
+  /// overlap), with their logprobs and ranks.
   std::vector<int32_t> token_ids;
   std::vector<float> logprobs;
+  std::vector<int32_t> ranks;
   std::vector<std::vector<token_logprob>> top_logprobs;
   /// The prompt's logprobs (`generation_output::prompt_logprobs`), with the first token.
   std::vector<prompt_logprob> prompt_logprobs;

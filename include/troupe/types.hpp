@@ -324,6 +324,8 @@ struct sequence_output {
   int32_t output_token = 0;
   /// Log-probability of `output_token`.
   float logprob = 0.0f;
+  /// 1 + the number of tokens more likely than `output_token` (vLLM's rank).
+  int32_t rank = 0;
   /// The `sampling_params::logprobs` most likely tokens, most likely first.
   std::vector<token_logprob> top_logprobs;
 };
@@ -331,7 +333,7 @@ struct sequence_output {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, sequence_output& x) {
   return f(caf::meta::type_name("sequence_output"), x.parent_seq_id, x.output_token, x.logprob,
-           x.top_logprobs);
+           x.rank, x.top_logprobs);
 }
 
 /// The logprob of one prompt token after the tokens before it (an entry of vLLM's

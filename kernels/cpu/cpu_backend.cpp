@@ -342,7 +342,7 @@ public:
   }
 
   void sample(const float* logits, const float* processed, int64_t rows, int64_t cols,
-              const row_sampling* params, int32_t* ids, float* logprobs) override {
+              const row_sampling* params, int32_t* ids, float* logprobs, int32_t* ranks) override {
     // A row each: a batch's rows are independent (each draws with its own uniform).
     pool_.run(rows, [&](int64_t r) {
       const float* raw = logits + r * cols;
@@ -354,6 +354,7 @@ public:
       ids[r] = static_cast<int32_t>(chosen);
       // As sample_token reports it, on the vector unit.
       logprobs[r] = raw[chosen] - cpu::log_partition(isa_, raw, cols);
+      ranks[r] = rank_of(raw, cols, chosen);
     });
   }
 

@@ -182,8 +182,8 @@ public:
   }
 
   void sample(const float* logits, const float* processed, int64_t rows, int64_t cols,
-              const row_sampling* params, int32_t* ids, float* logprobs) override {
-    cuda::sample(logits, processed, params, ids, logprobs, rows, cols, dev_.stream());
+              const row_sampling* params, int32_t* ids, float* logprobs, int32_t* ranks) override {
+    cuda::sample(logits, processed, params, ids, logprobs, ranks, rows, cols, dev_.stream());
   }
 
 private:

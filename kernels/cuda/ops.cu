@@ -203,7 +203,7 @@ constexpr int sample_threads = 1024;
 // chunk, and the thread whose chunk holds u × total walks it.
 __global__ void __launch_bounds__(sample_threads)
   sample_kernel(const float* x, const float* processed, const row_sampling* params, int32_t* ids,
-                float* logprobs, int64_t cols) {
+                float* logprobs, int32_t* ranks, int64_t cols) {
   __shared__ float scratch[sample_threads];
   __shared__ int64_t at[sample_threads];
   // The draw sums in double, as the CPU's choose_token does: a float target of u × mass
@@ -368,9 +368,16 @@ __global__ void __launch_bounds__(sample_threads)
       z += expf(raw[i] - max_value);
     sum = block_reduce(z, scratch, add_op{});
   }
+  // The rank: how many raw logits lie above the pick's (counts below 2^24 are exact in float).
+  float picked = raw[pick];
+  float above = 0.0f;
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
+    above += raw[i] > picked ? 1.0f : 0.0f;
+  above = block_reduce(above, scratch, add_op{});
   if (threadIdx.x == 0) {
     ids[row] = static_cast<int32_t>(pick);
     logprobs[row] = raw[pick] - max_value - logf(sum);
+    ranks[row] = 1 + static_cast<int32_t>(above);
   }
 }
 
@@ -745,11 +752,11 @@ void edit_logits(const float* x, float* processed, int64_t rows, int64_t cols,
 }
 
 void sample(const float* x, const float* processed, const row_sampling* params, int32_t* ids,
-            float* logprobs, int64_t rows, int64_t cols, cudaStream_t stream) {
+            float* logprobs, int32_t* ranks, int64_t rows, int64_t cols, cudaStream_t stream) {
   if (rows == 0)
     return;
-  sample_kernel<<<static_cast<unsigned>(rows), sample_threads, 0, stream>>>(x, processed, params,
-                                                                            ids, logprobs, cols);
+  sample_kernel<<<static_cast<unsigned>(rows), sample_threads, 0, stream>>>(
+    x, processed, params, ids, logprobs, ranks, cols);
   launched("sample_kernel");
 }
 

@@ -68,9 +68,9 @@ void edit_logits(const float* x, float* processed, int64_t rows, int64_t cols,
 /// `choose_token` (model/sampler.hpp), with the top-k, min-p and top-p cuts found as
 /// thresholds on the value instead of a sort (ties at a cut are all kept) and `u` found in
 /// the running sum in token order. An edited row is drawn from `processed`; the log-softmax
-/// is `x`'s. One block per row.
+/// and the rank (`rank_of`) are `x`'s. One block per row.
 void sample(const float* x, const float* processed, const row_sampling* params, int32_t* ids,
-            float* logprobs, int64_t rows, int64_t cols, cudaStream_t stream);
+            float* logprobs, int32_t* ranks, int64_t rows, int64_t cols, cudaStream_t stream);
 
 /// y[i] = x[i] rounded to `type` (f16 or bf16, to nearest even).
 void to_half(const float* x, void* y, dtype type, int64_t n, cudaStream_t stream);

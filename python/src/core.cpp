@@ -451,6 +451,7 @@ NB_MODULE(_core, m) {
     .def_ro("text", &generation_output::text)
     .def_ro("token_ids", &generation_output::token_ids)
     .def_ro("logprobs", &generation_output::logprobs)
+    .def_ro("ranks", &generation_output::ranks)
     .def_ro("top_logprobs", &generation_output::top_logprobs)
     .def_ro("prompt_logprobs", &generation_output::prompt_logprobs)
     .def_prop_ro("finish_reason",

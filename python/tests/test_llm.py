@@ -95,6 +95,11 @@ def test_logprobs_n_and_stop():
         assert ranks == [1, 2, 3]  # greedy: the sampled token is the most likely
         assert position[token].rank == 1
     assert out.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(out.token_ids, out.logprobs)))
+    # Outside the top logprobs the sampled token still has its rank, as in vLLM.
+    drawn = llm.generate(p, SamplingParams(max_tokens=12, logprobs=0, temperature=2.0,
+                                           seed=3))[0].outputs[0]
+    ranks = [d[t].rank for t, d in zip(drawn.token_ids, drawn.logprobs)]
+    assert all(isinstance(r, int) and r >= 1 for r in ranks) and max(ranks) > 1
     none = llm.generate(p, SamplingParams(max_tokens=2, **GREEDY))[0].outputs[0]
     assert none.logprobs is None
     many = llm.generate(p, SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=5))[0]

@@ -53,16 +53,18 @@ _ACCEPTED = {"enable_lora", "trust_remote_code", "disable_log_stats", "tokenizer
 
 
 def _logprob_dicts(
-    sampled: Sequence[int], sampled_lp: Sequence[float], top: Sequence[Sequence[Any]]
+    sampled: Sequence[int], sampled_lp: Sequence[float], ranks: Sequence[int],
+    top: Sequence[Sequence[Any]]
 ) -> List[Dict[int, Logprob]]:
-    """vLLM's per-position logprobs: the most likely tokens by rank, and the sampled one."""
+    """vLLM's per-position logprobs: the most likely tokens by rank, and the sampled one
+    with its own rank."""
     out = []
-    for i, (token, lp) in enumerate(zip(sampled, sampled_lp)):
+    for i, (token, lp, rank) in enumerate(zip(sampled, sampled_lp, ranks)):
         d: Dict[int, Logprob] = {}
-        for rank, t in enumerate(top[i] if i < len(top) else [], start=1):
-            d[t.token] = Logprob(t.logprob, rank)
+        for place, t in enumerate(top[i] if i < len(top) else [], start=1):
+            d[t.token] = Logprob(t.logprob, place)
         if token not in d:
-            d[token] = Logprob(lp, None)
+            d[token] = Logprob(lp, rank)
         out.append(d)
     return out
 
@@ -232,7 +234,7 @@ class LLM:
                     text=s.text,
                     token_ids=list(s.token_ids),
                     cumulative_logprob=float(sum(lps)) if lps else None,
-                    logprobs=_logprob_dicts(s.token_ids, lps, s.top_logprobs) if wants_logprobs else None,
+                    logprobs=_logprob_dicts(s.token_ids, lps, s.ranks, s.top_logprobs) if wants_logprobs else None,
                     finish_reason=s.finish_reason,
                     lora_request=lora,
                 )
