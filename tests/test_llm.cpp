@@ -403,32 +403,48 @@ TEST_CASE("each sampled token carries its rank, on the device's path and the hos
   auto g = model.generate({generation_request{"", prompt, greedy(16), {}}})[0];
   CHECK(g.ranks == std::vector<int32_t>(g.token_ids.size(), 1));
   // Seeded draws: without top logprobs the device samples; with them, the host, from the
-  // same uniforms. Where the drawn token is among the top 20, its rank is its place there.
-  auto sp = greedy(24);
-  sp.temperature = 1.5f;
-  sp.seed = 7;
-  auto device = model.generate({generation_request{"", prompt, sp, {}}})[0];
-  sp.logprobs = 20;
-  auto host = model.generate({generation_request{"", prompt, sp, {}}})[0];
-  REQUIRE(device.token_ids == host.token_ids);
-  CHECK(device.ranks == host.ranks);
-  REQUIRE(host.ranks.size() == host.token_ids.size());
-  int above_one = 0, placed = 0;
-  for (size_t i = 0; i < host.token_ids.size(); ++i) {
-    CAPTURE(i);
-    auto& top = host.top_logprobs[i];
-    auto at = std::find_if(top.begin(), top.end(),
-                           [&](const token_logprob& t) { return t.token == host.token_ids[i]; });
-    if (at != top.end()) {
-      CHECK(host.ranks[i] == at - top.begin() + 1);
-      ++placed;
-    } else {
-      CHECK(host.ranks[i] > 20);
+  // same uniforms. Where the drawn token is among the top 20 (the model's logits), its rank
+  // is its place there; a logit_bias changes the draws, not what a rank is counted from.
+  for (bool biased : {false, true}) {
+    CAPTURE(biased);
+    auto sp = greedy(24);
+    sp.temperature = 1.5f;
+    sp.seed = 7;
+    if (biased) {
+      sp.logit_bias_ids = {g.token_ids[0], 5};
+      sp.logit_bias_values = {4.0f, 3.0f};
     }
-    above_one += host.ranks[i] > 1 ? 1 : 0;
+    auto device = model.generate({generation_request{"", prompt, sp, {}}})[0];
+    sp.logprobs = 20;
+    auto host = model.generate({generation_request{"", prompt, sp, {}}})[0];
+    REQUIRE(device.token_ids == host.token_ids);
+    CHECK(device.ranks == host.ranks);
+    REQUIRE(host.ranks.size() == host.token_ids.size());
+    int above_one = 0, placed = 0;
+    for (size_t i = 0; i < host.token_ids.size(); ++i) {
+      CAPTURE(i);
+      auto& top = host.top_logprobs[i];
+      auto at = std::find_if(top.begin(), top.end(),
+                             [&](const token_logprob& t) { return t.token == host.token_ids[i]; });
+      if (at != top.end()) {
+        CHECK(host.ranks[i] == at - top.begin() + 1); // the fixture's logits have no ties
+        ++placed;
+      } else {
+        CHECK(host.ranks[i] > 20);
+      }
+      above_one += host.ranks[i] > 1 ? 1 : 0;
+    }
+    CHECK(above_one > 0); // the draws were not all the most likely token
+    CHECK(placed > 0);
   }
-  CHECK(above_one > 0); // the draws were not all the most likely token
-  CHECK(placed > 0);
+  // best_of's samples keep a rank per token.
+  auto sp = greedy(6);
+  sp.temperature = 1.0f;
+  sp.seed = 3;
+  sp.n = 2;
+  sp.best_of = 3;
+  for (auto& out : model.generate({generation_request{"", prompt, sp, {}}}))
+    CHECK(out.ranks.size() == out.token_ids.size());
 }
 
 TEST_CASE("prompt logprobs are transformers' log-softmax at every prompt position, once each, "

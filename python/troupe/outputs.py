@@ -8,8 +8,8 @@ from .lora import LoRARequest
 
 @dataclass
 class Logprob:
-    """A token's log-probability; ``rank`` is 1 for the most likely token (None where
-    troupe did not rank it: a sampled token outside the requested top ones)."""
+    """A token's log-probability under the model's logits; ``rank`` is 1 + the number of
+    tokens more likely there (1 for the most likely)."""
 
     logprob: float
     rank: Optional[int] = None
