@@ -72,12 +72,19 @@ void logit_edits(const sampling_params& p, int64_t vocab, const std::vector<int3
 
 bool bans_every_allowed(const logit_edit* edits, size_t count, const uint32_t* mask,
                         int64_t vocab) {
-  int64_t allowed = 0;
-  for (int64_t t = 0; t < vocab; ++t)
-    allowed += token_allowed(mask, t) ? 1 : 0;
   int64_t banned = 0;
   for (size_t i = 0; i < count; ++i)
     banned += edits[i].banned != 0 && token_allowed(mask, edits[i].token) ? 1 : 0;
+  // Every masked row asks each step: the allowed tokens are counted a word at a time, and
+  // only until they outnumber the bans (a row's tokens are distinct in its edits).
+  int64_t allowed = 0;
+  auto words = (vocab + 31) / 32;
+  for (int64_t w = 0; w < words && allowed <= banned; ++w) {
+    auto bits = mask[w];
+    if (w == words - 1 && vocab % 32 != 0)
+      bits &= (1u << (vocab % 32)) - 1; // past the vocabulary
+    allowed += __builtin_popcount(bits);
+  }
   return banned == allowed;
 }
 

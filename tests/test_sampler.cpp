@@ -257,6 +257,32 @@ TEST_CASE("the CPU backend draws rows under edits, masks and min_p as the host s
   }
 }
 
+TEST_CASE("edits ban every allowed token only when each token the mask allows is banned") {
+  const int64_t vocab = 70; // the last word's bits past token 69 are not tokens
+  std::vector<uint32_t> mask(3, 0);
+  auto allow = [&](int32_t t) { mask[static_cast<size_t>(t / 32)] |= 1u << (t % 32); };
+  allow(3);
+  allow(40);
+  mask[2] |= 1u << 31; // token 95, past the vocabulary
+  auto ban = [](int32_t t) {
+    logit_edit e;
+    e.token = t;
+    e.banned = 1;
+    return e;
+  };
+  std::vector<logit_edit> both{ban(3), ban(40)}, one{ban(3)}, others{ban(5), ban(6)};
+  CHECK(bans_every_allowed(both.data(), both.size(), mask.data(), vocab));
+  CHECK_FALSE(bans_every_allowed(one.data(), one.size(), mask.data(), vocab));
+  CHECK_FALSE(bans_every_allowed(others.data(), others.size(), mask.data(), vocab));
+  logit_edit biased;
+  biased.token = 40;
+  biased.bias = -5.0f; // changed, not banned
+  std::vector<logit_edit> bias_only{ban(3), biased};
+  CHECK_FALSE(bans_every_allowed(bias_only.data(), bias_only.size(), mask.data(), vocab));
+  std::vector<uint32_t> none(3, 0);
+  CHECK(bans_every_allowed(nullptr, 0, none.data(), vocab));
+}
+
 TEST_CASE("min_p keeps the tokens transformers' MinPLogitsWarper keeps") {
   auto f = testing::read_json(TROUPE_SOURCE_DIR "/tests/fixtures/sampling.json");
   auto raw = f["logits"].get<std::vector<float>>();

@@ -570,7 +570,8 @@ NB_MODULE(_core, m) {
     .def(
       "broadcast_gpu",
       [](weight_update_group& g, uintptr_t data, size_t bytes, int32_t root) {
-        // Only the root's bytes travel; a tensor's memory on the group's GPU (nccl).
+        // Memory on the group's GPU (nccl) by its address, as PyTorch's data_ptr() gives it:
+        // read on the root, written on the others.
         nb::gil_scoped_release release;
         g.broadcast_gpu(reinterpret_cast<void*>(data), bytes, root);
       },
